@@ -1,0 +1,173 @@
+//! The MoE layer's configuration, validated before anything runs.
+
+use crate::error::{MokError, Result};
+
+/// Shape of one MoE layer on one expert-parallel rank (BRIEF §2).
+///
+/// `tokens_per_rank` tokens of width `hidden` are routed to `top_k` of `num_experts` experts of
+/// intermediate width `intermediate`; experts are split evenly over `ep_ranks` ranks.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MoeConfig {
+    /// Tokens held by each rank (T ≥ 1, the same on every rank).
+    pub tokens_per_rank: usize,
+    /// Model width H.
+    pub hidden: usize,
+    /// Routed experts' intermediate width I.
+    pub intermediate: usize,
+    /// Experts in total, E (E % P == 0).
+    pub num_experts: usize,
+    /// Slots per token, k (1 ≤ k ≤ E).
+    pub top_k: usize,
+    /// Expert-parallel degree P (≥ 1).
+    pub ep_ranks: usize,
+    /// Shared expert's intermediate width Is, or `None` for no shared expert.
+    pub shared_intermediate: Option<usize>,
+    /// Optional SwiGLU clamp L > 0: gate = min(gate, L), up = clamp(up, -L, L).
+    pub swiglu_limit: Option<f32>,
+}
+
+/// Row widths (H, I, Is) must be multiples of this many bf16 elements, so every row starts on a
+/// 16-byte boundary: the kernels move rows with 16-byte vector loads and stores, and Hopper's
+/// tensor-memory-accelerator descriptors require 16-byte multiples for row strides.
+pub const ROW_ALIGN_ELEMS: usize = 8;
+
+/// Largest k the kernels support: per-token slot loops are unrolled into registers up to this.
+pub const MAX_TOP_K: usize = 64;
+
+impl MoeConfig {
+    /// A config with no shared expert and no SwiGLU limit, on one rank.
+    pub fn new(tokens_per_rank: usize, hidden: usize, intermediate: usize, num_experts: usize, top_k: usize) -> Self {
+        Self {
+            tokens_per_rank,
+            hidden,
+            intermediate,
+            num_experts,
+            top_k,
+            ep_ranks: 1,
+            shared_intermediate: None,
+            swiglu_limit: None,
+        }
+    }
+
+    /// Experts per rank, E / P.
+    pub fn local_experts(&self) -> usize {
+        self.num_experts / self.ep_ranks
+    }
+
+    /// Routing slots per rank, T · k (an upper bound on the rows any expert group can hold).
+    pub fn slots_per_rank(&self) -> usize {
+        self.tokens_per_rank * self.top_k
+    }
+
+    /// Checks every field; the error names the first bad field, its value and the rule.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |field: &'static str, value: String, rule: &str| -> Result<()> {
+            Err(MokError::InvalidConfig { field, value, rule: rule.to_string() })
+        };
+        if self.tokens_per_rank == 0 {
+            return bad("tokens_per_rank", "0".into(), "must be at least 1");
+        }
+        if self.tokens_per_rank > i32::MAX as usize / self.top_k.max(1) {
+            return bad(
+                "tokens_per_rank",
+                self.tokens_per_rank.to_string(),
+                "tokens_per_rank * top_k must fit in i32 (row indices are 32-bit on the device)",
+            );
+        }
+        if self.ep_ranks == 0 {
+            return bad("ep_ranks", "0".into(), "must be at least 1");
+        }
+        if self.num_experts == 0 {
+            return bad("num_experts", "0".into(), "must be at least 1");
+        }
+        if self.num_experts % self.ep_ranks != 0 {
+            return bad(
+                "num_experts",
+                self.num_experts.to_string(),
+                &format!("must be a multiple of ep_ranks = {} (experts are split evenly over ranks)", self.ep_ranks),
+            );
+        }
+        if self.num_experts > u16::MAX as usize {
+            return bad("num_experts", self.num_experts.to_string(), "must be at most 65535");
+        }
+        if self.top_k == 0 || self.top_k > self.num_experts {
+            return bad(
+                "top_k",
+                self.top_k.to_string(),
+                &format!("must be in 1..={} (num_experts; ids within a token are distinct)", self.num_experts),
+            );
+        }
+        if self.top_k > MAX_TOP_K {
+            return bad("top_k", self.top_k.to_string(), &format!("must be at most {MAX_TOP_K}"));
+        }
+        let row_rule = format!(
+            "must be a positive multiple of {ROW_ALIGN_ELEMS}: rows are moved as 16-byte vectors (8 bf16) and TMA needs 16-byte row strides"
+        );
+        if self.hidden == 0 || self.hidden % ROW_ALIGN_ELEMS != 0 {
+            return bad("hidden", self.hidden.to_string(), &row_rule);
+        }
+        if self.intermediate == 0 || self.intermediate % ROW_ALIGN_ELEMS != 0 {
+            return bad("intermediate", self.intermediate.to_string(), &row_rule);
+        }
+        if let Some(is) = self.shared_intermediate
+            && (is == 0 || is % ROW_ALIGN_ELEMS != 0)
+        {
+            return bad("shared_intermediate", is.to_string(), &row_rule);
+        }
+        if let Some(limit) = self.swiglu_limit
+            && !(limit.is_finite() && limit > 0.0)
+        {
+            return bad("swiglu_limit", limit.to_string(), "must be finite and > 0 (or None for no clamp)");
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn field_of(err: MokError) -> &'static str {
+        match err {
+            MokError::InvalidConfig { field, .. } => field,
+            other => panic!("expected InvalidConfig, got {other}"),
+        }
+    }
+
+    #[test]
+    fn valid_config_passes() {
+        let mut c = MoeConfig::new(7, 64, 32, 8, 2);
+        c.ep_ranks = 4;
+        c.shared_intermediate = Some(16);
+        c.swiglu_limit = Some(7.0);
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn each_bad_field_is_named() {
+        let base = MoeConfig::new(7, 64, 32, 8, 2);
+        let cases: Vec<(MoeConfig, &str)> = vec![
+            (MoeConfig { tokens_per_rank: 0, ..base.clone() }, "tokens_per_rank"),
+            (MoeConfig { ep_ranks: 3, ..base.clone() }, "num_experts"),
+            (MoeConfig { ep_ranks: 0, ..base.clone() }, "ep_ranks"),
+            (MoeConfig { top_k: 9, ..base.clone() }, "top_k"),
+            (MoeConfig { top_k: 0, ..base.clone() }, "top_k"),
+            (MoeConfig { hidden: 60, ..base.clone() }, "hidden"),
+            (MoeConfig { intermediate: 12, ..base.clone() }, "intermediate"),
+            (MoeConfig { shared_intermediate: Some(4), ..base.clone() }, "shared_intermediate"),
+            (MoeConfig { swiglu_limit: Some(-1.0), ..base.clone() }, "swiglu_limit"),
+            (MoeConfig { swiglu_limit: Some(f32::NAN), ..base.clone() }, "swiglu_limit"),
+        ];
+        for (config, field) in cases {
+            let err = config.validate().unwrap_err();
+            let text = err.to_string();
+            assert_eq!(field_of(err), field, "{text}");
+        }
+    }
+
+    #[test]
+    fn error_message_names_value_and_rule() {
+        let text = MoeConfig::new(7, 60, 32, 8, 2).validate().unwrap_err().to_string();
+        assert!(text.contains("hidden = 60") && text.contains("multiple of 8"), "{text}");
+    }
+}

@@ -1,0 +1,15 @@
+//! mok's host side: loads the kernels' PTX, checks every CUDA call, validates configurations and
+//! drives the MoE layer forward and backward; plus the f64 CPU reference of the layer.
+//!
+//! Layers, from the bottom: [`driver`] (a small safe API over cudarc's raw driver bindings),
+//! [`config`] and [`problem`] (what a layer is, validated), [`unfused`] (the first GPU path:
+//! one simple kernel per step), [`reference`] (the CPU oracle).
+#![deny(unsafe_op_in_unsafe_fn)]
+
+pub mod config;
+pub mod error;
+pub mod problem;
+pub mod reference;
+
+pub use config::MoeConfig;
+pub use error::{MokError, Result};

@@ -1,0 +1,154 @@
+//! Routing-layout kernels: rank slots per chunk, scan counts, place slots.
+//! See [`crate::layout`] for the algorithm; these entry points run its steps in parallel.
+
+use crate::layout::{self, NO_ROW};
+use crate::ptx::{smem, sreg, sync};
+use crate::tiles::GEMM_TILE_M;
+
+/// Step 1. One block per chunk of `ROUTE_CHUNK_TOKENS` tokens; dynamic shared memory holds
+/// `num_experts` u32 counters.
+///
+/// Writes `chunk_counts[chunk][e]` and `slot_rank[t·k + j]`; a bad id is dropped and the
+/// first one seen by any block is recorded in `error` (`[code, slot, id, 0]`, code 0 = none).
+///
+/// # Safety
+/// Pointers must cover `[T·k]` ids and ranks, `[chunks·E]` counts and 4 error words.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn mok_route_rank_chunks(
+    topk_ids: *const i32,
+    tokens: u32,
+    top_k: u32,
+    num_experts: u32,
+    chunk_counts: *mut u32,
+    slot_rank: *mut u32,
+    error: *mut u32,
+) {
+    let chunk = sreg::block_idx_x();
+    let thread = sreg::thread_idx_x();
+    let counters = smem::shared_to_generic(smem::dynamic_smem_base()) as *mut u32;
+    let mut e = thread;
+    while e < num_experts {
+        // SAFETY: the launch gives `num_experts` u32 of dynamic shared memory.
+        unsafe { *counters.add(e as usize) = 0 };
+        e += sreg::block_dim_x();
+    }
+    sync::block_barrier();
+    if thread == 0 {
+        let first_token = chunk * layout::ROUTE_CHUNK_TOKENS;
+        let chunk_tokens = (tokens - first_token).min(layout::ROUTE_CHUNK_TOKENS);
+        let begin = (first_token * top_k) as usize;
+        let len = (chunk_tokens * top_k) as usize;
+        // SAFETY: the chunk's slots lie inside [T·k]; the counters are this block's shared memory.
+        let (ids, ranks, counts) = unsafe {
+            (
+                core::slice::from_raw_parts(topk_ids.add(begin), len),
+                core::slice::from_raw_parts_mut(slot_rank.add(begin), len),
+                core::slice::from_raw_parts_mut(counters, num_experts as usize),
+            )
+        };
+        if let Some(found) = layout::rank_chunk(ids, top_k as usize, num_experts, counts, ranks) {
+            // SAFETY: `error` has 4 words; the CAS makes the first reporter win.
+            unsafe {
+                if crate::ptx::memory::atom_cas_acq_rel_gpu_u32(error, 0, found.code) == 0 {
+                    *error.add(1) = begin as u32 + found.slot_index;
+                    *error.add(2) = found.id as u32;
+                }
+            }
+        }
+    }
+    sync::block_barrier();
+    let mut e = thread;
+    while e < num_experts {
+        // SAFETY: chunk < chunks, e < E.
+        unsafe { *chunk_counts.add((chunk * num_experts + e) as usize) = *counters.add(e as usize) };
+        e += sreg::block_dim_x();
+    }
+}
+
+/// Step 2. One block: each thread scans whole expert columns of `chunk_counts` in place into
+/// chunk bases, then thread 0 prefixes the totals into `row_offsets[E+1]` and
+/// `tile_offsets[E+1]` (tiles of `GEMM_TILE_M` rows). `expert_counts[E]` gets the totals.
+///
+/// # Safety
+/// Pointers must cover `[chunks·E]`, `[E]`, `[E+1]` and `[E+1]` u32.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn mok_route_scan(
+    chunk_counts: *mut u32,
+    num_chunks: u32,
+    num_experts: u32,
+    expert_counts: *mut u32,
+    row_offsets: *mut u32,
+    tile_offsets: *mut u32,
+) {
+    let (experts, chunks) = (num_experts as usize, num_chunks as usize);
+    // SAFETY: sizes from the caller contract.
+    let matrix = unsafe { core::slice::from_raw_parts_mut(chunk_counts, chunks * experts) };
+    let mut e = sreg::thread_idx_x() as usize;
+    while e < experts {
+        let total = layout::scan_expert_column(matrix, e, experts, chunks);
+        // SAFETY: e < E.
+        unsafe { *expert_counts.add(e) = total };
+        e += sreg::block_dim_x() as usize;
+    }
+    sync::block_barrier();
+    if sreg::thread_idx_x() == 0 {
+        // SAFETY: sizes from the caller contract; only thread 0 touches the offsets.
+        unsafe {
+            layout::expert_offsets(
+                core::slice::from_raw_parts(expert_counts, experts),
+                core::slice::from_raw_parts_mut(row_offsets, experts + 1),
+                core::slice::from_raw_parts_mut(tile_offsets, experts + 1),
+                GEMM_TILE_M,
+            );
+        }
+    }
+}
+
+/// Step 3. One thread per token: for each slot with a row, `slot_row[t·k+j] = row` and
+/// `row_source[row] = t·k+j`; dropped slots get `NO_ROW`.
+///
+/// # Safety
+/// Pointers must cover `[T·k]` ids, ranks and slot rows, `[chunks·E]` bases, `[E+1]` offsets
+/// and `[T·k]` row sources.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn mok_route_place(
+    topk_ids: *const i32,
+    slot_rank: *const u32,
+    chunk_bases: *const u32,
+    row_offsets: *const u32,
+    tokens: u32,
+    top_k: u32,
+    num_experts: u32,
+    slot_row: *mut u32,
+    row_source: *mut u32,
+) {
+    let token = sreg::block_idx_x() * sreg::block_dim_x() + sreg::thread_idx_x();
+    if token >= tokens {
+        return;
+    }
+    let k = top_k as usize;
+    let first = token as usize * k;
+    // SAFETY: token < T, so its k ids are in bounds.
+    let ids = unsafe { core::slice::from_raw_parts(topk_ids.add(first), k) };
+    let chunk = token / layout::ROUTE_CHUNK_TOKENS;
+    for slot in 0..k {
+        let row = match layout::slot_has_row(ids, slot, num_experts) {
+            // SAFETY: expert < E, chunk < chunks, slot index < T·k.
+            Some(expert) => unsafe {
+                layout::slot_position(
+                    *row_offsets.add(expert as usize),
+                    *chunk_bases.add((chunk * num_experts + expert) as usize),
+                    *slot_rank.add(first + slot),
+                )
+            },
+            None => NO_ROW,
+        };
+        // SAFETY: slot index < T·k; a row index < total rows ≤ T·k.
+        unsafe {
+            *slot_row.add(first + slot) = row;
+            if row != NO_ROW {
+                *row_source.add(row as usize) = (first + slot) as u32;
+            }
+        }
+    }
+}

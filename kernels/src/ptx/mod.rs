@@ -1,0 +1,24 @@
+//! Thin wrappers over single PTX instructions: the only module of mok that contains `asm!`.
+//!
+//! One `#[inline(always)]` function per instruction (family), grouped by what it touches:
+//! [`sreg`] special registers, [`sync`] barriers and warp collectives, [`memory`] scoped loads,
+//! stores, atomics and fences, [`smem`] the dynamic shared-memory window, [`convert`] number
+//! conversions, [`mma`] warp-level tensor-core instructions. Every memory-ordering decision of
+//! the kernels is made by choosing one of the functions in [`memory`], so it is visible here.
+//!
+//! PTX ISA references are to the PTX ISA 8.x manual sections named in each doc comment.
+
+pub mod convert;
+pub mod memory;
+pub mod mma;
+pub mod smem;
+pub mod sreg;
+pub mod sync;
+
+/// Aborts the kernel (`trap`, PTX ISA §9.7.19.x). The host sees `CUDA_ERROR_ILLEGAL_INSTRUCTION`
+/// / launch failure. Only used for bugs (a failed bounds check), never for input problems.
+#[inline(always)]
+pub fn trap() -> ! {
+    // SAFETY: `trap` takes no operands and never returns.
+    unsafe { core::arch::asm!("trap;", options(noreturn, nostack)) }
+}

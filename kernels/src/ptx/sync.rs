@@ -1,0 +1,86 @@
+//! Barriers and warp collectives (PTX ISA §9.7.13 `bar`, §9.7.9 `shfl.sync`, `vote.sync`).
+//!
+//! All of these must be reached in uniform control flow by the threads they name: keep calls
+//! out of data-dependent branches.
+
+use core::arch::asm;
+
+/// Mask of all 32 lanes, for the `.sync` warp collectives.
+pub const FULL_WARP: u32 = 0xffff_ffff;
+
+/// `bar.sync 0`: block-wide barrier; also orders shared and global memory among the block's
+/// threads (a CTA-scope fence is implied).
+#[inline(always)]
+pub fn block_barrier() {
+    // SAFETY: every thread of the block calls this in uniform control flow (caller contract).
+    unsafe { asm!("bar.sync 0;", options(nostack)) };
+}
+
+/// `shfl.sync.bfly.b32`: value of lane `lane ^ lane_mask`.
+#[inline(always)]
+pub fn shfl_xor_u32(value: u32, lane_mask: u32) -> u32 {
+    let out: u32;
+    // SAFETY: all lanes of the warp participate (FULL_WARP), uniform control flow.
+    unsafe {
+        asm!("shfl.sync.bfly.b32 {o}, {v}, {m}, 31, {full};",
+             o = out(reg32) out, v = in(reg32) value, m = in(reg32) lane_mask,
+             full = in(reg32) FULL_WARP, options(nomem, nostack));
+    }
+    out
+}
+
+/// [`shfl_xor_u32`] for f32.
+#[inline(always)]
+pub fn shfl_xor_f32(value: f32, lane_mask: u32) -> f32 {
+    f32::from_bits(shfl_xor_u32(value.to_bits(), lane_mask))
+}
+
+/// `shfl.sync.idx.b32`: value of lane `src_lane`.
+#[inline(always)]
+pub fn shfl_idx_u32(value: u32, src_lane: u32) -> u32 {
+    let out: u32;
+    // SAFETY: all lanes participate, uniform control flow.
+    unsafe {
+        asm!("shfl.sync.idx.b32 {o}, {v}, {l}, 31, {full};",
+             o = out(reg32) out, v = in(reg32) value, l = in(reg32) src_lane,
+             full = in(reg32) FULL_WARP, options(nomem, nostack));
+    }
+    out
+}
+
+/// `vote.sync.ballot.b32`: bit i set when lane i's `predicate` is true.
+#[inline(always)]
+pub fn ballot(predicate: bool) -> u32 {
+    let out: u32;
+    // SAFETY: all lanes participate, uniform control flow.
+    unsafe {
+        asm!("{{ .reg .pred p; setp.ne.u32 p, {v}, 0; vote.sync.ballot.b32 {o}, p, {full}; }}",
+             o = out(reg32) out, v = in(reg32) predicate as u32, full = in(reg32) FULL_WARP,
+             options(nomem, nostack));
+    }
+    out
+}
+
+/// `vote.sync.all.pred`.
+#[inline(always)]
+pub fn all_lanes(predicate: bool) -> bool {
+    ballot(predicate) == FULL_WARP
+}
+
+/// `vote.sync.any.pred`.
+#[inline(always)]
+pub fn any_lane(predicate: bool) -> bool {
+    ballot(predicate) != 0
+}
+
+/// Sum over the 32 lanes by a fixed butterfly: every lane gets the same bits, and the order of
+/// additions depends only on lane ids, so the result is deterministic.
+#[inline(always)]
+pub fn warp_sum_f32(mut value: f32) -> f32 {
+    let mut mask = 16;
+    while mask > 0 {
+        value += shfl_xor_f32(value, mask);
+        mask >>= 1;
+    }
+    value
+}
