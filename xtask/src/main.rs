@@ -1,1 +1,166 @@
-fn main() {}
+//! `cargo xtask`: the project's developer and CI tasks.
+//!
+//! - `setup`: installs the kernel toolchain and ptxas (idempotent).
+//! - `ptx`: builds the kernels to PTX for every architecture, runs ptxas on them and reports
+//!   registers, spills, stack and shared memory per kernel.
+//! - `test`: setup, ptx, fmt, clippy and the workspace tests; CI's entry point.
+//! - `gpu-bundle`: the release GPU test, bench and demo binaries plus a `run.sh`, for the GPU machine.
+//! - `demo`: runs `mok-demo`.
+
+// The PTX build logic, shared with the facade's build script. The xtask executable also serves
+// as rustc's NVPTX linker, so `main` hands over to it first thing.
+#[path = "../../kernels/ptx_builder.rs"]
+mod ptx_builder;
+
+mod bundle;
+mod json;
+mod ptx;
+mod setup;
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode, Output, Stdio};
+
+use anyhow::{Context, Result, bail};
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "cargo xtask", about = "mok's developer and CI tasks")]
+struct Cli {
+    #[command(subcommand)]
+    command: Task,
+}
+
+#[derive(Subcommand)]
+enum Task {
+    /// Install the kernel toolchain (nightly + rust-src + llvm-tools) and ptxas; a no-op when present.
+    Setup,
+    /// Build the PTX for every architecture into target/ptx/ and report ptxas's resource usage.
+    Ptx {
+        /// Also build a second time in another target folder and check the PTX is byte-identical.
+        #[arg(long)]
+        check_reproducible: bool,
+    },
+    /// Run everything CI runs: setup, ptx, cargo fmt --check, clippy -D warnings, cargo test.
+    Test,
+    /// Build the release GPU tests, benches and demo into a folder with a run.sh for the GPU machine.
+    GpuBundle {
+        /// Output folder (default: bundle/ at the workspace root).
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+    /// Run `mok-demo` (release build) with the given arguments.
+    Demo {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<OsString>,
+    },
+}
+
+fn main() -> ExitCode {
+    ptx_builder::run_as_linker_if_requested();
+
+    let cli = Cli::parse();
+    let root = workspace_root();
+    let result = match cli.command {
+        Task::Setup => setup::setup().map(|_| ()),
+        Task::Ptx { check_reproducible } => ptx::ptx(&root, check_reproducible),
+        Task::Test => test(&root),
+        Task::GpuBundle { out } => bundle::gpu_bundle(&root, out.unwrap_or_else(|| root.join("bundle"))),
+        Task::Demo { args } => return demo(&root, &args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("error: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The workspace root: the parent of xtask's own folder.
+fn workspace_root() -> PathBuf {
+    let manifest_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    manifest_dir.parent().unwrap_or(manifest_dir).to_path_buf()
+}
+
+/// `program arg arg ...` for messages.
+pub fn describe(command: &Command) -> String {
+    let mut text = command.get_program().to_string_lossy().into_owned();
+    for arg in command.get_args() {
+        text.push(' ');
+        text.push_str(&arg.to_string_lossy());
+    }
+    text
+}
+
+/// Runs `command` with inherited output; an error names the command.
+pub fn run(command: &mut Command) -> Result<()> {
+    let described = describe(command);
+    let status = command.status().with_context(|| format!("cannot start `{described}`"))?;
+    if !status.success() {
+        bail!("`{described}` failed ({status})");
+    }
+    Ok(())
+}
+
+/// Runs `command` and captures stdout and stderr (stdin closed), whether it succeeds or not.
+pub fn capture(command: &mut Command) -> Result<Output> {
+    let described = describe(command);
+    command
+        .stdin(Stdio::null())
+        .output()
+        .with_context(|| format!("cannot start `{described}`"))
+}
+
+/// `cargo` with the workspace root as working folder.
+pub fn cargo(root: &Path) -> Command {
+    let mut command = Command::new("cargo");
+    command.current_dir(root);
+    command
+}
+
+fn test(root: &Path) -> Result<()> {
+    let cargo_steps: [&[&str]; 3] = [
+        &["fmt", "--all", "--check"],
+        &["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"],
+        &["test", "--workspace"],
+    ];
+    let total = 2 + cargo_steps.len();
+    println!("==> xtask test 1/{total}: setup");
+    setup::setup().context("xtask test: step 1 (setup) failed")?;
+    println!("==> xtask test 2/{total}: ptx");
+    ptx::ptx(root, false).context("xtask test: step 2 (ptx) failed")?;
+    for (index, args) in cargo_steps.iter().enumerate() {
+        let step = index + 3;
+        let mut command = cargo(root);
+        command.args(*args);
+        let described = describe(&command);
+        println!("==> xtask test {step}/{total}: {described}");
+        let mut hint = "";
+        if args[0] == "fmt" || args[0] == "clippy" {
+            // A missing component shows as cargo's "no such command".
+            if !capture(cargo(root).args([args[0], "--version"]))?.status.success() {
+                hint = " (is the component installed? `rustup component add rustfmt clippy`)";
+            }
+        }
+        run(&mut command).with_context(|| format!("xtask test: step {step} (`{described}`) failed{hint}"))?;
+    }
+    println!("xtask test: all steps passed");
+    Ok(())
+}
+
+fn demo(root: &Path, args: &[OsString]) -> ExitCode {
+    let mut command = cargo(root);
+    command.args(["run", "--release", "-p", "mok", "--bin", "mok-demo", "--"]).args(args);
+    match command.status() {
+        Ok(status) if status.success() => ExitCode::SUCCESS,
+        Ok(status) => {
+            eprintln!("error: `{}` failed ({status})", describe(&command));
+            ExitCode::from(status.code().and_then(|code| u8::try_from(code).ok()).filter(|&code| code != 0).unwrap_or(1))
+        }
+        Err(error) => {
+            eprintln!("error: cannot start `{}`: {error}", describe(&command));
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,1 +1,3 @@
+pub mod gemm;
 pub mod route;
+pub mod rows;

@@ -1,0 +1,217 @@
+//! Row-wise kernels of the unfused path: gather into expert order, combine back in slot order,
+//! the slot-weight gradient and the SwiGLU backward. All are grid-stride loops over a count the
+//! device holds (`row_count`, written by the routing kernels), so the host never needs it.
+
+use crate::device::math;
+use crate::layout::NO_ROW;
+use crate::num::{bf16x2_hi, bf16x2_lo};
+use crate::ptx::convert::{f32_to_bf16, f32x2_to_bf16x2};
+use crate::ptx::memory::{ld_global_v4, st_global_v4};
+use crate::ptx::{sreg, sync};
+
+/// Index of this thread in the grid, and the grid's thread count.
+#[inline(always)]
+fn grid_thread() -> (usize, usize) {
+    let threads = (sreg::block_dim_x() * sreg::grid_dim_x()) as usize;
+    ((sreg::block_idx_x() * sreg::block_dim_x() + sreg::thread_idx_x()) as usize, threads)
+}
+
+/// `out[r] = src[token(r)]`, or `bf16(weight(r) · src[token(r)])` when `topk_weights` is
+/// non-null, for rows `r < *row_count`, where row r holds slot `row_source[r] = t·k + j`.
+/// Forward: gather x into expert order; backward: dy gathered and scaled by its slot weight.
+///
+/// # Safety
+/// `src` `[T][width]` bf16, `row_source` `[*row_count]`, `topk_weights` `[T·k]` or null,
+/// `out` `[*row_count][width]`; `width % 8 == 0`.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn mok_gather_rows(
+    src: *const u16,
+    row_source: *const u32,
+    top_k: u32,
+    topk_weights: *const f32,
+    row_count: *const u32,
+    width: u32,
+    out: *mut u16,
+) {
+    let vectors_per_row = (width / 8) as usize;
+    // SAFETY: written by the routing kernels earlier in the stream.
+    let total = unsafe { *row_count } as usize * vectors_per_row;
+    let (mut v, stride) = grid_thread();
+    while v < total {
+        let (row, chunk) = (v / vectors_per_row, v % vectors_per_row);
+        // SAFETY: row < row_count; the source slot names a token < T; 16-byte aligned rows.
+        unsafe {
+            let slot = *row_source.add(row) as usize;
+            let token = slot / top_k as usize;
+            let mut vector = ld_global_v4(src.add(token * width as usize + chunk * 8) as *const u32);
+            if !topk_weights.is_null() {
+                let weight = *topk_weights.add(slot);
+                for pair in vector.iter_mut() {
+                    *pair = f32x2_to_bf16x2(weight * bf16x2_lo(*pair), weight * bf16x2_hi(*pair));
+                }
+            }
+            st_global_v4(out.add(row * width as usize + chunk * 8) as *mut u32, vector);
+        }
+        v += stride;
+    }
+}
+
+/// `out[t] = bf16(base[t] + Σ_j w[t,j] · rows[slot_row[t,j]])` in f32, the base (shared expert)
+/// first, then slots j = 0..k in order; dropped slots skipped; `w` = 1 when `topk_weights` is
+/// null (the dx combine), and the base is 0 when `base` is null. One thread per 4 columns.
+///
+/// # Safety
+/// `slot_row` `[T·k]`, `topk_weights` `[T·k]` or null, `rows` `[R][width]` f32, `base`
+/// `[T][width]` f32 or null, `out` `[T][width]` bf16; `width % 4 == 0`.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn mok_combine_slots(
+    slot_row: *const u32,
+    topk_weights: *const f32,
+    rows: *const f32,
+    base: *const f32,
+    tokens: u32,
+    top_k: u32,
+    width: u32,
+    out: *mut u16,
+) {
+    let quads_per_row = (width / 4) as usize;
+    let total = tokens as usize * quads_per_row;
+    let w = width as usize;
+    let (mut q, stride) = grid_thread();
+    while q < total {
+        let (token, column) = (q / quads_per_row, q % quads_per_row * 4);
+        let (mut a0, mut a1, mut a2, mut a3) = (0.0f32, 0.0f32, 0.0f32, 0.0f32);
+        if !base.is_null() {
+            // SAFETY: token < T, column + 4 ≤ width.
+            let v = unsafe { ld_global_v4(base.add(token * w + column) as *const u32) };
+            (a0, a1, a2, a3) = (f32::from_bits(v[0]), f32::from_bits(v[1]), f32::from_bits(v[2]), f32::from_bits(v[3]));
+        }
+        for j in 0..top_k as usize {
+            let slot = token * top_k as usize + j;
+            // SAFETY: slot < T·k.
+            let row = unsafe { *slot_row.add(slot) };
+            if row == NO_ROW {
+                continue;
+            }
+            // SAFETY: slot < T·k; row < R.
+            let weight = if topk_weights.is_null() { 1.0 } else { unsafe { *topk_weights.add(slot) } };
+            let v = unsafe { ld_global_v4(rows.add(row as usize * w + column) as *const u32) };
+            a0 += weight * f32::from_bits(v[0]);
+            a1 += weight * f32::from_bits(v[1]);
+            a2 += weight * f32::from_bits(v[2]);
+            a3 += weight * f32::from_bits(v[3]);
+        }
+        // SAFETY: token < T, column + 4 ≤ width; 8-byte aligned (column % 4 == 0).
+        unsafe {
+            let at = out.add(token * w + column) as *mut u32;
+            *at = f32x2_to_bf16x2(a0, a1);
+            *at.add(1) = f32x2_to_bf16x2(a2, a3);
+        }
+        q += stride;
+    }
+}
+
+/// `d_topk_weights[t·k+j] = <dy[t], rows[slot_row[t·k+j]]>` in f32 (0 for dropped slots).
+/// One warp per slot; each lane sums a fixed strided subset of columns in order, then a fixed
+/// butterfly sums the lanes, so the result is deterministic.
+///
+/// # Safety
+/// `dy` `[T][width]` bf16, `rows` `[R][width]` f32, `slot_row` and `out` `[T·k]`;
+/// `width % 8 == 0`.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn mok_topk_weight_grad(
+    dy: *const u16,
+    rows: *const f32,
+    slot_row: *const u32,
+    tokens: u32,
+    top_k: u32,
+    width: u32,
+    out: *mut f32,
+) {
+    let (thread, threads) = grid_thread();
+    let lane = thread % 32;
+    let (mut slot, warps) = (thread / 32, threads / 32);
+    let slots = tokens as usize * top_k as usize;
+    let w = width as usize;
+    // Every lane of a warp runs the same number of iterations (the slot is warp-uniform).
+    while slot < slots {
+        let token = slot / top_k as usize;
+        // SAFETY: slot < T·k.
+        let row = unsafe { *slot_row.add(slot) };
+        let mut partial = 0.0f32;
+        if row != NO_ROW {
+            let mut column = lane * 8;
+            while column < w {
+                // SAFETY: token < T, row < R, column + 8 ≤ width, 16-byte aligned.
+                let (g, lo, hi) = unsafe {
+                    (
+                        ld_global_v4(dy.add(token * w + column) as *const u32),
+                        ld_global_v4(rows.add(row as usize * w + column) as *const u32),
+                        ld_global_v4(rows.add(row as usize * w + column + 4) as *const u32),
+                    )
+                };
+                // Columns in order: pair p of dy holds columns 2p (low) and 2p + 1 (high).
+                let f = [lo[0], lo[1], lo[2], lo[3], hi[0], hi[1], hi[2], hi[3]];
+                partial += bf16x2_lo(g[0]) * f32::from_bits(f[0]);
+                partial += bf16x2_hi(g[0]) * f32::from_bits(f[1]);
+                partial += bf16x2_lo(g[1]) * f32::from_bits(f[2]);
+                partial += bf16x2_hi(g[1]) * f32::from_bits(f[3]);
+                partial += bf16x2_lo(g[2]) * f32::from_bits(f[4]);
+                partial += bf16x2_hi(g[2]) * f32::from_bits(f[5]);
+                partial += bf16x2_lo(g[3]) * f32::from_bits(f[6]);
+                partial += bf16x2_hi(g[3]) * f32::from_bits(f[7]);
+                column += 32 * 8;
+            }
+        }
+        let total = sync::warp_sum_f32(partial);
+        if lane == 0 {
+            // SAFETY: slot < T·k.
+            unsafe { *out.add(slot) = total };
+        }
+        slot += warps;
+    }
+}
+
+/// SwiGLU backward over `[*row_count][width]`: from the f32 pre-activations and the f32 hidden
+/// gradient, `d_gate` and `d_up` in bf16 (zero where the clamp was active).
+///
+/// # Safety
+/// All tensors `[*row_count][width]`.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn mok_swiglu_backward(
+    gate: *const f32,
+    up: *const f32,
+    d_hidden: *const f32,
+    row_count: *const u32,
+    width: u32,
+    limit: f32,
+    d_gate: *mut u16,
+    d_up: *mut u16,
+) {
+    // SAFETY: written by the routing kernels (or the host, for the shared expert).
+    let total = unsafe { *row_count } as usize * width as usize;
+    let (mut e, stride) = grid_thread();
+    while e < total {
+        // SAFETY: e < rows · width.
+        unsafe {
+            let (dg, du) = math::swiglu_backward(*gate.add(e), *up.add(e), *d_hidden.add(e), limit);
+            *d_gate.add(e) = f32_to_bf16(dg);
+            *d_up.add(e) = f32_to_bf16(du);
+        }
+        e += stride;
+    }
+}
+
+/// Fills `count` u32 words with `value` (poisoning and clearing device buffers).
+///
+/// # Safety
+/// `dst` must hold `count` words.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn mok_fill_u32(dst: *mut u32, count: u64, value: u32) {
+    let (mut i, stride) = grid_thread();
+    while (i as u64) < count {
+        // SAFETY: i < count.
+        unsafe { *dst.add(i) = value };
+        i += stride;
+    }
+}

@@ -1,0 +1,245 @@
+//! `cargo xtask ptx`: builds the PTX for every architecture into `target/ptx/`, assembles each
+//! with `ptxas -v` and reports every kernel's registers, spills, stack and static shared memory.
+
+use std::env;
+use std::fmt::Write as _;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, anyhow, bail, ensure};
+
+use crate::ptx_builder::{self, ALL_ARCHS, PtxArch};
+use crate::setup::{ptxas_path, ptxas_version};
+use crate::{capture, describe};
+
+/// Where the PTX, the cubins and the report go.
+pub fn out_dir(root: &Path) -> PathBuf {
+    root.join("target").join("ptx")
+}
+
+/// Builds the PTX of every architecture with `ptx_builder` (this executable is the linker).
+fn build_all(root: &Path, target_dir: &Path, out_dir: &Path) -> Result<Vec<(PtxArch, PathBuf)>> {
+    let linker = env::current_exe().context("cannot find the xtask executable's own path")?;
+    let kernels_dir = root.join("kernels");
+    ALL_ARCHS
+        .iter()
+        .map(|&arch| {
+            println!("ptx: building {} ({})", arch.sm, arch.file_name);
+            ptx_builder::build_ptx(&kernels_dir, target_dir, out_dir, arch, &linker)
+                .map(|path| (arch, path))
+                .map_err(|message| anyhow!("{message}"))
+        })
+        .collect()
+}
+
+pub fn ptx(root: &Path, check_reproducible: bool) -> Result<()> {
+    let ptxas = ptxas_path()?;
+    let version = ptxas_version(&ptxas)?;
+    let out_dir = out_dir(root);
+    let built = build_all(root, &root.join("target").join("ptx-build"), &out_dir)?;
+
+    let mut report = format!("ptxas: {} ({version})\n", ptxas.display());
+    for (arch, ptx) in &built {
+        let cubin = ptx.with_extension("cubin");
+        let mut command = Command::new(&ptxas);
+        command.arg(format!("-arch={}", arch.sm)).arg("-v").arg(ptx).arg("-o").arg(&cubin);
+        let output = capture(&mut command)?;
+        let text = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+        let errors: Vec<&str> = text.lines().filter(|line| is_diagnostic(line, &["error", "fatal"])).collect();
+        if !output.status.success() || !errors.is_empty() {
+            bail!("`{}` failed ({}):\n{}", describe(&command), output.status, text.trim_end());
+        }
+        let kernels = parse_ptxas_info(&text);
+        ensure!(!kernels.is_empty(), "`{}` reported no entry function:\n{}", describe(&command), text.trim_end());
+
+        writeln!(report, "\n{} ({} kernels): {} -> {}", arch.sm, kernels.len(), relative(root, ptx), relative(root, &cubin))?;
+        report.push_str(&format_table(&kernels));
+        for warning in text.lines().filter(|line| is_diagnostic(line, &["warning"])) {
+            writeln!(report, "  {}", warning.trim())?;
+        }
+    }
+    print!("{report}");
+    let report_path = out_dir.join("ptxas-report.txt");
+    fs::write(&report_path, &report).with_context(|| format!("cannot write {}", report_path.display()))?;
+    println!("\nptx: report written to {}", relative(root, &report_path));
+
+    if check_reproducible {
+        let again_dir = root.join("target").join("ptx-again");
+        let rebuilt = build_all(root, &root.join("target").join("ptx-build-again"), &again_dir)?;
+        for ((arch, first), (_, second)) in built.iter().zip(&rebuilt) {
+            let first_bytes = fs::read(first).with_context(|| format!("cannot read {}", first.display()))?;
+            let second_bytes = fs::read(second).with_context(|| format!("cannot read {}", second.display()))?;
+            ensure!(
+                first_bytes == second_bytes,
+                "{}: the PTX is not reproducible: {} and {} differ",
+                arch.sm,
+                first.display(),
+                second.display()
+            );
+        }
+        println!("ptx: reproducible: a second build in another target folder gave byte-identical PTX");
+    }
+    Ok(())
+}
+
+fn relative(root: &Path, path: &Path) -> String {
+    path.strip_prefix(root).unwrap_or(path).display().to_string()
+}
+
+/// A ptxas diagnostic line of one of `kinds`: `ptxas error   : ...`, `ptxas fatal   : ...`, or
+/// `ptxas x.ptx, line 5; error   : ...`. Only the part before the first `:` is looked at, so a
+/// kernel or function name that contains "error" is no error.
+fn is_diagnostic(line: &str, kinds: &[&str]) -> bool {
+    let Some((head, _)) = line.split_once(':') else { return false };
+    head.split(|c: char| c.is_whitespace() || c == ';' || c == ',')
+        .any(|word| kinds.iter().any(|kind| word.eq_ignore_ascii_case(kind)))
+}
+
+/// One entry function's resource usage as ptxas reports it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct KernelInfo {
+    pub name: String,
+    pub registers: u64,
+    pub barriers: u64,
+    pub stack_frame: u64,
+    pub spill_stores: u64,
+    pub spill_loads: u64,
+    /// Static shared memory (`N bytes smem`); dynamic shared memory is not in ptxas's report.
+    pub smem: u64,
+}
+
+/// The number right before `suffix` in `text` (`"48 bytes stack frame"` -> 48 for `" bytes stack frame"`).
+fn number_before(text: &str, suffix: &str) -> Option<u64> {
+    let end = text.find(suffix)?;
+    let head = &text[..end];
+    let start = head.rfind(|c: char| !c.is_ascii_digit()).map_or(0, |i| i + 1);
+    head[start..].parse().ok()
+}
+
+/// Reads `ptxas -v` output. ptxas prints, per entry function:
+///
+/// ```text
+/// ptxas info    : Compiling entry function 'NAME' for 'sm_90a'
+/// ptxas info    : Function properties for NAME
+///     48 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+/// ptxas info    : Used 32 registers, used 1 barriers, 1024 bytes smem, 48 bytes cumulative stack size
+/// ```
+///
+/// and also "Function properties" blocks of non-entry `.func`s (core's panic functions), which
+/// are not kernels and are skipped.
+pub fn parse_ptxas_info(text: &str) -> Vec<KernelInfo> {
+    let mut kernels: Vec<KernelInfo> = Vec::new();
+    // Whose "Function properties" block the next stack-frame line belongs to.
+    let mut properties_of: Option<String> = None;
+    for line in text.lines() {
+        let body = line.split_once(" : ").map_or(line, |(_, body)| body).trim();
+        if let Some(rest) = body.strip_prefix("Compiling entry function '") {
+            let name = rest.split('\'').next().unwrap_or_default();
+            kernels.push(KernelInfo { name: name.to_string(), ..KernelInfo::default() });
+            properties_of = None;
+        } else if let Some(name) = body.strip_prefix("Function properties for ") {
+            properties_of = Some(name.trim().to_string());
+        } else if body.contains("bytes stack frame") {
+            let owner = properties_of.take();
+            if let Some(kernel) = kernels.iter_mut().rev().find(|kernel| Some(&kernel.name) == owner.as_ref()) {
+                kernel.stack_frame = number_before(body, " bytes stack frame").unwrap_or(0);
+                kernel.spill_stores = number_before(body, " bytes spill stores").unwrap_or(0);
+                kernel.spill_loads = number_before(body, " bytes spill loads").unwrap_or(0);
+            }
+        } else if body.starts_with("Used ") && body.contains(" registers") {
+            // The resource line of the entry being compiled.
+            if let Some(kernel) = kernels.last_mut() {
+                kernel.registers = number_before(body, " registers").unwrap_or(0);
+                kernel.barriers = number_before(body, " barriers").unwrap_or(0);
+                kernel.smem = number_before(body, " bytes smem").unwrap_or(0);
+            }
+        }
+    }
+    kernels
+}
+
+/// A text table of `kernels`, one line each, two-space indented.
+pub fn format_table(kernels: &[KernelInfo]) -> String {
+    let width = kernels.iter().map(|kernel| kernel.name.len()).chain(["kernel".len()]).max().unwrap_or(0);
+    let mut table = format!(
+        "  {:<width$}  {:>5}  {:>9}  {:>9}  {:>6}  {:>8}  {:>8}\n",
+        "kernel", "regs", "spill st", "spill ld", "stack", "smem", "barriers"
+    );
+    for kernel in kernels {
+        table.push_str(&format!(
+            "  {:<width$}  {:>5}  {:>9}  {:>9}  {:>6}  {:>8}  {:>8}\n",
+            kernel.name,
+            kernel.registers,
+            kernel.spill_stores,
+            kernel.spill_loads,
+            kernel.stack_frame,
+            kernel.smem,
+            kernel.barriers
+        ));
+    }
+    table
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SAMPLE: &str = "\
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'mok_topk_weight_grad' for 'sm_90a'
+ptxas info    : Function properties for mok_topk_weight_grad
+    48 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads
+ptxas info    : Used 32 registers, used 0 barriers, 48 bytes cumulative stack size
+ptxas info    : Compile time = 18.024 ms
+ptxas info    : Function properties for _RNvNtCs7npfZkqYrQT_4core9panicking9panic_fmt
+    16 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Compiling entry function 'mok_route_scan' for 'sm_90a'
+ptxas info    : Function properties for mok_route_scan
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 26 registers, used 1 barriers, 4096 bytes smem
+ptxas info    : Compile time = 7.873 ms
+";
+
+    #[test]
+    fn parses_entries_and_skips_plain_functions() {
+        let kernels = parse_ptxas_info(SAMPLE);
+        assert_eq!(
+            kernels,
+            vec![
+                KernelInfo {
+                    name: "mok_topk_weight_grad".into(),
+                    registers: 32,
+                    barriers: 0,
+                    stack_frame: 48,
+                    spill_stores: 8,
+                    spill_loads: 4,
+                    smem: 0
+                },
+                KernelInfo {
+                    name: "mok_route_scan".into(),
+                    registers: 26,
+                    barriers: 1,
+                    stack_frame: 0,
+                    spill_stores: 0,
+                    spill_loads: 0,
+                    smem: 4096
+                },
+            ]
+        );
+        let table = format_table(&kernels);
+        assert_eq!(table.lines().count(), 3);
+        assert!(table.lines().nth(2).unwrap().contains("4096"));
+    }
+
+    #[test]
+    fn tells_diagnostics_from_names() {
+        assert!(is_diagnostic("ptxas error   : Entry function 'x' uses too much shared data", &["error"]));
+        assert!(is_diagnostic("ptxas fatal   : Unresolved extern function 'f'", &["error", "fatal"]));
+        assert!(is_diagnostic("ptxas /t/mok_sm90a.ptx, line 12; error   : Unknown symbol 'y'", &["error"]));
+        assert!(is_diagnostic("ptxas /t/a.ptx, line 3; warning : Double is not supported", &["warning"]));
+        assert!(!is_diagnostic("ptxas info    : Function properties for _ZN4core3fmt5Error", &["error"]));
+        assert!(!is_diagnostic("ptxas info    : Compiling entry function 'error_kernel' for 'sm_90a'", &["error"]));
+        assert!(!is_diagnostic("    0 bytes stack frame, 0 bytes spill stores", &["error"]));
+    }
+}
