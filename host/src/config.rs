@@ -31,7 +31,11 @@ pub struct MoeConfig {
 /// tensor-memory-accelerator descriptors require 16-byte multiples for row strides.
 pub const ROW_ALIGN_ELEMS: usize = 8;
 
-/// Largest k the kernels support: per-token slot loops are unrolled into registers up to this.
+/// Most experts a layer may have: the routing kernel counts a token chunk's slots per expert in
+/// shared memory (4 bytes each, 32 KiB).
+pub const MAX_EXPERTS: usize = 8192;
+
+/// Largest k accepted: the routing kernel checks a token's ids for duplicates in O(k²) steps.
 pub const MAX_TOP_K: usize = 64;
 
 impl MoeConfig {
@@ -80,15 +84,19 @@ impl MoeConfig {
         if self.num_experts == 0 {
             return bad("num_experts", "0".into(), "must be at least 1");
         }
-        if self.num_experts % self.ep_ranks != 0 {
+        if !self.num_experts.is_multiple_of(self.ep_ranks) {
             return bad(
                 "num_experts",
                 self.num_experts.to_string(),
                 &format!("must be a multiple of ep_ranks = {} (experts are split evenly over ranks)", self.ep_ranks),
             );
         }
-        if self.num_experts > u16::MAX as usize {
-            return bad("num_experts", self.num_experts.to_string(), "must be at most 65535");
+        if self.num_experts > MAX_EXPERTS {
+            return bad(
+                "num_experts",
+                self.num_experts.to_string(),
+                &format!("must be at most {MAX_EXPERTS} (the routing kernel keeps one counter per expert in 32 KiB of shared memory)"),
+            );
         }
         if self.top_k == 0 || self.top_k > self.num_experts {
             return bad(
@@ -103,14 +111,14 @@ impl MoeConfig {
         let row_rule = format!(
             "must be a positive multiple of {ROW_ALIGN_ELEMS}: rows are moved as 16-byte vectors (8 bf16) and TMA needs 16-byte row strides"
         );
-        if self.hidden == 0 || self.hidden % ROW_ALIGN_ELEMS != 0 {
+        if self.hidden == 0 || !self.hidden.is_multiple_of(ROW_ALIGN_ELEMS) {
             return bad("hidden", self.hidden.to_string(), &row_rule);
         }
-        if self.intermediate == 0 || self.intermediate % ROW_ALIGN_ELEMS != 0 {
+        if self.intermediate == 0 || !self.intermediate.is_multiple_of(ROW_ALIGN_ELEMS) {
             return bad("intermediate", self.intermediate.to_string(), &row_rule);
         }
         if let Some(is) = self.shared_intermediate
-            && (is == 0 || is % ROW_ALIGN_ELEMS != 0)
+            && (is == 0 || !is.is_multiple_of(ROW_ALIGN_ELEMS))
         {
             return bad("shared_intermediate", is.to_string(), &row_rule);
         }

@@ -7,9 +7,11 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod config;
+pub mod driver;
 pub mod error;
 pub mod problem;
 pub mod reference;
+pub mod unfused;
 
 pub use config::MoeConfig;
 pub use error::{MokError, Result};

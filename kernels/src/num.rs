@@ -30,6 +30,17 @@ pub fn f32_to_bf16_rne(value: f32) -> u16 {
     ((bits + rounding_bias) >> 16) as u16
 }
 
+/// A counter-based random number in [-1, 1): splitmix64 of `seed` and `index`, top 24 bits.
+/// Host and device compute identical values, so tests can generate data on either side.
+#[inline(always)]
+pub fn random_uniform(seed: u64, index: u64) -> f32 {
+    let mut z = seed ^ index.wrapping_mul(0x9e37_79b9_7f4a_7c15).wrapping_add(0x6a09_e667_f3bc_c909);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^= z >> 31;
+    ((z >> 40) as f32) * (2.0 / (1u64 << 24) as f32) - 1.0
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -45,6 +56,15 @@ mod tests {
         assert_eq!(f32_to_bf16_rne(1.0 + 3.0 / 256.0), 0x3f82);
         assert!(bf16_to_f32(f32_to_bf16_rne(f32::NAN)).is_nan());
         assert_eq!(f32_to_bf16_rne(f32::INFINITY), 0x7f80);
+    }
+
+    #[test]
+    fn random_uniform_is_in_range_and_spread() {
+        let values: Vec<f32> = (0..10_000).map(|i| random_uniform(7, i)).collect();
+        assert!(values.iter().all(|v| (-1.0..1.0).contains(v)));
+        let mean = values.iter().sum::<f32>() / values.len() as f32;
+        assert!(mean.abs() < 0.05, "mean {mean}");
+        assert_ne!(random_uniform(7, 0), random_uniform(8, 0));
     }
 
     #[test]

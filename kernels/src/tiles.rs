@@ -10,6 +10,12 @@ pub const GEMM_TILE_K: u32 = 32;
 /// Threads per GEMM block: four warps, each owning a 32×32 quarter of the tile.
 pub const GEMM_THREADS: u32 = 128;
 
+/// Shared-memory row pitch of a GEMM stage in bf16: `GEMM_TILE_K` + 8 padding, so the fragment
+/// loads of a warp (8 rows × 4 words) hit 32 distinct banks and rows stay 16-byte aligned.
+pub const GEMM_SMEM_PITCH: u32 = GEMM_TILE_K + 8;
+/// Dynamic shared memory of a GEMM block: one A and one B stage of 64 rows.
+pub const GEMM_SMEM_BYTES: u32 = 2 * GEMM_TILE_M * GEMM_SMEM_PITCH * 2;
+
 /// `ceil(n / d)`.
 #[inline(always)]
 pub const fn div_ceil(n: u32, d: u32) -> u32 {

@@ -62,7 +62,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let root = workspace_root();
     let result = match cli.command {
-        Task::Setup => setup::setup().map(|_| ()),
+        Task::Setup => setup::setup(),
         Task::Ptx { check_reproducible } => ptx::ptx(&root, check_reproducible),
         Task::Test => test(&root),
         Task::GpuBundle { out } => bundle::gpu_bundle(&root, out.unwrap_or_else(|| root.join("bundle"))),

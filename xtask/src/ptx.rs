@@ -50,7 +50,9 @@ pub fn ptx(root: &Path, check_reproducible: bool) -> Result<()> {
         if !output.status.success() || !errors.is_empty() {
             bail!("`{}` failed ({}):\n{}", describe(&command), output.status, text.trim_end());
         }
-        let kernels = parse_ptxas_info(&text);
+        let mut kernels = parse_ptxas_info(&text);
+        // ptxas's order is the reverse of the PTX's; by name, reports diff well.
+        kernels.sort_by(|a, b| a.name.cmp(&b.name));
         ensure!(!kernels.is_empty(), "`{}` reported no entry function:\n{}", describe(&command), text.trim_end());
 
         writeln!(report, "\n{} ({} kernels): {} -> {}", arch.sm, kernels.len(), relative(root, ptx), relative(root, &cubin))?;

@@ -21,17 +21,11 @@ const PTXAS_ENV: &str = "MOK_PTXAS";
 /// Overrides the cache folder (default `~/.cache/mok`).
 const CACHE_ENV: &str = "MOK_CACHE_DIR";
 
-/// What `setup` found or installed.
-pub struct Tools {
-    pub llvm_bin: PathBuf,
-    pub ptxas: PathBuf,
-}
-
 /// Installs what is missing and prints where everything is.
-pub fn setup() -> Result<Tools> {
-    let llvm_bin = ensure_toolchain()?;
-    let ptxas = ensure_ptxas()?;
-    Ok(Tools { llvm_bin, ptxas })
+pub fn setup() -> Result<()> {
+    ensure_toolchain()?;
+    ensure_ptxas()?;
+    Ok(())
 }
 
 fn non_empty_var(name: &str) -> Option<PathBuf> {

@@ -103,7 +103,7 @@ fn weight_grad<'v>(
     coef: impl Fn(&Row, usize) -> f64 + Sync,
     vector: impl Fn(&Row) -> &'v [f64] + Sync,
 ) {
-    let chunk_rows = if rows_per_group % GRAD_ROWS == 0 {
+    let chunk_rows = if rows_per_group.is_multiple_of(GRAD_ROWS) {
         GRAD_ROWS
     } else {
         1
@@ -123,7 +123,6 @@ fn weight_grad<'v>(
 }
 
 /// The three weight gradients of one group kind: `(d_gate, d_up, d_down)`.
-#[allow(clippy::too_many_arguments)]
 fn group_weight_grads(
     groups: &[&[Row]],
     grads: &RowGrads,

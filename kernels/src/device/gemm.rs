@@ -16,15 +16,11 @@
 use crate::ptx::memory::{ld_global_v4, ld_shared_u32, st_shared_u16, st_shared_v4};
 use crate::ptx::mma::mma_m16n8k16_bf16_f32;
 use crate::ptx::{smem, sreg, sync};
-use crate::tiles::{GEMM_TILE_K, GEMM_TILE_M, GEMM_TILE_N};
+use crate::tiles::{GEMM_SMEM_BYTES, GEMM_SMEM_PITCH, GEMM_TILE_K, GEMM_TILE_M, GEMM_TILE_N};
 
-/// Shared-memory row pitch in bf16: 32 + 8 padding, so the fragment loads of a warp (8 rows ×
-/// 4 words) hit 32 distinct banks, and rows stay 16-byte aligned for vector stores.
-const SMEM_PITCH: u32 = GEMM_TILE_K + 8;
+const SMEM_PITCH: u32 = GEMM_SMEM_PITCH;
 /// Bytes of one operand's stage.
-const OPERAND_STAGE_BYTES: u32 = GEMM_TILE_M * SMEM_PITCH * 2;
-/// Dynamic shared memory a GEMM block needs (A and B stages).
-pub const GEMM_SMEM_BYTES: u32 = 2 * OPERAND_STAGE_BYTES;
+const OPERAND_STAGE_BYTES: u32 = GEMM_SMEM_BYTES / 2;
 /// 16-byte vectors per operand stage, and per thread (128 threads).
 const VECTORS_PER_THREAD: u32 = GEMM_TILE_M * GEMM_TILE_K / 8 / 128;
 

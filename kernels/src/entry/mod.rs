@@ -1,3 +1,4 @@
+pub mod fill;
 pub mod gemm;
 pub mod route;
 pub mod rows;

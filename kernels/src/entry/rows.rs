@@ -202,16 +202,3 @@ pub unsafe extern "ptx-kernel" fn mok_swiglu_backward(
     }
 }
 
-/// Fills `count` u32 words with `value` (poisoning and clearing device buffers).
-///
-/// # Safety
-/// `dst` must hold `count` words.
-#[unsafe(no_mangle)]
-pub unsafe extern "ptx-kernel" fn mok_fill_u32(dst: *mut u32, count: u64, value: u32) {
-    let (mut i, stride) = grid_thread();
-    while (i as u64) < count {
-        // SAFETY: i < count.
-        unsafe { *dst.add(i) = value };
-        i += stride;
-    }
-}

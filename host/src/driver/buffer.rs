@@ -1,0 +1,106 @@
+//! Typed device allocations.
+
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use bytemuck::Pod;
+use cudarc::driver::{result, sys};
+
+use super::cuda_error;
+use super::gpu::GpuInner;
+use crate::driver::Gpu;
+use crate::error::{MokError, Result};
+
+/// `len` elements of `T` in device memory, freed on drop. Copies are ordered on the GPU's
+/// stream, so they are ordered with mok's kernels.
+pub struct DeviceBuffer<T: Pod> {
+    ptr: sys::CUdeviceptr,
+    len: usize,
+    gpu: Arc<GpuInner>,
+    _element: PhantomData<T>,
+}
+
+impl<T: Pod> DeviceBuffer<T> {
+    /// Allocates `len` elements (at least one byte is allocated so the pointer is never null).
+    /// The contents are undefined: fill or upload before reading.
+    pub fn alloc(gpu: &Gpu, len: usize) -> Result<Self> {
+        let inner = gpu.inner().clone();
+        inner.bind()?;
+        let bytes = (len * size_of::<T>()).max(16);
+        // SAFETY: plain allocation in the current context.
+        let ptr = unsafe { result::malloc_sync(bytes) }.map_err(|e| cuda_error(format!("cuMemAlloc({bytes} bytes)"), e))?;
+        Ok(Self { ptr, len, gpu: inner, _element: PhantomData })
+    }
+
+    /// Allocates and uploads `data`.
+    pub fn from_slice(gpu: &Gpu, data: &[T]) -> Result<Self> {
+        let mut buffer = Self::alloc(gpu, data.len())?;
+        buffer.upload(data)?;
+        Ok(buffer)
+    }
+
+    /// Elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer holds no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The device address, for kernel arguments.
+    pub fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Copies `data` in (synchronously with respect to the host).
+    pub fn upload(&mut self, data: &[T]) -> Result<()> {
+        self.check_len("upload", data.len())?;
+        self.gpu.bind()?;
+        // SAFETY: `data` has exactly `len` elements and the allocation holds that many; the
+        // call returns after the copy, so `data` outlives it.
+        unsafe {
+            result::memcpy_htod_async(self.ptr, data, self.gpu.stream).map_err(|e| cuda_error("cuMemcpyHtoDAsync", e))?;
+            result::stream::synchronize(self.gpu.stream).map_err(|e| cuda_error("cuStreamSynchronize (upload)", e))
+        }
+    }
+
+    /// Copies the contents out, after all earlier work on the stream.
+    pub fn download(&self) -> Result<Vec<T>> {
+        let mut out = vec![T::zeroed(); self.len];
+        self.gpu.bind()?;
+        // SAFETY: `out` has `len` elements; the stream is synchronised before `out` is used.
+        unsafe {
+            result::memcpy_dtoh_async(&mut out, self.ptr, self.gpu.stream).map_err(|e| cuda_error("cuMemcpyDtoHAsync", e))?;
+            result::stream::synchronize(self.gpu.stream).map_err(|e| cuda_error("cuStreamSynchronize (download)", e))?;
+        }
+        Ok(out)
+    }
+
+    /// Sets every byte to `byte`, ordered on the stream (0xff poisons f32 and bf16 as NaN).
+    pub fn fill_bytes(&mut self, byte: u8) -> Result<()> {
+        self.gpu.bind()?;
+        // SAFETY: the range is this allocation.
+        unsafe { result::memset_d8_async(self.ptr, byte, self.len * size_of::<T>(), self.gpu.stream) }.map_err(|e| cuda_error("cuMemsetD8Async", e))
+    }
+
+    fn check_len(&self, what: &str, len: usize) -> Result<()> {
+        if len == self.len {
+            Ok(())
+        } else {
+            Err(MokError::InvalidInput { tensor: "device buffer", problem: format!("{what} of {len} elements into a buffer of {}", self.len) })
+        }
+    }
+}
+
+impl<T: Pod> Drop for DeviceBuffer<T> {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `alloc`; freeing waits for work using it (cuMemFree is
+        // synchronous with respect to the device). A failure here cannot be acted on.
+        unsafe {
+            let _ = self.gpu.bind();
+            let _ = result::free_sync(self.ptr);
+        }
+    }
+}

@@ -1,0 +1,258 @@
+//! Context, stream, module loading, launches and timing.
+
+use std::collections::HashMap;
+use std::ffi::{CString, c_void};
+use std::sync::Arc;
+
+use cudarc::driver::{result, sys};
+
+use super::cuda_error;
+use crate::error::{MokError, Result};
+
+/// One GPU: its primary context, one stream every mok call is ordered on, and the kernels.
+pub struct Gpu {
+    inner: Arc<GpuInner>,
+    kernels: Kernels,
+    sync_launches: bool,
+}
+
+pub(crate) struct GpuInner {
+    device: sys::CUdevice,
+    context: sys::CUcontext,
+    pub(crate) stream: sys::CUstream,
+    name: String,
+    compute_capability: (i32, i32),
+    multiprocessors: u32,
+}
+
+// SAFETY: CUDA contexts and streams may be used from any thread once made current there;
+// every entry point calls `bind` first.
+unsafe impl Send for GpuInner {}
+// SAFETY: as above; the driver serialises access to a stream.
+unsafe impl Sync for GpuInner {}
+
+impl GpuInner {
+    /// Makes this GPU's context current on the calling thread.
+    pub(crate) fn bind(&self) -> Result<()> {
+        // SAFETY: the context is retained until `drop`.
+        unsafe { result::ctx::set_current(self.context) }.map_err(|e| cuda_error("cuCtxSetCurrent", e))
+    }
+}
+
+impl Drop for GpuInner {
+    fn drop(&mut self) {
+        // SAFETY: the stream and the primary-context reference were created in `Gpu::new` and
+        // nothing uses them after the last `Arc` is gone. Errors at teardown cannot be acted on.
+        unsafe {
+            let _ = result::ctx::set_current(self.context);
+            let _ = result::stream::synchronize(self.stream);
+            let _ = result::stream::destroy(self.stream);
+            let _ = result::primary_ctx::release(self.device);
+        }
+    }
+}
+
+/// The loaded module and its functions by name.
+pub struct Kernels {
+    module: sys::CUmodule,
+    functions: HashMap<&'static str, sys::CUfunction>,
+}
+
+impl Drop for Kernels {
+    fn drop(&mut self) {
+        // SAFETY: the module was loaded by `Gpu::new` and its functions are not used after this.
+        unsafe {
+            let _ = result::module::unload(self.module);
+        }
+    }
+}
+
+/// A kernel argument, passed by value.
+#[derive(Clone, Copy, Debug)]
+pub enum KernelArg {
+    /// A device pointer (`0` for null).
+    Ptr(u64),
+    /// `u32`.
+    U32(u32),
+    /// `u64`.
+    U64(u64),
+    /// `f32`.
+    F32(f32),
+}
+
+/// Grid, block and dynamic shared memory of a launch.
+#[derive(Clone, Copy, Debug)]
+pub struct LaunchShape {
+    /// Blocks in x, y, z.
+    pub grid: (u32, u32, u32),
+    /// Threads in x (y = z = 1).
+    pub threads: u32,
+    /// Dynamic shared memory in bytes.
+    pub smem_bytes: u32,
+}
+
+impl LaunchShape {
+    /// A 1-D grid of `blocks` blocks.
+    pub fn linear(blocks: u32, threads: u32) -> Self {
+        Self { grid: (blocks.max(1), 1, 1), threads, smem_bytes: 0 }
+    }
+}
+
+impl Gpu {
+    /// Opens GPU `ordinal`, picks the PTX for its architecture from `ptx_by_arch`
+    /// (`(compute capability major, PTX text)`), loads it and resolves `kernel_names`.
+    pub fn new(ordinal: usize, ptx_by_arch: &[(i32, &str)], kernel_names: &[&'static str]) -> Result<Self> {
+        super::probe()?;
+        let device = result::device::get(ordinal as i32).map_err(|e| cuda_error("cuDeviceGet", e))?;
+        // SAFETY: `device` is valid; the primary context is released in `GpuInner::drop`.
+        let context = unsafe { result::primary_ctx::retain(device) }.map_err(|e| cuda_error("cuDevicePrimaryCtxRetain", e))?;
+        // SAFETY: the context was just retained.
+        unsafe { result::ctx::set_current(context) }.map_err(|e| cuda_error("cuCtxSetCurrent", e))?;
+        let attribute = |attribute, call: &str| {
+            // SAFETY: valid device and attribute enum.
+            unsafe { result::device::get_attribute(device, attribute) }.map_err(|e| cuda_error(call, e))
+        };
+        use sys::CUdevice_attribute_enum as Attr;
+        let major = attribute(Attr::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, "cuDeviceGetAttribute(major)")?;
+        let minor = attribute(Attr::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, "cuDeviceGetAttribute(minor)")?;
+        let multiprocessors = attribute(Attr::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, "cuDeviceGetAttribute(SMs)")? as u32;
+        let name = result::device::get_name(device).map_err(|e| cuda_error("cuDeviceGetName", e))?;
+        let stream = result::stream::create(result::stream::StreamKind::NonBlocking).map_err(|e| cuda_error("cuStreamCreate", e))?;
+        let inner = Arc::new(GpuInner { device, context, stream, name: name.clone(), compute_capability: (major, minor), multiprocessors });
+
+        // "a" PTX (sm_90a, sm_100a) runs only on its own major architecture.
+        let Some((_, ptx)) = ptx_by_arch.iter().find(|(arch_major, _)| *arch_major == major) else {
+            return Err(MokError::UnsupportedGpu { name, major, minor });
+        };
+        let source = CString::new(*ptx).map_err(|_| MokError::Cuda { call: "PTX".into(), message: "PTX text contains a NUL byte".into() })?;
+        // SAFETY: `source` is a NUL-terminated PTX image that outlives the call.
+        let module = unsafe { result::module::load_data(source.as_ptr() as *const c_void) }.map_err(|e| cuda_error("cuModuleLoadData (JIT of mok's PTX)", e))?;
+        let mut kernels = Kernels { module, functions: HashMap::new() };
+        for &kernel in kernel_names {
+            let c_name = CString::new(kernel).expect("kernel names have no NUL");
+            // SAFETY: the module is loaded; the name is NUL-terminated.
+            let function = unsafe { result::module::get_function(module, c_name) }.map_err(|e| cuda_error(format!("cuModuleGetFunction({kernel})"), e))?;
+            kernels.functions.insert(kernel, function);
+        }
+        let sync_launches = std::env::var_os("MOK_SYNC_LAUNCHES").is_some_and(|v| v == "1");
+        Ok(Self { inner, kernels, sync_launches })
+    }
+
+    pub(crate) fn inner(&self) -> &Arc<GpuInner> {
+        &self.inner
+    }
+
+    /// Device name as the driver reports it.
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// Compute capability (major, minor).
+    pub fn compute_capability(&self) -> (i32, i32) {
+        self.inner.compute_capability
+    }
+
+    /// Streaming multiprocessors.
+    pub fn multiprocessors(&self) -> u32 {
+        self.inner.multiprocessors
+    }
+
+    /// Sets a kernel's maximum dynamic shared memory (needed above 48 KiB).
+    pub fn set_max_dynamic_smem(&self, kernel: &'static str, bytes: u32) -> Result<()> {
+        let function = self.function(kernel)?;
+        // SAFETY: valid function handle and attribute.
+        unsafe {
+            result::function::set_function_attribute(function, sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)
+        }
+        .map_err(|e| cuda_error(format!("cuFuncSetAttribute({kernel}, max dynamic smem {bytes})"), e))
+    }
+
+    fn function(&self, kernel: &'static str) -> Result<sys::CUfunction> {
+        self.kernels.functions.get(kernel).copied().ok_or_else(|| MokError::Cuda { call: format!("launch {kernel}"), message: "kernel was not loaded (not in the kernel list)".into() })
+    }
+
+    /// Enqueues `kernel` on the stream. Checks the launch result; with `MOK_SYNC_LAUNCHES=1`
+    /// also waits for the kernel and reports an execution fault with the kernel's name.
+    pub fn launch(&self, kernel: &'static str, shape: LaunchShape, args: &[KernelArg]) -> Result<()> {
+        let function = self.function(kernel)?;
+        self.inner.bind()?;
+        // Each argument gets an 8-byte slot; the driver reads the parameter's own size from it
+        // (little-endian, so a u32 is the slot's first 4 bytes).
+        let mut slots: Vec<u64> = args
+            .iter()
+            .map(|arg| match *arg {
+                KernelArg::Ptr(p) | KernelArg::U64(p) => p,
+                KernelArg::U32(v) => v as u64,
+                KernelArg::F32(v) => v.to_bits() as u64,
+            })
+            .collect();
+        let mut params: Vec<*mut c_void> = slots.iter_mut().map(|slot| slot as *mut u64 as *mut c_void).collect();
+        let (gx, gy, gz) = shape.grid;
+        if gx == 0 || gy == 0 || gz == 0 || gy > 65535 || gz > 65535 {
+            return Err(MokError::Cuda { call: format!("launch {kernel}"), message: format!("grid {:?} out of range", shape.grid) });
+        }
+        // SAFETY: `params` points at one live slot per kernel parameter, in order, and the
+        // kernel's parameter list matches `args` (each entry point documents its parameters,
+        // and the launch sites in this crate pass them in that order).
+        unsafe { result::launch_kernel(function, shape.grid, (shape.threads, 1, 1), shape.smem_bytes, self.inner.stream, &mut params) }
+            .map_err(|e| cuda_error(format!("cuLaunchKernel({kernel}, grid {:?}, {} threads, {} B smem)", shape.grid, shape.threads, shape.smem_bytes), e))?;
+        if self.sync_launches {
+            self.synchronize_named(kernel)?;
+        }
+        Ok(())
+    }
+
+    /// Waits for all work on the stream; an execution fault is reported here.
+    pub fn synchronize(&self) -> Result<()> {
+        self.synchronize_named("stream")
+    }
+
+    fn synchronize_named(&self, what: &str) -> Result<()> {
+        self.inner.bind()?;
+        // SAFETY: the stream is alive for as long as `self`.
+        unsafe { result::stream::synchronize(self.inner.stream) }.map_err(|e| cuda_error(format!("cuStreamSynchronize (after {what})"), e))
+    }
+
+    /// A timer whose events are recorded on this GPU's stream.
+    pub fn timer(&self) -> Result<GpuTimer> {
+        self.inner.bind()?;
+        let create = || result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).map_err(|e| cuda_error("cuEventCreate", e));
+        Ok(GpuTimer { start: create()?, stop: create()?, stream: self.inner.stream, _gpu: self.inner.clone() })
+    }
+}
+
+/// Two events around a region of the stream.
+pub struct GpuTimer {
+    start: sys::CUevent,
+    stop: sys::CUevent,
+    stream: sys::CUstream,
+    _gpu: Arc<GpuInner>,
+}
+
+impl GpuTimer {
+    /// Records the start event.
+    pub fn start(&self) -> Result<()> {
+        // SAFETY: live event and stream.
+        unsafe { result::event::record(self.start, self.stream) }.map_err(|e| cuda_error("cuEventRecord", e))
+    }
+
+    /// Records the stop event, waits for it, and returns the milliseconds between the two.
+    pub fn stop_ms(&self) -> Result<f32> {
+        // SAFETY: live events and stream.
+        unsafe {
+            result::event::record(self.stop, self.stream).map_err(|e| cuda_error("cuEventRecord", e))?;
+            result::event::synchronize(self.stop).map_err(|e| cuda_error("cuEventSynchronize", e))?;
+            result::event::elapsed(self.start, self.stop).map_err(|e| cuda_error("cuEventElapsedTime", e))
+        }
+    }
+}
+
+impl Drop for GpuTimer {
+    fn drop(&mut self) {
+        // SAFETY: the events were created in `Gpu::timer` and are not used after this.
+        unsafe {
+            let _ = result::event::destroy(self.start);
+            let _ = result::event::destroy(self.stop);
+        }
+    }
+}

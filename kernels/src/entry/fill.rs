@@ -1,0 +1,42 @@
+//! Buffer fills: poisoning, clearing, and device-side random data for tests and benchmarks
+//! (generating frontier-size weights on the host would dominate a test's time).
+
+use crate::num::random_uniform;
+use crate::ptx::convert::f32_to_bf16;
+use crate::ptx::sreg;
+
+/// Index of this thread in the grid, and the grid's thread count.
+#[inline(always)]
+fn grid_thread() -> (usize, usize) {
+    let threads = (sreg::block_dim_x() * sreg::grid_dim_x()) as usize;
+    ((sreg::block_idx_x() * sreg::block_dim_x() + sreg::thread_idx_x()) as usize, threads)
+}
+
+/// Fills `count` u32 words with `value` (poisoning and clearing device buffers).
+///
+/// # Safety
+/// `dst` must hold `count` words.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn mok_fill_u32(dst: *mut u32, count: u64, value: u32) {
+    let (mut i, stride) = grid_thread();
+    while (i as u64) < count {
+        // SAFETY: i < count.
+        unsafe { *dst.add(i) = value };
+        i += stride;
+    }
+}
+
+/// `dst[i] = bf16(scale · u(seed, i))` with `u` uniform in [-1, 1) ([`random_uniform`]): the
+/// same values the host computes for the same seed, whatever the grid.
+///
+/// # Safety
+/// `dst` must hold `count` bf16.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn mok_fill_random_bf16(dst: *mut u16, count: u64, seed: u64, scale: f32) {
+    let (mut i, stride) = grid_thread();
+    while (i as u64) < count {
+        // SAFETY: i < count.
+        unsafe { *dst.add(i) = f32_to_bf16(scale * random_uniform(seed, i as u64)) };
+        i += stride;
+    }
+}

@@ -1,0 +1,179 @@
+//! `cargo xtask gpu-bundle`: the release GPU test binaries, the bench binaries and the demo, in
+//! one folder with a `run.sh`, to copy to the GPU machine and run there.
+//!
+//! Layout: `tests/` (one libtest binary per test target, hash suffix dropped), `benches/` (bench
+//! binaries and `benches/*.py`), `bin/` (`mok-demo`), `run.sh`.
+
+use std::env;
+use std::fs;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use anyhow::{Context, Result, bail};
+
+use crate::json::{self, Json};
+use crate::{cargo, describe};
+
+const RUN_SH: &str = include_str!("run.sh");
+
+/// One `compiler-artifact` message of cargo's JSON output that has an executable.
+#[derive(Debug)]
+struct Artifact {
+    manifest_path: PathBuf,
+    target_name: String,
+    kinds: Vec<String>,
+    /// Built as a libtest harness (`profile.test`).
+    test: bool,
+    executable: PathBuf,
+}
+
+fn artifact_of(message: &Json) -> Option<Artifact> {
+    if message.get("reason")?.as_str()? != "compiler-artifact" {
+        return None;
+    }
+    let target = message.get("target")?;
+    Some(Artifact {
+        manifest_path: PathBuf::from(message.get("manifest_path")?.as_str()?),
+        target_name: target.get("name")?.as_str()?.to_string(),
+        kinds: target.get("kind")?.as_array()?.iter().filter_map(|kind| kind.as_str().map(str::to_string)).collect(),
+        test: message.get("profile").and_then(|profile| profile.get("test")).and_then(Json::as_bool).unwrap_or(false),
+        executable: PathBuf::from(message.get("executable")?.as_str()?),
+    })
+}
+
+/// Runs a cargo build `command` with JSON messages (diagnostics still rendered on stderr) and
+/// returns the executables it made for the workspace root's package (`mok`).
+fn build_executables(root: &Path, command: &mut Command) -> Result<Vec<Artifact>> {
+    command.arg("--message-format=json-render-diagnostics").stdout(Stdio::piped());
+    let described = describe(command);
+    println!("gpu-bundle: {described}");
+    let mut child = command.spawn().with_context(|| format!("cannot start `{described}`"))?;
+    let stdout = child.stdout.take().context("no stdout pipe")?;
+    let manifest = canonical(&root.join("Cargo.toml"));
+    let mut artifacts = Vec::new();
+    for line in BufReader::new(stdout).lines() {
+        let line = line.with_context(|| format!("reading the output of `{described}`"))?;
+        if !line.starts_with('{') {
+            continue;
+        }
+        let message = json::parse(&line).map_err(|why| anyhow::anyhow!("`{described}` printed bad JSON ({why}): {line}"))?;
+        if let Some(artifact) = artifact_of(&message)
+            && canonical(&artifact.manifest_path) == manifest
+        {
+            artifacts.push(artifact);
+        }
+    }
+    let status = child.wait().with_context(|| format!("waiting for `{described}`"))?;
+    if !status.success() {
+        bail!("`{described}` failed ({status})");
+    }
+    Ok(artifacts)
+}
+
+fn canonical(path: &Path) -> PathBuf {
+    fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf())
+}
+
+/// Copies `from` to `to` and strips its debug info when `strip` is available.
+fn install(from: &Path, to: &Path, strip: bool) -> Result<()> {
+    fs::copy(from, to).with_context(|| format!("cannot copy {} to {}", from.display(), to.display()))?;
+    if strip {
+        crate::run(Command::new("strip").arg("--strip-debug").arg(to))?;
+    }
+    Ok(())
+}
+
+fn dir_size(path: &Path) -> Result<u64> {
+    let mut total = 0;
+    for entry in fs::read_dir(path).with_context(|| format!("cannot list {}", path.display()))? {
+        let entry = entry?;
+        let kind = entry.file_type()?;
+        if kind.is_dir() {
+            total += dir_size(&entry.path())?;
+        } else if kind.is_file() {
+            total += entry.metadata()?.len();
+        }
+    }
+    Ok(total)
+}
+
+pub fn gpu_bundle(root: &Path, out: PathBuf) -> Result<()> {
+    let out = if out.is_absolute() { out } else { env::current_dir().context("no current folder")?.join(out) };
+    let tests_dir = out.join("tests");
+    let benches_dir = out.join("benches");
+    let bin_dir = out.join("bin");
+    // Replace what an earlier bundle left; leave anything else in the folder alone.
+    for dir in [&tests_dir, &benches_dir, &bin_dir] {
+        if dir.exists() {
+            fs::remove_dir_all(dir).with_context(|| format!("cannot remove {}", dir.display()))?;
+        }
+        fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    }
+    let strip = Command::new("strip").arg("--version").stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success());
+    if !strip {
+        println!("gpu-bundle: `strip` not found: the binaries keep their line tables");
+    }
+
+    // 1. Test binaries: every libtest harness of `mok` (integration tests and unit tests).
+    let tests = build_executables(
+        root,
+        cargo(root).args(["test", "--release", "--features", "gpu-tests", "--no-run", "-p", "mok"]),
+    )?;
+    let mut names = Vec::new();
+    for artifact in tests.iter().filter(|artifact| artifact.test) {
+        let kind = artifact.kinds.first().map_or("unknown", String::as_str);
+        // Integration tests keep their name; a lib's or bin's unit tests get the kind appended.
+        let name = if kind == "test" { artifact.target_name.clone() } else { format!("{}-{kind}", artifact.target_name) };
+        if names.contains(&name) {
+            bail!("two test binaries are both named `{name}`");
+        }
+        install(&artifact.executable, &tests_dir.join(&name), strip)?;
+        names.push(name);
+    }
+
+    // 2. Bench binaries (`[[bench]]` targets) and the scripts next to their sources.
+    let benches = build_executables(root, cargo(root).args(["bench", "--no-run", "-p", "mok"]))?;
+    let mut bench_names = Vec::new();
+    for artifact in benches.iter().filter(|artifact| artifact.kinds.iter().any(|kind| kind == "bench")) {
+        install(&artifact.executable, &benches_dir.join(&artifact.target_name), strip)?;
+        bench_names.push(artifact.target_name.clone());
+    }
+    let bench_sources = root.join("benches");
+    if bench_sources.is_dir() {
+        for entry in fs::read_dir(&bench_sources).with_context(|| format!("cannot list {}", bench_sources.display()))? {
+            let path = entry?.path();
+            if path.is_file() && path.extension().is_some_and(|ext| ext == "py") {
+                let name = path.file_name().unwrap_or_default();
+                fs::copy(&path, benches_dir.join(name)).with_context(|| format!("cannot copy {}", path.display()))?;
+                bench_names.push(name.to_string_lossy().into_owned());
+            }
+        }
+    }
+
+    // 3. The demo (and any other binary of `mok`).
+    let bins = build_executables(root, cargo(root).args(["build", "--release", "-p", "mok", "--bins"]))?;
+    let mut bin_names = Vec::new();
+    for artifact in bins.iter().filter(|artifact| artifact.kinds.iter().any(|kind| kind == "bin")) {
+        install(&artifact.executable, &bin_dir.join(&artifact.target_name), strip)?;
+        bin_names.push(artifact.target_name.clone());
+    }
+
+    // 4. The runner.
+    let run_sh = out.join("run.sh");
+    fs::write(&run_sh, RUN_SH).with_context(|| format!("cannot write {}", run_sh.display()))?;
+    {
+        use std::os::unix::fs::PermissionsExt;
+        fs::set_permissions(&run_sh, fs::Permissions::from_mode(0o755))
+            .with_context(|| format!("cannot chmod {}", run_sh.display()))?;
+    }
+
+    let size = dir_size(&out)?;
+    println!("gpu-bundle: {}", out.display());
+    println!("  tests/   ({}): {}", names.len(), names.join(" "));
+    println!("  benches/ ({}): {}", bench_names.len(), bench_names.join(" "));
+    println!("  bin/     ({}): {}", bin_names.len(), bin_names.join(" "));
+    println!("  run.sh   (usage: run.sh [--bench] [TEST-ARGS...])");
+    println!("gpu-bundle: size {:.1} MiB ({size} bytes)", size as f64 / (1024.0 * 1024.0));
+    Ok(())
+}
