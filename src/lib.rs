@@ -1,1 +1,33 @@
-//! placeholder
+//! # mok
+//!
+//! A deterministic mixture-of-experts layer for training, written entirely in Rust: kernels
+//! compiled to PTX by rustc's NVPTX backend (crate `mok-kernels`), driven by a host crate over
+//! the CUDA driver API (crate `mok-host`). This facade embeds the PTX that `build.rs` produced
+//! for sm_90a (Hopper) and sm_100a (Blackwell) and re-exports the host API.
+//!
+//! ```no_run
+//! use mok::{MoeConfig, open_gpu, unfused::{DeviceExperts, UnfusedLayer}};
+//! # fn main() -> mok::Result<()> {
+//! let gpu = open_gpu(0)?;
+//! let config = MoeConfig::new(4096, 7168, 2048, 384, 8);
+//! let experts = DeviceExperts::random(&gpu, &config, 1, 0.02)?;
+//! let mut layer = UnfusedLayer::new(&gpu, config)?;
+//! # Ok(()) }
+//! ```
+
+pub use mok_host::{MoeConfig, MokError, Result, config, driver, error, layout, problem, reference, unfused};
+pub use mok_kernels as kernels;
+
+/// PTX of every kernel for Hopper (sm_90a), built by `build.rs`.
+pub const PTX_SM90A: &str = include_str!(concat!(env!("OUT_DIR"), "/mok_sm90a.ptx"));
+/// PTX of every kernel for Blackwell (sm_100a), built by `build.rs`. Assembled by ptxas in CI;
+/// not yet run on Blackwell hardware.
+pub const PTX_SM100A: &str = include_str!(concat!(env!("OUT_DIR"), "/mok_sm100a.ptx"));
+
+/// Opens GPU `ordinal` with mok's kernels loaded (the PTX matching its architecture).
+///
+/// Fails with [`MokError::NoDriver`] on a machine without a CUDA driver and with
+/// [`MokError::UnsupportedGpu`] on a GPU that is neither Hopper nor Blackwell.
+pub fn open_gpu(ordinal: usize) -> Result<driver::Gpu> {
+    driver::Gpu::new(ordinal, &[(9, PTX_SM90A), (10, PTX_SM100A)], unfused::KERNEL_NAMES)
+}

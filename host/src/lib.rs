@@ -9,6 +9,7 @@
 pub mod config;
 pub mod driver;
 pub mod error;
+pub mod layout;
 pub mod problem;
 pub mod reference;
 pub mod unfused;

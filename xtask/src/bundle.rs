@@ -17,6 +17,10 @@ use crate::{cargo, describe};
 
 const RUN_SH: &str = include_str!("run.sh");
 
+/// Every build of the bundle: release, GPU tests on, the facade package only. One feature set and
+/// one profile for all three builds, so they share the library.
+const BUILD_ARGS: [&str; 5] = ["--release", "--features", "gpu-tests", "-p", "mok"];
+
 /// One `compiler-artifact` message of cargo's JSON output that has an executable.
 #[derive(Debug)]
 struct Artifact {
@@ -36,8 +40,17 @@ fn artifact_of(message: &Json) -> Option<Artifact> {
     Some(Artifact {
         manifest_path: PathBuf::from(message.get("manifest_path")?.as_str()?),
         target_name: target.get("name")?.as_str()?.to_string(),
-        kinds: target.get("kind")?.as_array()?.iter().filter_map(|kind| kind.as_str().map(str::to_string)).collect(),
-        test: message.get("profile").and_then(|profile| profile.get("test")).and_then(Json::as_bool).unwrap_or(false),
+        kinds: target
+            .get("kind")?
+            .as_array()?
+            .iter()
+            .filter_map(|kind| kind.as_str().map(str::to_string))
+            .collect(),
+        test: message
+            .get("profile")
+            .and_then(|profile| profile.get("test"))
+            .and_then(Json::as_bool)
+            .unwrap_or(false),
         executable: PathBuf::from(message.get("executable")?.as_str()?),
     })
 }
@@ -45,10 +58,14 @@ fn artifact_of(message: &Json) -> Option<Artifact> {
 /// Runs a cargo build `command` with JSON messages (diagnostics still rendered on stderr) and
 /// returns the executables it made for the workspace root's package (`mok`).
 fn build_executables(root: &Path, command: &mut Command) -> Result<Vec<Artifact>> {
-    command.arg("--message-format=json-render-diagnostics").stdout(Stdio::piped());
+    command
+        .arg("--message-format=json-render-diagnostics")
+        .stdout(Stdio::piped());
     let described = describe(command);
     println!("gpu-bundle: {described}");
-    let mut child = command.spawn().with_context(|| format!("cannot start `{described}`"))?;
+    let mut child = command
+        .spawn()
+        .with_context(|| format!("cannot start `{described}`"))?;
     let stdout = child.stdout.take().context("no stdout pipe")?;
     let manifest = canonical(&root.join("Cargo.toml"));
     let mut artifacts = Vec::new();
@@ -57,14 +74,17 @@ fn build_executables(root: &Path, command: &mut Command) -> Result<Vec<Artifact>
         if !line.starts_with('{') {
             continue;
         }
-        let message = json::parse(&line).map_err(|why| anyhow::anyhow!("`{described}` printed bad JSON ({why}): {line}"))?;
+        let message = json::parse(&line)
+            .map_err(|why| anyhow::anyhow!("`{described}` printed bad JSON ({why}): {line}"))?;
         if let Some(artifact) = artifact_of(&message)
             && canonical(&artifact.manifest_path) == manifest
         {
             artifacts.push(artifact);
         }
     }
-    let status = child.wait().with_context(|| format!("waiting for `{described}`"))?;
+    let status = child
+        .wait()
+        .with_context(|| format!("waiting for `{described}`"))?;
     if !status.success() {
         bail!("`{described}` failed ({status})");
     }
@@ -77,7 +97,8 @@ fn canonical(path: &Path) -> PathBuf {
 
 /// Copies `from` to `to` and strips its debug info when `strip` is available.
 fn install(from: &Path, to: &Path, strip: bool) -> Result<()> {
-    fs::copy(from, to).with_context(|| format!("cannot copy {} to {}", from.display(), to.display()))?;
+    fs::copy(from, to)
+        .with_context(|| format!("cannot copy {} to {}", from.display(), to.display()))?;
     if strip {
         crate::run(Command::new("strip").arg("--strip-debug").arg(to))?;
     }
@@ -99,7 +120,11 @@ fn dir_size(path: &Path) -> Result<u64> {
 }
 
 pub fn gpu_bundle(root: &Path, out: PathBuf) -> Result<()> {
-    let out = if out.is_absolute() { out } else { env::current_dir().context("no current folder")?.join(out) };
+    let out = if out.is_absolute() {
+        out
+    } else {
+        env::current_dir().context("no current folder")?.join(out)
+    };
     let tests_dir = out.join("tests");
     let benches_dir = out.join("benches");
     let bin_dir = out.join("bin");
@@ -110,7 +135,12 @@ pub fn gpu_bundle(root: &Path, out: PathBuf) -> Result<()> {
         }
         fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     }
-    let strip = Command::new("strip").arg("--version").stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success());
+    let strip = Command::new("strip")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
     if !strip {
         println!("gpu-bundle: `strip` not found: the binaries keep their line tables");
     }
@@ -118,13 +148,17 @@ pub fn gpu_bundle(root: &Path, out: PathBuf) -> Result<()> {
     // 1. Test binaries: every libtest harness of `mok` (integration tests and unit tests).
     let tests = build_executables(
         root,
-        cargo(root).args(["test", "--release", "--features", "gpu-tests", "--no-run", "-p", "mok"]),
+        cargo(root).args(["test", "--no-run"]).args(BUILD_ARGS),
     )?;
     let mut names = Vec::new();
     for artifact in tests.iter().filter(|artifact| artifact.test) {
         let kind = artifact.kinds.first().map_or("unknown", String::as_str);
         // Integration tests keep their name; a lib's or bin's unit tests get the kind appended.
-        let name = if kind == "test" { artifact.target_name.clone() } else { format!("{}-{kind}", artifact.target_name) };
+        let name = if kind == "test" {
+            artifact.target_name.clone()
+        } else {
+            format!("{}-{kind}", artifact.target_name)
+        };
         if names.contains(&name) {
             bail!("two test binaries are both named `{name}`");
         }
@@ -133,29 +167,51 @@ pub fn gpu_bundle(root: &Path, out: PathBuf) -> Result<()> {
     }
 
     // 2. Bench binaries (`[[bench]]` targets) and the scripts next to their sources.
-    let benches = build_executables(root, cargo(root).args(["bench", "--no-run", "-p", "mok"]))?;
+    // `cargo build --benches` rather than `cargo bench --no-run`: the release profile and the
+    // same features as the tests, so the library and its PTX are built once, not once per profile.
+    let benches = build_executables(
+        root,
+        cargo(root).args(["build", "--benches"]).args(BUILD_ARGS),
+    )?;
     let mut bench_names = Vec::new();
-    for artifact in benches.iter().filter(|artifact| artifact.kinds.iter().any(|kind| kind == "bench")) {
-        install(&artifact.executable, &benches_dir.join(&artifact.target_name), strip)?;
+    for artifact in benches
+        .iter()
+        .filter(|artifact| artifact.kinds.iter().any(|kind| kind == "bench"))
+    {
+        install(
+            &artifact.executable,
+            &benches_dir.join(&artifact.target_name),
+            strip,
+        )?;
         bench_names.push(artifact.target_name.clone());
     }
     let bench_sources = root.join("benches");
     if bench_sources.is_dir() {
-        for entry in fs::read_dir(&bench_sources).with_context(|| format!("cannot list {}", bench_sources.display()))? {
+        for entry in fs::read_dir(&bench_sources)
+            .with_context(|| format!("cannot list {}", bench_sources.display()))?
+        {
             let path = entry?.path();
             if path.is_file() && path.extension().is_some_and(|ext| ext == "py") {
                 let name = path.file_name().unwrap_or_default();
-                fs::copy(&path, benches_dir.join(name)).with_context(|| format!("cannot copy {}", path.display()))?;
+                fs::copy(&path, benches_dir.join(name))
+                    .with_context(|| format!("cannot copy {}", path.display()))?;
                 bench_names.push(name.to_string_lossy().into_owned());
             }
         }
     }
 
     // 3. The demo (and any other binary of `mok`).
-    let bins = build_executables(root, cargo(root).args(["build", "--release", "-p", "mok", "--bins"]))?;
+    let bins = build_executables(root, cargo(root).args(["build", "--bins"]).args(BUILD_ARGS))?;
     let mut bin_names = Vec::new();
-    for artifact in bins.iter().filter(|artifact| artifact.kinds.iter().any(|kind| kind == "bin")) {
-        install(&artifact.executable, &bin_dir.join(&artifact.target_name), strip)?;
+    for artifact in bins
+        .iter()
+        .filter(|artifact| artifact.kinds.iter().any(|kind| kind == "bin"))
+    {
+        install(
+            &artifact.executable,
+            &bin_dir.join(&artifact.target_name),
+            strip,
+        )?;
         bin_names.push(artifact.target_name.clone());
     }
 
@@ -171,9 +227,16 @@ pub fn gpu_bundle(root: &Path, out: PathBuf) -> Result<()> {
     let size = dir_size(&out)?;
     println!("gpu-bundle: {}", out.display());
     println!("  tests/   ({}): {}", names.len(), names.join(" "));
-    println!("  benches/ ({}): {}", bench_names.len(), bench_names.join(" "));
+    println!(
+        "  benches/ ({}): {}",
+        bench_names.len(),
+        bench_names.join(" ")
+    );
     println!("  bin/     ({}): {}", bin_names.len(), bin_names.join(" "));
     println!("  run.sh   (usage: run.sh [--bench] [TEST-ARGS...])");
-    println!("gpu-bundle: size {:.1} MiB ({size} bytes)", size as f64 / (1024.0 * 1024.0));
+    println!(
+        "gpu-bundle: size {:.1} MiB ({size} bytes)",
+        size as f64 / (1024.0 * 1024.0)
+    );
     Ok(())
 }

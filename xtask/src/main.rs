@@ -25,7 +25,11 @@ use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "cargo xtask", about = "mok's developer and CI tasks")]
+#[command(
+    name = "cargo xtask",
+    bin_name = "cargo xtask",
+    about = "mok's developer and CI tasks"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Task,
@@ -49,7 +53,8 @@ enum Task {
         #[arg(long)]
         out: Option<PathBuf>,
     },
-    /// Run `mok-demo` (release build) with the given arguments.
+    /// Run `mok-demo` (release build) with the given arguments (all forwarded, `--help` too).
+    #[command(disable_help_flag = true)]
     Demo {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<OsString>,
@@ -65,7 +70,9 @@ fn main() -> ExitCode {
         Task::Setup => setup::setup(),
         Task::Ptx { check_reproducible } => ptx::ptx(&root, check_reproducible),
         Task::Test => test(&root),
-        Task::GpuBundle { out } => bundle::gpu_bundle(&root, out.unwrap_or_else(|| root.join("bundle"))),
+        Task::GpuBundle { out } => {
+            bundle::gpu_bundle(&root, out.unwrap_or_else(|| root.join("bundle")))
+        }
         Task::Demo { args } => return demo(&root, &args),
     };
     match result {
@@ -96,7 +103,9 @@ pub fn describe(command: &Command) -> String {
 /// Runs `command` with inherited output; an error names the command.
 pub fn run(command: &mut Command) -> Result<()> {
     let described = describe(command);
-    let status = command.status().with_context(|| format!("cannot start `{described}`"))?;
+    let status = command
+        .status()
+        .with_context(|| format!("cannot start `{described}`"))?;
     if !status.success() {
         bail!("`{described}` failed ({status})");
     }
@@ -122,7 +131,14 @@ pub fn cargo(root: &Path) -> Command {
 fn test(root: &Path) -> Result<()> {
     let cargo_steps: [&[&str]; 3] = [
         &["fmt", "--all", "--check"],
-        &["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"],
+        &[
+            "clippy",
+            "--workspace",
+            "--all-targets",
+            "--",
+            "-D",
+            "warnings",
+        ],
         &["test", "--workspace"],
     ];
     let total = 2 + cargo_steps.len();
@@ -139,11 +155,15 @@ fn test(root: &Path) -> Result<()> {
         let mut hint = "";
         if args[0] == "fmt" || args[0] == "clippy" {
             // A missing component shows as cargo's "no such command".
-            if !capture(cargo(root).args([args[0], "--version"]))?.status.success() {
+            if !capture(cargo(root).args([args[0], "--version"]))?
+                .status
+                .success()
+            {
                 hint = " (is the component installed? `rustup component add rustfmt clippy`)";
             }
         }
-        run(&mut command).with_context(|| format!("xtask test: step {step} (`{described}`) failed{hint}"))?;
+        run(&mut command)
+            .with_context(|| format!("xtask test: step {step} (`{described}`) failed{hint}"))?;
     }
     println!("xtask test: all steps passed");
     Ok(())
@@ -151,12 +171,20 @@ fn test(root: &Path) -> Result<()> {
 
 fn demo(root: &Path, args: &[OsString]) -> ExitCode {
     let mut command = cargo(root);
-    command.args(["run", "--release", "-p", "mok", "--bin", "mok-demo", "--"]).args(args);
+    command
+        .args(["run", "--release", "-p", "mok", "--bin", "mok-demo", "--"])
+        .args(args);
     match command.status() {
         Ok(status) if status.success() => ExitCode::SUCCESS,
         Ok(status) => {
             eprintln!("error: `{}` failed ({status})", describe(&command));
-            ExitCode::from(status.code().and_then(|code| u8::try_from(code).ok()).filter(|&code| code != 0).unwrap_or(1))
+            ExitCode::from(
+                status
+                    .code()
+                    .and_then(|code| u8::try_from(code).ok())
+                    .filter(|&code| code != 0)
+                    .unwrap_or(1),
+            )
         }
         Err(error) => {
             eprintln!("error: cannot start `{}`: {error}", describe(&command));

@@ -37,7 +37,7 @@ with_limit() {
 passed=0
 failed=0
 for bin in "$here"/tests/*; do
-    [ -f "$bin" ] && [ -x "$bin" ] || continue
+    if [ ! -f "$bin" ] || [ ! -x "$bin" ]; then continue; fi
     name=$(basename "$bin")
     log="$log_dir/$name.log"
     echo "=== $name"
@@ -71,7 +71,7 @@ done
 bench_failures=0
 if [ "$run_bench" = 1 ]; then
     for bin in "$here"/benches/*; do
-        [ -f "$bin" ] && [ -x "$bin" ] || continue
+        if [ ! -f "$bin" ] || [ ! -x "$bin" ]; then continue; fi
         case "$bin" in *.py) continue ;; esac
         name=$(basename "$bin")
         echo "=== bench $name"

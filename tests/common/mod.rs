@@ -1,0 +1,111 @@
+//! Test support shared by the GPU test binaries: random problems and comparisons.
+#![allow(dead_code)]
+
+use half::bf16;
+use mok::kernels::num::random_uniform;
+use mok::problem::{ExpertWeights, RoutedTokens, SharedExpertWeights};
+use mok::MoeConfig;
+
+/// One random problem: inputs, weights and an output gradient.
+pub struct Case {
+    pub config: MoeConfig,
+    pub tokens: RoutedTokens,
+    pub experts: ExpertWeights,
+    pub shared: Option<SharedExpertWeights>,
+    pub dy: Vec<bf16>,
+}
+
+/// How slots are routed in a random case.
+#[derive(Clone, Copy)]
+pub struct Routing<'a> {
+    /// Probability that a slot is dropped (id -1).
+    pub drop_probability: f32,
+    /// Experts that never receive a token.
+    pub empty_experts: &'a [usize],
+}
+
+pub const PLAIN_ROUTING: Routing<'static> = Routing { drop_probability: 0.0, empty_experts: &[] };
+
+/// `count` bf16 uniform in ±`scale` from `seed` (the same values `mok_fill_random_bf16` makes).
+pub fn random_bf16(count: usize, seed: u64, scale: f32) -> Vec<bf16> {
+    (0..count).map(|i| bf16::from_f32(scale * random_uniform(seed, i as u64))).collect()
+}
+
+/// Weight scale that keeps a dot product of `fan_in` U(-1,1)-sized terms at about unit size.
+pub fn weight_scale(fan_in: usize) -> f32 {
+    3.0 / (fan_in as f32).sqrt()
+}
+
+/// Random top-k ids (distinct per token, never an empty expert), weights in (0, 1).
+pub fn random_routing(config: &MoeConfig, seed: u64, routing: Routing<'_>) -> (Vec<i32>, Vec<f32>) {
+    let (t, k, e) = (config.tokens_per_rank, config.top_k, config.num_experts);
+    let allowed: Vec<i32> = (0..e).filter(|x| !routing.empty_experts.contains(x)).map(|x| x as i32).collect();
+    assert!(allowed.len() >= k, "not enough non-empty experts for top-k");
+    let mut draw = 0u64;
+    let mut next = || {
+        draw += 1;
+        (random_uniform(seed ^ 0x5eed, draw) + 1.0) / 2.0
+    };
+    let mut ids = Vec::with_capacity(t * k);
+    let mut weights = Vec::with_capacity(t * k);
+    for _ in 0..t {
+        let mut row: Vec<i32> = Vec::with_capacity(k);
+        while row.len() < k {
+            let pick = allowed[((next() * allowed.len() as f32) as usize).min(allowed.len() - 1)];
+            if !row.contains(&pick) {
+                row.push(pick);
+            }
+        }
+        for id in row {
+            ids.push(if next() < routing.drop_probability { -1 } else { id });
+            weights.push(0.05 + 0.9 * next());
+        }
+    }
+    (ids, weights)
+}
+
+/// A whole random case generated on the host.
+pub fn random_case(config: &MoeConfig, seed: u64, routing: Routing<'_>) -> Case {
+    let (h, i, e) = (config.hidden, config.intermediate, config.local_experts());
+    let experts = ExpertWeights {
+        w_gate: random_bf16(e * i * h, seed ^ 12, weight_scale(h)),
+        w_up: random_bf16(e * i * h, seed ^ 13, weight_scale(h)),
+        w_down: random_bf16(e * h * i, seed ^ 14, weight_scale(i)),
+    };
+    random_case_with_experts(config, seed, routing, experts)
+}
+
+/// A random case around given routed-expert weights.
+pub fn random_case_with_experts(config: &MoeConfig, seed: u64, routing: Routing<'_>, experts: ExpertWeights) -> Case {
+    let (t, h) = (config.tokens_per_rank, config.hidden);
+    let (topk_ids, topk_weights) = random_routing(config, seed, routing);
+    let tokens = RoutedTokens { x: random_bf16(t * h, seed ^ 11, 1.0), topk_ids, topk_weights };
+    let shared = config.shared_intermediate.map(|is| SharedExpertWeights {
+        ws_gate: random_bf16(is * h, seed ^ 15, weight_scale(h)),
+        ws_up: random_bf16(is * h, seed ^ 16, weight_scale(h)),
+        ws_down: random_bf16(h * is, seed ^ 17, weight_scale(is)),
+    });
+    let dy = random_bf16(t * h, seed ^ 18, 1.0);
+    Case { config: config.clone(), tokens, experts, shared, dy }
+}
+
+/// `‖actual − expected‖ / ‖expected‖`, NaN if anything is NaN (never passes a `<` check).
+pub fn rel_err<T: Copy + Into<f64>>(actual: &[T], expected: &[f64]) -> f64 {
+    mok::reference::relative_error(actual.iter().map(|&v| v.into()), expected)
+}
+
+/// bf16 slice as f64.
+pub fn bf16_f64(values: &[bf16]) -> Vec<f64> {
+    values.iter().map(|v| v.to_f64()).collect()
+}
+
+/// FNV-1a over the bytes of a slice: a cheap bitwise fingerprint for determinism checks.
+pub fn fingerprint<T: bytemuck::Pod>(values: &[T]) -> u64 {
+    bytemuck::cast_slice::<T, u8>(values).iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
+}
+
+/// Asserts `error < tolerance` and prints the measurement (the docs quote these lines).
+pub fn check(what: &str, error: f64, tolerance: f64) {
+    println!("  {what:<34} rel err {error:.3e}  (tolerance {tolerance:.0e})");
+    assert!(error < tolerance, "{what}: relative error {error:e} is not below {tolerance:e}");
+}
