@@ -21,7 +21,9 @@ fn main() {
 
     let linker = env::current_exe().expect("build script knows its own path");
     for arch in ptx_builder::ALL_ARCHS {
-        if let Err(message) = ptx_builder::build_ptx(&kernels_dir, &out_dir.join("kernels-target"), &out_dir, arch, &linker) {
+        if let Err(message) =
+            ptx_builder::build_ptx(&kernels_dir, &out_dir.join("kernels-target"), &out_dir, arch, &linker)
+        {
             // One line that names the fix: cargo shows it as the build failure.
             panic!("mok: {message}");
         }

@@ -1,1 +1,168 @@
-fn main() {}
+//! Benchmark of the whole MoE layer on one GPU (all experts local, random top-k routing):
+//! mok's unfused path, forward and forward + backward, next to the PyTorch baseline measured in
+//! the same device call (`benches/torch_moe.py`, passed with `--baseline FILE`) and the two
+//! floors (FLOPs at the measured bf16 matmul rate, minimum bytes at the measured copy rate).
+//!
+//! `layer [--cases kimi:8192,qwen:32768] [--reps N] [--baseline FILE] [--matmul-tflops R]
+//! [--copy-tbps B]`. Without a GPU it says so and exits 0 (a benchmark is not a test).
+
+use std::collections::HashMap;
+
+use anyhow::{Context, Result, bail};
+use half::bf16;
+use mok::driver::Gpu;
+use mok::kernels::num::random_uniform;
+use mok::problem::RoutedTokens;
+use mok::shapes::{FrontierShape, backward_min_bytes, forward_flops, forward_min_bytes};
+use mok::unfused::{DeviceExperts, DeviceTokens, UnfusedLayer, random_bf16};
+
+struct Args {
+    cases: Vec<(FrontierShape, usize)>,
+    reps: usize,
+    baseline: HashMap<(String, usize), (f64, f64)>,
+    matmul_tflops: f64,
+    copy_tbps: f64,
+}
+
+fn parse_args() -> Result<Args> {
+    let mut args =
+        Args { cases: Vec::new(), reps: 10, baseline: HashMap::new(), matmul_tflops: 783.0, copy_tbps: 4.23 };
+    let mut cases = "kimi:8192,glm:8192,qwen:8192,deepseek:8192".to_string();
+    let mut it = std::env::args().skip(1).filter(|a| a != "--bench");
+    while let Some(arg) = it.next() {
+        let mut value = || it.next().with_context(|| format!("{arg} needs a value"));
+        match arg.as_str() {
+            "--cases" => cases = value()?,
+            "--reps" => args.reps = value()?.parse()?,
+            "--matmul-tflops" => args.matmul_tflops = value()?.parse()?,
+            "--copy-tbps" => args.copy_tbps = value()?.parse()?,
+            "--baseline" => {
+                let path = value()?;
+                let text = std::fs::read_to_string(&path).with_context(|| format!("reading {path}"))?;
+                for line in text.lines().filter(|l| l.starts_with("BASELINE")) {
+                    let f: Vec<&str> = line.split_whitespace().collect();
+                    args.baseline.insert((f[1].to_string(), f[2].parse()?), (f[3].parse()?, f[4].parse()?));
+                }
+            }
+            other => bail!("unknown argument {other}"),
+        }
+    }
+    for case in cases.split(',') {
+        let (name, tokens) = case.split_once(':').with_context(|| format!("case {case} is not shape:tokens"))?;
+        args.cases
+            .push((FrontierShape::by_name(name).with_context(|| format!("unknown shape {name}"))?, tokens.parse()?));
+    }
+    Ok(args)
+}
+
+fn random_tokens(config: &mok::MoeConfig, seed: u64) -> RoutedTokens {
+    let (t, h, k, e) = (config.tokens_per_rank, config.hidden, config.top_k, config.num_experts);
+    let mut draw = 0u64;
+    let mut topk_ids = Vec::with_capacity(t * k);
+    for _ in 0..t {
+        let start = topk_ids.len();
+        while topk_ids.len() < start + k {
+            draw += 1;
+            let id = (((random_uniform(seed, draw) + 1.0) / 2.0 * e as f32) as i32).min(e as i32 - 1);
+            if !topk_ids[start..].contains(&id) {
+                topk_ids.push(id);
+            }
+        }
+    }
+    let topk_weights = (0..t * k).map(|i| (random_uniform(seed ^ 3, i as u64) + 1.0) / (2.0 * k as f32)).collect();
+    let x = (0..t * h).map(|i| bf16::from_f32(random_uniform(seed ^ 5, i as u64))).collect();
+    RoutedTokens { x, topk_ids, topk_weights }
+}
+
+fn median(mut v: Vec<f32>) -> f64 {
+    v.sort_by(f32::total_cmp);
+    v[v.len() / 2] as f64
+}
+
+fn bench_case(gpu: &Gpu, shape: FrontierShape, tokens: usize, reps: usize) -> Result<(f64, f64)> {
+    let config = shape.config(tokens);
+    let (h, i, e) = (config.hidden, config.intermediate, config.num_experts);
+    let host_tokens = random_tokens(&config, 7);
+    let device_tokens = DeviceTokens::upload(gpu, &config, &host_tokens)?;
+    let scale_in = 3.0 / (h as f32).sqrt();
+    let experts = DeviceExperts {
+        w_gate: random_bf16(gpu, e * i * h, 1, scale_in)?,
+        w_up: random_bf16(gpu, e * i * h, 2, scale_in)?,
+        w_down: random_bf16(gpu, e * h * i, 3, 3.0 / (i as f32).sqrt())?,
+    };
+    let dy = random_bf16(gpu, tokens * h, 4, 1.0)?;
+    let mut layer = UnfusedLayer::new(gpu, config)?;
+    layer.forward(gpu, &device_tokens, &experts, None)?;
+    layer.backward(gpu, &device_tokens, &experts, None, &dy)?;
+    layer.check_device_errors()?;
+    let timer = gpu.timer()?;
+    let (mut fwd, mut step) = (Vec::new(), Vec::new());
+    for _ in 0..reps {
+        timer.start()?;
+        layer.forward(gpu, &device_tokens, &experts, None)?;
+        fwd.push(timer.stop_ms()?);
+        timer.start()?;
+        layer.forward(gpu, &device_tokens, &experts, None)?;
+        layer.backward(gpu, &device_tokens, &experts, None, &dy)?;
+        step.push(timer.stop_ms()?);
+    }
+    layer.check_device_errors()?;
+    Ok((median(fwd), median(step)))
+}
+
+fn main() -> Result<()> {
+    let args = parse_args()?;
+    let gpu = match mok::open_gpu(0) {
+        Ok(gpu) => gpu,
+        Err(e) => {
+            println!("layer benchmark: no usable GPU ({e}); nothing measured.");
+            return Ok(());
+        }
+    };
+    println!("layer benchmark on {}; floors at {} TFLOP/s and {} TB/s", gpu.name(), args.matmul_tflops, args.copy_tbps);
+    let mut rows = Vec::new();
+    for &(shape, tokens) in &args.cases {
+        let (fwd, step) = bench_case(&gpu, shape, tokens, args.reps)?;
+        let config = shape.config(tokens);
+        let flops = forward_flops(&config);
+        let floor = |flop: f64, bytes: f64| (flop / (args.matmul_tflops * 1e9), bytes / (args.copy_tbps * 1e9));
+        let (fwd_flop_floor, fwd_byte_floor) = floor(flops, forward_min_bytes(&config));
+        let (bwd_flop_floor, bwd_byte_floor) = floor(2.0 * flops, backward_min_bytes(&config));
+        let step_floor = (fwd_flop_floor + bwd_flop_floor).max(fwd_byte_floor + bwd_byte_floor);
+        let baseline = args.baseline.get(&(shape.name.to_string(), tokens)).copied();
+        println!(
+            "RESULT {} {tokens} fwd_ms {fwd:.3} step_ms {step:.3} fwd_tflops {:.0} step_tflops {:.0}",
+            shape.name,
+            flops / fwd / 1e9,
+            3.0 * flops / step / 1e9
+        );
+        rows.push((
+            shape.name,
+            tokens,
+            fwd,
+            step,
+            fwd_flop_floor.max(fwd_byte_floor),
+            step_floor,
+            fwd_flop_floor,
+            fwd_byte_floor,
+            baseline,
+        ));
+    }
+    println!();
+    println!(
+        "| shape | T | mok fwd ms | torch fwd ms | speedup | mok fwd+bwd ms | torch fwd+bwd ms | speedup | fwd floor ms (flop / bytes) | fwd+bwd floor ms |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|");
+    for (name, tokens, fwd, step, _, step_floor, ff, fb, baseline) in rows {
+        let (tf, ts) =
+            baseline.map(|(a, b)| (format!("{a:.2}"), format!("{b:.2}"))).unwrap_or(("-".into(), "-".into()));
+        let (rf, rs) = baseline
+            .map(|(a, b)| (format!("{:.2}x", a / fwd), format!("{:.2}x", b / step)))
+            .unwrap_or(("-".into(), "-".into()));
+        println!(
+            "| {name} | {tokens} | {fwd:.2} | {tf} | {rf} | {step:.2} | {ts} | {rs} | {:.2} ({ff:.2} / {fb:.2}) | {step_floor:.2} |",
+            ff.max(fb)
+        );
+    }
+    Ok(())
+}

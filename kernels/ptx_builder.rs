@@ -22,7 +22,8 @@ use std::process::Command;
 pub const KERNEL_TOOLCHAIN: &str = "nightly-2026-05-20";
 
 /// The command that installs the toolchain, printed when it is missing.
-pub const INSTALL_HINT: &str = "cargo xtask setup  (or: rustup toolchain install nightly-2026-05-20 --profile minimal -c rust-src -c llvm-tools)";
+pub const INSTALL_HINT: &str =
+    "cargo xtask setup  (or: rustup toolchain install nightly-2026-05-20 --profile minimal -c rust-src -c llvm-tools)";
 
 /// One GPU architecture the kernels are built for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -117,7 +118,12 @@ fn link(args: Vec<OsString>) -> Result<(), String> {
     }
     let merged = output.with_extension("linked.bc");
     let optimized = output.with_extension("opt.bc");
-    run(Command::new(llvm_bin.join("llvm-link")).arg(&objects[0]).arg("--only-needed").args(&objects[1..]).arg("-o").arg(&merged))?;
+    run(Command::new(llvm_bin.join("llvm-link"))
+        .arg(&objects[0])
+        .arg("--only-needed")
+        .args(&objects[1..])
+        .arg("-o")
+        .arg(&merged))?;
     exports.sort();
     run(Command::new(llvm_bin.join("opt"))
         .arg(format!("--internalize-public-api-list={}", exports.join(",")))
@@ -170,7 +176,13 @@ pub fn llvm_tools_dir() -> Result<PathBuf, String> {
 /// `kernels_dir` is the `kernels/` crate, `target_dir` a cargo target folder of its own (a
 /// nested cargo must not share the outer build's), `linker` the executable that calls
 /// [`run_as_linker_if_requested`].
-pub fn build_ptx(kernels_dir: &Path, target_dir: &Path, out_dir: &Path, arch: PtxArch, linker: &Path) -> Result<PathBuf, String> {
+pub fn build_ptx(
+    kernels_dir: &Path,
+    target_dir: &Path,
+    out_dir: &Path,
+    arch: PtxArch,
+    linker: &Path,
+) -> Result<PathBuf, String> {
     let llvm_bin = llvm_tools_dir()?;
     let rustflags = [
         format!("-Ctarget-cpu={}", arch.sm),
@@ -184,13 +196,27 @@ pub fn build_ptx(kernels_dir: &Path, target_dir: &Path, out_dir: &Path, arch: Pt
     // The outer cargo's variables point at the stable toolchain and its target folder: drop them.
     for (key, _) in env::vars_os() {
         let key_text = key.to_string_lossy();
-        if key_text.starts_with("CARGO_") || key_text.starts_with("RUSTC") || key_text == "RUSTUP_TOOLCHAIN" || key_text == "RUSTFLAGS" || key_text == "RUSTDOCFLAGS" {
+        if key_text.starts_with("CARGO_")
+            || key_text.starts_with("RUSTC")
+            || key_text == "RUSTUP_TOOLCHAIN"
+            || key_text == "RUSTFLAGS"
+            || key_text == "RUSTDOCFLAGS"
+        {
             command.env_remove(&key);
         }
     }
     command
         .arg(format!("+{KERNEL_TOOLCHAIN}"))
-        .args(["rustc", "--release", "--lib", "--crate-type", "cdylib", "--target", "nvptx64-nvidia-cuda", "-Zbuild-std=core"])
+        .args([
+            "rustc",
+            "--release",
+            "--lib",
+            "--crate-type",
+            "cdylib",
+            "--target",
+            "nvptx64-nvidia-cuda",
+            "-Zbuild-std=core",
+        ])
         .arg("--manifest-path")
         .arg(kernels_dir.join("Cargo.toml"))
         .arg("--target-dir")
@@ -202,7 +228,9 @@ pub fn build_ptx(kernels_dir: &Path, target_dir: &Path, out_dir: &Path, arch: Pt
         .env(LINK_MODE_ENV, "1")
         .env(LLVM_BIN_ENV, &llvm_bin)
         .env(PTX_FEATURE_ENV, arch.ptx_feature);
-    let status = command.status().map_err(|e| format!("cannot run cargo +{KERNEL_TOOLCHAIN}: {e}; install with: {INSTALL_HINT}"))?;
+    let status = command
+        .status()
+        .map_err(|e| format!("cannot run cargo +{KERNEL_TOOLCHAIN}: {e}; install with: {INSTALL_HINT}"))?;
     if !status.success() {
         return Err(format!("kernel build for {} failed ({status})", arch.sm));
     }

@@ -21,17 +21,24 @@
 
 mod common;
 
-use common::{Case, PLAIN_ROUTING, Routing, bf16_f64, check, fingerprint, random_case, random_case_with_experts, rel_err, weight_scale};
+use common::{
+    Case, PLAIN_ROUTING, Routing, bf16_f64, check, fingerprint, random_case, random_case_with_experts, rel_err,
+    weight_scale,
+};
 use half::bf16;
 use mok::driver::{DeviceBuffer, Gpu};
 use mok::layout::RoutingLayout;
-use mok::reference::{self, ReferenceOptions};
 use mok::problem::ExpertWeights;
-use mok::unfused::{DeviceExperts, DeviceSharedExpert, DeviceTokens, UnfusedLayer, random_bf16 as random_bf16_on_device};
-use mok::{MokError, MoeConfig};
+use mok::reference::{self, ReferenceOptions};
+use mok::unfused::{
+    DeviceExperts, DeviceSharedExpert, DeviceTokens, UnfusedLayer, random_bf16 as random_bf16_on_device,
+};
+use mok::{MoeConfig, MokError};
 
 fn gpu() -> Gpu {
-    mok::open_gpu(0).unwrap_or_else(|e| panic!("GPU tests need an NVIDIA Hopper or Blackwell GPU with its driver; this machine: {e}"))
+    mok::open_gpu(0).unwrap_or_else(|e| {
+        panic!("GPU tests need an NVIDIA Hopper or Blackwell GPU with its driver; this machine: {e}")
+    })
 }
 
 /// Everything one forward + backward of the unfused path produced, on the host.
@@ -131,7 +138,8 @@ fn down_projection_f64(hidden: &[bf16], layout: &RoutingLayout, w_down: &[bf16],
     let rows = hidden.len() / i;
     let mut out = vec![0.0; rows * h];
     out.par_chunks_mut(h).enumerate().for_each(|(row, out_row)| {
-        let expert = (0..experts).find(|&e| (layout.row_offsets[e + 1] as usize) > row).expect("row inside some expert");
+        let expert =
+            (0..experts).find(|&e| (layout.row_offsets[e + 1] as usize) > row).expect("row inside some expert");
         let x: Vec<f64> = hidden[row * i..(row + 1) * i].iter().map(|v| v.to_f64()).collect();
         for (c, value) in out_row.iter_mut().enumerate() {
             let w = &w_down[(expert * h + c) * i..(expert * h + c + 1) * i];
@@ -148,7 +156,10 @@ fn bf16s(v: &[bf16]) -> Vec<f64> {
 /// Runs `case` on the GPU and checks every stage against the reference.
 fn check_case(gpu: &Gpu, case: &Case) -> GpuRun {
     let c = &case.config;
-    println!("case T={} H={} I={} E={} k={} shared={:?} limit={:?}", c.tokens_per_rank, c.hidden, c.intermediate, c.num_experts, c.top_k, c.shared_intermediate, c.swiglu_limit);
+    println!(
+        "case T={} H={} I={} E={} k={} shared={:?} limit={:?}",
+        c.tokens_per_rank, c.hidden, c.intermediate, c.num_experts, c.top_k, c.shared_intermediate, c.swiglu_limit
+    );
     let mut layer = UnfusedLayer::new(gpu, c.clone()).unwrap();
     let device = upload(gpu, case);
     let got = run(gpu, &mut layer, &device);
@@ -159,11 +170,23 @@ fn check_case(gpu: &Gpu, case: &Case) -> GpuRun {
     println!("  {:<34} exact", "routing layout (3 kernels)");
     for (row, &slot) in got.layout.row_source.iter().enumerate() {
         let token = slot as usize / c.top_k;
-        assert_eq!(&got.gathered_x[row * h..(row + 1) * h], &case.tokens.x[token * h..(token + 1) * h], "gathered row {row}");
+        assert_eq!(
+            &got.gathered_x[row * h..(row + 1) * h],
+            &case.tokens.x[token * h..(token + 1) * h],
+            "gathered row {row}"
+        );
     }
     println!("  {:<34} exact", "mok_gather_rows");
 
-    let (fwd, grads) = reference::backward(c, &case.tokens, &case.experts, case.shared.as_ref(), &case.dy, ReferenceOptions::MATCH_GPU).unwrap();
+    let (fwd, grads) = reference::backward(
+        c,
+        &case.tokens,
+        &case.experts,
+        case.shared.as_ref(),
+        &case.dy,
+        ReferenceOptions::MATCH_GPU,
+    )
+    .unwrap();
     let slot_row = &got.layout.slot_row;
     check("gate pre-activation (gate_up)", rel_err(&by_slot(&got.gate, slot_row, i), &fwd.gate_pre), 1e-4);
     check("up pre-activation (gate_up)", rel_err(&by_slot(&got.up, slot_row, i), &fwd.up_pre), 1e-4);
@@ -189,7 +212,10 @@ fn check_case(gpu: &Gpu, case: &Case) -> GpuRun {
     for (expert, &count) in got.layout.expert_counts.iter().enumerate() {
         if count == 0 {
             for w in &got.dw {
-                assert!(w[expert * per_expert..(expert + 1) * per_expert].iter().all(|v| v.to_bits() == 0), "expert {expert} has no tokens but a nonzero gradient");
+                assert!(
+                    w[expert * per_expert..(expert + 1) * per_expert].iter().all(|v| v.to_bits() == 0),
+                    "expert {expert} has no tokens but a nonzero gradient"
+                );
             }
         }
     }
@@ -236,7 +262,11 @@ fn medium_shape_with_shared_expert_and_limit() {
 #[test]
 fn repeated_runs_are_bitwise_identical() {
     let gpu = gpu();
-    let case = random_case(&config(300, 256, 128, 16, 4, Some(128), Some(2.0)), 5, Routing { drop_probability: 0.1, empty_experts: &[2] });
+    let case = random_case(
+        &config(300, 256, 128, 16, 4, Some(128), Some(2.0)),
+        5,
+        Routing { drop_probability: 0.1, empty_experts: &[2] },
+    );
     let mut layer = UnfusedLayer::new(&gpu, case.config.clone()).unwrap();
     let device = upload(&gpu, &case);
     let first = run(&gpu, &mut layer, &device).fingerprints();
@@ -271,7 +301,10 @@ fn device_reports_bad_ids_instead_of_corrupting() {
     // The host check rejects the same ids before anything runs.
     let mut tokens = case.tokens.clone();
     tokens.topk_ids = ids;
-    assert!(matches!(DeviceTokens::upload(&gpu, &case.config, &tokens), Err(MokError::InvalidInput { tensor: "topk_ids", .. })));
+    assert!(matches!(
+        DeviceTokens::upload(&gpu, &case.config, &tokens),
+        Err(MokError::InvalidInput { tensor: "topk_ids", .. })
+    ));
 }
 
 /// One frontier shape (qwen3.5-397b: E=512, H=4096, I=1024, top-10, with a shared expert of
@@ -285,7 +318,11 @@ fn frontier_shape_qwen35_reduced_tokens() {
     // then copy them back for the reference.
     let n = c.num_experts * c.intermediate * c.hidden;
     let generate = |seed, scale| random_bf16_on_device(&gpu, n, seed, scale).unwrap().download().unwrap();
-    let experts = ExpertWeights { w_gate: generate(71, weight_scale(c.hidden)), w_up: generate(72, weight_scale(c.hidden)), w_down: generate(73, weight_scale(c.intermediate)) };
+    let experts = ExpertWeights {
+        w_gate: generate(71, weight_scale(c.hidden)),
+        w_up: generate(72, weight_scale(c.hidden)),
+        w_down: generate(73, weight_scale(c.intermediate)),
+    };
     check_case(&gpu, &random_case_with_experts(&c, 7, routing, experts));
 }
 
@@ -297,8 +334,12 @@ fn bad_layer_inputs_are_rejected_before_launch() {
     let device = upload(&gpu, &case);
     let mut layer = UnfusedLayer::new(&gpu, c.clone()).unwrap();
     let short_x = DeviceBuffer::<bf16>::alloc(&gpu, 10).unwrap();
-    let tokens = DeviceTokens { x: short_x, topk_ids: device.tokens.topk_ids, topk_weights: device.tokens.topk_weights };
-    assert!(matches!(layer.forward(&gpu, &tokens, &device.experts, None), Err(MokError::InvalidInput { tensor: "x", .. })));
+    let tokens =
+        DeviceTokens { x: short_x, topk_ids: device.tokens.topk_ids, topk_weights: device.tokens.topk_weights };
+    assert!(matches!(
+        layer.forward(&gpu, &tokens, &device.experts, None),
+        Err(MokError::InvalidInput { tensor: "x", .. })
+    ));
     let mut bad = c.clone();
     bad.hidden = 60;
     assert!(matches!(UnfusedLayer::new(&gpu, bad), Err(MokError::InvalidConfig { field: "hidden", .. })));

@@ -95,7 +95,9 @@ impl MoeConfig {
             return bad(
                 "num_experts",
                 self.num_experts.to_string(),
-                &format!("must be at most {MAX_EXPERTS} (the routing kernel keeps one counter per expert in 32 KiB of shared memory)"),
+                &format!(
+                    "must be at most {MAX_EXPERTS} (the routing kernel keeps one counter per expert in 32 KiB of shared memory)"
+                ),
             );
         }
         if self.top_k == 0 || self.top_k > self.num_experts {

@@ -27,7 +27,9 @@ pub enum MokError {
     #[error("no CUDA driver: {0}")]
     NoDriver(String),
     /// The GPU is not one the embedded PTX targets.
-    #[error("unsupported GPU {name} (compute capability {major}.{minor}): mok ships PTX for sm_90a (Hopper) and sm_100a (Blackwell)")]
+    #[error(
+        "unsupported GPU {name} (compute capability {major}.{minor}): mok ships PTX for sm_90a (Hopper) and sm_100a (Blackwell)"
+    )]
     UnsupportedGpu {
         /// Device name.
         name: String,

@@ -34,7 +34,8 @@ impl RoutingLayout {
         for chunk in 0..chunks {
             let slots = chunk * chunk_slots..((chunk + 1) * chunk_slots).min(tokens * k);
             let counts = &mut chunk_counts[chunk * num_experts..(chunk + 1) * num_experts];
-            let found = layout::rank_chunk(&topk_ids[slots.clone()], k, num_experts as u32, counts, &mut ranks[slots.clone()]);
+            let found =
+                layout::rank_chunk(&topk_ids[slots.clone()], k, num_experts as u32, counts, &mut ranks[slots.clone()]);
             if first_error.is_none()
                 && let Some(mut error) = found
             {
@@ -42,7 +43,8 @@ impl RoutingLayout {
                 first_error = Some(error);
             }
         }
-        let expert_counts: Vec<u32> = (0..num_experts).map(|e| layout::scan_expert_column(&mut chunk_counts, e, num_experts, chunks)).collect();
+        let expert_counts: Vec<u32> =
+            (0..num_experts).map(|e| layout::scan_expert_column(&mut chunk_counts, e, num_experts, chunks)).collect();
         let mut row_offsets = vec![0; num_experts + 1];
         let mut tile_offsets = vec![0; num_experts + 1];
         layout::expert_offsets(&expert_counts, &mut row_offsets, &mut tile_offsets, GEMM_TILE_M);
@@ -54,7 +56,11 @@ impl RoutingLayout {
             for slot in 0..k {
                 if let Some(expert) = layout::slot_has_row(ids, slot, num_experts as u32) {
                     let s = token * k + slot;
-                    let row = layout::slot_position(row_offsets[expert as usize], chunk_counts[chunk * num_experts + expert as usize], ranks[s]);
+                    let row = layout::slot_position(
+                        row_offsets[expert as usize],
+                        chunk_counts[chunk * num_experts + expert as usize],
+                        ranks[s],
+                    );
                     slot_row[s] = row;
                     row_source[row as usize] = s as u32;
                 }

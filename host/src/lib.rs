@@ -12,6 +12,7 @@ pub mod error;
 pub mod layout;
 pub mod problem;
 pub mod reference;
+pub mod shapes;
 pub mod unfused;
 
 pub use config::MoeConfig;

@@ -61,10 +61,7 @@ fn expect_len(tensor: &'static str, actual: usize, expected: usize, shape: &str)
     if actual == expected {
         Ok(())
     } else {
-        Err(MokError::InvalidInput {
-            tensor,
-            problem: format!("has {actual} elements, expected {expected} ({shape})"),
-        })
+        Err(MokError::InvalidInput { tensor, problem: format!("has {actual} elements, expected {expected} ({shape})") })
     }
 }
 

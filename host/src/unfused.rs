@@ -97,7 +97,11 @@ impl DeviceExperts {
 
     /// Copies the weights back to the host (for the CPU reference).
     pub fn download(&self) -> Result<ExpertWeights> {
-        Ok(ExpertWeights { w_gate: self.w_gate.download()?, w_up: self.w_up.download()?, w_down: self.w_down.download()? })
+        Ok(ExpertWeights {
+            w_gate: self.w_gate.download()?,
+            w_up: self.w_up.download()?,
+            w_down: self.w_down.download()?,
+        })
     }
 }
 
@@ -124,7 +128,11 @@ impl DeviceSharedExpert {
 
     /// Copies the weights back to the host.
     pub fn download(&self) -> Result<SharedExpertWeights> {
-        Ok(SharedExpertWeights { ws_gate: self.ws_gate.download()?, ws_up: self.ws_up.download()?, ws_down: self.ws_down.download()? })
+        Ok(SharedExpertWeights {
+            ws_gate: self.ws_gate.download()?,
+            ws_up: self.ws_up.download()?,
+            ws_down: self.ws_down.download()?,
+        })
     }
 }
 
@@ -132,7 +140,11 @@ impl DeviceSharedExpert {
 pub fn random_bf16(gpu: &Gpu, count: usize, seed: u64, scale: f32) -> Result<DeviceBuffer<bf16>> {
     let buffer = DeviceBuffer::alloc(gpu, count)?;
     let blocks = grid_stride_blocks(gpu, count);
-    gpu.launch("mok_fill_random_bf16", LaunchShape::linear(blocks, ROW_KERNEL_THREADS), &[Ptr(buffer.device_ptr()), U64(count as u64), U64(seed), F32(scale)])?;
+    gpu.launch(
+        "mok_fill_random_bf16",
+        LaunchShape::linear(blocks, ROW_KERNEL_THREADS),
+        &[Ptr(buffer.device_ptr()), U64(count as u64), U64(seed), F32(scale)],
+    )?;
     Ok(buffer)
 }
 
@@ -246,7 +258,8 @@ impl UnfusedLayer {
                 rule: "the unfused path runs one rank holding every expert (P = 1)".into(),
             });
         }
-        let (t, h, i, e, k) = (config.tokens_per_rank, config.hidden, config.intermediate, config.num_experts, config.top_k);
+        let (t, h, i, e, k) =
+            (config.tokens_per_rank, config.hidden, config.intermediate, config.num_experts, config.top_k);
         let slots = t * k;
         let chunks = mok_kernels::layout::chunk_count(t as u32) as usize;
         let routing = RoutingBuffers {
@@ -269,7 +282,11 @@ impl UnfusedLayer {
             None => None,
         };
         let shared_grads = match config.shared_intermediate {
-            Some(is) => Some([DeviceBuffer::alloc(gpu, is * h)?, DeviceBuffer::alloc(gpu, is * h)?, DeviceBuffer::alloc(gpu, h * is)?]),
+            Some(is) => Some([
+                DeviceBuffer::alloc(gpu, is * h)?,
+                DeviceBuffer::alloc(gpu, is * h)?,
+                DeviceBuffer::alloc(gpu, h * is)?,
+            ]),
             None => None,
         };
         Ok(Self {
@@ -320,11 +337,23 @@ impl UnfusedLayer {
         Ok(())
     }
 
-    fn check_inputs(&self, tokens: &DeviceTokens, experts: &DeviceExperts, shared: Option<&DeviceSharedExpert>) -> Result<()> {
+    fn check_inputs(
+        &self,
+        tokens: &DeviceTokens,
+        experts: &DeviceExperts,
+        shared: Option<&DeviceSharedExpert>,
+    ) -> Result<()> {
         let c = &self.config;
         let (t, h, i, e, k) = (c.tokens_per_rank, c.hidden, c.intermediate, c.local_experts(), c.top_k);
         let expect = |tensor: &'static str, actual: usize, expected: usize| {
-            if actual == expected { Ok(()) } else { Err(MokError::InvalidInput { tensor, problem: format!("device buffer has {actual} elements, expected {expected}") }) }
+            if actual == expected {
+                Ok(())
+            } else {
+                Err(MokError::InvalidInput {
+                    tensor,
+                    problem: format!("device buffer has {actual} elements, expected {expected}"),
+                })
+            }
         };
         expect("x", tokens.x.len(), t * h)?;
         expect("topk_ids", tokens.topk_ids.len(), t * k)?;
@@ -339,8 +368,14 @@ impl UnfusedLayer {
                 expect("ws_down", s.ws_down.len(), h * is)
             }
             (None, None) => Ok(()),
-            (Some(_), None) => Err(MokError::InvalidInput { tensor: "shared expert", problem: "config has shared_intermediate but no shared weights were given".into() }),
-            (None, Some(_)) => Err(MokError::InvalidInput { tensor: "shared expert", problem: "shared weights given but config.shared_intermediate is None".into() }),
+            (Some(_), None) => Err(MokError::InvalidInput {
+                tensor: "shared expert",
+                problem: "config has shared_intermediate but no shared weights were given".into(),
+            }),
+            (None, Some(_)) => Err(MokError::InvalidInput {
+                tensor: "shared expert",
+                problem: "shared weights given but config.shared_intermediate is None".into(),
+            }),
         }
     }
 
@@ -367,12 +402,27 @@ impl UnfusedLayer {
         gpu.launch(
             "mok_route_rank_chunks",
             LaunchShape { grid: (chunks, 1, 1), threads: ROW_KERNEL_THREADS, smem_bytes: 4 * e },
-            &[Ptr(topk_ids.device_ptr()), U32(t), U32(k), U32(e), Ptr(r.chunk_counts.device_ptr()), Ptr(r.slot_rank.device_ptr()), Ptr(r.error.device_ptr())],
+            &[
+                Ptr(topk_ids.device_ptr()),
+                U32(t),
+                U32(k),
+                U32(e),
+                Ptr(r.chunk_counts.device_ptr()),
+                Ptr(r.slot_rank.device_ptr()),
+                Ptr(r.error.device_ptr()),
+            ],
         )?;
         gpu.launch(
             "mok_route_scan",
             LaunchShape::linear(1, 1024),
-            &[Ptr(r.chunk_counts.device_ptr()), U32(chunks), U32(e), Ptr(r.expert_counts.device_ptr()), Ptr(r.row_offsets.device_ptr()), Ptr(r.tile_offsets.device_ptr())],
+            &[
+                Ptr(r.chunk_counts.device_ptr()),
+                U32(chunks),
+                U32(e),
+                Ptr(r.expert_counts.device_ptr()),
+                Ptr(r.row_offsets.device_ptr()),
+                Ptr(r.tile_offsets.device_ptr()),
+            ],
         )?;
         gpu.launch(
             "mok_route_place",
@@ -392,7 +442,13 @@ impl UnfusedLayer {
     }
 
     /// Enqueues the forward pass; `self.y` holds the output once the stream reaches it.
-    pub fn forward(&mut self, gpu: &Gpu, tokens: &DeviceTokens, experts: &DeviceExperts, shared: Option<&DeviceSharedExpert>) -> Result<()> {
+    pub fn forward(
+        &mut self,
+        gpu: &Gpu,
+        tokens: &DeviceTokens,
+        experts: &DeviceExperts,
+        shared: Option<&DeviceSharedExpert>,
+    ) -> Result<()> {
         self.check_inputs(tokens, experts, shared)?;
         self.route(gpu, &tokens.topk_ids)?;
         let c = self.config.clone();
@@ -403,15 +459,49 @@ impl UnfusedLayer {
         gpu.launch(
             "mok_gather_rows",
             LaunchShape::linear(grid_stride_blocks(gpu, slots * h / 8), ROW_KERNEL_THREADS),
-            &[Ptr(tokens.x.device_ptr()), Ptr(r.row_source.device_ptr()), U32(k as u32), Ptr(0), Ptr(count), U32(h as u32), Ptr(self.gathered_x.device_ptr())],
+            &[
+                Ptr(tokens.x.device_ptr()),
+                Ptr(r.row_source.device_ptr()),
+                U32(k as u32),
+                Ptr(0),
+                Ptr(count),
+                U32(h as u32),
+                Ptr(self.gathered_x.device_ptr()),
+            ],
         )?;
-        let groups = GroupArgs { row_offsets: r.row_offsets.device_ptr(), tile_offsets: r.tile_offsets.device_ptr(), groups: e, rows_upper_bound: slots };
-        self.expert_forward(gpu, &groups, self.gathered_x.device_ptr(), [&experts.w_gate, &experts.w_up, &experts.w_down], h, i, ExpertSet::Routed)?;
+        let groups = GroupArgs {
+            set: ExpertSet::Routed,
+            row_offsets: r.row_offsets.device_ptr(),
+            tile_offsets: r.tile_offsets.device_ptr(),
+            groups: e,
+            rows_upper_bound: slots,
+        };
+        self.expert_forward(
+            gpu,
+            &groups,
+            self.gathered_x.device_ptr(),
+            [&experts.w_gate, &experts.w_up, &experts.w_down],
+            h,
+            i,
+        )?;
         let mut shared_out = 0;
         if let (Some(weights), Some(is)) = (shared, c.shared_intermediate) {
             let offsets = &self.shared.as_ref().expect("allocated with the config").1;
-            let groups = GroupArgs { row_offsets: offsets.device_ptr(), tile_offsets: offsets.device_ptr() + 8, groups: 1, rows_upper_bound: t };
-            self.expert_forward(gpu, &groups, tokens.x.device_ptr(), [&weights.ws_gate, &weights.ws_up, &weights.ws_down], h, is, ExpertSet::Shared)?;
+            let groups = GroupArgs {
+                set: ExpertSet::Shared,
+                row_offsets: offsets.device_ptr(),
+                tile_offsets: offsets.device_ptr() + 8,
+                groups: 1,
+                rows_upper_bound: t,
+            };
+            self.expert_forward(
+                gpu,
+                &groups,
+                tokens.x.device_ptr(),
+                [&weights.ws_gate, &weights.ws_up, &weights.ws_down],
+                h,
+                is,
+            )?;
             shared_out = self.shared.as_ref().expect("allocated").0.out.device_ptr();
         }
         gpu.launch(
@@ -438,8 +528,16 @@ impl UnfusedLayer {
     }
 
     /// Gate/up with SwiGLU, then down, for one expert set.
-    fn expert_forward(&self, gpu: &Gpu, groups: &GroupArgs, input_rows: u64, weights: [&DeviceBuffer<bf16>; 3], h: usize, inter: usize, set: ExpertSet) -> Result<()> {
-        let rows = self.rows(set);
+    fn expert_forward(
+        &self,
+        gpu: &Gpu,
+        groups: &GroupArgs,
+        input_rows: u64,
+        weights: [&DeviceBuffer<bf16>; 3],
+        h: usize,
+        inter: usize,
+    ) -> Result<()> {
+        let rows = self.rows(groups.set);
         gpu.launch(
             "mok_gemm_gate_up_swiglu",
             Self::gemm_shape(self.row_grid(groups.rows_upper_bound, groups.groups, inter)),
@@ -476,12 +574,22 @@ impl UnfusedLayer {
 
     /// Enqueues the backward pass of the last forward (same inputs) for output gradient `dy`;
     /// the gradients land in `self.grads`.
-    pub fn backward(&mut self, gpu: &Gpu, tokens: &DeviceTokens, experts: &DeviceExperts, shared: Option<&DeviceSharedExpert>, dy: &DeviceBuffer<bf16>) -> Result<()> {
+    pub fn backward(
+        &mut self,
+        gpu: &Gpu,
+        tokens: &DeviceTokens,
+        experts: &DeviceExperts,
+        shared: Option<&DeviceSharedExpert>,
+        dy: &DeviceBuffer<bf16>,
+    ) -> Result<()> {
         self.check_inputs(tokens, experts, shared)?;
         let c = self.config.clone();
         let (t, h, i, e, k) = (c.tokens_per_rank, c.hidden, c.intermediate, c.num_experts, c.top_k);
         if dy.len() != t * h {
-            return Err(MokError::InvalidInput { tensor: "dy", problem: format!("device buffer has {} elements, expected {}", dy.len(), t * h) });
+            return Err(MokError::InvalidInput {
+                tensor: "dy",
+                problem: format!("device buffer has {} elements, expected {}", dy.len(), t * h),
+            });
         }
         let slots = t * k;
         let count = self.row_count_ptr();
@@ -512,23 +620,42 @@ impl UnfusedLayer {
                 Ptr(self.grads.d_topk_weights.device_ptr()),
             ],
         )?;
-        let groups = GroupArgs { row_offsets: r.row_offsets.device_ptr(), tile_offsets: r.tile_offsets.device_ptr(), groups: e, rows_upper_bound: slots };
-        let weight_grads = [self.grads.dw_gate.device_ptr(), self.grads.dw_up.device_ptr(), self.grads.dw_down.device_ptr()];
+        let groups = GroupArgs {
+            set: ExpertSet::Routed,
+            row_offsets: r.row_offsets.device_ptr(),
+            tile_offsets: r.tile_offsets.device_ptr(),
+            groups: e,
+            rows_upper_bound: slots,
+        };
+        let weight_grads =
+            [self.grads.dw_gate.device_ptr(), self.grads.dw_up.device_ptr(), self.grads.dw_down.device_ptr()];
         self.expert_backward(
             gpu,
             &groups,
-            ExpertSet::Routed,
-            BackwardArgs { input_rows: self.gathered_x.device_ptr(), d_out_rows: self.routed.d_rows.device_ptr(), row_count: count, weights: [&experts.w_gate, &experts.w_up, &experts.w_down], weight_grads, hidden: h, inter: i },
+            BackwardArgs {
+                input_rows: self.gathered_x.device_ptr(),
+                d_out_rows: self.routed.d_rows.device_ptr(),
+                row_count: count,
+                weights: [&experts.w_gate, &experts.w_up, &experts.w_down],
+                weight_grads,
+                hidden: h,
+                inter: i,
+            },
         )?;
         let mut shared_dx = 0;
         if let (Some(weights), Some(is)) = (shared, c.shared_intermediate) {
             let offsets = &self.shared.as_ref().expect("allocated with the config").1;
-            let groups = GroupArgs { row_offsets: offsets.device_ptr(), tile_offsets: offsets.device_ptr() + 8, groups: 1, rows_upper_bound: t };
+            let groups = GroupArgs {
+                set: ExpertSet::Shared,
+                row_offsets: offsets.device_ptr(),
+                tile_offsets: offsets.device_ptr() + 8,
+                groups: 1,
+                rows_upper_bound: t,
+            };
             let grads = self.grads.shared.as_ref().expect("allocated with the config");
             self.expert_backward(
                 gpu,
                 &groups,
-                ExpertSet::Shared,
                 BackwardArgs {
                     input_rows: tokens.x.device_ptr(),
                     // The shared expert's output is added unscaled, so its output gradient is dy.
@@ -545,12 +672,21 @@ impl UnfusedLayer {
         gpu.launch(
             "mok_combine_slots",
             LaunchShape::linear(grid_stride_blocks(gpu, t * h / 4), ROW_KERNEL_THREADS),
-            &[Ptr(r.slot_row.device_ptr()), Ptr(0), Ptr(self.routed.d_in.device_ptr()), Ptr(shared_dx), U32(t as u32), U32(k as u32), U32(h as u32), Ptr(self.grads.dx.device_ptr())],
+            &[
+                Ptr(r.slot_row.device_ptr()),
+                Ptr(0),
+                Ptr(self.routed.d_in.device_ptr()),
+                Ptr(shared_dx),
+                U32(t as u32),
+                U32(k as u32),
+                U32(h as u32),
+                Ptr(self.grads.dx.device_ptr()),
+            ],
         )
     }
 
-    fn expert_backward(&self, gpu: &Gpu, groups: &GroupArgs, set: ExpertSet, args: BackwardArgs<'_>) -> Result<()> {
-        let rows = self.rows(set);
+    fn expert_backward(&self, gpu: &Gpu, groups: &GroupArgs, args: BackwardArgs<'_>) -> Result<()> {
+        let rows = self.rows(groups.set);
         let (h, inter) = (args.hidden, args.inter);
         let [w_gate, w_up, w_down] = args.weights;
         gpu.launch(
@@ -620,18 +756,35 @@ impl UnfusedLayer {
     pub fn check_device_errors(&self) -> Result<()> {
         let words = self.routing.error.download()?;
         let k = self.config.top_k as u32;
-        let describe = |what: &str| format!("token {} slot {} has expert id {}: {what}; the slot was dropped", words[1] / k, words[1] % k, words[2] as i32);
+        let describe = |what: &str| {
+            format!(
+                "token {} slot {} has expert id {}: {what}; the slot was dropped",
+                words[1] / k,
+                words[1] % k,
+                words[2] as i32
+            )
+        };
         match words[0] {
             0 => Ok(()),
-            mok_kernels::layout::ROUTE_ERROR_ID_OUT_OF_RANGE => Err(MokError::Device { kernel: "mok_route_rank_chunks", message: describe(&format!("outside [0, {}) and not -1", self.config.num_experts)) }),
-            mok_kernels::layout::ROUTE_ERROR_DUPLICATE_ID => Err(MokError::Device { kernel: "mok_route_rank_chunks", message: describe("repeats an earlier slot of the token") }),
-            code => Err(MokError::Device { kernel: "mok_route_rank_chunks", message: format!("unknown error code {code}") }),
+            mok_kernels::layout::ROUTE_ERROR_ID_OUT_OF_RANGE => Err(MokError::Device {
+                kernel: "mok_route_rank_chunks",
+                message: describe(&format!("outside [0, {}) and not -1", self.config.num_experts)),
+            }),
+            mok_kernels::layout::ROUTE_ERROR_DUPLICATE_ID => Err(MokError::Device {
+                kernel: "mok_route_rank_chunks",
+                message: describe("repeats an earlier slot of the token"),
+            }),
+            code => {
+                Err(MokError::Device { kernel: "mok_route_rank_chunks", message: format!("unknown error code {code}") })
+            }
         }
     }
 
     /// Saved forward intermediates of the routed experts, in row order:
     /// `(gate pre-activations f32, up pre-activations f32, hidden bf16, down output f32)`.
-    pub fn routed_intermediates(&self) -> (&DeviceBuffer<f32>, &DeviceBuffer<f32>, &DeviceBuffer<bf16>, &DeviceBuffer<f32>) {
+    pub fn routed_intermediates(
+        &self,
+    ) -> (&DeviceBuffer<f32>, &DeviceBuffer<f32>, &DeviceBuffer<bf16>, &DeviceBuffer<f32>) {
         (&self.routed.gate, &self.routed.up, &self.routed.hidden, &self.routed.out)
     }
 }
@@ -642,7 +795,10 @@ enum ExpertSet {
     Shared,
 }
 
+/// Which rows a grouped GEMM walks: the routed experts' (device-written offsets) or the shared
+/// expert's (one group of every token).
 struct GroupArgs {
+    set: ExpertSet,
     row_offsets: u64,
     tile_offsets: u64,
     groups: usize,

@@ -54,7 +54,13 @@ pub fn routed_expert(id: i32, num_experts: u32) -> Option<u32> {
 /// one zeroed entry per expert and ends with the chunk's per-expert counts, `ranks[i]` gets the
 /// number of earlier slots of the chunk routed to the same expert (unspecified for dropped
 /// slots). Returns the first problem seen (its slot index relative to `ids`).
-pub fn rank_chunk(ids: &[i32], k: usize, num_experts: u32, counts: &mut [u32], ranks: &mut [u32]) -> Option<RouteError> {
+pub fn rank_chunk(
+    ids: &[i32],
+    k: usize,
+    num_experts: u32,
+    counts: &mut [u32],
+    ranks: &mut [u32],
+) -> Option<RouteError> {
     let mut first_error = None;
     let tokens = ids.chunks_exact(k).zip(ranks.chunks_exact_mut(k));
     for (token, (token_ids, token_ranks)) in tokens.enumerate() {
@@ -141,7 +147,8 @@ mod tests {
             let counts = &mut chunk_counts[c * experts..(c + 1) * experts];
             assert!(rank_chunk(&ids[range.clone()], k, experts as u32, counts, &mut ranks[range]).is_none());
         }
-        let totals: Vec<u32> = (0..experts).map(|e| scan_expert_column(&mut chunk_counts, e, experts, chunks)).collect();
+        let totals: Vec<u32> =
+            (0..experts).map(|e| scan_expert_column(&mut chunk_counts, e, experts, chunks)).collect();
         let mut row_offsets = vec![0; experts + 1];
         let mut tile_offsets = vec![0; experts + 1];
         expert_offsets(&totals, &mut row_offsets, &mut tile_offsets, 64);
@@ -151,7 +158,8 @@ mod tests {
                 if let Some(e) = slot_has_row(&ids[t * k..(t + 1) * k], j, experts as u32) {
                     let c = t / ROUTE_CHUNK_TOKENS as usize;
                     let s = t * k + j;
-                    slot_row[s] = slot_position(row_offsets[e as usize], chunk_counts[c * experts + e as usize], ranks[s]);
+                    slot_row[s] =
+                        slot_position(row_offsets[e as usize], chunk_counts[c * experts + e as usize], ranks[s]);
                 }
             }
         }

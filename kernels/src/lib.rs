@@ -7,10 +7,7 @@
 //!   math, number formats — which `mok-host` reuses so that the CPU and the GPU agree by
 //!   construction, and which is unit-tested here on the CPU.
 #![cfg_attr(not(test), no_std)]
-#![cfg_attr(
-    target_arch = "nvptx64",
-    feature(abi_ptx, stdarch_nvptx, asm_experimental_arch)
-)]
+#![cfg_attr(target_arch = "nvptx64", feature(abi_ptx, asm_experimental_arch))]
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod layout;

@@ -2,9 +2,9 @@
 #![allow(dead_code)]
 
 use half::bf16;
+use mok::MoeConfig;
 use mok::kernels::num::random_uniform;
 use mok::problem::{ExpertWeights, RoutedTokens, SharedExpertWeights};
-use mok::MoeConfig;
 
 /// One random problem: inputs, weights and an output gradient.
 pub struct Case {
@@ -101,7 +101,9 @@ pub fn bf16_f64(values: &[bf16]) -> Vec<f64> {
 
 /// FNV-1a over the bytes of a slice: a cheap bitwise fingerprint for determinism checks.
 pub fn fingerprint<T: bytemuck::Pod>(values: &[T]) -> u64 {
-    bytemuck::cast_slice::<T, u8>(values).iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
+    bytemuck::cast_slice::<T, u8>(values)
+        .iter()
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
 }
 
 /// Asserts `error < tolerance` and prints the measurement (the docs quote these lines).

@@ -2,7 +2,7 @@
 //! one folder with a `run.sh`, to copy to the GPU machine and run there.
 //!
 //! Layout: `tests/` (one libtest binary per test target, hash suffix dropped), `benches/` (bench
-//! binaries and `benches/*.py`), `bin/` (`mok-demo`), `run.sh`.
+//! binaries, `benches/*.py` and `benches/*.sh`), `bin/` (`mok-demo`), `run.sh`.
 
 use std::env;
 use std::fs;
@@ -40,17 +40,8 @@ fn artifact_of(message: &Json) -> Option<Artifact> {
     Some(Artifact {
         manifest_path: PathBuf::from(message.get("manifest_path")?.as_str()?),
         target_name: target.get("name")?.as_str()?.to_string(),
-        kinds: target
-            .get("kind")?
-            .as_array()?
-            .iter()
-            .filter_map(|kind| kind.as_str().map(str::to_string))
-            .collect(),
-        test: message
-            .get("profile")
-            .and_then(|profile| profile.get("test"))
-            .and_then(Json::as_bool)
-            .unwrap_or(false),
+        kinds: target.get("kind")?.as_array()?.iter().filter_map(|kind| kind.as_str().map(str::to_string)).collect(),
+        test: message.get("profile").and_then(|profile| profile.get("test")).and_then(Json::as_bool).unwrap_or(false),
         executable: PathBuf::from(message.get("executable")?.as_str()?),
     })
 }
@@ -58,14 +49,10 @@ fn artifact_of(message: &Json) -> Option<Artifact> {
 /// Runs a cargo build `command` with JSON messages (diagnostics still rendered on stderr) and
 /// returns the executables it made for the workspace root's package (`mok`).
 fn build_executables(root: &Path, command: &mut Command) -> Result<Vec<Artifact>> {
-    command
-        .arg("--message-format=json-render-diagnostics")
-        .stdout(Stdio::piped());
+    command.arg("--message-format=json-render-diagnostics").stdout(Stdio::piped());
     let described = describe(command);
     println!("gpu-bundle: {described}");
-    let mut child = command
-        .spawn()
-        .with_context(|| format!("cannot start `{described}`"))?;
+    let mut child = command.spawn().with_context(|| format!("cannot start `{described}`"))?;
     let stdout = child.stdout.take().context("no stdout pipe")?;
     let manifest = canonical(&root.join("Cargo.toml"));
     let mut artifacts = Vec::new();
@@ -74,17 +61,15 @@ fn build_executables(root: &Path, command: &mut Command) -> Result<Vec<Artifact>
         if !line.starts_with('{') {
             continue;
         }
-        let message = json::parse(&line)
-            .map_err(|why| anyhow::anyhow!("`{described}` printed bad JSON ({why}): {line}"))?;
+        let message =
+            json::parse(&line).map_err(|why| anyhow::anyhow!("`{described}` printed bad JSON ({why}): {line}"))?;
         if let Some(artifact) = artifact_of(&message)
             && canonical(&artifact.manifest_path) == manifest
         {
             artifacts.push(artifact);
         }
     }
-    let status = child
-        .wait()
-        .with_context(|| format!("waiting for `{described}`"))?;
+    let status = child.wait().with_context(|| format!("waiting for `{described}`"))?;
     if !status.success() {
         bail!("`{described}` failed ({status})");
     }
@@ -97,8 +82,7 @@ fn canonical(path: &Path) -> PathBuf {
 
 /// Copies `from` to `to` and strips its debug info when `strip` is available.
 fn install(from: &Path, to: &Path, strip: bool) -> Result<()> {
-    fs::copy(from, to)
-        .with_context(|| format!("cannot copy {} to {}", from.display(), to.display()))?;
+    fs::copy(from, to).with_context(|| format!("cannot copy {} to {}", from.display(), to.display()))?;
     if strip {
         crate::run(Command::new("strip").arg("--strip-debug").arg(to))?;
     }
@@ -120,11 +104,7 @@ fn dir_size(path: &Path) -> Result<u64> {
 }
 
 pub fn gpu_bundle(root: &Path, out: PathBuf) -> Result<()> {
-    let out = if out.is_absolute() {
-        out
-    } else {
-        env::current_dir().context("no current folder")?.join(out)
-    };
+    let out = if out.is_absolute() { out } else { env::current_dir().context("no current folder")?.join(out) };
     let tests_dir = out.join("tests");
     let benches_dir = out.join("benches");
     let bin_dir = out.join("bin");
@@ -146,19 +126,13 @@ pub fn gpu_bundle(root: &Path, out: PathBuf) -> Result<()> {
     }
 
     // 1. Test binaries: every libtest harness of `mok` (integration tests and unit tests).
-    let tests = build_executables(
-        root,
-        cargo(root).args(["test", "--no-run"]).args(BUILD_ARGS),
-    )?;
+    let tests = build_executables(root, cargo(root).args(["test", "--no-run"]).args(BUILD_ARGS))?;
     let mut names = Vec::new();
     for artifact in tests.iter().filter(|artifact| artifact.test) {
         let kind = artifact.kinds.first().map_or("unknown", String::as_str);
         // Integration tests keep their name; a lib's or bin's unit tests get the kind appended.
-        let name = if kind == "test" {
-            artifact.target_name.clone()
-        } else {
-            format!("{}-{kind}", artifact.target_name)
-        };
+        let name =
+            if kind == "test" { artifact.target_name.clone() } else { format!("{}-{kind}", artifact.target_name) };
         if names.contains(&name) {
             bail!("two test binaries are both named `{name}`");
         }
@@ -169,32 +143,20 @@ pub fn gpu_bundle(root: &Path, out: PathBuf) -> Result<()> {
     // 2. Bench binaries (`[[bench]]` targets) and the scripts next to their sources.
     // `cargo build --benches` rather than `cargo bench --no-run`: the release profile and the
     // same features as the tests, so the library and its PTX are built once, not once per profile.
-    let benches = build_executables(
-        root,
-        cargo(root).args(["build", "--benches"]).args(BUILD_ARGS),
-    )?;
+    let benches = build_executables(root, cargo(root).args(["build", "--benches"]).args(BUILD_ARGS))?;
     let mut bench_names = Vec::new();
-    for artifact in benches
-        .iter()
-        .filter(|artifact| artifact.kinds.iter().any(|kind| kind == "bench"))
-    {
-        install(
-            &artifact.executable,
-            &benches_dir.join(&artifact.target_name),
-            strip,
-        )?;
+    for artifact in benches.iter().filter(|artifact| artifact.kinds.iter().any(|kind| kind == "bench")) {
+        install(&artifact.executable, &benches_dir.join(&artifact.target_name), strip)?;
         bench_names.push(artifact.target_name.clone());
     }
     let bench_sources = root.join("benches");
     if bench_sources.is_dir() {
-        for entry in fs::read_dir(&bench_sources)
-            .with_context(|| format!("cannot list {}", bench_sources.display()))?
-        {
+        for entry in fs::read_dir(&bench_sources).with_context(|| format!("cannot list {}", bench_sources.display()))? {
             let path = entry?.path();
-            if path.is_file() && path.extension().is_some_and(|ext| ext == "py") {
+            // Scripts that drive or compare the benches (`*.py`, `*.sh`); they keep their mode.
+            if path.is_file() && path.extension().is_some_and(|ext| ext == "py" || ext == "sh") {
                 let name = path.file_name().unwrap_or_default();
-                fs::copy(&path, benches_dir.join(name))
-                    .with_context(|| format!("cannot copy {}", path.display()))?;
+                fs::copy(&path, benches_dir.join(name)).with_context(|| format!("cannot copy {}", path.display()))?;
                 bench_names.push(name.to_string_lossy().into_owned());
             }
         }
@@ -203,15 +165,8 @@ pub fn gpu_bundle(root: &Path, out: PathBuf) -> Result<()> {
     // 3. The demo (and any other binary of `mok`).
     let bins = build_executables(root, cargo(root).args(["build", "--bins"]).args(BUILD_ARGS))?;
     let mut bin_names = Vec::new();
-    for artifact in bins
-        .iter()
-        .filter(|artifact| artifact.kinds.iter().any(|kind| kind == "bin"))
-    {
-        install(
-            &artifact.executable,
-            &bin_dir.join(&artifact.target_name),
-            strip,
-        )?;
+    for artifact in bins.iter().filter(|artifact| artifact.kinds.iter().any(|kind| kind == "bin")) {
+        install(&artifact.executable, &bin_dir.join(&artifact.target_name), strip)?;
         bin_names.push(artifact.target_name.clone());
     }
 
@@ -227,16 +182,9 @@ pub fn gpu_bundle(root: &Path, out: PathBuf) -> Result<()> {
     let size = dir_size(&out)?;
     println!("gpu-bundle: {}", out.display());
     println!("  tests/   ({}): {}", names.len(), names.join(" "));
-    println!(
-        "  benches/ ({}): {}",
-        bench_names.len(),
-        bench_names.join(" ")
-    );
+    println!("  benches/ ({}): {}", bench_names.len(), bench_names.join(" "));
     println!("  bin/     ({}): {}", bin_names.len(), bin_names.join(" "));
     println!("  run.sh   (usage: run.sh [--bench] [TEST-ARGS...])");
-    println!(
-        "gpu-bundle: size {:.1} MiB ({size} bytes)",
-        size as f64 / (1024.0 * 1024.0)
-    );
+    println!("gpu-bundle: size {:.1} MiB ({size} bytes)", size as f64 / (1024.0 * 1024.0));
     Ok(())
 }

@@ -16,10 +16,7 @@ impl Json {
     /// The member `key` of an object, `None` for a missing key or a non-object.
     pub fn get(&self, key: &str) -> Option<&Json> {
         match self {
-            Json::Object(members) => members
-                .iter()
-                .find(|(name, _)| name == key)
-                .map(|(_, value)| value),
+            Json::Object(members) => members.iter().find(|(name, _)| name == key).map(|(_, value)| value),
             _ => None,
         }
     }
@@ -48,10 +45,7 @@ impl Json {
 
 /// Parses one JSON document (surrounding whitespace allowed).
 pub fn parse(text: &str) -> Result<Json, String> {
-    let mut parser = Parser {
-        bytes: text.as_bytes(),
-        pos: 0,
-    };
+    let mut parser = Parser { bytes: text.as_bytes(), pos: 0 };
     let value = parser.value(0)?;
     parser.skip_ws();
     if parser.pos != parser.bytes.len() {
@@ -70,9 +64,7 @@ const MAX_DEPTH: usize = 128;
 
 impl Parser<'_> {
     fn skip_ws(&mut self) {
-        while self.pos < self.bytes.len()
-            && matches!(self.bytes[self.pos], b' ' | b'\t' | b'\n' | b'\r')
-        {
+        while self.pos < self.bytes.len() && matches!(self.bytes[self.pos], b' ' | b'\t' | b'\n' | b'\r') {
             self.pos += 1;
         }
     }
@@ -158,14 +150,10 @@ impl Parser<'_> {
             }
             Some(b'-' | b'0'..=b'9') => {
                 let start = self.pos;
-                while self
-                    .peek()
-                    .is_some_and(|b| matches!(b, b'-' | b'+' | b'.' | b'e' | b'E' | b'0'..=b'9'))
-                {
+                while self.peek().is_some_and(|b| matches!(b, b'-' | b'+' | b'.' | b'e' | b'E' | b'0'..=b'9')) {
                     self.pos += 1;
                 }
-                let text =
-                    std::str::from_utf8(&self.bytes[start..self.pos]).map_err(|e| e.to_string())?;
+                let text = std::str::from_utf8(&self.bytes[start..self.pos]).map_err(|e| e.to_string())?;
                 Ok(Json::Number(text.to_string()))
             }
             Some(_) => Err(format!("unexpected character at byte {}", self.pos)),
@@ -173,13 +161,9 @@ impl Parser<'_> {
     }
 
     fn hex4(&mut self) -> Result<u32, String> {
-        let digits = self
-            .bytes
-            .get(self.pos..self.pos + 4)
-            .ok_or("truncated \\u escape")?;
+        let digits = self.bytes.get(self.pos..self.pos + 4).ok_or("truncated \\u escape")?;
         let text = std::str::from_utf8(digits).map_err(|e| e.to_string())?;
-        let value = u32::from_str_radix(text, 16)
-            .map_err(|_| format!("bad \\u escape at byte {}", self.pos))?;
+        let value = u32::from_str_radix(text, 16).map_err(|_| format!("bad \\u escape at byte {}", self.pos))?;
         self.pos += 4;
         Ok(value)
     }
@@ -209,14 +193,11 @@ impl Parser<'_> {
                         b't' => '\t',
                         b'u' => {
                             let high = self.hex4()?;
-                            let code = if (0xd800..0xdc00).contains(&high)
-                                && self.bytes[self.pos..].starts_with(b"\\u")
+                            let code = if (0xd800..0xdc00).contains(&high) && self.bytes[self.pos..].starts_with(b"\\u")
                             {
                                 self.pos += 2;
                                 let low = self.hex4()?;
-                                0x10000
-                                    + ((high - 0xd800) << 10)
-                                    + (low.wrapping_sub(0xdc00) & 0x3ff)
+                                0x10000 + ((high - 0xd800) << 10) + (low.wrapping_sub(0xdc00) & 0x3ff)
                             } else {
                                 high
                             };
@@ -241,39 +222,18 @@ mod tests {
     fn parses_a_cargo_artifact_line() {
         let line = r#"{"reason":"compiler-artifact","package_id":"path+file:///w#mok@0.1.0","manifest_path":"/w/Cargo.toml","target":{"kind":["test"],"crate_types":["bin"],"name":"gpu_unfused","src_path":"/w/tests/gpu_unfused.rs","edition":"2024","doctest":false,"test":true},"profile":{"opt_level":"3","debuginfo":0,"debug_assertions":false,"overflow_checks":false,"test":true},"features":["gpu-tests"],"filenames":["/w/target/release/deps/gpu_unfused-0123"],"executable":"/w/target/release/deps/gpu_unfused-0123","fresh":true}"#;
         let value = parse(line).unwrap();
-        assert_eq!(
-            value.get("reason").and_then(Json::as_str),
-            Some("compiler-artifact")
-        );
-        assert_eq!(
-            value
-                .get("profile")
-                .and_then(|p| p.get("test"))
-                .and_then(Json::as_bool),
-            Some(true)
-        );
+        assert_eq!(value.get("reason").and_then(Json::as_str), Some("compiler-artifact"));
+        assert_eq!(value.get("profile").and_then(|p| p.get("test")).and_then(Json::as_bool), Some(true));
         let target = value.get("target").unwrap();
-        assert_eq!(
-            target.get("kind").and_then(Json::as_array).unwrap()[0].as_str(),
-            Some("test")
-        );
-        assert_eq!(
-            value.get("executable").and_then(Json::as_str),
-            Some("/w/target/release/deps/gpu_unfused-0123")
-        );
+        assert_eq!(target.get("kind").and_then(Json::as_array).unwrap()[0].as_str(), Some("test"));
+        assert_eq!(value.get("executable").and_then(Json::as_str), Some("/w/target/release/deps/gpu_unfused-0123"));
         assert_eq!(value.get("debuginfo"), None);
     }
 
     #[test]
     fn handles_escapes_numbers_and_nesting() {
-        let value = parse(
-            r#" {"a": [1, -2.5e3, null, true, false, {}], "s": "q\"\\\n\u00e9\ud83d\ude00"} "#,
-        )
-        .unwrap();
-        assert_eq!(
-            value.get("s").and_then(Json::as_str),
-            Some("q\"\\\n\u{e9}\u{1f600}")
-        );
+        let value = parse(r#" {"a": [1, -2.5e3, null, true, false, {}], "s": "q\"\\\n\u00e9\ud83d\ude00"} "#).unwrap();
+        assert_eq!(value.get("s").and_then(Json::as_str), Some("q\"\\\n\u{e9}\u{1f600}"));
         let items = value.get("a").and_then(Json::as_array).unwrap();
         assert_eq!(items[1], Json::Number("-2.5e3".into()));
         assert_eq!(items[5], Json::Object(Vec::new()));

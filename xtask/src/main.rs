@@ -25,11 +25,7 @@ use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(
-    name = "cargo xtask",
-    bin_name = "cargo xtask",
-    about = "mok's developer and CI tasks"
-)]
+#[command(name = "cargo xtask", bin_name = "cargo xtask", about = "mok's developer and CI tasks")]
 struct Cli {
     #[command(subcommand)]
     command: Task,
@@ -70,9 +66,7 @@ fn main() -> ExitCode {
         Task::Setup => setup::setup(),
         Task::Ptx { check_reproducible } => ptx::ptx(&root, check_reproducible),
         Task::Test => test(&root),
-        Task::GpuBundle { out } => {
-            bundle::gpu_bundle(&root, out.unwrap_or_else(|| root.join("bundle")))
-        }
+        Task::GpuBundle { out } => bundle::gpu_bundle(&root, out.unwrap_or_else(|| root.join("bundle"))),
         Task::Demo { args } => return demo(&root, &args),
     };
     match result {
@@ -103,9 +97,7 @@ pub fn describe(command: &Command) -> String {
 /// Runs `command` with inherited output; an error names the command.
 pub fn run(command: &mut Command) -> Result<()> {
     let described = describe(command);
-    let status = command
-        .status()
-        .with_context(|| format!("cannot start `{described}`"))?;
+    let status = command.status().with_context(|| format!("cannot start `{described}`"))?;
     if !status.success() {
         bail!("`{described}` failed ({status})");
     }
@@ -115,10 +107,7 @@ pub fn run(command: &mut Command) -> Result<()> {
 /// Runs `command` and captures stdout and stderr (stdin closed), whether it succeeds or not.
 pub fn capture(command: &mut Command) -> Result<Output> {
     let described = describe(command);
-    command
-        .stdin(Stdio::null())
-        .output()
-        .with_context(|| format!("cannot start `{described}`"))
+    command.stdin(Stdio::null()).output().with_context(|| format!("cannot start `{described}`"))
 }
 
 /// `cargo` with the workspace root as working folder.
@@ -131,14 +120,7 @@ pub fn cargo(root: &Path) -> Command {
 fn test(root: &Path) -> Result<()> {
     let cargo_steps: [&[&str]; 3] = [
         &["fmt", "--all", "--check"],
-        &[
-            "clippy",
-            "--workspace",
-            "--all-targets",
-            "--",
-            "-D",
-            "warnings",
-        ],
+        &["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"],
         &["test", "--workspace"],
     ];
     let total = 2 + cargo_steps.len();
@@ -155,15 +137,11 @@ fn test(root: &Path) -> Result<()> {
         let mut hint = "";
         if args[0] == "fmt" || args[0] == "clippy" {
             // A missing component shows as cargo's "no such command".
-            if !capture(cargo(root).args([args[0], "--version"]))?
-                .status
-                .success()
-            {
+            if !capture(cargo(root).args([args[0], "--version"]))?.status.success() {
                 hint = " (is the component installed? `rustup component add rustfmt clippy`)";
             }
         }
-        run(&mut command)
-            .with_context(|| format!("xtask test: step {step} (`{described}`) failed{hint}"))?;
+        run(&mut command).with_context(|| format!("xtask test: step {step} (`{described}`) failed{hint}"))?;
     }
     println!("xtask test: all steps passed");
     Ok(())
@@ -171,19 +149,13 @@ fn test(root: &Path) -> Result<()> {
 
 fn demo(root: &Path, args: &[OsString]) -> ExitCode {
     let mut command = cargo(root);
-    command
-        .args(["run", "--release", "-p", "mok", "--bin", "mok-demo", "--"])
-        .args(args);
+    command.args(["run", "--release", "-p", "mok", "--bin", "mok-demo", "--"]).args(args);
     match command.status() {
         Ok(status) if status.success() => ExitCode::SUCCESS,
         Ok(status) => {
             eprintln!("error: `{}` failed ({status})", describe(&command));
             ExitCode::from(
-                status
-                    .code()
-                    .and_then(|code| u8::try_from(code).ok())
-                    .filter(|&code| code != 0)
-                    .unwrap_or(1),
+                status.code().and_then(|code| u8::try_from(code).ok()).filter(|&code| code != 0).unwrap_or(1),
             )
         }
         Err(error) => {

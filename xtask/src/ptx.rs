@@ -43,39 +43,17 @@ pub fn ptx(root: &Path, check_reproducible: bool) -> Result<()> {
     for (arch, ptx) in &built {
         let cubin = ptx.with_extension("cubin");
         let mut command = Command::new(&ptxas);
-        command
-            .arg(format!("-arch={}", arch.sm))
-            .arg("-v")
-            .arg(ptx)
-            .arg("-o")
-            .arg(&cubin);
+        command.arg(format!("-arch={}", arch.sm)).arg("-v").arg(ptx).arg("-o").arg(&cubin);
         let output = capture(&mut command)?;
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&output.stdout),
-            String::from_utf8_lossy(&output.stderr)
-        );
-        let errors: Vec<&str> = text
-            .lines()
-            .filter(|line| is_diagnostic(line, &["error", "fatal"]))
-            .collect();
+        let text = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+        let errors: Vec<&str> = text.lines().filter(|line| is_diagnostic(line, &["error", "fatal"])).collect();
         if !output.status.success() || !errors.is_empty() {
-            bail!(
-                "`{}` failed ({}):\n{}",
-                describe(&command),
-                output.status,
-                text.trim_end()
-            );
+            bail!("`{}` failed ({}):\n{}", describe(&command), output.status, text.trim_end());
         }
         let mut kernels = parse_ptxas_info(&text);
         // ptxas's order is the reverse of the PTX's; by name, reports diff well.
         kernels.sort_by(|a, b| a.name.cmp(&b.name));
-        ensure!(
-            !kernels.is_empty(),
-            "`{}` reported no entry function:\n{}",
-            describe(&command),
-            text.trim_end()
-        );
+        ensure!(!kernels.is_empty(), "`{}` reported no entry function:\n{}", describe(&command), text.trim_end());
 
         writeln!(
             report,
@@ -86,31 +64,21 @@ pub fn ptx(root: &Path, check_reproducible: bool) -> Result<()> {
             relative(root, &cubin)
         )?;
         report.push_str(&format_table(&kernels));
-        for warning in text
-            .lines()
-            .filter(|line| is_diagnostic(line, &["warning"]))
-        {
+        for warning in text.lines().filter(|line| is_diagnostic(line, &["warning"])) {
             writeln!(report, "  {}", warning.trim())?;
         }
     }
     print!("{report}");
     let report_path = out_dir.join("ptxas-report.txt");
-    fs::write(&report_path, &report)
-        .with_context(|| format!("cannot write {}", report_path.display()))?;
+    fs::write(&report_path, &report).with_context(|| format!("cannot write {}", report_path.display()))?;
     println!("\nptx: report written to {}", relative(root, &report_path));
 
     if check_reproducible {
         let again_dir = root.join("target").join("ptx-again");
-        let rebuilt = build_all(
-            root,
-            &root.join("target").join("ptx-build-again"),
-            &again_dir,
-        )?;
+        let rebuilt = build_all(root, &root.join("target").join("ptx-build-again"), &again_dir)?;
         for ((arch, first), (_, second)) in built.iter().zip(&rebuilt) {
-            let first_bytes =
-                fs::read(first).with_context(|| format!("cannot read {}", first.display()))?;
-            let second_bytes =
-                fs::read(second).with_context(|| format!("cannot read {}", second.display()))?;
+            let first_bytes = fs::read(first).with_context(|| format!("cannot read {}", first.display()))?;
+            let second_bytes = fs::read(second).with_context(|| format!("cannot read {}", second.display()))?;
             ensure!(
                 first_bytes == second_bytes,
                 "{}: the PTX is not reproducible: {} and {} differ",
@@ -119,18 +87,13 @@ pub fn ptx(root: &Path, check_reproducible: bool) -> Result<()> {
                 second.display()
             );
         }
-        println!(
-            "ptx: reproducible: a second build in another target folder gave byte-identical PTX"
-        );
+        println!("ptx: reproducible: a second build in another target folder gave byte-identical PTX");
     }
     Ok(())
 }
 
 fn relative(root: &Path, path: &Path) -> String {
-    path.strip_prefix(root)
-        .unwrap_or(path)
-        .display()
-        .to_string()
+    path.strip_prefix(root).unwrap_or(path).display().to_string()
 }
 
 /// A ptxas diagnostic line of one of `kinds`: `ptxas error   : ...`, `ptxas fatal   : ...`, or
@@ -161,9 +124,7 @@ pub struct KernelInfo {
 fn number_before(text: &str, suffix: &str) -> Option<u64> {
     let end = text.find(suffix)?;
     let head = &text[..end];
-    let start = head
-        .rfind(|c: char| !c.is_ascii_digit())
-        .map_or(0, |i| i + 1);
+    let start = head.rfind(|c: char| !c.is_ascii_digit()).map_or(0, |i| i + 1);
     head[start..].parse().ok()
 }
 
@@ -186,20 +147,13 @@ pub fn parse_ptxas_info(text: &str) -> Vec<KernelInfo> {
         let body = line.split_once(" : ").map_or(line, |(_, body)| body).trim();
         if let Some(rest) = body.strip_prefix("Compiling entry function '") {
             let name = rest.split('\'').next().unwrap_or_default();
-            kernels.push(KernelInfo {
-                name: name.to_string(),
-                ..KernelInfo::default()
-            });
+            kernels.push(KernelInfo { name: name.to_string(), ..KernelInfo::default() });
             properties_of = None;
         } else if let Some(name) = body.strip_prefix("Function properties for ") {
             properties_of = Some(name.trim().to_string());
         } else if body.contains("bytes stack frame") {
             let owner = properties_of.take();
-            if let Some(kernel) = kernels
-                .iter_mut()
-                .rev()
-                .find(|kernel| Some(&kernel.name) == owner.as_ref())
-            {
+            if let Some(kernel) = kernels.iter_mut().rev().find(|kernel| Some(&kernel.name) == owner.as_ref()) {
                 kernel.stack_frame = number_before(body, " bytes stack frame").unwrap_or(0);
                 kernel.spill_stores = number_before(body, " bytes spill stores").unwrap_or(0);
                 kernel.spill_loads = number_before(body, " bytes spill loads").unwrap_or(0);
@@ -218,12 +172,7 @@ pub fn parse_ptxas_info(text: &str) -> Vec<KernelInfo> {
 
 /// A text table of `kernels`, one line each, two-space indented.
 pub fn format_table(kernels: &[KernelInfo]) -> String {
-    let width = kernels
-        .iter()
-        .map(|kernel| kernel.name.len())
-        .chain(["kernel".len()])
-        .max()
-        .unwrap_or(0);
+    let width = kernels.iter().map(|kernel| kernel.name.len()).chain(["kernel".len()]).max().unwrap_or(0);
     let mut table = format!(
         "  {:<width$}  {:>5}  {:>9}  {:>9}  {:>6}  {:>8}  {:>8}\n",
         "kernel", "regs", "spill st", "spill ld", "stack", "smem", "barriers"
@@ -296,33 +245,12 @@ ptxas info    : Compile time = 7.873 ms
 
     #[test]
     fn tells_diagnostics_from_names() {
-        assert!(is_diagnostic(
-            "ptxas error   : Entry function 'x' uses too much shared data",
-            &["error"]
-        ));
-        assert!(is_diagnostic(
-            "ptxas fatal   : Unresolved extern function 'f'",
-            &["error", "fatal"]
-        ));
-        assert!(is_diagnostic(
-            "ptxas /t/mok_sm90a.ptx, line 12; error   : Unknown symbol 'y'",
-            &["error"]
-        ));
-        assert!(is_diagnostic(
-            "ptxas /t/a.ptx, line 3; warning : Double is not supported",
-            &["warning"]
-        ));
-        assert!(!is_diagnostic(
-            "ptxas info    : Function properties for _ZN4core3fmt5Error",
-            &["error"]
-        ));
-        assert!(!is_diagnostic(
-            "ptxas info    : Compiling entry function 'error_kernel' for 'sm_90a'",
-            &["error"]
-        ));
-        assert!(!is_diagnostic(
-            "    0 bytes stack frame, 0 bytes spill stores",
-            &["error"]
-        ));
+        assert!(is_diagnostic("ptxas error   : Entry function 'x' uses too much shared data", &["error"]));
+        assert!(is_diagnostic("ptxas fatal   : Unresolved extern function 'f'", &["error", "fatal"]));
+        assert!(is_diagnostic("ptxas /t/mok_sm90a.ptx, line 12; error   : Unknown symbol 'y'", &["error"]));
+        assert!(is_diagnostic("ptxas /t/a.ptx, line 3; warning : Double is not supported", &["warning"]));
+        assert!(!is_diagnostic("ptxas info    : Function properties for _ZN4core3fmt5Error", &["error"]));
+        assert!(!is_diagnostic("ptxas info    : Compiling entry function 'error_kernel' for 'sm_90a'", &["error"]));
+        assert!(!is_diagnostic("    0 bytes stack frame, 0 bytes spill stores", &["error"]));
     }
 }

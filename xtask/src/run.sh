@@ -7,7 +7,8 @@
 # result line counts as 1 failed. Exits non-zero when M > 0.
 #
 # usage: run.sh [--bench] [TEST-ARGS...]
-#   --bench, or MOK_BUNDLE_BENCH=1   then run the bench binaries in benches/ too (not counted)
+#   --bench, or MOK_BUNDLE_BENCH=1   then run the bench binaries in benches/ too (not counted;
+#                                    the scripts there, e.g. run_layer_bench.sh, are run by hand)
 #   TEST-ARGS                        passed to every test binary (a name filter, --nocapture, ...)
 #   MOK_TEST_TIMEOUT=SECONDS         time limit per test binary (default 300; 0: none)
 #   MOK_BENCH_TIMEOUT=SECONDS        time limit per bench binary (default 0: none)
@@ -72,7 +73,8 @@ bench_failures=0
 if [ "$run_bench" = 1 ]; then
     for bin in "$here"/benches/*; do
         if [ ! -f "$bin" ] || [ ! -x "$bin" ]; then continue; fi
-        case "$bin" in *.py) continue ;; esac
+        # Only the bench binaries: the scripts beside them (*.py, *.sh) are run by hand.
+        case "$bin" in *.py | *.sh) continue ;; esac
         name=$(basename "$bin")
         echo "=== bench $name"
         # `cargo bench` passes --bench to bench executables; do the same.

@@ -29,9 +29,7 @@ pub fn setup() -> Result<()> {
 }
 
 fn non_empty_var(name: &str) -> Option<PathBuf> {
-    env::var_os(name)
-        .filter(|value| !value.is_empty())
-        .map(PathBuf::from)
+    env::var_os(name).filter(|value| !value.is_empty()).map(PathBuf::from)
 }
 
 /// Where xtask keeps downloads: `$MOK_CACHE_DIR`, else `~/.cache/mok`.
@@ -39,8 +37,7 @@ pub fn cache_dir() -> Result<PathBuf> {
     if let Some(dir) = non_empty_var(CACHE_ENV) {
         return Ok(dir);
     }
-    let home =
-        non_empty_var("HOME").ok_or_else(|| anyhow!("neither {CACHE_ENV} nor HOME is set"))?;
+    let home = non_empty_var("HOME").ok_or_else(|| anyhow!("neither {CACHE_ENV} nor HOME is set"))?;
     Ok(home.join(".cache").join("mok"))
 }
 
@@ -77,15 +74,8 @@ pub fn ptxas_version(ptxas: &Path) -> Result<String> {
             String::from_utf8_lossy(&output.stderr)
         );
     }
-    let mut lines = stdout
-        .lines()
-        .map(str::trim)
-        .filter(|line| !line.is_empty());
-    let line = lines
-        .clone()
-        .find(|line| line.contains("release"))
-        .or_else(|| lines.next_back())
-        .unwrap_or("");
+    let mut lines = stdout.lines().map(str::trim).filter(|line| !line.is_empty());
+    let line = lines.clone().find(|line| line.contains("release")).or_else(|| lines.next_back()).unwrap_or("");
     ensure!(!line.is_empty(), "`{}` printed nothing", describe(&command));
     Ok(line.to_string())
 }
@@ -94,57 +84,30 @@ pub fn ptxas_version(ptxas: &Path) -> Result<String> {
 fn ensure_toolchain() -> Result<PathBuf> {
     match ptx_builder::llvm_tools_dir() {
         Ok(bin) => {
-            println!(
-                "setup: toolchain {KERNEL_TOOLCHAIN} with rust-src and llvm-tools: present ({})",
-                bin.display()
-            );
+            println!("setup: toolchain {KERNEL_TOOLCHAIN} with rust-src and llvm-tools: present ({})", bin.display());
             return Ok(bin);
         }
         Err(why) => println!("setup: {why}\nsetup: installing {KERNEL_TOOLCHAIN}"),
     }
     run(Command::new("rustup")
-        .args([
-            "toolchain",
-            "install",
-            KERNEL_TOOLCHAIN,
-            "--profile",
-            "minimal",
-            "-c",
-            "rust-src",
-            "-c",
-            "llvm-tools",
-        ])
+        .args(["toolchain", "install", KERNEL_TOOLCHAIN, "--profile", "minimal", "-c", "rust-src", "-c", "llvm-tools"])
         .env_remove("RUSTUP_TOOLCHAIN"))?;
     if ptx_builder::llvm_tools_dir().is_err() {
         // An already-installed toolchain may not get the components from `toolchain install`.
         run(Command::new("rustup")
-            .args([
-                "component",
-                "add",
-                "--toolchain",
-                KERNEL_TOOLCHAIN,
-                "rust-src",
-                "llvm-tools",
-            ])
+            .args(["component", "add", "--toolchain", KERNEL_TOOLCHAIN, "rust-src", "llvm-tools"])
             .env_remove("RUSTUP_TOOLCHAIN"))?;
     }
     let bin = ptx_builder::llvm_tools_dir().map_err(|why| anyhow!("after installing: {why}"))?;
-    println!(
-        "setup: toolchain {KERNEL_TOOLCHAIN}: installed ({})",
-        bin.display()
-    );
+    println!("setup: toolchain {KERNEL_TOOLCHAIN}: installed ({})", bin.display());
     Ok(bin)
 }
 
 /// ptxas: `$MOK_PTXAS` if set, else the cached copy, downloaded from PyPI when missing.
 fn ensure_ptxas() -> Result<PathBuf> {
     if let Some(path) = non_empty_var(PTXAS_ENV) {
-        let version = ptxas_version(&path)
-            .with_context(|| format!("{PTXAS_ENV}={} does not run", path.display()))?;
-        println!(
-            "setup: ptxas from {PTXAS_ENV}: {} ({version})",
-            path.display()
-        );
+        let version = ptxas_version(&path).with_context(|| format!("{PTXAS_ENV}={} does not run", path.display()))?;
+        println!("setup: ptxas from {PTXAS_ENV}: {} ({version})", path.display());
         return Ok(path);
     }
     let install_dir = ptxas_install_dir()?;
@@ -152,10 +115,7 @@ fn ensure_ptxas() -> Result<PathBuf> {
     if ptxas.is_file() {
         match ptxas_version(&ptxas) {
             Ok(version) => {
-                println!(
-                    "setup: ptxas {PTXAS_VERSION}: present ({}, {version})",
-                    ptxas.display()
-                );
+                println!("setup: ptxas {PTXAS_VERSION}: present ({}, {version})", ptxas.display());
                 return Ok(ptxas);
             }
             Err(why) => {
@@ -167,35 +127,18 @@ fn ensure_ptxas() -> Result<PathBuf> {
     // Download and unpack into a folder of our own, then move it into place: an interrupted run
     // never leaves a half-made install behind.
     let cache = cache_dir()?;
-    let staging = cache.join(format!(
-        "ptxas-{PTXAS_VERSION}.partial-{}",
-        std::process::id()
-    ));
+    let staging = cache.join(format!("ptxas-{PTXAS_VERSION}.partial-{}", std::process::id()));
     if staging.exists() {
-        fs::remove_dir_all(&staging)
-            .with_context(|| format!("cannot remove {}", staging.display()))?;
+        fs::remove_dir_all(&staging).with_context(|| format!("cannot remove {}", staging.display()))?;
     }
     let wheel_dir = staging.join("wheel");
     let unpack_dir = staging.join("unpacked");
-    fs::create_dir_all(&wheel_dir)
-        .with_context(|| format!("cannot create {}", wheel_dir.display()))?;
+    fs::create_dir_all(&wheel_dir).with_context(|| format!("cannot create {}", wheel_dir.display()))?;
     println!("setup: downloading {PTXAS_WHEEL}=={PTXAS_VERSION} from PyPI for ptxas");
     let result = (|| -> Result<()> {
         run(Command::new("python3")
-            .args([
-                "-m",
-                "pip",
-                "download",
-                "--no-deps",
-                "--only-binary=:all:",
-                "--disable-pip-version-check",
-            ])
-            .args([
-                "--platform",
-                "manylinux2014_x86_64",
-                "--python-version",
-                "3.11",
-            ])
+            .args(["-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check"])
+            .args(["--platform", "manylinux2014_x86_64", "--python-version", "3.11"])
             .arg(format!("{PTXAS_WHEEL}=={PTXAS_VERSION}"))
             .arg("-d")
             .arg(&wheel_dir))?;
@@ -218,20 +161,11 @@ fn ensure_ptxas() -> Result<PathBuf> {
             unpacked.display()
         );
         if install_dir.exists() {
-            fs::remove_dir_all(&install_dir)
-                .with_context(|| format!("cannot remove {}", install_dir.display()))?;
+            fs::remove_dir_all(&install_dir).with_context(|| format!("cannot remove {}", install_dir.display()))?;
         }
-        fs::rename(&unpack_dir, &install_dir).with_context(|| {
-            format!(
-                "cannot move {} to {}",
-                unpack_dir.display(),
-                install_dir.display()
-            )
-        })?;
-        println!(
-            "setup: ptxas {PTXAS_VERSION}: installed ({}, {version})",
-            ptxas.display()
-        );
+        fs::rename(&unpack_dir, &install_dir)
+            .with_context(|| format!("cannot move {} to {}", unpack_dir.display(), install_dir.display()))?;
+        println!("setup: ptxas {PTXAS_VERSION}: installed ({}, {version})", ptxas.display());
         Ok(())
     })();
     let _ = fs::remove_dir_all(&staging);

@@ -28,7 +28,8 @@ impl<T: Pod> DeviceBuffer<T> {
         inner.bind()?;
         let bytes = (len * size_of::<T>()).max(16);
         // SAFETY: plain allocation in the current context.
-        let ptr = unsafe { result::malloc_sync(bytes) }.map_err(|e| cuda_error(format!("cuMemAlloc({bytes} bytes)"), e))?;
+        let ptr =
+            unsafe { result::malloc_sync(bytes) }.map_err(|e| cuda_error(format!("cuMemAlloc({bytes} bytes)"), e))?;
         Ok(Self { ptr, len, gpu: inner, _element: PhantomData })
     }
 
@@ -61,7 +62,8 @@ impl<T: Pod> DeviceBuffer<T> {
         // SAFETY: `data` has exactly `len` elements and the allocation holds that many; the
         // call returns after the copy, so `data` outlives it.
         unsafe {
-            result::memcpy_htod_async(self.ptr, data, self.gpu.stream).map_err(|e| cuda_error("cuMemcpyHtoDAsync", e))?;
+            result::memcpy_htod_async(self.ptr, data, self.gpu.stream)
+                .map_err(|e| cuda_error("cuMemcpyHtoDAsync", e))?;
             result::stream::synchronize(self.gpu.stream).map_err(|e| cuda_error("cuStreamSynchronize (upload)", e))
         }
     }
@@ -72,8 +74,10 @@ impl<T: Pod> DeviceBuffer<T> {
         self.gpu.bind()?;
         // SAFETY: `out` has `len` elements; the stream is synchronised before `out` is used.
         unsafe {
-            result::memcpy_dtoh_async(&mut out, self.ptr, self.gpu.stream).map_err(|e| cuda_error("cuMemcpyDtoHAsync", e))?;
-            result::stream::synchronize(self.gpu.stream).map_err(|e| cuda_error("cuStreamSynchronize (download)", e))?;
+            result::memcpy_dtoh_async(&mut out, self.ptr, self.gpu.stream)
+                .map_err(|e| cuda_error("cuMemcpyDtoHAsync", e))?;
+            result::stream::synchronize(self.gpu.stream)
+                .map_err(|e| cuda_error("cuStreamSynchronize (download)", e))?;
         }
         Ok(out)
     }
@@ -82,14 +86,18 @@ impl<T: Pod> DeviceBuffer<T> {
     pub fn fill_bytes(&mut self, byte: u8) -> Result<()> {
         self.gpu.bind()?;
         // SAFETY: the range is this allocation.
-        unsafe { result::memset_d8_async(self.ptr, byte, self.len * size_of::<T>(), self.gpu.stream) }.map_err(|e| cuda_error("cuMemsetD8Async", e))
+        unsafe { result::memset_d8_async(self.ptr, byte, self.len * size_of::<T>(), self.gpu.stream) }
+            .map_err(|e| cuda_error("cuMemsetD8Async", e))
     }
 
     fn check_len(&self, what: &str, len: usize) -> Result<()> {
         if len == self.len {
             Ok(())
         } else {
-            Err(MokError::InvalidInput { tensor: "device buffer", problem: format!("{what} of {len} elements into a buffer of {}", self.len) })
+            Err(MokError::InvalidInput {
+                tensor: "device buffer",
+                problem: format!("{what} of {len} elements into a buffer of {}", self.len),
+            })
         }
     }
 }

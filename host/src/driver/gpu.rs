@@ -105,7 +105,8 @@ impl Gpu {
         super::probe()?;
         let device = result::device::get(ordinal as i32).map_err(|e| cuda_error("cuDeviceGet", e))?;
         // SAFETY: `device` is valid; the primary context is released in `GpuInner::drop`.
-        let context = unsafe { result::primary_ctx::retain(device) }.map_err(|e| cuda_error("cuDevicePrimaryCtxRetain", e))?;
+        let context =
+            unsafe { result::primary_ctx::retain(device) }.map_err(|e| cuda_error("cuDevicePrimaryCtxRetain", e))?;
         // SAFETY: the context was just retained.
         unsafe { result::ctx::set_current(context) }.map_err(|e| cuda_error("cuCtxSetCurrent", e))?;
         let attribute = |attribute, call: &str| {
@@ -115,23 +116,35 @@ impl Gpu {
         use sys::CUdevice_attribute_enum as Attr;
         let major = attribute(Attr::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, "cuDeviceGetAttribute(major)")?;
         let minor = attribute(Attr::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, "cuDeviceGetAttribute(minor)")?;
-        let multiprocessors = attribute(Attr::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, "cuDeviceGetAttribute(SMs)")? as u32;
+        let multiprocessors =
+            attribute(Attr::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, "cuDeviceGetAttribute(SMs)")? as u32;
         let name = result::device::get_name(device).map_err(|e| cuda_error("cuDeviceGetName", e))?;
-        let stream = result::stream::create(result::stream::StreamKind::NonBlocking).map_err(|e| cuda_error("cuStreamCreate", e))?;
-        let inner = Arc::new(GpuInner { device, context, stream, name: name.clone(), compute_capability: (major, minor), multiprocessors });
+        let stream = result::stream::create(result::stream::StreamKind::NonBlocking)
+            .map_err(|e| cuda_error("cuStreamCreate", e))?;
+        let inner = Arc::new(GpuInner {
+            device,
+            context,
+            stream,
+            name: name.clone(),
+            compute_capability: (major, minor),
+            multiprocessors,
+        });
 
         // "a" PTX (sm_90a, sm_100a) runs only on its own major architecture.
         let Some((_, ptx)) = ptx_by_arch.iter().find(|(arch_major, _)| *arch_major == major) else {
             return Err(MokError::UnsupportedGpu { name, major, minor });
         };
-        let source = CString::new(*ptx).map_err(|_| MokError::Cuda { call: "PTX".into(), message: "PTX text contains a NUL byte".into() })?;
+        let source = CString::new(*ptx)
+            .map_err(|_| MokError::Cuda { call: "PTX".into(), message: "PTX text contains a NUL byte".into() })?;
         // SAFETY: `source` is a NUL-terminated PTX image that outlives the call.
-        let module = unsafe { result::module::load_data(source.as_ptr() as *const c_void) }.map_err(|e| cuda_error("cuModuleLoadData (JIT of mok's PTX)", e))?;
+        let module = unsafe { result::module::load_data(source.as_ptr() as *const c_void) }
+            .map_err(|e| cuda_error("cuModuleLoadData (JIT of mok's PTX)", e))?;
         let mut kernels = Kernels { module, functions: HashMap::new() };
         for &kernel in kernel_names {
             let c_name = CString::new(kernel).expect("kernel names have no NUL");
             // SAFETY: the module is loaded; the name is NUL-terminated.
-            let function = unsafe { result::module::get_function(module, c_name) }.map_err(|e| cuda_error(format!("cuModuleGetFunction({kernel})"), e))?;
+            let function = unsafe { result::module::get_function(module, c_name) }
+                .map_err(|e| cuda_error(format!("cuModuleGetFunction({kernel})"), e))?;
             kernels.functions.insert(kernel, function);
         }
         let sync_launches = std::env::var_os("MOK_SYNC_LAUNCHES").is_some_and(|v| v == "1");
@@ -162,13 +175,20 @@ impl Gpu {
         let function = self.function(kernel)?;
         // SAFETY: valid function handle and attribute.
         unsafe {
-            result::function::set_function_attribute(function, sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)
+            result::function::set_function_attribute(
+                function,
+                sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
         }
         .map_err(|e| cuda_error(format!("cuFuncSetAttribute({kernel}, max dynamic smem {bytes})"), e))
     }
 
     fn function(&self, kernel: &'static str) -> Result<sys::CUfunction> {
-        self.kernels.functions.get(kernel).copied().ok_or_else(|| MokError::Cuda { call: format!("launch {kernel}"), message: "kernel was not loaded (not in the kernel list)".into() })
+        self.kernels.functions.get(kernel).copied().ok_or_else(|| MokError::Cuda {
+            call: format!("launch {kernel}"),
+            message: "kernel was not loaded (not in the kernel list)".into(),
+        })
     }
 
     /// Enqueues `kernel` on the stream. Checks the launch result; with `MOK_SYNC_LAUNCHES=1`
@@ -189,13 +209,33 @@ impl Gpu {
         let mut params: Vec<*mut c_void> = slots.iter_mut().map(|slot| slot as *mut u64 as *mut c_void).collect();
         let (gx, gy, gz) = shape.grid;
         if gx == 0 || gy == 0 || gz == 0 || gy > 65535 || gz > 65535 {
-            return Err(MokError::Cuda { call: format!("launch {kernel}"), message: format!("grid {:?} out of range", shape.grid) });
+            return Err(MokError::Cuda {
+                call: format!("launch {kernel}"),
+                message: format!("grid {:?} out of range", shape.grid),
+            });
         }
         // SAFETY: `params` points at one live slot per kernel parameter, in order, and the
         // kernel's parameter list matches `args` (each entry point documents its parameters,
         // and the launch sites in this crate pass them in that order).
-        unsafe { result::launch_kernel(function, shape.grid, (shape.threads, 1, 1), shape.smem_bytes, self.inner.stream, &mut params) }
-            .map_err(|e| cuda_error(format!("cuLaunchKernel({kernel}, grid {:?}, {} threads, {} B smem)", shape.grid, shape.threads, shape.smem_bytes), e))?;
+        unsafe {
+            result::launch_kernel(
+                function,
+                shape.grid,
+                (shape.threads, 1, 1),
+                shape.smem_bytes,
+                self.inner.stream,
+                &mut params,
+            )
+        }
+        .map_err(|e| {
+            cuda_error(
+                format!(
+                    "cuLaunchKernel({kernel}, grid {:?}, {} threads, {} B smem)",
+                    shape.grid, shape.threads, shape.smem_bytes
+                ),
+                e,
+            )
+        })?;
         if self.sync_launches {
             self.synchronize_named(kernel)?;
         }
@@ -210,13 +250,15 @@ impl Gpu {
     fn synchronize_named(&self, what: &str) -> Result<()> {
         self.inner.bind()?;
         // SAFETY: the stream is alive for as long as `self`.
-        unsafe { result::stream::synchronize(self.inner.stream) }.map_err(|e| cuda_error(format!("cuStreamSynchronize (after {what})"), e))
+        unsafe { result::stream::synchronize(self.inner.stream) }
+            .map_err(|e| cuda_error(format!("cuStreamSynchronize (after {what})"), e))
     }
 
     /// A timer whose events are recorded on this GPU's stream.
     pub fn timer(&self) -> Result<GpuTimer> {
         self.inner.bind()?;
-        let create = || result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).map_err(|e| cuda_error("cuEventCreate", e));
+        let create =
+            || result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).map_err(|e| cuda_error("cuEventCreate", e));
         Ok(GpuTimer { start: create()?, stop: create()?, stream: self.inner.stream, _gpu: self.inner.clone() })
     }
 }

@@ -44,8 +44,7 @@ impl RowGrads {
             let (dst, src) = (row.slot * n..(row.slot + 1) * n, r * n..(r + 1) * n);
             self.d_gate[dst.clone()].copy_from_slice(&block.d_gate[src.clone()]);
             self.d_up[dst].copy_from_slice(&block.d_up[src]);
-            self.dx[row.slot * h..(row.slot + 1) * h]
-                .copy_from_slice(&block.dx[r * h..(r + 1) * h]);
+            self.dx[row.slot * h..(row.slot + 1) * h].copy_from_slice(&block.dx[r * h..(r + 1) * h]);
         }
     }
 }
@@ -103,23 +102,17 @@ fn weight_grad<'v>(
     coef: impl Fn(&Row, usize) -> f64 + Sync,
     vector: impl Fn(&Row) -> &'v [f64] + Sync,
 ) {
-    let chunk_rows = if rows_per_group.is_multiple_of(GRAD_ROWS) {
-        GRAD_ROWS
-    } else {
-        1
-    };
-    out.par_chunks_mut(chunk_rows * width)
-        .enumerate()
-        .for_each(|(c, chunk)| {
-            let first = c * chunk_rows;
-            let (group, o0) = (first / rows_per_group, first % rows_per_group);
-            for row in groups[group] {
-                let v = vector(row);
-                for (oo, dst) in chunk.chunks_exact_mut(width).enumerate() {
-                    axpy(dst, coef(row, o0 + oo), v);
-                }
+    let chunk_rows = if rows_per_group.is_multiple_of(GRAD_ROWS) { GRAD_ROWS } else { 1 };
+    out.par_chunks_mut(chunk_rows * width).enumerate().for_each(|(c, chunk)| {
+        let first = c * chunk_rows;
+        let (group, o0) = (first / rows_per_group, first % rows_per_group);
+        for row in groups[group] {
+            let v = vector(row);
+            for (oo, dst) in chunk.chunks_exact_mut(width).enumerate() {
+                axpy(dst, coef(row, o0 + oo), v);
             }
-        });
+        }
+    });
 }
 
 /// The three weight gradients of one group kind: `(d_gate, d_up, d_down)`.
@@ -135,23 +128,9 @@ fn group_weight_grads(
     let size = groups.len() * inter * h;
     let x_row = |row: &Row| &x64[row.token * h..(row.token + 1) * h];
     let mut d_gate = vec![0.0; size];
-    weight_grad(
-        &mut d_gate,
-        inter,
-        h,
-        groups,
-        |row, i| grads.d_gate[row.slot * inter + i],
-        x_row,
-    );
+    weight_grad(&mut d_gate, inter, h, groups, |row, i| grads.d_gate[row.slot * inter + i], x_row);
     let mut d_up = vec![0.0; size];
-    weight_grad(
-        &mut d_up,
-        inter,
-        h,
-        groups,
-        |row, i| grads.d_up[row.slot * inter + i],
-        x_row,
-    );
+    weight_grad(&mut d_up, inter, h, groups, |row, i| grads.d_up[row.slot * inter + i], x_row);
     // The same `scale * dy` product as phase 1, so dF is bit-identical in both places.
     let mut d_down = vec![0.0; size];
     weight_grad(
@@ -172,31 +151,19 @@ pub(super) fn run<E: Element, D: Element>(
     state: &ForwardState,
     dy: &[D],
 ) -> ReferenceGrads {
-    let (t, h, k, i) = (
-        config.tokens_per_rank,
-        config.hidden,
-        config.top_k,
-        config.intermediate,
-    );
+    let (t, h, k, i) = (config.tokens_per_rank, config.hidden, config.top_k, config.intermediate);
     let limit = config.swiglu_limit.map(f64::from);
     let dy64: Vec<f64> = dy.iter().map(|v| v.to_f64()).collect();
 
     // Phase 1.
     let tasks = forward::tasks(config, p, &state.routing);
-    let blocks: Vec<RowGrads> = tasks
-        .par_iter()
-        .map(|task| backward_block(task, state, &dy64, h, limit))
-        .collect();
+    let blocks: Vec<RowGrads> = tasks.par_iter().map(|task| backward_block(task, state, &dy64, h, limit)).collect();
     let mut routed = RowGrads::zeros(t * k, i, h);
-    let mut shared = config
-        .shared_intermediate
-        .map(|is| RowGrads::zeros(t, is, h));
+    let mut shared = config.shared_intermediate.map(|is| RowGrads::zeros(t, is, h));
     for (task, block) in tasks.iter().zip(&blocks) {
         let dest = match task.kind {
             Kind::Routed => &mut routed,
-            Kind::Shared => shared
-                .as_mut()
-                .expect("shared tasks exist only with a shared expert"),
+            Kind::Shared => shared.as_mut().expect("shared tasks exist only with a shared expert"),
         };
         dest.scatter(task.rows, block);
     }
@@ -204,32 +171,14 @@ pub(super) fn run<E: Element, D: Element>(
 
     // Phase 2.
     let experts: Vec<&[Row]> = state.routing.per_expert.iter().map(Vec::as_slice).collect();
-    let (dw_gate, dw_up, dw_down) = group_weight_grads(
-        &experts,
-        &routed,
-        &state.public.hidden,
-        &state.x64,
-        &dy64,
-        i,
-        h,
-    );
+    let (dw_gate, dw_up, dw_down) =
+        group_weight_grads(&experts, &routed, &state.public.hidden, &state.x64, &dy64, i, h);
     let shared_weight_grads = match (&shared, config.shared_intermediate) {
         (Some(sg), Some(is)) => {
             let (_, _, hidden) = state.activations(Kind::Shared);
-            let (dws_gate, dws_up, dws_down) = group_weight_grads(
-                &[&state.routing.shared],
-                sg,
-                hidden,
-                &state.x64,
-                &dy64,
-                is,
-                h,
-            );
-            Some(ReferenceSharedGrads {
-                dws_gate,
-                dws_up,
-                dws_down,
-            })
+            let (dws_gate, dws_up, dws_down) =
+                group_weight_grads(&[&state.routing.shared], sg, hidden, &state.x64, &dy64, is, h);
+            Some(ReferenceSharedGrads { dws_gate, dws_up, dws_down })
         }
         _ => None,
     };
@@ -237,34 +186,24 @@ pub(super) fn run<E: Element, D: Element>(
     // Phase 3.
     let mut dx = vec![0.0; t * h];
     let mut d_topk_weights = vec![0.0; t * k];
-    dx.par_chunks_mut(h)
-        .zip(d_topk_weights.par_chunks_mut(k))
-        .enumerate()
-        .for_each(|(token, (dx_t, dtw_t))| {
-            if let Some(sg) = &shared {
-                dx_t.copy_from_slice(&sg.dx[token * h..(token + 1) * h]);
+    dx.par_chunks_mut(h).zip(d_topk_weights.par_chunks_mut(k)).enumerate().for_each(|(token, (dx_t, dtw_t))| {
+        if let Some(sg) = &shared {
+            dx_t.copy_from_slice(&sg.dx[token * h..(token + 1) * h]);
+        }
+        let dy_t = &dy64[token * h..(token + 1) * h];
+        for (j, dtw) in dtw_t.iter_mut().enumerate() {
+            let slot = token * k + j;
+            if p.topk_ids[slot] < 0 {
+                // Dropped: no gradient anywhere, exactly.
+                *dtw = 0.0;
+                continue;
             }
-            let dy_t = &dy64[token * h..(token + 1) * h];
-            for (j, dtw) in dtw_t.iter_mut().enumerate() {
-                let slot = token * k + j;
-                if p.topk_ids[slot] < 0 {
-                    // Dropped: no gradient anywhere, exactly.
-                    *dtw = 0.0;
-                    continue;
-                }
-                *dtw = dot(dy_t, &state.public.slot_outputs[slot * h..(slot + 1) * h]);
-                for (acc, &d) in dx_t.iter_mut().zip(&routed.dx[slot * h..(slot + 1) * h]) {
-                    *acc += d;
-                }
+            *dtw = dot(dy_t, &state.public.slot_outputs[slot * h..(slot + 1) * h]);
+            for (acc, &d) in dx_t.iter_mut().zip(&routed.dx[slot * h..(slot + 1) * h]) {
+                *acc += d;
             }
-        });
+        }
+    });
 
-    ReferenceGrads {
-        dx,
-        d_topk_weights,
-        dw_gate,
-        dw_up,
-        dw_down,
-        shared: shared_weight_grads,
-    }
+    ReferenceGrads { dx, d_topk_weights, dw_gate, dw_up, dw_down, shared: shared_weight_grads }
 }

@@ -38,21 +38,11 @@ impl Routing {
         // Token-major scan, so each expert's list comes out sorted by token.
         for (slot, (&id, &w)) in p.topk_ids.iter().zip(p.topk_weights).enumerate() {
             if id >= 0 {
-                per_expert[id as usize].push(Row {
-                    token: slot / k,
-                    slot,
-                    scale: w,
-                });
+                per_expert[id as usize].push(Row { token: slot / k, slot, scale: w });
             }
         }
         let shared = if p.shared.is_some() {
-            (0..t)
-                .map(|token| Row {
-                    token,
-                    slot: token,
-                    scale: 1.0,
-                })
-                .collect()
+            (0..t).map(|token| Row { token, slot: token, scale: 1.0 }).collect()
         } else {
             Vec::new()
         };
@@ -86,11 +76,7 @@ pub(super) struct Task<'a, E: Element> {
 
 /// Every group's rows cut into blocks of [`BLOCK_ROWS`]; experts in order, then the shared one.
 /// Experts without rows produce no task.
-pub(super) fn tasks<'a, E: Element>(
-    config: &MoeConfig,
-    p: &Problem<'a, E>,
-    routing: &'a Routing,
-) -> Vec<Task<'a, E>> {
+pub(super) fn tasks<'a, E: Element>(config: &MoeConfig, p: &Problem<'a, E>, routing: &'a Routing) -> Vec<Task<'a, E>> {
     let (h, i) = (config.hidden, config.intermediate);
     let mut tasks = Vec::new();
     for (e, rows) in routing.per_expert.iter().enumerate() {
@@ -100,24 +86,11 @@ pub(super) fn tasks<'a, E: Element>(
             down: &p.w_down[e * h * i..(e + 1) * h * i],
             inter: i,
         };
-        tasks.extend(rows.chunks(BLOCK_ROWS).map(|rows| Task {
-            kind: Kind::Routed,
-            weights,
-            rows,
-        }));
+        tasks.extend(rows.chunks(BLOCK_ROWS).map(|rows| Task { kind: Kind::Routed, weights, rows }));
     }
     if let (Some(s), Some(is)) = (&p.shared, config.shared_intermediate) {
-        let weights = GroupWeights {
-            gate: s.ws_gate,
-            up: s.ws_up,
-            down: s.ws_down,
-            inter: is,
-        };
-        tasks.extend(routing.shared.chunks(BLOCK_ROWS).map(|rows| Task {
-            kind: Kind::Shared,
-            weights,
-            rows,
-        }));
+        let weights = GroupWeights { gate: s.ws_gate, up: s.ws_up, down: s.ws_down, inter: is };
+        tasks.extend(routing.shared.chunks(BLOCK_ROWS).map(|rows| Task { kind: Kind::Shared, weights, rows }));
     }
     tasks
 }
@@ -152,8 +125,7 @@ impl Activations {
             self.gate_pre[dst.clone()].copy_from_slice(&block.gate_pre[src.clone()]);
             self.up_pre[dst.clone()].copy_from_slice(&block.up_pre[src.clone()]);
             self.hidden[dst].copy_from_slice(&block.hidden[src]);
-            self.out[row.slot * h..(row.slot + 1) * h]
-                .copy_from_slice(&block.out[r * h..(r + 1) * h]);
+            self.out[row.slot * h..(row.slot + 1) * h].copy_from_slice(&block.out[r * h..(r + 1) * h]);
         }
     }
 }
@@ -173,16 +145,9 @@ impl ForwardState {
     /// `(gate_pre, up_pre, hidden)` of a group kind, indexed by `Row::slot`.
     pub fn activations(&self, kind: Kind) -> (&[f64], &[f64], &[f64]) {
         match kind {
-            Kind::Routed => (
-                &self.public.gate_pre,
-                &self.public.up_pre,
-                &self.public.hidden,
-            ),
+            Kind::Routed => (&self.public.gate_pre, &self.public.up_pre, &self.public.hidden),
             Kind::Shared => {
-                let s = self
-                    .shared
-                    .as_ref()
-                    .expect("shared rows exist only with a shared expert");
+                let s = self.shared.as_ref().expect("shared rows exist only with a shared expert");
                 (&s.gate_pre, &s.up_pre, &s.hidden)
             }
         }
@@ -225,31 +190,21 @@ fn forward_block<E: Element>(
 }
 
 /// The full forward pass on a validated problem.
-pub(super) fn run<E: Element>(
-    config: &MoeConfig,
-    p: &Problem<'_, E>,
-    options: ReferenceOptions,
-) -> ForwardState {
+pub(super) fn run<E: Element>(config: &MoeConfig, p: &Problem<'_, E>, options: ReferenceOptions) -> ForwardState {
     let (t, h, k) = (config.tokens_per_rank, config.hidden, config.top_k);
     let limit = config.swiglu_limit.map(f64::from);
     let x64: Vec<f64> = p.x.iter().map(|v| v.to_f64()).collect();
     let routing = Routing::new(config, p);
 
     let tasks = tasks(config, p, &routing);
-    let blocks: Vec<Activations> = tasks
-        .par_iter()
-        .map(|task| forward_block(task, &x64, h, limit, options.round_hidden_to_bf16))
-        .collect();
+    let blocks: Vec<Activations> =
+        tasks.par_iter().map(|task| forward_block(task, &x64, h, limit, options.round_hidden_to_bf16)).collect();
     let mut routed = Activations::zeros(t * k, config.intermediate, h);
-    let mut shared = config
-        .shared_intermediate
-        .map(|is| Activations::zeros(t, is, h));
+    let mut shared = config.shared_intermediate.map(|is| Activations::zeros(t, is, h));
     for (task, block) in tasks.iter().zip(&blocks) {
         let dest = match task.kind {
             Kind::Routed => &mut routed,
-            Kind::Shared => shared
-                .as_mut()
-                .expect("shared tasks exist only with a shared expert"),
+            Kind::Shared => shared.as_mut().expect("shared tasks exist only with a shared expert"),
         };
         dest.scatter(task.rows, block);
     }

@@ -84,11 +84,7 @@ pub(super) fn swiglu_grad(gate: f64, up: f64, d_hidden: f64, limit: Option<f64>)
     let dsilu = s * (1.0 + g * (1.0 - s));
     let gate_clamped = limit.is_some_and(|l| gate > l);
     let up_clamped = limit.is_some_and(|l| up.abs() > l);
-    let d_gate = if gate_clamped {
-        0.0
-    } else {
-        d_hidden * u * dsilu
-    };
+    let d_gate = if gate_clamped { 0.0 } else { d_hidden * u * dsilu };
     let d_up = if up_clamped { 0.0 } else { d_hidden * silu };
     (d_gate, d_up)
 }
@@ -116,9 +112,5 @@ pub fn round_to_bf16(v: f64) -> f64 {
     // Scaling by a power of two and rounding to an integer are exact.
     let rounded = (v / ulp).round_ties_even() * ulp;
     // Anything that rounds to 2^128 or beyond has overflowed bf16's range.
-    if rounded.abs() >= pow2(128) {
-        f64::INFINITY.copysign(v)
-    } else {
-        rounded
-    }
+    if rounded.abs() >= pow2(128) { f64::INFINITY.copysign(v) } else { rounded }
 }

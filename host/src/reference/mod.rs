@@ -31,9 +31,7 @@ use half::bf16;
 
 use crate::config::MoeConfig;
 use crate::error::{MokError, Result};
-use crate::problem::{
-    ExpertWeights, LayerGrads, RoutedTokens, SharedExpertWeights, validate_topk_ids,
-};
+use crate::problem::{ExpertWeights, LayerGrads, RoutedTokens, SharedExpertWeights, validate_topk_ids};
 
 pub use math::round_to_bf16;
 
@@ -77,13 +75,9 @@ pub struct ReferenceOptions {
 
 impl ReferenceOptions {
     /// What the GPU computes: hidden rounded to bf16.
-    pub const MATCH_GPU: Self = Self {
-        round_hidden_to_bf16: true,
-    };
+    pub const MATCH_GPU: Self = Self { round_hidden_to_bf16: true };
     /// Pure f64 math, differentiable: for finite-difference checks.
-    pub const EXACT: Self = Self {
-        round_hidden_to_bf16: false,
-    };
+    pub const EXACT: Self = Self { round_hidden_to_bf16: false };
 }
 
 /// Forward results and the intermediates backward and tests need, all f64, unrounded except for
@@ -143,10 +137,7 @@ impl ReferenceGrads {
             dw_gate: f32s(&self.dw_gate),
             dw_up: f32s(&self.dw_up),
             dw_down: f32s(&self.dw_down),
-            shared: self
-                .shared
-                .as_ref()
-                .map(|s| (f32s(&s.dws_gate), f32s(&s.dws_up), f32s(&s.dws_down))),
+            shared: self.shared.as_ref().map(|s| (f32s(&s.dws_gate), f32s(&s.dws_up), f32s(&s.dws_down))),
         }
     }
 }
@@ -200,10 +191,7 @@ fn expect_len(tensor: &'static str, actual: usize, expected: usize, shape: &str)
     if actual == expected {
         Ok(())
     } else {
-        Err(MokError::InvalidInput {
-            tensor,
-            problem: format!("has {actual} elements, expected {expected} ({shape})"),
-        })
+        Err(MokError::InvalidInput { tensor, problem: format!("has {actual} elements, expected {expected} ({shape})") })
     }
 }
 
@@ -212,9 +200,7 @@ fn check_shared_presence(config: &MoeConfig, given: bool) -> Result<()> {
     match (config.shared_intermediate, given) {
         (Some(is), false) => Err(MokError::InvalidInput {
             tensor: "shared expert",
-            problem: format!(
-                "config.shared_intermediate is Some({is}) but no shared weights were given"
-            ),
+            problem: format!("config.shared_intermediate is Some({is}) but no shared weights were given"),
         }),
         (None, true) => Err(MokError::InvalidInput {
             tensor: "shared expert",
@@ -227,12 +213,7 @@ fn check_shared_presence(config: &MoeConfig, given: bool) -> Result<()> {
 /// Checks a generic problem against `config`: every length, id range and duplicates.
 fn validate_problem<E: Element>(config: &MoeConfig, p: &Problem<'_, E>) -> Result<()> {
     validate_config(config)?;
-    let (t, h, i, k) = (
-        config.tokens_per_rank,
-        config.hidden,
-        config.intermediate,
-        config.top_k,
-    );
+    let (t, h, i, k) = (config.tokens_per_rank, config.hidden, config.intermediate, config.top_k);
     let el = config.local_experts();
     expect_len("x", p.x.len(), t * h, "[T, H]")?;
     expect_len("topk_ids", p.topk_ids.len(), t * k, "[T, k]")?;
@@ -280,11 +261,7 @@ fn bf16_problem<'a>(
         w_gate: &experts.w_gate,
         w_up: &experts.w_up,
         w_down: &experts.w_down,
-        shared: shared.map(|s| SharedSlices {
-            ws_gate: &s.ws_gate,
-            ws_up: &s.ws_up,
-            ws_down: &s.ws_down,
-        }),
+        shared: shared.map(|s| SharedSlices { ws_gate: &s.ws_gate, ws_up: &s.ws_up, ws_down: &s.ws_down }),
     }
 }
 
@@ -298,11 +275,7 @@ pub fn forward(
     options: ReferenceOptions,
 ) -> Result<ReferenceForward> {
     let topk_weights = validate_bf16(config, tokens, experts, shared)?;
-    forward_generic(
-        config,
-        &bf16_problem(tokens, &topk_weights, experts, shared),
-        options,
-    )
+    forward_generic(config, &bf16_problem(tokens, &topk_weights, experts, shared), options)
 }
 
 /// The layer's forward and backward passes on a bf16 problem given `dy` `[T, H]`, in f64.
@@ -316,12 +289,7 @@ pub fn backward(
     options: ReferenceOptions,
 ) -> Result<(ReferenceForward, ReferenceGrads)> {
     let topk_weights = validate_bf16(config, tokens, experts, shared)?;
-    backward_generic(
-        config,
-        &bf16_problem(tokens, &topk_weights, experts, shared),
-        dy,
-        options,
-    )
+    backward_generic(config, &bf16_problem(tokens, &topk_weights, experts, shared), dy, options)
 }
 
 /// [`forward`] on a problem of any element type (f64 for finite differences).
@@ -343,12 +311,7 @@ pub fn backward_generic<E: Element, D: Element>(
     options: ReferenceOptions,
 ) -> Result<(ReferenceForward, ReferenceGrads)> {
     validate_problem(config, problem)?;
-    expect_len(
-        "dy",
-        dy.len(),
-        config.tokens_per_rank * config.hidden,
-        "[T, H]",
-    )?;
+    expect_len("dy", dy.len(), config.tokens_per_rank * config.hidden, "[T, H]")?;
     let state = forward::run(config, problem, options);
     let grads = backward::run(config, problem, &state, dy);
     Ok((state.public, grads))
@@ -366,19 +329,12 @@ pub fn relative_error(actual: impl IntoIterator<Item = f64>, expected: &[f64]) -
     let (mut diff2, mut ref2) = (0.0f64, 0.0f64);
     for (index, &e) in expected.iter().enumerate() {
         let Some(a) = actual.next() else {
-            panic!(
-                "relative_error: actual has {index} elements, expected has {}",
-                expected.len()
-            );
+            panic!("relative_error: actual has {index} elements, expected has {}", expected.len());
         };
         diff2 += (a - e) * (a - e);
         ref2 += e * e;
     }
-    assert!(
-        actual.next().is_none(),
-        "relative_error: actual is longer than expected ({})",
-        expected.len()
-    );
+    assert!(actual.next().is_none(), "relative_error: actual is longer than expected ({})", expected.len());
     if diff2.is_nan() || ref2.is_nan() {
         return f64::NAN;
     }

@@ -53,13 +53,8 @@ impl Owned {
     /// distinct random ids per token, and `dropped` (token, slot) pairs set to -1.
     fn random(config: MoeConfig, seed: u64, dropped: &[(usize, usize)]) -> Self {
         let mut rng = Rng(seed);
-        let (t, h, i, e, k) = (
-            config.tokens_per_rank,
-            config.hidden,
-            config.intermediate,
-            config.num_experts,
-            config.top_k,
-        );
+        let (t, h, i, e, k) =
+            (config.tokens_per_rank, config.hidden, config.intermediate, config.num_experts, config.top_k);
         let x = rng.vec(t * h, 1.0);
         let mut ids = Vec::with_capacity(t * k);
         for _ in 0..t {
@@ -81,22 +76,9 @@ impl Owned {
         let wd = rng.vec(e * h * i, si);
         let shared = config.shared_intermediate.map(|is| {
             let ss = 1.0 / (is as f64).sqrt();
-            [
-                rng.vec(is * h, sh),
-                rng.vec(is * h, sh),
-                rng.vec(h * is, ss),
-            ]
+            [rng.vec(is * h, sh), rng.vec(is * h, sh), rng.vec(h * is, ss)]
         });
-        Self {
-            config,
-            x,
-            ids,
-            tw,
-            wg,
-            wu,
-            wd,
-            shared,
-        }
+        Self { config, x, ids, tw, wg, wu, wd, shared }
     }
 
     fn view(&self) -> Problem<'_, f64> {
@@ -107,22 +89,14 @@ impl Owned {
             w_gate: &self.wg,
             w_up: &self.wu,
             w_down: &self.wd,
-            shared: self.shared.as_ref().map(|[g, u, d]| SharedSlices {
-                ws_gate: g,
-                ws_up: u,
-                ws_down: d,
-            }),
+            shared: self.shared.as_ref().map(|[g, u, d]| SharedSlices { ws_gate: g, ws_up: u, ws_down: d }),
         }
     }
 
     /// The same problem with x and weights rounded to bf16 values and topk weights to f32, so the
     /// bf16 tensors below hold exactly these values.
     fn rounded(&self) -> Self {
-        let r = |v: &Vec<f64>| {
-            v.iter()
-                .map(|&a| f64::from(bf16::from_f64(a)))
-                .collect::<Vec<f64>>()
-        };
+        let r = |v: &Vec<f64>| v.iter().map(|&a| f64::from(bf16::from_f64(a))).collect::<Vec<f64>>();
         Self {
             config: self.config.clone(),
             x: r(&self.x),
@@ -144,34 +118,14 @@ impl Owned {
                 topk_ids: self.ids.clone(),
                 topk_weights: self.tw.iter().map(|&w| w as f32).collect(),
             },
-            ExpertWeights {
-                w_gate: b(&self.wg),
-                w_up: b(&self.wu),
-                w_down: b(&self.wd),
-            },
-            self.shared.as_ref().map(|[g, u, d]| SharedExpertWeights {
-                ws_gate: b(g),
-                ws_up: b(u),
-                ws_down: b(d),
-            }),
+            ExpertWeights { w_gate: b(&self.wg), w_up: b(&self.wu), w_down: b(&self.wd) },
+            self.shared.as_ref().map(|[g, u, d]| SharedExpertWeights { ws_gate: b(g), ws_up: b(u), ws_down: b(d) }),
         )
     }
 }
 
-fn config(
-    t: usize,
-    h: usize,
-    i: usize,
-    e: usize,
-    k: usize,
-    shared: Option<usize>,
-    limit: Option<f32>,
-) -> MoeConfig {
-    MoeConfig {
-        shared_intermediate: shared,
-        swiglu_limit: limit,
-        ..MoeConfig::new(t, h, i, e, k)
-    }
+fn config(t: usize, h: usize, i: usize, e: usize, k: usize, shared: Option<usize>, limit: Option<f32>) -> MoeConfig {
+    MoeConfig { shared_intermediate: shared, swiglu_limit: limit, ..MoeConfig::new(t, h, i, e, k) }
 }
 
 // Section: an independent, naive implementation (per token, per slot, plain loops)
@@ -198,16 +152,8 @@ fn naive_act(g: f64, u: f64, limit: Option<f64>) -> (f64, f64, f64) {
         None => u,
     };
     let sig = 1.0 / (1.0 + (-gc).exp());
-    let d_g = if limit.is_some_and(|l| g > l) {
-        0.0
-    } else {
-        uc * (sig + gc * sig * (1.0 - sig))
-    };
-    let d_u = if limit.is_some_and(|l| u.abs() > l) {
-        0.0
-    } else {
-        gc * sig
-    };
+    let d_g = if limit.is_some_and(|l| g > l) { 0.0 } else { uc * (sig + gc * sig * (1.0 - sig)) };
+    let d_u = if limit.is_some_and(|l| u.abs() > l) { 0.0 } else { gc * sig };
     (gc * sig * uc, d_g, d_u)
 }
 
@@ -236,9 +182,7 @@ fn naive_mlp(
         hid[i] = if round { round_to_bf16(a) } else { a };
         dact[i] = (dg, du);
     }
-    let out: Vec<f64> = (0..h)
-        .map(|c| (0..n).map(|i| wd[c * n + i] * hid[i]).sum())
-        .collect();
+    let out: Vec<f64> = (0..h).map(|c| (0..n).map(|i| wd[c * n + i] * hid[i]).sum()).collect();
     let (dwg, dwu, dwd) = grads;
     for i in 0..n {
         let mut dh = 0.0;
@@ -269,10 +213,7 @@ fn naive(p: &Owned, dy: &[f64], round: bool) -> Naive {
         dw_gate: vec![0.0; p.wg.len()],
         dw_up: vec![0.0; p.wu.len()],
         dw_down: vec![0.0; p.wd.len()],
-        dws: p
-            .shared
-            .as_ref()
-            .map(|[g, u, d]| [vec![0.0; g.len()], vec![0.0; u.len()], vec![0.0; d.len()]]),
+        dws: p.shared.as_ref().map(|[g, u, d]| [vec![0.0; g.len()], vec![0.0; u.len()], vec![0.0; d.len()]]),
     };
     for tok in 0..t {
         let x = &p.x[tok * h..(tok + 1) * h];
@@ -290,11 +231,7 @@ fn naive(p: &Owned, dy: &[f64], round: bool) -> Naive {
             let (wi, wo) = (e * i * h..(e + 1) * i * h, e * h * i..(e + 1) * h * i);
             let out = naive_mlp(
                 (&p.wg[wi.clone()], &p.wu[wi.clone()], &p.wd[wo.clone()]),
-                (
-                    &mut n.dw_gate[wi.clone()],
-                    &mut n.dw_up[wi],
-                    &mut n.dw_down[wo],
-                ),
+                (&mut n.dw_gate[wi.clone()], &mut n.dw_up[wi], &mut n.dw_down[wo]),
                 x,
                 dy_t,
                 p.tw[slot],
@@ -327,16 +264,8 @@ enum Param {
     WsDown,
 }
 
-const ALL_PARAMS: [Param; 8] = [
-    Param::X,
-    Param::TopkWeights,
-    Param::WGate,
-    Param::WUp,
-    Param::WDown,
-    Param::WsGate,
-    Param::WsUp,
-    Param::WsDown,
-];
+const ALL_PARAMS: [Param; 8] =
+    [Param::X, Param::TopkWeights, Param::WGate, Param::WUp, Param::WDown, Param::WsGate, Param::WsUp, Param::WsDown];
 
 impl Param {
     fn values_mut(self, p: &mut Owned) -> Option<&mut Vec<f64>> {
@@ -387,15 +316,10 @@ fn check_finite_differences(p: &Owned, seed: u64) -> usize {
     for param in ALL_PARAMS {
         let mut probe = p.clone();
         let Some(len) = param.values_mut(&mut probe).map(|v| v.len()) else {
-            assert!(
-                param.grad(&grads).is_none(),
-                "{param:?}: gradient without a tensor"
-            );
+            assert!(param.grad(&grads).is_none(), "{param:?}: gradient without a tensor");
             continue;
         };
-        let analytic = param
-            .grad(&grads)
-            .unwrap_or_else(|| panic!("{param:?}: no gradient"));
+        let analytic = param.grad(&grads).unwrap_or_else(|| panic!("{param:?}: no gradient"));
         assert_eq!(analytic.len(), len, "{param:?}");
         for (idx, &an) in analytic.iter().enumerate() {
             let v0 = param.values_mut(&mut probe).unwrap()[idx];
@@ -407,20 +331,14 @@ fn check_finite_differences(p: &Owned, seed: u64) -> usize {
             let fd = (plus - minus) / (2.0 * FD_EPS);
             // Truncation error ~eps²·|f'''| ≈ 1e-10, cancellation ~1e-16/eps ≈ 1e-11.
             let err = (fd - an).abs() / (1e-3 + an.abs());
-            assert!(
-                err < 1e-7,
-                "{param:?}[{idx}]: finite difference {fd:e}, analytic {an:e}"
-            );
+            assert!(err < 1e-7, "{param:?}[{idx}]: finite difference {fd:e}, analytic {an:e}");
             if err > worst.0 {
                 worst = (err, format!("{param:?}[{idx}]"));
             }
             checked += 1;
         }
     }
-    eprintln!(
-        "finite differences: {checked} elements, worst scaled error {:e} at {}",
-        worst.0, worst.1
-    );
+    eprintln!("finite differences: {checked} elements, worst scaled error {:e} at {}", worst.0, worst.1);
     checked
 }
 
@@ -448,33 +366,16 @@ fn pre_activations(p: &Owned) -> (Vec<f64>, Vec<f64>) {
 fn set_limit_with_margin(p: &mut Owned) {
     let (gates, ups) = pre_activations(p);
     let mut limit = 0.3f32;
-    while gates
-        .iter()
-        .chain(ups.iter())
-        .any(|&g| (g - f64::from(limit)).abs() < CLAMP_MARGIN)
-        || ups
-            .iter()
-            .any(|&u| (u.abs() - f64::from(limit)).abs() < CLAMP_MARGIN)
+    while gates.iter().chain(ups.iter()).any(|&g| (g - f64::from(limit)).abs() < CLAMP_MARGIN)
+        || ups.iter().any(|&u| (u.abs() - f64::from(limit)).abs() < CLAMP_MARGIN)
     {
         limit += 0.0071;
     }
     let l = f64::from(limit);
-    assert!(
-        gates.iter().filter(|&&g| g > l).count() > 0,
-        "no gate clamped at L = {l}"
-    );
-    assert!(
-        ups.iter().filter(|&&u| u.abs() > l).count() > 0,
-        "no up clamped at L = {l}"
-    );
-    assert!(
-        gates.iter().filter(|&&g| g < l).count() > 0,
-        "every gate clamped at L = {l}"
-    );
-    assert!(
-        ups.iter().filter(|&&u| u.abs() < l).count() > 0,
-        "every up clamped at L = {l}"
-    );
+    assert!(gates.iter().filter(|&&g| g > l).count() > 0, "no gate clamped at L = {l}");
+    assert!(ups.iter().filter(|&&u| u.abs() > l).count() > 0, "no up clamped at L = {l}");
+    assert!(gates.iter().filter(|&&g| g < l).count() > 0, "every gate clamped at L = {l}");
+    assert!(ups.iter().filter(|&&u| u.abs() < l).count() > 0, "every up clamped at L = {l}");
     p.config.swiglu_limit = Some(limit);
 }
 
@@ -516,10 +417,7 @@ fn assert_bits_eq(a: &[f64], b: &[f64], what: &str) {
     }
 }
 
-fn assert_results_bits_eq(
-    a: &(ReferenceForward, ReferenceGrads),
-    b: &(ReferenceForward, ReferenceGrads),
-) {
+fn assert_results_bits_eq(a: &(ReferenceForward, ReferenceGrads), b: &(ReferenceForward, ReferenceGrads)) {
     let (fa, ga) = a;
     let (fb, gb) = b;
     assert_bits_eq(&fa.y, &fb.y, "y");
@@ -550,32 +448,16 @@ fn run_exact(p: &Owned, dy: &[f64]) -> (ReferenceForward, ReferenceGrads) {
 
 #[test]
 fn dropped_slot_contributes_exactly_zero() {
-    let mut p = Owned::random(
-        config(4, 16, 8, 4, 2, Some(8), Some(0.5)),
-        6,
-        &[(1, 0), (2, 1)],
-    );
+    let mut p = Owned::random(config(4, 16, 8, 4, 2, Some(8), Some(0.5)), 6, &[(1, 0), (2, 1)]);
     let dy = Rng(106).vec(4 * 16, 1.0);
     let base = run_exact(&p, &dy);
     let (fwd, grads) = &base;
     for slot in [2, 5] {
-        assert!(
-            fwd.slot_outputs[slot * 16..(slot + 1) * 16]
-                .iter()
-                .all(|&v| v.to_bits() == 0)
-        );
+        assert!(fwd.slot_outputs[slot * 16..(slot + 1) * 16].iter().all(|&v| v.to_bits() == 0));
         for v in [&fwd.gate_pre, &fwd.up_pre, &fwd.hidden] {
-            assert!(
-                v[slot * 8..(slot + 1) * 8]
-                    .iter()
-                    .all(|&v| v.to_bits() == 0)
-            );
+            assert!(v[slot * 8..(slot + 1) * 8].iter().all(|&v| v.to_bits() == 0));
         }
-        assert_eq!(
-            grads.d_topk_weights[slot].to_bits(),
-            0,
-            "d_topk_weights of a dropped slot"
-        );
+        assert_eq!(grads.d_topk_weights[slot].to_bits(), 0, "d_topk_weights of a dropped slot");
     }
     // A dropped slot's weight is never read: huge or NaN weights change no bit anywhere.
     for w in [1e30, f64::NAN, -0.0] {
@@ -589,11 +471,8 @@ fn dropped_slot_contributes_exactly_zero() {
 fn dropped_slots_equal_smaller_top_k() {
     // k = 2 with every slot 1 dropped is bitwise the k = 1 problem of the slot-0 ids.
     let t = 5;
-    let p2 = Owned::random(
-        config(t, 16, 8, 4, 2, Some(16), Some(0.6)),
-        7,
-        &(0..t).map(|tok| (tok, 1)).collect::<Vec<_>>(),
-    );
+    let p2 =
+        Owned::random(config(t, 16, 8, 4, 2, Some(16), Some(0.6)), 7, &(0..t).map(|tok| (tok, 1)).collect::<Vec<_>>());
     let mut p1 = p2.clone();
     p1.config.top_k = 1;
     p1.ids = p2.ids.iter().step_by(2).copied().collect();
@@ -610,13 +489,7 @@ fn dropped_slots_equal_smaller_top_k() {
     assert_bits_eq(&s2.dws_down, &s1.dws_down, "dws_down");
     let slot0: Vec<f64> = g2.d_topk_weights.iter().step_by(2).copied().collect();
     assert_bits_eq(&slot0, &g1.d_topk_weights, "d_topk_weights");
-    assert!(
-        g2.d_topk_weights
-            .iter()
-            .skip(1)
-            .step_by(2)
-            .all(|&v| v.to_bits() == 0)
-    );
+    assert!(g2.d_topk_weights.iter().skip(1).step_by(2).all(|&v| v.to_bits() == 0));
 }
 
 #[test]
@@ -631,22 +504,13 @@ fn expert_without_tokens_has_exactly_zero_grads() {
     let (_, g) = run_exact(&p, &dy);
     let per = 8 * 16;
     for e in 0..8 {
-        let blocks = [
-            &g.dw_gate[e * per..(e + 1) * per],
-            &g.dw_up[e * per..(e + 1) * per],
-            &g.dw_down[e * per..(e + 1) * per],
-        ];
+        let blocks =
+            [&g.dw_gate[e * per..(e + 1) * per], &g.dw_up[e * per..(e + 1) * per], &g.dw_down[e * per..(e + 1) * per]];
         for (name, block) in ["dw_gate", "dw_up", "dw_down"].iter().zip(blocks) {
             if e < 4 {
-                assert!(
-                    block.iter().any(|&v| v != 0.0),
-                    "expert {e} {name} is all zero but has tokens"
-                );
+                assert!(block.iter().any(|&v| v != 0.0), "expert {e} {name} is all zero but has tokens");
             } else {
-                assert!(
-                    block.iter().all(|&v| v.to_bits() == 0),
-                    "expert {e} {name} has no tokens but a gradient"
-                );
+                assert!(block.iter().all(|&v| v.to_bits() == 0), "expert {e} {name} has no tokens but a gradient");
             }
         }
     }
@@ -655,27 +519,13 @@ fn expert_without_tokens_has_exactly_zero_grads() {
 #[test]
 fn single_token_and_single_slot_match_naive() {
     for (t, k) in [(1, 1), (1, 3), (7, 1)] {
-        let p = Owned::random(
-            config(t, 16, 8, 4, k, Some(8), Some(0.5)),
-            9 + t as u64,
-            &[],
-        );
+        let p = Owned::random(config(t, 16, 8, 4, k, Some(8), Some(0.5)), 9 + t as u64, &[]);
         let dy = Rng(109).vec(t * 16, 1.0);
-        let (f, g) =
-            backward_generic(&p.config, &p.view(), &dy, ReferenceOptions::MATCH_GPU).unwrap();
+        let (f, g) = backward_generic(&p.config, &p.view(), &dy, ReferenceOptions::MATCH_GPU).unwrap();
         let n = naive(&p, &dy, true);
-        assert!(
-            relative_error(f.y.iter().copied(), &n.y) < 1e-13,
-            "T={t} k={k} y"
-        );
-        assert!(
-            relative_error(g.dx.iter().copied(), &n.dx) < 1e-13,
-            "T={t} k={k} dx"
-        );
-        assert!(
-            relative_error(g.dw_down.iter().copied(), &n.dw_down) < 1e-13,
-            "T={t} k={k} dw_down"
-        );
+        assert!(relative_error(f.y.iter().copied(), &n.y) < 1e-13, "T={t} k={k} y");
+        assert!(relative_error(g.dx.iter().copied(), &n.dx) < 1e-13, "T={t} k={k} dx");
+        assert!(relative_error(g.dw_down.iter().copied(), &n.dw_down) < 1e-13, "T={t} k={k} dw_down");
     }
 }
 
@@ -688,12 +538,7 @@ fn invalid_input_tensor(err: MokError) -> (&'static str, String) {
     }
 }
 
-fn small_bf16() -> (
-    MoeConfig,
-    RoutedTokens,
-    ExpertWeights,
-    Option<SharedExpertWeights>,
-) {
+fn small_bf16() -> (MoeConfig, RoutedTokens, ExpertWeights, Option<SharedExpertWeights>) {
     let p = Owned::random(config(4, 16, 8, 4, 2, Some(8), None), 10, &[]).rounded();
     let (tokens, experts, shared) = p.bf16_tensors();
     (p.config, tokens, experts, shared)
@@ -703,31 +548,12 @@ fn small_bf16() -> (
 fn bad_topk_ids_are_rejected() {
     let (c, tokens, experts, shared) = small_bf16();
     let dy = vec![bf16::ONE; 4 * 16];
-    let cases: [(usize, i32, &str); 3] = [
-        (3, tokens.topk_ids[2], "twice"),
-        (5, 4, "outside"),
-        (0, -2, "outside"),
-    ];
+    let cases: [(usize, i32, &str); 3] = [(3, tokens.topk_ids[2], "twice"), (5, 4, "outside"), (0, -2, "outside")];
     for (slot, id, phrase) in cases {
         let mut bad = tokens.clone();
         bad.topk_ids[slot] = id;
-        let fwd_err = forward(
-            &c,
-            &bad,
-            &experts,
-            shared.as_ref(),
-            ReferenceOptions::MATCH_GPU,
-        )
-        .unwrap_err();
-        let bwd_err = backward(
-            &c,
-            &bad,
-            &experts,
-            shared.as_ref(),
-            &dy,
-            ReferenceOptions::MATCH_GPU,
-        )
-        .unwrap_err();
+        let fwd_err = forward(&c, &bad, &experts, shared.as_ref(), ReferenceOptions::MATCH_GPU).unwrap_err();
+        let bwd_err = backward(&c, &bad, &experts, shared.as_ref(), &dy, ReferenceOptions::MATCH_GPU).unwrap_err();
         for err in [fwd_err, bwd_err] {
             let (tensor, problem) = invalid_input_tensor(err);
             assert_eq!(tensor, "topk_ids");
@@ -735,14 +561,8 @@ fn bad_topk_ids_are_rejected() {
         }
         // The generic path checks too.
         let mut p = Owned::random(c.clone(), 10, &[]);
-        p.ids[slot] = if phrase == "twice" {
-            p.ids[slot - 1]
-        } else {
-            id
-        };
-        let (tensor, _) = invalid_input_tensor(
-            forward_generic(&c, &p.view(), ReferenceOptions::EXACT).unwrap_err(),
-        );
+        p.ids[slot] = if phrase == "twice" { p.ids[slot - 1] } else { id };
+        let (tensor, _) = invalid_input_tensor(forward_generic(&c, &p.view(), ReferenceOptions::EXACT).unwrap_err());
         assert_eq!(tensor, "topk_ids");
     }
 }
@@ -755,115 +575,56 @@ fn wrong_lengths_are_rejected() {
     let sh = shared.as_ref();
     let mut t = tokens.clone();
     t.x.pop();
-    assert_eq!(
-        invalid_input_tensor(forward(&c, &t, &experts, sh, opts).unwrap_err()).0,
-        "x"
-    );
+    assert_eq!(invalid_input_tensor(forward(&c, &t, &experts, sh, opts).unwrap_err()).0, "x");
     let mut t = tokens.clone();
     t.topk_weights.push(1.0);
-    assert_eq!(
-        invalid_input_tensor(forward(&c, &t, &experts, sh, opts).unwrap_err()).0,
-        "topk_weights"
-    );
+    assert_eq!(invalid_input_tensor(forward(&c, &t, &experts, sh, opts).unwrap_err()).0, "topk_weights");
     let mut t = tokens.clone();
     t.topk_ids.truncate(6);
-    assert_eq!(
-        invalid_input_tensor(forward(&c, &t, &experts, sh, opts).unwrap_err()).0,
-        "topk_ids"
-    );
+    assert_eq!(invalid_input_tensor(forward(&c, &t, &experts, sh, opts).unwrap_err()).0, "topk_ids");
     let mut w = experts.clone();
     w.w_down.pop();
-    assert_eq!(
-        invalid_input_tensor(forward(&c, &tokens, &w, sh, opts).unwrap_err()).0,
-        "w_down"
-    );
+    assert_eq!(invalid_input_tensor(forward(&c, &tokens, &w, sh, opts).unwrap_err()).0, "w_down");
     let mut s = shared.clone().unwrap();
     s.ws_up.push(bf16::ZERO);
-    assert_eq!(
-        invalid_input_tensor(forward(&c, &tokens, &experts, Some(&s), opts).unwrap_err()).0,
-        "ws_up"
-    );
-    let (tensor, problem) =
-        invalid_input_tensor(backward(&c, &tokens, &experts, sh, &dy[1..], opts).unwrap_err());
-    assert_eq!(
-        (tensor, problem.contains("expected 64")),
-        ("dy", true),
-        "{problem}"
-    );
+    assert_eq!(invalid_input_tensor(forward(&c, &tokens, &experts, Some(&s), opts).unwrap_err()).0, "ws_up");
+    let (tensor, problem) = invalid_input_tensor(backward(&c, &tokens, &experts, sh, &dy[1..], opts).unwrap_err());
+    assert_eq!((tensor, problem.contains("expected 64")), ("dy", true), "{problem}");
     // Shared weights must be given exactly when the config has a shared expert.
-    assert_eq!(
-        invalid_input_tensor(forward(&c, &tokens, &experts, None, opts).unwrap_err()).0,
-        "shared expert"
-    );
-    let no_shared = MoeConfig {
-        shared_intermediate: None,
-        ..c.clone()
-    };
-    assert_eq!(
-        invalid_input_tensor(forward(&no_shared, &tokens, &experts, sh, opts).unwrap_err()).0,
-        "shared expert"
-    );
+    assert_eq!(invalid_input_tensor(forward(&c, &tokens, &experts, None, opts).unwrap_err()).0, "shared expert");
+    let no_shared = MoeConfig { shared_intermediate: None, ..c.clone() };
+    assert_eq!(invalid_input_tensor(forward(&no_shared, &tokens, &experts, sh, opts).unwrap_err()).0, "shared expert");
     // The generic path checks lengths too.
     let p = Owned::random(c.clone(), 11, &[]);
     let mut view = p.view();
     view.w_gate = &p.wg[1..];
-    assert_eq!(
-        invalid_input_tensor(forward_generic(&c, &view, opts).unwrap_err()).0,
-        "w_gate"
-    );
-    assert_eq!(
-        invalid_input_tensor(backward_generic(&c, &p.view(), &[0.0f64; 3], opts).unwrap_err()).0,
-        "dy"
-    );
+    assert_eq!(invalid_input_tensor(forward_generic(&c, &view, opts).unwrap_err()).0, "w_gate");
+    assert_eq!(invalid_input_tensor(backward_generic(&c, &p.view(), &[0.0f64; 3], opts).unwrap_err()).0, "dy");
 }
 
 #[test]
 fn bad_configs_are_rejected() {
     let (c, tokens, experts, shared) = small_bf16();
-    let field = |config: &MoeConfig| match forward(
-        config,
-        &tokens,
-        &experts,
-        shared.as_ref(),
-        ReferenceOptions::EXACT,
-    ) {
+    let field = |config: &MoeConfig| match forward(config, &tokens, &experts, shared.as_ref(), ReferenceOptions::EXACT)
+    {
         Err(MokError::InvalidConfig { field, rule, .. }) => (field, rule),
         other => panic!("expected InvalidConfig, got {other:?}"),
     };
-    let (f, rule) = field(&MoeConfig {
-        ep_ranks: 2,
-        ..c.clone()
-    });
+    let (f, rule) = field(&MoeConfig { ep_ranks: 2, ..c.clone() });
     assert_eq!(f, "ep_ranks");
     assert!(rule.contains("one rank holding all experts"), "{rule}");
-    assert_eq!(
-        field(&MoeConfig {
-            hidden: 12,
-            ..c.clone()
-        })
-        .0,
-        "hidden"
-    );
+    assert_eq!(field(&MoeConfig { hidden: 12, ..c.clone() }).0, "hidden");
 }
 
 // Section: determinism and entry points
 
 #[test]
 fn results_are_bitwise_identical_across_runs_and_thread_counts() {
-    let p = Owned::random(
-        config(80, 64, 32, 8, 3, Some(32), Some(0.4)),
-        12,
-        &[(3, 1), (40, 0)],
-    );
+    let p = Owned::random(config(80, 64, 32, 8, 3, Some(32), Some(0.4)), 12, &[(3, 1), (40, 0)]);
     let dy = Rng(112).vec(80 * 64, 1.0);
     let run = |threads: usize| {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .build()
-            .unwrap();
-        pool.install(|| {
-            backward_generic(&p.config, &p.view(), &dy, ReferenceOptions::MATCH_GPU).unwrap()
-        })
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+        pool.install(|| backward_generic(&p.config, &p.view(), &dy, ReferenceOptions::MATCH_GPU).unwrap())
     };
     let first = run(1);
     assert_results_bits_eq(&run(1), &first);
@@ -875,22 +636,10 @@ fn results_are_bitwise_identical_across_runs_and_thread_counts() {
 fn bf16_entry_points_equal_generic_f64_path() {
     let p = Owned::random(config(24, 32, 16, 6, 2, Some(16), Some(0.5)), 13, &[(5, 1)]).rounded();
     let (tokens, experts, shared) = p.bf16_tensors();
-    let dy_bf16: Vec<bf16> = Rng(113)
-        .vec(24 * 32, 1.0)
-        .into_iter()
-        .map(bf16::from_f64)
-        .collect();
+    let dy_bf16: Vec<bf16> = Rng(113).vec(24 * 32, 1.0).into_iter().map(bf16::from_f64).collect();
     let dy_f64: Vec<f64> = dy_bf16.iter().map(|&v| f64::from(v)).collect();
     for options in [ReferenceOptions::MATCH_GPU, ReferenceOptions::EXACT] {
-        let bf = backward(
-            &p.config,
-            &tokens,
-            &experts,
-            shared.as_ref(),
-            &dy_bf16,
-            options,
-        )
-        .unwrap();
+        let bf = backward(&p.config, &tokens, &experts, shared.as_ref(), &dy_bf16, options).unwrap();
         let generic = backward_generic(&p.config, &p.view(), &dy_f64, options).unwrap();
         assert_results_bits_eq(&bf, &generic);
         let fwd = forward(&p.config, &tokens, &experts, shared.as_ref(), options).unwrap();
@@ -901,28 +650,12 @@ fn bf16_entry_points_equal_generic_f64_path() {
 #[test]
 fn medium_shape_matches_naive_implementation() {
     let (t, h, i, e, k, is) = (64, 256, 128, 16, 4, 128);
-    let p = Owned::random(
-        config(t, h, i, e, k, Some(is), Some(0.35)),
-        14,
-        &[(0, 3), (17, 0), (63, 2)],
-    )
-    .rounded();
+    let p = Owned::random(config(t, h, i, e, k, Some(is), Some(0.35)), 14, &[(0, 3), (17, 0), (63, 2)]).rounded();
     let (tokens, experts, shared) = p.bf16_tensors();
-    let dy_bf16: Vec<bf16> = Rng(114)
-        .vec(t * h, 1.0)
-        .into_iter()
-        .map(bf16::from_f64)
-        .collect();
+    let dy_bf16: Vec<bf16> = Rng(114).vec(t * h, 1.0).into_iter().map(bf16::from_f64).collect();
     let dy: Vec<f64> = dy_bf16.iter().map(|&v| f64::from(v)).collect();
-    let (f, g) = backward(
-        &p.config,
-        &tokens,
-        &experts,
-        shared.as_ref(),
-        &dy_bf16,
-        ReferenceOptions::MATCH_GPU,
-    )
-    .unwrap();
+    let (f, g) =
+        backward(&p.config, &tokens, &experts, shared.as_ref(), &dy_bf16, ReferenceOptions::MATCH_GPU).unwrap();
     let n = naive(&p, &dy, true);
 
     let check = |name: &str, got: &[f64], want: &[f64]| {
@@ -967,22 +700,12 @@ fn round_to_bf16_is_correctly_rounded() {
             continue;
         }
         let want = f64::from(bf16::from_f32(v));
-        assert_eq!(
-            round_to_bf16(f64::from(v)).to_bits(),
-            want.to_bits(),
-            "{v:e}"
-        );
+        assert_eq!(round_to_bf16(f64::from(v)).to_bits(), want.to_bits(), "{v:e}");
     }
     // Ties go to even; just above a tie rounds up even when the excess is below f32 precision.
     assert_eq!(round_to_bf16(1.0 + 2f64.powi(-8)), 1.0);
-    assert_eq!(
-        round_to_bf16(1.0 + 3.0 * 2f64.powi(-8)),
-        1.0 + 2.0 * 2f64.powi(-7)
-    );
-    assert_eq!(
-        round_to_bf16(1.0 + 2f64.powi(-8) + 2f64.powi(-40)),
-        1.0 + 2f64.powi(-7)
-    );
+    assert_eq!(round_to_bf16(1.0 + 3.0 * 2f64.powi(-8)), 1.0 + 2.0 * 2f64.powi(-7));
+    assert_eq!(round_to_bf16(1.0 + 2f64.powi(-8) + 2f64.powi(-40)), 1.0 + 2f64.powi(-7));
     let max = f64::from(bf16::MAX);
     assert_eq!(round_to_bf16(max), max);
     assert_eq!(round_to_bf16(max + 2f64.powi(119)), f64::INFINITY);

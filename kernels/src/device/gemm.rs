@@ -131,8 +131,12 @@ pub fn accumulate(acc: &mut Accumulators, segment: &KSegment) {
                 let at = |r: u32, c: u32| a_stage + (r * SMEM_PITCH + c) * 2;
                 // SAFETY: rows < 64 and columns < 32 of this block's A stage.
                 *frag = unsafe {
-                    [ld_shared_u32(at(row, col)), ld_shared_u32(at(row + 8, col)),
-                     ld_shared_u32(at(row, col + 8)), ld_shared_u32(at(row + 8, col + 8))]
+                    [
+                        ld_shared_u32(at(row, col)),
+                        ld_shared_u32(at(row + 8, col)),
+                        ld_shared_u32(at(row, col + 8)),
+                        ld_shared_u32(at(row + 8, col + 8)),
+                    ]
                 };
             }
             for ni in 0..4u32 {
@@ -197,7 +201,12 @@ pub struct GroupedRowTile {
 /// # Safety
 /// `row_offsets` and `tile_offsets` must hold `num_groups + 1` entries.
 #[inline(always)]
-pub unsafe fn grouped_row_tile(row_offsets: *const u32, tile_offsets: *const u32, num_groups: u32, tile: u32) -> Option<GroupedRowTile> {
+pub unsafe fn grouped_row_tile(
+    row_offsets: *const u32,
+    tile_offsets: *const u32,
+    num_groups: u32,
+    tile: u32,
+) -> Option<GroupedRowTile> {
     // SAFETY: caller contract.
     let tiles = unsafe { core::slice::from_raw_parts(tile_offsets, num_groups as usize + 1) };
     let group = crate::tiles::group_of_tile(tiles, tile)? as u32;

@@ -6,7 +6,9 @@
 //! one thread, and each block reduces over K in a fixed order, so results do not depend on
 //! the grid or on scheduling.
 
-use crate::device::gemm::{self, Accumulators, KSegment, TileOperand, for_each_output_pair, grouped_row_tile, tile_columns};
+use crate::device::gemm::{
+    self, Accumulators, KSegment, TileOperand, for_each_output_pair, grouped_row_tile, tile_columns,
+};
 use crate::device::math;
 use crate::ptx::convert::f32x2_to_bf16x2;
 use crate::ptx::sreg;
@@ -44,8 +46,14 @@ pub unsafe extern "ptx-kernel" fn mok_gemm_gate_up_swiglu(
     let columns = tile_columns(n0, inter);
     let weight_offset = tile.group as usize * i * h + n0 as usize * h;
     // SAFETY (origins): the tile's first row and first column lie inside the tensors.
-    let a = TileOperand { origin: unsafe { rows.add(tile.first_row as usize * h) }, pitch: h, rows: tile.rows, k_contiguous: true };
-    let gate_b = TileOperand { origin: unsafe { w_gate.add(weight_offset) }, pitch: h, rows: columns, k_contiguous: true };
+    let a = TileOperand {
+        origin: unsafe { rows.add(tile.first_row as usize * h) },
+        pitch: h,
+        rows: tile.rows,
+        k_contiguous: true,
+    };
+    let gate_b =
+        TileOperand { origin: unsafe { w_gate.add(weight_offset) }, pitch: h, rows: columns, k_contiguous: true };
     let up_b = TileOperand { origin: unsafe { w_up.add(weight_offset) }, pitch: h, rows: columns, k_contiguous: true };
     // One accumulator set at a time keeps register pressure at the single-GEMM level: the
     // gate tile goes to `gate_out`, then the up tile is formed and the epilogue re-reads the
@@ -114,8 +122,18 @@ pub unsafe extern "ptx-kernel" fn mok_gemm_rows_nt(
     let columns = tile_columns(n0, n);
     let (nn, kk) = (n as usize, k as usize);
     // SAFETY (origins): inside the tensors.
-    let a = TileOperand { origin: unsafe { rows.add(tile.first_row as usize * kk) }, pitch: kk, rows: tile.rows, k_contiguous: true };
-    let b = TileOperand { origin: unsafe { b.add(tile.group as usize * nn * kk + n0 as usize * kk) }, pitch: kk, rows: columns, k_contiguous: true };
+    let a = TileOperand {
+        origin: unsafe { rows.add(tile.first_row as usize * kk) },
+        pitch: kk,
+        rows: tile.rows,
+        k_contiguous: true,
+    };
+    let b = TileOperand {
+        origin: unsafe { b.add(tile.group as usize * nn * kk + n0 as usize * kk) },
+        pitch: kk,
+        rows: columns,
+        k_contiguous: true,
+    };
     let mut acc: Accumulators = [0.0; 32];
     gemm::accumulate(&mut acc, &KSegment { a, b, depth: k });
     store_f32_tile(&acc, out, tile.first_row, tile.rows, n0, columns, n);
@@ -153,8 +171,18 @@ pub unsafe extern "ptx-kernel" fn mok_gemm_rows_nn(
         let kk = k as usize;
         // SAFETY (origins): inside the tensors.
         KSegment {
-            a: TileOperand { origin: unsafe { a.add(tile.first_row as usize * kk) }, pitch: kk, rows: tile.rows, k_contiguous: true },
-            b: TileOperand { origin: unsafe { b.add(tile.group as usize * kk * n as usize + n0 as usize) }, pitch: n as usize, rows: columns, k_contiguous: false },
+            a: TileOperand {
+                origin: unsafe { a.add(tile.first_row as usize * kk) },
+                pitch: kk,
+                rows: tile.rows,
+                k_contiguous: true,
+            },
+            b: TileOperand {
+                origin: unsafe { b.add(tile.group as usize * kk * n as usize + n0 as usize) },
+                pitch: n as usize,
+                rows: columns,
+                k_contiguous: false,
+            },
             depth: k,
         }
     };
@@ -194,8 +222,18 @@ pub unsafe extern "ptx-kernel" fn mok_gemm_wgrad(
     // SAFETY (origins): row `begin` and columns m0 / n0 are inside the tensors (when the group
     // is empty the segment has depth 0 and nothing is read).
     let segment = KSegment {
-        a: TileOperand { origin: unsafe { a.add(begin as usize * mm + m0 as usize) }, pitch: mm, rows: m_rows, k_contiguous: false },
-        b: TileOperand { origin: unsafe { b.add(begin as usize * nn + n0 as usize) }, pitch: nn, rows: n_rows, k_contiguous: false },
+        a: TileOperand {
+            origin: unsafe { a.add(begin as usize * mm + m0 as usize) },
+            pitch: mm,
+            rows: m_rows,
+            k_contiguous: false,
+        },
+        b: TileOperand {
+            origin: unsafe { b.add(begin as usize * nn + n0 as usize) },
+            pitch: nn,
+            rows: n_rows,
+            k_contiguous: false,
+        },
         depth: end - begin,
     };
     let mut acc: Accumulators = [0.0; 32];

@@ -201,4 +201,3 @@ pub unsafe extern "ptx-kernel" fn mok_swiglu_backward(
         e += stride;
     }
 }
-

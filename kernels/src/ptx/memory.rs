@@ -161,15 +161,45 @@ macro_rules! scoped_ops {
     };
 }
 
-scoped_ops!("cta", ld_acquire_cta_u32, ld_relaxed_cta_u32, st_release_cta_u32, st_relaxed_cta_u32,
-            atom_add_relaxed_cta_u32, atom_add_acq_rel_cta_u32, red_add_release_cta_u32,
-            atom_cas_acq_rel_cta_u32, ld_acquire_cta_u64, st_release_cta_u64);
-scoped_ops!("gpu", ld_acquire_gpu_u32, ld_relaxed_gpu_u32, st_release_gpu_u32, st_relaxed_gpu_u32,
-            atom_add_relaxed_gpu_u32, atom_add_acq_rel_gpu_u32, red_add_release_gpu_u32,
-            atom_cas_acq_rel_gpu_u32, ld_acquire_gpu_u64, st_release_gpu_u64);
-scoped_ops!("sys", ld_acquire_sys_u32, ld_relaxed_sys_u32, st_release_sys_u32, st_relaxed_sys_u32,
-            atom_add_relaxed_sys_u32, atom_add_acq_rel_sys_u32, red_add_release_sys_u32,
-            atom_cas_acq_rel_sys_u32, ld_acquire_sys_u64, st_release_sys_u64);
+scoped_ops!(
+    "cta",
+    ld_acquire_cta_u32,
+    ld_relaxed_cta_u32,
+    st_release_cta_u32,
+    st_relaxed_cta_u32,
+    atom_add_relaxed_cta_u32,
+    atom_add_acq_rel_cta_u32,
+    red_add_release_cta_u32,
+    atom_cas_acq_rel_cta_u32,
+    ld_acquire_cta_u64,
+    st_release_cta_u64
+);
+scoped_ops!(
+    "gpu",
+    ld_acquire_gpu_u32,
+    ld_relaxed_gpu_u32,
+    st_release_gpu_u32,
+    st_relaxed_gpu_u32,
+    atom_add_relaxed_gpu_u32,
+    atom_add_acq_rel_gpu_u32,
+    red_add_release_gpu_u32,
+    atom_cas_acq_rel_gpu_u32,
+    ld_acquire_gpu_u64,
+    st_release_gpu_u64
+);
+scoped_ops!(
+    "sys",
+    ld_acquire_sys_u32,
+    ld_relaxed_sys_u32,
+    st_release_sys_u32,
+    st_relaxed_sys_u32,
+    atom_add_relaxed_sys_u32,
+    atom_add_acq_rel_sys_u32,
+    red_add_release_sys_u32,
+    atom_cas_acq_rel_sys_u32,
+    ld_acquire_sys_u64,
+    st_release_sys_u64
+);
 
 /// `atom.shared::cta.add.u32` on a 32-bit shared-memory address; returns the old value.
 ///
