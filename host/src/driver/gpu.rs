@@ -3,6 +3,7 @@
 use std::collections::HashMap;
 use std::ffi::{CString, c_void};
 use std::sync::Arc;
+use std::sync::Mutex;
 
 use cudarc::driver::{result, sys};
 
@@ -52,10 +53,10 @@ impl Drop for GpuInner {
     }
 }
 
-/// The loaded module and its functions by name.
+/// The loaded module and the functions resolved from it so far, by name.
 pub struct Kernels {
     module: sys::CUmodule,
-    functions: HashMap<&'static str, sys::CUfunction>,
+    functions: Mutex<HashMap<&'static str, sys::CUfunction>>,
 }
 
 impl Drop for Kernels {
@@ -100,7 +101,7 @@ impl LaunchShape {
 
 impl Gpu {
     /// Opens GPU `ordinal`, picks the PTX for its architecture from `ptx_by_arch`
-    /// (`(compute capability major, PTX text)`), loads it and resolves `kernel_names`.
+    /// (`(compute capability major, PTX text)`), loads it and resolves `kernel_names` (others are resolved on first launch).
     pub fn new(ordinal: usize, ptx_by_arch: &[(i32, &str)], kernel_names: &[&'static str]) -> Result<Self> {
         super::probe()?;
         let device = result::device::get(ordinal as i32).map_err(|e| cuda_error("cuDeviceGet", e))?;
@@ -139,16 +140,14 @@ impl Gpu {
         // SAFETY: `source` is a NUL-terminated PTX image that outlives the call.
         let module = unsafe { result::module::load_data(source.as_ptr() as *const c_void) }
             .map_err(|e| cuda_error("cuModuleLoadData (JIT of mok's PTX)", e))?;
-        let mut kernels = Kernels { module, functions: HashMap::new() };
+        let gpu =
+            Self { inner, kernels: Kernels { module, functions: Mutex::new(HashMap::new()) }, sync_launches: false };
+        // Resolve the expected kernels now, so a PTX that lacks one fails at open, not mid-pass.
         for &kernel in kernel_names {
-            let c_name = CString::new(kernel).expect("kernel names have no NUL");
-            // SAFETY: the module is loaded; the name is NUL-terminated.
-            let function = unsafe { result::module::get_function(module, c_name) }
-                .map_err(|e| cuda_error(format!("cuModuleGetFunction({kernel})"), e))?;
-            kernels.functions.insert(kernel, function);
+            gpu.function(kernel)?;
         }
         let sync_launches = std::env::var_os("MOK_SYNC_LAUNCHES").is_some_and(|v| v == "1");
-        Ok(Self { inner, kernels, sync_launches })
+        Ok(Self { sync_launches, ..gpu })
     }
 
     pub(crate) fn inner(&self) -> &Arc<GpuInner> {
@@ -184,11 +183,22 @@ impl Gpu {
         .map_err(|e| cuda_error(format!("cuFuncSetAttribute({kernel}, max dynamic smem {bytes})"), e))
     }
 
+    /// The function `kernel` of the loaded module, resolved on first use.
     fn function(&self, kernel: &'static str) -> Result<sys::CUfunction> {
-        self.kernels.functions.get(kernel).copied().ok_or_else(|| MokError::Cuda {
-            call: format!("launch {kernel}"),
-            message: "kernel was not loaded (not in the kernel list)".into(),
-        })
+        let mut functions = self.kernels.functions.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(&function) = functions.get(kernel) {
+            return Ok(function);
+        }
+        let c_name = CString::new(kernel).map_err(|_| MokError::Cuda {
+            call: format!("cuModuleGetFunction({kernel:?})"),
+            message: "kernel name contains a NUL byte".into(),
+        })?;
+        self.inner.bind()?;
+        // SAFETY: the module stays loaded while `self` lives; the name is NUL-terminated.
+        let function = unsafe { result::module::get_function(self.kernels.module, c_name) }
+            .map_err(|e| cuda_error(format!("cuModuleGetFunction({kernel}): not in mok's PTX"), e))?;
+        functions.insert(kernel, function);
+        Ok(function)
     }
 
     /// Enqueues `kernel` on the stream. Checks the launch result; with `MOK_SYNC_LAUNCHES=1`

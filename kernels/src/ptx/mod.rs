@@ -2,13 +2,16 @@
 //!
 //! One `#[inline(always)]` function per instruction (family), grouped by what it touches:
 //! [`sreg`] special registers, [`sync`] barriers and warp collectives, [`memory`] scoped loads,
-//! stores, atomics and fences, [`smem`] the dynamic shared-memory window, [`convert`] number
+//! stores, atomics and fences, [`smem`] the dynamic shared-memory window, [`mbarrier`] transaction barriers, [`bulk`] bulk
+//! async copies, [`convert`] number
 //! conversions, [`mma`] warp-level tensor-core instructions. Every memory-ordering decision of
 //! the kernels is made by choosing one of the functions in [`memory`], so it is visible here.
 //!
 //! PTX ISA references are to the PTX ISA 8.x manual sections named in each doc comment.
 
+pub mod bulk;
 pub mod convert;
+pub mod mbarrier;
 pub mod memory;
 pub mod mma;
 pub mod smem;
