@@ -24,8 +24,9 @@ fn main() {
         if let Err(message) =
             ptx_builder::build_ptx(&kernels_dir, &out_dir.join("kernels-target"), &out_dir, arch, &linker)
         {
-            // One line that names the fix: cargo shows it as the build failure.
-            panic!("mok: {message}");
+            // One line that names the fix; cargo prints the script's stderr under the failure.
+            eprintln!("mok: {message}");
+            std::process::exit(1);
         }
     }
 }
