@@ -188,6 +188,9 @@ pub fn build_ptx(
         format!("-Ctarget-cpu={}", arch.sm),
         format!("-Clinker={}", linker.display()),
         "-Cpanic=abort".to_string(),
+        // Architecture-specific code (wgmma on sm_90a, tcgen05 on sm_100a) is gated on this cfg;
+        // "a" instructions do not assemble for the other architecture.
+        format!("--cfg=mok_arch=\"{}\"", arch.sm),
         // Paths in panic locations and debug info must not depend on where the tree lives, so
         // the same source gives the same PTX bytes.
         format!("--remap-path-prefix={}=mok", kernels_dir.parent().unwrap_or(kernels_dir).display()),

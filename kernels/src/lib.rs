@@ -10,6 +10,7 @@
 #![cfg_attr(target_arch = "nvptx64", feature(abi_ptx, asm_experimental_arch))]
 #![deny(unsafe_op_in_unsafe_fn)]
 
+pub mod gemm_layout;
 pub mod layout;
 pub mod num;
 pub mod tiles;
@@ -19,6 +20,9 @@ pub mod ptx;
 
 #[cfg(target_arch = "nvptx64")]
 pub mod device;
+
+#[cfg(all(target_arch = "nvptx64", mok_arch = "sm_90a"))]
+pub mod gemm;
 
 #[cfg(target_arch = "nvptx64")]
 pub mod entry;

@@ -1,4 +1,6 @@
 pub mod fill;
 pub mod gemm;
+#[cfg(mok_arch = "sm_90a")]
+pub mod gemm_sm90;
 pub mod route;
 pub mod rows;

@@ -3,8 +3,9 @@
 //! One `#[inline(always)]` function per instruction (family), grouped by what it touches:
 //! [`sreg`] special registers, [`sync`] barriers and warp collectives, [`memory`] scoped loads,
 //! stores, atomics and fences, [`smem`] the dynamic shared-memory window, [`mbarrier`] transaction barriers, [`bulk`] bulk
-//! async copies, [`convert`] number
-//! conversions, [`mma`] warp-level tensor-core instructions. Every memory-ordering decision of
+//! async copies, [`signal`] the warp barrier and back-off of the exchange's counter waits, [`convert`] number
+//! conversions, [`mma`] warp-level tensor-core instructions, [`tma`] tensor copies, [`wgmma`] warpgroup
+//! tensor-core instructions. Every memory-ordering decision of
 //! the kernels is made by choosing one of the functions in [`memory`], so it is visible here.
 //!
 //! PTX ISA references are to the PTX ISA 8.x manual sections named in each doc comment.
@@ -14,9 +15,12 @@ pub mod convert;
 pub mod mbarrier;
 pub mod memory;
 pub mod mma;
+pub mod signal;
 pub mod smem;
 pub mod sreg;
 pub mod sync;
+pub mod tma;
+pub mod wgmma;
 
 /// Aborts the kernel (`trap`, PTX ISA §9.7.19.x). The host sees `CUDA_ERROR_ILLEGAL_INSTRUCTION`
 /// / launch failure. Only used for bugs (a failed bounds check), never for input problems.

@@ -1,0 +1,82 @@
+//! The exchange's error record: what a kernel writes instead of trapping when a wait runs out
+//! of time or the ring is too small, and the host decodes into an error after the pass.
+//!
+//! Each rank has one record of [`super::params::ERROR_WORDS`] u32 in its own slice of the heap.
+//! The first problem wins (a compare-and-swap on word 0); later kernels of the rank read word 0
+//! and skip their work, so one lost peer costs one timeout per pass, not one per wait.
+
+/// Word 0: what happened ([`ERROR_NONE`], [`ERROR_TIMEOUT`], [`ERROR_CAPACITY`]).
+pub const WORD_CODE: usize = 0;
+/// Word 1: what was waited for ([`WAIT_PEER_PUBLISHED`], ...); 0 for a capacity error.
+pub const WORD_WAITED_FOR: usize = 1;
+/// Word 2: the rank expected to signal (a timeout) or this rank (a capacity error).
+pub const WORD_PEER: usize = 2;
+/// Word 3: the counter's index (token tile, M tile; 0 for the publish flag).
+pub const WORD_INDEX: usize = 3;
+/// Word 4: the value waited for (a count or an epoch), or the rows the ring needs.
+pub const WORD_EXPECTED: usize = 4;
+/// Word 5: the value last seen, or the ring's capacity.
+pub const WORD_SEEN: usize = 5;
+/// Word 6: the rank that waited (whose record this is).
+pub const WORD_RANK: usize = 6;
+/// Word 7: the epoch of the pass.
+pub const WORD_EPOCH: usize = 7;
+
+/// No error.
+pub const ERROR_NONE: u32 = 0;
+/// A bounded wait expired.
+pub const ERROR_TIMEOUT: u32 = 1;
+/// The receive ring cannot hold the rows routed to this rank's experts.
+pub const ERROR_CAPACITY: u32 = 2;
+
+/// Waited for a peer to publish its inputs and routing layout for the epoch (`published`).
+pub const WAIT_PEER_PUBLISHED: u32 = 1;
+/// Waited for an expert owner's forward-combine rows of a token tile (`combine_arrived`).
+pub const WAIT_COMBINE_ROWS: u32 = 2;
+/// Waited for an expert owner's reverse-dispatch rows of a token tile (`dx_arrived`).
+pub const WAIT_DX_ROWS: u32 = 3;
+/// Waited for the dispatched x rows of an M tile (`tile_ready`).
+pub const WAIT_X_TILE_ROWS: u32 = 4;
+/// Waited for the pulled dy rows of an M tile (`dy_tile_ready`).
+pub const WAIT_DY_TILE_ROWS: u32 = 5;
+
+/// A name for a `WAIT_*` code, for messages.
+pub fn waited_for_name(code: u32) -> &'static str {
+    match code {
+        WAIT_PEER_PUBLISHED => "the peer's publish flag (its inputs and routing layout for this pass)",
+        WAIT_COMBINE_ROWS => "forward-combine rows pushed by the expert owner (combine_arrived)",
+        WAIT_DX_ROWS => "reverse-dispatch dx rows pushed by the expert owner (dx_arrived)",
+        WAIT_X_TILE_ROWS => "dispatched x rows of a GEMM tile (tile_ready)",
+        WAIT_DY_TILE_ROWS => "pulled dy rows of a GEMM tile (dy_tile_ready)",
+        _ => "an unknown counter",
+    }
+}
+
+/// Writes `words` into the record at `record` unless an earlier problem is already there.
+///
+/// # Safety
+/// `record` must point at this rank's `ERROR_WORDS` u32 in global memory.
+#[cfg(target_arch = "nvptx64")]
+pub unsafe fn record(record: *mut u32, words: [u32; super::params::ERROR_WORDS]) {
+    use crate::ptx::memory::atom_cas_acq_rel_gpu_u32;
+    // SAFETY: caller contract; the CAS makes the first reporter the only writer of words 1..
+    unsafe {
+        if atom_cas_acq_rel_gpu_u32(record.add(WORD_CODE), ERROR_NONE, words[WORD_CODE]) == ERROR_NONE {
+            for (i, &word) in words.iter().enumerate().skip(1) {
+                *record.add(i) = word;
+            }
+        }
+    }
+}
+
+/// Whether this rank's record already holds a problem (a relaxed GPU-scope read: other blocks
+/// of this rank may have written it during this kernel).
+///
+/// # Safety
+/// As [`record`].
+#[cfg(target_arch = "nvptx64")]
+#[inline(always)]
+pub unsafe fn has_error(record: *const u32) -> bool {
+    // SAFETY: caller contract.
+    unsafe { crate::ptx::memory::ld_relaxed_gpu_u32(record) != ERROR_NONE }
+}

@@ -1,0 +1,46 @@
+//! Entry points of the sm_90a tensor-core GEMM engine (see [`crate::gemm::engine`]): 384
+//! threads, `gemm_layout::ENGINE_SMEM_BYTES` of dynamic shared memory, a persistent grid (one
+//! block per SM is typical), one pointer to a [`GemmParams`] in device memory.
+
+use crate::gemm::engine::{Variant, run};
+use crate::gemm_layout::GemmParams;
+
+/// Forward gate/up projection with SwiGLU fused.
+///
+/// # Safety
+/// `params` valid for the `GATE_UP` variant.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_gate_up(params: *const GemmParams) {
+    // SAFETY: caller contract.
+    unsafe { run::<{ Variant::GATE_UP }>(params) }
+}
+
+/// Row-grouped `A · Bᵀ`, f32 out (down projection).
+///
+/// # Safety
+/// `params` valid for the `ROWS_NT` variant.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_rows_nt(params: *const GemmParams) {
+    // SAFETY: caller contract.
+    unsafe { run::<{ Variant::ROWS_NT }>(params) }
+}
+
+/// Row-grouped `A · B` with N-major weights, up to two K segments, f32 out (data gradients).
+///
+/// # Safety
+/// `params` valid for the `ROWS_NN` variant.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_rows_nn(params: *const GemmParams) {
+    // SAFETY: caller contract.
+    unsafe { run::<{ Variant::ROWS_NN }>(params) }
+}
+
+/// Per-group weight gradient, rows reduced in order, no split-K.
+///
+/// # Safety
+/// `params` valid for the `WGRAD` variant.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_wgrad(params: *const GemmParams) {
+    // SAFETY: caller contract.
+    unsafe { run::<{ Variant::WGRAD }>(params) }
+}

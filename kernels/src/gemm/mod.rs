@@ -1,0 +1,4 @@
+//! The sm_90 tensor-core grouped GEMM engine: persistent, warp-specialised, TMA + mbarrier ring
+//! + wgmma. See [`engine`].
+
+pub mod engine;

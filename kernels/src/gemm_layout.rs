@@ -1,0 +1,145 @@
+//! Layout arithmetic of the sm_90 tensor-core GEMM engine, shared by host and device: shared
+//! memory matrix descriptors, the 128-byte swizzle, the engine's tile shape and its parameter
+//! block.
+//!
+//! Shared-memory tiles are rows of 128 bytes (64 bf16) in the 128B-swizzle layout that TMA
+//! writes and wgmma reads: the 16-byte chunk `c` of row `r` sits at chunk `c ^ (r % 8)`, with the
+//! tile base 1024-byte aligned. A K-major tile has one row per M/N index (64 K values per row);
+//! an MN-major tile has one row per K index (64 M/N values per row).
+
+/// Rows of a block tile: two consumer warpgroups × 64.
+pub const TILE_M: u32 = 128;
+/// Columns of a block tile (one `m64n128` accumulator per consumer warpgroup).
+pub const TILE_N: u32 = 128;
+/// K depth of one pipeline stage: one 128-byte swizzle row of bf16.
+pub const TILE_K: u32 = 64;
+/// Pipeline stages in shared memory.
+pub const STAGES: u32 = 5;
+/// Bytes of one operand tile of a stage (128 × 64 bf16).
+pub const OPERAND_TILE_BYTES: u32 = TILE_M * TILE_K * 2;
+/// Bytes of one stage (A and B tiles).
+pub const STAGE_BYTES: u32 = 2 * OPERAND_TILE_BYTES;
+/// Threads of an engine block: a producer warpgroup and two consumer warpgroups.
+pub const ENGINE_THREADS: u32 = 384;
+/// Dynamic shared memory of an engine block: the stages, then 2 · STAGES mbarriers; plus 1 KiB
+/// so the stages can start on a 1024-byte boundary whatever the window's base.
+pub const ENGINE_SMEM_BYTES: u32 = STAGES * STAGE_BYTES + 2 * STAGES * 8 + 1024;
+
+/// Swizzle mode field of a descriptor: 128-byte swizzle.
+const SWIZZLE_128B: u64 = 1;
+
+/// A wgmma shared-memory matrix descriptor for a 128B-swizzled tile starting at shared address
+/// `start` (its 1024-byte pattern base aligned, so the base-offset field is 0).
+///
+/// `leading_bytes` / `stride_bytes` (PTX ISA §9.7.15.5.1.2): for K-major tiles the stride is
+/// the distance between groups of 8 rows (1024) and the leading offset is unused; for MN-major
+/// tiles the leading offset is the distance between 64-wide M/N blocks and the stride the
+/// distance between groups of 8 K rows (1024).
+#[inline(always)]
+pub const fn smem_descriptor(start: u32, leading_bytes: u32, stride_bytes: u32) -> u64 {
+    encode_field(start)
+        | (encode_field(leading_bytes) << 16)
+        | (encode_field(stride_bytes) << 32)
+        | (SWIZZLE_128B << 62)
+}
+
+/// `matrix-descriptor-encode(x) = (x & 0x3FFFF) >> 4`.
+#[inline(always)]
+const fn encode_field(x: u32) -> u64 {
+    ((x & 0x3ffff) >> 4) as u64
+}
+
+/// Byte offset of the 16-byte chunk `chunk` (0..8) of row `row` in a 128B-swizzled tile.
+#[inline(always)]
+pub const fn swizzled_chunk_offset(row: u32, chunk: u32) -> u32 {
+    row * 128 + ((chunk ^ (row % 8)) * 16)
+}
+
+/// What one engine launch computes (see `kernels/src/gemm/`). Written by the host into device
+/// memory, read by every block. All pointers are device addresses; unused ones are 0.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct GemmParams {
+    /// Tensor map of A (see the engine's variant docs for its shape).
+    pub map_a: u64,
+    /// Tensor map of B (first K segment / gate weights).
+    pub map_b: u64,
+    /// Tensor map of the second B (up weights, or the second dgrad segment's weights).
+    pub map_b2: u64,
+    /// Tensor map of the second A (second dgrad segment).
+    pub map_a2: u64,
+    /// Raw A rows (for ragged tiles loaded without TMA), `[rows][a_pitch]` bf16.
+    pub a_rows: u64,
+    /// Raw second A rows.
+    pub a2_rows: u64,
+    /// Raw B rows for operands reduced over rows (wgrad), `[rows][b_pitch]` bf16.
+    pub b_rows: u64,
+    /// `[groups + 1]` first row of each group (device-written).
+    pub row_offsets: u64,
+    /// `[groups + 1]` first M tile of each group, in tiles of [`TILE_M`] (row-grouped variants).
+    pub tile_offsets: u64,
+    /// Output 0 (hidden bf16, f32 rows, or weight gradient).
+    pub out0: u64,
+    /// Output 1 (gate pre-activations f32, optional).
+    pub out1: u64,
+    /// Output 2 (up pre-activations f32, optional).
+    pub out2: u64,
+    /// Groups (experts).
+    pub groups: u32,
+    /// Output width N of the product (per group).
+    pub n: u32,
+    /// K of the first segment.
+    pub k: u32,
+    /// K of the second segment (0: none).
+    pub k2: u32,
+    /// Output rows M for weight-gradient variants (per group).
+    pub m: u32,
+    /// Elements between rows of `a_rows` / `a2_rows`.
+    pub a_pitch: u32,
+    /// Elements between rows of `b_rows`.
+    pub b_pitch: u32,
+    /// SwiGLU clamp (+inf for none).
+    pub swiglu_limit: f32,
+}
+
+/// Flat tile → (M tile, N tile) for row-grouped variants: N fastest, so the blocks working at
+/// the same time share the group's weights in L2.
+#[inline(always)]
+pub const fn split_row_tile(tile: u32, n_tiles: u32) -> (u32, u32) {
+    (tile / n_tiles, tile % n_tiles)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn descriptor_fields() {
+        let d = smem_descriptor(0x1_0400, 8192, 1024);
+        assert_eq!(d & 0x3fff, (0x1_0400 >> 4) & 0x3fff);
+        assert_eq!((d >> 16) & 0x3fff, 8192 >> 4);
+        assert_eq!((d >> 32) & 0x3fff, 1024 >> 4);
+        assert_eq!((d >> 49) & 0x7, 0);
+        assert_eq!(d >> 62, 1);
+    }
+
+    #[test]
+    fn swizzle_permutes_chunks_within_each_row() {
+        for row in 0..16 {
+            let mut seen = [false; 8];
+            for chunk in 0..8 {
+                let offset = swizzled_chunk_offset(row, chunk);
+                assert_eq!(offset / 128, row);
+                seen[((offset % 128) / 16) as usize] = true;
+            }
+            assert!(seen.iter().all(|&s| s));
+        }
+        assert_eq!(swizzled_chunk_offset(3, 1), 3 * 128 + 2 * 16);
+    }
+
+    #[test]
+    fn engine_fits_in_shared_memory() {
+        assert!(ENGINE_SMEM_BYTES <= 227 * 1024);
+        assert_eq!(STAGE_BYTES % 1024, 0);
+    }
+}
