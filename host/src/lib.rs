@@ -13,6 +13,7 @@ pub mod layout;
 pub mod problem;
 pub mod reference;
 pub mod shapes;
+pub mod tensor_map;
 pub mod unfused;
 
 pub use config::MoeConfig;

@@ -787,6 +787,29 @@ impl UnfusedLayer {
     ) -> (&DeviceBuffer<f32>, &DeviceBuffer<f32>, &DeviceBuffer<bf16>, &DeviceBuffer<f32>) {
         (&self.routed.gate, &self.routed.up, &self.routed.hidden, &self.routed.out)
     }
+
+    /// Saved backward intermediates of the routed experts, in row order: `(d_rows bf16 [R,H]
+    /// (dy scaled by the slot weight), d_hidden f32 [R,I], d_gate bf16 [R,I], d_up bf16 [R,I],
+    /// d_in f32 [R,H] (the rows' data gradient))`. The GEMM engine tests feed them to the
+    /// tensor-core kernels and compare.
+    pub fn routed_backward_intermediates(&self) -> RoutedBackward<'_> {
+        let r = &self.routed;
+        RoutedBackward { d_rows: &r.d_rows, d_hidden: &r.d_hidden, d_gate: &r.d_gate, d_up: &r.d_up, d_in: &r.d_in }
+    }
+}
+
+/// See [`UnfusedLayer::routed_backward_intermediates`].
+pub struct RoutedBackward<'a> {
+    /// `[R, H]` bf16: dy gathered and scaled by the slot weight.
+    pub d_rows: &'a DeviceBuffer<bf16>,
+    /// `[R, I]` f32.
+    pub d_hidden: &'a DeviceBuffer<f32>,
+    /// `[R, I]` bf16.
+    pub d_gate: &'a DeviceBuffer<bf16>,
+    /// `[R, I]` bf16.
+    pub d_up: &'a DeviceBuffer<bf16>,
+    /// `[R, H]` f32.
+    pub d_in: &'a DeviceBuffer<f32>,
 }
 
 #[derive(Clone, Copy)]

@@ -35,7 +35,7 @@ pub fn probe() -> Result<(), MokError> {
 }
 
 /// Converts a driver error into [`MokError::Cuda`] naming the call.
-pub(crate) fn cuda_error(call: impl Into<String>, error: DriverError) -> MokError {
+pub fn cuda_error(call: impl Into<String>, error: DriverError) -> MokError {
     let name = error.error_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
     let text = error.error_string().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
     MokError::Cuda { call: call.into(), message: format!("{name}: {text}") }

@@ -152,3 +152,25 @@ pub unsafe extern "ptx-kernel" fn mok_route_place(
         }
     }
 }
+
+/// Tile offsets for a tile height of `tile_m` rows from row offsets (`[groups + 1]` each): the
+/// GEMM engines' tile schedulers read them. One thread: groups are few.
+///
+/// # Safety
+/// `row_offsets` and `tile_offsets` hold `groups + 1` words.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn mok_tile_offsets(row_offsets: *const u32, groups: u32, tile_m: u32, tile_offsets: *mut u32) {
+    if sreg::thread_idx_x() != 0 || sreg::block_idx_x() != 0 {
+        return;
+    }
+    let mut tiles = 0;
+    for g in 0..groups as usize {
+        // SAFETY: g + 1 ≤ groups.
+        unsafe {
+            *tile_offsets.add(g) = tiles;
+            tiles += (*row_offsets.add(g + 1) - *row_offsets.add(g)).div_ceil(tile_m);
+        }
+    }
+    // SAFETY: index groups is the last entry.
+    unsafe { *tile_offsets.add(groups as usize) = tiles };
+}
