@@ -11,6 +11,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod gemm_layout;
+pub mod comm;
 pub mod layout;
 pub mod num;
 pub mod tiles;

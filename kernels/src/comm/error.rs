@@ -40,6 +40,9 @@ pub const WAIT_X_TILE_ROWS: u32 = 4;
 /// Waited for the pulled dy rows of an M tile (`dy_tile_ready`).
 pub const WAIT_DY_TILE_ROWS: u32 = 5;
 
+/// Waited for this rank's own bulk copy of a ring row to land (index = the ring row).
+pub const WAIT_BULK_COPY: u32 = 6;
+
 /// A name for a `WAIT_*` code, for messages.
 pub fn waited_for_name(code: u32) -> &'static str {
     match code {
@@ -48,6 +51,7 @@ pub fn waited_for_name(code: u32) -> &'static str {
         WAIT_DX_ROWS => "reverse-dispatch dx rows pushed by the expert owner (dx_arrived)",
         WAIT_X_TILE_ROWS => "dispatched x rows of a GEMM tile (tile_ready)",
         WAIT_DY_TILE_ROWS => "pulled dy rows of a GEMM tile (dy_tile_ready)",
+        WAIT_BULK_COPY => "a bulk copy of a ring row (its mbarrier)",
         _ => "an unknown counter",
     }
 }

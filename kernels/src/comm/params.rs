@@ -236,8 +236,7 @@ pub struct ExchangeParams {
 }
 
 const _: () = assert!(
-    core::mem::size_of::<ExchangeParams>()
-        == 10 * 4 + 8 + core::mem::size_of::<HeapRegions>() + 8 * MAX_EP_RANKS,
+    core::mem::size_of::<ExchangeParams>() == 10 * 4 + 8 + core::mem::size_of::<HeapRegions>() + 8 * MAX_EP_RANKS,
     "ExchangeParams must have no padding: the host uploads its bytes"
 );
 
@@ -334,7 +333,7 @@ mod tests {
             assert_eq!(offset % REGION_ALIGN, 0);
         }
         let (last, size) = sorted[sorted.len() - 1];
-        assert!(last + size <= r.bytes && r.bytes % REGION_ALIGN == 0);
+        assert!(last + size <= r.bytes && r.bytes.is_multiple_of(REGION_ALIGN));
     }
 
     #[test]

@@ -46,13 +46,7 @@ pub unsafe fn load_acquire(counter: *const u32, sys: bool) -> u32 {
 #[inline(always)]
 pub unsafe fn signal(counter: *mut u32, value: u32, sys: bool) {
     // SAFETY: caller contract.
-    unsafe {
-        if sys {
-            red_add_release_sys_u32(counter, value)
-        } else {
-            red_add_release_gpu_u32(counter, value)
-        }
-    }
+    unsafe { if sys { red_add_release_sys_u32(counter, value) } else { red_add_release_gpu_u32(counter, value) } }
 }
 
 /// Polls `counter` until `ready(value)` holds, `timeout_ns` passes, or this rank's error record

@@ -1,3 +1,4 @@
+pub mod exchange;
 pub mod fill;
 pub mod gemm;
 #[cfg(mok_arch = "sm_90a")]

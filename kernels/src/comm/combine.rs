@@ -1,0 +1,126 @@
+//! The token owner's side of a push (device only): wait until every expert owner's rows of a
+//! token tile have landed, then sum each token's slots in fixed order.
+//!
+//! `out[t] = bf16(base[t] + Σ_j w[t,j] · slots[t·k + j])` in f32: the base (the shared expert's
+//! output, or its dx contribution) first, then slots j = 0..k in order, dropped slots skipped,
+//! one rounding — the same operations in the same order as the single-rank combine
+//! (`mok_combine_slots`), on the same f32 rows, so the bits do not depend on how many ranks the
+//! rows came from.
+
+use super::error;
+use super::schedule::{arrivals_reached, chunk_rows_for_rank};
+use super::wait::wait_until;
+use super::{Pass, RankView};
+use crate::layout::{NO_ROW, ROUTE_CHUNK_TOKENS};
+use crate::ptx::convert::f32x2_to_bf16x2;
+use crate::ptx::memory::{ld_global_v4, ld_shared_u32, st_shared_u32};
+use crate::ptx::{sreg, sync};
+
+/// Block-collective: waits (bounded) for the rows of token tile `chunk` from every expert owner,
+/// advancing this rank's baselines, then writes `out` for the tile's tokens. `base` is
+/// `[T][H]` f32 or null; forward weights each slot by `topk_weights`, backward by 1. `flag` is 4
+/// bytes of this block's shared memory. On a timeout the record names the silent rank and the
+/// tile, and the block writes nothing.
+///
+/// # Safety
+/// `view` describes a laid-out heap; `out` holds `[T][H]` bf16; all threads call it uniformly.
+pub unsafe fn combine_tile(
+    view: &RankView,
+    pass: Pass,
+    epoch: u32,
+    chunk: u32,
+    base: *const f32,
+    out: *mut u16,
+    flag: u32,
+) {
+    let p = view.params;
+    let r = &p.regions;
+    let (thread, threads) = (sreg::thread_idx_x(), sreg::block_dim_x());
+    let (k, h) = (p.top_k as usize, p.hidden as usize);
+    let first_token = chunk * ROUTE_CHUNK_TOKENS;
+    let tile_tokens = (p.tokens - first_token).min(ROUTE_CHUNK_TOKENS) as usize;
+    if thread == 0 {
+        // SAFETY: this block's shared word; this rank's record.
+        unsafe { st_shared_u32(flag, error::has_error(view.error()) as u32) };
+    }
+    sync::block_barrier();
+    // SAFETY: the tile's ids lie inside this rank's T·k ids.
+    let ids = unsafe {
+        core::slice::from_raw_parts(view.local::<i32>(r.topk_ids).add(first_token as usize * k), tile_tokens * k)
+    };
+    let (arrived_region, seen_region, waited_for) = match pass {
+        Pass::Forward => (r.combine_arrived, r.combine_seen, error::WAIT_COMBINE_ROWS),
+        Pass::Backward => (r.dx_arrived, r.dx_seen, error::WAIT_DX_ROWS),
+    };
+    // SAFETY: flag written before the barrier.
+    if unsafe { ld_shared_u32(flag) } == 0 {
+        let mut owner = thread;
+        while owner < p.world {
+            let expected = chunk_rows_for_rank(ids, k, p.num_experts, p.local_experts, owner);
+            let index = (chunk * p.world + owner) as usize;
+            let (arrived, seen): (*const u32, *mut u32) = (view.local(arrived_region), view.local(seen_region));
+            // SAFETY: index < chunks·P; only this thread touches this baseline.
+            unsafe {
+                let baseline = *seen.add(index);
+                let waited = wait_until(arrived.add(index), view.sys(), p.timeout_ns, view.error(), |v| {
+                    arrivals_reached(v, baseline, expected)
+                });
+                match waited {
+                    Ok(_) => *seen.add(index) = baseline.wrapping_add(expected),
+                    Err(value) => {
+                        view.record_timeout(waited_for, owner, chunk, expected, value.wrapping_sub(baseline), epoch);
+                        st_shared_u32(flag, 1);
+                    }
+                }
+            }
+            owner += threads;
+        }
+    }
+    sync::block_barrier();
+    // SAFETY: written before the barrier.
+    if unsafe { ld_shared_u32(flag) } != 0 {
+        return;
+    }
+    let slot_rows: *const f32 = view.local(match pass {
+        Pass::Forward => r.combine_slots,
+        Pass::Backward => r.dx_slots,
+    });
+    let weights: *const f32 = match pass {
+        Pass::Forward => view.local(r.topk_weights),
+        Pass::Backward => core::ptr::null(),
+    };
+    let slot_row: *const u32 = view.local(r.slot_row);
+    let quads_per_row = h / 4;
+    let mut q = thread as usize;
+    while q < tile_tokens * quads_per_row {
+        let token = first_token as usize + q / quads_per_row;
+        let column = q % quads_per_row * 4;
+        let (mut a0, mut a1, mut a2, mut a3) = (0.0f32, 0.0f32, 0.0f32, 0.0f32);
+        if !base.is_null() {
+            // SAFETY: token < T, column + 4 ≤ H.
+            let v = unsafe { ld_global_v4(base.add(token * h + column) as *const u32) };
+            (a0, a1, a2, a3) = (f32::from_bits(v[0]), f32::from_bits(v[1]), f32::from_bits(v[2]), f32::from_bits(v[3]));
+        }
+        for j in 0..k {
+            let slot = token * k + j;
+            // SAFETY: slot < T·k.
+            if unsafe { *slot_row.add(slot) } == NO_ROW {
+                continue;
+            }
+            // SAFETY: slot < T·k; the slot's row landed (acquired above, ordered by the barrier).
+            let weight = if weights.is_null() { 1.0 } else { unsafe { *weights.add(slot) } };
+            let v = unsafe { ld_global_v4(slot_rows.add(slot * h + column) as *const u32) };
+            a0 += weight * f32::from_bits(v[0]);
+            a1 += weight * f32::from_bits(v[1]);
+            a2 += weight * f32::from_bits(v[2]);
+            a3 += weight * f32::from_bits(v[3]);
+        }
+        // SAFETY: token < T, column + 4 ≤ H; 8-byte aligned.
+        unsafe {
+            let at = out.add(token * h + column) as *mut u32;
+            *at = f32x2_to_bf16x2(a0, a1);
+            *at.add(1) = f32x2_to_bf16x2(a2, a3);
+        }
+        q += threads as usize;
+    }
+}
