@@ -15,7 +15,9 @@
 //! # Ok(()) }
 //! ```
 
-pub use mok_host::{MoeConfig, MokError, Result, config, driver, error, layout, problem, reference, shapes, unfused};
+pub use mok_host::{
+    MoeConfig, MokError, Result, config, driver, error, gemm, layout, problem, reference, shapes, tensor_map, unfused,
+};
 pub use mok_kernels as kernels;
 
 /// PTX of every kernel for Hopper (sm_90a), built by `build.rs`.

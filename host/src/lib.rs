@@ -9,10 +9,13 @@
 pub mod config;
 pub mod driver;
 pub mod error;
+pub mod exchange;
+pub mod gemm;
 pub mod layout;
 pub mod problem;
 pub mod reference;
 pub mod shapes;
+pub mod symmetric;
 pub mod tensor_map;
 pub mod unfused;
 

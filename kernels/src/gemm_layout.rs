@@ -143,3 +143,6 @@ mod tests {
         assert_eq!(STAGE_BYTES % 1024, 0);
     }
 }
+
+// The host uploads GemmParams as raw bytes: keep it free of padding.
+const _: () = assert!(core::mem::size_of::<GemmParams>() == 128);

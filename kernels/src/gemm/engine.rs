@@ -216,7 +216,7 @@ unsafe fn produce<const V: u32>(p: &GemmParams, ring: Ring, lane: u32) {
                     if lane == 0 {
                         // SAFETY: maps and tiles valid; the barrier expects the bytes below.
                         unsafe {
-                            mbarrier::arrive_expect_tx(full, tma_bytes);
+                            mbarrier::expect_tx(full, tma_bytes);
                             tma::load_2d(a_tile, p.map_a, w.m0 as i32, row as i32, full);
                             tma::load_2d(a_tile + HALF_TILE_BYTES, p.map_a, (w.m0 + 64) as i32, row as i32, full);
                             tma::load_2d(b_tile, p.map_b, w.n0 as i32, row as i32, full);
@@ -242,7 +242,7 @@ unsafe fn produce<const V: u32>(p: &GemmParams, ring: Ring, lane: u32) {
                 if lane == 0 {
                     // SAFETY: maps and tiles valid; the barrier expects `tma_bytes`.
                     unsafe {
-                        mbarrier::arrive_expect_tx(full, tma_bytes);
+                        mbarrier::expect_tx(full, tma_bytes);
                         if !ragged {
                             tma::load_2d(a_tile, map_a, k0 as i32, w.m0 as i32, full);
                         }
@@ -273,10 +273,10 @@ unsafe fn produce<const V: u32>(p: &GemmParams, ring: Ring, lane: u32) {
                 // Ordinary stores feed the tensor cores (async proxy): fence before arriving.
                 fence_proxy_async_shared_cta();
             }
-            if lane != 0 || tma_bytes == 0 {
-                // SAFETY: initialised barrier; 32 arrivals per phase (lane 0's expect_tx counts).
-                unsafe { mbarrier::arrive(full) };
-            }
+            // Every lane arrives after its own stores (32 arrivals per phase); the copy engine's
+            // bytes were announced with expect_tx before the copies were issued.
+            // SAFETY: initialised barrier.
+            unsafe { mbarrier::arrive(full) };
             stage += 1;
             if stage == STAGES {
                 stage = 0;

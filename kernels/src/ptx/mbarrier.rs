@@ -42,6 +42,20 @@ pub unsafe fn arrive_expect_tx(bar: u32, bytes: u32) {
     }
 }
 
+/// `mbarrier.expect_tx.relaxed.cta.shared::cta.b64`: `bytes` more transaction bytes expected in
+/// the current phase, without arriving (the thread arrives later, after its own stores).
+///
+/// # Safety
+/// `bar` must be an initialised barrier of this block.
+#[inline(always)]
+pub unsafe fn expect_tx(bar: u32, bytes: u32) {
+    // SAFETY: caller contract.
+    unsafe {
+        asm!("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [{b}], {n};", b = in(reg32) bar, n = in(reg32) bytes,
+             options(nostack));
+    }
+}
+
 /// `mbarrier.arrive.shared::cta.b64`: one arrival (release semantics at CTA scope).
 ///
 /// # Safety

@@ -1,0 +1,314 @@
+//! Host side of the sm_90a tensor-core GEMM engine (`kernels/src/gemm/engine.rs`): builds the
+//! tensor maps and the parameter block once ([`EnginePlan`]), then launches as often as wanted
+//! without touching the host again.
+//!
+//! Every plan works on device-written group offsets: `row_offsets[G+1]` (first row of each
+//! group) and, for row-grouped variants, `tile_offsets[G+1]` in tiles of
+//! [`TILE_M`](mok_kernels::gemm_layout::TILE_M) rows, made on the device by
+//! [`tile_offsets`]. The host never learns the group sizes.
+
+use half::bf16;
+use mok_kernels::gemm_layout::{ENGINE_SMEM_BYTES, ENGINE_THREADS, GemmParams, TILE_M};
+
+use crate::driver::{DeviceBuffer, Gpu, KernelArg, LaunchShape};
+use crate::error::{MokError, Result};
+use crate::tensor_map::TensorMap;
+
+/// Kernels of the engine (sm_90a only).
+pub const ENGINE_KERNELS: [&str; 4] =
+    ["mok_sm90_gemm_gate_up", "mok_sm90_gemm_rows_nt", "mok_sm90_gemm_rows_nn", "mok_sm90_gemm_wgrad"];
+
+/// `[groups + 1]` tile offsets (tiles of `TILE_M` rows) from `[groups + 1]` row offsets,
+/// computed on the device, ordered on the stream after whatever wrote the row offsets.
+pub fn tile_offsets(gpu: &Gpu, row_offsets: &DeviceBuffer<u32>, groups: usize) -> Result<DeviceBuffer<u32>> {
+    check_len("row_offsets", row_offsets.len(), groups + 1)?;
+    let tiles = DeviceBuffer::alloc(gpu, groups + 1)?;
+    gpu.launch(
+        "mok_tile_offsets",
+        LaunchShape::linear(1, 32),
+        &[
+            KernelArg::Ptr(row_offsets.device_ptr()),
+            KernelArg::U32(groups as u32),
+            KernelArg::U32(TILE_M),
+            KernelArg::Ptr(tiles.device_ptr()),
+        ],
+    )?;
+    Ok(tiles)
+}
+
+fn check_len(tensor: &'static str, actual: usize, expected: usize) -> Result<()> {
+    if actual >= expected {
+        Ok(())
+    } else {
+        Err(MokError::InvalidInput { tensor, problem: format!("has {actual} elements, needs at least {expected}") })
+    }
+}
+
+fn check_width(field: &'static str, value: usize) -> Result<()> {
+    if value > 0 && value.is_multiple_of(8) {
+        Ok(())
+    } else {
+        Err(MokError::InvalidInput {
+            tensor: field,
+            problem: format!("width {value} must be a positive multiple of 8 (16-byte rows for TMA)"),
+        })
+    }
+}
+
+/// Row groups of a row-grouped product: device offsets and the row capacity of the buffers.
+pub struct RowGroups<'a> {
+    /// `[groups + 1]` first row of each group.
+    pub row_offsets: &'a DeviceBuffer<u32>,
+    /// `[groups + 1]` first tile of each group (from [`tile_offsets`]).
+    pub tile_offsets: &'a DeviceBuffer<u32>,
+    /// Groups.
+    pub groups: usize,
+    /// Rows the row buffers hold (an upper bound on `row_offsets[groups]`).
+    pub capacity: usize,
+}
+
+/// Where a weight gradient goes.
+pub enum WgradOut<'a> {
+    /// Written as bf16 `[G][M][N]`.
+    Bf16(&'a DeviceBuffer<bf16>),
+    /// Added into caller-owned f32 `[G][M][N]` (gradient accumulation across micro-batches).
+    AccumulateF32(&'a DeviceBuffer<f32>),
+}
+
+/// One prepared engine launch: the parameter block and tensor maps live on the device.
+pub struct EnginePlan {
+    kernel: &'static str,
+    params: DeviceBuffer<u8>,
+    _maps: Vec<TensorMap>,
+}
+
+impl EnginePlan {
+    fn new(gpu: &Gpu, kernel: &'static str, params: GemmParams, maps: Vec<TensorMap>) -> Result<Self> {
+        gpu.set_max_dynamic_smem(kernel, ENGINE_SMEM_BYTES)?;
+        // SAFETY: GemmParams is repr(C) plain data (u64, u32, f32 fields, no padding: 12 u64
+        // then 8 four-byte fields, 128 bytes), so its bytes are initialised.
+        let bytes =
+            unsafe { core::slice::from_raw_parts(&params as *const GemmParams as *const u8, size_of::<GemmParams>()) };
+        Ok(Self { kernel, params: DeviceBuffer::from_slice(gpu, bytes)?, _maps: maps })
+    }
+
+    /// Enqueues the launch with one block per SM (persistent).
+    pub fn launch(&self, gpu: &Gpu) -> Result<()> {
+        self.launch_with_blocks(gpu, gpu.multiprocessors())
+    }
+
+    /// Enqueues the launch with `blocks` persistent blocks (results do not depend on it).
+    pub fn launch_with_blocks(&self, gpu: &Gpu, blocks: u32) -> Result<()> {
+        let shape = LaunchShape { grid: (blocks.max(1), 1, 1), threads: ENGINE_THREADS, smem_bytes: ENGINE_SMEM_BYTES };
+        gpu.launch(self.kernel, shape, &[KernelArg::Ptr(self.params.device_ptr())])
+    }
+
+    /// Forward gate/up with SwiGLU: `hidden = swiglu(rows·w_gate[g]ᵀ, rows·w_up[g]ᵀ)` per group,
+    /// optionally keeping the f32 pre-activations. `rows` `[cap][h]`, weights `[G][i][h]`,
+    /// outputs `[cap][i]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gate_up(
+        gpu: &Gpu,
+        rows: &DeviceBuffer<bf16>,
+        groups: &RowGroups<'_>,
+        w_gate: &DeviceBuffer<bf16>,
+        w_up: &DeviceBuffer<bf16>,
+        (h, i): (usize, usize),
+        swiglu_limit: Option<f32>,
+        hidden_out: &DeviceBuffer<bf16>,
+        pre_activations: Option<(&DeviceBuffer<f32>, &DeviceBuffer<f32>)>,
+    ) -> Result<Self> {
+        check_width("hidden", h)?;
+        check_width("intermediate", i)?;
+        let g = groups.groups;
+        check_len("rows", rows.len(), groups.capacity * h)?;
+        check_len("w_gate", w_gate.len(), g * i * h)?;
+        check_len("w_up", w_up.len(), g * i * h)?;
+        check_len("hidden_out", hidden_out.len(), groups.capacity * i)?;
+        let maps = vec![
+            rows_map(gpu, rows, h, groups.capacity)?,
+            weight_map_k_major(gpu, w_gate, h, i, g, 64)?,
+            weight_map_k_major(gpu, w_up, h, i, g, 64)?,
+        ];
+        let (out1, out2) = match pre_activations {
+            Some((gate, up)) => {
+                check_len("gate_out", gate.len(), groups.capacity * i)?;
+                check_len("up_out", up.len(), groups.capacity * i)?;
+                (gate.device_ptr(), up.device_ptr())
+            }
+            None => (0, 0),
+        };
+        let params = GemmParams {
+            map_a: maps[0].device_ptr(),
+            map_b: maps[1].device_ptr(),
+            map_b2: maps[2].device_ptr(),
+            a_rows: rows.device_ptr(),
+            row_offsets: groups.row_offsets.device_ptr(),
+            tile_offsets: groups.tile_offsets.device_ptr(),
+            out0: hidden_out.device_ptr(),
+            out1,
+            out2,
+            groups: g as u32,
+            n: i as u32,
+            k: h as u32,
+            a_pitch: h as u32,
+            swiglu_limit: swiglu_limit.unwrap_or(f32::INFINITY),
+            ..GemmParams::default()
+        };
+        Self::new(gpu, "mok_sm90_gemm_gate_up", params, maps)
+    }
+
+    /// Row-grouped `out[r] = rows[r] · w[g]ᵀ` (f32): `rows` `[cap][k]`, `w` `[G][n][k]`,
+    /// `out` `[cap][n]`. The down projection.
+    pub fn rows_nt(
+        gpu: &Gpu,
+        rows: &DeviceBuffer<bf16>,
+        groups: &RowGroups<'_>,
+        w: &DeviceBuffer<bf16>,
+        (n, k): (usize, usize),
+        out: &DeviceBuffer<f32>,
+    ) -> Result<Self> {
+        check_width("n", n)?;
+        check_width("k", k)?;
+        let g = groups.groups;
+        check_len("rows", rows.len(), groups.capacity * k)?;
+        check_len("w", w.len(), g * n * k)?;
+        check_len("out", out.len(), groups.capacity * n)?;
+        let maps = vec![rows_map(gpu, rows, k, groups.capacity)?, weight_map_k_major(gpu, w, k, n, g, 128)?];
+        let params = GemmParams {
+            map_a: maps[0].device_ptr(),
+            map_b: maps[1].device_ptr(),
+            a_rows: rows.device_ptr(),
+            row_offsets: groups.row_offsets.device_ptr(),
+            tile_offsets: groups.tile_offsets.device_ptr(),
+            out0: out.device_ptr(),
+            groups: g as u32,
+            n: n as u32,
+            k: k as u32,
+            a_pitch: k as u32,
+            ..GemmParams::default()
+        };
+        Self::new(gpu, "mok_sm90_gemm_rows_nt", params, maps)
+    }
+
+    /// Row-grouped data gradient `out[r] = a1[r] · w1[g] (+ a2[r] · w2[g])` (f32), weights read
+    /// N-major: `a` `[cap][k]`, `w` `[G][k][n]`, `out` `[cap][n]`. Both segments share `k`.
+    pub fn rows_nn(
+        gpu: &Gpu,
+        first: (&DeviceBuffer<bf16>, &DeviceBuffer<bf16>),
+        second: Option<(&DeviceBuffer<bf16>, &DeviceBuffer<bf16>)>,
+        groups: &RowGroups<'_>,
+        (n, k): (usize, usize),
+        out: &DeviceBuffer<f32>,
+    ) -> Result<Self> {
+        check_width("n", n)?;
+        check_width("k", k)?;
+        let g = groups.groups;
+        let mut maps = Vec::new();
+        for (a, w) in std::iter::once(first).chain(second) {
+            check_len("a", a.len(), groups.capacity * k)?;
+            check_len("w", w.len(), g * k * n)?;
+            maps.push(rows_map(gpu, a, k, groups.capacity)?);
+            maps.push(TensorMap::bf16(
+                gpu,
+                w.device_ptr(),
+                &[n as u64, k as u64, g as u64],
+                &[2 * n as u64, 2 * (k * n) as u64],
+                &[64, 64, 1],
+            )?);
+        }
+        check_len("out", out.len(), groups.capacity * n)?;
+        let second_ptrs = second.map(|(a, _)| (maps[2].device_ptr(), maps[3].device_ptr(), a.device_ptr()));
+        let params = GemmParams {
+            map_a: maps[0].device_ptr(),
+            map_b: maps[1].device_ptr(),
+            map_a2: second_ptrs.map_or(0, |s| s.0),
+            map_b2: second_ptrs.map_or(0, |s| s.1),
+            a_rows: first.0.device_ptr(),
+            a2_rows: second_ptrs.map_or(0, |s| s.2),
+            row_offsets: groups.row_offsets.device_ptr(),
+            tile_offsets: groups.tile_offsets.device_ptr(),
+            out0: out.device_ptr(),
+            groups: g as u32,
+            n: n as u32,
+            k: k as u32,
+            k2: if second.is_some() { k as u32 } else { 0 },
+            a_pitch: k as u32,
+            ..GemmParams::default()
+        };
+        Self::new(gpu, "mok_sm90_gemm_rows_nn", params, maps)
+    }
+
+    /// Weight gradient per group, `dw[g] = Σ_{r in g} a[r]ᵀ b[r]`, reducing the group's rows
+    /// in order (no split-K): `a` `[cap][m]`, `b` `[cap][n]`, output `[G][m][n]`.
+    pub fn wgrad(
+        gpu: &Gpu,
+        a: &DeviceBuffer<bf16>,
+        b: &DeviceBuffer<bf16>,
+        row_offsets: &DeviceBuffer<u32>,
+        (groups, capacity): (usize, usize),
+        (m, n): (usize, usize),
+        out: WgradOut<'_>,
+    ) -> Result<Self> {
+        check_width("m", m)?;
+        check_width("n", n)?;
+        check_len("a", a.len(), capacity * m)?;
+        check_len("b", b.len(), capacity * n)?;
+        check_len("row_offsets", row_offsets.len(), groups + 1)?;
+        let rows = capacity.max(1) as u64;
+        let maps = vec![
+            TensorMap::bf16(gpu, a.device_ptr(), &[m as u64, rows], &[2 * m as u64], &[64, 64])?,
+            TensorMap::bf16(gpu, b.device_ptr(), &[n as u64, rows], &[2 * n as u64], &[64, 64])?,
+        ];
+        let (out0, out1) = match out {
+            WgradOut::Bf16(buffer) => {
+                check_len("dw", buffer.len(), groups * m * n)?;
+                (buffer.device_ptr(), 0)
+            }
+            WgradOut::AccumulateF32(buffer) => {
+                check_len("dw", buffer.len(), groups * m * n)?;
+                (0, buffer.device_ptr())
+            }
+        };
+        let params = GemmParams {
+            map_a: maps[0].device_ptr(),
+            map_b: maps[1].device_ptr(),
+            a_rows: a.device_ptr(),
+            b_rows: b.device_ptr(),
+            row_offsets: row_offsets.device_ptr(),
+            out0,
+            out1,
+            groups: groups as u32,
+            n: n as u32,
+            m: m as u32,
+            a_pitch: m as u32,
+            b_pitch: n as u32,
+            ..GemmParams::default()
+        };
+        Self::new(gpu, "mok_sm90_gemm_wgrad", params, maps)
+    }
+}
+
+/// `[rows][k]` K-major activations: box of 64 K × 128 rows.
+fn rows_map(gpu: &Gpu, rows: &DeviceBuffer<bf16>, k: usize, capacity: usize) -> Result<TensorMap> {
+    TensorMap::bf16(gpu, rows.device_ptr(), &[k as u64, capacity.max(1) as u64], &[2 * k as u64], &[64, 128])
+}
+
+/// `[G][n][k]` K-major weights as a 3-D map (columns past a group's `n` read as zero, never the
+/// next group's): box of 64 K × `box_rows` × 1.
+fn weight_map_k_major(
+    gpu: &Gpu,
+    w: &DeviceBuffer<bf16>,
+    k: usize,
+    n: usize,
+    g: usize,
+    box_rows: u32,
+) -> Result<TensorMap> {
+    TensorMap::bf16(
+        gpu,
+        w.device_ptr(),
+        &[k as u64, n as u64, g as u64],
+        &[2 * k as u64, 2 * (n * k) as u64],
+        &[64, box_rows, 1],
+    )
+}

@@ -1,0 +1,331 @@
+//! GPU tests of the sm_90a tensor-core GEMM engine (feature `gpu-tests`): first each primitive
+//! on its own (TMA load, mbarrier ring, one wgmma K block per operand major-ness), then every
+//! engine variant against the unfused path's kernels (themselves checked against the f64 CPU
+//! reference in gpu_unfused.rs) and against f64 on the CPU, with ragged and empty groups, at
+//! small and frontier dimensions; and bitwise equality across grid sizes and runs.
+#![cfg(feature = "gpu-tests")]
+
+mod common;
+
+use common::{PLAIN_ROUTING, Routing, check, fingerprint, random_bf16, random_case, rel_err};
+use half::bf16;
+use mok::MoeConfig;
+use mok::driver::{DeviceBuffer, Gpu, KernelArg, LaunchShape};
+use mok::gemm::{EnginePlan, RowGroups, WgradOut, tile_offsets};
+use mok::tensor_map::TensorMap;
+use mok::unfused::{DeviceExperts, DeviceTokens, UnfusedLayer};
+
+fn gpu() -> Gpu {
+    let gpu =
+        mok::open_gpu(0).unwrap_or_else(|e| panic!("GPU tests need an NVIDIA GPU with its driver; this machine: {e}"));
+    assert_eq!(gpu.compute_capability().0, 9, "the sm_90a engine tests need a Hopper GPU");
+    gpu
+}
+
+fn f64s<T: Copy + Into<f64>>(v: &[T]) -> Vec<f64> {
+    v.iter().map(|&x| x.into()).collect()
+}
+
+fn bf(v: &[bf16]) -> Vec<f64> {
+    v.iter().map(|x| x.to_f64()).collect()
+}
+
+#[test]
+fn primitive_tma_load_swizzles_and_zero_fills() {
+    let gpu = gpu();
+    let (rows, cols) = (200usize, 128usize);
+    let src = random_bf16(rows * cols, 31, 1.0);
+    let device = DeviceBuffer::from_slice(&gpu, &src).unwrap();
+    let map =
+        TensorMap::bf16(&gpu, device.device_ptr(), &[cols as u64, rows as u64], &[2 * cols as u64], &[64, 64]).unwrap();
+    for (c0, c1) in [(64i32, 100i32), (0, 180)] {
+        let mut out = DeviceBuffer::<u32>::alloc(&gpu, 64 * 32).unwrap();
+        out.fill_bytes(0xff).unwrap();
+        gpu.launch(
+            "mok_probe_tma_load",
+            LaunchShape { grid: (1, 1, 1), threads: 32, smem_bytes: 64 * 128 + 1024 + 64 },
+            &[
+                KernelArg::Ptr(map.device_ptr()),
+                KernelArg::U32(c0 as u32),
+                KernelArg::U32(c1 as u32),
+                KernelArg::U32(64),
+                KernelArg::Ptr(out.device_ptr()),
+            ],
+        )
+        .unwrap();
+        let words = out.download().unwrap();
+        let halves: &[u16] = bytemuck::cast_slice(&words);
+        for r in 0..64usize {
+            for c in 0..8usize {
+                let at = (r * 128 + ((c ^ (r % 8)) * 16)) / 2;
+                for e in 0..8 {
+                    let (row, col) = (c1 as usize + r, c0 as usize + c * 8 + e);
+                    let expected = if row < rows { src[row * cols + col].to_bits() } else { 0 };
+                    assert_eq!(halves[at + e], expected, "box ({c0},{c1}) row {r} chunk {c} element {e}");
+                }
+            }
+        }
+    }
+    println!("  TMA 2-D load: 128B swizzle layout and out-of-bounds zero fill exact");
+}
+
+#[test]
+fn primitive_mbarrier_ring_hands_over_every_round() {
+    let gpu = gpu();
+    let rounds = 1000usize;
+    let mut out = DeviceBuffer::<u32>::alloc(&gpu, rounds).unwrap();
+    out.fill_bytes(0xff).unwrap();
+    gpu.launch(
+        "mok_probe_mbarrier_ring",
+        LaunchShape { grid: (1, 1, 1), threads: 64, smem_bytes: 2048 },
+        &[KernelArg::U32(3), KernelArg::U32(rounds as u32), KernelArg::Ptr(out.device_ptr())],
+    )
+    .unwrap();
+    let got = out.download().unwrap();
+    for (round, &value) in got.iter().enumerate() {
+        assert_eq!(value, (round as u32).wrapping_mul(2_654_435_761) ^ 0x5a5a, "round {round}");
+    }
+    println!("  mbarrier ring: 3 stages, {rounds} rounds, every value handed over in order");
+}
+
+#[test]
+fn primitive_wgmma_tile_in_each_major_ness() {
+    let gpu = gpu();
+    let a = random_bf16(64 * 64, 41, 1.0);
+    let b = random_bf16(128 * 64, 42, 1.0);
+    let (da, db) = (DeviceBuffer::from_slice(&gpu, &a).unwrap(), DeviceBuffer::from_slice(&gpu, &b).unwrap());
+    for (mode, name) in [(0u32, "A K-major, B K-major"), (1, "A K-major, B N-major"), (2, "A M-major, B N-major")] {
+        let mut out = DeviceBuffer::<f32>::alloc(&gpu, 64 * 128).unwrap();
+        out.fill_bytes(0xff).unwrap();
+        gpu.launch(
+            "mok_probe_wgmma_tile",
+            LaunchShape { grid: (1, 1, 1), threads: 128, smem_bytes: 8192 + 16384 + 1024 },
+            &[
+                KernelArg::Ptr(da.device_ptr()),
+                KernelArg::Ptr(db.device_ptr()),
+                KernelArg::U32(mode),
+                KernelArg::Ptr(out.device_ptr()),
+            ],
+        )
+        .unwrap();
+        let got = out.download().unwrap();
+        let a_at = |m: usize, k: usize| if mode == 2 { a[k * 64 + m] } else { a[m * 64 + k] }.to_f64();
+        let b_at = |n: usize, k: usize| if mode == 0 { b[n * 64 + k] } else { b[k * 128 + n] }.to_f64();
+        let mut expected = vec![0.0; 64 * 128];
+        for m in 0..64 {
+            for n in 0..128 {
+                expected[m * 128 + n] = (0..64).map(|k| a_at(m, k) * b_at(n, k)).sum();
+            }
+        }
+        check(&format!("wgmma m64n128k64 ({name})"), rel_err(&got, &expected), 1e-5);
+    }
+}
+
+/// A routed problem run through the unfused path, whose buffers feed the engine.
+struct Setup {
+    layer: UnfusedLayer,
+    experts: DeviceExperts,
+    config: MoeConfig,
+    tiles: DeviceBuffer<u32>,
+    rows: usize,
+}
+
+fn setup(gpu: &Gpu, config: MoeConfig, seed: u64, routing: Routing<'_>) -> Setup {
+    let case = random_case(&config, seed, routing);
+    let tokens = DeviceTokens::upload(gpu, &config, &case.tokens).unwrap();
+    let experts = DeviceExperts::upload(gpu, &config, &case.experts).unwrap();
+    let dy = DeviceBuffer::from_slice(gpu, &case.dy).unwrap();
+    let mut layer = UnfusedLayer::new(gpu, config.clone()).unwrap();
+    layer.forward(gpu, &tokens, &experts, None).unwrap();
+    layer.backward(gpu, &tokens, &experts, None, &dy).unwrap();
+    layer.check_device_errors().unwrap();
+    let tiles = tile_offsets(gpu, &layer.routing.row_offsets, config.num_experts).unwrap();
+    let rows = *layer.routing.row_offsets.download().unwrap().last().unwrap() as usize;
+    Setup { layer, experts, config, tiles, rows }
+}
+
+fn poisoned<T: bytemuck::Pod>(gpu: &Gpu, len: usize) -> DeviceBuffer<T> {
+    let mut buffer = DeviceBuffer::alloc(gpu, len).unwrap();
+    buffer.fill_bytes(0xff).unwrap();
+    buffer
+}
+
+/// Every engine variant against the unfused kernels on the same device inputs.
+fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
+    let c = &s.config;
+    let (h, i, e, cap) = (c.hidden, c.intermediate, c.num_experts, c.slots_per_rank());
+    let (rows, layer) = (s.rows, &s.layer);
+    println!("engine vs unfused: rows {rows} of {cap}, H={h} I={i} E={e}");
+    let groups =
+        RowGroups { row_offsets: &layer.routing.row_offsets, tile_offsets: &s.tiles, groups: e, capacity: cap };
+    let (gate, up, hidden, down) = layer.routed_intermediates();
+    let back = layer.routed_backward_intermediates();
+
+    // Forward gate/up + SwiGLU.
+    let (hidden_out, gate_out, up_out) =
+        (poisoned::<bf16>(gpu, cap * i), poisoned::<f32>(gpu, cap * i), poisoned::<f32>(gpu, cap * i));
+    let plan = EnginePlan::gate_up(
+        gpu,
+        &layer.gathered_x,
+        &groups,
+        &s.experts.w_gate,
+        &s.experts.w_up,
+        (h, i),
+        c.swiglu_limit,
+        &hidden_out,
+        Some((&gate_out, &up_out)),
+    )
+    .unwrap();
+    plan.launch(gpu).unwrap();
+    let valid = rows * i;
+    check(
+        "gate pre-activation (engine gate_up)",
+        rel_err(&gate_out.download().unwrap()[..valid], &f64s(&gate.download().unwrap()[..valid])),
+        1e-5,
+    );
+    check(
+        "up pre-activation (engine gate_up)",
+        rel_err(&up_out.download().unwrap()[..valid], &f64s(&up.download().unwrap()[..valid])),
+        1e-5,
+    );
+    let got_hidden = hidden_out.download().unwrap();
+    check(
+        "hidden bf16 (engine SwiGLU)",
+        rel_err(&bf(&got_hidden[..valid]), &bf(&hidden.download().unwrap()[..valid])),
+        2e-3,
+    );
+    // Grid size and repetition do not change a bit.
+    plan.launch_with_blocks(gpu, 7).unwrap();
+    assert_eq!(
+        fingerprint(&hidden_out.download().unwrap()[..valid]),
+        fingerprint(&got_hidden[..valid]),
+        "gate_up differs with 7 blocks"
+    );
+
+    // Down projection on the unfused path's hidden.
+    let down_out = poisoned::<f32>(gpu, cap * h);
+    EnginePlan::rows_nt(gpu, hidden, &groups, &s.experts.w_down, (h, i), &down_out).unwrap().launch(gpu).unwrap();
+    check(
+        "down output (engine rows_nt)",
+        rel_err(&down_out.download().unwrap()[..rows * h], &f64s(&down.download().unwrap()[..rows * h])),
+        1e-5,
+    );
+
+    // Data gradients: one segment (down dgrad), two segments (gate/up dgrad).
+    let d_hidden = poisoned::<f32>(gpu, cap * i);
+    EnginePlan::rows_nn(gpu, (back.d_rows, &s.experts.w_down), None, &groups, (i, h), &d_hidden)
+        .unwrap()
+        .launch(gpu)
+        .unwrap();
+    check(
+        "d_hidden (engine rows_nn, 1 segment)",
+        rel_err(&d_hidden.download().unwrap()[..valid], &f64s(&back.d_hidden.download().unwrap()[..valid])),
+        1e-5,
+    );
+    let d_in = poisoned::<f32>(gpu, cap * h);
+    EnginePlan::rows_nn(
+        gpu,
+        (back.d_gate, &s.experts.w_gate),
+        Some((back.d_up, &s.experts.w_up)),
+        &groups,
+        (h, i),
+        &d_in,
+    )
+    .unwrap()
+    .launch(gpu)
+    .unwrap();
+    check(
+        "d_rows_in (engine rows_nn, 2 segments)",
+        rel_err(&d_in.download().unwrap()[..rows * h], &f64s(&back.d_in.download().unwrap()[..rows * h])),
+        1e-5,
+    );
+
+    // Weight gradients: bf16 against the unfused bf16; f32 accumulation against f64.
+    let dw_down = poisoned::<bf16>(gpu, e * h * i);
+    let plan = EnginePlan::wgrad(
+        gpu,
+        back.d_rows,
+        hidden,
+        &layer.routing.row_offsets,
+        (e, cap),
+        (h, i),
+        WgradOut::Bf16(&dw_down),
+    )
+    .unwrap();
+    plan.launch(gpu).unwrap();
+    let got = dw_down.download().unwrap();
+    check("dw_down bf16 (engine wgrad)", rel_err(&bf(&got), &bf(&layer.grads.dw_down.download().unwrap())), 3e-3);
+    plan.launch_with_blocks(gpu, 5).unwrap();
+    assert_eq!(fingerprint(&dw_down.download().unwrap()), fingerprint(&got), "wgrad differs with 5 blocks");
+    let counts = layer.routing.expert_counts.download().unwrap();
+    for (expert, &count) in counts.iter().enumerate() {
+        if count == 0 {
+            assert!(
+                got[expert * h * i..(expert + 1) * h * i].iter().all(|v| v.to_bits() == 0),
+                "empty expert {expert} got a nonzero gradient"
+            );
+        }
+    }
+    let mut dw_gate = DeviceBuffer::<f32>::alloc(gpu, e * i * h).unwrap();
+    dw_gate.fill_bytes(0).unwrap();
+    EnginePlan::wgrad(
+        gpu,
+        back.d_gate,
+        &layer.gathered_x,
+        &layer.routing.row_offsets,
+        (e, cap),
+        (i, h),
+        WgradOut::AccumulateF32(&dw_gate),
+    )
+    .unwrap()
+    .launch(gpu)
+    .unwrap();
+    let (dg, xs, offsets) = (
+        back.d_gate.download().unwrap(),
+        layer.gathered_x.download().unwrap(),
+        layer.routing.row_offsets.download().unwrap(),
+    );
+    let mut expected = vec![0.0f64; e * i * h];
+    {
+        use rayon::prelude::*;
+        // Each (group, m) output row reduces over the group's rows in f64.
+        expected.par_chunks_mut(h).enumerate().for_each(|(gm, out_row)| {
+            let (g, m) = (gm / i, gm % i);
+            for r in offsets[g] as usize..offsets[g + 1] as usize {
+                let a = dg[r * i + m].to_f64();
+                if a != 0.0 {
+                    for (n, value) in out_row.iter_mut().enumerate() {
+                        *value += a * xs[r * h + n].to_f64();
+                    }
+                }
+            }
+        });
+    }
+    check("dw_gate f32 accumulate (engine wgrad)", rel_err(&dw_gate.download().unwrap(), &expected), 1e-5);
+}
+
+#[test]
+fn engine_matches_unfused_on_ragged_and_empty_groups() {
+    let gpu = gpu();
+    let config = MoeConfig { swiglu_limit: Some(1.5), ..MoeConfig::new(300, 256, 192, 8, 4) };
+    let s = setup(&gpu, config, 51, Routing { drop_probability: 0.1, empty_experts: &[2, 5] });
+    check_engine_against_unfused(&gpu, &s);
+}
+
+#[test]
+fn engine_matches_unfused_on_odd_widths() {
+    // H, I multiples of 8 but not of 64: the weight maps' out-of-bounds columns read as zero.
+    let gpu = gpu();
+    let s = setup(&gpu, MoeConfig::new(77, 72, 40, 3, 2), 52, PLAIN_ROUTING);
+    check_engine_against_unfused(&gpu, &s);
+}
+
+#[test]
+fn engine_matches_unfused_at_frontier_dimensions() {
+    // qwen3.5-397b's H, I, E, k (T reduced) and kimi-k2.7's.
+    let gpu = gpu();
+    let s = setup(&gpu, MoeConfig::new(256, 4096, 1024, 512, 10), 53, PLAIN_ROUTING);
+    check_engine_against_unfused(&gpu, &s);
+    let s = setup(&gpu, MoeConfig::new(128, 7168, 2048, 384, 8), 54, PLAIN_ROUTING);
+    check_engine_against_unfused(&gpu, &s);
+}
