@@ -16,7 +16,8 @@
 //! ```
 
 pub use mok_host::{
-    MoeConfig, MokError, Result, config, driver, error, gemm, layout, problem, reference, shapes, tensor_map, unfused,
+    MoeConfig, MokError, Result, config, driver, ep, error, exchange, gemm, layout, problem, reference, shapes,
+    symmetric, tensor_map, unfused,
 };
 pub use mok_kernels as kernels;
 

@@ -54,6 +54,42 @@ pub enum MokError {
         /// What the kernel saw.
         message: String,
     },
+    /// A bounded wait expired (a peer never signalled, or signalled too little): names what was
+    /// waited for, on which rank, from which rank, and the value expected and seen.
+    #[error("timed out{}: waited for {waited_for}{}; {detail}", on_rank(.rank), from_rank(.peer))]
+    Timeout {
+        /// The rank that waited, when the wait belongs to one.
+        rank: Option<usize>,
+        /// The rank that should have signalled, when known.
+        peer: Option<usize>,
+        /// The counter or flag waited for.
+        waited_for: String,
+        /// Which counter entry, the value expected and the value seen.
+        detail: String,
+    },
+    /// A device buffer sized at setup cannot hold what a pass routed to it (never a trap: the
+    /// pass reports the size it needs).
+    #[error(
+        "capacity exceeded on rank {rank}: {what} needs {needed} rows but holds {capacity}; rebuild it with at least {needed}"
+    )]
+    Capacity {
+        /// The buffer.
+        what: &'static str,
+        /// The rank whose buffer overflowed.
+        rank: usize,
+        /// Rows the pass needs.
+        needed: usize,
+        /// Rows the buffer holds.
+        capacity: usize,
+    },
+}
+
+fn on_rank(rank: &Option<usize>) -> String {
+    rank.map(|r| format!(" on rank {r}")).unwrap_or_default()
+}
+
+fn from_rank(peer: &Option<usize>) -> String {
+    peer.map(|p| format!(" from rank {p}")).unwrap_or_default()
 }
 
 /// Result alias of mok's host API.

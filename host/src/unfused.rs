@@ -40,7 +40,7 @@ pub const KERNEL_NAMES: &[&str] = &[
     "mok_fill_random_bf16",
 ];
 
-const ROW_KERNEL_THREADS: u32 = 256;
+pub(crate) const ROW_KERNEL_THREADS: u32 = 256;
 
 /// One rank's routed tokens on the device.
 pub struct DeviceTokens {
@@ -149,7 +149,7 @@ pub fn random_bf16(gpu: &Gpu, count: usize, seed: u64, scale: f32) -> Result<Dev
 }
 
 /// Blocks for a grid-stride kernel over `work` items: enough to fill the GPU, no more.
-fn grid_stride_blocks(gpu: &Gpu, work: usize) -> u32 {
+pub(crate) fn grid_stride_blocks(gpu: &Gpu, work: usize) -> u32 {
     let needed = work.div_ceil(ROW_KERNEL_THREADS as usize).max(1);
     needed.min(gpu.multiprocessors() as usize * 8) as u32
 }
@@ -234,13 +234,12 @@ pub struct DeviceGrads {
 /// The unfused layer of one rank (P = 1: every expert is local) with its workspace.
 pub struct UnfusedLayer {
     config: MoeConfig,
-    limit: f32,
     /// The routing layout of the last forward.
     pub routing: RoutingBuffers,
     /// `[T·k][H]` x gathered into expert order.
     pub gathered_x: DeviceBuffer<bf16>,
-    routed: ExpertRows,
-    shared: Option<(ExpertRows, DeviceBuffer<u32>)>,
+    routed: ExpertCompute,
+    shared: Option<(ExpertCompute, DeviceBuffer<u32>)>,
     /// `[T, H]` output of the last forward.
     pub y: DeviceBuffer<bf16>,
     /// Gradients of the last backward.
@@ -277,7 +276,7 @@ impl UnfusedLayer {
                 // The shared expert is one group holding every token: offsets [0, T].
                 let tiles = (t as u32).div_ceil(kc::GEMM_TILE_M);
                 let offsets = DeviceBuffer::from_slice(gpu, &[0, t as u32, 0, tiles])?;
-                Some((ExpertRows::alloc(gpu, t, h, is, false)?, offsets))
+                Some((ExpertCompute::new(gpu, t, h, is, config.swiglu_limit, false)?, offsets))
             }
             None => None,
         };
@@ -290,10 +289,9 @@ impl UnfusedLayer {
             None => None,
         };
         Ok(Self {
-            limit: config.swiglu_limit.unwrap_or(f32::INFINITY),
             routing,
             gathered_x: DeviceBuffer::alloc(gpu, slots * h)?,
-            routed: ExpertRows::alloc(gpu, slots, h, i, true)?,
+            routed: ExpertCompute::new(gpu, slots, h, i, config.swiglu_limit, true)?,
             shared,
             y: DeviceBuffer::alloc(gpu, t * h)?,
             grads: DeviceGrads {
@@ -383,15 +381,6 @@ impl UnfusedLayer {
         self.routing.row_offsets.device_ptr() + 4 * self.config.num_experts as u64
     }
 
-    fn row_grid(&self, rows_upper_bound: usize, groups: usize, n: usize) -> (u32, u32, u32) {
-        let m_tiles = mok_kernels::tiles::max_m_tiles(rows_upper_bound as u32, groups as u32);
-        (m_tiles, (n as u32).div_ceil(kc::GEMM_TILE_N), 1)
-    }
-
-    fn gemm_shape(grid: (u32, u32, u32)) -> LaunchShape {
-        LaunchShape { grid, threads: kc::GEMM_THREADS, smem_bytes: kc::GEMM_SMEM_BYTES }
-    }
-
     /// Enqueues the routing kernels: layout of `topk_ids` into the routing buffers.
     pub fn route(&mut self, gpu: &Gpu, topk_ids: &DeviceBuffer<i32>) -> Result<()> {
         let c = &self.config;
@@ -452,7 +441,7 @@ impl UnfusedLayer {
         self.check_inputs(tokens, experts, shared)?;
         self.route(gpu, &tokens.topk_ids)?;
         let c = self.config.clone();
-        let (t, h, i, e, k) = (c.tokens_per_rank, c.hidden, c.intermediate, c.num_experts, c.top_k);
+        let (t, h, e, k) = (c.tokens_per_rank, c.hidden, c.num_experts, c.top_k);
         let slots = t * k;
         let count = self.row_count_ptr();
         let r = &self.routing;
@@ -469,40 +458,28 @@ impl UnfusedLayer {
                 Ptr(self.gathered_x.device_ptr()),
             ],
         )?;
-        let groups = GroupArgs {
-            set: ExpertSet::Routed,
+        let groups = RowGroups {
             row_offsets: r.row_offsets.device_ptr(),
             tile_offsets: r.tile_offsets.device_ptr(),
             groups: e,
             rows_upper_bound: slots,
+            row_count: count,
         };
-        self.expert_forward(
+        self.routed.forward(
             gpu,
             &groups,
             self.gathered_x.device_ptr(),
             [&experts.w_gate, &experts.w_up, &experts.w_down],
-            h,
-            i,
         )?;
         let mut shared_out = 0;
-        if let (Some(weights), Some(is)) = (shared, c.shared_intermediate) {
-            let offsets = &self.shared.as_ref().expect("allocated with the config").1;
-            let groups = GroupArgs {
-                set: ExpertSet::Shared,
-                row_offsets: offsets.device_ptr(),
-                tile_offsets: offsets.device_ptr() + 8,
-                groups: 1,
-                rows_upper_bound: t,
-            };
-            self.expert_forward(
+        if let (Some(weights), Some((compute, offsets))) = (shared, &self.shared) {
+            compute.forward(
                 gpu,
-                &groups,
+                &RowGroups::all_tokens(offsets, t),
                 tokens.x.device_ptr(),
                 [&weights.ws_gate, &weights.ws_up, &weights.ws_down],
-                h,
-                is,
             )?;
-            shared_out = self.shared.as_ref().expect("allocated").0.out.device_ptr();
+            shared_out = compute.out_rows().device_ptr();
         }
         gpu.launch(
             "mok_combine_slots",
@@ -510,64 +487,12 @@ impl UnfusedLayer {
             &[
                 Ptr(r.slot_row.device_ptr()),
                 Ptr(tokens.topk_weights.device_ptr()),
-                Ptr(self.routed.out.device_ptr()),
+                Ptr(self.routed.rows.out.device_ptr()),
                 Ptr(shared_out),
                 U32(t as u32),
                 U32(k as u32),
                 U32(h as u32),
                 Ptr(self.y.device_ptr()),
-            ],
-        )
-    }
-
-    fn rows(&self, set: ExpertSet) -> &ExpertRows {
-        match set {
-            ExpertSet::Routed => &self.routed,
-            ExpertSet::Shared => &self.shared.as_ref().expect("shared expert allocated").0,
-        }
-    }
-
-    /// Gate/up with SwiGLU, then down, for one expert set.
-    fn expert_forward(
-        &self,
-        gpu: &Gpu,
-        groups: &GroupArgs,
-        input_rows: u64,
-        weights: [&DeviceBuffer<bf16>; 3],
-        h: usize,
-        inter: usize,
-    ) -> Result<()> {
-        let rows = self.rows(groups.set);
-        gpu.launch(
-            "mok_gemm_gate_up_swiglu",
-            Self::gemm_shape(self.row_grid(groups.rows_upper_bound, groups.groups, inter)),
-            &[
-                Ptr(input_rows),
-                Ptr(groups.row_offsets),
-                Ptr(groups.tile_offsets),
-                U32(groups.groups as u32),
-                Ptr(weights[0].device_ptr()),
-                Ptr(weights[1].device_ptr()),
-                U32(h as u32),
-                U32(inter as u32),
-                F32(self.limit),
-                Ptr(rows.gate.device_ptr()),
-                Ptr(rows.up.device_ptr()),
-                Ptr(rows.hidden.device_ptr()),
-            ],
-        )?;
-        gpu.launch(
-            "mok_gemm_rows_nt",
-            Self::gemm_shape(self.row_grid(groups.rows_upper_bound, groups.groups, h)),
-            &[
-                Ptr(rows.hidden.device_ptr()),
-                Ptr(groups.row_offsets),
-                Ptr(groups.tile_offsets),
-                U32(groups.groups as u32),
-                Ptr(weights[2].device_ptr()),
-                U32(h as u32),
-                U32(inter as u32),
-                Ptr(rows.out.device_ptr()),
             ],
         )
     }
@@ -584,7 +509,7 @@ impl UnfusedLayer {
     ) -> Result<()> {
         self.check_inputs(tokens, experts, shared)?;
         let c = self.config.clone();
-        let (t, h, i, e, k) = (c.tokens_per_rank, c.hidden, c.intermediate, c.num_experts, c.top_k);
+        let (t, h, e, k) = (c.tokens_per_rank, c.hidden, c.num_experts, c.top_k);
         if dy.len() != t * h {
             return Err(MokError::InvalidInput {
                 tensor: "dy",
@@ -604,7 +529,7 @@ impl UnfusedLayer {
                 Ptr(tokens.topk_weights.device_ptr()),
                 Ptr(count),
                 U32(h as u32),
-                Ptr(self.routed.d_rows.device_ptr()),
+                Ptr(self.routed.rows.d_rows.device_ptr()),
             ],
         )?;
         gpu.launch(
@@ -612,7 +537,7 @@ impl UnfusedLayer {
             LaunchShape::linear(grid_stride_blocks(gpu, slots * 32), ROW_KERNEL_THREADS),
             &[
                 Ptr(dy.device_ptr()),
-                Ptr(self.routed.out.device_ptr()),
+                Ptr(self.routed.rows.out.device_ptr()),
                 Ptr(r.slot_row.device_ptr()),
                 U32(t as u32),
                 U32(k as u32),
@@ -620,54 +545,42 @@ impl UnfusedLayer {
                 Ptr(self.grads.d_topk_weights.device_ptr()),
             ],
         )?;
-        let groups = GroupArgs {
-            set: ExpertSet::Routed,
+        let groups = RowGroups {
             row_offsets: r.row_offsets.device_ptr(),
             tile_offsets: r.tile_offsets.device_ptr(),
             groups: e,
             rows_upper_bound: slots,
+            row_count: count,
         };
-        let weight_grads =
-            [self.grads.dw_gate.device_ptr(), self.grads.dw_up.device_ptr(), self.grads.dw_down.device_ptr()];
-        self.expert_backward(
+        self.routed.backward(
             gpu,
             &groups,
-            BackwardArgs {
+            ExpertBackward {
                 input_rows: self.gathered_x.device_ptr(),
-                d_out_rows: self.routed.d_rows.device_ptr(),
-                row_count: count,
+                d_out_rows: self.routed.rows.d_rows.device_ptr(),
                 weights: [&experts.w_gate, &experts.w_up, &experts.w_down],
-                weight_grads,
-                hidden: h,
-                inter: i,
+                weight_grads: [
+                    self.grads.dw_gate.device_ptr(),
+                    self.grads.dw_up.device_ptr(),
+                    self.grads.dw_down.device_ptr(),
+                ],
             },
         )?;
         let mut shared_dx = 0;
-        if let (Some(weights), Some(is)) = (shared, c.shared_intermediate) {
-            let offsets = &self.shared.as_ref().expect("allocated with the config").1;
-            let groups = GroupArgs {
-                set: ExpertSet::Shared,
-                row_offsets: offsets.device_ptr(),
-                tile_offsets: offsets.device_ptr() + 8,
-                groups: 1,
-                rows_upper_bound: t,
-            };
+        if let (Some(weights), Some((compute, offsets))) = (shared, &self.shared) {
             let grads = self.grads.shared.as_ref().expect("allocated with the config");
-            self.expert_backward(
+            compute.backward(
                 gpu,
-                &groups,
-                BackwardArgs {
+                &RowGroups::all_tokens(offsets, t),
+                ExpertBackward {
                     input_rows: tokens.x.device_ptr(),
                     // The shared expert's output is added unscaled, so its output gradient is dy.
                     d_out_rows: dy.device_ptr(),
-                    row_count: offsets.device_ptr() + 4,
                     weights: [&weights.ws_gate, &weights.ws_up, &weights.ws_down],
                     weight_grads: [grads[0].device_ptr(), grads[1].device_ptr(), grads[2].device_ptr()],
-                    hidden: h,
-                    inter: is,
                 },
             )?;
-            shared_dx = self.rows(ExpertSet::Shared).d_in.device_ptr();
+            shared_dx = compute.d_in_rows().device_ptr();
         }
         gpu.launch(
             "mok_combine_slots",
@@ -675,7 +588,7 @@ impl UnfusedLayer {
             &[
                 Ptr(r.slot_row.device_ptr()),
                 Ptr(0),
-                Ptr(self.routed.d_in.device_ptr()),
+                Ptr(self.routed.rows.d_in.device_ptr()),
                 Ptr(shared_dx),
                 U32(t as u32),
                 U32(k as u32),
@@ -683,72 +596,6 @@ impl UnfusedLayer {
                 Ptr(self.grads.dx.device_ptr()),
             ],
         )
-    }
-
-    fn expert_backward(&self, gpu: &Gpu, groups: &GroupArgs, args: BackwardArgs<'_>) -> Result<()> {
-        let rows = self.rows(groups.set);
-        let (h, inter) = (args.hidden, args.inter);
-        let [w_gate, w_up, w_down] = args.weights;
-        gpu.launch(
-            "mok_gemm_rows_nn",
-            Self::gemm_shape(self.row_grid(groups.rows_upper_bound, groups.groups, inter)),
-            &[
-                Ptr(args.d_out_rows),
-                Ptr(w_down.device_ptr()),
-                U32(h as u32),
-                Ptr(0),
-                Ptr(0),
-                U32(0),
-                Ptr(groups.row_offsets),
-                Ptr(groups.tile_offsets),
-                U32(groups.groups as u32),
-                U32(inter as u32),
-                Ptr(rows.d_hidden.device_ptr()),
-            ],
-        )?;
-        gpu.launch(
-            "mok_swiglu_backward",
-            LaunchShape::linear(grid_stride_blocks(gpu, groups.rows_upper_bound * inter), ROW_KERNEL_THREADS),
-            &[
-                Ptr(rows.gate.device_ptr()),
-                Ptr(rows.up.device_ptr()),
-                Ptr(rows.d_hidden.device_ptr()),
-                Ptr(args.row_count),
-                U32(inter as u32),
-                F32(self.limit),
-                Ptr(rows.d_gate.device_ptr()),
-                Ptr(rows.d_up.device_ptr()),
-            ],
-        )?;
-        gpu.launch(
-            "mok_gemm_rows_nn",
-            Self::gemm_shape(self.row_grid(groups.rows_upper_bound, groups.groups, h)),
-            &[
-                Ptr(rows.d_gate.device_ptr()),
-                Ptr(w_gate.device_ptr()),
-                U32(inter as u32),
-                Ptr(rows.d_up.device_ptr()),
-                Ptr(w_up.device_ptr()),
-                U32(inter as u32),
-                Ptr(groups.row_offsets),
-                Ptr(groups.tile_offsets),
-                U32(groups.groups as u32),
-                U32(h as u32),
-                Ptr(rows.d_in.device_ptr()),
-            ],
-        )?;
-        let wgrad = |a: u64, b: u64, m: usize, n: usize, out: u64| {
-            let tiles = (m as u32).div_ceil(kc::GEMM_TILE_M) * (n as u32).div_ceil(kc::GEMM_TILE_N);
-            gpu.launch(
-                "mok_gemm_wgrad",
-                Self::gemm_shape((tiles * groups.groups as u32, 1, 1)),
-                &[Ptr(a), Ptr(b), Ptr(groups.row_offsets), U32(m as u32), U32(n as u32), Ptr(out), Ptr(0)],
-            )
-        };
-        let [dw_gate, dw_up, dw_down] = args.weight_grads;
-        wgrad(args.d_out_rows, rows.hidden.device_ptr(), h, inter, dw_down)?;
-        wgrad(rows.d_gate.device_ptr(), args.input_rows, inter, h, dw_gate)?;
-        wgrad(rows.d_up.device_ptr(), args.input_rows, inter, h, dw_up)
     }
 
     /// Waits for the stream and reports a routing problem the kernels found in `topk_ids`
@@ -785,7 +632,8 @@ impl UnfusedLayer {
     pub fn routed_intermediates(
         &self,
     ) -> (&DeviceBuffer<f32>, &DeviceBuffer<f32>, &DeviceBuffer<bf16>, &DeviceBuffer<f32>) {
-        (&self.routed.gate, &self.routed.up, &self.routed.hidden, &self.routed.out)
+        let r = &self.routed.rows;
+        (&r.gate, &r.up, &r.hidden, &r.out)
     }
 
     /// Saved backward intermediates of the routed experts, in row order: `(d_rows bf16 [R,H]
@@ -793,7 +641,7 @@ impl UnfusedLayer {
     /// d_in f32 [R,H] (the rows' data gradient))`. The GEMM engine tests feed them to the
     /// tensor-core kernels and compare.
     pub fn routed_backward_intermediates(&self) -> RoutedBackward<'_> {
-        let r = &self.routed;
+        let r = &self.routed.rows;
         RoutedBackward { d_rows: &r.d_rows, d_hidden: &r.d_hidden, d_gate: &r.d_gate, d_up: &r.d_up, d_in: &r.d_in }
     }
 }
@@ -812,28 +660,238 @@ pub struct RoutedBackward<'a> {
     pub d_in: &'a DeviceBuffer<f32>,
 }
 
-#[derive(Clone, Copy)]
-enum ExpertSet {
-    Routed,
-    Shared,
-}
-
-/// Which rows a grouped GEMM walks: the routed experts' (device-written offsets) or the shared
-/// expert's (one group of every token).
-struct GroupArgs {
-    set: ExpertSet,
-    row_offsets: u64,
-    tile_offsets: u64,
-    groups: usize,
-    rows_upper_bound: usize,
-}
-
-struct BackwardArgs<'a> {
-    input_rows: u64,
-    d_out_rows: u64,
-    row_count: u64,
-    weights: [&'a DeviceBuffer<bf16>; 3],
-    weight_grads: [u64; 3],
+/// The expert computation of one set of groups — gate/up GEMM with SwiGLU, down GEMM, their
+/// backward and the weight gradients — over rows the caller provides and places: the unfused
+/// layer's routed experts (rows gathered in expert order) and shared expert (all tokens), and
+/// the expert-parallel exchange's receive ring (rows dispatched from every rank). Each output row
+/// depends only on its input row, and each weight gradient reduces over a group's rows in order
+/// from the group's first row, so the same rows in the same order give the same bits wherever
+/// the group starts.
+pub struct ExpertCompute {
+    rows: ExpertRows,
     hidden: usize,
     inter: usize,
+    limit: f32,
+    capacity: usize,
+}
+
+/// Which rows the grouped GEMMs walk (device addresses; the offsets may be device-written).
+#[derive(Clone, Copy, Debug)]
+pub struct RowGroups {
+    /// `[G+1]` u32: first row of each group; the last entry is the row count.
+    pub row_offsets: u64,
+    /// `[G+1]` u32: first GEMM M tile of each group (`GEMM_TILE_M` rows per tile).
+    pub tile_offsets: u64,
+    /// Groups G.
+    pub groups: usize,
+    /// Upper bound on the row count (sizes the grids; at most the workspace's capacity).
+    pub rows_upper_bound: usize,
+    /// Address of the row count (a u32 on the device, usually `row_offsets + 4·G`).
+    pub row_count: u64,
+}
+
+impl RowGroups {
+    /// One group holding every token (the shared expert): `offsets` = `[0, T, 0, tiles]`.
+    pub fn all_tokens(offsets: &DeviceBuffer<u32>, tokens: usize) -> Self {
+        Self {
+            row_offsets: offsets.device_ptr(),
+            tile_offsets: offsets.device_ptr() + 8,
+            groups: 1,
+            rows_upper_bound: tokens,
+            row_count: offsets.device_ptr() + 4,
+        }
+    }
+
+    fn check(&self, capacity: usize) -> Result<()> {
+        if self.rows_upper_bound > capacity {
+            return Err(MokError::InvalidInput {
+                tensor: "expert rows",
+                problem: format!(
+                    "row groups may hold {} rows but the workspace was sized for {capacity}",
+                    self.rows_upper_bound
+                ),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Inputs of [`ExpertCompute::backward`].
+pub struct ExpertBackward<'a> {
+    /// `[R][H]` bf16: the forward's input rows.
+    pub input_rows: u64,
+    /// `[R][H]` bf16: gradient of the output rows (dy scaled by the slot weight).
+    pub d_out_rows: u64,
+    /// `(w_gate, w_up, w_down)` as in [`ExpertCompute::forward`].
+    pub weights: [&'a DeviceBuffer<bf16>; 3],
+    /// Device addresses of `(dw_gate [G, I, H], dw_up [G, I, H], dw_down [G, H, I])` bf16.
+    pub weight_grads: [u64; 3],
+}
+
+fn row_grid(rows_upper_bound: usize, groups: usize, n: usize) -> (u32, u32, u32) {
+    let m_tiles = mok_kernels::tiles::max_m_tiles(rows_upper_bound as u32, groups as u32);
+    (m_tiles, (n as u32).div_ceil(kc::GEMM_TILE_N), 1)
+}
+
+fn gemm_shape(grid: (u32, u32, u32)) -> LaunchShape {
+    LaunchShape { grid, threads: kc::GEMM_THREADS, smem_bytes: kc::GEMM_SMEM_BYTES }
+}
+
+impl ExpertCompute {
+    /// Workspace for up to `capacity` rows of width `hidden` through an intermediate of width
+    /// `inter`. `with_d_rows`: also a `[capacity][H]` bf16 buffer for the caller to gather the
+    /// output gradient into ([`Self::d_rows`]).
+    pub fn new(
+        gpu: &Gpu,
+        capacity: usize,
+        hidden: usize,
+        inter: usize,
+        swiglu_limit: Option<f32>,
+        with_d_rows: bool,
+    ) -> Result<Self> {
+        Ok(Self {
+            rows: ExpertRows::alloc(gpu, capacity, hidden, inter, with_d_rows)?,
+            hidden,
+            inter,
+            limit: swiglu_limit.unwrap_or(f32::INFINITY),
+            capacity,
+        })
+    }
+
+    /// `[R][H]` f32 output rows of the last forward.
+    pub fn out_rows(&self) -> &DeviceBuffer<f32> {
+        &self.rows.out
+    }
+
+    /// `[R][H]` f32 input-row gradients of the last backward.
+    pub fn d_in_rows(&self) -> &DeviceBuffer<f32> {
+        &self.rows.d_in
+    }
+
+    /// `[R][H]` bf16 output-gradient rows (allocated when built `with_d_rows`).
+    pub fn d_rows(&self) -> &DeviceBuffer<bf16> {
+        &self.rows.d_rows
+    }
+
+    /// Fills the workspace with NaN bytes.
+    pub fn poison(&mut self) -> Result<()> {
+        self.rows.poison()
+    }
+
+    /// Enqueues gate/up with SwiGLU, then down, over `groups` of `input_rows` (`[R][H]` bf16)
+    /// with `weights` = `(w_gate [G, I, H], w_up [G, I, H], w_down [G, H, I])`; the f32 output
+    /// rows land in [`Self::out_rows`], the saved pre-activations in this workspace.
+    pub fn forward(
+        &self,
+        gpu: &Gpu,
+        groups: &RowGroups,
+        input_rows: u64,
+        weights: [&DeviceBuffer<bf16>; 3],
+    ) -> Result<()> {
+        groups.check(self.capacity)?;
+        let (h, inter) = (self.hidden, self.inter);
+        let rows = &self.rows;
+        gpu.launch(
+            "mok_gemm_gate_up_swiglu",
+            gemm_shape(row_grid(groups.rows_upper_bound, groups.groups, inter)),
+            &[
+                Ptr(input_rows),
+                Ptr(groups.row_offsets),
+                Ptr(groups.tile_offsets),
+                U32(groups.groups as u32),
+                Ptr(weights[0].device_ptr()),
+                Ptr(weights[1].device_ptr()),
+                U32(h as u32),
+                U32(inter as u32),
+                F32(self.limit),
+                Ptr(rows.gate.device_ptr()),
+                Ptr(rows.up.device_ptr()),
+                Ptr(rows.hidden.device_ptr()),
+            ],
+        )?;
+        gpu.launch(
+            "mok_gemm_rows_nt",
+            gemm_shape(row_grid(groups.rows_upper_bound, groups.groups, h)),
+            &[
+                Ptr(rows.hidden.device_ptr()),
+                Ptr(groups.row_offsets),
+                Ptr(groups.tile_offsets),
+                U32(groups.groups as u32),
+                Ptr(weights[2].device_ptr()),
+                U32(h as u32),
+                U32(inter as u32),
+                Ptr(rows.out.device_ptr()),
+            ],
+        )
+    }
+
+    /// Enqueues the backward of [`Self::forward`] (same groups and inputs, the forward's saved
+    /// rows): down dgrad, SwiGLU backward, gate/up dgrad into [`Self::d_in_rows`] (f32), then the
+    /// three weight gradients (bf16), each reducing over a group's rows in order from its first.
+    pub fn backward(&self, gpu: &Gpu, groups: &RowGroups, args: ExpertBackward<'_>) -> Result<()> {
+        groups.check(self.capacity)?;
+        let rows = &self.rows;
+        let (h, inter) = (self.hidden, self.inter);
+        let [w_gate, w_up, w_down] = args.weights;
+        gpu.launch(
+            "mok_gemm_rows_nn",
+            gemm_shape(row_grid(groups.rows_upper_bound, groups.groups, inter)),
+            &[
+                Ptr(args.d_out_rows),
+                Ptr(w_down.device_ptr()),
+                U32(h as u32),
+                Ptr(0),
+                Ptr(0),
+                U32(0),
+                Ptr(groups.row_offsets),
+                Ptr(groups.tile_offsets),
+                U32(groups.groups as u32),
+                U32(inter as u32),
+                Ptr(rows.d_hidden.device_ptr()),
+            ],
+        )?;
+        gpu.launch(
+            "mok_swiglu_backward",
+            LaunchShape::linear(grid_stride_blocks(gpu, groups.rows_upper_bound * inter), ROW_KERNEL_THREADS),
+            &[
+                Ptr(rows.gate.device_ptr()),
+                Ptr(rows.up.device_ptr()),
+                Ptr(rows.d_hidden.device_ptr()),
+                Ptr(groups.row_count),
+                U32(inter as u32),
+                F32(self.limit),
+                Ptr(rows.d_gate.device_ptr()),
+                Ptr(rows.d_up.device_ptr()),
+            ],
+        )?;
+        gpu.launch(
+            "mok_gemm_rows_nn",
+            gemm_shape(row_grid(groups.rows_upper_bound, groups.groups, h)),
+            &[
+                Ptr(rows.d_gate.device_ptr()),
+                Ptr(w_gate.device_ptr()),
+                U32(inter as u32),
+                Ptr(rows.d_up.device_ptr()),
+                Ptr(w_up.device_ptr()),
+                U32(inter as u32),
+                Ptr(groups.row_offsets),
+                Ptr(groups.tile_offsets),
+                U32(groups.groups as u32),
+                U32(h as u32),
+                Ptr(rows.d_in.device_ptr()),
+            ],
+        )?;
+        let wgrad = |a: u64, b: u64, m: usize, n: usize, out: u64| {
+            let tiles = (m as u32).div_ceil(kc::GEMM_TILE_M) * (n as u32).div_ceil(kc::GEMM_TILE_N);
+            gpu.launch(
+                "mok_gemm_wgrad",
+                gemm_shape((tiles * groups.groups as u32, 1, 1)),
+                &[Ptr(a), Ptr(b), Ptr(groups.row_offsets), U32(m as u32), U32(n as u32), Ptr(out), Ptr(0)],
+            )
+        };
+        let [dw_gate, dw_up, dw_down] = args.weight_grads;
+        wgrad(args.d_out_rows, rows.hidden.device_ptr(), h, inter, dw_down)?;
+        wgrad(rows.d_gate.device_ptr(), args.input_rows, inter, h, dw_gate)?;
+        wgrad(rows.d_up.device_ptr(), args.input_rows, inter, h, dw_up)
+    }
 }

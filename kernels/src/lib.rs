@@ -10,8 +10,8 @@
 #![cfg_attr(target_arch = "nvptx64", feature(abi_ptx, asm_experimental_arch))]
 #![deny(unsafe_op_in_unsafe_fn)]
 
-pub mod gemm_layout;
 pub mod comm;
+pub mod gemm_layout;
 pub mod layout;
 pub mod num;
 pub mod tiles;

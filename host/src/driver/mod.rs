@@ -5,13 +5,17 @@
 //! - [`DeviceBuffer`]: a typed allocation with upload, download and fill;
 //! - [`Gpu::launch`]: a checked launch (the launch result, and with `MOK_SYNC_LAUNCHES=1` also
 //!   each kernel's execution, with its name in the error);
-//! - [`GpuTimer`]: event-based timing.
+//! - [`GpuTimer`]: event-based timing;
+//! - raw-address copies and fills (`memory`), CUDA virtual memory and shareable handles
+//!   ([`vmm`]) for the symmetric heaps of the expert-parallel exchange.
 //!
 //! cudarc loads `libcuda` lazily and panics on first use when it is missing, so [`probe`] looks
 //! for the library first and turns its absence into [`MokError::NoDriver`].
 
 mod buffer;
 mod gpu;
+mod memory;
+pub mod vmm;
 
 pub use buffer::DeviceBuffer;
 pub use gpu::{Gpu, GpuTimer, KernelArg, Kernels, LaunchShape};

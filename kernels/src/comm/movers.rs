@@ -16,7 +16,7 @@
 //! does not depend on which warp moved which row.
 
 use super::error::{self, ERROR_TIMEOUT};
-use super::params::ERROR_WORDS;
+use super::params::{BULK_HEADER_BYTES, BULK_STAGE_BYTES, BULK_STAGES, ERROR_WORDS};
 use super::schedule::tile_of_row;
 use super::wait::signal;
 use super::{Pass, RankView};
@@ -26,15 +26,6 @@ use crate::ptx::convert::f32x2_to_bf16x2;
 use crate::ptx::memory::{fence_proxy_async_global, ld_global_v4, st_global_v4};
 use crate::ptx::{bulk, mbarrier, signal as warp, sreg, sync};
 use crate::tiles::GEMM_TILE_M;
-
-/// Bytes of one bulk-copy stage in shared memory (a row is moved in pieces of at most this).
-pub const BULK_STAGE_BYTES: u32 = 8192;
-/// Stages in flight per block on the bulk path.
-pub const BULK_STAGES: u32 = 4;
-/// Dynamic shared memory of a bulk-mover block: the mbarriers, then the stages.
-pub const BULK_SMEM_BYTES: u32 = BULK_HEADER_BYTES + BULK_STAGES * BULK_STAGE_BYTES;
-/// Shared bytes before the first stage (mbarriers; 128 keeps stages 128-byte aligned).
-const BULK_HEADER_BYTES: u32 = 128;
 
 /// Copies `vectors` 16-byte vectors from `src` to `dst`; lane `lane` of the warp moves vectors
 /// `lane, lane + 32, ...`.

@@ -24,6 +24,18 @@ pub const REGION_ALIGN: u64 = 256;
 /// Words of a rank's exchange error record (see [`super::error`]).
 pub const ERROR_WORDS: usize = 8;
 
+/// Bytes of one bulk-copy stage in shared memory (a row is moved in pieces of at most this).
+pub const BULK_STAGE_BYTES: u32 = 8192;
+/// Stages in flight per block on the bulk path.
+pub const BULK_STAGES: u32 = 4;
+/// Shared bytes before the first stage (the mbarriers; 128 keeps stages 128-byte aligned).
+pub const BULK_HEADER_BYTES: u32 = 128;
+/// Dynamic shared memory of a bulk-mover block: the mbarriers, then the stages.
+pub const BULK_SMEM_BYTES: u32 = BULK_HEADER_BYTES + BULK_STAGES * BULK_STAGE_BYTES;
+/// Threads of a bulk-mover block: one warp (thread 0 drives the copies; the warp joins the
+/// publish wait).
+pub const BULK_THREADS: u32 = 32;
+
 /// The sizes a heap is laid out for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ExchangeShape {

@@ -65,7 +65,8 @@ pub unsafe fn wait_all_published(view: &RankView, epoch: u32, flag: u32) -> bool
         unsafe { st_shared_u32(flag, error::has_error(view.error()) as u32) };
     }
     sync::block_barrier();
-    let mut peer = thread;
+    // SAFETY: this block's shared word, written before the barrier.
+    let mut peer = if unsafe { ld_shared_u32(flag) } == 0 { thread } else { p.world };
     while peer < p.world {
         let published: *const u32 = view.peer(p.regions.published, peer);
         // SAFETY: the peer's flag and this rank's record are valid heap words.
@@ -128,6 +129,18 @@ pub unsafe fn schedule_block(view: &RankView, epoch: u32, flag: u32) {
             )
         };
         if total > p.capacity {
+            // An empty ring for the rest of the pass: movers and GEMMs that read these offsets
+            // then touch nothing past the capacity. The record keeps the size that was needed.
+            // SAFETY: as above.
+            unsafe {
+                for i in 0..=local {
+                    *view.local::<u32>(p.regions.ring_row_offsets).add(i) = 0;
+                    *view.local::<u32>(p.regions.ring_tile_offsets).add(i) = 0;
+                }
+                for i in 0..=local * world {
+                    *view.local::<u32>(p.regions.recv_base).add(i) = 0;
+                }
+            }
             let mut words = [0u32; ERROR_WORDS];
             words[error::WORD_CODE] = ERROR_CAPACITY;
             words[error::WORD_PEER] = view.rank;

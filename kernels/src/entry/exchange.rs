@@ -99,7 +99,7 @@ pub unsafe extern "ptx-kernel" fn mok_ep_pull(params: *const ExchangeParams, ran
 }
 
 /// Bulk-copy pull mover for forward dispatch (blocks of 32 threads,
-/// [`movers::BULK_SMEM_BYTES`] of dynamic shared memory).
+/// [`crate::comm::params::BULK_SMEM_BYTES`] of dynamic shared memory).
 ///
 /// # Safety
 /// As [`mok_ep_pull`].
@@ -128,7 +128,7 @@ pub unsafe extern "ptx-kernel" fn mok_ep_push(params: *const ExchangeParams, ran
     unsafe { movers::push_rows(&view(params, rank), Pass::from_arg(pass), rows, warp, warps) };
 }
 
-/// Bulk-copy push mover (blocks of 32 threads, [`movers::BULK_SMEM_BYTES`] of dynamic shared
+/// Bulk-copy push mover (blocks of 32 threads, [`crate::comm::params::BULK_SMEM_BYTES`] of dynamic shared
 /// memory).
 ///
 /// # Safety

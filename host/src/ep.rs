@@ -1,0 +1,305 @@
+//! The MoE layer over P expert-parallel ranks: the exchange ([`crate::exchange`]) composed with
+//! the unfused expert compute ([`crate::unfused::ExpertCompute`]). Each rank's experts run on
+//! the rows its ring received — the same rows, in the same order, that a single rank holding
+//! every expert would give them — so every output and gradient of the routed path has the bits
+//! of the P = 1 run.
+//!
+//! The shared expert runs on each rank over its own tokens, as in a real deployment; its output
+//! and dx contributions per token are P-independent too. Its weight gradient is each rank's
+//! partial sum over its own tokens: the cross-rank reduction of replicated weights belongs to the
+//! data-parallel all-reduce, outside the layer.
+//!
+//! Runs virtual ranks on one GPU today (every rank's launches on that GPU's stream); the same
+//! sequence serves several GPUs once [`Exchange`] is built over a multi-GPU heap.
+
+use half::bf16;
+
+use crate::config::MoeConfig;
+use crate::driver::{DeviceBuffer, Gpu, KernelArg, LaunchShape};
+use crate::error::{MokError, Result};
+use crate::exchange::{Exchange, ExchangeOptions};
+use crate::problem::RoutedTokens;
+use crate::unfused::{
+    DeviceExperts, DeviceSharedExpert, ExpertBackward, ExpertCompute, ROW_KERNEL_THREADS, RowGroups, grid_stride_blocks,
+};
+
+use KernelArg::{Ptr, U32};
+
+/// One rank's compute workspace and outputs.
+struct RankState {
+    routed: ExpertCompute,
+    shared: Option<(ExpertCompute, DeviceBuffer<u32>)>,
+    y: DeviceBuffer<bf16>,
+    dx: DeviceBuffer<bf16>,
+    d_topk_weights: DeviceBuffer<f32>,
+    dw: [DeviceBuffer<bf16>; 3],
+    dws: Option<[DeviceBuffer<bf16>; 3]>,
+}
+
+/// One rank's outputs of the last forward and backward.
+pub struct EpRankOutputs<'a> {
+    /// `[T, H]` bf16.
+    pub y: &'a DeviceBuffer<bf16>,
+    /// `[T, H]` bf16.
+    pub dx: &'a DeviceBuffer<bf16>,
+    /// `[T, k]` f32.
+    pub d_topk_weights: &'a DeviceBuffer<f32>,
+    /// `(dw_gate [L, I, H], dw_up [L, I, H], dw_down [L, H, I])` of this rank's experts, bf16.
+    pub dw: [&'a DeviceBuffer<bf16>; 3],
+    /// Shared expert weight gradients over this rank's tokens only, bf16.
+    pub dws: Option<[&'a DeviceBuffer<bf16>; 3]>,
+}
+
+/// The layer over `config.ep_ranks` virtual ranks on one GPU.
+pub struct EpLayer {
+    config: MoeConfig,
+    exchange: Exchange,
+    ranks: Vec<RankState>,
+}
+
+impl EpLayer {
+    /// Validates `config` and allocates the heap and every rank's workspace on `gpu`.
+    pub fn new_virtual(gpu: &Gpu, config: MoeConfig, options: ExchangeOptions) -> Result<Self> {
+        let exchange = Exchange::new_virtual(gpu, &config, options)?;
+        let capacity = exchange.shape().capacity as usize;
+        let (t, h, i, l, k) =
+            (config.tokens_per_rank, config.hidden, config.intermediate, config.local_experts(), config.top_k);
+        let ranks = (0..config.ep_ranks)
+            .map(|_| {
+                let shared = match config.shared_intermediate {
+                    Some(is) => {
+                        let tiles = (t as u32).div_ceil(mok_kernels::tiles::GEMM_TILE_M);
+                        let offsets = DeviceBuffer::from_slice(gpu, &[0, t as u32, 0, tiles])?;
+                        Some((ExpertCompute::new(gpu, t, h, is, config.swiglu_limit, false)?, offsets))
+                    }
+                    None => None,
+                };
+                let dws = match config.shared_intermediate {
+                    Some(is) => Some([
+                        DeviceBuffer::alloc(gpu, is * h)?,
+                        DeviceBuffer::alloc(gpu, is * h)?,
+                        DeviceBuffer::alloc(gpu, h * is)?,
+                    ]),
+                    None => None,
+                };
+                Ok(RankState {
+                    routed: ExpertCompute::new(gpu, capacity, h, i, config.swiglu_limit, false)?,
+                    shared,
+                    y: DeviceBuffer::alloc(gpu, t * h)?,
+                    dx: DeviceBuffer::alloc(gpu, t * h)?,
+                    d_topk_weights: DeviceBuffer::alloc(gpu, t * k)?,
+                    dw: [
+                        DeviceBuffer::alloc(gpu, l * i * h)?,
+                        DeviceBuffer::alloc(gpu, l * i * h)?,
+                        DeviceBuffer::alloc(gpu, l * h * i)?,
+                    ],
+                    dws,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self { config, exchange, ranks })
+    }
+
+    /// The configuration (P = `ep_ranks`, T per rank).
+    pub fn config(&self) -> &MoeConfig {
+        &self.config
+    }
+
+    /// The exchange (its heap holds the rings and the schedule, for inspection).
+    pub fn exchange(&self) -> &Exchange {
+        &self.exchange
+    }
+
+    /// The exchange, mutably (fault injection in tests, reset after an error).
+    pub fn exchange_mut(&mut self) -> &mut Exchange {
+        &mut self.exchange
+    }
+
+    /// Uploads `rank`'s tokens.
+    pub fn upload_tokens(&self, gpu: &Gpu, rank: usize, tokens: &RoutedTokens) -> Result<()> {
+        self.exchange.upload_tokens(gpu, rank, &self.config, tokens)
+    }
+
+    /// Uploads `rank`'s output gradient.
+    pub fn upload_dy(&self, gpu: &Gpu, rank: usize, dy: &[bf16]) -> Result<()> {
+        self.exchange.upload_dy(gpu, rank, dy)
+    }
+
+    /// `rank`'s outputs.
+    pub fn outputs(&self, rank: usize) -> EpRankOutputs<'_> {
+        let r = &self.ranks[rank];
+        EpRankOutputs {
+            y: &r.y,
+            dx: &r.dx,
+            d_topk_weights: &r.d_topk_weights,
+            dw: [&r.dw[0], &r.dw[1], &r.dw[2]],
+            dws: r.dws.as_ref().map(|d| [&d[0], &d[1], &d[2]]),
+        }
+    }
+
+    /// Fills every output and workspace with NaN bytes.
+    pub fn poison(&mut self) -> Result<()> {
+        for rank in &mut self.ranks {
+            rank.routed.poison()?;
+            if let Some((compute, _)) = &mut rank.shared {
+                compute.poison()?;
+            }
+            for buffer in [&mut rank.y, &mut rank.dx] {
+                buffer.fill_bytes(0xff)?;
+            }
+            rank.d_topk_weights.fill_bytes(0xff)?;
+            for buffer in rank.dw.iter_mut().chain(rank.dws.iter_mut().flatten()) {
+                buffer.fill_bytes(0xff)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn check_weights(&self, experts: &[DeviceExperts], shared: Option<&DeviceSharedExpert>) -> Result<()> {
+        let c = &self.config;
+        if experts.len() != c.ep_ranks {
+            return Err(MokError::InvalidInput {
+                tensor: "experts",
+                problem: format!("{} ranks' weights for {} ranks", experts.len(), c.ep_ranks),
+            });
+        }
+        let per_rank = c.local_experts() * c.intermediate * c.hidden;
+        for (rank, weights) in experts.iter().enumerate() {
+            for (name, len) in
+                [("w_gate", weights.w_gate.len()), ("w_up", weights.w_up.len()), ("w_down", weights.w_down.len())]
+            {
+                if len != per_rank {
+                    return Err(MokError::InvalidInput {
+                        tensor: name,
+                        problem: format!("rank {rank}'s buffer has {len} elements, expected {per_rank} ([E/P, ...])"),
+                    });
+                }
+            }
+        }
+        if shared.is_some() != c.shared_intermediate.is_some() {
+            return Err(MokError::InvalidInput {
+                tensor: "shared expert",
+                problem: "shared weights must be given exactly when config.shared_intermediate is set".into(),
+            });
+        }
+        Ok(())
+    }
+
+    fn groups(&self, rank: usize) -> RowGroups {
+        let r = self.exchange.regions();
+        RowGroups {
+            row_offsets: self.exchange.address(rank, r.ring_row_offsets),
+            tile_offsets: self.exchange.address(rank, r.ring_tile_offsets),
+            groups: self.config.local_experts(),
+            rows_upper_bound: self.exchange.shape().capacity as usize,
+            row_count: self.exchange.ring_row_count_ptr(rank),
+        }
+    }
+
+    /// Enqueues the forward pass of every rank (`experts[r]`: rank r's local experts; the shared
+    /// expert's weights are replicated); `outputs(r).y` holds the result.
+    pub fn forward(&mut self, gpu: &Gpu, experts: &[DeviceExperts], shared: Option<&DeviceSharedExpert>) -> Result<()> {
+        self.check_weights(experts, shared)?;
+        let gpus = [gpu];
+        self.exchange.schedule(&gpus)?;
+        self.exchange.dispatch(&gpus)?;
+        let r = *self.exchange.regions();
+        let t = self.config.tokens_per_rank;
+        let mut bases = Vec::with_capacity(self.ranks.len());
+        for (rank, state) in self.ranks.iter().enumerate() {
+            let w = &experts[rank];
+            state.routed.forward(
+                gpu,
+                &self.groups(rank),
+                self.exchange.address(rank, r.ring_x),
+                [&w.w_gate, &w.w_up, &w.w_down],
+            )?;
+            let mut base = 0;
+            if let (Some(weights), Some((compute, offsets))) = (shared, &state.shared) {
+                compute.forward(
+                    gpu,
+                    &RowGroups::all_tokens(offsets, t),
+                    self.exchange.address(rank, r.x),
+                    [&weights.ws_gate, &weights.ws_up, &weights.ws_down],
+                )?;
+                base = compute.out_rows().device_ptr();
+            }
+            bases.push(base);
+        }
+        let rows: Vec<u64> = self.ranks.iter().map(|s| s.routed.out_rows().device_ptr()).collect();
+        let outs: Vec<u64> = self.ranks.iter().map(|s| s.y.device_ptr()).collect();
+        self.exchange.combine(&gpus, &rows, &bases, &outs)
+    }
+
+    /// Enqueues the backward pass of the last forward, with every rank's dy uploaded
+    /// ([`Self::upload_dy`]); gradients land in [`Self::outputs`].
+    pub fn backward(
+        &mut self,
+        gpu: &Gpu,
+        experts: &[DeviceExperts],
+        shared: Option<&DeviceSharedExpert>,
+    ) -> Result<()> {
+        self.check_weights(experts, shared)?;
+        let gpus = [gpu];
+        self.exchange.begin_backward(&gpus)?;
+        self.exchange.reverse_combine(&gpus)?;
+        let r = *self.exchange.regions();
+        let c = self.config.clone();
+        let (t, k, h) = (c.tokens_per_rank, c.top_k, c.hidden);
+        let mut bases = Vec::with_capacity(self.ranks.len());
+        for (rank, state) in self.ranks.iter().enumerate() {
+            let at = |region| self.exchange.address(rank, region);
+            // The slot-weight gradient on the token owner, from the f32 rows the forward combine
+            // delivered to it: the same rows and order as the single-rank path.
+            gpu.launch(
+                "mok_topk_weight_grad",
+                LaunchShape::linear(grid_stride_blocks(gpu, t * k * 32), ROW_KERNEL_THREADS),
+                &[
+                    Ptr(at(r.dy)),
+                    Ptr(at(r.combine_slots)),
+                    Ptr(at(r.slot_self)),
+                    U32(t as u32),
+                    U32(k as u32),
+                    U32(h as u32),
+                    Ptr(state.d_topk_weights.device_ptr()),
+                ],
+            )?;
+            let w = &experts[rank];
+            state.routed.backward(
+                gpu,
+                &self.groups(rank),
+                ExpertBackward {
+                    input_rows: at(r.ring_x),
+                    d_out_rows: at(r.ring_dy),
+                    weights: [&w.w_gate, &w.w_up, &w.w_down],
+                    weight_grads: [state.dw[0].device_ptr(), state.dw[1].device_ptr(), state.dw[2].device_ptr()],
+                },
+            )?;
+            let mut base = 0;
+            if let (Some(weights), Some((compute, offsets)), Some(dws)) = (shared, &state.shared, &state.dws) {
+                compute.backward(
+                    gpu,
+                    &RowGroups::all_tokens(offsets, t),
+                    ExpertBackward {
+                        input_rows: at(r.x),
+                        // The shared expert's output is added unscaled: its output gradient is dy.
+                        d_out_rows: at(r.dy),
+                        weights: [&weights.ws_gate, &weights.ws_up, &weights.ws_down],
+                        weight_grads: [dws[0].device_ptr(), dws[1].device_ptr(), dws[2].device_ptr()],
+                    },
+                )?;
+                base = compute.d_in_rows().device_ptr();
+            }
+            bases.push(base);
+        }
+        let rows: Vec<u64> = self.ranks.iter().map(|s| s.routed.d_in_rows().device_ptr()).collect();
+        let outs: Vec<u64> = self.ranks.iter().map(|s| s.dx.device_ptr()).collect();
+        self.exchange.reverse_dispatch(&gpus, &rows, &bases, &outs)
+    }
+
+    /// Waits for the GPU and reports any device-side problem of the last passes (a timeout
+    /// naming the counter and the silent rank, a ring too small with the size needed, a bad id).
+    pub fn check_errors(&self, gpu: &Gpu) -> Result<()> {
+        self.exchange.check_errors(&[gpu])
+    }
+}

@@ -1,0 +1,603 @@
+//! The expert-parallel exchange, driven from the host: the symmetric heap, the device-side
+//! schedule, and the movers of both passes, as standalone kernels enqueued per rank.
+//!
+//! One pass, per rank (each step is one launch per rank on its GPU's stream; for virtual ranks
+//! on one GPU the ranks' launches of a step run back to back, a kernel boundary before the next
+//! step, so every wait is on a signal an earlier launch gave — see `docs/ARCHITECTURE.md`):
+//!
+//! ```text
+//! forward:  schedule()         route own slots, prepare, publish epoch, exchange counts, ring map
+//!           dispatch()         pull x rows from token owners into the ring; count rows per tile
+//!           (compute)          the expert GEMMs read the ring (unfused::ExpertCompute)
+//!           combine(rows)      push f32 result rows into token owners' slots; owners wait, sum
+//! backward: begin_backward()   publish epoch: dy is ready
+//!           reverse_combine()  pull dy rows scaled by the slot weight into the ring
+//!           (compute)
+//!           reverse_dispatch() push f32 dx rows into token owners' slots; owners wait, sum
+//! ```
+//!
+//! The host never waits inside a pass: errors (a wait that ran out of time, a ring too small)
+//! are written by the kernels to each rank's error record and read by [`Exchange::check_errors`]
+//! after the pass.
+
+pub mod reference;
+
+use std::time::Duration;
+
+use bytemuck::Pod;
+use half::bf16;
+use mok_kernels::comm::error as codes;
+use mok_kernels::comm::params::{
+    BULK_SMEM_BYTES, BULK_THREADS, ERROR_WORDS, ExchangeParams, ExchangeShape, HeapRegions,
+};
+use mok_kernels::layout;
+
+use crate::config::MoeConfig;
+use crate::driver::{DeviceBuffer, Gpu, KernelArg, LaunchShape};
+use crate::error::{MokError, Result};
+use crate::problem::RoutedTokens;
+use crate::symmetric::SymmetricHeap;
+use crate::unfused::{ROW_KERNEL_THREADS, grid_stride_blocks};
+
+use KernelArg::{Ptr, U32};
+
+/// Threads of the warp-based movers' blocks.
+const MOVER_THREADS: u32 = 256;
+
+/// How an exchange is built.
+#[derive(Clone, Copy, Debug)]
+pub struct ExchangeOptions {
+    /// Rows each expert owner's receive ring holds; `None` sizes it for the worst case
+    /// (`P · T · min(k, E/P)`: every slot of every rank routed to one owner).
+    pub capacity_rows: Option<usize>,
+    /// How long any device-side wait may take before the pass reports it.
+    pub timeout: Duration,
+    /// Move unscaled rows (forward dispatch, both pushes) with bulk copies through shared memory
+    /// instead of 16-byte vector loads and stores.
+    pub bulk_copies: bool,
+}
+
+impl Default for ExchangeOptions {
+    fn default() -> Self {
+        Self { capacity_rows: None, timeout: Duration::from_secs(5), bulk_copies: false }
+    }
+}
+
+/// A rank made silent on purpose, to test that waits on it are bounded and reported.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Silence {
+    /// The rank never publishes its epoch (schedule and reverse-combine wait on it).
+    Publish,
+    /// The rank never pushes its rows (its token owners' combines wait on it).
+    Push,
+}
+
+/// The exchange of P ranks over one symmetric heap.
+pub struct Exchange {
+    shape: ExchangeShape,
+    params: ExchangeParams,
+    /// The parameter block on each GPU (one entry when every rank shares one GPU).
+    params_on_gpu: Vec<DeviceBuffer<u8>>,
+    heap: SymmetricHeap,
+    epoch: u32,
+    options: ExchangeOptions,
+    silent: Option<(usize, Silence)>,
+}
+
+/// The GPU that drives local rank `i`: `gpus` holds one GPU for every local rank, or a single
+/// GPU that drives them all.
+fn gpu_of<'a>(gpus: &[&'a Gpu], i: usize) -> &'a Gpu {
+    if gpus.len() == 1 { gpus[0] } else { gpus[i] }
+}
+
+impl Exchange {
+    /// The shape of the exchange for `config` (P = `config.ep_ranks`).
+    pub fn shape_for(config: &MoeConfig, options: &ExchangeOptions) -> Result<ExchangeShape> {
+        config.validate()?;
+        let (p, t, k, e) = (config.ep_ranks, config.tokens_per_rank, config.top_k, config.num_experts);
+        let worst = p * t * k.min(e / p);
+        let capacity = options.capacity_rows.unwrap_or(worst).max(1);
+        if p * t * k > i32::MAX as usize || capacity > i32::MAX as usize {
+            return Err(MokError::InvalidConfig {
+                field: "tokens_per_rank",
+                value: t.to_string(),
+                rule: "ep_ranks * tokens_per_rank * top_k and the ring capacity must fit in i32".into(),
+            });
+        }
+        Ok(ExchangeShape {
+            world: p as u32,
+            tokens: t as u32,
+            top_k: k as u32,
+            num_experts: e as u32,
+            hidden: config.hidden as u32,
+            capacity: capacity as u32,
+        })
+    }
+
+    /// Bytes of one rank's slice of the heap for `config` (to build a heap of another backend).
+    pub fn heap_bytes_per_rank(config: &MoeConfig, options: &ExchangeOptions) -> Result<u64> {
+        Ok(HeapRegions::new(&Self::shape_for(config, options)?).bytes)
+    }
+
+    /// Virtual ranks: every rank of `config` in one heap on `gpu` (backend (a)).
+    pub fn new_virtual(gpu: &Gpu, config: &MoeConfig, options: ExchangeOptions) -> Result<Self> {
+        let heap = SymmetricHeap::virtual_ranks(gpu, config.ep_ranks, Self::heap_bytes_per_rank(config, &options)?)?;
+        Self::with_heap(&[gpu], config, options, heap)
+    }
+
+    /// An exchange over an existing heap (any backend) whose slices hold
+    /// [`Self::heap_bytes_per_rank`]; `gpus` drive the heap's local ranks (one GPU for all, or
+    /// one per local rank).
+    pub fn with_heap(gpus: &[&Gpu], config: &MoeConfig, options: ExchangeOptions, heap: SymmetricHeap) -> Result<Self> {
+        let shape = Self::shape_for(config, &options)?;
+        let regions = HeapRegions::new(&shape);
+        if heap.world() != config.ep_ranks || heap.bytes_per_rank() < regions.bytes {
+            return Err(MokError::InvalidInput {
+                tensor: "symmetric heap",
+                problem: format!(
+                    "{} ranks of {} bytes, the exchange needs {} ranks of {} bytes",
+                    heap.world(),
+                    heap.bytes_per_rank(),
+                    config.ep_ranks,
+                    regions.bytes
+                ),
+            });
+        }
+        if gpus.len() != 1 && gpus.len() != heap.local_ranks().len() {
+            return Err(MokError::InvalidInput {
+                tensor: "gpus",
+                problem: format!("{} GPUs for {} local ranks", gpus.len(), heap.local_ranks().len()),
+            });
+        }
+        let timeout_ns = options.timeout.as_nanos().min(u64::MAX as u128) as u64;
+        let params = ExchangeParams::new(&shape, heap.bases(), timeout_ns, !heap.single_gpu());
+        let params_on_gpu =
+            gpus.iter().map(|gpu| DeviceBuffer::from_slice(gpu, params.as_bytes())).collect::<Result<Vec<_>>>()?;
+        Ok(Self { shape, params, params_on_gpu, heap, epoch: 0, options, silent: None })
+    }
+
+    /// The shape the heap was laid out for.
+    pub fn shape(&self) -> &ExchangeShape {
+        &self.shape
+    }
+
+    /// Region offsets of the heap.
+    pub fn regions(&self) -> &HeapRegions {
+        &self.params.regions
+    }
+
+    /// The heap.
+    pub fn heap(&self) -> &SymmetricHeap {
+        &self.heap
+    }
+
+    /// The epoch of the last publish (forward passes and backward passes each take one).
+    pub fn epoch(&self) -> u32 {
+        self.epoch
+    }
+
+    /// Address of `region` (an offset from [`Self::regions`]) in `rank`'s slice.
+    pub fn address(&self, rank: usize, region: u64) -> u64 {
+        self.heap.map(region, rank)
+    }
+
+    /// Test hook: make `rank` silent in the given way from now on (`None`: everyone talks).
+    pub fn set_silent_rank(&mut self, silent: Option<(usize, Silence)>) {
+        self.silent = silent;
+    }
+
+    fn silent(&self, rank: usize, what: Silence) -> bool {
+        self.silent == Some((rank, what))
+    }
+
+    fn params_ptr(&self, i: usize) -> u64 {
+        self.params_on_gpu[if self.params_on_gpu.len() == 1 { 0 } else { i }].device_ptr()
+    }
+
+    /// `(local index, rank)` of every rank this process drives.
+    fn local(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        self.heap.local_ranks().iter().copied().enumerate()
+    }
+
+    /// Copies `data` into `region` of `rank`'s slice (synchronously).
+    ///
+    /// # Safety
+    /// `region` must be one of [`Self::regions`]'s offsets and `data` no longer than the region.
+    pub unsafe fn upload_region<T: Pod>(&self, gpu: &Gpu, rank: usize, region: u64, data: &[T]) -> Result<()> {
+        // SAFETY: caller contract; the heap slice holds the region.
+        unsafe { gpu.copy_to_device(self.address(rank, region), data) }
+    }
+
+    /// Copies `len` elements of `region` of `rank`'s slice out, after the stream's earlier work.
+    ///
+    /// # Safety
+    /// As [`Self::upload_region`], with `len` elements.
+    pub unsafe fn download_region<T: Pod>(&self, gpu: &Gpu, rank: usize, region: u64, len: usize) -> Result<Vec<T>> {
+        // SAFETY: caller contract.
+        unsafe { gpu.copy_from_device(self.address(rank, region), len) }
+    }
+
+    /// Uploads `rank`'s tokens (x, ids, weights) into its slice after validating them.
+    pub fn upload_tokens(&self, gpu: &Gpu, rank: usize, config: &MoeConfig, tokens: &RoutedTokens) -> Result<()> {
+        let mut single = config.clone();
+        single.ep_ranks = 1;
+        tokens.validate(&single)?;
+        let r = self.regions();
+        // SAFETY: each tensor has exactly its region's size (validated above against the shape).
+        unsafe {
+            self.upload_region(gpu, rank, r.x, &tokens.x)?;
+            self.upload_region(gpu, rank, r.topk_ids, &tokens.topk_ids)?;
+            self.upload_region(gpu, rank, r.topk_weights, &tokens.topk_weights)
+        }
+    }
+
+    /// Uploads `rank`'s output gradient dy (`[T, H]`).
+    pub fn upload_dy(&self, gpu: &Gpu, rank: usize, dy: &[bf16]) -> Result<()> {
+        let expected = self.shape.tokens as usize * self.shape.hidden as usize;
+        if dy.len() != expected {
+            return Err(MokError::InvalidInput {
+                tensor: "dy",
+                problem: format!("has {} elements, expected {expected} ([T, H])", dy.len()),
+            });
+        }
+        // SAFETY: `dy` has exactly the region's size.
+        unsafe { self.upload_region(gpu, rank, self.regions().dy, dy) }
+    }
+
+    fn fill_words(&self, gpu: &Gpu, rank: usize, region: u64, words: u64) -> Result<()> {
+        // SAFETY: the region lies in `rank`'s slice with `words` u32.
+        unsafe { gpu.fill_device_bytes(self.address(rank, region), 0, (words * 4) as usize) }
+    }
+
+    /// Forward schedule: route every local rank's slots, publish a new epoch, then (each rank
+    /// as expert owner) exchange counts, place the segments and build the inverse map.
+    pub fn schedule(&mut self, gpus: &[&Gpu]) -> Result<()> {
+        self.epoch = self.epoch.wrapping_add(1).max(1);
+        let s = self.shape;
+        let (t, k, e) = (s.tokens, s.top_k, s.num_experts);
+        let chunks = layout::chunk_count(t);
+        let r = *self.regions();
+        for (i, rank) in self.local() {
+            let gpu = gpu_of(gpus, i);
+            let at = |region| Ptr(self.address(rank, region));
+            self.fill_words(gpu, rank, r.route_error, 4)?;
+            gpu.launch(
+                "mok_route_rank_chunks",
+                LaunchShape { grid: (chunks, 1, 1), threads: ROW_KERNEL_THREADS, smem_bytes: 4 * e },
+                &[at(r.topk_ids), U32(t), U32(k), U32(e), at(r.chunk_counts), at(r.slot_rank), at(r.route_error)],
+            )?;
+            gpu.launch(
+                "mok_route_scan",
+                LaunchShape::linear(1, 1024),
+                &[at(r.chunk_counts), U32(chunks), U32(e), at(r.expert_counts), at(r.row_offsets), at(r.tile_offsets)],
+            )?;
+            gpu.launch(
+                "mok_route_place",
+                LaunchShape::linear(t.div_ceil(ROW_KERNEL_THREADS), ROW_KERNEL_THREADS),
+                &[
+                    at(r.topk_ids),
+                    at(r.slot_rank),
+                    at(r.chunk_counts),
+                    at(r.row_offsets),
+                    U32(t),
+                    U32(k),
+                    U32(e),
+                    at(r.slot_row),
+                    at(r.row_source),
+                ],
+            )?;
+            gpu.launch(
+                "mok_ep_prepare_tokens",
+                LaunchShape::linear(grid_stride_blocks(gpu, (t * k) as usize), ROW_KERNEL_THREADS),
+                &[Ptr(self.params_ptr(i)), U32(rank as u32)],
+            )?;
+        }
+        self.publish_all(gpus)?;
+        for (i, rank) in self.local() {
+            let gpu = gpu_of(gpus, i);
+            let params = Ptr(self.params_ptr(i));
+            gpu.launch(
+                "mok_ep_schedule",
+                LaunchShape { grid: (1, 1, 1), threads: 256, smem_bytes: 16 },
+                &[params, U32(rank as u32), U32(self.epoch)],
+            )?;
+            gpu.launch(
+                "mok_ep_ring_map",
+                LaunchShape::linear(grid_stride_blocks(gpu, s.capacity as usize), ROW_KERNEL_THREADS),
+                &[params, U32(rank as u32)],
+            )?;
+        }
+        Ok(())
+    }
+
+    fn publish_all(&self, gpus: &[&Gpu]) -> Result<()> {
+        for (i, rank) in self.local() {
+            if self.silent(rank, Silence::Publish) {
+                continue;
+            }
+            gpu_of(gpus, i).launch(
+                "mok_ep_publish",
+                LaunchShape::linear(1, 32),
+                &[Ptr(self.params_ptr(i)), U32(rank as u32), U32(self.epoch)],
+            )?;
+        }
+        Ok(())
+    }
+
+    fn mover_blocks(&self, gpu: &Gpu) -> u32 {
+        // Enough warps for one row each up to the ring's capacity, at most 8 blocks per SM.
+        let rows = self.shape.capacity;
+        rows.div_ceil(MOVER_THREADS / 32).clamp(1, gpu.multiprocessors() * 8)
+    }
+
+    fn bulk_blocks(&self, gpu: &Gpu) -> u32 {
+        // Six 33 KiB blocks fit an SM's shared memory.
+        self.shape.capacity.clamp(1, gpu.multiprocessors() * 6)
+    }
+
+    fn pull(&self, gpus: &[&Gpu], pass: u32) -> Result<()> {
+        let r = *self.regions();
+        let max_tiles = self.shape.max_tiles() as u64;
+        let counters = if pass == 0 { r.tile_ready } else { r.dy_tile_ready };
+        for (i, rank) in self.local() {
+            let gpu = gpu_of(gpus, i);
+            self.fill_words(gpu, rank, counters, max_tiles)?;
+            let params = Ptr(self.params_ptr(i));
+            if pass == 0 && self.options.bulk_copies {
+                gpu.launch(
+                    "mok_ep_pull_bulk",
+                    LaunchShape {
+                        grid: (self.bulk_blocks(gpu), 1, 1),
+                        threads: BULK_THREADS,
+                        smem_bytes: BULK_SMEM_BYTES,
+                    },
+                    &[params, U32(rank as u32), U32(self.epoch)],
+                )?;
+            } else {
+                gpu.launch(
+                    "mok_ep_pull",
+                    LaunchShape { grid: (self.mover_blocks(gpu), 1, 1), threads: MOVER_THREADS, smem_bytes: 16 },
+                    &[params, U32(rank as u32), U32(pass), U32(self.epoch)],
+                )?;
+            }
+        }
+        for (i, rank) in self.local() {
+            let gpu = gpu_of(gpus, i);
+            gpu.launch(
+                "mok_ep_wait_tiles",
+                LaunchShape::linear(grid_stride_blocks(gpu, max_tiles as usize), ROW_KERNEL_THREADS),
+                &[Ptr(self.params_ptr(i)), U32(rank as u32), U32(pass), U32(self.epoch)],
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Forward dispatch: every local rank pulls its experts' x rows from their token owners
+    /// into its ring (`regions().ring_x`), then checks (bounded) that every M tile is complete.
+    pub fn dispatch(&self, gpus: &[&Gpu]) -> Result<()> {
+        self.pull(gpus, 0)
+    }
+
+    /// Backward: publishes a new epoch — every local rank's dy is in its slice.
+    pub fn begin_backward(&mut self, gpus: &[&Gpu]) -> Result<()> {
+        self.epoch = self.epoch.wrapping_add(1).max(1);
+        self.publish_all(gpus)
+    }
+
+    /// Backward reverse-combine: every local rank pulls dy rows of its experts' slots, scaled by
+    /// the slot weight, into `regions().ring_dy`.
+    pub fn reverse_combine(&self, gpus: &[&Gpu]) -> Result<()> {
+        self.pull(gpus, 1)
+    }
+
+    fn push_and_sum(&self, gpus: &[&Gpu], pass: u32, rows: &[u64], bases: &[u64], outs: &[u64]) -> Result<()> {
+        let locals = self.heap.local_ranks().len();
+        if rows.len() != locals || bases.len() != locals || outs.len() != locals {
+            return Err(MokError::InvalidInput {
+                tensor: "exchange rows",
+                problem: format!("one rows/base/out address per local rank ({locals}) is needed"),
+            });
+        }
+        for (i, rank) in self.local() {
+            if self.silent(rank, Silence::Push) {
+                continue;
+            }
+            let gpu = gpu_of(gpus, i);
+            let params = Ptr(self.params_ptr(i));
+            if self.options.bulk_copies {
+                gpu.launch(
+                    "mok_ep_push_bulk",
+                    LaunchShape {
+                        grid: (self.bulk_blocks(gpu), 1, 1),
+                        threads: BULK_THREADS,
+                        smem_bytes: BULK_SMEM_BYTES,
+                    },
+                    &[params, U32(rank as u32), U32(pass), Ptr(rows[i])],
+                )?;
+            } else {
+                gpu.launch(
+                    "mok_ep_push",
+                    LaunchShape { grid: (self.mover_blocks(gpu), 1, 1), threads: MOVER_THREADS, smem_bytes: 0 },
+                    &[params, U32(rank as u32), U32(pass), Ptr(rows[i])],
+                )?;
+            }
+        }
+        for (i, rank) in self.local() {
+            gpu_of(gpus, i).launch(
+                "mok_ep_combine",
+                LaunchShape { grid: (self.shape.chunks(), 1, 1), threads: 256, smem_bytes: 16 },
+                &[Ptr(self.params_ptr(i)), U32(rank as u32), U32(pass), U32(self.epoch), Ptr(bases[i]), Ptr(outs[i])],
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Forward combine: each local rank (as expert owner) pushes its ring's f32 result rows
+    /// (`rows[i]`, `[ring rows][H]`) to the token owners; each local rank (as token owner) then
+    /// waits for its tiles and writes `outs[i]` = `bf16(base + Σ_j w_j · slot_j)` (`[T][H]` bf16;
+    /// `bases[i]` the shared expert's f32 output or 0).
+    pub fn combine(&self, gpus: &[&Gpu], rows: &[u64], bases: &[u64], outs: &[u64]) -> Result<()> {
+        self.push_and_sum(gpus, 0, rows, bases, outs)
+    }
+
+    /// Backward reverse-dispatch: like [`Self::combine`] for the f32 dx rows, summed unweighted.
+    pub fn reverse_dispatch(&self, gpus: &[&Gpu], rows: &[u64], bases: &[u64], outs: &[u64]) -> Result<()> {
+        self.push_and_sum(gpus, 1, rows, bases, outs)
+    }
+
+    /// Device address of `rank`'s ring row count (`ring_row_offsets[L]`), for the compute.
+    pub fn ring_row_count_ptr(&self, rank: usize) -> u64 {
+        self.address(rank, self.regions().ring_row_offsets) + 4 * self.shape.local_experts() as u64
+    }
+
+    /// Waits for every local rank's stream and turns the kernels' error records into an error:
+    /// a capacity problem first (the cause), then the first timeout in rank order, then a bad id
+    /// found by the routing kernels.
+    pub fn check_errors(&self, gpus: &[&Gpu]) -> Result<()> {
+        let mut records = Vec::new();
+        for (i, rank) in self.local() {
+            let gpu = gpu_of(gpus, i);
+            gpu.synchronize()?;
+            // SAFETY: both records are regions of `rank`'s slice.
+            let (words, route) = unsafe {
+                (
+                    self.download_region::<u32>(gpu, rank, self.regions().error, ERROR_WORDS)?,
+                    self.download_region::<u32>(gpu, rank, self.regions().route_error, 4)?,
+                )
+            };
+            records.push((rank, words, route));
+        }
+        if let Some((rank, words, _)) = records.iter().find(|(_, w, _)| w[codes::WORD_CODE] == codes::ERROR_CAPACITY) {
+            return Err(MokError::Capacity {
+                what: "the receive ring (ExchangeOptions::capacity_rows)",
+                rank: *rank,
+                needed: words[codes::WORD_EXPECTED] as usize,
+                capacity: words[codes::WORD_SEEN] as usize,
+            });
+        }
+        if let Some((rank, words, _)) = records.iter().find(|(_, w, _)| w[codes::WORD_CODE] != codes::ERROR_NONE) {
+            return Err(decode_timeout(*rank, words));
+        }
+        if let Some((rank, _, route)) = records.iter().find(|(_, _, r)| r[0] != 0) {
+            let k = self.shape.top_k;
+            return Err(MokError::Device {
+                kernel: "mok_route_rank_chunks",
+                message: format!(
+                    "rank {rank}: token {} slot {} has bad expert id {} (error code {}); the slot was dropped",
+                    route[1] / k,
+                    route[1] % k,
+                    route[2] as i32,
+                    route[0]
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Clears every counter, flag, baseline and error record of the local ranks and restarts
+    /// the epochs: the way back after an error. Every rank must be idle (and, across processes,
+    /// reset before any rank starts the next pass).
+    pub fn reset(&mut self, gpus: &[&Gpu]) -> Result<()> {
+        let r = *self.regions();
+        let s = self.shape;
+        let chunk_words = (s.chunks() * s.world) as u64;
+        for (i, rank) in self.local() {
+            let gpu = gpu_of(gpus, i);
+            gpu.synchronize()?;
+            for (region, words) in [
+                (r.published, 4),
+                (r.combine_arrived, chunk_words),
+                (r.dx_arrived, chunk_words),
+                (r.combine_seen, chunk_words),
+                (r.dx_seen, chunk_words),
+                (r.error, ERROR_WORDS as u64),
+                (r.route_error, 4),
+            ] {
+                self.fill_words(gpu, rank, region, words)?;
+            }
+            gpu.synchronize()?;
+        }
+        self.epoch = 0;
+        Ok(())
+    }
+}
+
+/// The error a timeout record describes.
+fn decode_timeout(rank: usize, words: &[u32]) -> MokError {
+    let waited = words[codes::WORD_WAITED_FOR];
+    let (peer, index, expected, seen, epoch) = (
+        words[codes::WORD_PEER] as usize,
+        words[codes::WORD_INDEX],
+        words[codes::WORD_EXPECTED],
+        words[codes::WORD_SEEN],
+        words[codes::WORD_EPOCH],
+    );
+    let detail = match waited {
+        codes::WAIT_PEER_PUBLISHED => format!("expected epoch {expected}, the flag held {seen}"),
+        codes::WAIT_COMBINE_ROWS | codes::WAIT_DX_ROWS => format!(
+            "token tile {index} (tokens {}..): expected {expected} rows from rank {peer}, {seen} arrived (epoch {epoch})",
+            index * layout::ROUTE_CHUNK_TOKENS
+        ),
+        codes::WAIT_X_TILE_ROWS | codes::WAIT_DY_TILE_ROWS => {
+            format!("M tile {index} of the ring: expected {expected} rows, {seen} landed (epoch {epoch})")
+        }
+        codes::WAIT_BULK_COPY => format!("ring row {index}"),
+        _ => format!("record {words:?}"),
+    };
+    let peer = match waited {
+        codes::WAIT_PEER_PUBLISHED | codes::WAIT_COMBINE_ROWS | codes::WAIT_DX_ROWS => Some(peer),
+        _ => None,
+    };
+    MokError::Timeout { rank: Some(rank), peer, waited_for: codes::waited_for_name(waited).into(), detail }
+}
+
+/// Every kernel the exchange launches.
+pub const KERNEL_NAMES: &[&str] = &[
+    "mok_ep_prepare_tokens",
+    "mok_ep_publish",
+    "mok_ep_schedule",
+    "mok_ep_ring_map",
+    "mok_ep_pull",
+    "mok_ep_pull_bulk",
+    "mok_ep_push",
+    "mok_ep_push_bulk",
+    "mok_ep_wait_tiles",
+    "mok_ep_combine",
+];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn capacity_defaults_to_the_worst_case() {
+        let mut config = MoeConfig::new(100, 64, 32, 12, 4);
+        config.ep_ranks = 3;
+        let shape = Exchange::shape_for(&config, &ExchangeOptions::default()).unwrap();
+        assert_eq!(shape.capacity, 3 * 100 * 4);
+        let options = ExchangeOptions { capacity_rows: Some(7), ..Default::default() };
+        assert_eq!(Exchange::shape_for(&config, &options).unwrap().capacity, 7);
+        config.ep_ranks = 5;
+        assert!(Exchange::shape_for(&config, &options).is_err());
+    }
+
+    #[test]
+    fn timeouts_name_the_peer_and_the_counter() {
+        let mut words = [0u32; ERROR_WORDS];
+        words[codes::WORD_CODE] = codes::ERROR_TIMEOUT;
+        words[codes::WORD_WAITED_FOR] = codes::WAIT_COMBINE_ROWS;
+        words[codes::WORD_PEER] = 2;
+        words[codes::WORD_INDEX] = 3;
+        words[codes::WORD_EXPECTED] = 40;
+        words[codes::WORD_SEEN] = 7;
+        let text = decode_timeout(1, &words).to_string();
+        assert!(text.contains("on rank 1") && text.contains("from rank 2"), "{text}");
+        assert!(
+            text.contains("token tile 3 (tokens 192..)") && text.contains("expected 40") && text.contains("7 arrived")
+        );
+        match decode_timeout(1, &words) {
+            MokError::Timeout { peer: Some(2), rank: Some(1), .. } => {}
+            other => panic!("{other}"),
+        }
+    }
+}

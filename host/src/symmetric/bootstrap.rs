@@ -1,0 +1,125 @@
+//! NCCL bootstrap of a multi-process symmetric heap (feature `nccl`): one communicator over the
+//! launcher's ranks, used once to all-gather the handle records.
+//!
+//! The NCCL unique id travels out of band: rank 0 creates it and writes it as hex to the file
+//! named by `MOK_NCCL_ID_FILE` (written to a temporary name, then renamed, so a reader never
+//! sees half an id); the other ranks poll for the file, up to a timeout. Any shared filesystem
+//! path works (a node-local `/tmp` path for one node). Not yet run: needs several GPUs.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use cudarc::nccl::{result as nccl, sys as nccl_sys};
+
+use super::handles::{from_hex, to_hex};
+use super::launch_env::LaunchEnv;
+use crate::driver::{DeviceBuffer, Gpu};
+use crate::error::{MokError, Result};
+
+/// Environment variable naming the unique-id file.
+pub const ID_FILE_VAR: &str = "MOK_NCCL_ID_FILE";
+
+/// An NCCL communicator over every rank, on one GPU's stream.
+pub struct NcclBootstrap {
+    comm: nccl_sys::ncclComm_t,
+    world: usize,
+}
+
+fn nccl_error(call: &str, error: nccl::NcclError) -> MokError {
+    MokError::Cuda { call: call.into(), message: format!("{error:?}") }
+}
+
+impl NcclBootstrap {
+    /// Joins the communicator of `env`'s ranks on `gpu`, finding the unique id through the file
+    /// named by `MOK_NCCL_ID_FILE`, waiting at most `timeout` for rank 0 to write it.
+    pub fn new(gpu: &Gpu, env: &LaunchEnv, timeout: Duration) -> Result<Self> {
+        let path = std::env::var_os(ID_FILE_VAR).map(PathBuf::from).ok_or_else(|| MokError::InvalidConfig {
+            field: ID_FILE_VAR,
+            value: "unset".into(),
+            rule: "must name a file every rank can read (rank 0 writes the NCCL unique id there)".into(),
+        })?;
+        let id = if env.rank == 0 {
+            let id = nccl::get_uniqueid().map_err(|e| nccl_error("ncclGetUniqueId", e))?;
+            let bytes: Vec<u8> = id.internal.iter().map(|&c| c as u8).collect();
+            write_atomically(&path, &to_hex(&bytes))?;
+            id
+        } else {
+            let bytes = read_when_present(&path, timeout)?;
+            let mut internal = [0 as core::ffi::c_char; 128];
+            if bytes.len() != internal.len() {
+                return Err(MokError::InvalidInput {
+                    tensor: ID_FILE_VAR,
+                    problem: format!("{} holds {} bytes, an NCCL unique id has 128", path.display(), bytes.len()),
+                });
+            }
+            for (slot, byte) in internal.iter_mut().zip(bytes) {
+                *slot = byte as core::ffi::c_char;
+            }
+            nccl_sys::ncclUniqueId { internal }
+        };
+        gpu.synchronize()?;
+        let mut comm = std::ptr::null_mut();
+        // SAFETY: `comm` is an out-pointer; the id is the one rank 0 made; this thread's current
+        // context is `gpu`'s (bound by `synchronize`).
+        unsafe { nccl::comm_init_rank(&mut comm, env.world as i32, id, env.rank as i32) }
+            .map_err(|e| nccl_error("ncclCommInitRank", e))?;
+        Ok(Self { comm, world: env.world })
+    }
+
+    /// All-gathers `mine` (the same length on every rank): every rank's bytes, in rank order.
+    pub fn all_gather_bytes(&self, gpu: &Gpu, mine: &[u8]) -> Result<Vec<u8>> {
+        let send = DeviceBuffer::from_slice(gpu, mine)?;
+        let receive = DeviceBuffer::<u8>::alloc(gpu, mine.len() * self.world)?;
+        let stream = gpu.inner().stream as nccl_sys::cudaStream_t;
+        // SAFETY: both buffers live until the download below synchronises the stream.
+        unsafe {
+            nccl::all_gather(
+                send.device_ptr() as *const core::ffi::c_void,
+                receive.device_ptr() as *mut core::ffi::c_void,
+                mine.len(),
+                nccl_sys::ncclDataType_t::ncclUint8,
+                self.comm,
+                stream,
+            )
+        }
+        .map_err(|e| nccl_error("ncclAllGather", e))?;
+        receive.download()
+    }
+}
+
+impl Drop for NcclBootstrap {
+    fn drop(&mut self) {
+        // SAFETY: the communicator was created in `new` and is not used after this.
+        unsafe {
+            let _ = nccl::comm_destroy(self.comm);
+        }
+    }
+}
+
+fn io_error(what: String, error: std::io::Error) -> MokError {
+    MokError::Cuda { call: what, message: error.to_string() }
+}
+
+fn write_atomically(path: &Path, text: &str) -> Result<()> {
+    let temporary = path.with_extension(format!("tmp{}", std::process::id()));
+    std::fs::write(&temporary, text).map_err(|e| io_error(format!("write {}", temporary.display()), e))?;
+    std::fs::rename(&temporary, path).map_err(|e| io_error(format!("rename to {}", path.display()), e))
+}
+
+fn read_when_present(path: &Path, timeout: Duration) -> Result<Vec<u8>> {
+    let start = Instant::now();
+    loop {
+        if let Ok(text) = std::fs::read_to_string(path) {
+            return from_hex(&text);
+        }
+        if start.elapsed() > timeout {
+            return Err(MokError::Timeout {
+                waited_for: format!("rank 0 to write the NCCL unique id to {}", path.display()),
+                rank: None,
+                peer: Some(0),
+                detail: format!("nothing after {timeout:?}"),
+            });
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

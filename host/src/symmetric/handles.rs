@@ -1,0 +1,162 @@
+//! The handle table of a multi-process symmetric heap: each rank exports its slice and publishes
+//! one fixed-size record; an all-gather gives every rank every record; each rank imports its
+//! peers' slices from them.
+//!
+//! Record layout (little-endian, [`RECORD_BYTES`] bytes): magic `b"MOKH"`, version u16, kind u16
+//! (1 POSIX fd, 2 fabric), rank u32, pid u32, fd i32, reserved u32, slice bytes u64, fabric
+//! handle 64 bytes (zero for POSIX).
+
+use crate::driver::vmm::ExportedHandle;
+use crate::error::{MokError, Result};
+
+/// Bytes of one record.
+pub const RECORD_BYTES: usize = 96;
+const MAGIC: [u8; 4] = *b"MOKH";
+const VERSION: u16 = 1;
+const KIND_POSIX_FD: u16 = 1;
+const KIND_FABRIC: u16 = 2;
+
+/// One rank's exported slice.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HandleRecord {
+    /// The exporting rank.
+    pub rank: u32,
+    /// The exporting process (a POSIX fd is only meaningful together with it).
+    pub pid: u32,
+    /// Bytes of the slice as mapped by the exporter.
+    pub bytes: u64,
+    /// The handle as the exporter named it.
+    pub handle: ExportedHandle,
+}
+
+fn bad(problem: String) -> MokError {
+    MokError::InvalidInput { tensor: "symmetric heap handle table", problem }
+}
+
+impl HandleRecord {
+    /// The record's bytes.
+    pub fn to_bytes(&self) -> [u8; RECORD_BYTES] {
+        let mut out = [0u8; RECORD_BYTES];
+        out[0..4].copy_from_slice(&MAGIC);
+        out[4..6].copy_from_slice(&VERSION.to_le_bytes());
+        let (kind, fd, fabric) = match self.handle {
+            ExportedHandle::PosixFd(fd) => (KIND_POSIX_FD, fd, [0u8; 64]),
+            ExportedHandle::Fabric(data) => (KIND_FABRIC, -1, data),
+        };
+        out[6..8].copy_from_slice(&kind.to_le_bytes());
+        out[8..12].copy_from_slice(&self.rank.to_le_bytes());
+        out[12..16].copy_from_slice(&self.pid.to_le_bytes());
+        out[16..20].copy_from_slice(&fd.to_le_bytes());
+        out[24..32].copy_from_slice(&self.bytes.to_le_bytes());
+        out[32..96].copy_from_slice(&fabric);
+        out
+    }
+
+    /// Parses one record, checking magic, version and kind.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
+        if bytes.len() != RECORD_BYTES {
+            return Err(bad(format!("a record has {} bytes, expected {RECORD_BYTES}", bytes.len())));
+        }
+        if bytes[0..4] != MAGIC {
+            return Err(bad("a record does not start with MOKH (not written by mok, or corrupted)".into()));
+        }
+        let u16_at = |i: usize| u16::from_le_bytes([bytes[i], bytes[i + 1]]);
+        let u32_at = |i: usize| u32::from_le_bytes(bytes[i..i + 4].try_into().expect("4 bytes"));
+        let version = u16_at(4);
+        if version != VERSION {
+            return Err(bad(format!("record version {version}, this build reads {VERSION}: mixed mok versions?")));
+        }
+        let handle = match u16_at(6) {
+            KIND_POSIX_FD => ExportedHandle::PosixFd(u32_at(16) as i32),
+            KIND_FABRIC => ExportedHandle::Fabric(bytes[32..96].try_into().expect("64 bytes")),
+            kind => return Err(bad(format!("unknown handle kind {kind}"))),
+        };
+        Ok(Self {
+            rank: u32_at(8),
+            pid: u32_at(12),
+            bytes: u64::from_le_bytes(bytes[24..32].try_into().expect("8 bytes")),
+            handle,
+        })
+    }
+
+    /// Parses an all-gathered table (`world` records in rank order) and checks that record r
+    /// came from rank r and that every slice has the same size.
+    pub fn decode_table(table: &[u8], world: usize) -> Result<Vec<Self>> {
+        if table.len() != world * RECORD_BYTES {
+            return Err(bad(format!("{} bytes for {world} ranks, expected {}", table.len(), world * RECORD_BYTES)));
+        }
+        let records: Vec<Self> = table.chunks_exact(RECORD_BYTES).map(Self::from_bytes).collect::<Result<_>>()?;
+        for (rank, record) in records.iter().enumerate() {
+            if record.rank as usize != rank {
+                return Err(bad(format!("entry {rank} was written by rank {}", record.rank)));
+            }
+            if record.bytes != records[0].bytes {
+                return Err(bad(format!(
+                    "rank {rank}'s slice has {} bytes, rank 0's {}: every rank must lay out the same heap",
+                    record.bytes, records[0].bytes
+                )));
+            }
+        }
+        Ok(records)
+    }
+}
+
+/// Lowercase hex of `bytes` (an NCCL unique id in a file or an environment variable).
+pub fn to_hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Parses [`to_hex`]'s output.
+pub fn from_hex(text: &str) -> Result<Vec<u8>> {
+    let text = text.trim();
+    if !text.len().is_multiple_of(2) {
+        return Err(bad(format!("hex text of odd length {}", text.len())));
+    }
+    (0..text.len())
+        .step_by(2)
+        .map(|i| {
+            u8::from_str_radix(&text[i..i + 2], 16).map_err(|_| bad(format!("not hex at {i}: {:?}", &text[i..i + 2])))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_round_trip() {
+        let mut fabric = [0u8; 64];
+        fabric.iter_mut().enumerate().for_each(|(i, b)| *b = i as u8 ^ 0xa5);
+        for handle in [ExportedHandle::PosixFd(17), ExportedHandle::Fabric(fabric)] {
+            let record = HandleRecord { rank: 3, pid: 4242, bytes: 1 << 33, handle };
+            assert_eq!(HandleRecord::from_bytes(&record.to_bytes()).unwrap(), record);
+        }
+    }
+
+    #[test]
+    fn tables_check_order_and_sizes() {
+        let record = |rank, bytes| HandleRecord { rank, pid: 1, bytes, handle: ExportedHandle::PosixFd(3) }.to_bytes();
+        let table: Vec<u8> = [record(0, 4096), record(1, 4096)].concat();
+        assert_eq!(HandleRecord::decode_table(&table, 2).unwrap().len(), 2);
+        let swapped: Vec<u8> = [record(1, 4096), record(0, 4096)].concat();
+        assert!(HandleRecord::decode_table(&swapped, 2).unwrap_err().to_string().contains("written by rank 1"));
+        let sizes: Vec<u8> = [record(0, 4096), record(1, 8192)].concat();
+        assert!(HandleRecord::decode_table(&sizes, 2).unwrap_err().to_string().contains("same heap"));
+        assert!(HandleRecord::decode_table(&table, 3).is_err());
+        let mut corrupt = record(0, 16);
+        corrupt[0] = b'X';
+        assert!(HandleRecord::from_bytes(&corrupt).unwrap_err().to_string().contains("MOKH"));
+        let mut kind = record(0, 16);
+        kind[6] = 9;
+        assert!(HandleRecord::from_bytes(&kind).unwrap_err().to_string().contains("kind 9"));
+    }
+
+    #[test]
+    fn hex_round_trips_and_rejects_junk() {
+        let bytes: Vec<u8> = (0..=255).collect();
+        assert_eq!(from_hex(&to_hex(&bytes)).unwrap(), bytes);
+        assert!(from_hex("abc").is_err());
+        assert!(from_hex("zz").is_err());
+    }
+}

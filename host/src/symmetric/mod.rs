@@ -1,0 +1,256 @@
+//! The symmetric heap: P ranks, each owning one identically laid-out slice of device memory, and
+//! a table of every slice's base address as this process sees it. A kernel addresses region `R`
+//! of rank `r` as `bases[r] + R` (`mok_kernels::comm::params::ExchangeParams::map`).
+//!
+//! Backends:
+//! - [`SymmetricHeap::virtual_ranks`]: all P slices in one allocation on one GPU, one process —
+//!   what the tests and benchmarks on one GPU use;
+//! - [`SymmetricHeap::vmm_peers`]: one process driving several GPUs; rank r's slice is physical
+//!   memory on GPU r (`cuMemCreate`), mapped once into the process's address space and made
+//!   readable and writable by every GPU (`cuMemSetAccess`), so each GPU reaches its peers' slices
+//!   over NVLink at the same addresses;
+//! - [`SymmetricHeap::multi_process`]: one process per GPU; each exports its slice as a shareable
+//!   handle (a POSIX fd within a node, a fabric handle across the nodes of an NVLink domain such
+//!   as NVL72), the records are all-gathered (through NCCL with the `nccl` feature, see
+//!   [`bootstrap`]) and every process imports and maps its peers' slices.
+//!
+//! NVLink multicast is never used. Backends other than virtual ranks have not yet run on
+//! hardware (the machines so far have one GPU); their pure parts — environment, handle table —
+//! are unit-tested.
+
+#[cfg(feature = "nccl")]
+pub mod bootstrap;
+pub mod handles;
+pub mod launch_env;
+
+pub use launch_env::{LaunchEnv, Launcher};
+
+use crate::driver::vmm::{self, ExportedHandle, ShareableKind, VmmMapping};
+use crate::driver::{DeviceBuffer, Gpu};
+use crate::error::{MokError, Result};
+use handles::HandleRecord;
+
+/// Where the slices live (held for their `Drop`: the memory lives as long as the heap).
+enum Storage {
+    /// One allocation holding every rank's slice.
+    Virtual { _memory: DeviceBuffer<u8> },
+    /// One mapping per rank (this process's own and the imported ones).
+    Mapped { _mappings: Vec<VmmMapping> },
+}
+
+/// P identically laid-out slices and the peer table.
+pub struct SymmetricHeap {
+    bytes_per_rank: u64,
+    bases: Vec<u64>,
+    local_ranks: Vec<usize>,
+    storage: Storage,
+}
+
+/// Alignment of each slice (2 MiB: the VMM granularity on current GPUs, and more than any region
+/// needs).
+pub const SLICE_ALIGN: u64 = 2 << 20;
+
+impl SymmetricHeap {
+    /// (a) Virtual ranks: `world` slices of `bytes_per_rank` in one allocation on `gpu`, zeroed.
+    /// Every rank is local to this process and to this GPU.
+    pub fn virtual_ranks(gpu: &Gpu, world: usize, bytes_per_rank: u64) -> Result<Self> {
+        check_world(world)?;
+        let stride = bytes_per_rank.div_ceil(SLICE_ALIGN) * SLICE_ALIGN;
+        let mut buffer = DeviceBuffer::<u8>::alloc(gpu, (stride * world as u64) as usize)?;
+        buffer.fill_bytes(0)?;
+        gpu.synchronize()?;
+        let base = buffer.device_ptr();
+        Ok(Self {
+            bytes_per_rank: stride,
+            bases: (0..world as u64).map(|r| base + r * stride).collect(),
+            local_ranks: (0..world).collect(),
+            storage: Storage::Virtual { _memory: buffer },
+        })
+    }
+
+    /// (b) One process, one GPU per rank: rank r's slice lives on device `ordinals[r]` and is
+    /// mapped for every listed device. Fails when a pair of devices cannot reach each other.
+    /// The slices are zeroed through `gpus[r]` (opened on `ordinals[r]`).
+    pub fn vmm_peers(gpus: &[&Gpu], ordinals: &[i32], bytes_per_rank: u64) -> Result<Self> {
+        check_world(ordinals.len())?;
+        if gpus.len() != ordinals.len() {
+            return Err(MokError::InvalidInput {
+                tensor: "symmetric heap",
+                problem: format!("{} GPUs for {} ordinals", gpus.len(), ordinals.len()),
+            });
+        }
+        for &a in ordinals {
+            for &b in ordinals {
+                if a != b && !vmm::can_access_peer(a, b)? {
+                    return Err(MokError::InvalidConfig {
+                        field: "ep_ranks",
+                        value: ordinals.len().to_string(),
+                        rule: format!("device {a} cannot access device {b}'s memory (no peer access)"),
+                    });
+                }
+            }
+        }
+        let mut mappings = Vec::with_capacity(ordinals.len());
+        for &ordinal in ordinals {
+            mappings.push(VmmMapping::allocate(ordinal, bytes_per_rank as usize, ShareableKind::Private, ordinals)?);
+        }
+        let bytes = mappings[0].bytes() as u64;
+        for (gpu, mapping) in gpus.iter().zip(&mappings) {
+            // SAFETY: the mapping is `bytes` long and this GPU may access it.
+            unsafe { gpu.fill_device_bytes(mapping.device_ptr(), 0, bytes as usize)? };
+            gpu.synchronize()?;
+        }
+        Ok(Self {
+            bytes_per_rank: bytes,
+            bases: mappings.iter().map(VmmMapping::device_ptr).collect(),
+            local_ranks: (0..ordinals.len()).collect(),
+            storage: Storage::Mapped { _mappings: mappings },
+        })
+    }
+
+    /// (c) One process per GPU: allocates this rank's slice on `gpu` (device `ordinal`),
+    /// exports it as `kind`, exchanges the records with `all_gather` (this rank's bytes in, every
+    /// rank's bytes in rank order out: [`bootstrap::NcclBootstrap::all_gather_bytes`] with the
+    /// `nccl` feature) and imports every peer's slice.
+    pub fn multi_process(
+        gpu: &Gpu,
+        env: &LaunchEnv,
+        ordinal: i32,
+        bytes_per_rank: u64,
+        kind: ShareableKind,
+        all_gather: &mut dyn FnMut(&[u8]) -> Result<Vec<u8>>,
+    ) -> Result<Self> {
+        check_world(env.world)?;
+        if kind == ShareableKind::Private {
+            return Err(MokError::InvalidInput {
+                tensor: "symmetric heap",
+                problem: "a heap shared between processes needs a POSIX-fd or fabric handle".into(),
+            });
+        }
+        let own = VmmMapping::allocate(ordinal, bytes_per_rank as usize, kind, &[ordinal])?;
+        // SAFETY: the mapping is `bytes()` long and this GPU may access it.
+        unsafe { gpu.fill_device_bytes(own.device_ptr(), 0, own.bytes())? };
+        gpu.synchronize()?;
+        if kind == ShareableKind::PosixFd {
+            allow_handle_duplication()?;
+        }
+        let record = HandleRecord {
+            rank: env.rank as u32,
+            pid: std::process::id(),
+            bytes: own.bytes() as u64,
+            handle: own.export(kind)?,
+        };
+        let table = HandleRecord::decode_table(&all_gather(&record.to_bytes())?, env.world)?;
+        let mut mappings = Vec::with_capacity(env.world);
+        let mut own = Some(own);
+        for peer in &table {
+            if peer.rank as usize == env.rank {
+                mappings.push(own.take().expect("own slice is used once"));
+                continue;
+            }
+            let handle = match peer.handle {
+                ExportedHandle::PosixFd(fd) => ExportedHandle::PosixFd(duplicate_peer_fd(peer.pid, fd)?),
+                fabric => fabric,
+            };
+            mappings.push(VmmMapping::import(&handle, peer.bytes as usize, &[ordinal])?);
+        }
+        // Every process must have imported before any frees: the caller keeps the heap for the
+        // job's lifetime and tears it down after a barrier.
+        Ok(Self {
+            bytes_per_rank: table[0].bytes,
+            bases: mappings.iter().map(VmmMapping::device_ptr).collect(),
+            local_ranks: vec![env.rank],
+            storage: Storage::Mapped { _mappings: mappings },
+        })
+    }
+
+    /// Ranks in the heap.
+    pub fn world(&self) -> usize {
+        self.bases.len()
+    }
+
+    /// Bytes of each rank's slice.
+    pub fn bytes_per_rank(&self) -> u64 {
+        self.bytes_per_rank
+    }
+
+    /// Each rank's slice base as this process sees it (the kernels' peer table).
+    pub fn bases(&self) -> &[u64] {
+        &self.bases
+    }
+
+    /// `map(offset, rank)`: the address of byte `offset` of `rank`'s slice.
+    pub fn map(&self, offset: u64, rank: usize) -> u64 {
+        self.bases[rank] + offset
+    }
+
+    /// The ranks this process drives (all of them for virtual ranks and one-process VMM).
+    pub fn local_ranks(&self) -> &[usize] {
+        &self.local_ranks
+    }
+
+    /// Whether every rank is on one GPU (signals may then use GPU scope).
+    pub fn single_gpu(&self) -> bool {
+        matches!(self.storage, Storage::Virtual { .. })
+    }
+}
+
+fn check_world(world: usize) -> Result<()> {
+    let max = mok_kernels::comm::params::MAX_EP_RANKS;
+    if world == 0 || world > max {
+        return Err(MokError::InvalidConfig {
+            field: "ep_ranks",
+            value: world.to_string(),
+            rule: format!("must be in 1..={max} (the kernels' peer table has {max} entries)"),
+        });
+    }
+    Ok(())
+}
+
+/// Lets any process of this user duplicate this process's file descriptors with `pidfd_getfd`
+/// (Yama's `ptrace_scope = 1` otherwise allows it only to ancestors, and ranks are siblings).
+fn allow_handle_duplication() -> Result<()> {
+    #[cfg(target_os = "linux")]
+    {
+        const PR_SET_PTRACER: libc::c_int = 0x5961_6d61;
+        const PR_SET_PTRACER_ANY: libc::c_ulong = libc::c_ulong::MAX;
+        // SAFETY: prctl with integer arguments; failure (no Yama) leaves ptrace rules unchanged.
+        let _ = unsafe { libc::prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0) };
+        Ok(())
+    }
+    #[cfg(not(target_os = "linux"))]
+    Err(MokError::NoDriver("POSIX-fd handles need Linux (pidfd_getfd)".into()))
+}
+
+/// Duplicates file descriptor `fd` of process `pid` into this process (`pidfd_open` +
+/// `pidfd_getfd`, Linux 5.6+).
+fn duplicate_peer_fd(pid: u32, fd: i32) -> Result<i32> {
+    #[cfg(target_os = "linux")]
+    {
+        let os_error = |call: &str| MokError::Cuda {
+            call: format!("{call}(pid {pid}, fd {fd})"),
+            message: format!(
+                "{} (peer handles need Linux 5.6+ and permission to duplicate the peer's descriptors)",
+                std::io::Error::last_os_error()
+            ),
+        };
+        // SAFETY: plain syscalls with integer arguments; the returned descriptors are checked.
+        unsafe {
+            let pidfd = libc::syscall(libc::SYS_pidfd_open, pid as libc::c_long, 0 as libc::c_long);
+            if pidfd < 0 {
+                return Err(os_error("pidfd_open"));
+            }
+            let local = libc::syscall(libc::SYS_pidfd_getfd, pidfd, fd as libc::c_long, 0 as libc::c_long);
+            libc::close(pidfd as libc::c_int);
+            if local < 0 {
+                return Err(os_error("pidfd_getfd"));
+            }
+            Ok(local as i32)
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = (pid, fd);
+        Err(MokError::NoDriver("POSIX-fd handles need Linux (pidfd_getfd)".into()))
+    }
+}
