@@ -131,9 +131,18 @@ struct Setup {
 }
 
 fn setup(gpu: &Gpu, config: MoeConfig, seed: u64, routing: Routing<'_>) -> Setup {
-    let case = random_case(&config, seed, routing);
+    // Expert weights are generated on the device (frontier sizes would take a minute on the
+    // host); the tokens and routing on the host.
+    let (e, h, i) = (config.num_experts, config.hidden, config.intermediate);
+    let small = MoeConfig { num_experts: config.num_experts, hidden: h, intermediate: 8, ..config.clone() };
+    let case = random_case(&small, seed, routing);
     let tokens = DeviceTokens::upload(gpu, &config, &case.tokens).unwrap();
-    let experts = DeviceExperts::upload(gpu, &config, &case.experts).unwrap();
+    let random = |n, s, scale| mok::unfused::random_bf16(gpu, n, s, scale).unwrap();
+    let experts = DeviceExperts {
+        w_gate: random(e * i * h, seed ^ 12, common::weight_scale(h)),
+        w_up: random(e * i * h, seed ^ 13, common::weight_scale(h)),
+        w_down: random(e * h * i, seed ^ 14, common::weight_scale(i)),
+    };
     let dy = DeviceBuffer::from_slice(gpu, &case.dy).unwrap();
     let mut layer = UnfusedLayer::new(gpu, config.clone()).unwrap();
     layer.forward(gpu, &tokens, &experts, None).unwrap();
@@ -288,8 +297,9 @@ fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
     let mut expected = vec![0.0f64; e * i * h];
     {
         use rayon::prelude::*;
-        // Each (group, m) output row reduces over the group's rows in f64.
-        expected.par_chunks_mut(h).enumerate().for_each(|(gm, out_row)| {
+        // Each (group, m) output row reduces over the group's rows in f64; the first 8 groups
+        // are checked (all of them at small shapes; a sample at frontier sizes).
+        expected.par_chunks_mut(h).enumerate().take(8.min(e) * i).for_each(|(gm, out_row)| {
             let (g, m) = (gm / i, gm % i);
             for r in offsets[g] as usize..offsets[g + 1] as usize {
                 let a = dg[r * i + m].to_f64();
@@ -301,7 +311,8 @@ fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
             }
         });
     }
-    check("dw_gate f32 accumulate (engine wgrad)", rel_err(&dw_gate.download().unwrap(), &expected), 1e-5);
+    let checked = 8.min(e) * i * h;
+    check("dw_gate f32 accumulate (engine wgrad)", rel_err(&dw_gate.download().unwrap()[..checked], &expected[..checked]), 1e-5);
 }
 
 #[test]

@@ -8,7 +8,7 @@
 //! [`tile_offsets`]. The host never learns the group sizes.
 
 use half::bf16;
-use mok_kernels::gemm_layout::{ENGINE_SMEM_BYTES, ENGINE_THREADS, GemmParams, TILE_M};
+use mok_kernels::gemm_layout::{ENGINE_SMEM_BYTES, ENGINE_THREADS, GemmParams, SHORT_BOX_ROWS, TILE_M};
 
 use crate::driver::{DeviceBuffer, Gpu, KernelArg, LaunchShape};
 use crate::error::{MokError, Result};
@@ -85,8 +85,8 @@ pub struct EnginePlan {
 impl EnginePlan {
     fn new(gpu: &Gpu, kernel: &'static str, params: GemmParams, maps: Vec<TensorMap>) -> Result<Self> {
         gpu.set_max_dynamic_smem(kernel, ENGINE_SMEM_BYTES)?;
-        // SAFETY: GemmParams is repr(C) plain data (u64, u32, f32 fields, no padding: 12 u64
-        // then 8 four-byte fields, 128 bytes), so its bytes are initialised.
+        // SAFETY: GemmParams is repr(C) plain data (u64, u32, f32 fields, no padding: 20 u64
+        // then 8 four-byte fields, 192 bytes, asserted in gemm_layout), so its bytes are initialised.
         let bytes =
             unsafe { core::slice::from_raw_parts(&params as *const GemmParams as *const u8, size_of::<GemmParams>()) };
         Ok(Self { kernel, params: DeviceBuffer::from_slice(gpu, bytes)?, _maps: maps })
@@ -125,11 +125,13 @@ impl EnginePlan {
         check_len("w_gate", w_gate.len(), g * i * h)?;
         check_len("w_up", w_up.len(), g * i * h)?;
         check_len("hidden_out", hidden_out.len(), groups.capacity * i)?;
-        let maps = vec![
+        let (short, short_maps) = short_rows_maps(gpu, rows, h, groups.capacity)?;
+        let mut maps = vec![
             rows_map(gpu, rows, h, groups.capacity)?,
             weight_map_k_major(gpu, w_gate, h, i, g, 64)?,
             weight_map_k_major(gpu, w_up, h, i, g, 64)?,
         ];
+        maps.extend(short_maps);
         let (out1, out2) = match pre_activations {
             Some((gate, up)) => {
                 check_len("gate_out", gate.len(), groups.capacity * i)?;
@@ -142,6 +144,7 @@ impl EnginePlan {
             map_a: maps[0].device_ptr(),
             map_b: maps[1].device_ptr(),
             map_b2: maps[2].device_ptr(),
+            map_a_short: short,
             a_rows: rows.device_ptr(),
             row_offsets: groups.row_offsets.device_ptr(),
             tile_offsets: groups.tile_offsets.device_ptr(),
@@ -174,10 +177,13 @@ impl EnginePlan {
         check_len("rows", rows.len(), groups.capacity * k)?;
         check_len("w", w.len(), g * n * k)?;
         check_len("out", out.len(), groups.capacity * n)?;
-        let maps = vec![rows_map(gpu, rows, k, groups.capacity)?, weight_map_k_major(gpu, w, k, n, g, 128)?];
+        let (short, short_maps) = short_rows_maps(gpu, rows, k, groups.capacity)?;
+        let mut maps = vec![rows_map(gpu, rows, k, groups.capacity)?, weight_map_k_major(gpu, w, k, n, g, 128)?];
+        maps.extend(short_maps);
         let params = GemmParams {
             map_a: maps[0].device_ptr(),
             map_b: maps[1].device_ptr(),
+            map_a_short: short,
             a_rows: rows.device_ptr(),
             row_offsets: groups.row_offsets.device_ptr(),
             tile_offsets: groups.tile_offsets.device_ptr(),
@@ -205,7 +211,8 @@ impl EnginePlan {
         check_width("k", k)?;
         let g = groups.groups;
         let mut maps = Vec::new();
-        for (a, w) in std::iter::once(first).chain(second) {
+        let mut shorts = [[0u64; 4]; 2];
+        for (segment, (a, w)) in std::iter::once(first).chain(second).enumerate() {
             check_len("a", a.len(), groups.capacity * k)?;
             check_len("w", w.len(), g * k * n)?;
             maps.push(rows_map(gpu, a, k, groups.capacity)?);
@@ -216,14 +223,20 @@ impl EnginePlan {
                 &[2 * n as u64, 2 * (k * n) as u64],
                 &[64, 64, 1],
             )?);
+            let (short, short_maps) = short_rows_maps(gpu, a, k, groups.capacity)?;
+            shorts[segment] = short;
+            maps.extend(short_maps);
         }
         check_len("out", out.len(), groups.capacity * n)?;
-        let second_ptrs = second.map(|(a, _)| (maps[2].device_ptr(), maps[3].device_ptr(), a.device_ptr()));
+        // Maps per segment: rows, weights, then the four short row maps.
+        let second_ptrs = second.map(|(a, _)| (maps[6].device_ptr(), maps[7].device_ptr(), a.device_ptr()));
         let params = GemmParams {
             map_a: maps[0].device_ptr(),
             map_b: maps[1].device_ptr(),
             map_a2: second_ptrs.map_or(0, |s| s.0),
             map_b2: second_ptrs.map_or(0, |s| s.1),
+            map_a_short: shorts[0],
+            map_a2_short: shorts[1],
             a_rows: first.0.device_ptr(),
             a2_rows: second_ptrs.map_or(0, |s| s.2),
             row_offsets: groups.row_offsets.device_ptr(),
@@ -292,6 +305,16 @@ impl EnginePlan {
 /// `[rows][k]` K-major activations: box of 64 K × 128 rows.
 fn rows_map(gpu: &Gpu, rows: &DeviceBuffer<bf16>, k: usize, capacity: usize) -> Result<TensorMap> {
     TensorMap::bf16(gpu, rows.device_ptr(), &[k as u64, capacity.max(1) as u64], &[2 * k as u64], &[64, 128])
+}
+
+/// The short-box maps of `[rows][k]` activations (64, 32, 16 and 8 rows, see
+/// `GemmParams::map_a_short`), with their device addresses.
+fn short_rows_maps(gpu: &Gpu, rows: &DeviceBuffer<bf16>, k: usize, capacity: usize) -> Result<([u64; 4], Vec<TensorMap>)> {
+    let mut maps = Vec::with_capacity(4);
+    for height in SHORT_BOX_ROWS {
+        maps.push(TensorMap::bf16(gpu, rows.device_ptr(), &[k as u64, capacity.max(1) as u64], &[2 * k as u64], &[64, height])?);
+    }
+    Ok(([maps[0].device_ptr(), maps[1].device_ptr(), maps[2].device_ptr(), maps[3].device_ptr()], maps))
 }
 
 /// `[G][n][k]` K-major weights as a 3-D map (columns past a group's `n` read as zero, never the

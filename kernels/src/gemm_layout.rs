@@ -68,6 +68,12 @@ pub struct GemmParams {
     pub map_b2: u64,
     /// Tensor map of the second A (second dgrad segment).
     pub map_a2: u64,
+    /// Maps of A with box heights 64, 32, 16 and 8 rows: a ragged last tile of a group is loaded
+    /// as a sum of these (its rows rounded down to 8) plus < 8 rows of ordinary loads, so no
+    /// row of the next group is read.
+    pub map_a_short: [u64; 4],
+    /// The same for the second A.
+    pub map_a2_short: [u64; 4],
     /// Raw A rows (for ragged tiles loaded without TMA), `[rows][a_pitch]` bf16.
     pub a_rows: u64,
     /// Raw second A rows.
@@ -101,6 +107,9 @@ pub struct GemmParams {
     /// SwiGLU clamp (+inf for none).
     pub swiglu_limit: f32,
 }
+
+/// Box heights of the short A maps, largest first.
+pub const SHORT_BOX_ROWS: [u32; 4] = [64, 32, 16, 8];
 
 /// Flat tile → (M tile, N tile) for row-grouped variants: N fastest, so the blocks working at
 /// the same time share the group's weights in L2.
@@ -145,4 +154,4 @@ mod tests {
 }
 
 // The host uploads GemmParams as raw bytes: keep it free of padding.
-const _: () = assert!(core::mem::size_of::<GemmParams>() == 128);
+const _: () = assert!(core::mem::size_of::<GemmParams>() == 192);

@@ -103,7 +103,12 @@ pub unsafe extern "ptx-kernel" fn mok_probe_wgmma_tile(a: *const u16, b: *const 
     while q < 64 * 8 {
         let (r, c) = (q / 8, q % 8);
         // SAFETY: inside `a` and the A tile.
-        unsafe { st_shared_v4(a_tile + swizzled_chunk_offset(r, c), ld_global_v4(a.add((r * 64 + c * 8) as usize) as *const u32)) };
+        unsafe {
+            st_shared_v4(
+                a_tile + swizzled_chunk_offset(r, c),
+                ld_global_v4(a.add((r * 64 + c * 8) as usize) as *const u32),
+            )
+        };
         q += 128;
     }
     // Stage B: K-major = 128 rows (n) of 64 k; N-major = two 64-wide n halves of 64 k rows.
@@ -113,7 +118,10 @@ pub unsafe extern "ptx-kernel" fn mok_probe_wgmma_tile(a: *const u16, b: *const 
         // SAFETY: inside `b` and the B tile.
         unsafe {
             if mode == 0 {
-                st_shared_v4(b_tile + swizzled_chunk_offset(r, c), ld_global_v4(b.add((r * 64 + c * 8) as usize) as *const u32));
+                st_shared_v4(
+                    b_tile + swizzled_chunk_offset(r, c),
+                    ld_global_v4(b.add((r * 64 + c * 8) as usize) as *const u32),
+                );
             } else {
                 let (half, k) = (r / 64, r % 64);
                 let src = b.add((k * 128 + half * 64 + c * 8) as usize) as *const u32;
@@ -127,18 +135,27 @@ pub unsafe extern "ptx-kernel" fn mok_probe_wgmma_tile(a: *const u16, b: *const 
     let mut da = [0u64; 4];
     let mut db = [0u64; 4];
     for k in 0..4u32 {
-        da[k as usize] = if mode == 2 { smem_descriptor(a_tile + k * 2048, 8192, 1024) } else { smem_descriptor(a_tile + k * 32, 16, 1024) };
-        db[k as usize] = if mode == 0 { smem_descriptor(b_tile + k * 32, 16, 1024) } else { smem_descriptor(b_tile + k * 2048, 8192, 1024) };
+        da[k as usize] = if mode == 2 {
+            smem_descriptor(a_tile + k * 2048, 8192, 1024)
+        } else {
+            smem_descriptor(a_tile + k * 32, 16, 1024)
+        };
+        db[k as usize] = if mode == 0 {
+            smem_descriptor(b_tile + k * 32, 16, 1024)
+        } else {
+            smem_descriptor(b_tile + k * 2048, 8192, 1024)
+        };
     }
     let mut acc = [0.0f32; 64];
     // SAFETY: a whole warpgroup in uniform flow; operands staged and fenced above.
     unsafe {
         match mode {
-            0 => wgmma::mma_k64_m64n128_kk(&mut acc, da, db, false),
-            1 => wgmma::mma_k64_m64n128_kn(&mut acc, da, db, false),
-            _ => wgmma::mma_k64_m64n128_mn(&mut acc, da, db, false),
+            0 => wgmma::issue_k64_m64n128_kk(&mut acc, da, db, false),
+            1 => wgmma::issue_k64_m64n128_kn(&mut acc, da, db, false),
+            _ => wgmma::issue_k64_m64n128_mn(&mut acc, da, db, false),
         }
     }
+    wgmma::wait_all(&mut acc);
     let (warp, lane) = (thread / 32, thread % 32);
     for j in 0..16u32 {
         for h in 0..2u32 {

@@ -23,7 +23,8 @@
 
 use crate::device::math;
 use crate::gemm_layout::{
-    ENGINE_THREADS, GemmParams, OPERAND_TILE_BYTES, STAGE_BYTES, STAGES, TILE_K, TILE_M, TILE_N, smem_descriptor,
+    ENGINE_THREADS, GemmParams, OPERAND_TILE_BYTES, SHORT_BOX_ROWS, STAGE_BYTES, STAGES, TILE_K, TILE_M, TILE_N,
+    smem_descriptor,
     split_row_tile, swizzled_chunk_offset,
 };
 use crate::ptx::convert::f32x2_to_bf16x2;
@@ -153,21 +154,23 @@ unsafe fn work_of<const V: u32>(p: &GemmParams, tile: u32) -> Work {
     }
 }
 
-/// Copies `rows` (≤ 128) rows × 64 K values of a K-major operand into a swizzled tile with
-/// ordinary loads (zero fill past `rows` and past `k_len`). Producer-warp collective.
+/// Copies tile rows `[first, end)` (fewer than 8) × 64 K values of a K-major operand into a
+/// swizzled tile with ordinary loads (zero past `k_len`); `src` points at row `first`.
+/// Producer-warp collective.
 #[inline(always)]
-unsafe fn load_rows_k_major(tile: u32, src: *const u16, pitch: u32, rows: u32, k0: u32, k_len: u32, lane: u32) {
+#[allow(clippy::too_many_arguments)]
+unsafe fn load_tail_rows_k_major(tile: u32, src: *const u16, pitch: u32, first: u32, end: u32, k0: u32, k_len: u32, lane: u32) {
     let mut q = lane;
-    while q < TILE_M * 8 {
+    while q < (end - first) * 8 {
         let (r, c) = (q / 8, q % 8);
         let k = k0 + c * 8;
         let mut v = [0u32; 4];
-        if r < rows && k < k_len {
-            // SAFETY: row r < rows of the group, k + 8 ≤ K (K % 8 == 0); 16-byte aligned.
+        if k < k_len {
+            // SAFETY: row first + r < end belongs to the group, k + 8 ≤ K (K % 8 == 0); aligned.
             v = unsafe { ld_global_v4(src.add(r as usize * pitch as usize + k as usize) as *const u32) };
         }
-        // SAFETY: inside the stage's 16 KiB operand tile.
-        unsafe { st_shared_v4(tile + swizzled_chunk_offset(r, c), v) };
+        // SAFETY: inside the stage's operand tile (row < 128).
+        unsafe { st_shared_v4(tile + swizzled_chunk_offset(first + r, c), v) };
         q += 32;
     }
 }
@@ -238,13 +241,33 @@ unsafe fn produce<const V: u32>(p: &GemmParams, ring: Ring, lane: u32) {
                 let k0 = if second { (kb - w.k_blocks_1) * TILE_K } else { kb * TILE_K };
                 let (map_a, map_b) = if second { (p.map_a2, p.map_b2) } else { (p.map_a, p.map_b) };
                 let ragged = w.rows < TILE_M;
-                tma_bytes = if ragged { OPERAND_TILE_BYTES } else { STAGE_BYTES };
+                // A ragged tile: TMA boxes of 64/32/16/8 rows for its rows rounded down to 8
+                // (each lands on a 1024-byte boundary, so the swizzle pattern holds), ordinary
+                // loads for the last < 8 rows.
+                let boxed_rows = if ragged { w.rows & !7 } else { TILE_M };
+                let b_bytes = OPERAND_TILE_BYTES;
+                tma_bytes = boxed_rows * 128 + b_bytes;
                 if lane == 0 {
                     // SAFETY: maps and tiles valid; the barrier expects `tma_bytes`.
                     unsafe {
                         mbarrier::expect_tx(full, tma_bytes);
                         if !ragged {
                             tma::load_2d(a_tile, map_a, k0 as i32, w.m0 as i32, full);
+                        } else {
+                            let short = if second { &p.map_a2_short } else { &p.map_a_short };
+                            let mut at = 0u32;
+                            // Spelled out with constant indices: a loop would put the maps
+                            // in local memory.
+                            let mut short_box = |map: u64, height: u32| {
+                                if boxed_rows & height != 0 {
+                                    tma::load_2d(a_tile + at * 128, map, k0 as i32, (w.m0 + at) as i32, full);
+                                    at += height;
+                                }
+                            };
+                            short_box(short[0], SHORT_BOX_ROWS[0]);
+                            short_box(short[1], SHORT_BOX_ROWS[1]);
+                            short_box(short[2], SHORT_BOX_ROWS[2]);
+                            short_box(short[3], SHORT_BOX_ROWS[3]);
                         }
                         let g = w.group as i32;
                         match V {
@@ -260,12 +283,12 @@ unsafe fn produce<const V: u32>(p: &GemmParams, ring: Ring, lane: u32) {
                         }
                     }
                 }
-                if ragged {
+                if boxed_rows < w.rows {
                     let (rows_ptr, k_len) = if second { (p.a2_rows, p.k2) } else { (p.a_rows, p.k) };
-                    // SAFETY: the tile's valid rows belong to its group.
+                    // SAFETY: rows [boxed_rows, rows) of the tile belong to its group.
                     unsafe {
-                        let src = (rows_ptr as *const u16).add(w.m0 as usize * p.a_pitch as usize);
-                        load_rows_k_major(a_tile, src, p.a_pitch, w.rows, k0, k_len, lane);
+                        let src = (rows_ptr as *const u16).add((w.m0 + boxed_rows) as usize * p.a_pitch as usize);
+                        load_tail_rows_k_major(a_tile, src, p.a_pitch, boxed_rows, w.rows, k0, k_len, lane);
                     }
                 }
             }
@@ -406,6 +429,16 @@ unsafe fn epilogue<const V: u32>(p: &GemmParams, w: &Work, acc: &[f32; 64], wg: 
     }
 }
 
+/// Hands a stage back to the producer: one arrival per consumer warp (8 per phase), after this
+/// warp's MMAs reading it have completed.
+#[inline(always)]
+fn release(ring: Ring, stage: u32, thread_in_wg: u32) {
+    if thread_in_wg % 32 == 0 {
+        // SAFETY: initialised barrier of this block.
+        unsafe { mbarrier::arrive(ring.empty(stage)) };
+    }
+}
+
 /// A consumer warpgroup: MMAs over the stages, then the epilogue, tile after tile.
 #[inline(always)]
 unsafe fn consume<const V: u32>(p: &GemmParams, ring: Ring, wg: u32, thread_in_wg: u32) {
@@ -416,29 +449,37 @@ unsafe fn consume<const V: u32>(p: &GemmParams, ring: Ring, wg: u32, thread_in_w
         // SAFETY: tile < total.
         let w = unsafe { work_of::<V>(p, tile) };
         let mut acc = [0.0f32; 64];
+        // One K block stays in flight on the tensor cores while the next stage is awaited: a
+        // stage is released once the wait for the *next* block's issue says it is done.
+        let mut in_flight: Option<u32> = None;
         for kb in 0..w.k_blocks {
             // SAFETY: initialised barrier of this block.
             unsafe { mbarrier::wait_parity(ring.full(stage), phase) };
             let (a, b) = stage_descriptors::<V>(ring, stage, wg);
             let accumulate = kb > 0;
-            // SAFETY: the stage is full; warpgroup-collective in uniform flow.
+            // SAFETY: the stage is full; warpgroup-collective in uniform flow; `acc` is not read
+            // before the wait below.
             unsafe {
                 match V {
-                    Variant::GATE_UP | Variant::ROWS_NT => wgmma::mma_k64_m64n128_kk(&mut acc, a, b, accumulate),
-                    Variant::ROWS_NN => wgmma::mma_k64_m64n128_kn(&mut acc, a, b, accumulate),
-                    _ => wgmma::mma_k64_m64n128_mn(&mut acc, a, b, accumulate),
+                    Variant::GATE_UP | Variant::ROWS_NT => wgmma::issue_k64_m64n128_kk(&mut acc, a, b, accumulate),
+                    Variant::ROWS_NN => wgmma::issue_k64_m64n128_kn(&mut acc, a, b, accumulate),
+                    _ => wgmma::issue_k64_m64n128_mn(&mut acc, a, b, accumulate),
                 }
             }
-            if thread_in_wg % 32 == 0 {
-                // This warp's MMAs completed (waited inside the call): release the stage.
-                // SAFETY: initialised barrier; 8 arrivals (one per consumer warp) per phase.
-                unsafe { mbarrier::arrive(ring.empty(stage)) };
+            wgmma::wait_keep_one(&mut acc);
+            if let Some(done) = in_flight {
+                release(ring, done, thread_in_wg);
             }
+            in_flight = Some(stage);
             stage += 1;
             if stage == STAGES {
                 stage = 0;
                 phase ^= 1;
             }
+        }
+        wgmma::wait_all(&mut acc);
+        if let Some(done) = in_flight {
+            release(ring, done, thread_in_wg);
         }
         // SAFETY: outputs sized by the host contract.
         unsafe { epilogue::<V>(p, &w, &acc, wg, thread_in_wg) };

@@ -1,0 +1,176 @@
+//! Benchmark of the sm_90a tensor-core GEMM engine next to PyTorch measured in the same device
+//! call (`benches/torch_gemm.py`, passed with `--baseline FILE`): TFLOP/s of every variant for
+//! 8 groups of [8192 × 7168] × [7168 × 4096] and for the frontier shapes' projections, all
+//! experts on one GPU, uniform random top-k routing, random data; with the floors (FLOPs at the
+//! matmul ceiling, bytes at the copy ceiling).
+//!
+//! `gemm [--cases kimi:8192,...] [--baseline FILE] [--matmul-tflops R] [--copy-tbps B]`
+
+use std::collections::HashMap;
+
+use anyhow::{Context, Result};
+use half::bf16;
+use mok::driver::{DeviceBuffer, Gpu};
+use mok::gemm::{EnginePlan, RowGroups, WgradOut, tile_offsets};
+use mok::kernels::num::random_uniform;
+use mok::layout::RoutingLayout;
+use mok::shapes::FrontierShape;
+use mok::unfused::random_bf16;
+
+struct Row {
+    name: String,
+    ms: f64,
+    flop: f64,
+    bytes: f64,
+}
+
+fn time_ms(gpu: &Gpu, mut launch: impl FnMut() -> mok::Result<()>) -> Result<f64> {
+    launch()?;
+    launch()?;
+    let timer = gpu.timer()?;
+    let mut times = Vec::new();
+    for _ in 0..10 {
+        timer.start()?;
+        launch()?;
+        times.push(timer.stop_ms()? as f64);
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
+}
+
+fn random_offsets(tokens: usize, experts: usize, k: usize, seed: u64) -> Vec<u32> {
+    let mut ids = Vec::with_capacity(tokens * k);
+    let mut draw = 0u64;
+    for _ in 0..tokens {
+        let start = ids.len();
+        while ids.len() < start + k {
+            draw += 1;
+            let id = (((random_uniform(seed, draw) + 1.0) / 2.0 * experts as f32) as i32).min(experts as i32 - 1);
+            if !ids[start..].contains(&id) {
+                ids.push(id);
+            }
+        }
+    }
+    RoutingLayout::compute(&ids, k, experts).row_offsets
+}
+
+fn main() -> Result<()> {
+    let mut cases = "kimi:8192,glm:8192,qwen:8192,deepseek:8192".to_string();
+    let (mut baseline_file, mut matmul, mut copy) = (None, 783.0, 4.23);
+    let mut args = std::env::args().skip(1).filter(|a| a != "--bench");
+    while let Some(arg) = args.next() {
+        let mut value = || args.next().with_context(|| format!("{arg} needs a value"));
+        match arg.as_str() {
+            "--cases" => cases = value()?,
+            "--baseline" => baseline_file = Some(value()?),
+            "--matmul-tflops" => matmul = value()?.parse()?,
+            "--copy-tbps" => copy = value()?.parse()?,
+            other => anyhow::bail!("unknown argument {other}"),
+        }
+    }
+    let gpu = match mok::open_gpu(0) {
+        Ok(gpu) if gpu.compute_capability().0 == 9 => gpu,
+        Ok(gpu) => {
+            println!("gemm benchmark: the engine is sm_90a; this GPU is {}; nothing measured.", gpu.name());
+            return Ok(());
+        }
+        Err(e) => {
+            println!("gemm benchmark: no usable GPU ({e}); nothing measured.");
+            return Ok(());
+        }
+    };
+    let mut baseline: HashMap<String, (f64, f64)> = HashMap::new();
+    if let Some(path) = baseline_file {
+        for line in std::fs::read_to_string(&path)?.lines().filter(|l| l.starts_with("TORCHGEMM ")) {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            baseline.insert(f[1].to_string(), (f[2].parse()?, f[3].parse()?));
+        }
+    }
+    let mut rows_out: Vec<Row> = Vec::new();
+
+    // Dense: 8 groups of 8192 rows, K = 7168, N = 4096 (rows_nt, f32 out).
+    {
+        let (g, m, k, n) = (8usize, 8192usize, 7168usize, 4096usize);
+        let a = random_bf16(&gpu, g * m * k, 1, 1.0)?;
+        let w = random_bf16(&gpu, g * n * k, 2, 0.02)?;
+        let out = DeviceBuffer::<f32>::alloc(&gpu, g * m * n)?;
+        let offsets: Vec<u32> = (0..=g as u32).map(|i| i * m as u32).collect();
+        let row_offsets = DeviceBuffer::from_slice(&gpu, &offsets)?;
+        let tiles = tile_offsets(&gpu, &row_offsets, g)?;
+        let groups = RowGroups { row_offsets: &row_offsets, tile_offsets: &tiles, groups: g, capacity: g * m };
+        let plan = EnginePlan::rows_nt(&gpu, &a, &groups, &w, (n, k), &out)?;
+        let ms = time_ms(&gpu, || plan.launch(&gpu))?;
+        let flop = 2.0 * (g * m * k * n) as f64;
+        rows_out.push(Row { name: "dense8".into(), ms, flop, bytes: 2.0 * (g * (m * k + k * n)) as f64 + 4.0 * (g * m * n) as f64 });
+    }
+
+    for case in cases.split(',') {
+        let (name, tokens) = case.split_once(':').context("case is shape:tokens")?;
+        let shape = FrontierShape::by_name(name).context("unknown shape")?;
+        let tokens: usize = tokens.parse()?;
+        let (e, h, i, k) = (shape.experts, shape.hidden, shape.intermediate, shape.top_k);
+        let cap = tokens * k;
+        let offsets = random_offsets(tokens, e, k, 9);
+        let rows = offsets[e] as usize;
+        let row_offsets = DeviceBuffer::from_slice(&gpu, &offsets)?;
+        let tiles = tile_offsets(&gpu, &row_offsets, e)?;
+        let groups = RowGroups { row_offsets: &row_offsets, tile_offsets: &tiles, groups: e, capacity: cap };
+        let x = random_bf16(&gpu, cap * h, 3, 1.0)?;
+        let w_gate = random_bf16(&gpu, e * i * h, 4, 0.02)?;
+        let w_up = random_bf16(&gpu, e * i * h, 5, 0.02)?;
+        let w_down = random_bf16(&gpu, e * h * i, 6, 0.02)?;
+        let hidden = DeviceBuffer::<bf16>::alloc(&gpu, cap * i)?;
+        let out_h = DeviceBuffer::<f32>::alloc(&gpu, cap * h)?;
+        let out_i = DeviceBuffer::<f32>::alloc(&gpu, cap * i)?;
+        let dy = random_bf16(&gpu, cap * h, 7, 1.0)?;
+        let d_gate = random_bf16(&gpu, cap * i, 8, 1.0)?;
+        let d_up = random_bf16(&gpu, cap * i, 10, 1.0)?;
+        let dw = DeviceBuffer::<bf16>::alloc(&gpu, e * h * i)?;
+        let dw2 = DeviceBuffer::<bf16>::alloc(&gpu, e * h * i)?;
+        let weights = 2.0 * (e * h * i) as f64;
+        let (r, hf, inf) = (rows as f64, h as f64, i as f64);
+        let tag = |what: &str| format!("{name}:{tokens}:{what}");
+
+        let plan = EnginePlan::gate_up(&gpu, &x, &groups, &w_gate, &w_up, (h, i), None, &hidden, None)?;
+        let ms = time_ms(&gpu, || plan.launch(&gpu))?;
+        rows_out.push(Row { name: tag("gate_up"), ms, flop: 4.0 * r * hf * inf, bytes: 2.0 * weights + 2.0 * r * hf + 2.0 * r * inf });
+        let plan = EnginePlan::rows_nt(&gpu, &hidden, &groups, &w_down, (h, i), &out_h)?;
+        let ms = time_ms(&gpu, || plan.launch(&gpu))?;
+        rows_out.push(Row { name: tag("down"), ms, flop: 2.0 * r * hf * inf, bytes: weights + 2.0 * r * inf + 4.0 * r * hf });
+        let plan = EnginePlan::rows_nn(&gpu, (&dy, &w_down), None, &groups, (i, h), &out_i)?;
+        let ms = time_ms(&gpu, || plan.launch(&gpu))?;
+        rows_out.push(Row { name: tag("dgrad_down"), ms, flop: 2.0 * r * hf * inf, bytes: weights + 2.0 * r * hf + 4.0 * r * inf });
+        let plan = EnginePlan::rows_nn(&gpu, (&d_gate, &w_gate), Some((&d_up, &w_up)), &groups, (h, i), &out_h)?;
+        let ms = time_ms(&gpu, || plan.launch(&gpu))?;
+        rows_out.push(Row { name: tag("dgrad_gate_up"), ms, flop: 4.0 * r * hf * inf, bytes: 2.0 * weights + 4.0 * r * inf + 4.0 * r * hf });
+        let plan = EnginePlan::wgrad(&gpu, &dy, &hidden, &row_offsets, (e, cap), (h, i), WgradOut::Bf16(&dw))?;
+        let ms = time_ms(&gpu, || plan.launch(&gpu))?;
+        rows_out.push(Row { name: tag("wgrad_down"), ms, flop: 2.0 * r * hf * inf, bytes: weights + 2.0 * r * (hf + inf) });
+        let plan_g = EnginePlan::wgrad(&gpu, &d_gate, &x, &row_offsets, (e, cap), (i, h), WgradOut::Bf16(&dw))?;
+        let plan_u = EnginePlan::wgrad(&gpu, &d_up, &x, &row_offsets, (e, cap), (i, h), WgradOut::Bf16(&dw2))?;
+        let ms = time_ms(&gpu, || {
+            plan_g.launch(&gpu)?;
+            plan_u.launch(&gpu)
+        })?;
+        rows_out.push(Row { name: tag("wgrad_gate_up"), ms, flop: 4.0 * r * hf * inf, bytes: 2.0 * weights + 2.0 * r * (hf + 2.0 * inf) });
+    }
+
+    println!("| case | mok ms | mok TFLOP/s | torch ms | torch TFLOP/s | mok / torch | floor ms (FLOP / bytes) |");
+    println!("|---|---|---|---|---|---|---|");
+    for row in &rows_out {
+        let tflops = row.flop / row.ms / 1e9;
+        let key = if row.name == "dense8" { "dense8-matmul".to_string() } else { row.name.clone() };
+        let (tms, ttf, ratio) = match baseline.get(&key) {
+            Some(&(ms, tf)) => (format!("{ms:.3}"), format!("{tf:.0}"), format!("{:.2}x", ms / row.ms)),
+            None => ("-".into(), "-".into(), "-".into()),
+        };
+        let (ff, fb) = (row.flop / (matmul * 1e9), row.bytes / (copy * 1e9));
+        println!("| {} | {:.3} | {tflops:.0} | {tms} | {ttf} | {ratio} | {:.3} ({ff:.3} / {fb:.3}) |", row.name, row.ms, ff.max(fb));
+        if row.name == "dense8" {
+            if let Some(&(ms, tf)) = baseline.get("dense8-grouped_mm") {
+                println!("| dense8 vs _grouped_mm | | | {ms:.3} | {tf:.0} | {:.2}x | |", ms / row.ms);
+            }
+        }
+    }
+    Ok(())
+}
