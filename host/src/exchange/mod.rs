@@ -181,6 +181,11 @@ impl Exchange {
         self.heap.map(region, rank)
     }
 
+    /// Switches between the bulk-copy and the vector movers for later passes.
+    pub fn set_bulk_copies(&mut self, bulk: bool) {
+        self.options.bulk_copies = bulk;
+    }
+
     /// Test hook: make `rank` silent in the given way from now on (`None`: everyone talks).
     pub fn set_silent_rank(&mut self, silent: Option<(usize, Silence)>) {
         self.silent = silent;
@@ -390,14 +395,23 @@ impl Exchange {
         self.pull(gpus, 1)
     }
 
-    fn push_and_sum(&self, gpus: &[&Gpu], pass: u32, rows: &[u64], bases: &[u64], outs: &[u64]) -> Result<()> {
+    fn check_per_rank(&self, what: &'static str, addresses: &[u64]) -> Result<()> {
         let locals = self.heap.local_ranks().len();
-        if rows.len() != locals || bases.len() != locals || outs.len() != locals {
+        if addresses.len() != locals {
             return Err(MokError::InvalidInput {
-                tensor: "exchange rows",
-                problem: format!("one rows/base/out address per local rank ({locals}) is needed"),
+                tensor: what,
+                problem: format!("{} addresses for {locals} local ranks (one each)", addresses.len()),
             });
         }
+        Ok(())
+    }
+
+    /// The push half of [`Self::combine`] (`backward == false`) or [`Self::reverse_dispatch`]:
+    /// every local rank writes its ring's f32 rows `rows[i]` into the token owners' slot buffers
+    /// and signals them. Separate so a benchmark can time the movers alone.
+    pub fn push(&self, gpus: &[&Gpu], backward: bool, rows: &[u64]) -> Result<()> {
+        self.check_per_rank("rows", rows)?;
+        let pass = backward as u32;
         for (i, rank) in self.local() {
             if self.silent(rank, Silence::Push) {
                 continue;
@@ -422,6 +436,16 @@ impl Exchange {
                 )?;
             }
         }
+        Ok(())
+    }
+
+    /// The token-owner half of [`Self::combine`] / [`Self::reverse_dispatch`]: every local rank
+    /// waits (bounded) for each token tile's rows from every expert owner, then writes
+    /// `outs[i]` from `bases[i]` and its slots in fixed order.
+    pub fn sum(&self, gpus: &[&Gpu], backward: bool, bases: &[u64], outs: &[u64]) -> Result<()> {
+        self.check_per_rank("bases", bases)?;
+        self.check_per_rank("outs", outs)?;
+        let pass = backward as u32;
         for (i, rank) in self.local() {
             gpu_of(gpus, i).launch(
                 "mok_ep_combine",
@@ -437,12 +461,14 @@ impl Exchange {
     /// waits for its tiles and writes `outs[i]` = `bf16(base + Σ_j w_j · slot_j)` (`[T][H]` bf16;
     /// `bases[i]` the shared expert's f32 output or 0).
     pub fn combine(&self, gpus: &[&Gpu], rows: &[u64], bases: &[u64], outs: &[u64]) -> Result<()> {
-        self.push_and_sum(gpus, 0, rows, bases, outs)
+        self.push(gpus, false, rows)?;
+        self.sum(gpus, false, bases, outs)
     }
 
     /// Backward reverse-dispatch: like [`Self::combine`] for the f32 dx rows, summed unweighted.
     pub fn reverse_dispatch(&self, gpus: &[&Gpu], rows: &[u64], bases: &[u64], outs: &[u64]) -> Result<()> {
-        self.push_and_sum(gpus, 1, rows, bases, outs)
+        self.push(gpus, true, rows)?;
+        self.sum(gpus, true, bases, outs)
     }
 
     /// Device address of `rank`'s ring row count (`ring_row_offsets[L]`), for the compute.

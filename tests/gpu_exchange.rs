@@ -1,0 +1,493 @@
+//! GPU tests of the expert-parallel exchange with virtual ranks (P ranks in one GPU; feature
+//! `gpu-tests`). Every comparison here is exact: the exchange moves bits, the schedule is integer
+//! logic, and the combine sums in a fixed order that the CPU repeats in f32.
+//!
+//! - the device schedule equals the CPU schedule written from its definition, for P in
+//!   {1, 2, 3, 4, 8};
+//! - dispatch then combine (and reverse-combine then reverse-dispatch) of random rows equal the
+//!   CPU permutation and the CPU's f32 sums bitwise, over two passes through the same counters;
+//! - the layer over P ranks (exchange + the unfused expert compute) gives the P = 1 unfused
+//!   path's bits for every output and gradient, for every P, and across runs;
+//! - a ring too small reports the rows it needs; a peer that never signals is reported as a
+//!   timeout naming the counter, the expected value and the rank — not a hang.
+//!
+//! Tests whose name contains `bulk` use the bulk-copy movers (`cp.async.bulk` through shared
+//! memory); the others the 16-byte vector movers.
+#![cfg(feature = "gpu-tests")]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{Routing, fingerprint, random_bf16, random_case, random_routing};
+use half::bf16;
+use mok::MoeConfig;
+use mok::MokError;
+use mok::driver::{DeviceBuffer, Gpu};
+use mok::ep::EpLayer;
+use mok::exchange::reference::{OwnerSchedule, reference_schedule};
+use mok::exchange::{Exchange, ExchangeOptions, Silence};
+use mok::kernels::layout::NO_ROW;
+use mok::kernels::num::{f32_to_bf16_rne, random_uniform};
+use mok::problem::{ExpertWeights, RoutedTokens};
+use mok::unfused::{DeviceExperts, DeviceSharedExpert, DeviceTokens, UnfusedLayer};
+
+fn gpu() -> Gpu {
+    mok::open_gpu(0).unwrap_or_else(|e| {
+        panic!("GPU tests need an NVIDIA Hopper or Blackwell GPU with its driver; this machine: {e}")
+    })
+}
+
+const RANK_COUNTS: [usize; 5] = [1, 2, 3, 4, 8];
+
+/// A global problem of `tokens` tokens split over `p` ranks.
+fn rank_config(global: &MoeConfig, p: usize) -> MoeConfig {
+    MoeConfig { tokens_per_rank: global.tokens_per_rank / p, ep_ranks: p, ..global.clone() }
+}
+
+/// Rank `rank`'s share of global per-token data of `width` elements per token.
+fn share<T: Copy>(data: &[T], p: usize, rank: usize, width: usize) -> Vec<T> {
+    let per = data.len() / p;
+    assert_eq!(per % width, 0);
+    data[rank * per..(rank + 1) * per].to_vec()
+}
+
+fn random_f32(count: usize, seed: u64) -> Vec<f32> {
+    (0..count).map(|i| random_uniform(seed, i as u64)).collect()
+}
+
+/// Reads `len` elements of `region` of `rank`'s slice.
+fn read<T: bytemuck::Pod>(exchange: &Exchange, gpu: &Gpu, rank: usize, region: u64, len: usize) -> Vec<T> {
+    // SAFETY: every caller names a region of the exchange's layout with at most its length.
+    unsafe { exchange.download_region(gpu, rank, region, len) }.unwrap()
+}
+
+/// The owner schedule as the device wrote it.
+fn device_schedule(exchange: &Exchange, gpu: &Gpu, rank: usize) -> OwnerSchedule {
+    let s = *exchange.shape();
+    let (p, l) = (s.world as usize, s.local_experts() as usize);
+    let r = *exchange.regions();
+    let row_offsets: Vec<u32> = read(exchange, gpu, rank, r.ring_row_offsets, l + 1);
+    let rows = row_offsets[l] as usize;
+    let ranks: Vec<u32> = read(exchange, gpu, rank, r.ring_source_rank, rows);
+    let slots: Vec<u32> = read(exchange, gpu, rank, r.ring_source_slot, rows);
+    OwnerSchedule {
+        counts: read(exchange, gpu, rank, r.peer_counts, p * l),
+        tile_offsets: read(exchange, gpu, rank, r.ring_tile_offsets, l + 1),
+        recv_base: read(exchange, gpu, rank, r.recv_base, l * p + 1),
+        ring_source: ranks.into_iter().zip(slots).collect(),
+        row_offsets,
+    }
+}
+
+/// The mover tests' problem: T = 240 global tokens (every P in RANK_COUNTS divides it), E = 24,
+/// k = 4, H = 264 (not a multiple of the 32-lane stride), dropped slots and an empty expert.
+fn mover_config() -> MoeConfig {
+    MoeConfig::new(240, 264, 64, 24, 4)
+}
+
+const MOVER_ROUTING: Routing<'static> = Routing { drop_probability: 0.1, empty_experts: &[5] };
+
+/// Per-rank tokens of a random global routing.
+fn rank_tokens(global: &MoeConfig, p: usize, seed: u64) -> Vec<RoutedTokens> {
+    let (ids, weights) = random_routing(global, seed, MOVER_ROUTING);
+    let (t, h, k) = (global.tokens_per_rank, global.hidden, global.top_k);
+    let x = random_bf16(t * h, seed ^ 0x77, 1.0);
+    (0..p)
+        .map(|rank| RoutedTokens {
+            x: share(&x, p, rank, h),
+            topk_ids: share(&ids, p, rank, k),
+            topk_weights: share(&weights, p, rank, k),
+        })
+        .collect()
+}
+
+#[test]
+fn schedule_equals_the_cpu_definition_for_every_p() {
+    let gpu = gpu();
+    let global = mover_config();
+    for p in RANK_COUNTS {
+        let config = rank_config(&global, p);
+        let mut exchange = Exchange::new_virtual(&gpu, &config, ExchangeOptions::default()).unwrap();
+        let tokens = rank_tokens(&global, p, 11 + p as u64);
+        for (rank, t) in tokens.iter().enumerate() {
+            exchange.upload_tokens(&gpu, rank, &config, t).unwrap();
+        }
+        exchange.schedule(&[&gpu]).unwrap();
+        exchange.check_errors(&[&gpu]).unwrap();
+        let ids: Vec<&[i32]> = tokens.iter().map(|t| t.topk_ids.as_slice()).collect();
+        let expected = reference_schedule(&ids, config.top_k, config.num_experts);
+        let total: usize = expected.iter().map(|s| s.ring_source.len()).sum();
+        for (rank, want) in expected.iter().enumerate() {
+            assert_eq!(device_schedule(&exchange, &gpu, rank), *want, "P = {p}, owner {rank}");
+        }
+        println!("  P = {p}: schedule of {total} rows equals the CPU definition");
+    }
+}
+
+/// One pass of all four movers with random payloads, checked bitwise against the CPU.
+fn check_movers(gpu: &Gpu, global: &MoeConfig, p: usize, options: ExchangeOptions, passes: usize) {
+    let config = rank_config(global, p);
+    let (t, h, k) = (config.tokens_per_rank, config.hidden, config.top_k);
+    let mut exchange = Exchange::new_virtual(gpu, &config, options).unwrap();
+    let capacity = exchange.shape().capacity as usize;
+    let r = *exchange.regions();
+    for pass in 0..passes {
+        let seed = 100 * p as u64 + pass as u64;
+        let tokens = rank_tokens(global, p, seed);
+        for (rank, tok) in tokens.iter().enumerate() {
+            exchange.upload_tokens(gpu, rank, &config, tok).unwrap();
+        }
+        let ids: Vec<&[i32]> = tokens.iter().map(|t| t.topk_ids.as_slice()).collect();
+        let schedule = reference_schedule(&ids, k, config.num_experts);
+        let gpus = [gpu];
+        exchange.schedule(&gpus).unwrap();
+        exchange.dispatch(&gpus).unwrap();
+        // Forward combine: random f32 result rows per owner, random shared terms on even ranks.
+        let rows: Vec<Vec<f32>> = (0..p).map(|o| random_f32(capacity * h, seed ^ (0x1000 + o as u64))).collect();
+        let bases: Vec<Option<Vec<f32>>> =
+            (0..p).map(|s| (s % 2 == 0).then(|| random_f32(t * h, seed ^ (0x2000 + s as u64)))).collect();
+        let row_buffers: Vec<DeviceBuffer<f32>> =
+            rows.iter().map(|v| DeviceBuffer::from_slice(gpu, v).unwrap()).collect();
+        let base_buffers: Vec<Option<DeviceBuffer<f32>>> =
+            bases.iter().map(|b| b.as_ref().map(|v| DeviceBuffer::from_slice(gpu, v).unwrap())).collect();
+        let outs: Vec<DeviceBuffer<bf16>> = (0..p).map(|_| DeviceBuffer::alloc(gpu, t * h).unwrap()).collect();
+        let ptrs = |b: &[DeviceBuffer<f32>]| b.iter().map(|x| x.device_ptr()).collect::<Vec<_>>();
+        let base_ptrs: Vec<u64> = base_buffers.iter().map(|b| b.as_ref().map_or(0, |x| x.device_ptr())).collect();
+        let out_ptrs: Vec<u64> = outs.iter().map(|b| b.device_ptr()).collect();
+        exchange.combine(&gpus, &ptrs(&row_buffers), &base_ptrs, &out_ptrs).unwrap();
+        // Backward: dy, then the reverse movers with other random rows.
+        let dys: Vec<Vec<bf16>> = (0..p).map(|s| random_bf16(t * h, seed ^ (0x3000 + s as u64), 1.0)).collect();
+        for (rank, dy) in dys.iter().enumerate() {
+            exchange.upload_dy(gpu, rank, dy).unwrap();
+        }
+        exchange.begin_backward(&gpus).unwrap();
+        exchange.reverse_combine(&gpus).unwrap();
+        let dx_rows: Vec<Vec<f32>> = (0..p).map(|o| random_f32(capacity * h, seed ^ (0x4000 + o as u64))).collect();
+        let dx_buffers: Vec<DeviceBuffer<f32>> =
+            dx_rows.iter().map(|v| DeviceBuffer::from_slice(gpu, v).unwrap()).collect();
+        let dx_outs: Vec<DeviceBuffer<bf16>> = (0..p).map(|_| DeviceBuffer::alloc(gpu, t * h).unwrap()).collect();
+        let dx_ptrs: Vec<u64> = dx_outs.iter().map(|b| b.device_ptr()).collect();
+        exchange.reverse_dispatch(&gpus, &ptrs(&dx_buffers), &base_ptrs, &dx_ptrs).unwrap();
+        exchange.check_errors(&gpus).unwrap();
+
+        // Dispatch and reverse-combine: the CPU permutation of x and of weight-scaled dy.
+        for (owner, sched) in schedule.iter().enumerate() {
+            let n = sched.ring_source.len();
+            let ring_x: Vec<bf16> = read(&exchange, gpu, owner, r.ring_x, n * h);
+            let ring_dy: Vec<bf16> = read(&exchange, gpu, owner, r.ring_dy, n * h);
+            for (row, &(source, slot)) in sched.ring_source.iter().enumerate() {
+                let (s, slot) = (source as usize, slot as usize);
+                let token = slot / k;
+                let x = &tokens[s].x[token * h..(token + 1) * h];
+                assert!(ring_x[row * h..(row + 1) * h] == *x, "P = {p}, owner {owner}: ring_x row {row} differs");
+                let w = tokens[s].topk_weights[slot];
+                let scaled: Vec<u16> =
+                    dys[s][token * h..(token + 1) * h].iter().map(|v| f32_to_bf16_rne(w * v.to_f32())).collect();
+                let got: Vec<u16> = ring_dy[row * h..(row + 1) * h].iter().map(|v| v.to_bits()).collect();
+                assert!(got == scaled, "P = {p}, owner {owner}: ring_dy row {row} differs");
+            }
+        }
+        // Combine and reverse-dispatch: the slots hold the owners' rows, the sums the CPU's.
+        for s in 0..p {
+            let mut expected_slots = vec![f32::NAN; t * k * h];
+            let mut expected_dx_slots = vec![f32::NAN; t * k * h];
+            for (owner, sched) in schedule.iter().enumerate() {
+                for (row, &(source, slot)) in sched.ring_source.iter().enumerate() {
+                    if source as usize == s {
+                        let slot = slot as usize;
+                        expected_slots[slot * h..(slot + 1) * h].copy_from_slice(&rows[owner][row * h..(row + 1) * h]);
+                        expected_dx_slots[slot * h..(slot + 1) * h]
+                            .copy_from_slice(&dx_rows[owner][row * h..(row + 1) * h]);
+                    }
+                }
+            }
+            let slots: Vec<f32> = read(&exchange, gpu, s, r.combine_slots, t * k * h);
+            let dx_slots: Vec<f32> = read(&exchange, gpu, s, r.dx_slots, t * k * h);
+            let slot_row: Vec<u32> = read(&exchange, gpu, s, r.slot_row, t * k);
+            let (mut y, mut dx) = (Vec::with_capacity(t * h), Vec::with_capacity(t * h));
+            for token in 0..t {
+                for c in 0..h {
+                    let base = bases[s].as_ref().map_or(0.0, |b| b[token * h + c]);
+                    let (mut acc, mut acc_dx) = (base, base);
+                    for j in 0..k {
+                        let slot = token * k + j;
+                        if slot_row[slot] == NO_ROW {
+                            continue;
+                        }
+                        assert_eq!(slots[slot * h + c].to_bits(), expected_slots[slot * h + c].to_bits());
+                        assert_eq!(dx_slots[slot * h + c].to_bits(), expected_dx_slots[slot * h + c].to_bits());
+                        acc += tokens[s].topk_weights[slot] * expected_slots[slot * h + c];
+                        acc_dx += 1.0 * expected_dx_slots[slot * h + c];
+                    }
+                    y.push(f32_to_bf16_rne(acc));
+                    dx.push(f32_to_bf16_rne(acc_dx));
+                }
+            }
+            let got_y: Vec<u16> = outs[s].download().unwrap().iter().map(|v| v.to_bits()).collect();
+            let got_dx: Vec<u16> = dx_outs[s].download().unwrap().iter().map(|v| v.to_bits()).collect();
+            assert!(got_y == y, "P = {p}, rank {s}: combined y differs from the CPU's f32 sum");
+            assert!(got_dx == dx, "P = {p}, rank {s}: combined dx differs from the CPU's f32 sum");
+        }
+        let moved: usize = schedule.iter().map(|s| s.ring_source.len()).sum();
+        println!("  P = {p}, pass {pass}: {moved} rows dispatched, combined, pulled and pushed back bitwise");
+    }
+}
+
+#[test]
+fn movers_equal_the_cpu_permutation_bitwise() {
+    let gpu = gpu();
+    for p in RANK_COUNTS {
+        // Two passes through the same heap: the arrival counters are monotonic and the
+        // baselines must carry over.
+        check_movers(&gpu, &mover_config(), p, ExchangeOptions::default(), 2);
+    }
+}
+
+#[test]
+fn bulk_movers_equal_the_cpu_permutation_bitwise() {
+    let gpu = gpu();
+    for p in [1, 3, 8] {
+        check_movers(&gpu, &mover_config(), p, ExchangeOptions { bulk_copies: true, ..Default::default() }, 2);
+    }
+}
+
+/// The layer's outputs on the host, concatenated over ranks in rank order.
+struct LayerBits {
+    y: Vec<bf16>,
+    dx: Vec<bf16>,
+    d_topk_weights: Vec<f32>,
+    dw: [Vec<bf16>; 3],
+}
+
+impl LayerBits {
+    fn prints(&self) -> [u64; 6] {
+        [
+            fingerprint(&self.y),
+            fingerprint(&self.dx),
+            fingerprint(&self.d_topk_weights),
+            fingerprint(&self.dw[0]),
+            fingerprint(&self.dw[1]),
+            fingerprint(&self.dw[2]),
+        ]
+    }
+}
+
+fn ep_config() -> MoeConfig {
+    MoeConfig { shared_intermediate: Some(64), swiglu_limit: Some(2.0), ..MoeConfig::new(240, 136, 96, 24, 4) }
+}
+
+fn split_weights(weights: &ExpertWeights, p: usize) -> Vec<ExpertWeights> {
+    (0..p)
+        .map(|r| ExpertWeights {
+            w_gate: share(&weights.w_gate, p, r, 1),
+            w_up: share(&weights.w_up, p, r, 1),
+            w_down: share(&weights.w_down, p, r, 1),
+        })
+        .collect()
+}
+
+fn run_ep(gpu: &Gpu, case: &common::Case, p: usize, options: ExchangeOptions) -> LayerBits {
+    let config = rank_config(&case.config, p);
+    let (h, k) = (config.hidden, config.top_k);
+    let mut layer = EpLayer::new_virtual(gpu, config.clone(), options).unwrap();
+    layer.poison().unwrap();
+    let experts: Vec<DeviceExperts> =
+        split_weights(&case.experts, p).iter().map(|w| DeviceExperts::upload(gpu, &config, w).unwrap()).collect();
+    let shared = case.shared.as_ref().map(|s| DeviceSharedExpert::upload(gpu, &config, s).unwrap());
+    for rank in 0..p {
+        let tokens = RoutedTokens {
+            x: share(&case.tokens.x, p, rank, h),
+            topk_ids: share(&case.tokens.topk_ids, p, rank, k),
+            topk_weights: share(&case.tokens.topk_weights, p, rank, k),
+        };
+        layer.upload_tokens(gpu, rank, &tokens).unwrap();
+        layer.upload_dy(gpu, rank, &share(&case.dy, p, rank, h)).unwrap();
+    }
+    layer.forward(gpu, &experts, shared.as_ref()).unwrap();
+    layer.backward(gpu, &experts, shared.as_ref()).unwrap();
+    layer.check_errors(gpu).unwrap();
+    let mut bits = LayerBits { y: vec![], dx: vec![], d_topk_weights: vec![], dw: [vec![], vec![], vec![]] };
+    for rank in 0..p {
+        let out = layer.outputs(rank);
+        bits.y.extend(out.y.download().unwrap());
+        bits.dx.extend(out.dx.download().unwrap());
+        bits.d_topk_weights.extend(out.d_topk_weights.download().unwrap());
+        for (all, part) in bits.dw.iter_mut().zip(out.dw) {
+            all.extend(part.download().unwrap());
+        }
+    }
+    bits
+}
+
+fn assert_same_bits(what: &str, got: &LayerBits, want: &LayerBits) {
+    let same = |a: &[bf16], b: &[bf16]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()) && a.len() == b.len();
+    assert!(same(&got.y, &want.y), "{what}: y differs");
+    assert!(same(&got.dx, &want.dx), "{what}: dx differs");
+    assert!(
+        got.d_topk_weights.iter().map(|v| v.to_bits()).eq(want.d_topk_weights.iter().map(|v| v.to_bits())),
+        "{what}: d_topk_weights differ"
+    );
+    for (name, (g, w)) in ["dw_gate", "dw_up", "dw_down"].iter().zip(got.dw.iter().zip(&want.dw)) {
+        assert!(same(g, w), "{what}: {name} differs");
+    }
+}
+
+/// The P = 1 unfused path's bits for `case`: the foundation's oracle.
+fn unfused_bits(gpu: &Gpu, case: &common::Case) -> LayerBits {
+    let global = &case.config;
+    let mut unfused = UnfusedLayer::new(gpu, global.clone()).unwrap();
+    unfused.poison().unwrap();
+    let tokens = DeviceTokens::upload(gpu, global, &case.tokens).unwrap();
+    let experts = DeviceExperts::upload(gpu, global, &case.experts).unwrap();
+    let shared = case.shared.as_ref().map(|s| DeviceSharedExpert::upload(gpu, global, s).unwrap());
+    let dy = DeviceBuffer::from_slice(gpu, &case.dy).unwrap();
+    unfused.forward(gpu, &tokens, &experts, shared.as_ref()).unwrap();
+    unfused.backward(gpu, &tokens, &experts, shared.as_ref(), &dy).unwrap();
+    gpu.synchronize().unwrap();
+    unfused.check_device_errors().unwrap();
+    let g = &unfused.grads;
+    let bits = LayerBits {
+        y: unfused.y.download().unwrap(),
+        dx: g.dx.download().unwrap(),
+        d_topk_weights: g.d_topk_weights.download().unwrap(),
+        dw: [g.dw_gate.download().unwrap(), g.dw_up.download().unwrap(), g.dw_down.download().unwrap()],
+    };
+    assert!(bits.y.iter().chain(&bits.dx).all(|v| v.is_finite()), "the unfused run left NaN");
+    bits
+}
+
+fn ep_case() -> common::Case {
+    random_case(&ep_config(), 2026, Routing { drop_probability: 0.1, empty_experts: &[7] })
+}
+
+#[test]
+fn ep_layer_matches_the_single_rank_path_bitwise_for_every_p() {
+    let gpu = gpu();
+    let case = ep_case();
+    let want = unfused_bits(&gpu, &case);
+    for p in RANK_COUNTS {
+        let got = run_ep(&gpu, &case, p, ExchangeOptions::default());
+        assert_same_bits(&format!("P = {p}"), &got, &want);
+        println!("  P = {p}: y, dx, d_topk_weights, dW_gate, dW_up, dW_down equal the P = 1 unfused bits");
+    }
+    let again = run_ep(&gpu, &case, 4, ExchangeOptions::default());
+    assert_eq!(again.prints(), want.prints(), "P = 4 run again");
+    println!("  P = 4 again: fingerprints {:016x?}", again.prints());
+}
+
+#[test]
+fn bulk_ep_layer_matches_the_single_rank_path_bitwise() {
+    let gpu = gpu();
+    let case = ep_case();
+    let want = unfused_bits(&gpu, &case);
+    for p in [2, 8] {
+        let got = run_ep(&gpu, &case, p, ExchangeOptions { bulk_copies: true, ..Default::default() });
+        assert_same_bits(&format!("bulk movers, P = {p}"), &got, &want);
+        println!("  bulk movers, P = {p}: every output and gradient equals the P = 1 unfused bits");
+    }
+}
+
+#[test]
+fn ring_overflow_reports_the_rows_needed() {
+    let gpu = gpu();
+    let global = mover_config();
+    let p = 4;
+    let config = rank_config(&global, p);
+    let options = ExchangeOptions { capacity_rows: Some(20), timeout: Duration::from_millis(50), ..Default::default() };
+    let mut exchange = Exchange::new_virtual(&gpu, &config, options).unwrap();
+    let tokens = rank_tokens(&global, p, 5);
+    for (rank, t) in tokens.iter().enumerate() {
+        exchange.upload_tokens(&gpu, rank, &config, t).unwrap();
+    }
+    let ids: Vec<&[i32]> = tokens.iter().map(|t| t.topk_ids.as_slice()).collect();
+    let schedule = reference_schedule(&ids, config.top_k, config.num_experts);
+    let first_overflow = schedule.iter().position(|s| s.ring_source.len() > 20).expect("some owner overflows");
+    // The whole forward runs on: movers skip the empty ring, the combine reports, nothing faults.
+    let start = Instant::now();
+    exchange.schedule(&[&gpu]).unwrap();
+    exchange.dispatch(&[&gpu]).unwrap();
+    let h = config.hidden;
+    let rows = DeviceBuffer::<f32>::alloc(&gpu, 20 * h).unwrap();
+    let outs: Vec<DeviceBuffer<bf16>> =
+        (0..p).map(|_| DeviceBuffer::alloc(&gpu, config.tokens_per_rank * h).unwrap()).collect();
+    exchange
+        .combine(
+            &[&gpu],
+            &vec![rows.device_ptr(); p],
+            &vec![0; p],
+            &outs.iter().map(|o| o.device_ptr()).collect::<Vec<_>>(),
+        )
+        .unwrap();
+    match exchange.check_errors(&[&gpu]) {
+        Err(MokError::Capacity { rank, needed, capacity, .. }) => {
+            assert_eq!((rank, needed, capacity), (first_overflow, schedule[first_overflow].ring_source.len(), 20));
+            println!("  reported: {}", exchange.check_errors(&[&gpu]).unwrap_err());
+        }
+        other => panic!("expected a capacity error, got {other:?}"),
+    }
+    assert!(start.elapsed() < Duration::from_secs(10), "the failed pass took {:?}", start.elapsed());
+}
+
+#[test]
+fn a_silent_peer_is_a_reported_timeout_not_a_hang() {
+    let gpu = gpu();
+    let global = mover_config();
+    let p = 2;
+    let config = rank_config(&global, p);
+    let (t, h) = (config.tokens_per_rank, config.hidden);
+    let options = ExchangeOptions { timeout: Duration::from_millis(50), ..Default::default() };
+    let mut exchange = Exchange::new_virtual(&gpu, &config, options).unwrap();
+    let tokens = rank_tokens(&global, p, 9);
+    for (rank, tok) in tokens.iter().enumerate() {
+        exchange.upload_tokens(&gpu, rank, &config, tok).unwrap();
+    }
+    let capacity = exchange.shape().capacity as usize;
+    let rows: Vec<DeviceBuffer<f32>> =
+        (0..p).map(|o| DeviceBuffer::from_slice(&gpu, &random_f32(capacity * h, o as u64)).unwrap()).collect();
+    let row_ptrs: Vec<u64> = rows.iter().map(|r| r.device_ptr()).collect();
+    let outs: Vec<DeviceBuffer<bf16>> = (0..p).map(|_| DeviceBuffer::alloc(&gpu, t * h).unwrap()).collect();
+    let out_ptrs: Vec<u64> = outs.iter().map(|o| o.device_ptr()).collect();
+    let forward = |exchange: &mut Exchange| {
+        exchange.schedule(&[&gpu]).unwrap();
+        exchange.dispatch(&[&gpu]).unwrap();
+        exchange.combine(&[&gpu], &row_ptrs, &[0, 0], &out_ptrs).unwrap();
+        exchange.check_errors(&[&gpu])
+    };
+
+    // 1. Rank 1 never publishes: rank 0's schedule waits for its flag.
+    exchange.set_silent_rank(Some((1, Silence::Publish)));
+    let start = Instant::now();
+    let error = forward(&mut exchange).unwrap_err();
+    println!("  silent publish ({:?}): {error}", start.elapsed());
+    match &error {
+        MokError::Timeout { rank: Some(0), peer: Some(1), waited_for, detail } => {
+            assert!(waited_for.contains("publish"), "{waited_for}");
+            assert!(detail.contains("expected epoch 1"), "{detail}");
+        }
+        other => panic!("expected rank 0 to time out on rank 1's publish flag, got {other:?}"),
+    }
+    assert!(start.elapsed() < Duration::from_secs(5), "took {:?}", start.elapsed());
+
+    // 2. After a reset, rank 1 publishes but never pushes: rank 0's combine waits for its rows.
+    exchange.reset(&[&gpu]).unwrap();
+    exchange.set_silent_rank(Some((1, Silence::Push)));
+    let start = Instant::now();
+    let error = forward(&mut exchange).unwrap_err();
+    println!("  silent push ({:?}): {error}", start.elapsed());
+    match &error {
+        MokError::Timeout { rank: Some(0), peer: Some(1), waited_for, detail } => {
+            assert!(waited_for.contains("combine"), "{waited_for}");
+            assert!(detail.contains("0 arrived"), "{detail}");
+        }
+        other => panic!("expected rank 0 to time out on rank 1's combine rows, got {other:?}"),
+    }
+    assert!(start.elapsed() < Duration::from_secs(5), "took {:?}", start.elapsed());
+
+    // 3. After a reset with everyone talking, the exchange works again.
+    exchange.reset(&[&gpu]).unwrap();
+    exchange.set_silent_rank(None);
+    forward(&mut exchange).unwrap();
+    let y = outs[0].download().unwrap();
+    assert!(y.iter().all(|v| v.is_finite()), "y after recovery");
+}
