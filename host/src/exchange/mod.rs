@@ -257,6 +257,13 @@ impl Exchange {
     /// Forward schedule: route every local rank's slots, publish a new epoch, then (each rank
     /// as expert owner) exchange counts, place the segments and build the inverse map.
     pub fn schedule(&mut self, gpus: &[&Gpu]) -> Result<()> {
+        self.route_and_publish(gpus)?;
+        self.place(gpus)
+    }
+
+    /// The first half of [`Self::schedule`]: every local rank lays out its own slots (the
+    /// single-rank routing kernels) and publishes a new epoch.
+    pub fn route_and_publish(&mut self, gpus: &[&Gpu]) -> Result<()> {
         self.epoch = self.epoch.wrapping_add(1).max(1);
         let s = self.shape;
         let (t, k, e) = (s.tokens, s.top_k, s.num_experts);
@@ -297,7 +304,13 @@ impl Exchange {
                 &[Ptr(self.params_ptr(i)), U32(rank as u32)],
             )?;
         }
-        self.publish_all(gpus)?;
+        self.publish_all(gpus)
+    }
+
+    /// The second half of [`Self::schedule`]: every local rank, as expert owner, waits for the
+    /// epoch, exchanges counts, places the segments (capacity checked) and builds the inverse map.
+    pub fn place(&self, gpus: &[&Gpu]) -> Result<()> {
+        let s = self.shape;
         for (i, rank) in self.local() {
             let gpu = gpu_of(gpus, i);
             let params = Ptr(self.params_ptr(i));
@@ -446,11 +459,20 @@ impl Exchange {
         self.check_per_rank("bases", bases)?;
         self.check_per_rank("outs", outs)?;
         let pass = backward as u32;
+        let s = self.shape;
         for (i, rank) in self.local() {
-            gpu_of(gpus, i).launch(
+            let gpu = gpu_of(gpus, i);
+            let (params, rank) = (Ptr(self.params_ptr(i)), U32(rank as u32));
+            gpu.launch(
+                "mok_ep_wait_arrivals",
+                LaunchShape::linear(grid_stride_blocks(gpu, (s.chunks() * s.world) as usize), ROW_KERNEL_THREADS),
+                &[params, rank, U32(pass), U32(self.epoch)],
+            )?;
+            let quads = s.tokens as usize * s.hidden as usize / 4;
+            gpu.launch(
                 "mok_ep_combine",
-                LaunchShape { grid: (self.shape.chunks(), 1, 1), threads: 256, smem_bytes: 16 },
-                &[Ptr(self.params_ptr(i)), U32(rank as u32), U32(pass), U32(self.epoch), Ptr(bases[i]), Ptr(outs[i])],
+                LaunchShape::linear(grid_stride_blocks(gpu, quads), ROW_KERNEL_THREADS),
+                &[params, rank, U32(pass), Ptr(bases[i]), Ptr(outs[i])],
             )?;
         }
         Ok(())
@@ -588,6 +610,7 @@ pub const KERNEL_NAMES: &[&str] = &[
     "mok_ep_push",
     "mok_ep_push_bulk",
     "mok_ep_wait_tiles",
+    "mok_ep_wait_arrivals",
     "mok_ep_combine",
 ];
 

@@ -1,5 +1,7 @@
 //! The token owner's side of a push (device only): wait until every expert owner's rows of a
-//! token tile have landed, then sum each token's slots in fixed order.
+//! token tile have landed ([`wait_arrivals`]), then sum each token's slots in fixed order
+//! ([`sum_slots`]). The two are separate so the sum can use the whole GPU: one thread per
+//! (token tile, owner) waits, every thread of a wide grid sums.
 //!
 //! `out[t] = bf16(base[t] + Σ_j w[t,j] · slots[t·k + j])` in f32: the base (the shared expert's
 //! output, or its dx contribution) first, then slots j = 0..k in order, dropped slots skipped,
@@ -13,37 +15,29 @@ use super::wait::wait_until;
 use super::{Pass, RankView};
 use crate::layout::{NO_ROW, ROUTE_CHUNK_TOKENS};
 use crate::ptx::convert::f32x2_to_bf16x2;
-use crate::ptx::memory::{ld_global_v4, ld_shared_u32, st_shared_u32};
-use crate::ptx::{sreg, sync};
+use crate::ptx::memory::ld_global_v4;
 
-/// Block-collective: waits (bounded) for the rows of token tile `chunk` from every expert owner,
-/// advancing this rank's baselines, then writes `out` for the tile's tokens. `base` is
-/// `[T][H]` f32 or null; forward weights each slot by `topk_weights`, backward by 1. `flag` is 4
-/// bytes of this block's shared memory. On a timeout the record names the silent rank and the
-/// tile, and the block writes nothing.
+/// One thread: waits (bounded) until expert owner `owner` has pushed every row of token tile
+/// `chunk` for `pass`, then advances this rank's baseline for that counter by the rows consumed.
+/// Returns `false` after recording a timeout (naming the owner, the tile, the rows expected and
+/// the rows that arrived) or when the rank's record already holds an error.
+///
+/// Exactly one thread handles each (tile, owner) per pass: the baseline is read, waited against
+/// and advanced by it alone.
 ///
 /// # Safety
-/// `view` describes a laid-out heap; `out` holds `[T][H]` bf16; all threads call it uniformly.
-pub unsafe fn combine_tile(
-    view: &RankView,
-    pass: Pass,
-    epoch: u32,
-    chunk: u32,
-    base: *const f32,
-    out: *mut u16,
-    flag: u32,
-) {
+/// `view` describes a laid-out heap whose routing layout is current; `chunk < chunks`,
+/// `owner < world`.
+pub unsafe fn wait_arrivals(view: &RankView, pass: Pass, epoch: u32, chunk: u32, owner: u32) -> bool {
     let p = view.params;
     let r = &p.regions;
-    let (thread, threads) = (sreg::thread_idx_x(), sreg::block_dim_x());
-    let (k, h) = (p.top_k as usize, p.hidden as usize);
+    // SAFETY: this rank's record.
+    if unsafe { error::has_error(view.error()) } {
+        return false;
+    }
+    let k = p.top_k as usize;
     let first_token = chunk * ROUTE_CHUNK_TOKENS;
     let tile_tokens = (p.tokens - first_token).min(ROUTE_CHUNK_TOKENS) as usize;
-    if thread == 0 {
-        // SAFETY: this block's shared word; this rank's record.
-        unsafe { st_shared_u32(flag, error::has_error(view.error()) as u32) };
-    }
-    sync::block_barrier();
     // SAFETY: the tile's ids lie inside this rank's T·k ids.
     let ids = unsafe {
         core::slice::from_raw_parts(view.local::<i32>(r.topk_ids).add(first_token as usize * k), tile_tokens * k)
@@ -52,35 +46,44 @@ pub unsafe fn combine_tile(
         Pass::Forward => (r.combine_arrived, r.combine_seen, error::WAIT_COMBINE_ROWS),
         Pass::Backward => (r.dx_arrived, r.dx_seen, error::WAIT_DX_ROWS),
     };
-    // SAFETY: flag written before the barrier.
-    if unsafe { ld_shared_u32(flag) } == 0 {
-        let mut owner = thread;
-        while owner < p.world {
-            let expected = chunk_rows_for_rank(ids, k, p.num_experts, p.local_experts, owner);
-            let index = (chunk * p.world + owner) as usize;
-            let (arrived, seen): (*const u32, *mut u32) = (view.local(arrived_region), view.local(seen_region));
-            // SAFETY: index < chunks·P; only this thread touches this baseline.
-            unsafe {
-                let baseline = *seen.add(index);
-                let waited = wait_until(arrived.add(index), view.sys(), p.timeout_ns, view.error(), |v| {
-                    arrivals_reached(v, baseline, expected)
-                });
-                match waited {
-                    Ok(_) => *seen.add(index) = baseline.wrapping_add(expected),
-                    Err(value) => {
-                        view.record_timeout(waited_for, owner, chunk, expected, value.wrapping_sub(baseline), epoch);
-                        st_shared_u32(flag, 1);
-                    }
-                }
+    let expected = chunk_rows_for_rank(ids, k, p.num_experts, p.local_experts, owner);
+    let index = (chunk * p.world + owner) as usize;
+    let (arrived, seen): (*const u32, *mut u32) = (view.local(arrived_region), view.local(seen_region));
+    // SAFETY: index < chunks·P; only this thread touches this baseline during the pass.
+    unsafe {
+        let baseline = *seen.add(index);
+        let waited = wait_until(arrived.add(index), view.sys(), p.timeout_ns, view.error(), |v| {
+            arrivals_reached(v, baseline, expected)
+        });
+        match waited {
+            Ok(_) => {
+                *seen.add(index) = baseline.wrapping_add(expected);
+                true
             }
-            owner += threads;
+            Err(value) => {
+                view.record_timeout(waited_for, owner, chunk, expected, value.wrapping_sub(baseline), epoch);
+                false
+            }
         }
     }
-    sync::block_barrier();
-    // SAFETY: written before the barrier.
-    if unsafe { ld_shared_u32(flag) } != 0 {
+}
+
+/// Grid-stride over this rank's `T · H/4` output quads from `first` by `stride` (token-major):
+/// `out = bf16(base + Σ_j w_j · slot_j)`, f32, base first, slots in order, dropped slots
+/// skipped; forward weights from `topk_weights`, backward weight 1. `base` is `[T][H]` f32 or
+/// null. The caller has made every summed tile's rows visible ([`wait_arrivals`] in an earlier
+/// launch, or a tile's waits then a barrier in a persistent kernel).
+///
+/// # Safety
+/// `view` describes a laid-out heap; `out` holds `[T][H]` bf16.
+pub unsafe fn sum_slots(view: &RankView, pass: Pass, base: *const f32, out: *mut u16, first: usize, stride: usize) {
+    let p = view.params;
+    let r = &p.regions;
+    // SAFETY: this rank's record.
+    if unsafe { error::has_error(view.error()) } {
         return;
     }
+    let (k, h) = (p.top_k as usize, p.hidden as usize);
     let slot_rows: *const f32 = view.local(match pass {
         Pass::Forward => r.combine_slots,
         Pass::Backward => r.dx_slots,
@@ -91,9 +94,9 @@ pub unsafe fn combine_tile(
     };
     let slot_row: *const u32 = view.local(r.slot_row);
     let quads_per_row = h / 4;
-    let mut q = thread as usize;
-    while q < tile_tokens * quads_per_row {
-        let token = first_token as usize + q / quads_per_row;
+    let mut q = first;
+    while q < p.tokens as usize * quads_per_row {
+        let token = q / quads_per_row;
         let column = q % quads_per_row * 4;
         let (mut a0, mut a1, mut a2, mut a3) = (0.0f32, 0.0f32, 0.0f32, 0.0f32);
         if !base.is_null() {
@@ -107,7 +110,7 @@ pub unsafe fn combine_tile(
             if unsafe { *slot_row.add(slot) } == NO_ROW {
                 continue;
             }
-            // SAFETY: slot < T·k; the slot's row landed (acquired above, ordered by the barrier).
+            // SAFETY: slot < T·k; the slot's row landed (caller contract).
             let weight = if weights.is_null() { 1.0 } else { unsafe { *weights.add(slot) } };
             let v = unsafe { ld_global_v4(slot_rows.add(slot * h + column) as *const u32) };
             a0 += weight * f32::from_bits(v[0]);
@@ -121,6 +124,6 @@ pub unsafe fn combine_tile(
             *at = f32x2_to_bf16x2(a0, a1);
             *at.add(1) = f32x2_to_bf16x2(a2, a3);
         }
-        q += threads as usize;
+        q += stride;
     }
 }

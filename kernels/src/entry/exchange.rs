@@ -158,10 +158,38 @@ pub unsafe extern "ptx-kernel" fn mok_ep_wait_tiles(params: *const ExchangeParam
     unsafe { plan::wait_tiles(&view(params, rank), Pass::from_arg(pass), epoch, first, stride) };
 }
 
-/// The token owner's combine (one block per token tile, 4 bytes of dynamic shared memory): waits
-/// for every expert owner's rows of the tile, then `out = bf16(base + Σ_j w_j · slot_j)` (pass 0,
-/// forward, weights from `topk_weights`) or `bf16(base + Σ_j slot_j)` (pass 1, dx). `base` is
-/// `[T][H]` f32 or null; `out` `[T][H]` bf16.
+/// The token owner's wait (grid-stride, one thread per (token tile, expert owner)): bounded wait
+/// until each owner's rows of each tile have arrived for `pass` (0 forward combine, 1 dx), then
+/// the baselines advance. A timeout names the owner, the tile and the rows expected and seen.
+///
+/// # Safety
+/// As [`mok_ep_prepare_tokens`].
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn mok_ep_wait_arrivals(
+    params: *const ExchangeParams,
+    rank: u32,
+    pass: u32,
+    epoch: u32,
+) {
+    let (first, stride) = grid_thread();
+    // SAFETY: caller contract.
+    let view = unsafe { view(params, rank) };
+    let pairs = (view.params.chunks * view.params.world) as usize;
+    let mut pair = first;
+    while pair < pairs {
+        let (chunk, owner) = ((pair / view.params.world as usize) as u32, (pair % view.params.world as usize) as u32);
+        // SAFETY: chunk < chunks, owner < world.
+        if !unsafe { combine::wait_arrivals(&view, Pass::from_arg(pass), epoch, chunk, owner) } {
+            return;
+        }
+        pair += stride;
+    }
+}
+
+/// The token owner's combine (grid-stride over `T · H/4` quads), after
+/// [`mok_ep_wait_arrivals`]: `out = bf16(base + Σ_j w_j · slot_j)` (pass 0, forward, weights from
+/// `topk_weights`) or `bf16(base + Σ_j slot_j)` (pass 1, dx). `base` is `[T][H]` f32 or null;
+/// `out` `[T][H]` bf16.
 ///
 /// # Safety
 /// As [`mok_ep_prepare_tokens`]; pointers as documented.
@@ -170,20 +198,10 @@ pub unsafe extern "ptx-kernel" fn mok_ep_combine(
     params: *const ExchangeParams,
     rank: u32,
     pass: u32,
-    epoch: u32,
     base: *const f32,
     out: *mut u16,
 ) {
-    // SAFETY: caller contract; the launch gives 4 bytes of shared memory.
-    unsafe {
-        combine::combine_tile(
-            &view(params, rank),
-            Pass::from_arg(pass),
-            epoch,
-            sreg::block_idx_x(),
-            base,
-            out,
-            smem::dynamic_smem_base(),
-        )
-    };
+    let (first, stride) = grid_thread();
+    // SAFETY: caller contract.
+    unsafe { combine::sum_slots(&view(params, rank), Pass::from_arg(pass), base, out, first, stride) };
 }
