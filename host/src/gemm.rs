@@ -269,10 +269,19 @@ impl EnginePlan {
         check_len("b", b.len(), capacity * n)?;
         check_len("row_offsets", row_offsets.len(), groups + 1)?;
         let rows = capacity.max(1) as u64;
-        let maps = vec![
+        let mut maps = vec![
             TensorMap::bf16(gpu, a.device_ptr(), &[m as u64, rows], &[2 * m as u64], &[64, 64])?,
             TensorMap::bf16(gpu, b.device_ptr(), &[n as u64, rows], &[2 * n as u64], &[64, 64])?,
         ];
+        // Short K-row boxes for each group's last K block (see GemmParams::map_a_short).
+        let mut shorts = [[0u64; 4]; 2];
+        for (operand, (buffer, width)) in [(a, m), (b, n)].into_iter().enumerate() {
+            for (index, height) in SHORT_BOX_ROWS.into_iter().enumerate() {
+                let map = TensorMap::bf16(gpu, buffer.device_ptr(), &[width as u64, rows], &[2 * width as u64], &[64, height])?;
+                shorts[operand][index] = map.device_ptr();
+                maps.push(map);
+            }
+        }
         let (out0, out1) = match out {
             WgradOut::Bf16(buffer) => {
                 check_len("dw", buffer.len(), groups * m * n)?;
@@ -286,6 +295,8 @@ impl EnginePlan {
         let params = GemmParams {
             map_a: maps[0].device_ptr(),
             map_b: maps[1].device_ptr(),
+            map_a_short: shorts[0],
+            map_a2_short: shorts[1],
             a_rows: a.device_ptr(),
             b_rows: b.device_ptr(),
             row_offsets: row_offsets.device_ptr(),

@@ -72,7 +72,8 @@ pub struct GemmParams {
     /// as a sum of these (its rows rounded down to 8) plus < 8 rows of ordinary loads, so no
     /// row of the next group is read.
     pub map_a_short: [u64; 4],
-    /// The same for the second A.
+    /// The same for the second A; for the weight gradient, the short maps of B (its K tail is
+    /// loaded the same way).
     pub map_a2_short: [u64; 4],
     /// Raw A rows (for ragged tiles loaded without TMA), `[rows][a_pitch]` bf16.
     pub a_rows: u64,

@@ -175,15 +175,19 @@ unsafe fn load_tail_rows_k_major(tile: u32, src: *const u16, pitch: u32, first: 
     }
 }
 
-/// Copies a K block of an operand reduced over rows (weight gradient): `k_rows` (≤ 64) rows
-/// starting at `src`, 128 M/N values from column `c0` (two 64-wide halves), zero fill past
-/// `k_rows` and past `width`. Producer-warp collective.
+/// Completes a K block of an operand reduced over rows (weight gradient) from row `first` on:
+/// rows `[first, k_rows)` are copied with ordinary loads (`src` points at row 0 of the block),
+/// rows `[k_rows, 64)` are zeroed — they must add nothing to the sum, and stale shared memory
+/// could hold NaN. 128 M/N values from column `c0` (two 64-wide halves), zero past `width`.
+/// Producer-warp collective.
 #[inline(always)]
-unsafe fn load_rows_mn_major(tile: u32, src: *const u16, pitch: u32, k_rows: u32, c0: u32, width: u32, lane: u32) {
+#[allow(clippy::too_many_arguments)]
+unsafe fn finish_rows_mn_major(tile: u32, src: *const u16, pitch: u32, first: u32, k_rows: u32, c0: u32, width: u32, lane: u32) {
+    let per_half = (TILE_K - first) * 8;
     let mut q = lane;
-    while q < 2 * 64 * 8 {
-        let (half, within) = (q / 512, q % 512);
-        let (r, c) = (within / 8, within % 8);
+    while q < 2 * per_half {
+        let (half, within) = (q / per_half, q % per_half);
+        let (r, c) = (first + within / 8, within % 8);
         let col = c0 + half * 64 + c * 8;
         let mut v = [0u32; 4];
         if r < k_rows && col < width {
@@ -210,7 +214,7 @@ unsafe fn produce<const V: u32>(p: &GemmParams, ring: Ring, lane: u32) {
             // SAFETY: initialised barrier of this block.
             unsafe { mbarrier::wait_parity(ring.empty(stage), phase ^ 1) };
             let (a_tile, b_tile, full) = (ring.a_tile(stage), ring.b_tile(stage), ring.full(stage));
-            let mut tma_bytes = 0u32;
+            let tma_bytes: u32;
             if V == Variant::WGRAD {
                 let row = w.row_begin + kb * TILE_K;
                 let k_rows = (w.row_end - row).min(TILE_K);
@@ -227,13 +231,41 @@ unsafe fn produce<const V: u32>(p: &GemmParams, ring: Ring, lane: u32) {
                         }
                     }
                 } else {
-                    // The group's last rows: never read the next group's.
+                    // The group's last rows: TMA boxes of 64/32/16/8 K rows for the rows rounded
+                    // down to 8 (1024-byte aligned in each half), ordinary loads for the rest and
+                    // zeros after — never the next group's rows.
+                    let boxed = k_rows & !7;
+                    tma_bytes = boxed * 128 * 4;
+                    if lane == 0 && boxed > 0 {
+                        // SAFETY: maps and tiles valid; the barrier expects `tma_bytes`.
+                        unsafe {
+                            mbarrier::expect_tx(full, tma_bytes);
+                            let (a_short, b_short) = (&p.map_a_short, &p.map_a2_short);
+                            let mut at = 0u32;
+                            let mut short_boxes = |index: usize| {
+                                let height = SHORT_BOX_ROWS[index];
+                                if boxed & height != 0 {
+                                    let r = (row + at) as i32;
+                                    for half in 0..2u32 {
+                                        let offset = half * HALF_TILE_BYTES + at * 128;
+                                        tma::load_2d(a_tile + offset, a_short[index], (w.m0 + half * 64) as i32, r, full);
+                                        tma::load_2d(b_tile + offset, b_short[index], (w.n0 + half * 64) as i32, r, full);
+                                    }
+                                    at += height;
+                                }
+                            };
+                            short_boxes(0);
+                            short_boxes(1);
+                            short_boxes(2);
+                            short_boxes(3);
+                        }
+                    }
                     // SAFETY: rows [row, row + k_rows) belong to the group.
                     unsafe {
                         let a = (p.a_rows as *const u16).add(row as usize * p.a_pitch as usize);
                         let b = (p.b_rows as *const u16).add(row as usize * p.b_pitch as usize);
-                        load_rows_mn_major(a_tile, a, p.a_pitch, k_rows, w.m0, p.m, lane);
-                        load_rows_mn_major(b_tile, b, p.b_pitch, k_rows, w.n0, p.n, lane);
+                        finish_rows_mn_major(a_tile, a, p.a_pitch, boxed, k_rows, w.m0, p.m, lane);
+                        finish_rows_mn_major(b_tile, b, p.b_pitch, boxed, k_rows, w.n0, p.n, lane);
                     }
                 }
             } else {
