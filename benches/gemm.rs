@@ -101,7 +101,12 @@ fn main() -> Result<()> {
         let plan = EnginePlan::rows_nt(&gpu, &a, &groups, &w, (n, k), &out)?;
         let ms = time_ms(&gpu, || plan.launch(&gpu))?;
         let flop = 2.0 * (g * m * k * n) as f64;
-        rows_out.push(Row { name: "dense8".into(), ms, flop, bytes: 2.0 * (g * (m * k + k * n)) as f64 + 4.0 * (g * m * n) as f64 });
+        rows_out.push(Row {
+            name: "dense8".into(),
+            ms,
+            flop,
+            bytes: 2.0 * (g * (m * k + k * n)) as f64 + 4.0 * (g * m * n) as f64,
+        });
     }
 
     for case in cases.split(',') {
@@ -133,26 +138,56 @@ fn main() -> Result<()> {
 
         let plan = EnginePlan::gate_up(&gpu, &x, &groups, &w_gate, &w_up, (h, i), None, &hidden, None)?;
         let ms = time_ms(&gpu, || plan.launch(&gpu))?;
-        rows_out.push(Row { name: tag("gate_up"), ms, flop: 4.0 * r * hf * inf, bytes: 2.0 * weights + 2.0 * r * hf + 2.0 * r * inf });
+        rows_out.push(Row {
+            name: tag("gate_up"),
+            ms,
+            flop: 4.0 * r * hf * inf,
+            bytes: 2.0 * weights + 2.0 * r * hf + 2.0 * r * inf,
+        });
         let plan = EnginePlan::rows_nt(&gpu, &hidden, &groups, &w_down, (h, i), &out_h)?;
         let ms = time_ms(&gpu, || plan.launch(&gpu))?;
-        rows_out.push(Row { name: tag("down"), ms, flop: 2.0 * r * hf * inf, bytes: weights + 2.0 * r * inf + 4.0 * r * hf });
+        rows_out.push(Row {
+            name: tag("down"),
+            ms,
+            flop: 2.0 * r * hf * inf,
+            bytes: weights + 2.0 * r * inf + 4.0 * r * hf,
+        });
         let plan = EnginePlan::rows_nn(&gpu, (&dy, &w_down), None, &groups, (i, h), &out_i)?;
         let ms = time_ms(&gpu, || plan.launch(&gpu))?;
-        rows_out.push(Row { name: tag("dgrad_down"), ms, flop: 2.0 * r * hf * inf, bytes: weights + 2.0 * r * hf + 4.0 * r * inf });
+        rows_out.push(Row {
+            name: tag("dgrad_down"),
+            ms,
+            flop: 2.0 * r * hf * inf,
+            bytes: weights + 2.0 * r * hf + 4.0 * r * inf,
+        });
         let plan = EnginePlan::rows_nn(&gpu, (&d_gate, &w_gate), Some((&d_up, &w_up)), &groups, (h, i), &out_h)?;
         let ms = time_ms(&gpu, || plan.launch(&gpu))?;
-        rows_out.push(Row { name: tag("dgrad_gate_up"), ms, flop: 4.0 * r * hf * inf, bytes: 2.0 * weights + 4.0 * r * inf + 4.0 * r * hf });
+        rows_out.push(Row {
+            name: tag("dgrad_gate_up"),
+            ms,
+            flop: 4.0 * r * hf * inf,
+            bytes: 2.0 * weights + 4.0 * r * inf + 4.0 * r * hf,
+        });
         let plan = EnginePlan::wgrad(&gpu, &dy, &hidden, &row_offsets, (e, cap), (h, i), WgradOut::Bf16(&dw))?;
         let ms = time_ms(&gpu, || plan.launch(&gpu))?;
-        rows_out.push(Row { name: tag("wgrad_down"), ms, flop: 2.0 * r * hf * inf, bytes: weights + 2.0 * r * (hf + inf) });
+        rows_out.push(Row {
+            name: tag("wgrad_down"),
+            ms,
+            flop: 2.0 * r * hf * inf,
+            bytes: weights + 2.0 * r * (hf + inf),
+        });
         let plan_g = EnginePlan::wgrad(&gpu, &d_gate, &x, &row_offsets, (e, cap), (i, h), WgradOut::Bf16(&dw))?;
         let plan_u = EnginePlan::wgrad(&gpu, &d_up, &x, &row_offsets, (e, cap), (i, h), WgradOut::Bf16(&dw2))?;
         let ms = time_ms(&gpu, || {
             plan_g.launch(&gpu)?;
             plan_u.launch(&gpu)
         })?;
-        rows_out.push(Row { name: tag("wgrad_gate_up"), ms, flop: 4.0 * r * hf * inf, bytes: 2.0 * weights + 2.0 * r * (hf + 2.0 * inf) });
+        rows_out.push(Row {
+            name: tag("wgrad_gate_up"),
+            ms,
+            flop: 4.0 * r * hf * inf,
+            bytes: 2.0 * weights + 2.0 * r * (hf + 2.0 * inf),
+        });
     }
 
     println!("| case | mok ms | mok TFLOP/s | torch ms | torch TFLOP/s | mok / torch | floor ms (FLOP / bytes) |");
@@ -165,7 +200,12 @@ fn main() -> Result<()> {
             None => ("-".into(), "-".into(), "-".into()),
         };
         let (ff, fb) = (row.flop / (matmul * 1e9), row.bytes / (copy * 1e9));
-        println!("| {} | {:.3} | {tflops:.0} | {tms} | {ttf} | {ratio} | {:.3} ({ff:.3} / {fb:.3}) |", row.name, row.ms, ff.max(fb));
+        println!(
+            "| {} | {:.3} | {tflops:.0} | {tms} | {ttf} | {ratio} | {:.3} ({ff:.3} / {fb:.3}) |",
+            row.name,
+            row.ms,
+            ff.max(fb)
+        );
         if row.name == "dense8" {
             if let Some(&(ms, tf)) = baseline.get("dense8-grouped_mm") {
                 println!("| dense8 vs _grouped_mm | | | {ms:.3} | {tf:.0} | {:.2}x | |", ms / row.ms);

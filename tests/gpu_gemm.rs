@@ -325,7 +325,11 @@ fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
         });
     }
     let checked = 8.min(e) * i * h;
-    check("dw_gate f32 accumulate (engine wgrad)", rel_err(&dw_gate.download().unwrap()[..checked], &expected[..checked]), 1e-5);
+    check(
+        "dw_gate f32 accumulate (engine wgrad)",
+        rel_err(&dw_gate.download().unwrap()[..checked], &expected[..checked]),
+        1e-5,
+    );
 }
 
 #[test]

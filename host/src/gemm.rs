@@ -277,7 +277,13 @@ impl EnginePlan {
         let mut shorts = [[0u64; 4]; 2];
         for (operand, (buffer, width)) in [(a, m), (b, n)].into_iter().enumerate() {
             for (index, height) in SHORT_BOX_ROWS.into_iter().enumerate() {
-                let map = TensorMap::bf16(gpu, buffer.device_ptr(), &[width as u64, rows], &[2 * width as u64], &[64, height])?;
+                let map = TensorMap::bf16(
+                    gpu,
+                    buffer.device_ptr(),
+                    &[width as u64, rows],
+                    &[2 * width as u64],
+                    &[64, height],
+                )?;
                 shorts[operand][index] = map.device_ptr();
                 maps.push(map);
             }
@@ -320,10 +326,21 @@ fn rows_map(gpu: &Gpu, rows: &DeviceBuffer<bf16>, k: usize, capacity: usize) -> 
 
 /// The short-box maps of `[rows][k]` activations (64, 32, 16 and 8 rows, see
 /// `GemmParams::map_a_short`), with their device addresses.
-fn short_rows_maps(gpu: &Gpu, rows: &DeviceBuffer<bf16>, k: usize, capacity: usize) -> Result<([u64; 4], Vec<TensorMap>)> {
+fn short_rows_maps(
+    gpu: &Gpu,
+    rows: &DeviceBuffer<bf16>,
+    k: usize,
+    capacity: usize,
+) -> Result<([u64; 4], Vec<TensorMap>)> {
     let mut maps = Vec::with_capacity(4);
     for height in SHORT_BOX_ROWS {
-        maps.push(TensorMap::bf16(gpu, rows.device_ptr(), &[k as u64, capacity.max(1) as u64], &[2 * k as u64], &[64, height])?);
+        maps.push(TensorMap::bf16(
+            gpu,
+            rows.device_ptr(),
+            &[k as u64, capacity.max(1) as u64],
+            &[2 * k as u64],
+            &[64, height],
+        )?);
     }
     Ok(([maps[0].device_ptr(), maps[1].device_ptr(), maps[2].device_ptr(), maps[3].device_ptr()], maps))
 }

@@ -24,8 +24,7 @@
 use crate::device::math;
 use crate::gemm_layout::{
     ENGINE_THREADS, GemmParams, OPERAND_TILE_BYTES, SHORT_BOX_ROWS, STAGE_BYTES, STAGES, TILE_K, TILE_M, TILE_N,
-    smem_descriptor,
-    split_row_tile, swizzled_chunk_offset,
+    smem_descriptor, split_row_tile, swizzled_chunk_offset,
 };
 use crate::ptx::convert::f32x2_to_bf16x2;
 use crate::ptx::memory::{fence_proxy_async_shared_cta, ld_global_v4, st_shared_v4};
@@ -159,7 +158,16 @@ unsafe fn work_of<const V: u32>(p: &GemmParams, tile: u32) -> Work {
 /// Producer-warp collective.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn load_tail_rows_k_major(tile: u32, src: *const u16, pitch: u32, first: u32, end: u32, k0: u32, k_len: u32, lane: u32) {
+unsafe fn load_tail_rows_k_major(
+    tile: u32,
+    src: *const u16,
+    pitch: u32,
+    first: u32,
+    end: u32,
+    k0: u32,
+    k_len: u32,
+    lane: u32,
+) {
     let mut q = lane;
     while q < (end - first) * 8 {
         let (r, c) = (q / 8, q % 8);
@@ -182,7 +190,16 @@ unsafe fn load_tail_rows_k_major(tile: u32, src: *const u16, pitch: u32, first: 
 /// Producer-warp collective.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn finish_rows_mn_major(tile: u32, src: *const u16, pitch: u32, first: u32, k_rows: u32, c0: u32, width: u32, lane: u32) {
+unsafe fn finish_rows_mn_major(
+    tile: u32,
+    src: *const u16,
+    pitch: u32,
+    first: u32,
+    k_rows: u32,
+    c0: u32,
+    width: u32,
+    lane: u32,
+) {
     let per_half = (TILE_K - first) * 8;
     let mut q = lane;
     while q < 2 * per_half {
@@ -248,8 +265,20 @@ unsafe fn produce<const V: u32>(p: &GemmParams, ring: Ring, lane: u32) {
                                     let r = (row + at) as i32;
                                     for half in 0..2u32 {
                                         let offset = half * HALF_TILE_BYTES + at * 128;
-                                        tma::load_2d(a_tile + offset, a_short[index], (w.m0 + half * 64) as i32, r, full);
-                                        tma::load_2d(b_tile + offset, b_short[index], (w.n0 + half * 64) as i32, r, full);
+                                        tma::load_2d(
+                                            a_tile + offset,
+                                            a_short[index],
+                                            (w.m0 + half * 64) as i32,
+                                            r,
+                                            full,
+                                        );
+                                        tma::load_2d(
+                                            b_tile + offset,
+                                            b_short[index],
+                                            (w.n0 + half * 64) as i32,
+                                            r,
+                                            full,
+                                        );
                                     }
                                     at += height;
                                 }
