@@ -22,10 +22,10 @@ impl TensorMap {
         if !(1..=5).contains(&rank) || pitches.len() + 1 != rank || box_dims.len() != rank {
             return bad(format!("rank {rank} with {} pitches and {} box dims", pitches.len(), box_dims.len()));
         }
-        if base % 16 != 0 || pitches.iter().any(|p| p % 16 != 0) {
+        if !base.is_multiple_of(16) || pitches.iter().any(|p| !p.is_multiple_of(16)) {
             return bad(format!("base {base:#x} and pitches {pitches:?} must be multiples of 16 bytes"));
         }
-        if dims.iter().any(|&d| d == 0) || box_dims.iter().any(|&b| b == 0 || b > 256) {
+        if dims.contains(&0) || box_dims.iter().any(|&b| b == 0 || b > 256) {
             return bad(format!("dims {dims:?} must be ≥ 1 and box {box_dims:?} within 1..=256"));
         }
         if box_dims[0] as usize * size_of::<bf16>() > 128 {
@@ -52,9 +52,9 @@ impl TensorMap {
                 CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
             )
         };
-        status
-            .result()
-            .map_err(|e| crate::driver::cuda_error(format!("cuTensorMapEncodeTiled(dims {dims:?}, box {box_dims:?})"), e))?;
+        status.result().map_err(|e| {
+            crate::driver::cuda_error(format!("cuTensorMapEncodeTiled(dims {dims:?}, box {box_dims:?})"), e)
+        })?;
         Ok(Self { storage: DeviceBuffer::from_slice(gpu, &map.opaque)? })
     }
 
