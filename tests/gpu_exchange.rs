@@ -491,3 +491,39 @@ fn a_silent_peer_is_a_reported_timeout_not_a_hang() {
     let y = outs[0].download().unwrap();
     assert!(y.iter().all(|v| v.is_finite()), "y after recovery");
 }
+
+#[test]
+fn bad_ids_on_the_device_are_reported_by_the_chunk_ranking() {
+    let gpu = gpu();
+    let global = mover_config();
+    let p = 2;
+    let config = rank_config(&global, p);
+    let mut exchange = Exchange::new_virtual(&gpu, &config, ExchangeOptions::default()).unwrap();
+    let mut tokens = rank_tokens(&global, p, 21);
+    for (rank, t) in tokens.iter().enumerate() {
+        exchange.upload_tokens(&gpu, rank, &config, t).unwrap();
+    }
+    // Rank 1, token 70 (the second 64-token chunk): slot 1 repeats slot 0's expert. Written
+    // straight into the heap, past the host's validation, as a device-side producer could.
+    let k = config.top_k;
+    tokens[1].topk_ids[70 * k] = 3;
+    tokens[1].topk_ids[70 * k + 1] = 3;
+    // SAFETY: the ids region holds T·k ids.
+    unsafe { exchange.upload_region(&gpu, 1, exchange.regions().topk_ids, &tokens[1].topk_ids) }.unwrap();
+    exchange.schedule(&[&gpu]).unwrap();
+    let error = exchange.check_errors(&[&gpu]).unwrap_err();
+    println!("  reported: {error}");
+    match &error {
+        MokError::Device { message, .. } => {
+            assert!(message.contains("rank 1: token 70 slot 1 has bad expert id 3"), "{message}")
+        }
+        other => panic!("expected a device error naming the slot, got {other:?}"),
+    }
+    // The slot was dropped: the schedule is the CPU's with that slot dropped.
+    tokens[1].topk_ids[70 * k + 1] = -1;
+    let ids: Vec<&[i32]> = tokens.iter().map(|t| t.topk_ids.as_slice()).collect();
+    let expected = reference_schedule(&ids, k, config.num_experts);
+    for (rank, want) in expected.iter().enumerate() {
+        assert_eq!(device_schedule(&exchange, &gpu, rank), *want, "owner {rank}");
+    }
+}

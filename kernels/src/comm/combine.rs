@@ -17,6 +17,9 @@ use crate::layout::{NO_ROW, ROUTE_CHUNK_TOKENS};
 use crate::ptx::convert::f32x2_to_bf16x2;
 use crate::ptx::memory::ld_global_v4;
 
+/// Slots whose rows one thread loads together in [`sum_slots`].
+const SUM_BATCH: usize = 8;
+
 /// One thread: waits (bounded) until expert owner `owner` has pushed every row of token tile
 /// `chunk` for `pass`, then advances this rank's baseline for that counter by the rows consumed.
 /// Returns `false` after recording a timeout (naming the owner, the tile, the rows expected and
@@ -104,19 +107,35 @@ pub unsafe fn sum_slots(view: &RankView, pass: Pass, base: *const f32, out: *mut
             let v = unsafe { ld_global_v4(base.add(token * h + column) as *const u32) };
             (a0, a1, a2, a3) = (f32::from_bits(v[0]), f32::from_bits(v[1]), f32::from_bits(v[2]), f32::from_bits(v[3]));
         }
-        for j in 0..k {
-            let slot = token * k + j;
-            // SAFETY: slot < T·k.
-            if unsafe { *slot_row.add(slot) } == NO_ROW {
-                continue;
+        // Slots in batches: a batch's loads are all issued before its sums, so they are in
+        // flight together; the sums then run in slot order, as the single-rank combine's do.
+        let mut first_slot = 0;
+        while first_slot < k {
+            let mut rows = [[0u32; 4]; SUM_BATCH];
+            let mut weight = [0.0f32; SUM_BATCH];
+            let mut present = [false; SUM_BATCH];
+            for b in 0..SUM_BATCH {
+                let slot = token * k + first_slot + b;
+                // SAFETY: slot < T·k when first_slot + b < k.
+                if first_slot + b < k && unsafe { *slot_row.add(slot) } != NO_ROW {
+                    present[b] = true;
+                    // SAFETY: as above; the slot's row landed (caller contract).
+                    unsafe {
+                        weight[b] = if weights.is_null() { 1.0 } else { *weights.add(slot) };
+                        rows[b] = ld_global_v4(slot_rows.add(slot * h + column) as *const u32);
+                    }
+                }
             }
-            // SAFETY: slot < T·k; the slot's row landed (caller contract).
-            let weight = if weights.is_null() { 1.0 } else { unsafe { *weights.add(slot) } };
-            let v = unsafe { ld_global_v4(slot_rows.add(slot * h + column) as *const u32) };
-            a0 += weight * f32::from_bits(v[0]);
-            a1 += weight * f32::from_bits(v[1]);
-            a2 += weight * f32::from_bits(v[2]);
-            a3 += weight * f32::from_bits(v[3]);
+            for b in 0..SUM_BATCH {
+                if present[b] {
+                    let (w, v) = (weight[b], rows[b]);
+                    a0 += w * f32::from_bits(v[0]);
+                    a1 += w * f32::from_bits(v[1]);
+                    a2 += w * f32::from_bits(v[2]);
+                    a3 += w * f32::from_bits(v[3]);
+                }
+            }
+            first_slot += SUM_BATCH;
         }
         // SAFETY: token < T, column + 4 ≤ H; 8-byte aligned.
         unsafe {

@@ -3,7 +3,9 @@
 //!
 //! Per pass, on every rank (the standalone kernels run them in this order, a kernel boundary
 //! apart; a persistent kernel calls the same functions):
-//! 1. the single-rank routing kernels lay out the rank's own slots (`crate::entry::route`);
+//! 1. the single-rank routing layout of the rank's own slots: [`rank_chunk_warp`] (one warp per
+//!    64-token chunk, 32 slots at a time), then the routing scan and place kernels
+//!    (`crate::entry::route`);
 //! 2. [`prepare_tokens`]: the slot-addressed map the combine sum uses;
 //! 3. [`publish`]: a release store of the pass's epoch — "my inputs and layout are ready";
 //! 4. [`schedule_block`]: wait (bounded) for every rank's epoch, read every rank's per-expert
@@ -16,10 +18,103 @@ use super::params::ERROR_WORDS;
 use super::schedule::{epoch_reached, owner_offsets, ring_segment, rows_in_tile};
 use super::wait::wait_until;
 use super::{Pass, RankView};
-use crate::layout::NO_ROW;
-use crate::ptx::memory::{fence_acq_rel_sys, ld_shared_u32, st_release_sys_u32, st_shared_u32};
-use crate::ptx::sync;
+use crate::layout::{self, NO_ROW, RouteError};
+use crate::ptx::collective::{lanemask_lt, match_any_u32};
+use crate::ptx::memory::{
+    atom_cas_acq_rel_gpu_u32, fence_acq_rel_sys, ld_shared_u32, st_release_sys_u32, st_shared_u32,
+};
+use crate::ptx::{signal, sreg, sync};
 use crate::tiles::GEMM_TILE_M;
+
+/// Key of a slot without a row in [`rank_chunk_warp`].
+const NO_KEY: u32 = u32::MAX;
+
+/// Step 1, warp-collective: ranks one chunk's `slots` slots (whole tokens of `k`), giving the
+/// same values as [`layout::rank_chunk`] — `ranks[i]` = earlier slots of the chunk, in
+/// (token, slot) order, routed to the same expert; `counters` (a shared-memory array of
+/// `num_experts` zeroed u32) end as the chunk's per-expert counts — but 32 slots per step instead
+/// of one: the lanes of a step are grouped by expert (`match.any`), each slot's rank is the
+/// expert's count before the step plus its peers on lower lanes, and the highest peer adds the
+/// group's size. A bad id (out of range, or repeated within its token) is dropped, and the first
+/// such slot of the chunk is reported in `error` (`[code, slot, id, 0]`) unless another chunk
+/// reported first.
+///
+/// # Safety
+/// `ids` and `ranks` hold `slots` entries; `counters` is this block's shared memory with
+/// `num_experts` words, zeroed and not used by other warps; `error` has 4 words. All 32 lanes
+/// call it in uniform control flow.
+pub unsafe fn rank_chunk_warp(
+    ids: *const i32,
+    slots: usize,
+    k: usize,
+    num_experts: u32,
+    counters: u32,
+    ranks: *mut u32,
+    first_slot: u32,
+    error: *mut u32,
+) {
+    let lane = sreg::lane_id() as usize;
+    let mut reported = false;
+    let mut round = 0;
+    while round < slots {
+        let i = round + lane;
+        let (mut key, mut problem) = (NO_KEY, None);
+        if i < slots {
+            let token = i / k * k;
+            // SAFETY: the token's slots lie inside the chunk.
+            let token_ids = unsafe { core::slice::from_raw_parts(ids.add(token), k) };
+            let slot = i - token;
+            let id = token_ids[slot];
+            match layout::slot_has_row(token_ids, slot, num_experts) {
+                Some(expert) => key = expert,
+                None if id == -1 => {}
+                None => {
+                    let code = if layout::routed_expert(id, num_experts).is_some() {
+                        layout::ROUTE_ERROR_DUPLICATE_ID
+                    } else {
+                        layout::ROUTE_ERROR_ID_OUT_OF_RANGE
+                    };
+                    problem = Some(RouteError { code, slot_index: first_slot + i as u32, id });
+                }
+            }
+        }
+        let peers = match_any_u32(key);
+        let below = (peers & lanemask_lt()).count_ones();
+        let mut base = 0;
+        if key != NO_KEY {
+            // SAFETY: key < num_experts: a word of the counters.
+            base = unsafe { ld_shared_u32(counters + 4 * key) };
+            // SAFETY: i < slots.
+            unsafe { *ranks.add(i) = base + below };
+        } else if i < slots {
+            // SAFETY: i < slots. Dropped slots rank 0, as in the sequential ranking.
+            unsafe { *ranks.add(i) = 0 };
+        }
+        // Every lane has read its expert's count before the highest peer moves it on.
+        signal::warp_sync();
+        if key != NO_KEY && peers >> lane == 1 {
+            // SAFETY: as above.
+            unsafe { st_shared_u32(counters + 4 * key, base + peers.count_ones()) };
+        }
+        signal::warp_sync();
+        let bad = sync::ballot(problem.is_some());
+        if bad != 0 && !reported {
+            reported = true;
+            if lane == bad.trailing_zeros() as usize
+                && let Some(found) = problem
+            {
+                // SAFETY: `error` has 4 words; the CAS makes the first reporter win.
+                unsafe {
+                    if atom_cas_acq_rel_gpu_u32(error, 0, found.code) == 0 {
+                        *error.add(1) = found.slot_index;
+                        *error.add(2) = found.id as u32;
+                    }
+                }
+            }
+        }
+        round += 32;
+    }
+}
 
 /// Step 2, grid-stride over this rank's slots (`first`, `stride` in threads):
 /// `slot_self[i] = i` where the slot has a row, `NO_ROW` where it was dropped.

@@ -3,7 +3,8 @@
 //! One `#[inline(always)]` function per instruction (family), grouped by what it touches:
 //! [`sreg`] special registers, [`sync`] barriers and warp collectives, [`memory`] scoped loads,
 //! stores, atomics and fences, [`smem`] the dynamic shared-memory window, [`mbarrier`] transaction barriers, [`bulk`] bulk
-//! async copies, [`signal`] the warp barrier and back-off of the exchange's counter waits, [`convert`] number
+//! async copies, [`signal`] the warp barrier and back-off of the exchange's counter waits, [`collective`]
+//! lane grouping for the exchange's slot ranking, [`convert`] number
 //! conversions, [`mma`] warp-level tensor-core instructions, [`tma`] tensor copies, [`wgmma`] warpgroup
 //! tensor-core instructions. Every memory-ordering decision of
 //! the kernels is made by choosing one of the functions in [`memory`], so it is visible here.
@@ -11,6 +12,7 @@
 //! PTX ISA references are to the PTX ISA 8.x manual sections named in each doc comment.
 
 pub mod bulk;
+pub mod collective;
 pub mod convert;
 pub mod mbarrier;
 pub mod memory;
