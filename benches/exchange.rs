@@ -48,7 +48,7 @@ fn parse_args() -> Result<Args> {
             other => bail!("unknown argument {other}"),
         }
     }
-    if args.tokens % args.ranks != 0 || args.shape.experts % args.ranks != 0 {
+    if !args.tokens.is_multiple_of(args.ranks) || !args.shape.experts.is_multiple_of(args.ranks) {
         bail!("--tokens and the shape's experts must be multiples of --ranks");
     }
     Ok(args)
