@@ -206,10 +206,10 @@ fn main() -> Result<()> {
             row.ms,
             ff.max(fb)
         );
-        if row.name == "dense8" {
-            if let Some(&(ms, tf)) = baseline.get("dense8-grouped_mm") {
-                println!("| dense8 vs _grouped_mm | | | {ms:.3} | {tf:.0} | {:.2}x | |", ms / row.ms);
-            }
+        if row.name == "dense8"
+            && let Some(&(ms, tf)) = baseline.get("dense8-grouped_mm")
+        {
+            println!("| dense8 vs _grouped_mm | | | {ms:.3} | {tf:.0} | {:.2}x | |", ms / row.ms);
         }
     }
     Ok(())

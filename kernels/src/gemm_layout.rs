@@ -119,6 +119,12 @@ pub const fn split_row_tile(tile: u32, n_tiles: u32) -> (u32, u32) {
     (tile / n_tiles, tile % n_tiles)
 }
 
+// The host uploads GemmParams as raw bytes: keep it free of padding. And the ring must fit in
+// an SM's shared memory (227 KiB on sm_90).
+const _: () = assert!(core::mem::size_of::<GemmParams>() == 192);
+const _: () = assert!(ENGINE_SMEM_BYTES <= 227 * 1024);
+const _: () = assert!(STAGE_BYTES.is_multiple_of(1024));
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -146,13 +152,4 @@ mod tests {
         }
         assert_eq!(swizzled_chunk_offset(3, 1), 3 * 128 + 2 * 16);
     }
-
-    #[test]
-    fn engine_fits_in_shared_memory() {
-        assert!(ENGINE_SMEM_BYTES <= 227 * 1024);
-        assert_eq!(STAGE_BYTES % 1024, 0);
-    }
 }
-
-// The host uploads GemmParams as raw bytes: keep it free of padding.
-const _: () = assert!(core::mem::size_of::<GemmParams>() == 192);

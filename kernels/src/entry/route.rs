@@ -159,7 +159,12 @@ pub unsafe extern "ptx-kernel" fn mok_route_place(
 /// # Safety
 /// `row_offsets` and `tile_offsets` hold `groups + 1` words.
 #[unsafe(no_mangle)]
-pub unsafe extern "ptx-kernel" fn mok_tile_offsets(row_offsets: *const u32, groups: u32, tile_m: u32, tile_offsets: *mut u32) {
+pub unsafe extern "ptx-kernel" fn mok_tile_offsets(
+    row_offsets: *const u32,
+    groups: u32,
+    tile_m: u32,
+    tile_offsets: *mut u32,
+) {
     if sreg::thread_idx_x() != 0 || sreg::block_idx_x() != 0 {
         return;
     }
