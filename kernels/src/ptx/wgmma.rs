@@ -14,467 +14,167 @@
 
 use core::arch::asm;
 
-/// `A` K-major, `B` K-major (forward: activations × `nn.Linear` weights).
-///
-/// Issues one 64-deep K block — `wgmma.fence`, four `m64n128k16` MMAs (descriptors `a[i]`,
-/// `b[i]` for K slice i), `commit_group` — and returns while the tensor cores still write
-/// `acc`. Follow with [`wait_keep_one`] or [`wait_all`] on the same `acc` before reading it.
-/// `accumulate == false` makes the first MMA overwrite `acc` (D = A·B).
-///
-/// # Safety
-/// Warpgroup-collective (128 consecutive threads starting at a multiple of 128, uniform flow);
-/// the descriptors must describe initialised shared memory that stays untouched until a wait
-/// covers this group.
-#[inline(always)]
-pub unsafe fn issue_k64_m64n128_kk(acc: &mut [f32; 64], a: [u64; 4], b: [u64; 4], accumulate: bool) {
-    // SAFETY: caller contract.
-    unsafe {
-        asm!(
-            "{{",
-            ".reg .pred p, q;",
-            "setp.ne.u32 p, {scale}, 0;",
-            "setp.eq.u32 q, {scale}, {scale};",
-            "wgmma.fence.sync.aligned;",
-            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {{{d0}, {d1}, {d2}, {d3}, {d4}, {d5}, {d6}, {d7}, {d8}, {d9}, {d10}, {d11}, {d12}, {d13}, {d14}, {d15}, {d16}, {d17}, {d18}, {d19}, {d20}, {d21}, {d22}, {d23}, {d24}, {d25}, {d26}, {d27}, {d28}, {d29}, {d30}, {d31}, {d32}, {d33}, {d34}, {d35}, {d36}, {d37}, {d38}, {d39}, {d40}, {d41}, {d42}, {d43}, {d44}, {d45}, {d46}, {d47}, {d48}, {d49}, {d50}, {d51}, {d52}, {d53}, {d54}, {d55}, {d56}, {d57}, {d58}, {d59}, {d60}, {d61}, {d62}, {d63}}}, {a0}, {b0}, p, 1, 1, 0, 0;",
-            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {{{d0}, {d1}, {d2}, {d3}, {d4}, {d5}, {d6}, {d7}, {d8}, {d9}, {d10}, {d11}, {d12}, {d13}, {d14}, {d15}, {d16}, {d17}, {d18}, {d19}, {d20}, {d21}, {d22}, {d23}, {d24}, {d25}, {d26}, {d27}, {d28}, {d29}, {d30}, {d31}, {d32}, {d33}, {d34}, {d35}, {d36}, {d37}, {d38}, {d39}, {d40}, {d41}, {d42}, {d43}, {d44}, {d45}, {d46}, {d47}, {d48}, {d49}, {d50}, {d51}, {d52}, {d53}, {d54}, {d55}, {d56}, {d57}, {d58}, {d59}, {d60}, {d61}, {d62}, {d63}}}, {a1}, {b1}, q, 1, 1, 0, 0;",
-            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {{{d0}, {d1}, {d2}, {d3}, {d4}, {d5}, {d6}, {d7}, {d8}, {d9}, {d10}, {d11}, {d12}, {d13}, {d14}, {d15}, {d16}, {d17}, {d18}, {d19}, {d20}, {d21}, {d22}, {d23}, {d24}, {d25}, {d26}, {d27}, {d28}, {d29}, {d30}, {d31}, {d32}, {d33}, {d34}, {d35}, {d36}, {d37}, {d38}, {d39}, {d40}, {d41}, {d42}, {d43}, {d44}, {d45}, {d46}, {d47}, {d48}, {d49}, {d50}, {d51}, {d52}, {d53}, {d54}, {d55}, {d56}, {d57}, {d58}, {d59}, {d60}, {d61}, {d62}, {d63}}}, {a2}, {b2}, q, 1, 1, 0, 0;",
-            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {{{d0}, {d1}, {d2}, {d3}, {d4}, {d5}, {d6}, {d7}, {d8}, {d9}, {d10}, {d11}, {d12}, {d13}, {d14}, {d15}, {d16}, {d17}, {d18}, {d19}, {d20}, {d21}, {d22}, {d23}, {d24}, {d25}, {d26}, {d27}, {d28}, {d29}, {d30}, {d31}, {d32}, {d33}, {d34}, {d35}, {d36}, {d37}, {d38}, {d39}, {d40}, {d41}, {d42}, {d43}, {d44}, {d45}, {d46}, {d47}, {d48}, {d49}, {d50}, {d51}, {d52}, {d53}, {d54}, {d55}, {d56}, {d57}, {d58}, {d59}, {d60}, {d61}, {d62}, {d63}}}, {a3}, {b3}, q, 1, 1, 0, 0;",
-            "wgmma.commit_group.sync.aligned;",
-            "}}",
-            d0 = inout(reg32) acc[0],
-            d1 = inout(reg32) acc[1],
-            d2 = inout(reg32) acc[2],
-            d3 = inout(reg32) acc[3],
-            d4 = inout(reg32) acc[4],
-            d5 = inout(reg32) acc[5],
-            d6 = inout(reg32) acc[6],
-            d7 = inout(reg32) acc[7],
-            d8 = inout(reg32) acc[8],
-            d9 = inout(reg32) acc[9],
-            d10 = inout(reg32) acc[10],
-            d11 = inout(reg32) acc[11],
-            d12 = inout(reg32) acc[12],
-            d13 = inout(reg32) acc[13],
-            d14 = inout(reg32) acc[14],
-            d15 = inout(reg32) acc[15],
-            d16 = inout(reg32) acc[16],
-            d17 = inout(reg32) acc[17],
-            d18 = inout(reg32) acc[18],
-            d19 = inout(reg32) acc[19],
-            d20 = inout(reg32) acc[20],
-            d21 = inout(reg32) acc[21],
-            d22 = inout(reg32) acc[22],
-            d23 = inout(reg32) acc[23],
-            d24 = inout(reg32) acc[24],
-            d25 = inout(reg32) acc[25],
-            d26 = inout(reg32) acc[26],
-            d27 = inout(reg32) acc[27],
-            d28 = inout(reg32) acc[28],
-            d29 = inout(reg32) acc[29],
-            d30 = inout(reg32) acc[30],
-            d31 = inout(reg32) acc[31],
-            d32 = inout(reg32) acc[32],
-            d33 = inout(reg32) acc[33],
-            d34 = inout(reg32) acc[34],
-            d35 = inout(reg32) acc[35],
-            d36 = inout(reg32) acc[36],
-            d37 = inout(reg32) acc[37],
-            d38 = inout(reg32) acc[38],
-            d39 = inout(reg32) acc[39],
-            d40 = inout(reg32) acc[40],
-            d41 = inout(reg32) acc[41],
-            d42 = inout(reg32) acc[42],
-            d43 = inout(reg32) acc[43],
-            d44 = inout(reg32) acc[44],
-            d45 = inout(reg32) acc[45],
-            d46 = inout(reg32) acc[46],
-            d47 = inout(reg32) acc[47],
-            d48 = inout(reg32) acc[48],
-            d49 = inout(reg32) acc[49],
-            d50 = inout(reg32) acc[50],
-            d51 = inout(reg32) acc[51],
-            d52 = inout(reg32) acc[52],
-            d53 = inout(reg32) acc[53],
-            d54 = inout(reg32) acc[54],
-            d55 = inout(reg32) acc[55],
-            d56 = inout(reg32) acc[56],
-            d57 = inout(reg32) acc[57],
-            d58 = inout(reg32) acc[58],
-            d59 = inout(reg32) acc[59],
-            d60 = inout(reg32) acc[60],
-            d61 = inout(reg32) acc[61],
-            d62 = inout(reg32) acc[62],
-            d63 = inout(reg32) acc[63],
-            a0 = in(reg64) a[0], b0 = in(reg64) b[0],
-            a1 = in(reg64) a[1], b1 = in(reg64) b[1],
-            a2 = in(reg64) a[2], b2 = in(reg64) b[2],
-            a3 = in(reg64) a[3], b3 = in(reg64) b[3],
-            scale = in(reg32) accumulate as u32,
-            options(nostack),
-        );
-    }
+/// The 64 accumulator registers of an `m64n128` f32 tile, as a PTX vector operand.
+macro_rules! accumulators {
+    () => {
+        "{{{d0}, {d1}, {d2}, {d3}, {d4}, {d5}, {d6}, {d7}, {d8}, {d9}, {d10}, {d11}, {d12}, {d13}, {d14}, {d15}, {d16}, {d17}, {d18}, {d19}, {d20}, {d21}, {d22}, {d23}, {d24}, {d25}, {d26}, {d27}, {d28}, {d29}, {d30}, {d31}, {d32}, {d33}, {d34}, {d35}, {d36}, {d37}, {d38}, {d39}, {d40}, {d41}, {d42}, {d43}, {d44}, {d45}, {d46}, {d47}, {d48}, {d49}, {d50}, {d51}, {d52}, {d53}, {d54}, {d55}, {d56}, {d57}, {d58}, {d59}, {d60}, {d61}, {d62}, {d63}}}"
+    };
 }
 
-/// `A` K-major, `B` N-major (dgrad: the weight read transposed).
-///
-/// Issues one 64-deep K block — `wgmma.fence`, four `m64n128k16` MMAs (descriptors `a[i]`,
-/// `b[i]` for K slice i), `commit_group` — and returns while the tensor cores still write
-/// `acc`. Follow with [`wait_keep_one`] or [`wait_all`] on the same `acc` before reading it.
-/// `accumulate == false` makes the first MMA overwrite `acc` (D = A·B).
-///
-/// # Safety
-/// Warpgroup-collective (128 consecutive threads starting at a multiple of 128, uniform flow);
-/// the descriptors must describe initialised shared memory that stays untouched until a wait
-/// covers this group.
-#[inline(always)]
-pub unsafe fn issue_k64_m64n128_kn(acc: &mut [f32; 64], a: [u64; 4], b: [u64; 4], accumulate: bool) {
-    // SAFETY: caller contract.
-    unsafe {
+/// Runs `asm!` with `$template` and the 64 accumulators of `$acc` bound as `d0..d63` (in-out
+/// `.f32` registers), followed by any further operands.
+macro_rules! asm_with_accumulators {
+    ($acc:expr, [$($template:expr),* $(,)?], $($operands:tt)*) => {
         asm!(
-            "{{",
-            ".reg .pred p, q;",
-            "setp.ne.u32 p, {scale}, 0;",
-            "setp.eq.u32 q, {scale}, {scale};",
-            "wgmma.fence.sync.aligned;",
-            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {{{d0}, {d1}, {d2}, {d3}, {d4}, {d5}, {d6}, {d7}, {d8}, {d9}, {d10}, {d11}, {d12}, {d13}, {d14}, {d15}, {d16}, {d17}, {d18}, {d19}, {d20}, {d21}, {d22}, {d23}, {d24}, {d25}, {d26}, {d27}, {d28}, {d29}, {d30}, {d31}, {d32}, {d33}, {d34}, {d35}, {d36}, {d37}, {d38}, {d39}, {d40}, {d41}, {d42}, {d43}, {d44}, {d45}, {d46}, {d47}, {d48}, {d49}, {d50}, {d51}, {d52}, {d53}, {d54}, {d55}, {d56}, {d57}, {d58}, {d59}, {d60}, {d61}, {d62}, {d63}}}, {a0}, {b0}, p, 1, 1, 0, 1;",
-            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {{{d0}, {d1}, {d2}, {d3}, {d4}, {d5}, {d6}, {d7}, {d8}, {d9}, {d10}, {d11}, {d12}, {d13}, {d14}, {d15}, {d16}, {d17}, {d18}, {d19}, {d20}, {d21}, {d22}, {d23}, {d24}, {d25}, {d26}, {d27}, {d28}, {d29}, {d30}, {d31}, {d32}, {d33}, {d34}, {d35}, {d36}, {d37}, {d38}, {d39}, {d40}, {d41}, {d42}, {d43}, {d44}, {d45}, {d46}, {d47}, {d48}, {d49}, {d50}, {d51}, {d52}, {d53}, {d54}, {d55}, {d56}, {d57}, {d58}, {d59}, {d60}, {d61}, {d62}, {d63}}}, {a1}, {b1}, q, 1, 1, 0, 1;",
-            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {{{d0}, {d1}, {d2}, {d3}, {d4}, {d5}, {d6}, {d7}, {d8}, {d9}, {d10}, {d11}, {d12}, {d13}, {d14}, {d15}, {d16}, {d17}, {d18}, {d19}, {d20}, {d21}, {d22}, {d23}, {d24}, {d25}, {d26}, {d27}, {d28}, {d29}, {d30}, {d31}, {d32}, {d33}, {d34}, {d35}, {d36}, {d37}, {d38}, {d39}, {d40}, {d41}, {d42}, {d43}, {d44}, {d45}, {d46}, {d47}, {d48}, {d49}, {d50}, {d51}, {d52}, {d53}, {d54}, {d55}, {d56}, {d57}, {d58}, {d59}, {d60}, {d61}, {d62}, {d63}}}, {a2}, {b2}, q, 1, 1, 0, 1;",
-            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {{{d0}, {d1}, {d2}, {d3}, {d4}, {d5}, {d6}, {d7}, {d8}, {d9}, {d10}, {d11}, {d12}, {d13}, {d14}, {d15}, {d16}, {d17}, {d18}, {d19}, {d20}, {d21}, {d22}, {d23}, {d24}, {d25}, {d26}, {d27}, {d28}, {d29}, {d30}, {d31}, {d32}, {d33}, {d34}, {d35}, {d36}, {d37}, {d38}, {d39}, {d40}, {d41}, {d42}, {d43}, {d44}, {d45}, {d46}, {d47}, {d48}, {d49}, {d50}, {d51}, {d52}, {d53}, {d54}, {d55}, {d56}, {d57}, {d58}, {d59}, {d60}, {d61}, {d62}, {d63}}}, {a3}, {b3}, q, 1, 1, 0, 1;",
-            "wgmma.commit_group.sync.aligned;",
-            "}}",
-            d0 = inout(reg32) acc[0],
-            d1 = inout(reg32) acc[1],
-            d2 = inout(reg32) acc[2],
-            d3 = inout(reg32) acc[3],
-            d4 = inout(reg32) acc[4],
-            d5 = inout(reg32) acc[5],
-            d6 = inout(reg32) acc[6],
-            d7 = inout(reg32) acc[7],
-            d8 = inout(reg32) acc[8],
-            d9 = inout(reg32) acc[9],
-            d10 = inout(reg32) acc[10],
-            d11 = inout(reg32) acc[11],
-            d12 = inout(reg32) acc[12],
-            d13 = inout(reg32) acc[13],
-            d14 = inout(reg32) acc[14],
-            d15 = inout(reg32) acc[15],
-            d16 = inout(reg32) acc[16],
-            d17 = inout(reg32) acc[17],
-            d18 = inout(reg32) acc[18],
-            d19 = inout(reg32) acc[19],
-            d20 = inout(reg32) acc[20],
-            d21 = inout(reg32) acc[21],
-            d22 = inout(reg32) acc[22],
-            d23 = inout(reg32) acc[23],
-            d24 = inout(reg32) acc[24],
-            d25 = inout(reg32) acc[25],
-            d26 = inout(reg32) acc[26],
-            d27 = inout(reg32) acc[27],
-            d28 = inout(reg32) acc[28],
-            d29 = inout(reg32) acc[29],
-            d30 = inout(reg32) acc[30],
-            d31 = inout(reg32) acc[31],
-            d32 = inout(reg32) acc[32],
-            d33 = inout(reg32) acc[33],
-            d34 = inout(reg32) acc[34],
-            d35 = inout(reg32) acc[35],
-            d36 = inout(reg32) acc[36],
-            d37 = inout(reg32) acc[37],
-            d38 = inout(reg32) acc[38],
-            d39 = inout(reg32) acc[39],
-            d40 = inout(reg32) acc[40],
-            d41 = inout(reg32) acc[41],
-            d42 = inout(reg32) acc[42],
-            d43 = inout(reg32) acc[43],
-            d44 = inout(reg32) acc[44],
-            d45 = inout(reg32) acc[45],
-            d46 = inout(reg32) acc[46],
-            d47 = inout(reg32) acc[47],
-            d48 = inout(reg32) acc[48],
-            d49 = inout(reg32) acc[49],
-            d50 = inout(reg32) acc[50],
-            d51 = inout(reg32) acc[51],
-            d52 = inout(reg32) acc[52],
-            d53 = inout(reg32) acc[53],
-            d54 = inout(reg32) acc[54],
-            d55 = inout(reg32) acc[55],
-            d56 = inout(reg32) acc[56],
-            d57 = inout(reg32) acc[57],
-            d58 = inout(reg32) acc[58],
-            d59 = inout(reg32) acc[59],
-            d60 = inout(reg32) acc[60],
-            d61 = inout(reg32) acc[61],
-            d62 = inout(reg32) acc[62],
-            d63 = inout(reg32) acc[63],
-            a0 = in(reg64) a[0], b0 = in(reg64) b[0],
-            a1 = in(reg64) a[1], b1 = in(reg64) b[1],
-            a2 = in(reg64) a[2], b2 = in(reg64) b[2],
-            a3 = in(reg64) a[3], b3 = in(reg64) b[3],
-            scale = in(reg32) accumulate as u32,
-            options(nostack),
-        );
-    }
+            $($template,)*
+            d0 = inout(reg32) $acc[0],
+            d1 = inout(reg32) $acc[1],
+            d2 = inout(reg32) $acc[2],
+            d3 = inout(reg32) $acc[3],
+            d4 = inout(reg32) $acc[4],
+            d5 = inout(reg32) $acc[5],
+            d6 = inout(reg32) $acc[6],
+            d7 = inout(reg32) $acc[7],
+            d8 = inout(reg32) $acc[8],
+            d9 = inout(reg32) $acc[9],
+            d10 = inout(reg32) $acc[10],
+            d11 = inout(reg32) $acc[11],
+            d12 = inout(reg32) $acc[12],
+            d13 = inout(reg32) $acc[13],
+            d14 = inout(reg32) $acc[14],
+            d15 = inout(reg32) $acc[15],
+            d16 = inout(reg32) $acc[16],
+            d17 = inout(reg32) $acc[17],
+            d18 = inout(reg32) $acc[18],
+            d19 = inout(reg32) $acc[19],
+            d20 = inout(reg32) $acc[20],
+            d21 = inout(reg32) $acc[21],
+            d22 = inout(reg32) $acc[22],
+            d23 = inout(reg32) $acc[23],
+            d24 = inout(reg32) $acc[24],
+            d25 = inout(reg32) $acc[25],
+            d26 = inout(reg32) $acc[26],
+            d27 = inout(reg32) $acc[27],
+            d28 = inout(reg32) $acc[28],
+            d29 = inout(reg32) $acc[29],
+            d30 = inout(reg32) $acc[30],
+            d31 = inout(reg32) $acc[31],
+            d32 = inout(reg32) $acc[32],
+            d33 = inout(reg32) $acc[33],
+            d34 = inout(reg32) $acc[34],
+            d35 = inout(reg32) $acc[35],
+            d36 = inout(reg32) $acc[36],
+            d37 = inout(reg32) $acc[37],
+            d38 = inout(reg32) $acc[38],
+            d39 = inout(reg32) $acc[39],
+            d40 = inout(reg32) $acc[40],
+            d41 = inout(reg32) $acc[41],
+            d42 = inout(reg32) $acc[42],
+            d43 = inout(reg32) $acc[43],
+            d44 = inout(reg32) $acc[44],
+            d45 = inout(reg32) $acc[45],
+            d46 = inout(reg32) $acc[46],
+            d47 = inout(reg32) $acc[47],
+            d48 = inout(reg32) $acc[48],
+            d49 = inout(reg32) $acc[49],
+            d50 = inout(reg32) $acc[50],
+            d51 = inout(reg32) $acc[51],
+            d52 = inout(reg32) $acc[52],
+            d53 = inout(reg32) $acc[53],
+            d54 = inout(reg32) $acc[54],
+            d55 = inout(reg32) $acc[55],
+            d56 = inout(reg32) $acc[56],
+            d57 = inout(reg32) $acc[57],
+            d58 = inout(reg32) $acc[58],
+            d59 = inout(reg32) $acc[59],
+            d60 = inout(reg32) $acc[60],
+            d61 = inout(reg32) $acc[61],
+            d62 = inout(reg32) $acc[62],
+            d63 = inout(reg32) $acc[63],
+            $($operands)*
+        )
+    };
 }
 
-/// `A` M-major, `B` N-major (wgrad: both operands reduced over rows).
-///
-/// Issues one 64-deep K block — `wgmma.fence`, four `m64n128k16` MMAs (descriptors `a[i]`,
-/// `b[i]` for K slice i), `commit_group` — and returns while the tensor cores still write
-/// `acc`. Follow with [`wait_keep_one`] or [`wait_all`] on the same `acc` before reading it.
-/// `accumulate == false` makes the first MMA overwrite `acc` (D = A·B).
-///
-/// # Safety
-/// Warpgroup-collective (128 consecutive threads starting at a multiple of 128, uniform flow);
-/// the descriptors must describe initialised shared memory that stays untouched until a wait
-/// covers this group.
-#[inline(always)]
-pub unsafe fn issue_k64_m64n128_mn(acc: &mut [f32; 64], a: [u64; 4], b: [u64; 4], accumulate: bool) {
-    // SAFETY: caller contract.
-    unsafe {
-        asm!(
-            "{{",
-            ".reg .pred p, q;",
-            "setp.ne.u32 p, {scale}, 0;",
-            "setp.eq.u32 q, {scale}, {scale};",
-            "wgmma.fence.sync.aligned;",
-            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {{{d0}, {d1}, {d2}, {d3}, {d4}, {d5}, {d6}, {d7}, {d8}, {d9}, {d10}, {d11}, {d12}, {d13}, {d14}, {d15}, {d16}, {d17}, {d18}, {d19}, {d20}, {d21}, {d22}, {d23}, {d24}, {d25}, {d26}, {d27}, {d28}, {d29}, {d30}, {d31}, {d32}, {d33}, {d34}, {d35}, {d36}, {d37}, {d38}, {d39}, {d40}, {d41}, {d42}, {d43}, {d44}, {d45}, {d46}, {d47}, {d48}, {d49}, {d50}, {d51}, {d52}, {d53}, {d54}, {d55}, {d56}, {d57}, {d58}, {d59}, {d60}, {d61}, {d62}, {d63}}}, {a0}, {b0}, p, 1, 1, 1, 1;",
-            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {{{d0}, {d1}, {d2}, {d3}, {d4}, {d5}, {d6}, {d7}, {d8}, {d9}, {d10}, {d11}, {d12}, {d13}, {d14}, {d15}, {d16}, {d17}, {d18}, {d19}, {d20}, {d21}, {d22}, {d23}, {d24}, {d25}, {d26}, {d27}, {d28}, {d29}, {d30}, {d31}, {d32}, {d33}, {d34}, {d35}, {d36}, {d37}, {d38}, {d39}, {d40}, {d41}, {d42}, {d43}, {d44}, {d45}, {d46}, {d47}, {d48}, {d49}, {d50}, {d51}, {d52}, {d53}, {d54}, {d55}, {d56}, {d57}, {d58}, {d59}, {d60}, {d61}, {d62}, {d63}}}, {a1}, {b1}, q, 1, 1, 1, 1;",
-            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {{{d0}, {d1}, {d2}, {d3}, {d4}, {d5}, {d6}, {d7}, {d8}, {d9}, {d10}, {d11}, {d12}, {d13}, {d14}, {d15}, {d16}, {d17}, {d18}, {d19}, {d20}, {d21}, {d22}, {d23}, {d24}, {d25}, {d26}, {d27}, {d28}, {d29}, {d30}, {d31}, {d32}, {d33}, {d34}, {d35}, {d36}, {d37}, {d38}, {d39}, {d40}, {d41}, {d42}, {d43}, {d44}, {d45}, {d46}, {d47}, {d48}, {d49}, {d50}, {d51}, {d52}, {d53}, {d54}, {d55}, {d56}, {d57}, {d58}, {d59}, {d60}, {d61}, {d62}, {d63}}}, {a2}, {b2}, q, 1, 1, 1, 1;",
-            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {{{d0}, {d1}, {d2}, {d3}, {d4}, {d5}, {d6}, {d7}, {d8}, {d9}, {d10}, {d11}, {d12}, {d13}, {d14}, {d15}, {d16}, {d17}, {d18}, {d19}, {d20}, {d21}, {d22}, {d23}, {d24}, {d25}, {d26}, {d27}, {d28}, {d29}, {d30}, {d31}, {d32}, {d33}, {d34}, {d35}, {d36}, {d37}, {d38}, {d39}, {d40}, {d41}, {d42}, {d43}, {d44}, {d45}, {d46}, {d47}, {d48}, {d49}, {d50}, {d51}, {d52}, {d53}, {d54}, {d55}, {d56}, {d57}, {d58}, {d59}, {d60}, {d61}, {d62}, {d63}}}, {a3}, {b3}, q, 1, 1, 1, 1;",
-            "wgmma.commit_group.sync.aligned;",
-            "}}",
-            d0 = inout(reg32) acc[0],
-            d1 = inout(reg32) acc[1],
-            d2 = inout(reg32) acc[2],
-            d3 = inout(reg32) acc[3],
-            d4 = inout(reg32) acc[4],
-            d5 = inout(reg32) acc[5],
-            d6 = inout(reg32) acc[6],
-            d7 = inout(reg32) acc[7],
-            d8 = inout(reg32) acc[8],
-            d9 = inout(reg32) acc[9],
-            d10 = inout(reg32) acc[10],
-            d11 = inout(reg32) acc[11],
-            d12 = inout(reg32) acc[12],
-            d13 = inout(reg32) acc[13],
-            d14 = inout(reg32) acc[14],
-            d15 = inout(reg32) acc[15],
-            d16 = inout(reg32) acc[16],
-            d17 = inout(reg32) acc[17],
-            d18 = inout(reg32) acc[18],
-            d19 = inout(reg32) acc[19],
-            d20 = inout(reg32) acc[20],
-            d21 = inout(reg32) acc[21],
-            d22 = inout(reg32) acc[22],
-            d23 = inout(reg32) acc[23],
-            d24 = inout(reg32) acc[24],
-            d25 = inout(reg32) acc[25],
-            d26 = inout(reg32) acc[26],
-            d27 = inout(reg32) acc[27],
-            d28 = inout(reg32) acc[28],
-            d29 = inout(reg32) acc[29],
-            d30 = inout(reg32) acc[30],
-            d31 = inout(reg32) acc[31],
-            d32 = inout(reg32) acc[32],
-            d33 = inout(reg32) acc[33],
-            d34 = inout(reg32) acc[34],
-            d35 = inout(reg32) acc[35],
-            d36 = inout(reg32) acc[36],
-            d37 = inout(reg32) acc[37],
-            d38 = inout(reg32) acc[38],
-            d39 = inout(reg32) acc[39],
-            d40 = inout(reg32) acc[40],
-            d41 = inout(reg32) acc[41],
-            d42 = inout(reg32) acc[42],
-            d43 = inout(reg32) acc[43],
-            d44 = inout(reg32) acc[44],
-            d45 = inout(reg32) acc[45],
-            d46 = inout(reg32) acc[46],
-            d47 = inout(reg32) acc[47],
-            d48 = inout(reg32) acc[48],
-            d49 = inout(reg32) acc[49],
-            d50 = inout(reg32) acc[50],
-            d51 = inout(reg32) acc[51],
-            d52 = inout(reg32) acc[52],
-            d53 = inout(reg32) acc[53],
-            d54 = inout(reg32) acc[54],
-            d55 = inout(reg32) acc[55],
-            d56 = inout(reg32) acc[56],
-            d57 = inout(reg32) acc[57],
-            d58 = inout(reg32) acc[58],
-            d59 = inout(reg32) acc[59],
-            d60 = inout(reg32) acc[60],
-            d61 = inout(reg32) acc[61],
-            d62 = inout(reg32) acc[62],
-            d63 = inout(reg32) acc[63],
-            a0 = in(reg64) a[0], b0 = in(reg64) b[0],
-            a1 = in(reg64) a[1], b1 = in(reg64) b[1],
-            a2 = in(reg64) a[2], b2 = in(reg64) b[2],
-            a3 = in(reg64) a[3], b3 = in(reg64) b[3],
-            scale = in(reg32) accumulate as u32,
-            options(nostack),
-        );
-    }
+/// One 64-deep K block of `m64n128k16` MMAs with the given transpose flags (0: K-major,
+/// 1: M/N-major) for A and B.
+macro_rules! issue_k64 {
+    ($(#[$doc:meta])* $name:ident, $trans_a:literal, $trans_b:literal) => {
+        $(#[$doc])*
+        ///
+        /// Issues one 64-deep K block — `wgmma.fence`, four `m64n128k16` MMAs (descriptors
+        /// `a[i]`, `b[i]` for K slice i), `commit_group` — and returns while the tensor cores
+        /// still write `acc`. Follow with [`wait_keep_one`] or [`wait_all`] on the same `acc`
+        /// before reading it. `accumulate == false` makes the first MMA overwrite `acc`.
+        ///
+        /// # Safety
+        /// Warpgroup-collective (128 consecutive threads starting at a multiple of 128, uniform
+        /// flow); the descriptors must describe initialised shared memory that stays untouched
+        /// until a wait covers this group.
+        #[inline(always)]
+        pub unsafe fn $name(acc: &mut [f32; 64], a: [u64; 4], b: [u64; 4], accumulate: bool) {
+            // SAFETY: caller contract.
+            unsafe {
+                asm_with_accumulators!(acc, [
+                    "{{",
+                    ".reg .pred p, q;",
+                    "setp.ne.u32 p, {scale}, 0;",
+                    "setp.eq.u32 q, {scale}, {scale};",
+                    "wgmma.fence.sync.aligned;",
+                    concat!("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 ", accumulators!(), ", {a0}, {b0}, p, 1, 1, ", $trans_a, ", ", $trans_b, ";"),
+                    concat!("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 ", accumulators!(), ", {a1}, {b1}, q, 1, 1, ", $trans_a, ", ", $trans_b, ";"),
+                    concat!("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 ", accumulators!(), ", {a2}, {b2}, q, 1, 1, ", $trans_a, ", ", $trans_b, ";"),
+                    concat!("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 ", accumulators!(), ", {a3}, {b3}, q, 1, 1, ", $trans_a, ", ", $trans_b, ";"),
+                    "wgmma.commit_group.sync.aligned;",
+                    "}}",
+                ],
+                    a0 = in(reg64) a[0], b0 = in(reg64) b[0], a1 = in(reg64) a[1], b1 = in(reg64) b[1],
+                    a2 = in(reg64) a[2], b2 = in(reg64) b[2], a3 = in(reg64) a[3], b3 = in(reg64) b[3],
+                    scale = in(reg32) accumulate as u32,
+                    options(nostack),
+                );
+            }
+        }
+    };
 }
 
-/// `wgmma.wait_group 1`: every committed group but the newest has completed.
-///
-/// Takes the accumulators as in-out operands so the compiler keeps them in place and orders
-/// every later read after the wait.
-#[inline(always)]
-pub fn wait_keep_one(acc: &mut [f32; 64]) {
-    // SAFETY: register-only; warpgroup-collective like the MMAs it waits for.
-    unsafe {
-        asm!(
-            "wgmma.wait_group.sync.aligned 1;",
-            // Names the accumulators so they are operands of the wait (a PTX comment).
-            "// {d0} {d1} {d2} {d3} {d4} {d5} {d6} {d7} {d8} {d9} {d10} {d11} {d12} {d13} {d14} {d15} {d16} {d17} {d18} {d19} {d20} {d21} {d22} {d23} {d24} {d25} {d26} {d27} {d28} {d29} {d30} {d31} {d32} {d33} {d34} {d35} {d36} {d37} {d38} {d39} {d40} {d41} {d42} {d43} {d44} {d45} {d46} {d47} {d48} {d49} {d50} {d51} {d52} {d53} {d54} {d55} {d56} {d57} {d58} {d59} {d60} {d61} {d62} {d63}",
-            d0 = inout(reg32) acc[0],
-            d1 = inout(reg32) acc[1],
-            d2 = inout(reg32) acc[2],
-            d3 = inout(reg32) acc[3],
-            d4 = inout(reg32) acc[4],
-            d5 = inout(reg32) acc[5],
-            d6 = inout(reg32) acc[6],
-            d7 = inout(reg32) acc[7],
-            d8 = inout(reg32) acc[8],
-            d9 = inout(reg32) acc[9],
-            d10 = inout(reg32) acc[10],
-            d11 = inout(reg32) acc[11],
-            d12 = inout(reg32) acc[12],
-            d13 = inout(reg32) acc[13],
-            d14 = inout(reg32) acc[14],
-            d15 = inout(reg32) acc[15],
-            d16 = inout(reg32) acc[16],
-            d17 = inout(reg32) acc[17],
-            d18 = inout(reg32) acc[18],
-            d19 = inout(reg32) acc[19],
-            d20 = inout(reg32) acc[20],
-            d21 = inout(reg32) acc[21],
-            d22 = inout(reg32) acc[22],
-            d23 = inout(reg32) acc[23],
-            d24 = inout(reg32) acc[24],
-            d25 = inout(reg32) acc[25],
-            d26 = inout(reg32) acc[26],
-            d27 = inout(reg32) acc[27],
-            d28 = inout(reg32) acc[28],
-            d29 = inout(reg32) acc[29],
-            d30 = inout(reg32) acc[30],
-            d31 = inout(reg32) acc[31],
-            d32 = inout(reg32) acc[32],
-            d33 = inout(reg32) acc[33],
-            d34 = inout(reg32) acc[34],
-            d35 = inout(reg32) acc[35],
-            d36 = inout(reg32) acc[36],
-            d37 = inout(reg32) acc[37],
-            d38 = inout(reg32) acc[38],
-            d39 = inout(reg32) acc[39],
-            d40 = inout(reg32) acc[40],
-            d41 = inout(reg32) acc[41],
-            d42 = inout(reg32) acc[42],
-            d43 = inout(reg32) acc[43],
-            d44 = inout(reg32) acc[44],
-            d45 = inout(reg32) acc[45],
-            d46 = inout(reg32) acc[46],
-            d47 = inout(reg32) acc[47],
-            d48 = inout(reg32) acc[48],
-            d49 = inout(reg32) acc[49],
-            d50 = inout(reg32) acc[50],
-            d51 = inout(reg32) acc[51],
-            d52 = inout(reg32) acc[52],
-            d53 = inout(reg32) acc[53],
-            d54 = inout(reg32) acc[54],
-            d55 = inout(reg32) acc[55],
-            d56 = inout(reg32) acc[56],
-            d57 = inout(reg32) acc[57],
-            d58 = inout(reg32) acc[58],
-            d59 = inout(reg32) acc[59],
-            d60 = inout(reg32) acc[60],
-            d61 = inout(reg32) acc[61],
-            d62 = inout(reg32) acc[62],
-            d63 = inout(reg32) acc[63],
-            options(nostack),
-        );
-    }
+issue_k64!(
+    /// `A` K-major, `B` K-major (forward: activations × `nn.Linear` weights).
+    issue_k64_m64n128_kk, 0, 0
+);
+issue_k64!(
+    /// `A` K-major, `B` N-major (dgrad: the weight read transposed).
+    issue_k64_m64n128_kn, 0, 1
+);
+issue_k64!(
+    /// `A` M-major, `B` N-major (wgrad: both operands reduced over rows).
+    issue_k64_m64n128_mn, 1, 1
+);
+
+/// `wgmma.wait_group.sync.aligned N` with the accumulators as in-out operands, so the compiler
+/// keeps them in place and orders every later read after the wait.
+macro_rules! wait_group {
+    ($(#[$doc:meta])* $name:ident, $pending:literal) => {
+        $(#[$doc])*
+        #[inline(always)]
+        pub fn $name(acc: &mut [f32; 64]) {
+            // SAFETY: register-only; warpgroup-collective like the MMAs it waits for.
+            unsafe {
+                asm_with_accumulators!(acc, [
+                    concat!("wgmma.wait_group.sync.aligned ", $pending, ";"),
+                    // Names the accumulators so they are operands of the wait (a PTX comment).
+                    concat!("// ", accumulators!()),
+                ], options(nostack));
+            }
+        }
+    };
 }
 
-/// `wgmma.wait_group 0`: every committed group has completed.
-///
-/// Takes the accumulators as in-out operands so the compiler keeps them in place and orders
-/// every later read after the wait.
-#[inline(always)]
-pub fn wait_all(acc: &mut [f32; 64]) {
-    // SAFETY: register-only; warpgroup-collective like the MMAs it waits for.
-    unsafe {
-        asm!(
-            "wgmma.wait_group.sync.aligned 0;",
-            // Names the accumulators so they are operands of the wait (a PTX comment).
-            "// {d0} {d1} {d2} {d3} {d4} {d5} {d6} {d7} {d8} {d9} {d10} {d11} {d12} {d13} {d14} {d15} {d16} {d17} {d18} {d19} {d20} {d21} {d22} {d23} {d24} {d25} {d26} {d27} {d28} {d29} {d30} {d31} {d32} {d33} {d34} {d35} {d36} {d37} {d38} {d39} {d40} {d41} {d42} {d43} {d44} {d45} {d46} {d47} {d48} {d49} {d50} {d51} {d52} {d53} {d54} {d55} {d56} {d57} {d58} {d59} {d60} {d61} {d62} {d63}",
-            d0 = inout(reg32) acc[0],
-            d1 = inout(reg32) acc[1],
-            d2 = inout(reg32) acc[2],
-            d3 = inout(reg32) acc[3],
-            d4 = inout(reg32) acc[4],
-            d5 = inout(reg32) acc[5],
-            d6 = inout(reg32) acc[6],
-            d7 = inout(reg32) acc[7],
-            d8 = inout(reg32) acc[8],
-            d9 = inout(reg32) acc[9],
-            d10 = inout(reg32) acc[10],
-            d11 = inout(reg32) acc[11],
-            d12 = inout(reg32) acc[12],
-            d13 = inout(reg32) acc[13],
-            d14 = inout(reg32) acc[14],
-            d15 = inout(reg32) acc[15],
-            d16 = inout(reg32) acc[16],
-            d17 = inout(reg32) acc[17],
-            d18 = inout(reg32) acc[18],
-            d19 = inout(reg32) acc[19],
-            d20 = inout(reg32) acc[20],
-            d21 = inout(reg32) acc[21],
-            d22 = inout(reg32) acc[22],
-            d23 = inout(reg32) acc[23],
-            d24 = inout(reg32) acc[24],
-            d25 = inout(reg32) acc[25],
-            d26 = inout(reg32) acc[26],
-            d27 = inout(reg32) acc[27],
-            d28 = inout(reg32) acc[28],
-            d29 = inout(reg32) acc[29],
-            d30 = inout(reg32) acc[30],
-            d31 = inout(reg32) acc[31],
-            d32 = inout(reg32) acc[32],
-            d33 = inout(reg32) acc[33],
-            d34 = inout(reg32) acc[34],
-            d35 = inout(reg32) acc[35],
-            d36 = inout(reg32) acc[36],
-            d37 = inout(reg32) acc[37],
-            d38 = inout(reg32) acc[38],
-            d39 = inout(reg32) acc[39],
-            d40 = inout(reg32) acc[40],
-            d41 = inout(reg32) acc[41],
-            d42 = inout(reg32) acc[42],
-            d43 = inout(reg32) acc[43],
-            d44 = inout(reg32) acc[44],
-            d45 = inout(reg32) acc[45],
-            d46 = inout(reg32) acc[46],
-            d47 = inout(reg32) acc[47],
-            d48 = inout(reg32) acc[48],
-            d49 = inout(reg32) acc[49],
-            d50 = inout(reg32) acc[50],
-            d51 = inout(reg32) acc[51],
-            d52 = inout(reg32) acc[52],
-            d53 = inout(reg32) acc[53],
-            d54 = inout(reg32) acc[54],
-            d55 = inout(reg32) acc[55],
-            d56 = inout(reg32) acc[56],
-            d57 = inout(reg32) acc[57],
-            d58 = inout(reg32) acc[58],
-            d59 = inout(reg32) acc[59],
-            d60 = inout(reg32) acc[60],
-            d61 = inout(reg32) acc[61],
-            d62 = inout(reg32) acc[62],
-            d63 = inout(reg32) acc[63],
-            options(nostack),
-        );
-    }
-}
+wait_group!(
+    /// `wgmma.wait_group 1`: every committed group but the newest has completed.
+    wait_keep_one, 1
+);
+wait_group!(
+    /// `wgmma.wait_group 0`: every committed group has completed.
+    wait_all, 0
+);
