@@ -22,7 +22,7 @@ fn main() {
     let linker = env::current_exe().expect("build script knows its own path");
     for arch in ptx_builder::ALL_ARCHS {
         if let Err(message) =
-            ptx_builder::build_ptx(&kernels_dir, &out_dir.join("kernels-target"), &out_dir, arch, &linker)
+            ptx_builder::build_ptx(&kernels_dir, &out_dir.join("kernels-target"), &out_dir, arch, &linker, false)
         {
             // One line that names the fix; cargo prints the script's stderr under the failure.
             eprintln!("mok: {message}");

@@ -175,16 +175,18 @@ pub fn llvm_tools_dir() -> Result<PathBuf, String> {
 ///
 /// `kernels_dir` is the `kernels/` crate, `target_dir` a cargo target folder of its own (a
 /// nested cargo must not share the outer build's), `linker` the executable that calls
-/// [`run_as_linker_if_requested`].
+/// [`run_as_linker_if_requested`]. `deny_warnings` turns kernel-crate warnings into errors (the
+/// xtask checks use it; a user's build of `mok` does not, so a lint never breaks a dependent).
 pub fn build_ptx(
     kernels_dir: &Path,
     target_dir: &Path,
     out_dir: &Path,
     arch: PtxArch,
     linker: &Path,
+    deny_warnings: bool,
 ) -> Result<PathBuf, String> {
     let llvm_bin = llvm_tools_dir()?;
-    let rustflags = [
+    let mut rustflags = vec![
         format!("-Ctarget-cpu={}", arch.sm),
         format!("-Clinker={}", linker.display()),
         "-Cpanic=abort".to_string(),
@@ -195,6 +197,9 @@ pub fn build_ptx(
         // the same source gives the same PTX bytes.
         format!("--remap-path-prefix={}=mok", kernels_dir.parent().unwrap_or(kernels_dir).display()),
     ];
+    if deny_warnings {
+        rustflags.push("-Dwarnings".to_string());
+    }
     let mut command = Command::new("cargo");
     // The outer cargo's variables point at the stable toolchain and its target folder: drop them.
     for (key, _) in env::vars_os() {

@@ -26,7 +26,7 @@ fn build_all(root: &Path, target_dir: &Path, out_dir: &Path) -> Result<Vec<(PtxA
         .iter()
         .map(|&arch| {
             println!("ptx: building {} ({})", arch.sm, arch.file_name);
-            ptx_builder::build_ptx(&kernels_dir, target_dir, out_dir, arch, &linker)
+            ptx_builder::build_ptx(&kernels_dir, target_dir, out_dir, arch, &linker, true)
                 .map(|path| (arch, path))
                 .map_err(|message| anyhow!("{message}"))
         })

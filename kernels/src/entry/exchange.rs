@@ -10,14 +10,8 @@
 
 use crate::comm::params::ExchangeParams;
 use crate::comm::{Pass, RankView, combine, movers, plan};
+use crate::device::grid_thread;
 use crate::ptx::{smem, sreg};
-
-/// Index of this thread in the grid, and the grid's thread count.
-#[inline(always)]
-fn grid_thread() -> (usize, usize) {
-    let threads = (sreg::block_dim_x() * sreg::grid_dim_x()) as usize;
-    ((sreg::block_idx_x() * sreg::block_dim_x() + sreg::thread_idx_x()) as usize, threads)
-}
 
 /// This warp's index in the grid, and the grid's warp count (blocks are whole warps).
 #[inline(always)]

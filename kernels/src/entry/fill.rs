@@ -1,16 +1,9 @@
 //! Buffer fills: poisoning, clearing, and device-side random data for tests and benchmarks
 //! (generating frontier-size weights on the host would dominate a test's time).
 
+use crate::device::grid_thread;
 use crate::num::random_uniform;
 use crate::ptx::convert::f32_to_bf16;
-use crate::ptx::sreg;
-
-/// Index of this thread in the grid, and the grid's thread count.
-#[inline(always)]
-fn grid_thread() -> (usize, usize) {
-    let threads = (sreg::block_dim_x() * sreg::grid_dim_x()) as usize;
-    ((sreg::block_idx_x() * sreg::block_dim_x() + sreg::thread_idx_x()) as usize, threads)
-}
 
 /// Fills `count` u32 words with `value` (poisoning and clearing device buffers).
 ///

@@ -2,19 +2,13 @@
 //! the slot-weight gradient and the SwiGLU backward. All are grid-stride loops over a count the
 //! device holds (`row_count`, written by the routing kernels), so the host never needs it.
 
+use crate::device::grid_thread;
 use crate::device::math;
 use crate::layout::NO_ROW;
 use crate::num::{bf16x2_hi, bf16x2_lo};
 use crate::ptx::convert::{f32_to_bf16, f32x2_to_bf16x2};
 use crate::ptx::memory::{ld_global_v4, st_global_v4};
-use crate::ptx::{sreg, sync};
-
-/// Index of this thread in the grid, and the grid's thread count.
-#[inline(always)]
-fn grid_thread() -> (usize, usize) {
-    let threads = (sreg::block_dim_x() * sreg::grid_dim_x()) as usize;
-    ((sreg::block_idx_x() * sreg::block_dim_x() + sreg::thread_idx_x()) as usize, threads)
-}
+use crate::ptx::sync;
 
 /// `out[r] = src[token(r)]`, or `bf16(weight(r) · src[token(r)])` when `topk_weights` is
 /// non-null, for rows `r < *row_count`, where row r holds slot `row_source[r] = t·k + j`.
