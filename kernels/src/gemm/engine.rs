@@ -23,8 +23,8 @@
 
 use crate::device::math;
 use crate::gemm_layout::{
-    ENGINE_THREADS, GemmParams, OPERAND_TILE_BYTES, SHORT_BOX_ROWS, STAGE_BYTES, STAGES, TILE_K, TILE_M, TILE_N,
-    smem_descriptor, split_row_tile, swizzled_chunk_offset,
+    GemmParams, OPERAND_TILE_BYTES, SHORT_BOX_ROWS, STAGE_BYTES, STAGES, TILE_K, TILE_M, TILE_N, smem_descriptor,
+    split_row_tile, swizzled_chunk_offset,
 };
 use crate::ptx::convert::f32x2_to_bf16x2;
 use crate::ptx::memory::{fence_proxy_async_shared_cta, ld_global_v4, st_shared_v4};
@@ -548,8 +548,8 @@ unsafe fn consume<const V: u32>(p: &GemmParams, ring: Ring, wg: u32, thread_in_w
     }
 }
 
-/// The engine body shared by every entry point. 384 threads, `ENGINE_SMEM_BYTES` of dynamic
-/// shared memory.
+/// The engine body shared by every entry point: [`ENGINE_THREADS`](crate::gemm_layout::ENGINE_THREADS)
+/// threads, [`ENGINE_SMEM_BYTES`](crate::gemm_layout::ENGINE_SMEM_BYTES) of dynamic shared memory.
 ///
 /// # Safety
 /// `params` points at a valid [`GemmParams`] whose tensors match the variant's contract.
@@ -580,5 +580,4 @@ pub unsafe fn run<const V: u32>(params: *const GemmParams) {
         // SAFETY: a whole consumer warpgroup.
         unsafe { consume::<V>(&p, ring, warpgroup - 1, thread % 128) };
     }
-    let _ = ENGINE_THREADS;
 }
