@@ -220,6 +220,7 @@ unsafe fn finish_rows_mn_major(
 /// The producer warp: fills stages in the same tile and K-block order the consumers use.
 #[inline(always)]
 unsafe fn produce<const V: u32>(p: &GemmParams, ring: Ring, lane: u32) {
+    // SAFETY: the offsets in `p` hold groups + 1 entries (host contract of `run`).
     let total = unsafe { tile_count::<V>(p) };
     let (mut stage, mut phase) = (0u32, 0u32);
     let mut tile = sreg::block_idx_x();
@@ -503,6 +504,7 @@ fn release(ring: Ring, stage: u32, thread_in_wg: u32) {
 /// A consumer warpgroup: MMAs over the stages, then the epilogue, tile after tile.
 #[inline(always)]
 unsafe fn consume<const V: u32>(p: &GemmParams, ring: Ring, wg: u32, thread_in_wg: u32) {
+    // SAFETY: the offsets in `p` hold groups + 1 entries (host contract of `run`).
     let total = unsafe { tile_count::<V>(p) };
     let (mut stage, mut phase) = (0u32, 0u32);
     let mut tile = sreg::block_idx_x();
