@@ -15,7 +15,6 @@ use half::bf16;
 use mok::driver::{DeviceBuffer, Gpu};
 use mok::exchange::reference::reference_schedule;
 use mok::exchange::{Exchange, ExchangeOptions};
-use mok::kernels::num::random_uniform;
 use mok::problem::RoutedTokens;
 use mok::shapes::FrontierShape;
 use mok::unfused::{DeviceExperts, DeviceTokens, UnfusedLayer, random_bf16};
@@ -52,24 +51,6 @@ fn parse_args() -> Result<Args> {
         bail!("--tokens and the shape's experts must be multiples of --ranks");
     }
     Ok(args)
-}
-
-/// Uniform random distinct top-k ids and weights for `tokens` tokens.
-fn random_routing(tokens: usize, k: usize, experts: usize, seed: u64) -> (Vec<i32>, Vec<f32>) {
-    let mut draw = 0u64;
-    let mut ids = Vec::with_capacity(tokens * k);
-    for _ in 0..tokens {
-        let start = ids.len();
-        while ids.len() < start + k {
-            draw += 1;
-            let id = (((random_uniform(seed, draw) + 1.0) / 2.0 * experts as f32) as i32).min(experts as i32 - 1);
-            if !ids[start..].contains(&id) {
-                ids.push(id);
-            }
-        }
-    }
-    let weights = (0..tokens * k).map(|i| (random_uniform(seed ^ 3, i as u64) + 1.0) / (2.0 * k as f32)).collect();
-    (ids, weights)
 }
 
 fn median(mut v: Vec<f32>) -> f64 {
@@ -115,8 +96,8 @@ fn main() -> Result<()> {
     );
 
     // Inputs, and the ring sized from the CPU schedule (the worst case would be 8x larger).
-    let (ids, weights) = random_routing(args.tokens, k, e, 7);
-    let x: Vec<bf16> = (0..args.tokens * h).map(|i| bf16::from_f32(random_uniform(5, i as u64))).collect();
+    let (ids, weights) = mok::random::topk_routing(args.tokens, k, e, 7);
+    let x: Vec<bf16> = mok::random::bf16_values(args.tokens * h, 5, 1.0);
     let rank_ids: Vec<&[i32]> = ids.chunks(t * k).collect();
     let schedule = reference_schedule(&rank_ids, k, e);
     let ring_rows: Vec<usize> = schedule.iter().map(|s| s.ring_source.len()).collect();

@@ -12,7 +12,6 @@ use anyhow::{Context, Result};
 use half::bf16;
 use mok::driver::{DeviceBuffer, Gpu};
 use mok::gemm::{EnginePlan, RowGroups, WgradOut, tile_offsets};
-use mok::kernels::num::random_uniform;
 use mok::layout::RoutingLayout;
 use mok::shapes::FrontierShape;
 use mok::unfused::random_bf16;
@@ -39,18 +38,7 @@ fn time_ms(gpu: &Gpu, mut launch: impl FnMut() -> mok::Result<()>) -> Result<f64
 }
 
 fn random_offsets(tokens: usize, experts: usize, k: usize, seed: u64) -> Vec<u32> {
-    let mut ids = Vec::with_capacity(tokens * k);
-    let mut draw = 0u64;
-    for _ in 0..tokens {
-        let start = ids.len();
-        while ids.len() < start + k {
-            draw += 1;
-            let id = (((random_uniform(seed, draw) + 1.0) / 2.0 * experts as f32) as i32).min(experts as i32 - 1);
-            if !ids[start..].contains(&id) {
-                ids.push(id);
-            }
-        }
-    }
+    let (ids, _) = mok::random::topk_routing(tokens, k, experts, seed);
     RoutingLayout::compute(&ids, k, experts).row_offsets
 }
 

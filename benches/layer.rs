@@ -9,9 +9,7 @@
 use std::collections::HashMap;
 
 use anyhow::{Context, Result, bail};
-use half::bf16;
 use mok::driver::Gpu;
-use mok::kernels::num::random_uniform;
 use mok::problem::RoutedTokens;
 use mok::shapes::{FrontierShape, backward_min_bytes, forward_flops, forward_min_bytes};
 use mok::unfused::{DeviceExperts, DeviceTokens, UnfusedLayer, random_bf16};
@@ -57,21 +55,8 @@ fn parse_args() -> Result<Args> {
 
 fn random_tokens(config: &mok::MoeConfig, seed: u64) -> RoutedTokens {
     let (t, h, k, e) = (config.tokens_per_rank, config.hidden, config.top_k, config.num_experts);
-    let mut draw = 0u64;
-    let mut topk_ids = Vec::with_capacity(t * k);
-    for _ in 0..t {
-        let start = topk_ids.len();
-        while topk_ids.len() < start + k {
-            draw += 1;
-            let id = (((random_uniform(seed, draw) + 1.0) / 2.0 * e as f32) as i32).min(e as i32 - 1);
-            if !topk_ids[start..].contains(&id) {
-                topk_ids.push(id);
-            }
-        }
-    }
-    let topk_weights = (0..t * k).map(|i| (random_uniform(seed ^ 3, i as u64) + 1.0) / (2.0 * k as f32)).collect();
-    let x = (0..t * h).map(|i| bf16::from_f32(random_uniform(seed ^ 5, i as u64))).collect();
-    RoutedTokens { x, topk_ids, topk_weights }
+    let (topk_ids, topk_weights) = mok::random::topk_routing(t, k, e, seed);
+    RoutedTokens { x: mok::random::bf16_values(t * h, seed ^ 5, 1.0), topk_ids, topk_weights }
 }
 
 fn median(mut v: Vec<f32>) -> f64 {

@@ -16,7 +16,7 @@
 //! ```
 
 pub use mok_host::{
-    MoeConfig, MokError, Result, config, driver, ep, error, exchange, gemm, layout, problem, reference, shapes,
+    MoeConfig, MokError, Result, config, driver, ep, error, exchange, gemm, layout, problem, random, reference, shapes,
     symmetric, tensor_map, unfused,
 };
 pub use mok_kernels as kernels;

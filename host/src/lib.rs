@@ -16,6 +16,7 @@ pub mod exchange;
 pub mod gemm;
 pub mod layout;
 pub mod problem;
+pub mod random;
 pub mod reference;
 pub mod shapes;
 pub mod symmetric;

@@ -10,8 +10,8 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use half::bf16;
-use mok::kernels::num::random_uniform;
 use mok::problem::{ExpertWeights, RoutedTokens, SharedExpertWeights};
+use mok::random::bf16_values;
 use mok::reference::{self, ReferenceOptions};
 use mok::shapes::{FrontierShape, forward_flops};
 use mok::unfused::{DeviceExperts, DeviceSharedExpert, DeviceTokens, UnfusedLayer, random_bf16};
@@ -53,30 +53,10 @@ fn parse_options() -> Result<Options> {
     Ok(options)
 }
 
-fn host_bf16(count: usize, seed: u64, scale: f32) -> Vec<bf16> {
-    (0..count).map(|i| bf16::from_f32(scale * random_uniform(seed, i as u64))).collect()
-}
-
 fn random_tokens(config: &MoeConfig, seed: u64) -> RoutedTokens {
     let (t, h, k, e) = (config.tokens_per_rank, config.hidden, config.top_k, config.num_experts);
-    let mut draw = 0u64;
-    let mut next = || {
-        draw += 1;
-        (random_uniform(seed, draw) + 1.0) / 2.0
-    };
-    let mut topk_ids = Vec::with_capacity(t * k);
-    let mut topk_weights = Vec::with_capacity(t * k);
-    for _ in 0..t {
-        let start = topk_ids.len();
-        while topk_ids.len() < start + k {
-            let id = ((next() * e as f32) as i32).min(e as i32 - 1);
-            if !topk_ids[start..].contains(&id) {
-                topk_ids.push(id);
-                topk_weights.push(next() / k as f32);
-            }
-        }
-    }
-    RoutedTokens { x: host_bf16(t * h, seed ^ 1, 1.0), topk_ids, topk_weights }
+    let (topk_ids, topk_weights) = mok::random::topk_routing(t, k, e, seed);
+    RoutedTokens { x: bf16_values(t * h, seed ^ 1, 1.0), topk_ids, topk_weights }
 }
 
 /// Host memory in GB from /proc/meminfo (MemTotal), or infinity where it cannot be read.
@@ -111,16 +91,16 @@ fn cpu_demo(why: &MokError) -> Result<()> {
     let (t, h, i, e) = (config.tokens_per_rank, config.hidden, config.intermediate, config.num_experts);
     let tokens = random_tokens(&config, 1);
     let experts = ExpertWeights {
-        w_gate: host_bf16(e * i * h, 2, scale(h)),
-        w_up: host_bf16(e * i * h, 3, scale(h)),
-        w_down: host_bf16(e * h * i, 4, scale(i)),
+        w_gate: bf16_values(e * i * h, 2, scale(h)),
+        w_up: bf16_values(e * i * h, 3, scale(h)),
+        w_down: bf16_values(e * h * i, 4, scale(i)),
     };
     let shared = SharedExpertWeights {
-        ws_gate: host_bf16(128 * h, 5, scale(h)),
-        ws_up: host_bf16(128 * h, 6, scale(h)),
-        ws_down: host_bf16(h * 128, 7, scale(128)),
+        ws_gate: bf16_values(128 * h, 5, scale(h)),
+        ws_up: bf16_values(128 * h, 6, scale(h)),
+        ws_down: bf16_values(h * 128, 7, scale(128)),
     };
-    let dy = host_bf16(t * h, 8, 1.0);
+    let dy = bf16_values(t * h, 8, 1.0);
     let start = Instant::now();
     let (fwd, grads) =
         reference::backward(&config, &tokens, &experts, Some(&shared), &dy, ReferenceOptions::MATCH_GPU)?;
@@ -173,7 +153,7 @@ fn gpu_demo(gpu: &mok::driver::Gpu, options: &Options) -> Result<()> {
         }),
         None => None,
     };
-    let dy_host = host_bf16(t * h, 27, 1.0);
+    let dy_host = bf16_values(t * h, 27, 1.0);
     let dy = mok::driver::DeviceBuffer::from_slice(gpu, &dy_host)?;
     let mut layer = UnfusedLayer::new(gpu, config.clone())?;
 

@@ -28,7 +28,7 @@ pub const PLAIN_ROUTING: Routing<'static> = Routing { drop_probability: 0.0, emp
 
 /// `count` bf16 uniform in ±`scale` from `seed` (the same values `mok_fill_random_bf16` makes).
 pub fn random_bf16(count: usize, seed: u64, scale: f32) -> Vec<bf16> {
-    (0..count).map(|i| bf16::from_f32(scale * random_uniform(seed, i as u64))).collect()
+    mok::random::bf16_values(count, seed, scale)
 }
 
 /// Weight scale that keeps a dot product of `fan_in` U(-1,1)-sized terms at about unit size.
