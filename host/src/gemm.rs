@@ -273,21 +273,12 @@ impl EnginePlan {
             TensorMap::bf16(gpu, a.device_ptr(), &[m as u64, rows], &[2 * m as u64], &[64, 64])?,
             TensorMap::bf16(gpu, b.device_ptr(), &[n as u64, rows], &[2 * n as u64], &[64, 64])?,
         ];
-        // Short K-row boxes for each group's last K block (see GemmParams::map_a_short).
-        let mut shorts = [[0u64; 4]; 2];
-        for (operand, (buffer, width)) in [(a, m), (b, n)].into_iter().enumerate() {
-            for (index, height) in SHORT_BOX_ROWS.into_iter().enumerate() {
-                let map = TensorMap::bf16(
-                    gpu,
-                    buffer.device_ptr(),
-                    &[width as u64, rows],
-                    &[2 * width as u64],
-                    &[64, height],
-                )?;
-                shorts[operand][index] = map.device_ptr();
-                maps.push(map);
-            }
-        }
+        // Short K-row boxes for each group's last K block (see GemmParams::map_a_short): the same
+        // maps as a row-grouped operand's, over `[rows][m]` and `[rows][n]`.
+        let (a_short, a_short_maps) = short_rows_maps(gpu, a, m, capacity)?;
+        let (b_short, b_short_maps) = short_rows_maps(gpu, b, n, capacity)?;
+        maps.extend(a_short_maps);
+        maps.extend(b_short_maps);
         let (out0, out1) = match out {
             WgradOut::Bf16(buffer) => {
                 check_len("dw", buffer.len(), groups * m * n)?;
@@ -301,8 +292,8 @@ impl EnginePlan {
         let params = GemmParams {
             map_a: maps[0].device_ptr(),
             map_b: maps[1].device_ptr(),
-            map_a_short: shorts[0],
-            map_a2_short: shorts[1],
+            map_a_short: a_short,
+            map_a2_short: b_short,
             a_rows: a.device_ptr(),
             b_rows: b.device_ptr(),
             row_offsets: row_offsets.device_ptr(),
@@ -324,8 +315,8 @@ fn rows_map(gpu: &Gpu, rows: &DeviceBuffer<bf16>, k: usize, capacity: usize) -> 
     TensorMap::bf16(gpu, rows.device_ptr(), &[k as u64, capacity.max(1) as u64], &[2 * k as u64], &[64, 128])
 }
 
-/// The short-box maps of `[rows][k]` activations (64, 32, 16 and 8 rows, see
-/// `GemmParams::map_a_short`), with their device addresses.
+/// The short-box maps of a `[rows][width]` operand (boxes of 64 columns × 64, 32, 16 and 8
+/// rows, see `GemmParams::map_a_short`), with their device addresses.
 fn short_rows_maps(
     gpu: &Gpu,
     rows: &DeviceBuffer<bf16>,
