@@ -48,13 +48,7 @@ pub unsafe extern "ptx-kernel" fn mok_ep_rank_chunks(
     let chunk = sreg::block_idx_x();
     let thread = sreg::thread_idx_x();
     let counters = smem::dynamic_smem_base();
-    let mut e = thread;
-    while e < num_experts {
-        // SAFETY: the launch gives `num_experts` u32 of dynamic shared memory.
-        unsafe { crate::ptx::memory::st_shared_u32(counters + 4 * e, 0) };
-        e += sreg::block_dim_x();
-    }
-    crate::ptx::sync::block_barrier();
+    crate::device::zero_chunk_counters(counters, num_experts);
     let first_token = chunk * crate::layout::ROUTE_CHUNK_TOKENS;
     let chunk_tokens = (tokens - first_token).min(crate::layout::ROUTE_CHUNK_TOKENS);
     let first_slot = first_token * top_k;
@@ -74,15 +68,8 @@ pub unsafe extern "ptx-kernel" fn mok_ep_rank_chunks(
             )
         };
     }
-    crate::ptx::sync::block_barrier();
-    let mut e = thread;
-    while e < num_experts {
-        // SAFETY: chunk < chunks, e < E.
-        unsafe {
-            *chunk_counts.add((chunk * num_experts + e) as usize) = crate::ptx::memory::ld_shared_u32(counters + 4 * e)
-        };
-        e += sreg::block_dim_x();
-    }
+    // SAFETY: chunk < chunks, so its row of `chunk_counts` exists.
+    unsafe { crate::device::store_chunk_counters(counters, num_experts, chunk, chunk_counts) };
 }
 
 /// Step 2 of the schedule (grid-stride over T·k slots): the slot-addressed map.

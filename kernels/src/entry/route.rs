@@ -1,6 +1,7 @@
 //! Routing-layout kernels: rank slots per chunk, scan counts, place slots.
 //! See [`crate::layout`] for the algorithm; these entry points run its steps in parallel.
 
+use crate::device::{store_chunk_counters, zero_chunk_counters};
 use crate::layout::{self, NO_ROW};
 use crate::ptx::{smem, sreg, sync};
 use crate::tiles::GEMM_TILE_M;
@@ -25,14 +26,9 @@ pub unsafe extern "ptx-kernel" fn mok_route_rank_chunks(
 ) {
     let chunk = sreg::block_idx_x();
     let thread = sreg::thread_idx_x();
-    let counters = smem::shared_to_generic(smem::dynamic_smem_base()) as *mut u32;
-    let mut e = thread;
-    while e < num_experts {
-        // SAFETY: the launch gives `num_experts` u32 of dynamic shared memory.
-        unsafe { *counters.add(e as usize) = 0 };
-        e += sreg::block_dim_x();
-    }
-    sync::block_barrier();
+    let counters_smem = smem::dynamic_smem_base();
+    let counters = smem::shared_to_generic(counters_smem) as *mut u32;
+    zero_chunk_counters(counters_smem, num_experts);
     if thread == 0 {
         let first_token = chunk * layout::ROUTE_CHUNK_TOKENS;
         let chunk_tokens = (tokens - first_token).min(layout::ROUTE_CHUNK_TOKENS);
@@ -56,13 +52,8 @@ pub unsafe extern "ptx-kernel" fn mok_route_rank_chunks(
             }
         }
     }
-    sync::block_barrier();
-    let mut e = thread;
-    while e < num_experts {
-        // SAFETY: chunk < chunks, e < E.
-        unsafe { *chunk_counts.add((chunk * num_experts + e) as usize) = *counters.add(e as usize) };
-        e += sreg::block_dim_x();
-    }
+    // SAFETY: chunk < chunks, so its row of `chunk_counts` exists.
+    unsafe { store_chunk_counters(counters_smem, num_experts, chunk, chunk_counts) };
 }
 
 /// Step 2. One block: each thread scans whole expert columns of `chunk_counts` in place into
