@@ -6,22 +6,9 @@ import argparse
 import torch
 import torch.nn.functional as F
 
+from torch_timing import median_ms
+
 SHAPES = {"kimi": (384, 7168, 2048, 8), "glm": (256, 6144, 2048, 8), "qwen": (512, 4096, 1024, 10), "deepseek": (384, 7168, 3072, 6)}
-
-
-def bench(fn, reps=10):
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    times.sort()
-    return times[len(times) // 2]
 
 
 def rnd(*shape, scale=1.0):
@@ -53,8 +40,8 @@ def main():
     b = rnd(8, 7168, 4096, scale=0.02)
     offs = torch.arange(1, 9, device="cuda", dtype=torch.int32) * 8192
     flop = 2 * 8 * 8192 * 7168 * 4096
-    emit("dense8-matmul", bench(lambda: [torch.matmul(a[g * 8192:(g + 1) * 8192], b[g]) for g in range(8)]), flop)
-    emit("dense8-grouped_mm", bench(lambda: torch._grouped_mm(a, b, offs=offs)), flop)
+    emit("dense8-matmul", median_ms(lambda: [torch.matmul(a[g * 8192:(g + 1) * 8192], b[g]) for g in range(8)]), flop)
+    emit("dense8-grouped_mm", median_ms(lambda: torch._grouped_mm(a, b, offs=offs)), flop)
     del a, b
     for case in args.cases.split(","):
         shape, tokens = case.split(":")
@@ -68,20 +55,20 @@ def main():
             gu = torch._grouped_mm(x, w13, offs=offs)
             g, u = gu[:, :i], gu[:, i:]
             return F.silu(g) * u
-        emit(f"{shape}:{tokens}:gate_up", bench(gate_up), 2 * rows * h * 2 * i)
+        emit(f"{shape}:{tokens}:gate_up", median_ms(gate_up), 2 * rows * h * 2 * i)
         hid = rnd(rows, i)
-        emit(f"{shape}:{tokens}:down", bench(lambda: torch._grouped_mm(hid, w2, offs=offs)), 2 * rows * i * h)
+        emit(f"{shape}:{tokens}:down", median_ms(lambda: torch._grouped_mm(hid, w2, offs=offs)), 2 * rows * i * h)
         dy = rnd(rows, h)
         w2t = w2.transpose(-2, -1)                 # dgrad of down: dy [R,H] x W_down[e] [H,I]
-        emit(f"{shape}:{tokens}:dgrad_down", bench(lambda: torch._grouped_mm(dy, w2t, offs=offs)), 2 * rows * h * i)
+        emit(f"{shape}:{tokens}:dgrad_down", median_ms(lambda: torch._grouped_mm(dy, w2t, offs=offs)), 2 * rows * h * i)
         dgu = rnd(rows, 2 * i)
         w13t = w13.transpose(-2, -1)               # dgrad of gate/up: dgu [R,2I] x [2I,H]
-        emit(f"{shape}:{tokens}:dgrad_gate_up", bench(lambda: torch._grouped_mm(dgu, w13t, offs=offs)), 2 * rows * 2 * i * h)
+        emit(f"{shape}:{tokens}:dgrad_gate_up", median_ms(lambda: torch._grouped_mm(dgu, w13t, offs=offs)), 2 * rows * 2 * i * h)
         try:
             dyt = dy.t()
-            emit(f"{shape}:{tokens}:wgrad_down", bench(lambda: torch._grouped_mm(dyt, hid, offs=offs)), 2 * rows * h * i)
+            emit(f"{shape}:{tokens}:wgrad_down", median_ms(lambda: torch._grouped_mm(dyt, hid, offs=offs)), 2 * rows * h * i)
             dgut = dgu.t()
-            emit(f"{shape}:{tokens}:wgrad_gate_up", bench(lambda: torch._grouped_mm(dgut, x, offs=offs)), 2 * rows * 2 * i * h)
+            emit(f"{shape}:{tokens}:wgrad_gate_up", median_ms(lambda: torch._grouped_mm(dgut, x, offs=offs)), 2 * rows * 2 * i * h)
         except Exception as e:  # report, do not invent a number
             print(f"TORCHGEMM-SKIP {shape}:{tokens}:wgrad {e}", flush=True)
         del x, w13, w2, w2t, w13t, hid, dy, dgu

@@ -9,6 +9,8 @@ import argparse
 import torch
 import torch.nn.functional as F
 
+from torch_timing import median_ms
+
 SHAPES = {
     "kimi": (384, 7168, 2048, 8),
     "glm": (256, 6144, 2048, 8),
@@ -33,21 +35,6 @@ def moe_forward(x, ids, weights, w_gate, w_up, w_down):
     out = out * weights.flatten()[order].unsqueeze(1).to(out.dtype)
     y = torch.zeros_like(x).index_add_(0, token_of_row, out)
     return y
-
-
-def time_ms(fn, reps):
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    times.sort()
-    return times[len(times) // 2]
 
 
 def bench(shape, tokens, reps):
@@ -77,8 +64,8 @@ def bench(shape, tokens, reps):
         y = moe_forward(x, ids, weights, w_gate, w_up, w_down)
         y.backward(dy)
 
-    fwd = time_ms(forward, reps)
-    fwd_bwd = time_ms(step, reps)
+    fwd = median_ms(forward, reps)
+    fwd_bwd = median_ms(step, reps)
     del x, w_gate, w_up, w_down, dy, weights
     torch.cuda.empty_cache()
     return fwd, fwd_bwd
