@@ -31,14 +31,15 @@ pub struct PtxArch {
     /// `-C target-cpu` / `llc -mcpu` name.
     pub sm: &'static str,
     /// The PTX ISA version feature: the lowest that has the instructions we use on that chip
-    /// (wgmma and setmaxnreg need PTX 8.0 on sm_90a; sm_100a needs 8.6).
+    /// (wgmma and setmaxnreg need PTX 8.0 on sm_90a, device-side tensor-map edits 8.3;
+    /// sm_100a needs 8.6).
     pub ptx_feature: &'static str,
     /// File name of the PTX in the output folder.
     pub file_name: &'static str,
 }
 
 /// Hopper (H100, H200), with the `a` features (wgmma, setmaxnreg).
-pub const SM90A: PtxArch = PtxArch { sm: "sm_90a", ptx_feature: "+ptx80", file_name: "mok_sm90a.ptx" };
+pub const SM90A: PtxArch = PtxArch { sm: "sm_90a", ptx_feature: "+ptx83", file_name: "mok_sm90a.ptx" };
 /// Blackwell (B200, GB200, GB300).
 pub const SM100A: PtxArch = PtxArch { sm: "sm_100a", ptx_feature: "+ptx86", file_name: "mok_sm100a.ptx" };
 /// Every architecture mok ships.
@@ -188,6 +189,8 @@ pub fn build_ptx(
     let llvm_bin = llvm_tools_dir()?;
     let mut rustflags = vec![
         format!("-Ctarget-cpu={}", arch.sm),
+        // Also what the final `llc` gets; naming it here makes a change rebuild the kernels.
+        format!("-Ctarget-feature={}", arch.ptx_feature),
         format!("-Clinker={}", linker.display()),
         "-Cpanic=abort".to_string(),
         // Architecture-specific code (wgmma on sm_90a, tcgen05 on sm_100a) is gated on this cfg;

@@ -8,15 +8,26 @@
 //! [`tile_offsets`]. The host never learns the group sizes.
 
 use half::bf16;
-use mok_kernels::gemm_layout::{ENGINE_SMEM_BYTES, ENGINE_THREADS, GemmParams, SHORT_BOX_ROWS, TILE_M};
+use mok_kernels::gemm_layout::{
+    ENGINE_SMEM_BYTES, ENGINE_THREADS, GROUP_MAP_SLOTS, GROUP_MAP_SMEM_BYTES, GROUP_MAP_WARPS, GemmParams,
+    TENSOR_MAP_BYTES, TILE_M,
+};
 
 use crate::driver::{DeviceBuffer, Gpu, KernelArg, LaunchShape};
 use crate::error::{MokError, Result};
 use crate::tensor_map::TensorMap;
 
 /// Kernels of the engine (sm_90a only).
-pub const ENGINE_KERNELS: [&str; 4] =
-    ["mok_sm90_gemm_gate_up", "mok_sm90_gemm_rows_nt", "mok_sm90_gemm_rows_nn", "mok_sm90_gemm_wgrad"];
+pub const ENGINE_KERNELS: [&str; 5] = [
+    "mok_sm90_gemm_gate_up",
+    "mok_sm90_gemm_rows_nt",
+    "mok_sm90_gemm_rows_nn",
+    "mok_sm90_gemm_wgrad",
+    GROUP_MAPS_KERNEL,
+];
+
+/// Writes the per-group tensor maps (`GemmParams::group_maps`) before each engine launch.
+const GROUP_MAPS_KERNEL: &str = "mok_sm90_group_maps";
 
 /// `[groups + 1]` tile offsets (tiles of `TILE_M` rows) from `[groups + 1]` row offsets,
 /// computed on the device, ordered on the stream after whatever wrote the row offsets.
@@ -79,17 +90,42 @@ pub enum WgradOut<'a> {
 pub struct EnginePlan {
     kernel: &'static str,
     params: DeviceBuffer<u8>,
+    groups: u32,
     _maps: Vec<TensorMap>,
+    _group_maps: DeviceBuffer<u64>,
 }
 
 impl EnginePlan {
-    fn new(gpu: &Gpu, kernel: &'static str, params: GemmParams, maps: Vec<TensorMap>) -> Result<Self> {
+    /// `cut`: the operands whose rows are grouped (slot 0: A; slot 1: the second A or the weight
+    /// gradient's B) as (index of their whole-buffer map in `maps`, buffer address, row pitch in
+    /// bytes); the device cuts those maps at group ends before each launch.
+    fn new(
+        gpu: &Gpu,
+        kernel: &'static str,
+        mut params: GemmParams,
+        maps: Vec<TensorMap>,
+        cut: [Option<(usize, u64, usize)>; 2],
+    ) -> Result<Self> {
         gpu.set_max_dynamic_smem(kernel, ENGINE_SMEM_BYTES)?;
-        // SAFETY: GemmParams is repr(C) plain data (u64, u32, f32 fields, no padding: 20 u64
-        // then 8 four-byte fields, 192 bytes, asserted in gemm_layout), so its bytes are initialised.
+        let groups = params.groups;
+        let map_words = (TENSOR_MAP_BYTES / 8) as usize;
+        let group_maps = DeviceBuffer::<u64>::alloc(gpu, (groups.max(1) * GROUP_MAP_SLOTS) as usize * map_words)?;
+        params.group_maps = group_maps.device_ptr();
+        for (slot, operand) in cut.iter().enumerate() {
+            if let Some((map, base, pitch_bytes)) = operand {
+                params.cut_maps[slot] = maps[*map].device_ptr();
+                params.cut_bases[slot] = *base;
+                params.cut_pitches[slot] = u32::try_from(*pitch_bytes).map_err(|_| MokError::InvalidInput {
+                    tensor: "operand",
+                    problem: format!("row pitch {pitch_bytes} bytes does not fit in 32 bits"),
+                })?;
+            }
+        }
+        // SAFETY: GemmParams is repr(C) plain data (u64, u32, f32 fields, no padding: 14 u64
+        // then 8 four-byte fields, 144 bytes, asserted in gemm_layout), so its bytes are initialised.
         let bytes =
             unsafe { core::slice::from_raw_parts(&params as *const GemmParams as *const u8, size_of::<GemmParams>()) };
-        Ok(Self { kernel, params: DeviceBuffer::from_slice(gpu, bytes)?, _maps: maps })
+        Ok(Self { kernel, params: DeviceBuffer::from_slice(gpu, bytes)?, groups, _maps: maps, _group_maps: group_maps })
     }
 
     /// Enqueues the launch with one block per SM (persistent).
@@ -99,6 +135,16 @@ impl EnginePlan {
 
     /// Enqueues the launch with `blocks` persistent blocks (results do not depend on it).
     pub fn launch_with_blocks(&self, gpu: &Gpu, blocks: u32) -> Result<()> {
+        // The group bounds may have changed since the last launch (they are device-written):
+        // cut the maps again, on the same stream, before the engine reads them.
+        if self.groups > 0 {
+            let maps_shape = LaunchShape {
+                grid: (self.groups.div_ceil(GROUP_MAP_WARPS), 1, 1),
+                threads: 32 * GROUP_MAP_WARPS,
+                smem_bytes: GROUP_MAP_SMEM_BYTES,
+            };
+            gpu.launch(GROUP_MAPS_KERNEL, maps_shape, &[KernelArg::Ptr(self.params.device_ptr())])?;
+        }
         let shape = LaunchShape { grid: (blocks.max(1), 1, 1), threads: ENGINE_THREADS, smem_bytes: ENGINE_SMEM_BYTES };
         gpu.launch(self.kernel, shape, &[KernelArg::Ptr(self.params.device_ptr())])
     }
@@ -125,13 +171,11 @@ impl EnginePlan {
         check_len("w_gate", w_gate.len(), g * i * h)?;
         check_len("w_up", w_up.len(), g * i * h)?;
         check_len("hidden_out", hidden_out.len(), groups.capacity * i)?;
-        let (short, short_maps) = short_rows_maps(gpu, rows, h, groups.capacity)?;
-        let mut maps = vec![
+        let maps = vec![
             rows_map(gpu, rows, h, groups.capacity)?,
             weight_map_k_major(gpu, w_gate, h, i, g, 64)?,
             weight_map_k_major(gpu, w_up, h, i, g, 64)?,
         ];
-        maps.extend(short_maps);
         let (out1, out2) = match pre_activations {
             Some((gate, up)) => {
                 check_len("gate_out", gate.len(), groups.capacity * i)?;
@@ -144,8 +188,6 @@ impl EnginePlan {
             map_a: maps[0].device_ptr(),
             map_b: maps[1].device_ptr(),
             map_b2: maps[2].device_ptr(),
-            map_a_short: short,
-            a_rows: rows.device_ptr(),
             row_offsets: groups.row_offsets.device_ptr(),
             tile_offsets: groups.tile_offsets.device_ptr(),
             out0: hidden_out.device_ptr(),
@@ -154,11 +196,11 @@ impl EnginePlan {
             groups: g as u32,
             n: i as u32,
             k: h as u32,
-            a_pitch: h as u32,
             swiglu_limit: swiglu_limit.unwrap_or(f32::INFINITY),
             ..GemmParams::default()
         };
-        Self::new(gpu, "mok_sm90_gemm_gate_up", params, maps)
+        let cut = [Some((0, rows.device_ptr(), 2 * h)), None];
+        Self::new(gpu, "mok_sm90_gemm_gate_up", params, maps, cut)
     }
 
     /// Row-grouped `out[r] = rows[r] · w[g]ᵀ` (f32): `rows` `[cap][k]`, `w` `[G][n][k]`,
@@ -177,24 +219,20 @@ impl EnginePlan {
         check_len("rows", rows.len(), groups.capacity * k)?;
         check_len("w", w.len(), g * n * k)?;
         check_len("out", out.len(), groups.capacity * n)?;
-        let (short, short_maps) = short_rows_maps(gpu, rows, k, groups.capacity)?;
-        let mut maps = vec![rows_map(gpu, rows, k, groups.capacity)?, weight_map_k_major(gpu, w, k, n, g, 128)?];
-        maps.extend(short_maps);
+        let maps = vec![rows_map(gpu, rows, k, groups.capacity)?, weight_map_k_major(gpu, w, k, n, g, 128)?];
         let params = GemmParams {
             map_a: maps[0].device_ptr(),
             map_b: maps[1].device_ptr(),
-            map_a_short: short,
-            a_rows: rows.device_ptr(),
             row_offsets: groups.row_offsets.device_ptr(),
             tile_offsets: groups.tile_offsets.device_ptr(),
             out0: out.device_ptr(),
             groups: g as u32,
             n: n as u32,
             k: k as u32,
-            a_pitch: k as u32,
             ..GemmParams::default()
         };
-        Self::new(gpu, "mok_sm90_gemm_rows_nt", params, maps)
+        let cut = [Some((0, rows.device_ptr(), 2 * k)), None];
+        Self::new(gpu, "mok_sm90_gemm_rows_nt", params, maps, cut)
     }
 
     /// Row-grouped data gradient `out[r] = a1[r] · w1[g] (+ a2[r] · w2[g])` (f32), weights read
@@ -211,10 +249,11 @@ impl EnginePlan {
         check_width("k", k)?;
         let g = groups.groups;
         let mut maps = Vec::new();
-        let mut shorts = [[0u64; 4]; 2];
+        let mut cut = [None, None];
         for (segment, (a, w)) in std::iter::once(first).chain(second).enumerate() {
             check_len("a", a.len(), groups.capacity * k)?;
             check_len("w", w.len(), g * k * n)?;
+            cut[segment] = Some((maps.len(), a.device_ptr(), 2 * k));
             maps.push(rows_map(gpu, a, k, groups.capacity)?);
             maps.push(TensorMap::bf16(
                 gpu,
@@ -223,22 +262,15 @@ impl EnginePlan {
                 &[2 * n as u64, 2 * (k * n) as u64],
                 &[64, 64, 1],
             )?);
-            let (short, short_maps) = short_rows_maps(gpu, a, k, groups.capacity)?;
-            shorts[segment] = short;
-            maps.extend(short_maps);
         }
         check_len("out", out.len(), groups.capacity * n)?;
-        // Maps per segment: rows, weights, then the four short row maps.
-        let second_ptrs = second.map(|(a, _)| (maps[6].device_ptr(), maps[7].device_ptr(), a.device_ptr()));
+        // Maps per segment: rows, then weights.
+        let second_maps = second.map(|_| (maps[2].device_ptr(), maps[3].device_ptr()));
         let params = GemmParams {
             map_a: maps[0].device_ptr(),
             map_b: maps[1].device_ptr(),
-            map_a2: second_ptrs.map_or(0, |s| s.0),
-            map_b2: second_ptrs.map_or(0, |s| s.1),
-            map_a_short: shorts[0],
-            map_a2_short: shorts[1],
-            a_rows: first.0.device_ptr(),
-            a2_rows: second_ptrs.map_or(0, |s| s.2),
+            map_a2: second_maps.map_or(0, |s| s.0),
+            map_b2: second_maps.map_or(0, |s| s.1),
             row_offsets: groups.row_offsets.device_ptr(),
             tile_offsets: groups.tile_offsets.device_ptr(),
             out0: out.device_ptr(),
@@ -246,10 +278,9 @@ impl EnginePlan {
             n: n as u32,
             k: k as u32,
             k2: if second.is_some() { k as u32 } else { 0 },
-            a_pitch: k as u32,
             ..GemmParams::default()
         };
-        Self::new(gpu, "mok_sm90_gemm_rows_nn", params, maps)
+        Self::new(gpu, "mok_sm90_gemm_rows_nn", params, maps, cut)
     }
 
     /// Weight gradient per group, `dw[g] = Σ_{r in g} a[r]ᵀ b[r]`, reducing the group's rows
@@ -269,16 +300,10 @@ impl EnginePlan {
         check_len("b", b.len(), capacity * n)?;
         check_len("row_offsets", row_offsets.len(), groups + 1)?;
         let rows = capacity.max(1) as u64;
-        let mut maps = vec![
+        let maps = vec![
             TensorMap::bf16(gpu, a.device_ptr(), &[m as u64, rows], &[2 * m as u64], &[64, 64])?,
             TensorMap::bf16(gpu, b.device_ptr(), &[n as u64, rows], &[2 * n as u64], &[64, 64])?,
         ];
-        // Short K-row boxes for each group's last K block (see GemmParams::map_a_short): the same
-        // maps as a row-grouped operand's, over `[rows][m]` and `[rows][n]`.
-        let (a_short, a_short_maps) = short_rows_maps(gpu, a, m, capacity)?;
-        let (b_short, b_short_maps) = short_rows_maps(gpu, b, n, capacity)?;
-        maps.extend(a_short_maps);
-        maps.extend(b_short_maps);
         let (out0, out1) = match out {
             WgradOut::Bf16(buffer) => {
                 check_len("dw", buffer.len(), groups * m * n)?;
@@ -292,48 +317,23 @@ impl EnginePlan {
         let params = GemmParams {
             map_a: maps[0].device_ptr(),
             map_b: maps[1].device_ptr(),
-            map_a_short: a_short,
-            map_a2_short: b_short,
-            a_rows: a.device_ptr(),
-            b_rows: b.device_ptr(),
             row_offsets: row_offsets.device_ptr(),
             out0,
             out1,
             groups: groups as u32,
             n: n as u32,
             m: m as u32,
-            a_pitch: m as u32,
-            b_pitch: n as u32,
             ..GemmParams::default()
         };
-        Self::new(gpu, "mok_sm90_gemm_wgrad", params, maps)
+        // A group's last K block reads its rows through maps cut at the group's end.
+        let cut = [Some((0, a.device_ptr(), 2 * m)), Some((1, b.device_ptr(), 2 * n))];
+        Self::new(gpu, "mok_sm90_gemm_wgrad", params, maps, cut)
     }
 }
 
 /// `[rows][k]` K-major activations: box of 64 K × 128 rows.
 fn rows_map(gpu: &Gpu, rows: &DeviceBuffer<bf16>, k: usize, capacity: usize) -> Result<TensorMap> {
     TensorMap::bf16(gpu, rows.device_ptr(), &[k as u64, capacity.max(1) as u64], &[2 * k as u64], &[64, 128])
-}
-
-/// The short-box maps of a `[rows][width]` operand (boxes of 64 columns × 64, 32, 16 and 8
-/// rows, see `GemmParams::map_a_short`), with their device addresses.
-fn short_rows_maps(
-    gpu: &Gpu,
-    rows: &DeviceBuffer<bf16>,
-    k: usize,
-    capacity: usize,
-) -> Result<([u64; 4], Vec<TensorMap>)> {
-    let mut maps = Vec::with_capacity(4);
-    for height in SHORT_BOX_ROWS {
-        maps.push(TensorMap::bf16(
-            gpu,
-            rows.device_ptr(),
-            &[k as u64, capacity.max(1) as u64],
-            &[2 * k as u64],
-            &[64, height],
-        )?);
-    }
-    Ok(([maps[0].device_ptr(), maps[1].device_ptr(), maps[2].device_ptr(), maps[3].device_ptr()], maps))
 }
 
 /// `[G][n][k]` K-major weights as a 3-D map (columns past a group's `n` read as zero, never the

@@ -55,6 +55,18 @@ pub const fn swizzled_chunk_offset(row: u32, chunk: u32) -> u32 {
     row * 128 + ((chunk ^ (row % 8)) * 16)
 }
 
+/// Bytes of a tensor map (`CUtensorMap`).
+pub const TENSOR_MAP_BYTES: u32 = 128;
+
+/// Maps per group cut at the group's last row (see [`GemmParams::group_maps`]).
+pub const GROUP_MAP_SLOTS: u32 = 2;
+
+/// Warps (one group each) per block of the kernel that writes the group maps.
+pub const GROUP_MAP_WARPS: u32 = 4;
+
+/// Dynamic shared memory of that kernel: one staging map per warp and slot.
+pub const GROUP_MAP_SMEM_BYTES: u32 = GROUP_MAP_WARPS * GROUP_MAP_SLOTS * TENSOR_MAP_BYTES;
+
 /// What one engine launch computes (see `kernels/src/gemm/`). Written by the host into device
 /// memory, read by every block. All pointers are device addresses; unused ones are 0.
 #[repr(C)]
@@ -68,19 +80,17 @@ pub struct GemmParams {
     pub map_b2: u64,
     /// Tensor map of the second A (second dgrad segment).
     pub map_a2: u64,
-    /// Maps of A with box heights 64, 32, 16 and 8 rows: a ragged last tile of a group is loaded
-    /// as a sum of these (its rows rounded down to 8) plus < 8 rows of ordinary loads, so no
-    /// row of the next group is read.
-    pub map_a_short: [u64; 4],
-    /// The same for the second A; for the weight gradient, the short maps of B (its K tail is
-    /// loaded the same way).
-    pub map_a2_short: [u64; 4],
-    /// Raw A rows (for ragged tiles loaded without TMA), `[rows][a_pitch]` bf16.
-    pub a_rows: u64,
-    /// Raw second A rows.
-    pub a2_rows: u64,
-    /// Raw B rows for operands reduced over rows (wgrad), `[rows][b_pitch]` bf16.
-    pub b_rows: u64,
+    /// The operands whose rows are grouped, per slot: 0 is A; 1 is the second A (data
+    /// gradients) or B (weight gradient, whose rows are the K dimension); 0 for none. Their
+    /// host-encoded maps over the whole buffer...
+    pub cut_maps: [u64; 2],
+    /// ... the buffers' device addresses ...
+    pub cut_bases: [u64; 2],
+    /// `[groups][GROUP_MAP_SLOTS]` tensor maps of 128 bytes, rewritten before every engine launch
+    /// by `mok_sm90_group_maps` from `cut_maps` and the device-written offsets: each covers only
+    /// its group's rows, so a ragged tile (or a weight gradient's last K block) is one TMA copy
+    /// whose rows past the group read as zero — never the next group's rows.
+    pub group_maps: u64,
     /// `[groups + 1]` first row of each group (device-written).
     pub row_offsets: u64,
     /// `[groups + 1]` first M tile of each group, in tiles of [`TILE_M`] (row-grouped variants).
@@ -91,6 +101,8 @@ pub struct GemmParams {
     pub out1: u64,
     /// Output 2 (up pre-activations f32, optional).
     pub out2: u64,
+    /// ... and the bytes between their rows.
+    pub cut_pitches: [u32; 2],
     /// Groups (experts).
     pub groups: u32,
     /// Output width N of the product (per group).
@@ -101,16 +113,17 @@ pub struct GemmParams {
     pub k2: u32,
     /// Output rows M for weight-gradient variants (per group).
     pub m: u32,
-    /// Elements between rows of `a_rows` / `a2_rows`.
-    pub a_pitch: u32,
-    /// Elements between rows of `b_rows`.
-    pub b_pitch: u32,
     /// SwiGLU clamp (+inf for none).
     pub swiglu_limit: f32,
 }
 
-/// Box heights of the short A maps, largest first.
-pub const SHORT_BOX_ROWS: [u32; 4] = [64, 32, 16, 8];
+impl GemmParams {
+    /// Device address of group `group`'s map in `slot` (see [`GemmParams::group_maps`]).
+    #[inline(always)]
+    pub const fn group_map(&self, group: u32, slot: u32) -> u64 {
+        self.group_maps + (group as u64 * GROUP_MAP_SLOTS as u64 + slot as u64) * TENSOR_MAP_BYTES as u64
+    }
+}
 
 /// Flat tile → (M tile, N tile) for row-grouped variants: N fastest, so the blocks working at
 /// the same time share the group's weights in L2.
@@ -121,7 +134,7 @@ pub const fn split_row_tile(tile: u32, n_tiles: u32) -> (u32, u32) {
 
 // The host uploads GemmParams as raw bytes: keep it free of padding. And the ring must fit in
 // an SM's shared memory (227 KiB on sm_90).
-const _: () = assert!(core::mem::size_of::<GemmParams>() == 192);
+const _: () = assert!(core::mem::size_of::<GemmParams>() == 144);
 const _: () = assert!(ENGINE_SMEM_BYTES <= 227 * 1024);
 const _: () = assert!(STAGE_BYTES.is_multiple_of(1024));
 

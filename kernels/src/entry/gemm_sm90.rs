@@ -3,6 +3,7 @@
 //! block per SM is typical), one pointer to a [`GemmParams`] in device memory.
 
 use crate::gemm::engine::{Variant, run};
+use crate::gemm::group_maps::write_group_maps;
 use crate::gemm_layout::GemmParams;
 
 /// Forward gate/up projection with SwiGLU fused.
@@ -43,4 +44,16 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_rows_nn(params: *const GemmParam
 pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_wgrad(params: *const GemmParams) {
     // SAFETY: caller contract.
     unsafe { run::<{ Variant::WGRAD }>(params) }
+}
+
+/// Rewrites `GemmParams::group_maps` from the device-written row offsets; launched before each
+/// engine launch on the same stream. `GROUP_MAP_WARPS · 32` threads,
+/// `GROUP_MAP_SMEM_BYTES` of dynamic shared memory, any grid.
+///
+/// # Safety
+/// As [`write_group_maps`].
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn mok_sm90_group_maps(params: *const GemmParams) {
+    // SAFETY: caller contract.
+    unsafe { write_group_maps(params) }
 }

@@ -1,6 +1,6 @@
 //! A persistent, warp-specialised grouped GEMM for Hopper (sm_90a).
 //!
-//! Block = 384 threads: warpgroup 0 is the producer (its first warp fills a ring of
+//! Block = 384 threads: warpgroup 0 is the producer (its first thread fills a ring of
 //! [`STAGES`] shared-memory stages with TMA tensor copies), warpgroups 1 and 2 are consumers
 //! (each owns 64 rows of the 128 × 128 block tile and issues `wgmma.m64n128k16`). Stages are
 //! handed over through two mbarriers each: `full` (the producer's copies have landed) and
@@ -8,11 +8,13 @@
 //! epilogue, the producer is already loading the next tile's stages.
 //!
 //! Blocks walk the flat tile list `blockIdx.x, blockIdx.x + gridDim.x, ...`; the list comes from
-//! device-written group offsets, so the host never learns the group sizes. Tiles that would
-//! read past the end of their group (a ragged last M tile, or the last K block of a weight
-//! gradient) are loaded by the producer warp with ordinary loads and zero fill instead of TMA:
-//! rows of a neighbouring group are never read. Each output element is produced by one thread
-//! of one tile with a K loop in fixed order: results do not depend on the grid size.
+//! device-written group offsets, so the host never learns the group sizes. Every stage is whole
+//! TMA copies: a tile that would read past the end of its group (a ragged last M tile, or the
+//! last K block of a weight gradient) is loaded through a tensor map cut at that group's last
+//! row ([`group_maps`](super::group_maps), rewritten on the device before each launch), so the
+//! copy engine fills those rows with zeros and rows of a neighbouring group are never read.
+//! Each output element is produced by one thread of one tile with a K loop in fixed order:
+//! results do not depend on the grid size.
 //!
 //! Variants ([`Variant`]):
 //! - `GATE_UP`: `rows[R][H] · [w_gate; w_up][g]ᵀ` with SwiGLU in registers → hidden bf16 (and
@@ -23,12 +25,10 @@
 
 use crate::device::math;
 use crate::gemm_layout::{
-    GemmParams, OPERAND_TILE_BYTES, SHORT_BOX_ROWS, STAGE_BYTES, STAGES, TILE_K, TILE_M, TILE_N, smem_descriptor,
-    split_row_tile, swizzled_chunk_offset,
+    GemmParams, OPERAND_TILE_BYTES, STAGE_BYTES, STAGES, TILE_K, TILE_M, TILE_N, smem_descriptor, split_row_tile,
 };
 use crate::ptx::convert::f32x2_to_bf16x2;
-use crate::ptx::memory::{fence_proxy_async_shared_cta, ld_global_v4, st_shared_v4};
-use crate::ptx::{mbarrier, smem, sreg, sync, tma, wgmma};
+use crate::ptx::{mbarrier, smem, sreg, sync, tensormap, tma, wgmma};
 
 /// Which product an engine instance computes.
 pub struct Variant;
@@ -153,73 +153,11 @@ unsafe fn work_of<const V: u32>(p: &GemmParams, tile: u32) -> Work {
     }
 }
 
-/// Copies tile rows `[first, end)` (fewer than 8) × 64 K values of a K-major operand into a
-/// swizzled tile with ordinary loads (zero past `k_len`); `src` points at row `first`.
-/// Producer-warp collective.
+/// The producer warp's first lane: fills stages in the same tile and K-block order the
+/// consumers use. Every stage is whole TMA copies (`STAGE_BYTES` each, rows past a group's end
+/// arrive as zeros through the group's own map).
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn load_tail_rows_k_major(
-    tile: u32,
-    src: *const u16,
-    pitch: u32,
-    first: u32,
-    end: u32,
-    k0: u32,
-    k_len: u32,
-    lane: u32,
-) {
-    let mut q = lane;
-    while q < (end - first) * 8 {
-        let (r, c) = (q / 8, q % 8);
-        let k = k0 + c * 8;
-        let mut v = [0u32; 4];
-        if k < k_len {
-            // SAFETY: row first + r < end belongs to the group, k + 8 ≤ K (K % 8 == 0); aligned.
-            v = unsafe { ld_global_v4(src.add(r as usize * pitch as usize + k as usize) as *const u32) };
-        }
-        // SAFETY: inside the stage's operand tile (row < 128).
-        unsafe { st_shared_v4(tile + swizzled_chunk_offset(first + r, c), v) };
-        q += 32;
-    }
-}
-
-/// Completes a K block of an operand reduced over rows (weight gradient) from row `first` on:
-/// rows `[first, k_rows)` are copied with ordinary loads (`src` points at row 0 of the block),
-/// rows `[k_rows, 64)` are zeroed — they must add nothing to the sum, and stale shared memory
-/// could hold NaN. 128 M/N values from column `c0` (two 64-wide halves), zero past `width`.
-/// Producer-warp collective.
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn finish_rows_mn_major(
-    tile: u32,
-    src: *const u16,
-    pitch: u32,
-    first: u32,
-    k_rows: u32,
-    c0: u32,
-    width: u32,
-    lane: u32,
-) {
-    let per_half = (TILE_K - first) * 8;
-    let mut q = lane;
-    while q < 2 * per_half {
-        let (half, within) = (q / per_half, q % per_half);
-        let (r, c) = (first + within / 8, within % 8);
-        let col = c0 + half * 64 + c * 8;
-        let mut v = [0u32; 4];
-        if r < k_rows && col < width {
-            // SAFETY: row r of the group, col + 8 ≤ width (width % 8 == 0); 16-byte aligned.
-            v = unsafe { ld_global_v4(src.add(r as usize * pitch as usize + col as usize) as *const u32) };
-        }
-        // SAFETY: inside the stage's operand tile.
-        unsafe { st_shared_v4(tile + half * HALF_TILE_BYTES + swizzled_chunk_offset(r, c), v) };
-        q += 32;
-    }
-}
-
-/// The producer warp: fills stages in the same tile and K-block order the consumers use.
-#[inline(always)]
-unsafe fn produce<const V: u32>(p: &GemmParams, ring: Ring, lane: u32) {
+unsafe fn produce<const V: u32>(p: &GemmParams, ring: Ring) {
     // SAFETY: the offsets in `p` hold groups + 1 entries (host contract of `run`).
     let total = unsafe { tile_count::<V>(p) };
     let (mut stage, mut phase) = (0u32, 0u32);
@@ -227,141 +165,64 @@ unsafe fn produce<const V: u32>(p: &GemmParams, ring: Ring, lane: u32) {
     while tile < total {
         // SAFETY: tile < total.
         let w = unsafe { work_of::<V>(p, tile) };
+        let g = w.group as i32;
+        // Maps cut at this group's end: for a ragged row tile (A, and the second A), for the
+        // last K block of a weight gradient (A and B). They were written by the group-map kernel
+        // through the tensor-map proxy; acquire them before the first copy.
+        let cut = if V == Variant::WGRAD { !(w.row_end - w.row_begin).is_multiple_of(TILE_K) } else { w.rows < TILE_M };
+        let (cut_0, cut_1) = (p.group_map(w.group, 0), p.group_map(w.group, 1));
+        if cut {
+            // SAFETY: group < groups; the group-map kernel ran before this launch (host contract).
+            unsafe {
+                tensormap::acquire(cut_0);
+                if p.cut_maps[1] != 0 {
+                    tensormap::acquire(cut_1);
+                }
+            }
+        }
         for kb in 0..w.k_blocks {
             // Wait until both consumers released this stage (a fresh barrier passes parity 1).
             // SAFETY: initialised barrier of this block.
             unsafe { mbarrier::wait_parity(ring.empty(stage), phase ^ 1) };
             let (a_tile, b_tile, full) = (ring.a_tile(stage), ring.b_tile(stage), ring.full(stage));
-            let tma_bytes: u32;
-            if V == Variant::WGRAD {
-                let row = w.row_begin + kb * TILE_K;
-                let k_rows = (w.row_end - row).min(TILE_K);
-                if k_rows == TILE_K {
-                    tma_bytes = STAGE_BYTES;
-                    if lane == 0 {
-                        // SAFETY: maps and tiles valid; the barrier expects the bytes below.
-                        unsafe {
-                            mbarrier::expect_tx(full, tma_bytes);
-                            tma::load_2d(a_tile, p.map_a, w.m0 as i32, row as i32, full);
-                            tma::load_2d(a_tile + HALF_TILE_BYTES, p.map_a, (w.m0 + 64) as i32, row as i32, full);
-                            tma::load_2d(b_tile, p.map_b, w.n0 as i32, row as i32, full);
-                            tma::load_2d(b_tile + HALF_TILE_BYTES, p.map_b, (w.n0 + 64) as i32, row as i32, full);
-                        }
-                    }
+            // SAFETY: maps and tiles valid; the barrier expects the whole stage.
+            unsafe {
+                mbarrier::arrive_expect_tx(full, STAGE_BYTES);
+                if V == Variant::WGRAD {
+                    // K runs over the group's rows; the last block may end inside the group.
+                    let row = w.row_begin + kb * TILE_K;
+                    let tail = row + TILE_K > w.row_end;
+                    let (map_a, map_b, r) =
+                        if tail { (cut_0, cut_1, row - w.row_begin) } else { (p.map_a, p.map_b, row) };
+                    let r = r as i32;
+                    tma::load_2d(a_tile, map_a, w.m0 as i32, r, full);
+                    tma::load_2d(a_tile + HALF_TILE_BYTES, map_a, (w.m0 + 64) as i32, r, full);
+                    tma::load_2d(b_tile, map_b, w.n0 as i32, r, full);
+                    tma::load_2d(b_tile + HALF_TILE_BYTES, map_b, (w.n0 + 64) as i32, r, full);
                 } else {
-                    // The group's last rows: TMA boxes of 64/32/16/8 K rows for the rows rounded
-                    // down to 8 (1024-byte aligned in each half), ordinary loads for the rest and
-                    // zeros after — never the next group's rows.
-                    let boxed = k_rows & !7;
-                    tma_bytes = boxed * 128 * 4;
-                    if lane == 0 && boxed > 0 {
-                        // SAFETY: maps and tiles valid; the barrier expects `tma_bytes`.
-                        unsafe {
-                            mbarrier::expect_tx(full, tma_bytes);
-                            let (a_short, b_short) = (&p.map_a_short, &p.map_a2_short);
-                            let mut at = 0u32;
-                            let mut short_boxes = |index: usize| {
-                                let height = SHORT_BOX_ROWS[index];
-                                if boxed & height != 0 {
-                                    let r = (row + at) as i32;
-                                    for half in 0..2u32 {
-                                        let offset = half * HALF_TILE_BYTES + at * 128;
-                                        tma::load_2d(
-                                            a_tile + offset,
-                                            a_short[index],
-                                            (w.m0 + half * 64) as i32,
-                                            r,
-                                            full,
-                                        );
-                                        tma::load_2d(
-                                            b_tile + offset,
-                                            b_short[index],
-                                            (w.n0 + half * 64) as i32,
-                                            r,
-                                            full,
-                                        );
-                                    }
-                                    at += height;
-                                }
-                            };
-                            short_boxes(0);
-                            short_boxes(1);
-                            short_boxes(2);
-                            short_boxes(3);
+                    let second = kb >= w.k_blocks_1;
+                    let k0 = (if second { (kb - w.k_blocks_1) * TILE_K } else { kb * TILE_K }) as i32;
+                    let map_b = if second { p.map_b2 } else { p.map_b };
+                    let (map_a, row) = match (w.rows < TILE_M, second) {
+                        (false, false) => (p.map_a, w.m0),
+                        (false, true) => (p.map_a2, w.m0),
+                        (true, false) => (cut_0, w.m0 - w.row_begin),
+                        (true, true) => (cut_1, w.m0 - w.row_begin),
+                    };
+                    tma::load_2d(a_tile, map_a, k0, row as i32, full);
+                    match V {
+                        Variant::GATE_UP => {
+                            tma::load_3d(b_tile, p.map_b, k0, w.n0 as i32, g, full);
+                            tma::load_3d(b_tile + HALF_TILE_BYTES, p.map_b2, k0, w.n0 as i32, g, full);
                         }
-                    }
-                    // SAFETY: rows [row, row + k_rows) belong to the group.
-                    unsafe {
-                        let a = (p.a_rows as *const u16).add(row as usize * p.a_pitch as usize);
-                        let b = (p.b_rows as *const u16).add(row as usize * p.b_pitch as usize);
-                        finish_rows_mn_major(a_tile, a, p.a_pitch, boxed, k_rows, w.m0, p.m, lane);
-                        finish_rows_mn_major(b_tile, b, p.b_pitch, boxed, k_rows, w.n0, p.n, lane);
-                    }
-                }
-            } else {
-                let second = kb >= w.k_blocks_1;
-                let k0 = if second { (kb - w.k_blocks_1) * TILE_K } else { kb * TILE_K };
-                let (map_a, map_b) = if second { (p.map_a2, p.map_b2) } else { (p.map_a, p.map_b) };
-                let ragged = w.rows < TILE_M;
-                // A ragged tile: TMA boxes of 64/32/16/8 rows for its rows rounded down to 8
-                // (each lands on a 1024-byte boundary, so the swizzle pattern holds), ordinary
-                // loads for the last < 8 rows.
-                let boxed_rows = if ragged { w.rows & !7 } else { TILE_M };
-                let b_bytes = OPERAND_TILE_BYTES;
-                tma_bytes = boxed_rows * 128 + b_bytes;
-                if lane == 0 {
-                    // SAFETY: maps and tiles valid; the barrier expects `tma_bytes`.
-                    unsafe {
-                        mbarrier::expect_tx(full, tma_bytes);
-                        if !ragged {
-                            tma::load_2d(a_tile, map_a, k0 as i32, w.m0 as i32, full);
-                        } else {
-                            let short = if second { &p.map_a2_short } else { &p.map_a_short };
-                            let mut at = 0u32;
-                            // Spelled out with constant indices: a loop would put the maps
-                            // in local memory.
-                            let mut short_box = |map: u64, height: u32| {
-                                if boxed_rows & height != 0 {
-                                    tma::load_2d(a_tile + at * 128, map, k0 as i32, (w.m0 + at) as i32, full);
-                                    at += height;
-                                }
-                            };
-                            short_box(short[0], SHORT_BOX_ROWS[0]);
-                            short_box(short[1], SHORT_BOX_ROWS[1]);
-                            short_box(short[2], SHORT_BOX_ROWS[2]);
-                            short_box(short[3], SHORT_BOX_ROWS[3]);
+                        Variant::ROWS_NT => tma::load_3d(b_tile, map_b, k0, w.n0 as i32, g, full),
+                        _ => {
+                            tma::load_3d(b_tile, map_b, w.n0 as i32, k0, g, full);
+                            tma::load_3d(b_tile + HALF_TILE_BYTES, map_b, (w.n0 + 64) as i32, k0, g, full);
                         }
-                        let g = w.group as i32;
-                        match V {
-                            Variant::GATE_UP => {
-                                tma::load_3d(b_tile, p.map_b, k0 as i32, w.n0 as i32, g, full);
-                                tma::load_3d(b_tile + HALF_TILE_BYTES, p.map_b2, k0 as i32, w.n0 as i32, g, full);
-                            }
-                            Variant::ROWS_NT => tma::load_3d(b_tile, map_b, k0 as i32, w.n0 as i32, g, full),
-                            _ => {
-                                tma::load_3d(b_tile, map_b, w.n0 as i32, k0 as i32, g, full);
-                                tma::load_3d(b_tile + HALF_TILE_BYTES, map_b, (w.n0 + 64) as i32, k0 as i32, g, full);
-                            }
-                        }
-                    }
-                }
-                if boxed_rows < w.rows {
-                    let (rows_ptr, k_len) = if second { (p.a2_rows, p.k2) } else { (p.a_rows, p.k) };
-                    // SAFETY: rows [boxed_rows, rows) of the tile belong to its group.
-                    unsafe {
-                        let src = (rows_ptr as *const u16).add((w.m0 + boxed_rows) as usize * p.a_pitch as usize);
-                        load_tail_rows_k_major(a_tile, src, p.a_pitch, boxed_rows, w.rows, k0, k_len, lane);
                     }
                 }
             }
-            if tma_bytes < STAGE_BYTES {
-                // Ordinary stores feed the tensor cores (async proxy): fence before arriving.
-                fence_proxy_async_shared_cta();
-            }
-            // Every lane arrives after its own stores (32 arrivals per phase); the copy engine's
-            // bytes were announced with expect_tx before the copies were issued.
-            // SAFETY: initialised barrier.
-            unsafe { mbarrier::arrive(full) };
             stage += 1;
             if stage == STAGES {
                 stage = 0;
@@ -565,7 +426,7 @@ pub unsafe fn run<const V: u32>(params: *const GemmParams) {
         for s in 0..STAGES {
             // SAFETY: this block's barrier slots, initialised once before any use.
             unsafe {
-                mbarrier::init(ring.full(s), 32);
+                mbarrier::init(ring.full(s), 1);
                 mbarrier::init(ring.empty(s), 8);
             }
         }
@@ -574,9 +435,9 @@ pub unsafe fn run<const V: u32>(params: *const GemmParams) {
     sync::block_barrier();
     let warpgroup = thread / 128;
     if warpgroup == 0 {
-        if thread < 32 {
-            // SAFETY: the producer warp, in uniform flow within the warp.
-            unsafe { produce::<V>(&p, ring, thread) };
+        if thread == 0 {
+            // SAFETY: one producer thread.
+            unsafe { produce::<V>(&p, ring) };
         }
     } else {
         // SAFETY: a whole consumer warpgroup.

@@ -2,3 +2,4 @@
 //! + wgmma. See [`engine`].
 
 pub mod engine;
+pub mod group_maps;

@@ -5,7 +5,7 @@
 //! stores, atomics and fences, [`smem`] the dynamic shared-memory window, [`mbarrier`] transaction barriers, [`bulk`] bulk
 //! async copies, [`signal`] the warp barrier and back-off of the exchange's counter waits, [`collective`]
 //! lane grouping for the exchange's slot ranking, [`convert`] number
-//! conversions, [`mma`] warp-level tensor-core instructions, [`tma`] tensor copies, [`wgmma`] warpgroup
+//! conversions, [`mma`] warp-level tensor-core instructions, [`tma`] tensor copies, [`tensormap`] device-side tensor-map edits, [`wgmma`] warpgroup
 //! tensor-core instructions. Every memory-ordering decision of
 //! the kernels is made by choosing one of the functions in [`memory`], so it is visible here.
 //!
@@ -21,6 +21,7 @@ pub mod signal;
 pub mod smem;
 pub mod sreg;
 pub mod sync;
+pub mod tensormap;
 pub mod tma;
 pub mod wgmma;
 
