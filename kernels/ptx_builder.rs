@@ -189,8 +189,9 @@ pub fn build_ptx(
     let llvm_bin = llvm_tools_dir()?;
     let mut rustflags = vec![
         format!("-Ctarget-cpu={}", arch.sm),
-        // Also what the final `llc` gets; naming it here makes a change rebuild the kernels.
-        format!("-Ctarget-feature={}", arch.ptx_feature),
+        // What the final `llc` gets (`-mattr`), named here too so a change of it changes cargo's
+        // fingerprint and rebuilds the kernels (the linker's environment is not fingerprinted).
+        format!("--cfg=mok_ptx_isa=\"{}\"", arch.ptx_feature),
         format!("-Clinker={}", linker.display()),
         "-Cpanic=abort".to_string(),
         // Architecture-specific code (wgmma on sm_90a, tcgen05 on sm_100a) is gated on this cfg;
@@ -248,6 +249,65 @@ pub fn build_ptx(
     let built = target_dir.join(arch.sm).join("nvptx64-nvidia-cuda/release/mok_kernels.ptx");
     let dest = out_dir.join(arch.file_name);
     fs::create_dir_all(out_dir).map_err(|e| format!("cannot create {}: {e}", out_dir.display()))?;
-    fs::copy(&built, &dest).map_err(|e| format!("cannot copy {} to {}: {e}", built.display(), dest.display()))?;
+    let ptx = fs::read_to_string(&built).map_err(|e| format!("cannot read {}: {e}", built.display()))?;
+    let ptx = apply_block_thread_markers(&ptx)?;
+    fs::write(&dest, ptx).map_err(|e| format!("cannot write {}: {e}", dest.display()))?;
     Ok(dest)
+}
+
+/// The marker `ptx::declare_block_threads::<N>()` leaves in a kernel's body.
+const MAXNTID_MARKER: &str = "// mok:maxntid ";
+
+/// Gives every `.entry` whose body holds the marker `// mok:maxntid N` the directive
+/// `.maxntid N, 1, 1` (between its parameter list and its body, where PTX wants performance
+/// directives). Two different markers in one kernel are an error.
+pub fn apply_block_thread_markers(ptx: &str) -> Result<String, String> {
+    let lines: Vec<&str> = ptx.lines().collect();
+    let mut out = String::with_capacity(ptx.len() + 256);
+    let mut i = 0;
+    while i < lines.len() {
+        let line = lines[i];
+        let is_entry = line.starts_with(".visible .entry ") || line.starts_with(".entry ");
+        if !is_entry {
+            out.push_str(line);
+            out.push('\n');
+            i += 1;
+            continue;
+        }
+        // The parameter list ends at the first line starting with ')'; the body runs to the next
+        // entry or function.
+        let params_end = (i..lines.len())
+            .find(|&j| lines[j].starts_with(')'))
+            .ok_or_else(|| format!("unterminated entry: {line}"))?;
+        let body_end = (params_end + 1..lines.len())
+            .find(|&j| {
+                lines[j].starts_with(".visible .entry ")
+                    || lines[j].starts_with(".entry ")
+                    || lines[j].starts_with(".func ")
+                    || lines[j].starts_with(".visible .func ")
+            })
+            .unwrap_or(lines.len());
+        let mut threads: Option<u32> = None;
+        for body_line in &lines[params_end + 1..body_end] {
+            if let Some(at) = body_line.find(MAXNTID_MARKER) {
+                let value = body_line[at + MAXNTID_MARKER.len()..].trim();
+                let n: u32 = value.parse().map_err(|_| format!("bad maxntid marker `{body_line}` in {line}"))?;
+                match threads {
+                    Some(previous) if previous != n => {
+                        return Err(format!("kernel {line} declares {previous} and {n} threads per block"));
+                    }
+                    _ => threads = Some(n),
+                }
+            }
+        }
+        for entry_line in &lines[i..=params_end] {
+            out.push_str(entry_line);
+            out.push('\n');
+        }
+        if let Some(n) = threads {
+            out.push_str(&format!(".maxntid {n}, 1, 1\n"));
+        }
+        i = params_end + 1;
+    }
+    Ok(out)
 }

@@ -9,8 +9,8 @@
 
 use half::bf16;
 use mok_kernels::gemm_layout::{
-    ENGINE_SMEM_BYTES, ENGINE_THREADS, GROUP_MAP_SLOTS, GROUP_MAP_SMEM_BYTES, GROUP_MAP_WARPS, GemmParams,
-    TENSOR_MAP_BYTES, TILE_M,
+    ENGINE_THREADS, GROUP_MAP_SLOTS, GROUP_MAP_SMEM_BYTES, GROUP_MAP_WARPS, GemmParams, TENSOR_MAP_BYTES, TILE_M,
+    TILE_N, Variant, engine_smem_bytes,
 };
 
 use crate::driver::{DeviceBuffer, Gpu, KernelArg, LaunchShape};
@@ -89,6 +89,7 @@ pub enum WgradOut<'a> {
 /// One prepared engine launch: the parameter block and tensor maps live on the device.
 pub struct EnginePlan {
     kernel: &'static str,
+    smem_bytes: u32,
     params: DeviceBuffer<u8>,
     groups: u32,
     _maps: Vec<TensorMap>,
@@ -101,12 +102,13 @@ impl EnginePlan {
     /// bytes); the device cuts those maps at group ends before each launch.
     fn new(
         gpu: &Gpu,
-        kernel: &'static str,
+        (kernel, variant): (&'static str, u32),
         mut params: GemmParams,
         maps: Vec<TensorMap>,
         cut: [Option<(usize, u64, usize)>; 2],
     ) -> Result<Self> {
-        gpu.set_max_dynamic_smem(kernel, ENGINE_SMEM_BYTES)?;
+        let smem_bytes = engine_smem_bytes(variant);
+        gpu.set_max_dynamic_smem(kernel, smem_bytes)?;
         let groups = params.groups;
         let map_words = (TENSOR_MAP_BYTES / 8) as usize;
         let group_maps = DeviceBuffer::<u64>::alloc(gpu, (groups.max(1) * GROUP_MAP_SLOTS) as usize * map_words)?;
@@ -125,7 +127,14 @@ impl EnginePlan {
         // then 8 four-byte fields, 144 bytes, asserted in gemm_layout), so its bytes are initialised.
         let bytes =
             unsafe { core::slice::from_raw_parts(&params as *const GemmParams as *const u8, size_of::<GemmParams>()) };
-        Ok(Self { kernel, params: DeviceBuffer::from_slice(gpu, bytes)?, groups, _maps: maps, _group_maps: group_maps })
+        Ok(Self {
+            kernel,
+            smem_bytes,
+            params: DeviceBuffer::from_slice(gpu, bytes)?,
+            groups,
+            _maps: maps,
+            _group_maps: group_maps,
+        })
     }
 
     /// Enqueues the launch with one block per SM (persistent).
@@ -145,7 +154,7 @@ impl EnginePlan {
             };
             gpu.launch(GROUP_MAPS_KERNEL, maps_shape, &[KernelArg::Ptr(self.params.device_ptr())])?;
         }
-        let shape = LaunchShape { grid: (blocks.max(1), 1, 1), threads: ENGINE_THREADS, smem_bytes: ENGINE_SMEM_BYTES };
+        let shape = LaunchShape { grid: (blocks.max(1), 1, 1), threads: ENGINE_THREADS, smem_bytes: self.smem_bytes };
         gpu.launch(self.kernel, shape, &[KernelArg::Ptr(self.params.device_ptr())])
     }
 
@@ -173,8 +182,8 @@ impl EnginePlan {
         check_len("hidden_out", hidden_out.len(), groups.capacity * i)?;
         let maps = vec![
             rows_map(gpu, rows, h, groups.capacity)?,
-            weight_map_k_major(gpu, w_gate, h, i, g, 64)?,
-            weight_map_k_major(gpu, w_up, h, i, g, 64)?,
+            weight_map_k_major(gpu, w_gate, h, i, g, TILE_N / 2)?,
+            weight_map_k_major(gpu, w_up, h, i, g, TILE_N / 2)?,
         ];
         let (out1, out2) = match pre_activations {
             Some((gate, up)) => {
@@ -200,7 +209,7 @@ impl EnginePlan {
             ..GemmParams::default()
         };
         let cut = [Some((0, rows.device_ptr(), 2 * h)), None];
-        Self::new(gpu, "mok_sm90_gemm_gate_up", params, maps, cut)
+        Self::new(gpu, ("mok_sm90_gemm_gate_up", Variant::GATE_UP), params, maps, cut)
     }
 
     /// Row-grouped `out[r] = rows[r] · w[g]ᵀ` (f32): `rows` `[cap][k]`, `w` `[G][n][k]`,
@@ -219,7 +228,7 @@ impl EnginePlan {
         check_len("rows", rows.len(), groups.capacity * k)?;
         check_len("w", w.len(), g * n * k)?;
         check_len("out", out.len(), groups.capacity * n)?;
-        let maps = vec![rows_map(gpu, rows, k, groups.capacity)?, weight_map_k_major(gpu, w, k, n, g, 128)?];
+        let maps = vec![rows_map(gpu, rows, k, groups.capacity)?, weight_map_k_major(gpu, w, k, n, g, TILE_N)?];
         let params = GemmParams {
             map_a: maps[0].device_ptr(),
             map_b: maps[1].device_ptr(),
@@ -232,7 +241,7 @@ impl EnginePlan {
             ..GemmParams::default()
         };
         let cut = [Some((0, rows.device_ptr(), 2 * k)), None];
-        Self::new(gpu, "mok_sm90_gemm_rows_nt", params, maps, cut)
+        Self::new(gpu, ("mok_sm90_gemm_rows_nt", Variant::ROWS_NT), params, maps, cut)
     }
 
     /// Row-grouped data gradient `out[r] = a1[r] · w1[g] (+ a2[r] · w2[g])` (f32), weights read
@@ -280,7 +289,7 @@ impl EnginePlan {
             k2: if second.is_some() { k as u32 } else { 0 },
             ..GemmParams::default()
         };
-        Self::new(gpu, "mok_sm90_gemm_rows_nn", params, maps, cut)
+        Self::new(gpu, ("mok_sm90_gemm_rows_nn", Variant::ROWS_NN), params, maps, cut)
     }
 
     /// Weight gradient per group, `dw[g] = Σ_{r in g} a[r]ᵀ b[r]`, reducing the group's rows
@@ -300,23 +309,29 @@ impl EnginePlan {
         check_len("b", b.len(), capacity * n)?;
         check_len("row_offsets", row_offsets.len(), groups + 1)?;
         let rows = capacity.max(1) as u64;
-        let maps = vec![
+        let mut maps = vec![
             TensorMap::bf16(gpu, a.device_ptr(), &[m as u64, rows], &[2 * m as u64], &[64, 64])?,
             TensorMap::bf16(gpu, b.device_ptr(), &[n as u64, rows], &[2 * n as u64], &[64, 64])?,
         ];
-        let (out0, out1) = match out {
+        // The epilogue's TMA stores: `[G][M][N]` in boxes of 64 rows × 128 bytes.
+        let out_dims = [n as u64, m as u64, groups.max(1) as u64];
+        let (out0, out1, out_map) = match out {
             WgradOut::Bf16(buffer) => {
                 check_len("dw", buffer.len(), groups * m * n)?;
-                (buffer.device_ptr(), 0)
+                let pitches = [2 * n as u64, 2 * (m * n) as u64];
+                (buffer.device_ptr(), 0, TensorMap::bf16(gpu, buffer.device_ptr(), &out_dims, &pitches, &[64, 64, 1])?)
             }
             WgradOut::AccumulateF32(buffer) => {
                 check_len("dw", buffer.len(), groups * m * n)?;
-                (0, buffer.device_ptr())
+                let pitches = [4 * n as u64, 4 * (m * n) as u64];
+                (0, buffer.device_ptr(), TensorMap::f32(gpu, buffer.device_ptr(), &out_dims, &pitches, &[32, 64, 1])?)
             }
         };
+        maps.push(out_map);
         let params = GemmParams {
             map_a: maps[0].device_ptr(),
             map_b: maps[1].device_ptr(),
+            map_out: maps[2].device_ptr(),
             row_offsets: row_offsets.device_ptr(),
             out0,
             out1,
@@ -327,7 +342,7 @@ impl EnginePlan {
         };
         // A group's last K block reads its rows through maps cut at the group's end.
         let cut = [Some((0, a.device_ptr(), 2 * m)), Some((1, b.device_ptr(), 2 * n))];
-        Self::new(gpu, "mok_sm90_gemm_wgrad", params, maps, cut)
+        Self::new(gpu, ("mok_sm90_gemm_wgrad", Variant::WGRAD), params, maps, cut)
     }
 }
 

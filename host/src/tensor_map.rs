@@ -7,7 +7,7 @@ use half::bf16;
 use crate::driver::{DeviceBuffer, Gpu};
 use crate::error::{MokError, Result};
 
-/// A bf16 tensor map with 128-byte swizzle and zero fill out of bounds, in device memory.
+/// A bf16 or f32 tensor map with 128-byte swizzle and zero fill out of bounds, in device memory.
 pub struct TensorMap {
     storage: DeviceBuffer<u64>,
 }
@@ -17,6 +17,24 @@ impl TensorMap {
     /// `pitches` (bytes between consecutive indices of dims 1.. , so `dims.len() - 1` entries)
     /// and box `box_dims` (innermost box dimension: 64 elements = the 128-byte swizzle row).
     pub fn bf16(gpu: &Gpu, base: u64, dims: &[u64], pitches: &[u64], box_dims: &[u32]) -> Result<Self> {
+        use cudarc::driver::sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+        Self::encode(gpu, (CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, size_of::<bf16>()), base, dims, pitches, box_dims)
+    }
+
+    /// As [`TensorMap::bf16`] for f32 elements (innermost box dimension: 32 elements).
+    pub fn f32(gpu: &Gpu, base: u64, dims: &[u64], pitches: &[u64], box_dims: &[u32]) -> Result<Self> {
+        use cudarc::driver::sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
+        Self::encode(gpu, (CU_TENSOR_MAP_DATA_TYPE_FLOAT32, size_of::<f32>()), base, dims, pitches, box_dims)
+    }
+
+    fn encode(
+        gpu: &Gpu,
+        (data_type, element_bytes): (cudarc::driver::sys::CUtensorMapDataType, usize),
+        base: u64,
+        dims: &[u64],
+        pitches: &[u64],
+        box_dims: &[u32],
+    ) -> Result<Self> {
         let rank = dims.len();
         let bad = |problem: String| Err(MokError::InvalidInput { tensor: "tensor map", problem });
         if !(1..=5).contains(&rank) || pitches.len() + 1 != rank || box_dims.len() != rank {
@@ -28,7 +46,7 @@ impl TensorMap {
         if dims.contains(&0) || box_dims.iter().any(|&b| b == 0 || b > 256) {
             return bad(format!("dims {dims:?} must be ≥ 1 and box {box_dims:?} within 1..=256"));
         }
-        if box_dims[0] as usize * size_of::<bf16>() > 128 {
+        if box_dims[0] as usize * element_bytes > 128 {
             return bad(format!("inner box {} elements exceeds the 128-byte swizzle span", box_dims[0]));
         }
         let mut map = cudarc::driver::sys::CUtensorMap { opaque: [0; 16] };
@@ -39,7 +57,7 @@ impl TensorMap {
         let status = unsafe {
             cuTensorMapEncodeTiled(
                 &mut map,
-                CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                data_type,
                 rank as u32,
                 base as *mut core::ffi::c_void,
                 dims.as_ptr(),

@@ -9,21 +9,63 @@
 
 /// Rows of a block tile: two consumer warpgroups × 64.
 pub const TILE_M: u32 = 128;
-/// Columns of a block tile (one `m64n128` accumulator per consumer warpgroup).
-pub const TILE_N: u32 = 128;
+/// Columns of a block tile (one `m64n256` accumulator per consumer warpgroup). The SwiGLU tile
+/// holds 128 gate and 128 up columns of 128 hidden columns.
+pub const TILE_N: u32 = 256;
 /// K depth of one pipeline stage: one 128-byte swizzle row of bf16.
 pub const TILE_K: u32 = 64;
-/// Pipeline stages in shared memory.
-pub const STAGES: u32 = 5;
-/// Bytes of one operand tile of a stage (128 × 64 bf16).
-pub const OPERAND_TILE_BYTES: u32 = TILE_M * TILE_K * 2;
+/// Bytes of a 64 × 64 bf16 block (64 rows of one 128-byte swizzle row): the unit TMA boxes and
+/// M/N-major operands are laid out in.
+pub const BLOCK_64_BYTES: u32 = 64 * TILE_K * 2;
+/// Bytes of a stage's A tile (128 × 64 bf16).
+pub const A_TILE_BYTES: u32 = TILE_M * TILE_K * 2;
+/// Bytes of a stage's B tile (256 × 64 bf16).
+pub const B_TILE_BYTES: u32 = TILE_N * TILE_K * 2;
 /// Bytes of one stage (A and B tiles).
-pub const STAGE_BYTES: u32 = 2 * OPERAND_TILE_BYTES;
+pub const STAGE_BYTES: u32 = A_TILE_BYTES + B_TILE_BYTES;
 /// Threads of an engine block: a producer warpgroup and two consumer warpgroups.
 pub const ENGINE_THREADS: u32 = 384;
-/// Dynamic shared memory of an engine block: the stages, then 2 · STAGES mbarriers; plus 1 KiB
-/// so the stages can start on a 1024-byte boundary whatever the window's base.
-pub const ENGINE_SMEM_BYTES: u32 = STAGES * STAGE_BYTES + 2 * STAGES * 8 + 1024;
+/// Registers per thread the producer warpgroup keeps after `setmaxnreg.dec` ...
+pub const PRODUCER_REGISTERS: u32 = 56;
+/// ... and what each consumer warpgroup takes (`setmaxnreg.inc`): the 128 accumulators of an
+/// `m64n256` tile plus addressing. The block starts with 65536 / 384 = 168 per thread (the
+/// kernel is built with `.maxntid 384`), and 128 · 56 + 256 · 224 = 384 · 168.
+pub const CONSUMER_REGISTERS: u32 = 224;
+/// Which product an engine instance computes (the kernels' const generic).
+pub struct Variant;
+
+impl Variant {
+    /// Forward gate/up with SwiGLU.
+    pub const GATE_UP: u32 = 0;
+    /// Row-grouped `A · Bᵀ` (K-major weights), f32 out.
+    pub const ROWS_NT: u32 = 1;
+    /// Row-grouped `A · B` (N-major weights, up to two K segments), f32 out.
+    pub const ROWS_NN: u32 = 2;
+    /// Per-group weight gradient, rows reduced in order.
+    pub const WGRAD: u32 = 3;
+}
+
+/// Pipeline stages in shared memory. The weight gradient keeps one fewer: its tiles have only a
+/// few K blocks (a group's rows), and the room goes to the output staging of its TMA stores.
+pub const fn stages(variant: u32) -> u32 {
+    if variant == Variant::WGRAD { 3 } else { 4 }
+}
+
+/// Bytes of output staging per consumer warpgroup (TMA-store epilogue): its 64 rows × 256 bf16
+/// columns (f32 outputs go in two passes of 128 columns).
+pub const STAGING_BYTES_PER_WARPGROUP: u32 = 64 * TILE_N * 2;
+
+/// Output staging of a variant's block (0: its epilogue stores from registers).
+pub const fn staging_bytes(variant: u32) -> u32 {
+    if variant == Variant::WGRAD { 2 * STAGING_BYTES_PER_WARPGROUP } else { 0 }
+}
+
+/// Dynamic shared memory of an engine block: the stages, the output staging, then 2 · stages
+/// mbarriers; plus 1 KiB so the stages can start on a 1024-byte boundary whatever the window's
+/// base.
+pub const fn engine_smem_bytes(variant: u32) -> u32 {
+    stages(variant) * STAGE_BYTES + staging_bytes(variant) + 2 * stages(variant) * 8 + 1024
+}
 
 /// Swizzle mode field of a descriptor: 128-byte swizzle.
 const SWIZZLE_128B: u64 = 1;
@@ -91,6 +133,8 @@ pub struct GemmParams {
     /// its group's rows, so a ragged tile (or a weight gradient's last K block) is one TMA copy
     /// whose rows past the group read as zero — never the next group's rows.
     pub group_maps: u64,
+    /// TMA-store map of the output (weight gradient: `[G][M][N]`, bf16 or f32 by `out1`).
+    pub map_out: u64,
     /// `[groups + 1]` first row of each group (device-written).
     pub row_offsets: u64,
     /// `[groups + 1]` first M tile of each group, in tiles of [`TILE_M`] (row-grouped variants).
@@ -134,9 +178,19 @@ pub const fn split_row_tile(tile: u32, n_tiles: u32) -> (u32, u32) {
 
 // The host uploads GemmParams as raw bytes: keep it free of padding. And the ring must fit in
 // an SM's shared memory (227 KiB on sm_90).
-const _: () = assert!(core::mem::size_of::<GemmParams>() == 144);
-const _: () = assert!(ENGINE_SMEM_BYTES <= 227 * 1024);
+const _: () = assert!(core::mem::size_of::<GemmParams>() == 152);
+const _: () = assert!(
+    engine_smem_bytes(Variant::GATE_UP) <= 227 * 1024
+        && engine_smem_bytes(Variant::ROWS_NT) <= 227 * 1024
+        && engine_smem_bytes(Variant::ROWS_NN) <= 227 * 1024
+        && engine_smem_bytes(Variant::WGRAD) <= 227 * 1024
+);
 const _: () = assert!(STAGE_BYTES.is_multiple_of(1024));
+const _: () = assert!(
+    PRODUCER_REGISTERS * 128 + CONSUMER_REGISTERS * 256 <= (65536 / ENGINE_THREADS) * ENGINE_THREADS
+        && PRODUCER_REGISTERS.is_multiple_of(8)
+        && CONSUMER_REGISTERS.is_multiple_of(8)
+);
 
 #[cfg(test)]
 mod tests {

@@ -254,3 +254,41 @@ ptxas info    : Compile time = 7.873 ms
         assert!(!is_diagnostic("    0 bytes stack frame, 0 bytes spill stores", &["error"]));
     }
 }
+
+#[cfg(test)]
+mod marker_tests {
+    use crate::ptx_builder::apply_block_thread_markers;
+
+    const PTX: &str = "\
+.visible .entry with_marker(
+\t.param .u64 p
+)
+{
+\t// mok:maxntid 384
+\tret;
+}
+.visible .entry without_marker(
+\t.param .u64 q
+)
+{
+\tret;
+}
+";
+
+    #[test]
+    fn marker_becomes_maxntid_of_its_own_entry_only() {
+        let out = apply_block_thread_markers(PTX).unwrap();
+        let lines: Vec<&str> = out.lines().collect();
+        let directive = lines.iter().position(|l| *l == ".maxntid 384, 1, 1").expect("directive added");
+        assert_eq!(lines[directive - 1], ")");
+        assert_eq!(lines[directive + 1], "{");
+        assert_eq!(out.matches(".maxntid").count(), 1, "the second entry has no marker:\n{out}");
+    }
+
+    #[test]
+    fn conflicting_markers_are_an_error() {
+        let bad = PTX
+            .replace("\tret;\n}\n.visible .entry without", "\t// mok:maxntid 256\n\tret;\n}\n.visible .entry without");
+        assert!(apply_block_thread_markers(&bad).unwrap_err().contains("384 and 256"));
+    }
+}

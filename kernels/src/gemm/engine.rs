@@ -1,8 +1,9 @@
 //! A persistent, warp-specialised grouped GEMM for Hopper (sm_90a).
 //!
 //! Block = 384 threads: warpgroup 0 is the producer (its first thread fills a ring of
-//! [`STAGES`] shared-memory stages with TMA tensor copies), warpgroups 1 and 2 are consumers
-//! (each owns 64 rows of the 128 × 128 block tile and issues `wgmma.m64n128k16`). Stages are
+//! [`stages`] shared-memory stages with TMA tensor copies), warpgroups 1 and 2 are consumers
+//! (each owns 64 rows of the 128 × 256 block tile and issues `wgmma.m64n256k16`; `setmaxnreg`
+//! moves registers from the producer to them). Stages are
 //! handed over through two mbarriers each: `full` (the producer's copies have landed) and
 //! `empty` (every consumer warp has finished reading). While the consumers run a tile's
 //! epilogue, the producer is already loading the next tile's stages.
@@ -18,60 +19,67 @@
 //!
 //! Variants ([`Variant`]):
 //! - `GATE_UP`: `rows[R][H] · [w_gate; w_up][g]ᵀ` with SwiGLU in registers → hidden bf16 (and
-//!   optionally the f32 pre-activations). B tile = 64 gate rows + 64 up rows of the same columns.
+//!   optionally the f32 pre-activations). B tile = 128 gate rows + 128 up rows of the same columns.
 //! - `ROWS_NT`: `rows[R][K] · w[g][N][K]ᵀ` → f32 rows (down projection).
 //! - `ROWS_NN`: `a[R][K] · w[g][K][N]` (+ a second segment) → f32 rows (data gradients).
 //! - `WGRAD`: `Σ_{r in g} a[r][M]ᵀ b[r][N]` → `[G][M][N]` bf16, or added into f32.
 
 use crate::device::math;
 use crate::gemm_layout::{
-    GemmParams, OPERAND_TILE_BYTES, STAGE_BYTES, STAGES, TILE_K, TILE_M, TILE_N, smem_descriptor, split_row_tile,
+    A_TILE_BYTES, B_TILE_BYTES, BLOCK_64_BYTES, CONSUMER_REGISTERS, ENGINE_THREADS, GemmParams, PRODUCER_REGISTERS,
+    STAGE_BYTES, STAGING_BYTES_PER_WARPGROUP, TILE_K, TILE_M, TILE_N, smem_descriptor, split_row_tile, stages,
+    staging_bytes, swizzled_chunk_offset,
 };
 use crate::ptx::convert::f32x2_to_bf16x2;
-use crate::ptx::{mbarrier, smem, sreg, sync, tensormap, tma, wgmma};
+use crate::ptx::memory::{fence_proxy_async_shared_cta, st_shared_u32, st_shared_v2};
 
-/// Which product an engine instance computes.
-pub struct Variant;
+/// The gate (first) or up (second) half of a SwiGLU B tile: 128 rows of 128 bytes.
+const B_HALF_BYTES: u32 = B_TILE_BYTES / 2;
+use crate::ptx::{bulk, mbarrier, smem, sreg, sync, tensormap, tma, wgmma};
 
-impl Variant {
-    /// Forward gate/up with SwiGLU.
-    pub const GATE_UP: u32 = 0;
-    /// Row-grouped `A · Bᵀ` (K-major weights), f32 out.
-    pub const ROWS_NT: u32 = 1;
-    /// Row-grouped `A · B` (N-major weights, up to two K segments), f32 out.
-    pub const ROWS_NN: u32 = 2;
-    /// Per-group weight gradient, rows reduced in order.
-    pub const WGRAD: u32 = 3;
-}
+pub use crate::gemm_layout::Variant;
 
-/// Half of a 128-wide operand tile: 64 rows of 128 bytes.
-const HALF_TILE_BYTES: u32 = OPERAND_TILE_BYTES / 2;
-
-/// Shared-memory addresses of the ring.
+/// Shared-memory addresses of the ring (`stages` stages), the output staging and the barriers.
 #[derive(Clone, Copy)]
 struct Ring {
     base: u32,
+    stages: u32,
+    staging: u32,
     bars: u32,
 }
 
 impl Ring {
-    fn new() -> Self {
+    fn new<const V: u32>() -> Self {
         // The window is 1024-aligned by its declaration; round up anyway so a change there
         // cannot silently break the swizzle (the host adds 1 KiB of slack).
         let base = (smem::dynamic_smem_base() + 1023) & !1023;
-        Ring { base, bars: base + STAGES * STAGE_BYTES }
+        let stages = stages(V);
+        let staging = base + stages * STAGE_BYTES;
+        Ring { base, stages, staging, bars: staging + staging_bytes(V) }
     }
     fn a_tile(self, stage: u32) -> u32 {
         self.base + stage * STAGE_BYTES
     }
     fn b_tile(self, stage: u32) -> u32 {
-        self.a_tile(stage) + OPERAND_TILE_BYTES
+        self.a_tile(stage) + A_TILE_BYTES
     }
     fn full(self, stage: u32) -> u32 {
         self.bars + stage * 8
     }
     fn empty(self, stage: u32) -> u32 {
-        self.bars + (STAGES + stage) * 8
+        self.bars + (self.stages + stage) * 8
+    }
+    /// Consumer warpgroup `wg`'s output staging (1024-byte aligned).
+    fn staging(self, wg: u32) -> u32 {
+        self.staging + wg * STAGING_BYTES_PER_WARPGROUP
+    }
+    /// The next (stage, phase) of the ring walk.
+    fn advance(self, stage: &mut u32, phase: &mut u32) {
+        *stage += 1;
+        if *stage == self.stages {
+            *stage = 0;
+            *phase ^= 1;
+        }
     }
 }
 
@@ -195,10 +203,13 @@ unsafe fn produce<const V: u32>(p: &GemmParams, ring: Ring) {
                     let (map_a, map_b, r) =
                         if tail { (cut_0, cut_1, row - w.row_begin) } else { (p.map_a, p.map_b, row) };
                     let r = r as i32;
-                    tma::load_2d(a_tile, map_a, w.m0 as i32, r, full);
-                    tma::load_2d(a_tile + HALF_TILE_BYTES, map_a, (w.m0 + 64) as i32, r, full);
-                    tma::load_2d(b_tile, map_b, w.n0 as i32, r, full);
-                    tma::load_2d(b_tile + HALF_TILE_BYTES, map_b, (w.n0 + 64) as i32, r, full);
+                    // M-major A: two 64-wide blocks; N-major B: four.
+                    for block in 0..TILE_M / 64 {
+                        tma::load_2d(a_tile + block * BLOCK_64_BYTES, map_a, (w.m0 + 64 * block) as i32, r, full);
+                    }
+                    for block in 0..TILE_N / 64 {
+                        tma::load_2d(b_tile + block * BLOCK_64_BYTES, map_b, (w.n0 + 64 * block) as i32, r, full);
+                    }
                 } else {
                     let second = kb >= w.k_blocks_1;
                     let k0 = (if second { (kb - w.k_blocks_1) * TILE_K } else { kb * TILE_K }) as i32;
@@ -212,22 +223,22 @@ unsafe fn produce<const V: u32>(p: &GemmParams, ring: Ring) {
                     tma::load_2d(a_tile, map_a, k0, row as i32, full);
                     match V {
                         Variant::GATE_UP => {
+                            // 128 gate rows, then the 128 up rows of the same hidden columns.
                             tma::load_3d(b_tile, p.map_b, k0, w.n0 as i32, g, full);
-                            tma::load_3d(b_tile + HALF_TILE_BYTES, p.map_b2, k0, w.n0 as i32, g, full);
+                            tma::load_3d(b_tile + B_HALF_BYTES, p.map_b2, k0, w.n0 as i32, g, full);
                         }
                         Variant::ROWS_NT => tma::load_3d(b_tile, map_b, k0, w.n0 as i32, g, full),
                         _ => {
-                            tma::load_3d(b_tile, map_b, w.n0 as i32, k0, g, full);
-                            tma::load_3d(b_tile + HALF_TILE_BYTES, map_b, (w.n0 + 64) as i32, k0, g, full);
+                            // N-major: four 64-wide N blocks.
+                            for block in 0..TILE_N / 64 {
+                                let n = (w.n0 + 64 * block) as i32;
+                                tma::load_3d(b_tile + block * BLOCK_64_BYTES, map_b, n, k0, g, full);
+                            }
                         }
                     }
                 }
             }
-            stage += 1;
-            if stage == STAGES {
-                stage = 0;
-                phase ^= 1;
-            }
+            ring.advance(&mut stage, &mut phase);
         }
         tile += sreg::grid_dim_x();
     }
@@ -243,27 +254,28 @@ fn stage_descriptors<const V: u32>(ring: Ring, stage: u32, wg: u32) -> ([u64; 4]
         let k = k as u32;
         *da = if V == Variant::WGRAD {
             // M-major: this warpgroup's 64 M values are one 64-wide half; 16 K rows per slice.
-            smem_descriptor(a_tile + wg * HALF_TILE_BYTES + k * 16 * 128, HALF_TILE_BYTES, 1024)
+            smem_descriptor(a_tile + wg * BLOCK_64_BYTES + k * 16 * 128, BLOCK_64_BYTES, 1024)
         } else {
             // K-major: this warpgroup's 64 rows; a K slice is 32 bytes into each 128-byte row.
-            smem_descriptor(a_tile + wg * HALF_TILE_BYTES + k * 32, 16, 1024)
+            smem_descriptor(a_tile + wg * BLOCK_64_BYTES + k * 32, 16, 1024)
         };
         *db = if V == Variant::GATE_UP || V == Variant::ROWS_NT {
             smem_descriptor(b_tile + k * 32, 16, 1024)
         } else {
-            // N-major: two 64-wide N halves, 16 K rows per slice.
-            smem_descriptor(b_tile + k * 16 * 128, HALF_TILE_BYTES, 1024)
+            // N-major: four 64-wide N blocks, 16 K rows per slice.
+            smem_descriptor(b_tile + k * 16 * 128, BLOCK_64_BYTES, 1024)
         };
     }
     (a, b)
 }
 
-/// Expands `$body` once per n8 block `$j` = 0..16 with `$j` a constant, so the accumulator
+/// Expands `$body` once per n8 block `$j` = 0..32 with `$j` a constant, so the accumulator
 /// indices are compile-time constants and the array stays in registers (a rolled loop would put
 /// it in local memory).
 macro_rules! for_each_n8_block {
     ($j:ident => $body:block) => {
-        for_each_n8_block!(@expand $j $body; 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15);
+        for_each_n8_block!(@expand $j $body;
+            0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31);
     };
     (@expand $j:ident $body:block; $($value:literal)*) => {
         $({
@@ -273,31 +285,55 @@ macro_rules! for_each_n8_block {
     };
 }
 
-/// Calls `visit(index, row, col)` for each pair of adjacent accumulators of this thread:
-/// `acc[index]`, `acc[index + 1]` are at warpgroup-tile row `row` < 64, columns `col`, `col + 1`.
+/// Calls `visit(index, row, col)` for each pair of adjacent accumulators of this thread in the
+/// first `BLOCKS` n8 blocks: `acc[index]`, `acc[index + 1]` are at warpgroup-tile row `row` < 64,
+/// columns `col`, `col + 1`.
 #[inline(always)]
-fn for_each_pair(thread_in_wg: u32, mut visit: impl FnMut(usize, u32, u32)) {
+fn for_each_pair<const BLOCKS: u32>(thread_in_wg: u32, visit: impl FnMut(usize, u32, u32)) {
+    for_each_pair_in(0, BLOCKS, thread_in_wg, visit);
+}
+
+/// As [`for_each_pair`] for the n8 blocks `first..end` — pass constants: after inlining, a pass
+/// over part of the tile then touches only that part's accumulators.
+#[inline(always)]
+fn for_each_pair_in(first: u32, end: u32, thread_in_wg: u32, mut visit: impl FnMut(usize, u32, u32)) {
     let (warp, lane) = (thread_in_wg / 32, thread_in_wg % 32);
     for_each_n8_block!(J => {
-        let col = 8 * J + 2 * (lane % 4);
-        visit((4 * J) as usize, warp * 16 + lane / 4, col);
-        visit((4 * J + 2) as usize, warp * 16 + lane / 4 + 8, col);
+        if first <= J && J < end {
+            let col = 8 * J + 2 * (lane % 4);
+            visit((4 * J) as usize, warp * 16 + lane / 4, col);
+            visit((4 * J + 2) as usize, warp * 16 + lane / 4 + 8, col);
+        }
     });
 }
 
+/// n8 blocks of a consumer's accumulator tile.
+const N8_BLOCKS: u32 = TILE_N / 8;
+/// Accumulators per consumer thread.
+const ACCUMULATORS: usize = (64 * TILE_N / 128) as usize;
+
 #[inline(always)]
-unsafe fn epilogue<const V: u32>(p: &GemmParams, w: &Work, acc: &[f32; 64], wg: u32, thread_in_wg: u32) {
+unsafe fn epilogue<const V: u32>(
+    p: &GemmParams,
+    w: &Work,
+    acc: &[f32; ACCUMULATORS],
+    staging: u32,
+    wg: u32,
+    thread_in_wg: u32,
+) {
     let wg_row0 = wg * 64;
     match V {
         Variant::GATE_UP => {
             let inter = p.n as usize;
-            for_each_pair(thread_in_wg, |index, row, col| {
-                // Accumulator columns 0..64 are gate, 64..128 up, for hidden columns n0 + col.
+            // Accumulator columns 0..128 are gate, 128..256 up (n8 block j + 16, index + 64), for
+            // hidden columns n0 + col.
+            const UP: usize = ACCUMULATORS / 2;
+            for_each_pair::<{ N8_BLOCKS / 2 }>(thread_in_wg, |index, row, col| {
                 let (r, c) = (wg_row0 + row, col);
-                if c >= 64 || r >= w.rows || w.n0 + c >= p.n {
+                if r >= w.rows || w.n0 + c >= p.n {
                     return;
                 }
-                let (g0, g1, u0, u1) = (acc[index], acc[index + 1], acc[index + 32], acc[index + 33]);
+                let (g0, g1, u0, u1) = (acc[index], acc[index + 1], acc[index + UP], acc[index + UP + 1]);
                 let (cg0, cu0) = math::clamp_gate_up(g0, u0, p.swiglu_limit);
                 let (cg1, cu1) = math::clamp_gate_up(g1, u1, p.swiglu_limit);
                 let at = (w.m0 + r) as usize * inter + (w.n0 + c) as usize;
@@ -316,7 +352,7 @@ unsafe fn epilogue<const V: u32>(p: &GemmParams, w: &Work, acc: &[f32; 64], wg: 
         }
         Variant::ROWS_NT | Variant::ROWS_NN => {
             let n = p.n as usize;
-            for_each_pair(thread_in_wg, |index, row, col| {
+            for_each_pair::<N8_BLOCKS>(thread_in_wg, |index, row, col| {
                 let r = wg_row0 + row;
                 if r >= w.rows || w.n0 + col >= p.n {
                     return;
@@ -330,26 +366,98 @@ unsafe fn epilogue<const V: u32>(p: &GemmParams, w: &Work, acc: &[f32; 64], wg: 
             });
         }
         _ => {
-            let (m, n) = (p.m as usize, p.n as usize);
-            let base = w.group as usize * m * n;
-            for_each_pair(thread_in_wg, |index, row, col| {
-                let (r, c) = (w.m0 + wg_row0 + row, w.n0 + col);
-                if r >= p.m || c >= p.n {
-                    return;
-                }
-                let at = base + r as usize * n + c as usize;
-                // SAFETY: inside [G][M][N]; one writer per element.
-                unsafe {
-                    if p.out1 == 0 {
-                        *((p.out0 as *mut u16).add(at) as *mut u32) = f32x2_to_bf16x2(acc[index], acc[index + 1]);
-                    } else {
-                        *(p.out1 as *mut f32).add(at) += acc[index];
-                        *(p.out1 as *mut f32).add(at + 1) += acc[index + 1];
-                    }
-                }
-            });
+            // SAFETY: this warpgroup's staging; map_out covers [G][M][N] (host contract).
+            unsafe { store_weight_gradient(p, w, acc, staging, wg, thread_in_wg) };
         }
     }
+}
+
+/// Waits until this warpgroup's staging is free again: its leader waits for the bulk stores
+/// that read it, then the warpgroup meets at its named barrier.
+#[inline(always)]
+fn staging_free(wg: u32, thread_in_wg: u32) {
+    if thread_in_wg == 0 {
+        bulk::wait_group_read_all();
+    }
+    // SAFETY: the whole consumer warpgroup (128 threads) calls this with its own id.
+    unsafe { sync::named_barrier(1 + wg, 128) };
+}
+
+/// Makes the warpgroup's staging writes visible to the copy engine and has its leader issue
+/// `copy(box)` for the four 8 KiB boxes, as one bulk group.
+#[inline(always)]
+fn publish_staging(wg: u32, thread_in_wg: u32, mut copy: impl FnMut(u32)) {
+    fence_proxy_async_shared_cta();
+    // SAFETY: as in `staging_free`.
+    unsafe { sync::named_barrier(1 + wg, 128) };
+    if thread_in_wg == 0 {
+        for b in 0..STAGING_BYTES_PER_WARPGROUP / BLOCK_64_BYTES {
+            copy(b);
+        }
+        bulk::commit_group();
+    }
+}
+
+/// Weight-gradient epilogue: the warpgroup's 64 × 256 outputs go through shared memory (in the
+/// 128B-swizzled layout, so the writes are free of bank conflicts) and leave as TMA stores —
+/// full lines, clipped at M and N by the map, and in flight while the next tile's MMAs run.
+/// bf16: one pass of four 64-column boxes; f32 accumulate: two passes of four 32-column boxes
+/// added into the output by the copy engine (one rounding per element, like `+=`).
+///
+/// # Safety
+/// `staging` is this warpgroup's staging; `p.map_out` is the `[G][M][N]` map of the output.
+#[inline(always)]
+unsafe fn store_weight_gradient(
+    p: &GemmParams,
+    w: &Work,
+    acc: &[f32; ACCUMULATORS],
+    staging: u32,
+    wg: u32,
+    thread_in_wg: u32,
+) {
+    let (row0, g) = ((w.m0 + wg * 64) as i32, w.group as i32);
+    if p.out1 == 0 {
+        staging_free(wg, thread_in_wg);
+        for_each_pair::<N8_BLOCKS>(thread_in_wg, |index, row, col| {
+            let (block, byte) = (col / 64, (col % 64) * 2);
+            let at = staging + block * BLOCK_64_BYTES + swizzled_chunk_offset(row, byte / 16) + byte % 16;
+            // SAFETY: inside the staging box; 4-byte aligned.
+            unsafe { st_shared_u32(at, f32x2_to_bf16x2(acc[index], acc[index + 1])) };
+        });
+        publish_staging(wg, thread_in_wg, |b| {
+            // SAFETY: the box was published above; the map's bounds clip M and N.
+            unsafe { tma::store_3d(p.map_out, (w.n0 + 64 * b) as i32, row0, g, staging + b * BLOCK_64_BYTES) };
+        });
+    } else {
+        stage_f32_pass(0, p, w, acc, staging, wg, thread_in_wg);
+        stage_f32_pass(1, p, w, acc, staging, wg, thread_in_wg);
+    }
+}
+
+/// One f32 pass of [`store_weight_gradient`]: columns `128 · pass ..` of the warpgroup's tile.
+#[inline(always)]
+fn stage_f32_pass(
+    pass: u32,
+    p: &GemmParams,
+    w: &Work,
+    acc: &[f32; ACCUMULATORS],
+    staging: u32,
+    wg: u32,
+    thread_in_wg: u32,
+) {
+    let (row0, g) = ((w.m0 + wg * 64) as i32, w.group as i32);
+    staging_free(wg, thread_in_wg);
+    for_each_pair_in(pass * N8_BLOCKS / 2, (pass + 1) * N8_BLOCKS / 2, thread_in_wg, |index, row, col| {
+        let (block, byte) = ((col % 128) / 32, (col % 32) * 4);
+        let at = staging + block * BLOCK_64_BYTES + swizzled_chunk_offset(row, byte / 16) + byte % 16;
+        // SAFETY: inside the staging box; 8-byte aligned.
+        unsafe { st_shared_v2(at, [acc[index].to_bits(), acc[index + 1].to_bits()]) };
+    });
+    publish_staging(wg, thread_in_wg, |b| {
+        let n = (w.n0 + 128 * pass + 32 * b) as i32;
+        // SAFETY: the box was published; the map's bounds clip M and N; p.map_out is f32.
+        unsafe { tma::reduce_add_3d(p.map_out, n, row0, g, staging + b * BLOCK_64_BYTES) };
+    });
 }
 
 /// Hands a stage back to the producer: one arrival per consumer warp (8 per phase), after this
@@ -372,7 +480,7 @@ unsafe fn consume<const V: u32>(p: &GemmParams, ring: Ring, wg: u32, thread_in_w
     while tile < total {
         // SAFETY: tile < total.
         let w = unsafe { work_of::<V>(p, tile) };
-        let mut acc = [0.0f32; 64];
+        let mut acc = [0.0f32; ACCUMULATORS];
         // One K block stays in flight on the tensor cores while the next stage is awaited: a
         // stage is released once the wait for the *next* block's issue says it is done.
         let mut in_flight: Option<u32> = None;
@@ -385,45 +493,48 @@ unsafe fn consume<const V: u32>(p: &GemmParams, ring: Ring, wg: u32, thread_in_w
             // before the wait below.
             unsafe {
                 match V {
-                    Variant::GATE_UP | Variant::ROWS_NT => wgmma::issue_k64_m64n128_kk(&mut acc, a, b, accumulate),
-                    Variant::ROWS_NN => wgmma::issue_k64_m64n128_kn(&mut acc, a, b, accumulate),
-                    _ => wgmma::issue_k64_m64n128_mn(&mut acc, a, b, accumulate),
+                    Variant::GATE_UP | Variant::ROWS_NT => wgmma::issue_k64_m64n256_kk(&mut acc, a, b, accumulate),
+                    Variant::ROWS_NN => wgmma::issue_k64_m64n256_kn(&mut acc, a, b, accumulate),
+                    _ => wgmma::issue_k64_m64n256_mn(&mut acc, a, b, accumulate),
                 }
             }
-            wgmma::wait_keep_one(&mut acc);
+            wgmma::wait_keep_one_n256(&mut acc);
             if let Some(done) = in_flight {
                 release(ring, done, thread_in_wg);
             }
             in_flight = Some(stage);
-            stage += 1;
-            if stage == STAGES {
-                stage = 0;
-                phase ^= 1;
-            }
+            ring.advance(&mut stage, &mut phase);
         }
-        wgmma::wait_all(&mut acc);
+        wgmma::wait_all_n256(&mut acc);
         if let Some(done) = in_flight {
             release(ring, done, thread_in_wg);
         }
         // SAFETY: outputs sized by the host contract.
-        unsafe { epilogue::<V>(p, &w, &acc, wg, thread_in_wg) };
+        unsafe { epilogue::<V>(p, &w, &acc, ring.staging(wg), wg, thread_in_wg) };
         tile += sreg::grid_dim_x();
+    }
+    if staging_bytes(V) > 0 && thread_in_wg == 0 {
+        // Shared memory must outlive the bulk stores that read it.
+        bulk::wait_group_read_all();
     }
 }
 
 /// The engine body shared by every entry point: [`ENGINE_THREADS`](crate::gemm_layout::ENGINE_THREADS)
-/// threads, [`ENGINE_SMEM_BYTES`](crate::gemm_layout::ENGINE_SMEM_BYTES) of dynamic shared memory.
+/// threads, [`engine_smem_bytes`](crate::gemm_layout::engine_smem_bytes)`(V)` of dynamic shared memory.
 ///
 /// # Safety
 /// `params` points at a valid [`GemmParams`] whose tensors match the variant's contract.
 #[inline(always)]
 pub unsafe fn run<const V: u32>(params: *const GemmParams) {
-    // SAFETY: caller contract; the parameter block is read-only for the whole launch.
+    // Register budgets below assume exactly this block size (`.maxntid`).
+    crate::ptx::declare_block_threads::<ENGINE_THREADS>();
+    // SAFETY: caller contract; the parameter block is read-only for the whole launch. Fields are
+    // read where used (not copied up front) so they do not hold registers across the main loop.
     let p = unsafe { *params };
-    let ring = Ring::new();
+    let ring = Ring::new::<V>();
     let thread = sreg::thread_idx_x();
     if thread == 0 {
-        for s in 0..STAGES {
+        for s in 0..ring.stages {
             // SAFETY: this block's barrier slots, initialised once before any use.
             unsafe {
                 mbarrier::init(ring.full(s), 1);
@@ -435,11 +546,15 @@ pub unsafe fn run<const V: u32>(params: *const GemmParams) {
     sync::block_barrier();
     let warpgroup = thread / 128;
     if warpgroup == 0 {
+        // The producer needs a handful of registers; the consumers' m64n256 accumulators need
+        // 128 each. Warpgroup-uniform, as setmaxnreg requires.
+        sync::release_registers::<PRODUCER_REGISTERS>();
         if thread == 0 {
             // SAFETY: one producer thread.
             unsafe { produce::<V>(&p, ring) };
         }
     } else {
+        sync::claim_registers::<CONSUMER_REGISTERS>();
         // SAFETY: a whole consumer warpgroup.
         unsafe { consume::<V>(&p, ring, warpgroup - 1, thread % 128) };
     }

@@ -312,6 +312,19 @@ pub unsafe fn st_shared_u32(smem_addr: u32, value: u32) {
     }
 }
 
+/// 8-byte shared-memory store (`st.shared.v2.u32`).
+///
+/// # Safety
+/// `smem_addr` is a valid, 8-byte aligned shared address.
+#[inline(always)]
+pub unsafe fn st_shared_v2(smem_addr: u32, value: [u32; 2]) {
+    // SAFETY: caller guarantees a valid shared address.
+    unsafe {
+        asm!("st.shared.v2.u32 [{a}], {{{v0}, {v1}}};", a = in(reg32) smem_addr, v0 = in(reg32) value[0],
+             v1 = in(reg32) value[1], options(nostack));
+    }
+}
+
 /// 16-bit shared-memory store (`st.shared.u16`).
 ///
 /// # Safety

@@ -32,3 +32,14 @@ pub fn trap() -> ! {
     // SAFETY: `trap` takes no operands and never returns.
     unsafe { core::arch::asm!("trap;", options(noreturn, nostack)) }
 }
+
+/// Declares that the enclosing kernel is always launched with `N` threads per block: a marker
+/// comment in the PTX body, which the PTX builder (`kernels/ptx_builder.rs`) turns into the
+/// entry's `.maxntid N, 1, 1` directive (rustc has no `__launch_bounds__`). ptxas then budgets
+/// registers for `N` threads — which `setmaxnreg` needs: the block's register pool is what the
+/// kernel was compiled for times `N`.
+#[inline(always)]
+pub fn declare_block_threads<const N: u32>() {
+    // SAFETY: emits a PTX comment only; not `pure`, so it is kept in every kernel it is inlined into.
+    unsafe { core::arch::asm!("// mok:maxntid {n}", n = const N, options(nomem, nostack, preserves_flags)) };
+}

@@ -84,3 +84,36 @@ pub fn warp_sum_f32(mut value: f32) -> f32 {
     }
     value
 }
+
+/// `setmaxnreg.dec.sync.aligned.u32 N` (PTX ISA §9.7.19.5, sm_90a): this warpgroup gives
+/// registers back to the block's pool, keeping `N` per thread.
+///
+/// Every warp of the warpgroup must call it, in uniform flow, and no live value may need more
+/// than `N` registers afterwards (ptxas allocates the code after it within `N`).
+#[inline(always)]
+pub fn release_registers<const N: u32>() {
+    // SAFETY: register bookkeeping only; the caller keeps the call warpgroup-uniform.
+    unsafe { asm!("setmaxnreg.dec.sync.aligned.u32 {n};", n = const N, options(nostack)) };
+}
+
+/// `setmaxnreg.inc.sync.aligned.u32 N`: this warpgroup takes registers from the block's pool,
+/// up to `N` per thread; it waits until another warpgroup has released enough.
+///
+/// Every warp of the warpgroup must call it, in uniform flow; the pool must be able to supply
+/// the registers (else it waits forever).
+#[inline(always)]
+pub fn claim_registers<const N: u32>() {
+    // SAFETY: as `release_registers`.
+    unsafe { asm!("setmaxnreg.inc.sync.aligned.u32 {n};", n = const N, options(nostack)) };
+}
+
+/// `bar.sync id, threads`: a barrier among `threads` threads (a multiple of 32) of the block that
+/// use the same `id` (1..16; 0 is [`block_barrier`]'s). Orders their shared-memory accesses.
+///
+/// # Safety
+/// Exactly `threads` threads, in whole warps, reach it with this `id`, in warp-uniform flow.
+#[inline(always)]
+pub unsafe fn named_barrier(id: u32, threads: u32) {
+    // SAFETY: caller contract.
+    unsafe { asm!("bar.sync {i}, {n};", i = in(reg32) id, n = in(reg32) threads, options(nostack)) };
+}

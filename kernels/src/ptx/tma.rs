@@ -45,3 +45,36 @@ pub unsafe fn prefetch_map(tensor_map: u64) {
     // SAFETY: caller contract.
     unsafe { asm!("prefetch.tensormap [{m}];", m = in(reg64) tensor_map, options(nostack)) };
 }
+
+/// `cp.async.bulk.tensor.3d.global.shared::cta.tile.bulk_group`: writes a box from shared memory
+/// (in the map's swizzle layout) to the tensor; elements outside the tensor are not written.
+/// Completes with the thread's bulk groups ([`super::bulk::commit_group`], then a wait).
+///
+/// # Safety
+/// `tensor_map` is a valid map in global memory; `src` a 1024-byte aligned shared address holding
+/// the box, written before and made visible to the async proxy (`fence.proxy.async`); it must stay
+/// untouched until a `wait_group.read` covers this copy.
+#[inline(always)]
+pub unsafe fn store_3d(tensor_map: u64, c0: i32, c1: i32, c2: i32, src: u32) {
+    // SAFETY: caller contract.
+    unsafe {
+        asm!("cp.async.bulk.tensor.3d.global.shared::cta.tile.bulk_group [{m}, {{{c0}, {c1}, {c2}}}], [{s}];",
+             m = in(reg64) tensor_map, c0 = in(reg32) c0, c1 = in(reg32) c1, c2 = in(reg32) c2, s = in(reg32) src,
+             options(nostack));
+    }
+}
+
+/// `cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group`: like [`store_3d`],
+/// but each element is added to what the tensor holds (one rounding per element, as `+=`).
+///
+/// # Safety
+/// As [`store_3d`]; no other agent writes the box's elements during the copy.
+#[inline(always)]
+pub unsafe fn reduce_add_3d(tensor_map: u64, c0: i32, c1: i32, c2: i32, src: u32) {
+    // SAFETY: caller contract.
+    unsafe {
+        asm!("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [{m}, {{{c0}, {c1}, {c2}}}], [{s}];",
+             m = in(reg64) tensor_map, c0 = in(reg32) c0, c1 = in(reg32) c1, c2 = in(reg32) c2, s = in(reg32) src,
+             options(nostack));
+    }
+}
