@@ -480,6 +480,19 @@ unsafe fn consume<const V: u32>(p: &GemmParams, ring: Ring, wg: u32, thread_in_w
     while tile < total {
         // SAFETY: tile < total.
         let w = unsafe { work_of::<V>(p, tile) };
+        if V != Variant::WGRAD && wg * 64 >= w.rows {
+            // A ragged tile with no rows in this warpgroup's half (a group's last ≤ 64 rows):
+            // skip the MMAs, so the other warpgroup has the tensor cores to itself, but keep
+            // step with the ring — wait for each stage, then release it.
+            for _ in 0..w.k_blocks {
+                // SAFETY: initialised barrier of this block.
+                unsafe { mbarrier::wait_parity(ring.full(stage), phase) };
+                release(ring, stage, thread_in_wg);
+                ring.advance(&mut stage, &mut phase);
+            }
+            tile += sreg::grid_dim_x();
+            continue;
+        }
         let mut acc = [0.0f32; ACCUMULATORS];
         // One K block stays in flight on the tensor cores while the next stage is awaited: a
         // stage is released once the wait for the *next* block's issue says it is done.
