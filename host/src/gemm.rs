@@ -97,15 +97,16 @@ pub struct EnginePlan {
 }
 
 impl EnginePlan {
-    /// `cut`: the operands whose rows are grouped (slot 0: A; slot 1: the second A or the weight
-    /// gradient's B) as (index of their whole-buffer map in `maps`, buffer address, row pitch in
-    /// bytes); the device cuts those maps at group ends before each launch.
+    /// `cut`: the tensors whose rows are grouped (slot 0: A; slot 1: the second A or the weight
+    /// gradient's B; slot 2: the output rows) as (index of their whole-buffer map in `maps`,
+    /// buffer address, row pitch in bytes); the device cuts those maps at group ends before each
+    /// launch.
     fn new(
         gpu: &Gpu,
         (kernel, variant): (&'static str, u32),
         mut params: GemmParams,
         maps: Vec<TensorMap>,
-        cut: [Option<(usize, u64, usize)>; 2],
+        cut: [Option<(usize, u64, usize)>; GROUP_MAP_SLOTS as usize],
     ) -> Result<Self> {
         let smem_bytes = engine_smem_bytes(variant);
         gpu.set_max_dynamic_smem(kernel, smem_bytes)?;
@@ -184,6 +185,7 @@ impl EnginePlan {
             rows_map(gpu, rows, h, groups.capacity)?,
             weight_map_k_major(gpu, w_gate, h, i, g, TILE_N / 2)?,
             weight_map_k_major(gpu, w_up, h, i, g, TILE_N / 2)?,
+            store_map_bf16(gpu, hidden_out, i, groups.capacity)?,
         ];
         let (out1, out2) = match pre_activations {
             Some((gate, up)) => {
@@ -197,6 +199,7 @@ impl EnginePlan {
             map_a: maps[0].device_ptr(),
             map_b: maps[1].device_ptr(),
             map_b2: maps[2].device_ptr(),
+            map_out: maps[3].device_ptr(),
             row_offsets: groups.row_offsets.device_ptr(),
             tile_offsets: groups.tile_offsets.device_ptr(),
             out0: hidden_out.device_ptr(),
@@ -208,7 +211,7 @@ impl EnginePlan {
             swiglu_limit: swiglu_limit.unwrap_or(f32::INFINITY),
             ..GemmParams::default()
         };
-        let cut = [Some((0, rows.device_ptr(), 2 * h)), None];
+        let cut = [Some((0, rows.device_ptr(), 2 * h)), None, Some((3, hidden_out.device_ptr(), 2 * i))];
         Self::new(gpu, ("mok_sm90_gemm_gate_up", Variant::GATE_UP), params, maps, cut)
     }
 
@@ -228,10 +231,15 @@ impl EnginePlan {
         check_len("rows", rows.len(), groups.capacity * k)?;
         check_len("w", w.len(), g * n * k)?;
         check_len("out", out.len(), groups.capacity * n)?;
-        let maps = vec![rows_map(gpu, rows, k, groups.capacity)?, weight_map_k_major(gpu, w, k, n, g, TILE_N)?];
+        let maps = vec![
+            rows_map(gpu, rows, k, groups.capacity)?,
+            weight_map_k_major(gpu, w, k, n, g, TILE_N)?,
+            store_map_f32(gpu, out, n, groups.capacity)?,
+        ];
         let params = GemmParams {
             map_a: maps[0].device_ptr(),
             map_b: maps[1].device_ptr(),
+            map_out: maps[2].device_ptr(),
             row_offsets: groups.row_offsets.device_ptr(),
             tile_offsets: groups.tile_offsets.device_ptr(),
             out0: out.device_ptr(),
@@ -240,7 +248,7 @@ impl EnginePlan {
             k: k as u32,
             ..GemmParams::default()
         };
-        let cut = [Some((0, rows.device_ptr(), 2 * k)), None];
+        let cut = [Some((0, rows.device_ptr(), 2 * k)), None, Some((2, out.device_ptr(), 4 * n))];
         Self::new(gpu, ("mok_sm90_gemm_rows_nt", Variant::ROWS_NT), params, maps, cut)
     }
 
@@ -258,7 +266,7 @@ impl EnginePlan {
         check_width("k", k)?;
         let g = groups.groups;
         let mut maps = Vec::new();
-        let mut cut = [None, None];
+        let mut cut = [None, None, None];
         for (segment, (a, w)) in std::iter::once(first).chain(second).enumerate() {
             check_len("a", a.len(), groups.capacity * k)?;
             check_len("w", w.len(), g * k * n)?;
@@ -273,13 +281,16 @@ impl EnginePlan {
             )?);
         }
         check_len("out", out.len(), groups.capacity * n)?;
-        // Maps per segment: rows, then weights.
+        // Maps per segment: rows, then weights; then the output's.
         let second_maps = second.map(|_| (maps[2].device_ptr(), maps[3].device_ptr()));
+        cut[2] = Some((maps.len(), out.device_ptr(), 4 * n));
+        maps.push(store_map_f32(gpu, out, n, groups.capacity)?);
         let params = GemmParams {
             map_a: maps[0].device_ptr(),
             map_b: maps[1].device_ptr(),
             map_a2: second_maps.map_or(0, |s| s.0),
             map_b2: second_maps.map_or(0, |s| s.1),
+            map_out: maps[maps.len() - 1].device_ptr(),
             row_offsets: groups.row_offsets.device_ptr(),
             tile_offsets: groups.tile_offsets.device_ptr(),
             out0: out.device_ptr(),
@@ -341,7 +352,7 @@ impl EnginePlan {
             ..GemmParams::default()
         };
         // A group's last K block reads its rows through maps cut at the group's end.
-        let cut = [Some((0, a.device_ptr(), 2 * m)), Some((1, b.device_ptr(), 2 * n))];
+        let cut = [Some((0, a.device_ptr(), 2 * m)), Some((1, b.device_ptr(), 2 * n)), None];
         Self::new(gpu, ("mok_sm90_gemm_wgrad", Variant::WGRAD), params, maps, cut)
     }
 }
@@ -349,6 +360,16 @@ impl EnginePlan {
 /// `[rows][k]` K-major activations: box of 64 K × 128 rows.
 fn rows_map(gpu: &Gpu, rows: &DeviceBuffer<bf16>, k: usize, capacity: usize) -> Result<TensorMap> {
     TensorMap::bf16(gpu, rows.device_ptr(), &[k as u64, capacity.max(1) as u64], &[2 * k as u64], &[64, 128])
+}
+
+/// The epilogue's store map of `[rows][width]` bf16 outputs: boxes of 64 columns × 64 rows.
+fn store_map_bf16(gpu: &Gpu, out: &DeviceBuffer<bf16>, width: usize, capacity: usize) -> Result<TensorMap> {
+    TensorMap::bf16(gpu, out.device_ptr(), &[width as u64, capacity.max(1) as u64], &[2 * width as u64], &[64, 64])
+}
+
+/// The epilogue's store map of `[rows][width]` f32 outputs: boxes of 32 columns × 64 rows.
+fn store_map_f32(gpu: &Gpu, out: &DeviceBuffer<f32>, width: usize, capacity: usize) -> Result<TensorMap> {
+    TensorMap::f32(gpu, out.device_ptr(), &[width as u64, capacity.max(1) as u64], &[4 * width as u64], &[32, 64])
 }
 
 /// `[G][n][k]` K-major weights as a 3-D map (columns past a group's `n` read as zero, never the

@@ -45,19 +45,19 @@ impl Variant {
     pub const WGRAD: u32 = 3;
 }
 
-/// Pipeline stages in shared memory. The weight gradient keeps one fewer: its tiles have only a
-/// few K blocks (a group's rows), and the room goes to the output staging of its TMA stores.
-pub const fn stages(variant: u32) -> u32 {
-    if variant == Variant::WGRAD { 3 } else { 4 }
+/// Pipeline stages in shared memory (the same for every variant; a function so a variant could
+/// trade stages for staging).
+pub const fn stages(_variant: u32) -> u32 {
+    4
 }
 
-/// Bytes of output staging per consumer warpgroup (TMA-store epilogue): its 64 rows × 256 bf16
-/// columns (f32 outputs go in two passes of 128 columns).
-pub const STAGING_BYTES_PER_WARPGROUP: u32 = 64 * TILE_N * 2;
+/// Bytes of output staging per consumer warpgroup (TMA-store epilogue): two boxes of 64 rows ×
+/// 128 bytes, i.e. 128 bf16 or 64 f32 columns of its 64 rows per pass.
+pub const STAGING_BYTES_PER_WARPGROUP: u32 = 2 * BLOCK_64_BYTES;
 
-/// Output staging of a variant's block (0: its epilogue stores from registers).
-pub const fn staging_bytes(variant: u32) -> u32 {
-    if variant == Variant::WGRAD { 2 * STAGING_BYTES_PER_WARPGROUP } else { 0 }
+/// Output staging of a variant's block (both consumer warpgroups).
+pub const fn staging_bytes(_variant: u32) -> u32 {
+    2 * STAGING_BYTES_PER_WARPGROUP
 }
 
 /// Dynamic shared memory of an engine block: the stages, the output staging, then 2 · stages
@@ -101,7 +101,7 @@ pub const fn swizzled_chunk_offset(row: u32, chunk: u32) -> u32 {
 pub const TENSOR_MAP_BYTES: u32 = 128;
 
 /// Maps per group cut at the group's last row (see [`GemmParams::group_maps`]).
-pub const GROUP_MAP_SLOTS: u32 = 2;
+pub const GROUP_MAP_SLOTS: u32 = 3;
 
 /// Warps (one group each) per block of the kernel that writes the group maps.
 pub const GROUP_MAP_WARPS: u32 = 4;
@@ -122,18 +122,19 @@ pub struct GemmParams {
     pub map_b2: u64,
     /// Tensor map of the second A (second dgrad segment).
     pub map_a2: u64,
-    /// The operands whose rows are grouped, per slot: 0 is A; 1 is the second A (data
-    /// gradients) or B (weight gradient, whose rows are the K dimension); 0 for none. Their
-    /// host-encoded maps over the whole buffer...
-    pub cut_maps: [u64; 2],
+    /// The tensors whose rows are grouped, per slot: 0 is A; 1 is the second A (data
+    /// gradients) or B (weight gradient, whose rows are the K dimension); 2 is the output rows
+    /// (row-grouped variants); 0 for none. Their host-encoded maps over the whole buffer...
+    pub cut_maps: [u64; GROUP_MAP_SLOTS as usize],
     /// ... the buffers' device addresses ...
-    pub cut_bases: [u64; 2],
+    pub cut_bases: [u64; GROUP_MAP_SLOTS as usize],
     /// `[groups][GROUP_MAP_SLOTS]` tensor maps of 128 bytes, rewritten before every engine launch
     /// by `mok_sm90_group_maps` from `cut_maps` and the device-written offsets: each covers only
     /// its group's rows, so a ragged tile (or a weight gradient's last K block) is one TMA copy
     /// whose rows past the group read as zero — never the next group's rows.
     pub group_maps: u64,
-    /// TMA-store map of the output (weight gradient: `[G][M][N]`, bf16 or f32 by `out1`).
+    /// TMA-store map of the output over its whole buffer: row-grouped `[rows][N]` (hidden bf16,
+    /// else f32), weight gradient `[G][M][N]` (bf16, or f32 when `out1` is set).
     pub map_out: u64,
     /// `[groups + 1]` first row of each group (device-written).
     pub row_offsets: u64,
@@ -146,7 +147,9 @@ pub struct GemmParams {
     /// Output 2 (up pre-activations f32, optional).
     pub out2: u64,
     /// ... and the bytes between their rows.
-    pub cut_pitches: [u32; 2],
+    pub cut_pitches: [u32; GROUP_MAP_SLOTS as usize],
+    /// Keeps the block free of padding.
+    pub reserved: u32,
     /// Groups (experts).
     pub groups: u32,
     /// Output width N of the product (per group).
@@ -178,7 +181,7 @@ pub const fn split_row_tile(tile: u32, n_tiles: u32) -> (u32, u32) {
 
 // The host uploads GemmParams as raw bytes: keep it free of padding. And the ring must fit in
 // an SM's shared memory (227 KiB on sm_90).
-const _: () = assert!(core::mem::size_of::<GemmParams>() == 152);
+const _: () = assert!(core::mem::size_of::<GemmParams>() == 176);
 const _: () = assert!(
     engine_smem_bytes(Variant::GATE_UP) <= 227 * 1024
         && engine_smem_bytes(Variant::ROWS_NT) <= 227 * 1024

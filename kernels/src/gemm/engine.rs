@@ -312,6 +312,26 @@ const N8_BLOCKS: u32 = TILE_N / 8;
 /// Accumulators per consumer thread.
 const ACCUMULATORS: usize = (64 * TILE_N / 128) as usize;
 
+/// Where a staged epilogue's boxes go: the whole-buffer output map and the coordinates of the
+/// warpgroup's first output row and column, plus the group index for 3-D maps.
+#[derive(Clone, Copy)]
+struct OutputBox {
+    map: u64,
+    col0: u32,
+    row0: u32,
+    /// `Some(group)` for the weight gradient's `[G][M][N]` map; `None` for 2-D row maps.
+    group: Option<u32>,
+}
+
+/// The epilogue: every variant's outputs go through this warpgroup's 16 KiB staging area in the
+/// 128B-swizzled layout (conflict-free shared stores from the accumulator fragment) and leave as
+/// TMA stores — full lines, clipped by the map at the tensor's edges, and in flight while the
+/// next tile's MMAs run. A pass stages 2 boxes of 64 rows × 128 bytes: 128 bf16 or 64 f32
+/// columns. Row tiles that end inside their group store through the output map cut at the
+/// group's end, so no row of the next group is written.
+///
+/// # Safety
+/// `staging` is this warpgroup's staging; the maps and outputs match the variant (host contract).
 #[inline(always)]
 unsafe fn epilogue<const V: u32>(
     p: &GemmParams,
@@ -321,59 +341,121 @@ unsafe fn epilogue<const V: u32>(
     wg: u32,
     thread_in_wg: u32,
 ) {
-    let wg_row0 = wg * 64;
-    match V {
-        Variant::GATE_UP => {
-            let inter = p.n as usize;
-            // Accumulator columns 0..128 are gate, 128..256 up (n8 block j + 16, index + 64), for
-            // hidden columns n0 + col.
-            const UP: usize = ACCUMULATORS / 2;
-            for_each_pair::<{ N8_BLOCKS / 2 }>(thread_in_wg, |index, row, col| {
-                let (r, c) = (wg_row0 + row, col);
-                if r >= w.rows || w.n0 + c >= p.n {
-                    return;
-                }
-                let (g0, g1, u0, u1) = (acc[index], acc[index + 1], acc[index + UP], acc[index + UP + 1]);
-                let (cg0, cu0) = math::clamp_gate_up(g0, u0, p.swiglu_limit);
-                let (cg1, cu1) = math::clamp_gate_up(g1, u1, p.swiglu_limit);
-                let at = (w.m0 + r) as usize * inter + (w.n0 + c) as usize;
-                // SAFETY: row and column inside the group's rows and [0, I); pairs 4-byte aligned.
-                unsafe {
-                    *((p.out0 as *mut u16).add(at) as *mut u32) =
-                        f32x2_to_bf16x2(math::swiglu(cg0, cu0), math::swiglu(cg1, cu1));
-                    if p.out1 != 0 {
-                        *(p.out1 as *mut f32).add(at) = g0;
-                        *(p.out1 as *mut f32).add(at + 1) = g1;
-                        *(p.out2 as *mut f32).add(at) = u0;
-                        *(p.out2 as *mut f32).add(at + 1) = u1;
-                    }
-                }
-            });
+    let out = if V == Variant::WGRAD {
+        OutputBox { map: p.map_out, col0: w.n0, row0: w.m0 + wg * 64, group: Some(w.group) }
+    } else if w.rows < TILE_M {
+        let cut = p.group_map(w.group, OUTPUT_SLOT);
+        if thread_in_wg == 0 {
+            // SAFETY: written by the group-map kernel before this launch (host contract).
+            unsafe { tensormap::acquire(cut) };
         }
-        Variant::ROWS_NT | Variant::ROWS_NN => {
-            let n = p.n as usize;
-            for_each_pair::<N8_BLOCKS>(thread_in_wg, |index, row, col| {
-                let r = wg_row0 + row;
-                if r >= w.rows || w.n0 + col >= p.n {
-                    return;
-                }
-                let at = (w.m0 + r) as usize * n + (w.n0 + col) as usize;
-                // SAFETY: inside the output rows; pair 8-byte aligned (col even, N % 8 == 0).
-                unsafe {
-                    *(p.out0 as *mut f32).add(at) = acc[index];
-                    *(p.out0 as *mut f32).add(at + 1) = acc[index + 1];
-                }
-            });
+        OutputBox { map: cut, col0: w.n0, row0: w.m0 - w.row_begin + wg * 64, group: None }
+    } else {
+        OutputBox { map: p.map_out, col0: w.n0, row0: w.m0 + wg * 64, group: None }
+    };
+    let bf16_out = V == Variant::GATE_UP || (V == Variant::WGRAD && p.out1 == 0);
+    if V == Variant::GATE_UP {
+        // Accumulator columns 0..128 are gate, 128..256 up (n8 block j + 16, index + 64), for
+        // hidden columns n0 + col: one pass of 128 bf16 columns.
+        const UP: usize = ACCUMULATORS / 2;
+        let limit = p.swiglu_limit;
+        staged_pass(staging, wg, thread_in_wg, 0, N8_BLOCKS / 2, out, 0, bf16_out, false, |index| {
+            let (cg0, cu0) = math::clamp_gate_up(acc[index], acc[index + UP], limit);
+            let (cg1, cu1) = math::clamp_gate_up(acc[index + 1], acc[index + UP + 1], limit);
+            [f32x2_to_bf16x2(math::swiglu(cg0, cu0), math::swiglu(cg1, cu1)), 0]
+        });
+        if p.out1 != 0 {
+            // SAFETY: as the caller's.
+            unsafe { store_pre_activations(p, w, acc, wg, thread_in_wg) };
         }
-        _ => {
-            // SAFETY: this warpgroup's staging; map_out covers [G][M][N] (host contract).
-            unsafe { store_weight_gradient(p, w, acc, staging, wg, thread_in_wg) };
+    } else if bf16_out {
+        for pass in 0..2 {
+            let first = pass * N8_BLOCKS / 2;
+            staged_pass(
+                staging,
+                wg,
+                thread_in_wg,
+                first,
+                first + N8_BLOCKS / 2,
+                out,
+                128 * pass,
+                true,
+                false,
+                |index| [f32x2_to_bf16x2(acc[index], acc[index + 1]), 0],
+            );
+        }
+    } else {
+        // f32: four passes of 64 columns; the weight gradient adds into its output.
+        let add = V == Variant::WGRAD;
+        for pass in 0..4 {
+            let first = pass * N8_BLOCKS / 4;
+            staged_pass(staging, wg, thread_in_wg, first, first + N8_BLOCKS / 4, out, 64 * pass, false, add, |index| {
+                [acc[index].to_bits(), acc[index + 1].to_bits()]
+            });
         }
     }
 }
 
-/// Waits until this warpgroup's staging is free again: its leader waits for the bulk stores
-/// that read it, then the warpgroup meets at its named barrier.
+/// The group-map slot of the output rows (see `GemmParams::cut_maps`).
+const OUTPUT_SLOT: u32 = 2;
+
+/// One staged pass: waits for the staging to be free, stages the accumulator pairs of n8 blocks
+/// `first..end` (`pair(index)` gives the bf16x2 word, or the two f32 words), publishes them and
+/// has the leader store (or add, for `add`) the two boxes at columns `out.col0 + col_offset ..`.
+/// Inline with constant block ranges, so only those accumulators are touched.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn staged_pass(
+    staging: u32,
+    wg: u32,
+    thread_in_wg: u32,
+    first: u32,
+    end: u32,
+    out: OutputBox,
+    col_offset: u32,
+    bf16: bool,
+    add: bool,
+    mut pair: impl FnMut(usize) -> [u32; 2],
+) {
+    staging_free(wg, thread_in_wg);
+    let first_col = 8 * first;
+    for_each_pair_in(first, end, thread_in_wg, |index, row, col| {
+        let c = col - first_col;
+        let (box_index, byte) = if bf16 { (c / 64, (c % 64) * 2) } else { (c / 32, (c % 32) * 4) };
+        let at = staging + box_index * BLOCK_64_BYTES + swizzled_chunk_offset(row, byte / 16) + byte % 16;
+        let words = pair(index);
+        // SAFETY: inside this warpgroup's staging; 4- (bf16) or 8-byte (f32) aligned.
+        unsafe {
+            if bf16 {
+                st_shared_u32(at, words[0]);
+            } else {
+                st_shared_v2(at, words);
+            }
+        }
+    });
+    fence_proxy_async_shared_cta();
+    // SAFETY: the whole consumer warpgroup (128 threads) with its own id.
+    unsafe { sync::named_barrier(1 + wg, 128) };
+    if thread_in_wg == 0 {
+        let box_cols = if bf16 { 64 } else { 32 };
+        for b in 0..STAGING_BYTES_PER_WARPGROUP / BLOCK_64_BYTES {
+            let col = (out.col0 + col_offset + b * box_cols) as i32;
+            let src = staging + b * BLOCK_64_BYTES;
+            // SAFETY: the box was published above; the map's bounds clip rows and columns.
+            unsafe {
+                match (out.group, add) {
+                    (Some(g), false) => tma::store_3d(out.map, col, out.row0 as i32, g as i32, src),
+                    (Some(g), true) => tma::reduce_add_3d(out.map, col, out.row0 as i32, g as i32, src),
+                    (None, _) => tma::store_2d(out.map, col, out.row0 as i32, src),
+                }
+            }
+        }
+        bulk::commit_group();
+    }
+}
+
+/// Waits until this warpgroup's staging is free again: its leader waits for the bulk stores that
+/// read it, then the warpgroup meets at its named barrier.
 #[inline(always)]
 fn staging_free(wg: u32, thread_in_wg: u32) {
     if thread_in_wg == 0 {
@@ -383,80 +465,27 @@ fn staging_free(wg: u32, thread_in_wg: u32) {
     unsafe { sync::named_barrier(1 + wg, 128) };
 }
 
-/// Makes the warpgroup's staging writes visible to the copy engine and has its leader issue
-/// `copy(box)` for the four 8 KiB boxes, as one bulk group.
-#[inline(always)]
-fn publish_staging(wg: u32, thread_in_wg: u32, mut copy: impl FnMut(u32)) {
-    fence_proxy_async_shared_cta();
-    // SAFETY: as in `staging_free`.
-    unsafe { sync::named_barrier(1 + wg, 128) };
-    if thread_in_wg == 0 {
-        for b in 0..STAGING_BYTES_PER_WARPGROUP / BLOCK_64_BYTES {
-            copy(b);
-        }
-        bulk::commit_group();
-    }
-}
-
-/// Weight-gradient epilogue: the warpgroup's 64 × 256 outputs go through shared memory (in the
-/// 128B-swizzled layout, so the writes are free of bank conflicts) and leave as TMA stores —
-/// full lines, clipped at M and N by the map, and in flight while the next tile's MMAs run.
-/// bf16: one pass of four 64-column boxes; f32 accumulate: two passes of four 32-column boxes
-/// added into the output by the copy engine (one rounding per element, like `+=`).
+/// The optional f32 gate and up pre-activations of the SwiGLU tile, stored from registers (only
+/// when backward asks for them instead of recomputing).
 ///
 /// # Safety
-/// `staging` is this warpgroup's staging; `p.map_out` is the `[G][M][N]` map of the output.
+/// `out1`, `out2` are `[cap][I]` f32.
 #[inline(always)]
-unsafe fn store_weight_gradient(
-    p: &GemmParams,
-    w: &Work,
-    acc: &[f32; ACCUMULATORS],
-    staging: u32,
-    wg: u32,
-    thread_in_wg: u32,
-) {
-    let (row0, g) = ((w.m0 + wg * 64) as i32, w.group as i32);
-    if p.out1 == 0 {
-        staging_free(wg, thread_in_wg);
-        for_each_pair::<N8_BLOCKS>(thread_in_wg, |index, row, col| {
-            let (block, byte) = (col / 64, (col % 64) * 2);
-            let at = staging + block * BLOCK_64_BYTES + swizzled_chunk_offset(row, byte / 16) + byte % 16;
-            // SAFETY: inside the staging box; 4-byte aligned.
-            unsafe { st_shared_u32(at, f32x2_to_bf16x2(acc[index], acc[index + 1])) };
-        });
-        publish_staging(wg, thread_in_wg, |b| {
-            // SAFETY: the box was published above; the map's bounds clip M and N.
-            unsafe { tma::store_3d(p.map_out, (w.n0 + 64 * b) as i32, row0, g, staging + b * BLOCK_64_BYTES) };
-        });
-    } else {
-        stage_f32_pass(0, p, w, acc, staging, wg, thread_in_wg);
-        stage_f32_pass(1, p, w, acc, staging, wg, thread_in_wg);
-    }
-}
-
-/// One f32 pass of [`store_weight_gradient`]: columns `128 · pass ..` of the warpgroup's tile.
-#[inline(always)]
-fn stage_f32_pass(
-    pass: u32,
-    p: &GemmParams,
-    w: &Work,
-    acc: &[f32; ACCUMULATORS],
-    staging: u32,
-    wg: u32,
-    thread_in_wg: u32,
-) {
-    let (row0, g) = ((w.m0 + wg * 64) as i32, w.group as i32);
-    staging_free(wg, thread_in_wg);
-    for_each_pair_in(pass * N8_BLOCKS / 2, (pass + 1) * N8_BLOCKS / 2, thread_in_wg, |index, row, col| {
-        let (block, byte) = ((col % 128) / 32, (col % 32) * 4);
-        let at = staging + block * BLOCK_64_BYTES + swizzled_chunk_offset(row, byte / 16) + byte % 16;
-        // SAFETY: inside the staging box; 8-byte aligned.
-        unsafe { st_shared_v2(at, [acc[index].to_bits(), acc[index + 1].to_bits()]) };
-    });
-    publish_staging(wg, thread_in_wg, |b| {
-        let n = (w.n0 + 128 * pass + 32 * b) as i32;
-        // SAFETY: the box was published; the map's bounds clip M and N; p.map_out is f32.
-        unsafe { tma::reduce_add_3d(p.map_out, n, row0, g, staging + b * BLOCK_64_BYTES) };
+unsafe fn store_pre_activations(p: &GemmParams, w: &Work, acc: &[f32; ACCUMULATORS], wg: u32, thread_in_wg: u32) {
+    const UP: usize = ACCUMULATORS / 2;
+    for_each_pair::<{ N8_BLOCKS / 2 }>(thread_in_wg, |index, row, col| {
+        let r = wg * 64 + row;
+        if r >= w.rows || w.n0 + col >= p.n {
+            return;
+        }
+        let at = (w.m0 + r) as usize * p.n as usize + (w.n0 + col) as usize;
+        // SAFETY: row and column inside the group's rows and [0, I).
+        unsafe {
+            *(p.out1 as *mut f32).add(at) = acc[index];
+            *(p.out1 as *mut f32).add(at + 1) = acc[index + 1];
+            *(p.out2 as *mut f32).add(at) = acc[index + UP];
+            *(p.out2 as *mut f32).add(at + 1) = acc[index + UP + 1];
+        }
     });
 }
 
@@ -526,7 +555,7 @@ unsafe fn consume<const V: u32>(p: &GemmParams, ring: Ring, wg: u32, thread_in_w
         unsafe { epilogue::<V>(p, &w, &acc, ring.staging(wg), wg, thread_in_wg) };
         tile += sreg::grid_dim_x();
     }
-    if staging_bytes(V) > 0 && thread_in_wg == 0 {
+    if thread_in_wg == 0 {
         // Shared memory must outlive the bulk stores that read it.
         bulk::wait_group_read_all();
     }

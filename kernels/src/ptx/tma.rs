@@ -78,3 +78,16 @@ pub unsafe fn reduce_add_3d(tensor_map: u64, c0: i32, c1: i32, c2: i32, src: u32
              options(nostack));
     }
 }
+
+/// `cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group`: [`store_3d`] for 2-D maps.
+///
+/// # Safety
+/// As [`store_3d`].
+#[inline(always)]
+pub unsafe fn store_2d(tensor_map: u64, c0: i32, c1: i32, src: u32) {
+    // SAFETY: caller contract.
+    unsafe {
+        asm!("cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [{m}, {{{c0}, {c1}}}], [{s}];",
+             m = in(reg64) tensor_map, c0 = in(reg32) c0, c1 = in(reg32) c1, s = in(reg32) src, options(nostack));
+    }
+}
