@@ -9,8 +9,8 @@
 
 use half::bf16;
 use mok_kernels::gemm_layout::{
-    ENGINE_THREADS, GROUP_MAP_SLOTS, GROUP_MAP_SMEM_BYTES, GROUP_MAP_WARPS, GemmParams, TENSOR_MAP_BYTES, TILE_M,
-    TILE_N, Variant, engine_smem_bytes,
+    ENGINE_SMEM_BYTES, ENGINE_THREADS, GROUP_MAP_SLOTS, GROUP_MAP_SMEM_BYTES, GROUP_MAP_WARPS, GemmParams,
+    TENSOR_MAP_BYTES, TILE_M, TILE_N,
 };
 
 use crate::driver::{DeviceBuffer, Gpu, KernelArg, LaunchShape};
@@ -89,7 +89,6 @@ pub enum WgradOut<'a> {
 /// One prepared engine launch: the parameter block and tensor maps live on the device.
 pub struct EnginePlan {
     kernel: &'static str,
-    smem_bytes: u32,
     params: DeviceBuffer<u8>,
     groups: u32,
     _maps: Vec<TensorMap>,
@@ -103,13 +102,12 @@ impl EnginePlan {
     /// launch.
     fn new(
         gpu: &Gpu,
-        (kernel, variant): (&'static str, u32),
+        kernel: &'static str,
         mut params: GemmParams,
         maps: Vec<TensorMap>,
         cut: [Option<(usize, u64, usize)>; GROUP_MAP_SLOTS as usize],
     ) -> Result<Self> {
-        let smem_bytes = engine_smem_bytes(variant);
-        gpu.set_max_dynamic_smem(kernel, smem_bytes)?;
+        gpu.set_max_dynamic_smem(kernel, ENGINE_SMEM_BYTES)?;
         let groups = params.groups;
         let map_words = (TENSOR_MAP_BYTES / 8) as usize;
         let group_maps = DeviceBuffer::<u64>::alloc(gpu, (groups.max(1) * GROUP_MAP_SLOTS) as usize * map_words)?;
@@ -128,14 +126,7 @@ impl EnginePlan {
         // then 8 four-byte fields, 144 bytes, asserted in gemm_layout), so its bytes are initialised.
         let bytes =
             unsafe { core::slice::from_raw_parts(&params as *const GemmParams as *const u8, size_of::<GemmParams>()) };
-        Ok(Self {
-            kernel,
-            smem_bytes,
-            params: DeviceBuffer::from_slice(gpu, bytes)?,
-            groups,
-            _maps: maps,
-            _group_maps: group_maps,
-        })
+        Ok(Self { kernel, params: DeviceBuffer::from_slice(gpu, bytes)?, groups, _maps: maps, _group_maps: group_maps })
     }
 
     /// Enqueues the launch with one block per SM (persistent).
@@ -155,7 +146,7 @@ impl EnginePlan {
             };
             gpu.launch(GROUP_MAPS_KERNEL, maps_shape, &[KernelArg::Ptr(self.params.device_ptr())])?;
         }
-        let shape = LaunchShape { grid: (blocks.max(1), 1, 1), threads: ENGINE_THREADS, smem_bytes: self.smem_bytes };
+        let shape = LaunchShape { grid: (blocks.max(1), 1, 1), threads: ENGINE_THREADS, smem_bytes: ENGINE_SMEM_BYTES };
         gpu.launch(self.kernel, shape, &[KernelArg::Ptr(self.params.device_ptr())])
     }
 
@@ -212,7 +203,7 @@ impl EnginePlan {
             ..GemmParams::default()
         };
         let cut = [Some((0, rows.device_ptr(), 2 * h)), None, Some((3, hidden_out.device_ptr(), 2 * i))];
-        Self::new(gpu, ("mok_sm90_gemm_gate_up", Variant::GATE_UP), params, maps, cut)
+        Self::new(gpu, "mok_sm90_gemm_gate_up", params, maps, cut)
     }
 
     /// Row-grouped `out[r] = rows[r] · w[g]ᵀ` (f32): `rows` `[cap][k]`, `w` `[G][n][k]`,
@@ -249,7 +240,7 @@ impl EnginePlan {
             ..GemmParams::default()
         };
         let cut = [Some((0, rows.device_ptr(), 2 * k)), None, Some((2, out.device_ptr(), 4 * n))];
-        Self::new(gpu, ("mok_sm90_gemm_rows_nt", Variant::ROWS_NT), params, maps, cut)
+        Self::new(gpu, "mok_sm90_gemm_rows_nt", params, maps, cut)
     }
 
     /// Row-grouped data gradient `out[r] = a1[r] · w1[g] (+ a2[r] · w2[g])` (f32), weights read
@@ -300,7 +291,7 @@ impl EnginePlan {
             k2: if second.is_some() { k as u32 } else { 0 },
             ..GemmParams::default()
         };
-        Self::new(gpu, ("mok_sm90_gemm_rows_nn", Variant::ROWS_NN), params, maps, cut)
+        Self::new(gpu, "mok_sm90_gemm_rows_nn", params, maps, cut)
     }
 
     /// Weight gradient per group, `dw[g] = Σ_{r in g} a[r]ᵀ b[r]`, reducing the group's rows
@@ -353,7 +344,7 @@ impl EnginePlan {
         };
         // A group's last K block reads its rows through maps cut at the group's end.
         let cut = [Some((0, a.device_ptr(), 2 * m)), Some((1, b.device_ptr(), 2 * n)), None];
-        Self::new(gpu, ("mok_sm90_gemm_wgrad", Variant::WGRAD), params, maps, cut)
+        Self::new(gpu, "mok_sm90_gemm_wgrad", params, maps, cut)
     }
 }
 

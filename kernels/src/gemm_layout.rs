@@ -45,27 +45,18 @@ impl Variant {
     pub const WGRAD: u32 = 3;
 }
 
-/// Pipeline stages in shared memory (the same for every variant; a function so a variant could
-/// trade stages for staging).
-pub const fn stages(_variant: u32) -> u32 {
-    4
-}
+/// Pipeline stages in shared memory.
+pub const STAGES: u32 = 4;
 
 /// Bytes of output staging per consumer warpgroup (TMA-store epilogue): two boxes of 64 rows ×
-/// 128 bytes, i.e. 128 bf16 or 64 f32 columns of its 64 rows per pass.
+/// 128 bytes, i.e. 128 bf16 or 64 f32 columns of its 64 rows per pass. Small enough that the
+/// ring keeps 4 stages.
 pub const STAGING_BYTES_PER_WARPGROUP: u32 = 2 * BLOCK_64_BYTES;
 
-/// Output staging of a variant's block (both consumer warpgroups).
-pub const fn staging_bytes(_variant: u32) -> u32 {
-    2 * STAGING_BYTES_PER_WARPGROUP
-}
-
-/// Dynamic shared memory of an engine block: the stages, the output staging, then 2 · stages
-/// mbarriers; plus 1 KiB so the stages can start on a 1024-byte boundary whatever the window's
-/// base.
-pub const fn engine_smem_bytes(variant: u32) -> u32 {
-    stages(variant) * STAGE_BYTES + staging_bytes(variant) + 2 * stages(variant) * 8 + 1024
-}
+/// Dynamic shared memory of an engine block: the stages, the two consumers' output staging, then
+/// 2 · STAGES mbarriers; plus 1 KiB so the stages can start on a 1024-byte boundary whatever the
+/// window's base.
+pub const ENGINE_SMEM_BYTES: u32 = STAGES * STAGE_BYTES + 2 * STAGING_BYTES_PER_WARPGROUP + 2 * STAGES * 8 + 1024;
 
 /// Swizzle mode field of a descriptor: 128-byte swizzle.
 const SWIZZLE_128B: u64 = 1;
@@ -182,12 +173,7 @@ pub const fn split_row_tile(tile: u32, n_tiles: u32) -> (u32, u32) {
 // The host uploads GemmParams as raw bytes: keep it free of padding. And the ring must fit in
 // an SM's shared memory (227 KiB on sm_90).
 const _: () = assert!(core::mem::size_of::<GemmParams>() == 176);
-const _: () = assert!(
-    engine_smem_bytes(Variant::GATE_UP) <= 227 * 1024
-        && engine_smem_bytes(Variant::ROWS_NT) <= 227 * 1024
-        && engine_smem_bytes(Variant::ROWS_NN) <= 227 * 1024
-        && engine_smem_bytes(Variant::WGRAD) <= 227 * 1024
-);
+const _: () = assert!(ENGINE_SMEM_BYTES <= 227 * 1024);
 const _: () = assert!(STAGE_BYTES.is_multiple_of(1024));
 const _: () = assert!(
     PRODUCER_REGISTERS * 128 + CONSUMER_REGISTERS * 256 <= (65536 / ENGINE_THREADS) * ENGINE_THREADS

@@ -1,5 +1,5 @@
 //! Entry points of the sm_90a tensor-core GEMM engine (see [`crate::gemm::engine`]): 384
-//! threads, `gemm_layout::engine_smem_bytes(variant)` of dynamic shared memory, a persistent grid (one
+//! threads, `gemm_layout::ENGINE_SMEM_BYTES` of dynamic shared memory, a persistent grid (one
 //! block per SM is typical), one pointer to a [`GemmParams`] in device memory.
 
 use crate::gemm::engine::{Variant, run};

@@ -1,7 +1,7 @@
 //! A persistent, warp-specialised grouped GEMM for Hopper (sm_90a).
 //!
 //! Block = 384 threads: warpgroup 0 is the producer (its first thread fills a ring of
-//! [`stages`] shared-memory stages with TMA tensor copies), warpgroups 1 and 2 are consumers
+//! [`STAGES`] shared-memory stages with TMA tensor copies), warpgroups 1 and 2 are consumers
 //! (each owns 64 rows of the 128 × 256 block tile and issues `wgmma.m64n256k16`; `setmaxnreg`
 //! moves registers from the producer to them). Stages are
 //! handed over through two mbarriers each: `full` (the producer's copies have landed) and
@@ -27,8 +27,8 @@
 use crate::device::math;
 use crate::gemm_layout::{
     A_TILE_BYTES, B_TILE_BYTES, BLOCK_64_BYTES, CONSUMER_REGISTERS, ENGINE_THREADS, GemmParams, PRODUCER_REGISTERS,
-    STAGE_BYTES, STAGING_BYTES_PER_WARPGROUP, TILE_K, TILE_M, TILE_N, smem_descriptor, split_row_tile, stages,
-    staging_bytes, swizzled_chunk_offset,
+    STAGE_BYTES, STAGES, STAGING_BYTES_PER_WARPGROUP, TILE_K, TILE_M, TILE_N, smem_descriptor, split_row_tile,
+    swizzled_chunk_offset,
 };
 use crate::ptx::convert::f32x2_to_bf16x2;
 use crate::ptx::memory::{fence_proxy_async_shared_cta, st_shared_u32, st_shared_v2};
@@ -39,23 +39,21 @@ use crate::ptx::{bulk, mbarrier, smem, sreg, sync, tensormap, tma, wgmma};
 
 pub use crate::gemm_layout::Variant;
 
-/// Shared-memory addresses of the ring (`stages` stages), the output staging and the barriers.
+/// Shared-memory addresses of the ring, the output staging and the barriers.
 #[derive(Clone, Copy)]
 struct Ring {
     base: u32,
-    stages: u32,
     staging: u32,
     bars: u32,
 }
 
 impl Ring {
-    fn new<const V: u32>() -> Self {
+    fn new() -> Self {
         // The window is 1024-aligned by its declaration; round up anyway so a change there
         // cannot silently break the swizzle (the host adds 1 KiB of slack).
         let base = (smem::dynamic_smem_base() + 1023) & !1023;
-        let stages = stages(V);
-        let staging = base + stages * STAGE_BYTES;
-        Ring { base, stages, staging, bars: staging + staging_bytes(V) }
+        let staging = base + STAGES * STAGE_BYTES;
+        Ring { base, staging, bars: staging + 2 * STAGING_BYTES_PER_WARPGROUP }
     }
     fn a_tile(self, stage: u32) -> u32 {
         self.base + stage * STAGE_BYTES
@@ -67,7 +65,7 @@ impl Ring {
         self.bars + stage * 8
     }
     fn empty(self, stage: u32) -> u32 {
-        self.bars + (self.stages + stage) * 8
+        self.bars + (STAGES + stage) * 8
     }
     /// Consumer warpgroup `wg`'s output staging (1024-byte aligned).
     fn staging(self, wg: u32) -> u32 {
@@ -76,7 +74,7 @@ impl Ring {
     /// The next (stage, phase) of the ring walk.
     fn advance(self, stage: &mut u32, phase: &mut u32) {
         *stage += 1;
-        if *stage == self.stages {
+        if *stage == STAGES {
             *stage = 0;
             *phase ^= 1;
         }
@@ -562,7 +560,7 @@ unsafe fn consume<const V: u32>(p: &GemmParams, ring: Ring, wg: u32, thread_in_w
 }
 
 /// The engine body shared by every entry point: [`ENGINE_THREADS`](crate::gemm_layout::ENGINE_THREADS)
-/// threads, [`engine_smem_bytes`](crate::gemm_layout::engine_smem_bytes)`(V)` of dynamic shared memory.
+/// threads, [`ENGINE_SMEM_BYTES`](crate::gemm_layout::ENGINE_SMEM_BYTES) of dynamic shared memory.
 ///
 /// # Safety
 /// `params` points at a valid [`GemmParams`] whose tensors match the variant's contract.
@@ -573,10 +571,10 @@ pub unsafe fn run<const V: u32>(params: *const GemmParams) {
     // SAFETY: caller contract; the parameter block is read-only for the whole launch. Fields are
     // read where used (not copied up front) so they do not hold registers across the main loop.
     let p = unsafe { *params };
-    let ring = Ring::new::<V>();
+    let ring = Ring::new();
     let thread = sreg::thread_idx_x();
     if thread == 0 {
-        for s in 0..ring.stages {
+        for s in 0..STAGES {
             // SAFETY: this block's barrier slots, initialised once before any use.
             unsafe {
                 mbarrier::init(ring.full(s), 1);
