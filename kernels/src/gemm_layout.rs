@@ -196,6 +196,16 @@ mod tests {
     }
 
     #[test]
+    fn group_maps_are_consecutive_128_byte_slots() {
+        let p = GemmParams { group_maps: 0x7f00_0000_0000, ..GemmParams::default() };
+        assert_eq!(p.group_map(0, 0), 0x7f00_0000_0000);
+        assert_eq!(p.group_map(0, GROUP_MAP_SLOTS - 1), 0x7f00_0000_0000 + 128 * (GROUP_MAP_SLOTS as u64 - 1));
+        assert_eq!(p.group_map(1, 0), 0x7f00_0000_0000 + 128 * GROUP_MAP_SLOTS as u64);
+        // 8192 groups (MAX_EXPERTS) stay exact: the offset is computed in 64 bits.
+        assert_eq!(p.group_map(8191, 2) - p.group_map(0, 0), (8191 * GROUP_MAP_SLOTS as u64 + 2) * 128);
+    }
+
+    #[test]
     fn swizzle_permutes_chunks_within_each_row() {
         for row in 0..16 {
             let mut seen = [false; 8];
