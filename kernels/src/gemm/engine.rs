@@ -3,17 +3,19 @@
 //! Block = 384 threads: warpgroup 0 is the producer (its first thread fills a ring of
 //! [`STAGES`] shared-memory stages with TMA tensor copies), warpgroups 1 and 2 are consumers
 //! (each owns 64 rows of the 128 × 256 block tile and issues `wgmma.m64n256k16`; `setmaxnreg`
-//! moves registers from the producer to them). Stages are
-//! handed over through two mbarriers each: `full` (the producer's copies have landed) and
-//! `empty` (every consumer warp has finished reading). While the consumers run a tile's
-//! epilogue, the producer is already loading the next tile's stages.
+//! moves registers from the producer to them). Stages are handed over through two mbarriers
+//! each: `full` (the producer's copies have landed) and `empty` (every consumer warp has finished
+//! reading). While the consumers run a tile's epilogue, the producer is already loading the next
+//! tile's stages; the epilogue itself leaves through shared memory and TMA stores that drain
+//! while the next tile's MMAs run.
 //!
 //! Blocks walk the flat tile list `blockIdx.x, blockIdx.x + gridDim.x, ...`; the list comes from
 //! device-written group offsets, so the host never learns the group sizes. Every stage is whole
 //! TMA copies: a tile that would read past the end of its group (a ragged last M tile, or the
 //! last K block of a weight gradient) is loaded through a tensor map cut at that group's last
 //! row ([`group_maps`](super::group_maps), rewritten on the device before each launch), so the
-//! copy engine fills those rows with zeros and rows of a neighbouring group are never read.
+//! copy engine fills those rows with zeros and rows of a neighbouring group are never read (the
+//! output rows are stored through a cut map the same way, so they are never written).
 //! Each output element is produced by one thread of one tile with a K loop in fixed order:
 //! results do not depend on the grid size.
 //!
@@ -32,12 +34,12 @@ use crate::gemm_layout::{
 };
 use crate::ptx::convert::f32x2_to_bf16x2;
 use crate::ptx::memory::{fence_proxy_async_shared_cta, st_shared_u32, st_shared_v2};
-
-/// The gate (first) or up (second) half of a SwiGLU B tile: 128 rows of 128 bytes.
-const B_HALF_BYTES: u32 = B_TILE_BYTES / 2;
 use crate::ptx::{bulk, mbarrier, smem, sreg, sync, tensormap, tma, wgmma};
 
 pub use crate::gemm_layout::Variant;
+
+/// The gate (first) or up (second) half of a SwiGLU B tile: 128 rows of 128 bytes.
+const B_HALF_BYTES: u32 = B_TILE_BYTES / 2;
 
 /// Shared-memory addresses of the ring, the output staging and the barriers.
 #[derive(Clone, Copy)]
@@ -91,7 +93,7 @@ struct Work {
     rows: u32,
     /// First output column.
     n0: u32,
-    /// Weight gradient: the group's rows `[row_begin, row_end)` (the K range).
+    /// The group's rows `[row_begin, row_end)` (the weight gradient's K range).
     row_begin: u32,
     row_end: u32,
     /// K blocks of segment 1, and of segments 1 + 2.
@@ -101,7 +103,7 @@ struct Work {
 
 #[inline(always)]
 fn n_tiles<const V: u32>(p: &GemmParams) -> u32 {
-    // The SwiGLU tile produces 64 hidden columns (64 gate + 64 up accumulators).
+    // The SwiGLU tile produces 128 hidden columns (128 gate + 128 up accumulator columns).
     if V == Variant::GATE_UP { p.n.div_ceil(TILE_N / 2) } else { p.n.div_ceil(TILE_N) }
 }
 
