@@ -8,7 +8,7 @@
 //! `8·j + 2·(l % 4) + c`.
 //!
 //! The MMAs are asynchronous: an `issue_*` call returns while the tensor cores still own the
-//! accumulator registers, and only a wait ([`wait_keep_one`], [`wait_all`]) hands them back.
+//! accumulator registers, and only a wait ([`wait_keep_one_n256`], [`wait_all`], [`wait_all_n256`]) hands them back.
 //! Both take the accumulators as in-out register operands, which pins them to the same registers
 //! from issue to wait and orders every use after the wait — the compiler has no other way to
 //! know the registers are in flight.
@@ -253,7 +253,7 @@ macro_rules! issue_k64 {
         ///
         /// Issues one 64-deep K block — `wgmma.fence`, four MMAs of this shape (descriptors
         /// `a[i]`, `b[i]` for K slice i), `commit_group` — and returns while the tensor cores
-        /// still write `acc`. Follow with [`wait_keep_one`] or [`wait_all`] on the same `acc`
+        /// still write `acc`. Follow with a wait of the same size (`wait_keep_one_n256`, `wait_all`, …) on the same `acc`
         /// before reading it. `accumulate == false` makes the first MMA overwrite `acc`.
         ///
         /// # Safety
@@ -336,18 +336,16 @@ macro_rules! wait_group {
 }
 
 wait_group!(
-    /// `wgmma.wait_group 1`: every committed group but the newest has completed.
-    wait_keep_one, 1
-);
-wait_group!(
     /// `wgmma.wait_group 0`: every committed group has completed.
     wait_all, 0
 );
 wait_group!(
-    /// [`wait_keep_one`] for `m64n256` accumulators.
+    /// `wgmma.wait_group 1` for `m64n256` accumulators: every committed group but the newest
+    /// has completed.
     wait_keep_one_n256, 1, 128, accumulators_n256, asm_with_accumulators_n256
 );
 wait_group!(
-    /// [`wait_all`] for `m64n256` accumulators.
+    /// [`wait_all`] for `m64n256` accumulators (the engine's shape; the `m64n128` forms serve the
+    /// primitive probe).
     wait_all_n256, 0, 128, accumulators_n256, asm_with_accumulators_n256
 );
