@@ -8,8 +8,9 @@
 //! `8·j + 2·(l % 4) + c`.
 //!
 //! The MMAs are asynchronous: an `issue_*` call returns while the tensor cores still own the
-//! accumulator registers, and only a wait ([`wait_keep_one_n256`], [`wait_all`], [`wait_all_n256`]) hands them back.
-//! Both take the accumulators as in-out register operands, which pins them to the same registers
+//! accumulator registers, and only a wait ([`wait_keep_one_n256`], [`wait_all`],
+//! [`wait_all_n256`]) hands them back. Both take the accumulators as in-out register operands,
+//! which pins them to the same registers
 //! from issue to wait and orders every use after the wait — the compiler has no other way to
 //! know the registers are in flight.
 
@@ -253,8 +254,8 @@ macro_rules! issue_k64 {
         ///
         /// Issues one 64-deep K block — `wgmma.fence`, four MMAs of this shape (descriptors
         /// `a[i]`, `b[i]` for K slice i), `commit_group` — and returns while the tensor cores
-        /// still write `acc`. Follow with a wait of the same size (`wait_keep_one_n256`, `wait_all`, …) on the same `acc`
-        /// before reading it. `accumulate == false` makes the first MMA overwrite `acc`.
+        /// still write `acc`. Follow with a wait of the same size (`wait_keep_one_n256`,
+        /// `wait_all`, …) on the same `acc` before reading it. `accumulate == false` makes the first MMA overwrite `acc`.
         ///
         /// # Safety
         /// Warpgroup-collective (128 consecutive threads starting at a multiple of 128, uniform
