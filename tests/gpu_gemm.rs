@@ -29,13 +29,21 @@ fn f64s<T: Copy + Into<f64>>(v: &[T]) -> Vec<f64> {
 /// Relative L2 error of two bf16 tensors without materialising f64 copies (frontier weight
 /// gradients have billions of elements). NaN anywhere gives NaN.
 fn rel_err_bf16(actual: &[bf16], expected: &[bf16]) -> f64 {
+    use rayon::prelude::*;
     assert_eq!(actual.len(), expected.len());
-    let (mut diff, mut norm) = (0.0f64, 0.0f64);
-    for (a, e) in actual.iter().zip(expected) {
-        let (a, e) = (a.to_f64(), e.to_f64());
-        diff += (a - e) * (a - e);
-        norm += e * e;
-    }
+    // Per-chunk sums in parallel, added in chunk order.
+    const CHUNK: usize = 1 << 20;
+    let partial: Vec<(f64, f64)> = actual
+        .par_chunks(CHUNK)
+        .zip(expected.par_chunks(CHUNK))
+        .map(|(a, e)| {
+            a.iter().zip(e).fold((0.0, 0.0), |(diff, norm), (a, e)| {
+                let (a, e) = (a.to_f64(), e.to_f64());
+                (diff + (a - e) * (a - e), norm + e * e)
+            })
+        })
+        .collect();
+    let (diff, norm) = partial.into_iter().fold((0.0f64, 0.0f64), |(d, n), (pd, pn)| (d + pd, n + pn));
     if norm == 0.0 { if diff == 0.0 { 0.0 } else { f64::INFINITY } } else { (diff / norm).sqrt() }
 }
 

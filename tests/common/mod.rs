@@ -99,11 +99,21 @@ pub fn bf16_f64(values: &[bf16]) -> Vec<f64> {
     values.iter().map(|v| v.to_f64()).collect()
 }
 
-/// FNV-1a over the bytes of a slice: a cheap bitwise fingerprint for determinism checks.
+/// A cheap bitwise fingerprint for determinism checks: FNV-1a steps over the slice's bytes taken
+/// 8 at a time, per 1 MiB chunk in parallel, the chunk values combined in order (frontier weight
+/// gradients are tens of GB; the value does not depend on the thread count).
 pub fn fingerprint<T: bytemuck::Pod>(values: &[T]) -> u64 {
-    bytemuck::cast_slice::<T, u8>(values)
-        .iter()
-        .fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
+    use rayon::prelude::*;
+    const BASIS: u64 = 0xcbf2_9ce4_8422_2325;
+    let fnv = |h: u64, word: u64| (h ^ word).wrapping_mul(0x0100_0000_01b3);
+    let chunk_value = |chunk: &[u8]| {
+        let words = chunk.chunks_exact(8);
+        let tail = words.remainder().iter().fold(BASIS, |h, &b| fnv(h, b as u64));
+        words.fold(tail, |h, w| fnv(h, u64::from_le_bytes(w.try_into().expect("8 bytes"))))
+    };
+    let bytes = bytemuck::cast_slice::<T, u8>(values);
+    let chunks: Vec<u64> = bytes.par_chunks(1 << 20).map(chunk_value).collect();
+    chunks.into_iter().fold(fnv(BASIS, bytes.len() as u64), fnv)
 }
 
 /// Asserts `error < tolerance` and prints the measurement (the docs quote these lines).
