@@ -353,13 +353,12 @@ unsafe fn epilogue<const V: u32>(
     } else {
         OutputBox { map: p.map_out, col0: w.n0, row0: w.m0 + wg * 64, group: None }
     };
-    let bf16_out = V == Variant::GATE_UP || (V == Variant::WGRAD && p.out1 == 0);
     if V == Variant::GATE_UP {
         // Accumulator columns 0..128 are gate, 128..256 up (n8 block j + 16, index + 64), for
         // hidden columns n0 + col: one pass of 128 bf16 columns.
         const UP: usize = ACCUMULATORS / 2;
         let limit = p.swiglu_limit;
-        staged_pass(staging, wg, thread_in_wg, 0, N8_BLOCKS / 2, out, 0, bf16_out, false, |index| {
+        staged_pass(staging, wg, thread_in_wg, 0, N8_BLOCKS / 2, out, true, false, |index| {
             let (cg0, cu0) = math::clamp_gate_up(acc[index], acc[index + UP], limit);
             let (cg1, cu1) = math::clamp_gate_up(acc[index + 1], acc[index + UP + 1], limit);
             [f32x2_to_bf16x2(math::swiglu(cg0, cu0), math::swiglu(cg1, cu1)), 0]
@@ -368,28 +367,20 @@ unsafe fn epilogue<const V: u32>(
             // SAFETY: as the caller's.
             unsafe { store_pre_activations(p, w, acc, wg, thread_in_wg) };
         }
-    } else if bf16_out {
+    } else if V == Variant::WGRAD && p.out1 == 0 {
+        // bf16 weight gradient: two passes of 128 columns.
         for pass in 0..2 {
             let first = pass * N8_BLOCKS / 2;
-            staged_pass(
-                staging,
-                wg,
-                thread_in_wg,
-                first,
-                first + N8_BLOCKS / 2,
-                out,
-                128 * pass,
-                true,
-                false,
-                |index| [f32x2_to_bf16x2(acc[index], acc[index + 1]), 0],
-            );
+            staged_pass(staging, wg, thread_in_wg, first, first + N8_BLOCKS / 2, out, true, false, |index| {
+                [f32x2_to_bf16x2(acc[index], acc[index + 1]), 0]
+            });
         }
     } else {
         // f32: four passes of 64 columns; the weight gradient adds into its output.
         let add = V == Variant::WGRAD;
         for pass in 0..4 {
             let first = pass * N8_BLOCKS / 4;
-            staged_pass(staging, wg, thread_in_wg, first, first + N8_BLOCKS / 4, out, 64 * pass, false, add, |index| {
+            staged_pass(staging, wg, thread_in_wg, first, first + N8_BLOCKS / 4, out, false, add, |index| {
                 [acc[index].to_bits(), acc[index + 1].to_bits()]
             });
         }
@@ -401,7 +392,7 @@ const OUTPUT_SLOT: u32 = 2;
 
 /// One staged pass: waits for the staging to be free, stages the accumulator pairs of n8 blocks
 /// `first..end` (`pair(index)` gives the bf16x2 word, or the two f32 words), publishes them and
-/// has the leader store (or add, for `add`) the two boxes at columns `out.col0 + col_offset ..`.
+/// has the leader store (or add, for `add`) the two boxes at columns `out.col0 + 8 · first ..`.
 /// Inline with constant block ranges, so only those accumulators are touched.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
@@ -412,7 +403,6 @@ fn staged_pass(
     first: u32,
     end: u32,
     out: OutputBox,
-    col_offset: u32,
     bf16: bool,
     add: bool,
     mut pair: impl FnMut(usize) -> [u32; 2],
@@ -439,7 +429,7 @@ fn staged_pass(
     if thread_in_wg == 0 {
         let box_cols = if bf16 { 64 } else { 32 };
         for b in 0..STAGING_BYTES_PER_WARPGROUP / BLOCK_64_BYTES {
-            let col = (out.col0 + col_offset + b * box_cols) as i32;
+            let col = (out.col0 + first_col + b * box_cols) as i32;
             let src = staging + b * BLOCK_64_BYTES;
             // SAFETY: the box was published above; the map's bounds clip rows and columns.
             unsafe {
