@@ -31,6 +31,18 @@ pub const PTX_SM100A: &str = include_str!(concat!(env!("OUT_DIR"), "/mok_sm100a.
 ///
 /// Fails with [`MokError::NoDriver`] on a machine without a CUDA driver and with
 /// [`MokError::UnsupportedGpu`] on a GPU that is neither Hopper nor Blackwell.
+///
+/// If the environment variable `MOK_PTX` names a file, that PTX is loaded instead of the built-in
+/// one (a note goes to stderr): it lets one device call time several builds of the kernels side
+/// by side. The file must target the GPU's architecture, or the driver's JIT refuses it.
 pub fn open_gpu(ordinal: usize) -> Result<driver::Gpu> {
+    if let Some(path) = std::env::var_os("MOK_PTX") {
+        let text = std::fs::read_to_string(&path).map_err(|e| MokError::InvalidInput {
+            tensor: "MOK_PTX",
+            problem: format!("cannot read PTX file {}: {e}", path.to_string_lossy()),
+        })?;
+        eprintln!("mok: MOK_PTX set: loading {} instead of the built-in PTX", path.to_string_lossy());
+        return driver::Gpu::new(ordinal, &[(9, &text), (10, &text)], unfused::KERNEL_NAMES);
+    }
     driver::Gpu::new(ordinal, &[(9, PTX_SM90A), (10, PTX_SM100A)], unfused::KERNEL_NAMES)
 }
