@@ -15,3 +15,12 @@ mkdir -p "$out"
 ncu --clock-control none --set full -k "regex:$1" --launch-skip "${4:-0}" --launch-count 1 \
     -o "$out/$3" -f "${GEMM_BIN:-$here/gemm}" --cases "$2" > "$out/$3.run.log" 2>&1
 ncu --import "$out/$3.ncu-rep" --page details > "$out/$3.txt"
+# The memory counters that tell where the bytes went, one line each.
+ncu --import "$out/$3.ncu-rep" --page raw --csv 2>/dev/null | python3 -c '
+import csv, sys
+rows = list(csv.reader(sys.stdin))
+names, units, values = rows[0], rows[1], rows[2]
+for n, u, v in zip(names, units, values):
+    if any(k in n for k in ("dram__bytes", "lts__t_sectors_srcunit_tex", "lts__t_sectors_srcunit_ltcfabric", "gpu__time_duration", "lts__t_sector_hit_rate", "sm__pipe_tensor_op_hmma_cycles_active.avg.pct")):
+        print(f"{n} {u} {v}")
+' > "$out/$3.metrics.txt" || true
