@@ -163,11 +163,22 @@ impl GemmParams {
     }
 }
 
-/// Flat tile → (M tile, N tile) for row-grouped variants: N fastest, so the blocks working at
-/// the same time share the group's weights in L2.
+/// M tiles per band of the row-grouped tile walk (see [`banded_row_tile`]).
+pub const ROW_TILE_BAND: u32 = 4;
+
+/// A group's `local`-th tile (of `m_tiles` × `n_tiles`) → (M tile, N tile): the group's M tiles
+/// are walked in bands of up to `band`, M fastest inside a band, then N, then the next band.
+/// Blocks that run at the same time then take all M tiles of a small group for the same N tile —
+/// they read the same weight tile within microseconds, so the second read hits L2 — while a
+/// large group is still walked ~`band` M tiles × all N tiles at a time (its activations stay in
+/// L2 across N).
 #[inline(always)]
-pub const fn split_row_tile(tile: u32, n_tiles: u32) -> (u32, u32) {
-    (tile / n_tiles, tile % n_tiles)
+pub const fn banded_row_tile(local: u32, m_tiles: u32, n_tiles: u32, band: u32) -> (u32, u32) {
+    let band_tiles = band * n_tiles;
+    let first_m = local / band_tiles * band;
+    let height = if m_tiles - first_m < band { m_tiles - first_m } else { band };
+    let within = local % band_tiles;
+    (first_m + within % height, within / height)
 }
 
 // The host uploads GemmParams as raw bytes: keep it free of padding. And the ring must fit in
@@ -193,6 +204,24 @@ mod tests {
         assert_eq!((d >> 32) & 0x3fff, 1024 >> 4);
         assert_eq!((d >> 49) & 0x7, 0);
         assert_eq!(d >> 62, 1);
+    }
+
+    #[test]
+    fn banded_walk_visits_every_tile_once() {
+        for (m_tiles, n_tiles, band) in
+            [(1, 16, 4), (2, 16, 4), (3, 28, 4), (6, 8, 4), (64, 16, 4), (5, 1, 2), (7, 3, 1)]
+        {
+            let mut seen = vec![false; (m_tiles * n_tiles) as usize];
+            for local in 0..m_tiles * n_tiles {
+                let (m, n) = banded_row_tile(local, m_tiles, n_tiles, band);
+                assert!(m < m_tiles && n < n_tiles, "{m_tiles}x{n_tiles}/{band}: {local} -> ({m}, {n})");
+                let slot = &mut seen[(m * n_tiles + n) as usize];
+                assert!(!*slot, "{m_tiles}x{n_tiles}/{band}: ({m}, {n}) twice");
+                *slot = true;
+            }
+        }
+        // A two-tile group: both M tiles of an N tile are consecutive.
+        assert_eq!([banded_row_tile(0, 2, 16, 4), banded_row_tile(1, 2, 16, 4)], [(0, 0), (1, 0)]);
     }
 
     #[test]

@@ -29,8 +29,8 @@
 use crate::device::math;
 use crate::gemm_layout::{
     A_TILE_BYTES, B_TILE_BYTES, BLOCK_64_BYTES, CONSUMER_REGISTERS, ENGINE_THREADS, GemmParams, PRODUCER_REGISTERS,
-    STAGE_BYTES, STAGES, STAGING_BYTES_PER_WARPGROUP, TILE_K, TILE_M, TILE_N, smem_descriptor, split_row_tile,
-    swizzled_chunk_offset,
+    ROW_TILE_BAND, STAGE_BYTES, STAGES, STAGING_BYTES_PER_WARPGROUP, TILE_K, TILE_M, TILE_N, banded_row_tile,
+    smem_descriptor, swizzled_chunk_offset,
 };
 use crate::ptx::convert::f32x2_to_bf16x2;
 use crate::ptx::memory::{fence_proxy_async_shared_cta, st_shared_u32, st_shared_v2};
@@ -140,13 +140,15 @@ unsafe fn work_of<const V: u32>(p: &GemmParams, tile: u32) -> Work {
         };
     }
     let nt = n_tiles::<V>(p);
-    let (m_tile, n_tile) = split_row_tile(tile, nt);
     // SAFETY: tile_offsets holds groups + 1 entries.
     let tiles = unsafe { core::slice::from_raw_parts(p.tile_offsets as *const u32, p.groups as usize + 1) };
-    let group = crate::tiles::group_of_tile(tiles, m_tile).unwrap_or(0) as u32;
+    // Group g owns flat tiles [tiles[g]·nt, tiles[g+1]·nt).
+    let group = crate::tiles::group_of_tile(tiles, tile / nt).unwrap_or(0) as u32;
+    let (first, m_tiles) = (tiles[group as usize], tiles[group as usize + 1] - tiles[group as usize]);
+    let (m_local, n_tile) = banded_row_tile(tile - first * nt, m_tiles, nt, ROW_TILE_BAND);
     // SAFETY: group < groups.
     let (begin, end) = unsafe { (*offsets.add(group as usize), *offsets.add(group as usize + 1)) };
-    let m0 = begin + (m_tile - tiles[group as usize]) * TILE_M;
+    let m0 = begin + m_local * TILE_M;
     let n_width = if V == Variant::GATE_UP { TILE_N / 2 } else { TILE_N };
     let k_blocks_1 = p.k.div_ceil(TILE_K);
     Work {
