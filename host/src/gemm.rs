@@ -93,6 +93,7 @@ pub struct EnginePlan {
     groups: u32,
     _maps: Vec<TensorMap>,
     _group_maps: DeviceBuffer<u64>,
+    _tile_counter: DeviceBuffer<u32>,
 }
 
 impl EnginePlan {
@@ -112,6 +113,8 @@ impl EnginePlan {
         let map_words = (TENSOR_MAP_BYTES / 8) as usize;
         let group_maps = DeviceBuffer::<u64>::alloc(gpu, (groups.max(1) * GROUP_MAP_SLOTS) as usize * map_words)?;
         params.group_maps = group_maps.device_ptr();
+        let tile_counter = DeviceBuffer::<u32>::alloc(gpu, 1)?;
+        params.tile_counter = tile_counter.device_ptr();
         for (slot, operand) in cut.iter().enumerate() {
             if let Some((map, base, pitch_bytes)) = operand {
                 params.cut_maps[slot] = maps[*map].device_ptr();
@@ -122,11 +125,18 @@ impl EnginePlan {
                 })?;
             }
         }
-        // SAFETY: GemmParams is repr(C) plain data (u64, u32, f32 fields, no padding: 14 u64
-        // then 8 four-byte fields, 144 bytes, asserted in gemm_layout), so its bytes are initialised.
+        // SAFETY: GemmParams is repr(C) plain data (u64, u32, f32 fields, no padding: 18 u64
+        // then 10 four-byte fields, 184 bytes, asserted in gemm_layout), so its bytes are initialised.
         let bytes =
             unsafe { core::slice::from_raw_parts(&params as *const GemmParams as *const u8, size_of::<GemmParams>()) };
-        Ok(Self { kernel, params: DeviceBuffer::from_slice(gpu, bytes)?, groups, _maps: maps, _group_maps: group_maps })
+        Ok(Self {
+            kernel,
+            params: DeviceBuffer::from_slice(gpu, bytes)?,
+            groups,
+            _maps: maps,
+            _group_maps: group_maps,
+            _tile_counter: tile_counter,
+        })
     }
 
     /// Enqueues the launch with one block per SM (persistent).
@@ -137,15 +147,14 @@ impl EnginePlan {
     /// Enqueues the launch with `blocks` persistent blocks (results do not depend on it).
     pub fn launch_with_blocks(&self, gpu: &Gpu, blocks: u32) -> Result<()> {
         // The group bounds may have changed since the last launch (they are device-written):
-        // cut the maps again, on the same stream, before the engine reads them.
-        if self.groups > 0 {
-            let maps_shape = LaunchShape {
-                grid: (self.groups.div_ceil(GROUP_MAP_WARPS), 1, 1),
-                threads: 32 * GROUP_MAP_WARPS,
-                smem_bytes: GROUP_MAP_SMEM_BYTES,
-            };
-            gpu.launch(GROUP_MAPS_KERNEL, maps_shape, &[KernelArg::Ptr(self.params.device_ptr())])?;
-        }
+        // cut the maps again, on the same stream, before the engine reads them. The same kernel
+        // zeroes the engine's tile counter.
+        let maps_shape = LaunchShape {
+            grid: (self.groups.div_ceil(GROUP_MAP_WARPS).max(1), 1, 1),
+            threads: 32 * GROUP_MAP_WARPS,
+            smem_bytes: GROUP_MAP_SMEM_BYTES,
+        };
+        gpu.launch(GROUP_MAPS_KERNEL, maps_shape, &[KernelArg::Ptr(self.params.device_ptr())])?;
         let shape = LaunchShape { grid: (blocks.max(1), 1, 1), threads: ENGINE_THREADS, smem_bytes: ENGINE_SMEM_BYTES };
         gpu.launch(self.kernel, shape, &[KernelArg::Ptr(self.params.device_ptr())])
     }

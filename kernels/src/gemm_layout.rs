@@ -54,9 +54,12 @@ pub const STAGES: u32 = 4;
 pub const STAGING_BYTES_PER_WARPGROUP: u32 = 2 * BLOCK_64_BYTES;
 
 /// Dynamic shared memory of an engine block: the stages, the two consumers' output staging, then
-/// 2 · STAGES mbarriers; plus 1 KiB so the stages can start on a 1024-byte boundary whatever the
-/// window's base.
-pub const ENGINE_SMEM_BYTES: u32 = STAGES * STAGE_BYTES + 2 * STAGING_BYTES_PER_WARPGROUP + 2 * STAGES * 8 + 1024;
+/// 2 · STAGES mbarriers and one 8-byte tile slot per stage; plus 1 KiB so the stages can start on
+/// a 1024-byte boundary whatever the window's base.
+pub const ENGINE_SMEM_BYTES: u32 = STAGES * STAGE_BYTES + 2 * STAGING_BYTES_PER_WARPGROUP + 3 * STAGES * 8 + 1024;
+
+/// The tile slot value that tells the consumers there is no further tile.
+pub const NO_TILE: u32 = u32::MAX;
 
 /// Swizzle mode field of a descriptor: 128-byte swizzle.
 const SWIZZLE_128B: u64 = 1;
@@ -137,6 +140,11 @@ pub struct GemmParams {
     pub out1: u64,
     /// Output 2 (up pre-activations f32, optional).
     pub out2: u64,
+    /// One u32: the next tile to hand out. Blocks take tiles from it with an atomic add, in
+    /// list order, so tiles next to each other in the walk run at the same time wherever their
+    /// blocks are (a static stride lets blocks drift apart by whole tiles). Which block computes
+    /// a tile does not change its result. Zeroed by `mok_sm90_group_maps` before every launch.
+    pub tile_counter: u64,
     /// ... and the bytes between their rows.
     pub cut_pitches: [u32; GROUP_MAP_SLOTS as usize],
     /// Keeps the block free of padding.
@@ -183,7 +191,7 @@ pub const fn banded_row_tile(local: u32, m_tiles: u32, n_tiles: u32, band: u32) 
 
 // The host uploads GemmParams as raw bytes: keep it free of padding. And the ring must fit in
 // an SM's shared memory (227 KiB on sm_90).
-const _: () = assert!(core::mem::size_of::<GemmParams>() == 176);
+const _: () = assert!(core::mem::size_of::<GemmParams>() == 184);
 const _: () = assert!(ENGINE_SMEM_BYTES <= 227 * 1024);
 const _: () = assert!(STAGE_BYTES.is_multiple_of(1024));
 const _: () = assert!(

@@ -9,8 +9,14 @@
 //! tile's stages; the epilogue itself leaves through shared memory and TMA stores that drain
 //! while the next tile's MMAs run.
 //!
-//! Blocks walk the flat tile list `blockIdx.x, blockIdx.x + gridDim.x, ...`; the list comes from
-//! device-written group offsets, so the host never learns the group sizes. Every stage is whole
+//! The flat tile list comes from device-written group offsets, so the host never learns the
+//! group sizes. The producer takes the next tile of the list from a device counter (row-grouped
+//! variants; weight gradients walk `blockIdx.x, blockIdx.x + gridDim.x, ...`) and names it to
+//! the consumers in a shared slot of the tile's first stage, published by that stage's `full`
+//! arrival; a tile without K blocks (an empty group's weight gradient) gets a stage without
+//! copies, and [`NO_TILE`] ends the walk. A group's M tiles are walked in bands, M fastest
+//! ([`banded_row_tile`]), so blocks that take neighbouring tiles at the same moment read the same
+//! weight tile and all but the first find it in L2. Every stage is whole
 //! TMA copies: a tile that would read past the end of its group (a ragged last M tile, or the
 //! last K block of a weight gradient) is loaded through a tensor map cut at that group's last
 //! row ([`group_maps`](super::group_maps), rewritten on the device before each launch), so the
@@ -28,12 +34,12 @@
 
 use crate::device::math;
 use crate::gemm_layout::{
-    A_TILE_BYTES, B_TILE_BYTES, BLOCK_64_BYTES, CONSUMER_REGISTERS, ENGINE_THREADS, GemmParams, PRODUCER_REGISTERS,
+    A_TILE_BYTES, B_TILE_BYTES, BLOCK_64_BYTES, CONSUMER_REGISTERS, ENGINE_THREADS, GemmParams, NO_TILE, PRODUCER_REGISTERS,
     ROW_TILE_BAND, STAGE_BYTES, STAGES, STAGING_BYTES_PER_WARPGROUP, TILE_K, TILE_M, TILE_N, banded_row_tile,
     smem_descriptor, swizzled_chunk_offset,
 };
 use crate::ptx::convert::f32x2_to_bf16x2;
-use crate::ptx::memory::{fence_proxy_async_shared_cta, st_shared_u32, st_shared_v2};
+use crate::ptx::memory::{atom_add_relaxed_gpu_u32, fence_proxy_async_shared_cta, ld_shared_u32, st_shared_u32, st_shared_v2};
 use crate::ptx::{bulk, mbarrier, smem, sreg, sync, tensormap, tma, wgmma};
 
 pub use crate::gemm_layout::Variant;
@@ -68,6 +74,11 @@ impl Ring {
     }
     fn empty(self, stage: u32) -> u32 {
         self.bars + (STAGES + stage) * 8
+    }
+    /// The tile whose first K block a stage holds (or [`NO_TILE`]), written by the producer
+    /// before the stage's `full` arrival, which publishes it to the consumers.
+    fn tile_slot(self, stage: u32) -> u32 {
+        self.bars + (2 * STAGES + stage) * 8
     }
     /// Consumer warpgroup `wg`'s output staging (1024-byte aligned).
     fn staging(self, wg: u32) -> u32 {
@@ -170,12 +181,46 @@ unsafe fn work_of<const V: u32>(p: &GemmParams, tile: u32) -> Work {
 unsafe fn produce<const V: u32>(p: &GemmParams, ring: Ring) {
     // SAFETY: the offsets in `p` hold groups + 1 entries (host contract of `run`).
     let total = unsafe { tile_count::<V>(p) };
+    let counter = p.tile_counter as *mut u32;
     let (mut stage, mut phase) = (0u32, 0u32);
-    let mut tile = sreg::block_idx_x();
-    while tile < total {
+    let mut taken = 0u32;
+    loop {
+        // Row-grouped tiles are long (a whole K loop over the hidden or intermediate width):
+        // handing them out in list order keeps neighbours in time (see `tile_counter`). A weight
+        // gradient's tiles are a few K blocks (a group's rows) and neighbours already share
+        // nothing but A columns; there the fixed stride avoids an atomic round trip per tile.
+        let tile = if V == Variant::WGRAD {
+            sreg::block_idx_x() + taken * sreg::grid_dim_x()
+        } else {
+            // SAFETY: the plan's counter, zeroed before the launch (host contract).
+            unsafe { atom_add_relaxed_gpu_u32(counter, 1) }
+        };
+        taken += 1;
+        if tile >= total {
+            // Tell the consumers through the next stage: no copies, one plain arrival.
+            // SAFETY: initialised barriers of this block; the slot is free once the stage is.
+            unsafe {
+                mbarrier::wait_parity(ring.empty(stage), phase ^ 1);
+                st_shared_u32(ring.tile_slot(stage), NO_TILE);
+                mbarrier::arrive(ring.full(stage));
+            }
+            return;
+        }
         // SAFETY: tile < total.
         let w = unsafe { work_of::<V>(p, tile) };
         let g = w.group as i32;
+        if w.k_blocks == 0 {
+            // A weight gradient of an empty group: no copies, but the consumers still learn the
+            // tile (they store its zeros) from a stage completed by a plain arrival.
+            // SAFETY: initialised barriers of this block; the slot is free once the stage is.
+            unsafe {
+                mbarrier::wait_parity(ring.empty(stage), phase ^ 1);
+                st_shared_u32(ring.tile_slot(stage), tile);
+                mbarrier::arrive(ring.full(stage));
+            }
+            ring.advance(&mut stage, &mut phase);
+            continue;
+        }
         // Maps cut at this group's end: for a ragged row tile (A, and the second A), for the
         // last K block of a weight gradient (A and B). They were written by the group-map kernel
         // through the tensor-map proxy; acquire them before the first copy.
@@ -197,6 +242,9 @@ unsafe fn produce<const V: u32>(p: &GemmParams, ring: Ring) {
             let (a_tile, b_tile, full) = (ring.a_tile(stage), ring.b_tile(stage), ring.full(stage));
             // SAFETY: maps and tiles valid; the barrier expects the whole stage.
             unsafe {
+                if kb == 0 {
+                    st_shared_u32(ring.tile_slot(stage), tile);
+                }
                 mbarrier::arrive_expect_tx(full, STAGE_BYTES);
                 if V == Variant::WGRAD {
                     // K runs over the group's rows; the last block may end inside the group.
@@ -242,7 +290,6 @@ unsafe fn produce<const V: u32>(p: &GemmParams, ring: Ring) {
             }
             ring.advance(&mut stage, &mut phase);
         }
-        tile += sreg::grid_dim_x();
     }
 }
 
@@ -495,11 +542,19 @@ fn release(ring: Ring, stage: u32, thread_in_wg: u32) {
 #[inline(always)]
 unsafe fn consume<const V: u32>(p: &GemmParams, ring: Ring, wg: u32, thread_in_wg: u32) {
     // SAFETY: the offsets in `p` hold groups + 1 entries (host contract of `run`).
-    let total = unsafe { tile_count::<V>(p) };
     let (mut stage, mut phase) = (0u32, 0u32);
-    let mut tile = sreg::block_idx_x();
-    while tile < total {
-        // SAFETY: tile < total.
+    loop {
+        // The producer names each tile in the stage holding its first K block (the waits in the
+        // loops below pass again at once: the stage is not released before them).
+        // SAFETY: initialised barrier of this block; the slot is published by the arrival.
+        let tile = unsafe {
+            mbarrier::wait_parity(ring.full(stage), phase);
+            ld_shared_u32(ring.tile_slot(stage))
+        };
+        if tile == NO_TILE {
+            break;
+        }
+        // SAFETY: the producer hands out only tiles < total.
         let w = unsafe { work_of::<V>(p, tile) };
         if V != Variant::WGRAD && wg * 64 >= w.rows {
             // A ragged tile with no rows in this warpgroup's half (a group's last ≤ 64 rows):
@@ -511,10 +566,14 @@ unsafe fn consume<const V: u32>(p: &GemmParams, ring: Ring, wg: u32, thread_in_w
                 release(ring, stage, thread_in_wg);
                 ring.advance(&mut stage, &mut phase);
             }
-            tile += sreg::grid_dim_x();
             continue;
         }
         let mut acc = [0.0f32; ACCUMULATORS];
+        if w.k_blocks == 0 {
+            // An empty group's weight gradient: the tile's stage carried only its name.
+            release(ring, stage, thread_in_wg);
+            ring.advance(&mut stage, &mut phase);
+        }
         // One K block stays in flight on the tensor cores while the next stage is awaited: a
         // stage is released once the wait for the *next* block's issue says it is done.
         let mut in_flight: Option<u32> = None;
@@ -545,7 +604,6 @@ unsafe fn consume<const V: u32>(p: &GemmParams, ring: Ring, wg: u32, thread_in_w
         }
         // SAFETY: outputs sized by the host contract.
         unsafe { epilogue::<V>(p, &w, &acc, ring.staging(wg), wg, thread_in_wg) };
-        tile += sreg::grid_dim_x();
     }
     if thread_in_wg == 0 {
         // Shared memory must outlive the bulk stores that read it.

@@ -13,7 +13,7 @@ use crate::ptx::signal::warp_sync;
 use crate::ptx::{smem, sreg, tensormap};
 
 /// Writes `p.group_maps[g][slot]` for every group `g` and every slot with a map; one warp per
-/// group, `GROUP_MAP_WARPS` warps per block, any grid size.
+/// group, `GROUP_MAP_WARPS` warps per block, any grid size. Also zeroes the engine's tile counter.
 ///
 /// # Safety
 /// `params` is a valid [`GemmParams`]: `row_offsets` holds `groups + 1` nondecreasing entries
@@ -29,6 +29,11 @@ pub unsafe fn write_group_maps(params: *const GemmParams) {
     let first_group = sreg::block_idx_x() * GROUP_MAP_WARPS + warp;
     let stride = sreg::grid_dim_x() * GROUP_MAP_WARPS;
     let offsets = p.row_offsets as *const u32;
+    if first_group == 0 && lane == 0 {
+        // SAFETY: tile_counter is the plan's own u32 (host contract); the engine launch that
+        // reads it starts after this kernel ends (same stream).
+        unsafe { *(p.tile_counter as *mut u32) = 0 };
+    }
     let mut group = first_group;
     // Uniform per warp: the whole warp takes part in the collective copy below.
     while group < p.groups {
