@@ -24,11 +24,19 @@ struct Row {
 }
 
 fn time_ms(gpu: &Gpu, mut launch: impl FnMut() -> mok::Result<()>) -> Result<f64> {
-    launch()?;
-    launch()?;
+    // Warm up for at least WARMUP_MS of device time, so clocks and caches are in the steady state
+    // the repetitions measure (the first case otherwise runs on a cold chip).
     let timer = gpu.timer()?;
+    let mut warm = 0.0;
+    let mut launches = 0;
+    while warm < WARMUP_MS || launches < 3 {
+        timer.start()?;
+        launch()?;
+        warm += timer.stop_ms()? as f64;
+        launches += 1;
+    }
     let mut times = Vec::new();
-    for _ in 0..10 {
+    for _ in 0..REPETITIONS {
         timer.start()?;
         launch()?;
         times.push(timer.stop_ms()? as f64);
@@ -36,6 +44,11 @@ fn time_ms(gpu: &Gpu, mut launch: impl FnMut() -> mok::Result<()>) -> Result<f64
     times.sort_by(f64::total_cmp);
     Ok(times[times.len() / 2])
 }
+
+/// Device time spent on warm-up launches before each case is timed (as in `torch_timing.py`).
+const WARMUP_MS: f64 = 200.0;
+/// Timed launches per case; the median is reported.
+const REPETITIONS: usize = 20;
 
 fn random_offsets(tokens: usize, experts: usize, k: usize, seed: u64) -> Vec<u32> {
     let (ids, _) = mok::random::topk_routing(tokens, k, experts, seed);
