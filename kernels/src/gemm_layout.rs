@@ -48,10 +48,13 @@ impl Variant {
 /// Pipeline stages in shared memory.
 pub const STAGES: u32 = 4;
 
-/// Bytes of output staging per consumer warpgroup (TMA-store epilogue): two boxes of 64 rows ×
-/// 128 bytes, i.e. 128 bf16 or 64 f32 columns of its 64 rows per pass. Small enough that the
-/// ring keeps 4 stages.
-pub const STAGING_BYTES_PER_WARPGROUP: u32 = 2 * BLOCK_64_BYTES;
+/// Boxes of output staging per consumer warpgroup (TMA-store epilogue), each 64 rows × 128
+/// bytes: a pass stages this many boxes of 64 bf16 or 32 f32 columns of its 64 rows. 2 or 4 (it
+/// divides the 4 bf16 and 8 f32 boxes of a tile, and the SwiGLU tile's 2).
+pub const STAGING_BOXES: u32 = 2;
+
+/// Bytes of output staging per consumer warpgroup.
+pub const STAGING_BYTES_PER_WARPGROUP: u32 = STAGING_BOXES * BLOCK_64_BYTES;
 
 /// Dynamic shared memory of an engine block: the stages, the two consumers' output staging, then
 /// 2 · STAGES mbarriers and one 8-byte tile slot per stage; plus 1 KiB so the stages can start on

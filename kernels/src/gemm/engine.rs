@@ -35,7 +35,7 @@
 use crate::device::math;
 use crate::gemm_layout::{
     A_TILE_BYTES, B_TILE_BYTES, BLOCK_64_BYTES, CONSUMER_REGISTERS, ENGINE_THREADS, GemmParams, NO_TILE, PRODUCER_REGISTERS,
-    ROW_TILE_BAND, STAGE_BYTES, STAGES, STAGING_BYTES_PER_WARPGROUP, TILE_K, TILE_M, TILE_N, banded_row_tile,
+    ROW_TILE_BAND, STAGE_BYTES, STAGES, STAGING_BOXES, STAGING_BYTES_PER_WARPGROUP, TILE_K, TILE_M, TILE_N, banded_row_tile,
     smem_descriptor, swizzled_chunk_offset,
 };
 use crate::ptx::convert::f32x2_to_bf16x2;
@@ -417,19 +417,21 @@ unsafe fn epilogue<const V: u32>(
             unsafe { store_pre_activations(p, w, acc, wg, thread_in_wg) };
         }
     } else if V == Variant::WGRAD && p.out1 == 0 {
-        // bf16 weight gradient: two passes of 128 columns.
-        for pass in 0..2 {
-            let first = pass * N8_BLOCKS / 2;
-            staged_pass(staging, wg, thread_in_wg, first, first + N8_BLOCKS / 2, out, true, false, |index| {
+        // bf16 weight gradient: 256 columns, 64 per box.
+        const PASSES: u32 = 4 / STAGING_BOXES;
+        for pass in 0..PASSES {
+            let first = pass * N8_BLOCKS / PASSES;
+            staged_pass(staging, wg, thread_in_wg, first, first + N8_BLOCKS / PASSES, out, true, false, |index| {
                 [f32x2_to_bf16x2(acc[index], acc[index + 1]), 0]
             });
         }
     } else {
-        // f32: four passes of 64 columns; the weight gradient adds into its output.
+        // f32: 256 columns, 32 per box; the weight gradient adds into its output.
         let add = V == Variant::WGRAD;
-        for pass in 0..4 {
-            let first = pass * N8_BLOCKS / 4;
-            staged_pass(staging, wg, thread_in_wg, first, first + N8_BLOCKS / 4, out, false, add, |index| {
+        const PASSES: u32 = 8 / STAGING_BOXES;
+        for pass in 0..PASSES {
+            let first = pass * N8_BLOCKS / PASSES;
+            staged_pass(staging, wg, thread_in_wg, first, first + N8_BLOCKS / PASSES, out, false, add, |index| {
                 [acc[index].to_bits(), acc[index + 1].to_bits()]
             });
         }
@@ -477,7 +479,7 @@ fn staged_pass(
     unsafe { sync::named_barrier(1 + wg, 128) };
     if thread_in_wg == 0 {
         let box_cols = if bf16 { 64 } else { 32 };
-        for b in 0..STAGING_BYTES_PER_WARPGROUP / BLOCK_64_BYTES {
+        for b in 0..(end - first) * 8 / box_cols {
             let col = (out.col0 + first_col + b * box_cols) as i32;
             let src = staging + b * BLOCK_64_BYTES;
             // SAFETY: the box was published above; the map's bounds clip rows and columns.
