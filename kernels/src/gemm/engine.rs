@@ -34,12 +34,14 @@
 
 use crate::device::math;
 use crate::gemm_layout::{
-    A_TILE_BYTES, B_TILE_BYTES, BLOCK_64_BYTES, CONSUMER_REGISTERS, ENGINE_THREADS, GemmParams, NO_TILE, PRODUCER_REGISTERS,
-    ROW_TILE_BAND, STAGE_BYTES, STAGES, STAGING_BOXES, STAGING_BYTES_PER_WARPGROUP, TILE_K, TILE_M, TILE_N, banded_row_tile,
-    smem_descriptor, swizzled_chunk_offset,
+    A_TILE_BYTES, B_TILE_BYTES, BLOCK_64_BYTES, CONSUMER_REGISTERS, ENGINE_THREADS, GemmParams, NO_TILE,
+    PRODUCER_REGISTERS, ROW_TILE_BAND, STAGE_BYTES, STAGES, STAGING_BOXES, STAGING_BYTES_PER_WARPGROUP, TILE_K, TILE_M,
+    TILE_N, banded_row_tile, smem_descriptor, swizzled_chunk_offset,
 };
 use crate::ptx::convert::f32x2_to_bf16x2;
-use crate::ptx::memory::{atom_add_relaxed_gpu_u32, fence_proxy_async_shared_cta, ld_shared_u32, st_shared_u32, st_shared_v2};
+use crate::ptx::memory::{
+    atom_add_relaxed_gpu_u32, fence_proxy_async_shared_cta, ld_shared_u32, st_shared_u32, st_shared_v2,
+};
 use crate::ptx::{bulk, mbarrier, smem, sreg, sync, tensormap, tma, wgmma};
 
 pub use crate::gemm_layout::Variant;
