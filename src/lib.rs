@@ -46,3 +46,22 @@ pub fn open_gpu(ordinal: usize) -> Result<driver::Gpu> {
     }
     driver::Gpu::new(ordinal, &[(9, PTX_SM90A), (10, PTX_SM100A)], unfused::KERNEL_NAMES)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unreadable_ptx_override_is_a_clear_error() {
+        let missing = "/nonexistent/mok-override.ptx";
+        // SAFETY: the only test of this crate's unit tests that touches the environment, and no
+        // other thread of this test binary reads it.
+        unsafe { std::env::set_var("MOK_PTX", missing) };
+        let result = open_gpu(0);
+        // SAFETY: as above.
+        unsafe { std::env::remove_var("MOK_PTX") };
+        let error = result.err().expect("a missing MOK_PTX file must fail before any driver call");
+        assert!(matches!(error, MokError::InvalidInput { tensor: "MOK_PTX", .. }), "{error}");
+        assert!(error.to_string().contains(missing), "{error}");
+    }
+}
