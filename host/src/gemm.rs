@@ -140,6 +140,12 @@ impl EnginePlan {
     }
 
     /// Enqueues the launch with one block per SM (persistent).
+    ///
+    /// A plan holds one set of per-group maps and one tile counter, both rewritten by the
+    /// group-map kernel that precedes every engine launch: launch a plan from one thread at a
+    /// time, on its GPU's single stream (two interleaved launches of the same plan would let the
+    /// second engine find the counter already spent and compute nothing). Use one plan per
+    /// concurrent product.
     pub fn launch(&self, gpu: &Gpu) -> Result<()> {
         self.launch_with_blocks(gpu, gpu.multiprocessors())
     }

@@ -49,8 +49,9 @@ impl Variant {
 pub const STAGES: u32 = 4;
 
 /// Boxes of output staging per consumer warpgroup (TMA-store epilogue), each 64 rows × 128
-/// bytes: a pass stages this many boxes of 64 bf16 or 32 f32 columns of its 64 rows. 2 or 4 (it
-/// divides the 4 bf16 and 8 f32 boxes of a tile, and the SwiGLU tile's 2).
+/// bytes: a pass stages this many boxes of 64 bf16 or 32 f32 columns of its 64 rows. It must
+/// divide a tile's 4 bf16 and 8 f32 boxes and be at least the SwiGLU pass's 2, i.e. 2 or 4; 4
+/// fits in shared memory only with 3 stages (measured slower, docs/PERF.md v11).
 pub const STAGING_BOXES: u32 = 2;
 
 /// Bytes of output staging per consumer warpgroup.

@@ -9,7 +9,8 @@ use crate::gemm_layout::GemmParams;
 /// Forward gate/up projection with SwiGLU fused.
 ///
 /// # Safety
-/// `params` valid for the `GATE_UP` variant.
+/// `params` valid for the `GATE_UP` variant, its `tile_counter` zeroed by `mok_sm90_group_maps`
+/// on the same stream since the last engine launch with these params.
 #[unsafe(no_mangle)]
 pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_gate_up(params: *const GemmParams) {
     // SAFETY: caller contract.
@@ -19,7 +20,8 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_gate_up(params: *const GemmParam
 /// Row-grouped `A · Bᵀ`, f32 out (down projection).
 ///
 /// # Safety
-/// `params` valid for the `ROWS_NT` variant.
+/// `params` valid for the `ROWS_NT` variant, its `tile_counter` zeroed by `mok_sm90_group_maps`
+/// on the same stream since the last engine launch with these params.
 #[unsafe(no_mangle)]
 pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_rows_nt(params: *const GemmParams) {
     // SAFETY: caller contract.
@@ -29,7 +31,8 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_rows_nt(params: *const GemmParam
 /// Row-grouped `A · B` with N-major weights, up to two K segments, f32 out (data gradients).
 ///
 /// # Safety
-/// `params` valid for the `ROWS_NN` variant.
+/// `params` valid for the `ROWS_NN` variant, its `tile_counter` zeroed by `mok_sm90_group_maps`
+/// on the same stream since the last engine launch with these params.
 #[unsafe(no_mangle)]
 pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_rows_nn(params: *const GemmParams) {
     // SAFETY: caller contract.
@@ -39,7 +42,8 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_rows_nn(params: *const GemmParam
 /// Per-group weight gradient, rows reduced in order, no split-K.
 ///
 /// # Safety
-/// `params` valid for the `WGRAD` variant.
+/// `params` valid for the `WGRAD` variant, its `tile_counter` zeroed by `mok_sm90_group_maps`
+/// on the same stream since the last engine launch with these params.
 #[unsafe(no_mangle)]
 pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_wgrad(params: *const GemmParams) {
     // SAFETY: caller contract.

@@ -16,8 +16,8 @@
 //! arrival; a tile without K blocks (an empty group's weight gradient) gets a stage without
 //! copies, and [`NO_TILE`] ends the walk. A group's M tiles are walked in bands, M fastest
 //! ([`banded_row_tile`]), so blocks that take neighbouring tiles at the same moment read the same
-//! weight tile and all but the first find it in L2. Every stage is whole
-//! TMA copies: a tile that would read past the end of its group (a ragged last M tile, or the
+//! weight tile and all but the first find it in L2. Every stage of a tile
+//! with K blocks is whole TMA copies: a tile that would read past the end of its group (a ragged last M tile, or the
 //! last K block of a weight gradient) is loaded through a tensor map cut at that group's last
 //! row ([`group_maps`](super::group_maps), rewritten on the device before each launch), so the
 //! copy engine fills those rows with zeros and rows of a neighbouring group are never read (the
@@ -176,9 +176,11 @@ unsafe fn work_of<const V: u32>(p: &GemmParams, tile: u32) -> Work {
     }
 }
 
-/// The producer warp's first lane: fills stages in the same tile and K-block order the
-/// consumers use. Every stage is whole TMA copies (`STAGE_BYTES` each, rows past a group's end
-/// arrive as zeros through the group's own map).
+/// The producer warp's first lane: takes tiles (from the counter, or by stride for weight
+/// gradients), names each in its first stage's slot and fills its stages in K-block order. A
+/// stage with copies is whole TMA copies (`STAGE_BYTES`, rows past a group's end arrive as zeros
+/// through the group's own map); a tile without K blocks, and the final [`NO_TILE`], get one
+/// stage completed by a plain arrival.
 #[inline(always)]
 unsafe fn produce<const V: u32>(p: &GemmParams, ring: Ring) {
     // SAFETY: the offsets in `p` hold groups + 1 entries (host contract of `run`).
@@ -374,11 +376,11 @@ struct OutputBox {
     group: Option<u32>,
 }
 
-/// The epilogue: every variant's outputs go through this warpgroup's 16 KiB staging area in the
-/// 128B-swizzled layout (conflict-free shared stores from the accumulator fragment) and leave as
-/// TMA stores — full lines, clipped by the map at the tensor's edges, and in flight while the
-/// next tile's MMAs run. A pass stages 2 boxes of 64 rows × 128 bytes: 128 bf16 or 64 f32
-/// columns. Row tiles that end inside their group store through the output map cut at the
+/// The epilogue: every variant's outputs go through this warpgroup's staging area
+/// ([`STAGING_BOXES`] boxes) in the 128B-swizzled layout (conflict-free shared stores from the
+/// accumulator fragment) and leave as TMA stores — full lines, clipped by the map at the
+/// tensor's edges, and in flight while the next tile's MMAs run. A box is 64 rows × 128 bytes:
+/// 64 bf16 or 32 f32 columns; a pass fills the staging (the SwiGLU pass its 128 hidden columns). Row tiles that end inside their group store through the output map cut at the
 /// group's end, so no row of the next group is written.
 ///
 /// # Safety
@@ -445,7 +447,7 @@ const OUTPUT_SLOT: u32 = 2;
 
 /// One staged pass: waits for the staging to be free, stages the accumulator pairs of n8 blocks
 /// `first..end` (`pair(index)` gives the bf16x2 word, or the two f32 words), publishes them and
-/// has the leader store (or add, for `add`) the two boxes at columns `out.col0 + 8 · first ..`.
+/// has the leader store (or add, for `add`) its boxes at columns `out.col0 + 8 · first ..`.
 /// Inline with constant block ranges, so only those accumulators are touched.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
@@ -532,8 +534,10 @@ unsafe fn store_pre_activations(p: &GemmParams, w: &Work, acc: &[f32; ACCUMULATO
     });
 }
 
-/// Hands a stage back to the producer: one arrival per consumer warp (8 per phase), after this
-/// warp's MMAs reading it have completed.
+/// Hands a stage back to the producer: one arrival per consumer warp (8 per phase), once the
+/// warp is done with the stage — its MMAs reading it have completed (the warpgroup-collective
+/// wgmma wait orders every lane's reads before lane 0's arrival), or, on the paths without MMAs,
+/// after [`release_unread`]'s warp barrier.
 #[inline(always)]
 fn release(ring: Ring, stage: u32, thread_in_wg: u32) {
     if thread_in_wg % 32 == 0 {
@@ -542,10 +546,18 @@ fn release(ring: Ring, stage: u32, thread_in_wg: u32) {
     }
 }
 
+/// [`release`] on the paths without MMAs: every lane may have read the stage's tile slot, so the
+/// warp meets first (`bar.warp.sync` orders those reads before lane 0's arrival, after which the
+/// producer may rewrite the slot).
+#[inline(always)]
+fn release_unread(ring: Ring, stage: u32, thread_in_wg: u32) {
+    crate::ptx::signal::warp_sync();
+    release(ring, stage, thread_in_wg);
+}
+
 /// A consumer warpgroup: MMAs over the stages, then the epilogue, tile after tile.
 #[inline(always)]
 unsafe fn consume<const V: u32>(p: &GemmParams, ring: Ring, wg: u32, thread_in_wg: u32) {
-    // SAFETY: the offsets in `p` hold groups + 1 entries (host contract of `run`).
     let (mut stage, mut phase) = (0u32, 0u32);
     loop {
         // The producer names each tile in the stage holding its first K block (the waits in the
@@ -563,11 +575,12 @@ unsafe fn consume<const V: u32>(p: &GemmParams, ring: Ring, wg: u32, thread_in_w
         if V != Variant::WGRAD && wg * 64 >= w.rows {
             // A ragged tile with no rows in this warpgroup's half (a group's last ≤ 64 rows):
             // skip the MMAs, so the other warpgroup has the tensor cores to itself, but keep
-            // step with the ring — wait for each stage, then release it.
-            for _ in 0..w.k_blocks {
+            // step with the ring — wait for each stage, then release it (a tile without K blocks
+            // still has its one copy-less stage).
+            for _ in 0..w.k_blocks.max(1) {
                 // SAFETY: initialised barrier of this block.
                 unsafe { mbarrier::wait_parity(ring.full(stage), phase) };
-                release(ring, stage, thread_in_wg);
+                release_unread(ring, stage, thread_in_wg);
                 ring.advance(&mut stage, &mut phase);
             }
             continue;
@@ -575,7 +588,7 @@ unsafe fn consume<const V: u32>(p: &GemmParams, ring: Ring, wg: u32, thread_in_w
         let mut acc = [0.0f32; ACCUMULATORS];
         if w.k_blocks == 0 {
             // An empty group's weight gradient: the tile's stage carried only its name.
-            release(ring, stage, thread_in_wg);
+            release_unread(ring, stage, thread_in_wg);
             ring.advance(&mut stage, &mut phase);
         }
         // One K block stays in flight on the tensor cores while the next stage is awaited: a

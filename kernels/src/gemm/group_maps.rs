@@ -18,8 +18,8 @@ use crate::ptx::{smem, sreg, tensormap};
 /// # Safety
 /// `params` is a valid [`GemmParams`]: `row_offsets` holds `groups + 1` nondecreasing entries
 /// within the buffers of `cut_bases`, `group_maps` has room for `groups · GROUP_MAP_SLOTS` maps
-/// and is 128-byte aligned; block size `32 · GROUP_MAP_WARPS`, `GROUP_MAP_SMEM_BYTES` of
-/// dynamic shared memory.
+/// and is 128-byte aligned; `tile_counter` is a device `u32` no engine launch is reading;
+/// block size `32 · GROUP_MAP_WARPS`, `GROUP_MAP_SMEM_BYTES` of dynamic shared memory.
 #[inline(always)]
 pub unsafe fn write_group_maps(params: *const GemmParams) {
     // SAFETY: caller contract; read-only.
