@@ -201,13 +201,8 @@ unsafe fn produce<const V: u32>(p: &GemmParams, ring: Ring) {
         };
         taken += 1;
         if tile >= total {
-            // Tell the consumers through the next stage: no copies, one plain arrival.
-            // SAFETY: initialised barriers of this block; the slot is free once the stage is.
-            unsafe {
-                mbarrier::wait_parity(ring.empty(stage), phase ^ 1);
-                st_shared_u32(ring.tile_slot(stage), NO_TILE);
-                mbarrier::arrive(ring.full(stage));
-            }
+            // Tell the consumers through the next stage.
+            name_in_copyless_stage(ring, stage, phase, NO_TILE);
             return;
         }
         // SAFETY: tile < total.
@@ -215,13 +210,8 @@ unsafe fn produce<const V: u32>(p: &GemmParams, ring: Ring) {
         let g = w.group as i32;
         if w.k_blocks == 0 {
             // A weight gradient of an empty group: no copies, but the consumers still learn the
-            // tile (they store its zeros) from a stage completed by a plain arrival.
-            // SAFETY: initialised barriers of this block; the slot is free once the stage is.
-            unsafe {
-                mbarrier::wait_parity(ring.empty(stage), phase ^ 1);
-                st_shared_u32(ring.tile_slot(stage), tile);
-                mbarrier::arrive(ring.full(stage));
-            }
+            // tile (they store its zeros).
+            name_in_copyless_stage(ring, stage, phase, tile);
             ring.advance(&mut stage, &mut phase);
             continue;
         }
@@ -294,6 +284,19 @@ unsafe fn produce<const V: u32>(p: &GemmParams, ring: Ring) {
             }
             ring.advance(&mut stage, &mut phase);
         }
+    }
+}
+
+/// Waits for `stage` to be free, writes `value` (a tile, or [`NO_TILE`]) into its tile slot and
+/// completes its `full` phase with a plain arrival: a stage without copies that only names.
+#[inline(always)]
+fn name_in_copyless_stage(ring: Ring, stage: u32, phase: u32, value: u32) {
+    // SAFETY: initialised barriers of this block (the producer thread); the slot is free once the
+    // stage is, and the arrival publishes it.
+    unsafe {
+        mbarrier::wait_parity(ring.empty(stage), phase ^ 1);
+        st_shared_u32(ring.tile_slot(stage), value);
+        mbarrier::arrive(ring.full(stage));
     }
 }
 
