@@ -3,14 +3,14 @@
 //! without touching the host again.
 //!
 //! Every plan works on device-written group offsets: `row_offsets[G+1]` (first row of each
-//! group) and, for row-grouped variants, `tile_offsets[G+1]` in tile-list entries of
-//! [`ROW_TILE_LIST_ROWS`] rows (the two 128-row tiles of a pair of blocks), made on the device by
+//! group) and, for row-grouped variants, `tile_offsets[G+1]` in tiles of
+//! [`TILE_M`](mok_kernels::gemm_layout::TILE_M) rows, made on the device by
 //! [`tile_offsets`]. The host never learns the group sizes.
 
 use half::bf16;
 use mok_kernels::gemm_layout::{
     ENGINE_SMEM_BYTES, ENGINE_THREADS, GROUP_MAP_SLOTS, GROUP_MAP_SMEM_BYTES, GROUP_MAP_WARPS, GemmParams,
-    ROW_TILE_LIST_ROWS, TENSOR_MAP_BYTES, TILE_N, Variant, cluster_blocks,
+    TENSOR_MAP_BYTES, TILE_M, TILE_N,
 };
 
 use crate::driver::{DeviceBuffer, Gpu, KernelArg, LaunchShape};
@@ -29,7 +29,7 @@ pub const ENGINE_KERNELS: [&str; 5] = [
 /// Writes the per-group tensor maps (`GemmParams::group_maps`) before each engine launch.
 const GROUP_MAPS_KERNEL: &str = "mok_sm90_group_maps";
 
-/// `[groups + 1]` tile-list offsets (entries of `ROW_TILE_LIST_ROWS` rows) from `[groups + 1]` row offsets,
+/// `[groups + 1]` tile offsets (tiles of `TILE_M` rows) from `[groups + 1]` row offsets,
 /// computed on the device, ordered on the stream after whatever wrote the row offsets.
 pub fn tile_offsets(gpu: &Gpu, row_offsets: &DeviceBuffer<u32>, groups: usize) -> Result<DeviceBuffer<u32>> {
     check_len("row_offsets", row_offsets.len(), groups + 1)?;
@@ -40,7 +40,7 @@ pub fn tile_offsets(gpu: &Gpu, row_offsets: &DeviceBuffer<u32>, groups: usize) -
         &[
             KernelArg::Ptr(row_offsets.device_ptr()),
             KernelArg::U32(groups as u32),
-            KernelArg::U32(ROW_TILE_LIST_ROWS),
+            KernelArg::U32(TILE_M),
             KernelArg::Ptr(tiles.device_ptr()),
         ],
     )?;
@@ -89,8 +89,6 @@ pub enum WgradOut<'a> {
 /// One prepared engine launch: the parameter block and tensor maps live on the device.
 pub struct EnginePlan {
     kernel: &'static str,
-    /// Blocks per cluster of the kernel (2: row-grouped variants run in pairs).
-    cluster_blocks: u32,
     params: DeviceBuffer<u8>,
     groups: u32,
     _maps: Vec<TensorMap>,
@@ -106,7 +104,6 @@ impl EnginePlan {
     fn new(
         gpu: &Gpu,
         kernel: &'static str,
-        variant: u32,
         mut params: GemmParams,
         maps: Vec<TensorMap>,
         cut: [Option<(usize, u64, usize)>; GROUP_MAP_SLOTS as usize],
@@ -134,7 +131,6 @@ impl EnginePlan {
             unsafe { core::slice::from_raw_parts(&params as *const GemmParams as *const u8, size_of::<GemmParams>()) };
         Ok(Self {
             kernel,
-            cluster_blocks: cluster_blocks(variant),
             params: DeviceBuffer::from_slice(gpu, bytes)?,
             groups,
             _maps: maps,
@@ -154,10 +150,8 @@ impl EnginePlan {
         self.launch_with_blocks(gpu, gpu.multiprocessors())
     }
 
-    /// Enqueues the launch with `blocks` persistent blocks, rounded up to whole clusters (pairs,
-    /// for the row-grouped variants); results do not depend on it.
+    /// Enqueues the launch with `blocks` persistent blocks (results do not depend on it).
     pub fn launch_with_blocks(&self, gpu: &Gpu, blocks: u32) -> Result<()> {
-        let blocks = blocks.max(1).next_multiple_of(self.cluster_blocks);
         // The group bounds may have changed since the last launch (they are device-written):
         // cut the maps again, on the same stream, before the engine reads them. The same kernel
         // zeroes the engine's tile counter.
@@ -167,7 +161,7 @@ impl EnginePlan {
             smem_bytes: GROUP_MAP_SMEM_BYTES,
         };
         gpu.launch(GROUP_MAPS_KERNEL, maps_shape, &[KernelArg::Ptr(self.params.device_ptr())])?;
-        let shape = LaunchShape { grid: (blocks, 1, 1), threads: ENGINE_THREADS, smem_bytes: ENGINE_SMEM_BYTES };
+        let shape = LaunchShape { grid: (blocks.max(1), 1, 1), threads: ENGINE_THREADS, smem_bytes: ENGINE_SMEM_BYTES };
         gpu.launch(self.kernel, shape, &[KernelArg::Ptr(self.params.device_ptr())])
     }
 
@@ -224,7 +218,7 @@ impl EnginePlan {
             ..GemmParams::default()
         };
         let cut = [Some((0, rows.device_ptr(), 2 * h)), None, Some((3, hidden_out.device_ptr(), 2 * i))];
-        Self::new(gpu, "mok_sm90_gemm_gate_up", Variant::GATE_UP, params, maps, cut)
+        Self::new(gpu, "mok_sm90_gemm_gate_up", params, maps, cut)
     }
 
     /// Row-grouped `out[r] = rows[r] · w[g]ᵀ` (f32): `rows` `[cap][k]`, `w` `[G][n][k]`,
@@ -245,8 +239,7 @@ impl EnginePlan {
         check_len("out", out.len(), groups.capacity * n)?;
         let maps = vec![
             rows_map(gpu, rows, k, groups.capacity)?,
-            // Each block of a pair loads half of the 256 weight rows.
-            weight_map_k_major(gpu, w, k, n, g, TILE_N / 2)?,
+            weight_map_k_major(gpu, w, k, n, g, TILE_N)?,
             store_map_f32(gpu, out, n, groups.capacity)?,
         ];
         let params = GemmParams {
@@ -262,7 +255,7 @@ impl EnginePlan {
             ..GemmParams::default()
         };
         let cut = [Some((0, rows.device_ptr(), 2 * k)), None, Some((2, out.device_ptr(), 4 * n))];
-        Self::new(gpu, "mok_sm90_gemm_rows_nt", Variant::ROWS_NT, params, maps, cut)
+        Self::new(gpu, "mok_sm90_gemm_rows_nt", params, maps, cut)
     }
 
     /// Row-grouped data gradient `out[r] = a1[r] · w1[g] (+ a2[r] · w2[g])` (f32), weights read
@@ -313,7 +306,7 @@ impl EnginePlan {
             k2: if second.is_some() { k as u32 } else { 0 },
             ..GemmParams::default()
         };
-        Self::new(gpu, "mok_sm90_gemm_rows_nn", Variant::ROWS_NN, params, maps, cut)
+        Self::new(gpu, "mok_sm90_gemm_rows_nn", params, maps, cut)
     }
 
     /// Weight gradient per group, `dw[g] = Σ_{r in g} a[r]ᵀ b[r]`, reducing the group's rows
@@ -366,7 +359,7 @@ impl EnginePlan {
         };
         // A group's last K block reads its rows through maps cut at the group's end.
         let cut = [Some((0, a.device_ptr(), 2 * m)), Some((1, b.device_ptr(), 2 * n)), None];
-        Self::new(gpu, "mok_sm90_gemm_wgrad", Variant::WGRAD, params, maps, cut)
+        Self::new(gpu, "mok_sm90_gemm_wgrad", params, maps, cut)
     }
 }
 

@@ -48,19 +48,6 @@ impl Variant {
 /// Pipeline stages in shared memory.
 pub const STAGES: u32 = 4;
 
-/// Blocks per cluster. The row-grouped variants run in pairs: the two blocks of a pair take the
-/// two 128-row halves of one [`ROW_TILE_LIST_ROWS`]-row entry of the tile list (same group, same
-/// N tile), and each loads half of the weight tile they share, multicast into both blocks'
-/// shared memory — one L2 read of the weights per pair. A weight gradient's tiles share no
-/// operand that way and run alone.
-pub const fn cluster_blocks(variant: u32) -> u32 {
-    if variant == Variant::WGRAD { 1 } else { 2 }
-}
-
-/// Rows per entry of the row-grouped variants' tile list (`GemmParams::tile_offsets`): a pair's
-/// two block tiles.
-pub const ROW_TILE_LIST_ROWS: u32 = TILE_M * 2;
-
 /// Boxes of output staging per consumer warpgroup (TMA-store epilogue), each 64 rows × 128
 /// bytes: a pass stages this many boxes of 64 bf16 or 32 f32 columns of its 64 rows. It must
 /// divide a tile's 4 bf16 and 8 f32 boxes and be at least the SwiGLU pass's 2, i.e. 2 or 4; 4
@@ -71,10 +58,9 @@ pub const STAGING_BOXES: u32 = 2;
 pub const STAGING_BYTES_PER_WARPGROUP: u32 = STAGING_BOXES * BLOCK_64_BYTES;
 
 /// Dynamic shared memory of an engine block: the stages, the two consumers' output staging, then
-/// per stage a `full` and an `empty` mbarrier, an 8-byte tile slot and a mailbox mbarrier (a
-/// pair's second block learns its tiles through it); plus 1 KiB so the stages can start on a
-/// 1024-byte boundary whatever the window's base.
-pub const ENGINE_SMEM_BYTES: u32 = STAGES * STAGE_BYTES + 2 * STAGING_BYTES_PER_WARPGROUP + 4 * STAGES * 8 + 1024;
+/// 2 · STAGES mbarriers and one 8-byte tile slot per stage; plus 1 KiB so the stages can start on
+/// a 1024-byte boundary whatever the window's base.
+pub const ENGINE_SMEM_BYTES: u32 = STAGES * STAGE_BYTES + 2 * STAGING_BYTES_PER_WARPGROUP + 3 * STAGES * 8 + 1024;
 
 /// The tile slot value that tells the consumers there is no further tile.
 pub const NO_TILE: u32 = u32::MAX;
@@ -150,8 +136,7 @@ pub struct GemmParams {
     pub map_out: u64,
     /// `[groups + 1]` first row of each group (device-written).
     pub row_offsets: u64,
-    /// `[groups + 1]` first tile-list entry of each group, in entries of [`ROW_TILE_LIST_ROWS`]
-    /// rows (row-grouped variants).
+    /// `[groups + 1]` first M tile of each group, in tiles of [`TILE_M`] (row-grouped variants).
     pub tile_offsets: u64,
     /// Output 0 (hidden bf16, f32 rows, or weight gradient).
     pub out0: u64,
@@ -159,8 +144,8 @@ pub struct GemmParams {
     pub out1: u64,
     /// Output 2 (up pre-activations f32, optional).
     pub out2: u64,
-    /// One u32: the next tile to hand out. Blocks (the first block of each pair) take tiles from
-    /// it with an atomic add, in list order, so tiles next to each other in the walk run at the same time wherever their
+    /// One u32: the next tile to hand out. Blocks take tiles from it with an atomic add, in
+    /// list order, so tiles next to each other in the walk run at the same time wherever their
     /// blocks are (a static stride lets blocks drift apart by whole tiles). Which block computes
     /// a tile does not change its result. Zeroed by `mok_sm90_group_maps` before every launch.
     pub tile_counter: u64,
