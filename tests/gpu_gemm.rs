@@ -113,14 +113,14 @@ fn primitive_mbarrier_ring_hands_over_every_round() {
 fn primitive_wgmma_tile_in_each_major_ness() {
     let gpu = gpu();
     let a = random_bf16(64 * 64, 41, 1.0);
-    let b = random_bf16(128 * 64, 42, 1.0);
+    let b = random_bf16(256 * 64, 42, 1.0);
     let (da, db) = (DeviceBuffer::from_slice(&gpu, &a).unwrap(), DeviceBuffer::from_slice(&gpu, &b).unwrap());
     for (mode, name) in [(0u32, "A K-major, B K-major"), (1, "A K-major, B N-major"), (2, "A M-major, B N-major")] {
-        let mut out = DeviceBuffer::<f32>::alloc(&gpu, 64 * 128).unwrap();
+        let mut out = DeviceBuffer::<f32>::alloc(&gpu, 64 * 256).unwrap();
         out.fill_bytes(0xff).unwrap();
         gpu.launch(
             "mok_probe_wgmma_tile",
-            LaunchShape { grid: (1, 1, 1), threads: 128, smem_bytes: 8192 + 16384 + 1024 },
+            LaunchShape { grid: (1, 1, 1), threads: 128, smem_bytes: 8192 + 32768 + 1024 },
             &[
                 KernelArg::Ptr(da.device_ptr()),
                 KernelArg::Ptr(db.device_ptr()),
@@ -131,14 +131,14 @@ fn primitive_wgmma_tile_in_each_major_ness() {
         .unwrap();
         let got = out.download().unwrap();
         let a_at = |m: usize, k: usize| if mode == 2 { a[k * 64 + m] } else { a[m * 64 + k] }.to_f64();
-        let b_at = |n: usize, k: usize| if mode == 0 { b[n * 64 + k] } else { b[k * 128 + n] }.to_f64();
-        let mut expected = vec![0.0; 64 * 128];
+        let b_at = |n: usize, k: usize| if mode == 0 { b[n * 64 + k] } else { b[k * 256 + n] }.to_f64();
+        let mut expected = vec![0.0; 64 * 256];
         for m in 0..64 {
-            for n in 0..128 {
-                expected[m * 128 + n] = (0..64).map(|k| a_at(m, k) * b_at(n, k)).sum();
+            for n in 0..256 {
+                expected[m * 256 + n] = (0..64).map(|k| a_at(m, k) * b_at(n, k)).sum();
             }
         }
-        check(&format!("wgmma m64n128k64 ({name})"), rel_err(&got, &expected), 1e-5);
+        check(&format!("wgmma m64n256k64 ({name})"), rel_err(&got, &expected), 1e-5);
     }
 }
 

@@ -85,14 +85,15 @@ pub unsafe extern "ptx-kernel" fn mok_probe_mbarrier_ring(stages: u32, rounds: u
     }
 }
 
-/// One warpgroup computes `out[64][128] = A · B` for one 64-deep K block with
-/// `wgmma.m64n128k16` ×4, operands staged into swizzled shared memory by ordinary stores:
-/// - `mode 0`: A `[64 m][64 k]`, B `[128 n][64 k]` (both K-major);
-/// - `mode 1`: A K-major, B `[64 k][128 n]` (N-major);
+/// One warpgroup computes `out[64][256] = A · B` for one 64-deep K block with the engine's
+/// `wgmma.m64n256k16` ×4, operands staged into swizzled shared memory by ordinary stores:
+/// - `mode 0`: A `[64 m][64 k]`, B `[256 n][64 k]` (both K-major);
+/// - `mode 1`: A K-major, B `[64 k][256 n]` (N-major);
 /// - `mode 2`: A `[64 k][64 m]` (M-major), B N-major.
 ///
 /// # Safety
-/// 128 threads; `a` 4096 bf16, `b` 8192 bf16, `out` 8192 f32.
+/// 128 threads; `a` 4096 bf16, `b` 16384 bf16, `out` 16384 f32; 8 + 32 + 1 KiB of dynamic
+/// shared memory.
 #[unsafe(no_mangle)]
 pub unsafe extern "ptx-kernel" fn mok_probe_wgmma_tile(a: *const u16, b: *const u16, mode: u32, out: *mut f32) {
     let base = (smem::dynamic_smem_base() + 1023) & !1023;
@@ -111,9 +112,9 @@ pub unsafe extern "ptx-kernel" fn mok_probe_wgmma_tile(a: *const u16, b: *const 
         };
         q += 128;
     }
-    // Stage B: K-major = 128 rows (n) of 64 k; N-major = two 64-wide n halves of 64 k rows.
+    // Stage B: K-major = 256 rows (n) of 64 k; N-major = four 64-wide n blocks of 64 k rows.
     let mut q = thread;
-    while q < 128 * 8 {
+    while q < 256 * 8 {
         let (r, c) = (q / 8, q % 8);
         // SAFETY: inside `b` and the B tile.
         unsafe {
@@ -123,9 +124,9 @@ pub unsafe extern "ptx-kernel" fn mok_probe_wgmma_tile(a: *const u16, b: *const 
                     ld_global_v4(b.add((r * 64 + c * 8) as usize) as *const u32),
                 );
             } else {
-                let (half, k) = (r / 64, r % 64);
-                let src = b.add((k * 128 + half * 64 + c * 8) as usize) as *const u32;
-                st_shared_v4(b_tile + half * 8192 + swizzled_chunk_offset(k, c), ld_global_v4(src));
+                let (block, k) = (r / 64, r % 64);
+                let src = b.add((k * 256 + block * 64 + c * 8) as usize) as *const u32;
+                st_shared_v4(b_tile + block * 8192 + swizzled_chunk_offset(k, c), ld_global_v4(src));
             }
         }
         q += 128;
@@ -146,27 +147,22 @@ pub unsafe extern "ptx-kernel" fn mok_probe_wgmma_tile(a: *const u16, b: *const 
             smem_descriptor(b_tile + k * 2048, 8192, 1024)
         };
     }
-    let mut acc = [0.0f32; 64];
+    let mut acc = [0.0f32; 128];
     // SAFETY: a whole warpgroup in uniform flow; operands staged and fenced above.
     unsafe {
         match mode {
-            0 => wgmma::issue_k64_m64n128_kk(&mut acc, da, db, false),
-            1 => wgmma::issue_k64_m64n128_kn(&mut acc, da, db, false),
-            _ => wgmma::issue_k64_m64n128_mn(&mut acc, da, db, false),
+            0 => wgmma::issue_k64_m64n256_kk(&mut acc, da, db, false),
+            1 => wgmma::issue_k64_m64n256_kn(&mut acc, da, db, false),
+            _ => wgmma::issue_k64_m64n256_mn(&mut acc, da, db, false),
         }
     }
-    wgmma::wait_all(&mut acc);
-    let (warp, lane) = (thread / 32, thread % 32);
-    for j in 0..16u32 {
-        for h in 0..2u32 {
-            let row = warp * 16 + lane / 4 + 8 * h;
-            let col = 8 * j + 2 * (lane % 4);
-            let index = (4 * j + 2 * h) as usize;
-            // SAFETY: row < 64, col + 1 < 128.
-            unsafe {
-                *out.add((row * 128 + col) as usize) = acc[index];
-                *out.add((row * 128 + col + 1) as usize) = acc[index + 1];
-            }
+    wgmma::wait_all_n256(&mut acc);
+    // Constant accumulator indices (a runtime loop would put `acc` in local memory).
+    crate::gemm::engine::for_each_pair::<32>(thread, |index, row, col| {
+        // SAFETY: row < 64, col + 1 < 256.
+        unsafe {
+            *out.add((row * 256 + col) as usize) = acc[index];
+            *out.add((row * 256 + col + 1) as usize) = acc[index + 1];
         }
-    }
+    });
 }

@@ -345,7 +345,7 @@ macro_rules! for_each_n8_block {
 /// first `BLOCKS` n8 blocks: `acc[index]`, `acc[index + 1]` are at warpgroup-tile row `row` < 64,
 /// columns `col`, `col + 1`.
 #[inline(always)]
-fn for_each_pair<const BLOCKS: u32>(thread_in_wg: u32, visit: impl FnMut(usize, u32, u32)) {
+pub(crate) fn for_each_pair<const BLOCKS: u32>(thread_in_wg: u32, visit: impl FnMut(usize, u32, u32)) {
     for_each_pair_in(0, BLOCKS, thread_in_wg, visit);
 }
 
