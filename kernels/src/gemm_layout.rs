@@ -175,22 +175,28 @@ impl GemmParams {
     }
 }
 
-/// M tiles per band of the row-grouped tile walk (see [`banded_row_tile`]).
-pub const ROW_TILE_BAND: u32 = 4;
+/// M tiles per band of the row-grouped tile walk (see [`banded_row_tile`]). 8 × 4 was the best
+/// of 4 × all, 16 × 8, 8 × 4 and 16 × 4 in one call (docs/PERF.md v13).
+pub const ROW_TILE_BAND: u32 = 8;
+/// N tiles per block inside a band (see [`banded_row_tile`]).
+pub const ROW_TILE_BAND_N: u32 = 4;
 
 /// A group's `local`-th tile (of `m_tiles` × `n_tiles`) → (M tile, N tile): the group's M tiles
-/// are walked in bands of up to `band`, M fastest inside a band, then N, then the next band.
-/// Blocks that run at the same time then take all M tiles of a small group for the same N tile —
-/// they read the same weight tile within microseconds, so the second read hits L2 — while a
-/// large group is still walked ~`band` M tiles × all N tiles at a time (its activations stay in
-/// L2 across N).
+/// are walked in bands of up to `band_m`; a band in blocks of up to `band_n` N tiles; a block M
+/// fastest, then N. Blocks that run at the same time then take all M tiles of a small group for
+/// the same N tile — they read the same weight tile within microseconds, so the second read
+/// hits L2 — while a large group is walked ~`band_m` M tiles × `band_n` N tiles at a time, which
+/// bounds the row and weight panels that must stay in L2 together.
 #[inline(always)]
-pub const fn banded_row_tile(local: u32, m_tiles: u32, n_tiles: u32, band: u32) -> (u32, u32) {
-    let band_tiles = band * n_tiles;
-    let first_m = local / band_tiles * band;
-    let height = if m_tiles - first_m < band { m_tiles - first_m } else { band };
+pub const fn banded_row_tile(local: u32, m_tiles: u32, n_tiles: u32, band_m: u32, band_n: u32) -> (u32, u32) {
+    let band_tiles = band_m * n_tiles;
+    let first_m = local / band_tiles * band_m;
+    let height = if m_tiles - first_m < band_m { m_tiles - first_m } else { band_m };
     let within = local % band_tiles;
-    (first_m + within % height, within / height)
+    let block_tiles = height * band_n;
+    let first_n = within / block_tiles * band_n;
+    let inside = within % block_tiles;
+    (first_m + inside % height, first_n + inside / height)
 }
 
 // The host uploads GemmParams as raw bytes: keep it free of padding. And the ring must fit in
@@ -220,20 +226,24 @@ mod tests {
 
     #[test]
     fn banded_walk_visits_every_tile_once() {
-        for (m_tiles, n_tiles, band) in
-            [(1, 16, 4), (2, 16, 4), (3, 28, 4), (6, 8, 4), (64, 16, 4), (5, 1, 2), (7, 3, 1)]
-        {
-            let mut seen = vec![false; (m_tiles * n_tiles) as usize];
-            for local in 0..m_tiles * n_tiles {
-                let (m, n) = banded_row_tile(local, m_tiles, n_tiles, band);
-                assert!(m < m_tiles && n < n_tiles, "{m_tiles}x{n_tiles}/{band}: {local} -> ({m}, {n})");
-                let slot = &mut seen[(m * n_tiles + n) as usize];
-                assert!(!*slot, "{m_tiles}x{n_tiles}/{band}: ({m}, {n}) twice");
-                *slot = true;
+        for (m_tiles, n_tiles) in [(1, 16), (2, 16), (3, 28), (6, 8), (64, 16), (5, 1), (7, 3), (17, 28)] {
+            for (band_m, band_n) in [(4, 1024), (16, 8), (8, 3), (2, 1), (1, 5)] {
+                let mut seen = vec![false; (m_tiles * n_tiles) as usize];
+                for local in 0..m_tiles * n_tiles {
+                    let (m, n) = banded_row_tile(local, m_tiles, n_tiles, band_m, band_n);
+                    let case = format!("{m_tiles}x{n_tiles} in {band_m}x{band_n}: {local} -> ({m}, {n})");
+                    assert!(m < m_tiles && n < n_tiles, "{case}");
+                    let slot = &mut seen[(m * n_tiles + n) as usize];
+                    assert!(!*slot, "{case}: twice");
+                    *slot = true;
+                }
             }
         }
         // A two-tile group: both M tiles of an N tile are consecutive.
-        assert_eq!([banded_row_tile(0, 2, 16, 4), banded_row_tile(1, 2, 16, 4)], [(0, 0), (1, 0)]);
+        assert_eq!([banded_row_tile(0, 2, 16, 4, 8), banded_row_tile(1, 2, 16, 4, 8)], [(0, 0), (1, 0)]);
+        // A large group: a block of 16 M × 8 N tiles is walked before the next N block.
+        assert_eq!(banded_row_tile(16 * 8 - 1, 64, 16, 16, 8), (15, 7));
+        assert_eq!(banded_row_tile(16 * 8, 64, 16, 16, 8), (0, 8));
     }
 
     #[test]

@@ -16,7 +16,8 @@
 //! arrival; a tile without K blocks (an empty group's weight gradient) gets a stage without
 //! copies, and [`NO_TILE`] ends the walk. A group's M tiles are walked in bands, M fastest
 //! ([`banded_row_tile`]), so blocks that take neighbouring tiles at the same moment read the same
-//! weight tile and all but the first find it in L2. Every stage of a tile
+//! weight tile and all but the first find it in L2; a band is cut into blocks of a few N tiles,
+//! which bounds the panels a large group keeps in L2 at once. Every stage of a tile
 //! with K blocks is whole TMA copies: a tile that would read past the end of its group (a ragged last M tile, or the
 //! last K block of a weight gradient) is loaded through a tensor map cut at that group's last
 //! row ([`group_maps`](super::group_maps), rewritten on the device before each launch), so the
@@ -35,8 +36,8 @@
 use crate::device::math;
 use crate::gemm_layout::{
     A_TILE_BYTES, B_TILE_BYTES, BLOCK_64_BYTES, CONSUMER_REGISTERS, ENGINE_THREADS, GemmParams, NO_TILE,
-    PRODUCER_REGISTERS, ROW_TILE_BAND, STAGE_BYTES, STAGES, STAGING_BOXES, STAGING_BYTES_PER_WARPGROUP, TILE_K, TILE_M,
-    TILE_N, banded_row_tile, smem_descriptor, swizzled_chunk_offset,
+    PRODUCER_REGISTERS, ROW_TILE_BAND, ROW_TILE_BAND_N, STAGE_BYTES, STAGES, STAGING_BOXES,
+    STAGING_BYTES_PER_WARPGROUP, TILE_K, TILE_M, TILE_N, banded_row_tile, smem_descriptor, swizzled_chunk_offset,
 };
 use crate::ptx::convert::f32x2_to_bf16x2;
 use crate::ptx::memory::{
@@ -158,7 +159,7 @@ unsafe fn work_of<const V: u32>(p: &GemmParams, tile: u32) -> Work {
     // Group g owns flat tiles [tiles[g]·nt, tiles[g+1]·nt).
     let group = crate::tiles::group_of_tile(tiles, tile / nt).unwrap_or(0) as u32;
     let (first, m_tiles) = (tiles[group as usize], tiles[group as usize + 1] - tiles[group as usize]);
-    let (m_local, n_tile) = banded_row_tile(tile - first * nt, m_tiles, nt, ROW_TILE_BAND);
+    let (m_local, n_tile) = banded_row_tile(tile - first * nt, m_tiles, nt, ROW_TILE_BAND, ROW_TILE_BAND_N);
     // SAFETY: group < groups.
     let (begin, end) = unsafe { (*offsets.add(group as usize), *offsets.add(group as usize + 1)) };
     let m0 = begin + m_local * TILE_M;
