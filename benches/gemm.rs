@@ -45,6 +45,11 @@ fn time_ms(gpu: &Gpu, mut launch: impl FnMut() -> mok::Result<()>) -> Result<f64
     Ok(times[times.len() / 2])
 }
 
+/// Times `launch` ([`time_ms`]) and returns the table row of case `name`.
+fn timed_row(gpu: &Gpu, name: String, flop: f64, bytes: f64, launch: impl FnMut() -> mok::Result<()>) -> Result<Row> {
+    Ok(Row { name, ms: time_ms(gpu, launch)?, flop, bytes })
+}
+
 /// Device time spent on warm-up launches before each case is timed (as in `torch_timing.py`).
 const WARMUP_MS: f64 = 200.0;
 /// Timed launches per case; the median is reported.
@@ -100,14 +105,9 @@ fn main() -> Result<()> {
         let tiles = tile_offsets(&gpu, &row_offsets, g)?;
         let groups = RowGroups { row_offsets: &row_offsets, tile_offsets: &tiles, groups: g, capacity: g * m };
         let plan = EnginePlan::rows_nt(&gpu, &a, &groups, &w, (n, k), &out)?;
-        let ms = time_ms(&gpu, || plan.launch(&gpu))?;
         let flop = 2.0 * (g * m * k * n) as f64;
-        rows_out.push(Row {
-            name: "dense8".into(),
-            ms,
-            flop,
-            bytes: 2.0 * (g * (m * k + k * n)) as f64 + 4.0 * (g * m * n) as f64,
-        });
+        let bytes = 2.0 * (g * (m * k + k * n)) as f64 + 4.0 * (g * m * n) as f64;
+        rows_out.push(timed_row(&gpu, "dense8".into(), flop, bytes, || plan.launch(&gpu))?);
     }
 
     for case in cases.split(',') {
@@ -137,58 +137,49 @@ fn main() -> Result<()> {
         let (r, hf, inf) = (rows as f64, h as f64, i as f64);
         let tag = |what: &str| format!("{name}:{tokens}:{what}");
 
-        let plan = EnginePlan::gate_up(&gpu, &x, &groups, &w_gate, &w_up, (h, i), None, &hidden, None)?;
-        let ms = time_ms(&gpu, || plan.launch(&gpu))?;
-        rows_out.push(Row {
-            name: tag("gate_up"),
-            ms,
-            flop: 4.0 * r * hf * inf,
-            bytes: 2.0 * weights + 2.0 * r * hf + 2.0 * r * inf,
-        });
-        let plan = EnginePlan::rows_nt(&gpu, &hidden, &groups, &w_down, (h, i), &out_h)?;
-        let ms = time_ms(&gpu, || plan.launch(&gpu))?;
-        rows_out.push(Row {
-            name: tag("down"),
-            ms,
-            flop: 2.0 * r * hf * inf,
-            bytes: weights + 2.0 * r * inf + 4.0 * r * hf,
-        });
-        let plan = EnginePlan::rows_nn(&gpu, (&dy, &w_down), None, &groups, (i, h), &out_i)?;
-        let ms = time_ms(&gpu, || plan.launch(&gpu))?;
-        rows_out.push(Row {
-            name: tag("dgrad_down"),
-            ms,
-            flop: 2.0 * r * hf * inf,
-            bytes: weights + 2.0 * r * hf + 4.0 * r * inf,
-        });
-        let plan = EnginePlan::rows_nn(&gpu, (&d_gate, &w_gate), Some((&d_up, &w_up)), &groups, (h, i), &out_h)?;
-        let ms = time_ms(&gpu, || plan.launch(&gpu))?;
-        rows_out.push(Row {
-            name: tag("dgrad_gate_up"),
-            ms,
-            flop: 4.0 * r * hf * inf,
-            bytes: 2.0 * weights + 4.0 * r * inf + 4.0 * r * hf,
-        });
-        let plan = EnginePlan::wgrad(&gpu, &dy, &hidden, &row_offsets, (e, cap), (h, i), WgradOut::Bf16(&dw))?;
-        let ms = time_ms(&gpu, || plan.launch(&gpu))?;
-        rows_out.push(Row {
-            name: tag("wgrad_down"),
-            ms,
-            flop: 2.0 * r * hf * inf,
-            bytes: weights + 2.0 * r * (hf + inf),
-        });
+        // (case, FLOPs, fewest bytes, plan) of the single-launch variants.
+        let single = [
+            (
+                "gate_up",
+                4.0 * r * hf * inf,
+                2.0 * weights + 2.0 * r * hf + 2.0 * r * inf,
+                EnginePlan::gate_up(&gpu, &x, &groups, &w_gate, &w_up, (h, i), None, &hidden, None)?,
+            ),
+            (
+                "down",
+                2.0 * r * hf * inf,
+                weights + 2.0 * r * inf + 4.0 * r * hf,
+                EnginePlan::rows_nt(&gpu, &hidden, &groups, &w_down, (h, i), &out_h)?,
+            ),
+            (
+                "dgrad_down",
+                2.0 * r * hf * inf,
+                weights + 2.0 * r * hf + 4.0 * r * inf,
+                EnginePlan::rows_nn(&gpu, (&dy, &w_down), None, &groups, (i, h), &out_i)?,
+            ),
+            (
+                "dgrad_gate_up",
+                4.0 * r * hf * inf,
+                2.0 * weights + 4.0 * r * inf + 4.0 * r * hf,
+                EnginePlan::rows_nn(&gpu, (&d_gate, &w_gate), Some((&d_up, &w_up)), &groups, (h, i), &out_h)?,
+            ),
+            (
+                "wgrad_down",
+                2.0 * r * hf * inf,
+                weights + 2.0 * r * (hf + inf),
+                EnginePlan::wgrad(&gpu, &dy, &hidden, &row_offsets, (e, cap), (h, i), WgradOut::Bf16(&dw))?,
+            ),
+        ];
+        for (what, flop, bytes, plan) in &single {
+            rows_out.push(timed_row(&gpu, tag(what), *flop, *bytes, || plan.launch(&gpu))?);
+        }
         let plan_g = EnginePlan::wgrad(&gpu, &d_gate, &x, &row_offsets, (e, cap), (i, h), WgradOut::Bf16(&dw))?;
         let plan_u = EnginePlan::wgrad(&gpu, &d_up, &x, &row_offsets, (e, cap), (i, h), WgradOut::Bf16(&dw2))?;
-        let ms = time_ms(&gpu, || {
+        let (flop, bytes) = (4.0 * r * hf * inf, 2.0 * weights + 2.0 * r * (hf + 2.0 * inf));
+        rows_out.push(timed_row(&gpu, tag("wgrad_gate_up"), flop, bytes, || {
             plan_g.launch(&gpu)?;
             plan_u.launch(&gpu)
-        })?;
-        rows_out.push(Row {
-            name: tag("wgrad_gate_up"),
-            ms,
-            flop: 4.0 * r * hf * inf,
-            bytes: 2.0 * weights + 2.0 * r * (hf + 2.0 * inf),
-        });
+        })?);
     }
 
     println!("| case | mok ms | mok TFLOP/s | torch ms | torch TFLOP/s | mok / torch | floor ms (FLOP / bytes) |");
