@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Board power and SM clock while torch and then mok run the same GEMM cases (one device call),
 # to tell whether a case runs at the power limit in steady state:
-#   ./power_trace.sh kimi:8192
-# Run from the bundle's benches/ folder. `nvidia-smi dmon` samples once a second; the table gives
-# each phase's samples past its first two seconds (the warm-up burst). Logs go to $OUT.
+#   REPEAT=4 ./power_trace.sh kimi:8192
+# Each side runs REPEAT times back to back (the bench always runs the dense case first; with a few
+# seconds per run, a second's samples mostly fall in the grouped cases). Run from the bundle's
+# benches/ folder. `nvidia-smi dmon` samples once a second; the table gives
+# each phase's samples at ≥ 400 W (the GEMMs, not process start-up), and dmon.log keeps them all. Logs go to $OUT.
 set -euo pipefail
 [ $# -eq 1 ] || { echo "usage: $0 CASES" >&2; exit 2; }
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -16,11 +18,15 @@ sleep 2
 mark() { echo "$1 $(date +%H:%M:%S)" >> "$out/phases.log"; }
 : > "$out/phases.log"
 mark torch-start
-python3 "$here/torch_gemm.py" --cases "$1" --out "$out/power_torch.txt" > "$out/power_torch.log" 2>&1
+for _ in $(seq "${REPEAT:-4}"); do
+    python3 "$here/torch_gemm.py" --cases "$1" --out "$out/power_torch.txt" >> "$out/power_torch.log" 2>&1
+done
 mark torch-end
 sleep 3
 mark mok-start
-"${GEMM_BIN:-$here/gemm}" --cases "$1" --baseline "$out/power_torch.txt" > "$out/power_mok.log" 2>&1
+for _ in $(seq "${REPEAT:-4}"); do
+    "${GEMM_BIN:-$here/gemm}" --cases "$1" --baseline "$out/power_torch.txt" >> "$out/power_mok.log" 2>&1
+done
 mark mok-end
 sleep 1
 kill $dmon
@@ -38,7 +44,8 @@ for line in open(sys.argv[1]):
 phases = dict(l.split() for l in open(sys.argv[2]))
 for who in ("torch", "mok"):
     start, end = phases[f"{who}-start"], phases[f"{who}-end"]
-    inside = [s for s in samples if start <= s[0] <= end][2:]
+    # Samples at >= 400 W: the GEMMs themselves, not process start-up between runs.
+    inside = [s for s in samples if start <= s[0] <= end and s[1] >= 400]
     if not inside:
         print(f"{who}: no samples"); continue
     power = [s[1] for s in inside]; clock = [s[2] for s in inside]
