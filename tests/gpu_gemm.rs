@@ -11,7 +11,7 @@ use common::{PLAIN_ROUTING, Routing, check, fingerprint, random_bf16, random_cas
 use half::bf16;
 use mok::MoeConfig;
 use mok::driver::{DeviceBuffer, Gpu, KernelArg, LaunchShape};
-use mok::gemm::{EnginePlan, RowGroups, WgradOut, tile_offsets};
+use mok::gemm::{EnginePlan, RowGroups, RowsOut, WgradOut, tile_offsets};
 use mok::tensor_map::TensorMap;
 use mok::unfused::{DeviceExperts, DeviceTokens, UnfusedLayer};
 
@@ -234,12 +234,27 @@ fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
 
     // Down projection on the unfused path's hidden.
     let down_out = poisoned::<f32>(gpu, cap * h);
-    EnginePlan::rows_nt(gpu, hidden, &groups, &s.experts.w_down, (h, i), &down_out).unwrap().launch(gpu).unwrap();
+    EnginePlan::rows_nt(gpu, hidden, &groups, &s.experts.w_down, (h, i), RowsOut::F32(&down_out))
+        .unwrap()
+        .launch(gpu)
+        .unwrap();
+    let got_down = down_out.download().unwrap();
     check(
         "down output (engine rows_nt)",
-        rel_err(&down_out.download().unwrap()[..rows * h], &f64s(&down.download().unwrap()[..rows * h])),
+        rel_err(&got_down[..rows * h], &f64s(&down.download().unwrap()[..rows * h])),
         1e-5,
     );
+    // bf16 rows: each element is its f32 sum rounded once (to nearest even), and no row past the
+    // routed rows is written.
+    let down_bf16 = poisoned::<bf16>(gpu, cap * h);
+    EnginePlan::rows_nt(gpu, hidden, &groups, &s.experts.w_down, (h, i), RowsOut::Bf16(&down_bf16))
+        .unwrap()
+        .launch_with_blocks(gpu, 11)
+        .unwrap();
+    let got_bf16 = down_bf16.download().unwrap();
+    let mismatches = (0..rows * h).filter(|&j| got_bf16[j].to_bits() != bf16::from_f32(got_down[j]).to_bits()).count();
+    assert_eq!(mismatches, 0, "rows_nt bf16 out: {mismatches} elements differ from the rounded f32 rows");
+    assert!(got_bf16[rows * h..].iter().all(|v| v.to_bits() == 0xffff), "rows_nt bf16 out wrote past the routed rows");
 
     // Data gradients: one segment (down dgrad), two segments (gate/up dgrad).
     let d_hidden = poisoned::<f32>(gpu, cap * i);

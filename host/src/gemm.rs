@@ -18,9 +18,10 @@ use crate::error::{MokError, Result};
 use crate::tensor_map::TensorMap;
 
 /// Kernels of the engine (sm_90a only).
-pub const ENGINE_KERNELS: [&str; 5] = [
+pub const ENGINE_KERNELS: [&str; 6] = [
     "mok_sm90_gemm_gate_up",
     "mok_sm90_gemm_rows_nt",
+    "mok_sm90_gemm_rows_nt_bf16",
     "mok_sm90_gemm_rows_nn",
     "mok_sm90_gemm_wgrad",
     GROUP_MAPS_KERNEL,
@@ -84,6 +85,16 @@ pub enum WgradOut<'a> {
     Bf16(&'a DeviceBuffer<bf16>),
     /// Added into caller-owned f32 `[G][M][N]` (gradient accumulation across micro-batches).
     AccumulateF32(&'a DeviceBuffer<f32>),
+}
+
+/// Where the output rows of [`EnginePlan::rows_nt`] go.
+#[derive(Clone, Copy)]
+pub enum RowsOut<'a> {
+    /// f32 `[cap][n]`: the down projection (the combine sums f32 expert outputs).
+    F32(&'a DeviceBuffer<f32>),
+    /// bf16 `[cap][n]`, each element rounded once from its f32 sum (what `torch._grouped_mm`
+    /// returns).
+    Bf16(&'a DeviceBuffer<bf16>),
 }
 
 /// One prepared engine launch: the parameter block and tensor maps live on the device.
@@ -221,41 +232,47 @@ impl EnginePlan {
         Self::new(gpu, "mok_sm90_gemm_gate_up", params, maps, cut)
     }
 
-    /// Row-grouped `out[r] = rows[r] · w[g]ᵀ` (f32): `rows` `[cap][k]`, `w` `[G][n][k]`,
-    /// `out` `[cap][n]`. The down projection.
+    /// Row-grouped `out[r] = rows[r] · w[g]ᵀ` (f32 or bf16 rows): `rows` `[cap][k]`, `w`
+    /// `[G][n][k]`, `out` `[cap][n]`. The down projection (f32).
     pub fn rows_nt(
         gpu: &Gpu,
         rows: &DeviceBuffer<bf16>,
         groups: &RowGroups<'_>,
         w: &DeviceBuffer<bf16>,
         (n, k): (usize, usize),
-        out: &DeviceBuffer<f32>,
+        out: RowsOut<'_>,
     ) -> Result<Self> {
         check_width("n", n)?;
         check_width("k", k)?;
         let g = groups.groups;
         check_len("rows", rows.len(), groups.capacity * k)?;
         check_len("w", w.len(), g * n * k)?;
-        check_len("out", out.len(), groups.capacity * n)?;
-        let maps = vec![
-            rows_map(gpu, rows, k, groups.capacity)?,
-            weight_map_k_major(gpu, w, k, n, g, TILE_N)?,
-            store_map_f32(gpu, out, n, groups.capacity)?,
-        ];
+        let (out_ptr, out_len, out_bytes) = match out {
+            RowsOut::F32(buffer) => (buffer.device_ptr(), buffer.len(), 4),
+            RowsOut::Bf16(buffer) => (buffer.device_ptr(), buffer.len(), 2),
+        };
+        check_len("out", out_len, groups.capacity * n)?;
+        let out_map = match out {
+            RowsOut::F32(buffer) => store_map_f32(gpu, buffer, n, groups.capacity)?,
+            RowsOut::Bf16(buffer) => store_map_bf16(gpu, buffer, n, groups.capacity)?,
+        };
+        let maps =
+            vec![rows_map(gpu, rows, k, groups.capacity)?, weight_map_k_major(gpu, w, k, n, g, TILE_N)?, out_map];
         let params = GemmParams {
             map_a: maps[0].device_ptr(),
             map_b: maps[1].device_ptr(),
             map_out: maps[2].device_ptr(),
             row_offsets: groups.row_offsets.device_ptr(),
             tile_offsets: groups.tile_offsets.device_ptr(),
-            out0: out.device_ptr(),
+            out0: out_ptr,
             groups: g as u32,
             n: n as u32,
             k: k as u32,
             ..GemmParams::default()
         };
-        let cut = [Some((0, rows.device_ptr(), 2 * k)), None, Some((2, out.device_ptr(), 4 * n))];
-        Self::new(gpu, "mok_sm90_gemm_rows_nt", params, maps, cut)
+        let cut = [Some((0, rows.device_ptr(), 2 * k)), None, Some((2, out_ptr, out_bytes * n))];
+        let kernel = if out_bytes == 2 { "mok_sm90_gemm_rows_nt_bf16" } else { "mok_sm90_gemm_rows_nt" };
+        Self::new(gpu, kernel, params, maps, cut)
     }
 
     /// Row-grouped data gradient `out[r] = a1[r] · w1[g] (+ a2[r] · w2[g])` (f32), weights read

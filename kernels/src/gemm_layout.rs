@@ -39,6 +39,9 @@ impl Variant {
     pub const GATE_UP: u32 = 0;
     /// Row-grouped `A · Bᵀ` (K-major weights), f32 out.
     pub const ROWS_NT: u32 = 1;
+    /// [`Variant::ROWS_NT`] with bf16 out (its own kernel: a runtime choice of epilogue costs
+    /// the f32 kernel registers).
+    pub const ROWS_NT_BF16: u32 = 4;
     /// Row-grouped `A · B` (N-major weights, up to two K segments), f32 out.
     pub const ROWS_NN: u32 = 2;
     /// Per-group weight gradient, rows reduced in order.

@@ -28,6 +28,17 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_rows_nt(params: *const GemmParam
     unsafe { run::<{ Variant::ROWS_NT }>(params) }
 }
 
+/// Row-grouped `A · Bᵀ`, bf16 out.
+///
+/// # Safety
+/// `params` valid for the `ROWS_NT_BF16` variant, its `tile_counter` zeroed by
+/// `mok_sm90_group_maps` on the same stream since the last engine launch with these params.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_rows_nt_bf16(params: *const GemmParams) {
+    // SAFETY: caller contract.
+    unsafe { run::<{ Variant::ROWS_NT_BF16 }>(params) }
+}
+
 /// Row-grouped `A · B` with N-major weights, up to two K segments, f32 out (data gradients).
 ///
 /// # Safety

@@ -29,7 +29,8 @@
 //! Variants ([`Variant`]):
 //! - `GATE_UP`: `rows[R][H] · [w_gate; w_up][g]ᵀ` with SwiGLU in registers → hidden bf16 (and
 //!   optionally the f32 pre-activations). B tile = 128 gate rows + 128 up rows of the same columns.
-//! - `ROWS_NT`: `rows[R][K] · w[g][N][K]ᵀ` → f32 rows (down projection).
+//! - `ROWS_NT`: `rows[R][K] · w[g][N][K]ᵀ` → f32 rows (down projection); `ROWS_NT_BF16` the same
+//!   → bf16 rows (a plain grouped GEMM with the output type of `torch._grouped_mm`).
 //! - `ROWS_NN`: `a[R][K] · w[g][K][N]` (+ a second segment) → f32 rows (data gradients).
 //! - `WGRAD`: `Σ_{r in g} a[r][M]ᵀ b[r][N]` → `[G][M][N]` bf16, or added into f32.
 
@@ -272,7 +273,9 @@ unsafe fn produce<const V: u32>(p: &GemmParams, ring: Ring) {
                             tma::load_3d(b_tile, p.map_b, k0, w.n0 as i32, g, full);
                             tma::load_3d(b_tile + B_HALF_BYTES, p.map_b2, k0, w.n0 as i32, g, full);
                         }
-                        Variant::ROWS_NT => tma::load_3d(b_tile, map_b, k0, w.n0 as i32, g, full),
+                        Variant::ROWS_NT | Variant::ROWS_NT_BF16 => {
+                            tma::load_3d(b_tile, map_b, k0, w.n0 as i32, g, full)
+                        }
                         _ => {
                             // N-major: four 64-wide N blocks.
                             for block in 0..TILE_N / 64 {
@@ -316,7 +319,7 @@ fn stage_descriptors<const V: u32>(ring: Ring, stage: u32, wg: u32) -> ([u64; 4]
             // K-major: this warpgroup's 64 rows; a K slice is 32 bytes into each 128-byte row.
             smem_descriptor(a_tile + wg * BLOCK_64_BYTES + k * 32, 16, 1024)
         };
-        *db = if V == Variant::GATE_UP || V == Variant::ROWS_NT {
+        *db = if V == Variant::GATE_UP || V == Variant::ROWS_NT || V == Variant::ROWS_NT_BF16 {
             smem_descriptor(b_tile + k * 32, 16, 1024)
         } else {
             // N-major: four 64-wide N blocks, 16 K rows per slice.
@@ -424,8 +427,8 @@ unsafe fn epilogue<const V: u32>(
             // SAFETY: as the caller's.
             unsafe { store_pre_activations(p, w, acc, wg, thread_in_wg) };
         }
-    } else if V == Variant::WGRAD && p.out1 == 0 {
-        // bf16 weight gradient: 256 columns, 64 per box.
+    } else if (V == Variant::WGRAD && p.out1 == 0) || V == Variant::ROWS_NT_BF16 {
+        // bf16 (weight gradient, or rows): 256 columns, 64 per box.
         const PASSES: u32 = 4 / STAGING_BOXES;
         for pass in 0..PASSES {
             let first = pass * N8_BLOCKS / PASSES;
@@ -434,7 +437,7 @@ unsafe fn epilogue<const V: u32>(
             });
         }
     } else {
-        // f32: 256 columns, 32 per box; the weight gradient adds into its output.
+        // f32: 256 columns, 32 per box; the f32 weight gradient adds into its output.
         let add = V == Variant::WGRAD;
         const PASSES: u32 = 8 / STAGING_BOXES;
         for pass in 0..PASSES {
@@ -607,7 +610,9 @@ unsafe fn consume<const V: u32>(p: &GemmParams, ring: Ring, wg: u32, thread_in_w
             // before the wait below.
             unsafe {
                 match V {
-                    Variant::GATE_UP | Variant::ROWS_NT => wgmma::issue_k64_m64n256_kk(&mut acc, a, b, accumulate),
+                    Variant::GATE_UP | Variant::ROWS_NT | Variant::ROWS_NT_BF16 => {
+                        wgmma::issue_k64_m64n256_kk(&mut acc, a, b, accumulate)
+                    }
                     Variant::ROWS_NN => wgmma::issue_k64_m64n256_kn(&mut acc, a, b, accumulate),
                     _ => wgmma::issue_k64_m64n256_mn(&mut acc, a, b, accumulate),
                 }
