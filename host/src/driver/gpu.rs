@@ -183,6 +183,12 @@ impl Gpu {
         .map_err(|e| cuda_error(format!("cuFuncSetAttribute({kernel}, max dynamic smem {bytes})"), e))
     }
 
+    /// Whether the loaded PTX has the kernel `kernel` (a PTX given through `MOK_PTX` may be
+    /// older than this build).
+    pub fn has_kernel(&self, kernel: &'static str) -> bool {
+        self.function(kernel).is_ok()
+    }
+
     /// The function `kernel` of the loaded module, resolved on first use.
     fn function(&self, kernel: &'static str) -> Result<sys::CUfunction> {
         let mut functions = self.kernels.functions.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
