@@ -247,15 +247,16 @@ impl EnginePlan {
         let g = groups.groups;
         check_len("rows", rows.len(), groups.capacity * k)?;
         check_len("w", w.len(), g * n * k)?;
-        let (out_ptr, out_len, out_bytes) = match out {
-            RowsOut::F32(buffer) => (buffer.device_ptr(), buffer.len(), 4),
-            RowsOut::Bf16(buffer) => (buffer.device_ptr(), buffer.len(), 2),
+        // (address, length, bytes per element, store map, kernel) of the output rows.
+        let (out_ptr, out_len, out_bytes, out_map, kernel) = match out {
+            RowsOut::F32(b) => {
+                (b.device_ptr(), b.len(), 4, store_map_f32(gpu, b, n, groups.capacity)?, "mok_sm90_gemm_rows_nt")
+            }
+            RowsOut::Bf16(b) => {
+                (b.device_ptr(), b.len(), 2, store_map_bf16(gpu, b, n, groups.capacity)?, "mok_sm90_gemm_rows_nt_bf16")
+            }
         };
         check_len("out", out_len, groups.capacity * n)?;
-        let out_map = match out {
-            RowsOut::F32(buffer) => store_map_f32(gpu, buffer, n, groups.capacity)?,
-            RowsOut::Bf16(buffer) => store_map_bf16(gpu, buffer, n, groups.capacity)?,
-        };
         let maps =
             vec![rows_map(gpu, rows, k, groups.capacity)?, weight_map_k_major(gpu, w, k, n, g, TILE_N)?, out_map];
         let params = GemmParams {
@@ -271,7 +272,6 @@ impl EnginePlan {
             ..GemmParams::default()
         };
         let cut = [Some((0, rows.device_ptr(), 2 * k)), None, Some((2, out_ptr, out_bytes * n))];
-        let kernel = if out_bytes == 2 { "mok_sm90_gemm_rows_nt_bf16" } else { "mok_sm90_gemm_rows_nt" };
         Self::new(gpu, kernel, params, maps, cut)
     }
 
