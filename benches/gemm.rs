@@ -4,7 +4,7 @@
 //! experts on one GPU, uniform random top-k routing, random data; with the floors (FLOPs at the
 //! matmul ceiling, bytes at the copy ceiling).
 //!
-//! `gemm [--cases kimi:8192,...] [--baseline FILE] [--matmul-tflops R] [--copy-tbps B]`
+//! `gemm [--cases kimi:8192,...|""] [--baseline FILE] [--matmul-tflops R] [--copy-tbps B]`
 
 use std::collections::HashMap;
 
@@ -124,7 +124,7 @@ fn main() -> Result<()> {
     // last, so that it does not change the thermal state the other cases are measured in.
     rows_out.push(dense_row(&gpu, false)?);
 
-    for case in cases.split(',') {
+    for case in cases.split(',').filter(|c| !c.is_empty()) {
         let (name, tokens) = case.split_once(':').context("case is shape:tokens")?;
         let shape = FrontierShape::by_name(name).context("unknown shape")?;
         let tokens: usize = tokens.parse()?;
@@ -204,6 +204,11 @@ fn main() -> Result<()> {
         println!("gemm benchmark: {DENSE_BF16} not measured: the loaded PTX has no mok_sm90_gemm_rows_nt_bf16");
     }
 
+    // One machine-readable line per case, for benches/ratio_table.py, which pairs the runs of a
+    // call that alternates torch and mok (run_gemm_bench.sh).
+    for row in &rows_out {
+        println!("MOKGEMM {} {:.4} {:.6e} {:.6e}", row.name, row.ms, row.flop, row.bytes);
+    }
     println!("| case | mok ms | mok TFLOP/s | torch ms | torch TFLOP/s | mok / torch | floor ms (FLOP / bytes) |");
     println!("|---|---|---|---|---|---|---|");
     for row in &rows_out {
