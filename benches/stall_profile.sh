@@ -24,7 +24,7 @@ for n, u, v in zip(rows[0], rows[1], rows[2]):
     if any(k in n for k in ("gpu__time_duration.sum", "hmma_cycles_active", "sm__cycles_elapsed.avg.per_second")):
         print(f"{n} {u} {v}")'
     ncu --import "$rep" --page details --section WarpStateStats 2>/dev/null | grep -E "Stall|Warp Cycles" || true
-    ncu --import "$rep" --page source --csv --print-source sass 2>/dev/null | python3 "$here/stall_top.py"
+    ncu --import "$rep" --page source --csv --print-source sass 2>/dev/null | python3 "$here/stall_top.py" || true
 } > "$out/$3.stalls.txt" 2>&1
 cat "$out/$3.stalls.txt"
 rm -f "$rep"

@@ -4,9 +4,11 @@ import csv
 import sys
 
 rows = list(csv.reader(sys.stdin))
-if not rows:
-    sys.exit("stall_top: no source page (ncu could not export it)")
-head = rows[0]
+# The export starts with a "Kernel Name" line; the header is the first row naming the source.
+starts = [i for i, r in enumerate(rows) if any(c.strip().lower() == "source" for c in r)]
+if not starts:
+    sys.exit("stall_top: no source page header (ncu could not export it)")
+head, rows = rows[starts[0]], rows[starts[0]:]
 print("columns:", "; ".join(head))
 
 

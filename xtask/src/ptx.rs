@@ -50,6 +50,16 @@ pub fn ptx(root: &Path, check_reproducible: bool) -> Result<()> {
         if !output.status.success() || !errors.is_empty() {
             bail!("`{}` failed ({}):\n{}", describe(&command), output.status, text.trim_end());
         }
+        // ptxas assembles a kernel whose wgmma pipeline it cannot prove safe, but serialises
+        // every wgmma of it (C7515): correct results at ~10 % less speed, which only a profile
+        // would reveal (PERF.md, v18). Such a build is refused.
+        let losses = performance_losses(&text);
+        ensure!(
+            losses.is_empty(),
+            "`{}`: ptxas reports a performance loss (fix the kernel code, see docs/PERF.md v18):\n{}",
+            describe(&command),
+            losses.join("\n")
+        );
         let mut kernels = parse_ptxas_info(&text);
         // ptxas's order is the reverse of the PTX's; by name, reports diff well.
         kernels.sort_by(|a, b| a.name.cmp(&b.name));
@@ -105,6 +115,12 @@ fn is_diagnostic(line: &str, kinds: &[&str]) -> bool {
     };
     head.split(|c: char| c.is_whitespace() || c == ';' || c == ',')
         .any(|word| kinds.iter().any(|kind| word.eq_ignore_ascii_case(kind)))
+}
+
+/// ptxas's "Potential Performance Loss" notes (e.g. C7515, wgmma serialised), which it prints as
+/// `info` lines although they change the speed of the kernel they name.
+fn performance_losses(text: &str) -> Vec<&str> {
+    text.lines().filter(|line| line.contains("Potential Performance Loss")).map(str::trim).collect()
 }
 
 /// One entry function's resource usage as ptxas reports it.
@@ -241,6 +257,18 @@ ptxas info    : Compile time = 7.873 ms
         let table = format_table(&kernels);
         assert_eq!(table.lines().count(), 3);
         assert!(table.lines().nth(2).unwrap().contains("4096"));
+    }
+
+    #[test]
+    fn finds_serialised_wgmma() {
+        let text = "\
+ptxas info    : Compiling entry function 'k' for 'sm_90a'
+ptxas info    : (C7515) Potential Performance Loss: wgmma.mma_async instructions are serialized due to non wgmma instructions defining accumulator registers of a wgmma between start and end of the pipeline stage in the function 'k'
+ptxas info    : Used 168 registers";
+        let losses = performance_losses(text);
+        assert_eq!(losses.len(), 1);
+        assert!(losses[0].starts_with("ptxas info    : (C7515)"));
+        assert!(performance_losses("ptxas info    : Used 168 registers").is_empty());
     }
 
     #[test]
