@@ -4,13 +4,12 @@
 //!
 //! Every plan works on device-written group offsets: `row_offsets[G+1]` (first row of each
 //! group) and, for row-grouped variants, `tile_offsets[G+1]` in tiles of
-//! [`TILE_M`](mok_kernels::gemm_layout::TILE_M) rows, made on the device by
-//! [`tile_offsets`]. The host never learns the group sizes.
+//! [`TILE_M`] rows, made on the device by [`tile_offsets`]. The host never learns the group sizes.
 
 use half::bf16;
 use mok_kernels::gemm_layout::{
     ENGINE_SMEM_BYTES, ENGINE_THREADS, GROUP_MAP_SLOTS, GROUP_MAP_SMEM_BYTES, GROUP_MAP_WARPS, GemmParams,
-    TENSOR_MAP_BYTES, TILE_M, TILE_N,
+    TENSOR_MAP_BYTES, TILE_M, TILE_N, Variant, cluster_blocks,
 };
 
 use crate::driver::{DeviceBuffer, Gpu, KernelArg, LaunchShape};
@@ -89,6 +88,8 @@ pub enum WgradOut<'a> {
 /// One prepared engine launch: the parameter block and tensor maps live on the device.
 pub struct EnginePlan {
     kernel: &'static str,
+    /// Blocks per cluster of the kernel (2: row-grouped variants run in pairs).
+    cluster_blocks: u32,
     params: DeviceBuffer<u8>,
     groups: u32,
     _maps: Vec<TensorMap>,
@@ -104,6 +105,7 @@ impl EnginePlan {
     fn new(
         gpu: &Gpu,
         kernel: &'static str,
+        variant: u32,
         mut params: GemmParams,
         maps: Vec<TensorMap>,
         cut: [Option<(usize, u64, usize)>; GROUP_MAP_SLOTS as usize],
@@ -131,6 +133,7 @@ impl EnginePlan {
             unsafe { core::slice::from_raw_parts(&params as *const GemmParams as *const u8, size_of::<GemmParams>()) };
         Ok(Self {
             kernel,
+            cluster_blocks: cluster_blocks(variant),
             params: DeviceBuffer::from_slice(gpu, bytes)?,
             groups,
             _maps: maps,
@@ -150,8 +153,10 @@ impl EnginePlan {
         self.launch_with_blocks(gpu, gpu.multiprocessors())
     }
 
-    /// Enqueues the launch with `blocks` persistent blocks (results do not depend on it).
+    /// Enqueues the launch with `blocks` persistent blocks, rounded up to whole clusters (pairs,
+    /// for the row-grouped variants); results do not depend on it.
     pub fn launch_with_blocks(&self, gpu: &Gpu, blocks: u32) -> Result<()> {
+        let blocks = blocks.max(1).next_multiple_of(self.cluster_blocks);
         // The group bounds may have changed since the last launch (they are device-written):
         // cut the maps again, on the same stream, before the engine reads them. The same kernel
         // zeroes the engine's tile counter.
@@ -161,7 +166,7 @@ impl EnginePlan {
             smem_bytes: GROUP_MAP_SMEM_BYTES,
         };
         gpu.launch(GROUP_MAPS_KERNEL, maps_shape, &[KernelArg::Ptr(self.params.device_ptr())])?;
-        let shape = LaunchShape { grid: (blocks.max(1), 1, 1), threads: ENGINE_THREADS, smem_bytes: ENGINE_SMEM_BYTES };
+        let shape = LaunchShape { grid: (blocks, 1, 1), threads: ENGINE_THREADS, smem_bytes: ENGINE_SMEM_BYTES };
         gpu.launch(self.kernel, shape, &[KernelArg::Ptr(self.params.device_ptr())])
     }
 
@@ -218,7 +223,7 @@ impl EnginePlan {
             ..GemmParams::default()
         };
         let cut = [Some((0, rows.device_ptr(), 2 * h)), None, Some((3, hidden_out.device_ptr(), 2 * i))];
-        Self::new(gpu, "mok_sm90_gemm_gate_up", params, maps, cut)
+        Self::new(gpu, "mok_sm90_gemm_gate_up", Variant::GATE_UP, params, maps, cut)
     }
 
     /// Row-grouped `out[r] = rows[r] · w[g]ᵀ` (f32): `rows` `[cap][k]`, `w` `[G][n][k]`,
@@ -255,7 +260,7 @@ impl EnginePlan {
             ..GemmParams::default()
         };
         let cut = [Some((0, rows.device_ptr(), 2 * k)), None, Some((2, out.device_ptr(), 4 * n))];
-        Self::new(gpu, "mok_sm90_gemm_rows_nt", params, maps, cut)
+        Self::new(gpu, "mok_sm90_gemm_rows_nt", Variant::ROWS_NT, params, maps, cut)
     }
 
     /// Row-grouped data gradient `out[r] = a1[r] · w1[g] (+ a2[r] · w2[g])` (f32), weights read
@@ -306,7 +311,7 @@ impl EnginePlan {
             k2: if second.is_some() { k as u32 } else { 0 },
             ..GemmParams::default()
         };
-        Self::new(gpu, "mok_sm90_gemm_rows_nn", params, maps, cut)
+        Self::new(gpu, "mok_sm90_gemm_rows_nn", Variant::ROWS_NN, params, maps, cut)
     }
 
     /// Weight gradient per group, `dw[g] = Σ_{r in g} a[r]ᵀ b[r]`, reducing the group's rows
@@ -359,13 +364,14 @@ impl EnginePlan {
         };
         // A group's last K block reads its rows through maps cut at the group's end.
         let cut = [Some((0, a.device_ptr(), 2 * m)), Some((1, b.device_ptr(), 2 * n)), None];
-        Self::new(gpu, "mok_sm90_gemm_wgrad", params, maps, cut)
+        Self::new(gpu, "mok_sm90_gemm_wgrad", Variant::WGRAD, params, maps, cut)
     }
 }
 
 /// `[rows][k]` K-major activations: box of 64 K × 128 rows.
 fn rows_map(gpu: &Gpu, rows: &DeviceBuffer<bf16>, k: usize, capacity: usize) -> Result<TensorMap> {
-    TensorMap::bf16(gpu, rows.device_ptr(), &[k as u64, capacity.max(1) as u64], &[2 * k as u64], &[64, 128])
+    // 64-row boxes: each block of a pair loads one half of the shared 128-row A tile.
+    TensorMap::bf16(gpu, rows.device_ptr(), &[k as u64, capacity.max(1) as u64], &[2 * k as u64], &[64, 64])
 }
 
 /// The epilogue's store map of `[rows][width]` bf16 outputs: boxes of 64 columns × 64 rows.

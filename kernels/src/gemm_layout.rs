@@ -48,6 +48,14 @@ impl Variant {
 /// Pipeline stages in shared memory.
 pub const STAGES: u32 = 4;
 
+/// Blocks per cluster. The row-grouped variants run in pairs: the two blocks of a pair take one
+/// M tile of a group and two neighbouring N tiles; each loads one 64-row half of the shared A
+/// tile, multicast into both blocks' shared memory, and its own weight tile. A weight gradient's
+/// tiles run alone.
+pub const fn cluster_blocks(variant: u32) -> u32 {
+    if variant == Variant::WGRAD { 1 } else { 2 }
+}
+
 /// Boxes of output staging per consumer warpgroup (TMA-store epilogue), each 64 rows × 128
 /// bytes: a pass stages this many boxes of 64 bf16 or 32 f32 columns of its 64 rows. It must
 /// divide a tile's 4 bf16 and 8 f32 boxes and be at least the SwiGLU pass's 2, i.e. 2 or 4; 4
@@ -58,9 +66,10 @@ pub const STAGING_BOXES: u32 = 2;
 pub const STAGING_BYTES_PER_WARPGROUP: u32 = STAGING_BOXES * BLOCK_64_BYTES;
 
 /// Dynamic shared memory of an engine block: the stages, the two consumers' output staging, then
-/// 2 · STAGES mbarriers and one 8-byte tile slot per stage; plus 1 KiB so the stages can start on
-/// a 1024-byte boundary whatever the window's base.
-pub const ENGINE_SMEM_BYTES: u32 = STAGES * STAGE_BYTES + 2 * STAGING_BYTES_PER_WARPGROUP + 3 * STAGES * 8 + 1024;
+/// per stage a `full` and an `empty` mbarrier, an 8-byte tile slot and a mailbox mbarrier (a
+/// pair's second block learns its tiles through it); plus 1 KiB so the stages can start on a
+/// 1024-byte boundary whatever the window's base.
+pub const ENGINE_SMEM_BYTES: u32 = STAGES * STAGE_BYTES + 2 * STAGING_BYTES_PER_WARPGROUP + 4 * STAGES * 8 + 1024;
 
 /// The tile slot value that tells the consumers there is no further tile.
 pub const NO_TILE: u32 = u32::MAX;
@@ -144,8 +153,8 @@ pub struct GemmParams {
     pub out1: u64,
     /// Output 2 (up pre-activations f32, optional).
     pub out2: u64,
-    /// One u32: the next tile to hand out. Blocks take tiles from it with an atomic add, in
-    /// list order, so tiles next to each other in the walk run at the same time wherever their
+    /// One u32: the next tile to hand out. Blocks (the first block of each pair) take tiles from
+    /// it with an atomic add, in list order, so tiles next to each other in the walk run at the same time wherever their
     /// blocks are (a static stride lets blocks drift apart by whole tiles). Which block computes
     /// a tile does not change its result. Zeroed by `mok_sm90_group_maps` before every launch.
     pub tile_counter: u64,
