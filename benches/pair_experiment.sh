@@ -13,12 +13,12 @@ cd "$(dirname "$0")/.."
 branch=$(git rev-parse --abbrev-ref HEAD)
 [ -z "$(git status --porcelain)" ] || { echo "commit or stash first" >&2; exit 2; }
 git checkout -q main
-cargo xtask gpu-bundle > /dev/null
+cargo xtask gpu-bundle > /dev/null && cargo xtask ptx > /dev/null
 mkdir -p /tmp/mok-main
 cp bundle/benches/gemm /tmp/mok-main/gemm
 cp target/ptx/mok_sm90a.ptx /tmp/mok-main/main.ptx
 git checkout -q "$branch"
-cargo xtask gpu-bundle > /dev/null
+cargo xtask gpu-bundle > /dev/null && cargo xtask ptx > /dev/null
 mkdir -p bundle/main
 cp /tmp/mok-main/gemm /tmp/mok-main/main.ptx bundle/main/
 cp target/ptx/mok_sm90a.ptx bundle/main/branch.ptx
