@@ -368,7 +368,7 @@ impl EnginePlan {
     }
 }
 
-/// `[rows][k]` K-major activations: box of 64 K × 128 rows.
+/// `[rows][k]` K-major activations: box of 64 K × 64 rows.
 fn rows_map(gpu: &Gpu, rows: &DeviceBuffer<bf16>, k: usize, capacity: usize) -> Result<TensorMap> {
     // 64-row boxes: each block of a pair loads one half of the shared 128-row A tile.
     TensorMap::bf16(gpu, rows.device_ptr(), &[k as u64, capacity.max(1) as u64], &[2 * k as u64], &[64, 64])

@@ -154,8 +154,8 @@ pub struct GemmParams {
     /// Output 2 (up pre-activations f32, optional).
     pub out2: u64,
     /// One u32: the next tile to hand out. Blocks (the first block of each pair) take tiles from
-    /// it with an atomic add, in list order, so tiles next to each other in the walk run at the same time wherever their
-    /// blocks are (a static stride lets blocks drift apart by whole tiles). Which block computes
+    /// it with an atomic add, in list order, so tiles next to each other in the walk run at the
+    /// same time wherever their blocks are (a static stride lets blocks drift apart by whole tiles). Which block computes
     /// a tile does not change its result. Zeroed by `mok_sm90_group_maps` before every launch.
     pub tile_counter: u64,
     /// ... and the bytes between their rows.

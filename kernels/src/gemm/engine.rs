@@ -201,10 +201,10 @@ unsafe fn work_of<const V: u32>(p: &GemmParams, tile: u32) -> Work {
 ///
 /// In a pair (row-grouped variants), the first block's producer takes each tile from the counter
 /// and names it in both blocks' slots; the second block's producer reads it from its slot when
-/// the stage's mailbox completes. Both then load their own A rows and half of the shared weight
-/// tile, multicast into both blocks: a stage is `full` in a block when its A and both halves
-/// have landed there, and `empty` when both blocks' consumers have released it (16 arrivals),
-/// because the partner's producer writes into it too.
+/// the stage's mailbox completes. Both then load one 64-row half of the shared A tile, multicast
+/// into both blocks, and their own weight tile: a stage is `full` in a block when the A halves
+/// with rows and its weight tile have landed there, and `empty` when both blocks' consumers have
+/// released it (16 arrivals), because the partner's producer writes into it too.
 #[inline(always)]
 unsafe fn produce<const V: u32>(p: &GemmParams, ring: Ring) {
     // SAFETY: the offsets in `p` hold groups + 1 entries (host contract of `run`).
@@ -333,9 +333,10 @@ unsafe fn produce<const V: u32>(p: &GemmParams, ring: Ring) {
     }
 }
 
+/// Experiment toggle: pairs take tiles by cluster stride instead of the counter (no mailbox).
 const PAIR_STRIDE_EXPERIMENT: bool = false;
 
-/// Both blocks of a pair (cluster ranks 0 and 1): the multicast mask of the shared weight tile.
+/// Both blocks of a pair (cluster ranks 0 and 1): the multicast mask of the shared A tile.
 const PAIR_MASK: u16 = 0b11;
 
 /// This block's rank in its pair (0 for variants that run alone).
