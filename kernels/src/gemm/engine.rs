@@ -705,34 +705,11 @@ unsafe fn consume<const V: u32>(p: &GemmParams, ring: Ring, wg: u32, thread_in_w
             // An empty group's weight gradient: the tile's stage carried only its name.
             release_unread::<V>(ring, stage, thread_in_wg);
             ring.advance(&mut stage, &mut phase);
-        }
-        // One K block stays in flight on the tensor cores while the next stage is awaited: a
-        // stage is released once the wait for the *next* block's issue says it is done.
-        let mut in_flight: Option<u32> = None;
-        for kb in 0..w.k_blocks {
-            // SAFETY: initialised barrier of this block.
-            unsafe { mbarrier::wait_parity(ring.full(stage), phase) };
-            let (a, b) = stage_descriptors::<V>(ring, stage, wg);
-            let accumulate = kb > 0;
-            // SAFETY: the stage is full; warpgroup-collective in uniform flow; `acc` is not read
-            // before the wait below.
-            unsafe {
-                match V {
-                    Variant::GATE_UP | Variant::ROWS_NT => wgmma::issue_k64_m64n256_kk(&mut acc, a, b, accumulate),
-                    Variant::ROWS_NN => wgmma::issue_k64_m64n256_kn(&mut acc, a, b, accumulate),
-                    _ => wgmma::issue_k64_m64n256_mn(&mut acc, a, b, accumulate),
-                }
-            }
-            wgmma::wait_keep_one_n256(&mut acc);
-            if let Some(done) = in_flight {
-                release::<V>(ring, done, thread_in_wg);
-            }
-            in_flight = Some(stage);
-            ring.advance(&mut stage, &mut phase);
-        }
-        wgmma::wait_all_n256(&mut acc);
-        if let Some(done) = in_flight {
-            release::<V>(ring, done, thread_in_wg);
+        } else {
+            // Only the path that issued MMAs waits for them: a zero-trip path reaching the wait
+            // lets LLVM place the zeroing of `acc` inside the wgmma pipeline, and ptxas then
+            // serialises every wgmma of the kernel (C7515).
+            mainloop::<V>(&mut acc, ring, (&mut stage, &mut phase), w.k_blocks, wg, thread_in_wg);
         }
         // SAFETY: outputs sized by the host contract.
         unsafe { epilogue::<V>(p, &w, &acc, ring.staging(wg), wg, thread_in_wg) };
@@ -740,6 +717,47 @@ unsafe fn consume<const V: u32>(p: &GemmParams, ring: Ring, wg: u32, thread_in_w
     if thread_in_wg == 0 {
         // Shared memory must outlive the bulk stores that read it.
         bulk::wait_group_read_all();
+    }
+}
+
+/// The MMAs of one tile over its `k_blocks` (> 0) stages, each stage released once the MMAs
+/// reading it are done; leaves `stage` / `phase` at the tile's next stage.
+#[inline(always)]
+fn mainloop<const V: u32>(
+    acc: &mut [f32; ACCUMULATORS],
+    ring: Ring,
+    (stage, phase): (&mut u32, &mut u32),
+    k_blocks: u32,
+    wg: u32,
+    thread_in_wg: u32,
+) {
+    // One K block stays in flight on the tensor cores while the next stage is awaited: a
+    // stage is released once the wait for the *next* block's issue says it is done.
+    let mut in_flight: Option<u32> = None;
+    for kb in 0..k_blocks {
+        // SAFETY: initialised barrier of this block.
+        unsafe { mbarrier::wait_parity(ring.full(*stage), *phase) };
+        let (a, b) = stage_descriptors::<V>(ring, *stage, wg);
+        let accumulate = kb > 0;
+        // SAFETY: the stage is full; warpgroup-collective in uniform flow; `acc` is not read
+        // before the wait below.
+        unsafe {
+            match V {
+                Variant::GATE_UP | Variant::ROWS_NT => wgmma::issue_k64_m64n256_kk(acc, a, b, accumulate),
+                Variant::ROWS_NN => wgmma::issue_k64_m64n256_kn(acc, a, b, accumulate),
+                _ => wgmma::issue_k64_m64n256_mn(acc, a, b, accumulate),
+            }
+        }
+        wgmma::wait_keep_one_n256(acc);
+        if let Some(done) = in_flight {
+            release::<V>(ring, done, thread_in_wg);
+        }
+        in_flight = Some(*stage);
+        ring.advance(stage, phase);
+    }
+    wgmma::wait_all_n256(acc);
+    if let Some(done) = in_flight {
+        release::<V>(ring, done, thread_in_wg);
     }
 }
 
