@@ -4,14 +4,16 @@
 //! experts on one GPU, uniform random top-k routing, random data; with the floors (FLOPs at the
 //! matmul ceiling, bytes at the copy ceiling).
 //!
-//! `gemm [--cases kimi:8192,...|""] [--baseline FILE] [--matmul-tflops R] [--copy-tbps B]`
+//! `gemm [--cases kimi:8192,...|""] [--baseline FILE] [--matmul-tflops R] [--copy-tbps B]
+//! [--pairing m|n]` (`--pairing`: every row-grouped plan with M-pairs where possible, or N-pairs
+//! only, instead of each plan's default; `mok::gemm::Pairing`).
 
 use std::collections::HashMap;
 
 use anyhow::{Context, Result};
 use half::bf16;
 use mok::driver::{DeviceBuffer, Gpu};
-use mok::gemm::{EnginePlan, RowGroups, RowsOut, WgradOut, tile_offsets};
+use mok::gemm::{EnginePlan, Pairing, RowGroups, RowsOut, WgradOut, tile_offsets};
 use mok::layout::RoutingLayout;
 use mok::shapes::FrontierShape;
 use mok::unfused::random_bf16;
@@ -60,7 +62,7 @@ const REPETITIONS: usize = 20;
 
 /// The dense case: 8 groups of 8192 rows, K = 7168, N = 4096 through `rows_nt`, with f32 rows
 /// out (the down projection's epilogue) or bf16 rows out (what `matmul` and `_grouped_mm` return).
-fn dense_row(gpu: &Gpu, bf16_out: bool) -> Result<Row> {
+fn dense_row(gpu: &Gpu, bf16_out: bool, pairing: Option<Pairing>) -> Result<Row> {
     let (g, m, k, n) = (8usize, 8192usize, 7168usize, 4096usize);
     let a = random_bf16(gpu, g * m * k, 1, 1.0)?;
     let w = random_bf16(gpu, g * n * k, 2, 0.02)?;
@@ -72,13 +74,21 @@ fn dense_row(gpu: &Gpu, bf16_out: bool) -> Result<Row> {
     let operands = 2.0 * (g * (m * k + k * n)) as f64;
     if bf16_out {
         let out = DeviceBuffer::<bf16>::alloc(gpu, g * m * n)?;
-        let plan = EnginePlan::rows_nt(gpu, &a, &groups, &w, (n, k), RowsOut::Bf16(&out))?;
+        let plan = paired(gpu, EnginePlan::rows_nt(gpu, &a, &groups, &w, (n, k), RowsOut::Bf16(&out))?, pairing)?;
         timed_row(gpu, DENSE_BF16.into(), flop, operands + 2.0 * (g * m * n) as f64, || plan.launch(gpu))
     } else {
         let out = DeviceBuffer::<f32>::alloc(gpu, g * m * n)?;
-        let plan = EnginePlan::rows_nt(gpu, &a, &groups, &w, (n, k), RowsOut::F32(&out))?;
+        let plan = paired(gpu, EnginePlan::rows_nt(gpu, &a, &groups, &w, (n, k), RowsOut::F32(&out))?, pairing)?;
         timed_row(gpu, "dense8".into(), flop, operands + 4.0 * (g * m * n) as f64, || plan.launch(gpu))
     }
+}
+
+/// `plan` with `pairing` set, if one was asked for.
+fn paired(gpu: &Gpu, mut plan: EnginePlan, pairing: Option<Pairing>) -> Result<EnginePlan> {
+    if let Some(pairing) = pairing {
+        plan.set_pairing(gpu, pairing)?;
+    }
+    Ok(plan)
 }
 
 fn random_offsets(tokens: usize, experts: usize, k: usize, seed: u64) -> Vec<u32> {
@@ -88,7 +98,7 @@ fn random_offsets(tokens: usize, experts: usize, k: usize, seed: u64) -> Vec<u32
 
 fn main() -> Result<()> {
     let mut cases = "kimi:8192,glm:8192,qwen:8192,deepseek:8192".to_string();
-    let (mut baseline_file, mut matmul, mut copy) = (None, 783.0, 4.23);
+    let (mut baseline_file, mut matmul, mut copy, mut pairing) = (None, 783.0, 4.23, None);
     let mut args = std::env::args().skip(1).filter(|a| a != "--bench");
     while let Some(arg) = args.next() {
         let mut value = || args.next().with_context(|| format!("{arg} needs a value"));
@@ -97,6 +107,13 @@ fn main() -> Result<()> {
             "--baseline" => baseline_file = Some(value()?),
             "--matmul-tflops" => matmul = value()?.parse()?,
             "--copy-tbps" => copy = value()?.parse()?,
+            "--pairing" => {
+                pairing = Some(match value()?.as_str() {
+                    "m" => Pairing::MAndN,
+                    "n" => Pairing::NOnly,
+                    other => anyhow::bail!("--pairing is m or n, not {other}"),
+                })
+            }
             other => anyhow::bail!("unknown argument {other}"),
         }
     }
@@ -122,7 +139,7 @@ fn main() -> Result<()> {
 
     // Dense first, with f32 rows out (as the down projection); the same with bf16 rows out runs
     // last, so that it does not change the thermal state the other cases are measured in.
-    rows_out.push(dense_row(&gpu, false)?);
+    rows_out.push(dense_row(&gpu, false, pairing)?);
 
     for case in cases.split(',').filter(|c| !c.is_empty()) {
         let (name, tokens) = case.split_once(':').context("case is shape:tokens")?;
@@ -157,25 +174,37 @@ fn main() -> Result<()> {
                 "gate_up",
                 4.0 * r * hf * inf,
                 2.0 * weights + 2.0 * r * hf + 2.0 * r * inf,
-                EnginePlan::gate_up(&gpu, &x, &groups, &w_gate, &w_up, (h, i), None, &hidden, None)?,
+                paired(
+                    &gpu,
+                    EnginePlan::gate_up(&gpu, &x, &groups, &w_gate, &w_up, (h, i), None, &hidden, None)?,
+                    pairing,
+                )?,
             ),
             (
                 "down",
                 2.0 * r * hf * inf,
                 weights + 2.0 * r * inf + 4.0 * r * hf,
-                EnginePlan::rows_nt(&gpu, &hidden, &groups, &w_down, (h, i), RowsOut::F32(&out_h))?,
+                paired(
+                    &gpu,
+                    EnginePlan::rows_nt(&gpu, &hidden, &groups, &w_down, (h, i), RowsOut::F32(&out_h))?,
+                    pairing,
+                )?,
             ),
             (
                 "dgrad_down",
                 2.0 * r * hf * inf,
                 weights + 2.0 * r * hf + 4.0 * r * inf,
-                EnginePlan::rows_nn(&gpu, (&dy, &w_down), None, &groups, (i, h), &out_i)?,
+                paired(&gpu, EnginePlan::rows_nn(&gpu, (&dy, &w_down), None, &groups, (i, h), &out_i)?, pairing)?,
             ),
             (
                 "dgrad_gate_up",
                 4.0 * r * hf * inf,
                 2.0 * weights + 4.0 * r * inf + 4.0 * r * hf,
-                EnginePlan::rows_nn(&gpu, (&d_gate, &w_gate), Some((&d_up, &w_up)), &groups, (h, i), &out_h)?,
+                paired(
+                    &gpu,
+                    EnginePlan::rows_nn(&gpu, (&d_gate, &w_gate), Some((&d_up, &w_up)), &groups, (h, i), &out_h)?,
+                    pairing,
+                )?,
             ),
             (
                 "wgrad_down",
@@ -197,7 +226,7 @@ fn main() -> Result<()> {
     }
 
     if gpu.has_kernel("mok_sm90_gemm_rows_nt_bf16") {
-        rows_out.push(dense_row(&gpu, true)?);
+        rows_out.push(dense_row(&gpu, true, pairing)?);
     } else {
         // A PTX from before that kernel, loaded through MOK_PTX (compare_ptx.sh with an older
         // build): keep the table of everything else.

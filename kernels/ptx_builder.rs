@@ -255,14 +255,23 @@ pub fn build_ptx(
     Ok(dest)
 }
 
-/// The marker `ptx::declare_block_threads::<N>()` leaves in a kernel's body.
-const MAXNTID_MARKER: &str = "// mok:maxntid ";
+/// Markers the kernels leave in their bodies (`ptx::declare_block_threads::<N>()`,
+/// `ptx::declare_cluster_blocks::<N>()`) and the entry directive each becomes.
+const ENTRY_MARKERS: [(&str, &str); 2] =
+    [("// mok:maxntid ", ".maxntid"), ("// mok:reqnctapercluster ", ".reqnctapercluster")];
 
-/// Gives every `.entry` whose body holds the marker `// mok:maxntid N` the directive
-/// `.maxntid N, 1, 1` (between its parameter list and its body, where PTX wants performance
-/// directives). Two different markers in one kernel are an error.
+/// Gives every `.entry` whose body holds a marker `// mok:maxntid N` (or
+/// `// mok:reqnctapercluster N`) the directive `.maxntid N, 1, 1` (`.reqnctapercluster N, 1, 1`),
+/// between its parameter list and its body, where PTX wants them. Two different values of one
+/// marker in a kernel are an error.
 pub fn apply_block_thread_markers(ptx: &str) -> Result<String, String> {
     let lines: Vec<&str> = ptx.lines().collect();
+    let starts_function = |line: &str| {
+        line.starts_with(".visible .entry ")
+            || line.starts_with(".entry ")
+            || line.starts_with(".func ")
+            || line.starts_with(".visible .func ")
+    };
     let mut out = String::with_capacity(ptx.len() + 256);
     let mut i = 0;
     while i < lines.len() {
@@ -279,33 +288,28 @@ pub fn apply_block_thread_markers(ptx: &str) -> Result<String, String> {
         let params_end = (i..lines.len())
             .find(|&j| lines[j].starts_with(')'))
             .ok_or_else(|| format!("unterminated entry: {line}"))?;
-        let body_end = (params_end + 1..lines.len())
-            .find(|&j| {
-                lines[j].starts_with(".visible .entry ")
-                    || lines[j].starts_with(".entry ")
-                    || lines[j].starts_with(".func ")
-                    || lines[j].starts_with(".visible .func ")
-            })
-            .unwrap_or(lines.len());
-        let mut threads: Option<u32> = None;
-        for body_line in &lines[params_end + 1..body_end] {
-            if let Some(at) = body_line.find(MAXNTID_MARKER) {
-                let value = body_line[at + MAXNTID_MARKER.len()..].trim();
-                let n: u32 = value.parse().map_err(|_| format!("bad maxntid marker `{body_line}` in {line}"))?;
-                match threads {
-                    Some(previous) if previous != n => {
-                        return Err(format!("kernel {line} declares {previous} and {n} threads per block"));
-                    }
-                    _ => threads = Some(n),
-                }
-            }
-        }
+        let body_end = (params_end + 1..lines.len()).find(|&j| starts_function(lines[j])).unwrap_or(lines.len());
         for entry_line in &lines[i..=params_end] {
             out.push_str(entry_line);
             out.push('\n');
         }
-        if let Some(n) = threads {
-            out.push_str(&format!(".maxntid {n}, 1, 1\n"));
+        for (marker, directive) in ENTRY_MARKERS {
+            let mut value: Option<u32> = None;
+            for body_line in &lines[params_end + 1..body_end] {
+                if let Some(at) = body_line.find(marker) {
+                    let text = body_line[at + marker.len()..].trim();
+                    let n: u32 = text.parse().map_err(|_| format!("bad marker `{body_line}` in {line}"))?;
+                    match value {
+                        Some(previous) if previous != n => {
+                            return Err(format!("kernel {line} declares {directive} {previous} and {n}"));
+                        }
+                        _ => value = Some(n),
+                    }
+                }
+            }
+            if let Some(n) = value {
+                out.push_str(&format!("{directive} {n}, 1, 1\n"));
+            }
         }
         i = params_end + 1;
     }

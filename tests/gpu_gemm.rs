@@ -11,7 +11,7 @@ use common::{PLAIN_ROUTING, Routing, check, fingerprint, random_bf16, random_cas
 use half::bf16;
 use mok::MoeConfig;
 use mok::driver::{DeviceBuffer, Gpu, KernelArg, LaunchShape};
-use mok::gemm::{EnginePlan, RowGroups, RowsOut, WgradOut, tile_offsets};
+use mok::gemm::{EnginePlan, Pairing, RowGroups, RowsOut, WgradOut, tile_offsets};
 use mok::tensor_map::TensorMap;
 use mok::unfused::{DeviceExperts, DeviceTokens, UnfusedLayer};
 
@@ -194,7 +194,7 @@ fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
     // Forward gate/up + SwiGLU.
     let (hidden_out, gate_out, up_out) =
         (poisoned::<bf16>(gpu, cap * i), poisoned::<f32>(gpu, cap * i), poisoned::<f32>(gpu, cap * i));
-    let plan = EnginePlan::gate_up(
+    let mut plan = EnginePlan::gate_up(
         gpu,
         &layer.gathered_x,
         &groups,
@@ -231,18 +231,33 @@ fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
         fingerprint(&got_hidden[..valid]),
         "gate_up differs with 7 blocks"
     );
+    // Nor does the way blocks pair up (default: M-pairs where possible; here N-pairs only).
+    plan.set_pairing(gpu, Pairing::NOnly).unwrap();
+    plan.launch_with_blocks(gpu, 9).unwrap();
+    assert_eq!(
+        fingerprint(&hidden_out.download().unwrap()[..valid]),
+        fingerprint(&got_hidden[..valid]),
+        "gate_up differs with N-pairs only"
+    );
 
     // Down projection on the unfused path's hidden.
     let down_out = poisoned::<f32>(gpu, cap * h);
-    EnginePlan::rows_nt(gpu, hidden, &groups, &s.experts.w_down, (h, i), RowsOut::F32(&down_out))
-        .unwrap()
-        .launch(gpu)
-        .unwrap();
+    let mut plan =
+        EnginePlan::rows_nt(gpu, hidden, &groups, &s.experts.w_down, (h, i), RowsOut::F32(&down_out)).unwrap();
+    plan.launch(gpu).unwrap();
     let got_down = down_out.download().unwrap();
     check(
         "down output (engine rows_nt)",
         rel_err(&got_down[..rows * h], &f64s(&down.download().unwrap()[..rows * h])),
         1e-5,
+    );
+    // The other pairing (default for rows_nt: N-pairs only) gives the same bits.
+    plan.set_pairing(gpu, Pairing::MAndN).unwrap();
+    plan.launch(gpu).unwrap();
+    assert_eq!(
+        fingerprint(&down_out.download().unwrap()[..rows * h]),
+        fingerprint(&got_down[..rows * h]),
+        "rows_nt differs with M-pairs"
     );
     // bf16 rows: each element is its f32 sum rounded once (to nearest even), and no row past the
     // routed rows is written.
@@ -268,7 +283,7 @@ fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
         1e-5,
     );
     let d_in = poisoned::<f32>(gpu, cap * h);
-    EnginePlan::rows_nn(
+    let mut plan = EnginePlan::rows_nn(
         gpu,
         (back.d_gate, &s.experts.w_gate),
         Some((back.d_up, &s.experts.w_up)),
@@ -276,18 +291,25 @@ fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
         (h, i),
         &d_in,
     )
-    .unwrap()
-    .launch(gpu)
     .unwrap();
+    plan.launch(gpu).unwrap();
+    let got_d_in = d_in.download().unwrap();
     check(
         "d_rows_in (engine rows_nn, 2 segments)",
-        rel_err(&d_in.download().unwrap()[..rows * h], &f64s(&back.d_in.download().unwrap()[..rows * h])),
+        rel_err(&got_d_in[..rows * h], &f64s(&back.d_in.download().unwrap()[..rows * h])),
         1e-5,
+    );
+    plan.set_pairing(gpu, Pairing::NOnly).unwrap();
+    plan.launch_with_blocks(gpu, 3).unwrap();
+    assert_eq!(
+        fingerprint(&d_in.download().unwrap()[..rows * h]),
+        fingerprint(&got_d_in[..rows * h]),
+        "rows_nn differs with N-pairs only"
     );
 
     // Weight gradients: bf16 against the unfused bf16; f32 accumulation against f64.
     let dw_down = poisoned::<bf16>(gpu, e * h * i);
-    let plan = EnginePlan::wgrad(
+    let mut plan = EnginePlan::wgrad(
         gpu,
         back.d_rows,
         hidden,
@@ -297,6 +319,8 @@ fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
         WgradOut::Bf16(&dw_down),
     )
     .unwrap();
+    let refused = plan.set_pairing(gpu, Pairing::NOnly).unwrap_err().to_string();
+    assert!(refused.contains("alone"), "a weight-gradient plan must refuse a pairing: {refused}");
     plan.launch(gpu).unwrap();
     let got = dw_down.download().unwrap();
     check("dw_down bf16 (engine wgrad)", rel_err_bf16(&got, &layer.grads.dw_down.download().unwrap()), 3e-3);
@@ -360,6 +384,16 @@ fn engine_matches_unfused_on_ragged_and_empty_groups() {
     let gpu = gpu();
     let config = MoeConfig { swiglu_limit: Some(1.5), ..MoeConfig::new(300, 256, 192, 8, 4) };
     let s = setup(&gpu, config, 51, Routing { drop_probability: 0.1, empty_experts: &[2, 5] });
+    check_engine_against_unfused(&gpu, &s);
+}
+
+#[test]
+fn engine_matches_unfused_on_groups_of_several_tiles() {
+    // ~640 rows per expert: groups of 5 and 6 M tiles, i.e. M-pairs plus an N-paired last tile
+    // and M-pairs alone; an empty expert and dropped slots too.
+    let gpu = gpu();
+    let s =
+        setup(&gpu, MoeConfig::new(853, 256, 192, 4, 3), 55, Routing { drop_probability: 0.02, empty_experts: &[1] });
     check_engine_against_unfused(&gpu, &s);
 }
 

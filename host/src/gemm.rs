@@ -3,14 +3,14 @@
 //! without touching the host again.
 //!
 //! Every plan works on device-written group offsets: `row_offsets[G+1]` (first row of each
-//! group) and, for row-grouped variants, `tile_offsets[G+1]` in tiles of
-//! [`TILE_M`](mok_kernels::gemm_layout::TILE_M) rows, made on the device by
-//! [`tile_offsets`]. The host never learns the group sizes.
+//! group) and, for row-grouped variants, `tile_offsets[2(G+1)]` (tiles of [`TILE_M`] rows, and
+//! which groups have an odd tile count), made on the device by [`tile_offsets`]. The host never
+//! learns the group sizes.
 
 use half::bf16;
 use mok_kernels::gemm_layout::{
     ENGINE_SMEM_BYTES, ENGINE_THREADS, GROUP_MAP_SLOTS, GROUP_MAP_SMEM_BYTES, GROUP_MAP_WARPS, GemmParams,
-    TENSOR_MAP_BYTES, TILE_M, TILE_N,
+    TENSOR_MAP_BYTES, TILE_M, TILE_N, Variant, cluster_blocks,
 };
 
 use crate::driver::{DeviceBuffer, Gpu, KernelArg, LaunchShape};
@@ -30,11 +30,12 @@ pub const ENGINE_KERNELS: [&str; 6] = [
 /// Writes the per-group tensor maps (`GemmParams::group_maps`) before each engine launch.
 const GROUP_MAPS_KERNEL: &str = "mok_sm90_group_maps";
 
-/// `[groups + 1]` tile offsets (tiles of `TILE_M` rows) from `[groups + 1]` row offsets,
+/// `[2 · (groups + 1)]` tile offsets (tiles of `TILE_M` rows, then the count of groups with an
+/// odd tile count before each; `GemmParams::tile_offsets`) from `[groups + 1]` row offsets,
 /// computed on the device, ordered on the stream after whatever wrote the row offsets.
 pub fn tile_offsets(gpu: &Gpu, row_offsets: &DeviceBuffer<u32>, groups: usize) -> Result<DeviceBuffer<u32>> {
     check_len("row_offsets", row_offsets.len(), groups + 1)?;
-    let tiles = DeviceBuffer::alloc(gpu, groups + 1)?;
+    let tiles = DeviceBuffer::alloc(gpu, 2 * (groups + 1))?;
     gpu.launch(
         "mok_tile_offsets",
         LaunchShape::linear(1, 32),
@@ -71,12 +72,45 @@ fn check_width(field: &'static str, value: usize) -> Result<()> {
 pub struct RowGroups<'a> {
     /// `[groups + 1]` first row of each group.
     pub row_offsets: &'a DeviceBuffer<u32>,
-    /// `[groups + 1]` first tile of each group (from [`tile_offsets`]).
+    /// `[2 · (groups + 1)]` tile offsets of the groups (from [`tile_offsets`]).
     pub tile_offsets: &'a DeviceBuffer<u32>,
     /// Groups.
     pub groups: usize,
     /// Rows the row buffers hold (an upper bound on `row_offsets[groups]`).
     pub capacity: usize,
+}
+
+impl RowGroups<'_> {
+    /// The offset buffers have the lengths the engine reads.
+    fn check(&self) -> Result<()> {
+        check_len("row_offsets", self.row_offsets.len(), self.groups + 1)?;
+        check_len("tile_offsets", self.tile_offsets.len(), 2 * (self.groups + 1))
+    }
+}
+
+/// How the blocks of a row-grouped plan pair up (`GemmParams::m_pairs`). Results are the same
+/// either way — each tile is computed whole by one block, in fixed K order — only the speed
+/// differs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pairing {
+    /// M-pairs where a group has two 128-row M tiles for them (the blocks split the loading of
+    /// the weight tile they share), N-pairs for a group's odd last M tile.
+    MAndN,
+    /// Every M tile N-paired (the blocks share its rows and take two neighbouring N tiles).
+    NOnly,
+}
+
+impl Pairing {
+    /// The plans' default, measured (docs/PERF.md v18): M-pairs where the weight tile is the
+    /// larger stream (gate/up, data gradients), N-pairs only for `rows_nt` (the down projection
+    /// and its bf16 twin), whose groups pair better by N.
+    fn default_for(variant: u32) -> Self {
+        if variant == Variant::ROWS_NT || variant == Variant::ROWS_NT_BF16 { Pairing::NOnly } else { Pairing::MAndN }
+    }
+
+    fn m_pairs(self) -> u32 {
+        u32::from(self == Pairing::MAndN)
+    }
 }
 
 /// Where a weight gradient goes.
@@ -100,6 +134,10 @@ pub enum RowsOut<'a> {
 /// One prepared engine launch: the parameter block and tensor maps live on the device.
 pub struct EnginePlan {
     kernel: &'static str,
+    /// The parameter block as uploaded (kept to change the pairing).
+    host_params: GemmParams,
+    /// Blocks per cluster of the kernel (2: row-grouped variants run in pairs).
+    cluster_blocks: u32,
     params: DeviceBuffer<u8>,
     groups: u32,
     _maps: Vec<TensorMap>,
@@ -115,6 +153,7 @@ impl EnginePlan {
     fn new(
         gpu: &Gpu,
         kernel: &'static str,
+        variant: u32,
         mut params: GemmParams,
         maps: Vec<TensorMap>,
         cut: [Option<(usize, u64, usize)>; GROUP_MAP_SLOTS as usize],
@@ -136,18 +175,31 @@ impl EnginePlan {
                 })?;
             }
         }
-        // SAFETY: GemmParams is repr(C) plain data (u64, u32, f32 fields, no padding: 18 u64
-        // then 10 four-byte fields, 184 bytes, asserted in gemm_layout), so its bytes are initialised.
-        let bytes =
-            unsafe { core::slice::from_raw_parts(&params as *const GemmParams as *const u8, size_of::<GemmParams>()) };
         Ok(Self {
             kernel,
-            params: DeviceBuffer::from_slice(gpu, bytes)?,
+            host_params: params,
+            cluster_blocks: cluster_blocks(variant),
+            params: DeviceBuffer::from_slice(gpu, params_bytes(&params))?,
             groups,
             _maps: maps,
             _group_maps: group_maps,
             _tile_counter: tile_counter,
         })
+    }
+
+    /// Sets how the blocks of a row-grouped plan pair up (each plan starts with the measured
+    /// default, see [`Pairing`]). The results do not change. Weight-gradient plans run their
+    /// blocks alone: an error.
+    pub fn set_pairing(&mut self, gpu: &Gpu, pairing: Pairing) -> Result<()> {
+        if self.cluster_blocks == 1 {
+            return Err(MokError::InvalidInput {
+                tensor: "pairing",
+                problem: format!("{} runs its blocks alone; only row-grouped plans pair them", self.kernel),
+            });
+        }
+        self.host_params.m_pairs = pairing.m_pairs();
+        self.params = DeviceBuffer::from_slice(gpu, params_bytes(&self.host_params))?;
+        Ok(())
     }
 
     /// Enqueues the launch with one block per SM (persistent).
@@ -161,8 +213,10 @@ impl EnginePlan {
         self.launch_with_blocks(gpu, gpu.multiprocessors())
     }
 
-    /// Enqueues the launch with `blocks` persistent blocks (results do not depend on it).
+    /// Enqueues the launch with `blocks` persistent blocks, rounded up to whole clusters (pairs,
+    /// for the row-grouped variants); results do not depend on it.
     pub fn launch_with_blocks(&self, gpu: &Gpu, blocks: u32) -> Result<()> {
+        let blocks = blocks.max(1).next_multiple_of(self.cluster_blocks);
         // The group bounds may have changed since the last launch (they are device-written):
         // cut the maps again, on the same stream, before the engine reads them. The same kernel
         // zeroes the engine's tile counter.
@@ -172,7 +226,7 @@ impl EnginePlan {
             smem_bytes: GROUP_MAP_SMEM_BYTES,
         };
         gpu.launch(GROUP_MAPS_KERNEL, maps_shape, &[KernelArg::Ptr(self.params.device_ptr())])?;
-        let shape = LaunchShape { grid: (blocks.max(1), 1, 1), threads: ENGINE_THREADS, smem_bytes: ENGINE_SMEM_BYTES };
+        let shape = LaunchShape { grid: (blocks, 1, 1), threads: ENGINE_THREADS, smem_bytes: ENGINE_SMEM_BYTES };
         gpu.launch(self.kernel, shape, &[KernelArg::Ptr(self.params.device_ptr())])
     }
 
@@ -193,6 +247,7 @@ impl EnginePlan {
     ) -> Result<Self> {
         check_width("hidden", h)?;
         check_width("intermediate", i)?;
+        groups.check()?;
         let g = groups.groups;
         check_len("rows", rows.len(), groups.capacity * h)?;
         check_len("w_gate", w_gate.len(), g * i * h)?;
@@ -219,6 +274,7 @@ impl EnginePlan {
             map_out: maps[3].device_ptr(),
             row_offsets: groups.row_offsets.device_ptr(),
             tile_offsets: groups.tile_offsets.device_ptr(),
+            m_pairs: Pairing::default_for(Variant::GATE_UP).m_pairs(),
             out0: hidden_out.device_ptr(),
             out1,
             out2,
@@ -229,7 +285,7 @@ impl EnginePlan {
             ..GemmParams::default()
         };
         let cut = [Some((0, rows.device_ptr(), 2 * h)), None, Some((3, hidden_out.device_ptr(), 2 * i))];
-        Self::new(gpu, "mok_sm90_gemm_gate_up", params, maps, cut)
+        Self::new(gpu, "mok_sm90_gemm_gate_up", Variant::GATE_UP, params, maps, cut)
     }
 
     /// Row-grouped `out[r] = rows[r] · w[g]ᵀ` (f32 or bf16 rows): `rows` `[cap][k]`, `w`
@@ -244,27 +300,39 @@ impl EnginePlan {
     ) -> Result<Self> {
         check_width("n", n)?;
         check_width("k", k)?;
+        groups.check()?;
         let g = groups.groups;
         check_len("rows", rows.len(), groups.capacity * k)?;
         check_len("w", w.len(), g * n * k)?;
         // (address, length, bytes per element, store map, kernel) of the output rows.
-        let (out_ptr, out_len, out_bytes, out_map, kernel) = match out {
-            RowsOut::F32(b) => {
-                (b.device_ptr(), b.len(), 4, store_map_f32(gpu, b, n, groups.capacity)?, "mok_sm90_gemm_rows_nt")
-            }
-            RowsOut::Bf16(b) => {
-                (b.device_ptr(), b.len(), 2, store_map_bf16(gpu, b, n, groups.capacity)?, "mok_sm90_gemm_rows_nt_bf16")
-            }
+        let (out_ptr, out_len, out_bytes, out_map, kernel, variant) = match out {
+            RowsOut::F32(b) => (
+                b.device_ptr(),
+                b.len(),
+                4,
+                store_map_f32(gpu, b, n, groups.capacity)?,
+                "mok_sm90_gemm_rows_nt",
+                Variant::ROWS_NT,
+            ),
+            RowsOut::Bf16(b) => (
+                b.device_ptr(),
+                b.len(),
+                2,
+                store_map_bf16(gpu, b, n, groups.capacity)?,
+                "mok_sm90_gemm_rows_nt_bf16",
+                Variant::ROWS_NT_BF16,
+            ),
         };
         check_len("out", out_len, groups.capacity * n)?;
         let maps =
-            vec![rows_map(gpu, rows, k, groups.capacity)?, weight_map_k_major(gpu, w, k, n, g, TILE_N)?, out_map];
+            vec![rows_map(gpu, rows, k, groups.capacity)?, weight_map_k_major(gpu, w, k, n, g, TILE_N / 2)?, out_map];
         let params = GemmParams {
             map_a: maps[0].device_ptr(),
             map_b: maps[1].device_ptr(),
             map_out: maps[2].device_ptr(),
             row_offsets: groups.row_offsets.device_ptr(),
             tile_offsets: groups.tile_offsets.device_ptr(),
+            m_pairs: Pairing::default_for(variant).m_pairs(),
             out0: out_ptr,
             groups: g as u32,
             n: n as u32,
@@ -272,7 +340,7 @@ impl EnginePlan {
             ..GemmParams::default()
         };
         let cut = [Some((0, rows.device_ptr(), 2 * k)), None, Some((2, out_ptr, out_bytes * n))];
-        Self::new(gpu, kernel, params, maps, cut)
+        Self::new(gpu, kernel, variant, params, maps, cut)
     }
 
     /// Row-grouped data gradient `out[r] = a1[r] · w1[g] (+ a2[r] · w2[g])` (f32), weights read
@@ -287,6 +355,7 @@ impl EnginePlan {
     ) -> Result<Self> {
         check_width("n", n)?;
         check_width("k", k)?;
+        groups.check()?;
         let g = groups.groups;
         let mut maps = Vec::new();
         let mut cut = [None, None, None];
@@ -316,6 +385,7 @@ impl EnginePlan {
             map_out: maps[maps.len() - 1].device_ptr(),
             row_offsets: groups.row_offsets.device_ptr(),
             tile_offsets: groups.tile_offsets.device_ptr(),
+            m_pairs: Pairing::default_for(Variant::ROWS_NN).m_pairs(),
             out0: out.device_ptr(),
             groups: g as u32,
             n: n as u32,
@@ -323,7 +393,7 @@ impl EnginePlan {
             k2: if second.is_some() { k as u32 } else { 0 },
             ..GemmParams::default()
         };
-        Self::new(gpu, "mok_sm90_gemm_rows_nn", params, maps, cut)
+        Self::new(gpu, "mok_sm90_gemm_rows_nn", Variant::ROWS_NN, params, maps, cut)
     }
 
     /// Weight gradient per group, `dw[g] = Σ_{r in g} a[r]ᵀ b[r]`, reducing the group's rows
@@ -376,13 +446,21 @@ impl EnginePlan {
         };
         // A group's last K block reads its rows through maps cut at the group's end.
         let cut = [Some((0, a.device_ptr(), 2 * m)), Some((1, b.device_ptr(), 2 * n)), None];
-        Self::new(gpu, "mok_sm90_gemm_wgrad", params, maps, cut)
+        Self::new(gpu, "mok_sm90_gemm_wgrad", Variant::WGRAD, params, maps, cut)
     }
 }
 
-/// `[rows][k]` K-major activations: box of 64 K × 128 rows.
+/// The bytes of a parameter block, as the kernels read it.
+fn params_bytes(params: &GemmParams) -> &[u8] {
+    // SAFETY: GemmParams is repr(C) plain data (u64, u32, f32 fields, no padding: 18 u64 then 10
+    // four-byte fields, 184 bytes, asserted in gemm_layout), so its bytes are initialised.
+    unsafe { core::slice::from_raw_parts(params as *const GemmParams as *const u8, size_of::<GemmParams>()) }
+}
+
+/// `[rows][k]` K-major activations: box of 64 K × 64 rows.
 fn rows_map(gpu: &Gpu, rows: &DeviceBuffer<bf16>, k: usize, capacity: usize) -> Result<TensorMap> {
-    TensorMap::bf16(gpu, rows.device_ptr(), &[k as u64, capacity.max(1) as u64], &[2 * k as u64], &[64, 128])
+    // 64-row boxes: each block of a pair loads one half of the shared 128-row A tile.
+    TensorMap::bf16(gpu, rows.device_ptr(), &[k as u64, capacity.max(1) as u64], &[2 * k as u64], &[64, 64])
 }
 
 /// The epilogue's store map of `[rows][width]` bf16 outputs: boxes of 64 columns × 64 rows.

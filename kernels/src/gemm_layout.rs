@@ -29,8 +29,14 @@ pub const ENGINE_THREADS: u32 = 384;
 pub const PRODUCER_REGISTERS: u32 = 56;
 /// ... and what each consumer warpgroup takes (`setmaxnreg.inc`): the 128 accumulators of an
 /// `m64n256` tile plus addressing. The block starts with 65536 / 384 = 168 per thread (the
-/// kernel is built with `.maxntid 384`), and 128 · 56 + 256 · 224 = 384 · 168.
+/// kernel is built with `.maxntid 384`), and 128 · 56 + 256 · 224 = 384 · 168. For the weight
+/// gradient, which runs alone.
 pub const CONSUMER_REGISTERS: u32 = 224;
+/// The split of the variants that run in pairs: their producer finds its tile's group and
+/// pair mode with more live values, and spilled with 56 (consumers keep 0 spills with 216).
+pub const PAIRED_PRODUCER_REGISTERS: u32 = 64;
+/// See [`PAIRED_PRODUCER_REGISTERS`].
+pub const PAIRED_CONSUMER_REGISTERS: u32 = 216;
 /// Which product an engine instance computes (the kernels' const generic).
 pub struct Variant;
 
@@ -51,6 +57,15 @@ impl Variant {
 /// Pipeline stages in shared memory.
 pub const STAGES: u32 = 4;
 
+/// Blocks per cluster. The row-grouped variants run in pairs that share one operand by TMA
+/// multicast: an M-pair takes the two 128-row halves of a 256-row entry and shares the weight
+/// tile (each block loads half of it into both); an N-pair takes one M tile and two neighbouring
+/// N tiles and shares the rows (each block loads a 64-row half into both). A weight gradient's
+/// tiles run alone.
+pub const fn cluster_blocks(variant: u32) -> u32 {
+    if variant == Variant::WGRAD { 1 } else { 2 }
+}
+
 /// Boxes of output staging per consumer warpgroup (TMA-store epilogue), each 64 rows × 128
 /// bytes: a pass stages this many boxes of 64 bf16 or 32 f32 columns of its 64 rows. It must
 /// divide a tile's 4 bf16 and 8 f32 boxes and be at least the SwiGLU pass's 2, i.e. 2 or 4; 4
@@ -61,9 +76,10 @@ pub const STAGING_BOXES: u32 = 2;
 pub const STAGING_BYTES_PER_WARPGROUP: u32 = STAGING_BOXES * BLOCK_64_BYTES;
 
 /// Dynamic shared memory of an engine block: the stages, the two consumers' output staging, then
-/// 2 · STAGES mbarriers and one 8-byte tile slot per stage; plus 1 KiB so the stages can start on
-/// a 1024-byte boundary whatever the window's base.
-pub const ENGINE_SMEM_BYTES: u32 = STAGES * STAGE_BYTES + 2 * STAGING_BYTES_PER_WARPGROUP + 3 * STAGES * 8 + 1024;
+/// per stage a `full` and an `empty` mbarrier, an 8-byte tile slot and a mailbox mbarrier (a
+/// pair's second block learns its tiles through it); plus 1 KiB so the stages can start on a
+/// 1024-byte boundary whatever the window's base.
+pub const ENGINE_SMEM_BYTES: u32 = STAGES * STAGE_BYTES + 2 * STAGING_BYTES_PER_WARPGROUP + 4 * STAGES * 8 + 1024;
 
 /// The tile slot value that tells the consumers there is no further tile.
 pub const NO_TILE: u32 = u32::MAX;
@@ -139,7 +155,9 @@ pub struct GemmParams {
     pub map_out: u64,
     /// `[groups + 1]` first row of each group (device-written).
     pub row_offsets: u64,
-    /// `[groups + 1]` first M tile of each group, in tiles of [`TILE_M`] (row-grouped variants).
+    /// Row-grouped variants: `[2 · (groups + 1)]`, the first M tile of each group in tiles of
+    /// [`TILE_M`] (`[0, G]`), then the number of groups before each with an odd M tile count
+    /// (`[G + 1, 2G + 1]`); device-written (`mok_sm90_pair_offsets`).
     pub tile_offsets: u64,
     /// Output 0 (hidden bf16, f32 rows, or weight gradient).
     pub out0: u64,
@@ -147,15 +165,17 @@ pub struct GemmParams {
     pub out1: u64,
     /// Output 2 (up pre-activations f32, optional).
     pub out2: u64,
-    /// One u32: the next tile to hand out. Blocks take tiles from it with an atomic add, in
-    /// list order, so tiles next to each other in the walk run at the same time wherever their
-    /// blocks are (a static stride lets blocks drift apart by whole tiles). Which block computes
+    /// One u32: the next tile to hand out. Blocks (the first block of each pair) take tiles from
+    /// it with an atomic add, in list order, so tiles next to each other in the walk run at the
+    /// same time wherever their blocks are (a static stride lets blocks drift apart by whole tiles). Which block computes
     /// a tile does not change its result. Zeroed by `mok_sm90_group_maps` before every launch.
     pub tile_counter: u64,
     /// ... and the bytes between their rows.
     pub cut_pitches: [u32; GROUP_MAP_SLOTS as usize],
-    /// Keeps the block free of padding.
-    pub reserved: u32,
+    /// Row-grouped variants: nonzero to pair the blocks by M where a group has two 128-row M
+    /// tiles for them (they split the loading of the weight tile they share), 0 to pair every M
+    /// tile by N (the blocks share its rows and take two N tiles); see the engine's list walk.
+    pub m_pairs: u32,
     /// Groups (experts).
     pub groups: u32,
     /// Output width N of the product (per group).
@@ -207,11 +227,14 @@ pub const fn banded_row_tile(local: u32, m_tiles: u32, n_tiles: u32, band_m: u32
 const _: () = assert!(core::mem::size_of::<GemmParams>() == 184);
 const _: () = assert!(ENGINE_SMEM_BYTES <= 227 * 1024);
 const _: () = assert!(STAGE_BYTES.is_multiple_of(1024));
-const _: () = assert!(
-    PRODUCER_REGISTERS * 128 + CONSUMER_REGISTERS * 256 <= (65536 / ENGINE_THREADS) * ENGINE_THREADS
-        && PRODUCER_REGISTERS.is_multiple_of(8)
-        && CONSUMER_REGISTERS.is_multiple_of(8)
-);
+const fn fits(producer: u32, consumer: u32) -> bool {
+    // setmaxnreg can only hand out what the block was launched with (168 · 384 at .maxntid 384).
+    producer * 128 + consumer * 256 <= 65536 / ENGINE_THREADS / 8 * 8 * ENGINE_THREADS
+        && producer.is_multiple_of(8)
+        && consumer.is_multiple_of(8)
+}
+const _: () = assert!(fits(PRODUCER_REGISTERS, CONSUMER_REGISTERS));
+const _: () = assert!(fits(PAIRED_PRODUCER_REGISTERS, PAIRED_CONSUMER_REGISTERS));
 
 #[cfg(test)]
 mod tests {

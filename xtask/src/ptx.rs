@@ -314,9 +314,20 @@ mod marker_tests {
     }
 
     #[test]
+    fn cluster_marker_becomes_reqnctapercluster() {
+        let with_cluster =
+            PTX.replace("\t// mok:maxntid 384\n", "\t// mok:maxntid 384\n\t// mok:reqnctapercluster 2\n");
+        let out = apply_block_thread_markers(&with_cluster).unwrap();
+        let lines: Vec<&str> = out.lines().collect();
+        let at = lines.iter().position(|l| *l == ".reqnctapercluster 2, 1, 1").expect("directive added");
+        assert_eq!(lines[at - 1], ".maxntid 384, 1, 1");
+        assert_eq!(lines[at + 1], "{");
+    }
+
+    #[test]
     fn conflicting_markers_are_an_error() {
         let bad = PTX
             .replace("\tret;\n}\n.visible .entry without", "\t// mok:maxntid 256\n\tret;\n}\n.visible .entry without");
-        assert!(apply_block_thread_markers(&bad).unwrap_err().contains("384 and 256"));
+        assert!(apply_block_thread_markers(&bad).unwrap_err().contains(".maxntid 384 and 256"));
     }
 }

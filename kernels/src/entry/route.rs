@@ -144,11 +144,13 @@ pub unsafe extern "ptx-kernel" fn mok_route_place(
     }
 }
 
-/// Tile offsets for a tile height of `tile_m` rows from row offsets (`[groups + 1]` each): the
-/// GEMM engines' tile schedulers read them. One thread: groups are few.
+/// Tile offsets for a tile height of `tile_m` rows from row offsets (`[groups + 1]`): the first
+/// tile of each group (`tile_offsets[0..=G]`), then the number of groups before each whose tile
+/// count is odd (`tile_offsets[G+1..=2G+1]`), from which the sm_90 engine counts its pairs of
+/// blocks. One thread: groups are few.
 ///
 /// # Safety
-/// `row_offsets` and `tile_offsets` hold `groups + 1` words.
+/// `row_offsets` holds `groups + 1` words, `tile_offsets` `2 · (groups + 1)`.
 #[unsafe(no_mangle)]
 pub unsafe extern "ptx-kernel" fn mok_tile_offsets(
     row_offsets: *const u32,
@@ -159,14 +161,21 @@ pub unsafe extern "ptx-kernel" fn mok_tile_offsets(
     if sreg::thread_idx_x() != 0 || sreg::block_idx_x() != 0 {
         return;
     }
-    let mut tiles = 0;
+    let (mut tiles, mut odd) = (0, 0);
+    let odd_offsets = groups as usize + 1;
     for g in 0..groups as usize {
-        // SAFETY: g + 1 ≤ groups.
+        // SAFETY: g + 1 ≤ groups; odd_offsets + g < 2 · (groups + 1).
         unsafe {
             *tile_offsets.add(g) = tiles;
-            tiles += (*row_offsets.add(g + 1) - *row_offsets.add(g)).div_ceil(tile_m);
+            *tile_offsets.add(odd_offsets + g) = odd;
+            let group_tiles = (*row_offsets.add(g + 1) - *row_offsets.add(g)).div_ceil(tile_m);
+            tiles += group_tiles;
+            odd += group_tiles % 2;
         }
     }
-    // SAFETY: index groups is the last entry.
-    unsafe { *tile_offsets.add(groups as usize) = tiles };
+    // SAFETY: the last entry of each half.
+    unsafe {
+        *tile_offsets.add(groups as usize) = tiles;
+        *tile_offsets.add(odd_offsets + groups as usize) = odd;
+    }
 }

@@ -37,14 +37,15 @@
 use crate::device::math;
 use crate::gemm_layout::{
     A_TILE_BYTES, B_TILE_BYTES, BLOCK_64_BYTES, CONSUMER_REGISTERS, ENGINE_THREADS, GemmParams, NO_TILE,
-    PRODUCER_REGISTERS, ROW_TILE_BAND, ROW_TILE_BAND_N, STAGE_BYTES, STAGES, STAGING_BOXES,
-    STAGING_BYTES_PER_WARPGROUP, TILE_K, TILE_M, TILE_N, banded_row_tile, smem_descriptor, swizzled_chunk_offset,
+    PAIRED_CONSUMER_REGISTERS, PAIRED_PRODUCER_REGISTERS, PRODUCER_REGISTERS, ROW_TILE_BAND, ROW_TILE_BAND_N,
+    STAGE_BYTES, STAGES, STAGING_BOXES, STAGING_BYTES_PER_WARPGROUP, TILE_K, TILE_M, TILE_N, banded_row_tile,
+    cluster_blocks, smem_descriptor, swizzled_chunk_offset,
 };
 use crate::ptx::convert::f32x2_to_bf16x2;
 use crate::ptx::memory::{
     atom_add_relaxed_gpu_u32, fence_proxy_async_shared_cta, ld_shared_u32, st_shared_u32, st_shared_v2,
 };
-use crate::ptx::{bulk, mbarrier, smem, sreg, sync, tensormap, tma, wgmma};
+use crate::ptx::{bulk, cluster, mbarrier, smem, sreg, sync, tensormap, tma, wgmma};
 
 pub use crate::gemm_layout::Variant;
 
@@ -84,6 +85,12 @@ impl Ring {
     fn tile_slot(self, stage: u32) -> u32 {
         self.bars + (2 * STAGES + stage) * 8
     }
+    /// The second block of a pair learns the tile of a stage's slot through this barrier: the
+    /// first block's producer writes the slot remotely ([`cluster::st_async_u32`]), which
+    /// completes its 4 bytes here.
+    fn mail(self, stage: u32) -> u32 {
+        self.bars + (3 * STAGES + stage) * 8
+    }
     /// Consumer warpgroup `wg`'s output staging (1024-byte aligned).
     fn staging(self, wg: u32) -> u32 {
         self.staging + wg * STAGING_BYTES_PER_WARPGROUP
@@ -108,6 +115,11 @@ struct Work {
     rows: u32,
     /// First output column.
     n0: u32,
+    /// False for the second block of an N-pair whose N tile is past the last (odd tile count).
+    has_columns: bool,
+    /// An M-pair's tile: the two blocks take 128 rows each of one 256-row entry and split the
+    /// loading of the weight tile they share; otherwise (an N-pair) they share the rows.
+    shares_weights: bool,
     /// The group's rows `[row_begin, row_end)` (the weight gradient's K range).
     row_begin: u32,
     row_end: u32,
@@ -128,9 +140,38 @@ unsafe fn tile_count<const V: u32>(p: &GemmParams) -> u32 {
     if V == Variant::WGRAD {
         p.groups * p.m.div_ceil(TILE_M) * p.n.div_ceil(TILE_N)
     } else {
-        // SAFETY: tile_offsets holds groups + 1 entries (host contract).
-        unsafe { *(p.tile_offsets as *const u32).add(p.groups as usize) * n_tiles::<V>(p) }
+        // SAFETY: tile_offsets holds 2 · (groups + 1) entries (host contract).
+        unsafe { pair_units_before::<V>(p, p.groups) }
     }
+}
+
+/// Row-grouped variants: the list entries of the groups before `group` (`group` ≤ groups). A
+/// group of `t` M tiles (128 rows) has `t / 2` M-pair entries per N tile — the pair's blocks
+/// take the two 128-row halves of a 256-row entry — and, when `t` is odd, its last M tile as
+/// N-pair entries: the blocks share its ≤ 128 rows and take two neighbouring N tiles, so neither
+/// idles on a short remainder. With `p.m_pairs == 0` every M tile is N-paired.
+/// `tile_offsets` holds the prefix sums of the groups' M tiles (`[0, G]`) and then of their odd
+/// tile counts (`[G + 1, 2G + 1]`), written on the device.
+///
+/// # Safety
+/// `tile_offsets` holds 2 · (groups + 1) entries.
+#[inline(always)]
+unsafe fn pair_units_before<const V: u32>(p: &GemmParams, group: u32) -> u32 {
+    let (m_pairs, n_pairs) = unsafe { pair_entries_before(p, group) };
+    let nt = n_tiles::<V>(p);
+    m_pairs * nt + n_pairs * nt.div_ceil(2)
+}
+
+/// (M-pair entries, N-paired M tiles) of the groups before `group`, per N tile / N pair.
+///
+/// # Safety
+/// As [`pair_units_before`].
+#[inline(always)]
+unsafe fn pair_entries_before(p: &GemmParams, group: u32) -> (u32, u32) {
+    let offsets = p.tile_offsets as *const u32;
+    // SAFETY: group ≤ groups; the odd prefix follows the tile prefix (caller contract).
+    let (tiles, odd) = unsafe { (*offsets.add(group as usize), *offsets.add((p.groups + 1 + group) as usize)) };
+    if p.m_pairs != 0 { ((tiles - odd) / 2, odd) } else { (0, tiles) }
 }
 
 #[inline(always)]
@@ -148,6 +189,8 @@ unsafe fn work_of<const V: u32>(p: &GemmParams, tile: u32) -> Work {
             m0: within / nt * TILE_M,
             rows: p.m,
             n0: within % nt * TILE_N,
+            has_columns: true,
+            shares_weights: false,
             row_begin,
             row_end,
             k_blocks_1: k_blocks,
@@ -155,15 +198,34 @@ unsafe fn work_of<const V: u32>(p: &GemmParams, tile: u32) -> Work {
         };
     }
     let nt = n_tiles::<V>(p);
-    // SAFETY: tile_offsets holds groups + 1 entries.
-    let tiles = unsafe { core::slice::from_raw_parts(p.tile_offsets as *const u32, p.groups as usize + 1) };
-    // Group g owns flat tiles [tiles[g]·nt, tiles[g+1]·nt).
-    let group = crate::tiles::group_of_tile(tiles, tile / nt).unwrap_or(0) as u32;
-    let (first, m_tiles) = (tiles[group as usize], tiles[group as usize + 1] - tiles[group as usize]);
-    let (m_local, n_tile) = banded_row_tile(tile - first * nt, m_tiles, nt, ROW_TILE_BAND, ROW_TILE_BAND_N);
+    // The group owning list entry `tile`: the last one with no more entries before it than
+    // `tile` (empty groups have as many as their successor and are skipped).
+    let (mut lo, mut hi) = (0u32, p.groups);
+    while lo + 1 < hi {
+        let mid = (lo + hi) / 2;
+        // SAFETY: mid < groups.
+        if unsafe { pair_units_before::<V>(p, mid) } <= tile { lo = mid } else { hi = mid }
+    }
+    let group = lo;
+    // SAFETY: group + 1 ≤ groups.
+    let (m_first, n_first) = unsafe { pair_entries_before(p, group) };
+    let (m_next, n_next) = unsafe { pair_entries_before(p, group + 1) };
+    let mut local = tile - (m_first * nt + n_first * nt.div_ceil(2));
     // SAFETY: group < groups.
     let (begin, end) = unsafe { (*offsets.add(group as usize), *offsets.add(group as usize + 1)) };
-    let m0 = begin + m_local * TILE_M;
+    let rank = pair_rank::<V>();
+    let m_entries = m_next - m_first;
+    let (m0, n_tile, shares_weights) = if local < m_entries * nt {
+        // M-pair: this block's 128-row half of a 256-row entry, the pair's N tile.
+        let (m_local, n_tile) = banded_row_tile(local, m_entries, nt, ROW_TILE_BAND, ROW_TILE_BAND_N);
+        (begin + m_local * 2 * TILE_M + rank * TILE_M, n_tile, true)
+    } else {
+        // N-pair: an M tile after the group's M-pair entries, this block's N tile of the pair.
+        local -= m_entries * nt;
+        let (m_local, n_pair) =
+            banded_row_tile(local, n_next - n_first, nt.div_ceil(2), ROW_TILE_BAND, ROW_TILE_BAND_N);
+        (begin + m_entries * 2 * TILE_M + m_local * TILE_M, 2 * n_pair + rank, false)
+    };
     let n_width = if V == Variant::GATE_UP { TILE_N / 2 } else { TILE_N };
     let k_blocks_1 = p.k.div_ceil(TILE_K);
     Work {
@@ -171,6 +233,8 @@ unsafe fn work_of<const V: u32>(p: &GemmParams, tile: u32) -> Work {
         m0,
         rows: (end - m0).min(TILE_M),
         n0: n_tile * n_width,
+        has_columns: n_tile < nt,
+        shares_weights,
         row_begin: begin,
         row_end: end,
         k_blocks_1,
@@ -180,15 +244,25 @@ unsafe fn work_of<const V: u32>(p: &GemmParams, tile: u32) -> Work {
 
 /// The producer warp's first lane: takes tiles (from the counter, or by stride for weight
 /// gradients), names each in its first stage's slot and fills its stages in K-block order. A
-/// stage with copies is whole TMA copies (`STAGE_BYTES`, rows past a group's end arrive as zeros
-/// through the group's own map); a tile without K blocks, and the final [`NO_TILE`], get one
-/// stage completed by a plain arrival.
+/// stage with copies is whole TMA copies (rows past a group's end arrive as zeros through the
+/// group's own map); a tile without K blocks, and the final [`NO_TILE`], get one stage completed
+/// by a plain arrival.
+///
+/// In a pair (row-grouped variants), the first block's producer takes each tile from the counter
+/// and names it in both blocks' slots; the second block's producer reads it from its slot when
+/// the stage's mailbox completes. Both then load one 64-row half of the shared A tile, multicast
+/// into both blocks, and their own weight tile: a stage is `full` in a block when the A halves
+/// with rows and its weight tile have landed there, and `empty` when both blocks' consumers have
+/// released it (16 arrivals), because the partner's producer writes into it too.
 #[inline(always)]
 unsafe fn produce<const V: u32>(p: &GemmParams, ring: Ring) {
     // SAFETY: the offsets in `p` hold groups + 1 entries (host contract of `run`).
     let total = unsafe { tile_count::<V>(p) };
     let counter = p.tile_counter as *mut u32;
+    let rank = pair_rank::<V>();
     let (mut stage, mut phase) = (0u32, 0u32);
+    // Bit s: the parity of stage s's mailbox (a pair's second block).
+    let mut mail_phases = 0u32;
     let mut taken = 0u32;
     loop {
         // Row-grouped tiles are long (a whole K loop over the hidden or intermediate width):
@@ -197,14 +271,19 @@ unsafe fn produce<const V: u32>(p: &GemmParams, ring: Ring) {
         // nothing but A columns; there the fixed stride avoids an atomic round trip per tile.
         let tile = if V == Variant::WGRAD {
             sreg::block_idx_x() + taken * sreg::grid_dim_x()
-        } else {
+        } else if PAIR_STRIDE_EXPERIMENT {
+            sreg::cluster_idx_x() + taken * sreg::cluster_count_x()
+        } else if rank == 0 {
             // SAFETY: the plan's counter, zeroed before the launch (host contract).
             unsafe { atom_add_relaxed_gpu_u32(counter, 1) }
+        } else {
+            // SAFETY: initialised barrier of this block; the partner names every tile.
+            unsafe { receive_tile(ring, stage, &mut mail_phases) }
         };
         taken += 1;
         if tile >= total {
-            // Tell the consumers through the next stage.
-            name_in_copyless_stage(ring, stage, phase, NO_TILE);
+            // Tell the consumers (and the partner) through the next stage.
+            name_in_copyless_stage::<V>(ring, stage, phase, NO_TILE);
             return;
         }
         // SAFETY: tile < total.
@@ -213,7 +292,7 @@ unsafe fn produce<const V: u32>(p: &GemmParams, ring: Ring) {
         if w.k_blocks == 0 {
             // A weight gradient of an empty group: no copies, but the consumers still learn the
             // tile (they store its zeros).
-            name_in_copyless_stage(ring, stage, phase, tile);
+            name_in_copyless_stage::<V>(ring, stage, phase, tile);
             ring.advance(&mut stage, &mut phase);
             continue;
         }
@@ -231,17 +310,28 @@ unsafe fn produce<const V: u32>(p: &GemmParams, ring: Ring) {
                 }
             }
         }
+        // Row-grouped, what lands in each block per stage: the A halves (64 rows) with rows (a
+        // half wholly past the group's end is not loaded: no warpgroup reads it) and the weight
+        // tile. An M-pair's blocks each load their own rows and one half of the shared weight
+        // tile into both blocks; an N-pair's blocks each load one A half into both blocks and
+        // their own weight tile (none for a second block without columns).
+        let a_halves = if V == Variant::WGRAD { 2 } else { w.rows.div_ceil(64) };
+        let stage_bytes = if V == Variant::WGRAD {
+            STAGE_BYTES
+        } else {
+            a_halves * (A_TILE_BYTES / 2) + if w.has_columns { B_TILE_BYTES } else { 0 }
+        };
         for kb in 0..w.k_blocks {
-            // Wait until both consumers released this stage (a fresh barrier passes parity 1).
+            // Wait until the consumers released this stage (a fresh barrier passes parity 1).
             // SAFETY: initialised barrier of this block.
             unsafe { mbarrier::wait_parity(ring.empty(stage), phase ^ 1) };
             let (a_tile, b_tile, full) = (ring.a_tile(stage), ring.b_tile(stage), ring.full(stage));
-            // SAFETY: maps and tiles valid; the barrier expects the whole stage.
+            // SAFETY: maps and tiles valid; the barrier expects what lands in this block.
             unsafe {
                 if kb == 0 {
-                    st_shared_u32(ring.tile_slot(stage), tile);
+                    name_tile::<V>(ring, stage, tile);
                 }
-                mbarrier::arrive_expect_tx(full, STAGE_BYTES);
+                mbarrier::arrive_expect_tx(full, stage_bytes);
                 if V == Variant::WGRAD {
                     // K runs over the group's rows; the last block may end inside the group.
                     let row = w.row_begin + kb * TILE_K;
@@ -266,22 +356,19 @@ unsafe fn produce<const V: u32>(p: &GemmParams, ring: Ring) {
                         (true, false) => (cut_0, w.m0 - w.row_begin),
                         (true, true) => (cut_1, w.m0 - w.row_begin),
                     };
-                    tma::load_2d(a_tile, map_a, k0, row as i32, full);
-                    match V {
-                        Variant::GATE_UP => {
-                            // 128 gate rows, then the 128 up rows of the same hidden columns.
-                            tma::load_3d(b_tile, p.map_b, k0, w.n0 as i32, g, full);
-                            tma::load_3d(b_tile + B_HALF_BYTES, p.map_b2, k0, w.n0 as i32, g, full);
+                    if w.shares_weights {
+                        for half in 0..a_halves {
+                            let r = (row + 64 * half) as i32;
+                            tma::load_2d(a_tile + half * BLOCK_64_BYTES, map_a, k0, r, full);
                         }
-                        Variant::ROWS_NT | Variant::ROWS_NT_BF16 => {
-                            tma::load_3d(b_tile, map_b, k0, w.n0 as i32, g, full)
+                        load_weights::<V>(b_tile, (map_b, p.map_b2), k0, w.n0, g, full, Some(rank));
+                    } else {
+                        if rank < a_halves {
+                            let half = a_tile + rank * BLOCK_64_BYTES;
+                            tma::load_2d_multicast(half, map_a, k0, (row + 64 * rank) as i32, full, PAIR_MASK);
                         }
-                        _ => {
-                            // N-major: four 64-wide N blocks.
-                            for block in 0..TILE_N / 64 {
-                                let n = (w.n0 + 64 * block) as i32;
-                                tma::load_3d(b_tile + block * BLOCK_64_BYTES, map_b, n, k0, g, full);
-                            }
+                        if w.has_columns {
+                            load_weights::<V>(b_tile, (map_b, p.map_b2), k0, w.n0, g, full, None);
                         }
                     }
                 }
@@ -291,15 +378,122 @@ unsafe fn produce<const V: u32>(p: &GemmParams, ring: Ring) {
     }
 }
 
-/// Waits for `stage` to be free, writes `value` (a tile, or [`NO_TILE`]) into its tile slot and
+/// Loads the weight tile of K block `k0`, columns `n0`, group `g` into `b_tile`: all of it
+/// (`half: None`), or half `h` of it into both blocks of the pair (`Some(h)`). Every map box is
+/// half the tile's 256 rows (K-major) or a 64-wide block (N-major), so both ways fill the same
+/// layout. `maps.1` is the up projection's map (gate/up only).
+///
+/// # Safety
+/// As [`tma::load_3d`] (and [`tma::load_3d_multicast`] for a half) for every box.
+#[inline(always)]
+unsafe fn load_weights<const V: u32>(
+    b_tile: u32,
+    maps: (u64, u64),
+    k0: i32,
+    n0: u32,
+    g: i32,
+    full: u32,
+    half: Option<u32>,
+) {
+    let halves = match half {
+        Some(h) => h..h + 1,
+        None => 0..2,
+    };
+    for h in halves {
+        let dst = b_tile + h * B_HALF_BYTES;
+        // SAFETY: caller contract.
+        unsafe {
+            let load = |dst: u32, map: u64, c0: i32, c1: i32| {
+                if half.is_some() {
+                    tma::load_3d_multicast(dst, map, c0, c1, g, full, PAIR_MASK)
+                } else {
+                    tma::load_3d(dst, map, c0, c1, g, full)
+                }
+            };
+            match V {
+                // Half 0: the 128 gate rows; half 1: the 128 up rows of the same hidden columns.
+                Variant::GATE_UP => load(dst, if h == 0 { maps.0 } else { maps.1 }, k0, n0 as i32),
+                // K-major: 128 of the 256 N rows per box.
+                Variant::ROWS_NT | Variant::ROWS_NT_BF16 => load(dst, maps.0, k0, (n0 + h * TILE_N / 2) as i32),
+                // N-major: two 64-wide N blocks per half.
+                _ => {
+                    for block in 0..2 {
+                        let n = (n0 + h * TILE_N / 2 + 64 * block) as i32;
+                        load(dst + block * BLOCK_64_BYTES, maps.0, n, k0);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Experiment toggle: pairs take tiles by cluster stride instead of the counter (no mailbox).
+const PAIR_STRIDE_EXPERIMENT: bool = false;
+
+/// Both blocks of a pair (cluster ranks 0 and 1): the multicast mask of the shared A tile.
+const PAIR_MASK: u16 = 0b11;
+
+/// This block's rank in its pair (0 for variants that run alone).
+#[inline(always)]
+fn pair_rank<const V: u32>() -> u32 {
+    if cluster_blocks(V) > 1 { sreg::cluster_rank() } else { 0 }
+}
+
+/// Names `value` (a tile, or [`NO_TILE`]) in `stage`'s tile slot, once the stage is free: a block
+/// that runs alone writes its own slot; a pair's first block writes both blocks' slots, the
+/// partner's through its mailbox; a pair's second block already has it there.
+///
+/// # Safety
+/// The stage is free in this block (its `empty` phase passed), so it is free in the partner too
+/// (the same barrier counts both blocks' consumers).
+#[inline(always)]
+unsafe fn name_tile<const V: u32>(ring: Ring, stage: u32, value: u32) {
+    if pair_rank::<V>() != 0 {
+        if PAIR_STRIDE_EXPERIMENT {
+            // SAFETY: experiment: each block names its own tiles.
+            unsafe { st_shared_u32(ring.tile_slot(stage), value) };
+        }
+        return;
+    }
+    // SAFETY: caller contract; the partner's barriers and slots live until the final cluster
+    // barrier.
+    unsafe {
+        st_shared_u32(ring.tile_slot(stage), value);
+        if cluster_blocks(V) > 1 && !PAIR_STRIDE_EXPERIMENT {
+            let (slot, mail) =
+                (cluster::map_to_rank(ring.tile_slot(stage), 1), cluster::map_to_rank(ring.mail(stage), 1));
+            cluster::st_async_u32(slot, value, mail);
+        }
+    }
+}
+
+/// A pair's second block: the tile its partner named in `stage`'s slot (the mailbox completes
+/// when the remote store has landed).
+///
+/// # Safety
+/// The block is a pair's second block, and `stage` is where the next tile starts.
+#[inline(always)]
+unsafe fn receive_tile(ring: Ring, stage: u32, mail_phases: &mut u32) -> u32 {
+    let mail = ring.mail(stage);
+    // SAFETY: initialised barrier of this block; the partner's remote store completes its bytes.
+    unsafe {
+        mbarrier::arrive_expect_tx(mail, 4);
+        cluster::wait_parity_acquire_cluster(mail, (*mail_phases >> stage) & 1);
+    }
+    *mail_phases ^= 1 << stage;
+    // SAFETY: the slot was written before the mailbox completed.
+    unsafe { ld_shared_u32(ring.tile_slot(stage)) }
+}
+
+/// Waits for `stage` to be free, names `value` (a tile, or [`NO_TILE`]) in its tile slot and
 /// completes its `full` phase with a plain arrival: a stage without copies that only names.
 #[inline(always)]
-fn name_in_copyless_stage(ring: Ring, stage: u32, phase: u32, value: u32) {
+fn name_in_copyless_stage<const V: u32>(ring: Ring, stage: u32, phase: u32, value: u32) {
     // SAFETY: initialised barriers of this block (the producer thread); the slot is free once the
     // stage is, and the arrival publishes it.
     unsafe {
         mbarrier::wait_parity(ring.empty(stage), phase ^ 1);
-        st_shared_u32(ring.tile_slot(stage), value);
+        name_tile::<V>(ring, stage, value);
         mbarrier::arrive(ring.full(stage));
     }
 }
@@ -541,15 +735,22 @@ unsafe fn store_pre_activations(p: &GemmParams, w: &Work, acc: &[f32; ACCUMULATO
     });
 }
 
-/// Hands a stage back to the producer: one arrival per consumer warp (8 per phase), once the
+/// Hands a stage back to the producer(s): one arrival per consumer warp (8 per phase), once the
 /// warp is done with the stage — its MMAs reading it have completed (the warpgroup-collective
 /// wgmma wait orders every lane's reads before lane 0's arrival), or, on the paths without MMAs,
-/// after [`release_unread`]'s warp barrier.
+/// after [`release_unread`]'s warp barrier. In a pair, the warp also arrives on the partner's
+/// barrier (its producer multicasts into this block's stage): 16 arrivals per phase there.
 #[inline(always)]
-fn release(ring: Ring, stage: u32, thread_in_wg: u32) {
+fn release<const V: u32>(ring: Ring, stage: u32, thread_in_wg: u32) {
     if thread_in_wg % 32 == 0 {
-        // SAFETY: initialised barrier of this block.
-        unsafe { mbarrier::arrive(ring.empty(stage)) };
+        // SAFETY: initialised barriers of this block and of the partner, which stays until the
+        // final cluster barrier.
+        unsafe {
+            mbarrier::arrive(ring.empty(stage));
+            if cluster_blocks(V) > 1 {
+                cluster::arrive_remote(cluster::map_to_rank(ring.empty(stage), pair_rank::<V>() ^ 1));
+            }
+        }
     }
 }
 
@@ -557,9 +758,9 @@ fn release(ring: Ring, stage: u32, thread_in_wg: u32) {
 /// warp meets first (`bar.warp.sync` orders those reads before lane 0's arrival, after which the
 /// producer may rewrite the slot).
 #[inline(always)]
-fn release_unread(ring: Ring, stage: u32, thread_in_wg: u32) {
+fn release_unread<const V: u32>(ring: Ring, stage: u32, thread_in_wg: u32) {
     crate::ptx::signal::warp_sync();
-    release(ring, stage, thread_in_wg);
+    release::<V>(ring, stage, thread_in_wg);
 }
 
 /// A consumer warpgroup: MMAs over the stages, then the epilogue, tile after tile.
@@ -579,15 +780,16 @@ unsafe fn consume<const V: u32>(p: &GemmParams, ring: Ring, wg: u32, thread_in_w
         }
         // SAFETY: the producer hands out only tiles < total.
         let w = unsafe { work_of::<V>(p, tile) };
-        if V != Variant::WGRAD && wg * 64 >= w.rows {
-            // A ragged tile with no rows in this warpgroup's half (a group's last ≤ 64 rows):
+        if V != Variant::WGRAD && (wg * 64 >= w.rows || !w.has_columns) {
+            // A ragged tile with no rows in this warpgroup's half (a group's last ≤ 64 rows), or
+            // a pair's second block without an N tile (an odd tile count):
             // skip the MMAs, so the other warpgroup has the tensor cores to itself, but keep
             // step with the ring — wait for each stage, then release it (a tile without K blocks
             // still has its one copy-less stage).
             for _ in 0..w.k_blocks.max(1) {
                 // SAFETY: initialised barrier of this block.
                 unsafe { mbarrier::wait_parity(ring.full(stage), phase) };
-                release_unread(ring, stage, thread_in_wg);
+                release_unread::<V>(ring, stage, thread_in_wg);
                 ring.advance(&mut stage, &mut phase);
             }
             continue;
@@ -595,38 +797,13 @@ unsafe fn consume<const V: u32>(p: &GemmParams, ring: Ring, wg: u32, thread_in_w
         let mut acc = [0.0f32; ACCUMULATORS];
         if w.k_blocks == 0 {
             // An empty group's weight gradient: the tile's stage carried only its name.
-            release_unread(ring, stage, thread_in_wg);
+            release_unread::<V>(ring, stage, thread_in_wg);
             ring.advance(&mut stage, &mut phase);
-        }
-        // One K block stays in flight on the tensor cores while the next stage is awaited: a
-        // stage is released once the wait for the *next* block's issue says it is done.
-        let mut in_flight: Option<u32> = None;
-        for kb in 0..w.k_blocks {
-            // SAFETY: initialised barrier of this block.
-            unsafe { mbarrier::wait_parity(ring.full(stage), phase) };
-            let (a, b) = stage_descriptors::<V>(ring, stage, wg);
-            let accumulate = kb > 0;
-            // SAFETY: the stage is full; warpgroup-collective in uniform flow; `acc` is not read
-            // before the wait below.
-            unsafe {
-                match V {
-                    Variant::GATE_UP | Variant::ROWS_NT | Variant::ROWS_NT_BF16 => {
-                        wgmma::issue_k64_m64n256_kk(&mut acc, a, b, accumulate)
-                    }
-                    Variant::ROWS_NN => wgmma::issue_k64_m64n256_kn(&mut acc, a, b, accumulate),
-                    _ => wgmma::issue_k64_m64n256_mn(&mut acc, a, b, accumulate),
-                }
-            }
-            wgmma::wait_keep_one_n256(&mut acc);
-            if let Some(done) = in_flight {
-                release(ring, done, thread_in_wg);
-            }
-            in_flight = Some(stage);
-            ring.advance(&mut stage, &mut phase);
-        }
-        wgmma::wait_all_n256(&mut acc);
-        if let Some(done) = in_flight {
-            release(ring, done, thread_in_wg);
+        } else {
+            // Only the path that issued MMAs waits for them: a zero-trip path reaching the wait
+            // lets LLVM place the zeroing of `acc` inside the wgmma pipeline, and ptxas then
+            // serialises every wgmma of the kernel (C7515).
+            mainloop::<V>(&mut acc, ring, (&mut stage, &mut phase), w.k_blocks, wg, thread_in_wg);
         }
         // SAFETY: outputs sized by the host contract.
         unsafe { epilogue::<V>(p, &w, &acc, ring.staging(wg), wg, thread_in_wg) };
@@ -637,6 +814,49 @@ unsafe fn consume<const V: u32>(p: &GemmParams, ring: Ring, wg: u32, thread_in_w
     }
 }
 
+/// The MMAs of one tile over its `k_blocks` (> 0) stages, each stage released once the MMAs
+/// reading it are done; leaves `stage` / `phase` at the tile's next stage.
+#[inline(always)]
+fn mainloop<const V: u32>(
+    acc: &mut [f32; ACCUMULATORS],
+    ring: Ring,
+    (stage, phase): (&mut u32, &mut u32),
+    k_blocks: u32,
+    wg: u32,
+    thread_in_wg: u32,
+) {
+    // One K block stays in flight on the tensor cores while the next stage is awaited: a
+    // stage is released once the wait for the *next* block's issue says it is done.
+    let mut in_flight: Option<u32> = None;
+    for kb in 0..k_blocks {
+        // SAFETY: initialised barrier of this block.
+        unsafe { mbarrier::wait_parity(ring.full(*stage), *phase) };
+        let (a, b) = stage_descriptors::<V>(ring, *stage, wg);
+        let accumulate = kb > 0;
+        // SAFETY: the stage is full; warpgroup-collective in uniform flow; `acc` is not read
+        // before the wait below.
+        unsafe {
+            match V {
+                Variant::GATE_UP | Variant::ROWS_NT | Variant::ROWS_NT_BF16 => {
+                    wgmma::issue_k64_m64n256_kk(acc, a, b, accumulate)
+                }
+                Variant::ROWS_NN => wgmma::issue_k64_m64n256_kn(acc, a, b, accumulate),
+                _ => wgmma::issue_k64_m64n256_mn(acc, a, b, accumulate),
+            }
+        }
+        wgmma::wait_keep_one_n256(acc);
+        if let Some(done) = in_flight {
+            release::<V>(ring, done, thread_in_wg);
+        }
+        in_flight = Some(*stage);
+        ring.advance(stage, phase);
+    }
+    wgmma::wait_all_n256(acc);
+    if let Some(done) = in_flight {
+        release::<V>(ring, done, thread_in_wg);
+    }
+}
+
 /// The engine body shared by every entry point: [`ENGINE_THREADS`](crate::gemm_layout::ENGINE_THREADS)
 /// threads, [`ENGINE_SMEM_BYTES`](crate::gemm_layout::ENGINE_SMEM_BYTES) of dynamic shared memory.
 ///
@@ -644,8 +864,13 @@ unsafe fn consume<const V: u32>(p: &GemmParams, ring: Ring, wg: u32, thread_in_w
 /// `params` points at a valid [`GemmParams`] whose tensors match the variant's contract.
 #[inline(always)]
 pub unsafe fn run<const V: u32>(params: *const GemmParams) {
-    // Register budgets below assume exactly this block size (`.maxntid`).
+    // Register budgets below assume exactly this block size (`.maxntid`); row-grouped variants
+    // run in pairs (`.reqnctapercluster 2`).
     crate::ptx::declare_block_threads::<ENGINE_THREADS>();
+    let paired = cluster_blocks(V) > 1;
+    if paired {
+        crate::ptx::declare_cluster_blocks::<2>();
+    }
     // SAFETY: caller contract; the parameter block is read-only for the whole launch. Fields are
     // read where used (not copied up front) so they do not hold registers across the main loop.
     let p = unsafe { *params };
@@ -656,24 +881,44 @@ pub unsafe fn run<const V: u32>(params: *const GemmParams) {
             // SAFETY: this block's barrier slots, initialised once before any use.
             unsafe {
                 mbarrier::init(ring.full(s), 1);
-                mbarrier::init(ring.empty(s), 8);
+                mbarrier::init(ring.empty(s), 8 * cluster_blocks(V));
+                mbarrier::init(ring.mail(s), 1);
             }
         }
         mbarrier::fence_mbarrier_init();
     }
-    sync::block_barrier();
+    // The partner multicasts into this block's stages and arrives on its barriers: both blocks'
+    // barriers must be initialised before either starts.
+    if paired {
+        cluster::cluster_sync();
+    } else {
+        sync::block_barrier();
+    }
     let warpgroup = thread / 128;
     if warpgroup == 0 {
         // The producer needs a handful of registers; the consumers' m64n256 accumulators need
         // 128 each. Warpgroup-uniform, as setmaxnreg requires.
-        sync::release_registers::<PRODUCER_REGISTERS>();
+        if paired {
+            sync::release_registers::<PAIRED_PRODUCER_REGISTERS>();
+        } else {
+            sync::release_registers::<PRODUCER_REGISTERS>();
+        }
         if thread == 0 {
             // SAFETY: one producer thread.
             unsafe { produce::<V>(&p, ring) };
         }
     } else {
-        sync::claim_registers::<CONSUMER_REGISTERS>();
+        if paired {
+            sync::claim_registers::<PAIRED_CONSUMER_REGISTERS>();
+        } else {
+            sync::claim_registers::<CONSUMER_REGISTERS>();
+        }
         // SAFETY: a whole consumer warpgroup.
         unsafe { consume::<V>(&p, ring, warpgroup - 1, thread % 128) };
+    }
+    if paired {
+        // No block may leave while its partner can still write into it or arrive on its
+        // barriers.
+        cluster::cluster_sync();
     }
 }

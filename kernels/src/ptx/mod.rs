@@ -2,16 +2,18 @@
 //!
 //! One `#[inline(always)]` function per instruction (family), grouped by what it touches:
 //! [`sreg`] special registers, [`sync`] barriers and warp collectives, [`memory`] scoped loads,
-//! stores, atomics and fences, [`smem`] the dynamic shared-memory window, [`mbarrier`] transaction barriers, [`bulk`] bulk
-//! async copies, [`signal`] the warp barrier and back-off of the exchange's counter waits, [`collective`]
-//! lane grouping for the exchange's slot ranking, [`convert`] number
-//! conversions, [`mma`] warp-level tensor-core instructions, [`tma`] tensor copies, [`tensormap`] device-side tensor-map edits, [`wgmma`] warpgroup
-//! tensor-core instructions. Every memory-ordering decision of
-//! the kernels is made by choosing one of the functions in [`memory`], so it is visible here.
+//! stores, atomics and fences, [`smem`] the dynamic shared-memory window, [`mbarrier`]
+//! transaction barriers, [`cluster`] thread-block clusters, [`bulk`] bulk async copies,
+//! [`signal`] the warp barrier and back-off of the exchange's counter waits, [`collective`] lane
+//! grouping for the exchange's slot ranking, [`convert`] number conversions, [`mma`] warp-level
+//! tensor-core instructions, [`tma`] tensor copies, [`tensormap`] device-side tensor-map edits,
+//! [`wgmma`] warpgroup tensor-core instructions. Every memory-ordering decision of the kernels is
+//! made by choosing one of the functions in [`memory`], so it is visible here.
 //!
 //! PTX ISA references are to the PTX ISA 8.x manual sections named in each doc comment.
 
 pub mod bulk;
+pub mod cluster;
 pub mod collective;
 pub mod convert;
 pub mod mbarrier;
@@ -42,4 +44,13 @@ pub fn trap() -> ! {
 pub fn declare_block_threads<const N: u32>() {
     // SAFETY: emits a PTX comment only; not `pure`, so it is kept in every kernel it is inlined into.
     unsafe { core::arch::asm!("// mok:maxntid {n}", n = const N, options(nomem, nostack, preserves_flags)) };
+}
+
+/// Declares that the enclosing kernel runs in clusters of `N` blocks (along x): a marker the PTX
+/// builder turns into `.reqnctapercluster N, 1, 1`, so an ordinary launch forms the clusters
+/// (the grid must be a multiple of `N`).
+#[inline(always)]
+pub fn declare_cluster_blocks<const N: u32>() {
+    // SAFETY: emits a PTX comment only (kept: not `pure`).
+    unsafe { core::arch::asm!("// mok:reqnctapercluster {n}", n = const N, options(nomem, nostack, preserves_flags)) };
 }

@@ -91,3 +91,37 @@ pub unsafe fn store_2d(tensor_map: u64, c0: i32, c1: i32, src: u32) {
              m = in(reg64) tensor_map, c0 = in(reg32) c0, c1 = in(reg32) c1, s = in(reg32) src, options(nostack));
     }
 }
+
+/// `cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster`:
+/// [`load_2d`] delivered to the same shared offset `dst` in every block of the cluster named in
+/// `block_mask`, each completing the bytes on its barrier at offset `bar`.
+///
+/// # Safety
+/// As [`load_2d`], in every block of the mask: `dst` is free there and its barrier at `bar`
+/// expects the bytes.
+#[inline(always)]
+pub unsafe fn load_2d_multicast(dst: u32, tensor_map: u64, c0: i32, c1: i32, bar: u32, block_mask: u16) {
+    // SAFETY: caller contract.
+    unsafe {
+        asm!("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster [{d}], [{m}, {{{c0}, {c1}}}], [{b}], {k};",
+             d = in(reg32) dst, m = in(reg64) tensor_map, c0 = in(reg32) c0, c1 = in(reg32) c1,
+             b = in(reg32) bar, k = in(reg16) block_mask, options(nostack));
+    }
+}
+
+/// `cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster`:
+/// [`load_3d`] delivered to the same shared offset `dst` in every block of the cluster named in
+/// `block_mask`, each completing the bytes on its barrier at offset `bar`.
+///
+/// # Safety
+/// As [`load_3d`], in every block of the mask: `dst` is free there and its barrier at `bar`
+/// expects the bytes.
+#[inline(always)]
+pub unsafe fn load_3d_multicast(dst: u32, tensor_map: u64, c0: i32, c1: i32, c2: i32, bar: u32, block_mask: u16) {
+    // SAFETY: caller contract.
+    unsafe {
+        asm!("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster [{d}], [{m}, {{{c0}, {c1}, {c2}}}], [{b}], {k};",
+             d = in(reg32) dst, m = in(reg64) tensor_map, c0 = in(reg32) c0, c1 = in(reg32) c1, c2 = in(reg32) c2,
+             b = in(reg32) bar, k = in(reg16) block_mask, options(nostack));
+    }
+}
