@@ -271,8 +271,6 @@ unsafe fn produce<const V: u32>(p: &GemmParams, ring: Ring) {
         // nothing but A columns; there the fixed stride avoids an atomic round trip per tile.
         let tile = if V == Variant::WGRAD {
             sreg::block_idx_x() + taken * sreg::grid_dim_x()
-        } else if PAIR_STRIDE_EXPERIMENT {
-            sreg::cluster_idx_x() + taken * sreg::cluster_count_x()
         } else if rank == 0 {
             // SAFETY: the plan's counter, zeroed before the launch (host contract).
             unsafe { atom_add_relaxed_gpu_u32(counter, 1) }
@@ -427,9 +425,6 @@ unsafe fn load_weights<const V: u32>(
     }
 }
 
-/// Experiment toggle: pairs take tiles by cluster stride instead of the counter (no mailbox).
-const PAIR_STRIDE_EXPERIMENT: bool = false;
-
 /// Both blocks of a pair (cluster ranks 0 and 1): the multicast mask of the shared A tile.
 const PAIR_MASK: u16 = 0b11;
 
@@ -449,17 +444,13 @@ fn pair_rank<const V: u32>() -> u32 {
 #[inline(always)]
 unsafe fn name_tile<const V: u32>(ring: Ring, stage: u32, value: u32) {
     if pair_rank::<V>() != 0 {
-        if PAIR_STRIDE_EXPERIMENT {
-            // SAFETY: experiment: each block names its own tiles.
-            unsafe { st_shared_u32(ring.tile_slot(stage), value) };
-        }
         return;
     }
     // SAFETY: caller contract; the partner's barriers and slots live until the final cluster
     // barrier.
     unsafe {
         st_shared_u32(ring.tile_slot(stage), value);
-        if cluster_blocks(V) > 1 && !PAIR_STRIDE_EXPERIMENT {
+        if cluster_blocks(V) > 1 {
             let (slot, mail) =
                 (cluster::map_to_rank(ring.tile_slot(stage), 1), cluster::map_to_rank(ring.mail(stage), 1));
             cluster::st_async_u32(slot, value, mail);

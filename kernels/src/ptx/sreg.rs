@@ -41,10 +41,6 @@ sreg_u32! {
     sm_id => "%smid";
     /// `%cluster_ctarank`: this block's rank in its cluster (0 without clusters).
     cluster_rank => "%cluster_ctarank";
-    /// `%clusterid.x`: the cluster's index in the grid (= `%ctaid.x` without clusters).
-    cluster_idx_x => "%clusterid.x";
-    /// `%nclusterid.x`: clusters in the grid along x (= `%nctaid.x` without clusters).
-    cluster_count_x => "%nclusterid.x";
 }
 
 /// `%globaltimer`: nanoseconds, common to all SMs of a GPU (coarse: updates every ~1 us on
