@@ -157,6 +157,7 @@ unsafe fn tile_count<const V: u32>(p: &GemmParams) -> u32 {
 /// `tile_offsets` holds 2 · (groups + 1) entries.
 #[inline(always)]
 unsafe fn pair_units_before<const V: u32>(p: &GemmParams, group: u32) -> u32 {
+    // SAFETY: caller contract.
     let (m_pairs, n_pairs) = unsafe { pair_entries_before(p, group) };
     let nt = n_tiles::<V>(p);
     m_pairs * nt + n_pairs * nt.div_ceil(2)
@@ -209,6 +210,7 @@ unsafe fn work_of<const V: u32>(p: &GemmParams, tile: u32) -> Work {
     let group = lo;
     // SAFETY: group + 1 ≤ groups.
     let (m_first, n_first) = unsafe { pair_entries_before(p, group) };
+    // SAFETY: as above.
     let (m_next, n_next) = unsafe { pair_entries_before(p, group + 1) };
     let mut local = tile - (m_first * nt + n_first * nt.div_ceil(2));
     // SAFETY: group < groups.
@@ -250,13 +252,15 @@ unsafe fn work_of<const V: u32>(p: &GemmParams, tile: u32) -> Work {
 ///
 /// In a pair (row-grouped variants), the first block's producer takes each tile from the counter
 /// and names it in both blocks' slots; the second block's producer reads it from its slot when
-/// the stage's mailbox completes. Both then load one 64-row half of the shared A tile, multicast
-/// into both blocks, and their own weight tile: a stage is `full` in a block when the A halves
-/// with rows and its weight tile have landed there, and `empty` when both blocks' consumers have
-/// released it (16 arrivals), because the partner's producer writes into it too.
+/// the stage's mailbox completes. Then, per stage, an M-pair's producers each load their own
+/// rows and half of the shared weight tile into both blocks, and an N-pair's each load one
+/// 64-row half of the shared rows into both blocks and their own weight tile: a stage is `full`
+/// in a block when everything meant for it has landed there, and `empty` when both blocks'
+/// consumers have released it (16 arrivals), because the partner's producer writes into it too.
 #[inline(always)]
 unsafe fn produce<const V: u32>(p: &GemmParams, ring: Ring) {
-    // SAFETY: the offsets in `p` hold groups + 1 entries (host contract of `run`).
+    // SAFETY: the offsets in `p` hold groups + 1 (rows) and 2 · (groups + 1) (tiles) entries
+    // (host contract of `run`).
     let total = unsafe { tile_count::<V>(p) };
     let counter = p.tile_counter as *mut u32;
     let rank = pair_rank::<V>();
@@ -425,7 +429,8 @@ unsafe fn load_weights<const V: u32>(
     }
 }
 
-/// Both blocks of a pair (cluster ranks 0 and 1): the multicast mask of the shared A tile.
+/// Both blocks of a pair (cluster ranks 0 and 1): the multicast mask of what they share (the
+/// weight tile of an M-pair, the rows of an N-pair).
 const PAIR_MASK: u16 = 0b11;
 
 /// This block's rank in its pair (0 for variants that run alone).
