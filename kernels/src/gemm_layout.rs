@@ -157,7 +157,7 @@ pub struct GemmParams {
     pub row_offsets: u64,
     /// Row-grouped variants: `[2 · (groups + 1)]`, the first M tile of each group in tiles of
     /// [`TILE_M`] (`[0, G]`), then the number of groups before each with an odd M tile count
-    /// (`[G + 1, 2G + 1]`); device-written (`mok_sm90_pair_offsets`).
+    /// (`[G + 1, 2G + 1]`); device-written (`mok_tile_offsets`).
     pub tile_offsets: u64,
     /// Output 0 (hidden bf16, f32 rows, or weight gradient).
     pub out0: u64,
@@ -222,6 +222,84 @@ pub const fn banded_row_tile(local: u32, m_tiles: u32, n_tiles: u32, band_m: u32
     (first_m + inside % height, first_n + inside / height)
 }
 
+/// One block's share of a row-grouped list entry (see [`pair_tile`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PairTile {
+    pub group: u32,
+    /// First row of the block's M tile (global row index).
+    pub m0: u32,
+    /// The block's N tile (`n_tiles` or more: an N-pair's second block without columns).
+    pub n_tile: u32,
+    /// An M-pair: the blocks take the two 128-row halves of a 256-row entry and share the weight
+    /// tile; otherwise an N-pair: they share the ≤ 128 rows and take neighbouring N tiles.
+    pub shares_weights: bool,
+}
+
+/// (M-pair entries, N-paired M tiles) of the groups before `group`, from `tile_offsets` (read
+/// through `offset(i)`: `[0, G]` the groups' first M tiles, `[G + 1, 2G + 1]` the count of groups
+/// with an odd number of M tiles before each). With `m_pairs`, a group of `t` M tiles has `t / 2`
+/// M-pair entries and, when `t` is odd, its last M tile N-paired; without, all `t` are N-paired.
+#[inline(always)]
+pub fn pair_entries_before(group: u32, groups: u32, m_pairs: bool, offset: &impl Fn(u32) -> u32) -> (u32, u32) {
+    let (tiles, odd) = (offset(group), offset(groups + 1 + group));
+    if m_pairs { ((tiles - odd) / 2, odd) } else { (0, tiles) }
+}
+
+/// List entries of the groups before `group` (`group` ≤ `groups`; `groups` gives the list's
+/// length): an M-pair entry per N tile, an N-paired M tile per pair of N tiles.
+#[inline(always)]
+pub fn pair_entries_list_before(
+    group: u32,
+    groups: u32,
+    n_tiles: u32,
+    m_pairs: bool,
+    offset: &impl Fn(u32) -> u32,
+) -> u32 {
+    let (m, n) = pair_entries_before(group, groups, m_pairs, offset);
+    m * n_tiles + n * n_tiles.div_ceil(2)
+}
+
+/// Block `rank`'s share of list entry `tile` (< the list's length) of a row-grouped launch in
+/// pairs: the group (the last one with no more entries before it than `tile`; empty groups are
+/// skipped), then within it the M-pair entries walked by [`banded_row_tile`] over (entries × N
+/// tiles), then the N-paired M tiles over (tiles × pairs of N tiles). `offset(i)` reads
+/// `tile_offsets[i]`, `row_offset(g)` the group's first row.
+#[inline(always)]
+pub fn pair_tile(
+    tile: u32,
+    rank: u32,
+    groups: u32,
+    n_tiles: u32,
+    m_pairs: bool,
+    offset: &impl Fn(u32) -> u32,
+    row_offset: &impl Fn(u32) -> u32,
+) -> PairTile {
+    let (mut lo, mut hi) = (0u32, groups);
+    while lo + 1 < hi {
+        let mid = (lo + hi) / 2;
+        if pair_entries_list_before(mid, groups, n_tiles, m_pairs, offset) <= tile { lo = mid } else { hi = mid }
+    }
+    let group = lo;
+    let (m_first, n_first) = pair_entries_before(group, groups, m_pairs, offset);
+    let (m_next, n_next) = pair_entries_before(group + 1, groups, m_pairs, offset);
+    let local = tile - (m_first * n_tiles + n_first * n_tiles.div_ceil(2));
+    let (begin, m_entries) = (row_offset(group), m_next - m_first);
+    if local < m_entries * n_tiles {
+        let (m_local, n_tile) = banded_row_tile(local, m_entries, n_tiles, ROW_TILE_BAND, ROW_TILE_BAND_N);
+        PairTile { group, m0: begin + m_local * 2 * TILE_M + rank * TILE_M, n_tile, shares_weights: true }
+    } else {
+        let local = local - m_entries * n_tiles;
+        let (m_local, n_pair) =
+            banded_row_tile(local, n_next - n_first, n_tiles.div_ceil(2), ROW_TILE_BAND, ROW_TILE_BAND_N);
+        PairTile {
+            group,
+            m0: begin + m_entries * 2 * TILE_M + m_local * TILE_M,
+            n_tile: 2 * n_pair + rank,
+            shares_weights: false,
+        }
+    }
+}
+
 // The host uploads GemmParams as raw bytes: keep it free of padding. And the ring must fit in
 // an SM's shared memory (227 KiB on sm_90).
 const _: () = assert!(core::mem::size_of::<GemmParams>() == 184);
@@ -270,6 +348,71 @@ mod tests {
         // A large group: a block of 16 M × 8 N tiles is walked before the next N block.
         assert_eq!(banded_row_tile(16 * 8 - 1, 64, 16, 16, 8), (15, 7));
         assert_eq!(banded_row_tile(16 * 8, 64, 16, 16, 8), (0, 8));
+    }
+
+    /// `tile_offsets` as `mok_tile_offsets` writes them for groups of `rows` rows.
+    fn tile_and_odd_offsets(rows: &[u32]) -> Vec<u32> {
+        let tiles: Vec<u32> = rows.iter().map(|r| r.div_ceil(TILE_M)).collect();
+        let mut out = vec![0; 2 * (rows.len() + 1)];
+        for g in 0..rows.len() {
+            out[g + 1] = out[g] + tiles[g];
+            out[rows.len() + 2 + g] = out[rows.len() + 1 + g] + tiles[g] % 2;
+        }
+        out
+    }
+
+    #[test]
+    fn pair_list_computes_every_tile_once_and_both_blocks_agree() {
+        let sizes: &[&[u32]] = &[
+            &[170, 0, 42, 256, 257, 383, 384, 385, 1, 683],
+            &[0, 0, 128, 0],
+            &[640, 641, 768, 769, 8192],
+            &[64, 65, 127, 129, 255],
+            &[],
+            &[0],
+        ];
+        for rows in sizes {
+            let offsets = tile_and_odd_offsets(rows);
+            let mut first_rows = vec![0u32];
+            for r in rows.iter() {
+                first_rows.push(first_rows.last().unwrap() + r);
+            }
+            let groups = rows.len() as u32;
+            for n_tiles in [1, 2, 3, 5, 8, 28] {
+                for m_pairs in [true, false] {
+                    let offset = |i: u32| offsets[i as usize];
+                    let row_offset = |g: u32| first_rows[g as usize];
+                    let len = pair_entries_list_before(groups, groups, n_tiles, m_pairs, &offset);
+                    // (group, M tile, N tile) → times computed.
+                    let mut seen = std::collections::HashMap::new();
+                    for tile in 0..len {
+                        let [a, b] =
+                            [0, 1].map(|rank| pair_tile(tile, rank, groups, n_tiles, m_pairs, &offset, &row_offset));
+                        let case = format!("{rows:?} n_tiles {n_tiles} m_pairs {m_pairs} tile {tile}: {a:?} {b:?}");
+                        assert_eq!((a.group, a.shares_weights), (b.group, b.shares_weights), "{case}");
+                        let (begin, end) = (first_rows[a.group as usize], first_rows[a.group as usize + 1]);
+                        if a.shares_weights {
+                            // Both blocks have rows; the first a whole M tile; one N tile.
+                            assert!(a.m0 + TILE_M <= end && b.m0 == a.m0 + TILE_M && b.m0 < end, "{case}");
+                            assert!(a.n_tile == b.n_tile && a.n_tile < n_tiles, "{case}");
+                        } else {
+                            // The same rows; neighbouring N tiles, the first always real.
+                            assert!(
+                                a.m0 == b.m0 && a.m0 < end && a.n_tile < n_tiles && b.n_tile == a.n_tile + 1,
+                                "{case}"
+                            );
+                        }
+                        for t in [a, b].into_iter().filter(|t| t.n_tile < n_tiles) {
+                            assert!(t.m0 >= begin && (t.m0 - begin) % TILE_M == 0, "{case}");
+                            *seen.entry((t.group, (t.m0 - begin) / TILE_M, t.n_tile)).or_insert(0) += 1;
+                        }
+                    }
+                    let expected: u32 = rows.iter().map(|r| r.div_ceil(TILE_M) * n_tiles).sum();
+                    assert_eq!(seen.len() as u32, expected, "{rows:?} n_tiles {n_tiles} m_pairs {m_pairs}");
+                    assert!(seen.values().all(|&n| n == 1), "{rows:?} n_tiles {n_tiles}: a tile computed twice");
+                }
+            }
+        }
     }
 
     #[test]

@@ -10,10 +10,11 @@
 //! while the next tile's MMAs run.
 //!
 //! The flat tile list comes from device-written group offsets, so the host never learns the
-//! group sizes. The producer takes the next tile of the list from a device counter (row-grouped
-//! variants; weight gradients walk `blockIdx.x, blockIdx.x + gridDim.x, ...`) and names it to
-//! the consumers in a shared slot of the tile's first stage, published by that stage's `full`
-//! arrival; a tile without K blocks (an empty group's weight gradient) gets a stage without
+//! group sizes. Row-grouped variants run in 2-block clusters (pairs, see [`pair_tile`]): the
+//! first block's producer takes the next entry of the list from a device counter and hands it
+//! to its partner's producer through a mailbox barrier; weight gradients run alone and walk
+//! `blockIdx.x, blockIdx.x + gridDim.x, ...`. Each producer names the tile to its consumers in
+//! a shared slot of the tile's first stage, published by that stage's `full` arrival; a tile without K blocks (an empty group's weight gradient) gets a stage without
 //! copies, and [`NO_TILE`] ends the walk. A group's M tiles are walked in bands, M fastest
 //! ([`banded_row_tile`]), so blocks that take neighbouring tiles at the same moment read the same
 //! weight tile and all but the first find it in L2; a band is cut into blocks of a few N tiles,
@@ -37,9 +38,9 @@
 use crate::device::math;
 use crate::gemm_layout::{
     A_TILE_BYTES, B_TILE_BYTES, BLOCK_64_BYTES, CONSUMER_REGISTERS, ENGINE_THREADS, GemmParams, NO_TILE,
-    PAIRED_CONSUMER_REGISTERS, PAIRED_PRODUCER_REGISTERS, PRODUCER_REGISTERS, ROW_TILE_BAND, ROW_TILE_BAND_N,
-    STAGE_BYTES, STAGES, STAGING_BOXES, STAGING_BYTES_PER_WARPGROUP, TILE_K, TILE_M, TILE_N, banded_row_tile,
-    cluster_blocks, smem_descriptor, swizzled_chunk_offset,
+    PAIRED_CONSUMER_REGISTERS, PAIRED_PRODUCER_REGISTERS, PRODUCER_REGISTERS, PairTile, STAGE_BYTES, STAGES,
+    STAGING_BOXES, STAGING_BYTES_PER_WARPGROUP, TILE_K, TILE_M, TILE_N, cluster_blocks, pair_entries_list_before,
+    pair_tile, smem_descriptor, swizzled_chunk_offset,
 };
 use crate::ptx::convert::f32x2_to_bf16x2;
 use crate::ptx::memory::{
@@ -80,8 +81,9 @@ impl Ring {
     fn empty(self, stage: u32) -> u32 {
         self.bars + (STAGES + stage) * 8
     }
-    /// The tile whose first K block a stage holds (or [`NO_TILE`]), written by the producer
-    /// before the stage's `full` arrival, which publishes it to the consumers.
+    /// The tile whose first K block a stage holds (or [`NO_TILE`]), written by the producer (the
+    /// partner's, through [`cluster::st_async_u32`], in a pair's second block) before the
+    /// stage's `full` arrival, which publishes it to the consumers.
     fn tile_slot(self, stage: u32) -> u32 {
         self.bars + (2 * STAGES + stage) * 8
     }
@@ -145,34 +147,16 @@ unsafe fn tile_count<const V: u32>(p: &GemmParams) -> u32 {
     }
 }
 
-/// Row-grouped variants: the list entries of the groups before `group` (`group` ≤ groups). A
-/// group of `t` M tiles (128 rows) has `t / 2` M-pair entries per N tile — the pair's blocks
-/// take the two 128-row halves of a 256-row entry — and, when `t` is odd, its last M tile as
-/// N-pair entries: the blocks share its ≤ 128 rows and take two neighbouring N tiles, so neither
-/// idles on a short remainder. With `p.m_pairs == 0` every M tile is N-paired.
-/// `tile_offsets` holds the prefix sums of the groups' M tiles (`[0, G]`) and then of their odd
-/// tile counts (`[G + 1, 2G + 1]`), written on the device.
+/// Row-grouped variants: the list entries of the groups before `group` (`group` ≤ groups), see
+/// [`pair_tile`].
 ///
 /// # Safety
 /// `tile_offsets` holds 2 · (groups + 1) entries.
 #[inline(always)]
 unsafe fn pair_units_before<const V: u32>(p: &GemmParams, group: u32) -> u32 {
-    // SAFETY: caller contract.
-    let (m_pairs, n_pairs) = unsafe { pair_entries_before(p, group) };
-    let nt = n_tiles::<V>(p);
-    m_pairs * nt + n_pairs * nt.div_ceil(2)
-}
-
-/// (M-pair entries, N-paired M tiles) of the groups before `group`, per N tile / N pair.
-///
-/// # Safety
-/// As [`pair_units_before`].
-#[inline(always)]
-unsafe fn pair_entries_before(p: &GemmParams, group: u32) -> (u32, u32) {
-    let offsets = p.tile_offsets as *const u32;
-    // SAFETY: group ≤ groups; the odd prefix follows the tile prefix (caller contract).
-    let (tiles, odd) = unsafe { (*offsets.add(group as usize), *offsets.add((p.groups + 1 + group) as usize)) };
-    if p.m_pairs != 0 { ((tiles - odd) / 2, odd) } else { (0, tiles) }
+    // SAFETY: the index stays below 2 · (groups + 1) (caller contract).
+    let offset = |i: u32| unsafe { *(p.tile_offsets as *const u32).add(i as usize) };
+    pair_entries_list_before(group, p.groups, n_tiles::<V>(p), p.m_pairs != 0, &offset)
 }
 
 #[inline(always)]
@@ -199,35 +183,15 @@ unsafe fn work_of<const V: u32>(p: &GemmParams, tile: u32) -> Work {
         };
     }
     let nt = n_tiles::<V>(p);
-    // The group owning list entry `tile`: the last one with no more entries before it than
-    // `tile` (empty groups have as many as their successor and are skipped).
-    let (mut lo, mut hi) = (0u32, p.groups);
-    while lo + 1 < hi {
-        let mid = (lo + hi) / 2;
-        // SAFETY: mid < groups.
-        if unsafe { pair_units_before::<V>(p, mid) } <= tile { lo = mid } else { hi = mid }
-    }
-    let group = lo;
-    // SAFETY: group + 1 ≤ groups.
-    let (m_first, n_first) = unsafe { pair_entries_before(p, group) };
+    // SAFETY: pair_tile reads indices below 2 · (groups + 1) of tile_offsets and below groups of
+    // row_offsets (host contract: their lengths).
+    let offset = |i: u32| unsafe { *(p.tile_offsets as *const u32).add(i as usize) };
     // SAFETY: as above.
-    let (m_next, n_next) = unsafe { pair_entries_before(p, group + 1) };
-    let mut local = tile - (m_first * nt + n_first * nt.div_ceil(2));
+    let row_offset = |g: u32| unsafe { *offsets.add(g as usize) };
+    let PairTile { group, m0, n_tile, shares_weights } =
+        pair_tile(tile, pair_rank::<V>(), p.groups, nt, p.m_pairs != 0, &offset, &row_offset);
     // SAFETY: group < groups.
     let (begin, end) = unsafe { (*offsets.add(group as usize), *offsets.add(group as usize + 1)) };
-    let rank = pair_rank::<V>();
-    let m_entries = m_next - m_first;
-    let (m0, n_tile, shares_weights) = if local < m_entries * nt {
-        // M-pair: this block's 128-row half of a 256-row entry, the pair's N tile.
-        let (m_local, n_tile) = banded_row_tile(local, m_entries, nt, ROW_TILE_BAND, ROW_TILE_BAND_N);
-        (begin + m_local * 2 * TILE_M + rank * TILE_M, n_tile, true)
-    } else {
-        // N-pair: an M tile after the group's M-pair entries, this block's N tile of the pair.
-        local -= m_entries * nt;
-        let (m_local, n_pair) =
-            banded_row_tile(local, n_next - n_first, nt.div_ceil(2), ROW_TILE_BAND, ROW_TILE_BAND_N);
-        (begin + m_entries * 2 * TILE_M + m_local * TILE_M, 2 * n_pair + rank, false)
-    };
     let n_width = if V == Variant::GATE_UP { TILE_N / 2 } else { TILE_N };
     let k_blocks_1 = p.k.div_ceil(TILE_K);
     Work {
