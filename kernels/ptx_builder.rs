@@ -250,7 +250,7 @@ pub fn build_ptx(
     let dest = out_dir.join(arch.file_name);
     fs::create_dir_all(out_dir).map_err(|e| format!("cannot create {}: {e}", out_dir.display()))?;
     let ptx = fs::read_to_string(&built).map_err(|e| format!("cannot read {}: {e}", built.display()))?;
-    let ptx = apply_block_thread_markers(&ptx)?;
+    let ptx = apply_entry_markers(&ptx)?;
     fs::write(&dest, ptx).map_err(|e| format!("cannot write {}: {e}", dest.display()))?;
     Ok(dest)
 }
@@ -264,7 +264,7 @@ const ENTRY_MARKERS: [(&str, &str); 2] =
 /// `// mok:reqnctapercluster N`) the directive `.maxntid N, 1, 1` (`.reqnctapercluster N, 1, 1`),
 /// between its parameter list and its body, where PTX wants them. Two different values of one
 /// marker in a kernel are an error.
-pub fn apply_block_thread_markers(ptx: &str) -> Result<String, String> {
+pub fn apply_entry_markers(ptx: &str) -> Result<String, String> {
     let lines: Vec<&str> = ptx.lines().collect();
     let starts_function = |line: &str| {
         line.starts_with(".visible .entry ")

@@ -285,7 +285,7 @@ ptxas info    : Used 168 registers";
 
 #[cfg(test)]
 mod marker_tests {
-    use crate::ptx_builder::apply_block_thread_markers;
+    use crate::ptx_builder::apply_entry_markers;
 
     const PTX: &str = "\
 .visible .entry with_marker(
@@ -305,7 +305,7 @@ mod marker_tests {
 
     #[test]
     fn marker_becomes_maxntid_of_its_own_entry_only() {
-        let out = apply_block_thread_markers(PTX).unwrap();
+        let out = apply_entry_markers(PTX).unwrap();
         let lines: Vec<&str> = out.lines().collect();
         let directive = lines.iter().position(|l| *l == ".maxntid 384, 1, 1").expect("directive added");
         assert_eq!(lines[directive - 1], ")");
@@ -317,7 +317,7 @@ mod marker_tests {
     fn cluster_marker_becomes_reqnctapercluster() {
         let with_cluster =
             PTX.replace("\t// mok:maxntid 384\n", "\t// mok:maxntid 384\n\t// mok:reqnctapercluster 2\n");
-        let out = apply_block_thread_markers(&with_cluster).unwrap();
+        let out = apply_entry_markers(&with_cluster).unwrap();
         let lines: Vec<&str> = out.lines().collect();
         let at = lines.iter().position(|l| *l == ".reqnctapercluster 2, 1, 1").expect("directive added");
         assert_eq!(lines[at - 1], ".maxntid 384, 1, 1");
@@ -328,6 +328,6 @@ mod marker_tests {
     fn conflicting_markers_are_an_error() {
         let bad = PTX
             .replace("\tret;\n}\n.visible .entry without", "\t// mok:maxntid 256\n\tret;\n}\n.visible .entry without");
-        assert!(apply_block_thread_markers(&bad).unwrap_err().contains(".maxntid 384 and 256"));
+        assert!(apply_entry_markers(&bad).unwrap_err().contains(".maxntid 384 and 256"));
     }
 }

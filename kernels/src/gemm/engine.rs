@@ -142,21 +142,22 @@ unsafe fn tile_count<const V: u32>(p: &GemmParams) -> u32 {
     if V == Variant::WGRAD {
         p.groups * p.m.div_ceil(TILE_M) * p.n.div_ceil(TILE_N)
     } else {
-        // SAFETY: tile_offsets holds 2 · (groups + 1) entries (host contract).
-        unsafe { pair_units_before::<V>(p, p.groups) }
+        // The whole list: the entries before a group past the last (see [`pair_tile`]).
+        // SAFETY: the list functions read i < 2 · (groups + 1) (caller contract of tile_count).
+        let offset = |i| unsafe { tile_offset(p, i) };
+        pair_entries_list_before(p.groups, p.groups, n_tiles::<V>(p), p.m_pairs != 0, &offset)
     }
 }
 
-/// Row-grouped variants: the list entries of the groups before `group` (`group` ≤ groups), see
-/// [`pair_tile`].
+/// Row-grouped variants: `tile_offsets[i]` (the list functions of `gemm_layout` read only
+/// `i < 2 · (groups + 1)`).
 ///
 /// # Safety
-/// `tile_offsets` holds 2 · (groups + 1) entries.
+/// `i < 2 · (groups + 1)`, the length of the tile offsets (the host checks it: `RowGroups::check`).
 #[inline(always)]
-unsafe fn pair_units_before<const V: u32>(p: &GemmParams, group: u32) -> u32 {
-    // SAFETY: the index stays below 2 · (groups + 1) (caller contract).
-    let offset = |i: u32| unsafe { *(p.tile_offsets as *const u32).add(i as usize) };
-    pair_entries_list_before(group, p.groups, n_tiles::<V>(p), p.m_pairs != 0, &offset)
+unsafe fn tile_offset(p: &GemmParams, i: u32) -> u32 {
+    // SAFETY: caller contract.
+    unsafe { *(p.tile_offsets as *const u32).add(i as usize) }
 }
 
 #[inline(always)]
@@ -183,9 +184,9 @@ unsafe fn work_of<const V: u32>(p: &GemmParams, tile: u32) -> Work {
         };
     }
     let nt = n_tiles::<V>(p);
-    // SAFETY: pair_tile reads indices below 2 · (groups + 1) of tile_offsets and below groups of
-    // row_offsets (host contract: their lengths).
-    let offset = |i: u32| unsafe { *(p.tile_offsets as *const u32).add(i as usize) };
+    // SAFETY: pair_tile reads tile offsets i < 2 · (groups + 1) and row offsets of groups below
+    // `groups` (host contract: the buffers' lengths).
+    let offset = |i| unsafe { tile_offset(p, i) };
     // SAFETY: as above.
     let row_offset = |g: u32| unsafe { *offsets.add(g as usize) };
     let PairTile { group, m0, n_tile, shares_weights } =
