@@ -389,23 +389,37 @@ fn engine_matches_unfused_on_ragged_and_empty_groups() {
 
 #[test]
 fn engine_matches_unfused_on_groups_of_several_tiles() {
-    // Groups of several M tiles, an empty expert and dropped slots. E = 4 (one empty): three
-    // groups of ~830 rows, 7 M tiles each — three M-pair entries and an N-paired last tile. E = 5
-    // (one empty): ~620–650 rows, groups of 5 and 6 M tiles — an even group is M-pairs alone,
-    // its last pair's second block ragged.
+    // Groups of several M tiles, an empty expert and dropped slots, ~2500 rows over E − 1 groups:
+    // E = 4, ~830 rows, 7 M tiles — three M-pair entries and an N-paired last tile; E = 5,
+    // ~610–660 rows, 5 or 6 tiles; E = 6, ~500 rows, 4 tiles, often with a last tile of more
+    // than 64 rows (M-pairs alone, the last pair's second block ragged in both warpgroups);
+    // E = 7, ~420 rows, 4 tiles, often with a last tile of ≤ 64 rows (the last pair's second
+    // block has rows for one warpgroup only, the other skips its MMAs).
     let gpu = gpu();
-    let mut tile_counts = Vec::new();
-    for experts in [4, 5] {
+    let mut group_rows = Vec::new();
+    for experts in [4, 5, 6, 7] {
         let routing = Routing { drop_probability: 0.02, empty_experts: &[1] };
         let s = setup(&gpu, MoeConfig::new(853, 256, 192, experts, 3), 55, routing);
         let offsets = s.layer.routing.row_offsets.download().unwrap();
-        tile_counts.extend(offsets.windows(2).map(|w| (w[1] - w[0]).div_ceil(128)));
+        group_rows.extend(offsets.windows(2).map(|w| w[1] - w[0]));
         check_engine_against_unfused(&gpu, &s);
     }
     // The cases the comment names did occur (the routing is random).
-    println!("M tiles per group: {tile_counts:?}");
-    assert!(tile_counts.iter().any(|&t| t >= 3 && t % 2 == 1), "no group of an odd number (≥ 3) of M tiles");
-    assert!(tile_counts.iter().any(|&t| t >= 4 && t % 2 == 0), "no group of an even number (≥ 4) of M tiles");
+    println!("rows per group: {group_rows:?}");
+    let tiles = |rows: u32| rows.div_ceil(128);
+    let short_last = |rows: u32| rows % 128 != 0 && rows % 128 <= 64;
+    assert!(
+        group_rows.iter().any(|&r| tiles(r) >= 3 && tiles(r) % 2 == 1),
+        "no group of an odd number (≥ 3) of M tiles"
+    );
+    assert!(
+        group_rows.iter().any(|&r| tiles(r) >= 4 && tiles(r) % 2 == 0 && !short_last(r)),
+        "no group of an even number (≥ 4) of M tiles whose last has > 64 rows"
+    );
+    assert!(
+        group_rows.iter().any(|&r| tiles(r) >= 4 && tiles(r) % 2 == 0 && short_last(r)),
+        "no group of an even number (≥ 4) of M tiles whose last has ≤ 64 rows"
+    );
 }
 
 #[test]

@@ -100,12 +100,20 @@ pub enum Pairing {
     NOnly,
 }
 
+/// `rows_nt` plans with at least this K pair by M and N, shorter ones by N only (measured,
+/// docs/PERF.md v18 and v19): the down projections (K = the expert width, 1024–3072 at the
+/// frontier shapes) ran 1–3 % faster as N-pairs, the dense 8 × [8192 × 7168] · [7168 × 4096]
+/// case 3 % faster as M-pairs.
+pub const ROWS_NT_M_PAIRS_MIN_K: usize = 4096;
+
 impl Pairing {
-    /// The plans' default, measured (docs/PERF.md v18): M-pairs where the weight tile is the
-    /// larger stream (gate/up, data gradients), N-pairs only for `rows_nt` (the down projection
-    /// and its bf16 twin), whose groups pair better by N.
-    fn default_for(variant: u32) -> Self {
-        if variant == Variant::ROWS_NT || variant == Variant::ROWS_NT_BF16 { Pairing::NOnly } else { Pairing::MAndN }
+    /// The plans' default, measured (docs/PERF.md v18, v19): M-pairs where the weight tile is the
+    /// larger stream (gate/up, data gradients), and for `rows_nt` (and its bf16 twin) with
+    /// K ≥ [`ROWS_NT_M_PAIRS_MIN_K`]; N-pairs only for `rows_nt` with a shorter K (the down
+    /// projection).
+    fn default_for(variant: u32, k: usize) -> Self {
+        let rows_nt = variant == Variant::ROWS_NT || variant == Variant::ROWS_NT_BF16;
+        if rows_nt && k < ROWS_NT_M_PAIRS_MIN_K { Pairing::NOnly } else { Pairing::MAndN }
     }
 
     fn m_pairs(self) -> u32 {
@@ -274,7 +282,7 @@ impl EnginePlan {
             map_out: maps[3].device_ptr(),
             row_offsets: groups.row_offsets.device_ptr(),
             tile_offsets: groups.tile_offsets.device_ptr(),
-            m_pairs: Pairing::default_for(Variant::GATE_UP).m_pairs(),
+            m_pairs: Pairing::default_for(Variant::GATE_UP, h).m_pairs(),
             out0: hidden_out.device_ptr(),
             out1,
             out2,
@@ -332,7 +340,7 @@ impl EnginePlan {
             map_out: maps[2].device_ptr(),
             row_offsets: groups.row_offsets.device_ptr(),
             tile_offsets: groups.tile_offsets.device_ptr(),
-            m_pairs: Pairing::default_for(variant).m_pairs(),
+            m_pairs: Pairing::default_for(variant, k).m_pairs(),
             out0: out_ptr,
             groups: g as u32,
             n: n as u32,
@@ -385,7 +393,7 @@ impl EnginePlan {
             map_out: maps[maps.len() - 1].device_ptr(),
             row_offsets: groups.row_offsets.device_ptr(),
             tile_offsets: groups.tile_offsets.device_ptr(),
-            m_pairs: Pairing::default_for(Variant::ROWS_NN).m_pairs(),
+            m_pairs: Pairing::default_for(Variant::ROWS_NN, k).m_pairs(),
             out0: out.device_ptr(),
             groups: g as u32,
             n: n as u32,
@@ -490,4 +498,20 @@ fn weight_map_k_major(
         &[2 * k as u64, 2 * (n * k) as u64],
         &[64, box_rows, 1],
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_pairing_follows_the_variant_and_k() {
+        for variant in [Variant::ROWS_NT, Variant::ROWS_NT_BF16] {
+            assert_eq!(Pairing::default_for(variant, ROWS_NT_M_PAIRS_MIN_K - 64), Pairing::NOnly);
+            assert_eq!(Pairing::default_for(variant, ROWS_NT_M_PAIRS_MIN_K), Pairing::MAndN);
+        }
+        for variant in [Variant::GATE_UP, Variant::ROWS_NN] {
+            assert_eq!(Pairing::default_for(variant, 1024), Pairing::MAndN);
+        }
+    }
 }
