@@ -206,6 +206,16 @@ fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
         Some((&gate_out, &up_out)),
     )
     .unwrap();
+    // The persistent grid: whole pairs, as many as the driver says fit at once, at most one
+    // block per SM (132 SMs on the H200: 66 pairs).
+    let resident = plan.resident_blocks();
+    println!("gate_up plan: {resident} resident blocks on {} SMs", gpu.multiprocessors());
+    assert!(resident >= 2 && resident.is_multiple_of(2), "{resident} blocks: not whole pairs");
+    assert!(
+        resident <= gpu.multiprocessors().next_multiple_of(2),
+        "{resident} blocks for {} SMs",
+        gpu.multiprocessors()
+    );
     plan.launch(gpu).unwrap();
     let valid = rows * i;
     check(
@@ -428,6 +438,21 @@ fn engine_matches_unfused_on_odd_widths() {
     let gpu = gpu();
     let s = setup(&gpu, MoeConfig::new(77, 72, 40, 3, 2), 52, PLAIN_ROUTING);
     check_engine_against_unfused(&gpu, &s);
+}
+
+#[test]
+fn engine_matches_unfused_on_tiny_and_sparse_problems() {
+    // The edges no frontier shape reaches: one token, one expert, the narrowest widths (8); every
+    // token routed to every expert; far more experts than rows (nearly every group empty).
+    let gpu = gpu();
+    for (config, seed) in [
+        (MoeConfig::new(1, 8, 8, 1, 1), 56),
+        (MoeConfig::new(5, 16, 24, 3, 3), 57),
+        (MoeConfig::new(3, 64, 64, 1024, 2), 58),
+    ] {
+        let s = setup(&gpu, config, seed, PLAIN_ROUTING);
+        check_engine_against_unfused(&gpu, &s);
+    }
 }
 
 #[test]

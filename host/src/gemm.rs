@@ -146,6 +146,9 @@ pub struct EnginePlan {
     host_params: GemmParams,
     /// Blocks per cluster of the kernel (2: row-grouped variants run in pairs).
     cluster_blocks: u32,
+    /// The persistent grid: one block per SM, or for clustered kernels as many whole clusters
+    /// as can be resident at once (fewer than SMs / 2 where a GPC's SMs do not pair up).
+    resident_blocks: u32,
     params: DeviceBuffer<u8>,
     groups: u32,
     _maps: Vec<TensorMap>,
@@ -167,6 +170,13 @@ impl EnginePlan {
         cut: [Option<(usize, u64, usize)>; GROUP_MAP_SLOTS as usize],
     ) -> Result<Self> {
         gpu.set_max_dynamic_smem(kernel, ENGINE_SMEM_BYTES)?;
+        let cluster_blocks = cluster_blocks(variant);
+        let resident_blocks = if cluster_blocks > 1 {
+            let clusters = gpu.max_active_clusters(kernel, ENGINE_THREADS, ENGINE_SMEM_BYTES, cluster_blocks)?;
+            (clusters * cluster_blocks).min(gpu.multiprocessors().next_multiple_of(cluster_blocks))
+        } else {
+            gpu.multiprocessors()
+        };
         let groups = params.groups;
         let map_words = (TENSOR_MAP_BYTES / 8) as usize;
         let group_maps = DeviceBuffer::<u64>::alloc(gpu, (groups.max(1) * GROUP_MAP_SLOTS) as usize * map_words)?;
@@ -186,7 +196,8 @@ impl EnginePlan {
         Ok(Self {
             kernel,
             host_params: params,
-            cluster_blocks: cluster_blocks(variant),
+            cluster_blocks,
+            resident_blocks,
             params: DeviceBuffer::from_slice(gpu, params_bytes(&params))?,
             groups,
             _maps: maps,
@@ -210,7 +221,8 @@ impl EnginePlan {
         Ok(())
     }
 
-    /// Enqueues the launch with one block per SM (persistent).
+    /// Enqueues the launch with the persistent grid: one block per SM, or as many whole
+    /// clusters as fit at once ([`EnginePlan::resident_blocks`]).
     ///
     /// A plan holds one set of per-group maps and one tile counter, both rewritten by the
     /// group-map kernel that precedes every engine launch: launch a plan from one thread at a
@@ -218,7 +230,14 @@ impl EnginePlan {
     /// second engine find the counter already spent and compute nothing). Use one plan per
     /// concurrent product.
     pub fn launch(&self, gpu: &Gpu) -> Result<()> {
-        self.launch_with_blocks(gpu, gpu.multiprocessors())
+        self.launch_with_blocks(gpu, self.resident_blocks)
+    }
+
+    /// The blocks [`EnginePlan::launch`] starts: one per SM, or for the paired (clustered)
+    /// variants twice the clusters that can be resident at once (from the driver's occupancy
+    /// query when the plan was built).
+    pub fn resident_blocks(&self) -> u32 {
+        self.resident_blocks
     }
 
     /// Enqueues the launch with `blocks` persistent blocks, rounded up to whole clusters (pairs,

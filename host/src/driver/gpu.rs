@@ -183,6 +183,51 @@ impl Gpu {
         .map_err(|e| cuda_error(format!("cuFuncSetAttribute({kernel}, max dynamic smem {bytes})"), e))
     }
 
+    /// How many clusters of `cluster_blocks` blocks of `kernel` (with `threads` threads and
+    /// `smem_bytes` of dynamic shared memory each) can be resident at once — the grid of a
+    /// persistent clustered kernel, so that no cluster waits for another to finish
+    /// (`cuOccupancyMaxActiveClusters`; the kernel's compiled cluster size applies). Set the
+    /// kernel's dynamic shared memory limit first ([`Gpu::set_max_dynamic_smem`]).
+    pub fn max_active_clusters(
+        &self,
+        kernel: &'static str,
+        threads: u32,
+        smem_bytes: u32,
+        cluster_blocks: u32,
+    ) -> Result<u32> {
+        let function = self.function(kernel)?;
+        self.inner.bind()?;
+        let config = sys::CUlaunchConfig {
+            gridDimX: cluster_blocks,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: threads,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: smem_bytes,
+            hStream: self.inner.stream,
+            attrs: std::ptr::null_mut(),
+            numAttrs: 0,
+        };
+        let mut clusters: i32 = 0;
+        let call = || {
+            format!(
+                "cuOccupancyMaxActiveClusters({kernel}, {cluster_blocks} blocks of {threads} threads, {smem_bytes} B smem)"
+            )
+        };
+        // SAFETY: valid function handle; `config` and `clusters` outlive the call; no attributes.
+        unsafe { sys::cuOccupancyMaxActiveClusters(&mut clusters, function, &config) }
+            .result()
+            .map_err(|e| cuda_error(call(), e))?;
+        match u32::try_from(clusters) {
+            Ok(n) if n > 0 => Ok(n),
+            _ => Err(MokError::Cuda {
+                call: call(),
+                message: format!("{clusters} clusters fit: the kernel cannot run here"),
+            }),
+        }
+    }
+
     /// Whether the loaded PTX has the kernel `kernel` (a PTX given through `MOK_PTX` may be
     /// older than this build).
     pub fn has_kernel(&self, kernel: &'static str) -> bool {
