@@ -4,7 +4,9 @@
 //! floors (FLOPs at the measured bf16 matmul rate, minimum bytes at the measured copy rate).
 //!
 //! `layer [--cases kimi:8192,qwen:32768] [--reps N] [--baseline FILE] [--matmul-tflops R]
-//! [--copy-tbps B]`. Without a GPU it says so and exits 0 (a benchmark is not a test).
+//! [--copy-tbps B] [--gemm mma|engine]`. The routed experts' GEMMs run on the `mma.sync` kernels,
+//! the layer's default, or with `--gemm engine` on the tensor-core engine (sm_90 only; the header
+//! line says which ran). Without a GPU it says so and exits 0 (a benchmark is not a test).
 
 use std::collections::HashMap;
 
@@ -20,11 +22,19 @@ struct Args {
     baseline: HashMap<(String, usize), (f64, f64)>,
     matmul_tflops: f64,
     copy_tbps: f64,
+    /// The routed experts' GEMMs on the tensor-core engine (an error where it is missing).
+    engine: bool,
 }
 
 fn parse_args() -> Result<Args> {
-    let mut args =
-        Args { cases: Vec::new(), reps: 10, baseline: HashMap::new(), matmul_tflops: 783.0, copy_tbps: 4.23 };
+    let mut args = Args {
+        cases: Vec::new(),
+        reps: 10,
+        baseline: HashMap::new(),
+        matmul_tflops: 783.0,
+        copy_tbps: 4.23,
+        engine: false,
+    };
     let mut cases = "kimi:8192,glm:8192,qwen:8192,deepseek:8192".to_string();
     let mut it = std::env::args().skip(1).filter(|a| a != "--bench");
     while let Some(arg) = it.next() {
@@ -34,6 +44,13 @@ fn parse_args() -> Result<Args> {
             "--reps" => args.reps = value()?.parse()?,
             "--matmul-tflops" => args.matmul_tflops = value()?.parse()?,
             "--copy-tbps" => args.copy_tbps = value()?.parse()?,
+            "--gemm" => {
+                args.engine = match value()?.as_str() {
+                    "engine" => true,
+                    "mma" => false,
+                    other => bail!("--gemm takes engine or mma, not {other}"),
+                }
+            }
             "--baseline" => {
                 let path = value()?;
                 let text = std::fs::read_to_string(&path).with_context(|| format!("reading {path}"))?;
@@ -64,7 +81,7 @@ fn median(mut v: Vec<f32>) -> f64 {
     v[v.len() / 2] as f64
 }
 
-fn bench_case(gpu: &Gpu, shape: FrontierShape, tokens: usize, reps: usize) -> Result<(f64, f64)> {
+fn bench_case(gpu: &Gpu, shape: FrontierShape, tokens: usize, reps: usize, engine: bool) -> Result<(f64, f64)> {
     let config = shape.config(tokens);
     let (h, i, e) = (config.hidden, config.intermediate, config.num_experts);
     let host_tokens = random_tokens(&config, 7);
@@ -77,6 +94,7 @@ fn bench_case(gpu: &Gpu, shape: FrontierShape, tokens: usize, reps: usize) -> Re
     };
     let dy = random_bf16(gpu, tokens * h, 4, 1.0)?;
     let mut layer = UnfusedLayer::new(gpu, config)?;
+    layer.set_gemm_engine(gpu, engine)?;
     layer.forward(gpu, &device_tokens, &experts, None)?;
     layer.backward(gpu, &device_tokens, &experts, None, &dy)?;
     layer.check_device_errors()?;
@@ -104,10 +122,17 @@ fn main() -> Result<()> {
             return Ok(());
         }
     };
-    println!("layer benchmark on {}; floors at {} TFLOP/s and {} TB/s", gpu.name(), args.matmul_tflops, args.copy_tbps);
+    let engine = args.engine;
+    println!(
+        "layer benchmark on {}; routed-expert GEMMs on {}; floors at {} TFLOP/s and {} TB/s",
+        gpu.name(),
+        if engine { "the tensor-core engine" } else { "the mma.sync kernels" },
+        args.matmul_tflops,
+        args.copy_tbps
+    );
     let mut rows = Vec::new();
     for &(shape, tokens) in &args.cases {
-        let (fwd, step) = bench_case(&gpu, shape, tokens, args.reps)?;
+        let (fwd, step) = bench_case(&gpu, shape, tokens, args.reps, engine)?;
         let config = shape.config(tokens);
         let flops = forward_flops(&config);
         let floor = |flop: f64, bytes: f64| (flop / (args.matmul_tflops * 1e9), bytes / (args.copy_tbps * 1e9));

@@ -280,6 +280,50 @@ fn repeated_runs_are_bitwise_identical() {
 }
 
 #[test]
+fn gemm_engine_path_is_bitwise_the_mma_sync_path() {
+    // The routed experts' GEMMs on the tensor-core engine (UnfusedLayer::set_gemm_engine) give
+    // every intermediate, output and gradient bit for bit as the mma.sync kernels, which the
+    // tests above check against the f64 reference: ragged widths with dropped slots, an empty
+    // expert and a shared expert; ~100-row groups; ~500-row groups (M-paired tiles).
+    let gpu = gpu();
+    let cases = [
+        (config(131, 72, 40, 8, 4, Some(24), Some(1.5)), Routing { drop_probability: 0.15, empty_experts: &[3] }),
+        (config(400, 512, 256, 32, 8, Some(256), Some(1.0)), Routing { drop_probability: 0.02, empty_experts: &[5] }),
+        (config(1024, 256, 192, 4, 2, None, None), PLAIN_ROUTING),
+    ];
+    for (seed, (c, routing)) in cases.into_iter().enumerate() {
+        let case = random_case(&c, 80 + seed as u64, routing);
+        let device = upload(&gpu, &case);
+        let mut mma = UnfusedLayer::new(&gpu, c.clone()).unwrap();
+        let mut on_engine = UnfusedLayer::new(&gpu, c.clone()).unwrap();
+        if let Err(e) = on_engine.set_gemm_engine(&gpu, true) {
+            // Only sm_90 has the engine; say so loudly rather than pass silently.
+            println!("  NOT RUN: the GEMM engine is not available on this GPU: {e}");
+            assert_ne!(gpu.compute_capability().0, 9, "an sm_90 GPU must run the engine: {e}");
+            return;
+        }
+        assert!(on_engine.uses_gemm_engine() && !mma.uses_gemm_engine());
+        let expected = run(&gpu, &mut mma, &device);
+        let got = run(&gpu, &mut on_engine, &device);
+        let what =
+            format!("T={} H={} I={} E={} k={}", c.tokens_per_rank, c.hidden, c.intermediate, c.num_experts, c.top_k);
+        assert_eq!(fingerprint(&got.gate), fingerprint(&expected.gate), "{what}: gate pre-activations");
+        assert_eq!(fingerprint(&got.up), fingerprint(&expected.up), "{what}: up pre-activations");
+        assert_eq!(fingerprint(&got.hidden), fingerprint(&expected.hidden), "{what}: hidden");
+        assert_eq!(fingerprint(&got.down), fingerprint(&expected.down), "{what}: down rows");
+        assert_eq!(got.fingerprints(), expected.fingerprints(), "{what}: outputs and gradients");
+        // Again on the same layer (the plans are reused), and after switching back.
+        assert_eq!(run(&gpu, &mut on_engine, &device).fingerprints(), expected.fingerprints(), "{what}: rerun");
+        on_engine.set_gemm_engine(&gpu, false).unwrap();
+        assert_eq!(run(&gpu, &mut on_engine, &device).fingerprints(), expected.fingerprints(), "{what}: engine off");
+        println!(
+            "  {what}: engine path bitwise equal to the mma.sync path ({} fingerprints)",
+            expected.fingerprints().len() + 4
+        );
+    }
+}
+
+#[test]
 fn device_reports_bad_ids_instead_of_corrupting() {
     let gpu = gpu();
     let case = random_case(&config(70, 64, 64, 8, 2, None, None), 6, PLAIN_ROUTING);

@@ -34,8 +34,21 @@ const GROUP_MAPS_KERNEL: &str = "mok_sm90_group_maps";
 /// odd tile count before each; `GemmParams::tile_offsets`) from `[groups + 1]` row offsets,
 /// computed on the device, ordered on the stream after whatever wrote the row offsets.
 pub fn tile_offsets(gpu: &Gpu, row_offsets: &DeviceBuffer<u32>, groups: usize) -> Result<DeviceBuffer<u32>> {
-    check_len("row_offsets", row_offsets.len(), groups + 1)?;
     let tiles = DeviceBuffer::alloc(gpu, 2 * (groups + 1))?;
+    tile_offsets_into(gpu, row_offsets, groups, &tiles)?;
+    Ok(tiles)
+}
+
+/// As [`tile_offsets`], into an existing `[2 · (groups + 1)]` buffer (a plan built for it stays
+/// valid: its address does not change).
+pub fn tile_offsets_into(
+    gpu: &Gpu,
+    row_offsets: &DeviceBuffer<u32>,
+    groups: usize,
+    tiles: &DeviceBuffer<u32>,
+) -> Result<()> {
+    check_len("row_offsets", row_offsets.len(), groups + 1)?;
+    check_len("tile_offsets", tiles.len(), 2 * (groups + 1))?;
     gpu.launch(
         "mok_tile_offsets",
         LaunchShape::linear(1, 32),
@@ -45,8 +58,7 @@ pub fn tile_offsets(gpu: &Gpu, row_offsets: &DeviceBuffer<u32>, groups: usize) -
             KernelArg::U32(TILE_M),
             KernelArg::Ptr(tiles.device_ptr()),
         ],
-    )?;
-    Ok(tiles)
+    )
 }
 
 fn check_len(tensor: &'static str, actual: usize, expected: usize) -> Result<()> {

@@ -19,6 +19,7 @@ use mok_kernels::tiles as kc;
 use crate::config::MoeConfig;
 use crate::driver::{DeviceBuffer, Gpu, KernelArg, LaunchShape};
 use crate::error::{MokError, Result};
+use crate::gemm::{self as engine, EnginePlan, RowsOut, WgradOut};
 use crate::problem::{ExpertWeights, RoutedTokens, SharedExpertWeights};
 
 use KernelArg::{F32, Ptr, U32, U64};
@@ -244,6 +245,23 @@ pub struct UnfusedLayer {
     pub y: DeviceBuffer<bf16>,
     /// Gradients of the last backward.
     pub grads: DeviceGrads,
+    /// The routed experts' GEMMs on the tensor-core engine instead of the `mma.sync` kernels
+    /// ([`UnfusedLayer::set_gemm_engine`]).
+    engine: Option<EngineExperts>,
+}
+
+/// The routed experts' GEMMs on the sm_90a tensor-core engine ([`crate::gemm`]) — the same
+/// products as the `mma.sync` kernels, bitwise (tested): plans built once for the layer's own
+/// buffers and the expert weights of a call, built again when a call passes other weights.
+struct EngineExperts {
+    /// `[2 · (E + 1)]` the engine's tile offsets, written on the device after each routing.
+    tile_offsets: DeviceBuffer<u32>,
+    /// The weight addresses (gate, up, down) the plans were built for; 0 before the first call.
+    built_for: [u64; 3],
+    /// Gate/up with SwiGLU (keeping the pre-activations for backward), down.
+    forward: Vec<EnginePlan>,
+    /// Down dgrad; gate/up dgrad (two K segments); the down, gate and up weight gradients.
+    backward: Vec<EnginePlan>,
 }
 
 impl UnfusedLayer {
@@ -294,6 +312,7 @@ impl UnfusedLayer {
             routed: ExpertCompute::new(gpu, slots, h, i, config.swiglu_limit, true)?,
             shared,
             y: DeviceBuffer::alloc(gpu, t * h)?,
+            engine: None,
             grads: DeviceGrads {
                 dx: DeviceBuffer::alloc(gpu, t * h)?,
                 d_topk_weights: DeviceBuffer::alloc(gpu, slots)?,
@@ -309,6 +328,92 @@ impl UnfusedLayer {
     /// The configuration this layer was built for.
     pub fn config(&self) -> &MoeConfig {
         &self.config
+    }
+
+    /// Runs the routed experts' GEMMs on the tensor-core engine (`on`) or on the `mma.sync`
+    /// kernels (the default). Every output and gradient is bitwise the same either way; the
+    /// shared expert stays on the `mma.sync` kernels. The engine needs an sm_90 GPU (Hopper)
+    /// and the built-in PTX's engine kernels: otherwise an error, and the layer is unchanged.
+    pub fn set_gemm_engine(&mut self, gpu: &Gpu, on: bool) -> Result<()> {
+        if !on {
+            self.engine = None;
+            return Ok(());
+        }
+        if gpu.compute_capability().0 != 9 || !gpu.has_kernel("mok_sm90_gemm_gate_up") {
+            return Err(MokError::UnsupportedGpu {
+                name: gpu.name().to_string(),
+                major: gpu.compute_capability().0,
+                minor: gpu.compute_capability().1,
+            });
+        }
+        if self.engine.is_none() {
+            let e = self.config.num_experts;
+            self.engine = Some(EngineExperts {
+                tile_offsets: DeviceBuffer::alloc(gpu, 2 * (e + 1))?,
+                built_for: [0; 3],
+                forward: Vec::new(),
+                backward: Vec::new(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Whether the routed experts' GEMMs run on the tensor-core engine.
+    pub fn uses_gemm_engine(&self) -> bool {
+        self.engine.is_some()
+    }
+
+    /// Builds the engine's plans for `experts` (when the engine is on): on first use, and again
+    /// for other weights.
+    fn prepare_engine_plans(&mut self, gpu: &Gpu, experts: &DeviceExperts) -> Result<()> {
+        let Some(state) = self.engine.as_mut() else { return Ok(()) };
+        let key = [experts.w_gate.device_ptr(), experts.w_up.device_ptr(), experts.w_down.device_ptr()];
+        if state.built_for != key {
+            let c = &self.config;
+            let (h, i, e, slots) = (c.hidden, c.intermediate, c.num_experts, c.tokens_per_rank * c.top_k);
+            let groups = engine::RowGroups {
+                row_offsets: &self.routing.row_offsets,
+                tile_offsets: &state.tile_offsets,
+                groups: e,
+                capacity: slots,
+            };
+            let rows = &self.routed.rows;
+            let x = &self.gathered_x;
+            let (gate_up, down) = (
+                EnginePlan::gate_up(
+                    gpu,
+                    x,
+                    &groups,
+                    &experts.w_gate,
+                    &experts.w_up,
+                    (h, i),
+                    c.swiglu_limit,
+                    &rows.hidden,
+                    Some((&rows.gate, &rows.up)),
+                )?,
+                EnginePlan::rows_nt(gpu, &rows.hidden, &groups, &experts.w_down, (h, i), RowsOut::F32(&rows.out))?,
+            );
+            let g = &self.grads;
+            let wgrad =
+                |a, b, (m, n), out| EnginePlan::wgrad(gpu, a, b, &self.routing.row_offsets, (e, slots), (m, n), out);
+            state.backward = vec![
+                EnginePlan::rows_nn(gpu, (&rows.d_rows, &experts.w_down), None, &groups, (i, h), &rows.d_hidden)?,
+                EnginePlan::rows_nn(
+                    gpu,
+                    (&rows.d_gate, &experts.w_gate),
+                    Some((&rows.d_up, &experts.w_up)),
+                    &groups,
+                    (h, i),
+                    &rows.d_in,
+                )?,
+                wgrad(&rows.d_rows, &rows.hidden, (h, i), WgradOut::Bf16(&g.dw_down))?,
+                wgrad(&rows.d_gate, x, (i, h), WgradOut::Bf16(&g.dw_gate))?,
+                wgrad(&rows.d_up, x, (i, h), WgradOut::Bf16(&g.dw_up))?,
+            ];
+            state.forward = vec![gate_up, down];
+            state.built_for = key;
+        }
+        Ok(())
     }
 
     /// Fills every output and intermediate with NaN bytes, so a test sees any element a kernel
@@ -439,6 +544,8 @@ impl UnfusedLayer {
         shared: Option<&DeviceSharedExpert>,
     ) -> Result<()> {
         self.check_inputs(tokens, experts, shared)?;
+        // Before any launch: building plans uploads their parameter blocks.
+        self.prepare_engine_plans(gpu, experts)?;
         self.route(gpu, &tokens.topk_ids)?;
         let c = self.config.clone();
         let (t, h, e, k) = (c.tokens_per_rank, c.hidden, c.num_experts, c.top_k);
@@ -465,12 +572,20 @@ impl UnfusedLayer {
             rows_upper_bound: slots,
             row_count: count,
         };
-        self.routed.forward(
-            gpu,
-            &groups,
-            self.gathered_x.device_ptr(),
-            [&experts.w_gate, &experts.w_up, &experts.w_down],
-        )?;
+        if let Some(state) = &self.engine {
+            engine::tile_offsets_into(gpu, &self.routing.row_offsets, e, &state.tile_offsets)?;
+            for plan in &state.forward {
+                plan.launch(gpu)?;
+            }
+        } else {
+            self.routed.forward(
+                gpu,
+                &groups,
+                self.gathered_x.device_ptr(),
+                [&experts.w_gate, &experts.w_up, &experts.w_down],
+            )?;
+        }
+        let r = &self.routing;
         let mut shared_out = 0;
         if let (Some(weights), Some((compute, offsets))) = (shared, &self.shared) {
             compute.forward(
@@ -516,6 +631,7 @@ impl UnfusedLayer {
                 problem: format!("device buffer has {} elements, expected {}", dy.len(), t * h),
             });
         }
+        self.prepare_engine_plans(gpu, experts)?;
         let slots = t * k;
         let count = self.row_count_ptr();
         let r = &self.routing;
@@ -552,20 +668,30 @@ impl UnfusedLayer {
             rows_upper_bound: slots,
             row_count: count,
         };
-        self.routed.backward(
-            gpu,
-            &groups,
-            ExpertBackward {
-                input_rows: self.gathered_x.device_ptr(),
-                d_out_rows: self.routed.rows.d_rows.device_ptr(),
-                weights: [&experts.w_gate, &experts.w_up, &experts.w_down],
-                weight_grads: [
-                    self.grads.dw_gate.device_ptr(),
-                    self.grads.dw_up.device_ptr(),
-                    self.grads.dw_down.device_ptr(),
-                ],
-            },
-        )?;
+        if let Some(state) = &self.engine {
+            // The forward wrote this routing's tile offsets; the plans read them.
+            state.backward[0].launch(gpu)?;
+            self.routed.swiglu_backward(gpu, &groups)?;
+            for plan in &state.backward[1..] {
+                plan.launch(gpu)?;
+            }
+        } else {
+            self.routed.backward(
+                gpu,
+                &groups,
+                ExpertBackward {
+                    input_rows: self.gathered_x.device_ptr(),
+                    d_out_rows: self.routed.rows.d_rows.device_ptr(),
+                    weights: [&experts.w_gate, &experts.w_up, &experts.w_down],
+                    weight_grads: [
+                        self.grads.dw_gate.device_ptr(),
+                        self.grads.dw_up.device_ptr(),
+                        self.grads.dw_down.device_ptr(),
+                    ],
+                },
+            )?;
+        }
+        let r = &self.routing;
         let mut shared_dx = 0;
         if let (Some(weights), Some((compute, offsets))) = (shared, &self.shared) {
             let grads = self.grads.shared.as_ref().expect("allocated with the config");
@@ -825,6 +951,27 @@ impl ExpertCompute {
         )
     }
 
+    /// Enqueues the SwiGLU backward: `d_hidden` and the saved pre-activations → `d_gate`, `d_up`
+    /// (bf16), for the rows of `groups`.
+    fn swiglu_backward(&self, gpu: &Gpu, groups: &RowGroups) -> Result<()> {
+        let rows = &self.rows;
+        let inter = self.inter;
+        gpu.launch(
+            "mok_swiglu_backward",
+            LaunchShape::linear(grid_stride_blocks(gpu, groups.rows_upper_bound * inter), ROW_KERNEL_THREADS),
+            &[
+                Ptr(rows.gate.device_ptr()),
+                Ptr(rows.up.device_ptr()),
+                Ptr(rows.d_hidden.device_ptr()),
+                Ptr(groups.row_count),
+                U32(inter as u32),
+                F32(self.limit),
+                Ptr(rows.d_gate.device_ptr()),
+                Ptr(rows.d_up.device_ptr()),
+            ],
+        )
+    }
+
     /// Enqueues the backward of [`Self::forward`] (same groups and inputs, the forward's saved
     /// rows): down dgrad, SwiGLU backward, gate/up dgrad into [`Self::d_in_rows`] (f32), then the
     /// three weight gradients (bf16), each reducing over a group's rows in order from its first.
@@ -850,20 +997,7 @@ impl ExpertCompute {
                 Ptr(rows.d_hidden.device_ptr()),
             ],
         )?;
-        gpu.launch(
-            "mok_swiglu_backward",
-            LaunchShape::linear(grid_stride_blocks(gpu, groups.rows_upper_bound * inter), ROW_KERNEL_THREADS),
-            &[
-                Ptr(rows.gate.device_ptr()),
-                Ptr(rows.up.device_ptr()),
-                Ptr(rows.d_hidden.device_ptr()),
-                Ptr(groups.row_count),
-                U32(inter as u32),
-                F32(self.limit),
-                Ptr(rows.d_gate.device_ptr()),
-                Ptr(rows.d_up.device_ptr()),
-            ],
-        )?;
+        self.swiglu_backward(gpu, groups)?;
         gpu.launch(
             "mok_gemm_rows_nn",
             gemm_shape(row_grid(groups.rows_upper_bound, groups.groups, h)),
