@@ -417,7 +417,7 @@ fn engine_matches_unfused_on_groups_of_several_tiles() {
     // The cases the comment names did occur (the routing is random).
     println!("rows per group: {group_rows:?}");
     let tiles = |rows: u32| rows.div_ceil(128);
-    let short_last = |rows: u32| rows % 128 != 0 && rows % 128 <= 64;
+    let short_last = |rows: u32| !rows.is_multiple_of(128) && rows % 128 <= 64;
     assert!(
         group_rows.iter().any(|&r| tiles(r) >= 3 && tiles(r) % 2 == 1),
         "no group of an odd number (≥ 3) of M tiles"

@@ -49,6 +49,9 @@ struct GpuRun {
     up: Vec<f32>,
     hidden: Vec<bf16>,
     down: Vec<f32>,
+    /// The routed rows' backward intermediates: d_hidden f32, d_gate, d_up bf16 `[R, I]`, d_in
+    /// f32 `[R, H]`, as fingerprints.
+    backward_rows: [u64; 4],
     y: Vec<bf16>,
     dx: Vec<bf16>,
     d_topk_weights: Vec<f32>,
@@ -84,8 +87,19 @@ fn upload(gpu: &Gpu, case: &Case) -> DeviceCase {
 }
 
 fn run(gpu: &Gpu, layer: &mut UnfusedLayer, device: &DeviceCase) -> GpuRun {
+    run_with(gpu, layer, device, |_| {})
+}
+
+/// As [`run`], calling `between` on the layer after the forward and before the backward.
+fn run_with(
+    gpu: &Gpu,
+    layer: &mut UnfusedLayer,
+    device: &DeviceCase,
+    between: impl FnOnce(&mut UnfusedLayer),
+) -> GpuRun {
     layer.poison().unwrap();
     layer.forward(gpu, &device.tokens, &device.experts, device.shared.as_ref()).unwrap();
+    between(layer);
     layer.backward(gpu, &device.tokens, &device.experts, device.shared.as_ref(), &device.dy).unwrap();
     gpu.synchronize().unwrap();
     layer.check_device_errors().unwrap();
@@ -102,8 +116,16 @@ fn run(gpu: &Gpu, layer: &mut UnfusedLayer, device: &DeviceCase) -> GpuRun {
     };
     let (h, i) = (layer.config().hidden, layer.config().intermediate);
     let (gate, up, hidden, down) = layer.routed_intermediates();
+    let back = layer.routed_backward_intermediates();
+    let backward_rows = [
+        fingerprint(&back.d_hidden.download().unwrap()[..total * i]),
+        fingerprint(&back.d_gate.download().unwrap()[..total * i]),
+        fingerprint(&back.d_up.download().unwrap()[..total * i]),
+        fingerprint(&back.d_in.download().unwrap()[..total * h]),
+    ];
     let g = &layer.grads;
     GpuRun {
+        backward_rows,
         gathered_x: layer.gathered_x.download().unwrap()[..total * h].to_vec(),
         gate: gate.download().unwrap()[..total * i].to_vec(),
         up: up.download().unwrap()[..total * i].to_vec(),
@@ -311,11 +333,18 @@ fn gemm_engine_path_is_bitwise_the_mma_sync_path() {
         assert_eq!(fingerprint(&got.up), fingerprint(&expected.up), "{what}: up pre-activations");
         assert_eq!(fingerprint(&got.hidden), fingerprint(&expected.hidden), "{what}: hidden");
         assert_eq!(fingerprint(&got.down), fingerprint(&expected.down), "{what}: down rows");
+        assert_eq!(got.backward_rows, expected.backward_rows, "{what}: d_hidden, d_gate, d_up, d_in");
         assert_eq!(got.fingerprints(), expected.fingerprints(), "{what}: outputs and gradients");
         // Again on the same layer (the plans are reused), and after switching back.
         assert_eq!(run(&gpu, &mut on_engine, &device).fingerprints(), expected.fingerprints(), "{what}: rerun");
         on_engine.set_gemm_engine(&gpu, false).unwrap();
         assert_eq!(run(&gpu, &mut on_engine, &device).fingerprints(), expected.fingerprints(), "{what}: engine off");
+        // Switched on between a forward without it and the backward: the backward writes the
+        // engine's tile offsets itself.
+        let switched = run_with(&gpu, &mut on_engine, &device, |layer| layer.set_gemm_engine(&gpu, true).unwrap());
+        assert!(on_engine.uses_gemm_engine());
+        assert_eq!(switched.backward_rows, expected.backward_rows, "{what}: engine on after the forward");
+        assert_eq!(switched.fingerprints(), expected.fingerprints(), "{what}: engine on after the forward");
         println!(
             "  {what}: engine path bitwise equal to the mma.sync path ({} fingerprints)",
             expected.fingerprints().len() + 4

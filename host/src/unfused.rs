@@ -251,10 +251,11 @@ pub struct UnfusedLayer {
 }
 
 /// The routed experts' GEMMs on the sm_90a tensor-core engine ([`crate::gemm`]) — the same
-/// products as the `mma.sync` kernels, bitwise (tested): plans built once for the layer's own
-/// buffers and the expert weights of a call, built again when a call passes other weights.
+/// products as the `mma.sync` kernels, bit for bit as measured: plans built once for the layer's
+/// own buffers and the expert weights of a call, built again when a call passes other weights.
 struct EngineExperts {
-    /// `[2 · (E + 1)]` the engine's tile offsets, written on the device after each routing.
+    /// `[2 · (E + 1)]` the engine's tile offsets, written on the device in each forward and
+    /// backward before the engine's GEMMs.
     tile_offsets: DeviceBuffer<u32>,
     /// The weight addresses (gate, up, down) the plans were built for; 0 before the first call.
     built_for: [u64; 3],
@@ -331,15 +332,20 @@ impl UnfusedLayer {
     }
 
     /// Runs the routed experts' GEMMs on the tensor-core engine (`on`) or on the `mma.sync`
-    /// kernels (the default). Every output and gradient is bitwise the same either way; the
-    /// shared expert stays on the `mma.sync` kernels. The engine needs an sm_90 GPU (Hopper)
-    /// and the built-in PTX's engine kernels: otherwise an error, and the layer is unchanged.
+    /// kernels (the default). Every output and gradient is meant to be bitwise the same either
+    /// way (the engine's kernels measured equal to the `mma.sync` ones, and
+    /// `gemm_engine_path_is_bitwise_the_mma_sync_path` asserts it for the layer); the shared
+    /// expert stays on the `mma.sync` kernels. The engine needs an sm_90 GPU (Hopper) and every
+    /// engine kernel in the loaded PTX: otherwise an error, and the layer is unchanged. Its plans
+    /// hold the addresses of this layer's buffers: do not replace the layer's public buffers
+    /// (`routing`, `gathered_x`, `grads`) while it is on.
     pub fn set_gemm_engine(&mut self, gpu: &Gpu, on: bool) -> Result<()> {
         if !on {
             self.engine = None;
             return Ok(());
         }
-        if gpu.compute_capability().0 != 9 || !gpu.has_kernel("mok_sm90_gemm_gate_up") {
+        let has_kernels = engine::ENGINE_KERNELS.iter().chain(&["mok_tile_offsets"]).all(|k| gpu.has_kernel(k));
+        if gpu.compute_capability().0 != 9 || !has_kernels {
             return Err(MokError::UnsupportedGpu {
                 name: gpu.name().to_string(),
                 major: gpu.compute_capability().0,
@@ -669,7 +675,8 @@ impl UnfusedLayer {
             row_count: count,
         };
         if let Some(state) = &self.engine {
-            // The forward wrote this routing's tile offsets; the plans read them.
+            // This routing's tile offsets again: the forward may have run with the engine off.
+            engine::tile_offsets_into(gpu, &self.routing.row_offsets, e, &state.tile_offsets)?;
             state.backward[0].launch(gpu)?;
             self.routed.swiglu_backward(gpu, &groups)?;
             for plan in &state.backward[1..] {
