@@ -29,6 +29,15 @@ pub const ENGINE_KERNELS: [&str; 6] = [
 
 /// Writes the per-group tensor maps (`GemmParams::group_maps`) before each engine launch.
 const GROUP_MAPS_KERNEL: &str = "mok_sm90_group_maps";
+/// Writes the row-grouped plans' tile offsets ([`tile_offsets`]).
+const TILE_OFFSETS_KERNEL: &str = "mok_tile_offsets";
+
+/// Whether `gpu` can run the engine: an sm_90 GPU (Hopper) whose loaded PTX has every engine
+/// kernel (a PTX given through `MOK_PTX` may predate some).
+pub fn engine_available(gpu: &Gpu) -> bool {
+    gpu.compute_capability().0 == 9
+        && ENGINE_KERNELS.iter().chain(&[TILE_OFFSETS_KERNEL]).all(|kernel| gpu.has_kernel(kernel))
+}
 
 /// `[2 · (groups + 1)]` tile offsets (tiles of `TILE_M` rows, then the count of groups with an
 /// odd tile count before each; `GemmParams::tile_offsets`) from `[groups + 1]` row offsets,
@@ -50,7 +59,7 @@ pub fn tile_offsets_into(
     check_len("row_offsets", row_offsets.len(), groups + 1)?;
     check_len("tile_offsets", tiles.len(), 2 * (groups + 1))?;
     gpu.launch(
-        "mok_tile_offsets",
+        TILE_OFFSETS_KERNEL,
         LaunchShape::linear(1, 32),
         &[
             KernelArg::Ptr(row_offsets.device_ptr()),

@@ -344,8 +344,7 @@ impl UnfusedLayer {
             self.engine = None;
             return Ok(());
         }
-        let has_kernels = engine::ENGINE_KERNELS.iter().chain(&["mok_tile_offsets"]).all(|k| gpu.has_kernel(k));
-        if gpu.compute_capability().0 != 9 || !has_kernels {
+        if !engine::engine_available(gpu) {
             return Err(MokError::UnsupportedGpu {
                 name: gpu.name().to_string(),
                 major: gpu.compute_capability().0,
