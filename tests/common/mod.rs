@@ -6,6 +6,23 @@ use mok::MoeConfig;
 use mok::kernels::num::random_uniform;
 use mok::problem::{ExpertWeights, RoutedTokens, SharedExpertWeights};
 
+/// Whether the tests run under compute-sanitizer (`run.sh --sanitize` sets `MOK_SANITIZE=1`).
+/// Instrumented kernels run 10-100× slower, so tests with frontier-sized data use their reduced
+/// variant then (fewer experts, the same widths) and say so; every test still runs.
+pub fn sanitizing() -> bool {
+    std::env::var_os("MOK_SANITIZE").is_some_and(|v| v == "1")
+}
+
+/// `full` normally, `reduced` under compute-sanitizer (printed, so a log shows which ran).
+pub fn sized<T: std::fmt::Debug>(what: &str, full: T, reduced: T) -> T {
+    if sanitizing() {
+        println!("  {what}: reduced size for compute-sanitizer: {reduced:?} (normally {full:?})");
+        reduced
+    } else {
+        full
+    }
+}
+
 /// One random problem: inputs, weights and an output gradient.
 pub struct Case {
     pub config: MoeConfig,

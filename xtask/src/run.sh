@@ -7,10 +7,18 @@
 # result line counts as 1 failed. Exits non-zero when M > 0.
 #
 # usage: run.sh [--bench] [TEST-ARGS...]
+#        run.sh --sanitize [TEST-ARGS...]
 #   --bench, or MOK_BUNDLE_BENCH=1   then run the bench binaries in benches/ too (not counted;
 #                                    the scripts there, e.g. run_layer_bench.sh, are run by hand)
+#   --sanitize                       run every test binary under each compute-sanitizer tool of
+#                                    MOK_SANITIZE_TOOLS (default: memcheck racecheck synccheck
+#                                    initcheck) with MOK_SANITIZE=1, which makes the tests use
+#                                    their reduced sizes (tests/common: `sanitizing`); ends with one
+#                                    line `sanitize: memcheck N errors, racecheck N hazards, ...`
+#                                    and the tests' `N passed, M failed`; logs are
+#                                    logs/sanitize-TOOL-NAME.log
 #   TEST-ARGS                        passed to every test binary (a name filter, --nocapture, ...)
-#   MOK_TEST_TIMEOUT=SECONDS         time limit per test binary (default 300; 0: none)
+#   MOK_TEST_TIMEOUT=SECONDS         time limit per test binary (default 300, 900 sanitized; 0: none)
 #   MOK_BENCH_TIMEOUT=SECONDS        time limit per bench binary (default 0: none)
 set -u
 
@@ -19,8 +27,12 @@ log_dir="${OUT:-.}/logs"
 mkdir -p "$log_dir" || exit 2
 
 run_bench=${MOK_BUNDLE_BENCH:-0}
+sanitize=0
 if [ "${1:-}" = "--bench" ]; then
     run_bench=1
+    shift
+elif [ "${1:-}" = "--sanitize" ]; then
+    sanitize=1
     shift
 fi
 
@@ -35,15 +47,72 @@ with_limit() {
     fi
 }
 
+# sanitizer_errors LOG: the reports of a compute-sanitizer log: the sum of its `ERROR SUMMARY`
+# lines plus racecheck's warnings (its `RACECHECK SUMMARY: N hazards displayed (E errors, W
+# warnings)` counts warnings outside the error summary); empty when the log has no error summary
+# (the tool did not finish).
+sanitizer_errors() {
+    local log=$1 total=0 found=0 line
+    while IFS= read -r line; do
+        if [[ $line =~ ERROR\ SUMMARY:\ ([0-9]+) ]]; then
+            total=$((total + BASH_REMATCH[1]))
+            found=1
+        elif [[ $line =~ RACECHECK\ SUMMARY:.*\ ([0-9]+)\ warning ]]; then
+            total=$((total + BASH_REMATCH[1]))
+        fi
+    done < <(grep -a -E 'ERROR SUMMARY:|RACECHECK SUMMARY:' "$log")
+    if [ "$found" = 1 ]; then echo "$total"; fi
+}
+
+# The options of each tool: memcheck also reports device memory still allocated at exit;
+# racecheck prints every hazard with both accesses (not only its analysis summary).
+tool_options() {
+    case "$1" in
+        memcheck) echo "--leak-check full" ;;
+        racecheck) echo "--racecheck-report all" ;;
+        *) echo "" ;;
+    esac
+}
+
 passed=0
 failed=0
+sanitizer_summary=""
+tools=(plain)
+if [ "$sanitize" = 1 ]; then
+    if ! command -v compute-sanitizer >/dev/null 2>&1; then
+        echo "run.sh --sanitize: compute-sanitizer is not on the PATH"
+        exit 2
+    fi
+    read -r -a tools <<<"${MOK_SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck}"
+    export MOK_SANITIZE=1
+fi
+for tool in "${tools[@]}"; do
+tool_errors=0
+tool_incomplete=0
 for bin in "$here"/tests/*; do
     if [ ! -f "$bin" ] || [ ! -x "$bin" ]; then continue; fi
     name=$(basename "$bin")
-    log="$log_dir/$name.log"
-    echo "=== $name"
-    with_limit "${MOK_TEST_TIMEOUT:-300}" "$bin" --test-threads=1 "$@" 2>&1 | tee "$log"
-    status=${PIPESTATUS[0]}
+    if [ "$tool" = plain ]; then
+        log="$log_dir/$name.log"
+        echo "=== $name"
+        with_limit "${MOK_TEST_TIMEOUT:-300}" "$bin" --test-threads=1 "$@" 2>&1 | tee "$log"
+        status=${PIPESTATUS[0]}
+    else
+        log="$log_dir/sanitize-$tool-$name.log"
+        echo "=== $name under $tool"
+        # shellcheck disable=SC2046
+        with_limit "${MOK_TEST_TIMEOUT:-900}" compute-sanitizer --tool "$tool" $(tool_options "$tool") \
+            --print-limit 200 "$bin" --test-threads=1 "$@" >"$log" 2>&1
+        status=$?
+        grep -a -E '^test |^test result: |SUMMARY|^=== ' "$log"
+        errors=$(sanitizer_errors "$log")
+        if [ -z "$errors" ]; then
+            echo "=== $name: $tool printed no summary (exit $status): counted as 1 error"
+            errors=1
+            tool_incomplete=$((tool_incomplete + 1))
+        fi
+        tool_errors=$((tool_errors + errors))
+    fi
     bin_passed=0
     bin_failed=0
     results=0
@@ -68,6 +137,14 @@ for bin in "$here"/tests/*; do
     passed=$((passed + bin_passed))
     failed=$((failed + bin_failed))
 done
+if [ "$tool" != plain ]; then
+    unit=errors
+    if [ "$tool" = racecheck ]; then unit=hazards; fi
+    entry="$tool $tool_errors $unit"
+    if [ "$tool_incomplete" != 0 ]; then entry="$entry ($tool_incomplete runs unfinished)"; fi
+    sanitizer_summary="${sanitizer_summary:+$sanitizer_summary, }$entry"
+fi
+done
 
 bench_failures=0
 if [ "$run_bench" = 1 ]; then
@@ -87,9 +164,15 @@ if [ "$run_bench" = 1 ]; then
     done
 fi
 
+if [ "$sanitize" = 1 ]; then
+    echo "sanitize: $sanitizer_summary"
+fi
 echo "$passed passed, $failed failed"
 if [ "$failed" != 0 ]; then
     exit 1
+fi
+if [ "$sanitize" = 1 ] && [[ ! $sanitizer_summary =~ ^([a-z]+\ 0\ [a-z]+(,\ )?)+$ ]]; then
+    exit 3
 fi
 if [ "$bench_failures" != 0 ]; then
     exit 2

@@ -2,6 +2,7 @@
 
 use std::marker::PhantomData;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytemuck::Pod;
 use cudarc::driver::{result, sys};
@@ -10,6 +11,16 @@ use super::cuda_error;
 use super::gpu::GpuInner;
 use crate::driver::Gpu;
 use crate::error::{MokError, Result};
+
+/// Bytes of every [`DeviceBuffer`] of this process that is alive now, and how many there are:
+/// a soak test reads them before and after to prove nothing leaks.
+static LIVE_BYTES: AtomicU64 = AtomicU64::new(0);
+static LIVE_BUFFERS: AtomicU64 = AtomicU64::new(0);
+
+/// `(buffers, bytes)` of the [`DeviceBuffer`]s alive in this process, over every GPU.
+pub fn live_device_buffers() -> (u64, u64) {
+    (LIVE_BUFFERS.load(Ordering::Relaxed), LIVE_BYTES.load(Ordering::Relaxed))
+}
 
 /// `len` elements of `T` in device memory, freed on drop. Copies are ordered on the GPU's
 /// stream, so they are ordered with mok's kernels.
@@ -30,6 +41,8 @@ impl<T: Pod> DeviceBuffer<T> {
         // SAFETY: plain allocation in the current context.
         let ptr =
             unsafe { result::malloc_sync(bytes) }.map_err(|e| cuda_error(format!("cuMemAlloc({bytes} bytes)"), e))?;
+        LIVE_BUFFERS.fetch_add(1, Ordering::Relaxed);
+        LIVE_BYTES.fetch_add(bytes as u64, Ordering::Relaxed);
         Ok(Self { ptr, len, gpu: inner, _element: PhantomData })
     }
 
@@ -110,5 +123,7 @@ impl<T: Pod> Drop for DeviceBuffer<T> {
             let _ = self.gpu.bind();
             let _ = result::free_sync(self.ptr);
         }
+        LIVE_BUFFERS.fetch_sub(1, Ordering::Relaxed);
+        LIVE_BYTES.fetch_sub((self.len * size_of::<T>()).max(16) as u64, Ordering::Relaxed);
     }
 }

@@ -11,9 +11,13 @@ use super::cuda_error;
 use crate::error::{MokError, Result};
 
 /// One GPU: its primary context, one stream every mok call is ordered on, and the kernels.
+///
+/// Teardown order matters: the module must be unloaded while the context it was loaded into is
+/// still alive. `Kernels` holds its own reference to the context (and binds it before the unload),
+/// so the unload is valid whichever of `Gpu`, a buffer or a timer drops the last reference.
 pub struct Gpu {
-    inner: Arc<GpuInner>,
     kernels: Kernels,
+    inner: Arc<GpuInner>,
     sync_launches: bool,
 }
 
@@ -57,13 +61,20 @@ impl Drop for GpuInner {
 pub struct Kernels {
     module: sys::CUmodule,
     functions: Mutex<HashMap<&'static str, sys::CUfunction>>,
+    /// Keeps the context the module lives in alive until the module is unloaded.
+    context: Arc<GpuInner>,
 }
 
 impl Drop for Kernels {
     fn drop(&mut self) {
-        // SAFETY: the module was loaded by `Gpu::new` and its functions are not used after this.
+        // SAFETY: the module was loaded into `self.context` by `Gpu::new`, which this struct keeps
+        // retained, and its functions are not used after this. Work still queued on the stream may
+        // run the module's kernels, so wait for it first. Errors at teardown cannot be acted on.
         unsafe {
-            let _ = result::module::unload(self.module);
+            if self.context.bind().is_ok() {
+                let _ = result::stream::synchronize(self.context.stream);
+                let _ = result::module::unload(self.module);
+            }
         }
     }
 }
@@ -140,8 +151,8 @@ impl Gpu {
         // SAFETY: `source` is a NUL-terminated PTX image that outlives the call.
         let module = unsafe { result::module::load_data(source.as_ptr() as *const c_void) }
             .map_err(|e| cuda_error("cuModuleLoadData (JIT of mok's PTX)", e))?;
-        let gpu =
-            Self { inner, kernels: Kernels { module, functions: Mutex::new(HashMap::new()) }, sync_launches: false };
+        let kernels = Kernels { module, functions: Mutex::new(HashMap::new()), context: inner.clone() };
+        let gpu = Self { kernels, inner, sync_launches: false };
         // Resolve the expected kernels now, so a PTX that lacks one fails at open, not mid-pass.
         for &kernel in kernel_names {
             gpu.function(kernel)?;
@@ -315,6 +326,13 @@ impl Gpu {
             .map_err(|e| cuda_error(format!("cuStreamSynchronize (after {what})"), e))
     }
 
+    /// `(free, total)` bytes of device memory as the driver reports them (`cuMemGetInfo`), after
+    /// the stream's work has finished.
+    pub fn memory_info(&self) -> Result<(usize, usize)> {
+        self.synchronize()?;
+        result::mem_get_info().map_err(|e| cuda_error("cuMemGetInfo", e))
+    }
+
     /// A timer whose events are recorded on this GPU's stream.
     pub fn timer(&self) -> Result<GpuTimer> {
         self.inner.bind()?;
@@ -352,10 +370,13 @@ impl GpuTimer {
 
 impl Drop for GpuTimer {
     fn drop(&mut self) {
-        // SAFETY: the events were created in `Gpu::timer` and are not used after this.
+        // SAFETY: the events were created in `Gpu::timer` in the context `_gpu` keeps retained,
+        // and are not used after this.
         unsafe {
-            let _ = result::event::destroy(self.start);
-            let _ = result::event::destroy(self.stop);
+            if self._gpu.bind().is_ok() {
+                let _ = result::event::destroy(self.start);
+                let _ = result::event::destroy(self.stop);
+            }
         }
     }
 }

@@ -17,7 +17,7 @@ mod gpu;
 mod memory;
 pub mod vmm;
 
-pub use buffer::DeviceBuffer;
+pub use buffer::{DeviceBuffer, live_device_buffers};
 pub use gpu::{Gpu, GpuTimer, KernelArg, Kernels, LaunchShape};
 
 use cudarc::driver::result::DriverError;
