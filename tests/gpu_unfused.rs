@@ -385,9 +385,9 @@ fn device_reports_bad_ids_instead_of_corrupting() {
 #[test]
 fn frontier_shape_qwen35_reduced_tokens() {
     let gpu = gpu();
-    // Under compute-sanitizer: the same widths over 16 experts (the weights are 12.9 GB).
-    let experts = common::sized("experts", 512, 16);
-    let c = config(96, 4096, 1024, experts, 10, Some(1024), None);
+    // Under compute-sanitizer: the same widths, 16 tokens over 16 experts (the weights are 12.9 GB).
+    let (t, experts) = common::sized("(T, E)", (96, 512), (16, 16));
+    let c = config(t, 4096, 1024, experts, 10, Some(1024), None);
     let routing = Routing { drop_probability: 0.01, empty_experts: &[] };
     // 6.4e9 routed weights: generate them on the device (same values as the host generator),
     // then copy them back for the reference.

@@ -12,13 +12,15 @@
 #                                    the scripts there, e.g. run_layer_bench.sh, are run by hand)
 #   --sanitize                       run every test binary under each compute-sanitizer tool of
 #                                    MOK_SANITIZE_TOOLS (default: memcheck racecheck synccheck
-#                                    initcheck) with MOK_SANITIZE=1, which makes the tests use
-#                                    their reduced sizes (tests/common: `sanitizing`); ends with one
-#                                    line `sanitize: memcheck N errors, racecheck N hazards, ...`
-#                                    and the tests' `N passed, M failed`; logs are
+#                                    initcheck), the tools in parallel (one process each, the
+#                                    binaries in turn), with MOK_SANITIZE=1, which makes the tests
+#                                    use their reduced sizes (tests/common: `sanitizing`). Ends
+#                                    with `sanitize: memcheck N errors, racecheck N hazards, ...`
+#                                    and the tests' `N passed, M failed`; exits 3 when a tool
+#                                    reported anything or did not finish. Logs:
 #                                    logs/sanitize-TOOL-NAME.log
 #   TEST-ARGS                        passed to every test binary (a name filter, --nocapture, ...)
-#   MOK_TEST_TIMEOUT=SECONDS         time limit per test binary (default 300, 900 sanitized; 0: none)
+#   MOK_TEST_TIMEOUT=SECONDS         time limit per test binary (default 300, 600 sanitized; 0: none)
 #   MOK_BENCH_TIMEOUT=SECONDS        time limit per bench binary (default 0: none)
 set -u
 
@@ -47,18 +49,44 @@ with_limit() {
     fi
 }
 
-# sanitizer_errors LOG: the reports of a compute-sanitizer log: the sum of its `ERROR SUMMARY`
-# lines plus racecheck's warnings (its `RACECHECK SUMMARY: N hazards displayed (E errors, W
-# warnings)` counts warnings outside the error summary); empty when the log has no error summary
+# test_results NAME LOG STATUS: prints `PASSED FAILED` for one binary's run (a run that crashed,
+# timed out or printed no result line counts as 1 failed, with a line saying so on stderr).
+test_results() {
+    local name=$1 log=$2 status=$3 bin_passed=0 bin_failed=0 results=0 line
+    while IFS= read -r line; do
+        if [[ $line =~ ([0-9]+)\ passed\;\ ([0-9]+)\ failed\; ]]; then
+            bin_passed=$((bin_passed + BASH_REMATCH[1]))
+            bin_failed=$((bin_failed + BASH_REMATCH[2]))
+            results=$((results + 1))
+        fi
+    done < <(grep -a '^test result: ' "$log")
+    if [ "$results" = 0 ]; then
+        if [ "$status" = 124 ] || [ "$status" = 137 ]; then
+            echo "=== $name: timed out (exit $status), no test result line: counted as 1 failed" >&2
+        else
+            echo "=== $name: no test result line (exit $status): counted as 1 failed" >&2
+        fi
+        bin_failed=1
+    elif [ "$status" != 0 ] && [ "$bin_failed" = 0 ]; then
+        echo "=== $name: exit $status after reporting no failure: counted as 1 failed" >&2
+        bin_failed=1
+    fi
+    echo "$bin_passed $bin_failed"
+}
+
+# sanitizer_reports LOG: what a compute-sanitizer log reports: the sum of its `ERROR SUMMARY`
+# lines (memcheck, synccheck, initcheck) and of racecheck's `RACECHECK SUMMARY: N hazards
+# displayed (E errors, W warnings)` errors and warnings; empty when the log has neither summary
 # (the tool did not finish).
-sanitizer_errors() {
+sanitizer_reports() {
     local log=$1 total=0 found=0 line
     while IFS= read -r line; do
         if [[ $line =~ ERROR\ SUMMARY:\ ([0-9]+) ]]; then
             total=$((total + BASH_REMATCH[1]))
             found=1
-        elif [[ $line =~ RACECHECK\ SUMMARY:.*\ ([0-9]+)\ warning ]]; then
-            total=$((total + BASH_REMATCH[1]))
+        elif [[ $line =~ RACECHECK\ SUMMARY:.*\(([0-9]+)\ errors?,\ ([0-9]+)\ warnings? ]]; then
+            total=$((total + BASH_REMATCH[1] + BASH_REMATCH[2]))
+            found=1
         fi
     done < <(grep -a -E 'ERROR SUMMARY:|RACECHECK SUMMARY:' "$log")
     if [ "$found" = 1 ]; then echo "$total"; fi
@@ -74,10 +102,36 @@ tool_options() {
     esac
 }
 
+# sanitize_tool TOOL TEST-ARGS...: every test binary under TOOL; writes
+# logs/sanitize-TOOL.result as `REPORTS UNFINISHED PASSED FAILED`.
+sanitize_tool() {
+    local tool=$1 reports=0 unfinished=0 passed=0 failed=0 bin name log status found counts
+    shift
+    for bin in "$here"/tests/*; do
+        if [ ! -f "$bin" ] || [ ! -x "$bin" ]; then continue; fi
+        name=$(basename "$bin")
+        log="$log_dir/sanitize-$tool-$name.log"
+        # shellcheck disable=SC2046
+        with_limit "${MOK_TEST_TIMEOUT:-600}" compute-sanitizer --tool "$tool" $(tool_options "$tool") \
+            --print-limit 200 "$bin" --test-threads=1 "$@" >"$log" 2>&1
+        status=$?
+        found=$(sanitizer_reports "$log")
+        if [ -z "$found" ]; then
+            echo "=== $name under $tool: no summary (exit $status): counted as 1 report"
+            found=1
+            unfinished=$((unfinished + 1))
+        fi
+        read -r bin_passed bin_failed < <(test_results "$name under $tool" "$log" "$status")
+        echo "=== $name under $tool: $found reports, $bin_passed passed, $bin_failed failed"
+        reports=$((reports + found))
+        passed=$((passed + bin_passed))
+        failed=$((failed + bin_failed))
+    done
+    echo "$reports $unfinished $passed $failed" >"$log_dir/sanitize-$tool.result"
+}
+
 passed=0
 failed=0
-sanitizer_summary=""
-tools=(plain)
 if [ "$sanitize" = 1 ]; then
     if ! command -v compute-sanitizer >/dev/null 2>&1; then
         echo "run.sh --sanitize: compute-sanitizer is not on the PATH"
@@ -85,65 +139,45 @@ if [ "$sanitize" = 1 ]; then
     fi
     read -r -a tools <<<"${MOK_SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck}"
     export MOK_SANITIZE=1
+    for tool in "${tools[@]}"; do
+        rm -f "$log_dir/sanitize-$tool.result"
+        sanitize_tool "$tool" "$@" &
+    done
+    wait
+    summary=""
+    clean=1
+    for tool in "${tools[@]}"; do
+        unit=errors
+        if [ "$tool" = racecheck ]; then unit=hazards; fi
+        if [ -f "$log_dir/sanitize-$tool.result" ]; then
+            read -r reports unfinished tool_passed tool_failed <"$log_dir/sanitize-$tool.result"
+        else
+            reports=1 unfinished=1 tool_passed=0 tool_failed=1
+        fi
+        entry="$tool $reports $unit"
+        if [ "$unfinished" != 0 ]; then entry="$entry ($unfinished runs unfinished)"; fi
+        if [ "$reports" != 0 ]; then clean=0; fi
+        summary="${summary:+$summary, }$entry"
+        passed=$((passed + tool_passed))
+        failed=$((failed + tool_failed))
+    done
+    echo "sanitize: $summary"
+    echo "$passed passed, $failed failed"
+    if [ "$failed" != 0 ]; then exit 1; fi
+    if [ "$clean" = 0 ]; then exit 3; fi
+    exit 0
 fi
-for tool in "${tools[@]}"; do
-tool_errors=0
-tool_incomplete=0
+
 for bin in "$here"/tests/*; do
     if [ ! -f "$bin" ] || [ ! -x "$bin" ]; then continue; fi
     name=$(basename "$bin")
-    if [ "$tool" = plain ]; then
-        log="$log_dir/$name.log"
-        echo "=== $name"
-        with_limit "${MOK_TEST_TIMEOUT:-300}" "$bin" --test-threads=1 "$@" 2>&1 | tee "$log"
-        status=${PIPESTATUS[0]}
-    else
-        log="$log_dir/sanitize-$tool-$name.log"
-        echo "=== $name under $tool"
-        # shellcheck disable=SC2046
-        with_limit "${MOK_TEST_TIMEOUT:-900}" compute-sanitizer --tool "$tool" $(tool_options "$tool") \
-            --print-limit 200 "$bin" --test-threads=1 "$@" >"$log" 2>&1
-        status=$?
-        grep -a -E '^test |^test result: |SUMMARY|^=== ' "$log"
-        errors=$(sanitizer_errors "$log")
-        if [ -z "$errors" ]; then
-            echo "=== $name: $tool printed no summary (exit $status): counted as 1 error"
-            errors=1
-            tool_incomplete=$((tool_incomplete + 1))
-        fi
-        tool_errors=$((tool_errors + errors))
-    fi
-    bin_passed=0
-    bin_failed=0
-    results=0
-    while IFS= read -r line; do
-        if [[ $line =~ ([0-9]+)\ passed\;\ ([0-9]+)\ failed\; ]]; then
-            bin_passed=$((bin_passed + BASH_REMATCH[1]))
-            bin_failed=$((bin_failed + BASH_REMATCH[2]))
-            results=$((results + 1))
-        fi
-    done < <(grep -a '^test result: ' "$log")
-    if [ "$results" = 0 ]; then
-        if [ "$status" = 124 ] || [ "$status" = 137 ]; then
-            echo "=== $name: timed out (exit $status), no test result line: counted as 1 failed"
-        else
-            echo "=== $name: no test result line (exit $status): counted as 1 failed"
-        fi
-        bin_failed=1
-    elif [ "$status" != 0 ] && [ "$bin_failed" = 0 ]; then
-        echo "=== $name: exit $status after reporting no failure: counted as 1 failed"
-        bin_failed=1
-    fi
+    log="$log_dir/$name.log"
+    echo "=== $name"
+    with_limit "${MOK_TEST_TIMEOUT:-300}" "$bin" --test-threads=1 "$@" 2>&1 | tee "$log"
+    status=${PIPESTATUS[0]}
+    read -r bin_passed bin_failed < <(test_results "$name" "$log" "$status")
     passed=$((passed + bin_passed))
     failed=$((failed + bin_failed))
-done
-if [ "$tool" != plain ]; then
-    unit=errors
-    if [ "$tool" = racecheck ]; then unit=hazards; fi
-    entry="$tool $tool_errors $unit"
-    if [ "$tool_incomplete" != 0 ]; then entry="$entry ($tool_incomplete runs unfinished)"; fi
-    sanitizer_summary="${sanitizer_summary:+$sanitizer_summary, }$entry"
-fi
 done
 
 bench_failures=0
@@ -164,15 +198,9 @@ if [ "$run_bench" = 1 ]; then
     done
 fi
 
-if [ "$sanitize" = 1 ]; then
-    echo "sanitize: $sanitizer_summary"
-fi
 echo "$passed passed, $failed failed"
 if [ "$failed" != 0 ]; then
     exit 1
-fi
-if [ "$sanitize" = 1 ] && [[ ! $sanitizer_summary =~ ^([a-z]+\ 0\ [a-z]+(,\ )?)+$ ]]; then
-    exit 3
 fi
 if [ "$bench_failures" != 0 ]; then
     exit 2

@@ -162,6 +162,9 @@ pub unsafe fn wait_all_published(view: &RankView, epoch: u32, flag: u32) -> bool
     sync::block_barrier();
     // SAFETY: this block's shared word, written before the barrier.
     let mut peer = if unsafe { ld_shared_u32(flag) } == 0 { thread } else { p.world };
+    // Every thread has read the flag before a timed-out wait below may set it (racecheck
+    // reported that write-after-read when a peer was silent).
+    sync::block_barrier();
     while peer < p.world {
         let published: *const u32 = view.peer(p.regions.published, peer);
         // SAFETY: the peer's flag and this rank's record are valid heap words.

@@ -697,9 +697,8 @@ unsafe fn store_pre_activations(p: &GemmParams, w: &Work, acc: &[f32; ACCUMULATO
 }
 
 /// Hands a stage back to the producer(s): one arrival per consumer warp (8 per phase), once the
-/// warp is done with the stage — its MMAs reading it have completed (the warpgroup-collective
-/// wgmma wait orders every lane's reads before lane 0's arrival), or, on the paths without MMAs,
-/// after [`release_unread`]'s warp barrier. In a pair, the warp also arrives on the partner's
+/// warp is done with the stage — its MMAs reading it have completed, or, on the paths without
+/// MMAs, at once (only lane 0, the arriving lane, read the tile slot: see `consume`). In a pair, the warp also arrives on the partner's
 /// barrier (its producer multicasts into this block's stage): 16 arrivals per phase there.
 #[inline(always)]
 fn release<const V: u32>(ring: Ring, stage: u32, thread_in_wg: u32) {
@@ -715,15 +714,6 @@ fn release<const V: u32>(ring: Ring, stage: u32, thread_in_wg: u32) {
     }
 }
 
-/// [`release`] on the paths without MMAs: every lane may have read the stage's tile slot, so the
-/// warp meets first (`bar.warp.sync` orders those reads before lane 0's arrival, after which the
-/// producer may rewrite the slot).
-#[inline(always)]
-fn release_unread<const V: u32>(ring: Ring, stage: u32, thread_in_wg: u32) {
-    crate::ptx::signal::warp_sync();
-    release::<V>(ring, stage, thread_in_wg);
-}
-
 /// A consumer warpgroup: MMAs over the stages, then the epilogue, tile after tile.
 #[inline(always)]
 unsafe fn consume<const V: u32>(p: &GemmParams, ring: Ring, wg: u32, thread_in_wg: u32) {
@@ -731,10 +721,16 @@ unsafe fn consume<const V: u32>(p: &GemmParams, ring: Ring, wg: u32, thread_in_w
     loop {
         // The producer names each tile in the stage holding its first K block (the waits in the
         // loops below pass again at once: the stage is not released before them).
+        // Only lane 0 reads the slot and hands the tile to its warp in a register: lane 0 is the
+        // lane that later arrives on `empty`, after which the producer may rewrite the slot, so
+        // its read is ordered before that by program order. (Reads by the other lanes would not
+        // be: nothing between them and lane 0's arrival orders memory, and racecheck reports
+        // that write-after-read; a `bar.warp.sync` there is dropped by ptxas.)
         // SAFETY: initialised barrier of this block; the slot is published by the arrival.
         let tile = unsafe {
             mbarrier::wait_parity(ring.full(stage), phase);
-            ld_shared_u32(ring.tile_slot(stage))
+            let slot = if thread_in_wg % 32 == 0 { ld_shared_u32(ring.tile_slot(stage)) } else { 0 };
+            sync::shfl_idx_u32(slot, 0)
         };
         if tile == NO_TILE {
             break;
@@ -750,7 +746,7 @@ unsafe fn consume<const V: u32>(p: &GemmParams, ring: Ring, wg: u32, thread_in_w
             for _ in 0..w.k_blocks.max(1) {
                 // SAFETY: initialised barrier of this block.
                 unsafe { mbarrier::wait_parity(ring.full(stage), phase) };
-                release_unread::<V>(ring, stage, thread_in_wg);
+                release::<V>(ring, stage, thread_in_wg);
                 ring.advance(&mut stage, &mut phase);
             }
             continue;
@@ -758,7 +754,7 @@ unsafe fn consume<const V: u32>(p: &GemmParams, ring: Ring, wg: u32, thread_in_w
         let mut acc = [0.0f32; ACCUMULATORS];
         if w.k_blocks == 0 {
             // An empty group's weight gradient: the tile's stage carried only its name.
-            release_unread::<V>(ring, stage, thread_in_wg);
+            release::<V>(ring, stage, thread_in_wg);
             ring.advance(&mut stage, &mut phase);
         } else {
             // Only the path that issued MMAs waits for them: a zero-trip path reaching the wait
