@@ -458,10 +458,10 @@ fn engine_matches_unfused_on_tiny_and_sparse_problems() {
 #[test]
 fn engine_matches_unfused_at_frontier_dimensions() {
     // qwen3.5-397b's H, I, E, k (T reduced) and kimi-k2.7's.
-    // Under compute-sanitizer: the same widths, 16 tokens over 8 experts (the weights are
+    // Under compute-sanitizer: the same widths, 16 tokens over 16 and 8 experts (the weights are
     // 16-34 GB, and racecheck instruments every shared-memory access of the mma.sync oracle).
     let gpu = gpu();
-    let [(t_qwen, e_qwen), (t_kimi, e_kimi)] = common::sized("(T, E)", [(256, 512), (128, 384)], [(16, 8), (16, 8)]);
+    let [(t_qwen, e_qwen), (t_kimi, e_kimi)] = common::sized("(T, E)", [(256, 512), (128, 384)], [(16, 16), (16, 8)]);
     let s = setup(&gpu, MoeConfig::new(t_qwen, 4096, 1024, e_qwen, 10), 53, PLAIN_ROUTING);
     check_engine_against_unfused(&gpu, &s);
     let s = setup(&gpu, MoeConfig::new(t_kimi, 7168, 2048, e_kimi, 8), 54, PLAIN_ROUTING);

@@ -22,7 +22,8 @@
 //!   CPU schedule needs); after each, `reset`, and the next pass on the same layer must be correct.
 //! - Memory: `live_device_buffers()` (every mok allocation) must return exactly to its value
 //!   before the soak, and the driver's free memory may not shrink by more than 16 MiB (lazy module
-//!   loading and driver pools may keep a little; a leaked workspace per pass would be far more).
+//!   loading and driver pools may keep a little; a leaked workspace per pass would be far more;
+//!   not compared under `run.sh --sanitize`, whose parallel tools share the GPU).
 //!
 //! Under compute-sanitizer (`MOK_SANITIZE=1`) it runs 12 passes instead of 1000.
 #![cfg(feature = "gpu-tests")]
@@ -528,11 +529,17 @@ fn soak_thousand_passes_bitwise_against_the_oracle_with_faults() {
     );
     assert_eq!(tally.passes, passes);
     assert_eq!((buffers_after, bytes_after), (buffers_before, bytes_before), "mok allocations leaked");
-    assert!(
-        free_after + (16 << 20) >= free_before,
-        "driver free memory shrank by {} bytes over the soak",
-        free_before - free_after
-    );
+    if common::sanitizing() {
+        // run.sh --sanitize runs the tools in parallel, so other processes allocate on this GPU
+        // meanwhile: the device-wide figure says nothing then (mok's own count above still does).
+        println!("  driver free memory not compared: other sanitizer processes share the GPU");
+    } else {
+        assert!(
+            free_after + (16 << 20) >= free_before,
+            "driver free memory shrank by {} bytes over the soak",
+            free_before - free_after
+        );
+    }
     if !common::sanitizing() {
         assert!(tally.silent_publish > 0 && tally.silent_push > 0 && tally.ring_overflow > 0, "every fault ran");
         assert!(tally.routings.iter().all(|&n| n > 0), "every routing kind ran");

@@ -200,7 +200,10 @@ impl EnginePlan {
         };
         let groups = params.groups;
         let map_words = (TENSOR_MAP_BYTES / 8) as usize;
-        let group_maps = DeviceBuffer::<u64>::alloc(gpu, (groups.max(1) * GROUP_MAP_SLOTS) as usize * map_words)?;
+        let mut group_maps = DeviceBuffer::<u64>::alloc(gpu, (groups.max(1) * GROUP_MAP_SLOTS) as usize * map_words)?;
+        // The group-map kernel publishes each map with atomic exchanges, which read the old
+        // words: zero them once so no launch reads memory nothing has written (initcheck).
+        group_maps.fill_bytes(0)?;
         params.group_maps = group_maps.device_ptr();
         let tile_counter = DeviceBuffer::<u32>::alloc(gpu, 1)?;
         params.tile_counter = tile_counter.device_ptr();

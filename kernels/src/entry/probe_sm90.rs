@@ -26,9 +26,14 @@ pub unsafe extern "ptx-kernel" fn mok_probe_tma_load(map: u64, c0: i32, c1: i32,
             tma::load_2d(base, map, c0, c1, bar);
         }
     }
+    // Only the lane that initialised the barrier waits on it (racecheck reports the other lanes'
+    // polls of a barrier their own warp wrote as a warp-level hazard); the block barrier then
+    // orders the landed box before every lane's reads.
+    if lane == 0 {
+        // SAFETY: initialised barrier; phase 0 completes when the box has landed.
+        unsafe { mbarrier::wait_parity(bar, 0) };
+    }
     sync::block_barrier();
-    // SAFETY: initialised barrier; phase 0 completes when the box has landed.
-    unsafe { mbarrier::wait_parity(bar, 0) };
     let mut word = lane;
     while word < box_rows * 32 {
         // SAFETY: inside the box and `out`.
