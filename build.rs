@@ -1,7 +1,11 @@
-//! Builds the kernels (`kernels/`) to PTX for sm_90a and sm_100a with the pinned nightly, and
-//! hands the files to `src/lib.rs` through `OUT_DIR`. The rest of the workspace builds on
-//! stable: only this step drives the nightly. The same executable also serves as rustc's
-//! NVPTX linker (see `kernels/ptx_builder.rs`).
+//! Hands the kernels' PTX for sm_90a and sm_100a to `src/lib.rs` through `OUT_DIR`.
+//!
+//! By default it copies the PTX shipped in `src/ptx/` (committed, byte-identical to a fresh
+//! build: `cargo xtask test` checks it), so a downstream build needs only stable Rust and no
+//! kernel toolchain; docs.rs (`DOCS_RS`) always takes this path. With `MOK_BUILD_KERNELS=1` it
+//! builds the kernels (`kernels/`) with the pinned nightly instead; the same executable then also
+//! serves as rustc's NVPTX linker (see `kernels/ptx_builder.rs`). `cargo xtask gpu-bundle` builds
+//! that way, and `cargo xtask ptx --ship` refreshes the shipped files after a kernel change.
 
 #[path = "kernels/ptx_builder.rs"]
 mod ptx_builder;
@@ -14,11 +18,29 @@ fn main() {
 
     let manifest_dir = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
     let out_dir = PathBuf::from(env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
+    println!("cargo:rerun-if-env-changed=MOK_BUILD_KERNELS");
+    println!("cargo:rerun-if-env-changed=DOCS_RS");
+    let build_kernels = env::var_os("MOK_BUILD_KERNELS").is_some_and(|v| v == "1") && env::var_os("DOCS_RS").is_none();
+
+    if !build_kernels {
+        for arch in ptx_builder::ALL_ARCHS {
+            let shipped = manifest_dir.join("src").join("ptx").join(arch.file_name);
+            println!("cargo:rerun-if-changed=src/ptx/{}", arch.file_name);
+            if let Err(error) = std::fs::copy(&shipped, out_dir.join(arch.file_name)) {
+                eprintln!(
+                    "mok: cannot copy the shipped PTX {} ({error}); build the kernels with MOK_BUILD_KERNELS=1",
+                    shipped.display()
+                );
+                std::process::exit(1);
+            }
+        }
+        return;
+    }
+
     let kernels_dir = manifest_dir.join("kernels");
     println!("cargo:rerun-if-changed=kernels/src");
     println!("cargo:rerun-if-changed=kernels/Cargo.toml");
     println!("cargo:rerun-if-changed=kernels/ptx_builder.rs");
-
     let linker = env::current_exe().expect("build script knows its own path");
     for arch in ptx_builder::ALL_ARCHS {
         if let Err(message) =

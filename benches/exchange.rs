@@ -99,7 +99,7 @@ fn main() -> Result<()> {
     let (ids, weights) = mok::random::topk_routing(args.tokens, k, e, 7);
     let x: Vec<bf16> = mok::random::bf16_values(args.tokens * h, 5, 1.0);
     let rank_ids: Vec<&[i32]> = ids.chunks(t * k).collect();
-    let schedule = reference_schedule(&rank_ids, k, e);
+    let schedule = reference_schedule(&rank_ids, k, e)?;
     let ring_rows: Vec<usize> = schedule.iter().map(|s| s.ring_source.len()).collect();
     let total_rows: usize = ring_rows.iter().sum();
     let capacity = *ring_rows.iter().max().expect("at least one rank");

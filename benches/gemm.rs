@@ -93,7 +93,7 @@ fn paired(gpu: &Gpu, mut plan: EnginePlan, pairing: Option<Pairing>) -> Result<E
 
 fn random_offsets(tokens: usize, experts: usize, k: usize, seed: u64) -> Vec<u32> {
     let (ids, _) = mok::random::topk_routing(tokens, k, experts, seed);
-    RoutingLayout::compute(&ids, k, experts).row_offsets
+    RoutingLayout::compute(&ids, k, experts).expect("whole tokens of k ids").row_offsets
 }
 
 fn main() -> Result<()> {

@@ -116,7 +116,7 @@ fn schedule_equals_the_cpu_definition_for_every_p() {
         exchange.schedule(&[&gpu]).unwrap();
         exchange.check_errors(&[&gpu]).unwrap();
         let ids: Vec<&[i32]> = tokens.iter().map(|t| t.topk_ids.as_slice()).collect();
-        let expected = reference_schedule(&ids, config.top_k, config.num_experts);
+        let expected = reference_schedule(&ids, config.top_k, config.num_experts).unwrap();
         let total: usize = expected.iter().map(|s| s.ring_source.len()).sum();
         for (rank, want) in expected.iter().enumerate() {
             assert_eq!(device_schedule(&exchange, &gpu, rank), *want, "P = {p}, owner {rank}");
@@ -139,7 +139,7 @@ fn check_movers(gpu: &Gpu, global: &MoeConfig, p: usize, options: ExchangeOption
             exchange.upload_tokens(gpu, rank, &config, tok).unwrap();
         }
         let ids: Vec<&[i32]> = tokens.iter().map(|t| t.topk_ids.as_slice()).collect();
-        let schedule = reference_schedule(&ids, k, config.num_experts);
+        let schedule = reference_schedule(&ids, k, config.num_experts).unwrap();
         let gpus = [gpu];
         exchange.schedule(&gpus).unwrap();
         exchange.dispatch(&gpus).unwrap();
@@ -309,7 +309,7 @@ fn run_ep(gpu: &Gpu, case: &common::Case, p: usize, options: ExchangeOptions) ->
     layer.check_errors(gpu).unwrap();
     let mut bits = LayerBits { y: vec![], dx: vec![], d_topk_weights: vec![], dw: [vec![], vec![], vec![]] };
     for rank in 0..p {
-        let out = layer.outputs(rank);
+        let out = layer.outputs(rank).unwrap();
         bits.y.extend(out.y.download().unwrap());
         bits.dx.extend(out.dx.download().unwrap());
         bits.d_topk_weights.extend(out.d_topk_weights.download().unwrap());
@@ -401,7 +401,7 @@ fn ring_overflow_reports_the_rows_needed() {
         exchange.upload_tokens(&gpu, rank, &config, t).unwrap();
     }
     let ids: Vec<&[i32]> = tokens.iter().map(|t| t.topk_ids.as_slice()).collect();
-    let schedule = reference_schedule(&ids, config.top_k, config.num_experts);
+    let schedule = reference_schedule(&ids, config.top_k, config.num_experts).unwrap();
     let first_overflow = schedule.iter().position(|s| s.ring_source.len() > 20).expect("some owner overflows");
     // The whole forward runs on: movers skip the empty ring, the combine reports, nothing faults.
     let start = Instant::now();
@@ -522,7 +522,7 @@ fn bad_ids_on_the_device_are_reported_by_the_chunk_ranking() {
     // The slot was dropped: the schedule is the CPU's with that slot dropped.
     tokens[1].topk_ids[70 * k + 1] = -1;
     let ids: Vec<&[i32]> = tokens.iter().map(|t| t.topk_ids.as_slice()).collect();
-    let expected = reference_schedule(&ids, k, config.num_experts);
+    let expected = reference_schedule(&ids, k, config.num_experts).unwrap();
     for (rank, want) in expected.iter().enumerate() {
         assert_eq!(device_schedule(&exchange, &gpu, rank), *want, "owner {rank}");
     }

@@ -309,7 +309,7 @@ fn run_ep(
     layer.check_errors(gpu).unwrap();
     let mut bits = Bits { y: vec![], dx: vec![], d_topk_weights: vec![], dw: [vec![], vec![], vec![]], dws: None };
     for rank in 0..layer.config().ep_ranks {
-        let out = layer.outputs(rank);
+        let out = layer.outputs(rank).unwrap();
         bits.y.extend(bits16(out.y.download().unwrap()));
         bits.dx.extend(bits16(out.dx.download().unwrap()));
         bits.d_topk_weights.extend(out.d_topk_weights.download().unwrap().into_iter().map(f32::to_bits));

@@ -187,7 +187,7 @@ fn check_case(gpu: &Gpu, case: &Case) -> GpuRun {
     let got = run(gpu, &mut layer, &device);
     let (h, i) = (c.hidden, c.intermediate);
 
-    let expected_layout = RoutingLayout::compute(&case.tokens.topk_ids, c.top_k, c.num_experts);
+    let expected_layout = RoutingLayout::compute(&case.tokens.topk_ids, c.top_k, c.num_experts).unwrap();
     assert_eq!(got.layout, expected_layout, "routing layout differs from the CPU layout");
     println!("  {:<34} exact", "routing layout (3 kernels)");
     for (row, &slot) in got.layout.row_source.iter().enumerate() {

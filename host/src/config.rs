@@ -55,12 +55,13 @@ impl MoeConfig {
 
     /// Experts per rank, E / P.
     pub fn local_experts(&self) -> usize {
-        self.num_experts / self.ep_ranks
+        // 0 for ep_ranks = 0, which `validate` rejects: callers may ask before validating.
+        self.num_experts.checked_div(self.ep_ranks).unwrap_or(0)
     }
 
     /// Routing slots per rank, T · k (an upper bound on the rows any expert group can hold).
     pub fn slots_per_rank(&self) -> usize {
-        self.tokens_per_rank * self.top_k
+        self.tokens_per_rank.saturating_mul(self.top_k)
     }
 
     /// Checks every field; the error names the first bad field, its value and the rule.
@@ -128,6 +129,36 @@ impl MoeConfig {
             && !(limit.is_finite() && limit > 0.0)
         {
             return bad("swiglu_limit", limit.to_string(), "must be finite and > 0 (or None for no clamp)");
+        }
+        // Every tensor's element count must be a number: rows are indexed in 32 bits on the
+        // device, and the host computes byte sizes in usize.
+        let (t, h, i, k) = (self.tokens_per_rank, self.hidden, self.intermediate, self.top_k);
+        let rows_of = |width: usize| t.checked_mul(k.max(1)).and_then(|rows| rows.checked_mul(width));
+        if rows_of(h.max(i)).and_then(|n| n.checked_mul(self.ep_ranks)).and_then(|n| n.checked_mul(4)).is_none()
+            || t.checked_mul(h).is_none_or(|n| n > i64::MAX as usize / 4)
+        {
+            return bad(
+                "tokens_per_rank",
+                t.to_string(),
+                "ep_ranks * tokens_per_rank * top_k * max(hidden, intermediate) f32 bytes must fit in usize",
+            );
+        }
+        let weights = self.local_experts().checked_mul(i).and_then(|n| n.checked_mul(h)).and_then(|n| n.checked_mul(4));
+        if weights.is_none() {
+            return bad(
+                "intermediate",
+                i.to_string(),
+                "local experts * intermediate * hidden f32 bytes (a weight gradient) must fit in usize",
+            );
+        }
+        if let Some(is) = self.shared_intermediate
+            && is.checked_mul(h).and_then(|n| n.checked_mul(4)).is_none()
+        {
+            return bad(
+                "shared_intermediate",
+                is.to_string(),
+                "shared_intermediate * hidden f32 bytes must fit in usize",
+            );
         }
         Ok(())
     }

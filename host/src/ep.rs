@@ -125,16 +125,17 @@ impl EpLayer {
         self.exchange.upload_dy(gpu, rank, dy)
     }
 
-    /// `rank`'s outputs.
-    pub fn outputs(&self, rank: usize) -> EpRankOutputs<'_> {
+    /// `rank`'s outputs (`Err` for a rank ≥ P).
+    pub fn outputs(&self, rank: usize) -> Result<EpRankOutputs<'_>> {
+        self.exchange.check_rank(rank)?;
         let r = &self.ranks[rank];
-        EpRankOutputs {
+        Ok(EpRankOutputs {
             y: &r.y,
             dx: &r.dx,
             d_topk_weights: &r.d_topk_weights,
             dw: [&r.dw[0], &r.dw[1], &r.dw[2]],
             dws: r.dws.as_ref().map(|d| [&d[0], &d[1], &d[2]]),
-        }
+        })
     }
 
     /// Fills every output and workspace with NaN bytes.

@@ -5,6 +5,8 @@
 use mok_kernels::layout::{self, NO_ROW, RouteError};
 use mok_kernels::tiles::GEMM_TILE_M;
 
+use crate::error::{MokError, Result};
+
 /// Where every slot's row lives, by expert then token.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RoutingLayout {
@@ -23,8 +25,30 @@ pub struct RoutingLayout {
 }
 
 impl RoutingLayout {
-    /// Computes the layout of `topk_ids` (`[tokens, k]`) over `num_experts` experts.
-    pub fn compute(topk_ids: &[i32], k: usize, num_experts: usize) -> Self {
+    /// Computes the layout of `topk_ids` (`[tokens, k]`) over `num_experts` experts. Invalid ids
+    /// are dropped and the first is reported in `first_error`, as on the device; a `k` of 0, ids
+    /// that are not whole tokens, or more than `u32` rows are errors.
+    pub fn compute(topk_ids: &[i32], k: usize, num_experts: usize) -> Result<Self> {
+        if num_experts > crate::config::MAX_EXPERTS {
+            return Err(MokError::InvalidInput {
+                tensor: "num_experts",
+                problem: format!("{num_experts} experts, more than {}", crate::config::MAX_EXPERTS),
+            });
+        }
+        if k == 0
+            || k > crate::config::MAX_TOP_K
+            || !topk_ids.len().is_multiple_of(k)
+            || u32::try_from(topk_ids.len()).is_err()
+        {
+            return Err(MokError::InvalidInput {
+                tensor: "topk_ids",
+                problem: format!(
+                    "{} ids are not a whole number of tokens of k = {k} (1..={}) below 2^32 slots",
+                    topk_ids.len(),
+                    crate::config::MAX_TOP_K
+                ),
+            });
+        }
         let tokens = topk_ids.len() / k;
         let chunks = layout::chunk_count(tokens as u32) as usize;
         let chunk_slots = layout::ROUTE_CHUNK_TOKENS as usize * k;
@@ -66,6 +90,6 @@ impl RoutingLayout {
                 }
             }
         }
-        Self { expert_counts, row_offsets, tile_offsets, slot_row, row_source, first_error }
+        Ok(Self { expert_counts, row_offsets, tile_offsets, slot_row, row_source, first_error })
     }
 }

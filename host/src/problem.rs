@@ -68,6 +68,7 @@ fn expect_len(tensor: &'static str, actual: usize, expected: usize, shape: &str)
 impl ExpertWeights {
     /// Checks the three tensors' sizes against `config`.
     pub fn validate(&self, config: &MoeConfig) -> Result<()> {
+        config.validate()?;
         let (el, h, i) = (config.local_experts(), config.hidden, config.intermediate);
         expect_len("w_gate", self.w_gate.len(), el * i * h, "[E/P, I, H]")?;
         expect_len("w_up", self.w_up.len(), el * i * h, "[E/P, I, H]")?;
@@ -78,6 +79,7 @@ impl ExpertWeights {
 impl SharedExpertWeights {
     /// Checks sizes against `config`, which must declare a shared expert.
     pub fn validate(&self, config: &MoeConfig) -> Result<()> {
+        config.validate()?;
         let Some(is) = config.shared_intermediate else {
             return Err(MokError::InvalidInput {
                 tensor: "shared expert",
@@ -94,6 +96,7 @@ impl SharedExpertWeights {
 impl RoutedTokens {
     /// Checks sizes, id range and duplicate ids within a token.
     pub fn validate(&self, config: &MoeConfig) -> Result<()> {
+        config.validate()?;
         let (t, h, k) = (config.tokens_per_rank, config.hidden, config.top_k);
         expect_len("x", self.x.len(), t * h, "[T, H]")?;
         expect_len("topk_ids", self.topk_ids.len(), t * k, "[T, k]")?;
@@ -102,8 +105,15 @@ impl RoutedTokens {
     }
 }
 
-/// Ids must be -1 or in `[0, num_experts)`, and distinct within each token's row of `k`.
+/// Ids must be -1 or in `[0, num_experts)`, and distinct within each token's row of `k`; the ids
+/// must be whole rows of `k > 0`.
 pub fn validate_topk_ids(topk_ids: &[i32], num_experts: usize, k: usize) -> Result<()> {
+    if k == 0 || !topk_ids.len().is_multiple_of(k) {
+        return Err(MokError::InvalidInput {
+            tensor: "topk_ids",
+            problem: format!("{} ids are not a whole number of rows of k = {k} (k must be at least 1)", topk_ids.len()),
+        });
+    }
     for (token, row) in topk_ids.chunks_exact(k).enumerate() {
         for (slot, &id) in row.iter().enumerate() {
             if id < -1 || id >= num_experts as i32 {

@@ -50,6 +50,13 @@ fn artifact_of(message: &Json) -> Option<Artifact> {
 /// returns the executables it made for the workspace root's package (`mok`).
 fn build_executables(root: &Path, command: &mut Command) -> Result<Vec<Artifact>> {
     command.arg("--message-format=json-render-diagnostics").stdout(Stdio::piped());
+    // The bundle tests the kernels of this tree, not the shipped PTX (the two are equal once
+    // `cargo xtask ptx --ship` ran; `cargo xtask test` checks that).
+    command.env("MOK_BUILD_KERNELS", "1");
+    // The driver bindings that every GPU run so far used, unless the caller picks others.
+    if env::var_os("CUDARC_CUDA_VERSION").is_none() {
+        command.env("CUDARC_CUDA_VERSION", "12080");
+    }
     let described = describe(command);
     println!("gpu-bundle: {described}");
     let mut child = command.spawn().with_context(|| format!("cannot start `{described}`"))?;

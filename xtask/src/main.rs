@@ -40,6 +40,9 @@ enum Task {
         /// Also build a second time in another target folder and check the PTX is byte-identical.
         #[arg(long)]
         check_reproducible: bool,
+        /// Copy the fresh PTX into src/ptx/, the files a downstream build uses (commit them).
+        #[arg(long)]
+        ship: bool,
     },
     /// Run everything CI runs: setup, ptx, cargo fmt --check, clippy -D warnings, cargo test.
     Test,
@@ -64,7 +67,9 @@ fn main() -> ExitCode {
     let root = workspace_root();
     let result = match cli.command {
         Task::Setup => setup::setup(),
-        Task::Ptx { check_reproducible } => ptx::ptx(&root, check_reproducible),
+        Task::Ptx { check_reproducible, ship } => {
+            ptx::ptx(&root, check_reproducible).and_then(|()| if ship { ptx::ship(&root) } else { Ok(()) })
+        }
         Task::Test => test(&root),
         Task::GpuBundle { out } => bundle::gpu_bundle(&root, out.unwrap_or_else(|| root.join("bundle"))),
         Task::Demo { args } => return demo(&root, &args),
@@ -118,21 +123,32 @@ pub fn cargo(root: &Path) -> Command {
 }
 
 fn test(root: &Path) -> Result<()> {
-    let cargo_steps: [&[&str]; 3] = [
+    let probe = root.join("tests").join("downstream-probe").join("Cargo.toml");
+    let probe = probe.to_string_lossy().into_owned();
+    let probe_target = root.join("target").join("downstream-probe");
+    let probe_target = probe_target.to_string_lossy().into_owned();
+    let cargo_steps: [&[&str]; 4] = [
         &["fmt", "--all", "--check"],
         // The GPU tests too: they compile without a GPU (the bundle builds them).
         &["clippy", "--workspace", "--all-targets", "--features", "gpu-tests", "--", "-D", "warnings"],
+        // With the shipped PTX (no kernel toolchain), as a downstream build does; doctests too.
         &["test", "--workspace"],
+        // A crate that depends on mok beside cudarc configured as candle-core does.
+        &["build", "--manifest-path", &probe, "--target-dir", &probe_target],
     ];
-    let total = 2 + cargo_steps.len();
+    let total = 3 + cargo_steps.len();
     println!("==> xtask test 1/{total}: setup");
     setup::setup().context("xtask test: step 1 (setup) failed")?;
     println!("==> xtask test 2/{total}: ptx");
     ptx::ptx(root, false).context("xtask test: step 2 (ptx) failed")?;
+    println!("==> xtask test 3/{total}: the shipped PTX equals the fresh build");
+    ptx::check_shipped(root).context("xtask test: step 3 (shipped PTX) failed")?;
     for (index, args) in cargo_steps.iter().enumerate() {
-        let step = index + 3;
+        let step = index + 4;
         let mut command = cargo(root);
         command.args(*args);
+        // The workspace's own steps use the shipped PTX, whatever the caller's environment says.
+        command.env_remove("MOK_BUILD_KERNELS");
         let described = describe(&command);
         println!("==> xtask test {step}/{total}: {described}");
         let mut hint = "";

@@ -102,6 +102,43 @@ pub fn ptx(root: &Path, check_reproducible: bool) -> Result<()> {
     Ok(())
 }
 
+/// The PTX files shipped in the `mok` crate (`src/ptx/`), which `build.rs` embeds unless
+/// `MOK_BUILD_KERNELS=1`.
+fn shipped_dir(root: &Path) -> PathBuf {
+    root.join("src").join("ptx")
+}
+
+/// Copies the fresh PTX of `cargo xtask ptx` into `src/ptx/`.
+pub fn ship(root: &Path) -> Result<()> {
+    let shipped = shipped_dir(root);
+    fs::create_dir_all(&shipped).with_context(|| format!("cannot create {}", shipped.display()))?;
+    for arch in ALL_ARCHS {
+        let fresh = out_dir(root).join(arch.file_name);
+        fs::copy(&fresh, shipped.join(arch.file_name))
+            .with_context(|| format!("cannot copy {} into {}", fresh.display(), shipped.display()))?;
+    }
+    println!("ptx: shipped: {} updated (commit it)", relative(root, &shipped));
+    Ok(())
+}
+
+/// Fails unless every shipped PTX file is byte-identical to the fresh build in `target/ptx/`.
+pub fn check_shipped(root: &Path) -> Result<()> {
+    for arch in ALL_ARCHS {
+        let fresh_path = out_dir(root).join(arch.file_name);
+        let shipped_path = shipped_dir(root).join(arch.file_name);
+        let fresh = fs::read(&fresh_path).with_context(|| format!("cannot read {}", fresh_path.display()))?;
+        let shipped = fs::read(&shipped_path).with_context(|| format!("cannot read {}", shipped_path.display()))?;
+        ensure!(
+            fresh == shipped,
+            "{} differs from a fresh build of the kernels ({}): run `cargo xtask ptx --ship` and commit it",
+            relative(root, &shipped_path),
+            relative(root, &fresh_path)
+        );
+    }
+    println!("ptx: the shipped PTX in src/ptx/ is byte-identical to the fresh build");
+    Ok(())
+}
+
 fn relative(root: &Path, path: &Path) -> String {
     path.strip_prefix(root).unwrap_or(path).display().to_string()
 }

@@ -26,8 +26,7 @@ use crate::error::MokError;
 
 /// Whether a CUDA driver can be loaded on this machine, without panicking when it cannot.
 pub fn probe() -> Result<(), MokError> {
-    // SAFETY: only tries to open the driver library with libloading; no CUDA call is made.
-    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+    if !driver_library_present() {
         return Err(MokError::NoDriver("libcuda.so could not be loaded (no NVIDIA driver on this machine)".into()));
     }
     cudarc::driver::result::init().map_err(|e| cuda_error("cuInit", e))?;
@@ -36,6 +35,20 @@ pub fn probe() -> Result<(), MokError> {
         return Err(MokError::NoDriver("the driver reports no CUDA device".into()));
     }
     Ok(())
+}
+
+/// Whether the CUDA driver library can be opened under its plain name (`libcuda.so`,
+/// `nvcuda.dll`), the first name cudarc tries. cudarc's own check (`is_culib_present`) exists only
+/// when cudarc loads the library at run time; in a graph where another crate makes cudarc link it
+/// (candle: `dynamic-linking`) this one still compiles, and is then trivially true.
+fn driver_library_present() -> bool {
+    use std::env::consts::{DLL_PREFIX, DLL_SUFFIX};
+    ["cuda", "nvcuda"].iter().any(|name| {
+        let name = format!("{DLL_PREFIX}{name}{DLL_SUFFIX}");
+        // SAFETY: opening the NVIDIA driver library runs only its initialisers, which have no
+        // preconditions; no CUDA call is made and the handle is closed at once.
+        unsafe { libloading::Library::new(name) }.is_ok()
+    })
 }
 
 /// Converts a driver error into [`MokError::Cuda`] naming the call.

@@ -47,8 +47,18 @@ fn check(call: &str, result: sys::CUresult) -> Result<()> {
     result.result().map_err(|e| cuda_error(call, e))
 }
 
+/// `{ type: DEVICE, id: ordinal }`. The C struct is `{ enum type; int id; }` in every CUDA
+/// version, but CUDA 13's bindings wrap `id` in an anonymous union, so the field's Rust name
+/// depends on the version cudarc was built for: the id is written by its offset instead.
 fn device_location(ordinal: i32) -> sys::CUmemLocation {
-    sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: ordinal }
+    const _: () = assert!(size_of::<sys::CUmemLocation>() == 8 && size_of::<sys::CUmemLocationType>() == 4);
+    // SAFETY: all-zero is a valid CUmemLocation (type 0 = INVALID, id 0).
+    let mut location: sys::CUmemLocation = unsafe { std::mem::zeroed() };
+    location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    // SAFETY: the struct is 8 bytes, the 4-byte enum first (asserted above), so `id` is the i32
+    // at offset 4, inside `location` and 4-byte aligned.
+    unsafe { (&mut location as *mut sys::CUmemLocation).cast::<i32>().add(1).write(ordinal) };
+    location
 }
 
 fn allocation_prop(ordinal: i32, kind: ShareableKind) -> sys::CUmemAllocationProp {

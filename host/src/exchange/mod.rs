@@ -183,6 +183,18 @@ impl Exchange {
         self.heap.map(region, rank)
     }
 
+    /// `Err` naming `rank` unless it is one of the exchange's ranks.
+    pub fn check_rank(&self, rank: usize) -> Result<()> {
+        if rank < self.shape.world as usize {
+            Ok(())
+        } else {
+            Err(MokError::InvalidInput {
+                tensor: "rank",
+                problem: format!("rank {rank} is not below the exchange's {} ranks", self.shape.world),
+            })
+        }
+    }
+
     /// Switches between the bulk-copy and the vector movers for later passes.
     pub fn set_bulk_copies(&mut self, bulk: bool) {
         self.options.bulk_copies = bulk;
@@ -226,6 +238,19 @@ impl Exchange {
 
     /// Uploads `rank`'s tokens (x, ids, weights) into its slice after validating them.
     pub fn upload_tokens(&self, gpu: &Gpu, rank: usize, config: &MoeConfig, tokens: &RoutedTokens) -> Result<()> {
+        self.check_rank(rank)?;
+        let s = &self.shape;
+        let shape_of = |c: &MoeConfig| (c.tokens_per_rank, c.hidden, c.top_k, c.num_experts, c.ep_ranks);
+        let own = (s.tokens as usize, s.hidden as usize, s.top_k as usize, s.num_experts as usize, s.world as usize);
+        if shape_of(config) != own {
+            return Err(MokError::InvalidInput {
+                tensor: "config",
+                problem: format!(
+                    "(T, H, k, E, P) = {:?} is not the exchange's {own:?}: the heap regions are sized for it",
+                    shape_of(config)
+                ),
+            });
+        }
         let mut single = config.clone();
         single.ep_ranks = 1;
         tokens.validate(&single)?;
@@ -240,6 +265,7 @@ impl Exchange {
 
     /// Uploads `rank`'s output gradient dy (`[T, H]`).
     pub fn upload_dy(&self, gpu: &Gpu, rank: usize, dy: &[bf16]) -> Result<()> {
+        self.check_rank(rank)?;
         let expected = self.shape.tokens as usize * self.shape.hidden as usize;
         if dy.len() != expected {
             return Err(MokError::InvalidInput {

@@ -9,6 +9,8 @@
 use mok_kernels::layout::slot_has_row;
 use mok_kernels::tiles::GEMM_TILE_M;
 
+use crate::error::{MokError, Result};
+
 /// One expert owner's schedule.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct OwnerSchedule {
@@ -24,11 +26,35 @@ pub struct OwnerSchedule {
     pub ring_source: Vec<(u32, u32)>,
 }
 
-/// Every owner's schedule for the ranks' `topk_ids` (`[T·k]` each) over `num_experts` experts.
-pub fn reference_schedule(topk_ids: &[&[i32]], k: usize, num_experts: usize) -> Vec<OwnerSchedule> {
+/// Every owner's schedule for the ranks' `topk_ids` (`[T·k]` each, the same length on every rank)
+/// over `num_experts` experts. Errors: no rank, `k == 0`, a rank's ids not a whole number of
+/// tokens or of another length than rank 0's, or experts not divisible by the ranks.
+pub fn reference_schedule(topk_ids: &[&[i32]], k: usize, num_experts: usize) -> Result<Vec<OwnerSchedule>> {
     let world = topk_ids.len();
+    let bad = |problem: String| Err(MokError::InvalidInput { tensor: "topk_ids", problem });
+    if world == 0 {
+        return bad("no rank's ids given".into());
+    }
+    if k == 0 {
+        return bad("top_k is 0".into());
+    }
+    if num_experts == 0 || num_experts > crate::config::MAX_EXPERTS || !num_experts.is_multiple_of(world) {
+        return bad(format!(
+            "{num_experts} experts cannot be split evenly over {world} ranks (1..={} experts)",
+            crate::config::MAX_EXPERTS
+        ));
+    }
+    for (rank, ids) in topk_ids.iter().enumerate() {
+        if !ids.len().is_multiple_of(k) || ids.len() != topk_ids[0].len() {
+            return bad(format!(
+                "rank {rank} has {} ids: not a whole number of tokens of k = {k}, or not rank 0's {}",
+                ids.len(),
+                topk_ids[0].len()
+            ));
+        }
+    }
     let local = num_experts / world;
-    (0..world)
+    Ok((0..world)
         .map(|owner| {
             let mut counts = vec![0u32; world * local];
             let mut row_offsets = Vec::with_capacity(local + 1);
@@ -59,7 +85,7 @@ pub fn reference_schedule(topk_ids: &[&[i32]], k: usize, num_experts: usize) -> 
             recv_base.push(ring_source.len() as u32);
             OwnerSchedule { counts, row_offsets, tile_offsets, recv_base, ring_source }
         })
-        .collect()
+        .collect())
 }
 
 #[cfg(test)]
@@ -72,7 +98,7 @@ mod tests {
         // 2 ranks, 2 tokens each, k = 2, E = 4 (L = 2); a dropped slot and a repeated id.
         let r0 = [0, 3, 2, -1];
         let r1 = [3, 3, 1, 0];
-        let schedules = reference_schedule(&[&r0, &r1], 2, 4);
+        let schedules = reference_schedule(&[&r0, &r1], 2, 4).unwrap();
         let owner0 = &schedules[0];
         assert_eq!(owner0.ring_source, vec![(0, 0), (1, 3), (1, 2)]);
         assert_eq!(owner0.counts, vec![1, 0, 1, 1]);
