@@ -1,0 +1,225 @@
+//! The epilogue: a warpgroup's accumulators leave through its shared-memory staging as TMA
+//! stores (or reduce-adds), one staged pass at a time, with SwiGLU or the output conversion
+//! applied in registers.
+
+use crate::device::math;
+use crate::gemm_layout::{BLOCK_64_BYTES, GemmParams, STAGING_BOXES, TILE_M, Variant, swizzled_chunk_offset};
+use crate::ptx::convert::f32x2_to_bf16x2;
+use crate::ptx::memory::{fence_proxy_async_shared_cta, st_shared_u32, st_shared_v2};
+use crate::ptx::{bulk, sync, tensormap, tma};
+
+use super::mainloop::*;
+use super::source::*;
+
+/// Expands `$body` once per n8 block `$j` = 0..32 with `$j` a constant, so the accumulator
+/// indices are compile-time constants and the array stays in registers (a rolled loop would put
+/// it in local memory).
+macro_rules! for_each_n8_block {
+    ($j:ident => $body:block) => {
+        for_each_n8_block!(@expand $j $body;
+            0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31);
+    };
+    (@expand $j:ident $body:block; $($value:literal)*) => {
+        $({
+            const $j: u32 = $value;
+            $body
+        })*
+    };
+}
+
+/// Calls `visit(index, row, col)` for each pair of adjacent accumulators of this thread in the
+/// first `BLOCKS` n8 blocks: `acc[index]`, `acc[index + 1]` are at warpgroup-tile row `row` < 64,
+/// columns `col`, `col + 1`.
+#[inline(always)]
+pub(crate) fn for_each_pair<const BLOCKS: u32>(thread_in_wg: u32, visit: impl FnMut(usize, u32, u32)) {
+    for_each_pair_in(0, BLOCKS, thread_in_wg, visit);
+}
+
+/// As [`for_each_pair`] for the n8 blocks `first..end` — pass constants: after inlining, a pass
+/// over part of the tile then touches only that part's accumulators.
+#[inline(always)]
+pub(super) fn for_each_pair_in(first: u32, end: u32, thread_in_wg: u32, mut visit: impl FnMut(usize, u32, u32)) {
+    let (warp, lane) = (thread_in_wg / 32, thread_in_wg % 32);
+    for_each_n8_block!(J => {
+        if first <= J && J < end {
+            let col = 8 * J + 2 * (lane % 4);
+            visit((4 * J) as usize, warp * 16 + lane / 4, col);
+            visit((4 * J + 2) as usize, warp * 16 + lane / 4 + 8, col);
+        }
+    });
+}
+
+/// Where a staged epilogue's boxes go: the whole-buffer output map and the coordinates of the
+/// warpgroup's first output row and column, plus the group index for 3-D maps.
+#[derive(Clone, Copy)]
+pub(super) struct OutputBox {
+    pub(super) map: u64,
+    pub(super) col0: u32,
+    pub(super) row0: u32,
+    /// `Some(group)` for the weight gradient's `[G][M][N]` map; `None` for 2-D row maps.
+    pub(super) group: Option<u32>,
+}
+
+/// The epilogue: every variant's outputs go through this warpgroup's staging area
+/// ([`STAGING_BOXES`] boxes) in the 128B-swizzled layout (conflict-free shared stores from the
+/// accumulator fragment) and leave as TMA stores — full lines, clipped by the map at the
+/// tensor's edges, and in flight while the next tile's MMAs run. A box is 64 rows × 128 bytes:
+/// 64 bf16 or 32 f32 columns; a pass fills the staging (the SwiGLU pass its 128 hidden columns). Row tiles that end inside their group store through the output map cut at the
+/// group's end, so no row of the next group is written.
+///
+/// # Safety
+/// `staging` is this warpgroup's staging; the maps and outputs match the variant (host contract).
+#[inline(always)]
+pub(super) unsafe fn epilogue<const V: u32>(
+    p: &GemmParams,
+    w: &Work,
+    acc: &[f32; ACCUMULATORS],
+    staging: u32,
+    wg: u32,
+    thread_in_wg: u32,
+) {
+    let out = if V == Variant::WGRAD {
+        OutputBox { map: p.map_out, col0: w.n0, row0: w.m0 + wg * 64, group: Some(w.group) }
+    } else if w.rows < TILE_M {
+        let cut = p.group_map(w.group, OUTPUT_SLOT);
+        if thread_in_wg == 0 {
+            // SAFETY: written by the group-map kernel before this launch (host contract).
+            unsafe { tensormap::acquire(cut) };
+        }
+        OutputBox { map: cut, col0: w.n0, row0: w.m0 - w.row_begin + wg * 64, group: None }
+    } else {
+        OutputBox { map: p.map_out, col0: w.n0, row0: w.m0 + wg * 64, group: None }
+    };
+    if V == Variant::GATE_UP {
+        // Accumulator columns 0..128 are gate, 128..256 up (n8 block j + 16, index + 64), for
+        // hidden columns n0 + col: one pass of 128 bf16 columns.
+        const UP: usize = ACCUMULATORS / 2;
+        let limit = p.swiglu_limit;
+        staged_pass(staging, wg, thread_in_wg, 0, N8_BLOCKS / 2, out, true, false, |index| {
+            let (cg0, cu0) = math::clamp_gate_up(acc[index], acc[index + UP], limit);
+            let (cg1, cu1) = math::clamp_gate_up(acc[index + 1], acc[index + UP + 1], limit);
+            [f32x2_to_bf16x2(math::swiglu(cg0, cu0), math::swiglu(cg1, cu1)), 0]
+        });
+        if p.out1 != 0 {
+            // SAFETY: as the caller's.
+            unsafe { store_pre_activations(p, w, acc, wg, thread_in_wg) };
+        }
+    } else if (V == Variant::WGRAD && p.out1 == 0) || V == Variant::ROWS_NT_BF16 {
+        // bf16 (weight gradient, or rows): 256 columns, 64 per box.
+        const PASSES: u32 = 4 / STAGING_BOXES;
+        for pass in 0..PASSES {
+            let first = pass * N8_BLOCKS / PASSES;
+            staged_pass(staging, wg, thread_in_wg, first, first + N8_BLOCKS / PASSES, out, true, false, |index| {
+                [f32x2_to_bf16x2(acc[index], acc[index + 1]), 0]
+            });
+        }
+    } else {
+        // f32: 256 columns, 32 per box; the f32 weight gradient adds into its output.
+        let add = V == Variant::WGRAD;
+        const PASSES: u32 = 8 / STAGING_BOXES;
+        for pass in 0..PASSES {
+            let first = pass * N8_BLOCKS / PASSES;
+            staged_pass(staging, wg, thread_in_wg, first, first + N8_BLOCKS / PASSES, out, false, add, |index| {
+                [acc[index].to_bits(), acc[index + 1].to_bits()]
+            });
+        }
+    }
+}
+
+/// The group-map slot of the output rows (see `GemmParams::cut_maps`).
+pub(super) const OUTPUT_SLOT: u32 = 2;
+
+/// One staged pass: waits for the staging to be free, stages the accumulator pairs of n8 blocks
+/// `first..end` (`pair(index)` gives the bf16x2 word, or the two f32 words), publishes them and
+/// has the leader store (or add, for `add`) its boxes at columns `out.col0 + 8 · first ..`.
+/// Inline with constant block ranges, so only those accumulators are touched.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn staged_pass(
+    staging: u32,
+    wg: u32,
+    thread_in_wg: u32,
+    first: u32,
+    end: u32,
+    out: OutputBox,
+    bf16: bool,
+    add: bool,
+    mut pair: impl FnMut(usize) -> [u32; 2],
+) {
+    staging_free(wg, thread_in_wg);
+    let first_col = 8 * first;
+    for_each_pair_in(first, end, thread_in_wg, |index, row, col| {
+        let c = col - first_col;
+        let (box_index, byte) = if bf16 { (c / 64, (c % 64) * 2) } else { (c / 32, (c % 32) * 4) };
+        let at = staging + box_index * BLOCK_64_BYTES + swizzled_chunk_offset(row, byte / 16) + byte % 16;
+        let words = pair(index);
+        // SAFETY: inside this warpgroup's staging; 4- (bf16) or 8-byte (f32) aligned.
+        unsafe {
+            if bf16 {
+                st_shared_u32(at, words[0]);
+            } else {
+                st_shared_v2(at, words);
+            }
+        }
+    });
+    fence_proxy_async_shared_cta();
+    // SAFETY: the whole consumer warpgroup (128 threads) with its own id.
+    unsafe { sync::named_barrier(1 + wg, 128) };
+    if thread_in_wg == 0 {
+        let box_cols = if bf16 { 64 } else { 32 };
+        for b in 0..(end - first) * 8 / box_cols {
+            let col = (out.col0 + first_col + b * box_cols) as i32;
+            let src = staging + b * BLOCK_64_BYTES;
+            // SAFETY: the box was published above; the map's bounds clip rows and columns.
+            unsafe {
+                match (out.group, add) {
+                    (Some(g), false) => tma::store_3d(out.map, col, out.row0 as i32, g as i32, src),
+                    (Some(g), true) => tma::reduce_add_3d(out.map, col, out.row0 as i32, g as i32, src),
+                    (None, _) => tma::store_2d(out.map, col, out.row0 as i32, src),
+                }
+            }
+        }
+        bulk::commit_group();
+    }
+}
+
+/// Waits until this warpgroup's staging is free again: its leader waits for the bulk stores that
+/// read it, then the warpgroup meets at its named barrier.
+#[inline(always)]
+pub(super) fn staging_free(wg: u32, thread_in_wg: u32) {
+    if thread_in_wg == 0 {
+        bulk::wait_group_read_all();
+    }
+    // SAFETY: the whole consumer warpgroup (128 threads) calls this with its own id.
+    unsafe { sync::named_barrier(1 + wg, 128) };
+}
+
+/// The optional f32 gate and up pre-activations of the SwiGLU tile, stored from registers (only
+/// when backward asks for them instead of recomputing).
+///
+/// # Safety
+/// `out1`, `out2` are `[cap][I]` f32.
+#[inline(always)]
+pub(super) unsafe fn store_pre_activations(
+    p: &GemmParams,
+    w: &Work,
+    acc: &[f32; ACCUMULATORS],
+    wg: u32,
+    thread_in_wg: u32,
+) {
+    const UP: usize = ACCUMULATORS / 2;
+    for_each_pair::<{ N8_BLOCKS / 2 }>(thread_in_wg, |index, row, col| {
+        let r = wg * 64 + row;
+        if r >= w.rows || w.n0 + col >= p.n {
+            return;
+        }
+        let at = (w.m0 + r) as usize * p.n as usize + (w.n0 + col) as usize;
+        // SAFETY: row and column inside the group's rows and [0, I).
+        unsafe {
+            *(p.out1 as *mut f32).add(at) = acc[index];
+            *(p.out1 as *mut f32).add(at + 1) = acc[index + 1];
+            *(p.out2 as *mut f32).add(at) = acc[index + UP];
+            *(p.out2 as *mut f32).add(at + 1) = acc[index + UP + 1];
+        }
+    });
+}

@@ -1,0 +1,60 @@
+//! The engine's shared-memory carve and its stage ring: `STAGES` stages of an A and a B tile,
+//! each consumer warpgroup's output staging, and per stage a `full` and an `empty` a
+//! tile slot and a pair mailbox. The ring walk (stage, phase) is the same in every role.
+
+use crate::gemm_layout::{A_TILE_BYTES, STAGE_BYTES, STAGES, STAGING_BYTES_PER_WARPGROUP};
+use crate::ptx::smem;
+
+/// Shared-memory addresses of the ring, the output staging and the barriers.
+#[derive(Clone, Copy)]
+pub(super) struct Ring {
+    pub(super) base: u32,
+    pub(super) staging: u32,
+    pub(super) bars: u32,
+}
+
+impl Ring {
+    pub(super) fn new() -> Self {
+        // The window is 1024-aligned by its declaration; round up anyway so a change there
+        // cannot silently break the swizzle (the host adds 1 KiB of slack).
+        let base = (smem::dynamic_smem_base() + 1023) & !1023;
+        let staging = base + STAGES * STAGE_BYTES;
+        Ring { base, staging, bars: staging + 2 * STAGING_BYTES_PER_WARPGROUP }
+    }
+    pub(super) fn a_tile(self, stage: u32) -> u32 {
+        self.base + stage * STAGE_BYTES
+    }
+    pub(super) fn b_tile(self, stage: u32) -> u32 {
+        self.a_tile(stage) + A_TILE_BYTES
+    }
+    pub(super) fn full(self, stage: u32) -> u32 {
+        self.bars + stage * 8
+    }
+    pub(super) fn empty(self, stage: u32) -> u32 {
+        self.bars + (STAGES + stage) * 8
+    }
+    /// The tile whose first K block a stage holds (or [`NO_TILE`]), written by the producer (the
+    /// partner's, through [`cluster::st_async_u32`], in a pair's second block) before the
+    /// stage's `full` arrival, which publishes it to the consumers.
+    pub(super) fn tile_slot(self, stage: u32) -> u32 {
+        self.bars + (2 * STAGES + stage) * 8
+    }
+    /// The second block of a pair learns the tile of a stage's slot through this barrier: the
+    /// first block's producer writes the slot remotely ([`cluster::st_async_u32`]), which
+    /// completes its 4 bytes here.
+    pub(super) fn mail(self, stage: u32) -> u32 {
+        self.bars + (3 * STAGES + stage) * 8
+    }
+    /// Consumer warpgroup `wg`'s output staging (1024-byte aligned).
+    pub(super) fn staging(self, wg: u32) -> u32 {
+        self.staging + wg * STAGING_BYTES_PER_WARPGROUP
+    }
+    /// The next (stage, phase) of the ring walk.
+    pub(super) fn advance(self, stage: &mut u32, phase: &mut u32) {
+        *stage += 1;
+        if *stage == STAGES {
+            *stage = 0;
+            *phase ^= 1;
+        }
+    }
+}

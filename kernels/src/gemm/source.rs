@@ -1,0 +1,120 @@
+//! The tile source: which tile a block computes next and what that tile is. Row-grouped
+//! variants walk a device-written list (from the engine's tile offsets), taken from a per-plan
+//! counter by a pair's first block; weight gradients walk `blockIdx.x + i·gridDim.x`.
+
+use crate::gemm_layout::{
+    GemmParams, PairTile, TILE_K, TILE_M, TILE_N, Variant, cluster_blocks, pair_entries_list_before, pair_tile,
+};
+use crate::ptx::sreg;
+
+/// One block tile of work.
+#[derive(Clone, Copy)]
+pub(super) struct Work {
+    pub(super) group: u32,
+    /// Row-grouped: first row of the tile; weight gradient: first output row (M).
+    pub(super) m0: u32,
+    /// Row-grouped: valid rows (≤ 128). Weight gradient: output rows M (for bounds).
+    pub(super) rows: u32,
+    /// First output column.
+    pub(super) n0: u32,
+    /// False for the second block of an N-pair whose N tile is past the last (odd tile count).
+    pub(super) has_columns: bool,
+    /// An M-pair's tile: the two blocks take 128 rows each of one 256-row entry and split the
+    /// loading of the weight tile they share; otherwise (an N-pair) they share the rows.
+    pub(super) shares_weights: bool,
+    /// The group's rows `[row_begin, row_end)` (the weight gradient's K range).
+    pub(super) row_begin: u32,
+    pub(super) row_end: u32,
+    /// K blocks of segment 1, and of segments 1 + 2.
+    pub(super) k_blocks_1: u32,
+    pub(super) k_blocks: u32,
+}
+
+#[inline(always)]
+pub(super) fn n_tiles<const V: u32>(p: &GemmParams) -> u32 {
+    // The SwiGLU tile produces 128 hidden columns (128 gate + 128 up accumulator columns).
+    if V == Variant::GATE_UP { p.n.div_ceil(TILE_N / 2) } else { p.n.div_ceil(TILE_N) }
+}
+
+/// Number of tiles of the launch (from device-written offsets for row-grouped variants).
+#[inline(always)]
+pub(super) unsafe fn tile_count<const V: u32>(p: &GemmParams) -> u32 {
+    if V == Variant::WGRAD {
+        p.groups * p.m.div_ceil(TILE_M) * p.n.div_ceil(TILE_N)
+    } else {
+        // The whole list: the entries before a group past the last (see [`pair_tile`]).
+        // SAFETY: the list functions read i < 2 · (groups + 1) (caller contract of tile_count).
+        let offset = |i| unsafe { tile_offset(p, i) };
+        pair_entries_list_before(p.groups, p.groups, n_tiles::<V>(p), p.m_pairs != 0, &offset)
+    }
+}
+
+/// Row-grouped variants: `tile_offsets[i]` (the list functions of `gemm_layout` read only
+/// `i < 2 · (groups + 1)`).
+///
+/// # Safety
+/// `i < 2 · (groups + 1)`, the length of the tile offsets (the host checks it: `RowGroups::check`).
+#[inline(always)]
+pub(super) unsafe fn tile_offset(p: &GemmParams, i: u32) -> u32 {
+    // SAFETY: caller contract.
+    unsafe { *(p.tile_offsets as *const u32).add(i as usize) }
+}
+
+#[inline(always)]
+pub(super) unsafe fn work_of<const V: u32>(p: &GemmParams, tile: u32) -> Work {
+    let offsets = p.row_offsets as *const u32;
+    if V == Variant::WGRAD {
+        let (m_tiles, nt) = (p.m.div_ceil(TILE_M), p.n.div_ceil(TILE_N));
+        let group = tile / (m_tiles * nt);
+        let within = tile % (m_tiles * nt);
+        // SAFETY: group < groups.
+        let (row_begin, row_end) = unsafe { (*offsets.add(group as usize), *offsets.add(group as usize + 1)) };
+        let k_blocks = (row_end - row_begin).div_ceil(TILE_K);
+        return Work {
+            group,
+            m0: within / nt * TILE_M,
+            rows: p.m,
+            n0: within % nt * TILE_N,
+            has_columns: true,
+            shares_weights: false,
+            row_begin,
+            row_end,
+            k_blocks_1: k_blocks,
+            k_blocks,
+        };
+    }
+    let nt = n_tiles::<V>(p);
+    // SAFETY: pair_tile reads tile offsets i < 2 · (groups + 1) and row offsets of groups below
+    // `groups` (host contract: the buffers' lengths).
+    let offset = |i| unsafe { tile_offset(p, i) };
+    // SAFETY: as above.
+    let row_offset = |g: u32| unsafe { *offsets.add(g as usize) };
+    let PairTile { group, m0, n_tile, shares_weights } =
+        pair_tile(tile, pair_rank::<V>(), p.groups, nt, p.m_pairs != 0, &offset, &row_offset);
+    // SAFETY: group < groups.
+    let (begin, end) = unsafe { (*offsets.add(group as usize), *offsets.add(group as usize + 1)) };
+    let n_width = if V == Variant::GATE_UP { TILE_N / 2 } else { TILE_N };
+    let k_blocks_1 = p.k.div_ceil(TILE_K);
+    Work {
+        group,
+        m0,
+        rows: (end - m0).min(TILE_M),
+        n0: n_tile * n_width,
+        has_columns: n_tile < nt,
+        shares_weights,
+        row_begin: begin,
+        row_end: end,
+        k_blocks_1,
+        k_blocks: k_blocks_1 + p.k2.div_ceil(TILE_K),
+    }
+}
+
+/// Both blocks of a pair (cluster ranks 0 and 1): the multicast mask of what they share (the
+/// weight tile of an M-pair, the rows of an N-pair).
+pub(super) const PAIR_MASK: u16 = 0b11;
+
+/// This block's rank in its pair (0 for variants that run alone).
+#[inline(always)]
+pub(super) fn pair_rank<const V: u32>() -> u32 {
+    if cluster_blocks(V) > 1 { sreg::cluster_rank() } else { 0 }
+}
