@@ -126,6 +126,35 @@ pub const GROUP_MAP_WARPS: u32 = 4;
 /// Dynamic shared memory of that kernel: one staging map per warp and slot.
 pub const GROUP_MAP_SMEM_BYTES: u32 = GROUP_MAP_WARPS * GROUP_MAP_SLOTS * TENSOR_MAP_BYTES;
 
+/// The readiness counters of one hooked engine launch (the persistent kernel's hand-over, see
+/// `gemm::hooks`), in device memory. All pointers are device addresses.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct TileCounters {
+    /// `[M tiles]` u32, one per engine M tile over all groups: the epoch of the last pass whose
+    /// rows of that tile have all landed (set by the comm side with a release).
+    pub rows_landed: u64,
+    /// `[M tiles]` u32: the stored parts of each tile's output, one per (N tile, consumer
+    /// warpgroup with rows); cleared in stream order before the pass.
+    pub tiles_stored: u64,
+    /// 4 u32: the launch's first failure `(code, M tile, epoch expected, value seen)`, 0 if none.
+    pub error: u64,
+    /// How long a wait may take, in `%globaltimer` nanoseconds.
+    pub timeout_ns: u64,
+    /// This pass's epoch (what `rows_landed` must reach).
+    pub epoch: u32,
+    /// Keeps the size a multiple of 8.
+    pub reserved: u32,
+}
+
+impl TileCounters {
+    /// Error code: a tile's rows did not land before the deadline.
+    pub const ERROR_ROWS_TIMEOUT: u32 = 1;
+}
+
+// The host writes this block byte for byte: five 8-byte fields, then two u32.
+const _: () = assert!(size_of::<TileCounters>() == 40);
+
 /// What one engine launch computes (see `kernels/src/gemm/`). Written by the host into device
 /// memory, read by every block. All pointers are device addresses; unused ones are 0.
 #[repr(C)]

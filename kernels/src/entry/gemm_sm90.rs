@@ -4,7 +4,8 @@
 
 use crate::gemm::engine::{Variant, run};
 use crate::gemm::group_maps::write_group_maps;
-use crate::gemm_layout::GemmParams;
+use crate::gemm::hooks::{Counters, Standalone};
+use crate::gemm_layout::{GemmParams, TileCounters};
 
 /// Forward gate/up projection with SwiGLU fused.
 ///
@@ -14,7 +15,7 @@ use crate::gemm_layout::GemmParams;
 #[unsafe(no_mangle)]
 pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_gate_up(params: *const GemmParams) {
     // SAFETY: caller contract.
-    unsafe { run::<{ Variant::GATE_UP }>(params) }
+    unsafe { run::<{ Variant::GATE_UP }, _>(params, Standalone) }
 }
 
 /// Row-grouped `A · Bᵀ`, f32 out (down projection).
@@ -25,7 +26,7 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_gate_up(params: *const GemmParam
 #[unsafe(no_mangle)]
 pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_rows_nt(params: *const GemmParams) {
     // SAFETY: caller contract.
-    unsafe { run::<{ Variant::ROWS_NT }>(params) }
+    unsafe { run::<{ Variant::ROWS_NT }, _>(params, Standalone) }
 }
 
 /// Row-grouped `A · Bᵀ`, bf16 out.
@@ -36,7 +37,7 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_rows_nt(params: *const GemmParam
 #[unsafe(no_mangle)]
 pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_rows_nt_bf16(params: *const GemmParams) {
     // SAFETY: caller contract.
-    unsafe { run::<{ Variant::ROWS_NT_BF16 }>(params) }
+    unsafe { run::<{ Variant::ROWS_NT_BF16 }, _>(params, Standalone) }
 }
 
 /// Row-grouped `A · B` with N-major weights, up to two K segments, f32 out (data gradients).
@@ -47,7 +48,7 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_rows_nt_bf16(params: *const Gemm
 #[unsafe(no_mangle)]
 pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_rows_nn(params: *const GemmParams) {
     // SAFETY: caller contract.
-    unsafe { run::<{ Variant::ROWS_NN }>(params) }
+    unsafe { run::<{ Variant::ROWS_NN }, _>(params, Standalone) }
 }
 
 /// Per-group weight gradient, rows reduced in order, no split-K.
@@ -58,7 +59,38 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_rows_nn(params: *const GemmParam
 #[unsafe(no_mangle)]
 pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_wgrad(params: *const GemmParams) {
     // SAFETY: caller contract.
-    unsafe { run::<{ Variant::WGRAD }>(params) }
+    unsafe { run::<{ Variant::WGRAD }, _>(params, Standalone) }
+}
+
+/// [`mok_sm90_gemm_gate_up`] inside a persistent pass: before loading a tile's rows the producer
+/// waits (bounded) until `counters.rows_landed` of its M tile reaches the pass's epoch, and each
+/// consumer warpgroup bumps `counters.tiles_stored` once its part of the output is visible. Not
+/// yet run on a GPU: assembled by ptxas only, the first piece of the forward megakernel.
+///
+/// # Safety
+/// As [`mok_sm90_gemm_gate_up`]; `counters` a valid [`TileCounters`] whose arrays hold one
+/// entry per engine M tile of the launch.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_gate_up_counted(
+    params: *const GemmParams,
+    counters: *const TileCounters,
+) {
+    // SAFETY: caller contract.
+    unsafe { run::<{ Variant::GATE_UP }, _>(params, Counters::new(counters)) }
+}
+
+/// [`mok_sm90_gemm_rows_nt`] with the hand-over of [`mok_sm90_gemm_gate_up_counted`] (the down
+/// projection waits for the hidden rows its gate/up tiles stored). Not yet run on a GPU.
+///
+/// # Safety
+/// As [`mok_sm90_gemm_gate_up_counted`], for the `ROWS_NT` variant.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_rows_nt_counted(
+    params: *const GemmParams,
+    counters: *const TileCounters,
+) {
+    // SAFETY: caller contract.
+    unsafe { run::<{ Variant::ROWS_NT }, _>(params, Counters::new(counters)) }
 }
 
 /// Rewrites `GemmParams::group_maps` from the device-written row offsets; launched before each

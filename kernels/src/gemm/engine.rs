@@ -44,6 +44,7 @@ use crate::ptx::{bulk, cluster, mbarrier, sreg, sync};
 
 pub(crate) use super::epilogue::for_each_pair;
 use super::epilogue::*;
+use super::hooks::{TileHooks, hooked};
 use super::mainloop::*;
 use super::producer::*;
 use super::ring::Ring;
@@ -52,7 +53,7 @@ pub use crate::gemm_layout::Variant;
 
 /// A consumer warpgroup: MMAs over the stages, then the epilogue, tile after tile.
 #[inline(always)]
-unsafe fn consume<const V: u32>(p: &GemmParams, ring: Ring, wg: u32, thread_in_wg: u32) {
+unsafe fn consume<const V: u32, H: TileHooks>(p: &GemmParams, ring: Ring, wg: u32, thread_in_wg: u32, hooks: H) {
     let (mut stage, mut phase) = (0u32, 0u32);
     loop {
         // The producer names each tile in the stage holding its first K block (the waits in the
@@ -100,6 +101,10 @@ unsafe fn consume<const V: u32>(p: &GemmParams, ring: Ring, wg: u32, thread_in_w
         }
         // SAFETY: outputs sized by the host contract.
         unsafe { epilogue::<V>(p, &w, &acc, ring.staging(wg), wg, thread_in_wg) };
+        if hooked(V) && thread_in_wg == 0 {
+            // SAFETY: this warpgroup's leader, which issued the tile's stores.
+            unsafe { hooks.after_store(p, &w, wg) };
+        }
     }
     if thread_in_wg == 0 {
         // Shared memory must outlive the bulk stores that read it.
@@ -113,7 +118,7 @@ unsafe fn consume<const V: u32>(p: &GemmParams, ring: Ring, wg: u32, thread_in_w
 /// # Safety
 /// `params` points at a valid [`GemmParams`] whose tensors match the variant's contract.
 #[inline(always)]
-pub unsafe fn run<const V: u32>(params: *const GemmParams) {
+pub unsafe fn run<const V: u32, H: TileHooks>(params: *const GemmParams, hooks: H) {
     // Register budgets below assume exactly this block size (`.maxntid`); row-grouped variants
     // run in pairs (`.reqnctapercluster 2`).
     crate::ptx::declare_block_threads::<ENGINE_THREADS>();
@@ -155,7 +160,7 @@ pub unsafe fn run<const V: u32>(params: *const GemmParams) {
         }
         if thread == 0 {
             // SAFETY: one producer thread.
-            unsafe { produce::<V>(&p, ring) };
+            unsafe { produce::<V, H>(&p, ring, hooks) };
         }
     } else {
         if paired {
@@ -164,7 +169,7 @@ pub unsafe fn run<const V: u32>(params: *const GemmParams) {
             sync::claim_registers::<CONSUMER_REGISTERS>();
         }
         // SAFETY: a whole consumer warpgroup.
-        unsafe { consume::<V>(&p, ring, warpgroup - 1, thread % 128) };
+        unsafe { consume::<V, H>(&p, ring, warpgroup - 1, thread % 128, hooks) };
     }
     if paired {
         // No block may leave while its partner can still write into it or arrive on its

@@ -1,11 +1,12 @@
 //! The sm_90 tensor-core grouped GEMM engine: persistent, warp-specialised, TMA + mbarrier ring
 //! + wgmma. See [`engine`].
 
-mod ring;
-mod source;
-mod producer;
-mod mainloop;
 mod epilogue;
+pub mod hooks;
+mod mainloop;
+mod producer;
+mod ring;
+pub mod source;
 
 pub mod engine;
 pub mod group_maps;

@@ -8,6 +8,7 @@ use crate::gemm_layout::{
 use crate::ptx::memory::{atom_add_relaxed_gpu_u32, ld_shared_u32, st_shared_u32};
 use crate::ptx::{cluster, mbarrier, sreg, tensormap, tma};
 
+use super::hooks::{TileHooks, hooked};
 use super::ring::Ring;
 use super::source::*;
 
@@ -28,7 +29,7 @@ pub(super) const B_HALF_BYTES: u32 = B_TILE_BYTES / 2;
 /// in a block when everything meant for it has landed there, and `empty` when both blocks'
 /// consumers have released it (16 arrivals), because the partner's producer writes into it too.
 #[inline(always)]
-pub(super) unsafe fn produce<const V: u32>(p: &GemmParams, ring: Ring) {
+pub(super) unsafe fn produce<const V: u32, H: TileHooks>(p: &GemmParams, ring: Ring, hooks: H) {
     // SAFETY: the offsets in `p` hold groups + 1 (rows) and 2 · (groups + 1) (tiles) entries
     // (host contract of `run`).
     let total = unsafe { tile_count::<V>(p) };
@@ -93,6 +94,11 @@ pub(super) unsafe fn produce<const V: u32>(p: &GemmParams, ring: Ring) {
         } else {
             a_halves * (A_TILE_BYTES / 2) + if w.has_columns { B_TILE_BYTES } else { 0 }
         };
+        if hooked(V) {
+            // A persistent kernel's rows may still be on their way: wait (bounded) until they landed.
+            // SAFETY: `w` is a tile of this launch.
+            unsafe { hooks.before_rows(p, &w) };
+        }
         for kb in 0..w.k_blocks {
             // Wait until the consumers released this stage (a fresh barrier passes parity 1).
             // SAFETY: initialised barrier of this block.

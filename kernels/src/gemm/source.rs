@@ -7,9 +7,9 @@ use crate::gemm_layout::{
 };
 use crate::ptx::sreg;
 
-/// One block tile of work.
+/// One block tile of work (what a [`TileHooks`](super::hooks::TileHooks) hook is told).
 #[derive(Clone, Copy)]
-pub(super) struct Work {
+pub struct Work {
     pub(super) group: u32,
     /// Row-grouped: first row of the tile; weight gradient: first output row (M).
     pub(super) m0: u32,
