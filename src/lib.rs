@@ -15,6 +15,8 @@
 //! # Ok(()) }
 //! ```
 
+#[cfg(feature = "gpu-tests")]
+pub use mok_host::testing;
 pub use mok_host::{
     MoeConfig, MokError, Result, config, driver, ep, error, exchange, gemm, layout, problem, random, reference, shapes,
     symmetric, tensor_map, unfused,

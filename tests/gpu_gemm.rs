@@ -10,7 +10,7 @@ mod common;
 use common::{PLAIN_ROUTING, Routing, check, fingerprint, random_bf16, random_case, rel_err};
 use half::bf16;
 use mok::MoeConfig;
-use mok::driver::{DeviceBuffer, Gpu, KernelArg, LaunchShape};
+use mok::driver::{DeviceBuffer, Gpu};
 use mok::gemm::{EnginePlan, Pairing, RowGroups, RowsOut, WgradOut, tile_offsets};
 use mok::tensor_map::TensorMap;
 use mok::unfused::{DeviceExperts, DeviceTokens, UnfusedLayer};
@@ -62,18 +62,7 @@ fn primitive_tma_load_swizzles_and_zero_fills() {
     for (c0, c1) in [(64i32, 100i32), (0, 180)] {
         let mut out = DeviceBuffer::<u32>::alloc(&gpu, 64 * 32).unwrap();
         out.fill_bytes(0xff).unwrap();
-        gpu.launch(
-            "mok_probe_tma_load",
-            LaunchShape { grid: (1, 1, 1), threads: 32, smem_bytes: 64 * 128 + 1024 + 64 },
-            &[
-                KernelArg::Ptr(map.device_ptr()),
-                KernelArg::U32(c0 as u32),
-                KernelArg::U32(c1 as u32),
-                KernelArg::U32(64),
-                KernelArg::Ptr(out.device_ptr()),
-            ],
-        )
-        .unwrap();
+        mok::testing::probe_tma_load(&gpu, &map, (c0, c1), &out).unwrap();
         let words = out.download().unwrap();
         let halves: &[u16] = bytemuck::cast_slice(&words);
         for r in 0..64usize {
@@ -96,12 +85,7 @@ fn primitive_mbarrier_ring_hands_over_every_round() {
     let rounds = 1000usize;
     let mut out = DeviceBuffer::<u32>::alloc(&gpu, rounds).unwrap();
     out.fill_bytes(0xff).unwrap();
-    gpu.launch(
-        "mok_probe_mbarrier_ring",
-        LaunchShape { grid: (1, 1, 1), threads: 64, smem_bytes: 2048 },
-        &[KernelArg::U32(3), KernelArg::U32(rounds as u32), KernelArg::Ptr(out.device_ptr())],
-    )
-    .unwrap();
+    mok::testing::probe_mbarrier_ring(&gpu, 3, rounds as u32, &out).unwrap();
     let got = out.download().unwrap();
     for (round, &value) in got.iter().enumerate() {
         assert_eq!(value, (round as u32).wrapping_mul(2_654_435_761) ^ 0x5a5a, "round {round}");
@@ -118,17 +102,7 @@ fn primitive_wgmma_tile_in_each_major_ness() {
     for (mode, name) in [(0u32, "A K-major, B K-major"), (1, "A K-major, B N-major"), (2, "A M-major, B N-major")] {
         let mut out = DeviceBuffer::<f32>::alloc(&gpu, 64 * 256).unwrap();
         out.fill_bytes(0xff).unwrap();
-        gpu.launch(
-            "mok_probe_wgmma_tile",
-            LaunchShape { grid: (1, 1, 1), threads: 128, smem_bytes: 8192 + 32768 + 1024 },
-            &[
-                KernelArg::Ptr(da.device_ptr()),
-                KernelArg::Ptr(db.device_ptr()),
-                KernelArg::U32(mode),
-                KernelArg::Ptr(out.device_ptr()),
-            ],
-        )
-        .unwrap();
+        mok::testing::probe_wgmma_tile(&gpu, &da, &db, mode, &out).unwrap();
         let got = out.download().unwrap();
         let a_at = |m: usize, k: usize| if mode == 2 { a[k * 64 + m] } else { a[m * 64 + k] }.to_f64();
         let b_at = |n: usize, k: usize| if mode == 0 { b[n * 64 + k] } else { b[k * 256 + n] }.to_f64();

@@ -252,19 +252,23 @@ impl EpLayer {
             let at = |region| self.exchange.address(rank, region);
             // The slot-weight gradient on the token owner, from the f32 rows the forward combine
             // delivered to it: the same rows and order as the single-rank path.
-            gpu.launch(
-                "mok_topk_weight_grad",
-                LaunchShape::linear(grid_stride_blocks(gpu, t * k * 32), ROW_KERNEL_THREADS),
-                &[
-                    Ptr(at(r.dy)),
-                    Ptr(at(r.combine_slots)),
-                    Ptr(at(r.slot_self)),
-                    U32(t as u32),
-                    U32(k as u32),
-                    U32(h as u32),
-                    Ptr(state.d_topk_weights.device_ptr()),
-                ],
-            )?;
+            // SAFETY: the arguments are `mok_topk_weight_grad`'s parameters, in order and type (its entry point in
+            // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
+            unsafe {
+                gpu.launch(
+                    "mok_topk_weight_grad",
+                    LaunchShape::linear(grid_stride_blocks(gpu, t * k * 32), ROW_KERNEL_THREADS),
+                    &[
+                        Ptr(at(r.dy)),
+                        Ptr(at(r.combine_slots)),
+                        Ptr(at(r.slot_self)),
+                        U32(t as u32),
+                        U32(k as u32),
+                        U32(h as u32),
+                        Ptr(state.d_topk_weights.device_ptr()),
+                    ],
+                )
+            }?;
             let w = &experts[rank];
             state.routed.backward(
                 gpu,

@@ -58,16 +58,20 @@ pub fn tile_offsets_into(
 ) -> Result<()> {
     check_len("row_offsets", row_offsets.len(), groups + 1)?;
     check_len("tile_offsets", tiles.len(), 2 * (groups + 1))?;
-    gpu.launch(
-        TILE_OFFSETS_KERNEL,
-        LaunchShape::linear(1, 32),
-        &[
-            KernelArg::Ptr(row_offsets.device_ptr()),
-            KernelArg::U32(groups as u32),
-            KernelArg::U32(TILE_M),
-            KernelArg::Ptr(tiles.device_ptr()),
-        ],
-    )
+    // SAFETY: the arguments are the kernel's parameters, in order and type (its entry point in
+    // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
+    unsafe {
+        gpu.launch(
+            TILE_OFFSETS_KERNEL,
+            LaunchShape::linear(1, 32),
+            &[
+                KernelArg::Ptr(row_offsets.device_ptr()),
+                KernelArg::U32(groups as u32),
+                KernelArg::U32(TILE_M),
+                KernelArg::Ptr(tiles.device_ptr()),
+            ],
+        )
+    }
 }
 
 fn check_len(tensor: &'static str, actual: usize, expected: usize) -> Result<()> {
@@ -276,9 +280,13 @@ impl EnginePlan {
             threads: 32 * GROUP_MAP_WARPS,
             smem_bytes: GROUP_MAP_SMEM_BYTES,
         };
-        gpu.launch(GROUP_MAPS_KERNEL, maps_shape, &[KernelArg::Ptr(self.params.device_ptr())])?;
+        // SAFETY: the arguments are the kernel's parameters, in order and type (its entry point in
+        // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
+        unsafe { gpu.launch(GROUP_MAPS_KERNEL, maps_shape, &[KernelArg::Ptr(self.params.device_ptr())]) }?;
         let shape = LaunchShape { grid: (blocks, 1, 1), threads: ENGINE_THREADS, smem_bytes: ENGINE_SMEM_BYTES };
-        gpu.launch(self.kernel, shape, &[KernelArg::Ptr(self.params.device_ptr())])
+        // SAFETY: the arguments are the kernel's parameters, in order and type (its entry point in
+        // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
+        unsafe { gpu.launch(self.kernel, shape, &[KernelArg::Ptr(self.params.device_ptr())]) }
     }
 
     /// Forward gate/up with SwiGLU: `hidden = swiglu(rows·w_gate[g]ᵀ, rows·w_up[g]ᵀ)` per group,

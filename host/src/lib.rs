@@ -21,6 +21,8 @@ pub mod reference;
 pub mod shapes;
 pub mod symmetric;
 pub mod tensor_map;
+#[cfg(feature = "testing")]
+pub mod testing;
 pub mod unfused;
 
 pub use config::MoeConfig;

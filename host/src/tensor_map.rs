@@ -10,6 +10,8 @@ use crate::error::{MokError, Result};
 /// A bf16 or f32 tensor map with 128-byte swizzle and zero fill out of bounds, in device memory.
 pub struct TensorMap {
     storage: DeviceBuffer<u64>,
+    element_bytes: usize,
+    box_dims: Vec<u32>,
 }
 
 impl TensorMap {
@@ -73,7 +75,17 @@ impl TensorMap {
         status.result().map_err(|e| {
             crate::driver::cuda_error(format!("cuTensorMapEncodeTiled(dims {dims:?}, box {box_dims:?})"), e)
         })?;
-        Ok(Self { storage: DeviceBuffer::from_slice(gpu, &map.opaque)? })
+        Ok(Self { storage: DeviceBuffer::from_slice(gpu, &map.opaque)?, element_bytes, box_dims: box_dims.to_vec() })
+    }
+
+    /// Bytes of one element (2 for bf16, 4 for f32).
+    pub fn element_bytes(&self) -> usize {
+        self.element_bytes
+    }
+
+    /// The box one copy moves, innermost dimension first (elements).
+    pub fn box_dims(&self) -> &[u32] {
+        &self.box_dims
     }
 
     /// Device address of the map (64-byte aligned: device allocations are 256-byte aligned).

@@ -141,11 +141,15 @@ impl DeviceSharedExpert {
 pub fn random_bf16(gpu: &Gpu, count: usize, seed: u64, scale: f32) -> Result<DeviceBuffer<bf16>> {
     let buffer = DeviceBuffer::alloc(gpu, count)?;
     let blocks = grid_stride_blocks(gpu, count);
-    gpu.launch(
-        "mok_fill_random_bf16",
-        LaunchShape::linear(blocks, ROW_KERNEL_THREADS),
-        &[Ptr(buffer.device_ptr()), U64(count as u64), U64(seed), F32(scale)],
-    )?;
+    // SAFETY: the arguments are `mok_fill_random_bf16`'s parameters, in order and type (its entry point in
+    // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
+    unsafe {
+        gpu.launch(
+            "mok_fill_random_bf16",
+            LaunchShape::linear(blocks, ROW_KERNEL_THREADS),
+            &[Ptr(buffer.device_ptr()), U64(count as u64), U64(seed), F32(scale)],
+        )
+    }?;
     Ok(buffer)
 }
 
@@ -498,46 +502,58 @@ impl UnfusedLayer {
         let chunks = mok_kernels::layout::chunk_count(t);
         let r = &mut self.routing;
         r.error.fill_bytes(0)?;
-        gpu.launch(
-            "mok_route_rank_chunks",
-            LaunchShape { grid: (chunks, 1, 1), threads: ROW_KERNEL_THREADS, smem_bytes: 4 * e },
-            &[
-                Ptr(topk_ids.device_ptr()),
-                U32(t),
-                U32(k),
-                U32(e),
-                Ptr(r.chunk_counts.device_ptr()),
-                Ptr(r.slot_rank.device_ptr()),
-                Ptr(r.error.device_ptr()),
-            ],
-        )?;
-        gpu.launch(
-            "mok_route_scan",
-            LaunchShape::linear(1, 1024),
-            &[
-                Ptr(r.chunk_counts.device_ptr()),
-                U32(chunks),
-                U32(e),
-                Ptr(r.expert_counts.device_ptr()),
-                Ptr(r.row_offsets.device_ptr()),
-                Ptr(r.tile_offsets.device_ptr()),
-            ],
-        )?;
-        gpu.launch(
-            "mok_route_place",
-            LaunchShape::linear(t.div_ceil(ROW_KERNEL_THREADS), ROW_KERNEL_THREADS),
-            &[
-                Ptr(topk_ids.device_ptr()),
-                Ptr(r.slot_rank.device_ptr()),
-                Ptr(r.chunk_counts.device_ptr()),
-                Ptr(r.row_offsets.device_ptr()),
-                U32(t),
-                U32(k),
-                U32(e),
-                Ptr(r.slot_row.device_ptr()),
-                Ptr(r.row_source.device_ptr()),
-            ],
-        )
+        // SAFETY: the arguments are `mok_route_rank_chunks`'s parameters, in order and type (its entry point in
+        // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
+        unsafe {
+            gpu.launch(
+                "mok_route_rank_chunks",
+                LaunchShape { grid: (chunks, 1, 1), threads: ROW_KERNEL_THREADS, smem_bytes: 4 * e },
+                &[
+                    Ptr(topk_ids.device_ptr()),
+                    U32(t),
+                    U32(k),
+                    U32(e),
+                    Ptr(r.chunk_counts.device_ptr()),
+                    Ptr(r.slot_rank.device_ptr()),
+                    Ptr(r.error.device_ptr()),
+                ],
+            )
+        }?;
+        // SAFETY: the arguments are `mok_route_scan`'s parameters, in order and type (its entry point in
+        // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
+        unsafe {
+            gpu.launch(
+                "mok_route_scan",
+                LaunchShape::linear(1, 1024),
+                &[
+                    Ptr(r.chunk_counts.device_ptr()),
+                    U32(chunks),
+                    U32(e),
+                    Ptr(r.expert_counts.device_ptr()),
+                    Ptr(r.row_offsets.device_ptr()),
+                    Ptr(r.tile_offsets.device_ptr()),
+                ],
+            )
+        }?;
+        // SAFETY: the arguments are `mok_route_place`'s parameters, in order and type (its entry point in
+        // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
+        unsafe {
+            gpu.launch(
+                "mok_route_place",
+                LaunchShape::linear(t.div_ceil(ROW_KERNEL_THREADS), ROW_KERNEL_THREADS),
+                &[
+                    Ptr(topk_ids.device_ptr()),
+                    Ptr(r.slot_rank.device_ptr()),
+                    Ptr(r.chunk_counts.device_ptr()),
+                    Ptr(r.row_offsets.device_ptr()),
+                    U32(t),
+                    U32(k),
+                    U32(e),
+                    Ptr(r.slot_row.device_ptr()),
+                    Ptr(r.row_source.device_ptr()),
+                ],
+            )
+        }
     }
 
     /// Enqueues the forward pass; `self.y` holds the output once the stream reaches it.
@@ -557,19 +573,23 @@ impl UnfusedLayer {
         let slots = t * k;
         let count = self.row_count_ptr();
         let r = &self.routing;
-        gpu.launch(
-            "mok_gather_rows",
-            LaunchShape::linear(grid_stride_blocks(gpu, slots * h / 8), ROW_KERNEL_THREADS),
-            &[
-                Ptr(tokens.x.device_ptr()),
-                Ptr(r.row_source.device_ptr()),
-                U32(k as u32),
-                Ptr(0),
-                Ptr(count),
-                U32(h as u32),
-                Ptr(self.gathered_x.device_ptr()),
-            ],
-        )?;
+        // SAFETY: the arguments are `mok_gather_rows`'s parameters, in order and type (its entry point in
+        // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
+        unsafe {
+            gpu.launch(
+                "mok_gather_rows",
+                LaunchShape::linear(grid_stride_blocks(gpu, slots * h / 8), ROW_KERNEL_THREADS),
+                &[
+                    Ptr(tokens.x.device_ptr()),
+                    Ptr(r.row_source.device_ptr()),
+                    U32(k as u32),
+                    Ptr(0),
+                    Ptr(count),
+                    U32(h as u32),
+                    Ptr(self.gathered_x.device_ptr()),
+                ],
+            )
+        }?;
         let groups = RowGroups {
             row_offsets: r.row_offsets.device_ptr(),
             tile_offsets: r.tile_offsets.device_ptr(),
@@ -601,20 +621,24 @@ impl UnfusedLayer {
             )?;
             shared_out = compute.out_rows().device_ptr();
         }
-        gpu.launch(
-            "mok_combine_slots",
-            LaunchShape::linear(grid_stride_blocks(gpu, t * h / 4), ROW_KERNEL_THREADS),
-            &[
-                Ptr(r.slot_row.device_ptr()),
-                Ptr(tokens.topk_weights.device_ptr()),
-                Ptr(self.routed.rows.out.device_ptr()),
-                Ptr(shared_out),
-                U32(t as u32),
-                U32(k as u32),
-                U32(h as u32),
-                Ptr(self.y.device_ptr()),
-            ],
-        )
+        // SAFETY: the arguments are `mok_combine_slots`'s parameters, in order and type (its entry point in
+        // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
+        unsafe {
+            gpu.launch(
+                "mok_combine_slots",
+                LaunchShape::linear(grid_stride_blocks(gpu, t * h / 4), ROW_KERNEL_THREADS),
+                &[
+                    Ptr(r.slot_row.device_ptr()),
+                    Ptr(tokens.topk_weights.device_ptr()),
+                    Ptr(self.routed.rows.out.device_ptr()),
+                    Ptr(shared_out),
+                    U32(t as u32),
+                    U32(k as u32),
+                    U32(h as u32),
+                    Ptr(self.y.device_ptr()),
+                ],
+            )
+        }
     }
 
     /// Enqueues the backward pass of the last forward (same inputs) for output gradient `dy`;
@@ -640,32 +664,40 @@ impl UnfusedLayer {
         let slots = t * k;
         let count = self.row_count_ptr();
         let r = &self.routing;
-        gpu.launch(
-            "mok_gather_rows",
-            LaunchShape::linear(grid_stride_blocks(gpu, slots * h / 8), ROW_KERNEL_THREADS),
-            &[
-                Ptr(dy.device_ptr()),
-                Ptr(r.row_source.device_ptr()),
-                U32(k as u32),
-                Ptr(tokens.topk_weights.device_ptr()),
-                Ptr(count),
-                U32(h as u32),
-                Ptr(self.routed.rows.d_rows.device_ptr()),
-            ],
-        )?;
-        gpu.launch(
-            "mok_topk_weight_grad",
-            LaunchShape::linear(grid_stride_blocks(gpu, slots * 32), ROW_KERNEL_THREADS),
-            &[
-                Ptr(dy.device_ptr()),
-                Ptr(self.routed.rows.out.device_ptr()),
-                Ptr(r.slot_row.device_ptr()),
-                U32(t as u32),
-                U32(k as u32),
-                U32(h as u32),
-                Ptr(self.grads.d_topk_weights.device_ptr()),
-            ],
-        )?;
+        // SAFETY: the arguments are `mok_gather_rows`'s parameters, in order and type (its entry point in
+        // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
+        unsafe {
+            gpu.launch(
+                "mok_gather_rows",
+                LaunchShape::linear(grid_stride_blocks(gpu, slots * h / 8), ROW_KERNEL_THREADS),
+                &[
+                    Ptr(dy.device_ptr()),
+                    Ptr(r.row_source.device_ptr()),
+                    U32(k as u32),
+                    Ptr(tokens.topk_weights.device_ptr()),
+                    Ptr(count),
+                    U32(h as u32),
+                    Ptr(self.routed.rows.d_rows.device_ptr()),
+                ],
+            )
+        }?;
+        // SAFETY: the arguments are `mok_topk_weight_grad`'s parameters, in order and type (its entry point in
+        // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
+        unsafe {
+            gpu.launch(
+                "mok_topk_weight_grad",
+                LaunchShape::linear(grid_stride_blocks(gpu, slots * 32), ROW_KERNEL_THREADS),
+                &[
+                    Ptr(dy.device_ptr()),
+                    Ptr(self.routed.rows.out.device_ptr()),
+                    Ptr(r.slot_row.device_ptr()),
+                    U32(t as u32),
+                    U32(k as u32),
+                    U32(h as u32),
+                    Ptr(self.grads.d_topk_weights.device_ptr()),
+                ],
+            )
+        }?;
         let groups = RowGroups {
             row_offsets: r.row_offsets.device_ptr(),
             tile_offsets: r.tile_offsets.device_ptr(),
@@ -714,20 +746,24 @@ impl UnfusedLayer {
             )?;
             shared_dx = compute.d_in_rows().device_ptr();
         }
-        gpu.launch(
-            "mok_combine_slots",
-            LaunchShape::linear(grid_stride_blocks(gpu, t * h / 4), ROW_KERNEL_THREADS),
-            &[
-                Ptr(r.slot_row.device_ptr()),
-                Ptr(0),
-                Ptr(self.routed.rows.d_in.device_ptr()),
-                Ptr(shared_dx),
-                U32(t as u32),
-                U32(k as u32),
-                U32(h as u32),
-                Ptr(self.grads.dx.device_ptr()),
-            ],
-        )
+        // SAFETY: the arguments are `mok_combine_slots`'s parameters, in order and type (its entry point in
+        // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
+        unsafe {
+            gpu.launch(
+                "mok_combine_slots",
+                LaunchShape::linear(grid_stride_blocks(gpu, t * h / 4), ROW_KERNEL_THREADS),
+                &[
+                    Ptr(r.slot_row.device_ptr()),
+                    Ptr(0),
+                    Ptr(self.routed.rows.d_in.device_ptr()),
+                    Ptr(shared_dx),
+                    U32(t as u32),
+                    U32(k as u32),
+                    U32(h as u32),
+                    Ptr(self.grads.dx.device_ptr()),
+                ],
+            )
+        }
     }
 
     /// Waits for the stream and reports a routing problem the kernels found in `topk_ids`
@@ -923,38 +959,46 @@ impl ExpertCompute {
         groups.check(self.capacity)?;
         let (h, inter) = (self.hidden, self.inter);
         let rows = &self.rows;
-        gpu.launch(
-            "mok_gemm_gate_up_swiglu",
-            gemm_shape(row_grid(groups.rows_upper_bound, groups.groups, inter)),
-            &[
-                Ptr(input_rows),
-                Ptr(groups.row_offsets),
-                Ptr(groups.tile_offsets),
-                U32(groups.groups as u32),
-                Ptr(weights[0].device_ptr()),
-                Ptr(weights[1].device_ptr()),
-                U32(h as u32),
-                U32(inter as u32),
-                F32(self.limit),
-                Ptr(rows.gate.device_ptr()),
-                Ptr(rows.up.device_ptr()),
-                Ptr(rows.hidden.device_ptr()),
-            ],
-        )?;
-        gpu.launch(
-            "mok_gemm_rows_nt",
-            gemm_shape(row_grid(groups.rows_upper_bound, groups.groups, h)),
-            &[
-                Ptr(rows.hidden.device_ptr()),
-                Ptr(groups.row_offsets),
-                Ptr(groups.tile_offsets),
-                U32(groups.groups as u32),
-                Ptr(weights[2].device_ptr()),
-                U32(h as u32),
-                U32(inter as u32),
-                Ptr(rows.out.device_ptr()),
-            ],
-        )
+        // SAFETY: the arguments are `mok_gemm_gate_up_swiglu`'s parameters, in order and type (its entry point in
+        // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
+        unsafe {
+            gpu.launch(
+                "mok_gemm_gate_up_swiglu",
+                gemm_shape(row_grid(groups.rows_upper_bound, groups.groups, inter)),
+                &[
+                    Ptr(input_rows),
+                    Ptr(groups.row_offsets),
+                    Ptr(groups.tile_offsets),
+                    U32(groups.groups as u32),
+                    Ptr(weights[0].device_ptr()),
+                    Ptr(weights[1].device_ptr()),
+                    U32(h as u32),
+                    U32(inter as u32),
+                    F32(self.limit),
+                    Ptr(rows.gate.device_ptr()),
+                    Ptr(rows.up.device_ptr()),
+                    Ptr(rows.hidden.device_ptr()),
+                ],
+            )
+        }?;
+        // SAFETY: the arguments are `mok_gemm_rows_nt`'s parameters, in order and type (its entry point in
+        // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
+        unsafe {
+            gpu.launch(
+                "mok_gemm_rows_nt",
+                gemm_shape(row_grid(groups.rows_upper_bound, groups.groups, h)),
+                &[
+                    Ptr(rows.hidden.device_ptr()),
+                    Ptr(groups.row_offsets),
+                    Ptr(groups.tile_offsets),
+                    U32(groups.groups as u32),
+                    Ptr(weights[2].device_ptr()),
+                    U32(h as u32),
+                    U32(inter as u32),
+                    Ptr(rows.out.device_ptr()),
+                ],
+            )
+        }
     }
 
     /// Enqueues the SwiGLU backward: `d_hidden` and the saved pre-activations → `d_gate`, `d_up`
@@ -962,20 +1006,24 @@ impl ExpertCompute {
     fn swiglu_backward(&self, gpu: &Gpu, groups: &RowGroups) -> Result<()> {
         let rows = &self.rows;
         let inter = self.inter;
-        gpu.launch(
-            "mok_swiglu_backward",
-            LaunchShape::linear(grid_stride_blocks(gpu, groups.rows_upper_bound * inter), ROW_KERNEL_THREADS),
-            &[
-                Ptr(rows.gate.device_ptr()),
-                Ptr(rows.up.device_ptr()),
-                Ptr(rows.d_hidden.device_ptr()),
-                Ptr(groups.row_count),
-                U32(inter as u32),
-                F32(self.limit),
-                Ptr(rows.d_gate.device_ptr()),
-                Ptr(rows.d_up.device_ptr()),
-            ],
-        )
+        // SAFETY: the arguments are `mok_swiglu_backward`'s parameters, in order and type (its entry point in
+        // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
+        unsafe {
+            gpu.launch(
+                "mok_swiglu_backward",
+                LaunchShape::linear(grid_stride_blocks(gpu, groups.rows_upper_bound * inter), ROW_KERNEL_THREADS),
+                &[
+                    Ptr(rows.gate.device_ptr()),
+                    Ptr(rows.up.device_ptr()),
+                    Ptr(rows.d_hidden.device_ptr()),
+                    Ptr(groups.row_count),
+                    U32(inter as u32),
+                    F32(self.limit),
+                    Ptr(rows.d_gate.device_ptr()),
+                    Ptr(rows.d_up.device_ptr()),
+                ],
+            )
+        }
     }
 
     /// Enqueues the backward of [`Self::forward`] (same groups and inputs, the forward's saved
@@ -986,48 +1034,60 @@ impl ExpertCompute {
         let rows = &self.rows;
         let (h, inter) = (self.hidden, self.inter);
         let [w_gate, w_up, w_down] = args.weights;
-        gpu.launch(
-            "mok_gemm_rows_nn",
-            gemm_shape(row_grid(groups.rows_upper_bound, groups.groups, inter)),
-            &[
-                Ptr(args.d_out_rows),
-                Ptr(w_down.device_ptr()),
-                U32(h as u32),
-                Ptr(0),
-                Ptr(0),
-                U32(0),
-                Ptr(groups.row_offsets),
-                Ptr(groups.tile_offsets),
-                U32(groups.groups as u32),
-                U32(inter as u32),
-                Ptr(rows.d_hidden.device_ptr()),
-            ],
-        )?;
+        // SAFETY: the arguments are `mok_gemm_rows_nn`'s parameters, in order and type (its entry point in
+        // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
+        unsafe {
+            gpu.launch(
+                "mok_gemm_rows_nn",
+                gemm_shape(row_grid(groups.rows_upper_bound, groups.groups, inter)),
+                &[
+                    Ptr(args.d_out_rows),
+                    Ptr(w_down.device_ptr()),
+                    U32(h as u32),
+                    Ptr(0),
+                    Ptr(0),
+                    U32(0),
+                    Ptr(groups.row_offsets),
+                    Ptr(groups.tile_offsets),
+                    U32(groups.groups as u32),
+                    U32(inter as u32),
+                    Ptr(rows.d_hidden.device_ptr()),
+                ],
+            )
+        }?;
         self.swiglu_backward(gpu, groups)?;
-        gpu.launch(
-            "mok_gemm_rows_nn",
-            gemm_shape(row_grid(groups.rows_upper_bound, groups.groups, h)),
-            &[
-                Ptr(rows.d_gate.device_ptr()),
-                Ptr(w_gate.device_ptr()),
-                U32(inter as u32),
-                Ptr(rows.d_up.device_ptr()),
-                Ptr(w_up.device_ptr()),
-                U32(inter as u32),
-                Ptr(groups.row_offsets),
-                Ptr(groups.tile_offsets),
-                U32(groups.groups as u32),
-                U32(h as u32),
-                Ptr(rows.d_in.device_ptr()),
-            ],
-        )?;
+        // SAFETY: the arguments are `mok_gemm_rows_nn`'s parameters, in order and type (its entry point in
+        // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
+        unsafe {
+            gpu.launch(
+                "mok_gemm_rows_nn",
+                gemm_shape(row_grid(groups.rows_upper_bound, groups.groups, h)),
+                &[
+                    Ptr(rows.d_gate.device_ptr()),
+                    Ptr(w_gate.device_ptr()),
+                    U32(inter as u32),
+                    Ptr(rows.d_up.device_ptr()),
+                    Ptr(w_up.device_ptr()),
+                    U32(inter as u32),
+                    Ptr(groups.row_offsets),
+                    Ptr(groups.tile_offsets),
+                    U32(groups.groups as u32),
+                    U32(h as u32),
+                    Ptr(rows.d_in.device_ptr()),
+                ],
+            )
+        }?;
         let wgrad = |a: u64, b: u64, m: usize, n: usize, out: u64| {
             let tiles = (m as u32).div_ceil(kc::GEMM_TILE_M) * (n as u32).div_ceil(kc::GEMM_TILE_N);
-            gpu.launch(
-                "mok_gemm_wgrad",
-                gemm_shape((tiles * groups.groups as u32, 1, 1)),
-                &[Ptr(a), Ptr(b), Ptr(groups.row_offsets), U32(m as u32), U32(n as u32), Ptr(out), Ptr(0)],
-            )
+            // SAFETY: the arguments are `mok_gemm_wgrad`'s parameters, in order and type (its entry point in
+            // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
+            unsafe {
+                gpu.launch(
+                    "mok_gemm_wgrad",
+                    gemm_shape((tiles * groups.groups as u32, 1, 1)),
+                    &[Ptr(a), Ptr(b), Ptr(groups.row_offsets), U32(m as u32), U32(n as u32), Ptr(out), Ptr(0)],
+                )
+            }
         };
         let [dw_gate, dw_up, dw_down] = args.weight_grads;
         wgrad(args.d_out_rows, rows.hidden.device_ptr(), h, inter, dw_down)?;

@@ -265,7 +265,12 @@ impl Gpu {
 
     /// Enqueues `kernel` on the stream. Checks the launch result; with `MOK_SYNC_LAUNCHES=1`
     /// also waits for the kernel and reports an execution fault with the kernel's name.
-    pub fn launch(&self, kernel: &'static str, shape: LaunchShape, args: &[KernelArg]) -> Result<()> {
+    ///
+    /// # Safety
+    /// `args` must be exactly `kernel`'s parameters, in order and type, and every pointer among
+    /// them a live device allocation of the sizes the kernel documents: the driver reads the
+    /// parameter list positionally, and the kernel trusts it.
+    pub(crate) unsafe fn launch(&self, kernel: &'static str, shape: LaunchShape, args: &[KernelArg]) -> Result<()> {
         let function = self.function(kernel)?;
         self.inner.bind()?;
         // Each argument gets an 8-byte slot; the driver reads the parameter's own size from it

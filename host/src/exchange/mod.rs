@@ -301,36 +301,59 @@ impl Exchange {
             let gpu = gpu_of(gpus, i);
             let at = |region| Ptr(self.address(rank, region));
             self.fill_words(gpu, rank, r.route_error, 4)?;
-            gpu.launch(
-                "mok_ep_rank_chunks",
-                LaunchShape { grid: (chunks, 1, 1), threads: RANK_THREADS, smem_bytes: 4 * e },
-                &[at(r.topk_ids), U32(t), U32(k), U32(e), at(r.chunk_counts), at(r.slot_rank), at(r.route_error)],
-            )?;
-            gpu.launch(
-                "mok_route_scan",
-                LaunchShape::linear(1, 1024),
-                &[at(r.chunk_counts), U32(chunks), U32(e), at(r.expert_counts), at(r.row_offsets), at(r.tile_offsets)],
-            )?;
-            gpu.launch(
-                "mok_route_place",
-                LaunchShape::linear(t.div_ceil(ROW_KERNEL_THREADS), ROW_KERNEL_THREADS),
-                &[
-                    at(r.topk_ids),
-                    at(r.slot_rank),
-                    at(r.chunk_counts),
-                    at(r.row_offsets),
-                    U32(t),
-                    U32(k),
-                    U32(e),
-                    at(r.slot_row),
-                    at(r.row_source),
-                ],
-            )?;
-            gpu.launch(
-                "mok_ep_prepare_tokens",
-                LaunchShape::linear(grid_stride_blocks(gpu, (t * k) as usize), ROW_KERNEL_THREADS),
-                &[Ptr(self.params_ptr(i)), U32(rank as u32)],
-            )?;
+            // SAFETY: the arguments are `mok_ep_rank_chunks`'s parameters, in order and type (its entry point in
+            // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
+            unsafe {
+                gpu.launch(
+                    "mok_ep_rank_chunks",
+                    LaunchShape { grid: (chunks, 1, 1), threads: RANK_THREADS, smem_bytes: 4 * e },
+                    &[at(r.topk_ids), U32(t), U32(k), U32(e), at(r.chunk_counts), at(r.slot_rank), at(r.route_error)],
+                )
+            }?;
+            // SAFETY: the arguments are `mok_route_scan`'s parameters, in order and type (its entry point in
+            // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
+            unsafe {
+                gpu.launch(
+                    "mok_route_scan",
+                    LaunchShape::linear(1, 1024),
+                    &[
+                        at(r.chunk_counts),
+                        U32(chunks),
+                        U32(e),
+                        at(r.expert_counts),
+                        at(r.row_offsets),
+                        at(r.tile_offsets),
+                    ],
+                )
+            }?;
+            // SAFETY: the arguments are `mok_route_place`'s parameters, in order and type (its entry point in
+            // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
+            unsafe {
+                gpu.launch(
+                    "mok_route_place",
+                    LaunchShape::linear(t.div_ceil(ROW_KERNEL_THREADS), ROW_KERNEL_THREADS),
+                    &[
+                        at(r.topk_ids),
+                        at(r.slot_rank),
+                        at(r.chunk_counts),
+                        at(r.row_offsets),
+                        U32(t),
+                        U32(k),
+                        U32(e),
+                        at(r.slot_row),
+                        at(r.row_source),
+                    ],
+                )
+            }?;
+            // SAFETY: the arguments are `mok_ep_prepare_tokens`'s parameters, in order and type (its entry point in
+            // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
+            unsafe {
+                gpu.launch(
+                    "mok_ep_prepare_tokens",
+                    LaunchShape::linear(grid_stride_blocks(gpu, (t * k) as usize), ROW_KERNEL_THREADS),
+                    &[Ptr(self.params_ptr(i)), U32(rank as u32)],
+                )
+            }?;
         }
         self.publish_all(gpus)
     }
@@ -342,16 +365,24 @@ impl Exchange {
         for (i, rank) in self.local() {
             let gpu = gpu_of(gpus, i);
             let params = Ptr(self.params_ptr(i));
-            gpu.launch(
-                "mok_ep_schedule",
-                LaunchShape { grid: (1, 1, 1), threads: 256, smem_bytes: 16 },
-                &[params, U32(rank as u32), U32(self.epoch)],
-            )?;
-            gpu.launch(
-                "mok_ep_ring_map",
-                LaunchShape::linear(grid_stride_blocks(gpu, s.capacity as usize), ROW_KERNEL_THREADS),
-                &[params, U32(rank as u32)],
-            )?;
+            // SAFETY: the arguments are `mok_ep_schedule`'s parameters, in order and type (its entry point in
+            // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
+            unsafe {
+                gpu.launch(
+                    "mok_ep_schedule",
+                    LaunchShape { grid: (1, 1, 1), threads: 256, smem_bytes: 16 },
+                    &[params, U32(rank as u32), U32(self.epoch)],
+                )
+            }?;
+            // SAFETY: the arguments are `mok_ep_ring_map`'s parameters, in order and type (its entry point in
+            // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
+            unsafe {
+                gpu.launch(
+                    "mok_ep_ring_map",
+                    LaunchShape::linear(grid_stride_blocks(gpu, s.capacity as usize), ROW_KERNEL_THREADS),
+                    &[params, U32(rank as u32)],
+                )
+            }?;
         }
         Ok(())
     }
@@ -361,11 +392,15 @@ impl Exchange {
             if self.silent(rank, Silence::Publish) {
                 continue;
             }
-            gpu_of(gpus, i).launch(
-                "mok_ep_publish",
-                LaunchShape::linear(1, 32),
-                &[Ptr(self.params_ptr(i)), U32(rank as u32), U32(self.epoch)],
-            )?;
+            // SAFETY: the arguments are `mok_ep_publish`'s parameters, in order and type (its entry point in
+            // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
+            unsafe {
+                gpu_of(gpus, i).launch(
+                    "mok_ep_publish",
+                    LaunchShape::linear(1, 32),
+                    &[Ptr(self.params_ptr(i)), U32(rank as u32), U32(self.epoch)],
+                )
+            }?;
         }
         Ok(())
     }
@@ -390,30 +425,42 @@ impl Exchange {
             self.fill_words(gpu, rank, counters, max_tiles)?;
             let params = Ptr(self.params_ptr(i));
             if pass == 0 && self.options.bulk_copies {
-                gpu.launch(
-                    "mok_ep_pull_bulk",
-                    LaunchShape {
-                        grid: (self.bulk_blocks(gpu), 1, 1),
-                        threads: BULK_THREADS,
-                        smem_bytes: BULK_SMEM_BYTES,
-                    },
-                    &[params, U32(rank as u32), U32(self.epoch)],
-                )?;
+                // SAFETY: the arguments are `mok_ep_pull_bulk`'s parameters, in order and type (its entry point in
+                // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
+                unsafe {
+                    gpu.launch(
+                        "mok_ep_pull_bulk",
+                        LaunchShape {
+                            grid: (self.bulk_blocks(gpu), 1, 1),
+                            threads: BULK_THREADS,
+                            smem_bytes: BULK_SMEM_BYTES,
+                        },
+                        &[params, U32(rank as u32), U32(self.epoch)],
+                    )
+                }?;
             } else {
-                gpu.launch(
-                    "mok_ep_pull",
-                    LaunchShape { grid: (self.mover_blocks(gpu), 1, 1), threads: MOVER_THREADS, smem_bytes: 16 },
-                    &[params, U32(rank as u32), U32(pass), U32(self.epoch)],
-                )?;
+                // SAFETY: the arguments are `mok_ep_pull`'s parameters, in order and type (its entry point in
+                // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
+                unsafe {
+                    gpu.launch(
+                        "mok_ep_pull",
+                        LaunchShape { grid: (self.mover_blocks(gpu), 1, 1), threads: MOVER_THREADS, smem_bytes: 16 },
+                        &[params, U32(rank as u32), U32(pass), U32(self.epoch)],
+                    )
+                }?;
             }
         }
         for (i, rank) in self.local() {
             let gpu = gpu_of(gpus, i);
-            gpu.launch(
-                "mok_ep_wait_tiles",
-                LaunchShape::linear(grid_stride_blocks(gpu, max_tiles as usize), ROW_KERNEL_THREADS),
-                &[Ptr(self.params_ptr(i)), U32(rank as u32), U32(pass), U32(self.epoch)],
-            )?;
+            // SAFETY: the arguments are `mok_ep_wait_tiles`'s parameters, in order and type (its entry point in
+            // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
+            unsafe {
+                gpu.launch(
+                    "mok_ep_wait_tiles",
+                    LaunchShape::linear(grid_stride_blocks(gpu, max_tiles as usize), ROW_KERNEL_THREADS),
+                    &[Ptr(self.params_ptr(i)), U32(rank as u32), U32(pass), U32(self.epoch)],
+                )
+            }?;
         }
         Ok(())
     }
@@ -460,21 +507,29 @@ impl Exchange {
             let gpu = gpu_of(gpus, i);
             let params = Ptr(self.params_ptr(i));
             if self.options.bulk_copies {
-                gpu.launch(
-                    "mok_ep_push_bulk",
-                    LaunchShape {
-                        grid: (self.bulk_blocks(gpu), 1, 1),
-                        threads: BULK_THREADS,
-                        smem_bytes: BULK_SMEM_BYTES,
-                    },
-                    &[params, U32(rank as u32), U32(pass), Ptr(rows[i])],
-                )?;
+                // SAFETY: the arguments are `mok_ep_push_bulk`'s parameters, in order and type (its entry point in
+                // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
+                unsafe {
+                    gpu.launch(
+                        "mok_ep_push_bulk",
+                        LaunchShape {
+                            grid: (self.bulk_blocks(gpu), 1, 1),
+                            threads: BULK_THREADS,
+                            smem_bytes: BULK_SMEM_BYTES,
+                        },
+                        &[params, U32(rank as u32), U32(pass), Ptr(rows[i])],
+                    )
+                }?;
             } else {
-                gpu.launch(
-                    "mok_ep_push",
-                    LaunchShape { grid: (self.mover_blocks(gpu), 1, 1), threads: MOVER_THREADS, smem_bytes: 0 },
-                    &[params, U32(rank as u32), U32(pass), Ptr(rows[i])],
-                )?;
+                // SAFETY: the arguments are `mok_ep_push`'s parameters, in order and type (its entry point in
+                // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
+                unsafe {
+                    gpu.launch(
+                        "mok_ep_push",
+                        LaunchShape { grid: (self.mover_blocks(gpu), 1, 1), threads: MOVER_THREADS, smem_bytes: 0 },
+                        &[params, U32(rank as u32), U32(pass), Ptr(rows[i])],
+                    )
+                }?;
             }
         }
         Ok(())
@@ -491,17 +546,25 @@ impl Exchange {
         for (i, rank) in self.local() {
             let gpu = gpu_of(gpus, i);
             let (params, rank) = (Ptr(self.params_ptr(i)), U32(rank as u32));
-            gpu.launch(
-                "mok_ep_wait_arrivals",
-                LaunchShape::linear(grid_stride_blocks(gpu, (s.chunks() * s.world) as usize), ROW_KERNEL_THREADS),
-                &[params, rank, U32(pass), U32(self.epoch)],
-            )?;
+            // SAFETY: the arguments are `mok_ep_wait_arrivals`'s parameters, in order and type (its entry point in
+            // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
+            unsafe {
+                gpu.launch(
+                    "mok_ep_wait_arrivals",
+                    LaunchShape::linear(grid_stride_blocks(gpu, (s.chunks() * s.world) as usize), ROW_KERNEL_THREADS),
+                    &[params, rank, U32(pass), U32(self.epoch)],
+                )
+            }?;
             let quads = s.tokens as usize * s.hidden as usize / 4;
-            gpu.launch(
-                "mok_ep_combine",
-                LaunchShape::linear(grid_stride_blocks(gpu, quads), ROW_KERNEL_THREADS),
-                &[params, rank, U32(pass), Ptr(bases[i]), Ptr(outs[i])],
-            )?;
+            // SAFETY: the arguments are `mok_ep_combine`'s parameters, in order and type (its entry point in
+            // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
+            unsafe {
+                gpu.launch(
+                    "mok_ep_combine",
+                    LaunchShape::linear(grid_stride_blocks(gpu, quads), ROW_KERNEL_THREADS),
+                    &[params, rank, U32(pass), Ptr(bases[i]), Ptr(outs[i])],
+                )
+            }?;
         }
         Ok(())
     }
