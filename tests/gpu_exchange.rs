@@ -19,7 +19,10 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{Routing, fingerprint, random_bf16, random_case, random_routing};
+use common::{
+    Routing, fingerprint, random_bf16, random_case, random_routing, rank_config, share, split_weights,
+    upload_rank_inputs,
+};
 use half::bf16;
 use mok::MoeConfig;
 use mok::MokError;
@@ -29,7 +32,7 @@ use mok::exchange::reference::{OwnerSchedule, reference_schedule};
 use mok::exchange::{Exchange, ExchangeOptions, Silence};
 use mok::kernels::layout::NO_ROW;
 use mok::kernels::num::{f32_to_bf16_rne, random_uniform};
-use mok::problem::{ExpertWeights, RoutedTokens};
+use mok::problem::RoutedTokens;
 use mok::unfused::{DeviceExperts, DeviceSharedExpert, DeviceTokens, UnfusedLayer};
 
 fn gpu() -> Gpu {
@@ -39,18 +42,6 @@ fn gpu() -> Gpu {
 }
 
 const RANK_COUNTS: [usize; 5] = [1, 2, 3, 4, 8];
-
-/// A global problem of `tokens` tokens split over `p` ranks.
-fn rank_config(global: &MoeConfig, p: usize) -> MoeConfig {
-    MoeConfig { tokens_per_rank: global.tokens_per_rank / p, ep_ranks: p, ..global.clone() }
-}
-
-/// Rank `rank`'s share of global per-token data of `width` elements per token.
-fn share<T: Copy>(data: &[T], p: usize, rank: usize, width: usize) -> Vec<T> {
-    let per = data.len() / p;
-    assert_eq!(per % width, 0);
-    data[rank * per..(rank + 1) * per].to_vec()
-}
 
 fn random_f32(count: usize, seed: u64) -> Vec<f32> {
     (0..count).map(|i| random_uniform(seed, i as u64)).collect()
@@ -277,33 +268,14 @@ fn ep_config() -> MoeConfig {
     MoeConfig { shared_intermediate: Some(64), swiglu_limit: Some(2.0), ..MoeConfig::new(240, 136, 96, 24, 4) }
 }
 
-fn split_weights(weights: &ExpertWeights, p: usize) -> Vec<ExpertWeights> {
-    (0..p)
-        .map(|r| ExpertWeights {
-            w_gate: share(&weights.w_gate, p, r, 1),
-            w_up: share(&weights.w_up, p, r, 1),
-            w_down: share(&weights.w_down, p, r, 1),
-        })
-        .collect()
-}
-
 fn run_ep(gpu: &Gpu, case: &common::Case, p: usize, options: ExchangeOptions) -> LayerBits {
     let config = rank_config(&case.config, p);
-    let (h, k) = (config.hidden, config.top_k);
     let mut layer = EpLayer::new_virtual(gpu, config.clone(), options).unwrap();
     layer.poison().unwrap();
     let experts: Vec<DeviceExperts> =
         split_weights(&case.experts, p).iter().map(|w| DeviceExperts::upload(gpu, &config, w).unwrap()).collect();
     let shared = case.shared.as_ref().map(|s| DeviceSharedExpert::upload(gpu, &config, s).unwrap());
-    for rank in 0..p {
-        let tokens = RoutedTokens {
-            x: share(&case.tokens.x, p, rank, h),
-            topk_ids: share(&case.tokens.topk_ids, p, rank, k),
-            topk_weights: share(&case.tokens.topk_weights, p, rank, k),
-        };
-        layer.upload_tokens(gpu, rank, &tokens).unwrap();
-        layer.upload_dy(gpu, rank, &share(&case.dy, p, rank, h)).unwrap();
-    }
+    upload_rank_inputs(gpu, &layer, case);
     layer.forward(gpu, &experts, shared.as_ref()).unwrap();
     layer.backward(gpu, &experts, shared.as_ref()).unwrap();
     layer.check_errors(gpu).unwrap();

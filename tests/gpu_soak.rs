@@ -32,7 +32,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{Case, random_bf16, weight_scale};
+use common::{Case, random_bf16, rank_config, split_weights, upload_rank_inputs, weight_scale};
 use half::bf16;
 use mok::driver::{DeviceBuffer, Gpu, live_device_buffers};
 use mok::ep::EpLayer;
@@ -254,45 +254,17 @@ fn run_unfused(
     }
 }
 
-/// Rank `rank`'s share of global per-token data of `width` elements per token.
-fn share<T: Copy>(data: &[T], p: usize, rank: usize, width: usize) -> Vec<T> {
-    let per = data.len() / p;
-    debug_assert_eq!(per % width, 0);
-    data[rank * per..(rank + 1) * per].to_vec()
-}
-
-/// Rank r's local experts' weights, for every rank.
+/// Rank r's local experts' weights on the device, for every rank.
 fn split_experts(gpu: &Gpu, config: &MoeConfig, weights: &ExpertWeights) -> Vec<DeviceExperts> {
-    let p = config.ep_ranks;
-    (0..p)
-        .map(|r| {
-            let part = ExpertWeights {
-                w_gate: share(&weights.w_gate, p, r, 1),
-                w_up: share(&weights.w_up, p, r, 1),
-                w_down: share(&weights.w_down, p, r, 1),
-            };
-            DeviceExperts::upload(gpu, config, &part).unwrap()
-        })
+    split_weights(weights, config.ep_ranks)
+        .iter()
+        .map(|part| DeviceExperts::upload(gpu, config, part).unwrap())
         .collect()
 }
 
-fn rank_config(global: &MoeConfig, p: usize) -> MoeConfig {
-    MoeConfig { tokens_per_rank: global.tokens_per_rank / p, ep_ranks: p, ..global.clone() }
-}
-
 fn upload_ranks(gpu: &Gpu, layer: &mut EpLayer, case: &Case) {
-    let config = layer.config().clone();
-    let (p, h, k) = (config.ep_ranks, config.hidden, config.top_k);
     layer.poison().unwrap();
-    for rank in 0..p {
-        let tokens = RoutedTokens {
-            x: share(&case.tokens.x, p, rank, h),
-            topk_ids: share(&case.tokens.topk_ids, p, rank, k),
-            topk_weights: share(&case.tokens.topk_weights, p, rank, k),
-        };
-        layer.upload_tokens(gpu, rank, &tokens).unwrap();
-        layer.upload_dy(gpu, rank, &share(&case.dy, p, rank, h)).unwrap();
-    }
+    upload_rank_inputs(gpu, layer, case);
 }
 
 /// One forward + backward of the expert-parallel layer; results concatenated in rank order.

@@ -3,6 +3,8 @@
 
 use half::bf16;
 use mok::MoeConfig;
+use mok::driver::Gpu;
+use mok::ep::EpLayer;
 use mok::kernels::num::random_uniform;
 use mok::problem::{ExpertWeights, RoutedTokens, SharedExpertWeights};
 
@@ -137,4 +139,42 @@ pub fn fingerprint<T: bytemuck::Pod>(values: &[T]) -> u64 {
 pub fn check(what: &str, error: f64, tolerance: f64) {
     println!("  {what:<34} rel err {error:.3e}  (tolerance {tolerance:.0e})");
     assert!(error < tolerance, "{what}: relative error {error:e} is not below {tolerance:e}");
+}
+
+/// The per-rank config of a global problem split over `p` virtual ranks (T / p tokens each).
+pub fn rank_config(global: &MoeConfig, p: usize) -> MoeConfig {
+    MoeConfig { tokens_per_rank: global.tokens_per_rank / p, ep_ranks: p, ..global.clone() }
+}
+
+/// Rank `rank`'s share of global per-token data of `width` elements per token.
+pub fn share<T: Copy>(data: &[T], p: usize, rank: usize, width: usize) -> Vec<T> {
+    let per = data.len() / p;
+    assert_eq!(per % width, 0);
+    data[rank * per..(rank + 1) * per].to_vec()
+}
+
+/// Each rank's local experts of the global `weights` (rank r holds experts r·E/P ..).
+pub fn split_weights(weights: &ExpertWeights, p: usize) -> Vec<ExpertWeights> {
+    (0..p)
+        .map(|r| ExpertWeights {
+            w_gate: share(&weights.w_gate, p, r, 1),
+            w_up: share(&weights.w_up, p, r, 1),
+            w_down: share(&weights.w_down, p, r, 1),
+        })
+        .collect()
+}
+
+/// Uploads each rank's share of `case`'s tokens and output gradient into `layer`.
+pub fn upload_rank_inputs(gpu: &Gpu, layer: &EpLayer, case: &Case) {
+    let config = layer.config();
+    let (p, h, k) = (config.ep_ranks, config.hidden, config.top_k);
+    for rank in 0..p {
+        let tokens = RoutedTokens {
+            x: share(&case.tokens.x, p, rank, h),
+            topk_ids: share(&case.tokens.topk_ids, p, rank, k),
+            topk_weights: share(&case.tokens.topk_weights, p, rank, k),
+        };
+        layer.upload_tokens(gpu, rank, &tokens).unwrap();
+        layer.upload_dy(gpu, rank, &share(&case.dy, p, rank, h)).unwrap();
+    }
 }
