@@ -3,7 +3,7 @@
 //!
 //! Layers, from the bottom: [`driver`] (a small safe API over cudarc's raw driver bindings),
 //! [`config`] and [`problem`] (what a layer is, validated), [`unfused`] (the first GPU path:
-//! one simple kernel per step), [`reference`] (the CPU oracle); for expert parallelism,
+//! one simple kernel per step), [`reference`](mod@reference) (the CPU oracle); for expert parallelism,
 //! [`symmetric`] (the symmetric heap across ranks), [`exchange`] (the device-side schedule and
 //! row movers) and [`ep`] (the layer over P ranks).
 #![deny(unsafe_op_in_unsafe_fn)]

@@ -3,8 +3,9 @@
 //!
 //! - [`Gpu`]: one device's primary context, a stream, and the loaded kernels;
 //! - [`DeviceBuffer`]: a typed allocation with upload, download and fill;
-//! - [`Gpu::launch`]: a checked launch (the launch result, and with `MOK_SYNC_LAUNCHES=1` also
-//!   each kernel's execution, with its name in the error);
+//! - `Gpu::launch` (crate-private and `unsafe`: it reads a positional argument list): a checked
+//!   launch (the launch result, and with `MOK_SYNC_LAUNCHES=1` also each kernel's execution,
+//!   with its name in the error);
 //! - [`GpuTimer`]: event-based timing;
 //! - raw-address copies and fills (`memory`), CUDA virtual memory and shareable handles
 //!   ([`vmm`]) for the symmetric heaps of the expert-parallel exchange.

@@ -12,7 +12,7 @@
 //! - [`SymmetricHeap::multi_process`]: one process per GPU; each exports its slice as a shareable
 //!   handle (a POSIX fd within a node, a fabric handle across the nodes of an NVLink domain such
 //!   as NVL72), the records are all-gathered (through NCCL with the `nccl` feature, see
-//!   [`bootstrap`]) and every process imports and maps its peers' slices.
+//!   `bootstrap`, behind the `nccl` feature) and every process imports and maps its peers' slices.
 //!
 //! NVLink multicast is never used. Backends other than virtual ranks have not yet run on
 //! hardware (the machines so far have one GPU); their pure parts — environment, handle table —
@@ -110,7 +110,7 @@ impl SymmetricHeap {
 
     /// (c) One process per GPU: allocates this rank's slice on `gpu` (device `ordinal`),
     /// exports it as `kind`, exchanges the records with `all_gather` (this rank's bytes in, every
-    /// rank's bytes in rank order out: [`bootstrap::NcclBootstrap::all_gather_bytes`] with the
+    /// rank's bytes in rank order out: `bootstrap::NcclBootstrap::all_gather_bytes` (feature `nccl`) with the
     /// `nccl` feature) and imports every peer's slice.
     pub fn multi_process(
         gpu: &Gpu,

@@ -1,0 +1,322 @@
+//! The expert computation over caller-placed rows: gate/up with SwiGLU, down, their backward and
+//! the weight gradients, for any set of row groups (routed experts, the shared expert, a ring).
+
+use half::bf16;
+use mok_kernels::tiles as kc;
+
+use crate::driver::{DeviceBuffer, Gpu, KernelArg, LaunchShape};
+use crate::error::{MokError, Result};
+
+use super::*;
+use KernelArg::{F32, Ptr, U32};
+
+/// Rows of one expert group set (routed experts, or the shared expert over all tokens).
+pub(super) struct ExpertRows {
+    /// `[R][H]` bf16 input rows (routed: gathered x; shared: x itself, not owned).
+    pub(super) gate: DeviceBuffer<f32>,
+    pub(super) up: DeviceBuffer<f32>,
+    pub(super) hidden: DeviceBuffer<bf16>,
+    /// `[R][H]` f32 output rows.
+    pub(super) out: DeviceBuffer<f32>,
+    pub(super) d_rows: DeviceBuffer<bf16>,
+    pub(super) d_hidden: DeviceBuffer<f32>,
+    pub(super) d_gate: DeviceBuffer<bf16>,
+    pub(super) d_up: DeviceBuffer<bf16>,
+    pub(super) d_in: DeviceBuffer<f32>,
+}
+
+impl ExpertRows {
+    fn alloc(gpu: &Gpu, rows: usize, hidden: usize, inter: usize, with_d_rows: bool) -> Result<Self> {
+        Ok(Self {
+            gate: DeviceBuffer::alloc(gpu, rows * inter)?,
+            up: DeviceBuffer::alloc(gpu, rows * inter)?,
+            hidden: DeviceBuffer::alloc(gpu, rows * inter)?,
+            out: DeviceBuffer::alloc(gpu, rows * hidden)?,
+            d_rows: DeviceBuffer::alloc(gpu, if with_d_rows { rows * hidden } else { 0 })?,
+            d_hidden: DeviceBuffer::alloc(gpu, rows * inter)?,
+            d_gate: DeviceBuffer::alloc(gpu, rows * inter)?,
+            d_up: DeviceBuffer::alloc(gpu, rows * inter)?,
+            d_in: DeviceBuffer::alloc(gpu, rows * hidden)?,
+        })
+    }
+
+    fn poison(&mut self) -> Result<()> {
+        self.gate.fill_bytes(0xff)?;
+        self.up.fill_bytes(0xff)?;
+        self.hidden.fill_bytes(0xff)?;
+        self.out.fill_bytes(0xff)?;
+        self.d_rows.fill_bytes(0xff)?;
+        self.d_hidden.fill_bytes(0xff)?;
+        self.d_gate.fill_bytes(0xff)?;
+        self.d_up.fill_bytes(0xff)?;
+        self.d_in.fill_bytes(0xff)
+    }
+}
+
+/// The expert computation of one set of groups — gate/up GEMM with SwiGLU, down GEMM, their
+/// backward and the weight gradients — over rows the caller provides and places: the unfused
+/// layer's routed experts (rows gathered in expert order) and shared expert (all tokens), and
+/// the expert-parallel exchange's receive ring (rows dispatched from every rank). Each output row
+/// depends only on its input row, and each weight gradient reduces over a group's rows in order
+/// from the group's first row, so the same rows in the same order give the same bits wherever
+/// the group starts.
+pub struct ExpertCompute {
+    pub(super) rows: ExpertRows,
+    hidden: usize,
+    inter: usize,
+    limit: f32,
+    capacity: usize,
+}
+
+/// Which rows the grouped GEMMs walk (device addresses; the offsets may be device-written).
+#[derive(Clone, Copy, Debug)]
+pub struct RowGroups {
+    /// `[G+1]` u32: first row of each group; the last entry is the row count.
+    pub row_offsets: u64,
+    /// `[G+1]` u32: first GEMM M tile of each group (`GEMM_TILE_M` rows per tile).
+    pub tile_offsets: u64,
+    /// Groups G.
+    pub groups: usize,
+    /// Upper bound on the row count (sizes the grids; at most the workspace's capacity).
+    pub rows_upper_bound: usize,
+    /// Address of the row count (a u32 on the device, usually `row_offsets + 4·G`).
+    pub row_count: u64,
+}
+
+impl RowGroups {
+    /// One group holding every token (the shared expert): `offsets` = `[0, T, 0, tiles]`.
+    pub fn all_tokens(offsets: &DeviceBuffer<u32>, tokens: usize) -> Self {
+        Self {
+            row_offsets: offsets.device_ptr(),
+            tile_offsets: offsets.device_ptr() + 8,
+            groups: 1,
+            rows_upper_bound: tokens,
+            row_count: offsets.device_ptr() + 4,
+        }
+    }
+
+    fn check(&self, capacity: usize) -> Result<()> {
+        if self.rows_upper_bound > capacity {
+            return Err(MokError::InvalidInput {
+                tensor: "expert rows",
+                problem: format!(
+                    "row groups may hold {} rows but the workspace was sized for {capacity}",
+                    self.rows_upper_bound
+                ),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Inputs of [`ExpertCompute::backward`].
+pub struct ExpertBackward<'a> {
+    /// `[R][H]` bf16: the forward's input rows.
+    pub input_rows: u64,
+    /// `[R][H]` bf16: gradient of the output rows (dy scaled by the slot weight).
+    pub d_out_rows: u64,
+    /// `(w_gate, w_up, w_down)` as in [`ExpertCompute::forward`].
+    pub weights: [&'a DeviceBuffer<bf16>; 3],
+    /// Device addresses of `(dw_gate [G, I, H], dw_up [G, I, H], dw_down [G, H, I])` bf16.
+    pub weight_grads: [u64; 3],
+}
+
+fn row_grid(rows_upper_bound: usize, groups: usize, n: usize) -> (u32, u32, u32) {
+    let m_tiles = mok_kernels::tiles::max_m_tiles(rows_upper_bound as u32, groups as u32);
+    (m_tiles, (n as u32).div_ceil(kc::GEMM_TILE_N), 1)
+}
+
+fn gemm_shape(grid: (u32, u32, u32)) -> LaunchShape {
+    LaunchShape { grid, threads: kc::GEMM_THREADS, smem_bytes: kc::GEMM_SMEM_BYTES }
+}
+
+impl ExpertCompute {
+    /// Workspace for up to `capacity` rows of width `hidden` through an intermediate of width
+    /// `inter`. `with_d_rows`: also a `[capacity][H]` bf16 buffer for the caller to gather the
+    /// output gradient into ([`Self::d_rows`]).
+    pub fn new(
+        gpu: &Gpu,
+        capacity: usize,
+        hidden: usize,
+        inter: usize,
+        swiglu_limit: Option<f32>,
+        with_d_rows: bool,
+    ) -> Result<Self> {
+        Ok(Self {
+            rows: ExpertRows::alloc(gpu, capacity, hidden, inter, with_d_rows)?,
+            hidden,
+            inter,
+            limit: swiglu_limit.unwrap_or(f32::INFINITY),
+            capacity,
+        })
+    }
+
+    /// `[R][H]` f32 output rows of the last forward.
+    pub fn out_rows(&self) -> &DeviceBuffer<f32> {
+        &self.rows.out
+    }
+
+    /// `[R][H]` f32 input-row gradients of the last backward.
+    pub fn d_in_rows(&self) -> &DeviceBuffer<f32> {
+        &self.rows.d_in
+    }
+
+    /// `[R][H]` bf16 output-gradient rows (allocated when built `with_d_rows`).
+    pub fn d_rows(&self) -> &DeviceBuffer<bf16> {
+        &self.rows.d_rows
+    }
+
+    /// Fills the workspace with NaN bytes.
+    pub fn poison(&mut self) -> Result<()> {
+        self.rows.poison()
+    }
+
+    /// Enqueues gate/up with SwiGLU, then down, over `groups` of `input_rows` (`[R][H]` bf16)
+    /// with `weights` = `(w_gate [G, I, H], w_up [G, I, H], w_down [G, H, I])`; the f32 output
+    /// rows land in [`Self::out_rows`], the saved pre-activations in this workspace.
+    pub fn forward(
+        &self,
+        gpu: &Gpu,
+        groups: &RowGroups,
+        input_rows: u64,
+        weights: [&DeviceBuffer<bf16>; 3],
+    ) -> Result<()> {
+        groups.check(self.capacity)?;
+        let (h, inter) = (self.hidden, self.inter);
+        let rows = &self.rows;
+        // SAFETY: the arguments are `mok_gemm_gate_up_swiglu`'s parameters, in order and type (its entry point in
+        // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
+        unsafe {
+            gpu.launch(
+                "mok_gemm_gate_up_swiglu",
+                gemm_shape(row_grid(groups.rows_upper_bound, groups.groups, inter)),
+                &[
+                    Ptr(input_rows),
+                    Ptr(groups.row_offsets),
+                    Ptr(groups.tile_offsets),
+                    U32(groups.groups as u32),
+                    Ptr(weights[0].device_ptr()),
+                    Ptr(weights[1].device_ptr()),
+                    U32(h as u32),
+                    U32(inter as u32),
+                    F32(self.limit),
+                    Ptr(rows.gate.device_ptr()),
+                    Ptr(rows.up.device_ptr()),
+                    Ptr(rows.hidden.device_ptr()),
+                ],
+            )
+        }?;
+        // SAFETY: the arguments are `mok_gemm_rows_nt`'s parameters, in order and type (its entry point in
+        // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
+        unsafe {
+            gpu.launch(
+                "mok_gemm_rows_nt",
+                gemm_shape(row_grid(groups.rows_upper_bound, groups.groups, h)),
+                &[
+                    Ptr(rows.hidden.device_ptr()),
+                    Ptr(groups.row_offsets),
+                    Ptr(groups.tile_offsets),
+                    U32(groups.groups as u32),
+                    Ptr(weights[2].device_ptr()),
+                    U32(h as u32),
+                    U32(inter as u32),
+                    Ptr(rows.out.device_ptr()),
+                ],
+            )
+        }
+    }
+
+    /// Enqueues the SwiGLU backward: `d_hidden` and the saved pre-activations → `d_gate`, `d_up`
+    /// (bf16), for the rows of `groups`.
+    pub(super) fn swiglu_backward(&self, gpu: &Gpu, groups: &RowGroups) -> Result<()> {
+        let rows = &self.rows;
+        let inter = self.inter;
+        // SAFETY: the arguments are `mok_swiglu_backward`'s parameters, in order and type (its entry point in
+        // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
+        unsafe {
+            gpu.launch(
+                "mok_swiglu_backward",
+                LaunchShape::linear(grid_stride_blocks(gpu, groups.rows_upper_bound * inter), ROW_KERNEL_THREADS),
+                &[
+                    Ptr(rows.gate.device_ptr()),
+                    Ptr(rows.up.device_ptr()),
+                    Ptr(rows.d_hidden.device_ptr()),
+                    Ptr(groups.row_count),
+                    U32(inter as u32),
+                    F32(self.limit),
+                    Ptr(rows.d_gate.device_ptr()),
+                    Ptr(rows.d_up.device_ptr()),
+                ],
+            )
+        }
+    }
+
+    /// Enqueues the backward of [`Self::forward`] (same groups and inputs, the forward's saved
+    /// rows): down dgrad, SwiGLU backward, gate/up dgrad into [`Self::d_in_rows`] (f32), then the
+    /// three weight gradients (bf16), each reducing over a group's rows in order from its first.
+    pub fn backward(&self, gpu: &Gpu, groups: &RowGroups, args: ExpertBackward<'_>) -> Result<()> {
+        groups.check(self.capacity)?;
+        let rows = &self.rows;
+        let (h, inter) = (self.hidden, self.inter);
+        let [w_gate, w_up, w_down] = args.weights;
+        // SAFETY: the arguments are `mok_gemm_rows_nn`'s parameters, in order and type (its entry point in
+        // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
+        unsafe {
+            gpu.launch(
+                "mok_gemm_rows_nn",
+                gemm_shape(row_grid(groups.rows_upper_bound, groups.groups, inter)),
+                &[
+                    Ptr(args.d_out_rows),
+                    Ptr(w_down.device_ptr()),
+                    U32(h as u32),
+                    Ptr(0),
+                    Ptr(0),
+                    U32(0),
+                    Ptr(groups.row_offsets),
+                    Ptr(groups.tile_offsets),
+                    U32(groups.groups as u32),
+                    U32(inter as u32),
+                    Ptr(rows.d_hidden.device_ptr()),
+                ],
+            )
+        }?;
+        self.swiglu_backward(gpu, groups)?;
+        // SAFETY: the arguments are `mok_gemm_rows_nn`'s parameters, in order and type (its entry point in
+        // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
+        unsafe {
+            gpu.launch(
+                "mok_gemm_rows_nn",
+                gemm_shape(row_grid(groups.rows_upper_bound, groups.groups, h)),
+                &[
+                    Ptr(rows.d_gate.device_ptr()),
+                    Ptr(w_gate.device_ptr()),
+                    U32(inter as u32),
+                    Ptr(rows.d_up.device_ptr()),
+                    Ptr(w_up.device_ptr()),
+                    U32(inter as u32),
+                    Ptr(groups.row_offsets),
+                    Ptr(groups.tile_offsets),
+                    U32(groups.groups as u32),
+                    U32(h as u32),
+                    Ptr(rows.d_in.device_ptr()),
+                ],
+            )
+        }?;
+        let wgrad = |a: u64, b: u64, m: usize, n: usize, out: u64| {
+            let tiles = (m as u32).div_ceil(kc::GEMM_TILE_M) * (n as u32).div_ceil(kc::GEMM_TILE_N);
+            // SAFETY: the arguments are `mok_gemm_wgrad`'s parameters, in order and type (its entry point in
+            // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
+            unsafe {
+                gpu.launch(
+                    "mok_gemm_wgrad",
+                    gemm_shape((tiles * groups.groups as u32, 1, 1)),
+                    &[Ptr(a), Ptr(b), Ptr(groups.row_offsets), U32(m as u32), U32(n as u32), Ptr(out), Ptr(0)],
+                )
+            }
+        };
+        let [dw_gate, dw_up, dw_down] = args.weight_grads;
+        wgrad(args.d_out_rows, rows.hidden.device_ptr(), h, inter, dw_down)?;
+        wgrad(rows.d_gate.device_ptr(), args.input_rows, inter, h, dw_gate)?;
+        wgrad(rows.d_up.device_ptr(), args.input_rows, inter, h, dw_up)
+    }
+}

@@ -1,0 +1,122 @@
+//! Inputs on the device: a rank's routed tokens, the routed experts' and the shared expert's
+//! weights, and random weights generated on the device.
+
+use half::bf16;
+
+use crate::config::MoeConfig;
+use crate::driver::{DeviceBuffer, Gpu, KernelArg, LaunchShape};
+use crate::error::Result;
+use crate::problem::{ExpertWeights, RoutedTokens, SharedExpertWeights};
+
+use super::*;
+use KernelArg::{F32, Ptr, U64};
+
+/// One rank's routed tokens on the device.
+pub struct DeviceTokens {
+    /// `[T, H]`.
+    pub x: DeviceBuffer<bf16>,
+    /// `[T, k]`.
+    pub topk_ids: DeviceBuffer<i32>,
+    /// `[T, k]`.
+    pub topk_weights: DeviceBuffer<f32>,
+}
+
+impl DeviceTokens {
+    /// Uploads host tokens after validating them (sizes, id range, duplicates).
+    pub fn upload(gpu: &Gpu, config: &MoeConfig, tokens: &RoutedTokens) -> Result<Self> {
+        tokens.validate(config)?;
+        Ok(Self {
+            x: DeviceBuffer::from_slice(gpu, &tokens.x)?,
+            topk_ids: DeviceBuffer::from_slice(gpu, &tokens.topk_ids)?,
+            topk_weights: DeviceBuffer::from_slice(gpu, &tokens.topk_weights)?,
+        })
+    }
+}
+
+/// Routed expert weights on the device (`nn.Linear` layout, like [`ExpertWeights`]).
+pub struct DeviceExperts {
+    /// `[E/P, I, H]`.
+    pub w_gate: DeviceBuffer<bf16>,
+    /// `[E/P, I, H]`.
+    pub w_up: DeviceBuffer<bf16>,
+    /// `[E/P, H, I]`.
+    pub w_down: DeviceBuffer<bf16>,
+}
+
+impl DeviceExperts {
+    /// Uploads host weights after checking their sizes.
+    pub fn upload(gpu: &Gpu, config: &MoeConfig, weights: &ExpertWeights) -> Result<Self> {
+        weights.validate(config)?;
+        Ok(Self {
+            w_gate: DeviceBuffer::from_slice(gpu, &weights.w_gate)?,
+            w_up: DeviceBuffer::from_slice(gpu, &weights.w_up)?,
+            w_down: DeviceBuffer::from_slice(gpu, &weights.w_down)?,
+        })
+    }
+
+    /// Random weights generated on the device, uniform in ±`scale` (the kernel `mok_fill_random_bf16`).
+    pub fn random(gpu: &Gpu, config: &MoeConfig, seed: u64, scale: f32) -> Result<Self> {
+        let n = config.local_experts() * config.intermediate * config.hidden;
+        Ok(Self {
+            w_gate: random_bf16(gpu, n, seed, scale)?,
+            w_up: random_bf16(gpu, n, seed ^ 1, scale)?,
+            w_down: random_bf16(gpu, n, seed ^ 2, scale)?,
+        })
+    }
+
+    /// Copies the weights back to the host (for the CPU reference).
+    pub fn download(&self) -> Result<ExpertWeights> {
+        Ok(ExpertWeights {
+            w_gate: self.w_gate.download()?,
+            w_up: self.w_up.download()?,
+            w_down: self.w_down.download()?,
+        })
+    }
+}
+
+/// Shared-expert weights on the device.
+pub struct DeviceSharedExpert {
+    /// `[Is, H]`.
+    pub ws_gate: DeviceBuffer<bf16>,
+    /// `[Is, H]`.
+    pub ws_up: DeviceBuffer<bf16>,
+    /// `[H, Is]`.
+    pub ws_down: DeviceBuffer<bf16>,
+}
+
+impl DeviceSharedExpert {
+    /// Uploads host weights after checking their sizes.
+    pub fn upload(gpu: &Gpu, config: &MoeConfig, weights: &SharedExpertWeights) -> Result<Self> {
+        weights.validate(config)?;
+        Ok(Self {
+            ws_gate: DeviceBuffer::from_slice(gpu, &weights.ws_gate)?,
+            ws_up: DeviceBuffer::from_slice(gpu, &weights.ws_up)?,
+            ws_down: DeviceBuffer::from_slice(gpu, &weights.ws_down)?,
+        })
+    }
+
+    /// Copies the weights back to the host.
+    pub fn download(&self) -> Result<SharedExpertWeights> {
+        Ok(SharedExpertWeights {
+            ws_gate: self.ws_gate.download()?,
+            ws_up: self.ws_up.download()?,
+            ws_down: self.ws_down.download()?,
+        })
+    }
+}
+
+/// `count` bf16 uniform in ±`scale`, generated on the device from `seed`.
+pub fn random_bf16(gpu: &Gpu, count: usize, seed: u64, scale: f32) -> Result<DeviceBuffer<bf16>> {
+    let buffer = DeviceBuffer::alloc(gpu, count)?;
+    let blocks = grid_stride_blocks(gpu, count);
+    // SAFETY: the arguments are `mok_fill_random_bf16`'s parameters, in order and type (its entry point in
+    // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
+    unsafe {
+        gpu.launch(
+            "mok_fill_random_bf16",
+            LaunchShape::linear(blocks, ROW_KERNEL_THREADS),
+            &[Ptr(buffer.device_ptr()), U64(count as u64), U64(seed), F32(scale)],
+        )
+    }?;
+    Ok(buffer)
+}
