@@ -6,16 +6,22 @@
 //! for sm_90a (Hopper) and sm_100a (Blackwell) and re-exports the host API.
 //!
 //! ```no_run
-//! use mok::{MoeConfig, open_gpu, unfused::{DeviceExperts, UnfusedLayer}};
+//! use mok::{MoeConfig, open_gpu, problem::ExpertWeights, unfused::{DeviceExperts, UnfusedLayer}};
 //! # fn main() -> mok::Result<()> {
 //! let gpu = open_gpu(0)?;
 //! let config = MoeConfig::new(4096, 7168, 2048, 384, 8);
-//! let experts = DeviceExperts::random(&gpu, &config, 1, 0.02)?;
+//! config.validate()?;
+//! // The routed experts' weights, `nn.Linear` layout (here zeros; a checkpoint's in practice).
+//! let n = config.local_experts() * config.intermediate * config.hidden;
+//! let zeros = vec![half::bf16::ZERO; n];
+//! let weights = ExpertWeights { w_gate: zeros.clone(), w_up: zeros.clone(), w_down: zeros };
+//! let experts = DeviceExperts::upload(&gpu, &config, &weights)?;
 //! let mut layer = UnfusedLayer::new(&gpu, config)?;
+//! # let _ = (&experts, &mut layer);
 //! # Ok(()) }
 //! ```
 
-#[cfg(feature = "gpu-tests")]
+#[cfg(feature = "testing")]
 pub use mok_host::testing;
 pub use mok_host::{
     MoeConfig, MokError, Result, config, driver, ep, error, exchange, gemm, layout, problem, random, reference, shapes,
@@ -34,10 +40,12 @@ pub const PTX_SM100A: &str = include_str!(concat!(env!("OUT_DIR"), "/mok_sm100a.
 /// Fails with [`MokError::NoDriver`] on a machine without a CUDA driver and with
 /// [`MokError::UnsupportedGpu`] on a GPU that is neither Hopper nor Blackwell.
 ///
-/// If the environment variable `MOK_PTX` names a file, that PTX is loaded instead of the built-in
-/// one (a note goes to stderr): it lets one device call time several builds of the kernels side
-/// by side. The file must target the GPU's architecture, or the driver's JIT refuses it.
+/// With the feature `testing`, if the environment variable `MOK_PTX` names a file, that PTX is
+/// loaded instead of the built-in one (a note goes to stderr): it lets one device call time
+/// several builds of the kernels side by side. The file must target the GPU's architecture, or
+/// the driver's JIT refuses it.
 pub fn open_gpu(ordinal: usize) -> Result<driver::Gpu> {
+    #[cfg(feature = "testing")]
     if let Some(path) = std::env::var_os("MOK_PTX") {
         let text = std::fs::read_to_string(&path).map_err(|e| MokError::InvalidInput {
             tensor: "MOK_PTX",
@@ -49,7 +57,7 @@ pub fn open_gpu(ordinal: usize) -> Result<driver::Gpu> {
     driver::Gpu::new(ordinal, &[(9, PTX_SM90A), (10, PTX_SM100A)], unfused::KERNEL_NAMES)
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "testing"))]
 mod tests {
     use super::*;
 

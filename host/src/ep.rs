@@ -138,7 +138,8 @@ impl EpLayer {
         })
     }
 
-    /// Fills every output and workspace with NaN bytes.
+    /// Fills every output and workspace with NaN bytes (feature `testing`).
+    #[cfg(feature = "testing")]
     pub fn poison(&mut self) -> Result<()> {
         for rank in &mut self.ranks {
             rank.routed.poison()?;

@@ -127,12 +127,15 @@ fn test(root: &Path) -> Result<()> {
     let probe = probe.to_string_lossy().into_owned();
     let probe_target = root.join("target").join("downstream-probe");
     let probe_target = probe_target.to_string_lossy().into_owned();
-    let cargo_steps: [&[&str]; 4] = [
+    let cargo_steps: [&[&str]; 5] = [
         &["fmt", "--all", "--check"],
         // The GPU tests too: they compile without a GPU (the bundle builds them).
         &["clippy", "--workspace", "--all-targets", "--features", "gpu-tests", "--", "-D", "warnings"],
-        // With the shipped PTX (no kernel toolchain), as a downstream build does; doctests too.
-        &["test", "--workspace"],
+        // Without any feature, as a downstream build compiles it (test hooks off).
+        &["check", "--workspace", "--all-targets"],
+        // With the shipped PTX (no kernel toolchain), as a downstream build does; doctests too;
+        // the test hooks on, so the tests of `MOK_PTX` and the probes' argument checks build.
+        &["test", "--workspace", "--features", "mok/testing"],
         // A crate that depends on mok beside cudarc configured as candle-core does.
         &["build", "--manifest-path", &probe, "--target-dir", &probe_target],
     ];
@@ -166,7 +169,7 @@ fn test(root: &Path) -> Result<()> {
 
 fn demo(root: &Path, args: &[OsString]) -> ExitCode {
     let mut command = cargo(root);
-    command.args(["run", "--release", "-p", "mok", "--bin", "mok-demo", "--"]).args(args);
+    command.args(["run", "--release", "-p", "mok", "--features", "testing", "--bin", "mok-demo", "--"]).args(args);
     match command.status() {
         Ok(status) if status.success() => ExitCode::SUCCESS,
         Ok(status) => {

@@ -200,7 +200,9 @@ impl Exchange {
         self.options.bulk_copies = bulk;
     }
 
-    /// Test hook: make `rank` silent in the given way from now on (`None`: everyone talks).
+    /// Test hook: make `rank` silent in the given way from now on (`None`: everyone talks;
+    /// feature `testing`).
+    #[cfg(feature = "testing")]
     pub fn set_silent_rank(&mut self, silent: Option<(usize, Silence)>) {
         self.silent = silent;
     }

@@ -40,6 +40,7 @@ impl ExpertRows {
         })
     }
 
+    #[cfg(feature = "testing")]
     fn poison(&mut self) -> Result<()> {
         self.gate.fill_bytes(0xff)?;
         self.up.fill_bytes(0xff)?;
@@ -166,7 +167,8 @@ impl ExpertCompute {
         &self.rows.d_rows
     }
 
-    /// Fills the workspace with NaN bytes.
+    /// Fills the workspace with NaN bytes (feature `testing`).
+    #[cfg(feature = "testing")]
     pub fn poison(&mut self) -> Result<()> {
         self.rows.poison()
     }

@@ -236,7 +236,8 @@ impl UnfusedLayer {
     }
 
     /// Fills every output and intermediate with NaN bytes, so a test sees any element a kernel
-    /// failed to write.
+    /// failed to write (feature `testing`).
+    #[cfg(feature = "testing")]
     pub fn poison(&mut self) -> Result<()> {
         self.gathered_x.fill_bytes(0xff)?;
         self.routed.poison()?;

@@ -22,4 +22,6 @@ pub use expert_compute::{ExpertBackward, ExpertCompute, RowGroups};
 pub use kernels::KERNEL_NAMES;
 pub(crate) use kernels::{ROW_KERNEL_THREADS, grid_stride_blocks};
 pub use layer::{DeviceGrads, RoutedBackward, RoutingBuffers, UnfusedLayer};
-pub use tensors::{DeviceExperts, DeviceSharedExpert, DeviceTokens, random_bf16};
+#[cfg(feature = "testing")]
+pub use tensors::random_bf16;
+pub use tensors::{DeviceExperts, DeviceSharedExpert, DeviceTokens};

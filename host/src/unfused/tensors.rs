@@ -4,12 +4,9 @@
 use half::bf16;
 
 use crate::config::MoeConfig;
-use crate::driver::{DeviceBuffer, Gpu, KernelArg, LaunchShape};
+use crate::driver::{DeviceBuffer, Gpu};
 use crate::error::Result;
 use crate::problem::{ExpertWeights, RoutedTokens, SharedExpertWeights};
-
-use super::*;
-use KernelArg::{F32, Ptr, U64};
 
 /// One rank's routed tokens on the device.
 pub struct DeviceTokens {
@@ -54,7 +51,9 @@ impl DeviceExperts {
         })
     }
 
-    /// Random weights generated on the device, uniform in ±`scale` (the kernel `mok_fill_random_bf16`).
+    /// Random weights generated on the device, uniform in ±`scale` (the kernel
+    /// `mok_fill_random_bf16`; feature `testing`).
+    #[cfg(feature = "testing")]
     pub fn random(gpu: &Gpu, config: &MoeConfig, seed: u64, scale: f32) -> Result<Self> {
         let n = config.local_experts() * config.intermediate * config.hidden;
         Ok(Self {
@@ -105,8 +104,13 @@ impl DeviceSharedExpert {
     }
 }
 
-/// `count` bf16 uniform in ±`scale`, generated on the device from `seed`.
+/// `count` bf16 uniform in ±`scale`, generated on the device from `seed` (feature `testing`).
+#[cfg(feature = "testing")]
 pub fn random_bf16(gpu: &Gpu, count: usize, seed: u64, scale: f32) -> Result<DeviceBuffer<bf16>> {
+    use super::kernels::{ROW_KERNEL_THREADS, grid_stride_blocks};
+    use crate::driver::{KernelArg, LaunchShape};
+    use KernelArg::{F32, Ptr, U64};
+
     let buffer = DeviceBuffer::alloc(gpu, count)?;
     let blocks = grid_stride_blocks(gpu, count);
     // SAFETY: the arguments are `mok_fill_random_bf16`'s parameters, in order and type (its entry point in
