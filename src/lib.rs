@@ -2,8 +2,9 @@
 //!
 //! A deterministic mixture-of-experts layer for training, written entirely in Rust: kernels
 //! compiled to PTX by rustc's NVPTX backend (crate `mok-kernels`), driven by a host crate over
-//! the CUDA driver API (crate `mok-host`). This facade embeds the PTX that `build.rs` produced
-//! for sm_90a (Hopper) and sm_100a (Blackwell) and re-exports the host API.
+//! the CUDA driver API (crate `mok-host`). This facade embeds the PTX for sm_90a (Hopper) and
+//! sm_100a (Blackwell) — shipped in `src/ptx/`, so a build needs stable Rust alone — and
+//! re-exports the host API.
 //!
 //! ```no_run
 //! use mok::{MoeConfig, open_gpu, problem::ExpertWeights, unfused::{DeviceExperts, UnfusedLayer}};
@@ -20,19 +21,22 @@
 //! # let _ = (&experts, &mut layer);
 //! # Ok(()) }
 //! ```
+#![warn(missing_docs)]
 
 #[cfg(feature = "testing")]
 pub use mok_host::testing;
+
 pub use mok_host::{
     MoeConfig, MokError, Result, config, driver, ep, error, exchange, gemm, layout, problem, random, reference, shapes,
     symmetric, tensor_map, unfused,
 };
 pub use mok_kernels as kernels;
 
-/// PTX of every kernel for Hopper (sm_90a), built by `build.rs`.
+/// PTX of every kernel for Hopper (sm_90a): the file shipped in `src/ptx/`, or a fresh build of
+/// `kernels/` with `MOK_BUILD_KERNELS=1` (`build.rs`).
 pub const PTX_SM90A: &str = include_str!(concat!(env!("OUT_DIR"), "/mok_sm90a.ptx"));
-/// PTX of every kernel for Blackwell (sm_100a), built by `build.rs`. Assembled by ptxas in CI;
-/// not yet run on Blackwell hardware.
+/// PTX of every kernel for Blackwell (sm_100a), from the same place as [`PTX_SM90A`]. Assembled
+/// by ptxas in CI; not yet run on Blackwell hardware.
 pub const PTX_SM100A: &str = include_str!(concat!(env!("OUT_DIR"), "/mok_sm100a.ptx"));
 
 /// Opens GPU `ordinal` with mok's kernels loaded (the PTX matching its architecture).

@@ -7,6 +7,7 @@
 //! [`symmetric`] (the symmetric heap across ranks), [`exchange`] (the device-side schedule and
 //! row movers) and [`ep`] (the layer over P ranks).
 #![deny(unsafe_op_in_unsafe_fn)]
+#![warn(missing_docs)]
 
 pub mod config;
 pub mod driver;

@@ -254,6 +254,7 @@ pub const fn banded_row_tile(local: u32, m_tiles: u32, n_tiles: u32, band_m: u32
 /// One block's share of a row-grouped list entry (see [`pair_tile`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PairTile {
+    /// The group (expert) the tile belongs to.
     pub group: u32,
     /// First row of the block's M tile (global row index).
     pub m0: u32,

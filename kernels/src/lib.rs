@@ -9,6 +9,7 @@
 #![cfg_attr(not(test), no_std)]
 #![cfg_attr(target_arch = "nvptx64", feature(abi_ptx, asm_experimental_arch))]
 #![deny(unsafe_op_in_unsafe_fn)]
+#![warn(missing_docs)]
 
 pub mod comm;
 pub mod gemm_layout;

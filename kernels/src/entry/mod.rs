@@ -1,3 +1,6 @@
+//! The `extern "ptx-kernel"` entry points, one file per family: each is a thin wrapper that states
+//! its launch contract (block size, shared memory, parameters) and calls the device code.
+
 pub mod exchange;
 pub mod fill;
 pub mod gemm;
