@@ -551,8 +551,46 @@ fn weight_map_k_major(
     )
 }
 
+/// The error a hooked engine launch recorded in its `TileCounters::error` words
+/// (`[code, M tile, epoch expected, value seen]`), or `None` when the launch saw none.
+/// `rank`: the rank whose pass it was, when there are several.
+pub fn tile_counters_error(words: [u32; 4], rank: Option<usize>) -> Option<MokError> {
+    use mok_kernels::gemm_layout::TileCounters;
+    let [code, tile, expected, seen] = words;
+    match code {
+        0 => None,
+        TileCounters::ERROR_ROWS_TIMEOUT => Some(MokError::Timeout {
+            rank,
+            peer: None,
+            waited_for: "the rows of an engine M tile to land (TileCounters::rows_landed)".into(),
+            detail: format!("M tile {tile}: expected epoch {expected}, the flag held {seen}"),
+        }),
+        other => Some(MokError::Device {
+            kernel: "mok_sm90_gemm_*_counted",
+            message: format!("unknown engine error record {other} (M tile {tile}, {expected}, {seen})"),
+        }),
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn tile_counter_records_decode_to_errors_naming_the_tile() {
+        use mok_kernels::gemm_layout::TileCounters;
+        assert!(super::tile_counters_error([0, 5, 3, 2], None).is_none());
+        let error = super::tile_counters_error([TileCounters::ERROR_ROWS_TIMEOUT, 17, 4, 3], Some(2)).unwrap();
+        match &error {
+            MokError::Timeout { rank: Some(2), peer: None, detail, .. } => {
+                assert!(
+                    detail.contains("M tile 17") && detail.contains("epoch 4") && detail.contains("held 3"),
+                    "{detail}"
+                )
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(super::tile_counters_error([9, 0, 0, 0], None), Some(MokError::Device { .. })));
+    }
+
     use super::*;
 
     #[test]
