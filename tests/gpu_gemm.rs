@@ -444,3 +444,127 @@ fn engine_matches_unfused_at_frontier_dimensions() {
     let s = setup(&gpu, MoeConfig::new(t_kimi, 7168, 2048, e_kimi, 8), 54, PLAIN_ROUTING);
     check_engine_against_unfused(&gpu, &s);
 }
+
+/// The parts of M tile `t`'s output that a hooked launch counts: per group, each of its M tiles
+/// (`tile_offsets[g] + j`) gets `n_tiles × ⌈rows in the tile / 64⌉` (one per N tile and consumer
+/// warpgroup with rows).
+fn expected_stored_parts(row_offsets: &[u32], tile_offsets: &[u32], n_tiles: u32, m_tiles: usize) -> Vec<u32> {
+    let mut parts = vec![0u32; m_tiles];
+    for g in 0..row_offsets.len() - 1 {
+        let rows = row_offsets[g + 1] - row_offsets[g];
+        for j in 0..rows.div_ceil(128) {
+            let in_tile = (rows - 128 * j).min(128);
+            parts[(tile_offsets[g] + j) as usize] = n_tiles * in_tile.div_ceil(64);
+        }
+    }
+    parts
+}
+
+#[test]
+fn hooked_engine_kernels_equal_the_standalone_ones_and_count_every_tile() {
+    // The persistent forward's hand-over (`TileHooks::Counters`) on gate/up and the down
+    // projection: with every tile's rows landed the outputs are the standalone kernels' bits and
+    // each M tile's stored parts are counted exactly; with one tile's rows never landing, the
+    // launch ends within its deadline and reports that tile, and the next launch is correct.
+    use mok::gemm::TileReadiness;
+    use std::time::{Duration, Instant};
+    let gpu = gpu();
+    let config = MoeConfig { swiglu_limit: Some(1.5), ..MoeConfig::new(300, 256, 192, 8, 4) };
+    let s = setup(&gpu, config, 61, Routing { drop_probability: 0.1, empty_experts: &[2] });
+    let c = &s.config;
+    let (h, i, e, cap) = (c.hidden, c.intermediate, c.num_experts, c.slots_per_rank());
+    let layer = &s.layer;
+    let groups =
+        RowGroups { row_offsets: &layer.routing.row_offsets, tile_offsets: &s.tiles, groups: e, capacity: cap };
+    let row_offsets = layer.routing.row_offsets.download().unwrap();
+    let tile_offsets = s.tiles.download().unwrap();
+    let m_tiles = tile_offsets[e] as usize;
+    let hidden_rows = layer.routed_intermediates().2;
+
+    let standalone = poisoned::<bf16>(&gpu, cap * i);
+    let hooked = poisoned::<bf16>(&gpu, cap * i);
+    let plan_of = |out: &DeviceBuffer<bf16>| {
+        EnginePlan::gate_up(
+            &gpu,
+            &layer.gathered_x,
+            &groups,
+            &s.experts.w_gate,
+            &s.experts.w_up,
+            (h, i),
+            c.swiglu_limit,
+            out,
+            None,
+        )
+        .unwrap()
+    };
+    let (plan, hooked_plan) = (plan_of(&standalone), plan_of(&hooked));
+    plan.launch(&gpu).unwrap();
+    let mut readiness = TileReadiness::new(&gpu, m_tiles, Duration::from_secs(2), 1).unwrap();
+    readiness.land_all().unwrap();
+    hooked_plan.launch_counted(&gpu, &readiness).unwrap();
+    readiness.check(&gpu).unwrap();
+    let valid = s.rows * i;
+    assert_eq!(
+        fingerprint(&hooked.download().unwrap()[..valid]),
+        fingerprint(&standalone.download().unwrap()[..valid]),
+        "hooked gate/up differs from the standalone kernel"
+    );
+    let n_gate_up = (i as u32).div_ceil(128);
+    let want = expected_stored_parts(&row_offsets, &tile_offsets, n_gate_up, m_tiles);
+    assert_eq!(readiness.tiles_stored.download().unwrap(), want, "gate/up stored parts per M tile");
+    println!("  gate/up hooked: bitwise the standalone kernel; {m_tiles} M tiles counted {want:?}");
+
+    // The down projection on the hidden rows, likewise.
+    let down_standalone = poisoned::<f32>(&gpu, cap * h);
+    let down_hooked = poisoned::<f32>(&gpu, cap * h);
+    let down_plan =
+        EnginePlan::rows_nt(&gpu, hidden_rows, &groups, &s.experts.w_down, (h, i), RowsOut::F32(&down_standalone))
+            .unwrap();
+    let down_hooked_plan =
+        EnginePlan::rows_nt(&gpu, hidden_rows, &groups, &s.experts.w_down, (h, i), RowsOut::F32(&down_hooked)).unwrap();
+    down_plan.launch(&gpu).unwrap();
+    let mut down_ready = TileReadiness::new(&gpu, m_tiles, Duration::from_secs(2), 3).unwrap();
+    down_ready.land_all().unwrap();
+    down_hooked_plan.launch_counted(&gpu, &down_ready).unwrap();
+    down_ready.check(&gpu).unwrap();
+    assert_eq!(
+        fingerprint(&down_hooked.download().unwrap()[..s.rows * h]),
+        fingerprint(&down_standalone.download().unwrap()[..s.rows * h]),
+        "hooked down projection differs from the standalone kernel"
+    );
+    let n_down = (h as u32).div_ceil(256);
+    assert_eq!(
+        down_ready.tiles_stored.download().unwrap(),
+        expected_stored_parts(&row_offsets, &tile_offsets, n_down, m_tiles),
+        "down stored parts per M tile"
+    );
+
+    // One M tile's rows never land: a bounded wait, the tile named, then a correct launch.
+    let silent_tile = m_tiles / 2;
+    let deadline = Duration::from_millis(50);
+    let mut faulty = TileReadiness::new(&gpu, m_tiles, deadline, 1).unwrap();
+    let mut landed = vec![1u32; m_tiles];
+    landed[silent_tile] = 0;
+    faulty.rows_landed.upload(&landed).unwrap();
+    let start = Instant::now();
+    hooked_plan.launch_counted(&gpu, &faulty).unwrap();
+    let error = faulty.check(&gpu).unwrap_err();
+    let took = start.elapsed();
+    println!("  a tile whose rows never land ({took:?}): {error}");
+    match &error {
+        mok::MokError::Timeout { detail, .. } => {
+            assert!(detail.contains(&format!("M tile {silent_tile}:")), "{detail}")
+        }
+        other => panic!("expected a timeout naming M tile {silent_tile}, got {other:?}"),
+    }
+    assert!(took < Duration::from_secs(2), "the failed launch took {took:?} for a {deadline:?} deadline");
+    let mut again = TileReadiness::new(&gpu, m_tiles, Duration::from_secs(2), 2).unwrap();
+    again.land_all().unwrap();
+    hooked_plan.launch_counted(&gpu, &again).unwrap();
+    again.check(&gpu).unwrap();
+    assert_eq!(
+        fingerprint(&hooked.download().unwrap()[..valid]),
+        fingerprint(&standalone.download().unwrap()[..valid]),
+        "the launch after a timeout"
+    );
+}

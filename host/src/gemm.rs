@@ -289,6 +289,40 @@ impl EnginePlan {
         unsafe { gpu.launch(self.kernel, shape, &[KernelArg::Ptr(self.params.device_ptr())]) }
     }
 
+    /// As [`Self::launch`], through the hooked kernel of the plan's variant (gate/up and the
+    /// `f32` down projection): each block's producer waits, bounded, until `readiness` says the
+    /// rows of a tile's M tile landed, and each consumer warpgroup counts its stored part of the
+    /// tile there. The persistent forward's hand-over, here launched on its own (the rows
+    /// already in place, or not, as a test sets them). A failed wait is read back with
+    /// [`TileReadiness::check`].
+    pub fn launch_counted(&self, gpu: &Gpu, readiness: &TileReadiness) -> Result<()> {
+        let kernel = match self.kernel {
+            "mok_sm90_gemm_gate_up" => "mok_sm90_gemm_gate_up_counted",
+            "mok_sm90_gemm_rows_nt" => "mok_sm90_gemm_rows_nt_counted",
+            other => {
+                return Err(MokError::InvalidInput {
+                    tensor: "plan",
+                    problem: format!("{other} has no hooked kernel (gate/up and the f32 down projection have)"),
+                });
+            }
+        };
+        gpu.set_max_dynamic_smem(kernel, ENGINE_SMEM_BYTES)?;
+        let maps_shape = LaunchShape {
+            grid: (self.groups.div_ceil(GROUP_MAP_WARPS).max(1), 1, 1),
+            threads: 32 * GROUP_MAP_WARPS,
+            smem_bytes: GROUP_MAP_SMEM_BYTES,
+        };
+        // SAFETY: as in `launch_with_blocks`.
+        unsafe { gpu.launch(GROUP_MAPS_KERNEL, maps_shape, &[KernelArg::Ptr(self.params.device_ptr())]) }?;
+        let shape =
+            LaunchShape { grid: (self.resident_blocks, 1, 1), threads: ENGINE_THREADS, smem_bytes: ENGINE_SMEM_BYTES };
+        let args = [KernelArg::Ptr(self.params.device_ptr()), KernelArg::Ptr(readiness.block.device_ptr())];
+        // SAFETY: the hooked kernel's parameters (the plan's block and a `TileCounters` block);
+        // `readiness` holds one entry per engine M tile the plan's groups can have (checked by
+        // `TileReadiness::new` against the same row bound) and outlives the launch on this stream.
+        unsafe { gpu.launch(kernel, shape, &args) }
+    }
+
     /// Forward gate/up with SwiGLU: `hidden = swiglu(rows·w_gate[g]ᵀ, rows·w_up[g]ᵀ)` per group,
     /// optionally keeping the f32 pre-activations. `rows` `[cap][h]`, weights `[G][i][h]`,
     /// outputs `[cap][i]`.
@@ -549,6 +583,67 @@ fn weight_map_k_major(
         &[2 * k as u64, 2 * (n * k) as u64],
         &[64, box_rows, 1],
     )
+}
+
+/// The readiness counters of a hooked engine launch ([`EnginePlan::launch_counted`]): per engine
+/// M tile (128 rows, numbered over all groups by the tile offsets) a `rows_landed` epoch flag and
+/// a `tiles_stored` count, the first-error words, and the `TileCounters` block the kernel reads.
+pub struct TileReadiness {
+    /// `[m_tiles]` u32.
+    pub rows_landed: DeviceBuffer<u32>,
+    /// `[m_tiles]` u32.
+    pub tiles_stored: DeviceBuffer<u32>,
+    error: DeviceBuffer<u32>,
+    block: DeviceBuffer<u8>,
+    epoch: u32,
+}
+
+impl TileReadiness {
+    /// Counters for up to `m_tiles` engine M tiles (at most `rows / 128 + groups` for `rows`
+    /// rows over `groups` groups), a wait deadline and the pass's `epoch` (≥ 1). Every flag and
+    /// count starts at 0: no tile has landed.
+    pub fn new(gpu: &Gpu, m_tiles: usize, timeout: std::time::Duration, epoch: u32) -> Result<Self> {
+        if epoch == 0 {
+            return Err(MokError::InvalidInput { tensor: "epoch", problem: "0: a fresh flag already holds it".into() });
+        }
+        let zeros = vec![0u32; m_tiles.max(1)];
+        let rows_landed = DeviceBuffer::from_slice(gpu, &zeros)?;
+        let tiles_stored = DeviceBuffer::from_slice(gpu, &zeros)?;
+        let error = DeviceBuffer::from_slice(gpu, &[0u32; 4])?;
+        let counters = mok_kernels::gemm_layout::TileCounters {
+            rows_landed: rows_landed.device_ptr(),
+            tiles_stored: tiles_stored.device_ptr(),
+            error: error.device_ptr(),
+            timeout_ns: timeout.as_nanos().min(u64::MAX as u128) as u64,
+            epoch,
+            reserved: 0,
+        };
+        // SAFETY: TileCounters is `repr(C)`, 40 bytes of integers without padding.
+        let bytes = unsafe {
+            std::slice::from_raw_parts(
+                (&counters as *const mok_kernels::gemm_layout::TileCounters).cast::<u8>(),
+                size_of::<mok_kernels::gemm_layout::TileCounters>(),
+            )
+        };
+        let block = DeviceBuffer::from_slice(gpu, bytes)?;
+        Ok(Self { rows_landed, tiles_stored, error, block, epoch })
+    }
+
+    /// Marks every M tile's rows as landed for this epoch (rows placed before the launch).
+    pub fn land_all(&mut self) -> Result<()> {
+        let landed = vec![self.epoch; self.rows_landed.len()];
+        self.rows_landed.upload(&landed)
+    }
+
+    /// Waits for the GPU and reports the launch's first failed wait, if any.
+    pub fn check(&self, gpu: &Gpu) -> Result<()> {
+        gpu.synchronize()?;
+        let words = self.error.download()?;
+        match tile_counters_error([words[0], words[1], words[2], words[3]], None) {
+            Some(error) => Err(error),
+            None => Ok(()),
+        }
+    }
 }
 
 /// The error a hooked engine launch recorded in its `TileCounters::error` words
