@@ -455,8 +455,7 @@ fn soak_thousand_passes_bitwise_against_the_oracle_with_faults() {
                     } else {
                         tally.silent_push += 1;
                     }
-                } else {
-                    inject_overflow(&gpu, &block, &weights, oracle_shared.as_ref(), deadline, &mut c);
+                } else if inject_overflow(&gpu, &block, &weights, oracle_shared.as_ref(), deadline, &mut c) {
                     tally.ring_overflow += 1;
                 }
                 // The next pass on the faulted layer: correct, bit for bit.
@@ -587,7 +586,8 @@ fn inject_silence(
 }
 
 /// A ring too small for an all-to-one routing: `MokError::Capacity` naming the owner and the rows
-/// the CPU count says it needs; then a fitting pass on the same layer must be correct.
+/// the CPU count says it needs; then a fitting pass on the same layer must be correct. False when
+/// the draw dropped every hot slot, so nothing could overflow (no fault ran).
 fn inject_overflow(
     gpu: &Gpu,
     block: &Block,
@@ -595,7 +595,7 @@ fn inject_overflow(
     shared: Option<&DeviceSharedExpert>,
     deadline: Duration,
     c: &mut Choices,
-) {
+) -> bool {
     let g = &block.global;
     let p = block.ranks;
     let hot = c.range(0, g.num_experts - 1);
@@ -605,7 +605,7 @@ fn inject_overflow(
     // One row short of what the hot owner needs.
     let capacity = loads[hot_owner].saturating_sub(1).max(1);
     if loads[hot_owner] <= capacity {
-        return; // every hot slot was dropped: nothing can overflow (counted, still a fresh layer)
+        return false;
     }
     let config = rank_config(g, p);
     let mut small = EpLayer::new_virtual(gpu, config.clone(), ep_options(block, deadline, Some(capacity))).unwrap();
@@ -644,4 +644,5 @@ fn inject_overflow(
     let got = run_ep(gpu, &mut small, &fitting, &experts, shared);
     let diff = differences(&got, &want, false);
     assert!(diff.is_empty(), "after a ring overflow, the fitting pass: {diff:?} differ");
+    true
 }

@@ -176,6 +176,9 @@ pub struct EnginePlan {
     resident_blocks: u32,
     params: DeviceBuffer<u8>,
     groups: u32,
+    /// Row-grouped plans: the most engine M tiles their groups can hold (row capacity / 128 +
+    /// groups), the size a [`TileReadiness`] must have for [`Self::launch_counted`].
+    max_m_tiles: usize,
     _maps: Vec<TensorMap>,
     _group_maps: DeviceBuffer<u64>,
     _tile_counter: DeviceBuffer<u32>,
@@ -228,6 +231,7 @@ impl EnginePlan {
             resident_blocks,
             params: DeviceBuffer::from_slice(gpu, params_bytes(&params))?,
             groups,
+            max_m_tiles: 0,
             _maps: maps,
             _group_maps: group_maps,
             _tile_counter: tile_counter,
@@ -306,6 +310,16 @@ impl EnginePlan {
                 });
             }
         };
+        if readiness.rows_landed.len() < self.max_m_tiles || readiness.tiles_stored.len() < self.max_m_tiles {
+            return Err(MokError::InvalidInput {
+                tensor: "readiness",
+                problem: format!(
+                    "counters for {} M tiles; the plan's groups can hold {} (rows / 128 + groups)",
+                    readiness.rows_landed.len().min(readiness.tiles_stored.len()),
+                    self.max_m_tiles
+                ),
+            });
+        }
         gpu.set_max_dynamic_smem(kernel, ENGINE_SMEM_BYTES)?;
         let maps_shape = LaunchShape {
             grid: (self.groups.div_ceil(GROUP_MAP_WARPS).max(1), 1, 1),
@@ -318,8 +332,8 @@ impl EnginePlan {
             LaunchShape { grid: (self.resident_blocks, 1, 1), threads: ENGINE_THREADS, smem_bytes: ENGINE_SMEM_BYTES };
         let args = [KernelArg::Ptr(self.params.device_ptr()), KernelArg::Ptr(readiness.block.device_ptr())];
         // SAFETY: the hooked kernel's parameters (the plan's block and a `TileCounters` block);
-        // `readiness` holds one entry per engine M tile the plan's groups can have (checked by
-        // `TileReadiness::new` against the same row bound) and outlives the launch on this stream.
+        // `readiness` holds an entry for every engine M tile the plan's groups can have (checked
+        // above) and its buffers are freed only after the stream's work (cuMemFree waits).
         unsafe { gpu.launch(kernel, shape, &args) }
     }
 
@@ -378,7 +392,13 @@ impl EnginePlan {
             ..GemmParams::default()
         };
         let cut = [Some((0, rows.device_ptr(), 2 * h)), None, Some((3, hidden_out.device_ptr(), 2 * i))];
-        Self::new(gpu, "mok_sm90_gemm_gate_up", Variant::GATE_UP, params, maps, cut)
+        Ok(Self::new(gpu, "mok_sm90_gemm_gate_up", Variant::GATE_UP, params, maps, cut)?.with_row_capacity(groups))
+    }
+
+    /// Records the most M tiles `groups` can hold (see `max_m_tiles`).
+    fn with_row_capacity(mut self, groups: &RowGroups<'_>) -> Self {
+        self.max_m_tiles = groups.capacity.div_ceil(TILE_M as usize) + groups.groups;
+        self
     }
 
     /// Row-grouped `out[r] = rows[r] · w[g]ᵀ` (f32 or bf16 rows): `rows` `[cap][k]`, `w`
@@ -433,7 +453,7 @@ impl EnginePlan {
             ..GemmParams::default()
         };
         let cut = [Some((0, rows.device_ptr(), 2 * k)), None, Some((2, out_ptr, out_bytes * n))];
-        Self::new(gpu, kernel, variant, params, maps, cut)
+        Ok(Self::new(gpu, kernel, variant, params, maps, cut)?.with_row_capacity(groups))
     }
 
     /// Row-grouped data gradient `out[r] = a1[r] · w1[g] (+ a2[r] · w2[g])` (f32), weights read
@@ -629,7 +649,15 @@ impl TileReadiness {
         Ok(Self { rows_landed, tiles_stored, error, block, epoch })
     }
 
-    /// Marks every M tile's rows as landed for this epoch (rows placed before the launch).
+    /// Clears the stored-part counts and the error words (the flags stay): before reusing the
+    /// counters for another launch.
+    pub fn reset(&mut self) -> Result<()> {
+        self.tiles_stored.upload(&vec![0; self.tiles_stored.len()])?;
+        self.error.upload(&[0; 4])
+    }
+
+    /// Marks every M tile's rows as landed for this epoch (rows placed before the launch); the
+    /// counts and errors are left as they are ([`Self::reset`] clears them).
     pub fn land_all(&mut self) -> Result<()> {
         let landed = vec![self.epoch; self.rows_landed.len()];
         self.rows_landed.upload(&landed)

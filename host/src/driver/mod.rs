@@ -38,14 +38,16 @@ pub fn probe() -> Result<(), MokError> {
     Ok(())
 }
 
-/// Whether the CUDA driver library can be opened under its plain name (`libcuda.so`,
-/// `nvcuda.dll`), the first name cudarc tries. cudarc's own check (`is_culib_present`) exists only
-/// when cudarc loads the library at run time; in a graph where another crate makes cudarc link it
-/// (candle: `dynamic-linking`) this one still compiles, and is then trivially true.
+/// Whether the CUDA driver library can be opened: `libcuda.so` or the driver package's
+/// `libcuda.so.1` (some installs have only the versioned name), `nvcuda.dll` on Windows. cudarc's
+/// own check (`is_culib_present`) exists only when cudarc loads the library at run time; in a
+/// graph where another crate makes cudarc link it (candle: `dynamic-linking`) this one still
+/// compiles, and is then trivially true.
 fn driver_library_present() -> bool {
     use std::env::consts::{DLL_PREFIX, DLL_SUFFIX};
-    ["cuda", "nvcuda"].iter().any(|name| {
-        let name = format!("{DLL_PREFIX}{name}{DLL_SUFFIX}");
+    let plain = ["cuda", "nvcuda"].map(|name| format!("{DLL_PREFIX}{name}{DLL_SUFFIX}"));
+    let versioned = format!("{DLL_PREFIX}cuda{DLL_SUFFIX}.1");
+    plain.into_iter().chain([versioned]).any(|name| {
         // SAFETY: opening the NVIDIA driver library runs only its initialisers, which have no
         // preconditions; no CUDA call is made and the handle is closed at once.
         unsafe { libloading::Library::new(name) }.is_ok()

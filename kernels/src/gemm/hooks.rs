@@ -83,6 +83,9 @@ impl TileHooks for Counters {
             let flag = (c.rows_landed as *const u32).add(tile as usize);
             let error = c.error as *mut u32;
             let waited = wait_until(flag, false, c.timeout_ns, error, |v| epoch_reached(v, c.epoch));
+            // The rows are read by the TMA copies that follow, through the async proxy: order the
+            // acquired generic-proxy writes before them.
+            fence_proxy_async_global();
             if let Err(seen) = waited {
                 // The first failed wait of the launch records itself; the tile then runs on
                 // whatever the rows hold (the pass is reported failed, and nothing waits forever).
