@@ -27,8 +27,8 @@
 pub use mok_host::testing;
 
 pub use mok_host::{
-    MoeConfig, MokError, Result, config, driver, ep, error, exchange, gemm, layout, problem, random, reference, shapes,
-    symmetric, tensor_map, unfused,
+    MoeConfig, MokError, Result, config, cudarc, driver, ep, error, exchange, gemm, layout, problem, random, reference,
+    shapes, symmetric, tensor_map, unfused,
 };
 pub use mok_kernels as kernels;
 
@@ -59,6 +59,13 @@ pub fn open_gpu(ordinal: usize) -> Result<driver::Gpu> {
         return driver::Gpu::new(ordinal, &[(9, &text), (10, &text)], unfused::KERNEL_NAMES);
     }
     driver::Gpu::new(ordinal, &[(9, PTX_SM90A), (10, PTX_SM100A)], unfused::KERNEL_NAMES)
+}
+
+/// As [`open_gpu`], with every kernel, copy and synchronisation on the caller's cudarc stream
+/// (which must belong to its device's primary context, as `cudarc::driver::CudaContext::new`
+/// makes it), so mok's work is ordered with the caller's. The GPU is the stream's device.
+pub fn open_gpu_on_stream(stream: std::sync::Arc<cudarc::driver::CudaStream>) -> Result<driver::Gpu> {
+    driver::Gpu::on_stream(stream, &[(9, PTX_SM90A), (10, PTX_SM100A)], unfused::KERNEL_NAMES)
 }
 
 #[cfg(all(test, feature = "testing"))]

@@ -419,3 +419,28 @@ fn bad_layer_inputs_are_rejected_before_launch() {
     bad.hidden = 60;
     assert!(matches!(UnfusedLayer::new(&gpu, bad), Err(MokError::InvalidConfig { field: "hidden", .. })));
 }
+
+#[test]
+fn a_layer_on_the_callers_cudarc_stream_gives_the_same_bits() {
+    // `open_gpu_on_stream`: every launch and copy on the caller's stream (a framework's), with
+    // the bits of mok's own stream; the caller's stream outlives mok and still works after.
+    let own = gpu();
+    let c = config(131, 72, 40, 8, 4, Some(24), Some(1.5));
+    let case = random_case(&c, 90, Routing { drop_probability: 0.15, empty_experts: &[3] });
+    let want = {
+        let device = upload(&own, &case);
+        let mut layer = UnfusedLayer::new(&own, c.clone()).unwrap();
+        run(&own, &mut layer, &device).fingerprints()
+    };
+    let context = mok::cudarc::driver::CudaContext::new(0).unwrap();
+    let stream = context.new_stream().unwrap();
+    {
+        let on_stream = mok::open_gpu_on_stream(stream.clone()).unwrap();
+        assert_eq!(on_stream.cu_stream(), stream.cu_stream(), "mok must enqueue on the caller's stream");
+        let device = upload(&on_stream, &case);
+        let mut layer = UnfusedLayer::new(&on_stream, c.clone()).unwrap();
+        assert_eq!(run(&on_stream, &mut layer, &device).fingerprints(), want, "on the caller's stream");
+    }
+    stream.synchronize().unwrap();
+    println!("  on the caller's cudarc stream: bitwise the run on mok's own stream");
+}

@@ -9,6 +9,9 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
+/// The cudarc mok is built on, so a caller names the same types (e.g. its `CudaStream`).
+pub use cudarc;
+
 pub mod config;
 pub mod driver;
 pub mod ep;

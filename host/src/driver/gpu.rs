@@ -25,6 +25,8 @@ pub(crate) struct GpuInner {
     device: sys::CUdevice,
     context: sys::CUcontext,
     pub(crate) stream: sys::CUstream,
+    /// Who owns `stream`: mok (created in `Gpu::new`, destroyed here) or the caller.
+    stream_owner: StreamOwner,
     name: String,
     compute_capability: (i32, i32),
     multiprocessors: u32,
@@ -44,14 +46,25 @@ impl GpuInner {
     }
 }
 
+/// Whose stream a [`Gpu`] enqueues on.
+enum StreamOwner {
+    /// A stream mok created for itself.
+    Mok,
+    /// The caller's cudarc stream, kept alive as long as the `Gpu`.
+    Cudarc(#[allow(dead_code)] Arc<cudarc::driver::CudaStream>),
+}
+
 impl Drop for GpuInner {
     fn drop(&mut self) {
-        // SAFETY: the stream and the primary-context reference were created in `Gpu::new` and
-        // nothing uses them after the last `Arc` is gone. Errors at teardown cannot be acted on.
+        // SAFETY: the primary-context reference was taken in `Gpu::open` and, when mok owns the
+        // stream, the stream was created there; nothing uses them after the last `Arc` is gone.
+        // A caller's stream is only drained, never destroyed. Errors at teardown cannot be acted on.
         unsafe {
             let _ = result::ctx::set_current(self.context);
             let _ = result::stream::synchronize(self.stream);
-            let _ = result::stream::destroy(self.stream);
+            if matches!(self.stream_owner, StreamOwner::Mok) {
+                let _ = result::stream::destroy(self.stream);
+            }
             let _ = result::primary_ctx::release(self.device);
         }
     }
@@ -114,6 +127,29 @@ impl Gpu {
     /// Opens GPU `ordinal`, picks the PTX for its architecture from `ptx_by_arch`
     /// (`(compute capability major, PTX text)`), loads it and resolves `kernel_names` (others are resolved on first launch).
     pub fn new(ordinal: usize, ptx_by_arch: &[(i32, &str)], kernel_names: &[&'static str]) -> Result<Self> {
+        Self::open(ordinal, ptx_by_arch, kernel_names, None)
+    }
+
+    /// As [`Gpu::new`] on the caller's cudarc stream instead of a stream of mok's own: every
+    /// kernel, copy and synchronisation of this `Gpu` is then ordered with the caller's work on
+    /// that stream. The stream must belong to its device's primary context (cudarc's
+    /// `CudaContext::new` makes that one); it is kept alive as long as the `Gpu` and never
+    /// destroyed by mok.
+    pub fn on_stream(
+        stream: Arc<cudarc::driver::CudaStream>,
+        ptx_by_arch: &[(i32, &str)],
+        kernel_names: &[&'static str],
+    ) -> Result<Self> {
+        let ordinal = stream.context().ordinal();
+        Self::open(ordinal, ptx_by_arch, kernel_names, Some(stream))
+    }
+
+    fn open(
+        ordinal: usize,
+        ptx_by_arch: &[(i32, &str)],
+        kernel_names: &[&'static str],
+        caller_stream: Option<Arc<cudarc::driver::CudaStream>>,
+    ) -> Result<Self> {
         super::probe()?;
         let device = result::device::get(ordinal as i32).map_err(|e| cuda_error("cuDeviceGet", e))?;
         // SAFETY: `device` is valid; the primary context is released in `GpuInner::drop`.
@@ -131,12 +167,33 @@ impl Gpu {
         let multiprocessors =
             attribute(Attr::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, "cuDeviceGetAttribute(SMs)")? as u32;
         let name = result::device::get_name(device).map_err(|e| cuda_error("cuDeviceGetName", e))?;
-        let stream = result::stream::create(result::stream::StreamKind::NonBlocking)
-            .map_err(|e| cuda_error("cuStreamCreate", e))?;
+        let (stream, stream_owner) = match caller_stream {
+            Some(caller) => {
+                if caller.context().cu_ctx() != context {
+                    // SAFETY: the reference was retained above and is not used after this.
+                    unsafe {
+                        let _ = result::primary_ctx::release(device);
+                    }
+                    return Err(MokError::InvalidInput {
+                        tensor: "stream",
+                        problem: format!(
+                            "the stream's context is not GPU {ordinal}'s primary context (mok runs in the primary context)"
+                        ),
+                    });
+                }
+                (caller.cu_stream(), StreamOwner::Cudarc(caller))
+            }
+            None => (
+                result::stream::create(result::stream::StreamKind::NonBlocking)
+                    .map_err(|e| cuda_error("cuStreamCreate", e))?,
+                StreamOwner::Mok,
+            ),
+        };
         let inner = Arc::new(GpuInner {
             device,
             context,
             stream,
+            stream_owner,
             name: name.clone(),
             compute_capability: (major, minor),
             multiprocessors,
@@ -163,6 +220,12 @@ impl Gpu {
 
     pub(crate) fn inner(&self) -> &Arc<GpuInner> {
         &self.inner
+    }
+
+    /// The stream every call of this `Gpu` is ordered on (mok's own, or the caller's from
+    /// [`Gpu::on_stream`]), for ordering other work with it.
+    pub fn cu_stream(&self) -> sys::CUstream {
+        self.inner.stream
     }
 
     /// Device name as the driver reports it.
