@@ -446,6 +446,51 @@ mod tests {
     }
 
     #[test]
+    fn hooked_store_counts_are_n_tiles_times_the_warpgroups_with_rows() {
+        // The contract of `gemm::hooks::Counters`: a consumer warpgroup counts its part of a tile
+        // when it runs the epilogue — it has rows (`64·wg < rows`) and its block has columns —
+        // at M tile `tile_offsets[g] + (m0 − row_begin) / TILE_M`. Over the whole pair list each
+        // M tile then counts exactly `n_tiles · ⌈rows in the tile / 64⌉`, whatever the pairing.
+        let sizes: &[&[u32]] = &[&[170, 0, 42, 256, 257, 383, 384, 385, 1, 683], &[64, 65, 127, 129, 255], &[0, 1]];
+        for rows in sizes {
+            let offsets = tile_and_odd_offsets(rows);
+            let mut first_rows = vec![0u32];
+            for r in rows.iter() {
+                first_rows.push(first_rows.last().unwrap() + r);
+            }
+            let groups = rows.len() as u32;
+            let m_tiles = offsets[groups as usize] as usize;
+            for n_tiles in [1, 2, 3, 8] {
+                for m_pairs in [true, false] {
+                    let offset = |i: u32| offsets[i as usize];
+                    let row_offset = |g: u32| first_rows[g as usize];
+                    let mut counted = vec![0u32; m_tiles];
+                    for tile in 0..pair_entries_list_before(groups, groups, n_tiles, m_pairs, &offset) {
+                        for rank in [0, 1] {
+                            let t = pair_tile(tile, rank, groups, n_tiles, m_pairs, &offset, &row_offset);
+                            let (begin, end) = (first_rows[t.group as usize], first_rows[t.group as usize + 1]);
+                            if t.n_tile >= n_tiles || t.m0 >= end {
+                                continue; // no columns (or no rows): the consumers skip the epilogue
+                            }
+                            let in_tile = (end - t.m0).min(TILE_M);
+                            let m_tile = (offsets[t.group as usize] + (t.m0 - begin) / TILE_M) as usize;
+                            counted[m_tile] += (0..2).filter(|wg| 64 * wg < in_tile).count() as u32;
+                        }
+                    }
+                    let mut expected = vec![0u32; m_tiles];
+                    for (g, r) in rows.iter().enumerate() {
+                        for j in 0..r.div_ceil(TILE_M) {
+                            let in_tile = (r - TILE_M * j).min(TILE_M);
+                            expected[(offsets[g] + j) as usize] = n_tiles * in_tile.div_ceil(64);
+                        }
+                    }
+                    assert_eq!(counted, expected, "{rows:?} n_tiles {n_tiles} m_pairs {m_pairs}");
+                }
+            }
+        }
+    }
+
+    #[test]
     fn group_maps_are_consecutive_128_byte_slots() {
         let p = GemmParams { group_maps: 0x7f00_0000_0000, ..GemmParams::default() };
         assert_eq!(p.group_map(0, 0), 0x7f00_0000_0000);
