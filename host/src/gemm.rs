@@ -8,6 +8,7 @@
 //! learns the group sizes.
 
 use half::bf16;
+use mok_kernels::comm::params::ERROR_WORDS;
 use mok_kernels::gemm_layout::{
     ENGINE_SMEM_BYTES, ENGINE_THREADS, GROUP_MAP_SLOTS, GROUP_MAP_SMEM_BYTES, GROUP_MAP_WARPS, GemmParams,
     TENSOR_MAP_BYTES, TILE_M, TILE_N, Variant, cluster_blocks,
@@ -272,21 +273,24 @@ impl EnginePlan {
         self.resident_blocks
     }
 
-    /// Enqueues the launch with `blocks` persistent blocks, rounded up to whole clusters (pairs,
-    /// for the row-grouped variants); results do not depend on it.
-    pub fn launch_with_blocks(&self, gpu: &Gpu, blocks: u32) -> Result<()> {
-        let blocks = blocks.max(1).next_multiple_of(self.cluster_blocks);
-        // The group bounds may have changed since the last launch (they are device-written):
-        // cut the maps again, on the same stream, before the engine reads them. The same kernel
-        // zeroes the engine's tile counter.
+    /// Enqueues `mok_sm90_group_maps` for this plan: the group bounds may have changed since the
+    /// last launch (they are device-written), so the maps are cut again, on the same stream,
+    /// before the engine reads them. The same kernel zeroes the engine's tile counter.
+    fn cut_group_maps(&self, gpu: &Gpu) -> Result<()> {
         let maps_shape = LaunchShape {
             grid: (self.groups.div_ceil(GROUP_MAP_WARPS).max(1), 1, 1),
             threads: 32 * GROUP_MAP_WARPS,
             smem_bytes: GROUP_MAP_SMEM_BYTES,
         };
-        // SAFETY: the arguments are the kernel's parameters, in order and type (its entry point in
-        // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
-        unsafe { gpu.launch(GROUP_MAPS_KERNEL, maps_shape, &[KernelArg::Ptr(self.params.device_ptr())]) }?;
+        // SAFETY: the group-map kernel's one parameter, this plan's live parameter block.
+        unsafe { gpu.launch(GROUP_MAPS_KERNEL, maps_shape, &[KernelArg::Ptr(self.params.device_ptr())]) }
+    }
+
+    /// Enqueues the launch with `blocks` persistent blocks, rounded up to whole clusters (pairs,
+    /// for the row-grouped variants); results do not depend on it.
+    pub fn launch_with_blocks(&self, gpu: &Gpu, blocks: u32) -> Result<()> {
+        let blocks = blocks.max(1).next_multiple_of(self.cluster_blocks);
+        self.cut_group_maps(gpu)?;
         let shape = LaunchShape { grid: (blocks, 1, 1), threads: ENGINE_THREADS, smem_bytes: ENGINE_SMEM_BYTES };
         // SAFETY: the arguments are the kernel's parameters, in order and type (its entry point in
         // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
@@ -321,13 +325,7 @@ impl EnginePlan {
             });
         }
         gpu.set_max_dynamic_smem(kernel, ENGINE_SMEM_BYTES)?;
-        let maps_shape = LaunchShape {
-            grid: (self.groups.div_ceil(GROUP_MAP_WARPS).max(1), 1, 1),
-            threads: 32 * GROUP_MAP_WARPS,
-            smem_bytes: GROUP_MAP_SMEM_BYTES,
-        };
-        // SAFETY: as in `launch_with_blocks`.
-        unsafe { gpu.launch(GROUP_MAPS_KERNEL, maps_shape, &[KernelArg::Ptr(self.params.device_ptr())]) }?;
+        self.cut_group_maps(gpu)?;
         let shape =
             LaunchShape { grid: (self.resident_blocks, 1, 1), threads: ENGINE_THREADS, smem_bytes: ENGINE_SMEM_BYTES };
         let args = [KernelArg::Ptr(self.params.device_ptr()), KernelArg::Ptr(readiness.block.device_ptr())];
@@ -567,7 +565,16 @@ impl EnginePlan {
 fn params_bytes(params: &GemmParams) -> &[u8] {
     // SAFETY: GemmParams is repr(C) plain data (u64, u32, f32 fields, no padding: 18 u64 then 10
     // four-byte fields, 184 bytes, asserted in gemm_layout), so its bytes are initialised.
-    unsafe { core::slice::from_raw_parts(params as *const GemmParams as *const u8, size_of::<GemmParams>()) }
+    unsafe { plain_bytes(params) }
+}
+
+/// The bytes of `value`, to upload a parameter block.
+///
+/// # Safety
+/// `T` is `repr(C)` with no padding bytes (every byte initialised).
+unsafe fn plain_bytes<T: Copy>(value: &T) -> &[u8] {
+    // SAFETY: caller contract; the slice covers exactly `value`.
+    unsafe { core::slice::from_raw_parts((value as *const T).cast::<u8>(), size_of::<T>()) }
 }
 
 /// `[rows][k]` K-major activations: box of 64 K × 64 rows.
@@ -629,7 +636,7 @@ impl TileReadiness {
         let zeros = vec![0u32; m_tiles.max(1)];
         let rows_landed = DeviceBuffer::from_slice(gpu, &zeros)?;
         let tiles_stored = DeviceBuffer::from_slice(gpu, &zeros)?;
-        let error = DeviceBuffer::from_slice(gpu, &[0u32; 4])?;
+        let error = DeviceBuffer::from_slice(gpu, &[0u32; ERROR_WORDS])?;
         let counters = mok_kernels::gemm_layout::TileCounters {
             rows_landed: rows_landed.device_ptr(),
             tiles_stored: tiles_stored.device_ptr(),
@@ -638,14 +645,9 @@ impl TileReadiness {
             epoch,
             reserved: 0,
         };
-        // SAFETY: TileCounters is `repr(C)`, 40 bytes of integers without padding.
-        let bytes = unsafe {
-            std::slice::from_raw_parts(
-                (&counters as *const mok_kernels::gemm_layout::TileCounters).cast::<u8>(),
-                size_of::<mok_kernels::gemm_layout::TileCounters>(),
-            )
-        };
-        let block = DeviceBuffer::from_slice(gpu, bytes)?;
+        // SAFETY: TileCounters is `repr(C)`: five u64 and two u32, no padding (40 bytes, asserted
+        // in gemm_layout).
+        let block = DeviceBuffer::from_slice(gpu, unsafe { plain_bytes(&counters) })?;
         Ok(Self { rows_landed, tiles_stored, error, block, epoch })
     }
 
@@ -653,7 +655,7 @@ impl TileReadiness {
     /// counters for another launch.
     pub fn reset(&mut self) -> Result<()> {
         self.tiles_stored.upload(&vec![0; self.tiles_stored.len()])?;
-        self.error.upload(&[0; 4])
+        self.error.upload(&[0; ERROR_WORDS])
     }
 
     /// Marks every M tile's rows as landed for this epoch (rows placed before the launch); the
@@ -666,31 +668,24 @@ impl TileReadiness {
     /// Waits for the GPU and reports the launch's first failed wait, if any.
     pub fn check(&self, gpu: &Gpu) -> Result<()> {
         gpu.synchronize()?;
-        let words = self.error.download()?;
-        match tile_counters_error([words[0], words[1], words[2], words[3]], None) {
+        match engine_error(&self.error.download()?, None) {
             Some(error) => Err(error),
             None => Ok(()),
         }
     }
 }
 
-/// The error a hooked engine launch recorded in its `TileCounters::error` words
-/// (`[code, M tile, epoch expected, value seen]`), or `None` when the launch saw none.
-/// `rank`: the rank whose pass it was, when there are several.
-pub fn tile_counters_error(words: [u32; 4], rank: Option<usize>) -> Option<MokError> {
-    use mok_kernels::gemm_layout::TileCounters;
-    let [code, tile, expected, seen] = words;
-    match code {
-        0 => None,
-        TileCounters::ERROR_ROWS_TIMEOUT => Some(MokError::Timeout {
-            rank,
-            peer: None,
-            waited_for: "the rows of an engine M tile to land (TileCounters::rows_landed)".into(),
-            detail: format!("M tile {tile}: expected epoch {expected}, the flag held {seen}"),
-        }),
+/// The error a hooked engine launch recorded in its `TileCounters::error` words (the exchange's
+/// record format, `comm::error`), or `None` when the launch saw none. `rank`: the rank whose pass
+/// it was, when there are several.
+pub fn engine_error(words: &[u32], rank: Option<usize>) -> Option<MokError> {
+    use mok_kernels::comm::error::{ERROR_NONE, ERROR_TIMEOUT, WORD_CODE};
+    match words[WORD_CODE] {
+        ERROR_NONE => None,
+        ERROR_TIMEOUT => Some(crate::exchange::decode_timeout(rank, words)),
         other => Some(MokError::Device {
             kernel: "mok_sm90_gemm_*_counted",
-            message: format!("unknown engine error record {other} (M tile {tile}, {expected}, {seen})"),
+            message: format!("unknown engine error record {other} ({words:?})"),
         }),
     }
 }
@@ -699,9 +694,11 @@ pub fn tile_counters_error(words: [u32; 4], rank: Option<usize>) -> Option<MokEr
 mod tests {
     #[test]
     fn tile_counter_records_decode_to_errors_naming_the_tile() {
-        use mok_kernels::gemm_layout::TileCounters;
-        assert!(super::tile_counters_error([0, 5, 3, 2], None).is_none());
-        let error = super::tile_counters_error([TileCounters::ERROR_ROWS_TIMEOUT, 17, 4, 3], Some(2)).unwrap();
+        use mok_kernels::comm::error::{ERROR_TIMEOUT, WAIT_ENGINE_TILE_ROWS};
+        // [code, waited for, peer, M tile, epoch expected, seen, rank, epoch], as the hook writes it.
+        assert!(super::engine_error(&[0, 0, 0, 5, 3, 2, 0, 3], None).is_none());
+        let record = [ERROR_TIMEOUT, WAIT_ENGINE_TILE_ROWS, 0, 17, 4, 3, 0, 4];
+        let error = super::engine_error(&record, Some(2)).unwrap();
         match &error {
             MokError::Timeout { rank: Some(2), peer: None, detail, .. } => {
                 assert!(
@@ -711,7 +708,7 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
-        assert!(matches!(super::tile_counters_error([9, 0, 0, 0], None), Some(MokError::Device { .. })));
+        assert!(matches!(super::engine_error(&[9, 0, 0, 0, 0, 0, 0, 0], None), Some(MokError::Device { .. })));
     }
 
     use super::*;

@@ -137,7 +137,8 @@ pub struct TileCounters {
     /// `[M tiles]` u32: the stored parts of each tile's output, one per (N tile, consumer
     /// warpgroup with rows); cleared in stream order before the pass.
     pub tiles_stored: u64,
-    /// 4 u32: the launch's first failure `(code, M tile, epoch expected, value seen)`, 0 if none.
+    /// `comm::params::ERROR_WORDS` u32: the launch's first failure, in the exchange's error
+    /// record format (`comm::error`; all zero if none).
     pub error: u64,
     /// How long a wait may take, in `%globaltimer` nanoseconds.
     pub timeout_ns: u64,
@@ -145,11 +146,6 @@ pub struct TileCounters {
     pub epoch: u32,
     /// Keeps the size a multiple of 8.
     pub reserved: u32,
-}
-
-impl TileCounters {
-    /// Error code: a tile's rows did not land before the deadline.
-    pub const ERROR_ROWS_TIMEOUT: u32 = 1;
 }
 
 // The host writes this block byte for byte: five 8-byte fields, then two u32.
@@ -391,6 +387,15 @@ mod tests {
         out
     }
 
+    /// Each group's first row, and the total last (`[G + 1]`), for groups of `rows` rows.
+    fn first_rows(rows: &[u32]) -> Vec<u32> {
+        let mut first = vec![0u32];
+        for r in rows {
+            first.push(first.last().unwrap() + r);
+        }
+        first
+    }
+
     #[test]
     fn pair_list_computes_every_tile_once_and_both_blocks_agree() {
         let sizes: &[&[u32]] = &[
@@ -403,10 +408,7 @@ mod tests {
         ];
         for rows in sizes {
             let offsets = tile_and_odd_offsets(rows);
-            let mut first_rows = vec![0u32];
-            for r in rows.iter() {
-                first_rows.push(first_rows.last().unwrap() + r);
-            }
+            let first_rows = first_rows(rows);
             let groups = rows.len() as u32;
             for n_tiles in [1, 2, 3, 5, 8, 28] {
                 for m_pairs in [true, false] {
@@ -454,10 +456,7 @@ mod tests {
         let sizes: &[&[u32]] = &[&[170, 0, 42, 256, 257, 383, 384, 385, 1, 683], &[64, 65, 127, 129, 255], &[0, 1]];
         for rows in sizes {
             let offsets = tile_and_odd_offsets(rows);
-            let mut first_rows = vec![0u32];
-            for r in rows.iter() {
-                first_rows.push(first_rows.last().unwrap() + r);
-            }
+            let first_rows = first_rows(rows);
             let groups = rows.len() as u32;
             let m_tiles = offsets[groups as usize] as usize;
             for n_tiles in [1, 2, 3, 8] {

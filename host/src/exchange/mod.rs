@@ -617,7 +617,7 @@ impl Exchange {
             });
         }
         if let Some((rank, words, _)) = records.iter().find(|(_, w, _)| w[codes::WORD_CODE] != codes::ERROR_NONE) {
-            return Err(decode_timeout(*rank, words));
+            return Err(decode_timeout(Some(*rank), words));
         }
         if let Some((rank, _, route)) = records.iter().find(|(_, _, r)| r[0] != 0) {
             let k = self.shape.top_k;
@@ -664,7 +664,9 @@ impl Exchange {
 }
 
 /// The error a timeout record describes.
-fn decode_timeout(rank: usize, words: &[u32]) -> MokError {
+/// The timeout a device error record describes (`comm::error` format; exchange kernels and the
+/// hooked engine kernels write it). `rank`: whose record it is, when the pass has ranks.
+pub(crate) fn decode_timeout(rank: Option<usize>, words: &[u32]) -> MokError {
     let waited = words[codes::WORD_WAITED_FOR];
     let (peer, index, expected, seen, epoch) = (
         words[codes::WORD_PEER] as usize,
@@ -683,13 +685,14 @@ fn decode_timeout(rank: usize, words: &[u32]) -> MokError {
             format!("M tile {index} of the ring: expected {expected} rows, {seen} landed (epoch {epoch})")
         }
         codes::WAIT_BULK_COPY => format!("ring row {index}"),
+        codes::WAIT_ENGINE_TILE_ROWS => format!("M tile {index}: expected epoch {expected}, the flag held {seen}"),
         _ => format!("record {words:?}"),
     };
     let peer = match waited {
         codes::WAIT_PEER_PUBLISHED | codes::WAIT_COMBINE_ROWS | codes::WAIT_DX_ROWS => Some(peer),
         _ => None,
     };
-    MokError::Timeout { rank: Some(rank), peer, waited_for: codes::waited_for_name(waited).into(), detail }
+    MokError::Timeout { rank, peer, waited_for: codes::waited_for_name(waited).into(), detail }
 }
 
 /// Every kernel the exchange launches.
@@ -733,12 +736,12 @@ mod tests {
         words[codes::WORD_INDEX] = 3;
         words[codes::WORD_EXPECTED] = 40;
         words[codes::WORD_SEEN] = 7;
-        let text = decode_timeout(1, &words).to_string();
+        let text = decode_timeout(Some(1), &words).to_string();
         assert!(text.contains("on rank 1") && text.contains("from rank 2"), "{text}");
         assert!(
             text.contains("token tile 3 (tokens 192..)") && text.contains("expected 40") && text.contains("7 arrived")
         );
-        match decode_timeout(1, &words) {
+        match decode_timeout(Some(1), &words) {
             MokError::Timeout { peer: Some(2), rank: Some(1), .. } => {}
             other => panic!("{other}"),
         }

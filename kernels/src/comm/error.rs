@@ -43,6 +43,10 @@ pub const WAIT_DY_TILE_ROWS: u32 = 5;
 /// Waited for this rank's own bulk copy of a ring row to land (index = the ring row).
 pub const WAIT_BULK_COPY: u32 = 6;
 
+/// A hooked engine launch waited for the rows of an engine M tile to land (index = the M tile,
+/// expected = the pass's epoch; `TileCounters::rows_landed`).
+pub const WAIT_ENGINE_TILE_ROWS: u32 = 7;
+
 /// A name for a `WAIT_*` code, for messages.
 pub fn waited_for_name(code: u32) -> &'static str {
     match code {
@@ -52,6 +56,7 @@ pub fn waited_for_name(code: u32) -> &'static str {
         WAIT_X_TILE_ROWS => "dispatched x rows of a GEMM tile (tile_ready)",
         WAIT_DY_TILE_ROWS => "pulled dy rows of a GEMM tile (dy_tile_ready)",
         WAIT_BULK_COPY => "a bulk copy of a ring row (its mbarrier)",
+        WAIT_ENGINE_TILE_ROWS => "the rows of an engine M tile to land (TileCounters::rows_landed)",
         _ => "an unknown counter",
     }
 }

@@ -10,12 +10,12 @@
 //! stream order before the pass (only this GPU's blocks add to them), so a tile of `r` rows with
 //! `n` N tiles is complete at `n · ⌈r / 64⌉`.
 
-use crate::gemm_layout::{GemmParams, TILE_M, TileCounters, Variant};
-use crate::ptx::bulk;
-use crate::ptx::memory::{atom_cas_acq_rel_gpu_u32, fence_proxy_async_global, st_relaxed_gpu_u32};
-
+use crate::comm::error::{self, ERROR_TIMEOUT, WAIT_ENGINE_TILE_ROWS};
 use crate::comm::schedule::epoch_reached;
 use crate::comm::wait::{signal, wait_until};
+use crate::gemm_layout::{GemmParams, TILE_M, TileCounters, Variant};
+use crate::ptx::bulk;
+use crate::ptx::memory::fence_proxy_async_global;
 
 use super::source::{Work, tile_offset};
 
@@ -87,13 +87,10 @@ impl TileHooks for Counters {
             // acquired generic-proxy writes before them.
             fence_proxy_async_global();
             if let Err(seen) = waited {
-                // The first failed wait of the launch records itself; the tile then runs on
-                // whatever the rows hold (the pass is reported failed, and nothing waits forever).
-                if atom_cas_acq_rel_gpu_u32(error, 0, TileCounters::ERROR_ROWS_TIMEOUT) == 0 {
-                    st_relaxed_gpu_u32(error.add(1), tile);
-                    st_relaxed_gpu_u32(error.add(2), c.epoch);
-                    st_relaxed_gpu_u32(error.add(3), seen);
-                }
+                // The first failed wait of the launch records itself, in the exchange's record
+                // format; the tile then runs on whatever the rows hold (the pass is reported
+                // failed, and nothing waits forever).
+                error::record(error, [ERROR_TIMEOUT, WAIT_ENGINE_TILE_ROWS, 0, tile, c.epoch, seen, 0, c.epoch]);
             }
         }
     }
