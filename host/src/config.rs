@@ -133,9 +133,9 @@ impl MoeConfig {
         // Every tensor's element count must be a number: rows are indexed in 32 bits on the
         // device, and the host computes byte sizes in usize.
         let (t, h, i, k) = (self.tokens_per_rank, self.hidden, self.intermediate, self.top_k);
-        let rows_of = |width: usize| t.checked_mul(k.max(1)).and_then(|rows| rows.checked_mul(width));
-        if rows_of(h.max(i)).and_then(|n| n.checked_mul(self.ep_ranks)).and_then(|n| n.checked_mul(4)).is_none()
-            || t.checked_mul(h).is_none_or(|n| n > i64::MAX as usize / 4)
+        let product = |factors: &[usize]| factors.iter().try_fold(1usize, |n, &f| n.checked_mul(f));
+        if product(&[self.ep_ranks, t, k, h.max(i), 4]).is_none()
+            || product(&[t, h]).is_none_or(|n| n > i64::MAX as usize / 4)
         {
             return bad(
                 "tokens_per_rank",
@@ -143,8 +143,7 @@ impl MoeConfig {
                 "ep_ranks * tokens_per_rank * top_k * max(hidden, intermediate) f32 bytes must fit in usize",
             );
         }
-        let weights = self.local_experts().checked_mul(i).and_then(|n| n.checked_mul(h)).and_then(|n| n.checked_mul(4));
-        if weights.is_none() {
+        if product(&[self.local_experts(), i, h, 4]).is_none() {
             return bad(
                 "intermediate",
                 i.to_string(),
@@ -152,7 +151,7 @@ impl MoeConfig {
             );
         }
         if let Some(is) = self.shared_intermediate
-            && is.checked_mul(h).and_then(|n| n.checked_mul(4)).is_none()
+            && product(&[is, h, 4]).is_none()
         {
             return bad(
                 "shared_intermediate",
