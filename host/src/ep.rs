@@ -20,7 +20,8 @@ use crate::error::{MokError, Result};
 use crate::exchange::{Exchange, ExchangeOptions};
 use crate::problem::RoutedTokens;
 use crate::unfused::{
-    DeviceExperts, DeviceSharedExpert, ExpertBackward, ExpertCompute, ROW_KERNEL_THREADS, RowGroups, grid_stride_blocks,
+    DeviceExperts, DeviceSharedExpert, ExpertBackward, ExpertCompute, ROW_KERNEL_THREADS, RowGroups,
+    grid_stride_blocks, shared_expert_workspace,
 };
 
 use KernelArg::{Ptr, U32};
@@ -66,22 +67,7 @@ impl EpLayer {
             (config.tokens_per_rank, config.hidden, config.intermediate, config.local_experts(), config.top_k);
         let ranks = (0..config.ep_ranks)
             .map(|_| {
-                let shared = match config.shared_intermediate {
-                    Some(is) => {
-                        let tiles = (t as u32).div_ceil(mok_kernels::tiles::GEMM_TILE_M);
-                        let offsets = DeviceBuffer::from_slice(gpu, &[0, t as u32, 0, tiles])?;
-                        Some((ExpertCompute::new(gpu, t, h, is, config.swiglu_limit, false)?, offsets))
-                    }
-                    None => None,
-                };
-                let dws = match config.shared_intermediate {
-                    Some(is) => Some([
-                        DeviceBuffer::alloc(gpu, is * h)?,
-                        DeviceBuffer::alloc(gpu, is * h)?,
-                        DeviceBuffer::alloc(gpu, h * is)?,
-                    ]),
-                    None => None,
-                };
+                let (shared, dws) = shared_expert_workspace(gpu, &config)?.unzip();
                 Ok(RankState {
                     routed: ExpertCompute::new(gpu, capacity, h, i, config.swiglu_limit, false)?,
                     shared,

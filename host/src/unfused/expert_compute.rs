@@ -4,6 +4,7 @@
 use half::bf16;
 use mok_kernels::tiles as kc;
 
+use crate::config::MoeConfig;
 use crate::driver::{DeviceBuffer, Gpu, KernelArg, LaunchShape};
 use crate::error::{MokError, Result};
 
@@ -321,4 +322,24 @@ impl ExpertCompute {
         wgrad(rows.d_gate.device_ptr(), args.input_rows, inter, h, dw_gate)?;
         wgrad(rows.d_up.device_ptr(), args.input_rows, inter, h, dw_up)
     }
+}
+
+/// The shared expert's workspace for `config` (none without a shared expert): its expert
+/// computation over one group holding every token, that group's offsets `[0, T, 0, tiles]`, and
+/// its three bf16 weight gradients `(dws_gate [Is, H], dws_up [Is, H], dws_down [H, Is])`.
+#[allow(clippy::type_complexity)]
+pub(crate) fn shared_expert_workspace(
+    gpu: &Gpu,
+    config: &MoeConfig,
+) -> Result<Option<((ExpertCompute, DeviceBuffer<u32>), [DeviceBuffer<bf16>; 3])>> {
+    let Some(is) = config.shared_intermediate else {
+        return Ok(None);
+    };
+    let (t, h) = (config.tokens_per_rank, config.hidden);
+    let tiles = (t as u32).div_ceil(kc::GEMM_TILE_M);
+    let offsets = DeviceBuffer::from_slice(gpu, &[0, t as u32, 0, tiles])?;
+    let compute = ExpertCompute::new(gpu, t, h, is, config.swiglu_limit, false)?;
+    let grads =
+        [DeviceBuffer::alloc(gpu, is * h)?, DeviceBuffer::alloc(gpu, is * h)?, DeviceBuffer::alloc(gpu, h * is)?];
+    Ok(Some(((compute, offsets), grads)))
 }

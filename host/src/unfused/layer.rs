@@ -2,7 +2,6 @@
 //! engine for the routed experts.
 
 use half::bf16;
-use mok_kernels::tiles as kc;
 
 use crate::config::MoeConfig;
 use crate::driver::{DeviceBuffer, Gpu, KernelArg, LaunchShape};
@@ -104,23 +103,8 @@ impl UnfusedLayer {
             row_source: DeviceBuffer::alloc(gpu, slots)?,
             error: DeviceBuffer::alloc(gpu, 4)?,
         };
-        let shared = match config.shared_intermediate {
-            Some(is) => {
-                // The shared expert is one group holding every token: offsets [0, T].
-                let tiles = (t as u32).div_ceil(kc::GEMM_TILE_M);
-                let offsets = DeviceBuffer::from_slice(gpu, &[0, t as u32, 0, tiles])?;
-                Some((ExpertCompute::new(gpu, t, h, is, config.swiglu_limit, false)?, offsets))
-            }
-            None => None,
-        };
-        let shared_grads = match config.shared_intermediate {
-            Some(is) => Some([
-                DeviceBuffer::alloc(gpu, is * h)?,
-                DeviceBuffer::alloc(gpu, is * h)?,
-                DeviceBuffer::alloc(gpu, h * is)?,
-            ]),
-            None => None,
-        };
+        // The shared expert is one group holding every token.
+        let (shared, shared_grads) = shared_expert_workspace(gpu, &config)?.unzip();
         Ok(Self {
             routing,
             gathered_x: DeviceBuffer::alloc(gpu, slots * h)?,

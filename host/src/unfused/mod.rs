@@ -18,6 +18,7 @@ mod kernels;
 mod layer;
 mod tensors;
 
+pub(crate) use expert_compute::shared_expert_workspace;
 pub use expert_compute::{ExpertBackward, ExpertCompute, RowGroups};
 pub use kernels::KERNEL_NAMES;
 pub(crate) use kernels::{ROW_KERNEL_THREADS, grid_stride_blocks};
