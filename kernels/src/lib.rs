@@ -14,6 +14,7 @@
 pub mod comm;
 pub mod gemm_layout;
 pub mod layout;
+pub mod megakernel_layout;
 pub mod num;
 pub mod tiles;
 
@@ -25,6 +26,9 @@ pub mod device;
 
 #[cfg(all(target_arch = "nvptx64", mok_arch = "sm_90a"))]
 pub mod gemm;
+
+#[cfg(all(target_arch = "nvptx64", mok_arch = "sm_90a"))]
+pub mod megakernel;
 
 #[cfg(target_arch = "nvptx64")]
 pub mod entry;

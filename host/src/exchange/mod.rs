@@ -686,6 +686,9 @@ pub(crate) fn decode_timeout(rank: Option<usize>, words: &[u32]) -> MokError {
         }
         codes::WAIT_BULK_COPY => format!("ring row {index}"),
         codes::WAIT_ENGINE_TILE_ROWS => format!("M tile {index}: expected epoch {expected}, the flag held {seen}"),
+        codes::WAIT_ENGINE_TILE_HIDDEN | codes::WAIT_ENGINE_TILE_OUTPUT => {
+            format!("M tile {index}: expected {expected} stored tile parts, {seen} counted (epoch {epoch})")
+        }
         _ => format!("record {words:?}"),
     };
     let peer = match waited {

@@ -47,6 +47,16 @@ pub const WAIT_BULK_COPY: u32 = 6;
 /// expected = the pass's epoch; `TileCounters::rows_landed`).
 pub const WAIT_ENGINE_TILE_ROWS: u32 = 7;
 
+/// The forward megakernel's down tile waited for the hidden rows of its M tile: every gate/up
+/// part of the tile stored (index = the M tile, expected and seen = stored parts;
+/// `ForwardParams::gate_up_stored`).
+pub const WAIT_ENGINE_TILE_HIDDEN: u32 = 8;
+
+/// The forward megakernel's combine waited for the down-projection rows of an M tile holding one
+/// of the token's slots (index = the M tile, expected and seen = stored parts;
+/// `ForwardParams::down_stored`).
+pub const WAIT_ENGINE_TILE_OUTPUT: u32 = 9;
+
 /// A name for a `WAIT_*` code, for messages.
 pub fn waited_for_name(code: u32) -> &'static str {
     match code {
@@ -57,6 +67,8 @@ pub fn waited_for_name(code: u32) -> &'static str {
         WAIT_DY_TILE_ROWS => "pulled dy rows of a GEMM tile (dy_tile_ready)",
         WAIT_BULK_COPY => "a bulk copy of a ring row (its mbarrier)",
         WAIT_ENGINE_TILE_ROWS => "the rows of an engine M tile to land (TileCounters::rows_landed)",
+        WAIT_ENGINE_TILE_HIDDEN => "the gate/up tiles of an engine M tile to be stored (gate_up_stored)",
+        WAIT_ENGINE_TILE_OUTPUT => "the down tiles of an engine M tile to be stored (down_stored)",
         _ => "an unknown counter",
     }
 }

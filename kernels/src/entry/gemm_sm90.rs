@@ -104,3 +104,22 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_group_maps(params: *const GemmParams)
     // SAFETY: caller contract.
     unsafe { write_group_maps(params) }
 }
+
+/// The forward megakernel (`crate::megakernel::forward`): dispatch, gate/up + SwiGLU, down and
+/// combine in one persistent launch. 384 threads, `gemm_layout::ENGINE_SMEM_BYTES` of dynamic
+/// shared memory, 2-block clusters, a co-resident grid. `x` `[T][H]` bf16, `topk_weights`
+/// `[T·k]` f32 and `epoch` are the pass's inputs (`megakernel_layout::PassInputs`).
+///
+/// # Safety
+/// As [`crate::megakernel::forward::forward`].
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn mok_sm90_forward(
+    params: *const crate::megakernel_layout::ForwardParams,
+    x: *const u16,
+    topk_weights: *const f32,
+    epoch: u32,
+) {
+    let pass = crate::megakernel_layout::PassInputs { x: x as u64, topk_weights: topk_weights as u64, epoch };
+    // SAFETY: caller contract.
+    unsafe { crate::megakernel::forward::forward(params, pass) }
+}

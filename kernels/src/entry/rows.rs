@@ -4,6 +4,7 @@
 
 use crate::device::grid_thread;
 use crate::device::math;
+use crate::device::rows::combine_quad;
 use crate::layout::NO_ROW;
 use crate::num::{bf16x2_hi, bf16x2_lo};
 use crate::ptx::convert::{f32_to_bf16, f32x2_to_bf16x2};
@@ -70,37 +71,11 @@ pub unsafe extern "ptx-kernel" fn mok_combine_slots(
 ) {
     let quads_per_row = (width / 4) as usize;
     let total = tokens as usize * quads_per_row;
-    let w = width as usize;
     let (mut q, stride) = grid_thread();
     while q < total {
         let (token, column) = (q / quads_per_row, q % quads_per_row * 4);
-        let (mut a0, mut a1, mut a2, mut a3) = (0.0f32, 0.0f32, 0.0f32, 0.0f32);
-        if !base.is_null() {
-            // SAFETY: token < T, column + 4 ≤ width.
-            let v = unsafe { ld_global_v4(base.add(token * w + column) as *const u32) };
-            (a0, a1, a2, a3) = (f32::from_bits(v[0]), f32::from_bits(v[1]), f32::from_bits(v[2]), f32::from_bits(v[3]));
-        }
-        for j in 0..top_k as usize {
-            let slot = token * top_k as usize + j;
-            // SAFETY: slot < T·k.
-            let row = unsafe { *slot_row.add(slot) };
-            if row == NO_ROW {
-                continue;
-            }
-            // SAFETY: slot < T·k; row < R.
-            let weight = if topk_weights.is_null() { 1.0 } else { unsafe { *topk_weights.add(slot) } };
-            let v = unsafe { ld_global_v4(rows.add(row as usize * w + column) as *const u32) };
-            a0 += weight * f32::from_bits(v[0]);
-            a1 += weight * f32::from_bits(v[1]);
-            a2 += weight * f32::from_bits(v[2]);
-            a3 += weight * f32::from_bits(v[3]);
-        }
-        // SAFETY: token < T, column + 4 ≤ width; 8-byte aligned (column % 4 == 0).
-        unsafe {
-            let at = out.add(token * w + column) as *mut u32;
-            *at = f32x2_to_bf16x2(a0, a1);
-            *at.add(1) = f32x2_to_bf16x2(a2, a3);
-        }
+        // SAFETY: token < T, column + 4 ≤ width; the tensors as documented.
+        unsafe { combine_quad(slot_row, topk_weights, rows, base, token, column, top_k, width, out) };
         q += stride;
     }
 }

@@ -47,14 +47,23 @@ use super::epilogue::*;
 use super::hooks::{TileHooks, hooked};
 use super::mainloop::*;
 use super::producer::*;
-use super::ring::Ring;
+use super::ring::{Ring, Walk};
 use super::source::*;
 pub use crate::gemm_layout::Variant;
 
-/// A consumer warpgroup: MMAs over the stages, then the epilogue, tile after tile.
+/// A consumer warpgroup: MMAs over the stages, then the epilogue, tile after tile, from `walk`
+/// until the stage that names [`NO_TILE`]. Returns the walk at that stage, which it has not
+/// released: the last phase of a kernel leaves it so; [`next_phase`] releases it before another.
 #[inline(always)]
-unsafe fn consume<const V: u32, H: TileHooks>(p: &GemmParams, ring: Ring, wg: u32, thread_in_wg: u32, hooks: H) {
-    let (mut stage, mut phase) = (0u32, 0u32);
+pub(super) unsafe fn consume<const V: u32, H: TileHooks>(
+    p: &GemmParams,
+    ring: Ring,
+    wg: u32,
+    thread_in_wg: u32,
+    hooks: H,
+    walk: Walk,
+) -> Walk {
+    let Walk { mut stage, mut phase, .. } = walk;
     loop {
         // The producer names each tile in the stage holding its first K block (the waits in the
         // loops below pass again at once: the stage is not released before them).
@@ -110,6 +119,17 @@ unsafe fn consume<const V: u32, H: TileHooks>(p: &GemmParams, ring: Ring, wg: u3
         // Shared memory must outlive the bulk stores that read it.
         bulk::wait_group_read_all();
     }
+    Walk { stage, phase, mail_phases: 0 }
+}
+
+/// A consumer warpgroup between two engine phases of one kernel: releases the stage that named
+/// [`NO_TILE`] (the producers wait for it like for any other) and steps past it.
+#[inline(always)]
+pub(super) fn next_phase<const V: u32>(ring: Ring, walk: Walk, thread_in_wg: u32) -> Walk {
+    let Walk { mut stage, mut phase, mail_phases } = walk;
+    release::<V>(ring, stage, thread_in_wg);
+    ring.advance(&mut stage, &mut phase);
+    Walk { stage, phase, mail_phases }
 }
 
 /// The engine body shared by every entry point: [`ENGINE_THREADS`](crate::gemm_layout::ENGINE_THREADS)
@@ -160,7 +180,7 @@ pub unsafe fn run<const V: u32, H: TileHooks>(params: *const GemmParams, hooks: 
         }
         if thread == 0 {
             // SAFETY: one producer thread.
-            unsafe { produce::<V, H>(&p, ring, hooks) };
+            unsafe { produce::<V, H>(&p, ring, hooks, Walk::START) };
         }
     } else {
         if paired {
@@ -169,11 +189,78 @@ pub unsafe fn run<const V: u32, H: TileHooks>(params: *const GemmParams, hooks: 
             sync::claim_registers::<CONSUMER_REGISTERS>();
         }
         // SAFETY: a whole consumer warpgroup.
-        unsafe { consume::<V, H>(&p, ring, warpgroup - 1, thread % 128, hooks) };
+        unsafe { consume::<V, H>(&p, ring, warpgroup - 1, thread % 128, hooks, Walk::START) };
     }
     if paired {
         // No block may leave while its partner can still write into it or arrive on its
         // barriers.
         cluster::cluster_sync();
     }
+}
+
+/// The compute role of the forward megakernel, in a 2-block cluster of [`ENGINE_THREADS`]
+/// threads with [`ENGINE_SMEM_BYTES`](crate::gemm_layout::ENGINE_SMEM_BYTES) of dynamic shared
+/// memory: the gate/up phase (`gate_up`, [`Variant::GATE_UP`]) and then the down phase
+/// (`down`, [`Variant::ROWS_NT`]) on one ring, each with its hand-over hooks. A block moves to
+/// the down phase when the gate/up tile counter is spent, i.e. once every gate/up tile is held by
+/// a running block — so a down tile only ever waits for work that is already being done. Ends
+/// with the pair's final cluster barrier. Returns `Some(())` for the threads of the consumer
+/// warpgroups, free for further work, and `None` for the producer warpgroup, which holds too
+/// few registers for more.
+///
+/// # Safety
+/// `gate_up` and `down` point at valid parameter blocks of those variants over the same row
+/// groups (tile offsets), their tile counters zeroed before the launch; the hooks' contracts
+/// hold.
+#[inline(always)]
+pub unsafe fn run_forward_phases<H1: TileHooks, H2: TileHooks>(
+    gate_up: *const GemmParams,
+    gate_up_hooks: H1,
+    down: *const GemmParams,
+    down_hooks: H2,
+) -> Option<()> {
+    const { assert!(cluster_blocks(Variant::GATE_UP) == 2 && cluster_blocks(Variant::ROWS_NT) == 2) };
+    // SAFETY: caller contract; read-only for the whole launch. Borrowed, not copied: the
+    // producer of two phases cannot keep both blocks' fields in its registers.
+    let (first, second) = unsafe { (&*gate_up, &*down) };
+    let ring = Ring::new();
+    let thread = sreg::thread_idx_x();
+    if thread == 0 {
+        for s in 0..STAGES {
+            // SAFETY: this block's barrier slots, initialised once before any use.
+            unsafe {
+                mbarrier::init(ring.full(s), 1);
+                mbarrier::init(ring.empty(s), 16);
+                mbarrier::init(ring.mail(s), 1);
+            }
+        }
+        mbarrier::fence_mbarrier_init();
+    }
+    // Both blocks' barriers initialised before either multicasts into the other.
+    cluster::cluster_sync();
+    let warpgroup = thread / 128;
+    let role = if warpgroup == 0 {
+        sync::release_registers::<PAIRED_PRODUCER_REGISTERS>();
+        if thread == 0 {
+            // SAFETY: one producer thread; the phases share the ring walk.
+            unsafe {
+                let walk = produce::<{ Variant::GATE_UP }, H1>(first, ring, gate_up_hooks, Walk::START);
+                produce::<{ Variant::ROWS_NT }, H2>(second, ring, down_hooks, walk);
+            }
+        }
+        None
+    } else {
+        sync::claim_registers::<PAIRED_CONSUMER_REGISTERS>();
+        let (wg, thread_in_wg) = (warpgroup - 1, thread % 128);
+        // SAFETY: a whole consumer warpgroup.
+        unsafe {
+            let walk = consume::<{ Variant::GATE_UP }, H1>(first, ring, wg, thread_in_wg, gate_up_hooks, Walk::START);
+            let walk = next_phase::<{ Variant::GATE_UP }>(ring, walk, thread_in_wg);
+            consume::<{ Variant::ROWS_NT }, H2>(second, ring, wg, thread_in_wg, down_hooks, walk);
+        }
+        Some(())
+    };
+    // No block may leave its engine phases while its partner can still write into it.
+    cluster::cluster_sync();
+    role
 }

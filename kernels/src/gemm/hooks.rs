@@ -10,10 +10,11 @@
 //! stream order before the pass (only this GPU's blocks add to them), so a tile of `r` rows with
 //! `n` N tiles is complete at `n · ⌈r / 64⌉`.
 
-use crate::comm::error::{self, ERROR_TIMEOUT, WAIT_ENGINE_TILE_ROWS};
+use crate::comm::error::{self, ERROR_TIMEOUT, WAIT_ENGINE_TILE_HIDDEN, WAIT_ENGINE_TILE_ROWS};
 use crate::comm::schedule::epoch_reached;
 use crate::comm::wait::{signal, wait_until};
-use crate::gemm_layout::{GemmParams, TILE_M, TileCounters, Variant};
+use crate::gemm_layout::{GemmParams, TILE_M, TILE_N, TileCounters, Variant};
+use crate::megakernel_layout::{ForwardParams, NO_FAULT, parts_per_m_tile};
 use crate::ptx::bulk;
 use crate::ptx::memory::fence_proxy_async_global;
 
@@ -79,33 +80,137 @@ impl TileHooks for Counters {
         // SAFETY: caller contract of `new` and of the hook.
         unsafe {
             let c = &*self.counters;
-            let tile = m_tile(p, work);
-            let flag = (c.rows_landed as *const u32).add(tile as usize);
-            let error = c.error as *mut u32;
-            let waited = wait_until(flag, false, c.timeout_ns, error, |v| epoch_reached(v, c.epoch));
-            // The rows are read by the TMA copies that follow, through the async proxy: order the
-            // acquired generic-proxy writes before them.
-            fence_proxy_async_global();
-            if let Err(seen) = waited {
-                // The first failed wait of the launch records itself, in the exchange's record
-                // format; the tile then runs on whatever the rows hold (the pass is reported
-                // failed, and nothing waits forever).
-                error::record(error, [ERROR_TIMEOUT, WAIT_ENGINE_TILE_ROWS, 0, tile, c.epoch, seen, 0, c.epoch]);
-            }
+            let ready = Ready::Epoch { flags: c.rows_landed as *const u32, epoch: c.epoch };
+            wait_for_rows(p, work, ready, c.error as *mut u32, c.timeout_ns, c.epoch);
         }
     }
 
     #[inline(always)]
     unsafe fn after_store(&self, p: &GemmParams, work: &Work, _wg: u32) {
-        // The bulk stores must have completed (not only read their staging), and their writes,
-        // made through the async proxy, must be ordered before the release that publishes them.
-        bulk::wait_group_all();
-        fence_proxy_async_global();
         // SAFETY: caller contract of `new` and of the hook.
+        unsafe { count_stored(p, work, (*self.counters).tiles_stored as *mut u32, NO_FAULT) }
+    }
+}
+
+/// What a tile's rows are ready by: an epoch flag per M tile (rows placed by the comm side), or
+/// the stored-part count per M tile of the GEMM phase that wrote them, complete at
+/// [`parts_per_m_tile`]`(n_tiles, rows)`.
+#[derive(Clone, Copy)]
+enum Ready {
+    /// `flags[m tile]` reaches `epoch` (wrapping).
+    Epoch { flags: *const u32, epoch: u32 },
+    /// `counts[m tile]` reaches the parts of a GEMM with `n_tiles` N tiles.
+    Stored { counts: *const u32, n_tiles: u32 },
+}
+
+/// Bounded wait of the producer thread until the rows of `work`'s M tile are ready, then the
+/// async-proxy fence that orders them before the TMA copies that read them. A failed wait
+/// records itself (first failure of the launch wins) in the exchange's record format and the
+/// tile then runs on whatever the rows hold: the pass is reported failed, nothing waits forever.
+///
+/// # Safety
+/// `work` is a row-grouped tile of `p`; the counters hold an entry per M tile of the launch and
+/// `error` is `ERROR_WORDS` u32.
+#[inline(always)]
+unsafe fn wait_for_rows(p: &GemmParams, work: &Work, ready: Ready, error: *mut u32, timeout_ns: u64, epoch: u32) {
+    // SAFETY: caller contract.
+    unsafe {
+        let tile = m_tile(p, work);
+        let (counter, expected, code) = match ready {
+            Ready::Epoch { flags, epoch } => (flags.add(tile as usize), epoch, WAIT_ENGINE_TILE_ROWS),
+            Ready::Stored { counts, n_tiles } => {
+                (counts.add(tile as usize), parts_per_m_tile(n_tiles, work.rows), WAIT_ENGINE_TILE_HIDDEN)
+            }
+        };
+        let waited = match ready {
+            Ready::Epoch { .. } => wait_until(counter, false, timeout_ns, error, |v| epoch_reached(v, expected)),
+            Ready::Stored { .. } => wait_until(counter, false, timeout_ns, error, |v| v >= expected),
+        };
+        // The rows are read by the TMA copies that follow, through the async proxy: order the
+        // acquired writes (generic stores of the comm side, or fenced bulk stores) before them.
+        fence_proxy_async_global();
+        if let Err(seen) = waited {
+            error::record(error, [ERROR_TIMEOUT, code, 0, tile, expected, seen, 0, epoch]);
+        }
+    }
+}
+
+/// A consumer warpgroup's leader after its last store of `work`: waits for the bulk stores to
+/// complete (not only to have read their staging), fences the async proxy so those writes are
+/// ordered before the release, and adds 1 to `counts[m tile]` — unless the tile is
+/// `silent_tile` (fault injection: a tile that never completes).
+///
+/// # Safety
+/// `work` is a row-grouped tile of `p`; `counts` holds an entry per M tile of the launch.
+#[inline(always)]
+unsafe fn count_stored(p: &GemmParams, work: &Work, counts: *mut u32, silent_tile: u32) {
+    bulk::wait_group_all();
+    fence_proxy_async_global();
+    // SAFETY: caller contract.
+    unsafe {
+        let tile = m_tile(p, work);
+        if tile != silent_tile {
+            signal(counts.add(tile as usize), 1, false);
+        }
+    }
+}
+
+/// The forward megakernel's hand-over around its two GEMM phases, read from the pass's
+/// [`ForwardParams`] where used (a pointer, so the producer keeps no counter addresses in its few
+/// registers). [`ForwardHandover::GATE_UP`]: a tile waits for its rows' `rows_landed` epoch and
+/// counts its parts in `gate_up_stored` (except `silent_hidden_tile`, fault injection);
+/// [`ForwardHandover::DOWN`]: a tile waits until `gate_up_stored` says every gate/up part of its
+/// rows is stored and counts its parts in `down_stored`.
+#[derive(Clone, Copy)]
+pub struct ForwardHandover<const PHASE: u32> {
+    params: *const ForwardParams,
+    epoch: u32,
+}
+
+impl ForwardHandover<0> {
+    /// The gate/up phase.
+    pub const GATE_UP: u32 = 0;
+    /// The down phase.
+    pub const DOWN: u32 = 1;
+}
+
+impl<const PHASE: u32> ForwardHandover<PHASE> {
+    /// # Safety
+    /// `params` points at the pass's valid [`ForwardParams`] for the whole launch; `epoch` is
+    /// the pass's.
+    #[inline(always)]
+    pub unsafe fn new(params: *const ForwardParams, epoch: u32) -> Self {
+        Self { params, epoch }
+    }
+}
+
+impl<const PHASE: u32> TileHooks for ForwardHandover<PHASE> {
+    #[inline(always)]
+    unsafe fn before_rows(&self, p: &GemmParams, work: &Work) {
+        // SAFETY: the pass's counters (constructor's contract) and the hook's.
         unsafe {
-            let c = &*self.counters;
-            let count = (c.tiles_stored as *mut u32).add(m_tile(p, work) as usize);
-            signal(count, 1, false);
+            let f = &*self.params;
+            let ready = if PHASE == ForwardHandover::GATE_UP {
+                Ready::Epoch { flags: f.rows_landed as *const u32, epoch: self.epoch }
+            } else {
+                // The SwiGLU tile writes 128 hidden columns.
+                let gate_up_n = (*(f.gate_up as *const GemmParams)).n.div_ceil(TILE_N / 2);
+                Ready::Stored { counts: f.gate_up_stored as *const u32, n_tiles: gate_up_n }
+            };
+            wait_for_rows(p, work, ready, f.error as *mut u32, f.timeout_ns, self.epoch);
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn after_store(&self, p: &GemmParams, work: &Work, _wg: u32) {
+        // SAFETY: as above.
+        unsafe {
+            let f = &*self.params;
+            if PHASE == ForwardHandover::GATE_UP {
+                count_stored(p, work, f.gate_up_stored as *mut u32, f.silent_hidden_tile);
+            } else {
+                count_stored(p, work, f.down_stored as *mut u32, NO_FAULT);
+            }
         }
     }
 }

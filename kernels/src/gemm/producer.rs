@@ -9,7 +9,7 @@ use crate::ptx::memory::{atom_add_relaxed_gpu_u32, ld_shared_u32, st_shared_u32}
 use crate::ptx::{cluster, mbarrier, sreg, tensormap, tma};
 
 use super::hooks::{TileHooks, hooked};
-use super::ring::Ring;
+use super::ring::{Ring, Walk};
 use super::source::*;
 
 /// The gate (first) or up (second) half of a SwiGLU B tile: 128 rows of 128 bytes.
@@ -28,16 +28,17 @@ pub(super) const B_HALF_BYTES: u32 = B_TILE_BYTES / 2;
 /// 64-row half of the shared rows into both blocks and their own weight tile: a stage is `full`
 /// in a block when everything meant for it has landed there, and `empty` when both blocks'
 /// consumers have released it (16 arrivals), because the partner's producer writes into it too.
+///
+/// Starts at `walk` and returns where the walk stands after the stage that carried [`NO_TILE`]
+/// (the next phase of a persistent kernel starts there).
 #[inline(always)]
-pub(super) unsafe fn produce<const V: u32, H: TileHooks>(p: &GemmParams, ring: Ring, hooks: H) {
+pub(super) unsafe fn produce<const V: u32, H: TileHooks>(p: &GemmParams, ring: Ring, hooks: H, walk: Walk) -> Walk {
     // SAFETY: the offsets in `p` hold groups + 1 (rows) and 2 · (groups + 1) (tiles) entries
     // (host contract of `run`).
     let total = unsafe { tile_count::<V>(p) };
     let counter = p.tile_counter as *mut u32;
     let rank = pair_rank::<V>();
-    let (mut stage, mut phase) = (0u32, 0u32);
-    // Bit s: the parity of stage s's mailbox (a pair's second block).
-    let mut mail_phases = 0u32;
+    let Walk { mut stage, mut phase, mut mail_phases } = walk;
     let mut taken = 0u32;
     loop {
         // Row-grouped tiles are long (a whole K loop over the hidden or intermediate width):
@@ -57,7 +58,8 @@ pub(super) unsafe fn produce<const V: u32, H: TileHooks>(p: &GemmParams, ring: R
         if tile >= total {
             // Tell the consumers (and the partner) through the next stage.
             name_in_copyless_stage::<V>(ring, stage, phase, NO_TILE);
-            return;
+            ring.advance(&mut stage, &mut phase);
+            return Walk { stage, phase, mail_phases };
         }
         // SAFETY: tile < total.
         let w = unsafe { work_of::<V>(p, tile) };

@@ -50,6 +50,7 @@ impl Ring {
         self.staging + wg * STAGING_BYTES_PER_WARPGROUP
     }
     /// The next (stage, phase) of the ring walk.
+    #[inline(always)]
     pub(super) fn advance(self, stage: &mut u32, phase: &mut u32) {
         *stage += 1;
         if *stage == STAGES {
@@ -57,4 +58,20 @@ impl Ring {
             *phase ^= 1;
         }
     }
+}
+
+/// Where a role stands in the ring walk: the stage its next tile starts in and that stage's
+/// phase parity; for a pair's second producer also the parity of each stage's mailbox (bit s).
+/// A standalone kernel starts at [`Walk::START`]; a persistent kernel that runs one engine phase
+/// after another carries it from each phase into the next, so the barriers' phases stay in step.
+#[derive(Clone, Copy)]
+pub struct Walk {
+    pub(super) stage: u32,
+    pub(super) phase: u32,
+    pub(super) mail_phases: u32,
+}
+
+impl Walk {
+    /// A fresh ring: stage 0, phase 0, every mailbox at parity 0.
+    pub const START: Walk = Walk { stage: 0, phase: 0, mail_phases: 0 };
 }

@@ -1,0 +1,137 @@
+//! The comm role of the forward megakernel on one GPU: the dispatch (token rows into expert
+//! order, one engine M tile at a time, each published with a release) and the combine (each
+//! token's slots summed in fixed order once the down tiles holding them are stored).
+
+use crate::comm::error::{self, ERROR_TIMEOUT, WAIT_ENGINE_TILE_OUTPUT};
+use crate::comm::wait::wait_until;
+use crate::device::rows::combine_quad;
+use crate::gemm_layout::{GemmParams, TILE_M, TILE_N};
+use crate::layout::NO_ROW;
+use crate::megakernel_layout::{ForwardParams, PassInputs, parts_per_m_tile};
+use crate::ptx::memory::{atom_add_relaxed_gpu_u32, ld_global_v4, st_global_v4, st_release_gpu_u32};
+use crate::ptx::{sreg, sync};
+
+/// The last index `i` in `0..len` with `values(i) ≤ target` (`values` non-decreasing,
+/// `values(0) ≤ target`): the group holding a row or an M tile (empty groups, whose first equals
+/// the next group's, are passed over).
+#[inline(always)]
+fn last_at_or_below(len: u32, target: u32, values: impl Fn(u32) -> u32) -> u32 {
+    let (mut lo, mut hi) = (0u32, len);
+    while lo + 1 < hi {
+        let mid = (lo + hi) / 2;
+        if values(mid) <= target { lo = mid } else { hi = mid }
+    }
+    lo
+}
+
+/// Dispatch, by every thread of comm block `block` (of `f.comm_blocks`): engine M tiles
+/// `block, block + comm_blocks, ...` in increasing order; each tile's rows are copied from x in
+/// expert order (warp per row, 16 bytes per lane), then, after a block barrier, thread 0 sets the
+/// tile's `rows_landed` flag to the epoch with a release. Waits for nothing, so the compute side
+/// can always make progress on what it has been given.
+///
+/// # Safety
+/// `f` is the pass's valid parameter block; the schedule (routing layout, tile offsets) was
+/// written before the launch.
+#[inline(always)]
+pub unsafe fn dispatch(f: &ForwardParams, pass: &PassInputs, block: u32) {
+    // SAFETY: caller contract: the gate/up parameter block and the offsets it points at.
+    unsafe {
+        let p = &*(f.gate_up as *const GemmParams);
+        let (tile_offsets, row_offsets) = (p.tile_offsets as *const u32, p.row_offsets as *const u32);
+        let groups = p.groups;
+        let m_tiles = *tile_offsets.add(groups as usize);
+        let (warp, warps, lane) = (sreg::thread_idx_x() / 32, sreg::block_dim_x() / 32, sreg::lane_id());
+        let vectors = f.hidden / 8;
+        let (x, rows, row_source) = (pass.x as *const u16, f.rows as *mut u16, f.row_source as *const u32);
+        let mut tile = block;
+        while tile < m_tiles {
+            let g = last_at_or_below(groups, tile, |i| *tile_offsets.add(i as usize));
+            let first = *row_offsets.add(g as usize) + (tile - *tile_offsets.add(g as usize)) * TILE_M;
+            let end = (first + TILE_M).min(*row_offsets.add(g as usize + 1));
+            let mut row = first + warp;
+            while row < end {
+                let token = *row_source.add(row as usize) / f.top_k;
+                let (src, dst) = (x.add((token * f.hidden) as usize), rows.add((row * f.hidden) as usize));
+                let mut v = lane;
+                while v < vectors {
+                    let vector = ld_global_v4(src.add(8 * v as usize) as *const u32);
+                    st_global_v4(dst.add(8 * v as usize) as *mut u32, vector);
+                    v += 32;
+                }
+                row += warps;
+            }
+            // Every thread's rows of the tile are written before thread 0 publishes them; the
+            // release orders them (barrier, then release at GPU scope) for the acquiring producer.
+            sync::block_barrier();
+            if sreg::thread_idx_x() == 0 && tile != f.silent_rows_tile {
+                st_release_gpu_u32((f.rows_landed as *mut u32).add(tile as usize), pass.epoch);
+            }
+            tile += f.comm_blocks;
+        }
+    }
+}
+
+/// The combine, by warp `warp` of a block's `warps` working warps (comm blocks after their
+/// dispatch, compute blocks' consumer warps after their GEMM phases): tokens taken one at a time
+/// from `combine_next`; each lane waits (bounded, acquire) until every down tile holding one of
+/// the token's slots is stored, then the warp sums the token's row 4 columns per lane with
+/// [`combine_quad`] — the shared term first, slots in order — the same arithmetic, and so the
+/// same bits, as `mok_combine_slots`.
+///
+/// # Safety
+/// As [`dispatch`]; the caller's warp is whole (all 32 lanes call this).
+#[inline(always)]
+pub unsafe fn combine(f: &ForwardParams, pass: &PassInputs) {
+    // SAFETY: caller contract.
+    unsafe {
+        let down = &*(f.down as *const GemmParams);
+        let (tile_offsets, row_offsets) = (down.tile_offsets as *const u32, down.row_offsets as *const u32);
+        let groups = down.groups;
+        let n_tiles = down.n.div_ceil(TILE_N);
+        let lane = sreg::lane_id();
+        let (slot_row, error) = (f.slot_row as *const u32, f.error as *mut u32);
+        loop {
+            let claimed = if lane == 0 { atom_add_relaxed_gpu_u32(f.combine_next as *mut u32, 1) } else { 0 };
+            let token = sync::shfl_idx_u32(claimed, 0);
+            if token >= f.tokens {
+                return;
+            }
+            for j in 0..f.top_k {
+                let row = *slot_row.add((token * f.top_k + j) as usize);
+                if row == NO_ROW {
+                    continue;
+                }
+                let g = last_at_or_below(groups, row, |i| *row_offsets.add(i as usize));
+                let (begin, end) = (*row_offsets.add(g as usize), *row_offsets.add(g as usize + 1));
+                let in_group = (row - begin) / TILE_M;
+                let tile = *tile_offsets.add(g as usize) + in_group;
+                let expected = parts_per_m_tile(n_tiles, (end - begin - in_group * TILE_M).min(TILE_M));
+                let counter = (f.down_stored as *const u32).add(tile as usize);
+                if let Err(seen) = wait_until(counter, false, f.timeout_ns, error, |v| v >= expected) {
+                    error::record(
+                        error,
+                        [ERROR_TIMEOUT, WAIT_ENGINE_TILE_OUTPUT, 0, tile, expected, seen, 0, pass.epoch],
+                    );
+                }
+            }
+            let (weights, rows, base) =
+                (pass.topk_weights as *const f32, f.down_rows as *const f32, f.shared_rows as *const f32);
+            let mut column = 4 * lane;
+            while column < f.hidden {
+                combine_quad(
+                    slot_row,
+                    weights,
+                    rows,
+                    base,
+                    token as usize,
+                    column as usize,
+                    f.top_k,
+                    f.hidden,
+                    f.y as *mut u16,
+                );
+                column += 4 * 32;
+            }
+        }
+    }
+}

@@ -1,0 +1,57 @@
+//! The forward megakernel on sm_90a: one persistent launch per pass, after the device-side
+//! schedule (routing layout, engine tile offsets, group maps).
+//!
+//! Blocks `0 .. comm_blocks` are the comm role: they [`dispatch`] the token rows into expert
+//! order M tile by M tile, publishing each, then [`combine`]. The blocks from the next whole
+//! pair on are the compute role, in 2-block clusters: they run every gate/up + SwiGLU tile as
+//! soon as its rows have landed and every down tile as soon as all gate/up tiles of its rows
+//! are stored (the engine's phases with [`ForwardHandover`] hooks), then their consumer warps join the
+//! combine. Every result is the standalone path's bits: the rows are the same copies, each GEMM
+//! tile the same K loop, each token's sum the same order.
+
+use crate::gemm::engine::run_forward_phases;
+use crate::gemm::hooks::ForwardHandover;
+use crate::gemm_layout::{ENGINE_THREADS, GemmParams};
+use crate::megakernel_layout::{ForwardParams, PassInputs, first_compute_block};
+use crate::ptx::sreg;
+
+use super::comm::{combine, dispatch};
+
+/// The whole pass, by every thread of the launch (see the module docs).
+///
+/// # Safety
+/// `params` points at a valid [`ForwardParams`] and `pass` holds this pass's inputs (an epoch
+/// not used before on these counters); the counters hold an entry per engine M tile
+/// the plans' groups can have, `gate_up_stored`, `down_stored` and `combine_next` zeroed and
+/// both plans' group maps cut (tile counters zeroed) on the stream before the launch; the grid
+/// is co-resident (at most the clusters that fit at once), more than `first_compute_block`
+/// blocks, [`ENGINE_THREADS`] threads each.
+#[inline(always)]
+pub unsafe fn forward(params: *const ForwardParams, pass: PassInputs) {
+    crate::ptx::declare_block_threads::<ENGINE_THREADS>();
+    crate::ptx::declare_cluster_blocks::<2>();
+    // SAFETY: caller contract; read-only for the whole launch (fields read where used).
+    let f = unsafe { &*params };
+    let block = sreg::block_idx_x();
+    if block < f.comm_blocks {
+        // SAFETY: caller contract.
+        unsafe {
+            dispatch(f, &pass, block);
+            combine(f, &pass);
+        }
+    } else if block >= first_compute_block(f.comm_blocks) {
+        // SAFETY: caller contract; the consumer warps are whole warps.
+        unsafe {
+            let phases = (
+                ForwardHandover::<{ ForwardHandover::GATE_UP }>::new(params, pass.epoch),
+                ForwardHandover::<{ ForwardHandover::DOWN }>::new(params, pass.epoch),
+            );
+            if run_forward_phases(f.gate_up as *const GemmParams, phases.0, f.down as *const GemmParams, phases.1)
+                .is_some()
+            {
+                combine(&*params, &pass);
+            }
+        }
+    }
+    // Otherwise the idle partner of an odd comm block count.
+}

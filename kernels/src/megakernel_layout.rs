@@ -1,0 +1,107 @@
+//! The parameter block of the forward megakernel (`mok_sm90_forward`, see
+//! `kernels/src/megakernel/`), shared by host and device, and the arithmetic both sides use to
+//! size and check its counters.
+
+/// A `silent_*` field's value that injects no fault.
+pub const NO_FAULT: u32 = u32::MAX;
+
+/// What a forward pass computes and the counters its roles hand work over through: everything
+/// that stays the same from pass to pass (the per-pass values — the token rows, the slot
+/// weights and the epoch — are kernel arguments, [`PassInputs`], so a pass needs no upload).
+/// Written by the host into device memory once, read by every block. All pointers are device
+/// addresses.
+///
+/// The counters are per engine M tile (128 rows, numbered over all groups by the engine's tile
+/// offsets, `GemmParams::tile_offsets`): the one tile vocabulary of the dispatch, the gate/up
+/// GEMM, the down GEMM and the combine.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ForwardParams {
+    /// The gate/up engine plan's `GemmParams` (A = `rows`, out = hidden bf16 rows).
+    pub gate_up: u64,
+    /// The down engine plan's `GemmParams` (A = hidden rows, out = `down_rows`).
+    pub down: u64,
+    /// `[R]` u32: the slot `t·k + j` each expert-ordered row holds (the routing layout).
+    pub row_source: u64,
+    /// `[T·k]` u32: the row each slot landed in (`layout::NO_ROW` when dropped).
+    pub slot_row: u64,
+    /// `[cap][H]` bf16: the dispatched rows in expert order (the gate/up GEMM's A).
+    pub rows: u64,
+    /// `[cap][H]` f32: the down projection's rows (the down GEMM's output).
+    pub down_rows: u64,
+    /// `[T][H]` f32, the shared expert's output added first in each token's sum; 0 for none.
+    pub shared_rows: u64,
+    /// `[T][H]` bf16: the layer output.
+    pub y: u64,
+    /// `[M tiles]` u32: the epoch of the last pass whose rows of that M tile are all in `rows`
+    /// (set by a comm block with a release; never cleared).
+    pub rows_landed: u64,
+    /// `[M tiles]` u32: the gate/up tile parts stored per M tile (one per N tile and consumer
+    /// warpgroup with rows); cleared in stream order before the pass.
+    pub gate_up_stored: u64,
+    /// `[M tiles]` u32: the same for the down tiles; cleared before the pass.
+    pub down_stored: u64,
+    /// One u32: the next token of the combine to hand out; cleared before the pass.
+    pub combine_next: u64,
+    /// `comm::params::ERROR_WORDS` u32: the pass's first failure (`comm::error` format).
+    pub error: u64,
+    /// How long any one wait may take, in `%globaltimer` nanoseconds.
+    pub timeout_ns: u64,
+    /// Tokens T.
+    pub tokens: u32,
+    /// Slots per token k.
+    pub top_k: u32,
+    /// Hidden width H (a multiple of 8).
+    pub hidden: u32,
+    /// Blocks `0 .. comm_blocks` dispatch and combine; the others (from the next whole pair
+    /// on) run the GEMM tiles, then combine too.
+    pub comm_blocks: u32,
+    /// Fault injection (tests): an M tile whose rows are gathered but never published, or
+    /// [`NO_FAULT`].
+    pub silent_rows_tile: u32,
+    /// Fault injection (tests): an M tile whose gate/up parts are stored but never counted, or
+    /// [`NO_FAULT`].
+    pub silent_hidden_tile: u32,
+}
+
+// The host writes this block byte for byte: fourteen 8-byte fields, then six u32.
+const _: () = assert!(size_of::<ForwardParams>() == 136);
+
+/// The per-pass arguments of the forward megakernel, after the parameter block.
+#[derive(Clone, Copy, Debug)]
+pub struct PassInputs {
+    /// `[T][H]` bf16 token rows.
+    pub x: u64,
+    /// `[T·k]` f32 slot weights.
+    pub topk_weights: u64,
+    /// This pass's epoch (≥ 1, never repeated on the same counters; what `rows_landed` must
+    /// reach).
+    pub epoch: u32,
+}
+
+/// The first block after the comm blocks that starts a compute pair (compute blocks run in
+/// 2-block clusters, so a comm count that is odd leaves the last comm block's partner idle).
+pub const fn first_compute_block(comm_blocks: u32) -> u32 {
+    comm_blocks.next_multiple_of(2)
+}
+
+/// Stored parts that complete an M tile of `rows` rows in a GEMM of `n_tiles` N tiles: each N
+/// tile's consumer warpgroups with rows (64 each) count once.
+pub const fn parts_per_m_tile(n_tiles: u32, rows: u32) -> u32 {
+    n_tiles * rows.div_ceil(64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn compute_pairs_start_after_the_comm_blocks() {
+        assert_eq!(first_compute_block(1), 2);
+        assert_eq!(first_compute_block(2), 2);
+        assert_eq!(first_compute_block(7), 8);
+        assert_eq!(parts_per_m_tile(28, 128), 56);
+        assert_eq!(parts_per_m_tile(28, 64), 28);
+        assert_eq!(parts_per_m_tile(3, 65), 6);
+    }
+}
