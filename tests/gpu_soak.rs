@@ -6,7 +6,7 @@
 //!   tests check against the f64 reference; every 25th pass its `y` is checked against the f64
 //!   reference here too.
 //! - Subjects: for P = 1 the same layer with the routed GEMMs on the tensor-core engine (where the
-//!   GPU has it); for P > 1 the expert-parallel layer over P virtual ranks (`EpLayer`), with vector
+//!   GPU has it), in half the blocks with the forward as the megakernel (1–8 comm blocks); for P > 1 the expert-parallel layer over P virtual ranks (`EpLayer`), with vector
 //!   or bulk movers. y, dx, d_topk_weights and every routed weight gradient must equal the oracle's
 //!   bits (for P = 1 the shared expert's weight gradients too; for P > 1 those are per-rank partial
 //!   sums that the data-parallel all-reduce finishes, so they are not comparable bit for bit).
@@ -37,6 +37,7 @@ use half::bf16;
 use mok::driver::{DeviceBuffer, Gpu, live_device_buffers};
 use mok::ep::EpLayer;
 use mok::exchange::{ExchangeOptions, Silence};
+use mok::megakernel::MegakernelOptions;
 use mok::problem::{ExpertWeights, RoutedTokens, SharedExpertWeights};
 use mok::reference::{self, ReferenceOptions};
 use mok::unfused::{DeviceExperts, DeviceSharedExpert, DeviceTokens, UnfusedLayer};
@@ -117,6 +118,8 @@ struct Block {
     ranks: usize,
     bulk_copies: bool,
     engine: bool,
+    /// P = 1 with the engine: the forward as the megakernel with this many comm blocks.
+    megakernel: Option<u32>,
     kind: RoutingKind,
     drop: f32,
 }
@@ -143,7 +146,9 @@ fn random_block(c: &mut Choices) -> Block {
         _ => RoutingKind::Uniform,
     };
     let drop = if c.chance(0.5) { 0.0 } else { 0.3 * c.unit() };
-    Block { global, ranks, bulk_copies: c.chance(0.5), engine: c.chance(0.8), kind, drop }
+    let (bulk_copies, engine) = (c.chance(0.5), c.chance(0.8));
+    let megakernel = if c.chance(0.5) { Some(c.range(1, 8) as u32) } else { None };
+    Block { global, ranks, bulk_copies, engine, megakernel, kind, drop }
 }
 
 /// The block's weights (global, all experts), generated once per block.
@@ -311,6 +316,10 @@ fn new_subject(gpu: &Gpu, block: &Block, deadline: Duration) -> Subject {
             if let Err(e) = layer.set_gemm_engine(gpu, true) {
                 assert_ne!(gpu.compute_capability().0, 9, "an sm_90 GPU must run the engine: {e}");
             }
+            if let (Some(comm_blocks), true) = (block.megakernel, layer.uses_gemm_engine()) {
+                let options = MegakernelOptions { comm_blocks: Some(comm_blocks), blocks: None, timeout: deadline };
+                layer.set_forward_megakernel(gpu, Some(options)).unwrap();
+            }
         }
         Subject::Engine(Box::new(layer))
     } else {
@@ -335,6 +344,7 @@ struct Tally {
     passes: usize,
     fresh_layers: usize,
     engine_passes: usize,
+    megakernel_passes: usize,
     ep_passes: usize,
     reference_checks: usize,
     silent_publish: usize,
@@ -430,6 +440,7 @@ fn soak_thousand_passes_bitwise_against_the_oracle_with_faults() {
             let (got, with_shared) = match target {
                 Subject::Engine(layer) => {
                     tally.engine_passes += 1;
+                    tally.megakernel_passes += layer.uses_forward_megakernel() as usize;
                     (run_unfused(&gpu, layer, &device, &oracle_experts, oracle_shared.as_ref()), true)
                 }
                 Subject::Ep(layer) => {
@@ -476,12 +487,13 @@ fn soak_thousand_passes_bitwise_against_the_oracle_with_faults() {
     let (buffers_after, bytes_after) = live_device_buffers();
     let (free_after, _) = gpu.memory_info().unwrap();
     println!(
-        "  {} passes in {:.1} s over {block_index} blocks: {} engine / mma.sync (P = 1), {} expert-parallel; {} on \
+        "  {} passes in {:.1} s over {block_index} blocks: {} engine / mma.sync (P = 1; {} with the megakernel forward), {} expert-parallel; {} on \
          fresh layer objects; P seen (blocks) {:?}; routings uniform / all-to-one / empty experts {:?} passes; \
          {} f64 reference checks",
         tally.passes,
         start.elapsed().as_secs_f64(),
         tally.engine_passes,
+        tally.megakernel_passes,
         tally.ep_passes,
         tally.fresh_layers,
         tally.ranks_seen.iter().enumerate().filter(|(_, n)| **n > 0).map(|(p, n)| (p, *n)).collect::<Vec<_>>(),

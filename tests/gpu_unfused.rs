@@ -28,6 +28,7 @@ use common::{
 use half::bf16;
 use mok::driver::{DeviceBuffer, Gpu};
 use mok::layout::RoutingLayout;
+use mok::megakernel::{MegakernelFaults, MegakernelOptions};
 use mok::problem::ExpertWeights;
 use mok::reference::{self, ReferenceOptions};
 use mok::unfused::{
@@ -443,4 +444,164 @@ fn a_layer_on_the_callers_cudarc_stream_gives_the_same_bits() {
     }
     stream.synchronize().unwrap();
     println!("  on the caller's cudarc stream: bitwise the run on mok's own stream");
+}
+
+/// The forward megakernel's options for a test: a short deadline, so a fault fails fast.
+fn megakernel_options(comm_blocks: Option<u32>, blocks: Option<u32>) -> MegakernelOptions {
+    MegakernelOptions { comm_blocks, blocks, timeout: std::time::Duration::from_secs(2) }
+}
+
+/// A layer whose forward is the megakernel, or `None` (printed) on a GPU without it.
+fn megakernel_layer(gpu: &Gpu, c: &MoeConfig, options: MegakernelOptions) -> Option<UnfusedLayer> {
+    let mut layer = UnfusedLayer::new(gpu, c.clone()).unwrap();
+    if let Err(e) = layer.set_forward_megakernel(gpu, Some(options)) {
+        println!("  NOT RUN: the forward megakernel is not available on this GPU: {e}");
+        assert_ne!(gpu.compute_capability().0, 9, "an sm_90 GPU must run the megakernel: {e}");
+        return None;
+    }
+    Some(layer)
+}
+
+/// Asserts that `got` (a megakernel forward, then the backward) equals the engine path's run
+/// bit for bit: everything the forward saves for the backward, y, and every gradient.
+fn assert_same_run(got: &GpuRun, expected: &GpuRun, what: &str) {
+    assert_eq!(got.layout, expected.layout, "{what}: routing layout");
+    assert_eq!(fingerprint(&got.gathered_x), fingerprint(&expected.gathered_x), "{what}: dispatched rows");
+    assert_eq!(fingerprint(&got.gate), fingerprint(&expected.gate), "{what}: gate pre-activations");
+    assert_eq!(fingerprint(&got.up), fingerprint(&expected.up), "{what}: up pre-activations");
+    assert_eq!(fingerprint(&got.hidden), fingerprint(&expected.hidden), "{what}: hidden");
+    assert_eq!(fingerprint(&got.down), fingerprint(&expected.down), "{what}: down rows");
+    assert_eq!(fingerprint(&got.y), fingerprint(&expected.y), "{what}: y");
+    assert_eq!(got.backward_rows, expected.backward_rows, "{what}: backward rows");
+    assert_eq!(got.fingerprints(), expected.fingerprints(), "{what}: outputs and gradients");
+}
+
+#[test]
+fn forward_megakernel_is_bitwise_the_engine_path() {
+    // One persistent launch (dispatch, gate/up + SwiGLU, down, combine) must give the engine
+    // path's bits — which equal the mma.sync path's — for every comm-block split and grid size,
+    // on ragged, empty and hot experts, T = 1, k = 1 and k = 10, dropped slots, the shared
+    // expert and the SwiGLU limit.
+    let gpu = gpu();
+    let hot: &[usize] = &[2, 3, 4, 5, 6, 7];
+    let cases = [
+        (config(131, 72, 40, 8, 4, Some(24), Some(1.5)), Routing { drop_probability: 0.15, empty_experts: &[3] }),
+        (config(400, 512, 256, 32, 8, Some(256), Some(1.0)), Routing { drop_probability: 0.02, empty_experts: &[5] }),
+        (config(1, 64, 64, 4, 1, None, None), PLAIN_ROUTING),
+        (config(333, 136, 96, 16, 10, None, Some(2.0)), Routing { drop_probability: 0.05, empty_experts: &[0, 9] }),
+        (config(700, 256, 192, 8, 2, Some(64), None), Routing { drop_probability: 0.0, empty_experts: hot }),
+        (config(1024, 256, 192, 4, 1, None, None), PLAIN_ROUTING),
+    ];
+    let Some(probe) = megakernel_layer(&gpu, &cases[0].0, megakernel_options(None, None)) else { return };
+    drop(probe);
+    for (seed, (c, routing)) in cases.into_iter().enumerate() {
+        let case = random_case(&c, 300 + seed as u64, routing);
+        let device = upload(&gpu, &case);
+        let mut engine = UnfusedLayer::new(&gpu, c.clone()).unwrap();
+        engine.set_gemm_engine(&gpu, true).unwrap();
+        let expected = run(&gpu, &mut engine, &device);
+        let what =
+            format!("T={} H={} I={} E={} k={}", c.tokens_per_rank, c.hidden, c.intermediate, c.num_experts, c.top_k);
+        // The default geometry first (it also tells the resident grid).
+        let mut layer = megakernel_layer(&gpu, &c, megakernel_options(None, None)).unwrap();
+        assert_same_run(&run(&gpu, &mut layer, &device), &expected, &format!("{what}, default split"));
+        let (resident, default_comm) = layer.megakernel_geometry().unwrap();
+        // Comm blocks from 1 to half the grid (odd counts leave a block idle), and smaller grids
+        // down to one comm block and one compute pair.
+        let all_splits = [1, 2, 3, 5, 8, 13, resident / 4, resident / 2];
+        let grids = [(1, 4), (3, 8), (2, 10), (6, 30), (9, resident - 2)];
+        let (splits, grids) =
+            if common::sanitizing() { (&all_splits[..2], &grids[..1]) } else { (&all_splits[..], &grids[..]) };
+        let mut tried = 0;
+        for &comm in splits {
+            layer.set_forward_megakernel(&gpu, Some(megakernel_options(Some(comm), None))).unwrap();
+            assert_same_run(&run(&gpu, &mut layer, &device), &expected, &format!("{what}, {comm} comm blocks"));
+            tried += 1;
+        }
+        for &(comm, blocks) in grids {
+            layer.set_forward_megakernel(&gpu, Some(megakernel_options(Some(comm), Some(blocks)))).unwrap();
+            let got = run(&gpu, &mut layer, &device);
+            assert_eq!(layer.megakernel_geometry(), Some((blocks, comm)));
+            assert_same_run(&got, &expected, &format!("{what}, {comm} comm of {blocks} blocks"));
+            tried += 1;
+        }
+        println!(
+            "  {what}: megakernel bitwise equal to the engine path ({} splits + {} grids; resident {resident} blocks, default {default_comm} comm)",
+            splits.len(),
+            grids.len()
+        );
+        assert_eq!(tried, splits.len() + grids.len());
+    }
+}
+
+#[test]
+fn forward_megakernel_repeats_bitwise_and_rejects_bad_geometry() {
+    let gpu = gpu();
+    let c = config(400, 512, 256, 32, 8, Some(256), Some(1.0));
+    let Some(mut layer) = megakernel_layer(&gpu, &c, megakernel_options(None, None)) else { return };
+    let case = random_case(&c, 400, Routing { drop_probability: 0.02, empty_experts: &[5] });
+    let device = upload(&gpu, &case);
+    let first = run(&gpu, &mut layer, &device);
+    let repeats = common::sized("repeats", 20, 3);
+    for i in 1..repeats {
+        assert_same_run(&run(&gpu, &mut layer, &device), &first, &format!("repeat {i}"));
+    }
+    println!("  {repeats} runs on one layer: bitwise identical");
+    let (resident, _) = layer.megakernel_geometry().unwrap();
+    for (comm, blocks, why) in [
+        (Some(0), None, "no comm block"),
+        (Some(resident - 1), None, "no compute pair"),
+        (Some(1), Some(resident + 2), "more blocks than fit at once"),
+        (Some(1), Some(7), "an odd grid"),
+        (Some(2), Some(2), "no compute pair"),
+    ] {
+        let mut bad = UnfusedLayer::new(&gpu, c.clone()).unwrap();
+        bad.set_forward_megakernel(&gpu, Some(megakernel_options(comm, blocks))).unwrap();
+        bad.poison().unwrap();
+        match bad.forward(&gpu, &device.tokens, &device.experts, device.shared.as_ref()) {
+            Err(MokError::InvalidInput { problem, .. }) => println!("  {why}: {problem}"),
+            other => panic!("{why}: expected InvalidInput, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn forward_megakernel_faults_are_reported_timeouts_then_correct_passes() {
+    // A tile whose rows are never published, and one whose gate/up parts never count: each is
+    // a `MokError::Timeout` naming the counter, the tile, the value expected and seen, within
+    // twice the deadline; the next pass on the same layer is correct.
+    let gpu = gpu();
+    let c = config(400, 512, 256, 32, 8, Some(256), Some(1.0));
+    let deadline = std::time::Duration::from_millis(200);
+    let options = MegakernelOptions { comm_blocks: None, blocks: None, timeout: deadline };
+    let Some(mut layer) = megakernel_layer(&gpu, &c, options) else { return };
+    let case = random_case(&c, 500, Routing { drop_probability: 0.02, empty_experts: &[5] });
+    let device = upload(&gpu, &case);
+    let mut engine = UnfusedLayer::new(&gpu, c.clone()).unwrap();
+    engine.set_gemm_engine(&gpu, true).unwrap();
+    let expected = run(&gpu, &mut engine, &device);
+    assert_same_run(&run(&gpu, &mut layer, &device), &expected, "before the faults");
+    let faults = [
+        (MegakernelFaults { silent_rows_tile: Some(3), ..Default::default() }, "rows of an engine M tile", "M tile 3"),
+        (MegakernelFaults { silent_hidden_tile: Some(5), ..Default::default() }, "gate/up tiles", "M tile 5"),
+    ];
+    for (fault, counter, tile) in faults {
+        layer.set_megakernel_faults(fault).unwrap();
+        layer.poison().unwrap();
+        let start = std::time::Instant::now();
+        layer.forward(&gpu, &device.tokens, &device.experts, device.shared.as_ref()).unwrap();
+        let result = layer.check_device_errors();
+        let elapsed = start.elapsed();
+        match result {
+            Err(MokError::Timeout { waited_for, detail, .. }) => {
+                assert!(waited_for.contains(counter), "{waited_for}");
+                assert!(detail.contains(tile) && detail.contains("expected"), "{detail}");
+                println!("  {fault:?}: Timeout after {:.3} s: {waited_for}: {detail}", elapsed.as_secs_f64());
+            }
+            other => panic!("{fault:?}: expected a Timeout, got {other:?}"),
+        }
+        assert!(elapsed < 2 * deadline, "{fault:?}: reported after {elapsed:?}, deadline {deadline:?}");
+        layer.set_megakernel_faults(MegakernelFaults::default()).unwrap();
+        assert_same_run(&run(&gpu, &mut layer, &device), &expected, &format!("the pass after {fault:?}"));
+    }
 }

@@ -266,6 +266,22 @@ impl EnginePlan {
         self.launch_with_blocks(gpu, self.resident_blocks)
     }
 
+    /// The device address of the plan's parameter block (a persistent kernel that runs this
+    /// plan's tiles reads it).
+    pub(crate) fn params_ptr(&self) -> u64 {
+        self.params.device_ptr()
+    }
+
+    /// The kernel the plan launches.
+    pub(crate) fn kernel(&self) -> &'static str {
+        self.kernel
+    }
+
+    /// Row-grouped plans: the most engine M tiles their groups can hold (rows / 128 + groups).
+    pub(crate) fn max_m_tiles(&self) -> usize {
+        self.max_m_tiles
+    }
+
     /// The blocks [`EnginePlan::launch`] starts: one per SM, or for the paired (clustered)
     /// variants twice the clusters that can be resident at once (from the driver's occupancy
     /// query when the plan was built).
@@ -276,7 +292,7 @@ impl EnginePlan {
     /// Enqueues `mok_sm90_group_maps` for this plan: the group bounds may have changed since the
     /// last launch (they are device-written), so the maps are cut again, on the same stream,
     /// before the engine reads them. The same kernel zeroes the engine's tile counter.
-    fn cut_group_maps(&self, gpu: &Gpu) -> Result<()> {
+    pub(crate) fn cut_group_maps(&self, gpu: &Gpu) -> Result<()> {
         let maps_shape = LaunchShape {
             grid: (self.groups.div_ceil(GROUP_MAP_WARPS).max(1), 1, 1),
             threads: 32 * GROUP_MAP_WARPS,
@@ -572,7 +588,7 @@ fn params_bytes(params: &GemmParams) -> &[u8] {
 ///
 /// # Safety
 /// `T` is `repr(C)` with no padding bytes (every byte initialised).
-unsafe fn plain_bytes<T: Copy>(value: &T) -> &[u8] {
+pub(crate) unsafe fn plain_bytes<T: Copy>(value: &T) -> &[u8] {
     // SAFETY: caller contract; the slice covers exactly `value`.
     unsafe { core::slice::from_raw_parts((value as *const T).cast::<u8>(), size_of::<T>()) }
 }

@@ -19,6 +19,7 @@ pub mod error;
 pub mod exchange;
 pub mod gemm;
 pub mod layout;
+pub mod megakernel;
 pub mod problem;
 pub mod random;
 pub mod reference;

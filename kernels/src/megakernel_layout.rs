@@ -7,7 +7,7 @@ pub const NO_FAULT: u32 = u32::MAX;
 
 /// What a forward pass computes and the counters its roles hand work over through: everything
 /// that stays the same from pass to pass (the per-pass values — the token rows, the slot
-/// weights and the epoch — are kernel arguments, [`PassInputs`], so a pass needs no upload).
+/// weights, the shared expert's rows and the epoch — are kernel arguments, [`PassInputs`], so a pass needs no upload).
 /// Written by the host into device memory once, read by every block. All pointers are device
 /// addresses.
 ///
@@ -29,8 +29,6 @@ pub struct ForwardParams {
     pub rows: u64,
     /// `[cap][H]` f32: the down projection's rows (the down GEMM's output).
     pub down_rows: u64,
-    /// `[T][H]` f32, the shared expert's output added first in each token's sum; 0 for none.
-    pub shared_rows: u64,
     /// `[T][H]` bf16: the layer output.
     pub y: u64,
     /// `[M tiles]` u32: the epoch of the last pass whose rows of that M tile are all in `rows`
@@ -45,7 +43,8 @@ pub struct ForwardParams {
     pub combine_next: u64,
     /// `comm::params::ERROR_WORDS` u32: the pass's first failure (`comm::error` format).
     pub error: u64,
-    /// How long any one wait may take, in `%globaltimer` nanoseconds.
+    /// How long a wait on the dispatch may take, in `%globaltimer` nanoseconds (waits further
+    /// downstream get longer: [`downstream_deadline`]).
     pub timeout_ns: u64,
     /// Tokens T.
     pub tokens: u32,
@@ -64,8 +63,8 @@ pub struct ForwardParams {
     pub silent_hidden_tile: u32,
 }
 
-// The host writes this block byte for byte: fourteen 8-byte fields, then six u32.
-const _: () = assert!(size_of::<ForwardParams>() == 136);
+// The host writes this block byte for byte: thirteen 8-byte fields, then six u32.
+const _: () = assert!(size_of::<ForwardParams>() == 128);
 
 /// The per-pass arguments of the forward megakernel, after the parameter block.
 #[derive(Clone, Copy, Debug)]
@@ -74,6 +73,8 @@ pub struct PassInputs {
     pub x: u64,
     /// `[T·k]` f32 slot weights.
     pub topk_weights: u64,
+    /// `[T][H]` f32, the shared expert's output added first in each token's sum; 0 for none.
+    pub shared_rows: u64,
     /// This pass's epoch (≥ 1, never repeated on the same counters; what `rows_landed` must
     /// reach).
     pub epoch: u32,
@@ -91,6 +92,15 @@ pub const fn parts_per_m_tile(n_tiles: u32, rows: u32) -> u32 {
     n_tiles * rows.div_ceil(64)
 }
 
+/// The deadline of a wait `depth` hand-overs downstream of the dispatch (1: a down tile waiting
+/// for its gate/up tiles; 2: the combine waiting for down tiles): `timeout · (2 − 2^-depth)`,
+/// longer than every wait upstream of it, so when a counter never completes the failure
+/// recorded first is the wait on that counter, not one that waits behind it — and every failure
+/// is still reported within twice the deadline.
+pub const fn downstream_deadline(timeout_ns: u64, depth: u32) -> u64 {
+    timeout_ns + (timeout_ns - (timeout_ns >> depth))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -103,5 +113,9 @@ mod tests {
         assert_eq!(parts_per_m_tile(28, 128), 56);
         assert_eq!(parts_per_m_tile(28, 64), 28);
         assert_eq!(parts_per_m_tile(3, 65), 6);
+        assert_eq!(
+            [downstream_deadline(1000, 0), downstream_deadline(1000, 1), downstream_deadline(1000, 2)],
+            [1000, 1500, 1750]
+        );
     }
 }

@@ -7,6 +7,9 @@ use crate::config::MoeConfig;
 use crate::driver::{DeviceBuffer, Gpu, KernelArg, LaunchShape};
 use crate::error::{MokError, Result};
 use crate::gemm::{self as engine, EnginePlan, RowsOut, WgradOut};
+#[cfg(feature = "testing")]
+use crate::megakernel::MegakernelFaults;
+use crate::megakernel::{FORWARD_KERNEL, ForwardMegakernel, MegakernelOptions, PassBuffers};
 
 use super::*;
 use KernelArg::{Ptr, U32};
@@ -61,6 +64,9 @@ pub struct UnfusedLayer {
     /// The routed experts' GEMMs on the tensor-core engine instead of the `mma.sync` kernels
     /// ([`UnfusedLayer::set_gemm_engine`]).
     engine: Option<EngineExperts>,
+    /// The forward as one persistent launch ([`UnfusedLayer::set_forward_megakernel`]): its
+    /// options, and the pass once built for the engine's plans.
+    megakernel: Option<(MegakernelOptions, Option<ForwardMegakernel>)>,
 }
 
 /// The routed experts' GEMMs on the sm_90a tensor-core engine ([`crate::gemm`]) — the same
@@ -112,6 +118,7 @@ impl UnfusedLayer {
             shared,
             y: DeviceBuffer::alloc(gpu, t * h)?,
             engine: None,
+            megakernel: None,
             grads: DeviceGrads {
                 dx: DeviceBuffer::alloc(gpu, t * h)?,
                 d_topk_weights: DeviceBuffer::alloc(gpu, slots)?,
@@ -140,6 +147,7 @@ impl UnfusedLayer {
     pub fn set_gemm_engine(&mut self, gpu: &Gpu, on: bool) -> Result<()> {
         if !on {
             self.engine = None;
+            self.megakernel = None;
             return Ok(());
         }
         if !engine::engine_available(gpu) {
@@ -158,6 +166,79 @@ impl UnfusedLayer {
                 backward: Vec::new(),
             });
         }
+        Ok(())
+    }
+
+    /// Runs the forward as one persistent launch after the schedule (`Some(options)`: the
+    /// forward megakernel, sm_90a; it needs the tensor-core engine and switches it on), or as
+    /// separate launches (`None`). Both give the same bits; the backward is unchanged and reads
+    /// what either forward saved. Errors when this GPU or the loaded PTX cannot run it; the
+    /// layer is then unchanged. The options' geometry is checked when the first forward builds
+    /// the pass.
+    pub fn set_forward_megakernel(&mut self, gpu: &Gpu, options: Option<MegakernelOptions>) -> Result<()> {
+        let Some(options) = options else {
+            self.megakernel = None;
+            return Ok(());
+        };
+        if !gpu.has_kernel(FORWARD_KERNEL) || gpu.compute_capability().0 != 9 {
+            return Err(MokError::InvalidInput {
+                tensor: "megakernel",
+                problem: format!(
+                    "needs an sm_90 GPU and {FORWARD_KERNEL} in the loaded PTX (this GPU is sm_{}{})",
+                    gpu.compute_capability().0,
+                    gpu.compute_capability().1
+                ),
+            });
+        }
+        self.set_gemm_engine(gpu, true)?;
+        self.megakernel = Some((options, None));
+        Ok(())
+    }
+
+    /// Whether the forward runs as the megakernel.
+    pub fn uses_forward_megakernel(&self) -> bool {
+        self.megakernel.is_some()
+    }
+
+    /// The last megakernel pass's (blocks, comm blocks), once a forward has built it.
+    pub fn megakernel_geometry(&self) -> Option<(u32, u32)> {
+        self.megakernel.as_ref().and_then(|(_, pass)| pass.as_ref()).map(ForwardMegakernel::geometry)
+    }
+
+    /// Faults for the following megakernel passes (feature `testing`; the pass must exist: run
+    /// a forward first).
+    #[cfg(feature = "testing")]
+    pub fn set_megakernel_faults(&mut self, faults: MegakernelFaults) -> Result<()> {
+        match self.megakernel.as_mut().and_then(|(_, pass)| pass.as_mut()) {
+            Some(pass) => pass.set_faults(faults),
+            None => Err(MokError::InvalidInput {
+                tensor: "megakernel",
+                problem: "no megakernel pass yet (switch it on and run a forward)".into(),
+            }),
+        }
+    }
+
+    /// Builds the megakernel pass for the engine's current plans (when it is on).
+    fn prepare_megakernel(&mut self, gpu: &Gpu) -> Result<()> {
+        let (Some((options, pass)), Some(engine)) = (self.megakernel.as_mut(), self.engine.as_ref()) else {
+            return Ok(());
+        };
+        let plans = [&engine.forward[0], &engine.forward[1]];
+        if pass.as_ref().is_some_and(|p| p.built_for(plans)) {
+            return Ok(());
+        }
+        let c = &self.config;
+        let buffers = PassBuffers {
+            row_source: self.routing.row_source.device_ptr(),
+            slot_row: self.routing.slot_row.device_ptr(),
+            rows: self.gathered_x.device_ptr(),
+            down_rows: self.routed.rows.out.device_ptr(),
+            y: self.y.device_ptr(),
+            tokens: c.tokens_per_rank as u32,
+            top_k: c.top_k as u32,
+            hidden: c.hidden as u32,
+        };
+        *pass = Some(ForwardMegakernel::new(gpu, plans, &buffers, options)?);
         Ok(())
     }
 
@@ -362,7 +443,11 @@ impl UnfusedLayer {
         self.check_inputs(tokens, experts, shared)?;
         // Before any launch: building plans uploads their parameter blocks.
         self.prepare_engine_plans(gpu, experts)?;
+        self.prepare_megakernel(gpu)?;
         self.route(gpu, &tokens.topk_ids)?;
+        if self.megakernel.is_some() {
+            return self.forward_megakernel(gpu, tokens, shared);
+        }
         let c = self.config.clone();
         let (t, h, e, k) = (c.tokens_per_rank, c.hidden, c.num_experts, c.top_k);
         let slots = t * k;
@@ -434,6 +519,33 @@ impl UnfusedLayer {
                 ],
             )
         }
+    }
+
+    /// The forward after routing, as the megakernel: the engine's tile offsets, the shared
+    /// expert (its rows are the first term of every token's sum), then one pass.
+    fn forward_megakernel(
+        &mut self,
+        gpu: &Gpu,
+        tokens: &DeviceTokens,
+        shared: Option<&DeviceSharedExpert>,
+    ) -> Result<()> {
+        let t = self.config.tokens_per_rank;
+        let (Some(engine), Some((_, Some(pass)))) = (&self.engine, &mut self.megakernel) else {
+            return Err(MokError::InvalidInput { tensor: "megakernel", problem: "not prepared".into() });
+        };
+        engine::tile_offsets_into(gpu, &self.routing.row_offsets, self.config.num_experts, &engine.tile_offsets)?;
+        let mut shared_out = 0;
+        if let (Some(weights), Some((compute, offsets))) = (shared, &self.shared) {
+            compute.forward(
+                gpu,
+                &RowGroups::all_tokens(offsets, t),
+                tokens.x.device_ptr(),
+                [&weights.ws_gate, &weights.ws_up, &weights.ws_down],
+            )?;
+            shared_out = compute.out_rows().device_ptr();
+        }
+        let plans = [&engine.forward[0], &engine.forward[1]];
+        pass.launch(gpu, plans, tokens.x.device_ptr(), tokens.topk_weights.device_ptr(), shared_out)
     }
 
     /// Enqueues the backward pass of the last forward (same inputs) for output gradient `dy`;
@@ -563,8 +675,13 @@ impl UnfusedLayer {
 
     /// Waits for the stream and reports a routing problem the kernels found in `topk_ids`
     /// (an id out of range or repeated in a token: that slot was dropped).
-    pub fn check_device_errors(&self) -> Result<()> {
+    pub fn check_device_errors(&mut self) -> Result<()> {
         let words = self.routing.error.download()?;
+        if words[0] == 0 {
+            if let Some((_, Some(pass))) = &mut self.megakernel {
+                return pass.check();
+            }
+        }
         let k = self.config.top_k as u32;
         let describe = |what: &str| {
             format!(

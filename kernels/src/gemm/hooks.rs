@@ -14,7 +14,7 @@ use crate::comm::error::{self, ERROR_TIMEOUT, WAIT_ENGINE_TILE_HIDDEN, WAIT_ENGI
 use crate::comm::schedule::epoch_reached;
 use crate::comm::wait::{signal, wait_until};
 use crate::gemm_layout::{GemmParams, TILE_M, TILE_N, TileCounters, Variant};
-use crate::megakernel_layout::{ForwardParams, NO_FAULT, parts_per_m_tile};
+use crate::megakernel_layout::{ForwardParams, NO_FAULT, downstream_deadline, parts_per_m_tile};
 use crate::ptx::bulk;
 use crate::ptx::memory::fence_proxy_async_global;
 
@@ -197,7 +197,11 @@ impl<const PHASE: u32> TileHooks for ForwardHandover<PHASE> {
                 let gate_up_n = (*(f.gate_up as *const GemmParams)).n.div_ceil(TILE_N / 2);
                 Ready::Stored { counts: f.gate_up_stored as *const u32, n_tiles: gate_up_n }
             };
-            wait_for_rows(p, work, ready, f.error as *mut u32, f.timeout_ns, self.epoch);
+            // A down tile's wait is downstream of its gate/up tiles' waits: a longer deadline, so
+            // the failure reported first is the cause (`megakernel_layout::downstream_deadline`).
+            let timeout_ns =
+                if PHASE == ForwardHandover::GATE_UP { f.timeout_ns } else { downstream_deadline(f.timeout_ns, 1) };
+            wait_for_rows(p, work, ready, f.error as *mut u32, timeout_ns, self.epoch);
         }
     }
 

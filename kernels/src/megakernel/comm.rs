@@ -7,7 +7,7 @@ use crate::comm::wait::wait_until;
 use crate::device::rows::combine_quad;
 use crate::gemm_layout::{GemmParams, TILE_M, TILE_N};
 use crate::layout::NO_ROW;
-use crate::megakernel_layout::{ForwardParams, PassInputs, parts_per_m_tile};
+use crate::megakernel_layout::{ForwardParams, PassInputs, downstream_deadline, parts_per_m_tile};
 use crate::ptx::memory::{atom_add_relaxed_gpu_u32, ld_global_v4, st_global_v4, st_release_gpu_u32};
 use crate::ptx::{sreg, sync};
 
@@ -108,7 +108,8 @@ pub unsafe fn combine(f: &ForwardParams, pass: &PassInputs) {
                 let tile = *tile_offsets.add(g as usize) + in_group;
                 let expected = parts_per_m_tile(n_tiles, (end - begin - in_group * TILE_M).min(TILE_M));
                 let counter = (f.down_stored as *const u32).add(tile as usize);
-                if let Err(seen) = wait_until(counter, false, f.timeout_ns, error, |v| v >= expected) {
+                let timeout_ns = downstream_deadline(f.timeout_ns, 2);
+                if let Err(seen) = wait_until(counter, false, timeout_ns, error, |v| v >= expected) {
                     error::record(
                         error,
                         [ERROR_TIMEOUT, WAIT_ENGINE_TILE_OUTPUT, 0, tile, expected, seen, 0, pass.epoch],
@@ -116,7 +117,7 @@ pub unsafe fn combine(f: &ForwardParams, pass: &PassInputs) {
                 }
             }
             let (weights, rows, base) =
-                (pass.topk_weights as *const f32, f.down_rows as *const f32, f.shared_rows as *const f32);
+                (pass.topk_weights as *const f32, f.down_rows as *const f32, pass.shared_rows as *const f32);
             let mut column = 4 * lane;
             while column < f.hidden {
                 combine_quad(

@@ -1,0 +1,244 @@
+//! The forward megakernel from the host (`mok_sm90_forward`, kernels/src/megakernel/): its
+//! parameter block, its counters and its launch. A layer switches it on with
+//! [`UnfusedLayer::set_forward_megakernel`](crate::unfused::UnfusedLayer::set_forward_megakernel);
+//! the pass reads the same engine plans (tile lists, tensor maps) as the engine path and writes
+//! the same buffers, so the backward reads what it always reads.
+
+use std::time::Duration;
+
+use mok_kernels::comm::params::ERROR_WORDS;
+use mok_kernels::gemm_layout::{ENGINE_SMEM_BYTES, ENGINE_THREADS};
+use mok_kernels::megakernel_layout::{ForwardParams, NO_FAULT, first_compute_block};
+
+use crate::driver::{DeviceBuffer, Gpu, KernelArg, LaunchShape};
+use crate::error::{MokError, Result};
+use crate::gemm::{EnginePlan, engine_error, plain_bytes};
+
+/// The forward megakernel's entry point.
+pub const FORWARD_KERNEL: &str = "mok_sm90_forward";
+
+/// How a forward megakernel pass is laid out on the GPU. Results do not depend on any of it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MegakernelOptions {
+    /// Blocks of the comm role (dispatch and combine); `None`: [`default_comm_blocks`].
+    pub comm_blocks: Option<u32>,
+    /// Blocks of the whole launch; `None`: as many 2-block clusters as can be resident at once.
+    /// Must be co-resident (at most that many) and leave at least one compute pair.
+    pub blocks: Option<u32>,
+    /// How long any one wait of the pass may take before it is reported as
+    /// [`MokError::Timeout`].
+    pub timeout: Duration,
+}
+
+impl Default for MegakernelOptions {
+    fn default() -> Self {
+        Self { comm_blocks: None, blocks: None, timeout: Duration::from_secs(5) }
+    }
+}
+
+/// The comm blocks used when the options name none: one in sixteen of the launch's blocks, at
+/// least one (a first choice; docs/PERF.md has the measured splits).
+pub fn default_comm_blocks(blocks: u32) -> u32 {
+    (blocks / 16).max(1)
+}
+
+/// Faults a test can inject into the next passes (feature `testing`): an M tile whose rows are
+/// gathered but never published, and one whose gate/up parts are stored but never counted.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MegakernelFaults {
+    /// The comm side never publishes this M tile's rows.
+    pub silent_rows_tile: Option<u32>,
+    /// The compute side never counts this M tile's gate/up parts (its down tiles wait).
+    pub silent_hidden_tile: Option<u32>,
+}
+
+/// A layer's forward megakernel: the parameter block (fixed for the layer's buffers and plans),
+/// the counters and the launch geometry.
+pub(crate) struct ForwardMegakernel {
+    host: ForwardParams,
+    params: DeviceBuffer<u8>,
+    /// `[M tiles]` epoch flags, never cleared (each pass has a new epoch).
+    _rows_landed: DeviceBuffer<u32>,
+    /// `[M tiles]` gate/up parts, `[M tiles]` down parts, the combine's next token: cleared
+    /// together before each pass.
+    pass_counters: DeviceBuffer<u32>,
+    error: DeviceBuffer<u32>,
+    epoch: u32,
+    blocks: u32,
+    /// The plans the parameter block points at (their parameter blocks' addresses).
+    built_for: [u64; 2],
+}
+
+/// The layer buffers a pass reads and writes, besides the plans'.
+pub(crate) struct PassBuffers {
+    /// `[R]` the slot each expert-ordered row holds.
+    pub row_source: u64,
+    /// `[T·k]` the row of each slot.
+    pub slot_row: u64,
+    /// `[cap][H]` bf16 dispatched rows (the gate/up plan's A).
+    pub rows: u64,
+    /// `[cap][H]` f32 down rows (the down plan's output).
+    pub down_rows: u64,
+    /// `[T][H]` bf16 output.
+    pub y: u64,
+    /// T, k, H.
+    pub tokens: u32,
+    pub top_k: u32,
+    pub hidden: u32,
+}
+
+impl ForwardMegakernel {
+    pub(crate) fn new(
+        gpu: &Gpu,
+        plans: [&EnginePlan; 2],
+        buffers: &PassBuffers,
+        options: &MegakernelOptions,
+    ) -> Result<Self> {
+        if !gpu.has_kernel(FORWARD_KERNEL) {
+            return Err(MokError::InvalidInput {
+                tensor: "megakernel",
+                problem: format!("the loaded PTX has no {FORWARD_KERNEL} (it needs sm_90a)"),
+            });
+        }
+        if plans[0].kernel() != "mok_sm90_gemm_gate_up" || plans[1].kernel() != "mok_sm90_gemm_rows_nt" {
+            return Err(MokError::InvalidInput {
+                tensor: "megakernel",
+                problem: format!(
+                    "runs a gate/up and an f32 down plan, not {} and {}",
+                    plans[0].kernel(),
+                    plans[1].kernel()
+                ),
+            });
+        }
+        gpu.set_max_dynamic_smem(FORWARD_KERNEL, ENGINE_SMEM_BYTES)?;
+        let clusters = gpu.max_active_clusters(FORWARD_KERNEL, ENGINE_THREADS, ENGINE_SMEM_BYTES, 2)?;
+        let resident = (2 * clusters).min(gpu.multiprocessors().next_multiple_of(2));
+        let blocks = options.blocks.unwrap_or(resident);
+        let comm_blocks = options.comm_blocks.unwrap_or_else(|| default_comm_blocks(blocks));
+        if blocks > resident || blocks % 2 != 0 {
+            return Err(MokError::InvalidInput {
+                tensor: "megakernel blocks",
+                problem: format!(
+                    "{blocks}: the pass needs every block resident at once, in 2-block clusters (at most {resident} here, even)"
+                ),
+            });
+        }
+        if comm_blocks == 0 || first_compute_block(comm_blocks) + 2 > blocks {
+            return Err(MokError::InvalidInput {
+                tensor: "megakernel comm blocks",
+                problem: format!(
+                    "{comm_blocks} of {blocks} blocks: at least 1, and leaving at least one compute pair after the comm blocks rounded up to a pair"
+                ),
+            });
+        }
+        let m_tiles = plans[0].max_m_tiles().max(plans[1].max_m_tiles()).max(1);
+        let rows_landed = DeviceBuffer::from_slice(gpu, &vec![0u32; m_tiles])?;
+        let pass_counters = DeviceBuffer::from_slice(gpu, &vec![0u32; 2 * m_tiles + 1])?;
+        let error = DeviceBuffer::from_slice(gpu, &[0u32; ERROR_WORDS])?;
+        let counters = pass_counters.device_ptr();
+        let host = ForwardParams {
+            gate_up: plans[0].params_ptr(),
+            down: plans[1].params_ptr(),
+            row_source: buffers.row_source,
+            slot_row: buffers.slot_row,
+            rows: buffers.rows,
+            down_rows: buffers.down_rows,
+            y: buffers.y,
+            rows_landed: rows_landed.device_ptr(),
+            gate_up_stored: counters,
+            down_stored: counters + 4 * m_tiles as u64,
+            combine_next: counters + 8 * m_tiles as u64,
+            error: error.device_ptr(),
+            timeout_ns: options.timeout.as_nanos().min(u64::MAX as u128) as u64,
+            tokens: buffers.tokens,
+            top_k: buffers.top_k,
+            hidden: buffers.hidden,
+            comm_blocks,
+            silent_rows_tile: NO_FAULT,
+            silent_hidden_tile: NO_FAULT,
+        };
+        // SAFETY: ForwardParams is repr(C) plain data: thirteen u64 and six u32, no padding (128
+        // bytes, asserted in megakernel_layout).
+        let params = DeviceBuffer::from_slice(gpu, unsafe { plain_bytes(&host) })?;
+        Ok(Self {
+            host,
+            params,
+            _rows_landed: rows_landed,
+            pass_counters,
+            error,
+            epoch: 0,
+            blocks,
+            built_for: [plans[0].params_ptr(), plans[1].params_ptr()],
+        })
+    }
+
+    /// Whether this pass was built for these plans.
+    pub(crate) fn built_for(&self, plans: [&EnginePlan; 2]) -> bool {
+        self.built_for == [plans[0].params_ptr(), plans[1].params_ptr()]
+    }
+
+    /// Blocks of the launch, and of them the comm blocks.
+    pub(crate) fn geometry(&self) -> (u32, u32) {
+        (self.blocks, self.host.comm_blocks)
+    }
+
+    /// Sets the faults of the following passes (tests).
+    pub(crate) fn set_faults(&mut self, faults: MegakernelFaults) -> Result<()> {
+        self.host.silent_rows_tile = faults.silent_rows_tile.unwrap_or(NO_FAULT);
+        self.host.silent_hidden_tile = faults.silent_hidden_tile.unwrap_or(NO_FAULT);
+        // SAFETY: as in `new`.
+        self.params.upload(unsafe { plain_bytes(&self.host) })
+    }
+
+    /// Enqueues one pass: cuts both plans' group maps (zeroing their tile counters), clears the
+    /// pass counters, then the megakernel. `x` `[T][H]` bf16, `topk_weights` `[T·k]` f32 and
+    /// `shared_rows` `[T][H]` f32 (0 for none) must stay allocated until the stream has run it.
+    pub(crate) fn launch(
+        &mut self,
+        gpu: &Gpu,
+        plans: [&EnginePlan; 2],
+        x: u64,
+        topk_weights: u64,
+        shared_rows: u64,
+    ) -> Result<()> {
+        if !self.built_for(plans) {
+            return Err(MokError::InvalidInput {
+                tensor: "megakernel",
+                problem: "built for other engine plans".into(),
+            });
+        }
+        for plan in plans {
+            plan.cut_group_maps(gpu)?;
+        }
+        self.pass_counters.fill_bytes(0)?;
+        // Epochs never repeat on these flags (0 is what a fresh flag holds).
+        self.epoch = self.epoch.wrapping_add(1).max(1);
+        let shape = LaunchShape { grid: (self.blocks, 1, 1), threads: ENGINE_THREADS, smem_bytes: ENGINE_SMEM_BYTES };
+        let args = [
+            KernelArg::Ptr(self.params.device_ptr()),
+            KernelArg::Ptr(x),
+            KernelArg::Ptr(topk_weights),
+            KernelArg::Ptr(shared_rows),
+            KernelArg::U32(self.epoch),
+        ];
+        // SAFETY: `mok_sm90_forward`'s parameters in order and type; the parameter block points
+        // at the layer's live buffers and the plans' parameter blocks (checked above), its
+        // counters hold an entry per M tile the plans' groups can have, cleared above on the
+        // stream; the grid is co-resident (checked in `new`); the caller keeps x, the weights
+        // and the shared rows alive until the stream has run the pass.
+        unsafe { gpu.launch(FORWARD_KERNEL, shape, &args) }
+    }
+
+    /// Waits for the stream (the download does) and reports the first failure of the last
+    /// pass, clearing it so the next pass starts clean.
+    pub(crate) fn check(&mut self) -> Result<()> {
+        let words = self.error.download()?;
+        match engine_error(&words, None) {
+            None => Ok(()),
+            Some(error) => {
+                self.error.upload(&[0; ERROR_WORDS])?;
+                Err(error)
+            }
+        }
+    }
+}
