@@ -4,14 +4,17 @@
 //! floors (FLOPs at the measured bf16 matmul rate, minimum bytes at the measured copy rate).
 //!
 //! `layer [--cases kimi:8192,qwen:32768] [--reps N] [--baseline FILE] [--matmul-tflops R]
-//! [--copy-tbps B] [--gemm mma|engine]`. The routed experts' GEMMs run on the `mma.sync` kernels,
-//! the layer's default, or with `--gemm engine` on the tensor-core engine (sm_90 only; the header
-//! line says which ran). Without a GPU it says so and exits 0 (a benchmark is not a test).
+//! [--copy-tbps B] [--gemm BACKEND,...]`. Backends, each case run on each in turn: `mma` (the
+//! routed experts' GEMMs on the `mma.sync` kernels, the layer's default), `engine` (on the
+//! tensor-core engine, sm_90 only), `megakernel` (the forward as one persistent launch over the
+//! engine, with its default comm blocks) and `megakernel:N` (N comm blocks). Each table row names
+//! its backend. Without a GPU it says so and exits 0 (a benchmark is not a test).
 
 use std::collections::HashMap;
 
 use anyhow::{Context, Result, bail};
 use mok::driver::Gpu;
+use mok::megakernel::MegakernelOptions;
 use mok::problem::RoutedTokens;
 use mok::shapes::{FrontierShape, backward_min_bytes, forward_flops, forward_min_bytes};
 use mok::unfused::{DeviceExperts, DeviceTokens, UnfusedLayer, random_bf16};
@@ -22,8 +25,49 @@ struct Args {
     baseline: HashMap<(String, usize), (f64, f64)>,
     matmul_tflops: f64,
     copy_tbps: f64,
-    /// The routed experts' GEMMs on the tensor-core engine (an error where it is missing).
-    engine: bool,
+    /// The backends to run each case on.
+    backends: Vec<Backend>,
+}
+
+/// How the layer runs (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Backend {
+    Mma,
+    Engine,
+    /// The forward megakernel with this many comm blocks (`None`: its default).
+    Megakernel(Option<u32>),
+}
+
+impl Backend {
+    fn parse(text: &str) -> Result<Self> {
+        Ok(match text {
+            "mma" => Backend::Mma,
+            "engine" => Backend::Engine,
+            "megakernel" => Backend::Megakernel(None),
+            other => match other.strip_prefix("megakernel:") {
+                Some(n) => Backend::Megakernel(Some(n.parse().context("megakernel:N takes a comm block count")?)),
+                None => bail!("--gemm takes mma, engine, megakernel or megakernel:N, not {other}"),
+            },
+        })
+    }
+
+    fn name(self) -> String {
+        match self {
+            Backend::Mma => "mma".into(),
+            Backend::Engine => "engine".into(),
+            Backend::Megakernel(None) => "megakernel".into(),
+            Backend::Megakernel(Some(n)) => format!("megakernel:{n}"),
+        }
+    }
+
+    fn apply(self, gpu: &Gpu, layer: &mut UnfusedLayer) -> Result<()> {
+        layer.set_gemm_engine(gpu, self != Backend::Mma)?;
+        if let Backend::Megakernel(comm_blocks) = self {
+            let options = MegakernelOptions { comm_blocks, ..MegakernelOptions::default() };
+            layer.set_forward_megakernel(gpu, Some(options))?;
+        }
+        Ok(())
+    }
 }
 
 fn parse_args() -> Result<Args> {
@@ -33,7 +77,7 @@ fn parse_args() -> Result<Args> {
         baseline: HashMap::new(),
         matmul_tflops: 783.0,
         copy_tbps: 4.23,
-        engine: false,
+        backends: vec![Backend::Mma],
     };
     let mut cases = "kimi:8192,glm:8192,qwen:8192,deepseek:8192".to_string();
     let mut it = std::env::args().skip(1).filter(|a| a != "--bench");
@@ -44,13 +88,7 @@ fn parse_args() -> Result<Args> {
             "--reps" => args.reps = value()?.parse()?,
             "--matmul-tflops" => args.matmul_tflops = value()?.parse()?,
             "--copy-tbps" => args.copy_tbps = value()?.parse()?,
-            "--gemm" => {
-                args.engine = match value()?.as_str() {
-                    "engine" => true,
-                    "mma" => false,
-                    other => bail!("--gemm takes engine or mma, not {other}"),
-                }
-            }
+            "--gemm" => args.backends = value()?.split(',').map(Backend::parse).collect::<Result<_>>()?,
             "--baseline" => {
                 let path = value()?;
                 let text = std::fs::read_to_string(&path).with_context(|| format!("reading {path}"))?;
@@ -81,7 +119,7 @@ fn median(mut v: Vec<f32>) -> f64 {
     v[v.len() / 2] as f64
 }
 
-fn bench_case(gpu: &Gpu, shape: FrontierShape, tokens: usize, reps: usize, engine: bool) -> Result<(f64, f64)> {
+fn bench_case(gpu: &Gpu, shape: FrontierShape, tokens: usize, reps: usize, backend: Backend) -> Result<(f64, f64)> {
     let config = shape.config(tokens);
     let (h, i, e) = (config.hidden, config.intermediate, config.num_experts);
     let host_tokens = random_tokens(&config, 7);
@@ -94,7 +132,7 @@ fn bench_case(gpu: &Gpu, shape: FrontierShape, tokens: usize, reps: usize, engin
     };
     let dy = random_bf16(gpu, tokens * h, 4, 1.0)?;
     let mut layer = UnfusedLayer::new(gpu, config)?;
-    layer.set_gemm_engine(gpu, engine)?;
+    backend.apply(gpu, &mut layer)?;
     layer.forward(gpu, &device_tokens, &experts, None)?;
     layer.backward(gpu, &device_tokens, &experts, None, &dy)?;
     layer.check_device_errors()?;
@@ -122,17 +160,19 @@ fn main() -> Result<()> {
             return Ok(());
         }
     };
-    let engine = args.engine;
+    let backends: Vec<String> = args.backends.iter().map(|b| b.name()).collect();
     println!(
-        "layer benchmark on {}; routed-expert GEMMs on {}; floors at {} TFLOP/s and {} TB/s",
+        "layer benchmark on {}; backends {}; floors at {} TFLOP/s and {} TB/s",
         gpu.name(),
-        if engine { "the tensor-core engine" } else { "the mma.sync kernels" },
+        backends.join(", "),
         args.matmul_tflops,
         args.copy_tbps
     );
     let mut rows = Vec::new();
-    for &(shape, tokens) in &args.cases {
-        let (fwd, step) = bench_case(&gpu, shape, tokens, args.reps, engine)?;
+    for (&(shape, tokens), backend) in
+        args.cases.iter().flat_map(|case| args.backends.iter().map(move |backend| (case, *backend)))
+    {
+        let (fwd, step) = bench_case(&gpu, shape, tokens, args.reps, backend)?;
         let config = shape.config(tokens);
         let flops = forward_flops(&config);
         let floor = |flop: f64, bytes: f64| (flop / (args.matmul_tflops * 1e9), bytes / (args.copy_tbps * 1e9));
@@ -141,12 +181,14 @@ fn main() -> Result<()> {
         let step_floor = (fwd_flop_floor + bwd_flop_floor).max(fwd_byte_floor + bwd_byte_floor);
         let baseline = args.baseline.get(&(shape.name.to_string(), tokens)).copied();
         println!(
-            "RESULT {} {tokens} fwd_ms {fwd:.3} step_ms {step:.3} fwd_tflops {:.0} step_tflops {:.0}",
+            "RESULT {} {tokens} {} fwd_ms {fwd:.3} step_ms {step:.3} fwd_tflops {:.0} step_tflops {:.0}",
             shape.name,
+            backend.name(),
             flops / fwd / 1e9,
             3.0 * flops / step / 1e9
         );
         rows.push((
+            backend.name(),
             shape.name,
             tokens,
             fwd,
@@ -160,17 +202,17 @@ fn main() -> Result<()> {
     }
     println!();
     println!(
-        "| shape | T | mok fwd ms | torch fwd ms | speedup | mok fwd+bwd ms | torch fwd+bwd ms | speedup | fwd floor ms (flop / bytes) | fwd+bwd floor ms |"
+        "| shape | T | backend | mok fwd ms | torch fwd ms | speedup | mok fwd+bwd ms | torch fwd+bwd ms | speedup | fwd floor ms (flop / bytes) | fwd+bwd floor ms |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|");
-    for (name, tokens, fwd, step, _, step_floor, ff, fb, baseline) in rows {
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    for (backend, name, tokens, fwd, step, _, step_floor, ff, fb, baseline) in rows {
         let (tf, ts) =
             baseline.map(|(a, b)| (format!("{a:.2}"), format!("{b:.2}"))).unwrap_or(("-".into(), "-".into()));
         let (rf, rs) = baseline
             .map(|(a, b)| (format!("{:.2}x", a / fwd), format!("{:.2}x", b / step)))
             .unwrap_or(("-".into(), "-".into()));
         println!(
-            "| {name} | {tokens} | {fwd:.2} | {tf} | {rf} | {step:.2} | {ts} | {rs} | {:.2} ({ff:.2} / {fb:.2}) | {step_floor:.2} |",
+            "| {name} | {tokens} | {backend} | {fwd:.2} | {tf} | {rf} | {step:.2} | {ts} | {rs} | {:.2} ({ff:.2} / {fb:.2}) | {step_floor:.2} |",
             ff.max(fb)
         );
     }

@@ -506,10 +506,10 @@ fn forward_megakernel_is_bitwise_the_engine_path() {
         let mut layer = megakernel_layer(&gpu, &c, megakernel_options(None, None)).unwrap();
         assert_same_run(&run(&gpu, &mut layer, &device), &expected, &format!("{what}, default split"));
         let (resident, default_comm) = layer.megakernel_geometry().unwrap();
-        // Comm blocks from 1 to half the grid (odd counts leave a block idle), and smaller grids
-        // down to one comm block and one compute pair.
-        let all_splits = [1, 2, 3, 5, 8, 13, resident / 4, resident / 2];
-        let grids = [(1, 4), (3, 8), (2, 10), (6, 30), (9, resident - 2)];
+        // Comm blocks from none to half the grid (odd counts leave a block idle), and smaller
+        // grids down to one compute pair alone, and one comm block beside one compute pair.
+        let all_splits = [0, 1, 2, 3, 5, 8, 13, resident / 4, resident / 2];
+        let grids = [(0, 2), (1, 4), (3, 8), (2, 10), (6, 30), (9, resident - 2)];
         let (splits, grids) =
             if common::sanitizing() { (&all_splits[..2], &grids[..1]) } else { (&all_splits[..], &grids[..]) };
         let mut tried = 0;
@@ -549,7 +549,6 @@ fn forward_megakernel_repeats_bitwise_and_rejects_bad_geometry() {
     println!("  {repeats} runs on one layer: bitwise identical");
     let (resident, _) = layer.megakernel_geometry().unwrap();
     for (comm, blocks, why) in [
-        (Some(0), None, "no comm block"),
         (Some(resident - 1), None, "no compute pair"),
         (Some(1), Some(resident + 2), "more blocks than fit at once"),
         (Some(1), Some(7), "an odd grid"),

@@ -20,7 +20,8 @@ pub const FORWARD_KERNEL: &str = "mok_sm90_forward";
 /// How a forward megakernel pass is laid out on the GPU. Results do not depend on any of it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct MegakernelOptions {
-    /// Blocks of the comm role (dispatch and combine); `None`: [`default_comm_blocks`].
+    /// Blocks that only move rows (dispatch and combine; every other block also computes); `None`:
+    /// [`default_comm_blocks`].
     pub comm_blocks: Option<u32>,
     /// Blocks of the whole launch; `None`: as many 2-block clusters as can be resident at once.
     /// Must be co-resident (at most that many) and leave at least one compute pair.
@@ -59,8 +60,8 @@ pub(crate) struct ForwardMegakernel {
     params: DeviceBuffer<u8>,
     /// `[M tiles]` epoch flags, never cleared (each pass has a new epoch).
     _rows_landed: DeviceBuffer<u32>,
-    /// `[M tiles]` gate/up parts, `[M tiles]` down parts, the combine's next token: cleared
-    /// together before each pass.
+    /// `[M tiles]` gate/up parts, `[M tiles]` down parts, the combine's next token, the
+    /// dispatch's next M tile: cleared together before each pass.
     pass_counters: DeviceBuffer<u32>,
     error: DeviceBuffer<u32>,
     epoch: u32,
@@ -123,17 +124,17 @@ impl ForwardMegakernel {
                 ),
             });
         }
-        if comm_blocks == 0 || first_compute_block(comm_blocks) + 2 > blocks {
+        if first_compute_block(comm_blocks) + 2 > blocks {
             return Err(MokError::InvalidInput {
                 tensor: "megakernel comm blocks",
                 problem: format!(
-                    "{comm_blocks} of {blocks} blocks: at least 1, and leaving at least one compute pair after the comm blocks rounded up to a pair"
+                    "{comm_blocks} of {blocks} blocks: the comm blocks, rounded up to a pair, must leave at least one compute pair"
                 ),
             });
         }
         let m_tiles = plans[0].max_m_tiles().max(plans[1].max_m_tiles()).max(1);
         let rows_landed = DeviceBuffer::from_slice(gpu, &vec![0u32; m_tiles])?;
-        let pass_counters = DeviceBuffer::from_slice(gpu, &vec![0u32; 2 * m_tiles + 1])?;
+        let pass_counters = DeviceBuffer::from_slice(gpu, &vec![0u32; 2 * m_tiles + 2])?;
         let error = DeviceBuffer::from_slice(gpu, &[0u32; ERROR_WORDS])?;
         let counters = pass_counters.device_ptr();
         let host = ForwardParams {
@@ -148,6 +149,7 @@ impl ForwardMegakernel {
             gate_up_stored: counters,
             down_stored: counters + 4 * m_tiles as u64,
             combine_next: counters + 8 * m_tiles as u64,
+            dispatch_next: counters + 8 * m_tiles as u64 + 4,
             error: error.device_ptr(),
             timeout_ns: options.timeout.as_nanos().min(u64::MAX as u128) as u64,
             tokens: buffers.tokens,
@@ -157,7 +159,7 @@ impl ForwardMegakernel {
             silent_rows_tile: NO_FAULT,
             silent_hidden_tile: NO_FAULT,
         };
-        // SAFETY: ForwardParams is repr(C) plain data: thirteen u64 and six u32, no padding (128
+        // SAFETY: ForwardParams is repr(C) plain data: fourteen u64 and six u32, no padding (136
         // bytes, asserted in megakernel_layout).
         let params = DeviceBuffer::from_slice(gpu, unsafe { plain_bytes(&host) })?;
         Ok(Self {

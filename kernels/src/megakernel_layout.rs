@@ -41,6 +41,8 @@ pub struct ForwardParams {
     pub down_stored: u64,
     /// One u32: the next token of the combine to hand out; cleared before the pass.
     pub combine_next: u64,
+    /// One u32: the next M tile of the dispatch to hand out; cleared before the pass.
+    pub dispatch_next: u64,
     /// `comm::params::ERROR_WORDS` u32: the pass's first failure (`comm::error` format).
     pub error: u64,
     /// How long a wait on the dispatch may take, in `%globaltimer` nanoseconds (waits further
@@ -52,8 +54,8 @@ pub struct ForwardParams {
     pub top_k: u32,
     /// Hidden width H (a multiple of 8).
     pub hidden: u32,
-    /// Blocks `0 .. comm_blocks` dispatch and combine; the others (from the next whole pair
-    /// on) run the GEMM tiles, then combine too.
+    /// Blocks `0 .. comm_blocks` only dispatch and combine; the others (from the next whole
+    /// pair on) dispatch, run the GEMM tiles, then combine. 0: every block computes.
     pub comm_blocks: u32,
     /// Fault injection (tests): an M tile whose rows are gathered but never published, or
     /// [`NO_FAULT`].
@@ -63,8 +65,8 @@ pub struct ForwardParams {
     pub silent_hidden_tile: u32,
 }
 
-// The host writes this block byte for byte: thirteen 8-byte fields, then six u32.
-const _: () = assert!(size_of::<ForwardParams>() == 128);
+// The host writes this block byte for byte: fourteen 8-byte fields, then six u32.
+const _: () = assert!(size_of::<ForwardParams>() == 136);
 
 /// The per-pass arguments of the forward megakernel, after the parameter block.
 #[derive(Clone, Copy, Debug)]
@@ -107,6 +109,7 @@ mod tests {
 
     #[test]
     fn compute_pairs_start_after_the_comm_blocks() {
+        assert_eq!(first_compute_block(0), 0);
         assert_eq!(first_compute_block(1), 2);
         assert_eq!(first_compute_block(2), 2);
         assert_eq!(first_compute_block(7), 8);

@@ -3,56 +3,129 @@
 
 use crate::layout::NO_ROW;
 use crate::ptx::convert::f32x2_to_bf16x2;
-use crate::ptx::memory::ld_global_v4;
+use crate::ptx::memory::{ld_global_v4, st_global_v4};
 
-/// Columns `column .. column + 4` of token `token`'s combined row:
-/// `out[t] = bf16(base[t] + Σ_j w[t,j] · rows[slot_row[t,j]])` in f32, the base (shared expert)
-/// first, then slots j = 0..k in order; dropped slots skipped; `w` = 1 when `topk_weights` is
-/// null (the dx combine), and the base is 0 when `base` is null.
+/// Slots whose rows are loaded together before any is added (the loads are independent; the
+/// sums stay in slot order).
+const SLOTS_IN_FLIGHT: usize = 4;
+
+/// Columns `column + q·stride .. + 4` (for each `q < Q` whose columns are below `width`) of
+/// token `token`'s combined row: `out[t] = bf16(base[t] + Σ_j w[t,j] · rows[slot_row[t,j]])` in
+/// f32, the base (shared expert) first, then slots j = 0..k in order; dropped slots skipped; `w`
+/// = 1 when `topk_weights` is null (the dx combine), and the base is 0 when `base` is null. The
+/// rows of [`SLOTS_IN_FLIGHT`] slots and `Q` column groups are loaded before they are added, so
+/// a thread keeps that many loads in flight; the additions, and so the bits, do not depend on
+/// `Q`.
 ///
 /// # Safety
 /// `slot_row` `[T·k]`, `topk_weights` `[T·k]` or null, `rows` `[R][width]` f32 (every row a slot
 /// of the token names is written and visible to this thread), `base` `[T][width]` f32 or null,
-/// `out` `[T][width]` bf16; `token < T`, `column % 4 == 0`, `column + 4 ≤ width`.
+/// `out` `[T][width]` bf16; `token < T`, `column % 4 == 0`, `stride % 4 == 0`,
+/// `column + 4 ≤ width`.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-pub unsafe fn combine_quad(
+pub unsafe fn combine_quads<const Q: usize>(
     slot_row: *const u32,
     topk_weights: *const f32,
     rows: *const f32,
     base: *const f32,
     token: usize,
-    column: usize,
+    (column, stride): (usize, usize),
     top_k: u32,
     width: u32,
     out: *mut u16,
 ) {
     let w = width as usize;
-    let (mut a0, mut a1, mut a2, mut a3) = (0.0f32, 0.0f32, 0.0f32, 0.0f32);
+    let k = top_k as usize;
+    let inside = |q: usize| column + q * stride + 4 <= w;
+    let mut acc = [[0.0f32; 4]; Q];
     if !base.is_null() {
-        // SAFETY: token < T, column + 4 ≤ width.
-        let v = unsafe { ld_global_v4(base.add(token * w + column) as *const u32) };
-        (a0, a1, a2, a3) = (f32::from_bits(v[0]), f32::from_bits(v[1]), f32::from_bits(v[2]), f32::from_bits(v[3]));
-    }
-    for j in 0..top_k as usize {
-        let slot = token * top_k as usize + j;
-        // SAFETY: slot < T·k.
-        let row = unsafe { *slot_row.add(slot) };
-        if row == NO_ROW {
-            continue;
+        for (q, a) in acc.iter_mut().enumerate() {
+            if inside(q) {
+                // SAFETY: token < T, the columns inside the row.
+                let v = unsafe { ld_global_v4(base.add(token * w + column + q * stride) as *const u32) };
+                *a = v.map(f32::from_bits);
+            }
         }
-        // SAFETY: slot < T·k; row < R.
-        let weight = if topk_weights.is_null() { 1.0 } else { unsafe { *topk_weights.add(slot) } };
-        let v = unsafe { ld_global_v4(rows.add(row as usize * w + column) as *const u32) };
-        a0 += weight * f32::from_bits(v[0]);
-        a1 += weight * f32::from_bits(v[1]);
-        a2 += weight * f32::from_bits(v[2]);
-        a3 += weight * f32::from_bits(v[3]);
     }
-    // SAFETY: token < T, column + 4 ≤ width; 8-byte aligned (column % 4 == 0).
-    unsafe {
-        let at = out.add(token * w + column) as *mut u32;
-        *at = f32x2_to_bf16x2(a0, a1);
-        *at.add(1) = f32x2_to_bf16x2(a2, a3);
+    let mut first = 0;
+    while first < k {
+        let mut weights = [0.0f32; SLOTS_IN_FLIGHT];
+        let mut landed = [false; SLOTS_IN_FLIGHT];
+        let mut values = [[[0u32; 4]; Q]; SLOTS_IN_FLIGHT];
+        for b in 0..SLOTS_IN_FLIGHT {
+            let slot = token * k + first + b;
+            if first + b >= k {
+                continue;
+            }
+            // SAFETY: slot < T·k.
+            let row = unsafe { *slot_row.add(slot) };
+            if row == NO_ROW {
+                continue;
+            }
+            landed[b] = true;
+            // SAFETY: slot < T·k.
+            weights[b] = if topk_weights.is_null() { 1.0 } else { unsafe { *topk_weights.add(slot) } };
+            for (q, v) in values[b].iter_mut().enumerate() {
+                if inside(q) {
+                    // SAFETY: row < R; the columns inside the row.
+                    *v = unsafe { ld_global_v4(rows.add(row as usize * w + column + q * stride) as *const u32) };
+                }
+            }
+        }
+        for b in 0..SLOTS_IN_FLIGHT {
+            if landed[b] {
+                for (a, v) in acc.iter_mut().zip(&values[b]) {
+                    a[0] += weights[b] * f32::from_bits(v[0]);
+                    a[1] += weights[b] * f32::from_bits(v[1]);
+                    a[2] += weights[b] * f32::from_bits(v[2]);
+                    a[3] += weights[b] * f32::from_bits(v[3]);
+                }
+            }
+        }
+        first += SLOTS_IN_FLIGHT;
+    }
+    for (q, a) in acc.iter().enumerate() {
+        if inside(q) {
+            // SAFETY: token < T, the columns inside the row; 8-byte aligned (column % 4 == 0).
+            unsafe {
+                let at = out.add(token * w + column + q * stride) as *mut u32;
+                *at = f32x2_to_bf16x2(a[0], a[1]);
+                *at.add(1) = f32x2_to_bf16x2(a[2], a[3]);
+            }
+        }
+    }
+}
+
+/// Vectors of 16 bytes a lane loads before it stores any (memory-level parallelism of a copy).
+const VECTORS_IN_FLIGHT: usize = 8;
+
+/// Copies one row of `vectors` 16-byte vectors from `src` to `dst`, by the 32 lanes of a warp
+/// (lane `lane` takes vectors `lane, lane + 32, ...`), [`VECTORS_IN_FLIGHT`] loads in flight per
+/// lane.
+///
+/// # Safety
+/// `src` and `dst` are 16-byte aligned global rows of at least `vectors` · 16 bytes.
+#[inline(always)]
+pub unsafe fn copy_row(src: *const u32, dst: *mut u32, vectors: u32, lane: u32) {
+    let mut first = lane as usize;
+    let vectors = vectors as usize;
+    while first < vectors {
+        let mut buffer = [[0u32; 4]; VECTORS_IN_FLIGHT];
+        for (u, b) in buffer.iter_mut().enumerate() {
+            let v = first + 32 * u;
+            if v < vectors {
+                // SAFETY: v < vectors (caller contract).
+                *b = unsafe { ld_global_v4(src.add(4 * v)) };
+            }
+        }
+        for (u, b) in buffer.iter().enumerate() {
+            let v = first + 32 * u;
+            if v < vectors {
+                // SAFETY: as above.
+                unsafe { st_global_v4(dst.add(4 * v), *b) };
+            }
+        }
+        first += 32 * VECTORS_IN_FLIGHT;
     }
 }

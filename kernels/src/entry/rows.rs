@@ -4,7 +4,7 @@
 
 use crate::device::grid_thread;
 use crate::device::math;
-use crate::device::rows::combine_quad;
+use crate::device::rows::combine_quads;
 use crate::layout::NO_ROW;
 use crate::num::{bf16x2_hi, bf16x2_lo};
 use crate::ptx::convert::{f32_to_bf16, f32x2_to_bf16x2};
@@ -75,7 +75,7 @@ pub unsafe extern "ptx-kernel" fn mok_combine_slots(
     while q < total {
         let (token, column) = (q / quads_per_row, q % quads_per_row * 4);
         // SAFETY: token < T, column + 4 ≤ width; the tensors as documented.
-        unsafe { combine_quad(slot_row, topk_weights, rows, base, token, column, top_k, width, out) };
+        unsafe { combine_quads::<1>(slot_row, topk_weights, rows, base, token, (column, 0), top_k, width, out) };
         q += stride;
     }
 }

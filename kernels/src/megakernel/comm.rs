@@ -1,15 +1,16 @@
-//! The comm role of the forward megakernel on one GPU: the dispatch (token rows into expert
-//! order, one engine M tile at a time, each published with a release) and the combine (each
-//! token's slots summed in fixed order once the down tiles holding them are stored).
+//! The row-moving work of the forward megakernel on one GPU: the dispatch (token rows into
+//! expert order, one engine M tile at a time from a shared queue, each published with a
+//! release) and the combine (each token's slots summed in fixed order once the down tiles
+//! holding them are stored).
 
 use crate::comm::error::{self, ERROR_TIMEOUT, WAIT_ENGINE_TILE_OUTPUT};
 use crate::comm::wait::wait_until;
-use crate::device::rows::combine_quad;
+use crate::device::rows::{combine_quads, copy_row};
 use crate::gemm_layout::{GemmParams, TILE_M, TILE_N};
 use crate::layout::NO_ROW;
 use crate::megakernel_layout::{ForwardParams, PassInputs, downstream_deadline, parts_per_m_tile};
-use crate::ptx::memory::{atom_add_relaxed_gpu_u32, ld_global_v4, st_global_v4, st_release_gpu_u32};
-use crate::ptx::{sreg, sync};
+use crate::ptx::memory::{atom_add_relaxed_gpu_u32, ld_shared_u32, st_release_gpu_u32, st_shared_u32};
+use crate::ptx::{smem, sreg, sync};
 
 /// The last index `i` in `0..len` with `values(i) ≤ target` (`values` non-decreasing,
 /// `values(0) ≤ target`): the group holding a row or an M tile (empty groups, whose first equals
@@ -24,17 +25,18 @@ fn last_at_or_below(len: u32, target: u32, values: impl Fn(u32) -> u32) -> u32 {
     lo
 }
 
-/// Dispatch, by every thread of comm block `block` (of `f.comm_blocks`): engine M tiles
-/// `block, block + comm_blocks, ...` in increasing order; each tile's rows are copied from x in
-/// expert order (warp per row, 16 bytes per lane), then, after a block barrier, thread 0 sets the
-/// tile's `rows_landed` flag to the epoch with a release. Waits for nothing, so the compute side
-/// can always make progress on what it has been given.
+/// Dispatch, by every thread of a block: engine M tiles taken one at a time from
+/// `dispatch_next` (shared by every block that dispatches, so the tiles go out in increasing
+/// order); each tile's rows are copied from x in expert order (a warp per row), then, after a
+/// block barrier, thread 0 sets the tile's `rows_landed` flag to the epoch with a release.
+/// Waits for nothing, so whatever waits on a dispatched tile waits on work a running block is
+/// already doing. Returns once the tiles are all handed out (the block has finished its own).
 ///
 /// # Safety
-/// `f` is the pass's valid parameter block; the schedule (routing layout, tile offsets) was
-/// written before the launch.
+/// `f` and `pass` are the pass's; the schedule (routing layout, tile offsets) was written before
+/// the launch; the block's first 4 bytes of dynamic shared memory are free (the hand-out).
 #[inline(always)]
-pub unsafe fn dispatch(f: &ForwardParams, pass: &PassInputs, block: u32) {
+pub unsafe fn dispatch(f: &ForwardParams, pass: &PassInputs) {
     // SAFETY: caller contract: the gate/up parameter block and the offsets it points at.
     unsafe {
         let p = &*(f.gate_up as *const GemmParams);
@@ -42,10 +44,17 @@ pub unsafe fn dispatch(f: &ForwardParams, pass: &PassInputs, block: u32) {
         let groups = p.groups;
         let m_tiles = *tile_offsets.add(groups as usize);
         let (warp, warps, lane) = (sreg::thread_idx_x() / 32, sreg::block_dim_x() / 32, sreg::lane_id());
-        let vectors = f.hidden / 8;
         let (x, rows, row_source) = (pass.x as *const u16, f.rows as *mut u16, f.row_source as *const u32);
-        let mut tile = block;
-        while tile < m_tiles {
+        let handout = smem::dynamic_smem_base();
+        loop {
+            if sreg::thread_idx_x() == 0 {
+                st_shared_u32(handout, atom_add_relaxed_gpu_u32(f.dispatch_next as *mut u32, 1));
+            }
+            sync::block_barrier();
+            let tile = ld_shared_u32(handout);
+            if tile >= m_tiles {
+                return;
+            }
             let g = last_at_or_below(groups, tile, |i| *tile_offsets.add(i as usize));
             let first = *row_offsets.add(g as usize) + (tile - *tile_offsets.add(g as usize)) * TILE_M;
             let end = (first + TILE_M).min(*row_offsets.add(g as usize + 1));
@@ -53,21 +62,16 @@ pub unsafe fn dispatch(f: &ForwardParams, pass: &PassInputs, block: u32) {
             while row < end {
                 let token = *row_source.add(row as usize) / f.top_k;
                 let (src, dst) = (x.add((token * f.hidden) as usize), rows.add((row * f.hidden) as usize));
-                let mut v = lane;
-                while v < vectors {
-                    let vector = ld_global_v4(src.add(8 * v as usize) as *const u32);
-                    st_global_v4(dst.add(8 * v as usize) as *mut u32, vector);
-                    v += 32;
-                }
+                copy_row(src as *const u32, dst as *mut u32, f.hidden / 8, lane);
                 row += warps;
             }
-            // Every thread's rows of the tile are written before thread 0 publishes them; the
-            // release orders them (barrier, then release at GPU scope) for the acquiring producer.
+            // Every thread's rows of the tile are written (and the hand-out read) before thread 0
+            // publishes them and takes the next tile; the release orders the rows (barrier, then
+            // release at GPU scope) for the acquiring producer.
             sync::block_barrier();
             if sreg::thread_idx_x() == 0 && tile != f.silent_rows_tile {
                 st_release_gpu_u32((f.rows_landed as *mut u32).add(tile as usize), pass.epoch);
             }
-            tile += f.comm_blocks;
         }
     }
 }
@@ -76,7 +80,7 @@ pub unsafe fn dispatch(f: &ForwardParams, pass: &PassInputs, block: u32) {
 /// dispatch, compute blocks' consumer warps after their GEMM phases): tokens taken one at a time
 /// from `combine_next`; each lane waits (bounded, acquire) until every down tile holding one of
 /// the token's slots is stored, then the warp sums the token's row 4 columns per lane with
-/// [`combine_quad`] — the shared term first, slots in order — the same arithmetic, and so the
+/// [`combine_quads`] — the shared term first, slots in order — the same arithmetic, and so the
 /// same bits, as `mok_combine_slots`.
 ///
 /// # Safety
@@ -118,20 +122,22 @@ pub unsafe fn combine(f: &ForwardParams, pass: &PassInputs) {
             }
             let (weights, rows, base) =
                 (pass.topk_weights as *const f32, f.down_rows as *const f32, pass.shared_rows as *const f32);
+            // Two groups of 4 columns per lane per step (more loads in flight).
             let mut column = 4 * lane;
             while column < f.hidden {
-                combine_quad(
+                let columns = (column as usize, 4 * 32);
+                combine_quads::<2>(
                     slot_row,
                     weights,
                     rows,
                     base,
                     token as usize,
-                    column as usize,
+                    columns,
                     f.top_k,
                     f.hidden,
                     f.y as *mut u16,
                 );
-                column += 4 * 32;
+                column += 2 * 4 * 32;
             }
         }
     }

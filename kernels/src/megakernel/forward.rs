@@ -1,12 +1,14 @@
 //! The forward megakernel on sm_90a: one persistent launch per pass, after the device-side
 //! schedule (routing layout, engine tile offsets, group maps).
 //!
-//! Blocks `0 .. comm_blocks` are the comm role: they [`dispatch`] the token rows into expert
-//! order M tile by M tile, publishing each, then [`combine`]. The blocks from the next whole
-//! pair on are the compute role, in 2-block clusters: they run every gate/up + SwiGLU tile as
-//! soon as its rows have landed and every down tile as soon as all gate/up tiles of its rows
-//! are stored (the engine's phases with [`ForwardHandover`] hooks), then their consumer warps join the
-//! combine. Every result is the standalone path's bits: the rows are the same copies, each GEMM
+//! Every block takes part in the [`dispatch`] (token rows into expert order, M tile by M tile
+//! from a shared queue, each tile published). Blocks `0 .. comm_blocks` (the comm role, 0 or
+//! more) then [`combine`]. The blocks from the next whole pair on are the compute role, in
+//! 2-block clusters: once the dispatch queue is empty they run every gate/up + SwiGLU tile as
+//! soon as its rows have landed and every down tile as soon as all gate/up tiles of its rows are
+//! stored (the engine's phases with [`ForwardHandover`] hooks), then their consumer warps join
+//! the combine. Work is taken in the order dispatch, gate/up, down, combine from counters, so a
+//! wait is always on work a running block already holds (docs/ARCHITECTURE.md). Every result is the standalone path's bits: the rows are the same copies, each GEMM
 //! tile the same K loop, each token's sum the same order.
 
 use crate::gemm::engine::run_forward_phases;
@@ -36,12 +38,15 @@ pub unsafe fn forward(params: *const ForwardParams, pass: PassInputs) {
     if block < f.comm_blocks {
         // SAFETY: caller contract.
         unsafe {
-            dispatch(f, &pass, block);
+            dispatch(f, &pass);
             combine(f, &pass);
         }
     } else if block >= first_compute_block(f.comm_blocks) {
-        // SAFETY: caller contract; the consumer warps are whole warps.
+        // SAFETY: caller contract; the consumer warps are whole warps; the dispatch's shared word
+        // is free before the engine carves the ring, and read by every thread before dispatch
+        // returns.
         unsafe {
+            dispatch(f, &pass);
             let phases = (
                 ForwardHandover::<{ ForwardHandover::GATE_UP }>::new(params, pass.epoch),
                 ForwardHandover::<{ ForwardHandover::DOWN }>::new(params, pass.epoch),
