@@ -14,7 +14,7 @@ use std::collections::HashMap;
 
 use anyhow::{Context, Result, bail};
 use mok::driver::Gpu;
-use mok::megakernel::MegakernelOptions;
+use mok::megakernel::{MegakernelOptions, MegakernelWork};
 use mok::problem::RoutedTokens;
 use mok::shapes::{FrontierShape, backward_min_bytes, forward_flops, forward_min_bytes};
 use mok::unfused::{DeviceExperts, DeviceTokens, UnfusedLayer, random_bf16};
@@ -119,7 +119,18 @@ fn median(mut v: Vec<f32>) -> f64 {
     v[v.len() / 2] as f64
 }
 
-fn bench_case(gpu: &Gpu, shape: FrontierShape, tokens: usize, reps: usize, backend: Backend) -> Result<(f64, f64)> {
+/// What one case on one backend measured.
+struct Measured {
+    fwd: f64,
+    step: f64,
+    /// Kernels launched per forward (memsets not counted).
+    launches: u64,
+    /// Megakernel backends: the same launch with only the row moving, with only the GEMMs (rows
+    /// in place), and with no work at all (the schedule and an empty launch), ms.
+    sides: Option<(f64, f64, f64)>,
+}
+
+fn bench_case(gpu: &Gpu, shape: FrontierShape, tokens: usize, reps: usize, backend: Backend) -> Result<Measured> {
     let config = shape.config(tokens);
     let (h, i, e) = (config.hidden, config.intermediate, config.num_experts);
     let host_tokens = random_tokens(&config, 7);
@@ -148,7 +159,31 @@ fn bench_case(gpu: &Gpu, shape: FrontierShape, tokens: usize, reps: usize, backe
         step.push(timer.stop_ms()?);
     }
     layer.check_device_errors()?;
-    Ok((median(fwd), median(step)))
+    let before = gpu.kernel_launches();
+    layer.forward(gpu, &device_tokens, &experts, None)?;
+    let launches = gpu.kernel_launches() - before;
+    let mut sides = None;
+    if matches!(backend, Backend::Megakernel(_)) {
+        let mut time_forward = |work: MegakernelWork| -> Result<f64> {
+            layer.set_megakernel_work(work)?;
+            let mut times = Vec::new();
+            for _ in 0..reps {
+                timer.start()?;
+                layer.forward(gpu, &device_tokens, &experts, None)?;
+                times.push(timer.stop_ms()?);
+            }
+            Ok(median(times))
+        };
+        sides = Some((
+            time_forward(MegakernelWork::COMM_ONLY)?,
+            time_forward(MegakernelWork::COMPUTE_ONLY)?,
+            time_forward(MegakernelWork::NONE)?,
+        ));
+        layer.set_megakernel_work(MegakernelWork::ALL)?;
+        layer.forward(gpu, &device_tokens, &experts, None)?;
+        layer.check_device_errors()?;
+    }
+    Ok(Measured { fwd: median(fwd), step: median(step), launches, sides })
 }
 
 fn main() -> Result<()> {
@@ -169,10 +204,31 @@ fn main() -> Result<()> {
         args.copy_tbps
     );
     let mut rows = Vec::new();
+    let mut details = Vec::new();
     for (&(shape, tokens), backend) in
         args.cases.iter().flat_map(|case| args.backends.iter().map(move |backend| (case, *backend)))
     {
-        let (fwd, step) = bench_case(&gpu, shape, tokens, args.reps, backend)?;
+        let measured = bench_case(&gpu, shape, tokens, args.reps, backend)?;
+        let (fwd, step) = (measured.fwd, measured.step);
+        if let Some((comm, compute, none)) = measured.sides {
+            // Overlap efficiency: how much of the shorter side the full pass hides.
+            let overlap = (comm + compute - fwd) / comm.min(compute);
+            details.push(format!(
+                "| {} | {tokens} | {} | {} | {none:.2} ({:.1} %) | {comm:.2} | {compute:.2} | {fwd:.2} | {:.0} % |",
+                shape.name,
+                backend.name(),
+                measured.launches,
+                100.0 * none / fwd,
+                100.0 * overlap
+            ));
+        } else {
+            details.push(format!(
+                "| {} | {tokens} | {} | {} | - | - | - | {fwd:.2} | - |",
+                shape.name,
+                backend.name(),
+                measured.launches
+            ));
+        }
         let config = shape.config(tokens);
         let flops = forward_flops(&config);
         let floor = |flop: f64, bytes: f64| (flop / (args.matmul_tflops * 1e9), bytes / (args.copy_tbps * 1e9));
@@ -215,6 +271,14 @@ fn main() -> Result<()> {
             "| {name} | {tokens} | {backend} | {fwd:.2} | {tf} | {rf} | {step:.2} | {ts} | {rs} | {:.2} ({ff:.2} / {fb:.2}) | {step_floor:.2} |",
             ff.max(fb)
         );
+    }
+    println!();
+    println!(
+        "| shape | T | backend | kernels per forward | schedule + empty launch ms (share) | comm side alone ms | compute side alone ms | forward ms | overlap efficiency |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for line in details {
+        println!("{line}");
     }
     Ok(())
 }

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use mok_kernels::comm::params::ERROR_WORDS;
 use mok_kernels::gemm_layout::{ENGINE_SMEM_BYTES, ENGINE_THREADS};
-use mok_kernels::megakernel_layout::{ForwardParams, NO_FAULT, first_compute_block};
+use mok_kernels::megakernel_layout::{ForwardParams, NO_FAULT, WORK_ALL, first_compute_block};
 
 use crate::driver::{DeviceBuffer, Gpu, KernelArg, LaunchShape};
 use crate::error::{MokError, Result};
@@ -21,7 +21,7 @@ pub const FORWARD_KERNEL: &str = "mok_sm90_forward";
 #[derive(Clone, Debug, PartialEq)]
 pub struct MegakernelOptions {
     /// Blocks that only move rows (dispatch and combine; every other block also computes); `None`:
-    /// [`default_comm_blocks`].
+    /// [`DEFAULT_COMM_BLOCKS`].
     pub comm_blocks: Option<u32>,
     /// Blocks of the whole launch; `None`: as many 2-block clusters as can be resident at once.
     /// Must be co-resident (at most that many) and leave at least one compute pair.
@@ -37,11 +37,10 @@ impl Default for MegakernelOptions {
     }
 }
 
-/// The comm blocks used when the options name none: one in sixteen of the launch's blocks, at
-/// least one (a first choice; docs/PERF.md has the measured splits).
-pub fn default_comm_blocks(blocks: u32) -> u32 {
-    (blocks / 16).max(1)
-}
+/// The comm blocks used when the options name none: 0 on one GPU, where every block dispatches,
+/// computes and combines (measured fastest of 0, 2, 4, 8 and 16 comm blocks on the frontier
+/// shapes, docs/PERF.md).
+pub const DEFAULT_COMM_BLOCKS: u32 = 0;
 
 /// Faults a test can inject into the next passes (feature `testing`): an M tile whose rows are
 /// gathered but never published, and one whose gate/up parts are stored but never counted.
@@ -51,6 +50,26 @@ pub struct MegakernelFaults {
     pub silent_rows_tile: Option<u32>,
     /// The compute side never counts this M tile's gate/up parts (its down tiles wait).
     pub silent_hidden_tile: Option<u32>,
+}
+
+/// Which work a megakernel pass does (set with `UnfusedLayer::set_megakernel_work`, feature
+/// `testing`; the benchmark's overlap measurement). Only [`MegakernelWork::ALL`] computes the
+/// layer; the others time one side of the pass.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MegakernelWork(pub(crate) u32);
+
+impl MegakernelWork {
+    /// A real pass.
+    pub const ALL: Self = Self(WORK_ALL);
+    /// Only the row moving: the dispatch copies and the combine (which then does not wait for
+    /// GEMM tiles and sums whatever the down rows hold).
+    pub const COMM_ONLY: Self =
+        Self(mok_kernels::megakernel_layout::WORK_COPY_ROWS | mok_kernels::megakernel_layout::WORK_COMBINE);
+    /// Only the GEMM tiles, on rows left in place by an earlier pass (the dispatch publishes
+    /// without copying; no combine).
+    pub const COMPUTE_ONLY: Self = Self(mok_kernels::megakernel_layout::WORK_GEMMS);
+    /// Nothing but the hand-out of the dispatch queue: the schedule and an empty launch.
+    pub const NONE: Self = Self(0);
 }
 
 /// A layer's forward megakernel: the parameter block (fixed for the layer's buffers and plans),
@@ -115,7 +134,7 @@ impl ForwardMegakernel {
         let clusters = gpu.max_active_clusters(FORWARD_KERNEL, ENGINE_THREADS, ENGINE_SMEM_BYTES, 2)?;
         let resident = (2 * clusters).min(gpu.multiprocessors().next_multiple_of(2));
         let blocks = options.blocks.unwrap_or(resident);
-        let comm_blocks = options.comm_blocks.unwrap_or_else(|| default_comm_blocks(blocks));
+        let comm_blocks = options.comm_blocks.unwrap_or(DEFAULT_COMM_BLOCKS);
         if blocks > resident || blocks % 2 != 0 {
             return Err(MokError::InvalidInput {
                 tensor: "megakernel blocks",
@@ -158,8 +177,10 @@ impl ForwardMegakernel {
             comm_blocks,
             silent_rows_tile: NO_FAULT,
             silent_hidden_tile: NO_FAULT,
+            work: WORK_ALL,
+            reserved: 0,
         };
-        // SAFETY: ForwardParams is repr(C) plain data: fourteen u64 and six u32, no padding (136
+        // SAFETY: ForwardParams is repr(C) plain data: fourteen u64 and eight u32, no padding (144
         // bytes, asserted in megakernel_layout).
         let params = DeviceBuffer::from_slice(gpu, unsafe { plain_bytes(&host) })?;
         Ok(Self {
@@ -184,7 +205,16 @@ impl ForwardMegakernel {
         (self.blocks, self.host.comm_blocks)
     }
 
+    /// Sets the work of the following passes (benchmarks).
+    #[cfg(feature = "testing")]
+    pub(crate) fn set_work(&mut self, work: MegakernelWork) -> Result<()> {
+        self.host.work = work.0;
+        // SAFETY: as in `new`.
+        self.params.upload(unsafe { plain_bytes(&self.host) })
+    }
+
     /// Sets the faults of the following passes (tests).
+    #[cfg(feature = "testing")]
     pub(crate) fn set_faults(&mut self, faults: MegakernelFaults) -> Result<()> {
         self.host.silent_rows_tile = faults.silent_rows_tile.unwrap_or(NO_FAULT);
         self.host.silent_hidden_tile = faults.silent_hidden_tile.unwrap_or(NO_FAULT);

@@ -63,10 +63,16 @@ pub struct ForwardParams {
     /// Fault injection (tests): an M tile whose gate/up parts are stored but never counted, or
     /// [`NO_FAULT`].
     pub silent_hidden_tile: u32,
+    /// Which work the pass does ([`WORK_ALL`] in a real pass): the benchmark's overlap
+    /// measurement times the launch with only the row moving ([`WORK_COPY_ROWS`] |
+    /// [`WORK_COMBINE`]) and with only the GEMMs (rows already in place).
+    pub work: u32,
+    /// Keeps the size a multiple of 8.
+    pub reserved: u32,
 }
 
-// The host writes this block byte for byte: fourteen 8-byte fields, then six u32.
-const _: () = assert!(size_of::<ForwardParams>() == 136);
+// The host writes this block byte for byte: fourteen 8-byte fields, then eight u32.
+const _: () = assert!(size_of::<ForwardParams>() == 144);
 
 /// The per-pass arguments of the forward megakernel, after the parameter block.
 #[derive(Clone, Copy, Debug)]
@@ -81,6 +87,17 @@ pub struct PassInputs {
     /// reach).
     pub epoch: u32,
 }
+
+/// [`ForwardParams::work`]: the dispatch copies the rows (without it, it only publishes them:
+/// the rows of an earlier pass are in place).
+pub const WORK_COPY_ROWS: u32 = 1;
+/// [`ForwardParams::work`]: the compute blocks run the GEMM tiles (without it, the combine does
+/// not wait for them and sums whatever the down rows hold).
+pub const WORK_GEMMS: u32 = 2;
+/// [`ForwardParams::work`]: the combine runs.
+pub const WORK_COMBINE: u32 = 4;
+/// Everything: a real pass.
+pub const WORK_ALL: u32 = WORK_COPY_ROWS | WORK_GEMMS | WORK_COMBINE;
 
 /// The first block after the comm blocks that starts a compute pair (compute blocks run in
 /// 2-block clusters, so a comm count that is odd leaves the last comm block's partner idle).

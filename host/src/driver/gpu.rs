@@ -19,6 +19,8 @@ pub struct Gpu {
     kernels: Kernels,
     inner: Arc<GpuInner>,
     sync_launches: bool,
+    /// Kernels launched through this handle so far ([`Gpu::kernel_launches`]).
+    launches: std::sync::atomic::AtomicU64,
 }
 
 pub(crate) struct GpuInner {
@@ -209,7 +211,7 @@ impl Gpu {
         let module = unsafe { result::module::load_data(source.as_ptr() as *const c_void) }
             .map_err(|e| cuda_error("cuModuleLoadData (JIT of mok's PTX)", e))?;
         let kernels = Kernels { module, functions: Mutex::new(HashMap::new()), context: inner.clone() };
-        let gpu = Self { kernels, inner, sync_launches: false };
+        let gpu = Self { kernels, inner, sync_launches: false, launches: Default::default() };
         // Resolve the expected kernels now, so a PTX that lacks one fails at open, not mid-pass.
         for &kernel in kernel_names {
             gpu.function(kernel)?;
@@ -376,10 +378,17 @@ impl Gpu {
                 e,
             )
         })?;
+        self.launches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         if self.sync_launches {
             self.synchronize_named(kernel)?;
         }
         Ok(())
+    }
+
+    /// Kernels this handle has launched so far (memsets and copies not counted): the difference
+    /// over a pass is the pass's launch count.
+    pub fn kernel_launches(&self) -> u64 {
+        self.launches.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Waits for all work on the stream; an execution fault is reported here.

@@ -7,9 +7,9 @@ use crate::config::MoeConfig;
 use crate::driver::{DeviceBuffer, Gpu, KernelArg, LaunchShape};
 use crate::error::{MokError, Result};
 use crate::gemm::{self as engine, EnginePlan, RowsOut, WgradOut};
-#[cfg(feature = "testing")]
-use crate::megakernel::MegakernelFaults;
 use crate::megakernel::{FORWARD_KERNEL, ForwardMegakernel, MegakernelOptions, PassBuffers};
+#[cfg(feature = "testing")]
+use crate::megakernel::{MegakernelFaults, MegakernelWork};
 
 use super::*;
 use KernelArg::{Ptr, U32};
@@ -211,6 +211,19 @@ impl UnfusedLayer {
     pub fn set_megakernel_faults(&mut self, faults: MegakernelFaults) -> Result<()> {
         match self.megakernel.as_mut().and_then(|(_, pass)| pass.as_mut()) {
             Some(pass) => pass.set_faults(faults),
+            None => Err(MokError::InvalidInput {
+                tensor: "megakernel",
+                problem: "no megakernel pass yet (switch it on and run a forward)".into(),
+            }),
+        }
+    }
+
+    /// The work of the following megakernel passes (feature `testing`: the benchmark's overlap
+    /// measurement; only [`MegakernelWork::ALL`] computes the layer). The pass must exist.
+    #[cfg(feature = "testing")]
+    pub fn set_megakernel_work(&mut self, work: MegakernelWork) -> Result<()> {
+        match self.megakernel.as_mut().and_then(|(_, pass)| pass.as_mut()) {
+            Some(pass) => pass.set_work(work),
             None => Err(MokError::InvalidInput {
                 tensor: "megakernel",
                 problem: "no megakernel pass yet (switch it on and run a forward)".into(),

@@ -8,7 +8,9 @@ use crate::comm::wait::wait_until;
 use crate::device::rows::{combine_quads, copy_row};
 use crate::gemm_layout::{GemmParams, TILE_M, TILE_N};
 use crate::layout::NO_ROW;
-use crate::megakernel_layout::{ForwardParams, PassInputs, downstream_deadline, parts_per_m_tile};
+use crate::megakernel_layout::{
+    ForwardParams, PassInputs, WORK_COPY_ROWS, WORK_GEMMS, downstream_deadline, parts_per_m_tile,
+};
 use crate::ptx::memory::{atom_add_relaxed_gpu_u32, ld_shared_u32, st_release_gpu_u32, st_shared_u32};
 use crate::ptx::{smem, sreg, sync};
 
@@ -58,7 +60,7 @@ pub unsafe fn dispatch(f: &ForwardParams, pass: &PassInputs) {
             let g = last_at_or_below(groups, tile, |i| *tile_offsets.add(i as usize));
             let first = *row_offsets.add(g as usize) + (tile - *tile_offsets.add(g as usize)) * TILE_M;
             let end = (first + TILE_M).min(*row_offsets.add(g as usize + 1));
-            let mut row = first + warp;
+            let mut row = if f.work & WORK_COPY_ROWS != 0 { first + warp } else { end };
             while row < end {
                 let token = *row_source.add(row as usize) / f.top_k;
                 let (src, dst) = (x.add((token * f.hidden) as usize), rows.add((row * f.hidden) as usize));
@@ -101,7 +103,7 @@ pub unsafe fn combine(f: &ForwardParams, pass: &PassInputs) {
             if token >= f.tokens {
                 return;
             }
-            for j in 0..f.top_k {
+            for j in 0..if f.work & WORK_GEMMS != 0 { f.top_k } else { 0 } {
                 let row = *slot_row.add((token * f.top_k + j) as usize);
                 if row == NO_ROW {
                     continue;

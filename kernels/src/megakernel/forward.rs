@@ -14,7 +14,7 @@
 use crate::gemm::engine::run_forward_phases;
 use crate::gemm::hooks::ForwardHandover;
 use crate::gemm_layout::{ENGINE_THREADS, GemmParams};
-use crate::megakernel_layout::{ForwardParams, PassInputs, first_compute_block};
+use crate::megakernel_layout::{ForwardParams, PassInputs, WORK_COMBINE, WORK_GEMMS, first_compute_block};
 use crate::ptx::sreg;
 
 use super::comm::{combine, dispatch};
@@ -39,7 +39,9 @@ pub unsafe fn forward(params: *const ForwardParams, pass: PassInputs) {
         // SAFETY: caller contract.
         unsafe {
             dispatch(f, &pass);
-            combine(f, &pass);
+            if f.work & WORK_COMBINE != 0 {
+                combine(f, &pass);
+            }
         }
     } else if block >= first_compute_block(f.comm_blocks) {
         // SAFETY: caller contract; the consumer warps are whole warps; the dispatch's shared word
@@ -47,12 +49,19 @@ pub unsafe fn forward(params: *const ForwardParams, pass: PassInputs) {
         // returns.
         unsafe {
             dispatch(f, &pass);
+            if f.work & WORK_GEMMS == 0 {
+                if f.work & WORK_COMBINE != 0 {
+                    combine(f, &pass);
+                }
+                return;
+            }
             let phases = (
                 ForwardHandover::<{ ForwardHandover::GATE_UP }>::new(params, pass.epoch),
                 ForwardHandover::<{ ForwardHandover::DOWN }>::new(params, pass.epoch),
             );
             if run_forward_phases(f.gate_up as *const GemmParams, phases.0, f.down as *const GemmParams, phases.1)
                 .is_some()
+                && f.work & WORK_COMBINE != 0
             {
                 combine(&*params, &pass);
             }

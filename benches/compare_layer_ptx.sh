@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One device call, several builds of the kernels, the whole layer: the ceilings and the PyTorch
+# layer once, then mok's layer benchmark once per PTX file given (loaded through MOK_PTX), each
+# with the backends of $GEMM (default engine,megakernel). Run from the bundle's benches/ folder:
+#   CASES=kimi:8192 GEMM=engine,megakernel:0 ./compare_layer_ptx.sh a.ptx b.ptx
+# Logs go to $OUT (or ./bench-logs); the last lines are the tables, each row prefixed with its PTX.
+set -euo pipefail
+[ $# -ge 1 ] || { echo "usage: $0 PTX_FILE..." >&2; exit 2; }
+here="$(cd "$(dirname "$0")" && pwd)"
+out="${OUT:-./bench-logs}"
+mkdir -p "$out"
+cases="${CASES:-kimi:8192,glm:8192,qwen:8192,deepseek:8192}"
+backends="${GEMM:-engine,megakernel}"
+layer_bin="${LAYER_BIN:-$here/layer}"
+[ -f "$out/ceilings.log" ] || python3 "$here/ceilings.py" > "$out/ceilings.log" 2>&1
+read -r _ _ matmul _ copy < <(grep CEILING "$out/ceilings.log")
+[ -f "$out/baseline.txt" ] || PYTHONUNBUFFERED=1 python3 "$here/torch_moe.py" --cases "$cases" \
+    --out "$out/baseline.txt" > "$out/torch.log" 2>&1
+for ptx in "$@"; do
+    name="$(basename "$ptx" .ptx)"
+    MOK_PTX="$ptx" "$layer_bin" --cases "$cases" --gemm "$backends" --baseline "$out/baseline.txt" \
+        --matmul-tflops "$matmul" --copy-tbps "$copy" > "$out/layer-$name.log" 2>&1 || echo "$name: FAILED (see layer-$name.log)"
+done
+for ptx in "$@"; do
+    name="$(basename "$ptx" .ptx)"
+    grep "^|" "$out/layer-$name.log" | grep -v "^|---\|^| shape" | sed "s/^/$name /" || true
+done
