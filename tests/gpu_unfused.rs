@@ -104,6 +104,11 @@ fn run_with(
     layer.backward(gpu, &device.tokens, &device.experts, device.shared.as_ref(), &device.dy).unwrap();
     gpu.synchronize().unwrap();
     layer.check_device_errors().unwrap();
+    collect(layer)
+}
+
+/// Everything the last forward + backward on `layer` left, downloaded.
+fn collect(layer: &UnfusedLayer) -> GpuRun {
     let r = &layer.routing;
     let row_offsets = r.row_offsets.download().unwrap();
     let total = *row_offsets.last().unwrap() as usize;
@@ -606,5 +611,49 @@ fn forward_megakernel_faults_are_reported_timeouts_then_correct_passes() {
         assert!(elapsed < 2 * deadline, "{fault:?}: reported after {elapsed:?}, deadline {deadline:?}");
         layer.set_megakernel_faults(MegakernelFaults::default()).unwrap();
         assert_same_run(&run(&gpu, &mut layer, &device), &expected, &format!("the pass after {fault:?}"));
+    }
+}
+
+#[test]
+fn a_captured_training_step_replays_the_eager_bits() {
+    // A forward + backward captured as one CUDA graph (`Gpu::capture`) and replayed 10 times
+    // gives the eager step's bits every time, on every backend this GPU has; outputs are
+    // poisoned before each replay, so a replay that skipped a kernel would show.
+    let gpu = gpu();
+    let c = config(400, 512, 256, 32, 8, Some(256), Some(1.0));
+    let case = random_case(&c, 600, Routing { drop_probability: 0.02, empty_experts: &[5] });
+    let device = upload(&gpu, &case);
+    let mut backends = vec![("mma.sync", UnfusedLayer::new(&gpu, c.clone()).unwrap())];
+    let mut engine = UnfusedLayer::new(&gpu, c.clone()).unwrap();
+    if engine.set_gemm_engine(&gpu, true).is_ok() {
+        backends.push(("engine", engine));
+        if let Some(layer) = megakernel_layer(&gpu, &c, megakernel_options(None, None)) {
+            backends.push(("megakernel", layer));
+        }
+    } else {
+        println!("  NOT RUN on the engine and the megakernel: not available on this GPU");
+        assert_ne!(gpu.compute_capability().0, 9, "an sm_90 GPU must run the engine");
+    }
+    let replays = common::sized("replays", 10, 2);
+    for (name, mut layer) in backends {
+        let eager = run(&gpu, &mut layer, &device);
+        let graph = gpu
+            .capture(|| {
+                layer.forward(&gpu, &device.tokens, &device.experts, device.shared.as_ref())?;
+                layer.backward(&gpu, &device.tokens, &device.experts, device.shared.as_ref(), &device.dy)
+            })
+            .unwrap();
+        for replay in 0..replays {
+            layer.poison().unwrap();
+            graph.launch().unwrap();
+            gpu.synchronize().unwrap();
+            layer.check_device_errors().unwrap();
+            assert_same_run(&collect(&layer), &eager, &format!("{name}: replay {replay}"));
+        }
+        println!("  {name}: {replays} graph replays bitwise equal to the eager step");
+        // A capture whose work synchronises is refused, and the stream keeps working.
+        let refused = gpu.capture(|| layer.check_device_errors());
+        assert!(refused.is_err(), "{name}: a synchronising capture must fail");
+        assert_same_run(&run(&gpu, &mut layer, &device), &eager, &format!("{name}: eager after a refused capture"));
     }
 }

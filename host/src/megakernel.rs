@@ -77,13 +77,11 @@ impl MegakernelWork {
 pub(crate) struct ForwardMegakernel {
     host: ForwardParams,
     params: DeviceBuffer<u8>,
-    /// `[M tiles]` epoch flags, never cleared (each pass has a new epoch).
-    _rows_landed: DeviceBuffer<u32>,
-    /// `[M tiles]` gate/up parts, `[M tiles]` down parts, the combine's next token, the
-    /// dispatch's next M tile: cleared together before each pass.
+    /// `[M tiles]` dispatched flags, `[M tiles]` gate/up parts, `[M tiles]` down parts, the
+    /// combine's next token, the dispatch's next M tile: cleared together (one memset) before
+    /// each pass.
     pass_counters: DeviceBuffer<u32>,
     error: DeviceBuffer<u32>,
-    epoch: u32,
     blocks: u32,
     /// The plans the parameter block points at (their parameter blocks' addresses).
     built_for: [u64; 2],
@@ -152,8 +150,7 @@ impl ForwardMegakernel {
             });
         }
         let m_tiles = plans[0].max_m_tiles().max(plans[1].max_m_tiles()).max(1);
-        let rows_landed = DeviceBuffer::from_slice(gpu, &vec![0u32; m_tiles])?;
-        let pass_counters = DeviceBuffer::from_slice(gpu, &vec![0u32; 2 * m_tiles + 2])?;
+        let pass_counters = DeviceBuffer::from_slice(gpu, &vec![0u32; 3 * m_tiles + 2])?;
         let error = DeviceBuffer::from_slice(gpu, &[0u32; ERROR_WORDS])?;
         let counters = pass_counters.device_ptr();
         let host = ForwardParams {
@@ -164,11 +161,11 @@ impl ForwardMegakernel {
             rows: buffers.rows,
             down_rows: buffers.down_rows,
             y: buffers.y,
-            rows_landed: rows_landed.device_ptr(),
-            gate_up_stored: counters,
-            down_stored: counters + 4 * m_tiles as u64,
-            combine_next: counters + 8 * m_tiles as u64,
-            dispatch_next: counters + 8 * m_tiles as u64 + 4,
+            rows_dispatched: counters,
+            gate_up_stored: counters + 4 * m_tiles as u64,
+            down_stored: counters + 8 * m_tiles as u64,
+            combine_next: counters + 12 * m_tiles as u64,
+            dispatch_next: counters + 12 * m_tiles as u64 + 4,
             error: error.device_ptr(),
             timeout_ns: options.timeout.as_nanos().min(u64::MAX as u128) as u64,
             tokens: buffers.tokens,
@@ -186,10 +183,8 @@ impl ForwardMegakernel {
         Ok(Self {
             host,
             params,
-            _rows_landed: rows_landed,
             pass_counters,
             error,
-            epoch: 0,
             blocks,
             built_for: [plans[0].params_ptr(), plans[1].params_ptr()],
         })
@@ -243,15 +238,12 @@ impl ForwardMegakernel {
             plan.cut_group_maps(gpu)?;
         }
         self.pass_counters.fill_bytes(0)?;
-        // Epochs never repeat on these flags (0 is what a fresh flag holds).
-        self.epoch = self.epoch.wrapping_add(1).max(1);
         let shape = LaunchShape { grid: (self.blocks, 1, 1), threads: ENGINE_THREADS, smem_bytes: ENGINE_SMEM_BYTES };
         let args = [
             KernelArg::Ptr(self.params.device_ptr()),
             KernelArg::Ptr(x),
             KernelArg::Ptr(topk_weights),
             KernelArg::Ptr(shared_rows),
-            KernelArg::U32(self.epoch),
         ];
         // SAFETY: `mok_sm90_forward`'s parameters in order and type; the parameter block points
         // at the layer's live buffers and the plans' parameter blocks (checked above), its

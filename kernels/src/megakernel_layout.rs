@@ -7,9 +7,9 @@ pub const NO_FAULT: u32 = u32::MAX;
 
 /// What a forward pass computes and the counters its roles hand work over through: everything
 /// that stays the same from pass to pass (the per-pass values — the token rows, the slot
-/// weights, the shared expert's rows and the epoch — are kernel arguments, [`PassInputs`], so a pass needs no upload).
-/// Written by the host into device memory once, read by every block. All pointers are device
-/// addresses.
+/// weights and the shared expert's rows — are kernel arguments, [`PassInputs`], so a pass needs
+/// no upload, and a captured CUDA graph replays it as it is). Written by the host into device
+/// memory once, read by every block. All pointers are device addresses.
 ///
 /// The counters are per engine M tile (128 rows, numbered over all groups by the engine's tile
 /// offsets, `GemmParams::tile_offsets`): the one tile vocabulary of the dispatch, the gate/up
@@ -31,9 +31,9 @@ pub struct ForwardParams {
     pub down_rows: u64,
     /// `[T][H]` bf16: the layer output.
     pub y: u64,
-    /// `[M tiles]` u32: the epoch of the last pass whose rows of that M tile are all in `rows`
-    /// (set by a comm block with a release; never cleared).
-    pub rows_landed: u64,
+    /// `[M tiles]` u32: 1 once this pass's rows of that M tile are all in `rows` (set by the
+    /// dispatching block with a release); cleared in stream order before the pass.
+    pub rows_dispatched: u64,
     /// `[M tiles]` u32: the gate/up tile parts stored per M tile (one per N tile and consumer
     /// warpgroup with rows); cleared in stream order before the pass.
     pub gate_up_stored: u64,
@@ -83,9 +83,6 @@ pub struct PassInputs {
     pub topk_weights: u64,
     /// `[T][H]` f32, the shared expert's output added first in each token's sum; 0 for none.
     pub shared_rows: u64,
-    /// This pass's epoch (≥ 1, never repeated on the same counters; what `rows_landed` must
-    /// reach).
-    pub epoch: u32,
 }
 
 /// [`ForwardParams::work`]: the dispatch copies the rows (without it, it only publishes them:

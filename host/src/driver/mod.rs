@@ -15,11 +15,13 @@
 
 mod buffer;
 mod gpu;
+mod graph;
 mod memory;
 pub mod vmm;
 
 pub use buffer::{DeviceBuffer, live_device_buffers};
 pub use gpu::{Gpu, GpuTimer, KernelArg, Kernels, LaunchShape};
+pub use graph::CapturedGraph;
 
 use cudarc::driver::result::DriverError;
 

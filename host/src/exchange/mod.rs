@@ -687,7 +687,10 @@ pub(crate) fn decode_timeout(rank: Option<usize>, words: &[u32]) -> MokError {
         codes::WAIT_BULK_COPY => format!("ring row {index}"),
         codes::WAIT_ENGINE_TILE_ROWS => format!("M tile {index}: expected epoch {expected}, the flag held {seen}"),
         codes::WAIT_ENGINE_TILE_HIDDEN | codes::WAIT_ENGINE_TILE_OUTPUT => {
-            format!("M tile {index}: expected {expected} stored tile parts, {seen} counted (epoch {epoch})")
+            format!("M tile {index}: expected {expected} stored tile parts, {seen} counted")
+        }
+        codes::WAIT_ENGINE_TILE_DISPATCHED => {
+            format!("M tile {index}: expected its dispatched flag {expected}, it held {seen}")
         }
         _ => format!("record {words:?}"),
     };

@@ -57,6 +57,10 @@ pub const WAIT_ENGINE_TILE_HIDDEN: u32 = 8;
 /// `ForwardParams::down_stored`).
 pub const WAIT_ENGINE_TILE_OUTPUT: u32 = 9;
 
+/// The forward megakernel's gate/up tile waited for the dispatch of its M tile's rows (index =
+/// the M tile, expected 1 = set; `ForwardParams::rows_dispatched`).
+pub const WAIT_ENGINE_TILE_DISPATCHED: u32 = 10;
+
 /// A name for a `WAIT_*` code, for messages.
 pub fn waited_for_name(code: u32) -> &'static str {
     match code {
@@ -67,6 +71,7 @@ pub fn waited_for_name(code: u32) -> &'static str {
         WAIT_DY_TILE_ROWS => "pulled dy rows of a GEMM tile (dy_tile_ready)",
         WAIT_BULK_COPY => "a bulk copy of a ring row (its mbarrier)",
         WAIT_ENGINE_TILE_ROWS => "the rows of an engine M tile to land (TileCounters::rows_landed)",
+        WAIT_ENGINE_TILE_DISPATCHED => "the rows of an engine M tile to be dispatched (rows_dispatched)",
         WAIT_ENGINE_TILE_HIDDEN => "the gate/up tiles of an engine M tile to be stored (gate_up_stored)",
         WAIT_ENGINE_TILE_OUTPUT => "the down tiles of an engine M tile to be stored (down_stored)",
         _ => "an unknown counter",

@@ -10,7 +10,9 @@
 //! stream order before the pass (only this GPU's blocks add to them), so a tile of `r` rows with
 //! `n` N tiles is complete at `n · ⌈r / 64⌉`.
 
-use crate::comm::error::{self, ERROR_TIMEOUT, WAIT_ENGINE_TILE_HIDDEN, WAIT_ENGINE_TILE_ROWS};
+use crate::comm::error::{
+    self, ERROR_TIMEOUT, WAIT_ENGINE_TILE_DISPATCHED, WAIT_ENGINE_TILE_HIDDEN, WAIT_ENGINE_TILE_ROWS,
+};
 use crate::comm::schedule::epoch_reached;
 use crate::comm::wait::{signal, wait_until};
 use crate::gemm_layout::{GemmParams, TILE_M, TILE_N, TileCounters, Variant};
@@ -92,13 +94,16 @@ impl TileHooks for Counters {
     }
 }
 
-/// What a tile's rows are ready by: an epoch flag per M tile (rows placed by the comm side), or
-/// the stored-part count per M tile of the GEMM phase that wrote them, complete at
+/// What a tile's rows are ready by: an epoch flag per M tile (rows placed by the comm side; the
+/// standalone hooked kernels), a flag set this pass (the megakernel's dispatch), or the
+/// stored-part count per M tile of the GEMM phase that wrote them, complete at
 /// [`parts_per_m_tile`]`(n_tiles, rows)`.
 #[derive(Clone, Copy)]
 enum Ready {
     /// `flags[m tile]` reaches `epoch` (wrapping).
     Epoch { flags: *const u32, epoch: u32 },
+    /// `flags[m tile]` is set (cleared before the pass).
+    Dispatched { flags: *const u32 },
     /// `counts[m tile]` reaches the parts of a GEMM with `n_tiles` N tiles.
     Stored { counts: *const u32, n_tiles: u32 },
 }
@@ -118,13 +123,16 @@ unsafe fn wait_for_rows(p: &GemmParams, work: &Work, ready: Ready, error: *mut u
         let tile = m_tile(p, work);
         let (counter, expected, code) = match ready {
             Ready::Epoch { flags, epoch } => (flags.add(tile as usize), epoch, WAIT_ENGINE_TILE_ROWS),
+            Ready::Dispatched { flags } => (flags.add(tile as usize), 1, WAIT_ENGINE_TILE_DISPATCHED),
             Ready::Stored { counts, n_tiles } => {
                 (counts.add(tile as usize), parts_per_m_tile(n_tiles, work.rows), WAIT_ENGINE_TILE_HIDDEN)
             }
         };
         let waited = match ready {
             Ready::Epoch { .. } => wait_until(counter, false, timeout_ns, error, |v| epoch_reached(v, expected)),
-            Ready::Stored { .. } => wait_until(counter, false, timeout_ns, error, |v| v >= expected),
+            Ready::Dispatched { .. } | Ready::Stored { .. } => {
+                wait_until(counter, false, timeout_ns, error, |v| v >= expected)
+            }
         };
         // The rows are read by the TMA copies that follow, through the async proxy: order the
         // acquired writes (generic stores of the comm side, or fenced bulk stores) before them.
@@ -157,14 +165,13 @@ unsafe fn count_stored(p: &GemmParams, work: &Work, counts: *mut u32, silent_til
 
 /// The forward megakernel's hand-over around its two GEMM phases, read from the pass's
 /// [`ForwardParams`] where used (a pointer, so the producer keeps no counter addresses in its few
-/// registers). [`ForwardHandover::GATE_UP`]: a tile waits for its rows' `rows_landed` epoch and
+/// registers). [`ForwardHandover::GATE_UP`]: a tile waits for its rows' `rows_dispatched` flag and
 /// counts its parts in `gate_up_stored` (except `silent_hidden_tile`, fault injection);
 /// [`ForwardHandover::DOWN`]: a tile waits until `gate_up_stored` says every gate/up part of its
 /// rows is stored and counts its parts in `down_stored`.
 #[derive(Clone, Copy)]
 pub struct ForwardHandover<const PHASE: u32> {
     params: *const ForwardParams,
-    epoch: u32,
 }
 
 impl ForwardHandover<0> {
@@ -176,11 +183,10 @@ impl ForwardHandover<0> {
 
 impl<const PHASE: u32> ForwardHandover<PHASE> {
     /// # Safety
-    /// `params` points at the pass's valid [`ForwardParams`] for the whole launch; `epoch` is
-    /// the pass's.
+    /// `params` points at the pass's valid [`ForwardParams`] for the whole launch.
     #[inline(always)]
-    pub unsafe fn new(params: *const ForwardParams, epoch: u32) -> Self {
-        Self { params, epoch }
+    pub unsafe fn new(params: *const ForwardParams) -> Self {
+        Self { params }
     }
 }
 
@@ -191,7 +197,7 @@ impl<const PHASE: u32> TileHooks for ForwardHandover<PHASE> {
         unsafe {
             let f = &*self.params;
             let ready = if PHASE == ForwardHandover::GATE_UP {
-                Ready::Epoch { flags: f.rows_landed as *const u32, epoch: self.epoch }
+                Ready::Dispatched { flags: f.rows_dispatched as *const u32 }
             } else {
                 // The SwiGLU tile writes 128 hidden columns.
                 let gate_up_n = (*(f.gate_up as *const GemmParams)).n.div_ceil(TILE_N / 2);
@@ -201,7 +207,7 @@ impl<const PHASE: u32> TileHooks for ForwardHandover<PHASE> {
             // the failure reported first is the cause (`megakernel_layout::downstream_deadline`).
             let timeout_ns =
                 if PHASE == ForwardHandover::GATE_UP { f.timeout_ns } else { downstream_deadline(f.timeout_ns, 1) };
-            wait_for_rows(p, work, ready, f.error as *mut u32, timeout_ns, self.epoch);
+            wait_for_rows(p, work, ready, f.error as *mut u32, timeout_ns, 0);
         }
     }
 

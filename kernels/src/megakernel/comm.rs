@@ -30,7 +30,7 @@ fn last_at_or_below(len: u32, target: u32, values: impl Fn(u32) -> u32) -> u32 {
 /// Dispatch, by every thread of a block: engine M tiles taken one at a time from
 /// `dispatch_next` (shared by every block that dispatches, so the tiles go out in increasing
 /// order); each tile's rows are copied from x in expert order (a warp per row), then, after a
-/// block barrier, thread 0 sets the tile's `rows_landed` flag to the epoch with a release.
+/// block barrier, thread 0 sets the tile's `rows_dispatched` flag with a release.
 /// Waits for nothing, so whatever waits on a dispatched tile waits on work a running block is
 /// already doing. Returns once the tiles are all handed out (the block has finished its own).
 ///
@@ -72,7 +72,7 @@ pub unsafe fn dispatch(f: &ForwardParams, pass: &PassInputs) {
             // release at GPU scope) for the acquiring producer.
             sync::block_barrier();
             if sreg::thread_idx_x() == 0 && tile != f.silent_rows_tile {
-                st_release_gpu_u32((f.rows_landed as *mut u32).add(tile as usize), pass.epoch);
+                st_release_gpu_u32((f.rows_dispatched as *mut u32).add(tile as usize), 1);
             }
         }
     }
@@ -116,10 +116,7 @@ pub unsafe fn combine(f: &ForwardParams, pass: &PassInputs) {
                 let counter = (f.down_stored as *const u32).add(tile as usize);
                 let timeout_ns = downstream_deadline(f.timeout_ns, 2);
                 if let Err(seen) = wait_until(counter, false, timeout_ns, error, |v| v >= expected) {
-                    error::record(
-                        error,
-                        [ERROR_TIMEOUT, WAIT_ENGINE_TILE_OUTPUT, 0, tile, expected, seen, 0, pass.epoch],
-                    );
+                    error::record(error, [ERROR_TIMEOUT, WAIT_ENGINE_TILE_OUTPUT, 0, tile, expected, seen, 0, 0]);
                 }
             }
             let (weights, rows, base) =

@@ -22,9 +22,9 @@ use super::comm::{combine, dispatch};
 /// The whole pass, by every thread of the launch (see the module docs).
 ///
 /// # Safety
-/// `params` points at a valid [`ForwardParams`] and `pass` holds this pass's inputs (an epoch
-/// not used before on these counters); the counters hold an entry per engine M tile
-/// the plans' groups can have, `gate_up_stored`, `down_stored` and `combine_next` zeroed and
+/// `params` points at a valid [`ForwardParams`] and `pass` holds this pass's inputs; the counters hold an entry per engine M tile
+/// the plans' groups can have, `rows_dispatched`, `gate_up_stored`, `down_stored`, `combine_next` and `dispatch_next`
+/// zeroed and
 /// both plans' group maps cut (tile counters zeroed) on the stream before the launch; the grid
 /// is co-resident (at most the clusters that fit at once), more than `first_compute_block`
 /// blocks, [`ENGINE_THREADS`] threads each.
@@ -56,8 +56,8 @@ pub unsafe fn forward(params: *const ForwardParams, pass: PassInputs) {
                 return;
             }
             let phases = (
-                ForwardHandover::<{ ForwardHandover::GATE_UP }>::new(params, pass.epoch),
-                ForwardHandover::<{ ForwardHandover::DOWN }>::new(params, pass.epoch),
+                ForwardHandover::<{ ForwardHandover::GATE_UP }>::new(params),
+                ForwardHandover::<{ ForwardHandover::DOWN }>::new(params),
             );
             if run_forward_phases(f.gate_up as *const GemmParams, phases.0, f.down as *const GemmParams, phases.1)
                 .is_some()
