@@ -194,7 +194,11 @@ fn main() -> Result<()> {
                 "dgrad_down",
                 2.0 * r * hf * inf,
                 weights + 2.0 * r * hf + 4.0 * r * inf,
-                paired(&gpu, EnginePlan::rows_nn(&gpu, (&dy, &w_down), None, &groups, (i, h), &out_i)?, pairing)?,
+                paired(
+                    &gpu,
+                    EnginePlan::rows_nn(&gpu, (&dy, (&w_down).into()), None, &groups, (i, h), &out_i)?,
+                    pairing,
+                )?,
             ),
             (
                 "dgrad_gate_up",
@@ -202,7 +206,14 @@ fn main() -> Result<()> {
                 2.0 * weights + 4.0 * r * inf + 4.0 * r * hf,
                 paired(
                     &gpu,
-                    EnginePlan::rows_nn(&gpu, (&d_gate, &w_gate), Some((&d_up, &w_up)), &groups, (h, i), &out_h)?,
+                    EnginePlan::rows_nn(
+                        &gpu,
+                        (&d_gate, (&w_gate).into()),
+                        Some((&d_up, (&w_up).into())),
+                        &groups,
+                        (h, i),
+                        &out_h,
+                    )?,
                     pairing,
                 )?,
             ),
@@ -210,14 +221,15 @@ fn main() -> Result<()> {
                 "wgrad_down",
                 2.0 * r * hf * inf,
                 weights + 2.0 * r * (hf + inf),
-                EnginePlan::wgrad(&gpu, &dy, &hidden, &row_offsets, (e, cap), (h, i), WgradOut::Bf16(&dw))?,
+                EnginePlan::wgrad(&gpu, &dy, &hidden, &row_offsets, (e, cap), (h, i), WgradOut::Bf16((&dw).into()))?,
             ),
         ];
         for (what, flop, bytes, plan) in &single {
             rows_out.push(timed_row(&gpu, tag(what), *flop, *bytes, || plan.launch(&gpu))?);
         }
-        let plan_g = EnginePlan::wgrad(&gpu, &d_gate, &x, &row_offsets, (e, cap), (i, h), WgradOut::Bf16(&dw))?;
-        let plan_u = EnginePlan::wgrad(&gpu, &d_up, &x, &row_offsets, (e, cap), (i, h), WgradOut::Bf16(&dw2))?;
+        let plan_g =
+            EnginePlan::wgrad(&gpu, &d_gate, &x, &row_offsets, (e, cap), (i, h), WgradOut::Bf16((&dw).into()))?;
+        let plan_u = EnginePlan::wgrad(&gpu, &d_up, &x, &row_offsets, (e, cap), (i, h), WgradOut::Bf16((&dw2).into()))?;
         let (flop, bytes) = (4.0 * r * hf * inf, 2.0 * weights + 2.0 * r * (hf + 2.0 * inf));
         rows_out.push(timed_row(&gpu, tag("wgrad_gate_up"), flop, bytes, || {
             plan_g.launch(&gpu)?;

@@ -260,7 +260,7 @@ fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
 
     // Data gradients: one segment (down dgrad), two segments (gate/up dgrad).
     let d_hidden = poisoned::<f32>(gpu, cap * i);
-    EnginePlan::rows_nn(gpu, (back.d_rows, &s.experts.w_down), None, &groups, (i, h), &d_hidden)
+    EnginePlan::rows_nn(gpu, (back.d_rows, (&s.experts.w_down).into()), None, &groups, (i, h), &d_hidden)
         .unwrap()
         .launch(gpu)
         .unwrap();
@@ -272,8 +272,8 @@ fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
     let d_in = poisoned::<f32>(gpu, cap * h);
     let mut plan = EnginePlan::rows_nn(
         gpu,
-        (back.d_gate, &s.experts.w_gate),
-        Some((back.d_up, &s.experts.w_up)),
+        (back.d_gate, (&s.experts.w_gate).into()),
+        Some((back.d_up, (&s.experts.w_up).into())),
         &groups,
         (h, i),
         &d_in,
@@ -303,7 +303,7 @@ fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
         &layer.routing.row_offsets,
         (e, cap),
         (h, i),
-        WgradOut::Bf16(&dw_down),
+        WgradOut::Bf16((&dw_down).into()),
     )
     .unwrap();
     let refused = plan.set_pairing(gpu, Pairing::NOnly).unwrap_err().to_string();
@@ -331,7 +331,7 @@ fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
         &layer.routing.row_offsets,
         (e, cap),
         (i, h),
-        WgradOut::AccumulateF32(&dw_gate),
+        WgradOut::AccumulateF32((&dw_gate).into()),
     )
     .unwrap()
     .launch(gpu)

@@ -200,7 +200,7 @@ impl EpLayer {
                 gpu,
                 &self.groups(rank),
                 self.exchange.address(rank, r.ring_x),
-                [&w.w_gate, &w.w_up, &w.w_down],
+                [(&w.w_gate).into(), (&w.w_up).into(), (&w.w_down).into()],
             )?;
             let mut base = 0;
             if let (Some(weights), Some((compute, offsets))) = (shared, &state.shared) {
@@ -208,7 +208,7 @@ impl EpLayer {
                     gpu,
                     &RowGroups::all_tokens(offsets, t),
                     self.exchange.address(rank, r.x),
-                    [&weights.ws_gate, &weights.ws_up, &weights.ws_down],
+                    [(&weights.ws_gate).into(), (&weights.ws_up).into(), (&weights.ws_down).into()],
                 )?;
                 base = compute.out_rows().device_ptr();
             }
@@ -263,7 +263,8 @@ impl EpLayer {
                 ExpertBackward {
                     input_rows: at(r.ring_x),
                     d_out_rows: at(r.ring_dy),
-                    weights: [&w.w_gate, &w.w_up, &w.w_down],
+                    weights: [(&w.w_gate).into(), (&w.w_up).into(), (&w.w_down).into()],
+                    accumulate_f32: false,
                     weight_grads: [state.dw[0].device_ptr(), state.dw[1].device_ptr(), state.dw[2].device_ptr()],
                 },
             )?;
@@ -276,7 +277,8 @@ impl EpLayer {
                         input_rows: at(r.x),
                         // The shared expert's output is added unscaled: its output gradient is dy.
                         d_out_rows: at(r.dy),
-                        weights: [&weights.ws_gate, &weights.ws_up, &weights.ws_down],
+                        weights: [(&weights.ws_gate).into(), (&weights.ws_up).into(), (&weights.ws_down).into()],
+                        accumulate_f32: false,
                         weight_grads: [dws[0].device_ptr(), dws[1].device_ptr(), dws[2].device_ptr()],
                     },
                 )?;

@@ -14,7 +14,7 @@ use mok_kernels::gemm_layout::{
     TENSOR_MAP_BYTES, TILE_M, TILE_N, Variant, cluster_blocks,
 };
 
-use crate::driver::{DeviceBuffer, Gpu, KernelArg, LaunchShape};
+use crate::driver::{DeviceBuffer, DeviceSlice, Gpu, KernelArg, LaunchShape};
 use crate::error::{MokError, Result};
 use crate::tensor_map::TensorMap;
 
@@ -150,9 +150,9 @@ impl Pairing {
 /// Where a weight gradient goes.
 pub enum WgradOut<'a> {
     /// Written as bf16 `[G][M][N]`.
-    Bf16(&'a DeviceBuffer<bf16>),
+    Bf16(DeviceSlice<'a, bf16>),
     /// Added into caller-owned f32 `[G][M][N]` (gradient accumulation across micro-batches).
-    AccumulateF32(&'a DeviceBuffer<f32>),
+    AccumulateF32(DeviceSlice<'a, f32>),
 }
 
 /// Where the output rows of [`EnginePlan::rows_nt`] go.
@@ -355,12 +355,12 @@ impl EnginePlan {
     /// optionally keeping the f32 pre-activations. `rows` `[cap][h]`, weights `[G][i][h]`,
     /// outputs `[cap][i]`.
     #[allow(clippy::too_many_arguments)]
-    pub fn gate_up(
+    pub fn gate_up<'w>(
         gpu: &Gpu,
         rows: &DeviceBuffer<bf16>,
         groups: &RowGroups<'_>,
-        w_gate: &DeviceBuffer<bf16>,
-        w_up: &DeviceBuffer<bf16>,
+        w_gate: impl Into<DeviceSlice<'w, bf16>>,
+        w_up: impl Into<DeviceSlice<'w, bf16>>,
         (h, i): (usize, usize),
         swiglu_limit: Option<f32>,
         hidden_out: &DeviceBuffer<bf16>,
@@ -371,6 +371,7 @@ impl EnginePlan {
         groups.check()?;
         let g = groups.groups;
         check_len("rows", rows.len(), groups.capacity * h)?;
+        let (w_gate, w_up) = (w_gate.into(), w_up.into());
         check_len("w_gate", w_gate.len(), g * i * h)?;
         check_len("w_up", w_up.len(), g * i * h)?;
         check_len("hidden_out", hidden_out.len(), groups.capacity * i)?;
@@ -417,11 +418,11 @@ impl EnginePlan {
 
     /// Row-grouped `out[r] = rows[r] · w[g]ᵀ` (f32 or bf16 rows): `rows` `[cap][k]`, `w`
     /// `[G][n][k]`, `out` `[cap][n]`. The down projection (f32).
-    pub fn rows_nt(
+    pub fn rows_nt<'w>(
         gpu: &Gpu,
         rows: &DeviceBuffer<bf16>,
         groups: &RowGroups<'_>,
-        w: &DeviceBuffer<bf16>,
+        w: impl Into<DeviceSlice<'w, bf16>>,
         (n, k): (usize, usize),
         out: RowsOut<'_>,
     ) -> Result<Self> {
@@ -430,6 +431,7 @@ impl EnginePlan {
         groups.check()?;
         let g = groups.groups;
         check_len("rows", rows.len(), groups.capacity * k)?;
+        let w = w.into();
         check_len("w", w.len(), g * n * k)?;
         // (address, length, bytes per element, store map, kernel) of the output rows.
         let (out_ptr, out_len, out_bytes, out_map, kernel, variant) = match out {
@@ -474,8 +476,8 @@ impl EnginePlan {
     /// N-major: `a` `[cap][k]`, `w` `[G][k][n]`, `out` `[cap][n]`. Both segments share `k`.
     pub fn rows_nn(
         gpu: &Gpu,
-        first: (&DeviceBuffer<bf16>, &DeviceBuffer<bf16>),
-        second: Option<(&DeviceBuffer<bf16>, &DeviceBuffer<bf16>)>,
+        first: (&DeviceBuffer<bf16>, DeviceSlice<'_, bf16>),
+        second: Option<(&DeviceBuffer<bf16>, DeviceSlice<'_, bf16>)>,
         groups: &RowGroups<'_>,
         (n, k): (usize, usize),
         out: &DeviceBuffer<f32>,
@@ -613,7 +615,7 @@ fn store_map_f32(gpu: &Gpu, out: &DeviceBuffer<f32>, width: usize, capacity: usi
 /// next group's): box of 64 K × `box_rows` × 1.
 fn weight_map_k_major(
     gpu: &Gpu,
-    w: &DeviceBuffer<bf16>,
+    w: DeviceSlice<'_, bf16>,
     k: usize,
     n: usize,
     g: usize,

@@ -17,11 +17,13 @@ mod buffer;
 mod gpu;
 mod graph;
 mod memory;
+mod slice;
 pub mod vmm;
 
 pub use buffer::{DeviceBuffer, live_device_buffers};
 pub use gpu::{Gpu, GpuTimer, KernelArg, Kernels, LaunchShape};
 pub use graph::CapturedGraph;
+pub use slice::{DeviceSlice, DeviceSliceMut};
 
 use cudarc::driver::result::DriverError;
 

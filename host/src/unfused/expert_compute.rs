@@ -5,7 +5,7 @@ use half::bf16;
 use mok_kernels::tiles as kc;
 
 use crate::config::MoeConfig;
-use crate::driver::{DeviceBuffer, Gpu, KernelArg, LaunchShape};
+use crate::driver::{DeviceBuffer, DeviceSlice, Gpu, KernelArg, LaunchShape};
 use crate::error::{MokError, Result};
 
 use super::*;
@@ -118,9 +118,13 @@ pub struct ExpertBackward<'a> {
     /// `[R][H]` bf16: gradient of the output rows (dy scaled by the slot weight).
     pub d_out_rows: u64,
     /// `(w_gate, w_up, w_down)` as in [`ExpertCompute::forward`].
-    pub weights: [&'a DeviceBuffer<bf16>; 3],
-    /// Device addresses of `(dw_gate [G, I, H], dw_up [G, I, H], dw_down [G, H, I])` bf16.
+    pub weights: [DeviceSlice<'a, bf16>; 3],
+    /// Device addresses of `(dw_gate [G, I, H], dw_up [G, I, H], dw_down [G, H, I])`: bf16,
+    /// written; or f32, added into, with `accumulate_f32`.
     pub weight_grads: [u64; 3],
+    /// Add the weight gradients into f32 buffers (`+=`, one rounding per element) instead of
+    /// writing bf16.
+    pub accumulate_f32: bool,
 }
 
 fn row_grid(rows_upper_bound: usize, groups: usize, n: usize) -> (u32, u32, u32) {
@@ -182,7 +186,7 @@ impl ExpertCompute {
         gpu: &Gpu,
         groups: &RowGroups,
         input_rows: u64,
-        weights: [&DeviceBuffer<bf16>; 3],
+        weights: [DeviceSlice<'_, bf16>; 3],
     ) -> Result<()> {
         groups.check(self.capacity)?;
         let (h, inter) = (self.hidden, self.inter);
@@ -313,7 +317,16 @@ impl ExpertCompute {
                 gpu.launch(
                     "mok_gemm_wgrad",
                     gemm_shape((tiles * groups.groups as u32, 1, 1)),
-                    &[Ptr(a), Ptr(b), Ptr(groups.row_offsets), U32(m as u32), U32(n as u32), Ptr(out), Ptr(0)],
+                    &[
+                        Ptr(a),
+                        Ptr(b),
+                        Ptr(groups.row_offsets),
+                        U32(m as u32),
+                        U32(n as u32),
+                        // The kernel writes bf16 unless that pointer is null; then it adds into f32.
+                        Ptr(if args.accumulate_f32 { 0 } else { out }),
+                        Ptr(if args.accumulate_f32 { out } else { 0 }),
+                    ],
                 )
             }
         };

@@ -4,7 +4,7 @@
 use half::bf16;
 
 use crate::config::MoeConfig;
-use crate::driver::{DeviceBuffer, Gpu, KernelArg, LaunchShape};
+use crate::driver::{DeviceBuffer, DeviceSlice, DeviceSliceMut, Gpu, KernelArg, LaunchShape};
 use crate::error::{MokError, Result};
 use crate::gemm::{self as engine, EnginePlan, RowsOut, WgradOut};
 use crate::megakernel::{FORWARD_KERNEL, ForwardMegakernel, MegakernelOptions, PassBuffers};
@@ -80,8 +80,43 @@ struct EngineExperts {
     built_for: [u64; 3],
     /// Gate/up with SwiGLU (keeping the pre-activations for backward), down.
     forward: Vec<EnginePlan>,
-    /// Down dgrad; gate/up dgrad (two K segments); the down, gate and up weight gradients.
-    backward: Vec<EnginePlan>,
+    /// Down dgrad; gate/up dgrad (two K segments).
+    dgrad: Vec<EnginePlan>,
+    /// The down, gate and up weight gradients, for the target they were built for.
+    wgrad: Vec<EnginePlan>,
+    /// (dw_gate, dw_up, dw_down addresses, accumulate into f32) of `wgrad`; zeros before the first.
+    wgrad_for: ([u64; 3], bool),
+}
+
+/// Where a backward puts the weight gradients (every routed weight, and the shared expert's).
+pub enum WeightGradTarget<'a> {
+    /// Fresh bf16 gradients in the layer's own [`DeviceGrads`].
+    Layer,
+    /// Fresh bf16 gradients in the caller's buffers.
+    Bf16(WeightGradViews<'a, bf16>),
+    /// Added into the caller's f32 buffers (`+=`, one rounding per element): a training loop's
+    /// main gradients, accumulated over micro-batches.
+    AccumulateF32(WeightGradViews<'a, f32>),
+}
+
+/// A caller's weight-gradient buffers, in the weights' layouts.
+pub struct WeightGradViews<'a, T> {
+    /// `[E/P, I, H]`.
+    pub dw_gate: DeviceSliceMut<'a, T>,
+    /// `[E/P, I, H]`.
+    pub dw_up: DeviceSliceMut<'a, T>,
+    /// `[E/P, H, I]`.
+    pub dw_down: DeviceSliceMut<'a, T>,
+    /// The shared expert's `(dws_gate [Is, H], dws_up [Is, H], dws_down [H, Is])`, when the layer
+    /// has one.
+    pub shared: Option<[DeviceSliceMut<'a, T>; 3]>,
+}
+
+/// A checked [`WeightGradTarget`]: addresses and the mode.
+struct GradAddresses {
+    routed: [u64; 3],
+    shared: Option<[u64; 3]>,
+    accumulate_f32: bool,
 }
 
 impl UnfusedLayer {
@@ -163,7 +198,9 @@ impl UnfusedLayer {
                 tile_offsets: DeviceBuffer::alloc(gpu, 2 * (e + 1))?,
                 built_for: [0; 3],
                 forward: Vec::new(),
-                backward: Vec::new(),
+                dgrad: Vec::new(),
+                wgrad: Vec::new(),
+                wgrad_for: ([0; 3], false),
             });
         }
         Ok(())
@@ -262,9 +299,10 @@ impl UnfusedLayer {
 
     /// Builds the engine's plans for `experts` (when the engine is on): on first use, and again
     /// for other weights.
-    fn prepare_engine_plans(&mut self, gpu: &Gpu, experts: &DeviceExperts) -> Result<()> {
+    fn prepare_engine_plans(&mut self, gpu: &Gpu, experts: ExpertsView<'_>) -> Result<()> {
         let Some(state) = self.engine.as_mut() else { return Ok(()) };
         let key = [experts.w_gate.device_ptr(), experts.w_up.device_ptr(), experts.w_down.device_ptr()];
+        let experts: ExpertsView<'_> = experts;
         if state.built_for != key {
             let c = &self.config;
             let (h, i, e, slots) = (c.hidden, c.intermediate, c.num_experts, c.tokens_per_rank * c.top_k);
@@ -281,36 +319,124 @@ impl UnfusedLayer {
                     gpu,
                     x,
                     &groups,
-                    &experts.w_gate,
-                    &experts.w_up,
+                    experts.w_gate,
+                    experts.w_up,
                     (h, i),
                     c.swiglu_limit,
                     &rows.hidden,
                     Some((&rows.gate, &rows.up)),
                 )?,
-                EnginePlan::rows_nt(gpu, &rows.hidden, &groups, &experts.w_down, (h, i), RowsOut::F32(&rows.out))?,
+                EnginePlan::rows_nt(gpu, &rows.hidden, &groups, experts.w_down, (h, i), RowsOut::F32(&rows.out))?,
             );
-            let g = &self.grads;
-            let wgrad =
-                |a, b, (m, n), out| EnginePlan::wgrad(gpu, a, b, &self.routing.row_offsets, (e, slots), (m, n), out);
-            state.backward = vec![
-                EnginePlan::rows_nn(gpu, (&rows.d_rows, &experts.w_down), None, &groups, (i, h), &rows.d_hidden)?,
+            state.dgrad = vec![
+                EnginePlan::rows_nn(gpu, (&rows.d_rows, experts.w_down), None, &groups, (i, h), &rows.d_hidden)?,
                 EnginePlan::rows_nn(
                     gpu,
-                    (&rows.d_gate, &experts.w_gate),
-                    Some((&rows.d_up, &experts.w_up)),
+                    (&rows.d_gate, experts.w_gate),
+                    Some((&rows.d_up, experts.w_up)),
                     &groups,
                     (h, i),
                     &rows.d_in,
                 )?,
-                wgrad(&rows.d_rows, &rows.hidden, (h, i), WgradOut::Bf16(&g.dw_down))?,
-                wgrad(&rows.d_gate, x, (i, h), WgradOut::Bf16(&g.dw_gate))?,
-                wgrad(&rows.d_up, x, (i, h), WgradOut::Bf16(&g.dw_up))?,
             ];
             state.forward = vec![gate_up, down];
             state.built_for = key;
         }
         Ok(())
+    }
+
+    /// Builds the engine's weight-gradient plans for `target` (when the engine is on): on first
+    /// use, and again for another target.
+    fn prepare_wgrad_plans(&mut self, gpu: &Gpu, target: &GradAddresses) -> Result<()> {
+        let Some(state) = self.engine.as_mut() else { return Ok(()) };
+        let key = (target.routed, target.accumulate_f32);
+        if state.wgrad.is_empty() || state.wgrad_for != key {
+            let c = &self.config;
+            let (h, i, e, slots) = (c.hidden, c.intermediate, c.num_experts, c.tokens_per_rank * c.top_k);
+            let rows = &self.routed.rows;
+            let x = &self.gathered_x;
+            let [dw_gate, dw_up, dw_down] = target.routed;
+            let out = |address: u64, len: usize| {
+                // SAFETY: `target` was checked against these lengths for this call and lives for
+                // it; the plan keeps the address and is rebuilt for any other.
+                unsafe {
+                    if target.accumulate_f32 {
+                        WgradOut::AccumulateF32(DeviceSlice::from_raw_parts(address, len))
+                    } else {
+                        WgradOut::Bf16(DeviceSlice::from_raw_parts(address, len))
+                    }
+                }
+            };
+            let wgrad =
+                |a, b, (m, n), out| EnginePlan::wgrad(gpu, a, b, &self.routing.row_offsets, (e, slots), (m, n), out);
+            state.wgrad = vec![
+                wgrad(&rows.d_rows, &rows.hidden, (h, i), out(dw_down, e * h * i))?,
+                wgrad(&rows.d_gate, x, (i, h), out(dw_gate, e * i * h))?,
+                wgrad(&rows.d_up, x, (i, h), out(dw_up, e * i * h))?,
+            ];
+            state.wgrad_for = key;
+        }
+        Ok(())
+    }
+
+    /// Checks `target` against the config and resolves it to addresses.
+    fn grad_addresses(&self, target: WeightGradTarget<'_>) -> Result<GradAddresses> {
+        let c = &self.config;
+        let (h, i, e) = (c.hidden, c.intermediate, c.local_experts());
+        let shared_len = c.shared_intermediate.map(|is| is * h);
+        fn check<T>(tensor: &'static str, view: &DeviceSliceMut<'_, T>, expected: usize) -> Result<u64> {
+            if view.len() == expected {
+                Ok(view.device_ptr())
+            } else {
+                Err(MokError::InvalidInput {
+                    tensor,
+                    problem: format!("gradient view has {} elements, expected {expected}", view.len()),
+                })
+            }
+        }
+        fn resolve<T>(
+            views: &WeightGradViews<'_, T>,
+            (routed, shared_len): (usize, Option<usize>),
+            accumulate_f32: bool,
+        ) -> Result<GradAddresses> {
+            let routed = [
+                check("dw_gate", &views.dw_gate, routed)?,
+                check("dw_up", &views.dw_up, routed)?,
+                check("dw_down", &views.dw_down, routed)?,
+            ];
+            let shared = match (&views.shared, shared_len) {
+                (Some([g, u, d]), Some(n)) => {
+                    Some([check("dws_gate", g, n)?, check("dws_up", u, n)?, check("dws_down", d, n)?])
+                }
+                (None, None) => None,
+                (Some(_), None) => {
+                    return Err(MokError::InvalidInput {
+                        tensor: "shared expert gradients",
+                        problem: "given, but the layer has no shared expert".into(),
+                    });
+                }
+                (None, Some(_)) => {
+                    return Err(MokError::InvalidInput {
+                        tensor: "shared expert gradients",
+                        problem: "the layer has a shared expert: its three gradient views are needed".into(),
+                    });
+                }
+            };
+            Ok(GradAddresses { routed, shared, accumulate_f32 })
+        }
+        let sizes = (e * i * h, shared_len);
+        match target {
+            WeightGradTarget::Layer => {
+                let g = &self.grads;
+                Ok(GradAddresses {
+                    routed: [g.dw_gate.device_ptr(), g.dw_up.device_ptr(), g.dw_down.device_ptr()],
+                    shared: g.shared.as_ref().map(|s| [s[0].device_ptr(), s[1].device_ptr(), s[2].device_ptr()]),
+                    accumulate_f32: false,
+                })
+            }
+            WeightGradTarget::Bf16(views) => resolve(&views, sizes, false),
+            WeightGradTarget::AccumulateF32(views) => resolve(&views, sizes, true),
+        }
     }
 
     /// Fills every output and intermediate with NaN bytes, so a test sees any element a kernel
@@ -340,9 +466,9 @@ impl UnfusedLayer {
 
     fn check_inputs(
         &self,
-        tokens: &DeviceTokens,
-        experts: &DeviceExperts,
-        shared: Option<&DeviceSharedExpert>,
+        tokens: TokensView<'_>,
+        experts: ExpertsView<'_>,
+        shared: Option<SharedExpertView<'_>>,
     ) -> Result<()> {
         let c = &self.config;
         let (t, h, i, e, k) = (c.tokens_per_rank, c.hidden, c.intermediate, c.local_experts(), c.top_k);
@@ -385,7 +511,7 @@ impl UnfusedLayer {
     }
 
     /// Enqueues the routing kernels: layout of `topk_ids` into the routing buffers.
-    pub fn route(&mut self, gpu: &Gpu, topk_ids: &DeviceBuffer<i32>) -> Result<()> {
+    pub fn route(&mut self, gpu: &Gpu, topk_ids: DeviceSlice<'_, i32>) -> Result<()> {
         let c = &self.config;
         let (t, k, e) = (c.tokens_per_rank as u32, c.top_k as u32, c.num_experts as u32);
         let chunks = mok_kernels::layout::chunk_count(t);
@@ -453,11 +579,24 @@ impl UnfusedLayer {
         experts: &DeviceExperts,
         shared: Option<&DeviceSharedExpert>,
     ) -> Result<()> {
+        self.forward_views(gpu, tokens.into(), experts.into(), shared.map(Into::into))
+    }
+
+    /// [`Self::forward`] over borrowed views (a caller's device memory): the views must stay
+    /// allocated and unchanged until the stream has run the pass, and the backward must get
+    /// the same ones.
+    pub fn forward_views(
+        &mut self,
+        gpu: &Gpu,
+        tokens: TokensView<'_>,
+        experts: ExpertsView<'_>,
+        shared: Option<SharedExpertView<'_>>,
+    ) -> Result<()> {
         self.check_inputs(tokens, experts, shared)?;
         // Before any launch: building plans uploads their parameter blocks.
         self.prepare_engine_plans(gpu, experts)?;
         self.prepare_megakernel(gpu)?;
-        self.route(gpu, &tokens.topk_ids)?;
+        self.route(gpu, tokens.topk_ids)?;
         if self.megakernel.is_some() {
             return self.forward_megakernel(gpu, tokens, shared);
         }
@@ -500,7 +639,7 @@ impl UnfusedLayer {
                 gpu,
                 &groups,
                 self.gathered_x.device_ptr(),
-                [&experts.w_gate, &experts.w_up, &experts.w_down],
+                [experts.w_gate, experts.w_up, experts.w_down],
             )?;
         }
         let r = &self.routing;
@@ -510,7 +649,7 @@ impl UnfusedLayer {
                 gpu,
                 &RowGroups::all_tokens(offsets, t),
                 tokens.x.device_ptr(),
-                [&weights.ws_gate, &weights.ws_up, &weights.ws_down],
+                [weights.ws_gate, weights.ws_up, weights.ws_down],
             )?;
             shared_out = compute.out_rows().device_ptr();
         }
@@ -539,8 +678,8 @@ impl UnfusedLayer {
     fn forward_megakernel(
         &mut self,
         gpu: &Gpu,
-        tokens: &DeviceTokens,
-        shared: Option<&DeviceSharedExpert>,
+        tokens: TokensView<'_>,
+        shared: Option<SharedExpertView<'_>>,
     ) -> Result<()> {
         let t = self.config.tokens_per_rank;
         let (Some(engine), Some((_, Some(pass)))) = (&self.engine, &mut self.megakernel) else {
@@ -553,7 +692,7 @@ impl UnfusedLayer {
                 gpu,
                 &RowGroups::all_tokens(offsets, t),
                 tokens.x.device_ptr(),
-                [&weights.ws_gate, &weights.ws_up, &weights.ws_down],
+                [weights.ws_gate, weights.ws_up, weights.ws_down],
             )?;
             shared_out = compute.out_rows().device_ptr();
         }
@@ -571,7 +710,22 @@ impl UnfusedLayer {
         shared: Option<&DeviceSharedExpert>,
         dy: &DeviceBuffer<bf16>,
     ) -> Result<()> {
+        let views = (tokens.into(), experts.into(), shared.map(Into::into));
+        self.backward_views(gpu, views, dy.into(), WeightGradTarget::Layer)
+    }
+
+    /// [`Self::backward`] over borrowed views (the forward's), with the weight gradients going
+    /// to `target`: the layer's own bf16 [`DeviceGrads`], a caller's bf16 buffers, or added into a
+    /// caller's f32 buffers. dx and d_topk_weights land in the layer's `grads`.
+    pub fn backward_views(
+        &mut self,
+        gpu: &Gpu,
+        (tokens, experts, shared): (TokensView<'_>, ExpertsView<'_>, Option<SharedExpertView<'_>>),
+        dy: DeviceSlice<'_, bf16>,
+        target: WeightGradTarget<'_>,
+    ) -> Result<()> {
         self.check_inputs(tokens, experts, shared)?;
+        let target = self.grad_addresses(target)?;
         let c = self.config.clone();
         let (t, h, e, k) = (c.tokens_per_rank, c.hidden, c.num_experts, c.top_k);
         if dy.len() != t * h {
@@ -581,6 +735,7 @@ impl UnfusedLayer {
             });
         }
         self.prepare_engine_plans(gpu, experts)?;
+        self.prepare_wgrad_plans(gpu, &target)?;
         let slots = t * k;
         let count = self.row_count_ptr();
         let r = &self.routing;
@@ -628,9 +783,10 @@ impl UnfusedLayer {
         if let Some(state) = &self.engine {
             // This routing's tile offsets again: the forward may have run with the engine off.
             engine::tile_offsets_into(gpu, &self.routing.row_offsets, e, &state.tile_offsets)?;
-            state.backward[0].launch(gpu)?;
+            state.dgrad[0].launch(gpu)?;
             self.routed.swiglu_backward(gpu, &groups)?;
-            for plan in &state.backward[1..] {
+            state.dgrad[1].launch(gpu)?;
+            for plan in &state.wgrad {
                 plan.launch(gpu)?;
             }
         } else {
@@ -640,19 +796,16 @@ impl UnfusedLayer {
                 ExpertBackward {
                     input_rows: self.gathered_x.device_ptr(),
                     d_out_rows: self.routed.rows.d_rows.device_ptr(),
-                    weights: [&experts.w_gate, &experts.w_up, &experts.w_down],
-                    weight_grads: [
-                        self.grads.dw_gate.device_ptr(),
-                        self.grads.dw_up.device_ptr(),
-                        self.grads.dw_down.device_ptr(),
-                    ],
+                    weights: [experts.w_gate, experts.w_up, experts.w_down],
+                    weight_grads: target.routed,
+                    accumulate_f32: target.accumulate_f32,
                 },
             )?;
         }
         let r = &self.routing;
         let mut shared_dx = 0;
         if let (Some(weights), Some((compute, offsets))) = (shared, &self.shared) {
-            let grads = self.grads.shared.as_ref().expect("allocated with the config");
+            let grads = target.shared.expect("checked against the config");
             compute.backward(
                 gpu,
                 &RowGroups::all_tokens(offsets, t),
@@ -660,8 +813,9 @@ impl UnfusedLayer {
                     input_rows: tokens.x.device_ptr(),
                     // The shared expert's output is added unscaled, so its output gradient is dy.
                     d_out_rows: dy.device_ptr(),
-                    weights: [&weights.ws_gate, &weights.ws_up, &weights.ws_down],
-                    weight_grads: [grads[0].device_ptr(), grads[1].device_ptr(), grads[2].device_ptr()],
+                    weights: [weights.ws_gate, weights.ws_up, weights.ws_down],
+                    weight_grads: grads,
+                    accumulate_f32: target.accumulate_f32,
                 },
             )?;
             shared_dx = compute.d_in_rows().device_ptr();

@@ -25,4 +25,4 @@ pub(crate) use kernels::{ROW_KERNEL_THREADS, grid_stride_blocks};
 pub use layer::{DeviceGrads, RoutedBackward, RoutingBuffers, UnfusedLayer};
 #[cfg(feature = "testing")]
 pub use tensors::random_bf16;
-pub use tensors::{DeviceExperts, DeviceSharedExpert, DeviceTokens};
+pub use tensors::{DeviceExperts, DeviceSharedExpert, DeviceTokens, ExpertsView, SharedExpertView, TokensView};

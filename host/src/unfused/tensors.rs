@@ -4,7 +4,7 @@
 use half::bf16;
 
 use crate::config::MoeConfig;
-use crate::driver::{DeviceBuffer, Gpu};
+use crate::driver::{DeviceBuffer, DeviceSlice, Gpu};
 use crate::error::Result;
 use crate::problem::{ExpertWeights, RoutedTokens, SharedExpertWeights};
 
@@ -101,6 +101,57 @@ impl DeviceSharedExpert {
             ws_up: self.ws_up.download()?,
             ws_down: self.ws_down.download()?,
         })
+    }
+}
+
+/// Borrowed views of one rank's routed tokens (a caller's memory, or a [`DeviceTokens`]).
+#[derive(Clone, Copy)]
+pub struct TokensView<'a> {
+    /// `[T, H]`.
+    pub x: DeviceSlice<'a, bf16>,
+    /// `[T, k]` (-1: a dropped slot).
+    pub topk_ids: DeviceSlice<'a, i32>,
+    /// `[T, k]`.
+    pub topk_weights: DeviceSlice<'a, f32>,
+}
+
+impl<'a> From<&'a DeviceTokens> for TokensView<'a> {
+    fn from(t: &'a DeviceTokens) -> Self {
+        Self { x: (&t.x).into(), topk_ids: (&t.topk_ids).into(), topk_weights: (&t.topk_weights).into() }
+    }
+}
+
+/// Borrowed views of the routed experts' weights (layout of [`DeviceExperts`]).
+#[derive(Clone, Copy)]
+pub struct ExpertsView<'a> {
+    /// `[E/P, I, H]`.
+    pub w_gate: DeviceSlice<'a, bf16>,
+    /// `[E/P, I, H]`.
+    pub w_up: DeviceSlice<'a, bf16>,
+    /// `[E/P, H, I]`.
+    pub w_down: DeviceSlice<'a, bf16>,
+}
+
+impl<'a> From<&'a DeviceExperts> for ExpertsView<'a> {
+    fn from(e: &'a DeviceExperts) -> Self {
+        Self { w_gate: (&e.w_gate).into(), w_up: (&e.w_up).into(), w_down: (&e.w_down).into() }
+    }
+}
+
+/// Borrowed views of the shared expert's weights (layout of [`DeviceSharedExpert`]).
+#[derive(Clone, Copy)]
+pub struct SharedExpertView<'a> {
+    /// `[Is, H]`.
+    pub ws_gate: DeviceSlice<'a, bf16>,
+    /// `[Is, H]`.
+    pub ws_up: DeviceSlice<'a, bf16>,
+    /// `[H, Is]`.
+    pub ws_down: DeviceSlice<'a, bf16>,
+}
+
+impl<'a> From<&'a DeviceSharedExpert> for SharedExpertView<'a> {
+    fn from(e: &'a DeviceSharedExpert) -> Self {
+        Self { ws_gate: (&e.ws_gate).into(), ws_up: (&e.ws_up).into(), ws_down: (&e.ws_down).into() }
     }
 }
 

@@ -1,0 +1,119 @@
+//! Borrowed views of device memory: what mok's public layer takes from a caller — its own
+//! [`DeviceBuffer`]s, a framework's cudarc `CudaSlice`s, or raw pointers — without copying or
+//! owning it.
+
+use std::marker::PhantomData;
+
+use bytemuck::Pod;
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+
+use super::DeviceBuffer;
+
+/// `len` elements of `T` in device memory that someone else owns, borrowed for `'a` (read).
+#[derive(Debug)]
+pub struct DeviceSlice<'a, T> {
+    ptr: u64,
+    len: usize,
+    _borrow: PhantomData<&'a [T]>,
+}
+
+impl<T> Clone for DeviceSlice<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for DeviceSlice<'_, T> {}
+
+/// `len` elements of `T` in device memory that someone else owns, borrowed for `'a` to be
+/// written.
+#[derive(Debug)]
+pub struct DeviceSliceMut<'a, T> {
+    ptr: u64,
+    len: usize,
+    _borrow: PhantomData<&'a mut [T]>,
+}
+
+impl<'a, T> DeviceSlice<'a, T> {
+    /// A view of `len` elements at device address `ptr`.
+    ///
+    /// # Safety
+    /// `ptr` is a device allocation of the GPU the view is used on, holding at least `len`
+    /// elements of `T`, aligned for `T` (16 bytes for the rows mok reads as vectors), that stays
+    /// allocated and is not written by anyone else for `'a` (mok's kernels read it on their
+    /// stream until it has run what they enqueued).
+    pub unsafe fn from_raw_parts(ptr: u64, len: usize) -> Self {
+        Self { ptr, len, _borrow: PhantomData }
+    }
+
+    /// A view of a cudarc slice. `stream` must be the stream mok runs on (`Gpu::on_stream`), so
+    /// stream order covers every use; cudarc's cross-stream events are not relied on.
+    pub fn from_cudarc(slice: &'a CudaSlice<T>, stream: &CudaStream) -> Self {
+        let (ptr, _record) = slice.device_ptr(stream);
+        Self { ptr, len: slice.len(), _borrow: PhantomData }
+    }
+
+    /// Elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the view holds no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The device address.
+    pub fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+}
+
+impl<'a, T> DeviceSliceMut<'a, T> {
+    /// A writable view of `len` elements at device address `ptr`.
+    ///
+    /// # Safety
+    /// As [`DeviceSlice::from_raw_parts`], and nothing else reads or writes it for `'a`.
+    pub unsafe fn from_raw_parts(ptr: u64, len: usize) -> Self {
+        Self { ptr, len, _borrow: PhantomData }
+    }
+
+    /// A writable view of a cudarc slice, on the stream mok runs on (see
+    /// [`DeviceSlice::from_cudarc`]).
+    pub fn from_cudarc(slice: &'a mut CudaSlice<T>, stream: &CudaStream) -> Self {
+        let len = slice.len();
+        let (ptr, _record) = slice.device_ptr_mut(stream);
+        Self { ptr, len, _borrow: PhantomData }
+    }
+
+    /// Elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the view holds no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The device address.
+    pub fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// A shorter-lived writable view of the same memory.
+    pub fn reborrow(&mut self) -> DeviceSliceMut<'_, T> {
+        DeviceSliceMut { ptr: self.ptr, len: self.len, _borrow: PhantomData }
+    }
+}
+
+impl<'a, T: Pod> From<&'a DeviceBuffer<T>> for DeviceSlice<'a, T> {
+    fn from(buffer: &'a DeviceBuffer<T>) -> Self {
+        Self { ptr: buffer.device_ptr(), len: buffer.len(), _borrow: PhantomData }
+    }
+}
+
+impl<'a, T: Pod> From<&'a mut DeviceBuffer<T>> for DeviceSliceMut<'a, T> {
+    fn from(buffer: &'a mut DeviceBuffer<T>) -> Self {
+        Self { ptr: buffer.device_ptr(), len: buffer.len(), _borrow: PhantomData }
+    }
+}
