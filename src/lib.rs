@@ -27,8 +27,8 @@
 pub use mok_host::testing;
 
 pub use mok_host::{
-    MoeConfig, MokError, Result, config, cudarc, driver, ep, error, exchange, gemm, layout, megakernel, problem,
-    random, reference, shapes, symmetric, tensor_map, unfused,
+    MoeConfig, MoeLayer, MokError, Result, config, cudarc, driver, ep, error, exchange, gemm, layout, megakernel, moe,
+    problem, random, reference, shapes, symmetric, tensor_map, unfused,
 };
 pub use mok_kernels as kernels;
 

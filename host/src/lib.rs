@@ -20,6 +20,7 @@ pub mod exchange;
 pub mod gemm;
 pub mod layout;
 pub mod megakernel;
+pub mod moe;
 pub mod problem;
 pub mod random;
 pub mod reference;
@@ -32,3 +33,4 @@ pub mod unfused;
 
 pub use config::MoeConfig;
 pub use error::{MokError, Result};
+pub use moe::MoeLayer;

@@ -95,6 +95,16 @@ impl<T: Pod> DeviceBuffer<T> {
         Ok(out)
     }
 
+    /// Enqueues a copy of the whole buffer to device address `dst` (which holds as many
+    /// elements: the caller checks) on the stream.
+    pub(crate) fn copy_into_address(&self, dst: u64) -> Result<()> {
+        self.gpu.bind()?;
+        // SAFETY: `dst` holds `len` elements (caller contract), this allocation too; the copy is
+        // ordered on the stream with every kernel that reads or writes either.
+        unsafe { result::memcpy_dtod_async(dst, self.ptr, self.len * size_of::<T>(), self.gpu.stream) }
+            .map_err(|e| cuda_error("cuMemcpyDtoDAsync", e))
+    }
+
     /// Sets every byte to `byte`, ordered on the stream (0xff poisons f32 and bf16 as NaN).
     pub fn fill_bytes(&mut self, byte: u8) -> Result<()> {
         self.gpu.bind()?;

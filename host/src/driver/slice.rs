@@ -117,3 +117,17 @@ impl<'a, T: Pod> From<&'a mut DeviceBuffer<T>> for DeviceSliceMut<'a, T> {
         Self { ptr: buffer.device_ptr(), len: buffer.len(), _borrow: PhantomData }
     }
 }
+
+impl<T: Pod> DeviceBuffer<T> {
+    /// Enqueues a copy of the whole buffer into `dst` on the stream (a device-to-device copy;
+    /// no host synchronisation). `dst` must hold exactly as many elements.
+    pub fn copy_to(&self, dst: &mut DeviceSliceMut<'_, T>) -> crate::error::Result<()> {
+        if dst.len() != self.len() {
+            return Err(crate::error::MokError::InvalidInput {
+                tensor: "copy destination",
+                problem: format!("{} elements, the source has {}", dst.len(), self.len()),
+            });
+        }
+        self.copy_into_address(dst.device_ptr())
+    }
+}

@@ -1,0 +1,203 @@
+//! [`MoeLayer`]: the layer a training framework calls — borrowed device views in and out, the
+//! caller's stream (open the [`Gpu`] with `Gpu::on_stream`), the fastest correct backend this GPU
+//! has, a forward that returns the pass its backward consumes, and weight gradients written
+//! fresh or added into the caller's f32 main gradients. Nothing in a forward or a backward
+//! synchronises with the host: device-side problems (a bad id found on the device, a wait that
+//! timed out) are recorded and reported by [`MoeLayer::check`], which does synchronise — call it
+//! where the training loop synchronises anyway (once per step, or before reading the loss).
+
+use half::bf16;
+
+use crate::config::MoeConfig;
+use crate::driver::{DeviceSlice, DeviceSliceMut, Gpu};
+use crate::error::{MokError, Result};
+use crate::gemm::engine_available;
+use crate::megakernel::MegakernelOptions;
+use crate::unfused::{ExpertsView, SharedExpertView, TokensView, UnfusedLayer, WeightGradTarget};
+
+/// How the layer runs. Every backend gives the same bits (tested); they differ in speed and in
+/// the GPUs they need.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    /// The forward as one persistent launch over the tensor-core engine (sm_90a); the backward
+    /// on the engine's kernels.
+    Megakernel,
+    /// The routed experts' GEMMs on the tensor-core engine (sm_90a), as separate launches.
+    Engine,
+    /// Portable `mma.sync` kernels (any supported GPU): the oracle.
+    MmaSync,
+}
+
+impl Backend {
+    /// The fastest correct backend `gpu` has: on one GPU the engine path (measured faster than
+    /// the megakernel there, docs/PERF.md), else `mma.sync`.
+    pub fn fastest_on(gpu: &Gpu) -> Backend {
+        if engine_available(gpu) { Backend::Engine } else { Backend::MmaSync }
+    }
+}
+
+/// How a [`MoeLayer`] is built.
+#[derive(Clone, Debug, Default)]
+pub struct LayerOptions {
+    /// `None`: [`Backend::fastest_on`] the GPU; `Some`: that backend, or an error where the GPU
+    /// lacks it (tests compare backends this way).
+    pub backend: Option<Backend>,
+    /// The megakernel's geometry and wait deadline ([`Backend::Megakernel`] only).
+    pub megakernel: MegakernelOptions,
+}
+
+/// What a forward reads: one rank's tokens, the routed experts' weights and, when the config
+/// has one, the shared expert's. All borrowed; they must stay allocated and unchanged until the
+/// backward has been enqueued (the backward reads them again) and the stream has run it.
+#[derive(Clone, Copy)]
+pub struct MoeInputs<'a> {
+    /// x `[T, H]`, top-k ids and weights `[T, k]`.
+    pub tokens: TokensView<'a>,
+    /// The routed experts' weights.
+    pub experts: ExpertsView<'a>,
+    /// The shared expert's weights.
+    pub shared: Option<SharedExpertView<'a>>,
+}
+
+impl MoeInputs<'_> {
+    fn addresses(&self) -> [u64; 9] {
+        let (t, e) = (&self.tokens, &self.experts);
+        let [s0, s1, s2] =
+            self.shared.map_or([0; 3], |s| [s.ws_gate.device_ptr(), s.ws_up.device_ptr(), s.ws_down.device_ptr()]);
+        [
+            t.x.device_ptr(),
+            t.topk_ids.device_ptr(),
+            t.topk_weights.device_ptr(),
+            e.w_gate.device_ptr(),
+            e.w_up.device_ptr(),
+            e.w_down.device_ptr(),
+            s0,
+            s1,
+            s2,
+        ]
+    }
+}
+
+/// Where a backward writes: the input gradients, and the weight gradients' [`WeightGradTarget`].
+pub struct MoeGradients<'a> {
+    /// `[T, H]` bf16.
+    pub dx: DeviceSliceMut<'a, bf16>,
+    /// `[T, k]` f32 (exactly 0 for dropped slots).
+    pub d_topk_weights: DeviceSliceMut<'a, f32>,
+    /// Every routed weight's and the shared expert's gradient: fresh bf16 (into the caller's
+    /// buffers or the layer's own) or added into the caller's f32 buffers.
+    pub weights: WeightGradTarget<'a>,
+}
+
+/// The MoE layer of one GPU holding every expert (P = 1) with its workspace, for
+/// `config.tokens_per_rank` tokens per call.
+pub struct MoeLayer {
+    layer: UnfusedLayer,
+    backend: Backend,
+}
+
+/// A forward that has been enqueued, holding the layer until its backward: only
+/// [`ForwardPass::backward`] can run a backward, and it consumes the pass, so a backward without
+/// its forward, or two backwards of one forward, do not compile. Dropping the pass (inference)
+/// releases the layer.
+#[must_use = "a forward's pass is what its backward consumes; drop it for inference"]
+pub struct ForwardPass<'l> {
+    layer: &'l mut MoeLayer,
+    inputs: [u64; 9],
+}
+
+impl MoeLayer {
+    /// Validates `config` and allocates the workspace on `gpu` (its stream is the layer's). P > 1
+    /// is an error here: the expert-parallel layer is `ep::EpLayer` until the megakernel spans
+    /// ranks.
+    pub fn new(gpu: &Gpu, config: MoeConfig, options: LayerOptions) -> Result<Self> {
+        config.validate()?;
+        if config.ep_ranks != 1 {
+            return Err(MokError::InvalidConfig {
+                field: "ep_ranks",
+                value: config.ep_ranks.to_string(),
+                rule: "MoeLayer holds every expert on one GPU (P = 1); P > 1 runs on ep::EpLayer".into(),
+            });
+        }
+        let backend = options.backend.unwrap_or_else(|| Backend::fastest_on(gpu));
+        let mut layer = UnfusedLayer::new(gpu, config)?;
+        match backend {
+            Backend::MmaSync => {}
+            Backend::Engine => layer.set_gemm_engine(gpu, true)?,
+            Backend::Megakernel => layer.set_forward_megakernel(gpu, Some(options.megakernel))?,
+        }
+        Ok(Self { layer, backend })
+    }
+
+    /// The backend this layer runs.
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &MoeConfig {
+        self.layer.config()
+    }
+
+    /// Enqueues the forward of `inputs` on the layer's stream and writes y `[T, H]` bf16 into
+    /// `y`. Returns the pass, which the backward consumes.
+    pub fn forward<'l>(
+        &'l mut self,
+        gpu: &Gpu,
+        inputs: &MoeInputs<'_>,
+        mut y: DeviceSliceMut<'_, bf16>,
+    ) -> Result<ForwardPass<'l>> {
+        if y.len() != self.layer.y.len() {
+            return Err(MokError::InvalidInput {
+                tensor: "y",
+                problem: format!("output view has {} elements, expected {}", y.len(), self.layer.y.len()),
+            });
+        }
+        self.layer.forward_views(gpu, inputs.tokens, inputs.experts, inputs.shared)?;
+        self.layer.y.copy_to(&mut y)?;
+        Ok(ForwardPass { inputs: inputs.addresses(), layer: self })
+    }
+
+    /// Waits for the stream and reports the first device-side problem of the passes since the
+    /// last check (an id out of range or repeated, found on the device; a megakernel wait that
+    /// timed out), clearing it.
+    pub fn check(&mut self) -> Result<()> {
+        self.layer.check_device_errors()
+    }
+}
+
+impl ForwardPass<'_> {
+    /// Enqueues the backward of this pass for output gradient `dy` `[T, H]` bf16: `inputs` must
+    /// be the forward's (the same views); the gradients go to `grads`.
+    pub fn backward(
+        self,
+        gpu: &Gpu,
+        inputs: &MoeInputs<'_>,
+        dy: DeviceSlice<'_, bf16>,
+        mut grads: MoeGradients<'_>,
+    ) -> Result<()> {
+        if inputs.addresses() != self.inputs {
+            return Err(MokError::InvalidInput {
+                tensor: "backward inputs",
+                problem: "not the views the forward read (the backward reads the forward's inputs again)".into(),
+            });
+        }
+        let (d_in, d_w) = (grads.dx.len(), grads.d_topk_weights.len());
+        let c = self.layer.layer.config();
+        let (t, h, k) = (c.tokens_per_rank, c.hidden, c.top_k);
+        if d_in != t * h || d_w != t * k {
+            return Err(MokError::InvalidInput {
+                tensor: if d_in != t * h { "dx" } else { "d_topk_weights" },
+                problem: format!(
+                    "gradient view has {} elements, expected {}",
+                    if d_in != t * h { d_in } else { d_w },
+                    if d_in != t * h { t * h } else { t * k }
+                ),
+            });
+        }
+        let layer = &mut self.layer.layer;
+        layer.backward_views(gpu, (inputs.tokens, inputs.experts, inputs.shared), dy, grads.weights)?;
+        layer.grads.dx.copy_to(&mut grads.dx)?;
+        layer.grads.d_topk_weights.copy_to(&mut grads.d_topk_weights)
+    }
+}

@@ -1,0 +1,242 @@
+//! GPU tests of the public layer, `MoeLayer`, written against the public API alone (feature
+//! `gpu-tests`): caller-owned device memory in and out through views, every backend this GPU
+//! has giving the same bits, the weight gradients fresh or added into the caller's f32 buffers,
+//! a captured step replayed as a CUDA graph, and the errors a framework can hit.
+#![cfg(feature = "gpu-tests")]
+
+mod common;
+
+use common::{Case, Routing, fingerprint, random_case};
+use half::bf16;
+use mok::driver::{DeviceBuffer, DeviceSlice, DeviceSliceMut, Gpu};
+use mok::moe::{Backend, LayerOptions, MoeGradients, MoeInputs};
+use mok::unfused::{DeviceExperts, DeviceSharedExpert, DeviceTokens, WeightGradTarget, WeightGradViews};
+use mok::{MoeConfig, MoeLayer, MokError};
+
+fn gpu() -> Gpu {
+    mok::open_gpu(0).unwrap_or_else(|e| {
+        panic!("GPU tests need an NVIDIA Hopper or Blackwell GPU with its driver; this machine: {e}")
+    })
+}
+
+/// The caller's memory: inputs, weights, and where the outputs and gradients go.
+struct Caller {
+    tokens: DeviceTokens,
+    experts: DeviceExperts,
+    shared: Option<DeviceSharedExpert>,
+    dy: DeviceBuffer<bf16>,
+    y: DeviceBuffer<bf16>,
+    dx: DeviceBuffer<bf16>,
+    d_topk_weights: DeviceBuffer<f32>,
+    /// Fresh bf16 weight gradients (dw_gate, dw_up, dw_down, then the shared expert's).
+    dw: Vec<DeviceBuffer<bf16>>,
+    /// f32 main gradients, same order.
+    main_grads: Vec<DeviceBuffer<f32>>,
+}
+
+impl Caller {
+    fn new(gpu: &Gpu, case: &Case) -> Self {
+        let c = &case.config;
+        let (t, h, i, e, k) = (c.tokens_per_rank, c.hidden, c.intermediate, c.num_experts, c.top_k);
+        let mut sizes = vec![e * i * h; 3];
+        if let Some(is) = c.shared_intermediate {
+            sizes.extend([is * h; 3]);
+        }
+        let poisoned_bf16 = |n| {
+            let mut b = DeviceBuffer::<bf16>::alloc(gpu, n).unwrap();
+            b.fill_bytes(0xff).unwrap();
+            b
+        };
+        Caller {
+            tokens: DeviceTokens::upload(gpu, c, &case.tokens).unwrap(),
+            experts: DeviceExperts::upload(gpu, c, &case.experts).unwrap(),
+            shared: case.shared.as_ref().map(|s| DeviceSharedExpert::upload(gpu, c, s).unwrap()),
+            dy: DeviceBuffer::from_slice(gpu, &case.dy).unwrap(),
+            y: poisoned_bf16(t * h),
+            dx: poisoned_bf16(t * h),
+            d_topk_weights: DeviceBuffer::from_slice(gpu, &vec![f32::NAN; t * k]).unwrap(),
+            dw: sizes.iter().map(|&n| poisoned_bf16(n)).collect(),
+            main_grads: sizes.iter().map(|&n| DeviceBuffer::from_slice(gpu, &vec![0.0f32; n]).unwrap()).collect(),
+        }
+    }
+}
+
+/// Views of `buffers` as weight-gradient targets (routed three, then the shared three if any).
+fn grad_views<T: bytemuck::Pod>(buffers: &mut [DeviceBuffer<T>]) -> WeightGradViews<'_, T> {
+    let mut views: Vec<DeviceSliceMut<'_, T>> = buffers.iter_mut().map(Into::into).collect();
+    let shared = (views.len() == 6).then(|| {
+        let s: Vec<_> = views.drain(3..).collect();
+        let [a, b, c]: [DeviceSliceMut<'_, T>; 3] = s.try_into().ok().unwrap();
+        [a, b, c]
+    });
+    let mut routed = views.into_iter();
+    WeightGradViews {
+        dw_gate: routed.next().unwrap(),
+        dw_up: routed.next().unwrap(),
+        dw_down: routed.next().unwrap(),
+        shared,
+    }
+}
+
+/// One training step through the public API; fresh bf16 weight gradients into the caller's
+/// buffers, or added into its f32 main gradients.
+fn step(gpu: &Gpu, layer: &mut MoeLayer, caller: &mut Caller, accumulate: bool) {
+    let Caller { tokens, experts, shared, dy, y, dx, d_topk_weights, dw, main_grads } = caller;
+    let inputs =
+        MoeInputs { tokens: (&*tokens).into(), experts: (&*experts).into(), shared: shared.as_ref().map(Into::into) };
+    let pass = layer.forward(gpu, &inputs, y.into()).unwrap();
+    let weights = if accumulate {
+        WeightGradTarget::AccumulateF32(grad_views(main_grads))
+    } else {
+        WeightGradTarget::Bf16(grad_views(dw))
+    };
+    let grads = MoeGradients { dx: dx.into(), d_topk_weights: d_topk_weights.into(), weights };
+    pass.backward(gpu, &inputs, (&*dy).into(), grads).unwrap();
+    layer.check().unwrap();
+}
+
+/// Fingerprints of y, dx, d_topk_weights and the fresh weight gradients.
+fn outputs(caller: &Caller) -> Vec<u64> {
+    let mut prints = vec![
+        fingerprint(&caller.y.download().unwrap()),
+        fingerprint(&caller.dx.download().unwrap()),
+        fingerprint(&caller.d_topk_weights.download().unwrap()),
+    ];
+    prints.extend(caller.dw.iter().map(|b| fingerprint(&b.download().unwrap())));
+    prints
+}
+
+fn config() -> MoeConfig {
+    MoeConfig { shared_intermediate: Some(256), swiglu_limit: Some(1.0), ..MoeConfig::new(400, 512, 256, 32, 8) }
+}
+
+#[test]
+fn moe_layer_gives_every_backend_the_same_bits_over_caller_memory() {
+    let gpu = gpu();
+    let c = config();
+    let case = random_case(&c, 700, Routing { drop_probability: 0.05, empty_experts: &[3] });
+    let auto = MoeLayer::new(&gpu, c.clone(), LayerOptions::default()).unwrap();
+    println!("  fastest backend here: {:?}", auto.backend());
+    assert_eq!(auto.backend(), Backend::fastest_on(&gpu));
+    let mut expected = None;
+    for backend in [Backend::MmaSync, Backend::Engine, Backend::Megakernel] {
+        let options = LayerOptions { backend: Some(backend), ..LayerOptions::default() };
+        let mut layer = match MoeLayer::new(&gpu, c.clone(), options) {
+            Ok(layer) => layer,
+            Err(e) => {
+                println!("  NOT RUN on {backend:?}: {e}");
+                assert_ne!(gpu.compute_capability().0, 9, "an sm_90 GPU must run {backend:?}: {e}");
+                continue;
+            }
+        };
+        let mut caller = Caller::new(&gpu, &case);
+        step(&gpu, &mut layer, &mut caller, false);
+        let got = outputs(&caller);
+        match &expected {
+            None => expected = Some(got),
+            Some(e) => assert_eq!(&got, e, "{backend:?} differs from mma.sync"),
+        }
+        // f32 accumulation: from zero, one step's f32 sums round to the fresh bf16 bits; a second
+        // step adds the same sums again, doubling every element exactly.
+        step(&gpu, &mut layer, &mut caller, true);
+        let once: Vec<Vec<f32>> = caller.main_grads.iter().map(|b| b.download().unwrap()).collect();
+        for (n, (sums, fresh)) in once.iter().zip(&caller.dw).enumerate() {
+            let rounded: Vec<bf16> = sums.iter().map(|&v| bf16::from_f32(v)).collect();
+            assert_eq!(fingerprint(&rounded), fingerprint(&fresh.download().unwrap()), "{backend:?}: gradient {n}");
+        }
+        step(&gpu, &mut layer, &mut caller, true);
+        for (n, (buffer, sums)) in caller.main_grads.iter().zip(&once).enumerate() {
+            let twice: Vec<f32> = sums.iter().map(|v| 2.0 * v).collect();
+            assert_eq!(
+                fingerprint(&buffer.download().unwrap()),
+                fingerprint(&twice),
+                "{backend:?}: gradient {n} twice"
+            );
+        }
+        println!("  {backend:?}: same bits as mma.sync; f32 accumulation = fresh sums, twice = doubled");
+    }
+}
+
+#[test]
+fn a_captured_moe_layer_step_replays_the_eager_bits() {
+    let gpu = gpu();
+    let c = config();
+    let case = random_case(&c, 701, Routing { drop_probability: 0.05, empty_experts: &[] });
+    let mut layer = MoeLayer::new(&gpu, c.clone(), LayerOptions::default()).unwrap();
+    let mut caller = Caller::new(&gpu, &case);
+    step(&gpu, &mut layer, &mut caller, false);
+    let eager = outputs(&caller);
+    let graph = gpu
+        .capture(|| {
+            let Caller { tokens, experts, shared, dy, y, dx, d_topk_weights, dw, .. } = &mut caller;
+            let inputs = MoeInputs {
+                tokens: (&*tokens).into(),
+                experts: (&*experts).into(),
+                shared: shared.as_ref().map(Into::into),
+            };
+            let pass = layer.forward(&gpu, &inputs, y.into())?;
+            let grads = MoeGradients {
+                dx: dx.into(),
+                d_topk_weights: d_topk_weights.into(),
+                weights: WeightGradTarget::Bf16(grad_views(dw)),
+            };
+            pass.backward(&gpu, &inputs, (&*dy).into(), grads)
+        })
+        .unwrap();
+    for replay in 0..10 {
+        for b in caller.dw.iter_mut().chain([&mut caller.y, &mut caller.dx]) {
+            b.fill_bytes(0xff).unwrap();
+        }
+        graph.launch().unwrap();
+        layer.check().unwrap();
+        assert_eq!(outputs(&caller), eager, "replay {replay}");
+    }
+    println!("  {:?}: 10 graph replays of a training step bitwise equal to the eager step", layer.backend());
+}
+
+#[test]
+fn moe_layer_rejects_what_it_cannot_run() {
+    let gpu = gpu();
+    let c = config();
+    let case = random_case(&c, 702, Routing { drop_probability: 0.0, empty_experts: &[] });
+    let mut p2 = c.clone();
+    p2.ep_ranks = 2;
+    assert!(matches!(
+        MoeLayer::new(&gpu, p2, LayerOptions::default()),
+        Err(MokError::InvalidConfig { field: "ep_ranks", .. })
+    ));
+    let mut layer = MoeLayer::new(&gpu, c.clone(), LayerOptions::default()).unwrap();
+    let mut caller = Caller::new(&gpu, &case);
+    let other_x = DeviceBuffer::from_slice(&gpu, &case.tokens.x).unwrap();
+    let Caller { tokens, experts, shared, dy, y, dx, d_topk_weights, dw, .. } = &mut caller;
+    let inputs =
+        MoeInputs { tokens: (&*tokens).into(), experts: (&*experts).into(), shared: shared.as_ref().map(Into::into) };
+    // A y view of the wrong length.
+    // SAFETY: a sub-range of a live allocation of the caller's.
+    let short_y = unsafe { DeviceSliceMut::<bf16>::from_raw_parts(y.device_ptr(), 10) };
+    assert!(matches!(layer.forward(&gpu, &inputs, short_y), Err(MokError::InvalidInput { .. })));
+    // A backward given other inputs than its forward's.
+    let pass = layer.forward(&gpu, &inputs, y.into()).unwrap();
+    let mut swapped = inputs;
+    swapped.tokens.x = DeviceSlice::from(&other_x);
+    let grads = MoeGradients {
+        dx: dx.into(),
+        d_topk_weights: d_topk_weights.into(),
+        weights: WeightGradTarget::Bf16(grad_views(dw)),
+    };
+    match pass.backward(&gpu, &swapped, (&*dy).into(), grads) {
+        Err(MokError::InvalidInput { tensor, problem }) => println!("  {tensor}: {problem}"),
+        other => panic!("expected InvalidInput, got {other:?}"),
+    }
+    // Gradient views of the wrong size, and the shared expert's missing.
+    let pass = layer.forward(&gpu, &inputs, y.into()).unwrap();
+    let mut views = grad_views(dw);
+    views.shared = None;
+    let grads =
+        MoeGradients { dx: dx.into(), d_topk_weights: d_topk_weights.into(), weights: WeightGradTarget::Bf16(views) };
+    match pass.backward(&gpu, &inputs, (&*dy).into(), grads) {
+        Err(MokError::InvalidInput { tensor, problem }) => println!("  {tensor}: {problem}"),
+        other => panic!("expected InvalidInput, got {other:?}"),
+    }
+    layer.check().unwrap();
+}
