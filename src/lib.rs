@@ -7,18 +7,36 @@
 //! re-exports the host API.
 //!
 //! ```no_run
-//! use mok::{MoeConfig, open_gpu, problem::ExpertWeights, unfused::{DeviceExperts, UnfusedLayer}};
+//! use mok::driver::DeviceBuffer;
+//! use mok::moe::{LayerOptions, MoeGradients, MoeInputs};
+//! use mok::unfused::{DeviceExperts, DeviceTokens, WeightGradTarget, WeightGradViews};
+//! use mok::{MoeConfig, MoeLayer, open_gpu, problem::{ExpertWeights, RoutedTokens}};
 //! # fn main() -> mok::Result<()> {
-//! let gpu = open_gpu(0)?;
+//! let gpu = open_gpu(0)?;                         // or Gpu::on_stream(...) for a framework's stream
 //! let config = MoeConfig::new(4096, 7168, 2048, 384, 8);
-//! config.validate()?;
-//! // The routed experts' weights, `nn.Linear` layout (here zeros; a checkpoint's in practice).
-//! let n = config.local_experts() * config.intermediate * config.hidden;
-//! let zeros = vec![half::bf16::ZERO; n];
-//! let weights = ExpertWeights { w_gate: zeros.clone(), w_up: zeros.clone(), w_down: zeros };
+//! config.validate()?;                             // errors name the field, the value and the rule
+//! let (t, h, i, e, k) = (4096, 7168, 2048, 384, 8);
+//! // A framework's device memory in practice (views of cudarc slices or raw pointers work too).
+//! let zeros = |n| vec![half::bf16::ZERO; n];
+//! let weights = ExpertWeights { w_gate: zeros(e * i * h), w_up: zeros(e * i * h), w_down: zeros(e * h * i) };
 //! let experts = DeviceExperts::upload(&gpu, &config, &weights)?;
-//! let mut layer = UnfusedLayer::new(&gpu, config)?;
-//! # let _ = (&experts, &mut layer);
+//! let ids: Vec<i32> = (0..t * k).map(|s| ((s / k * 7 + s % k) % e) as i32).collect();
+//! let routed = RoutedTokens { x: zeros(t * h), topk_ids: ids, topk_weights: vec![0.125; t * k] };
+//! let tokens = DeviceTokens::upload(&gpu, &config, &routed)?;
+//! let (mut y, dy, mut dx) = (DeviceBuffer::alloc(&gpu, t * h)?, DeviceBuffer::alloc(&gpu, t * h)?, DeviceBuffer::alloc(&gpu, t * h)?);
+//! let mut d_topk = DeviceBuffer::<f32>::alloc(&gpu, t * k)?;
+//! // f32 main gradients, accumulated over micro-batches (`+=`).
+//! let mut main: Vec<DeviceBuffer<f32>> = (0..3).map(|_| DeviceBuffer::alloc(&gpu, e * i * h)).collect::<Result<_, _>>()?;
+//! for g in &mut main { g.fill_bytes(0)?; }
+//!
+//! let mut layer = MoeLayer::new(&gpu, config, LayerOptions::default())?;   // fastest backend here
+//! let inputs = MoeInputs { tokens: (&tokens).into(), experts: (&experts).into(), shared: None };
+//! let pass = layer.forward(&gpu, &inputs, (&mut y).into())?;               // no host sync
+//! let [dw_gate, dw_up, dw_down] = &mut main[..] else { unreachable!() };
+//! let weight_grads = WeightGradViews { dw_gate: dw_gate.into(), dw_up: dw_up.into(), dw_down: dw_down.into(), shared: None };
+//! let grads = MoeGradients { dx: (&mut dx).into(), d_topk_weights: (&mut d_topk).into(), weights: WeightGradTarget::AccumulateF32(weight_grads) };
+//! pass.backward(&gpu, &inputs, (&dy).into(), grads)?;                      // consumes the pass
+//! layer.check()?;                                 // the one synchronising call: device-side errors
 //! # Ok(()) }
 //! ```
 #![warn(missing_docs)]
@@ -86,3 +104,8 @@ mod tests {
         assert!(error.to_string().contains(missing), "{error}");
     }
 }
+
+/// The README's Rust examples, compiled as doctests (so the README cannot drift from the API).
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeExamples;
