@@ -133,7 +133,7 @@ impl ForwardMegakernel {
         let resident = (2 * clusters).min(gpu.multiprocessors().next_multiple_of(2));
         let blocks = options.blocks.unwrap_or(resident);
         let comm_blocks = options.comm_blocks.unwrap_or(DEFAULT_COMM_BLOCKS);
-        if blocks > resident || blocks % 2 != 0 {
+        if blocks > resident || !blocks.is_multiple_of(2) {
             return Err(MokError::InvalidInput {
                 tensor: "megakernel blocks",
                 problem: format!(

@@ -841,13 +841,15 @@ impl UnfusedLayer {
     }
 
     /// Waits for the stream and reports a routing problem the kernels found in `topk_ids`
-    /// (an id out of range or repeated in a token: that slot was dropped).
+    /// (an id out of range or repeated in a token: that slot was dropped), or else, with the
+    /// megakernel forward, the first wait of its passes that timed out (`MokError::Timeout`,
+    /// cleared by the report so the next pass starts clean).
     pub fn check_device_errors(&mut self) -> Result<()> {
         let words = self.routing.error.download()?;
-        if words[0] == 0 {
-            if let Some((_, Some(pass))) = &mut self.megakernel {
-                return pass.check();
-            }
+        if words[0] == 0
+            && let Some((_, Some(pass))) = &mut self.megakernel
+        {
+            return pass.check();
         }
         let k = self.config.top_k as u32;
         let describe = |what: &str| {
