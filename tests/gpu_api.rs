@@ -240,3 +240,49 @@ fn moe_layer_rejects_what_it_cannot_run() {
     }
     layer.check().unwrap();
 }
+
+#[test]
+fn moe_layer_takes_any_token_count_up_to_its_capacity() {
+    // One layer sized for 400 tokens runs passes of 137, 1 and 400 tokens (T read from x's
+    // length), each bitwise equal to a layer built for exactly that T, on the fastest backend
+    // and the megakernel; then a pass longer than the capacity is rejected.
+    let gpu = gpu();
+    let capacity = config();
+    let mut backends = vec![None];
+    if gpu.compute_capability().0 == 9 {
+        backends.push(Some(Backend::Megakernel));
+    }
+    for backend in backends {
+        let options = || LayerOptions { backend, ..LayerOptions::default() };
+        let mut layer = MoeLayer::new(&gpu, capacity.clone(), options()).unwrap();
+        for t in [137, 1, 400] {
+            let exact = MoeConfig { tokens_per_rank: t, ..capacity.clone() };
+            let case = random_case(&exact, 800 + t as u64, Routing { drop_probability: 0.05, empty_experts: &[2] });
+            let mut caller = Caller::new(&gpu, &case);
+            step(&gpu, &mut layer, &mut caller, false);
+            let got = outputs(&caller);
+            let mut reference = MoeLayer::new(&gpu, exact, options()).unwrap();
+            let mut reference_caller = Caller::new(&gpu, &case);
+            step(&gpu, &mut reference, &mut reference_caller, false);
+            assert_eq!(got, outputs(&reference_caller), "{:?}: T = {t} on a layer for 400", layer.backend());
+        }
+        println!(
+            "  {:?}: T = 137, 1, 400 on one layer for 400 tokens: the bits of layers built for each T",
+            layer.backend()
+        );
+        let too_many = MoeConfig { tokens_per_rank: 401, ..capacity.clone() };
+        let case = random_case(&too_many, 900, Routing { drop_probability: 0.0, empty_experts: &[] });
+        let mut caller = Caller::new(&gpu, &case);
+        let Caller { tokens, experts, shared, y, .. } = &mut caller;
+        let inputs = MoeInputs {
+            tokens: (&*tokens).into(),
+            experts: (&*experts).into(),
+            shared: shared.as_ref().map(Into::into),
+        };
+        match layer.forward(&gpu, &inputs, y.into()) {
+            Err(MokError::InvalidInput { tensor: "x", problem }) => println!("  401 tokens: {problem}"),
+            Err(other) => panic!("expected InvalidInput for x, got {other:?}"),
+            Ok(_) => panic!("expected InvalidInput for x, got a pass"),
+        }
+    }
+}

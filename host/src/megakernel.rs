@@ -99,8 +99,7 @@ pub(crate) struct PassBuffers {
     pub down_rows: u64,
     /// `[T][H]` bf16 output.
     pub y: u64,
-    /// T, k, H.
-    pub tokens: u32,
+    /// k, H.
     pub top_k: u32,
     pub hidden: u32,
 }
@@ -168,16 +167,14 @@ impl ForwardMegakernel {
             dispatch_next: counters + 12 * m_tiles as u64 + 4,
             error: error.device_ptr(),
             timeout_ns: options.timeout.as_nanos().min(u64::MAX as u128) as u64,
-            tokens: buffers.tokens,
             top_k: buffers.top_k,
             hidden: buffers.hidden,
             comm_blocks,
             silent_rows_tile: NO_FAULT,
             silent_hidden_tile: NO_FAULT,
             work: WORK_ALL,
-            reserved: 0,
         };
-        // SAFETY: ForwardParams is repr(C) plain data: fourteen u64 and eight u32, no padding (144
+        // SAFETY: ForwardParams is repr(C) plain data: fourteen u64 and six u32, no padding (136
         // bytes, asserted in megakernel_layout).
         let params = DeviceBuffer::from_slice(gpu, unsafe { plain_bytes(&host) })?;
         Ok(Self {
@@ -217,9 +214,10 @@ impl ForwardMegakernel {
         self.params.upload(unsafe { plain_bytes(&self.host) })
     }
 
-    /// Enqueues one pass: cuts both plans' group maps (zeroing their tile counters), clears the
-    /// pass counters, then the megakernel. `x` `[T][H]` bf16, `topk_weights` `[T·k]` f32 and
-    /// `shared_rows` `[T][H]` f32 (0 for none) must stay allocated until the stream has run it.
+    /// Enqueues one pass of `tokens` tokens (at most the layer's capacity): cuts both plans'
+    /// group maps (zeroing their tile counters), clears the pass counters, then the megakernel.
+    /// `x` `[T][H]` bf16, `topk_weights` `[T·k]` f32 and `shared_rows` `[T][H]` f32 (0 for none)
+    /// must stay allocated until the stream has run it.
     pub(crate) fn launch(
         &mut self,
         gpu: &Gpu,
@@ -227,6 +225,7 @@ impl ForwardMegakernel {
         x: u64,
         topk_weights: u64,
         shared_rows: u64,
+        tokens: u32,
     ) -> Result<()> {
         if !self.built_for(plans) {
             return Err(MokError::InvalidInput {
@@ -244,6 +243,7 @@ impl ForwardMegakernel {
             KernelArg::Ptr(x),
             KernelArg::Ptr(topk_weights),
             KernelArg::Ptr(shared_rows),
+            KernelArg::U32(tokens),
         ];
         // SAFETY: `mok_sm90_forward`'s parameters in order and type; the parameter block points
         // at the layer's live buffers and the plans' parameter blocks (checked above), its

@@ -89,8 +89,9 @@ pub struct MoeGradients<'a> {
     pub weights: WeightGradTarget<'a>,
 }
 
-/// The MoE layer of one GPU holding every expert (P = 1) with its workspace, for
-/// `config.tokens_per_rank` tokens per call.
+/// The MoE layer of one GPU holding every expert (P = 1) with its workspace, sized for up to
+/// `config.tokens_per_rank` tokens: each forward may take any T from 1 to that (read from the
+/// length of x), and its backward the same T.
 pub struct MoeLayer {
     layer: UnfusedLayer,
     backend: Backend,
@@ -147,10 +148,10 @@ impl MoeLayer {
         inputs: &MoeInputs<'_>,
         mut y: DeviceSliceMut<'_, bf16>,
     ) -> Result<ForwardPass<'l>> {
-        if y.len() != self.layer.y.len() {
+        if y.len() != inputs.tokens.x.len() {
             return Err(MokError::InvalidInput {
                 tensor: "y",
-                problem: format!("output view has {} elements, expected {}", y.len(), self.layer.y.len()),
+                problem: format!("output view has {} elements, x has {}", y.len(), inputs.tokens.x.len()),
             });
         }
         self.layer.forward_views(gpu, inputs.tokens, inputs.experts, inputs.shared)?;
@@ -182,18 +183,17 @@ impl ForwardPass<'_> {
                 problem: "not the views the forward read (the backward reads the forward's inputs again)".into(),
             });
         }
-        let (d_in, d_w) = (grads.dx.len(), grads.d_topk_weights.len());
-        let c = self.layer.layer.config();
-        let (t, h, k) = (c.tokens_per_rank, c.hidden, c.top_k);
-        if d_in != t * h || d_w != t * k {
-            return Err(MokError::InvalidInput {
-                tensor: if d_in != t * h { "dx" } else { "d_topk_weights" },
-                problem: format!(
-                    "gradient view has {} elements, expected {}",
-                    if d_in != t * h { d_in } else { d_w },
-                    if d_in != t * h { t * h } else { t * k }
-                ),
-            });
+        for (tensor, got, expected) in [
+            ("dx", grads.dx.len(), inputs.tokens.x.len()),
+            ("d_topk_weights", grads.d_topk_weights.len(), inputs.tokens.topk_weights.len()),
+            ("dy", dy.len(), inputs.tokens.x.len()),
+        ] {
+            if got != expected {
+                return Err(MokError::InvalidInput {
+                    tensor,
+                    problem: format!("view has {got} elements, expected {expected} (the forward's T)"),
+                });
+            }
         }
         let layer = &mut self.layer.layer;
         layer.backward_views(gpu, (inputs.tokens, inputs.experts, inputs.shared), dy, grads.weights)?;

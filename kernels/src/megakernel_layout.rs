@@ -48,8 +48,6 @@ pub struct ForwardParams {
     /// How long a wait on the dispatch may take, in `%globaltimer` nanoseconds (waits further
     /// downstream get longer: [`downstream_deadline`]).
     pub timeout_ns: u64,
-    /// Tokens T.
-    pub tokens: u32,
     /// Slots per token k.
     pub top_k: u32,
     /// Hidden width H (a multiple of 8).
@@ -67,12 +65,10 @@ pub struct ForwardParams {
     /// measurement times the launch with only the row moving ([`WORK_COPY_ROWS`] |
     /// [`WORK_COMBINE`]) and with only the GEMMs (rows already in place).
     pub work: u32,
-    /// Keeps the size a multiple of 8.
-    pub reserved: u32,
 }
 
-// The host writes this block byte for byte: fourteen 8-byte fields, then eight u32.
-const _: () = assert!(size_of::<ForwardParams>() == 144);
+// The host writes this block byte for byte: fourteen 8-byte fields, then six u32.
+const _: () = assert!(size_of::<ForwardParams>() == 136);
 
 /// The per-pass arguments of the forward megakernel, after the parameter block.
 #[derive(Clone, Copy, Debug)]
@@ -83,6 +79,8 @@ pub struct PassInputs {
     pub topk_weights: u64,
     /// `[T][H]` f32, the shared expert's output added first in each token's sum; 0 for none.
     pub shared_rows: u64,
+    /// Tokens T of this pass (at most the capacity the layer's buffers were sized for).
+    pub tokens: u32,
 }
 
 /// [`ForwardParams::work`]: the dispatch copies the rows (without it, it only publishes them:

@@ -95,13 +95,32 @@ impl<T: Pod> DeviceBuffer<T> {
         Ok(out)
     }
 
-    /// Enqueues a copy of the whole buffer to device address `dst` (which holds as many
-    /// elements: the caller checks) on the stream.
-    pub(crate) fn copy_into_address(&self, dst: u64) -> Result<()> {
+    /// Sets element `index` of a u32 buffer to `value`, ordered on the stream (a memset, so a
+    /// captured graph replays it).
+    pub(crate) fn fill_u32_at(&mut self, index: usize, value: u32) -> Result<()>
+    where
+        T: Copy,
+    {
+        if size_of::<T>() != 4 || index >= self.len {
+            return Err(MokError::InvalidInput {
+                tensor: "buffer word",
+                problem: format!("index {index} of {} elements of {} bytes", self.len, size_of::<T>()),
+            });
+        }
         self.gpu.bind()?;
-        // SAFETY: `dst` holds `len` elements (caller contract), this allocation too; the copy is
-        // ordered on the stream with every kernel that reads or writes either.
-        unsafe { result::memcpy_dtod_async(dst, self.ptr, self.len * size_of::<T>(), self.gpu.stream) }
+        // SAFETY: one 4-byte word inside this allocation.
+        unsafe { sys::cuMemsetD32Async(self.ptr + 4 * index as u64, value, 1, self.gpu.stream) }
+            .result()
+            .map_err(|e| cuda_error("cuMemsetD32Async", e))
+    }
+
+    /// Enqueues a copy of the first `len` elements (at most the buffer's: the caller checks) to
+    /// device address `dst`, which holds that many, on the stream.
+    pub(crate) fn copy_into_address(&self, dst: u64, len: usize) -> Result<()> {
+        self.gpu.bind()?;
+        // SAFETY: `dst` holds `len` elements and this allocation at least as many (caller
+        // contract); the copy is ordered on the stream with every kernel that reads or writes either.
+        unsafe { result::memcpy_dtod_async(dst, self.ptr, len * size_of::<T>(), self.gpu.stream) }
             .map_err(|e| cuda_error("cuMemcpyDtoDAsync", e))
     }
 

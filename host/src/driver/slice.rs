@@ -119,15 +119,15 @@ impl<'a, T: Pod> From<&'a mut DeviceBuffer<T>> for DeviceSliceMut<'a, T> {
 }
 
 impl<T: Pod> DeviceBuffer<T> {
-    /// Enqueues a copy of the whole buffer into `dst` on the stream (a device-to-device copy;
-    /// no host synchronisation). `dst` must hold exactly as many elements.
+    /// Enqueues a copy of the buffer's first `dst.len()` elements into `dst` on the stream (a
+    /// device-to-device copy; no host synchronisation). `dst` may not be longer than the buffer.
     pub fn copy_to(&self, dst: &mut DeviceSliceMut<'_, T>) -> crate::error::Result<()> {
-        if dst.len() != self.len() {
+        if dst.len() > self.len() {
             return Err(crate::error::MokError::InvalidInput {
                 tensor: "copy destination",
                 problem: format!("{} elements, the source has {}", dst.len(), self.len()),
             });
         }
-        self.copy_into_address(dst.device_ptr())
+        self.copy_into_address(dst.device_ptr(), dst.len())
     }
 }

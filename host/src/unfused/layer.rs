@@ -67,6 +67,10 @@ pub struct UnfusedLayer {
     /// The forward as one persistent launch ([`UnfusedLayer::set_forward_megakernel`]): its
     /// options, and the pass once built for the engine's plans.
     megakernel: Option<(MegakernelOptions, Option<ForwardMegakernel>)>,
+    /// Tokens of the last forward (at most `config.tokens_per_rank`, the capacity).
+    tokens: usize,
+    /// The token count the shared expert's group offsets hold.
+    shared_offsets_tokens: usize,
 }
 
 /// The routed experts' GEMMs on the sm_90a tensor-core engine ([`crate::gemm`]) — the same
@@ -154,6 +158,8 @@ impl UnfusedLayer {
             y: DeviceBuffer::alloc(gpu, t * h)?,
             engine: None,
             megakernel: None,
+            tokens: t,
+            shared_offsets_tokens: t,
             grads: DeviceGrads {
                 dx: DeviceBuffer::alloc(gpu, t * h)?,
                 d_topk_weights: DeviceBuffer::alloc(gpu, slots)?,
@@ -284,7 +290,6 @@ impl UnfusedLayer {
             rows: self.gathered_x.device_ptr(),
             down_rows: self.routed.rows.out.device_ptr(),
             y: self.y.device_ptr(),
-            tokens: c.tokens_per_rank as u32,
             top_k: c.top_k as u32,
             hidden: c.hidden as u32,
         };
@@ -469,9 +474,18 @@ impl UnfusedLayer {
         tokens: TokensView<'_>,
         experts: ExpertsView<'_>,
         shared: Option<SharedExpertView<'_>>,
-    ) -> Result<()> {
+    ) -> Result<usize> {
         let c = &self.config;
-        let (t, h, i, e, k) = (c.tokens_per_rank, c.hidden, c.intermediate, c.local_experts(), c.top_k);
+        let (capacity, h, i, e, k) = (c.tokens_per_rank, c.hidden, c.intermediate, c.local_experts(), c.top_k);
+        // T of this pass, from x: any count from 1 to the capacity the layer was built for.
+        let x_len = tokens.x.len();
+        let t = x_len / h;
+        if x_len % h != 0 || t == 0 || t > capacity {
+            return Err(MokError::InvalidInput {
+                tensor: "x",
+                problem: format!("device buffer has {x_len} elements: not T·{h} for a T in 1..={capacity}"),
+            });
+        }
         let expect = |tensor: &'static str, actual: usize, expected: usize| {
             if actual == expected {
                 Ok(())
@@ -482,7 +496,6 @@ impl UnfusedLayer {
                 })
             }
         };
-        expect("x", tokens.x.len(), t * h)?;
         expect("topk_ids", tokens.topk_ids.len(), t * k)?;
         expect("topk_weights", tokens.topk_weights.len(), t * k)?;
         expect("w_gate", experts.w_gate.len(), e * i * h)?;
@@ -492,9 +505,10 @@ impl UnfusedLayer {
             (Some(is), Some(s)) => {
                 expect("ws_gate", s.ws_gate.len(), is * h)?;
                 expect("ws_up", s.ws_up.len(), is * h)?;
-                expect("ws_down", s.ws_down.len(), h * is)
+                expect("ws_down", s.ws_down.len(), h * is)?;
+                Ok(t)
             }
-            (None, None) => Ok(()),
+            (None, None) => Ok(t),
             (Some(_), None) => Err(MokError::InvalidInput {
                 tensor: "shared expert",
                 problem: "config has shared_intermediate but no shared weights were given".into(),
@@ -506,6 +520,20 @@ impl UnfusedLayer {
         }
     }
 
+    /// Points the shared expert's one group at the pass's `t` tokens: `[0, T, 0, tiles]`, its two
+    /// changing words set on the stream (no upload, so a captured graph keeps it).
+    fn set_shared_offsets(&mut self, t: usize) -> Result<()> {
+        if let Some((_, offsets)) = &mut self.shared
+            && self.shared_offsets_tokens != t
+        {
+            let tiles = (t as u32).div_ceil(mok_kernels::tiles::GEMM_TILE_M);
+            offsets.fill_u32_at(1, t as u32)?;
+            offsets.fill_u32_at(3, tiles)?;
+            self.shared_offsets_tokens = t;
+        }
+        Ok(())
+    }
+
     fn row_count_ptr(&self) -> u64 {
         self.routing.row_offsets.device_ptr() + 4 * self.config.num_experts as u64
     }
@@ -513,7 +541,15 @@ impl UnfusedLayer {
     /// Enqueues the routing kernels: layout of `topk_ids` into the routing buffers.
     pub fn route(&mut self, gpu: &Gpu, topk_ids: DeviceSlice<'_, i32>) -> Result<()> {
         let c = &self.config;
-        let (t, k, e) = (c.tokens_per_rank as u32, c.top_k as u32, c.num_experts as u32);
+        let (k, e) = (c.top_k as u32, c.num_experts as u32);
+        let t = topk_ids.len() / c.top_k;
+        if topk_ids.len() % c.top_k != 0 || t == 0 || t > c.tokens_per_rank {
+            return Err(MokError::InvalidInput {
+                tensor: "topk_ids",
+                problem: format!("{} ids: not T·{k} for a T in 1..={}", topk_ids.len(), c.tokens_per_rank),
+            });
+        }
+        let t = t as u32;
         let chunks = mok_kernels::layout::chunk_count(t);
         let r = &mut self.routing;
         r.error.fill_bytes(0)?;
@@ -592,16 +628,18 @@ impl UnfusedLayer {
         experts: ExpertsView<'_>,
         shared: Option<SharedExpertView<'_>>,
     ) -> Result<()> {
-        self.check_inputs(tokens, experts, shared)?;
+        let t = self.check_inputs(tokens, experts, shared)?;
         // Before any launch: building plans uploads their parameter blocks.
         self.prepare_engine_plans(gpu, experts)?;
         self.prepare_megakernel(gpu)?;
+        self.tokens = t;
+        self.set_shared_offsets(t)?;
         self.route(gpu, tokens.topk_ids)?;
         if self.megakernel.is_some() {
             return self.forward_megakernel(gpu, tokens, shared);
         }
         let c = self.config.clone();
-        let (t, h, e, k) = (c.tokens_per_rank, c.hidden, c.num_experts, c.top_k);
+        let (h, e, k) = (c.hidden, c.num_experts, c.top_k);
         let slots = t * k;
         let count = self.row_count_ptr();
         let r = &self.routing;
@@ -681,7 +719,7 @@ impl UnfusedLayer {
         tokens: TokensView<'_>,
         shared: Option<SharedExpertView<'_>>,
     ) -> Result<()> {
-        let t = self.config.tokens_per_rank;
+        let t = self.tokens;
         let (Some(engine), Some((_, Some(pass)))) = (&self.engine, &mut self.megakernel) else {
             return Err(MokError::InvalidInput { tensor: "megakernel", problem: "not prepared".into() });
         };
@@ -697,7 +735,7 @@ impl UnfusedLayer {
             shared_out = compute.out_rows().device_ptr();
         }
         let plans = [&engine.forward[0], &engine.forward[1]];
-        pass.launch(gpu, plans, tokens.x.device_ptr(), tokens.topk_weights.device_ptr(), shared_out)
+        pass.launch(gpu, plans, tokens.x.device_ptr(), tokens.topk_weights.device_ptr(), shared_out, t as u32)
     }
 
     /// Enqueues the backward pass of the last forward (same inputs) for output gradient `dy`;
@@ -724,10 +762,19 @@ impl UnfusedLayer {
         dy: DeviceSlice<'_, bf16>,
         target: WeightGradTarget<'_>,
     ) -> Result<()> {
-        self.check_inputs(tokens, experts, shared)?;
+        let t = self.check_inputs(tokens, experts, shared)?;
+        if t != self.tokens {
+            return Err(MokError::InvalidInput {
+                tensor: "x",
+                problem: format!(
+                    "{t} tokens, but the last forward had {}: a backward reads its forward's pass",
+                    self.tokens
+                ),
+            });
+        }
         let target = self.grad_addresses(target)?;
         let c = self.config.clone();
-        let (t, h, e, k) = (c.tokens_per_rank, c.hidden, c.num_experts, c.top_k);
+        let (h, e, k) = (c.hidden, c.num_experts, c.top_k);
         if dy.len() != t * h {
             return Err(MokError::InvalidInput {
                 tensor: "dy",

@@ -108,7 +108,8 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_group_maps(params: *const GemmParams)
 /// The forward megakernel (`crate::megakernel::forward`): dispatch, gate/up + SwiGLU, down and
 /// combine in one persistent launch. 384 threads, `gemm_layout::ENGINE_SMEM_BYTES` of dynamic
 /// shared memory, 2-block clusters, a co-resident grid. `x` `[T][H]` bf16, `topk_weights`
-/// `[T·k]` f32 and `shared_rows` `[T][H]` f32 (or null) are the pass's inputs (`megakernel_layout::PassInputs`).
+/// `[T·k]` f32, `shared_rows` `[T][H]` f32 (or null) and the token count `tokens` are the pass's
+/// inputs (`megakernel_layout::PassInputs`).
 ///
 /// # Safety
 /// As [`crate::megakernel::forward::forward`].
@@ -118,11 +119,13 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_forward(
     x: *const u16,
     topk_weights: *const f32,
     shared_rows: *const f32,
+    tokens: u32,
 ) {
     let pass = crate::megakernel_layout::PassInputs {
         x: x as u64,
         topk_weights: topk_weights as u64,
         shared_rows: shared_rows as u64,
+        tokens,
     };
     // SAFETY: caller contract.
     unsafe { crate::megakernel::forward::forward(params, pass) }

@@ -100,7 +100,7 @@ pub unsafe fn combine(f: &ForwardParams, pass: &PassInputs) {
         loop {
             let claimed = if lane == 0 { atom_add_relaxed_gpu_u32(f.combine_next as *mut u32, 1) } else { 0 };
             let token = sync::shfl_idx_u32(claimed, 0);
-            if token >= f.tokens {
+            if token >= pass.tokens {
                 return;
             }
             for j in 0..if f.work & WORK_GEMMS != 0 { f.top_k } else { 0 } {
