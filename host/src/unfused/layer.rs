@@ -480,7 +480,7 @@ impl UnfusedLayer {
         // T of this pass, from x: any count from 1 to the capacity the layer was built for.
         let x_len = tokens.x.len();
         let t = x_len / h;
-        if x_len % h != 0 || t == 0 || t > capacity {
+        if !x_len.is_multiple_of(h) || t == 0 || t > capacity {
             return Err(MokError::InvalidInput {
                 tensor: "x",
                 problem: format!("device buffer has {x_len} elements: not T·{h} for a T in 1..={capacity}"),
@@ -543,7 +543,7 @@ impl UnfusedLayer {
         let c = &self.config;
         let (k, e) = (c.top_k as u32, c.num_experts as u32);
         let t = topk_ids.len() / c.top_k;
-        if topk_ids.len() % c.top_k != 0 || t == 0 || t > c.tokens_per_rank {
+        if !topk_ids.len().is_multiple_of(c.top_k) || t == 0 || t > c.tokens_per_rank {
             return Err(MokError::InvalidInput {
                 tensor: "topk_ids",
                 problem: format!("{} ids: not T·{k} for a T in 1..={}", topk_ids.len(), c.tokens_per_rank),
