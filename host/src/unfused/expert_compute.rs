@@ -41,17 +41,17 @@ impl ExpertRows {
         })
     }
 
-    #[cfg(feature = "testing")]
-    fn poison(&mut self) -> Result<()> {
-        self.gate.fill_bytes(0xff)?;
-        self.up.fill_bytes(0xff)?;
-        self.hidden.fill_bytes(0xff)?;
-        self.out.fill_bytes(0xff)?;
-        self.d_rows.fill_bytes(0xff)?;
-        self.d_hidden.fill_bytes(0xff)?;
-        self.d_gate.fill_bytes(0xff)?;
-        self.d_up.fill_bytes(0xff)?;
-        self.d_in.fill_bytes(0xff)
+    /// Sets every byte of every row buffer to `byte` (0 once at creation; NaN bytes to poison).
+    fn fill(&mut self, byte: u8) -> Result<()> {
+        self.gate.fill_bytes(byte)?;
+        self.up.fill_bytes(byte)?;
+        self.hidden.fill_bytes(byte)?;
+        self.out.fill_bytes(byte)?;
+        self.d_rows.fill_bytes(byte)?;
+        self.d_hidden.fill_bytes(byte)?;
+        self.d_gate.fill_bytes(byte)?;
+        self.d_up.fill_bytes(byte)?;
+        self.d_in.fill_bytes(byte)
     }
 }
 
@@ -148,13 +148,12 @@ impl ExpertCompute {
         swiglu_limit: Option<f32>,
         with_d_rows: bool,
     ) -> Result<Self> {
-        Ok(Self {
-            rows: ExpertRows::alloc(gpu, capacity, hidden, inter, with_d_rows)?,
-            hidden,
-            inter,
-            limit: swiglu_limit.unwrap_or(f32::INFINITY),
-            capacity,
-        })
+        let mut rows = ExpertRows::alloc(gpu, capacity, hidden, inter, with_d_rows)?;
+        // Zeroed once: the row buffers are only ever read where a pass wrote them (the NaN-poison
+        // tests prove it), but some are written by TMA bulk stores, which compute-sanitizer's
+        // initcheck may not count as initialising; zeros make its runs on a fresh layer clean.
+        rows.fill(0)?;
+        Ok(Self { rows, hidden, inter, limit: swiglu_limit.unwrap_or(f32::INFINITY), capacity })
     }
 
     /// `[R][H]` f32 output rows of the last forward.
@@ -175,7 +174,7 @@ impl ExpertCompute {
     /// Fills the workspace with NaN bytes (feature `testing`).
     #[cfg(feature = "testing")]
     pub fn poison(&mut self) -> Result<()> {
-        self.rows.poison()
+        self.rows.fill(0xff)
     }
 
     /// Enqueues gate/up with SwiGLU, then down, over `groups` of `input_rows` (`[R][H]` bf16)

@@ -150,9 +150,12 @@ impl UnfusedLayer {
         };
         // The shared expert is one group holding every token.
         let (shared, shared_grads) = shared_expert_workspace(gpu, &config)?.unzip();
+        // Zeroed once, like the expert rows (`ExpertCompute::new`).
+        let mut gathered_x = DeviceBuffer::alloc(gpu, slots * h)?;
+        gathered_x.fill_bytes(0)?;
         Ok(Self {
             routing,
-            gathered_x: DeviceBuffer::alloc(gpu, slots * h)?,
+            gathered_x,
             routed: ExpertCompute::new(gpu, slots, h, i, config.swiglu_limit, true)?,
             shared,
             y: DeviceBuffer::alloc(gpu, t * h)?,
