@@ -8,12 +8,16 @@
 //! routed experts' GEMMs on the `mma.sync` kernels, the layer's default), `engine` (on the
 //! tensor-core engine, sm_90 only), `megakernel` (the forward as one persistent launch over the
 //! engine, with its default comm blocks) and `megakernel:N` (N comm blocks). Each table row names
-//! its backend. Without a GPU it says so and exits 0 (a benchmark is not a test).
+//! its backend. `--ranks P` (P > 1) runs the expert-parallel layer over P virtual ranks on this GPU
+//! instead (`ep:P`: the tokens of a case split over the ranks, `mma.sync` expert compute). Every
+//! run also prints one `RESULT` line of name–value pairs (what `cargo xtask bench` reads). Without a GPU it says so and exits 0 (a benchmark is not a test).
 
 use std::collections::HashMap;
 
 use anyhow::{Context, Result, bail};
 use mok::driver::Gpu;
+use mok::ep::EpLayer;
+use mok::exchange::ExchangeOptions;
 use mok::megakernel::{MegakernelOptions, MegakernelWork};
 use mok::problem::RoutedTokens;
 use mok::shapes::{FrontierShape, backward_min_bytes, forward_flops, forward_min_bytes};
@@ -27,6 +31,9 @@ struct Args {
     copy_tbps: f64,
     /// The backends to run each case on.
     backends: Vec<Backend>,
+    /// P > 1: the expert-parallel layer over P virtual ranks on this GPU (`mma.sync` expert
+    /// compute; the tokens of a case are split evenly over the ranks) instead of the backends.
+    ranks: usize,
 }
 
 /// How the layer runs (see the module docs).
@@ -78,6 +85,7 @@ fn parse_args() -> Result<Args> {
         matmul_tflops: 783.0,
         copy_tbps: 4.23,
         backends: vec![Backend::Mma],
+        ranks: 1,
     };
     let mut cases = "kimi:8192,glm:8192,qwen:8192,deepseek:8192".to_string();
     let mut it = std::env::args().skip(1).filter(|a| a != "--bench");
@@ -88,6 +96,7 @@ fn parse_args() -> Result<Args> {
             "--reps" => args.reps = value()?.parse()?,
             "--matmul-tflops" => args.matmul_tflops = value()?.parse()?,
             "--copy-tbps" => args.copy_tbps = value()?.parse()?,
+            "--ranks" => args.ranks = value()?.parse()?,
             "--gemm" => args.backends = value()?.split(',').map(Backend::parse).collect::<Result<_>>()?,
             "--baseline" => {
                 let path = value()?;
@@ -128,6 +137,42 @@ struct Measured {
     /// Megakernel backends: the same launch with only the row moving, with only the GEMMs (rows
     /// in place), and with no work at all (the schedule and an empty launch), ms.
     sides: Option<(f64, f64, f64)>,
+}
+
+/// The expert-parallel layer over `ranks` virtual ranks, `tokens` split evenly over them.
+fn bench_case_ep(gpu: &Gpu, shape: FrontierShape, tokens: usize, reps: usize, ranks: usize) -> Result<Measured> {
+    if !tokens.is_multiple_of(ranks) || !shape.experts.is_multiple_of(ranks) {
+        bail!("{} at T = {tokens}: T and E = {} must split evenly over {ranks} ranks", shape.name, shape.experts);
+    }
+    let config = mok::MoeConfig { ep_ranks: ranks, ..shape.config(tokens / ranks) };
+    let h = config.hidden;
+    let mut layer = EpLayer::new_virtual(gpu, config.clone(), ExchangeOptions::default())?;
+    let experts: Vec<DeviceExperts> = (0..ranks)
+        .map(|rank| DeviceExperts::random(gpu, &config, 1 + 3 * rank as u64, 3.0 / (h as f32).sqrt()))
+        .collect::<mok::Result<_>>()?;
+    for rank in 0..ranks {
+        layer.upload_tokens(gpu, rank, &random_tokens(&config, 7 + rank as u64))?;
+        layer.upload_dy(gpu, rank, &mok::random::bf16_values(config.tokens_per_rank * h, 4 + rank as u64, 1.0))?;
+    }
+    layer.forward(gpu, &experts, None)?;
+    layer.backward(gpu, &experts, None)?;
+    layer.check_errors(gpu)?;
+    let timer = gpu.timer()?;
+    let (mut fwd, mut step) = (Vec::new(), Vec::new());
+    for _ in 0..reps {
+        timer.start()?;
+        layer.forward(gpu, &experts, None)?;
+        fwd.push(timer.stop_ms()?);
+        timer.start()?;
+        layer.forward(gpu, &experts, None)?;
+        layer.backward(gpu, &experts, None)?;
+        step.push(timer.stop_ms()?);
+    }
+    layer.check_errors(gpu)?;
+    let before = gpu.kernel_launches();
+    layer.forward(gpu, &experts, None)?;
+    let launches = gpu.kernel_launches() - before;
+    Ok(Measured { fwd: median(fwd), step: median(step), launches, sides: None })
 }
 
 fn bench_case(gpu: &Gpu, shape: FrontierShape, tokens: usize, reps: usize, backend: Backend) -> Result<Measured> {
@@ -195,7 +240,11 @@ fn main() -> Result<()> {
             return Ok(());
         }
     };
-    let backends: Vec<String> = args.backends.iter().map(|b| b.name()).collect();
+    let backends: Vec<String> = if args.ranks > 1 {
+        vec![format!("ep:{}", args.ranks)]
+    } else {
+        args.backends.iter().map(|b| b.name()).collect()
+    };
     println!(
         "layer benchmark on {}; backends {}; floors at {} TFLOP/s and {} TB/s",
         gpu.name(),
@@ -205,10 +254,20 @@ fn main() -> Result<()> {
     );
     let mut rows = Vec::new();
     let mut details = Vec::new();
-    for (&(shape, tokens), backend) in
-        args.cases.iter().flat_map(|case| args.backends.iter().map(move |backend| (case, *backend)))
-    {
-        let measured = bench_case(&gpu, shape, tokens, args.reps, backend)?;
+    let runs: Vec<(FrontierShape, usize, Option<Backend>)> = if args.ranks > 1 {
+        args.cases.iter().map(|&(shape, tokens)| (shape, tokens, None)).collect()
+    } else {
+        args.cases
+            .iter()
+            .flat_map(|&(shape, tokens)| args.backends.iter().map(move |&b| (shape, tokens, Some(b))))
+            .collect()
+    };
+    for (shape, tokens, backend) in runs {
+        let measured = match backend {
+            Some(backend) => bench_case(&gpu, shape, tokens, args.reps, backend)?,
+            None => bench_case_ep(&gpu, shape, tokens, args.reps, args.ranks)?,
+        };
+        let backend_name = backend.map_or_else(|| format!("ep:{}", args.ranks), Backend::name);
         let (fwd, step) = (measured.fwd, measured.step);
         if let Some((comm, compute, none)) = measured.sides {
             // Overlap efficiency: how much of the shorter side the full pass hides.
@@ -216,7 +275,7 @@ fn main() -> Result<()> {
             details.push(format!(
                 "| {} | {tokens} | {} | {} | {none:.2} ({:.1} %) | {comm:.2} | {compute:.2} | {fwd:.2} | {:.0} % |",
                 shape.name,
-                backend.name(),
+                backend_name.clone(),
                 measured.launches,
                 100.0 * none / fwd,
                 100.0 * overlap
@@ -225,7 +284,7 @@ fn main() -> Result<()> {
             details.push(format!(
                 "| {} | {tokens} | {} | {} | - | - | - | {fwd:.2} | - |",
                 shape.name,
-                backend.name(),
+                backend_name.clone(),
                 measured.launches
             ));
         }
@@ -236,15 +295,20 @@ fn main() -> Result<()> {
         let (bwd_flop_floor, bwd_byte_floor) = floor(2.0 * flops, backward_min_bytes(&config));
         let step_floor = (fwd_flop_floor + bwd_flop_floor).max(fwd_byte_floor + bwd_byte_floor);
         let baseline = args.baseline.get(&(shape.name.to_string(), tokens)).copied();
+        // One machine-readable line per run (`cargo xtask bench` reads them): name value pairs, NaN
+        // where there is no PyTorch baseline.
+        let (torch_fwd, torch_step) = baseline.unwrap_or((f64::NAN, f64::NAN));
         println!(
-            "RESULT {} {tokens} {} fwd_ms {fwd:.3} step_ms {step:.3} fwd_tflops {:.0} step_tflops {:.0}",
+            "RESULT {} {tokens} {backend_name} fwd_ms {fwd:.3} step_ms {step:.3} fwd_tflops {:.1} step_tflops {:.1} \
+             fwd_flop_floor_ms {fwd_flop_floor:.3} fwd_byte_floor_ms {fwd_byte_floor:.3} step_floor_ms {step_floor:.3} \
+             torch_fwd_ms {torch_fwd:.3} torch_step_ms {torch_step:.3} flops {flops:.0} launches {}",
             shape.name,
-            backend.name(),
             flops / fwd / 1e9,
-            3.0 * flops / step / 1e9
+            3.0 * flops / step / 1e9,
+            measured.launches
         );
         rows.push((
-            backend.name(),
+            backend_name.clone(),
             shape.name,
             tokens,
             fwd,

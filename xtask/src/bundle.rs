@@ -83,6 +83,17 @@ fn build_executables(root: &Path, command: &mut Command) -> Result<Vec<Artifact>
     Ok(artifacts)
 }
 
+/// Builds the bench binary `name` of the facade (release, GPU tests' features, as the bundle
+/// builds it) and returns its path.
+pub fn build_bench(root: &Path, name: &str) -> Result<PathBuf> {
+    let artifacts = build_executables(root, cargo(root).args(["build", "--bench", name]).args(BUILD_ARGS))?;
+    artifacts
+        .into_iter()
+        .find(|a| a.target_name == name && a.kinds.iter().any(|k| k == "bench"))
+        .map(|a| a.executable)
+        .with_context(|| format!("cargo built no bench named {name}"))
+}
+
 fn canonical(path: &Path) -> PathBuf {
     fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf())
 }

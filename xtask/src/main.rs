@@ -12,6 +12,7 @@
 #[path = "../../kernels/ptx_builder.rs"]
 mod ptx_builder;
 
+mod bench;
 mod bundle;
 mod json;
 mod ptx;
@@ -52,6 +53,39 @@ enum Task {
         #[arg(long)]
         out: Option<PathBuf>,
     },
+    /// Run the layer benchmark across shapes, token counts and backends, next to the PyTorch
+    /// layer when python3 has torch with CUDA; writes results.json and chart.svg.
+    Bench {
+        /// Frontier shapes (kimi, glm, qwen, deepseek).
+        #[arg(long, value_delimiter = ',', default_value = "kimi,glm,qwen,deepseek")]
+        shapes: Vec<String>,
+        /// Token counts T per case (global over the ranks).
+        #[arg(long, value_delimiter = ',', default_value = "8192")]
+        tokens: Vec<usize>,
+        /// Backends: mma, engine, megakernel, megakernel:N (N comm blocks).
+        #[arg(long, value_delimiter = ',', default_value = "engine,megakernel")]
+        backends: Vec<String>,
+        /// P > 1: the expert-parallel layer over P virtual ranks on one GPU instead.
+        #[arg(long, default_value_t = 1)]
+        ranks: usize,
+        /// Timed repetitions per case (the median is reported).
+        #[arg(long, default_value_t = 10)]
+        reps: usize,
+        /// Output folder for results.json, chart.svg and the logs.
+        #[arg(long, default_value = "bench-results")]
+        out: PathBuf,
+        /// Skip the PyTorch comparison even where torch is installed.
+        #[arg(long)]
+        no_torch: bool,
+    },
+    /// Write results.json and chart.svg again from a saved layer-bench log (its RESULT lines).
+    BenchChart {
+        /// A `layer.log` of `cargo xtask bench` (or the bench's output).
+        log: PathBuf,
+        /// Output folder.
+        #[arg(long, default_value = "bench-results")]
+        out: PathBuf,
+    },
     /// Run `mok-demo` (release build) with the given arguments (all forwarded, `--help` too).
     #[command(disable_help_flag = true)]
     Demo {
@@ -72,6 +106,10 @@ fn main() -> ExitCode {
         }
         Task::Test => test(&root),
         Task::GpuBundle { out } => bundle::gpu_bundle(&root, out.unwrap_or_else(|| root.join("bundle"))),
+        Task::Bench { shapes, tokens, backends, ranks, reps, out, no_torch } => {
+            bench::bench(&root, &bench::BenchArgs { shapes, tokens, backends, ranks, reps, out, torch: !no_torch })
+        }
+        Task::BenchChart { log, out } => bench::chart_from_log(&log, &out),
         Task::Demo { args } => return demo(&root, &args),
     };
     match result {
