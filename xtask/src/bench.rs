@@ -287,7 +287,7 @@ pub fn to_svg(results: &[Measurement]) -> String {
         let bar_w = group_w * 0.8 / series.len() as f64;
         for (c, case) in cases.iter().enumerate() {
             let gx = x0 + c as f64 * group_w + group_w * 0.1;
-            for s in 0..series.len() {
+            for (s, name) in series.iter().enumerate() {
                 let v = value(case, s, panel);
                 if v.is_finite() {
                     let _ = writeln!(
@@ -299,7 +299,7 @@ pub fn to_svg(results: &[Measurement]) -> String {
                         panel_h - (y(v) - margin_top),
                         colour(s),
                         case.0,
-                        series[s]
+                        name
                     );
                 }
             }
