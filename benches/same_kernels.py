@@ -23,16 +23,22 @@ def entries(path):
     return found
 
 
-old, new = entries(sys.argv[1]), entries(sys.argv[2])
-differ = 0
-for name in sorted(set(old) | set(new)):
-    if name not in old:
-        print("new only ", name)
-    elif name not in new:
-        print("old only ", name)
-    elif old[name] == new[name]:
-        print("same     ", name)
-    else:
-        print("DIFFERENT", name)
-        differ += 1
-sys.exit(1 if differ else 0)
+def report(old, new):
+    """Prints `same` / `DIFFERENT` / `new only` / `old only` per entry of two {name: text} maps;
+    returns how many entries in both differ (benches/same_sass.py uses it too)."""
+    differ = 0
+    for name in sorted(set(old) | set(new)):
+        if name not in old:
+            print("new only ", name)
+        elif name not in new:
+            print("old only ", name)
+        elif old[name] == new[name]:
+            print("same     ", name)
+        else:
+            print("DIFFERENT", name)
+            differ += 1
+    return differ
+
+
+if __name__ == "__main__":
+    sys.exit(1 if report(entries(sys.argv[1]), entries(sys.argv[2])) else 0)

@@ -10,6 +10,8 @@ import re
 import subprocess
 import sys
 
+from same_kernels import report  # noqa: E402 (the script's own folder is on sys.path)
+
 
 def kernels(cubin, nvdisasm):
     text = subprocess.run([nvdisasm, "-c", cubin], check=True, capture_output=True, text=True).stdout
@@ -32,16 +34,4 @@ def kernels(cubin, nvdisasm):
 
 
 nvdisasm = sys.argv[3] if len(sys.argv) > 3 else "nvdisasm"
-old, new = kernels(sys.argv[1], nvdisasm), kernels(sys.argv[2], nvdisasm)
-differ = 0
-for name in sorted(set(old) | set(new)):
-    if name not in old:
-        print("new only ", name)
-    elif name not in new:
-        print("old only ", name)
-    elif old[name] == new[name]:
-        print("same     ", name)
-    else:
-        print("DIFFERENT", name)
-        differ += 1
-sys.exit(1 if differ else 0)
+sys.exit(1 if report(kernels(sys.argv[1], nvdisasm), kernels(sys.argv[2], nvdisasm)) else 0)

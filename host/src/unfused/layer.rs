@@ -683,17 +683,8 @@ impl UnfusedLayer {
                 [experts.w_gate, experts.w_up, experts.w_down],
             )?;
         }
+        let shared_out = self.shared_forward(gpu, tokens, shared)?;
         let r = &self.routing;
-        let mut shared_out = 0;
-        if let (Some(weights), Some((compute, offsets))) = (shared, &self.shared) {
-            compute.forward(
-                gpu,
-                &RowGroups::all_tokens(offsets, t),
-                tokens.x.device_ptr(),
-                [weights.ws_gate, weights.ws_up, weights.ws_down],
-            )?;
-            shared_out = compute.out_rows().device_ptr();
-        }
         // SAFETY: the arguments are `mok_combine_slots`'s parameters, in order and type (its entry point in
         // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
         unsafe {
@@ -714,6 +705,20 @@ impl UnfusedLayer {
         }
     }
 
+    /// Enqueues the shared expert's forward over the pass's tokens (when the layer has one and
+    /// weights were given) and returns the address of its f32 rows, the first term of every
+    /// token's sum (0 for none).
+    fn shared_forward(&self, gpu: &Gpu, tokens: TokensView<'_>, shared: Option<SharedExpertView<'_>>) -> Result<u64> {
+        let (Some(weights), Some((compute, offsets))) = (shared, &self.shared) else { return Ok(0) };
+        compute.forward(
+            gpu,
+            &RowGroups::all_tokens(offsets, self.tokens),
+            tokens.x.device_ptr(),
+            [weights.ws_gate, weights.ws_up, weights.ws_down],
+        )?;
+        Ok(compute.out_rows().device_ptr())
+    }
+
     /// The forward after routing, as the megakernel: the engine's tile offsets, the shared
     /// expert (its rows are the first term of every token's sum), then one pass.
     fn forward_megakernel(
@@ -723,20 +728,11 @@ impl UnfusedLayer {
         shared: Option<SharedExpertView<'_>>,
     ) -> Result<()> {
         let t = self.tokens;
+        let shared_out = self.shared_forward(gpu, tokens, shared)?;
         let (Some(engine), Some((_, Some(pass)))) = (&self.engine, &mut self.megakernel) else {
             return Err(MokError::InvalidInput { tensor: "megakernel", problem: "not prepared".into() });
         };
         engine::tile_offsets_into(gpu, &self.routing.row_offsets, self.config.num_experts, &engine.tile_offsets)?;
-        let mut shared_out = 0;
-        if let (Some(weights), Some((compute, offsets))) = (shared, &self.shared) {
-            compute.forward(
-                gpu,
-                &RowGroups::all_tokens(offsets, t),
-                tokens.x.device_ptr(),
-                [weights.ws_gate, weights.ws_up, weights.ws_down],
-            )?;
-            shared_out = compute.out_rows().device_ptr();
-        }
         let plans = [&engine.forward[0], &engine.forward[1]];
         pass.launch(gpu, plans, tokens.x.device_ptr(), tokens.topk_weights.device_ptr(), shared_out, t as u32)
     }

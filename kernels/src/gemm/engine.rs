@@ -132,6 +132,23 @@ pub(super) fn next_phase<const V: u32>(ring: Ring, walk: Walk, thread_in_wg: u32
     Walk { stage, phase, mail_phases }
 }
 
+/// One thread per block initialises the ring's barriers before any use: `full` completes on the
+/// producer's arrival (and the bytes it expects), `empty` on `empty_arrivals` consumer warps (8
+/// per block sharing the stage: 16 in a pair), the mailbox on one arrival; then the fence that
+/// makes the initialisation visible to the cluster.
+#[inline(always)]
+fn init_barriers(ring: Ring, empty_arrivals: u32) {
+    for s in 0..STAGES {
+        // SAFETY: this block's barrier slots, initialised once before any use.
+        unsafe {
+            mbarrier::init(ring.full(s), 1);
+            mbarrier::init(ring.empty(s), empty_arrivals);
+            mbarrier::init(ring.mail(s), 1);
+        }
+    }
+    mbarrier::fence_mbarrier_init();
+}
+
 /// The engine body shared by every entry point: [`ENGINE_THREADS`](crate::gemm_layout::ENGINE_THREADS)
 /// threads, [`ENGINE_SMEM_BYTES`](crate::gemm_layout::ENGINE_SMEM_BYTES) of dynamic shared memory.
 ///
@@ -152,15 +169,7 @@ pub unsafe fn run<const V: u32, H: TileHooks>(params: *const GemmParams, hooks: 
     let ring = Ring::new();
     let thread = sreg::thread_idx_x();
     if thread == 0 {
-        for s in 0..STAGES {
-            // SAFETY: this block's barrier slots, initialised once before any use.
-            unsafe {
-                mbarrier::init(ring.full(s), 1);
-                mbarrier::init(ring.empty(s), 8 * cluster_blocks(V));
-                mbarrier::init(ring.mail(s), 1);
-            }
-        }
-        mbarrier::fence_mbarrier_init();
+        init_barriers(ring, 8 * cluster_blocks(V));
     }
     // The partner multicasts into this block's stages and arrives on its barriers: both blocks'
     // barriers must be initialised before either starts.
@@ -226,15 +235,7 @@ pub unsafe fn run_forward_phases<H1: TileHooks, H2: TileHooks>(
     let ring = Ring::new();
     let thread = sreg::thread_idx_x();
     if thread == 0 {
-        for s in 0..STAGES {
-            // SAFETY: this block's barrier slots, initialised once before any use.
-            unsafe {
-                mbarrier::init(ring.full(s), 1);
-                mbarrier::init(ring.empty(s), 16);
-                mbarrier::init(ring.mail(s), 1);
-            }
-        }
-        mbarrier::fence_mbarrier_init();
+        init_barriers(ring, 16);
     }
     // Both blocks' barriers initialised before either multicasts into the other.
     cluster::cluster_sync();
