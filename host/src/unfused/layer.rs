@@ -255,26 +255,23 @@ impl UnfusedLayer {
     /// a forward first).
     #[cfg(feature = "testing")]
     pub fn set_megakernel_faults(&mut self, faults: MegakernelFaults) -> Result<()> {
-        match self.megakernel.as_mut().and_then(|(_, pass)| pass.as_mut()) {
-            Some(pass) => pass.set_faults(faults),
-            None => Err(MokError::InvalidInput {
-                tensor: "megakernel",
-                problem: "no megakernel pass yet (switch it on and run a forward)".into(),
-            }),
-        }
+        self.built_megakernel()?.set_faults(faults)
     }
 
     /// The work of the following megakernel passes (feature `testing`: the benchmark's overlap
     /// measurement; only [`MegakernelWork::ALL`] computes the layer). The pass must exist.
     #[cfg(feature = "testing")]
     pub fn set_megakernel_work(&mut self, work: MegakernelWork) -> Result<()> {
-        match self.megakernel.as_mut().and_then(|(_, pass)| pass.as_mut()) {
-            Some(pass) => pass.set_work(work),
-            None => Err(MokError::InvalidInput {
-                tensor: "megakernel",
-                problem: "no megakernel pass yet (switch it on and run a forward)".into(),
-            }),
-        }
+        self.built_megakernel()?.set_work(work)
+    }
+
+    /// The megakernel pass, once a forward has built it (for the test hooks).
+    #[cfg(feature = "testing")]
+    fn built_megakernel(&mut self) -> Result<&mut ForwardMegakernel> {
+        self.megakernel.as_mut().and_then(|(_, pass)| pass.as_mut()).ok_or_else(|| MokError::InvalidInput {
+            tensor: "megakernel",
+            problem: "no megakernel pass yet (switch it on and run a forward)".into(),
+        })
     }
 
     /// Builds the megakernel pass for the engine's current plans (when it is on).
