@@ -286,3 +286,28 @@ fn moe_layer_takes_any_token_count_up_to_its_capacity() {
         }
     }
 }
+
+#[test]
+fn workspace_bytes_is_what_a_layer_allocates() {
+    // `moe::workspace_bytes` against mok's own count of live device bytes around a layer's
+    // creation and its first steps (fresh, then accumulating: the engine rebuilds its
+    // weight-gradient plans for the new target, in place of the old).
+    let gpu = gpu();
+    let c = config();
+    let case = random_case(&c, 703, Routing { drop_probability: 0.0, empty_experts: &[] });
+    for backend in [Backend::MmaSync, Backend::Engine, Backend::Megakernel] {
+        let mut caller = Caller::new(&gpu, &case);
+        let (_, before) = mok::driver::live_device_buffers();
+        let options = LayerOptions { backend: Some(backend), ..LayerOptions::default() };
+        let Ok(mut layer) = MoeLayer::new(&gpu, c.clone(), options) else {
+            println!("  NOT RUN on {backend:?}: not available here");
+            continue;
+        };
+        step(&gpu, &mut layer, &mut caller, false);
+        step(&gpu, &mut layer, &mut caller, true);
+        let (_, after) = mok::driver::live_device_buffers();
+        let predicted = mok::moe::workspace_bytes(&c, backend).unwrap() as u64;
+        assert_eq!(after - before, predicted, "{backend:?}: allocated {} bytes, predicted {predicted}", after - before);
+        println!("  {backend:?}: {predicted} bytes, as predicted");
+    }
+}

@@ -201,3 +201,73 @@ impl ForwardPass<'_> {
         layer.grads.d_topk_weights.copy_to(&mut grads.d_topk_weights)
     }
 }
+
+/// Device bytes a [`MoeLayer`] for `config` on `backend` allocates, all of it — workspace,
+/// routing buffers, its own gradients, and (engine and megakernel) the plans' parameter blocks,
+/// tensor maps and counters, which the first forward and backward make — counted as mok
+/// requests them (each allocation at least 16 bytes; the driver rounds each up a little more).
+/// The caller's own buffers (inputs, outputs, gradient targets) are not included.
+pub fn workspace_bytes(config: &MoeConfig, backend: Backend) -> Result<usize> {
+    config.validate()?;
+    let c = config;
+    let (t, h, i, e, k) = (c.tokens_per_rank, c.hidden, c.intermediate, c.local_experts(), c.top_k);
+    let slots = t * k;
+    let buffer = |bytes: usize| bytes.max(16);
+    // One expert computation's rows (`ExpertRows::alloc`): gate, up f32; hidden bf16; out f32;
+    // d_rows bf16 (routed only); d_hidden f32; d_gate, d_up bf16; d_in f32.
+    let expert_rows = |rows: usize, inter: usize, with_d_rows: bool| {
+        [4 * rows * inter, 4 * rows * inter, 2 * rows * inter, 4 * rows * h]
+            .into_iter()
+            .chain([if with_d_rows { 2 * rows * h } else { 0 }, 4 * rows * inter, 2 * rows * inter, 2 * rows * inter])
+            .chain([4 * rows * h])
+            .map(buffer)
+            .sum::<usize>()
+    };
+    let chunks = mok_kernels::layout::chunk_count(t as u32) as usize;
+    let routing = [4 * chunks * e, 4 * slots, 4 * e, 4 * (e + 1), 4 * (e + 1), 4 * slots, 4 * slots, 16]
+        .map(buffer)
+        .iter()
+        .sum::<usize>();
+    let mut total = routing + buffer(2 * slots * h) + expert_rows(slots, i, true);
+    if let Some(is) = c.shared_intermediate {
+        total += expert_rows(t, is, false) + buffer(16) + 3 * buffer(2 * is * h);
+    }
+    // y and dx (bf16), d_topk_weights (f32), the three routed weight gradients (bf16).
+    total += 2 * buffer(2 * t * h) + buffer(4 * slots) + 3 * buffer(2 * e * i * h);
+    if backend != Backend::MmaSync {
+        use mok_kernels::gemm_layout::{GROUP_MAP_SLOTS, TENSOR_MAP_BYTES};
+        let params = size_of::<mok_kernels::gemm_layout::GemmParams>();
+        let group_maps = buffer(e.max(1) * GROUP_MAP_SLOTS as usize * TENSOR_MAP_BYTES as usize);
+        // gate/up 4 maps, down 3, the two dgrads 3 and 5, three weight gradients 3 each.
+        let plans = [4, 3, 3, 5, 3, 3, 3];
+        total += buffer(4 * 2 * (e + 1));
+        total +=
+            plans.iter().map(|maps| buffer(params) + maps * TENSOR_MAP_BYTES as usize + group_maps + 16).sum::<usize>();
+        if backend == Backend::Megakernel {
+            let m_tiles = slots.div_ceil(mok_kernels::gemm_layout::TILE_M as usize) + e;
+            let forward = size_of::<mok_kernels::megakernel_layout::ForwardParams>();
+            total +=
+                buffer(forward) + buffer(4 * (3 * m_tiles + 2)) + buffer(4 * mok_kernels::comm::params::ERROR_WORDS);
+        }
+    }
+    Ok(total)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn workspace_bytes_follow_the_config_and_the_backend() {
+        let config = MoeConfig { shared_intermediate: Some(256), ..MoeConfig::new(400, 512, 256, 32, 8) };
+        let [mma, engine, mega] =
+            [Backend::MmaSync, Backend::Engine, Backend::Megakernel].map(|b| workspace_bytes(&config, b).unwrap());
+        assert!(mma < engine && engine < mega, "{mma} {engine} {mega}");
+        // The three routed weight gradients alone: 3 · E · I · H bf16.
+        assert!(mma > 3 * 2 * 32 * 256 * 512);
+        let more = MoeConfig { tokens_per_rank: 800, ..config.clone() };
+        assert!(workspace_bytes(&more, Backend::Engine).unwrap() > engine);
+        let bad = MoeConfig { hidden: 60, ..config };
+        assert!(matches!(workspace_bytes(&bad, Backend::Engine), Err(MokError::InvalidConfig { field: "hidden", .. })));
+    }
+}
