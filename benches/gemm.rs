@@ -75,11 +75,13 @@ fn dense_row(gpu: &Gpu, bf16_out: bool, pairing: Option<Pairing>) -> Result<Row>
     if bf16_out {
         let out = DeviceBuffer::<bf16>::alloc(gpu, g * m * n)?;
         let plan = paired(gpu, EnginePlan::rows_nt(gpu, &a, &groups, &w, (n, k), RowsOut::Bf16(&out))?, pairing)?;
-        timed_row(gpu, DENSE_BF16.into(), flop, operands + 2.0 * (g * m * n) as f64, || plan.launch(gpu))
+        // SAFETY: the plan's buffers live in this scope, past the timed launches.
+        timed_row(gpu, DENSE_BF16.into(), flop, operands + 2.0 * (g * m * n) as f64, || unsafe { plan.launch(gpu) })
     } else {
         let out = DeviceBuffer::<f32>::alloc(gpu, g * m * n)?;
         let plan = paired(gpu, EnginePlan::rows_nt(gpu, &a, &groups, &w, (n, k), RowsOut::F32(&out))?, pairing)?;
-        timed_row(gpu, "dense8".into(), flop, operands + 4.0 * (g * m * n) as f64, || plan.launch(gpu))
+        // SAFETY: as above.
+        timed_row(gpu, "dense8".into(), flop, operands + 4.0 * (g * m * n) as f64, || unsafe { plan.launch(gpu) })
     }
 }
 
@@ -225,15 +227,19 @@ fn main() -> Result<()> {
             ),
         ];
         for (what, flop, bytes, plan) in &single {
-            rows_out.push(timed_row(&gpu, tag(what), *flop, *bytes, || plan.launch(&gpu))?);
+            // SAFETY: the plans' buffers live in this scope, past the timed launches.
+            rows_out.push(timed_row(&gpu, tag(what), *flop, *bytes, || unsafe { plan.launch(&gpu) })?);
         }
         let plan_g =
             EnginePlan::wgrad(&gpu, &d_gate, &x, &row_offsets, (e, cap), (i, h), WgradOut::Bf16((&dw).into()))?;
         let plan_u = EnginePlan::wgrad(&gpu, &d_up, &x, &row_offsets, (e, cap), (i, h), WgradOut::Bf16((&dw2).into()))?;
         let (flop, bytes) = (4.0 * r * hf * inf, 2.0 * weights + 2.0 * r * (hf + 2.0 * inf));
         rows_out.push(timed_row(&gpu, tag("wgrad_gate_up"), flop, bytes, || {
-            plan_g.launch(&gpu)?;
-            plan_u.launch(&gpu)
+            // SAFETY: as above.
+            unsafe {
+                plan_g.launch(&gpu)?;
+                plan_u.launch(&gpu)
+            }
         })?);
     }
 

@@ -193,7 +193,8 @@ fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
         "{resident} blocks for {} SMs",
         gpu.multiprocessors()
     );
-    plan.launch(gpu).unwrap();
+    // SAFETY: the plan's buffers live in this scope, past the stream's work on them.
+    unsafe { plan.launch(gpu) }.unwrap();
     let valid = rows * i;
     check(
         "gate pre-activation (engine gate_up)",
@@ -212,7 +213,8 @@ fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
         2e-3,
     );
     // Grid size and repetition do not change a bit.
-    plan.launch_with_blocks(gpu, 7).unwrap();
+    // SAFETY: the plan's buffers live in this scope, past the stream's work on them.
+    unsafe { plan.launch_with_blocks(gpu, 7) }.unwrap();
     assert_eq!(
         fingerprint(&hidden_out.download().unwrap()[..valid]),
         fingerprint(&got_hidden[..valid]),
@@ -220,7 +222,8 @@ fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
     );
     // Nor does the way blocks pair up (default: M-pairs where possible; here N-pairs only).
     plan.set_pairing(gpu, Pairing::NOnly).unwrap();
-    plan.launch_with_blocks(gpu, 9).unwrap();
+    // SAFETY: the plan's buffers live in this scope, past the stream's work on them.
+    unsafe { plan.launch_with_blocks(gpu, 9) }.unwrap();
     assert_eq!(
         fingerprint(&hidden_out.download().unwrap()[..valid]),
         fingerprint(&got_hidden[..valid]),
@@ -231,7 +234,8 @@ fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
     let down_out = poisoned::<f32>(gpu, cap * h);
     let mut plan =
         EnginePlan::rows_nt(gpu, hidden, &groups, &s.experts.w_down, (h, i), RowsOut::F32(&down_out)).unwrap();
-    plan.launch(gpu).unwrap();
+    // SAFETY: the plan's buffers live in this scope, past the stream's work on them.
+    unsafe { plan.launch(gpu) }.unwrap();
     let got_down = down_out.download().unwrap();
     check(
         "down output (engine rows_nt)",
@@ -240,7 +244,8 @@ fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
     );
     // The other pairing (default for rows_nt: N-pairs only) gives the same bits.
     plan.set_pairing(gpu, Pairing::MAndN).unwrap();
-    plan.launch(gpu).unwrap();
+    // SAFETY: the plan's buffers live in this scope, past the stream's work on them.
+    unsafe { plan.launch(gpu) }.unwrap();
     assert_eq!(
         fingerprint(&down_out.download().unwrap()[..rows * h]),
         fingerprint(&got_down[..rows * h]),
@@ -249,10 +254,9 @@ fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
     // bf16 rows: each element is its f32 sum rounded once (to nearest even), and no row past the
     // routed rows is written.
     let down_bf16 = poisoned::<bf16>(gpu, cap * h);
-    EnginePlan::rows_nt(gpu, hidden, &groups, &s.experts.w_down, (h, i), RowsOut::Bf16(&down_bf16))
-        .unwrap()
-        .launch_with_blocks(gpu, 11)
-        .unwrap();
+    let plan = EnginePlan::rows_nt(gpu, hidden, &groups, &s.experts.w_down, (h, i), RowsOut::Bf16(&down_bf16)).unwrap();
+    // SAFETY: the plan's buffers live in this scope, past the stream's work on them.
+    unsafe { plan.launch_with_blocks(gpu, 11) }.unwrap();
     let got_bf16 = down_bf16.download().unwrap();
     let mismatches = (0..rows * h).filter(|&j| got_bf16[j].to_bits() != bf16::from_f32(got_down[j]).to_bits()).count();
     assert_eq!(mismatches, 0, "rows_nt bf16 out: {mismatches} elements differ from the rounded f32 rows");
@@ -260,10 +264,10 @@ fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
 
     // Data gradients: one segment (down dgrad), two segments (gate/up dgrad).
     let d_hidden = poisoned::<f32>(gpu, cap * i);
-    EnginePlan::rows_nn(gpu, (back.d_rows, (&s.experts.w_down).into()), None, &groups, (i, h), &d_hidden)
-        .unwrap()
-        .launch(gpu)
-        .unwrap();
+    let plan =
+        EnginePlan::rows_nn(gpu, (back.d_rows, (&s.experts.w_down).into()), None, &groups, (i, h), &d_hidden).unwrap();
+    // SAFETY: the plan's buffers live in this scope, past the stream's work on them.
+    unsafe { plan.launch(gpu) }.unwrap();
     check(
         "d_hidden (engine rows_nn, 1 segment)",
         rel_err(&d_hidden.download().unwrap()[..valid], &f64s(&back.d_hidden.download().unwrap()[..valid])),
@@ -279,7 +283,8 @@ fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
         &d_in,
     )
     .unwrap();
-    plan.launch(gpu).unwrap();
+    // SAFETY: the plan's buffers live in this scope, past the stream's work on them.
+    unsafe { plan.launch(gpu) }.unwrap();
     let got_d_in = d_in.download().unwrap();
     check(
         "d_rows_in (engine rows_nn, 2 segments)",
@@ -287,7 +292,8 @@ fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
         1e-5,
     );
     plan.set_pairing(gpu, Pairing::NOnly).unwrap();
-    plan.launch_with_blocks(gpu, 3).unwrap();
+    // SAFETY: the plan's buffers live in this scope, past the stream's work on them.
+    unsafe { plan.launch_with_blocks(gpu, 3) }.unwrap();
     assert_eq!(
         fingerprint(&d_in.download().unwrap()[..rows * h]),
         fingerprint(&got_d_in[..rows * h]),
@@ -308,10 +314,12 @@ fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
     .unwrap();
     let refused = plan.set_pairing(gpu, Pairing::NOnly).unwrap_err().to_string();
     assert!(refused.contains("alone"), "a weight-gradient plan must refuse a pairing: {refused}");
-    plan.launch(gpu).unwrap();
+    // SAFETY: the plan's buffers live in this scope, past the stream's work on them.
+    unsafe { plan.launch(gpu) }.unwrap();
     let got = dw_down.download().unwrap();
     check("dw_down bf16 (engine wgrad)", rel_err_bf16(&got, &layer.grads.dw_down.download().unwrap()), 3e-3);
-    plan.launch_with_blocks(gpu, 5).unwrap();
+    // SAFETY: the plan's buffers live in this scope, past the stream's work on them.
+    unsafe { plan.launch_with_blocks(gpu, 5) }.unwrap();
     assert_eq!(fingerprint(&dw_down.download().unwrap()), fingerprint(&got), "wgrad differs with 5 blocks");
     let counts = layer.routing.expert_counts.download().unwrap();
     for (expert, &count) in counts.iter().enumerate() {
@@ -324,7 +332,7 @@ fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
     }
     let mut dw_gate = DeviceBuffer::<f32>::alloc(gpu, e * i * h).unwrap();
     dw_gate.fill_bytes(0).unwrap();
-    EnginePlan::wgrad(
+    let plan = EnginePlan::wgrad(
         gpu,
         back.d_gate,
         &layer.gathered_x,
@@ -333,9 +341,9 @@ fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
         (i, h),
         WgradOut::AccumulateF32((&dw_gate).into()),
     )
-    .unwrap()
-    .launch(gpu)
     .unwrap();
+    // SAFETY: the plan's buffers live in this scope, past the stream's work on them.
+    unsafe { plan.launch(gpu) }.unwrap();
     let (dg, xs, offsets) = (
         back.d_gate.download().unwrap(),
         layer.gathered_x.download().unwrap(),
@@ -500,10 +508,12 @@ fn hooked_engine_kernels_equal_the_standalone_ones_and_count_every_tile() {
         .unwrap()
     };
     let (plan, hooked_plan) = (plan_of(&standalone), plan_of(&hooked));
-    plan.launch(&gpu).unwrap();
+    // SAFETY: the plan's buffers live in this scope, past the stream's work on them.
+    unsafe { plan.launch(&gpu) }.unwrap();
     let mut readiness = TileReadiness::new(&gpu, slots, Duration::from_secs(2), 1).unwrap();
     readiness.land_all().unwrap();
-    hooked_plan.launch_counted(&gpu, &readiness).unwrap();
+    // SAFETY: the plan's buffers live in this scope, past the stream's work on them.
+    unsafe { hooked_plan.launch_counted(&gpu, &readiness) }.unwrap();
     readiness.check(&gpu).unwrap();
     let valid = s.rows * i;
     assert_eq!(
@@ -524,10 +534,12 @@ fn hooked_engine_kernels_equal_the_standalone_ones_and_count_every_tile() {
             .unwrap();
     let down_hooked_plan =
         EnginePlan::rows_nt(&gpu, hidden_rows, &groups, &s.experts.w_down, (h, i), RowsOut::F32(&down_hooked)).unwrap();
-    down_plan.launch(&gpu).unwrap();
+    // SAFETY: the plan's buffers live in this scope, past the stream's work on them.
+    unsafe { down_plan.launch(&gpu) }.unwrap();
     let mut down_ready = TileReadiness::new(&gpu, slots, Duration::from_secs(2), 3).unwrap();
     down_ready.land_all().unwrap();
-    down_hooked_plan.launch_counted(&gpu, &down_ready).unwrap();
+    // SAFETY: the plan's buffers live in this scope, past the stream's work on them.
+    unsafe { down_hooked_plan.launch_counted(&gpu, &down_ready) }.unwrap();
     down_ready.check(&gpu).unwrap();
     assert_eq!(
         fingerprint(&down_hooked.download().unwrap()[..s.rows * h]),
@@ -549,7 +561,8 @@ fn hooked_engine_kernels_equal_the_standalone_ones_and_count_every_tile() {
     landed[silent_tile] = 0;
     faulty.rows_landed.upload(&landed).unwrap();
     let start = Instant::now();
-    hooked_plan.launch_counted(&gpu, &faulty).unwrap();
+    // SAFETY: the plan's buffers live in this scope, past the stream's work on them.
+    unsafe { hooked_plan.launch_counted(&gpu, &faulty) }.unwrap();
     let error = faulty.check(&gpu).unwrap_err();
     let took = start.elapsed();
     println!("  a tile whose rows never land ({took:?}): {error}");
@@ -565,7 +578,8 @@ fn hooked_engine_kernels_equal_the_standalone_ones_and_count_every_tile() {
     hooked.fill_bytes(0xff).unwrap();
     let mut again = TileReadiness::new(&gpu, slots, Duration::from_secs(2), 2).unwrap();
     again.land_all().unwrap();
-    hooked_plan.launch_counted(&gpu, &again).unwrap();
+    // SAFETY: the plan's buffers live in this scope, past the stream's work on them.
+    unsafe { hooked_plan.launch_counted(&gpu, &again) }.unwrap();
     again.check(&gpu).unwrap();
     assert_eq!(
         fingerprint(&hooked.download().unwrap()[..valid]),

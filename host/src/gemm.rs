@@ -262,8 +262,14 @@ impl EnginePlan {
     /// time, on its GPU's single stream (two interleaved launches of the same plan would let the
     /// second engine find the counter already spent and compute nothing). Use one plan per
     /// concurrent product.
-    pub fn launch(&self, gpu: &Gpu) -> Result<()> {
-        self.launch_with_blocks(gpu, self.resident_blocks)
+    ///
+    /// # Safety
+    /// Every buffer the plan was built over — the rows, the weights, the outputs, the row and
+    /// tile offsets — is still allocated at the size the plan checked when the stream runs the
+    /// launch: the plan keeps their addresses, not borrows of them.
+    pub unsafe fn launch(&self, gpu: &Gpu) -> Result<()> {
+        // SAFETY: caller contract.
+        unsafe { self.launch_with_blocks(gpu, self.resident_blocks) }
     }
 
     /// The device address of the plan's parameter block (a persistent kernel that runs this
@@ -304,12 +310,15 @@ impl EnginePlan {
 
     /// Enqueues the launch with `blocks` persistent blocks, rounded up to whole clusters (pairs,
     /// for the row-grouped variants); results do not depend on it.
-    pub fn launch_with_blocks(&self, gpu: &Gpu, blocks: u32) -> Result<()> {
+    ///
+    /// # Safety
+    /// As [`Self::launch`].
+    pub unsafe fn launch_with_blocks(&self, gpu: &Gpu, blocks: u32) -> Result<()> {
         let blocks = blocks.max(1).next_multiple_of(self.cluster_blocks);
         self.cut_group_maps(gpu)?;
         let shape = LaunchShape { grid: (blocks, 1, 1), threads: ENGINE_THREADS, smem_bytes: ENGINE_SMEM_BYTES };
-        // SAFETY: the arguments are the kernel's parameters, in order and type (its entry point in
-        // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
+        // SAFETY: the kernel's one parameter, this plan's parameter block, whose every address is a
+        // live allocation of the size it documents (caller contract).
         unsafe { gpu.launch(self.kernel, shape, &[KernelArg::Ptr(self.params.device_ptr())]) }
     }
 
@@ -319,7 +328,10 @@ impl EnginePlan {
     /// tile there. The persistent forward's hand-over, here launched on its own (the rows
     /// already in place, or not, as a test sets them). A failed wait is read back with
     /// [`TileReadiness::check`].
-    pub fn launch_counted(&self, gpu: &Gpu, readiness: &TileReadiness) -> Result<()> {
+    ///
+    /// # Safety
+    /// As [`Self::launch`].
+    pub unsafe fn launch_counted(&self, gpu: &Gpu, readiness: &TileReadiness) -> Result<()> {
         let kernel = match self.kernel {
             "mok_sm90_gemm_gate_up" => "mok_sm90_gemm_gate_up_counted",
             "mok_sm90_gemm_rows_nt" => "mok_sm90_gemm_rows_nt_counted",
@@ -345,9 +357,10 @@ impl EnginePlan {
         let shape =
             LaunchShape { grid: (self.resident_blocks, 1, 1), threads: ENGINE_THREADS, smem_bytes: ENGINE_SMEM_BYTES };
         let args = [KernelArg::Ptr(self.params.device_ptr()), KernelArg::Ptr(readiness.block.device_ptr())];
-        // SAFETY: the hooked kernel's parameters (the plan's block and a `TileCounters` block);
-        // `readiness` holds an entry for every engine M tile the plan's groups can have (checked
-        // above) and its buffers are freed only after the stream's work (cuMemFree waits).
+        // SAFETY: the hooked kernel's parameters (the plan's block, whose addresses are live by the
+        // caller's contract, and a `TileCounters` block); `readiness` holds an entry for every
+        // engine M tile the plan's groups can have (checked above) and its buffers are freed only
+        // after the stream's work (cuMemFree waits).
         unsafe { gpu.launch(kernel, shape, &args) }
     }
 

@@ -670,7 +670,9 @@ impl UnfusedLayer {
         if let Some(state) = &self.engine {
             engine::tile_offsets_into(gpu, &self.routing.row_offsets, e, &state.tile_offsets)?;
             for plan in &state.forward {
-                plan.launch(gpu)?;
+                // SAFETY: the plans were built over this layer's buffers and this call's weight and gradient
+                // views (rebuilt whenever an address changes), all alive until the stream has run the pass.
+                unsafe { plan.launch(gpu) }?;
             }
         } else {
             self.routed.forward(
@@ -826,11 +828,17 @@ impl UnfusedLayer {
         if let Some(state) = &self.engine {
             // This routing's tile offsets again: the forward may have run with the engine off.
             engine::tile_offsets_into(gpu, &self.routing.row_offsets, e, &state.tile_offsets)?;
-            state.dgrad[0].launch(gpu)?;
+            // SAFETY: the plans were built over this layer's buffers and this call's weight and gradient
+            // views (rebuilt whenever an address changes), all alive until the stream has run the pass.
+            unsafe { state.dgrad[0].launch(gpu) }?;
             self.routed.swiglu_backward(gpu, &groups)?;
-            state.dgrad[1].launch(gpu)?;
+            // SAFETY: the plans were built over this layer's buffers and this call's weight and gradient
+            // views (rebuilt whenever an address changes), all alive until the stream has run the pass.
+            unsafe { state.dgrad[1].launch(gpu) }?;
             for plan in &state.wgrad {
-                plan.launch(gpu)?;
+                // SAFETY: the plans were built over this layer's buffers and this call's weight and gradient
+                // views (rebuilt whenever an address changes), all alive until the stream has run the pass.
+                unsafe { plan.launch(gpu) }?;
             }
         } else {
             self.routed.backward(
