@@ -41,6 +41,36 @@ pub fn probe_tma_load(gpu: &Gpu, map: &TensorMap, (c0, c1): (i32, i32), out: &De
     unsafe { gpu.launch("mok_probe_tma_load", shape, &args) }
 }
 
+/// `values` (`box_rows × 32` words) put in shared memory as they are, then one TMA store of the
+/// box to `map` at `(c0, c1)`: `mok_probe_tma_store`. The map must be a 2-D bf16 map with a
+/// 64-element inner box (128B swizzle: shared chunk `c ^ (r % 8)` of row `r` lands at chunk `c`).
+pub fn probe_tma_store(gpu: &Gpu, map: &TensorMap, (c0, c1): (i32, i32), values: &DeviceBuffer<u32>) -> Result<()> {
+    let &[inner, box_rows] = map.box_dims() else {
+        return bad("tensor map", format!("box {:?}: the probe stores 2-D boxes", map.box_dims()));
+    };
+    if map.element_bytes() != 2 || inner != 64 {
+        return bad(
+            "tensor map",
+            format!("box {:?} of {}-byte elements, expected [64, rows] bf16", map.box_dims(), map.element_bytes()),
+        );
+    }
+    if values.len() < box_rows as usize * 32 {
+        return bad("values", format!("{} words for a box of {box_rows} rows of 32 words", values.len()));
+    }
+    let shape = LaunchShape { grid: (1, 1, 1), threads: 32, smem_bytes: box_rows * 128 + 1024 };
+    let args = [
+        KernelArg::Ptr(map.device_ptr()),
+        KernelArg::U32(c0 as u32),
+        KernelArg::U32(c1 as u32),
+        KernelArg::U32(box_rows),
+        KernelArg::Ptr(values.device_ptr()),
+    ];
+    // SAFETY: the probe's parameters in order and type; the map is a 2-D bf16 map with the box
+    // the kernel expects (checked), `values` holds the box's words (checked), and shared memory
+    // holds the box and the alignment slack.
+    unsafe { gpu.launch("mok_probe_tma_store", shape, &args) }
+}
+
 /// Two warps hand `rounds` values through a ring of `stages` one-word slots guarded by full and
 /// empty mbarriers; the consumer writes round r's value to `out[r]`: `mok_probe_mbarrier_ring`.
 pub fn probe_mbarrier_ring(gpu: &Gpu, stages: u32, rounds: u32, out: &DeviceBuffer<u32>) -> Result<()> {

@@ -1,10 +1,10 @@
 //! Single-primitive test kernels for sm_90a, so a broken building block of the GEMM engine is
-//! found by name: a TMA tensor load (through an mbarrier), an mbarrier ring between a producer
+//! found by name: a TMA tensor load (through an mbarrier), a TMA tensor store, an mbarrier ring between a producer
 //! and a consumer warp, and one wgmma K block in each operand major-ness the engine uses.
 
 use crate::gemm_layout::{smem_descriptor, swizzled_chunk_offset};
-use crate::ptx::memory::{ld_global_v4, ld_shared_u32, st_shared_u32, st_shared_v4};
-use crate::ptx::{mbarrier, smem, sreg, sync, tma, wgmma};
+use crate::ptx::memory::{fence_proxy_async_shared_cta, ld_global_v4, ld_shared_u32, st_shared_u32, st_shared_v4};
+use crate::ptx::{bulk, mbarrier, smem, sreg, sync, tma, wgmma};
 
 /// One block of 32 threads: TMA-loads the `[box_rows][64]` bf16 box at `(c0, c1)` of the 2-D
 /// map into shared memory, waits on an mbarrier, and copies the raw (swizzled) shared bytes to
@@ -39,6 +39,34 @@ pub unsafe extern "ptx-kernel" fn mok_probe_tma_load(map: u64, c0: i32, c1: i32,
         // SAFETY: inside the box and `out`.
         unsafe { *out.add(word as usize) = ld_shared_u32(base + word * 4) };
         word += 32;
+    }
+}
+
+/// One block of 32 threads: copies `box_rows · 32` words from `values` into shared memory as
+/// they are (a 128B-swizzled box), then TMA-stores the box to `(c0, c1)` of the 2-D map and waits
+/// for the store to complete. The store is the only write the box's global bytes get, so a tool
+/// that does not count TMA stores as initialising memory shows it on the next read.
+///
+/// # Safety
+/// `map` a valid 2-D bf16 tensor map with a 64 × `box_rows` box and 128B swizzle; `values` sized.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn mok_probe_tma_store(map: u64, c0: i32, c1: i32, box_rows: u32, values: *const u32) {
+    let base = (smem::dynamic_smem_base() + 1023) & !1023;
+    let lane = sreg::thread_idx_x();
+    let mut word = lane;
+    while word < box_rows * 32 {
+        // SAFETY: inside the box and `values`.
+        unsafe { st_shared_u32(base + word * 4, *values.add(word as usize)) };
+        word += 32;
+    }
+    // The generic-proxy writes of every lane, then the async proxy that the store reads through.
+    fence_proxy_async_shared_cta();
+    sync::block_barrier();
+    if lane == 0 {
+        // SAFETY: the box was written and published above; the map's bounds clip the store.
+        unsafe { tma::store_2d(map, c0, c1, base) };
+        bulk::commit_group();
+        bulk::wait_group_all();
     }
 }
 
