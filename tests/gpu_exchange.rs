@@ -318,9 +318,9 @@ fn unfused_bits(gpu: &Gpu, case: &common::Case) -> LayerBits {
     unfused.backward(gpu, &tokens, &experts, shared.as_ref(), &dy).unwrap();
     gpu.synchronize().unwrap();
     unfused.check_device_errors().unwrap();
-    let g = &unfused.grads;
+    let g = &unfused.grads();
     let bits = LayerBits {
-        y: unfused.y.download().unwrap(),
+        y: unfused.y().download().unwrap(),
         dx: g.dx.download().unwrap(),
         d_topk_weights: g.d_topk_weights.download().unwrap(),
         dw: [g.dw_gate.download().unwrap(), g.dw_up.download().unwrap(), g.dw_down.download().unwrap()],

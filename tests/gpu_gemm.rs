@@ -172,8 +172,8 @@ fn setup(gpu: &Gpu, config: MoeConfig, seed: u64, routing: Routing<'_>) -> Setup
     layer.forward(gpu, &tokens, &experts, None).unwrap();
     layer.backward(gpu, &tokens, &experts, None, &dy).unwrap();
     layer.check_device_errors().unwrap();
-    let tiles = tile_offsets(gpu, &layer.routing.row_offsets, config.num_experts).unwrap();
-    let rows = *layer.routing.row_offsets.download().unwrap().last().unwrap() as usize;
+    let tiles = tile_offsets(gpu, &layer.routing().row_offsets, config.num_experts).unwrap();
+    let rows = *layer.routing().row_offsets.download().unwrap().last().unwrap() as usize;
     Setup { layer, experts, config, tiles, rows }
 }
 
@@ -190,7 +190,7 @@ fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
     let (rows, layer) = (s.rows, &s.layer);
     println!("engine vs unfused: rows {rows} of {cap}, H={h} I={i} E={e}");
     let groups =
-        RowGroups { row_offsets: &layer.routing.row_offsets, tile_offsets: &s.tiles, groups: e, capacity: cap };
+        RowGroups { row_offsets: &layer.routing().row_offsets, tile_offsets: &s.tiles, groups: e, capacity: cap };
     let (gate, up, hidden, down) = layer.routed_intermediates();
     let back = layer.routed_backward_intermediates();
 
@@ -199,7 +199,7 @@ fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
         (poisoned::<bf16>(gpu, cap * i), poisoned::<f32>(gpu, cap * i), poisoned::<f32>(gpu, cap * i));
     let mut plan = EnginePlan::gate_up(
         gpu,
-        &layer.gathered_x,
+        layer.gathered_rows(),
         &groups,
         &s.experts.w_gate,
         &s.experts.w_up,
@@ -332,7 +332,7 @@ fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
         gpu,
         back.d_rows,
         hidden,
-        &layer.routing.row_offsets,
+        &layer.routing().row_offsets,
         (e, cap),
         (h, i),
         WgradOut::Bf16((&dw_down).into()),
@@ -343,11 +343,11 @@ fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
     // SAFETY: the plan's buffers live in this scope, past the stream's work on them.
     unsafe { plan.launch(gpu) }.unwrap();
     let got = dw_down.download().unwrap();
-    check("dw_down bf16 (engine wgrad)", rel_err_bf16(&got, &layer.grads.dw_down.download().unwrap()), 3e-3);
+    check("dw_down bf16 (engine wgrad)", rel_err_bf16(&got, &layer.grads().dw_down.download().unwrap()), 3e-3);
     // SAFETY: the plan's buffers live in this scope, past the stream's work on them.
     unsafe { plan.launch_with_blocks(gpu, 5) }.unwrap();
     assert_eq!(fingerprint(&dw_down.download().unwrap()), fingerprint(&got), "wgrad differs with 5 blocks");
-    let counts = layer.routing.expert_counts.download().unwrap();
+    let counts = layer.routing().expert_counts.download().unwrap();
     for (expert, &count) in counts.iter().enumerate() {
         if count == 0 {
             assert!(
@@ -361,8 +361,8 @@ fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
     let plan = EnginePlan::wgrad(
         gpu,
         back.d_gate,
-        &layer.gathered_x,
-        &layer.routing.row_offsets,
+        layer.gathered_rows(),
+        &layer.routing().row_offsets,
         (e, cap),
         (i, h),
         WgradOut::AccumulateF32((&dw_gate).into()),
@@ -372,8 +372,8 @@ fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
     unsafe { plan.launch(gpu) }.unwrap();
     let (dg, xs, offsets) = (
         back.d_gate.download().unwrap(),
-        layer.gathered_x.download().unwrap(),
-        layer.routing.row_offsets.download().unwrap(),
+        layer.gathered_rows().download().unwrap(),
+        layer.routing().row_offsets.download().unwrap(),
     );
     let mut expected = vec![0.0f64; e * i * h];
     {
@@ -421,7 +421,7 @@ fn engine_matches_unfused_on_groups_of_several_tiles() {
     for experts in [4, 5, 6, 7] {
         let routing = Routing { drop_probability: 0.02, empty_experts: &[1] };
         let s = setup(&gpu, MoeConfig::new(853, 256, 192, experts, 3), 55, routing);
-        let offsets = s.layer.routing.row_offsets.download().unwrap();
+        let offsets = s.layer.routing().row_offsets.download().unwrap();
         group_rows.extend(offsets.windows(2).map(|w| w[1] - w[0]));
         check_engine_against_unfused(&gpu, &s);
     }
@@ -509,8 +509,8 @@ fn hooked_engine_kernels_equal_the_standalone_ones_and_count_every_tile() {
     let (h, i, e, cap) = (c.hidden, c.intermediate, c.num_experts, c.slots_per_rank());
     let layer = &s.layer;
     let groups =
-        RowGroups { row_offsets: &layer.routing.row_offsets, tile_offsets: &s.tiles, groups: e, capacity: cap };
-    let row_offsets = layer.routing.row_offsets.download().unwrap();
+        RowGroups { row_offsets: &layer.routing().row_offsets, tile_offsets: &s.tiles, groups: e, capacity: cap };
+    let row_offsets = layer.routing().row_offsets.download().unwrap();
     let tile_offsets = s.tiles.download().unwrap();
     let m_tiles = tile_offsets[e] as usize;
     // Counters for every M tile the groups could hold (what launch_counted demands).
@@ -522,7 +522,7 @@ fn hooked_engine_kernels_equal_the_standalone_ones_and_count_every_tile() {
     let plan_of = |out: &DeviceBuffer<bf16>| {
         EnginePlan::gate_up(
             &gpu,
-            &layer.gathered_x,
+            layer.gathered_rows(),
             &groups,
             &s.experts.w_gate,
             &s.experts.w_up,

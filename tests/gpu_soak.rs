@@ -243,9 +243,9 @@ fn run_unfused(
     layer.backward(gpu, &device.tokens, experts, shared, &device.dy).unwrap();
     gpu.synchronize().unwrap();
     layer.check_device_errors().unwrap();
-    let g = &layer.grads;
+    let g = &layer.grads();
     Bits {
-        y: bits16(layer.y.download().unwrap()),
+        y: bits16(layer.y().download().unwrap()),
         dx: bits16(g.dx.download().unwrap()),
         d_topk_weights: g.d_topk_weights.download().unwrap().into_iter().map(f32::to_bits).collect(),
         dw: [

@@ -109,7 +109,7 @@ fn run_with(
 
 /// Everything the last forward + backward on `layer` left, downloaded.
 fn collect(layer: &UnfusedLayer) -> GpuRun {
-    let r = &layer.routing;
+    let r = &layer.routing();
     let row_offsets = r.row_offsets.download().unwrap();
     let total = *row_offsets.last().unwrap() as usize;
     let layout = RoutingLayout {
@@ -129,16 +129,16 @@ fn collect(layer: &UnfusedLayer) -> GpuRun {
         fingerprint(&back.d_up.download().unwrap()[..total * i]),
         fingerprint(&back.d_in.download().unwrap()[..total * h]),
     ];
-    let g = &layer.grads;
+    let g = &layer.grads();
     GpuRun {
         backward_rows,
-        gathered_x: layer.gathered_x.download().unwrap()[..total * h].to_vec(),
+        gathered_x: layer.gathered_rows().download().unwrap()[..total * h].to_vec(),
         gate: gate.download().unwrap()[..total * i].to_vec(),
         up: up.download().unwrap()[..total * i].to_vec(),
         hidden: hidden.download().unwrap()[..total * i].to_vec(),
         down: down.download().unwrap()[..total * h].to_vec(),
         layout,
-        y: layer.y.download().unwrap(),
+        y: layer.y().download().unwrap(),
         dx: g.dx.download().unwrap(),
         d_topk_weights: g.d_topk_weights.download().unwrap(),
         dw: [g.dw_gate.download().unwrap(), g.dw_up.download().unwrap(), g.dw_down.download().unwrap()],

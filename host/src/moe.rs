@@ -155,7 +155,7 @@ impl MoeLayer {
             });
         }
         self.layer.forward_views(gpu, inputs.tokens, inputs.experts, inputs.shared)?;
-        self.layer.y.copy_to(&mut y)?;
+        self.layer.y().copy_to(&mut y)?;
         Ok(ForwardPass { inputs: inputs.addresses(), layer: self })
     }
 
@@ -197,8 +197,8 @@ impl ForwardPass<'_> {
         }
         let layer = &mut self.layer.layer;
         layer.backward_views(gpu, (inputs.tokens, inputs.experts, inputs.shared), dy, grads.weights)?;
-        layer.grads.dx.copy_to(&mut grads.dx)?;
-        layer.grads.d_topk_weights.copy_to(&mut grads.d_topk_weights)
+        layer.grads().dx.copy_to(&mut grads.dx)?;
+        layer.grads().d_topk_weights.copy_to(&mut grads.d_topk_weights)
     }
 }
 

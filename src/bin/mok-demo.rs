@@ -217,19 +217,19 @@ fn gpu_demo(gpu: &mok::driver::Gpu, options: &Options) -> Result<()> {
     )?;
     let as_f64 = |v: Vec<bf16>| v.into_iter().map(|x| x.to_f64()).collect::<Vec<_>>();
     let report = [
-        ("y", reference::relative_error(as_f64(layer.y.download()?), &fwd.y), 5e-3),
-        ("dx", reference::relative_error(as_f64(layer.grads.dx.download()?), &grads.dx), 5e-3),
+        ("y", reference::relative_error(as_f64(layer.y().download()?), &fwd.y), 5e-3),
+        ("dx", reference::relative_error(as_f64(layer.grads().dx.download()?), &grads.dx), 5e-3),
         (
             "d_topk_weights",
             reference::relative_error(
-                layer.grads.d_topk_weights.download()?.into_iter().map(f64::from),
+                layer.grads().d_topk_weights.download()?.into_iter().map(f64::from),
                 &grads.d_topk_weights,
             ),
             2e-3,
         ),
-        ("dw_gate", reference::relative_error(as_f64(layer.grads.dw_gate.download()?), &grads.dw_gate), 5e-3),
-        ("dw_up", reference::relative_error(as_f64(layer.grads.dw_up.download()?), &grads.dw_up), 5e-3),
-        ("dw_down", reference::relative_error(as_f64(layer.grads.dw_down.download()?), &grads.dw_down), 5e-3),
+        ("dw_gate", reference::relative_error(as_f64(layer.grads().dw_gate.download()?), &grads.dw_gate), 5e-3),
+        ("dw_up", reference::relative_error(as_f64(layer.grads().dw_up.download()?), &grads.dw_up), 5e-3),
+        ("dw_down", reference::relative_error(as_f64(layer.grads().dw_down.download()?), &grads.dw_down), 5e-3),
     ];
     println!("reference done in {:.1} s", start.elapsed().as_secs_f64());
     let mut failed = false;

@@ -51,16 +51,12 @@ pub struct DeviceGrads {
 /// The unfused layer of one rank (P = 1: every expert is local) with its workspace.
 pub struct UnfusedLayer {
     config: MoeConfig,
-    /// The routing layout of the last forward.
-    pub routing: RoutingBuffers,
-    /// `[T·k][H]` x gathered into expert order.
-    pub gathered_x: DeviceBuffer<bf16>,
+    routing: RoutingBuffers,
+    gathered_x: DeviceBuffer<bf16>,
     routed: ExpertCompute,
     shared: Option<(ExpertCompute, DeviceBuffer<u32>)>,
-    /// `[T, H]` output of the last forward.
-    pub y: DeviceBuffer<bf16>,
-    /// Gradients of the last backward.
-    pub grads: DeviceGrads,
+    y: DeviceBuffer<bf16>,
+    grads: DeviceGrads,
     /// The routed experts' GEMMs on the tensor-core engine instead of the `mma.sync` kernels
     /// ([`UnfusedLayer::set_gemm_engine`]).
     engine: Option<EngineExperts>,
@@ -178,6 +174,27 @@ impl UnfusedLayer {
     /// The configuration this layer was built for.
     pub fn config(&self) -> &MoeConfig {
         &self.config
+    }
+
+    /// The routing layout of the last forward (read it after the stream has run the pass).
+    pub fn routing(&self) -> &RoutingBuffers {
+        &self.routing
+    }
+
+    /// `[T·k][H]` bf16: the last forward's x rows in expert order (the first `total` rows valid).
+    pub fn gathered_rows(&self) -> &DeviceBuffer<bf16> {
+        &self.gathered_x
+    }
+
+    /// `[T, H]` bf16 output of the last forward (its first T rows, T the pass's token count).
+    pub fn y(&self) -> &DeviceBuffer<bf16> {
+        &self.y
+    }
+
+    /// Gradients of the last backward that targeted the layer's own buffers (dx and
+    /// d_topk_weights always land here).
+    pub fn grads(&self) -> &DeviceGrads {
+        &self.grads
     }
 
     /// Runs the routed experts' GEMMs on the tensor-core engine (`on`) or on the `mma.sync`
