@@ -28,6 +28,9 @@ pub struct BenchArgs {
     pub reps: usize,
     pub out: PathBuf,
     pub torch: bool,
+    /// A layer-bench binary already built (the GPU bundle's `benches/layer`): no cargo build, and
+    /// the Python scripts are looked for next to it.
+    pub layer_bin: Option<PathBuf>,
 }
 
 /// The frontier shapes the layer bench knows.
@@ -400,9 +403,16 @@ pub fn bench(root: &Path, args: &BenchArgs) -> Result<()> {
     }
     let cases = args.cases()?;
     fs::create_dir_all(&args.out).with_context(|| format!("cannot create {}", args.out.display()))?;
-    println!("bench: building the layer benchmark (release)");
-    let layer = crate::bundle::build_bench(root, "layer")?;
-    let benches = root.join("benches");
+    let (layer, benches) = match &args.layer_bin {
+        Some(bin) => {
+            let folder = bin.parent().map_or_else(|| PathBuf::from("."), Path::to_path_buf);
+            (bin.clone(), folder)
+        }
+        None => {
+            println!("bench: building the layer benchmark (release)");
+            (crate::bundle::build_bench(root, "layer")?, root.join("benches"))
+        }
+    };
     let mut ceilings: Option<(f64, f64)> = None;
     let mut baseline = None;
     if args.torch && torch_available() {
@@ -520,6 +530,7 @@ mod tests {
             reps: 10,
             out: "x".into(),
             torch: true,
+            layer_bin: None,
         }
     }
 

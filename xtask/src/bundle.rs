@@ -2,7 +2,8 @@
 //! one folder with a `run.sh`, to copy to the GPU machine and run there.
 //!
 //! Layout: `tests/` (one libtest binary per test target, hash suffix dropped), `benches/` (bench
-//! binaries, `benches/*.py` and `benches/*.sh`), `bin/` (`mok-demo`), `run.sh`.
+//! binaries, `benches/*.py` and `benches/*.sh`), `bin/` (`mok-demo`, and `xtask` for `xtask bench`
+//! there), `run.sh`.
 
 use std::env;
 use std::fs;
@@ -187,6 +188,12 @@ pub fn gpu_bundle(root: &Path, out: PathBuf) -> Result<()> {
         install(&artifact.executable, &bin_dir.join(&artifact.target_name), strip)?;
         bin_names.push(artifact.target_name.clone());
     }
+
+    // xtask itself, so `bin/xtask bench --layer-bin benches/layer` runs the benchmark command on a
+    // GPU machine without Rust (the binary is this host's: the same x86-64 Linux).
+    let xtask = env::current_exe().context("cannot find the running xtask binary")?;
+    install(&xtask, &bin_dir.join("xtask"), strip)?;
+    bin_names.push("xtask".into());
 
     // 4. The runner.
     let run_sh = out.join("run.sh");

@@ -77,6 +77,10 @@ enum Task {
         /// Skip the PyTorch comparison even where torch is installed.
         #[arg(long)]
         no_torch: bool,
+        /// Use this layer-bench binary instead of building one (the GPU bundle's
+        /// `benches/layer`; its folder must hold ceilings.py and torch_moe.py).
+        #[arg(long)]
+        layer_bin: Option<PathBuf>,
     },
     /// Write results.json and chart.svg again from a saved layer-bench log (its RESULT lines).
     BenchChart {
@@ -106,9 +110,10 @@ fn main() -> ExitCode {
         }
         Task::Test => test(&root),
         Task::GpuBundle { out } => bundle::gpu_bundle(&root, out.unwrap_or_else(|| root.join("bundle"))),
-        Task::Bench { shapes, tokens, backends, ranks, reps, out, no_torch } => {
-            bench::bench(&root, &bench::BenchArgs { shapes, tokens, backends, ranks, reps, out, torch: !no_torch })
-        }
+        Task::Bench { shapes, tokens, backends, ranks, reps, out, no_torch, layer_bin } => bench::bench(
+            &root,
+            &bench::BenchArgs { shapes, tokens, backends, ranks, reps, out, torch: !no_torch, layer_bin },
+        ),
         Task::BenchChart { log, out } => bench::chart_from_log(&log, &out),
         Task::Demo { args } => return demo(&root, &args),
     };
