@@ -43,8 +43,6 @@ use KernelArg::{Ptr, U32};
 
 /// Threads of the warp-based movers' blocks.
 const MOVER_THREADS: u32 = 256;
-/// Threads of a chunk-ranking block: one warp ranks, all clear and copy the counters.
-const RANK_THREADS: u32 = 128;
 
 /// How an exchange is built.
 #[derive(Clone, Copy, Debug)]
@@ -303,12 +301,12 @@ impl Exchange {
             let gpu = gpu_of(gpus, i);
             let at = |region| Ptr(self.address(rank, region));
             self.fill_words(gpu, rank, r.route_error, 4)?;
-            // SAFETY: the arguments are `mok_ep_rank_chunks`'s parameters, in order and type (its entry point in
+            // SAFETY: the arguments are `mok_route_rank_chunks`'s parameters, in order and type (its entry point in
             // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
             unsafe {
                 gpu.launch(
-                    "mok_ep_rank_chunks",
-                    LaunchShape { grid: (chunks, 1, 1), threads: RANK_THREADS, smem_bytes: 4 * e },
+                    "mok_route_rank_chunks",
+                    LaunchShape { grid: (chunks, 1, 1), threads: crate::unfused::RANK_CHUNK_THREADS, smem_bytes: 4 * e },
                     &[at(r.topk_ids), U32(t), U32(k), U32(e), at(r.chunk_counts), at(r.slot_rank), at(r.route_error)],
                 )
             }?;
@@ -622,7 +620,7 @@ impl Exchange {
         if let Some((rank, _, route)) = records.iter().find(|(_, _, r)| r[0] != 0) {
             let k = self.shape.top_k;
             return Err(MokError::Device {
-                kernel: "mok_ep_rank_chunks",
+                kernel: "mok_route_rank_chunks",
                 message: format!(
                     "rank {rank}: token {} slot {} has bad expert id {} (error code {}); the slot was dropped",
                     route[1] / k,
@@ -703,7 +701,7 @@ pub(crate) fn decode_timeout(rank: Option<usize>, words: &[u32]) -> MokError {
 
 /// Every kernel the exchange launches.
 pub const KERNEL_NAMES: &[&str] = &[
-    "mok_ep_rank_chunks",
+    "mok_route_rank_chunks",
     "mok_ep_prepare_tokens",
     "mok_ep_publish",
     "mok_ep_schedule",

@@ -21,6 +21,10 @@ pub const KERNEL_NAMES: &[&str] = &[
 
 pub(crate) const ROW_KERNEL_THREADS: u32 = 256;
 
+/// Threads of `mok_route_rank_chunks` (its first warp ranks a chunk; every thread clears and
+/// stores the chunk's counters): the routing layout's and the exchange's schedule's first step.
+pub(crate) const RANK_CHUNK_THREADS: u32 = 128;
+
 /// Blocks for a grid-stride kernel over `work` items: enough to fill the GPU, no more.
 pub(crate) fn grid_stride_blocks(gpu: &Gpu, work: usize) -> u32 {
     let needed = work.div_ceil(ROW_KERNEL_THREADS as usize).max(1);

@@ -575,7 +575,7 @@ impl UnfusedLayer {
         unsafe {
             gpu.launch(
                 "mok_route_rank_chunks",
-                LaunchShape { grid: (chunks, 1, 1), threads: ROW_KERNEL_THREADS, smem_bytes: 4 * e },
+                LaunchShape { grid: (chunks, 1, 1), threads: RANK_CHUNK_THREADS, smem_bytes: 4 * e },
                 &[
                     Ptr(topk_ids.device_ptr()),
                     U32(t),

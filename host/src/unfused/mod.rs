@@ -21,7 +21,7 @@ mod tensors;
 pub(crate) use expert_compute::shared_expert_workspace;
 pub use expert_compute::{ExpertBackward, ExpertCompute, RowGroups};
 pub use kernels::KERNEL_NAMES;
-pub(crate) use kernels::{ROW_KERNEL_THREADS, grid_stride_blocks};
+pub(crate) use kernels::{RANK_CHUNK_THREADS, ROW_KERNEL_THREADS, grid_stride_blocks};
 pub use layer::{DeviceGrads, RoutedBackward, RoutingBuffers, UnfusedLayer, WeightGradTarget, WeightGradViews};
 #[cfg(feature = "testing")]
 pub use tensors::random_bf16;

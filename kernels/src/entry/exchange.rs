@@ -28,50 +28,6 @@ unsafe fn view<'a>(params: *const ExchangeParams, rank: u32) -> RankView<'a> {
     RankView { params: unsafe { &*params }, rank }
 }
 
-/// Step 1 of the schedule, the chunk ranking of the routing layout (one warp per chunk of
-/// `ROUTE_CHUNK_TOKENS` tokens, `4·E` bytes of dynamic shared memory): the same outputs as
-/// `mok_route_rank_chunks` (`chunk_counts[chunk][e]`, `slot_rank[t·k+j]`, the first bad id in
-/// `error`), 32 slots per step instead of one.
-///
-/// # Safety
-/// Pointers must cover `[T·k]` ids and ranks, `[chunks·E]` counts and 4 error words.
-#[unsafe(no_mangle)]
-pub unsafe extern "ptx-kernel" fn mok_ep_rank_chunks(
-    topk_ids: *const i32,
-    tokens: u32,
-    top_k: u32,
-    num_experts: u32,
-    chunk_counts: *mut u32,
-    slot_rank: *mut u32,
-    error: *mut u32,
-) {
-    let chunk = sreg::block_idx_x();
-    let thread = sreg::thread_idx_x();
-    let counters = smem::dynamic_smem_base();
-    crate::device::zero_chunk_counters(counters, num_experts);
-    let first_token = chunk * crate::layout::ROUTE_CHUNK_TOKENS;
-    let chunk_tokens = (tokens - first_token).min(crate::layout::ROUTE_CHUNK_TOKENS);
-    let first_slot = first_token * top_k;
-    if thread < 32 {
-        // SAFETY: the chunk's slots lie inside [T·k]; the counters are this block's, zeroed;
-        // the first warp is whole and calls uniformly.
-        unsafe {
-            plan::rank_chunk_warp(
-                topk_ids.add(first_slot as usize),
-                (chunk_tokens * top_k) as usize,
-                top_k as usize,
-                num_experts,
-                counters,
-                slot_rank.add(first_slot as usize),
-                first_slot,
-                error,
-            )
-        };
-    }
-    // SAFETY: chunk < chunks, so its row of `chunk_counts` exists.
-    unsafe { crate::device::store_chunk_counters(counters, num_experts, chunk, chunk_counts) };
-}
-
 /// Step 2 of the schedule (grid-stride over T·k slots): the slot-addressed map.
 ///
 /// # Safety

@@ -6,11 +6,12 @@ use crate::layout::{self, NO_ROW};
 use crate::ptx::{smem, sreg, sync};
 use crate::tiles::GEMM_TILE_M;
 
-/// Step 1. One block per chunk of `ROUTE_CHUNK_TOKENS` tokens; dynamic shared memory holds
-/// `num_experts` u32 counters.
-///
-/// Writes `chunk_counts[chunk][e]` and `slot_rank[t·k + j]`; a bad id is dropped and the
-/// first one seen by any block is recorded in `error` (`[code, slot, id, 0]`, code 0 = none).
+/// Step 1. One block per chunk of `ROUTE_CHUNK_TOKENS` tokens (`RANK_CHUNK_THREADS` threads;
+/// its first warp ranks), dynamic shared memory for `num_experts` u32 counters: writes
+/// `chunk_counts[chunk][e]` and `slot_rank[t·k + j]` ([`crate::layout::rank_chunk`]'s values,
+/// 32 slots per step: [`crate::comm::plan::rank_chunk_warp`]); a bad id is dropped and the first
+/// one seen by any block is recorded in `error` (`[code, slot, id, 0]`, code 0 = none). The
+/// routing layout of the single-rank layer and the exchange's schedule both start with it.
 ///
 /// # Safety
 /// Pointers must cover `[T·k]` ids and ranks, `[chunks·E]` counts and 4 error words.
@@ -26,34 +27,29 @@ pub unsafe extern "ptx-kernel" fn mok_route_rank_chunks(
 ) {
     let chunk = sreg::block_idx_x();
     let thread = sreg::thread_idx_x();
-    let counters_smem = smem::dynamic_smem_base();
-    let counters = smem::shared_to_generic(counters_smem) as *mut u32;
-    zero_chunk_counters(counters_smem, num_experts);
-    if thread == 0 {
-        let first_token = chunk * layout::ROUTE_CHUNK_TOKENS;
-        let chunk_tokens = (tokens - first_token).min(layout::ROUTE_CHUNK_TOKENS);
-        let begin = (first_token * top_k) as usize;
-        let len = (chunk_tokens * top_k) as usize;
-        // SAFETY: the chunk's slots lie inside [T·k]; the counters are this block's shared memory.
-        let (ids, ranks, counts) = unsafe {
-            (
-                core::slice::from_raw_parts(topk_ids.add(begin), len),
-                core::slice::from_raw_parts_mut(slot_rank.add(begin), len),
-                core::slice::from_raw_parts_mut(counters, num_experts as usize),
+    let counters = smem::dynamic_smem_base();
+    zero_chunk_counters(counters, num_experts);
+    let first_token = chunk * layout::ROUTE_CHUNK_TOKENS;
+    let chunk_tokens = (tokens - first_token).min(layout::ROUTE_CHUNK_TOKENS);
+    let first_slot = first_token * top_k;
+    if thread < 32 {
+        // SAFETY: the chunk's slots lie inside [T·k]; the counters are this block's, zeroed;
+        // the first warp is whole and calls uniformly.
+        unsafe {
+            crate::comm::plan::rank_chunk_warp(
+                topk_ids.add(first_slot as usize),
+                (chunk_tokens * top_k) as usize,
+                top_k as usize,
+                num_experts,
+                counters,
+                slot_rank.add(first_slot as usize),
+                first_slot,
+                error,
             )
         };
-        if let Some(found) = layout::rank_chunk(ids, top_k as usize, num_experts, counts, ranks) {
-            // SAFETY: `error` has 4 words; the CAS makes the first reporter win.
-            unsafe {
-                if crate::ptx::memory::atom_cas_acq_rel_gpu_u32(error, 0, found.code) == 0 {
-                    *error.add(1) = begin as u32 + found.slot_index;
-                    *error.add(2) = found.id as u32;
-                }
-            }
-        }
     }
     // SAFETY: chunk < chunks, so its row of `chunk_counts` exists.
-    unsafe { store_chunk_counters(counters_smem, num_experts, chunk, chunk_counts) };
+    unsafe { store_chunk_counters(counters, num_experts, chunk, chunk_counts) };
 }
 
 /// Step 2. One block: each thread scans whole expert columns of `chunk_counts` in place into
