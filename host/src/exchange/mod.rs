@@ -37,7 +37,7 @@ use crate::driver::{DeviceBuffer, Gpu, KernelArg, LaunchShape};
 use crate::error::{MokError, Result};
 use crate::problem::RoutedTokens;
 use crate::symmetric::SymmetricHeap;
-use crate::unfused::{ROW_KERNEL_THREADS, grid_stride_blocks};
+use crate::unfused::{RANK_CHUNK_THREADS, ROW_KERNEL_THREADS, grid_stride_blocks};
 
 use KernelArg::{Ptr, U32};
 
@@ -306,7 +306,7 @@ impl Exchange {
             unsafe {
                 gpu.launch(
                     "mok_route_rank_chunks",
-                    LaunchShape { grid: (chunks, 1, 1), threads: crate::unfused::RANK_CHUNK_THREADS, smem_bytes: 4 * e },
+                    LaunchShape { grid: (chunks, 1, 1), threads: RANK_CHUNK_THREADS, smem_bytes: 4 * e },
                     &[at(r.topk_ids), U32(t), U32(k), U32(e), at(r.chunk_counts), at(r.slot_rank), at(r.route_error)],
                 )
             }?;
