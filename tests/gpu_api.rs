@@ -311,3 +311,52 @@ fn workspace_bytes_is_what_a_layer_allocates() {
         println!("  {backend:?}: {predicted} bytes, as predicted");
     }
 }
+
+#[test]
+fn a_pass_token_gives_the_borrowed_pass_bits_and_only_for_the_last_forward() {
+    // The owned token (for a framework's graph) runs the same backward as `ForwardPass`, and a
+    // token of an earlier forward is refused: the workspace holds only the last pass.
+    let gpu = gpu();
+    let c = config();
+    let case = random_case(&c, 704, Routing { drop_probability: 0.05, empty_experts: &[] });
+    let mut layer = MoeLayer::new(&gpu, c.clone(), LayerOptions::default()).unwrap();
+    let mut borrowed = Caller::new(&gpu, &case);
+    step(&gpu, &mut layer, &mut borrowed, false);
+    let expected = outputs(&borrowed);
+    let mut caller = Caller::new(&gpu, &case);
+    let Caller { tokens, experts, shared, dy, y, dx, d_topk_weights, dw, .. } = &mut caller;
+    let inputs =
+        MoeInputs { tokens: (&*tokens).into(), experts: (&*experts).into(), shared: shared.as_ref().map(Into::into) };
+    let stale = layer.forward_token(&gpu, &inputs, y.into()).unwrap();
+    let token = layer.forward_token(&gpu, &inputs, y.into()).unwrap();
+    match layer.backward(
+        &gpu,
+        stale,
+        &inputs,
+        (&*dy).into(),
+        MoeGradients {
+            dx: (&mut *dx).into(),
+            d_topk_weights: (&mut *d_topk_weights).into(),
+            weights: WeightGradTarget::Bf16(grad_views(dw)),
+        },
+    ) {
+        Err(MokError::InvalidInput { tensor: "pass token", problem }) => println!("  stale token: {problem}"),
+        other => panic!("expected the stale token refused, got {other:?}"),
+    }
+    layer
+        .backward(
+            &gpu,
+            token,
+            &inputs,
+            (&*dy).into(),
+            MoeGradients {
+                dx: (&mut *dx).into(),
+                d_topk_weights: (&mut *d_topk_weights).into(),
+                weights: WeightGradTarget::Bf16(grad_views(dw)),
+            },
+        )
+        .unwrap();
+    layer.check().unwrap();
+    assert_eq!(outputs(&caller), expected, "token backward differs from the borrowed pass");
+    println!("  pass token: the borrowed pass's bits; an earlier forward's token refused");
+}

@@ -95,6 +95,8 @@ pub struct MoeGradients<'a> {
 pub struct MoeLayer {
     layer: UnfusedLayer,
     backend: Backend,
+    /// Forwards enqueued so far: a [`PassToken`] names the forward it came from.
+    passes: u64,
 }
 
 /// A forward that has been enqueued, holding the layer until its backward: only
@@ -104,7 +106,18 @@ pub struct MoeLayer {
 #[must_use = "a forward's pass is what its backward consumes; drop it for inference"]
 pub struct ForwardPass<'l> {
     layer: &'l mut MoeLayer,
+    token: PassToken,
+}
+
+/// A forward that has been enqueued, as an owned value ([`MoeLayer::forward_token`]) for a
+/// framework that keeps a backward's state in its own graph, where a borrow of the layer cannot
+/// live: [`MoeLayer::backward`] consumes it and refuses a token of any pass but the layer's last
+/// forward (the workspace holds only that one). Neither `Clone` nor `Copy`.
+#[must_use = "a forward's token is what its backward consumes; drop it for inference"]
+#[derive(Debug)]
+pub struct PassToken {
     inputs: [u64; 9],
+    pass: u64,
 }
 
 impl MoeLayer {
@@ -127,7 +140,7 @@ impl MoeLayer {
             Backend::Engine => layer.set_gemm_engine(gpu, true)?,
             Backend::Megakernel => layer.set_forward_megakernel(gpu, Some(options.megakernel))?,
         }
-        Ok(Self { layer, backend })
+        Ok(Self { layer, backend, passes: 0 })
     }
 
     /// The backend this layer runs.
@@ -146,8 +159,20 @@ impl MoeLayer {
         &'l mut self,
         gpu: &Gpu,
         inputs: &MoeInputs<'_>,
-        mut y: DeviceSliceMut<'_, bf16>,
+        y: DeviceSliceMut<'_, bf16>,
     ) -> Result<ForwardPass<'l>> {
+        let token = self.forward_token(gpu, inputs, y)?;
+        Ok(ForwardPass { layer: self, token })
+    }
+
+    /// [`Self::forward`], returning the pass as an owned [`PassToken`] instead of a borrow of the
+    /// layer.
+    pub fn forward_token(
+        &mut self,
+        gpu: &Gpu,
+        inputs: &MoeInputs<'_>,
+        mut y: DeviceSliceMut<'_, bf16>,
+    ) -> Result<PassToken> {
         if y.len() != inputs.tokens.x.len() {
             return Err(MokError::InvalidInput {
                 tensor: "y",
@@ -156,7 +181,52 @@ impl MoeLayer {
         }
         self.layer.forward_views(gpu, inputs.tokens, inputs.experts, inputs.shared)?;
         self.layer.y().copy_to(&mut y)?;
-        Ok(ForwardPass { inputs: inputs.addresses(), layer: self })
+        self.passes += 1;
+        Ok(PassToken { inputs: inputs.addresses(), pass: self.passes })
+    }
+
+    /// Enqueues the backward of the forward that gave `token` (the layer's last), for output
+    /// gradient `dy` `[T, H]` bf16: `inputs` must be the forward's views; the gradients go to
+    /// `grads`.
+    pub fn backward(
+        &mut self,
+        gpu: &Gpu,
+        token: PassToken,
+        inputs: &MoeInputs<'_>,
+        dy: DeviceSlice<'_, bf16>,
+        mut grads: MoeGradients<'_>,
+    ) -> Result<()> {
+        if token.pass != self.passes {
+            return Err(MokError::InvalidInput {
+                tensor: "pass token",
+                problem: format!(
+                    "from forward {} of this layer, whose last is {}: the workspace holds only the last pass",
+                    token.pass, self.passes
+                ),
+            });
+        }
+        if inputs.addresses() != token.inputs {
+            return Err(MokError::InvalidInput {
+                tensor: "backward inputs",
+                problem: "not the views the forward read (the backward reads the forward's inputs again)".into(),
+            });
+        }
+        for (tensor, got, expected) in [
+            ("dx", grads.dx.len(), inputs.tokens.x.len()),
+            ("d_topk_weights", grads.d_topk_weights.len(), inputs.tokens.topk_weights.len()),
+            ("dy", dy.len(), inputs.tokens.x.len()),
+        ] {
+            if got != expected {
+                return Err(MokError::InvalidInput {
+                    tensor,
+                    problem: format!("view has {got} elements, expected {expected} (the forward's T)"),
+                });
+            }
+        }
+        let layer = &mut self.layer;
+        layer.backward_views(gpu, (inputs.tokens, inputs.experts, inputs.shared), dy, grads.weights)?;
+        layer.grads().dx.copy_to(&mut grads.dx)?;
+        layer.grads().d_topk_weights.copy_to(&mut grads.d_topk_weights)
     }
 
     /// Waits for the stream and reports the first device-side problem of the passes since the
@@ -175,30 +245,9 @@ impl ForwardPass<'_> {
         gpu: &Gpu,
         inputs: &MoeInputs<'_>,
         dy: DeviceSlice<'_, bf16>,
-        mut grads: MoeGradients<'_>,
+        grads: MoeGradients<'_>,
     ) -> Result<()> {
-        if inputs.addresses() != self.inputs {
-            return Err(MokError::InvalidInput {
-                tensor: "backward inputs",
-                problem: "not the views the forward read (the backward reads the forward's inputs again)".into(),
-            });
-        }
-        for (tensor, got, expected) in [
-            ("dx", grads.dx.len(), inputs.tokens.x.len()),
-            ("d_topk_weights", grads.d_topk_weights.len(), inputs.tokens.topk_weights.len()),
-            ("dy", dy.len(), inputs.tokens.x.len()),
-        ] {
-            if got != expected {
-                return Err(MokError::InvalidInput {
-                    tensor,
-                    problem: format!("view has {got} elements, expected {expected} (the forward's T)"),
-                });
-            }
-        }
-        let layer = &mut self.layer.layer;
-        layer.backward_views(gpu, (inputs.tokens, inputs.experts, inputs.shared), dy, grads.weights)?;
-        layer.grads().dx.copy_to(&mut grads.dx)?;
-        layer.grads().d_topk_weights.copy_to(&mut grads.d_topk_weights)
+        self.layer.backward(gpu, self.token, inputs, dy, grads)
     }
 }
 
