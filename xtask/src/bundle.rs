@@ -1,7 +1,8 @@
 //! `cargo xtask gpu-bundle`: the release GPU test binaries, the bench binaries and the demo, in
 //! one folder with a `run.sh`, to copy to the GPU machine and run there.
 //!
-//! Layout: `tests/` (one libtest binary per test target, hash suffix dropped), `benches/` (bench
+//! Layout: `tests/` (one libtest binary per test target, hash suffix dropped; the burn
+//! integration's as `burn_gpu.gz`, which run.sh unpacks), `benches/` (bench
 //! binaries, `benches/*.py` and `benches/*.sh`), `bin/` (`mok-demo`, and `xtask` for `xtask bench`
 //! there), `run.sh`.
 
@@ -50,6 +51,11 @@ fn artifact_of(message: &Json) -> Option<Artifact> {
 /// Runs a cargo build `command` with JSON messages (diagnostics still rendered on stderr) and
 /// returns the executables it made for the workspace root's package (`mok`).
 fn build_executables(root: &Path, command: &mut Command) -> Result<Vec<Artifact>> {
+    build_executables_of(&root.join("Cargo.toml"), command)
+}
+
+/// As [`build_executables`], for the package whose manifest is `manifest`.
+fn build_executables_of(manifest: &Path, command: &mut Command) -> Result<Vec<Artifact>> {
     command.arg("--message-format=json-render-diagnostics").stdout(Stdio::piped());
     // The bundle tests the kernels of this tree, not the shipped PTX (the two are equal once
     // `cargo xtask ptx --ship` ran; `cargo xtask test` checks that).
@@ -62,7 +68,7 @@ fn build_executables(root: &Path, command: &mut Command) -> Result<Vec<Artifact>
     println!("gpu-bundle: {described}");
     let mut child = command.spawn().with_context(|| format!("cannot start `{described}`"))?;
     let stdout = child.stdout.take().context("no stdout pipe")?;
-    let manifest = canonical(&root.join("Cargo.toml"));
+    let manifest = canonical(manifest);
     let mut artifacts = Vec::new();
     for line in BufReader::new(stdout).lines() {
         let line = line.with_context(|| format!("reading the output of `{described}`"))?;
@@ -157,6 +163,29 @@ pub fn gpu_bundle(root: &Path, out: PathBuf) -> Result<()> {
         }
         install(&artifact.executable, &tests_dir.join(&name), strip)?;
         names.push(name);
+    }
+
+    // 1b. The burn integration's GPU test (its own workspace), as `tests/burn_gpu`.
+    let burn = root.join("integrations").join("burn").join("Cargo.toml");
+    let burn_target = root.join("target").join("burn");
+    let mut command = cargo(root);
+    command.args(["test", "--no-run", "--release", "--features", "gpu-tests", "--manifest-path"]).arg(&burn);
+    command.arg("--target-dir").arg(&burn_target);
+    let burn_tests = build_executables_of(&burn, &mut command)?;
+    for artifact in burn_tests.iter().filter(|a| a.test && a.target_name == "gpu") {
+        // ~36 MB: it travels compressed (run.sh unpacks it), so the bundle stays within what a
+        // device call carries.
+        let unpacked = tests_dir.join("burn_gpu");
+        install(&artifact.executable, &unpacked, strip)?;
+        crate::run(Command::new("gzip").args(["-9", "-f"]).arg(&unpacked))?;
+        // Not executable, so run.sh's loops skip it and run what it unpacks.
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let packed = tests_dir.join("burn_gpu.gz");
+            fs::set_permissions(&packed, fs::Permissions::from_mode(0o644))
+                .with_context(|| format!("cannot chmod {}", packed.display()))?;
+        }
+        names.push("burn_gpu (gzip)".into());
     }
 
     // 2. Bench binaries (`[[bench]]` targets) and the scripts next to their sources.

@@ -170,7 +170,11 @@ fn test(root: &Path) -> Result<()> {
     let probe = probe.to_string_lossy().into_owned();
     let probe_target = root.join("target").join("downstream-probe");
     let probe_target = probe_target.to_string_lossy().into_owned();
-    let cargo_steps: [&[&str]; 5] = [
+    let burn = root.join("integrations").join("burn").join("Cargo.toml");
+    let burn = burn.to_string_lossy().into_owned();
+    let burn_target = root.join("target").join("burn");
+    let burn_target = burn_target.to_string_lossy().into_owned();
+    let cargo_steps: [&[&str]; 8] = [
         &["fmt", "--all", "--check"],
         // The GPU tests too: they compile without a GPU (the bundle builds them).
         &["clippy", "--workspace", "--all-targets", "--features", "gpu-tests", "--", "-D", "warnings"],
@@ -181,6 +185,23 @@ fn test(root: &Path) -> Result<()> {
         &["test", "--workspace", "--features", "mok/testing"],
         // A crate that depends on mok beside cudarc configured as candle-core does.
         &["build", "--manifest-path", &probe, "--target-dir", &probe_target],
+        // The burn integration (its own workspace: burn 0.21 on CubeCL's CUDA runtime): format,
+        // lints with its GPU tests, and its CPU tests.
+        &["fmt", "--manifest-path", &burn, "--check"],
+        &[
+            "clippy",
+            "--manifest-path",
+            &burn,
+            "--target-dir",
+            &burn_target,
+            "--all-targets",
+            "--features",
+            "gpu-tests",
+            "--",
+            "-D",
+            "warnings",
+        ],
+        &["test", "--manifest-path", &burn, "--target-dir", &burn_target],
     ];
     let total = 3 + cargo_steps.len();
     println!("==> xtask test 1/{total}: setup");

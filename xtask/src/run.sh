@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # mok GPU bundle runner (written by `cargo xtask gpu-bundle`).
 #
-# Runs every test binary in tests/ one after another, each with --test-threads=1 (the tests share
+# Runs every test binary in tests/ one after another (a `NAME.gz` there is unpacked first), each with --test-threads=1 (the tests share
 # one GPU), logs each to ${OUT:-.}/logs/NAME.log, and ends with the line `N passed, M failed`
 # (summed over libtest's `test result:` lines). A binary that crashes, times out or prints no
 # result line counts as 1 failed. Exits non-zero when M > 0.
@@ -27,6 +27,15 @@ set -u
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 log_dir="${OUT:-.}/logs"
 mkdir -p "$log_dir" || exit 2
+
+# Large test binaries travel compressed (a device call carries a limited size): unpack each once.
+for packed in "$here"/tests/*.gz; do
+    [ -f "$packed" ] || continue
+    unpacked="${packed%.gz}"
+    if [ ! -x "$unpacked" ]; then
+        gunzip -c "$packed" >"$unpacked" && chmod +x "$unpacked" || { echo "cannot unpack $packed" >&2; exit 2; }
+    fi
+done
 
 run_bench=${MOK_BUNDLE_BENCH:-0}
 sanitize=0

@@ -80,6 +80,12 @@ pub struct Kernels {
     context: Arc<GpuInner>,
 }
 
+// SAFETY: a module and its functions may be used from any thread once their context is current
+// there (every launch binds it first); the function cache is behind a mutex.
+unsafe impl Send for Kernels {}
+// SAFETY: as above; shared access only reads `module` and locks the cache.
+unsafe impl Sync for Kernels {}
+
 impl Drop for Kernels {
     fn drop(&mut self) {
         // SAFETY: the module was loaded into `self.context` by `Gpu::new`, which this struct keeps
