@@ -12,12 +12,11 @@ use std::time::Instant;
 use burn::module::{Module, Param};
 use burn::nn::{Linear, LinearConfig};
 use burn::optim::{AdamConfig, GradientsParams, Optimizer};
-use burn::tensor::activation::{silu, softmax};
+use burn::tensor::Tensor;
+use burn::tensor::activation::softmax;
 use burn::tensor::backend::Backend as _;
-use burn::tensor::{Int, Tensor, TensorData};
-use half::bf16;
 use mok::MoeConfig;
-use mok_burn::{Backend, MokMoe};
+use mok_burn::{Backend, MokMoe, bf16_tensor, deterministic_values, moe_in_burn_ops};
 
 type Device = burn::backend::cuda::CudaDevice;
 
@@ -36,60 +35,27 @@ struct Model<B: burn::tensor::backend::Backend> {
     w_down: Param<Tensor<B, 3>>,
 }
 
-/// Deterministic values in ±`scale`.
-fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
-    (0..n as u64)
-        .map(|i| {
-            let mut z = (i + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ seed.wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z ^= z >> 31;
-            z = z.wrapping_mul(0x94d0_49bb_1331_11eb);
-            z ^= z >> 29;
-            scale * ((z >> 11) as f32 / (1u64 << 53) as f32 * 2.0 - 1.0)
-        })
-        .collect()
-}
-
-fn tensor<const D: usize>(data: Vec<f32>, shape: [usize; D], device: &Device) -> Tensor<Backend, D> {
-    let data: Vec<bf16> = data.into_iter().map(bf16::from_f32).collect();
-    Tensor::from_data(TensorData::new(data, shape), device)
-}
-
 fn model(device: &Device) -> Model<Backend> {
     let scale = 3.0 / (HIDDEN as f32).sqrt();
     Model {
         router: LinearConfig::new(HIDDEN, EXPERTS).init(device),
         head: LinearConfig::new(HIDDEN, 1).init(device),
-        w_gate: Param::from_tensor(tensor(
-            values(EXPERTS * INTER * HIDDEN, 1, scale),
+        w_gate: Param::from_tensor(bf16_tensor(
+            deterministic_values(EXPERTS * INTER * HIDDEN, 1, scale),
             [EXPERTS, INTER, HIDDEN],
             device,
         )),
-        w_up: Param::from_tensor(tensor(values(EXPERTS * INTER * HIDDEN, 2, scale), [EXPERTS, INTER, HIDDEN], device)),
-        w_down: Param::from_tensor(tensor(
-            values(EXPERTS * HIDDEN * INTER, 3, scale),
+        w_up: Param::from_tensor(bf16_tensor(
+            deterministic_values(EXPERTS * INTER * HIDDEN, 2, scale),
+            [EXPERTS, INTER, HIDDEN],
+            device,
+        )),
+        w_down: Param::from_tensor(bf16_tensor(
+            deterministic_values(EXPERTS * HIDDEN * INTER, 3, scale),
             [EXPERTS, HIDDEN, INTER],
             device,
         )),
     }
-}
-
-/// The MoE in burn's own ops (the comparison).
-fn burn_moe(
-    x: Tensor<Backend, 2>,
-    ids: Tensor<Backend, 2, Int>,
-    w: Tensor<Backend, 2>,
-    (wg, wu, wd): (Tensor<Backend, 3>, Tensor<Backend, 3>, Tensor<Backend, 3>),
-) -> Tensor<Backend, 2> {
-    let [t, k] = ids.dims();
-    let mut y = Tensor::<Backend, 2>::zeros([t, HIDDEN], &x.device());
-    for j in 0..k {
-        let e = ids.clone().slice([0..t, j..j + 1]).reshape([t]);
-        let (g, u, d) = (wg.clone().select(0, e.clone()), wu.clone().select(0, e.clone()), wd.clone().select(0, e));
-        let xr = x.clone().unsqueeze_dim::<3>(1);
-        let hidden = silu(xr.clone().matmul(g.swap_dims(1, 2))) * xr.matmul(u.swap_dims(1, 2));
-        y = y + hidden.matmul(d.swap_dims(1, 2)).reshape([t, HIDDEN]) * w.clone().slice([0..t, j..j + 1]);
-    }
-    y
 }
 
 impl Model<Backend> {
@@ -99,7 +65,7 @@ impl Model<Backend> {
         let weights = (self.w_gate.val(), self.w_up.val(), self.w_down.val());
         let y = match moe {
             Some(moe) => moe.forward(x, ids, w, weights).expect("mok forward"),
-            None => burn_moe(x, ids, w, weights),
+            None => moe_in_burn_ops(x, ids, w, weights),
         };
         self.head.forward(y)
     }
@@ -107,8 +73,8 @@ impl Model<Backend> {
 
 /// The batch of `step`: tokens, and each one's target (its cluster's linear function).
 fn batch(step: usize, device: &Device) -> (Tensor<Backend, 2>, Tensor<Backend, 2>) {
-    let x = values(TOKENS * HIDDEN, 1000 + step as u64, 1.0);
-    let maps = values(EXPERTS * HIDDEN, 7, 1.0);
+    let x = deterministic_values(TOKENS * HIDDEN, 1000 + step as u64, 1.0);
+    let maps = deterministic_values(EXPERTS * HIDDEN, 7, 1.0);
     let target: Vec<f32> = (0..TOKENS)
         .map(|n| {
             let row = &x[n * HIDDEN..(n + 1) * HIDDEN];
@@ -116,7 +82,7 @@ fn batch(step: usize, device: &Device) -> (Tensor<Backend, 2>, Tensor<Backend, 2
             row.iter().zip(&maps[cluster * HIDDEN..(cluster + 1) * HIDDEN]).map(|(a, b)| a * b).sum::<f32>() / 4.0
         })
         .collect();
-    (tensor(x, [TOKENS, HIDDEN], device), tensor(target, [TOKENS, 1], device))
+    (bf16_tensor(x, [TOKENS, HIDDEN], device), bf16_tensor(target, [TOKENS, 1], device))
 }
 
 /// Trains `steps` steps; returns the loss of each and the seconds per step.

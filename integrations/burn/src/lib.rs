@@ -253,6 +253,55 @@ impl MokMoe {
     }
 }
 
+/// The same layer written in burn's own tensor ops (the comparison of the tests and the example):
+/// for each slot j, every token's expert weights gathered (`select`), batched matmuls, SwiGLU,
+/// and the slot-weighted sum. Any backend; no dropped slots (every id a valid expert).
+pub fn moe_in_burn_ops<B: burn::tensor::backend::Backend>(
+    x: Tensor<B, 2>,
+    topk_ids: Tensor<B, 2, Int>,
+    topk_weights: Tensor<B, 2>,
+    (w_gate, w_up, w_down): (Tensor<B, 3>, Tensor<B, 3>, Tensor<B, 3>),
+) -> Tensor<B, 2> {
+    let [t, k] = topk_ids.dims();
+    let h = x.dims()[1];
+    let mut y = Tensor::<B, 2>::zeros([t, h], &x.device());
+    for j in 0..k {
+        let e = topk_ids.clone().slice([0..t, j..j + 1]).reshape([t]);
+        let g = w_gate.clone().select(0, e.clone());
+        let u = w_up.clone().select(0, e.clone());
+        let d = w_down.clone().select(0, e);
+        let rows = x.clone().unsqueeze_dim::<3>(1);
+        let hidden =
+            burn::tensor::activation::silu(rows.clone().matmul(g.swap_dims(1, 2))) * rows.matmul(u.swap_dims(1, 2));
+        y = y + hidden.matmul(d.swap_dims(1, 2)).reshape([t, h]) * topk_weights.clone().slice([0..t, j..j + 1]);
+    }
+    y
+}
+
+/// A bf16 tensor of `Backend` from f32 `data` in row-major `shape`.
+pub fn bf16_tensor<const D: usize>(
+    data: Vec<f32>,
+    shape: [usize; D],
+    device: &burn::backend::cuda::CudaDevice,
+) -> Tensor<Backend, D> {
+    let data: Vec<bf16> = data.into_iter().map(bf16::from_f32).collect();
+    Tensor::from_data(burn::tensor::TensorData::new(data, shape), device)
+}
+
+/// `n` deterministic values in ±`scale` from `seed` (a counter hash: the tests and the example
+/// need no RNG crate).
+pub fn deterministic_values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    (0..n as u64)
+        .map(|i| {
+            let mut z = (i + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ seed.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z ^= z >> 31;
+            z = z.wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^= z >> 29;
+            scale * ((z >> 11) as f32 / (1u64 << 53) as f32 * 2.0 - 1.0)
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -4,27 +4,12 @@
 #![cfg(feature = "gpu-tests")]
 
 use burn::backend::cuda::CudaDevice;
-use burn::tensor::{Int, Tensor, TensorData, activation::silu};
-use half::bf16;
+use burn::tensor::{Int, Tensor, TensorData};
 use mok::MoeConfig;
-use mok_burn::{Backend, MokMoe};
-
-/// Deterministic values in ±`scale` (a counter hash; the test needs no RNG crate).
-fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
-    (0..n as u64)
-        .map(|i| {
-            let mut z = (i + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ seed.wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z ^= z >> 31;
-            z = z.wrapping_mul(0x94d0_49bb_1331_11eb);
-            z ^= z >> 29;
-            scale * ((z >> 11) as f32 / (1u64 << 53) as f32 * 2.0 - 1.0)
-        })
-        .collect()
-}
+use mok_burn::{Backend, MokMoe, bf16_tensor, deterministic_values, moe_in_burn_ops};
 
 fn tensor<const D: usize>(data: Vec<f32>, shape: [usize; D], device: &CudaDevice) -> Tensor<Backend, D> {
-    let data: Vec<bf16> = data.into_iter().map(bf16::from_f32).collect();
-    Tensor::from_data(TensorData::new(data, shape), device).require_grad()
+    bf16_tensor(data, shape, device).require_grad()
 }
 
 fn host(t: Tensor<burn_autodiff::Autodiff<mok_burn::Inner>, 2>) -> Vec<f32> {
@@ -41,27 +26,6 @@ fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
     (num / den.max(1e-30)).sqrt()
 }
 
-/// The layer in burn's own ops: for each slot j, the experts' weights gathered per token.
-fn reference(
-    x: Tensor<Backend, 2>,
-    ids: Tensor<Backend, 2, Int>,
-    w: Tensor<Backend, 2>,
-    (wg, wu, wd): (Tensor<Backend, 3>, Tensor<Backend, 3>, Tensor<Backend, 3>),
-) -> Tensor<Backend, 2> {
-    let [t, k] = ids.dims();
-    let h = x.dims()[1];
-    let mut y = Tensor::<Backend, 2>::zeros([t, h], &x.device());
-    for j in 0..k {
-        let e = ids.clone().slice([0..t, j..j + 1]).reshape([t]);
-        let (g, u, d) = (wg.clone().select(0, e.clone()), wu.clone().select(0, e.clone()), wd.clone().select(0, e));
-        let xr = x.clone().unsqueeze_dim::<3>(1);
-        let hidden = silu(xr.clone().matmul(g.swap_dims(1, 2))) * xr.matmul(u.swap_dims(1, 2));
-        let out = hidden.matmul(d.swap_dims(1, 2)).reshape([t, h]);
-        y = y + out * w.clone().slice([0..t, j..j + 1]);
-    }
-    y
-}
-
 struct Run {
     y: Vec<f32>,
     grads: Vec<Vec<f32>>,
@@ -69,20 +33,20 @@ struct Run {
 
 fn run(moe: Option<&MokMoe>, c: &MoeConfig, seed: u64, device: &CudaDevice) -> Run {
     let (t, h, i, e, k) = (c.tokens_per_rank, c.hidden, c.intermediate, c.num_experts, c.top_k);
-    let x = tensor(values(t * h, seed, 1.0), [t, h], device);
+    let x = tensor(deterministic_values(t * h, seed, 1.0), [t, h], device);
     // Distinct experts per token: token n takes experts (n·7 + j) mod E.
     let ids: Vec<i32> = (0..t * k).map(|s| ((s / k * 7 + s % k) % e) as i32).collect();
     let ids = Tensor::<Backend, 2, Int>::from_data(TensorData::new(ids, [t, k]), device);
-    let w = tensor(values(t * k, seed ^ 1, 0.5).iter().map(|v| v.abs() + 0.05).collect(), [t, k], device);
+    let w = tensor(deterministic_values(t * k, seed ^ 1, 0.5).iter().map(|v| v.abs() + 0.05).collect(), [t, k], device);
     let scale = 3.0 / (h as f32).sqrt();
-    let wg = tensor(values(e * i * h, seed ^ 2, scale), [e, i, h], device);
-    let wu = tensor(values(e * i * h, seed ^ 3, scale), [e, i, h], device);
-    let wd = tensor(values(e * h * i, seed ^ 4, 3.0 / (i as f32).sqrt()), [e, h, i], device);
-    let dy = tensor(values(t * h, seed ^ 5, 1.0), [t, h], device).detach();
+    let wg = tensor(deterministic_values(e * i * h, seed ^ 2, scale), [e, i, h], device);
+    let wu = tensor(deterministic_values(e * i * h, seed ^ 3, scale), [e, i, h], device);
+    let wd = tensor(deterministic_values(e * h * i, seed ^ 4, 3.0 / (i as f32).sqrt()), [e, h, i], device);
+    let dy = tensor(deterministic_values(t * h, seed ^ 5, 1.0), [t, h], device).detach();
     let weights = (wg.clone(), wu.clone(), wd.clone());
     let y = match moe {
         Some(moe) => moe.forward(x.clone(), ids, w.clone(), weights).unwrap(),
-        None => reference(x.clone(), ids, w.clone(), weights),
+        None => moe_in_burn_ops(x.clone(), ids, w.clone(), weights),
     };
     let grads = (y.clone() * dy).sum().backward();
     let g2 = |t: &Tensor<Backend, 2>| host_inner(t.grad(&grads).expect("a gradient"));
