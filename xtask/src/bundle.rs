@@ -3,8 +3,8 @@
 //!
 //! Layout: `tests/` (one libtest binary per test target, hash suffix dropped; the burn
 //! integration's as `burn_gpu.gz`, which run.sh unpacks), `benches/` (bench
-//! binaries, `benches/*.py` and `benches/*.sh`), `bin/` (`mok-demo`, and `xtask` for `xtask bench`
-//! there), `run.sh`.
+//! binaries, `benches/*.py` and `benches/*.sh`), `bin/` (`mok-demo`, `xtask` for `xtask bench` there,
+//! and the burn example as `burn-train.gz`), `run.sh`.
 
 use std::env;
 use std::fs;
@@ -114,6 +114,18 @@ fn install(from: &Path, to: &Path, strip: bool) -> Result<()> {
     Ok(())
 }
 
+/// Installs `from` as `to.gz`, compressed and not executable (run.sh unpacks it to `to` before
+/// running anything), for binaries too large to carry as they are.
+fn pack(from: &Path, to: &Path, strip: bool) -> Result<()> {
+    install(from, to, strip)?;
+    crate::run(Command::new("gzip").args(["-9", "-f"]).arg(to))?;
+    let mut packed = to.as_os_str().to_owned();
+    packed.push(".gz");
+    use std::os::unix::fs::PermissionsExt;
+    fs::set_permissions(&packed, fs::Permissions::from_mode(0o644))
+        .with_context(|| format!("cannot chmod {}", Path::new(&packed).display()))
+}
+
 fn dir_size(path: &Path) -> Result<u64> {
     let mut total = 0;
     for entry in fs::read_dir(path).with_context(|| format!("cannot list {}", path.display()))? {
@@ -175,17 +187,17 @@ pub fn gpu_bundle(root: &Path, out: PathBuf) -> Result<()> {
     for artifact in burn_tests.iter().filter(|a| a.test && a.target_name == "gpu") {
         // ~36 MB: it travels compressed (run.sh unpacks it), so the bundle stays within what a
         // device call carries.
-        let unpacked = tests_dir.join("burn_gpu");
-        install(&artifact.executable, &unpacked, strip)?;
-        crate::run(Command::new("gzip").args(["-9", "-f"]).arg(&unpacked))?;
-        // Not executable, so run.sh's loops skip it and run what it unpacks.
-        {
-            use std::os::unix::fs::PermissionsExt;
-            let packed = tests_dir.join("burn_gpu.gz");
-            fs::set_permissions(&packed, fs::Permissions::from_mode(0o644))
-                .with_context(|| format!("cannot chmod {}", packed.display()))?;
-        }
+        pack(&artifact.executable, &tests_dir.join("burn_gpu"), strip)?;
         names.push("burn_gpu (gzip)".into());
+    }
+    // The burn example, as `bin/burn-train` (compressed the same way).
+    let mut command = cargo(root);
+    command.args(["build", "--release", "--example", "train", "--manifest-path"]).arg(&burn);
+    command.arg("--target-dir").arg(&burn_target);
+    let burn_examples = build_executables_of(&burn, &mut command)?;
+    for artifact in burn_examples.iter().filter(|a| a.target_name == "train" && a.kinds.iter().any(|k| k == "example"))
+    {
+        pack(&artifact.executable, &bin_dir.join("burn-train"), strip)?;
     }
 
     // 2. Bench binaries (`[[bench]]` targets) and the scripts next to their sources.

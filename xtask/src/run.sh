@@ -29,7 +29,7 @@ log_dir="${OUT:-.}/logs"
 mkdir -p "$log_dir" || exit 2
 
 # Large test binaries travel compressed (a device call carries a limited size): unpack each once.
-for packed in "$here"/tests/*.gz; do
+for packed in "$here"/tests/*.gz "$here"/bin/*.gz; do
     [ -f "$packed" ] || continue
     unpacked="${packed%.gz}"
     if [ ! -x "$unpacked" ]; then
