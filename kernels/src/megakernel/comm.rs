@@ -4,6 +4,7 @@
 //! holding them are stored).
 
 use crate::comm::error::{self, ERROR_TIMEOUT, WAIT_ENGINE_TILE_OUTPUT};
+use crate::comm::schedule::{rows_in_tile, tile_of_row};
 use crate::comm::wait::wait_until;
 use crate::device::rows::{combine_quads, copy_row};
 use crate::gemm_layout::{GemmParams, TILE_M, TILE_N};
@@ -13,19 +14,7 @@ use crate::megakernel_layout::{
 };
 use crate::ptx::memory::{atom_add_relaxed_gpu_u32, ld_shared_u32, st_release_gpu_u32, st_shared_u32};
 use crate::ptx::{smem, sreg, sync};
-
-/// The last index `i` in `0..len` with `values(i) ≤ target` (`values` non-decreasing,
-/// `values(0) ≤ target`): the group holding a row or an M tile (empty groups, whose first equals
-/// the next group's, are passed over).
-#[inline(always)]
-fn last_at_or_below(len: u32, target: u32, values: impl Fn(u32) -> u32) -> u32 {
-    let (mut lo, mut hi) = (0u32, len);
-    while lo + 1 < hi {
-        let mid = (lo + hi) / 2;
-        if values(mid) <= target { lo = mid } else { hi = mid }
-    }
-    lo
-}
+use crate::tiles::group_of_tile;
 
 /// Dispatch, by every thread of a block: engine M tiles taken one at a time from
 /// `dispatch_next` (shared by every block that dispatches, so the tiles go out in increasing
@@ -42,9 +31,10 @@ pub unsafe fn dispatch(f: &ForwardParams, pass: &PassInputs) {
     // SAFETY: caller contract: the gate/up parameter block and the offsets it points at.
     unsafe {
         let p = &*(f.gate_up as *const GemmParams);
-        let (tile_offsets, row_offsets) = (p.tile_offsets as *const u32, p.row_offsets as *const u32);
-        let groups = p.groups;
-        let m_tiles = *tile_offsets.add(groups as usize);
+        let groups = p.groups as usize + 1;
+        let tile_offsets = core::slice::from_raw_parts(p.tile_offsets as *const u32, groups);
+        let row_offsets = core::slice::from_raw_parts(p.row_offsets as *const u32, groups);
+        let m_tiles = tile_offsets[groups - 1];
         let (warp, warps, lane) = (sreg::thread_idx_x() / 32, sreg::block_dim_x() / 32, sreg::lane_id());
         let (x, rows, row_source) = (pass.x as *const u16, f.rows as *mut u16, f.row_source as *const u32);
         let handout = smem::dynamic_smem_base();
@@ -57,9 +47,10 @@ pub unsafe fn dispatch(f: &ForwardParams, pass: &PassInputs) {
             if tile >= m_tiles {
                 return;
             }
-            let g = last_at_or_below(groups, tile, |i| *tile_offsets.add(i as usize));
-            let first = *row_offsets.add(g as usize) + (tile - *tile_offsets.add(g as usize)) * TILE_M;
-            let end = (first + TILE_M).min(*row_offsets.add(g as usize + 1));
+            // tile < m_tiles: a group holds it.
+            let g = group_of_tile(tile_offsets, tile).unwrap_or(0);
+            let first = row_offsets[g] + (tile - tile_offsets[g]) * TILE_M;
+            let end = (first + TILE_M).min(row_offsets[g + 1]);
             let mut row = if f.work & WORK_COPY_ROWS != 0 { first + warp } else { end };
             while row < end {
                 let token = *row_source.add(row as usize) / f.top_k;
@@ -92,8 +83,9 @@ pub unsafe fn combine(f: &ForwardParams, pass: &PassInputs) {
     // SAFETY: caller contract.
     unsafe {
         let down = &*(f.down as *const GemmParams);
-        let (tile_offsets, row_offsets) = (down.tile_offsets as *const u32, down.row_offsets as *const u32);
-        let groups = down.groups;
+        let groups = down.groups as usize + 1;
+        let tile_offsets = core::slice::from_raw_parts(down.tile_offsets as *const u32, groups);
+        let row_offsets = core::slice::from_raw_parts(down.row_offsets as *const u32, groups);
         let n_tiles = down.n.div_ceil(TILE_N);
         let lane = sreg::lane_id();
         let (slot_row, error) = (f.slot_row as *const u32, f.error as *mut u32);
@@ -108,11 +100,10 @@ pub unsafe fn combine(f: &ForwardParams, pass: &PassInputs) {
                 if row == NO_ROW {
                     continue;
                 }
-                let g = last_at_or_below(groups, row, |i| *row_offsets.add(i as usize));
-                let (begin, end) = (*row_offsets.add(g as usize), *row_offsets.add(g as usize + 1));
-                let in_group = (row - begin) / TILE_M;
-                let tile = *tile_offsets.add(g as usize) + in_group;
-                let expected = parts_per_m_tile(n_tiles, (end - begin - in_group * TILE_M).min(TILE_M));
+                // A routed slot's row is below the row count, so both lookups find its group.
+                let tile = tile_of_row(row_offsets, tile_offsets, row, TILE_M).unwrap_or(0);
+                let expected =
+                    parts_per_m_tile(n_tiles, rows_in_tile(row_offsets, tile_offsets, tile, TILE_M).unwrap_or(0));
                 let counter = (f.down_stored as *const u32).add(tile as usize);
                 let timeout_ns = downstream_deadline(f.timeout_ns, 2);
                 if let Err(seen) = wait_until(counter, false, timeout_ns, error, |v| v >= expected) {
