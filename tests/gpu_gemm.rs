@@ -12,6 +12,7 @@ use half::bf16;
 use mok::MoeConfig;
 use mok::driver::{DeviceBuffer, Gpu};
 use mok::gemm::{EnginePlan, Pairing, RowGroups, RowsOut, WgradOut, tile_offsets};
+use mok::kernels::gemm_layout::swizzled_chunk_offset;
 use mok::tensor_map::TensorMap;
 use mok::unfused::{DeviceExperts, DeviceTokens, UnfusedLayer};
 
@@ -67,7 +68,7 @@ fn primitive_tma_load_swizzles_and_zero_fills() {
         let halves: &[u16] = bytemuck::cast_slice(&words);
         for r in 0..64usize {
             for c in 0..8usize {
-                let at = (r * 128 + ((c ^ (r % 8)) * 16)) / 2;
+                let at = (swizzled_chunk_offset(r as u32, c as u32) / 2) as usize;
                 for e in 0..8 {
                     let (row, col) = (c1 as usize + r, c0 as usize + c * 8 + e);
                     let expected = if row < rows { src[row * cols + col].to_bits() } else { 0 };
@@ -96,7 +97,7 @@ fn primitive_tma_store_writes_its_box_into_fresh_memory() {
     let staged: &[u16] = bytemuck::cast_slice(&values);
     for r in 0..rows {
         for c in 0..8usize {
-            let from = (r * 128 + ((c ^ (r % 8)) * 16)) / 2;
+            let from = (swizzled_chunk_offset(r as u32, c as u32) / 2) as usize;
             for e in 0..8 {
                 assert_eq!(got[r * cols + c * 8 + e].to_bits(), staged[from + e], "row {r} chunk {c} element {e}");
             }

@@ -201,6 +201,12 @@ impl ForwardMegakernel {
     #[cfg(feature = "testing")]
     pub(crate) fn set_work(&mut self, work: MegakernelWork) -> Result<()> {
         self.host.work = work.0;
+        self.upload_params()
+    }
+
+    /// Uploads the parameter block again after a test hook changed it.
+    #[cfg(feature = "testing")]
+    fn upload_params(&mut self) -> Result<()> {
         // SAFETY: as in `new`.
         self.params.upload(unsafe { plain_bytes(&self.host) })
     }
@@ -210,8 +216,7 @@ impl ForwardMegakernel {
     pub(crate) fn set_faults(&mut self, faults: MegakernelFaults) -> Result<()> {
         self.host.silent_rows_tile = faults.silent_rows_tile.unwrap_or(NO_FAULT);
         self.host.silent_hidden_tile = faults.silent_hidden_tile.unwrap_or(NO_FAULT);
-        // SAFETY: as in `new`.
-        self.params.upload(unsafe { plain_bytes(&self.host) })
+        self.upload_params()
     }
 
     /// Enqueues one pass of `tokens` tokens (at most the layer's capacity): cuts both plans'

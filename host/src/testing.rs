@@ -11,22 +11,39 @@ fn bad(tensor: &'static str, problem: String) -> Result<()> {
     Err(MokError::InvalidInput { tensor, problem })
 }
 
+/// The rows of `map`'s box, once checked that it is the 2-D `[64, rows]` bf16 box the TMA probes
+/// move and that `words` (named `tensor`) holds its `rows × 32` words.
+fn box_rows_of(map: &TensorMap, (tensor, words): (&'static str, &DeviceBuffer<u32>)) -> Result<u32> {
+    let &[inner, box_rows] = map.box_dims() else {
+        return Err(MokError::InvalidInput {
+            tensor: "tensor map",
+            problem: format!("box {:?}: the probes move 2-D boxes", map.box_dims()),
+        });
+    };
+    if map.element_bytes() != 2 || inner != 64 {
+        return Err(MokError::InvalidInput {
+            tensor: "tensor map",
+            problem: format!(
+                "box {:?} of {}-byte elements, expected [64, rows] bf16",
+                map.box_dims(),
+                map.element_bytes()
+            ),
+        });
+    }
+    if words.len() < box_rows as usize * 32 {
+        return Err(MokError::InvalidInput {
+            tensor,
+            problem: format!("{} words for a box of {box_rows} rows of 32 words", words.len()),
+        });
+    }
+    Ok(box_rows)
+}
+
 /// One TMA copy of `map`'s box at `(c0, c1)` into swizzled shared memory, copied word for word
 /// to `out` (`box_rows × 32` words): `mok_probe_tma_load`. The map must be a 2-D bf16 map with a
 /// 64-element inner box.
 pub fn probe_tma_load(gpu: &Gpu, map: &TensorMap, (c0, c1): (i32, i32), out: &DeviceBuffer<u32>) -> Result<()> {
-    let &[inner, box_rows] = map.box_dims() else {
-        return bad("tensor map", format!("box {:?}: the probe loads 2-D boxes", map.box_dims()));
-    };
-    if map.element_bytes() != 2 || inner != 64 {
-        return bad(
-            "tensor map",
-            format!("box {:?} of {}-byte elements, expected [64, rows] bf16", map.box_dims(), map.element_bytes()),
-        );
-    }
-    if out.len() < box_rows as usize * 32 {
-        return bad("out", format!("{} words for a box of {box_rows} rows of 32 words", out.len()));
-    }
+    let box_rows = box_rows_of(map, ("out", out))?;
     let shape = LaunchShape { grid: (1, 1, 1), threads: 32, smem_bytes: box_rows * 128 + 1024 + 64 };
     let args = [
         KernelArg::Ptr(map.device_ptr()),
@@ -45,18 +62,7 @@ pub fn probe_tma_load(gpu: &Gpu, map: &TensorMap, (c0, c1): (i32, i32), out: &De
 /// box to `map` at `(c0, c1)`: `mok_probe_tma_store`. The map must be a 2-D bf16 map with a
 /// 64-element inner box (128B swizzle: shared chunk `c ^ (r % 8)` of row `r` lands at chunk `c`).
 pub fn probe_tma_store(gpu: &Gpu, map: &TensorMap, (c0, c1): (i32, i32), values: &DeviceBuffer<u32>) -> Result<()> {
-    let &[inner, box_rows] = map.box_dims() else {
-        return bad("tensor map", format!("box {:?}: the probe stores 2-D boxes", map.box_dims()));
-    };
-    if map.element_bytes() != 2 || inner != 64 {
-        return bad(
-            "tensor map",
-            format!("box {:?} of {}-byte elements, expected [64, rows] bf16", map.box_dims(), map.element_bytes()),
-        );
-    }
-    if values.len() < box_rows as usize * 32 {
-        return bad("values", format!("{} words for a box of {box_rows} rows of 32 words", values.len()));
-    }
+    let box_rows = box_rows_of(map, ("values", values))?;
     let shape = LaunchShape { grid: (1, 1, 1), threads: 32, smem_bytes: box_rows * 128 + 1024 };
     let args = [
         KernelArg::Ptr(map.device_ptr()),
