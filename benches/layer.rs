@@ -9,7 +9,9 @@
 //! tensor-core engine, sm_90 only), `megakernel` (the forward as one persistent launch over the
 //! engine, with its default comm blocks) and `megakernel:N` (N comm blocks). Each table row names
 //! its backend. `--ranks P` (P > 1) runs the expert-parallel layer over P virtual ranks on this GPU
-//! instead (`ep:P`: the tokens of a case split over the ranks, `mma.sync` expert compute). Every
+//! instead (the tokens of a case split over the ranks), on `mma` (`epP:mma`: the exchange's
+//! separate launches, `mma.sync` expert compute) or `megakernel[:N]` (`epP:megakernel`: one
+//! launch hosting every rank, N comm blocks per rank). Every
 //! run also prints one `RESULT` line of name–value pairs (what `cargo xtask bench` reads). Without a GPU it says so and exits 0 (a benchmark is not a test).
 
 use std::collections::HashMap;
@@ -31,8 +33,8 @@ struct Args {
     copy_tbps: f64,
     /// The backends to run each case on.
     backends: Vec<Backend>,
-    /// P > 1: the expert-parallel layer over P virtual ranks on this GPU (`mma.sync` expert
-    /// compute; the tokens of a case are split evenly over the ranks) instead of the backends.
+    /// P > 1: the expert-parallel layer over P virtual ranks on this GPU (the tokens of a case
+    /// split evenly over the ranks), on the backends that support it (`mma`, `megakernel`).
     ranks: usize,
 }
 
@@ -139,14 +141,30 @@ struct Measured {
     sides: Option<(f64, f64, f64)>,
 }
 
-/// The expert-parallel layer over `ranks` virtual ranks, `tokens` split evenly over them.
-fn bench_case_ep(gpu: &Gpu, shape: FrontierShape, tokens: usize, reps: usize, ranks: usize) -> Result<Measured> {
+/// The expert-parallel layer over `ranks` virtual ranks, `tokens` split evenly over them, on
+/// `backend`: `mma` (the exchange's separate launches, `mma.sync` expert compute) or the
+/// forward megakernel hosting every rank in one launch (the backward on the separate path).
+fn bench_case_ep(
+    gpu: &Gpu,
+    shape: FrontierShape,
+    tokens: usize,
+    reps: usize,
+    ranks: usize,
+    backend: Backend,
+) -> Result<Measured> {
     if !tokens.is_multiple_of(ranks) || !shape.experts.is_multiple_of(ranks) {
         bail!("{} at T = {tokens}: T and E = {} must split evenly over {ranks} ranks", shape.name, shape.experts);
     }
     let config = mok::MoeConfig { ep_ranks: ranks, ..shape.config(tokens / ranks) };
     let h = config.hidden;
     let mut layer = EpLayer::new_virtual(gpu, config.clone(), ExchangeOptions::default())?;
+    match backend {
+        Backend::Mma => {}
+        Backend::Megakernel(comm_blocks) => {
+            layer.set_forward_megakernel(gpu, Some(MegakernelOptions { comm_blocks, ..Default::default() }))?
+        }
+        Backend::Engine => bail!("--ranks {ranks} runs mma (separate launches) or megakernel[:N], not engine"),
+    }
     let experts: Vec<DeviceExperts> = (0..ranks)
         .map(|rank| DeviceExperts::random(gpu, &config, 1 + 3 * rank as u64, 3.0 / (h as f32).sqrt()))
         .collect::<mok::Result<_>>()?;
@@ -172,7 +190,28 @@ fn bench_case_ep(gpu: &Gpu, shape: FrontierShape, tokens: usize, reps: usize, ra
     let before = gpu.kernel_launches();
     layer.forward(gpu, &experts, None)?;
     let launches = gpu.kernel_launches() - before;
-    Ok(Measured { fwd: median(fwd), step: median(step), launches, sides: None })
+    let mut sides = None;
+    if matches!(backend, Backend::Megakernel(_)) {
+        let mut time_forward = |work: MegakernelWork| -> Result<f64> {
+            layer.set_megakernel_work(work)?;
+            let mut times = Vec::new();
+            for _ in 0..reps {
+                timer.start()?;
+                layer.forward(gpu, &experts, None)?;
+                times.push(timer.stop_ms()?);
+            }
+            Ok(median(times))
+        };
+        sides = Some((
+            time_forward(MegakernelWork::COMM_ONLY)?,
+            time_forward(MegakernelWork::COMPUTE_ONLY)?,
+            time_forward(MegakernelWork::NONE)?,
+        ));
+        layer.set_megakernel_work(MegakernelWork::ALL)?;
+        layer.forward(gpu, &experts, None)?;
+        layer.check_errors(gpu)?;
+    }
+    Ok(Measured { fwd: median(fwd), step: median(step), launches, sides })
 }
 
 fn bench_case(gpu: &Gpu, shape: FrontierShape, tokens: usize, reps: usize, backend: Backend) -> Result<Measured> {
@@ -240,11 +279,10 @@ fn main() -> Result<()> {
             return Ok(());
         }
     };
-    let backends: Vec<String> = if args.ranks > 1 {
-        vec![format!("ep:{}", args.ranks)]
-    } else {
-        args.backends.iter().map(|b| b.name()).collect()
+    let name = |backend: Backend| {
+        if args.ranks > 1 { format!("ep{}:{}", args.ranks, backend.name()) } else { backend.name() }
     };
+    let backends: Vec<String> = args.backends.iter().map(|&b| name(b)).collect();
     println!(
         "layer benchmark on {}; backends {}; floors at {} TFLOP/s and {} TB/s",
         gpu.name(),
@@ -254,20 +292,15 @@ fn main() -> Result<()> {
     );
     let mut rows = Vec::new();
     let mut details = Vec::new();
-    let runs: Vec<(FrontierShape, usize, Option<Backend>)> = if args.ranks > 1 {
-        args.cases.iter().map(|&(shape, tokens)| (shape, tokens, None)).collect()
-    } else {
-        args.cases
-            .iter()
-            .flat_map(|&(shape, tokens)| args.backends.iter().map(move |&b| (shape, tokens, Some(b))))
-            .collect()
-    };
+    let runs: Vec<(FrontierShape, usize, Backend)> =
+        args.cases.iter().flat_map(|&(shape, tokens)| args.backends.iter().map(move |&b| (shape, tokens, b))).collect();
     for (shape, tokens, backend) in runs {
-        let measured = match backend {
-            Some(backend) => bench_case(&gpu, shape, tokens, args.reps, backend)?,
-            None => bench_case_ep(&gpu, shape, tokens, args.reps, args.ranks)?,
+        let measured = if args.ranks > 1 {
+            bench_case_ep(&gpu, shape, tokens, args.reps, args.ranks, backend)?
+        } else {
+            bench_case(&gpu, shape, tokens, args.reps, backend)?
         };
-        let backend_name = backend.map_or_else(|| format!("ep:{}", args.ranks), Backend::name);
+        let backend_name = name(backend);
         let (fwd, step) = (measured.fwd, measured.step);
         if let Some((comm, compute, none)) = measured.sides {
             // Overlap efficiency: how much of the shorter side the full pass hides.

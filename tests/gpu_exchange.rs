@@ -9,7 +9,11 @@
 //! - the layer over P ranks (exchange + the unfused expert compute) gives the P = 1 unfused
 //!   path's bits for every output and gradient, for every P, and across runs;
 //! - a ring too small reports the rows it needs; a peer that never signals is reported as a
-//!   timeout naming the counter, the expected value and the rank — not a hang.
+//!   timeout naming the counter, the expected value and the rank — not a hang;
+//! - the forward megakernel hosting every rank in one launch gives the P = 1 unfused bits for
+//!   P in {1, 2, 3, 4, 6, 8}, every comm split and grid tried, 20 repeats; its faults (a tile
+//!   never dispatched, a tile never stored, pushes never flagged, a rank that never publishes)
+//!   are timeouts within twice the deadline, and the next pass is right.
 //!
 //! Tests whose name contains `bulk` use the bulk-copy movers (`cp.async.bulk` through shared
 //! memory); the others the 16-byte vector movers.
@@ -32,6 +36,7 @@ use mok::exchange::reference::{OwnerSchedule, reference_schedule};
 use mok::exchange::{Exchange, ExchangeOptions, Silence};
 use mok::kernels::layout::NO_ROW;
 use mok::kernels::num::{f32_to_bf16_rne, random_uniform};
+use mok::megakernel::{MegakernelFaults, MegakernelOptions};
 use mok::problem::RoutedTokens;
 use mok::unfused::{DeviceExperts, DeviceSharedExpert, DeviceTokens, UnfusedLayer};
 
@@ -497,5 +502,242 @@ fn bad_ids_on_the_device_are_reported_by_the_chunk_ranking() {
     let expected = reference_schedule(&ids, k, config.num_experts).unwrap();
     for (rank, want) in expected.iter().enumerate() {
         assert_eq!(device_schedule(&exchange, &gpu, rank), *want, "owner {rank}");
+    }
+}
+
+/// The forward megakernel over ranks (`None` when this GPU or PTX cannot run it: said, not
+/// silent).
+fn megakernel_ep_layer(gpu: &Gpu, config: &MoeConfig, options: ExchangeOptions) -> Option<EpLayer> {
+    let mut layer = EpLayer::new_virtual(gpu, config.clone(), options).unwrap();
+    match layer.set_forward_megakernel(gpu, Some(MegakernelOptions::default())) {
+        Ok(()) => Some(layer),
+        Err(e) => {
+            println!("  SKIPPED on this GPU (the forward megakernel needs sm_90a): {e}");
+            None
+        }
+    }
+}
+
+/// Uploads `case`'s weights split over the layer's ranks.
+fn rank_weights(
+    gpu: &Gpu,
+    config: &MoeConfig,
+    case: &common::Case,
+) -> (Vec<DeviceExperts>, Option<DeviceSharedExpert>) {
+    let experts = split_weights(&case.experts, config.ep_ranks)
+        .iter()
+        .map(|w| DeviceExperts::upload(gpu, config, w).unwrap())
+        .collect();
+    (experts, case.shared.as_ref().map(|s| DeviceSharedExpert::upload(gpu, config, s).unwrap()))
+}
+
+/// Every rank's y after one poisoned forward, in rank order.
+fn ep_forward_y(
+    gpu: &Gpu,
+    layer: &mut EpLayer,
+    weights: &(Vec<DeviceExperts>, Option<DeviceSharedExpert>),
+) -> Vec<bf16> {
+    layer.poison().unwrap();
+    layer.forward(gpu, &weights.0, weights.1.as_ref()).unwrap();
+    layer.check_errors(gpu).unwrap();
+    (0..layer.config().ep_ranks).flat_map(|r| layer.outputs(r).unwrap().y.download().unwrap()).collect()
+}
+
+/// Every output and gradient of the layer's last forward + backward, in rank order.
+fn ep_bits(gpu: &Gpu, layer: &mut EpLayer, weights: &(Vec<DeviceExperts>, Option<DeviceSharedExpert>)) -> LayerBits {
+    let y = ep_forward_y(gpu, layer, weights);
+    layer.backward(gpu, &weights.0, weights.1.as_ref()).unwrap();
+    layer.check_errors(gpu).unwrap();
+    let mut bits = LayerBits { y, dx: vec![], d_topk_weights: vec![], dw: [vec![], vec![], vec![]] };
+    for rank in 0..layer.config().ep_ranks {
+        let out = layer.outputs(rank).unwrap();
+        bits.dx.extend(out.dx.download().unwrap());
+        bits.d_topk_weights.extend(out.d_topk_weights.download().unwrap());
+        for (all, part) in bits.dw.iter_mut().zip(out.dw) {
+            all.extend(part.download().unwrap());
+        }
+    }
+    bits
+}
+
+fn same_bf16(a: &[bf16], b: &[bf16]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
+/// Per-rank comm blocks and grids to try for `p` ranks when `resident` blocks fit at once:
+/// `(comm blocks per rank, blocks or None for all)`, each leaving every rank a compute pair.
+fn ep_geometries(resident: u32, p: u32) -> Vec<(u32, Option<u32>)> {
+    let share = 2 * (resident / 2 / p);
+    let fits = |comm: u32, blocks: u32| comm.next_multiple_of(2) + 2 <= 2 * (blocks / 2 / p);
+    let mut all: Vec<(u32, Option<u32>)> =
+        [0, 1, 2, 3, share / 4, share / 2, share - 2].into_iter().map(|c| (c, None)).collect();
+    // Smaller grids: one compute pair per rank alone, one comm block beside one pair, and a
+    // grid a pair short of the resident one.
+    all.extend([(0, Some(2 * p)), (1, Some(4 * p)), (2, Some(6 * p + 2)), (1, Some(resident - 2))]);
+    all.retain(|&(c, b)| fits(c, b.unwrap_or(resident)) && b.is_none_or(|b| b <= resident));
+    all.dedup();
+    all
+}
+
+#[test]
+fn ep_forward_megakernel_is_bitwise_the_single_rank_path() {
+    // One launch hosting every virtual rank (pull dispatch from the token owners, the engine's
+    // gate/up and down tiles, push of the rows back to their owners, the owners' combine) must
+    // give the P = 1 unfused path's bits — for y, and, through the unchanged backward, for
+    // everything the backward reads — for every P, comm split and grid, on ragged, empty and
+    // hot experts, T = 1 and T not a multiple of anything, dropped slots, k = 1 and k = 10, the
+    // shared expert on and off and the SwiGLU limit.
+    let gpu = gpu();
+    let hot: &[usize] = &[0, 1, 3, 4, 5, 6, 7, 8, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 21, 22, 23];
+    let config = |t, h, i, e, k, shared, limit| MoeConfig {
+        shared_intermediate: shared,
+        swiglu_limit: limit,
+        ..MoeConfig::new(t, h, i, e, k)
+    };
+    // (tokens per rank, ...): global T = that × P.
+    let cases = [
+        (config(37, 136, 96, 24, 4, Some(64), Some(2.0)), Routing { drop_probability: 0.1, empty_experts: &[7] }),
+        (config(1, 64, 64, 24, 1, None, None), common::PLAIN_ROUTING),
+        (config(29, 72, 40, 24, 10, None, Some(1.5)), Routing { drop_probability: 0.05, empty_experts: &[0, 13] }),
+        (config(64, 256, 192, 24, 3, Some(128), None), Routing { drop_probability: 0.0, empty_experts: hot }),
+        (config(128, 512, 256, 24, 8, Some(256), Some(1.0)), Routing { drop_probability: 0.02, empty_experts: &[5] }),
+    ];
+    let rank_counts = common::sized("megakernel rank counts", vec![1, 2, 3, 4, 6, 8], vec![1, 3]);
+    let shapes = common::sized("megakernel shapes", cases.len(), 2);
+    let mut runs = 0;
+    for (seed, (per_rank, routing)) in cases.into_iter().take(shapes).enumerate() {
+        for &p in &rank_counts {
+            let global = MoeConfig { tokens_per_rank: per_rank.tokens_per_rank * p, ..per_rank.clone() };
+            let case = random_case(&global, 700 + 10 * seed as u64 + p as u64, routing);
+            let want = unfused_bits(&gpu, &case);
+            let c = rank_config(&global, p);
+            let what = format!(
+                "P={p} T={}·{p} H={} I={} E={} k={}",
+                c.tokens_per_rank, c.hidden, c.intermediate, c.num_experts, c.top_k
+            );
+            let Some(mut layer) = megakernel_ep_layer(&gpu, &c, ExchangeOptions::default()) else { return };
+            upload_rank_inputs(&gpu, &layer, &case);
+            let weights = rank_weights(&gpu, &c, &case);
+            // The default geometry, then the backward on what it saved.
+            assert_same_bits(&format!("{what}, default"), &ep_bits(&gpu, &mut layer, &weights), &want);
+            let (resident, _) = layer.megakernel_geometry().unwrap();
+            let geometries = ep_geometries(resident, p as u32);
+            let geometries = if common::sanitizing() { &geometries[..2] } else { &geometries[..] };
+            for &(comm, blocks) in geometries {
+                let options = MegakernelOptions { comm_blocks: Some(comm), blocks, ..Default::default() };
+                layer.set_forward_megakernel(&gpu, Some(options)).unwrap();
+                let y = ep_forward_y(&gpu, &mut layer, &weights);
+                assert_eq!(layer.megakernel_geometry(), Some((blocks.unwrap_or(resident), comm)));
+                assert!(same_bf16(&y, &want.y), "{what}: y differs with {comm} comm blocks per rank of {blocks:?}");
+                runs += 1;
+            }
+            println!(
+                "  {what}: every output and gradient equal to the P = 1 unfused bits; y equal over {} geometries \
+                 (resident {resident} blocks)",
+                geometries.len()
+            );
+        }
+    }
+    assert!(runs > 0);
+}
+
+#[test]
+fn ep_forward_megakernel_repeats_bitwise_and_rejects_bad_geometry() {
+    let gpu = gpu();
+    let p = 4;
+    let global =
+        MoeConfig { shared_intermediate: Some(64), swiglu_limit: Some(2.0), ..MoeConfig::new(4 * 37, 136, 96, 24, 4) };
+    let c = rank_config(&global, p);
+    let case = random_case(&global, 901, Routing { drop_probability: 0.1, empty_experts: &[7] });
+    let Some(mut layer) = megakernel_ep_layer(&gpu, &c, ExchangeOptions::default()) else { return };
+    upload_rank_inputs(&gpu, &layer, &case);
+    let weights = rank_weights(&gpu, &c, &case);
+    let first = ep_forward_y(&gpu, &mut layer, &weights);
+    let repeats = common::sized("repeats", 20, 3);
+    for i in 1..repeats {
+        assert!(same_bf16(&ep_forward_y(&gpu, &mut layer, &weights), &first), "repeat {i} differs");
+    }
+    println!("  {repeats} passes at P = {p} on one layer: bitwise identical");
+    let (resident, _) = layer.megakernel_geometry().unwrap();
+    for (comm, blocks, why) in [
+        (Some(resident / p as u32), None, "no compute pair in a rank"),
+        (Some(0), Some(2 * p as u32 - 2), "fewer pairs than ranks"),
+        (Some(0), Some(resident + 2), "more blocks than fit at once"),
+        (Some(0), Some(2 * p as u32 + 1), "an odd block count"),
+    ] {
+        layer
+            .set_forward_megakernel(&gpu, Some(MegakernelOptions { comm_blocks: comm, blocks, ..Default::default() }))
+            .unwrap();
+        match layer.forward(&gpu, &weights.0, weights.1.as_ref()) {
+            Err(MokError::InvalidInput { tensor, problem }) => println!("  {why}: {tensor}: {problem}"),
+            other => panic!("{why}: expected InvalidInput, got {other:?}"),
+        }
+    }
+    layer.set_forward_megakernel(&gpu, Some(MegakernelOptions::default())).unwrap();
+    assert!(same_bf16(&ep_forward_y(&gpu, &mut layer, &weights), &first), "after the rejected geometries");
+}
+
+#[test]
+fn ep_forward_megakernel_faults_are_reported_timeouts_and_the_next_pass_is_right() {
+    let gpu = gpu();
+    let p = 4;
+    let global = MoeConfig { shared_intermediate: Some(64), ..MoeConfig::new(4 * 64, 136, 96, 24, 4) };
+    let c = rank_config(&global, p);
+    let case = random_case(&global, 902, common::PLAIN_ROUTING);
+    let deadline = Duration::from_millis(200);
+    let options = ExchangeOptions { timeout: deadline, ..Default::default() };
+    let Some(mut layer) = megakernel_ep_layer(&gpu, &c, options) else { return };
+    layer.set_forward_megakernel(&gpu, Some(MegakernelOptions { timeout: deadline, ..Default::default() })).unwrap();
+    upload_rank_inputs(&gpu, &layer, &case);
+    let weights = rank_weights(&gpu, &c, &case);
+    let want = ep_forward_y(&gpu, &mut layer, &weights);
+    /// A fault of one rank, what the error must say, and which rank's record names the cause.
+    struct Fault {
+        rank: usize,
+        megakernel: MegakernelFaults,
+        exchange: Option<Silence>,
+        waited_for: &'static str,
+        reporter: usize,
+    }
+    let fault =
+        |rank, megakernel, exchange, waited_for, reporter| Fault { rank, megakernel, exchange, waited_for, reporter };
+    let faults = [
+        fault(2, MegakernelFaults { silent_rows_tile: Some(0), ..Default::default() }, None, "dispatched", 2),
+        fault(3, MegakernelFaults { silent_hidden_tile: Some(1), ..Default::default() }, None, "gate/up tiles", 3),
+        fault(1, MegakernelFaults { silent_push: true, ..Default::default() }, None, "pushed by the expert owner", 0),
+        // The schedule's own wait (before the megakernel): rank 1 never publishes its pass.
+        fault(1, MegakernelFaults::default(), Some(Silence::Publish), "publish flag", 0),
+    ];
+    for Fault { rank, megakernel, exchange, waited_for: waited, reporter } in faults {
+        layer.set_megakernel_faults(rank, megakernel).unwrap();
+        layer.exchange_mut().set_silent_rank(exchange.map(|s| (rank, s)));
+        let start = Instant::now();
+        layer.forward(&gpu, &weights.0, weights.1.as_ref()).unwrap();
+        let error = layer.check_errors(&gpu).unwrap_err();
+        let took = start.elapsed();
+        println!("  rank {rank} {megakernel:?} {exchange:?}: {error} (after {took:?})");
+        match &error {
+            MokError::Timeout { rank: r, waited_for, .. } => {
+                assert!(waited_for.contains(waited), "{waited_for}");
+                assert_eq!(*r, Some(reporter), "the record that names the cause");
+            }
+            other => panic!("expected a timeout, got {other:?}"),
+        }
+        if megakernel.silent_push {
+            assert!(matches!(error, MokError::Timeout { peer: Some(1), .. }), "names the silent owner: {error}");
+        }
+        // The megakernel's waits end within twice the deadline; the schedule's publish waits run
+        // one launch per rank, each to its deadline.
+        let limit =
+            if exchange.is_some() { (p as u32 + 1) * deadline } else { 2 * deadline + Duration::from_millis(100) };
+        assert!(took < limit, "reported after {took:?}");
+        // Back to a clean state: no faults, counters reset, and the next pass is right.
+        layer.set_megakernel_faults(rank, MegakernelFaults::default()).unwrap();
+        layer.exchange_mut().set_silent_rank(None);
+        layer.exchange_mut().reset(&[&gpu]).unwrap();
+        assert!(
+            same_bf16(&ep_forward_y(&gpu, &mut layer, &weights), &want),
+            "the pass after {megakernel:?} {exchange:?}"
+        );
     }
 }

@@ -190,8 +190,12 @@ fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
     let (h, i, e, cap) = (c.hidden, c.intermediate, c.num_experts, c.slots_per_rank());
     let (rows, layer) = (s.rows, &s.layer);
     println!("engine vs unfused: rows {rows} of {cap}, H={h} I={i} E={e}");
-    let groups =
-        RowGroups { row_offsets: &layer.routing().row_offsets, tile_offsets: &s.tiles, groups: e, capacity: cap };
+    let groups = RowGroups {
+        row_offsets: (&layer.routing().row_offsets).into(),
+        tile_offsets: &s.tiles,
+        groups: e,
+        capacity: cap,
+    };
     let (gate, up, hidden, down) = layer.routed_intermediates();
     let back = layer.routed_backward_intermediates();
 
@@ -509,8 +513,12 @@ fn hooked_engine_kernels_equal_the_standalone_ones_and_count_every_tile() {
     let c = &s.config;
     let (h, i, e, cap) = (c.hidden, c.intermediate, c.num_experts, c.slots_per_rank());
     let layer = &s.layer;
-    let groups =
-        RowGroups { row_offsets: &layer.routing().row_offsets, tile_offsets: &s.tiles, groups: e, capacity: cap };
+    let groups = RowGroups {
+        row_offsets: (&layer.routing().row_offsets).into(),
+        tile_offsets: &s.tiles,
+        groups: e,
+        capacity: cap,
+    };
     let row_offsets = layer.routing().row_offsets.download().unwrap();
     let tile_offsets = s.tiles.download().unwrap();
     let m_tiles = tile_offsets[e] as usize;

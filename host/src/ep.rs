@@ -11,18 +11,32 @@
 //!
 //! Runs virtual ranks on one GPU today (every rank's launches on that GPU's stream); the same
 //! sequence serves several GPUs once [`Exchange`] is built over a multi-GPU heap.
+//!
+//! The forward can instead run as the forward megakernel ([`EpLayer::set_forward_megakernel`]):
+//! after the schedule, ONE persistent launch hosts every rank — each rank on its own run of the
+//! grid's 2-block clusters — pulling its ring's rows from the token owners, running its experts'
+//! gate/up and down tiles on the tensor-core engine as their rows land, pushing each finished
+//! row back to its token owner's slot buffer and combining its own tokens. It writes what the
+//! separate path writes (the ring rows, the pre-activations, the hidden and down rows, the slot
+//! buffer, y), so the backward is unchanged.
 
 use half::bf16;
 
 use crate::config::MoeConfig;
+use crate::driver::DeviceSlice;
 use crate::driver::{DeviceBuffer, Gpu, KernelArg, LaunchShape};
 use crate::error::{MokError, Result};
 use crate::exchange::{Exchange, ExchangeOptions};
+use crate::gemm::{self as engine, EnginePlan};
+use crate::megakernel::{FORWARD_RANKS_KERNEL, ForwardMegakernel, MegakernelOptions, PassBuffers, RankPass};
+#[cfg(feature = "testing")]
+use crate::megakernel::{MegakernelFaults, MegakernelWork};
 use crate::problem::RoutedTokens;
 use crate::unfused::{
     DeviceExperts, DeviceSharedExpert, ExpertBackward, ExpertCompute, ROW_KERNEL_THREADS, RowGroups,
     grid_stride_blocks, shared_expert_workspace,
 };
+use mok_kernels::megakernel_layout::PassInputs;
 
 use KernelArg::{Ptr, U32};
 
@@ -51,11 +65,24 @@ pub struct EpRankOutputs<'a> {
     pub dws: Option<[&'a DeviceBuffer<bf16>; 3]>,
 }
 
+/// The forward megakernel of every rank: each rank's engine plans over its ring, the engine's
+/// tile offsets of its ring, and the pass (built at the first forward, again for other weights).
+struct EpMegakernel {
+    options: MegakernelOptions,
+    /// Per rank: `[2 · (L + 1)]` engine tile offsets of its ring (written each pass).
+    tile_offsets: Vec<DeviceBuffer<u32>>,
+    /// Per rank: the gate/up and down plans, and the weights they were built for.
+    plans: Vec<(EnginePlan, EnginePlan)>,
+    built_for: Vec<[u64; 3]>,
+    pass: Option<ForwardMegakernel>,
+}
+
 /// The layer over `config.ep_ranks` virtual ranks on one GPU.
 pub struct EpLayer {
     config: MoeConfig,
     exchange: Exchange,
     ranks: Vec<RankState>,
+    megakernel: Option<EpMegakernel>,
 }
 
 impl EpLayer {
@@ -83,7 +110,145 @@ impl EpLayer {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Self { config, exchange, ranks })
+        Ok(Self { config, exchange, ranks, megakernel: None })
+    }
+
+    /// Runs the forward as the forward megakernel (`Some(options)`: one launch for every rank
+    /// after the schedule; sm_90a, the tensor-core engine) or as separate launches per rank and
+    /// step (`None`, the default). Both give the same bits, and the backward reads what either
+    /// saved. `options.comm_blocks` counts each rank's comm blocks; the grid (all resident at
+    /// once) is split into contiguous runs of pairs, one per rank, each needing its comm blocks
+    /// and a compute pair. Errors when this GPU or the loaded PTX cannot run it; the layer is
+    /// then unchanged. The geometry is checked when the first forward builds the pass.
+    pub fn set_forward_megakernel(&mut self, gpu: &Gpu, options: Option<MegakernelOptions>) -> Result<()> {
+        let Some(options) = options else {
+            self.megakernel = None;
+            return Ok(());
+        };
+        if !gpu.has_kernel(FORWARD_RANKS_KERNEL) || !engine::engine_available(gpu) {
+            return Err(MokError::InvalidInput {
+                tensor: "megakernel",
+                problem: format!(
+                    "needs an sm_90 GPU, the engine kernels and {FORWARD_RANKS_KERNEL} in the loaded PTX (this GPU is sm_{}{})",
+                    gpu.compute_capability().0,
+                    gpu.compute_capability().1
+                ),
+            });
+        }
+        let l = self.config.local_experts();
+        let tile_offsets =
+            (0..self.config.ep_ranks).map(|_| DeviceBuffer::alloc(gpu, 2 * (l + 1))).collect::<Result<Vec<_>>>()?;
+        self.megakernel =
+            Some(EpMegakernel { options, tile_offsets, plans: Vec::new(), built_for: Vec::new(), pass: None });
+        Ok(())
+    }
+
+    /// Whether the forward runs as the megakernel.
+    pub fn uses_forward_megakernel(&self) -> bool {
+        self.megakernel.is_some()
+    }
+
+    /// The megakernel pass's (blocks, comm blocks per rank), once a forward has built it.
+    pub fn megakernel_geometry(&self) -> Option<(u32, u32)> {
+        self.megakernel.as_ref().and_then(|m| m.pass.as_ref()).map(ForwardMegakernel::geometry)
+    }
+
+    /// Faults of `rank` for the following megakernel passes (feature `testing`; the pass must
+    /// exist: run a forward first).
+    #[cfg(feature = "testing")]
+    pub fn set_megakernel_faults(&mut self, rank: usize, faults: MegakernelFaults) -> Result<()> {
+        self.built_megakernel()?.set_faults(rank, faults)
+    }
+
+    /// The work of the following megakernel passes (feature `testing`: the benchmark's overlap
+    /// measurement). The pass must exist.
+    #[cfg(feature = "testing")]
+    pub fn set_megakernel_work(&mut self, work: MegakernelWork) -> Result<()> {
+        self.built_megakernel()?.set_work(work)
+    }
+
+    #[cfg(feature = "testing")]
+    fn built_megakernel(&mut self) -> Result<&mut ForwardMegakernel> {
+        self.megakernel.as_mut().and_then(|m| m.pass.as_mut()).ok_or_else(|| MokError::InvalidInput {
+            tensor: "megakernel",
+            problem: "no megakernel pass yet (switch it on and run a forward)".into(),
+        })
+    }
+
+    /// Builds every rank's engine plans for `experts` and the megakernel pass over them (when
+    /// the megakernel is on): on first use, and again for other weights.
+    fn prepare_megakernel(&mut self, gpu: &Gpu, experts: &[DeviceExperts]) -> Result<()> {
+        let Some(m) = self.megakernel.as_mut() else { return Ok(()) };
+        let keys: Vec<[u64; 3]> =
+            experts.iter().map(|w| [w.w_gate.device_ptr(), w.w_up.device_ptr(), w.w_down.device_ptr()]).collect();
+        if m.pass.is_some() && m.built_for == keys {
+            return Ok(());
+        }
+        let c = &self.config;
+        let (l, capacity) = (c.local_experts(), self.exchange.shape().capacity as usize);
+        let (h, k) = (c.hidden, c.top_k);
+        let r = *self.exchange.regions();
+        let mut plans = Vec::with_capacity(c.ep_ranks);
+        for (rank, (state, w)) in self.ranks.iter().zip(experts).enumerate() {
+            // SAFETY: the regions lie in the heap, which the layer owns and keeps for as long as
+            // the plans (also the layer's) exist; the lengths are the regions' sizes.
+            let (ring_x, ring_row_offsets) = unsafe {
+                (
+                    DeviceSlice::<bf16>::from_raw_parts(self.exchange.address(rank, r.ring_x), capacity * h),
+                    DeviceSlice::<u32>::from_raw_parts(self.exchange.address(rank, r.ring_row_offsets), l + 1),
+                )
+            };
+            let groups = engine::RowGroups {
+                row_offsets: ring_row_offsets,
+                tile_offsets: &m.tile_offsets[rank],
+                groups: l,
+                capacity,
+            };
+            plans.push(state.routed.engine_forward_plans(
+                gpu,
+                ring_x,
+                &groups,
+                [(&w.w_gate).into(), (&w.w_up).into(), (&w.w_down).into()],
+            )?);
+        }
+        let buffers: Vec<PassBuffers> = self
+            .ranks
+            .iter()
+            .enumerate()
+            .map(|(rank, state)| {
+                let at = |region| self.exchange.address(rank, region);
+                PassBuffers {
+                    row_source: at(r.ring_source_slot),
+                    slot_row: at(r.slot_self),
+                    rows: at(r.ring_x),
+                    down_rows: state.routed.out_rows().device_ptr(),
+                    y: state.y.device_ptr(),
+                    top_k: k as u32,
+                    hidden: h as u32,
+                    rank: Some(RankPass {
+                        exchange: self.exchange.params_address(rank),
+                        rank: rank as u32,
+                        error: at(r.error),
+                        inputs: PassInputs {
+                            x: at(r.x),
+                            topk_weights: at(r.topk_weights),
+                            shared_rows: state
+                                .shared
+                                .as_ref()
+                                .map_or(0, |(compute, _)| compute.out_rows().device_ptr()),
+                            tokens: c.tokens_per_rank as u32,
+                            reserved: 0,
+                        },
+                    }),
+                }
+            })
+            .collect();
+        let pairs: Vec<[&EnginePlan; 2]> = plans.iter().map(|(g, d)| [g, d]).collect();
+        let pass = ForwardMegakernel::new(gpu, &pairs, &buffers, &m.options)?;
+        m.plans = plans;
+        m.built_for = keys;
+        m.pass = Some(pass);
+        Ok(())
     }
 
     /// The configuration (P = `ep_ranks`, T per rank).
@@ -188,6 +353,9 @@ impl EpLayer {
     /// expert's weights are replicated); `outputs(r).y` holds the result.
     pub fn forward(&mut self, gpu: &Gpu, experts: &[DeviceExperts], shared: Option<&DeviceSharedExpert>) -> Result<()> {
         self.check_weights(experts, shared)?;
+        if self.megakernel.is_some() {
+            return self.forward_megakernel(gpu, experts, shared);
+        }
         let gpus = [gpu];
         self.exchange.schedule(&gpus)?;
         self.exchange.dispatch(&gpus)?;
@@ -217,6 +385,41 @@ impl EpLayer {
         let rows: Vec<u64> = self.ranks.iter().map(|s| s.routed.out_rows().device_ptr()).collect();
         let outs: Vec<u64> = self.ranks.iter().map(|s| s.y.device_ptr()).collect();
         self.exchange.combine(&gpus, &rows, &bases, &outs)
+    }
+
+    /// The forward as the megakernel: the slot flags cleared, the schedule, each rank's shared
+    /// expert (its rows are the first term of its tokens' sums) and the engine tile offsets of
+    /// its ring, then one launch for every rank.
+    fn forward_megakernel(
+        &mut self,
+        gpu: &Gpu,
+        experts: &[DeviceExperts],
+        shared: Option<&DeviceSharedExpert>,
+    ) -> Result<()> {
+        self.prepare_megakernel(gpu, experts)?;
+        let gpus = [gpu];
+        self.exchange.clear_slot_flags(&gpus)?;
+        self.exchange.schedule(&gpus)?;
+        let r = *self.exchange.regions();
+        let (t, l) = (self.config.tokens_per_rank, self.config.local_experts());
+        let Some(m) = self.megakernel.as_mut() else { return Ok(()) };
+        for (rank, state) in self.ranks.iter().enumerate() {
+            if let (Some(weights), Some((compute, offsets))) = (shared, &state.shared) {
+                compute.forward(
+                    gpu,
+                    &RowGroups::all_tokens(offsets, t),
+                    self.exchange.address(rank, r.x),
+                    [(&weights.ws_gate).into(), (&weights.ws_up).into(), (&weights.ws_down).into()],
+                )?;
+            }
+            // SAFETY: the ring's offsets region of the heap the layer owns, L + 1 words.
+            let ring_row_offsets =
+                unsafe { DeviceSlice::<u32>::from_raw_parts(self.exchange.address(rank, r.ring_row_offsets), l + 1) };
+            engine::tile_offsets_into(gpu, ring_row_offsets, l, &m.tile_offsets[rank])?;
+        }
+        let pairs: Vec<[&EnginePlan; 2]> = m.plans.iter().map(|(g, d)| [g, d]).collect();
+        let Some(pass) = m.pass.as_mut() else { return Ok(()) };
+        pass.launch_ranks(gpu, &pairs)
     }
 
     /// Enqueues the backward pass of the last forward, with every rank's dy uploaded

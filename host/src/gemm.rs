@@ -43,7 +43,11 @@ pub fn engine_available(gpu: &Gpu) -> bool {
 /// `[2 · (groups + 1)]` tile offsets (tiles of `TILE_M` rows, then the count of groups with an
 /// odd tile count before each; `GemmParams::tile_offsets`) from `[groups + 1]` row offsets,
 /// computed on the device, ordered on the stream after whatever wrote the row offsets.
-pub fn tile_offsets(gpu: &Gpu, row_offsets: &DeviceBuffer<u32>, groups: usize) -> Result<DeviceBuffer<u32>> {
+pub fn tile_offsets<'r>(
+    gpu: &Gpu,
+    row_offsets: impl Into<DeviceSlice<'r, u32>>,
+    groups: usize,
+) -> Result<DeviceBuffer<u32>> {
     let tiles = DeviceBuffer::alloc(gpu, 2 * (groups + 1))?;
     tile_offsets_into(gpu, row_offsets, groups, &tiles)?;
     Ok(tiles)
@@ -51,12 +55,13 @@ pub fn tile_offsets(gpu: &Gpu, row_offsets: &DeviceBuffer<u32>, groups: usize) -
 
 /// As [`tile_offsets`], into an existing `[2 · (groups + 1)]` buffer (a plan built for it stays
 /// valid: its address does not change).
-pub fn tile_offsets_into(
+pub fn tile_offsets_into<'r>(
     gpu: &Gpu,
-    row_offsets: &DeviceBuffer<u32>,
+    row_offsets: impl Into<DeviceSlice<'r, u32>>,
     groups: usize,
     tiles: &DeviceBuffer<u32>,
 ) -> Result<()> {
+    let row_offsets = row_offsets.into();
     check_len("row_offsets", row_offsets.len(), groups + 1)?;
     check_len("tile_offsets", tiles.len(), 2 * (groups + 1))?;
     // SAFETY: the arguments are the kernel's parameters, in order and type (its entry point in
@@ -96,8 +101,9 @@ fn check_width(field: &'static str, value: usize) -> Result<()> {
 
 /// Row groups of a row-grouped product: device offsets and the row capacity of the buffers.
 pub struct RowGroups<'a> {
-    /// `[groups + 1]` first row of each group.
-    pub row_offsets: &'a DeviceBuffer<u32>,
+    /// `[groups + 1]` first row of each group (a layer's routing layout, or a ring's offsets in
+    /// the symmetric heap).
+    pub row_offsets: DeviceSlice<'a, u32>,
     /// `[2 · (groups + 1)]` tile offsets of the groups (from [`tile_offsets`]).
     pub tile_offsets: &'a DeviceBuffer<u32>,
     /// Groups.
@@ -368,9 +374,9 @@ impl EnginePlan {
     /// optionally keeping the f32 pre-activations. `rows` `[cap][h]`, weights `[G][i][h]`,
     /// outputs `[cap][i]`.
     #[allow(clippy::too_many_arguments)]
-    pub fn gate_up<'w>(
+    pub fn gate_up<'r, 'w>(
         gpu: &Gpu,
-        rows: &DeviceBuffer<bf16>,
+        rows: impl Into<DeviceSlice<'r, bf16>>,
         groups: &RowGroups<'_>,
         w_gate: impl Into<DeviceSlice<'w, bf16>>,
         w_up: impl Into<DeviceSlice<'w, bf16>>,
@@ -383,6 +389,7 @@ impl EnginePlan {
         check_width("intermediate", i)?;
         groups.check()?;
         let g = groups.groups;
+        let rows = rows.into();
         check_len("rows", rows.len(), groups.capacity * h)?;
         let (w_gate, w_up) = (w_gate.into(), w_up.into());
         check_len("w_gate", w_gate.len(), g * i * h)?;
@@ -466,8 +473,11 @@ impl EnginePlan {
             ),
         };
         check_len("out", out_len, groups.capacity * n)?;
-        let maps =
-            vec![rows_map(gpu, rows, k, groups.capacity)?, weight_map_k_major(gpu, w, k, n, g, TILE_N / 2)?, out_map];
+        let maps = vec![
+            rows_map(gpu, rows.into(), k, groups.capacity)?,
+            weight_map_k_major(gpu, w, k, n, g, TILE_N / 2)?,
+            out_map,
+        ];
         let params = GemmParams {
             map_a: maps[0].device_ptr(),
             map_b: maps[1].device_ptr(),
@@ -505,7 +515,7 @@ impl EnginePlan {
             check_len("a", a.len(), groups.capacity * k)?;
             check_len("w", w.len(), g * k * n)?;
             cut[segment] = Some((maps.len(), a.device_ptr(), 2 * k));
-            maps.push(rows_map(gpu, a, k, groups.capacity)?);
+            maps.push(rows_map(gpu, a.into(), k, groups.capacity)?);
             maps.push(TensorMap::bf16(
                 gpu,
                 w.device_ptr(),
@@ -609,7 +619,7 @@ pub(crate) unsafe fn plain_bytes<T: Copy>(value: &T) -> &[u8] {
 }
 
 /// `[rows][k]` K-major activations: box of 64 K × 64 rows.
-fn rows_map(gpu: &Gpu, rows: &DeviceBuffer<bf16>, k: usize, capacity: usize) -> Result<TensorMap> {
+fn rows_map(gpu: &Gpu, rows: DeviceSlice<'_, bf16>, k: usize, capacity: usize) -> Result<TensorMap> {
     // 64-row boxes: each block of a pair loads one half of the shared 128-row A tile.
     TensorMap::bf16(gpu, rows.device_ptr(), &[k as u64, capacity.max(1) as u64], &[2 * k as u64], &[64, 64])
 }

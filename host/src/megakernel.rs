@@ -8,14 +8,16 @@ use std::time::Duration;
 
 use mok_kernels::comm::params::ERROR_WORDS;
 use mok_kernels::gemm_layout::{ENGINE_SMEM_BYTES, ENGINE_THREADS};
-use mok_kernels::megakernel_layout::{ForwardParams, NO_FAULT, WORK_ALL, first_compute_block};
+use mok_kernels::megakernel_layout::{ForwardParams, NO_FAULT, PassInputs, WORK_ALL, first_compute_block};
 
 use crate::driver::{DeviceBuffer, Gpu, KernelArg, LaunchShape};
 use crate::error::{MokError, Result};
 use crate::gemm::{EnginePlan, engine_error, plain_bytes};
 
-/// The forward megakernel's entry point.
+/// The forward megakernel's entry point on one GPU.
 pub const FORWARD_KERNEL: &str = "mok_sm90_forward";
+/// Its entry point hosting every expert-parallel rank of a pass (virtual ranks on one GPU).
+pub const FORWARD_RANKS_KERNEL: &str = "mok_sm90_forward_ranks";
 
 /// How a forward megakernel pass is laid out on the GPU. Results do not depend on any of it.
 #[derive(Clone, Debug, PartialEq)]
@@ -42,14 +44,17 @@ impl Default for MegakernelOptions {
 /// shapes, docs/PERF.md).
 pub const DEFAULT_COMM_BLOCKS: u32 = 0;
 
-/// Faults a test can inject into the next passes (feature `testing`): an M tile whose rows are
-/// gathered but never published, and one whose gate/up parts are stored but never counted.
+/// Faults a test can inject into the next passes of one rank (feature `testing`): an M tile whose
+/// rows are gathered but never published, one whose gate/up parts are stored but never counted,
+/// and across ranks pushed rows that are never flagged.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct MegakernelFaults {
     /// The comm side never publishes this M tile's rows.
     pub silent_rows_tile: Option<u32>,
     /// The compute side never counts this M tile's gate/up parts (its down tiles wait).
     pub silent_hidden_tile: Option<u32>,
+    /// Across ranks: the rank pushes its rows to their token owners but never flags them.
+    pub silent_push: bool,
 }
 
 /// Which work a megakernel pass does (set with `UnfusedLayer::set_megakernel_work`, feature
@@ -72,26 +77,30 @@ impl MegakernelWork {
     pub const NONE: Self = Self(0);
 }
 
-/// A layer's forward megakernel: the parameter block (fixed for the layer's buffers and plans),
-/// the counters and the launch geometry.
+/// A layer's forward megakernel: the parameter blocks (one per rank, fixed for the layer's
+/// buffers and plans), the counters and the launch geometry.
 pub(crate) struct ForwardMegakernel {
-    host: ForwardParams,
+    host: Vec<ForwardParams>,
     params: DeviceBuffer<u8>,
-    /// `[M tiles]` dispatched flags, `[M tiles]` gate/up parts, `[M tiles]` down parts, the
-    /// combine's next token, the dispatch's next M tile: cleared together (one memset) before
-    /// each pass.
+    /// With ranks, every rank's [`PassInputs`] (fixed heap addresses), written once.
+    inputs: Option<DeviceBuffer<u8>>,
+    /// Per rank: `[M tiles]` dispatched flags, `[M tiles]` gate/up parts, `[M tiles]` down
+    /// parts, the combine's next token, the dispatch's next M tile, the push's next ring row:
+    /// cleared together (one memset) before each pass.
     pass_counters: DeviceBuffer<u32>,
-    error: DeviceBuffer<u32>,
+    /// On one GPU, the pass's error record (with ranks, each rank's record in the heap).
+    error: Option<DeviceBuffer<u32>>,
     blocks: u32,
-    /// The plans the parameter block points at (their parameter blocks' addresses).
-    built_for: [u64; 2],
+    /// The plans each rank's parameter block points at (their parameter blocks' addresses).
+    built_for: Vec<[u64; 2]>,
 }
 
-/// The layer buffers a pass reads and writes, besides the plans'.
+/// The layer buffers a pass reads and writes, besides the plans', for one rank.
 pub(crate) struct PassBuffers {
-    /// `[R]` the slot each expert-ordered row holds.
+    /// `[R]` the slot each expert-ordered row holds (with ranks: the ring map's source slots).
     pub row_source: u64,
-    /// `[T·k]` the row of each slot.
+    /// `[T·k]` the row of each slot (with ranks: the slot itself, `slot_self`, addressing the
+    /// slot buffer).
     pub slot_row: u64,
     /// `[cap][H]` bf16 dispatched rows (the gate/up plan's A).
     pub rows: u64,
@@ -102,33 +111,68 @@ pub(crate) struct PassBuffers {
     /// k, H.
     pub top_k: u32,
     pub hidden: u32,
+    /// With expert-parallel ranks: the rank's place in the symmetric heap.
+    pub rank: Option<RankPass>,
+}
+
+/// One rank's part of a pass across ranks.
+pub(crate) struct RankPass {
+    /// The rank's `ExchangeParams` on this GPU.
+    pub exchange: u64,
+    pub rank: u32,
+    /// The rank's error record in the heap.
+    pub error: u64,
+    /// The rank's inputs (heap addresses, and its shared expert's rows).
+    pub inputs: PassInputs,
+}
+
+/// Words of one rank's pass counters for plans of at most `m_tiles` M tiles.
+const fn counter_words(m_tiles: usize) -> usize {
+    3 * m_tiles + 3
 }
 
 impl ForwardMegakernel {
+    /// The pass of one rank (`buffers.len() == 1`, a single GPU or one rank per GPU) or of
+    /// every virtual rank in one launch; `plans[r]` are rank r's gate/up and down plans.
     pub(crate) fn new(
         gpu: &Gpu,
-        plans: [&EnginePlan; 2],
-        buffers: &PassBuffers,
+        plans: &[[&EnginePlan; 2]],
+        buffers: &[PassBuffers],
         options: &MegakernelOptions,
     ) -> Result<Self> {
-        if !gpu.has_kernel(FORWARD_KERNEL) {
+        let with_ranks = buffers.first().is_some_and(|b| b.rank.is_some());
+        let kernel = if with_ranks { FORWARD_RANKS_KERNEL } else { FORWARD_KERNEL };
+        if plans.len() != buffers.len()
+            || buffers.is_empty()
+            || buffers.iter().any(|b| b.rank.is_some() != with_ranks)
+            || (!with_ranks && buffers.len() != 1)
+        {
             return Err(MokError::InvalidInput {
                 tensor: "megakernel",
-                problem: format!("the loaded PTX has no {FORWARD_KERNEL} (it needs sm_90a)"),
+                problem: format!("{} plan pairs for {} ranks' buffers", plans.len(), buffers.len()),
             });
         }
-        if plans[0].kernel() != "mok_sm90_gemm_gate_up" || plans[1].kernel() != "mok_sm90_gemm_rows_nt" {
+        if !gpu.has_kernel(kernel) {
             return Err(MokError::InvalidInput {
                 tensor: "megakernel",
-                problem: format!(
-                    "runs a gate/up and an f32 down plan, not {} and {}",
-                    plans[0].kernel(),
-                    plans[1].kernel()
-                ),
+                problem: format!("the loaded PTX has no {kernel} (it needs sm_90a)"),
             });
         }
-        gpu.set_max_dynamic_smem(FORWARD_KERNEL, ENGINE_SMEM_BYTES)?;
-        let clusters = gpu.max_active_clusters(FORWARD_KERNEL, ENGINE_THREADS, ENGINE_SMEM_BYTES, 2)?;
+        for pair in plans {
+            if pair[0].kernel() != "mok_sm90_gemm_gate_up" || pair[1].kernel() != "mok_sm90_gemm_rows_nt" {
+                return Err(MokError::InvalidInput {
+                    tensor: "megakernel",
+                    problem: format!(
+                        "runs a gate/up and an f32 down plan, not {} and {}",
+                        pair[0].kernel(),
+                        pair[1].kernel()
+                    ),
+                });
+            }
+        }
+        let ranks = buffers.len() as u32;
+        gpu.set_max_dynamic_smem(kernel, ENGINE_SMEM_BYTES)?;
+        let clusters = gpu.max_active_clusters(kernel, ENGINE_THREADS, ENGINE_SMEM_BYTES, 2)?;
         let resident = (2 * clusters).min(gpu.multiprocessors().next_multiple_of(2));
         let blocks = options.blocks.unwrap_or(resident);
         let comm_blocks = options.comm_blocks.unwrap_or(DEFAULT_COMM_BLOCKS);
@@ -140,89 +184,146 @@ impl ForwardMegakernel {
                 ),
             });
         }
-        if first_compute_block(comm_blocks) + 2 > blocks {
+        // The smallest rank's share of the grid (ranks hold whole pairs, sizes differing by at
+        // most one).
+        let rank_blocks = 2 * (blocks / 2 / ranks);
+        if first_compute_block(comm_blocks) + 2 > rank_blocks {
             return Err(MokError::InvalidInput {
                 tensor: "megakernel comm blocks",
                 problem: format!(
-                    "{comm_blocks} of {blocks} blocks: the comm blocks, rounded up to a pair, must leave at least one compute pair"
+                    "{comm_blocks} comm blocks per rank with {rank_blocks} blocks for the smallest of {ranks} ranks \
+                     ({blocks} in all): the comm blocks, rounded up to a pair, must leave every rank a compute pair"
                 ),
             });
         }
-        let m_tiles = plans[0].max_m_tiles().max(plans[1].max_m_tiles()).max(1);
-        let pass_counters = DeviceBuffer::from_slice(gpu, &vec![0u32; 3 * m_tiles + 2])?;
-        let error = DeviceBuffer::from_slice(gpu, &[0u32; ERROR_WORDS])?;
-        let counters = pass_counters.device_ptr();
-        let host = ForwardParams {
-            gate_up: plans[0].params_ptr(),
-            down: plans[1].params_ptr(),
-            row_source: buffers.row_source,
-            slot_row: buffers.slot_row,
-            rows: buffers.rows,
-            down_rows: buffers.down_rows,
-            y: buffers.y,
-            rows_dispatched: counters,
-            gate_up_stored: counters + 4 * m_tiles as u64,
-            down_stored: counters + 8 * m_tiles as u64,
-            combine_next: counters + 12 * m_tiles as u64,
-            dispatch_next: counters + 12 * m_tiles as u64 + 4,
-            error: error.device_ptr(),
-            timeout_ns: options.timeout.as_nanos().min(u64::MAX as u128) as u64,
-            top_k: buffers.top_k,
-            hidden: buffers.hidden,
-            comm_blocks,
-            silent_rows_tile: NO_FAULT,
-            silent_hidden_tile: NO_FAULT,
-            work: WORK_ALL,
+        let m_tiles = plans.iter().flatten().map(|p| p.max_m_tiles()).max().unwrap_or(0).max(1);
+        let words = counter_words(m_tiles);
+        let pass_counters = DeviceBuffer::from_slice(gpu, &vec![0u32; words * ranks as usize])?;
+        let error = if with_ranks { None } else { Some(DeviceBuffer::from_slice(gpu, &[0u32; ERROR_WORDS])?) };
+        let timeout_ns = options.timeout.as_nanos().min(u64::MAX as u128) as u64;
+        let host: Vec<ForwardParams> = plans
+            .iter()
+            .zip(buffers)
+            .enumerate()
+            .map(|(r, (pair, b))| {
+                let counters = pass_counters.device_ptr() + 4 * (r * words) as u64;
+                let tile_words = 4 * m_tiles as u64;
+                let (exchange, rank, error) = match (&b.rank, &error) {
+                    (Some(rank), _) => (rank.exchange, rank.rank, rank.error),
+                    (None, Some(record)) => (0, 0, record.device_ptr()),
+                    (None, None) => unreachable!("a pass without ranks has its own record"),
+                };
+                ForwardParams {
+                    gate_up: pair[0].params_ptr(),
+                    down: pair[1].params_ptr(),
+                    row_source: b.row_source,
+                    slot_row: b.slot_row,
+                    rows: b.rows,
+                    down_rows: b.down_rows,
+                    y: b.y,
+                    rows_dispatched: counters,
+                    gate_up_stored: counters + tile_words,
+                    down_stored: counters + 2 * tile_words,
+                    combine_next: counters + 3 * tile_words,
+                    dispatch_next: counters + 3 * tile_words + 4,
+                    error,
+                    timeout_ns,
+                    exchange,
+                    push_next: counters + 3 * tile_words + 8,
+                    top_k: b.top_k,
+                    hidden: b.hidden,
+                    comm_blocks,
+                    silent_rows_tile: NO_FAULT,
+                    silent_hidden_tile: NO_FAULT,
+                    work: WORK_ALL,
+                    rank,
+                    silent_push: NO_FAULT,
+                }
+            })
+            .collect();
+        let params = DeviceBuffer::from_slice(gpu, &params_bytes(&host))?;
+        let inputs = if with_ranks {
+            let inputs: Vec<PassInputs> = buffers.iter().filter_map(|b| b.rank.as_ref().map(|r| r.inputs)).collect();
+            Some(DeviceBuffer::from_slice(gpu, &inputs_bytes(&inputs))?)
+        } else {
+            None
         };
-        // SAFETY: ForwardParams is repr(C) plain data: fourteen u64 and six u32, no padding (136
-        // bytes, asserted in megakernel_layout).
-        let params = DeviceBuffer::from_slice(gpu, unsafe { plain_bytes(&host) })?;
         Ok(Self {
             host,
             params,
+            inputs,
             pass_counters,
             error,
             blocks,
-            built_for: [plans[0].params_ptr(), plans[1].params_ptr()],
+            built_for: plans.iter().map(|p| [p[0].params_ptr(), p[1].params_ptr()]).collect(),
         })
     }
 
-    /// Whether this pass was built for these plans.
-    pub(crate) fn built_for(&self, plans: [&EnginePlan; 2]) -> bool {
-        self.built_for == [plans[0].params_ptr(), plans[1].params_ptr()]
+    /// Whether this pass was built for these plans (one pair per rank).
+    pub(crate) fn built_for(&self, plans: &[[&EnginePlan; 2]]) -> bool {
+        self.built_for.len() == plans.len()
+            && self.built_for.iter().zip(plans).all(|(b, p)| *b == [p[0].params_ptr(), p[1].params_ptr()])
     }
 
-    /// Blocks of the launch, and of them the comm blocks.
+    /// Blocks of the launch, and of them the comm blocks (of each rank).
     pub(crate) fn geometry(&self) -> (u32, u32) {
-        (self.blocks, self.host.comm_blocks)
+        (self.blocks, self.host[0].comm_blocks)
     }
 
     /// Sets the work of the following passes (benchmarks).
     #[cfg(feature = "testing")]
     pub(crate) fn set_work(&mut self, work: MegakernelWork) -> Result<()> {
-        self.host.work = work.0;
+        for rank in &mut self.host {
+            rank.work = work.0;
+        }
         self.upload_params()
     }
 
-    /// Uploads the parameter block again after a test hook changed it.
+    /// Uploads the parameter blocks again after a test hook changed them.
     #[cfg(feature = "testing")]
     fn upload_params(&mut self) -> Result<()> {
-        // SAFETY: as in `new`.
-        self.params.upload(unsafe { plain_bytes(&self.host) })
+        self.params.upload(&params_bytes(&self.host))
     }
 
-    /// Sets the faults of the following passes (tests).
+    /// Sets the faults of `rank` for the following passes (tests).
     #[cfg(feature = "testing")]
-    pub(crate) fn set_faults(&mut self, faults: MegakernelFaults) -> Result<()> {
-        self.host.silent_rows_tile = faults.silent_rows_tile.unwrap_or(NO_FAULT);
-        self.host.silent_hidden_tile = faults.silent_hidden_tile.unwrap_or(NO_FAULT);
+    pub(crate) fn set_faults(&mut self, rank: usize, faults: MegakernelFaults) -> Result<()> {
+        let ranks = self.host.len();
+        let Some(params) = self.host.get_mut(rank) else {
+            return Err(MokError::InvalidInput {
+                tensor: "rank",
+                problem: format!("rank {rank} is not below the pass's {ranks} ranks"),
+            });
+        };
+        params.silent_rows_tile = faults.silent_rows_tile.unwrap_or(NO_FAULT);
+        params.silent_hidden_tile = faults.silent_hidden_tile.unwrap_or(NO_FAULT);
+        params.silent_push = if faults.silent_push { 1 } else { NO_FAULT };
         self.upload_params()
     }
 
-    /// Enqueues one pass of `tokens` tokens (at most the layer's capacity): cuts both plans'
-    /// group maps (zeroing their tile counters), clears the pass counters, then the megakernel.
-    /// `x` `[T][H]` bf16, `topk_weights` `[T·k]` f32 and `shared_rows` `[T][H]` f32 (0 for none)
-    /// must stay allocated until the stream has run it.
+    /// Checks the plans and enqueues what precedes every pass: cuts every plan's group maps
+    /// (zeroing their tile counters) and clears the pass counters.
+    fn prepare_pass(&mut self, gpu: &Gpu, plans: &[[&EnginePlan; 2]]) -> Result<()> {
+        if !self.built_for(plans) {
+            return Err(MokError::InvalidInput {
+                tensor: "megakernel",
+                problem: "built for other engine plans".into(),
+            });
+        }
+        for plan in plans.iter().flatten() {
+            plan.cut_group_maps(gpu)?;
+        }
+        self.pass_counters.fill_bytes(0)
+    }
+
+    fn shape(&self) -> LaunchShape {
+        LaunchShape { grid: (self.blocks, 1, 1), threads: ENGINE_THREADS, smem_bytes: ENGINE_SMEM_BYTES }
+    }
+
+    /// Enqueues one pass on one GPU of `tokens` tokens (at most the layer's capacity): cuts
+    /// both plans' group maps (zeroing their tile counters), clears the pass counters, then the
+    /// megakernel. `x` `[T][H]` bf16, `topk_weights` `[T·k]` f32 and `shared_rows` `[T][H]`
+    /// f32 (0 for none) must stay allocated until the stream has run it.
     pub(crate) fn launch(
         &mut self,
         gpu: &Gpu,
@@ -232,17 +333,10 @@ impl ForwardMegakernel {
         shared_rows: u64,
         tokens: u32,
     ) -> Result<()> {
-        if !self.built_for(plans) {
-            return Err(MokError::InvalidInput {
-                tensor: "megakernel",
-                problem: "built for other engine plans".into(),
-            });
+        if self.inputs.is_some() {
+            return Err(MokError::InvalidInput { tensor: "megakernel", problem: "built for ranks".into() });
         }
-        for plan in plans {
-            plan.cut_group_maps(gpu)?;
-        }
-        self.pass_counters.fill_bytes(0)?;
-        let shape = LaunchShape { grid: (self.blocks, 1, 1), threads: ENGINE_THREADS, smem_bytes: ENGINE_SMEM_BYTES };
+        self.prepare_pass(gpu, &[plans])?;
         let args = [
             KernelArg::Ptr(self.params.device_ptr()),
             KernelArg::Ptr(x),
@@ -255,21 +349,56 @@ impl ForwardMegakernel {
         // counters hold an entry per M tile the plans' groups can have, cleared above on the
         // stream; the grid is co-resident (checked in `new`); the caller keeps x, the weights
         // and the shared rows alive until the stream has run the pass.
-        unsafe { gpu.launch(FORWARD_KERNEL, shape, &args) }
+        unsafe { gpu.launch(FORWARD_KERNEL, self.shape(), &args) }
+    }
+
+    /// Enqueues one pass of every rank in one launch, after the exchange's schedule (which the
+    /// caller enqueued, with every rank's `slot_ready` cleared before its publish): cuts every
+    /// plan's group maps, clears the pass counters, then the megakernel.
+    pub(crate) fn launch_ranks(&mut self, gpu: &Gpu, plans: &[[&EnginePlan; 2]]) -> Result<()> {
+        let Some(inputs) = &self.inputs else {
+            return Err(MokError::InvalidInput { tensor: "megakernel", problem: "built for one GPU".into() });
+        };
+        let inputs = inputs.device_ptr();
+        self.prepare_pass(gpu, plans)?;
+        let args =
+            [KernelArg::Ptr(self.params.device_ptr()), KernelArg::Ptr(inputs), KernelArg::U32(self.host.len() as u32)];
+        // SAFETY: `mok_sm90_forward_ranks`'s parameters in order and type; each rank's
+        // parameter block points at the layer's live buffers, its heap slice and the plans'
+        // parameter blocks (checked above); the inputs are one block per rank; the counters are
+        // cleared above on the stream; the grid is co-resident and gives every rank a compute
+        // pair (checked in `new`).
+        unsafe { gpu.launch(FORWARD_RANKS_KERNEL, self.shape(), &args) }
     }
 
     /// Waits for the stream (the download does) and reports the first failure of the last
-    /// pass, clearing it so the next pass starts clean.
+    /// pass on one GPU, clearing it so the next pass starts clean (across ranks the exchange
+    /// reads the heap's records).
     pub(crate) fn check(&mut self) -> Result<()> {
-        let words = self.error.download()?;
+        let Some(record) = &mut self.error else { return Ok(()) };
+        let words = record.download()?;
         match engine_error(&words, None) {
             None => Ok(()),
             Some(error) => {
-                self.error.upload(&[0; ERROR_WORDS])?;
+                record.upload(&[0; ERROR_WORDS])?;
                 Err(error)
             }
         }
     }
+}
+
+/// The parameter blocks as the bytes the device reads.
+fn params_bytes(blocks: &[ForwardParams]) -> Vec<u8> {
+    // SAFETY: ForwardParams is repr(C) plain data: sixteen u64 and eight u32, no padding (160
+    // bytes, asserted in megakernel_layout).
+    blocks.iter().flat_map(|b| unsafe { plain_bytes(b) }.to_vec()).collect()
+}
+
+/// The pass inputs as the bytes the device reads.
+fn inputs_bytes(blocks: &[PassInputs]) -> Vec<u8> {
+    // SAFETY: PassInputs is repr(C) plain data: three u64 and two u32, no padding (32 bytes,
+    // asserted in megakernel_layout).
+    blocks.iter().flat_map(|b| unsafe { plain_bytes(b) }.to_vec()).collect()
 }
 
 #[cfg(test)]

@@ -43,8 +43,17 @@ pub struct ForwardParams {
     pub combine_next: u64,
     /// One u32: the next M tile of the dispatch to hand out; cleared before the pass.
     pub dispatch_next: u64,
-    /// `comm::params::ERROR_WORDS` u32: the pass's first failure (`comm::error` format).
+    /// `comm::params::ERROR_WORDS` u32: the pass's first failure (`comm::error` format); with
+    /// ranks, the rank's record in the symmetric heap.
     pub error: u64,
+    /// With expert-parallel ranks, this rank's `comm::params::ExchangeParams` (the symmetric heap:
+    /// where the dispatch reads the token owners' rows and where the combine pushes them back);
+    /// 0 on a single GPU, where the rows come from the pass's x and the combine reads
+    /// `down_rows` in place.
+    pub exchange: u64,
+    /// With ranks, one u32: the next ring row to push to its token owner; cleared before the
+    /// pass.
+    pub push_next: u64,
     /// How long a wait on the dispatch may take, in `%globaltimer` nanoseconds (waits further
     /// downstream get longer: [`downstream_deadline`]).
     pub timeout_ns: u64,
@@ -65,13 +74,22 @@ pub struct ForwardParams {
     /// measurement times the launch with only the row moving ([`WORK_COPY_ROWS`] |
     /// [`WORK_COMBINE`]) and with only the GEMMs (rows already in place).
     pub work: u32,
+    /// The rank these parameters act as (0 on a single GPU).
+    pub rank: u32,
+    /// Fault injection across ranks (tests): anything but [`NO_FAULT`] makes this rank push its
+    /// rows but never set their `slot_ready` flags.
+    pub silent_push: u32,
 }
 
-// The host writes this block byte for byte: fourteen 8-byte fields, then six u32.
-const _: () = assert!(size_of::<ForwardParams>() == 136);
+// The host writes this block byte for byte: sixteen 8-byte fields, then eight u32.
+const _: () = assert!(size_of::<ForwardParams>() == 160);
 
-/// The per-pass arguments of the forward megakernel, after the parameter block.
-#[derive(Clone, Copy, Debug)]
+/// The per-pass inputs of the forward megakernel: kernel arguments after the parameter block on
+/// a single GPU (`mok_sm90_forward`); with expert-parallel ranks (`mok_sm90_forward_ranks`),
+/// where every input sits at a fixed address in the symmetric heap, one block per rank in device
+/// memory, written once.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct PassInputs {
     /// `[T][H]` bf16 token rows.
     pub x: u64,
@@ -81,7 +99,11 @@ pub struct PassInputs {
     pub shared_rows: u64,
     /// Tokens T of this pass (at most the capacity the layer's buffers were sized for).
     pub tokens: u32,
+    /// Keeps the block a whole number of 8-byte words (no implicit padding); 0.
+    pub reserved: u32,
 }
+
+const _: () = assert!(size_of::<PassInputs>() == 32);
 
 /// [`ForwardParams::work`]: the dispatch copies the rows (without it, it only publishes them:
 /// the rows of an earlier pass are in place).
@@ -98,6 +120,22 @@ pub const WORK_ALL: u32 = WORK_COPY_ROWS | WORK_GEMMS | WORK_COMBINE;
 /// 2-block clusters, so a comm count that is odd leaves the last comm block's partner idle).
 pub const fn first_compute_block(comm_blocks: u32) -> u32 {
     comm_blocks.next_multiple_of(2)
+}
+
+/// The compute pairs of rank `rank` when a launch of `pairs` 2-block clusters hosts `ranks`
+/// ranks: `(first pair, pairs)`, contiguous, sizes differing by at most one (rank r holds pairs
+/// ⌈r·pairs/P⌉ .. ⌈(r+1)·pairs/P⌉). Every rank holds at least one when `pairs ≥ ranks`.
+pub const fn rank_pairs(pairs: u32, ranks: u32, rank: u32) -> (u32, u32) {
+    let first = (rank * pairs).div_ceil(ranks);
+    let end = ((rank + 1) * pairs).div_ceil(ranks);
+    (first, end - first)
+}
+
+/// The rank whose pairs hold pair `pair` (the inverse of [`rank_pairs`]).
+pub const fn rank_of_pair(pair: u32, pairs: u32, ranks: u32) -> u32 {
+    // The last rank r with ⌈r·pairs/P⌉ ≤ pair, i.e. r·pairs ≤ pair·P: r = ⌊pair·P / pairs⌋
+    // (exact, since ⌈a/P⌉ ≤ pair ⇔ a ≤ pair·P).
+    (pair * ranks) / pairs
 }
 
 /// Stored parts that complete an M tile of `rows` rows in a GEMM of `n_tiles` N tiles: each N
@@ -132,5 +170,24 @@ mod tests {
             [downstream_deadline(1000, 0), downstream_deadline(1000, 1), downstream_deadline(1000, 2)],
             [1000, 1500, 1750]
         );
+    }
+
+    #[test]
+    fn ranks_take_contiguous_balanced_pairs() {
+        for ranks in 1..=12u32 {
+            for pairs in ranks..=70u32 {
+                let mut next = 0;
+                for rank in 0..ranks {
+                    let (first, count) = rank_pairs(pairs, ranks, rank);
+                    assert_eq!(first, next, "pairs {pairs} ranks {ranks} rank {rank}");
+                    assert!(count == pairs / ranks || count == pairs / ranks + 1);
+                    for pair in first..first + count {
+                        assert_eq!(rank_of_pair(pair, pairs, ranks), rank, "pair {pair} of {pairs}, {ranks} ranks");
+                    }
+                    next = first + count;
+                }
+                assert_eq!(next, pairs);
+            }
+        }
     }
 }

@@ -282,6 +282,23 @@ impl Exchange {
         unsafe { gpu.fill_device_bytes(self.address(rank, region), 0, (words * 4) as usize) }
     }
 
+    /// Clears every local rank's `slot_ready` flags (the forward megakernel's push signals), in
+    /// stream order before the next [`Self::schedule`]'s publish: no peer can push into a pass
+    /// before its owner has published it, so no push can race the clearing.
+    pub(crate) fn clear_slot_flags(&self, gpus: &[&Gpu]) -> Result<()> {
+        let slots = (self.shape.tokens * self.shape.top_k) as u64;
+        for (i, rank) in self.local() {
+            self.fill_words(gpu_of(gpus, i), rank, self.regions().slot_ready, slots)?;
+        }
+        Ok(())
+    }
+
+    /// The parameter block of `rank` on the GPU driving it (device address).
+    pub(crate) fn params_address(&self, rank: usize) -> u64 {
+        let local = self.heap.local_ranks().iter().position(|&r| r == rank).unwrap_or(0);
+        self.params_ptr(local)
+    }
+
     /// Forward schedule: route every local rank's slots, publish a new epoch, then (each rank
     /// as expert owner) exchange counts, place the segments and build the inverse map.
     pub fn schedule(&mut self, gpus: &[&Gpu]) -> Result<()> {
@@ -690,10 +707,17 @@ pub(crate) fn decode_timeout(rank: Option<usize>, words: &[u32]) -> MokError {
         codes::WAIT_ENGINE_TILE_DISPATCHED => {
             format!("M tile {index}: expected its dispatched flag {expected}, it held {seen}")
         }
+        codes::WAIT_COMBINE_SLOT => {
+            format!(
+                "slot t·k + j = {index}: expected its row pushed by rank {peer} (flag {expected}), the flag held {seen}"
+            )
+        }
         _ => format!("record {words:?}"),
     };
     let peer = match waited {
-        codes::WAIT_PEER_PUBLISHED | codes::WAIT_COMBINE_ROWS | codes::WAIT_DX_ROWS => Some(peer),
+        codes::WAIT_PEER_PUBLISHED | codes::WAIT_COMBINE_ROWS | codes::WAIT_DX_ROWS | codes::WAIT_COMBINE_SLOT => {
+            Some(peer)
+        }
         _ => None,
     };
     MokError::Timeout { rank, peer, waited_for: codes::waited_for_name(waited).into(), detail }

@@ -161,6 +161,26 @@ impl ExpertCompute {
         &self.rows.out
     }
 
+    /// The tensor-core engine's forward plans over `rows` (`[capacity][H]` bf16 in group order)
+    /// and this workspace: gate/up + SwiGLU into the hidden rows, keeping the f32
+    /// pre-activations the backward reads, then the down projection into the f32 out rows —
+    /// what [`Self::forward`] computes, bit for bit.
+    pub(crate) fn engine_forward_plans(
+        &self,
+        gpu: &Gpu,
+        rows: DeviceSlice<'_, bf16>,
+        groups: &crate::gemm::RowGroups<'_>,
+        [w_gate, w_up, w_down]: [DeviceSlice<'_, bf16>; 3],
+    ) -> Result<(crate::gemm::EnginePlan, crate::gemm::EnginePlan)> {
+        use crate::gemm::{EnginePlan, RowsOut};
+        let (h, i, r) = (self.hidden, self.inter, &self.rows);
+        let limit = self.limit.is_finite().then_some(self.limit);
+        Ok((
+            EnginePlan::gate_up(gpu, rows, groups, w_gate, w_up, (h, i), limit, &r.hidden, Some((&r.gate, &r.up)))?,
+            EnginePlan::rows_nt(gpu, &r.hidden, groups, w_down, (h, i), RowsOut::F32(&r.out))?,
+        ))
+    }
+
     /// `[R][H]` f32 input-row gradients of the last backward.
     pub fn d_in_rows(&self) -> &DeviceBuffer<f32> {
         &self.rows.d_in

@@ -6,7 +6,7 @@ use half::bf16;
 use crate::config::MoeConfig;
 use crate::driver::{DeviceBuffer, DeviceSlice, DeviceSliceMut, Gpu, KernelArg, LaunchShape};
 use crate::error::{MokError, Result};
-use crate::gemm::{self as engine, EnginePlan, RowsOut, WgradOut};
+use crate::gemm::{self as engine, EnginePlan, WgradOut};
 use crate::megakernel::{FORWARD_KERNEL, ForwardMegakernel, MegakernelOptions, PassBuffers};
 #[cfg(feature = "testing")]
 use crate::megakernel::{MegakernelFaults, MegakernelWork};
@@ -272,7 +272,7 @@ impl UnfusedLayer {
     /// a forward first).
     #[cfg(feature = "testing")]
     pub fn set_megakernel_faults(&mut self, faults: MegakernelFaults) -> Result<()> {
-        self.built_megakernel()?.set_faults(faults)
+        self.built_megakernel()?.set_faults(0, faults)
     }
 
     /// The work of the following megakernel passes (feature `testing`: the benchmark's overlap
@@ -297,7 +297,7 @@ impl UnfusedLayer {
             return Ok(());
         };
         let plans = [&engine.forward[0], &engine.forward[1]];
-        if pass.as_ref().is_some_and(|p| p.built_for(plans)) {
+        if pass.as_ref().is_some_and(|p| p.built_for(&[plans])) {
             return Ok(());
         }
         let c = &self.config;
@@ -309,8 +309,9 @@ impl UnfusedLayer {
             y: self.y.device_ptr(),
             top_k: c.top_k as u32,
             hidden: c.hidden as u32,
+            rank: None,
         };
-        *pass = Some(ForwardMegakernel::new(gpu, plans, &buffers, options)?);
+        *pass = Some(ForwardMegakernel::new(gpu, &[plans], &[buffers], options)?);
         Ok(())
     }
 
@@ -329,27 +330,18 @@ impl UnfusedLayer {
             let c = &self.config;
             let (h, i, e, slots) = (c.hidden, c.intermediate, c.num_experts, c.tokens_per_rank * c.top_k);
             let groups = engine::RowGroups {
-                row_offsets: &self.routing.row_offsets,
+                row_offsets: (&self.routing.row_offsets).into(),
                 tile_offsets: &state.tile_offsets,
                 groups: e,
                 capacity: slots,
             };
             let rows = &self.routed.rows;
-            let x = &self.gathered_x;
-            let (gate_up, down) = (
-                EnginePlan::gate_up(
-                    gpu,
-                    x,
-                    &groups,
-                    experts.w_gate,
-                    experts.w_up,
-                    (h, i),
-                    c.swiglu_limit,
-                    &rows.hidden,
-                    Some((&rows.gate, &rows.up)),
-                )?,
-                EnginePlan::rows_nt(gpu, &rows.hidden, &groups, experts.w_down, (h, i), RowsOut::F32(&rows.out))?,
-            );
+            let (gate_up, down) = self.routed.engine_forward_plans(
+                gpu,
+                (&self.gathered_x).into(),
+                &groups,
+                [experts.w_gate, experts.w_up, experts.w_down],
+            )?;
             state.dgrad = vec![
                 EnginePlan::rows_nn(gpu, (&rows.d_rows, experts.w_down), None, &groups, (i, h), &rows.d_hidden)?,
                 EnginePlan::rows_nn(

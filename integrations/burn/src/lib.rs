@@ -23,6 +23,7 @@ use burn_backend::ops::FloatTensorOps;
 use burn_backend::{DType, FloatDType, Shape};
 use burn_cubecl::CubeBackend;
 use burn_cubecl::cubecl::cuda::CudaRuntime;
+use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use half::bf16;
@@ -196,8 +197,11 @@ impl MokMoe {
         let [g, u, d] = [w_gate, w_up, w_down].map(|t| t.into_primitive().tensor());
         let ids = topk_ids.into_primitive();
         let nodes = [&x, &w, &g, &u, &d].map(|p| p.node.clone());
-        let [x, w, g, u, d] = [x, w, g, u, d].map(|p| p.primitive);
-        let weights = Inner::float_cast(w, FloatDType::F32);
+        // CubeCL allocates small rows pitched (a [T, 2] tensor's rows padded for alignment):
+        // mok reads compact rows, so each input is made contiguous (a no-op when it is).
+        let [x, w, g, u, d] = [x, w, g, u, d].map(|p| into_contiguous(p.primitive));
+        let weights = into_contiguous(Inner::float_cast(w, FloatDType::F32));
+        let ids = into_contiguous(ids);
         let saved = Saved { x, ids, weights, w_gate: g, w_up: u, w_down: d };
         let y = self.run_forward(&saved)?;
         let out = match MokBackward.prepare::<NoCheckpointing>(nodes).compute_bound().stateful() {
@@ -222,7 +226,7 @@ impl MokMoe {
     /// dx, d_topk_weights (bf16, burn's float type), dw_gate, dw_up, dw_down, in the order of
     /// the forward's parents.
     fn run_backward(&self, saved: &Saved, dy: CubeTensor<CudaRuntime>) -> Result<[CubeTensor<CudaRuntime>; 5], Error> {
-        let dy = burn_cubecl::kernel::into_contiguous(dy);
+        let dy = into_contiguous(dy);
         let dx = empty(&saved.x, saved.x.meta.shape().clone(), DType::BF16);
         let d_weights = empty(&saved.x, saved.weights.meta.shape().clone(), DType::F32);
         let dw = [&saved.w_gate, &saved.w_up, &saved.w_down].map(|w| empty(w, w.meta.shape().clone(), DType::BF16));

@@ -109,6 +109,10 @@ pub struct HeapRegions {
     pub combine_slots: u64,
     /// `[T·k][H]` f32: backward reverse-dispatch lands here.
     pub dx_slots: u64,
+    /// `[T·k]` u32: 1 once the forward megakernel's expert owner has pushed the slot's row into
+    /// `combine_slots` (a release by the pusher); cleared by this rank before it publishes a
+    /// pass, so no peer can push into a pass whose flags are still being cleared.
+    pub slot_ready: u64,
     /// `[4]` u32: word 0 = the last epoch this rank published (its inputs and layout are ready).
     pub published: u64,
     /// `[chunks][P]` u32: rows pushed into `combine_slots` by each expert owner, per token tile
@@ -190,6 +194,7 @@ impl HeapRegions {
             slot_self: heap.take(slots * 4),
             combine_slots: heap.take(slots * h * 4),
             dx_slots: heap.take(slots * h * 4),
+            slot_ready: heap.take(slots * 4),
             published: heap.take(16),
             combine_arrived: heap.take(chunks * p * 4),
             dx_arrived: heap.take(chunks * p * 4),
@@ -319,6 +324,7 @@ mod tests {
             (r.slot_self, t * k * 4),
             (r.combine_slots, t * k * h * 4),
             (r.dx_slots, t * k * h * 4),
+            (r.slot_ready, t * k * 4),
             (r.published, 16),
             (r.combine_arrived, chunks * p * 4),
             (r.dx_arrived, chunks * p * 4),

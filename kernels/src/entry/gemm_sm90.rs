@@ -126,7 +126,27 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_forward(
         topk_weights: topk_weights as u64,
         shared_rows: shared_rows as u64,
         tokens,
+        reserved: 0,
     };
     // SAFETY: caller contract.
-    unsafe { crate::megakernel::forward::forward(params, pass) }
+    unsafe { crate::megakernel::forward::forward(params, pass, crate::ptx::sreg::block_idx_x()) }
+}
+
+/// The forward megakernel hosting `ranks` expert-parallel ranks in one launch: `params` and
+/// `inputs` hold one block per rank; each rank runs on its own contiguous run of the grid's
+/// 2-block clusters (`megakernel_layout::rank_pairs`), as [`mok_sm90_forward`] does on one GPU.
+///
+/// # Safety
+/// As [`crate::megakernel::forward::forward`] for every rank; `ranks` ≥ 1 blocks at `params`
+/// and at `inputs`; the grid holds at least `ranks` pairs, and every rank's share is large
+/// enough for its comm blocks and a compute pair.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn mok_sm90_forward_ranks(
+    params: *const crate::megakernel_layout::ForwardParams,
+    inputs: *const crate::megakernel_layout::PassInputs,
+    ranks: u32,
+) {
+    let (rank, block) = crate::megakernel::forward::rank_of_block(ranks);
+    // SAFETY: caller contract: rank < ranks.
+    unsafe { crate::megakernel::forward::forward(params.add(rank as usize), *inputs.add(rank as usize), block) }
 }

@@ -1,33 +1,76 @@
-//! The row-moving work of the forward megakernel on one GPU: the dispatch (token rows into
-//! expert order, one engine M tile at a time from a shared queue, each published with a
-//! release) and the combine (each token's slots summed in fixed order once the down tiles
-//! holding them are stored).
+//! The row-moving work of the forward megakernel: the dispatch (token rows into expert order,
+//! one engine M tile at a time from a shared queue, each published with a release), across
+//! ranks the push (each finished down-projection row into its token owner's slot buffer, with
+//! a release of the slot's flag), and the combine (each token's slots summed in fixed order once
+//! they are all there).
+//!
+//! On one GPU ([`ForwardParams::exchange`] = 0) the dispatch reads the pass's x and the combine
+//! reads the down rows in place. Across ranks the dispatch pulls from the token owners' x
+//! through the symmetric heap's peer mapping (the ring map says which rank and slot each ring
+//! row holds) and the combine reads the slot buffer the expert owners pushed into: the same rows
+//! summed in the same order, so the bits do not depend on P.
 
-use crate::comm::error::{self, ERROR_TIMEOUT, WAIT_ENGINE_TILE_OUTPUT};
+use crate::comm::RankView;
+use crate::comm::error::{self, ERROR_TIMEOUT, WAIT_COMBINE_SLOT, WAIT_ENGINE_TILE_OUTPUT};
+use crate::comm::params::ExchangeParams;
 use crate::comm::schedule::{rows_in_tile, tile_of_row};
-use crate::comm::wait::wait_until;
+use crate::comm::wait::{signal, wait_until};
 use crate::device::rows::{combine_quads, copy_row};
 use crate::gemm_layout::{GemmParams, TILE_M, TILE_N};
 use crate::layout::NO_ROW;
 use crate::megakernel_layout::{
-    ForwardParams, PassInputs, WORK_COPY_ROWS, WORK_GEMMS, downstream_deadline, parts_per_m_tile,
+    ForwardParams, NO_FAULT, PassInputs, WORK_COPY_ROWS, WORK_GEMMS, downstream_deadline, parts_per_m_tile,
 };
 use crate::ptx::memory::{atom_add_relaxed_gpu_u32, ld_shared_u32, st_release_gpu_u32, st_shared_u32};
-use crate::ptx::{smem, sreg, sync};
+use crate::ptx::{signal as warp, smem, sreg, sync};
 use crate::tiles::group_of_tile;
 
+/// The rank's view of the symmetric heap, when the pass has ranks.
+///
+/// # Safety
+/// `f.exchange` is 0 or points at the rank's valid `ExchangeParams` for the whole launch.
+#[inline(always)]
+pub unsafe fn rank_view(f: &ForwardParams) -> Option<RankView<'_>> {
+    // SAFETY: caller contract.
+    (f.exchange != 0).then(|| RankView { params: unsafe { &*(f.exchange as *const ExchangeParams) }, rank: f.rank })
+}
+
+/// The engine M tile holding `row` of a plan's groups, and the parts that complete it.
+///
+/// # Safety
+/// `p` is a row-grouped plan's parameter block whose offsets were written before the launch;
+/// `row` is below its row count.
+#[inline(always)]
+unsafe fn stored_tile_of_row(p: &GemmParams, row: u32, n_tiles: u32) -> (u32, u32) {
+    let groups = p.groups as usize + 1;
+    // SAFETY: caller contract: the plan's G + 1 offsets of each kind.
+    let (row_offsets, tile_offsets) = unsafe {
+        (
+            core::slice::from_raw_parts(p.row_offsets as *const u32, groups),
+            core::slice::from_raw_parts(p.tile_offsets as *const u32, groups),
+        )
+    };
+    // A row below the row count lies in a group, so both lookups find it.
+    let tile = tile_of_row(row_offsets, tile_offsets, row, TILE_M).unwrap_or(0);
+    (tile, parts_per_m_tile(n_tiles, rows_in_tile(row_offsets, tile_offsets, tile, TILE_M).unwrap_or(0)))
+}
+
 /// Dispatch, by every thread of a block: engine M tiles taken one at a time from
-/// `dispatch_next` (shared by every block that dispatches, so the tiles go out in increasing
-/// order); each tile's rows are copied from x in expert order (a warp per row), then, after a
-/// block barrier, thread 0 sets the tile's `rows_dispatched` flag with a release.
+/// `dispatch_next` (shared by every block of the rank that dispatches, so the tiles go out in
+/// increasing order); each tile's rows are copied in expert order (a warp per row) from x — on
+/// one GPU the pass's, across ranks the token owner's through the peer mapping — then, after a
+/// block barrier, thread 0 sets the tile's `rows_dispatched` flag with a release. Across ranks a
+/// rank whose error record is set (its schedule failed) copies nothing: the waits on its tiles
+/// then stop at once.
 /// Waits for nothing, so whatever waits on a dispatched tile waits on work a running block is
 /// already doing. Returns once the tiles are all handed out (the block has finished its own).
 ///
 /// # Safety
 /// `f` and `pass` are the pass's; the schedule (routing layout, tile offsets) was written before
-/// the launch; the block's first 4 bytes of dynamic shared memory are free (the hand-out).
+/// the launch; the block's first 4 bytes of dynamic shared memory are free (the hand-out);
+/// `view` is [`rank_view`]`(f)`.
 #[inline(always)]
-pub unsafe fn dispatch(f: &ForwardParams, pass: &PassInputs) {
+pub unsafe fn dispatch(f: &ForwardParams, pass: &PassInputs, view: Option<&RankView>) {
     // SAFETY: caller contract: the gate/up parameter block and the offsets it points at.
     unsafe {
         let p = &*(f.gate_up as *const GemmParams);
@@ -37,6 +80,8 @@ pub unsafe fn dispatch(f: &ForwardParams, pass: &PassInputs) {
         let m_tiles = tile_offsets[groups - 1];
         let (warp, warps, lane) = (sreg::thread_idx_x() / 32, sreg::block_dim_x() / 32, sreg::lane_id());
         let (x, rows, row_source) = (pass.x as *const u16, f.rows as *mut u16, f.row_source as *const u32);
+        let source_rank: *const u32 = view.map_or(core::ptr::null(), |v| v.local(v.params.regions.ring_source_rank));
+        let copy = f.work & WORK_COPY_ROWS != 0 && !view.is_some_and(|_| error::has_error(f.error as *const u32));
         let handout = smem::dynamic_smem_base();
         loop {
             if sreg::thread_idx_x() == 0 {
@@ -51,10 +96,16 @@ pub unsafe fn dispatch(f: &ForwardParams, pass: &PassInputs) {
             let g = group_of_tile(tile_offsets, tile).unwrap_or(0);
             let first = row_offsets[g] + (tile - tile_offsets[g]) * TILE_M;
             let end = (first + TILE_M).min(row_offsets[g + 1]);
-            let mut row = if f.work & WORK_COPY_ROWS != 0 { first + warp } else { end };
+            let mut row = if copy { first + warp } else { end };
             while row < end {
+                // The slot this row holds: on its token owner (`row_source` is the ring map's
+                // source slots across ranks, the routing layout's slots on one GPU).
                 let token = *row_source.add(row as usize) / f.top_k;
-                let (src, dst) = (x.add((token * f.hidden) as usize), rows.add((row * f.hidden) as usize));
+                let owner_x = match view {
+                    None => x,
+                    Some(v) => v.peer::<u16>(v.params.regions.x, *source_rank.add(row as usize)),
+                };
+                let (src, dst) = (owner_x.add((token * f.hidden) as usize), rows.add((row * f.hidden) as usize));
                 copy_row(src as *const u32, dst as *mut u32, f.hidden / 8, lane);
                 row += warps;
             }
@@ -62,30 +113,95 @@ pub unsafe fn dispatch(f: &ForwardParams, pass: &PassInputs) {
             // publishes them and takes the next tile; the release orders the rows (barrier, then
             // release at GPU scope) for the acquiring producer.
             sync::block_barrier();
-            if sreg::thread_idx_x() == 0 && tile != f.silent_rows_tile {
+            if sreg::thread_idx_x() == 0 && tile != f.silent_rows_tile && copy == (f.work & WORK_COPY_ROWS != 0) {
                 st_release_gpu_u32((f.rows_dispatched as *mut u32).add(tile as usize), 1);
             }
         }
     }
 }
 
-/// The combine, by warp `warp` of a block's `warps` working warps (comm blocks after their
-/// dispatch, compute blocks' consumer warps after their GEMM phases): tokens taken one at a time
-/// from `combine_next`; each lane waits (bounded, acquire) until every down tile holding one of
-/// the token's slots is stored, then the warp sums the token's row 4 columns per lane with
-/// [`combine_quads`] — the shared term first, slots in order — the same arithmetic, and so the
-/// same bits, as `mok_combine_slots`.
+/// The push across ranks, by a whole warp (comm blocks after their dispatch, compute blocks'
+/// consumer warps after their GEMM phases): ring rows taken one at a time from `push_next`;
+/// lane 0 waits (bounded, acquire) until the down tile holding the row is stored, the warp
+/// copies the f32 row into its token owner's `combine_slots` at the row's slot, then (after a
+/// warp barrier, which orders every lane's stores before it) lane 0 sets the owner's
+/// `slot_ready` flag of that slot with a release at the heap's scope. Returns once every row is
+/// handed out. A rank whose error record is set pushes nothing more (its rows may be stale),
+/// so no owner sums a row of another pass; the owners' waits on it then stop (they watch this
+/// rank's record).
+///
+/// # Safety
+/// As [`dispatch`], with ranks (`view` is the rank's); all 32 lanes call it.
+#[inline(always)]
+pub unsafe fn push(f: &ForwardParams, view: &RankView) {
+    // SAFETY: caller contract.
+    unsafe {
+        let down = &*(f.down as *const GemmParams);
+        let total = *(down.row_offsets as *const u32).add(down.groups as usize);
+        let n_tiles = down.n.div_ceil(TILE_N);
+        let lane = sreg::lane_id();
+        let regions = &view.params.regions;
+        let (source_rank, source_slot): (*const u32, *const u32) =
+            (view.local(regions.ring_source_rank), f.row_source as *const u32);
+        let error = f.error as *mut u32;
+        loop {
+            let claimed = if lane == 0 { atom_add_relaxed_gpu_u32(f.push_next as *mut u32, 1) } else { 0 };
+            let row = sync::shfl_idx_u32(claimed, 0);
+            if row >= total {
+                return;
+            }
+            let mut ok = 1;
+            if lane == 0 {
+                if f.work & WORK_GEMMS != 0 {
+                    let (tile, expected) = stored_tile_of_row(down, row, n_tiles);
+                    let counter = (f.down_stored as *const u32).add(tile as usize);
+                    let timeout_ns = downstream_deadline(f.timeout_ns, 2);
+                    if let Err(seen) = wait_until(counter, false, timeout_ns, error, |v| v >= expected) {
+                        error::record(
+                            error,
+                            [ERROR_TIMEOUT, WAIT_ENGINE_TILE_OUTPUT, f.rank, tile, expected, seen, f.rank, 0],
+                        );
+                    }
+                }
+                ok = !error::has_error(error) as u32;
+            }
+            // Lane 0 acquired the tile's stores; the warp barrier passes that on to every lane.
+            if sync::shfl_idx_u32(ok, 0) == 0 {
+                continue;
+            }
+            warp::warp_sync();
+            let (owner, slot) = (*source_rank.add(row as usize), *source_slot.add(row as usize));
+            let src = (f.down_rows as *const f32).add((row * f.hidden) as usize);
+            let dst = view.peer::<f32>(regions.combine_slots, owner).add((slot * f.hidden) as usize);
+            copy_row(src as *const u32, dst as *mut u32, f.hidden / 4, lane);
+            warp::warp_sync();
+            if lane == 0 && f.silent_push == NO_FAULT {
+                signal(view.peer::<u32>(regions.slot_ready, owner).add(slot as usize), 1, view.sys());
+            }
+        }
+    }
+}
+
+/// The combine, by a whole warp (comm blocks after their dispatch, compute blocks' consumer
+/// warps after their GEMM phases, each after its push across ranks): tokens taken one at a time
+/// from `combine_next`; each lane waits (bounded, acquire) until every slot of the token is
+/// there — on one GPU until the down tile holding it is stored, across ranks until its expert
+/// owner's push has set its `slot_ready` flag — then the warp sums the token's row 4 columns per
+/// lane with [`combine_quads`] — the shared term first, slots in order — the same arithmetic, and
+/// so the same bits, as `mok_combine_slots`.
+///
+/// Across ranks a wait stops early when the owner's error record is set (it will not push); it
+/// then records nothing itself, so the owner's record names the cause. Once this rank's own
+/// record is set, its combine waits for nothing more (one silent owner costs one deadline, not
+/// one per slot).
 ///
 /// # Safety
 /// As [`dispatch`]; the caller's warp is whole (all 32 lanes call this).
 #[inline(always)]
-pub unsafe fn combine(f: &ForwardParams, pass: &PassInputs) {
+pub unsafe fn combine(f: &ForwardParams, pass: &PassInputs, view: Option<&RankView>) {
     // SAFETY: caller contract.
     unsafe {
         let down = &*(f.down as *const GemmParams);
-        let groups = down.groups as usize + 1;
-        let tile_offsets = core::slice::from_raw_parts(down.tile_offsets as *const u32, groups);
-        let row_offsets = core::slice::from_raw_parts(down.row_offsets as *const u32, groups);
         let n_tiles = down.n.div_ceil(TILE_N);
         let lane = sreg::lane_id();
         let (slot_row, error) = (f.slot_row as *const u32, f.error as *mut u32);
@@ -95,23 +211,49 @@ pub unsafe fn combine(f: &ForwardParams, pass: &PassInputs) {
             if token >= pass.tokens {
                 return;
             }
-            for j in 0..if f.work & WORK_GEMMS != 0 { f.top_k } else { 0 } {
-                let row = *slot_row.add((token * f.top_k + j) as usize);
+            // Without GEMMs (the comm side timed alone) one GPU's combine sums the down rows as
+            // they are; across ranks it still waits for the pushes, which are comm work.
+            for j in 0..if f.work & WORK_GEMMS != 0 || view.is_some() { f.top_k } else { 0 } {
+                let slot = token * f.top_k + j;
+                let row = *slot_row.add(slot as usize);
                 if row == NO_ROW {
                     continue;
                 }
-                // A routed slot's row is below the row count, so both lookups find its group.
-                let tile = tile_of_row(row_offsets, tile_offsets, row, TILE_M).unwrap_or(0);
-                let expected =
-                    parts_per_m_tile(n_tiles, rows_in_tile(row_offsets, tile_offsets, tile, TILE_M).unwrap_or(0));
-                let counter = (f.down_stored as *const u32).add(tile as usize);
-                let timeout_ns = downstream_deadline(f.timeout_ns, 2);
-                if let Err(seen) = wait_until(counter, false, timeout_ns, error, |v| v >= expected) {
-                    error::record(error, [ERROR_TIMEOUT, WAIT_ENGINE_TILE_OUTPUT, 0, tile, expected, seen, 0, 0]);
+                match view {
+                    None => {
+                        // A routed slot's row is below the row count.
+                        let (tile, expected) = stored_tile_of_row(down, row, n_tiles);
+                        let counter = (f.down_stored as *const u32).add(tile as usize);
+                        let timeout_ns = downstream_deadline(f.timeout_ns, 2);
+                        if let Err(seen) = wait_until(counter, false, timeout_ns, error, |v| v >= expected) {
+                            error::record(
+                                error,
+                                [ERROR_TIMEOUT, WAIT_ENGINE_TILE_OUTPUT, 0, tile, expected, seen, 0, 0],
+                            );
+                        }
+                    }
+                    // Once this rank has failed its sum is void: no more waiting (each wait
+                    // would run to its deadline on a silent owner).
+                    Some(_) if error::has_error(error) => {}
+                    Some(v) => {
+                        let regions = &v.params.regions;
+                        let owner = *v.local::<u32>(regions.topk_ids).add(slot as usize) / v.params.local_experts;
+                        let owner_error = v.peer::<u32>(regions.error, owner);
+                        let flag = v.local::<u32>(regions.slot_ready).add(slot as usize);
+                        let timeout_ns = downstream_deadline(f.timeout_ns, 3);
+                        if let Err(seen) = wait_until(flag, v.sys(), timeout_ns, owner_error, |x| x != 0)
+                            && !error::has_error(owner_error)
+                        {
+                            error::record(error, [ERROR_TIMEOUT, WAIT_COMBINE_SLOT, owner, slot, 1, seen, f.rank, 0]);
+                        }
+                    }
                 }
             }
-            let (weights, rows, base) =
-                (pass.topk_weights as *const f32, f.down_rows as *const f32, pass.shared_rows as *const f32);
+            let rows = match view {
+                None => f.down_rows as *const f32,
+                Some(v) => v.local::<f32>(v.params.regions.combine_slots),
+            };
+            let (weights, base) = (pass.topk_weights as *const f32, pass.shared_rows as *const f32);
             // Two groups of 4 columns per lane per step (more loads in flight).
             let mut column = 4 * lane;
             while column < f.hidden {

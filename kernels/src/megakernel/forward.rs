@@ -1,58 +1,84 @@
 //! The forward megakernel on sm_90a: one persistent launch per pass, after the device-side
-//! schedule (routing layout, engine tile offsets, group maps).
+//! schedule (routing layout — across ranks also the exchange's counts, ring offsets and ring
+//! map — engine tile offsets, group maps).
 //!
-//! Every block takes part in the [`dispatch`] (token rows into expert order, M tile by M tile
-//! from a shared queue, each tile published). Blocks `0 .. comm_blocks` (the comm role, 0 or
-//! more) then [`combine`]. The blocks from the next whole pair on are the compute role, in
-//! 2-block clusters: once the dispatch queue is empty they run every gate/up + SwiGLU tile as
-//! soon as its rows have landed and every down tile as soon as all gate/up tiles of its rows are
-//! stored (the engine's phases with [`ForwardHandover`] hooks), then their consumer warps join
-//! the combine. Work is taken in the order dispatch, gate/up, down, combine from counters, so a
-//! wait is always on work a running block already holds (docs/ARCHITECTURE.md). Every result is the standalone path's bits: the rows are the same copies, each GEMM
-//! tile the same K loop, each token's sum the same order.
+//! A launch hosts one rank (`mok_sm90_forward`, a single GPU) or P ranks (`mok_sm90_forward_ranks`:
+//! virtual ranks on one GPU, each holding a contiguous run of the launch's 2-block clusters, or
+//! one rank per GPU). Within its rank every block takes part in the [`dispatch`] (token rows
+//! into expert order, M tile by M tile from the rank's queue, each tile published). Blocks
+//! `0 .. comm_blocks` of the rank (the comm role, 0 or more) then, across ranks, [`push`] the
+//! rank's finished rows to their token owners, and [`combine`] the rank's tokens. The rank's
+//! blocks from the next whole pair on are the compute role, in 2-block clusters: once the
+//! dispatch queue is empty they run every gate/up + SwiGLU tile as soon as its rows have
+//! landed and every down tile as soon as all gate/up tiles of its rows are stored (the engine's
+//! phases with [`ForwardHandover`] hooks), then their consumer warps push and combine. Work is
+//! taken in the order dispatch, gate/up, down, push, combine from counters, so a wait is always
+//! on work a running block already holds (docs/ARCHITECTURE.md). Every result is the
+//! standalone path's bits: the rows are the same copies, each GEMM tile the same K loop, each
+//! token's sum the same order.
 
 use crate::gemm::engine::run_forward_phases;
 use crate::gemm::hooks::ForwardHandover;
 use crate::gemm_layout::{ENGINE_THREADS, GemmParams};
-use crate::megakernel_layout::{ForwardParams, PassInputs, WORK_COMBINE, WORK_GEMMS, first_compute_block};
+use crate::megakernel_layout::{
+    ForwardParams, PassInputs, WORK_COMBINE, WORK_GEMMS, first_compute_block, rank_of_pair, rank_pairs,
+};
 use crate::ptx::sreg;
 
-use super::comm::{combine, dispatch};
+use super::comm::{combine, dispatch, push, rank_view};
 
-/// The whole pass, by every thread of the launch (see the module docs).
+/// The rows' journey after the GEMMs, by a whole warp: across ranks the push, then the combine.
 ///
 /// # Safety
-/// `params` points at a valid [`ForwardParams`] and `pass` holds this pass's inputs; the counters hold an entry per engine M tile
-/// the plans' groups can have, `rows_dispatched`, `gate_up_stored`, `down_stored`, `combine_next` and `dispatch_next`
-/// zeroed and
-/// both plans' group maps cut (tile counters zeroed) on the stream before the launch; the grid
-/// is co-resident (at most the clusters that fit at once), more than `first_compute_block`
-/// blocks, [`ENGINE_THREADS`] threads each.
+/// As [`forward`]; all 32 lanes call it.
 #[inline(always)]
-pub unsafe fn forward(params: *const ForwardParams, pass: PassInputs) {
+unsafe fn push_and_combine(f: &ForwardParams, pass: &PassInputs) {
+    if f.work & WORK_COMBINE == 0 {
+        return;
+    }
+    // SAFETY: caller contract.
+    unsafe {
+        let view = rank_view(f);
+        if let Some(v) = &view {
+            push(f, v);
+        }
+        combine(f, pass, view.as_ref());
+    }
+}
+
+/// The whole pass of one rank, by every thread of the rank's `block`-th block (see the module
+/// docs).
+///
+/// # Safety
+/// `params` points at the rank's valid [`ForwardParams`] and `pass` holds its inputs; the
+/// counters hold an entry per engine M tile the plans' groups can have; `rows_dispatched`,
+/// `gate_up_stored`, `down_stored`, `combine_next`, `dispatch_next`, `push_next` (and across
+/// ranks every rank's `slot_ready`) zeroed and both plans' group maps cut (tile counters zeroed)
+/// on the stream before the launch; the grid is co-resident (at most the clusters that fit at
+/// once); the rank holds more than `first_compute_block` blocks, [`ENGINE_THREADS`] threads
+/// each, pair-aligned.
+#[inline(always)]
+pub unsafe fn forward(params: *const ForwardParams, pass: PassInputs, block: u32) {
     crate::ptx::declare_block_threads::<ENGINE_THREADS>();
     crate::ptx::declare_cluster_blocks::<2>();
     // SAFETY: caller contract; read-only for the whole launch (fields read where used).
     let f = unsafe { &*params };
-    let block = sreg::block_idx_x();
+    // SAFETY: caller contract.
+    let view = unsafe { rank_view(f) };
     if block < f.comm_blocks {
         // SAFETY: caller contract.
         unsafe {
-            dispatch(f, &pass);
-            if f.work & WORK_COMBINE != 0 {
-                combine(f, &pass);
-            }
+            dispatch(f, &pass, view.as_ref());
+            push_and_combine(f, &pass);
         }
     } else if block >= first_compute_block(f.comm_blocks) {
         // SAFETY: caller contract; the consumer warps are whole warps; the dispatch's shared word
         // is free before the engine carves the ring, and read by every thread before dispatch
         // returns.
         unsafe {
-            dispatch(f, &pass);
+            dispatch(f, &pass, view.as_ref());
             if f.work & WORK_GEMMS == 0 {
-                if f.work & WORK_COMBINE != 0 {
-                    combine(f, &pass);
-                }
+                push_and_combine(f, &pass);
                 return;
             }
             let phases = (
@@ -61,11 +87,19 @@ pub unsafe fn forward(params: *const ForwardParams, pass: PassInputs) {
             );
             if run_forward_phases(f.gate_up as *const GemmParams, phases.0, f.down as *const GemmParams, phases.1)
                 .is_some()
-                && f.work & WORK_COMBINE != 0
             {
-                combine(&*params, &pass);
+                push_and_combine(f, &pass);
             }
         }
     }
     // Otherwise the idle partner of an odd comm block count.
+}
+
+/// The rank a block of a launch hosting `ranks` ranks acts as, and its index among the rank's
+/// blocks: ranks hold contiguous runs of whole pairs ([`rank_pairs`]).
+#[inline(always)]
+pub fn rank_of_block(ranks: u32) -> (u32, u32) {
+    let pairs = sreg::grid_dim_x() / 2;
+    let rank = rank_of_pair(sreg::block_idx_x() / 2, pairs, ranks);
+    (rank, sreg::block_idx_x() - 2 * rank_pairs(pairs, ranks, rank).0)
 }
