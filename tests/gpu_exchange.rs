@@ -691,22 +691,36 @@ fn ep_forward_megakernel_faults_are_reported_timeouts_and_the_next_pass_is_right
     upload_rank_inputs(&gpu, &layer, &case);
     let weights = rank_weights(&gpu, &c, &case);
     let want = ep_forward_y(&gpu, &mut layer, &weights);
-    /// A fault of one rank, what the error must say, and which rank's record names the cause.
+    /// A fault of one rank, what the error must say, and which rank's record names the cause
+    /// (`None`: any — every token owner waiting on a silent pusher times out at about the same
+    /// moment, and the first record stops the others).
     struct Fault {
         rank: usize,
         megakernel: MegakernelFaults,
         exchange: Option<Silence>,
         waited_for: &'static str,
-        reporter: usize,
+        reporter: Option<usize>,
     }
     let fault =
         |rank, megakernel, exchange, waited_for, reporter| Fault { rank, megakernel, exchange, waited_for, reporter };
     let faults = [
-        fault(2, MegakernelFaults { silent_rows_tile: Some(0), ..Default::default() }, None, "dispatched", 2),
-        fault(3, MegakernelFaults { silent_hidden_tile: Some(1), ..Default::default() }, None, "gate/up tiles", 3),
-        fault(1, MegakernelFaults { silent_push: true, ..Default::default() }, None, "pushed by the expert owner", 0),
+        fault(2, MegakernelFaults { silent_rows_tile: Some(0), ..Default::default() }, None, "dispatched", Some(2)),
+        fault(
+            3,
+            MegakernelFaults { silent_hidden_tile: Some(1), ..Default::default() },
+            None,
+            "gate/up tiles",
+            Some(3),
+        ),
+        fault(
+            1,
+            MegakernelFaults { silent_push: true, ..Default::default() },
+            None,
+            "pushed by the expert owner",
+            None,
+        ),
         // The schedule's own wait (before the megakernel): rank 1 never publishes its pass.
-        fault(1, MegakernelFaults::default(), Some(Silence::Publish), "publish flag", 0),
+        fault(1, MegakernelFaults::default(), Some(Silence::Publish), "publish flag", Some(0)),
     ];
     for Fault { rank, megakernel, exchange, waited_for: waited, reporter } in faults {
         layer.set_megakernel_faults(rank, megakernel).unwrap();
@@ -719,7 +733,7 @@ fn ep_forward_megakernel_faults_are_reported_timeouts_and_the_next_pass_is_right
         match &error {
             MokError::Timeout { rank: r, waited_for, .. } => {
                 assert!(waited_for.contains(waited), "{waited_for}");
-                assert_eq!(*r, Some(reporter), "the record that names the cause");
+                assert!(reporter.is_none_or(|want| *r == Some(want)), "the record that names the cause: {r:?}");
             }
             other => panic!("expected a timeout, got {other:?}"),
         }

@@ -404,12 +404,14 @@ fn inputs_bytes(blocks: &[PassInputs]) -> Vec<u8> {
 #[cfg(test)]
 mod work_order_model {
     //! A model of the forward megakernel's work order, run on the CPU over many random
-    //! geometries, routings and interleavings: blocks take dispatch tiles, gate/up tiles, down
-    //! tiles and combine tokens from four queues in that order; a compute pair's producer takes
-    //! the next GEMM tile while its consumers still finish the one before (its rows already
-    //! loaded, so it never waits); every unit waits only on the counters it reads in the kernel.
-    //! The property checked is the one docs/ARCHITECTURE.md argues: whatever the interleaving,
-    //! every unit completes (no state where every unfinished agent waits).
+    //! geometries, routings, rank counts and interleavings: each rank's blocks take dispatch
+    //! tiles, gate/up tiles, down tiles, across ranks push rows, and combine tokens from the
+    //! rank's queues in that order; a compute pair's producer takes the next GEMM tile while its
+    //! consumers still finish the one before (its rows already loaded, so it never waits); every
+    //! unit waits only on the counters it reads in the kernel (a pushed row on its rank's down
+    //! tile; a token's combine, across ranks on the rows its owners push, on one GPU on the down
+    //! tiles). The property checked is the one docs/ARCHITECTURE.md argues: whatever the
+    //! interleaving, every unit completes (no state where every unfinished agent waits).
 
     /// Deterministic xorshift for the interleavings.
     struct Rng(u64);
@@ -425,72 +427,103 @@ mod work_order_model {
         }
     }
 
+    /// A unit of work of rank `.0`.
     #[derive(Clone, Copy, PartialEq, Debug)]
     enum Unit {
-        Dispatch(usize),
-        GateUp(usize),
-        Down(usize),
-        Combine(usize),
+        Dispatch(usize, usize),
+        GateUp(usize, usize),
+        Down(usize, usize),
+        Push(usize, usize),
+        Combine(usize, usize),
     }
 
-    struct World {
-        /// Per M tile: dispatched, gate/up tiles stored, down tiles stored.
+    const DISPATCH: usize = 0;
+    const GATE_UP: usize = 1;
+    const DOWN: usize = 2;
+    const PUSH: usize = 3;
+    const COMBINE: usize = 4;
+
+    /// One rank's counters and queues.
+    #[derive(Default)]
+    struct Rank {
+        /// Per M tile of the rank's ring: dispatched, gate/up tiles stored, down tiles stored.
         dispatched: Vec<bool>,
         gate_up_done: Vec<usize>,
         down_done: Vec<usize>,
-        /// Tiles per M tile of each GEMM (N tiles), and the M tiles each token's slots sit in.
-        n_gate_up: usize,
-        n_down: usize,
-        token_tiles: Vec<Vec<usize>>,
-        /// Next unit of each queue.
-        next: [usize; 4],
+        /// Per ring row: its M tile, its token owner and token, and whether it was pushed.
+        rows: Vec<(usize, usize, usize)>,
+        pushed: Vec<bool>,
+        /// Per token of the rank: the (owner, ring row) of each of its slots.
+        slots: Vec<Vec<(usize, usize)>>,
+        next: [usize; 5],
         combined: usize,
     }
 
+    struct World {
+        ranks: Vec<Rank>,
+        /// N tiles per M tile of each GEMM.
+        n_gate_up: usize,
+        n_down: usize,
+        /// Across ranks (push, then the combine waits on pushed rows) or one GPU (no push; the
+        /// combine waits on down tiles).
+        with_push: bool,
+    }
+
     impl World {
-        fn m_tiles(&self) -> usize {
-            self.dispatched.len()
-        }
-        /// Takes the next unit of queue `q` (dispatch, gate/up, down, combine), `None` when spent.
-        fn take(&mut self, q: usize) -> Option<Unit> {
-            let len =
-                [self.m_tiles(), self.m_tiles() * self.n_gate_up, self.m_tiles() * self.n_down, self.token_tiles.len()]
-                    [q];
-            let i = self.next[q];
+        /// Takes the next unit of queue `q` of `rank`, `None` when spent.
+        fn take(&mut self, rank: usize, q: usize) -> Option<Unit> {
+            let (n_gate_up, n_down, with_push) = (self.n_gate_up, self.n_down, self.with_push);
+            let r = &mut self.ranks[rank];
+            let m_tiles = r.dispatched.len();
+            let len = [
+                m_tiles,
+                m_tiles * n_gate_up,
+                m_tiles * n_down,
+                if with_push { r.rows.len() } else { 0 },
+                r.slots.len(),
+            ][q];
+            let i = r.next[q];
             if i >= len {
                 return None;
             }
-            self.next[q] += 1;
+            r.next[q] += 1;
             Some(match q {
-                0 => Unit::Dispatch(i),
-                1 => Unit::GateUp(i / self.n_gate_up),
-                2 => Unit::Down(i / self.n_down),
-                _ => Unit::Combine(i),
+                DISPATCH => Unit::Dispatch(rank, i),
+                GATE_UP => Unit::GateUp(rank, i / n_gate_up),
+                DOWN => Unit::Down(rank, i / n_down),
+                PUSH => Unit::Push(rank, i),
+                _ => Unit::Combine(rank, i),
             })
         }
         /// Whether `unit`'s inputs are ready (what its wait in the kernel reads).
         fn ready(&self, unit: Unit) -> bool {
             match unit {
-                Unit::Dispatch(_) => true,
-                Unit::GateUp(m) => self.dispatched[m],
-                Unit::Down(m) => self.gate_up_done[m] == self.n_gate_up,
-                Unit::Combine(t) => self.token_tiles[t].iter().all(|&m| self.down_done[m] == self.n_down),
+                Unit::Dispatch(..) => true,
+                Unit::GateUp(r, m) => self.ranks[r].dispatched[m],
+                Unit::Down(r, m) => self.ranks[r].gate_up_done[m] == self.n_gate_up,
+                Unit::Push(r, row) => self.ranks[r].down_done[self.ranks[r].rows[row].0] == self.n_down,
+                Unit::Combine(r, t) => self.ranks[r].slots[t].iter().all(|&(owner, row)| {
+                    let o = &self.ranks[owner];
+                    if self.with_push { o.pushed[row] } else { o.down_done[o.rows[row].0] == self.n_down }
+                }),
             }
         }
         fn finish(&mut self, unit: Unit) {
             match unit {
-                Unit::Dispatch(m) => self.dispatched[m] = true,
-                Unit::GateUp(m) => self.gate_up_done[m] += 1,
-                Unit::Down(m) => self.down_done[m] += 1,
-                Unit::Combine(_) => self.combined += 1,
+                Unit::Dispatch(r, m) => self.ranks[r].dispatched[m] = true,
+                Unit::GateUp(r, m) => self.ranks[r].gate_up_done[m] += 1,
+                Unit::Down(r, m) => self.ranks[r].down_done[m] += 1,
+                Unit::Push(r, row) => self.ranks[r].pushed[row] = true,
+                Unit::Combine(r, _) => self.ranks[r].combined += 1,
             }
         }
     }
 
-    /// An agent: a comm block (dispatch, then combine), or a compute pair, whose producer may
-    /// hold the next GEMM tile (waiting on it) while its consumers hold the current one (whose
-    /// rows are loaded: it completes without waiting).
+    /// An agent of one rank: a comm block (dispatch, then push and combine), or a compute pair,
+    /// whose producer may hold the next GEMM tile (waiting on it) while its consumers hold the
+    /// current one (whose rows are loaded: it completes without waiting).
     struct Agent {
+        rank: usize,
         /// The queues it takes from, in order.
         queues: Vec<usize>,
         phase: usize,
@@ -501,6 +534,10 @@ mod work_order_model {
     }
 
     impl Agent {
+        fn new(rank: usize, queues: Vec<usize>) -> Self {
+            Agent { rank, queues, phase: 0, next: None, current: None, done: false }
+        }
+
         /// One step; `true` if anything changed.
         fn step(&mut self, world: &mut World, rng: &mut Rng) -> bool {
             if self.done {
@@ -518,11 +555,11 @@ mod work_order_model {
             // it to the consumers when they are free; else take one.
             if let Some(unit) = self.next {
                 if world.ready(unit) && self.current.is_none() {
-                    let gemm = matches!(unit, Unit::GateUp(_) | Unit::Down(_));
+                    let gemm = matches!(unit, Unit::GateUp(..) | Unit::Down(..));
                     if gemm {
                         self.current = Some(unit);
                     } else {
-                        // Dispatch and combine run on the whole block, not pipelined.
+                        // Dispatch, push and combine run on the whole block, not pipelined.
                         world.finish(unit);
                     }
                     self.next = None;
@@ -531,7 +568,7 @@ mod work_order_model {
                 return false;
             }
             while self.phase < self.queues.len() {
-                if let Some(unit) = world.take(self.queues[self.phase]) {
+                if let Some(unit) = world.take(self.rank, self.queues[self.phase]) {
                     self.next = Some(unit);
                     return true;
                 }
@@ -545,30 +582,56 @@ mod work_order_model {
         }
     }
 
+    /// A random pass: `ranks` ranks, each with its own M tiles and tokens; every slot of a token
+    /// lands in a row of a random owner's ring.
+    fn random_world(rng: &mut Rng, ranks: usize, with_push: bool) -> World {
+        let mut world = World {
+            ranks: (0..ranks).map(|_| Rank::default()).collect(),
+            n_gate_up: 1 + rng.below(4),
+            n_down: 1 + rng.below(4),
+            with_push,
+        };
+        let m_tiles: Vec<usize> = (0..ranks).map(|_| 1 + rng.below(12)).collect();
+        for (r, &m) in m_tiles.iter().enumerate() {
+            let rank = &mut world.ranks[r];
+            rank.dispatched = vec![false; m];
+            rank.gate_up_done = vec![0; m];
+            rank.down_done = vec![0; m];
+        }
+        for s in 0..ranks {
+            let tokens = 1 + rng.below(20);
+            for t in 0..tokens {
+                let k = 1 + rng.below(4);
+                let slots = (0..k)
+                    .map(|_| {
+                        let owner = rng.below(ranks);
+                        let tile = rng.below(m_tiles[owner]);
+                        let o = &mut world.ranks[owner];
+                        o.rows.push((tile, s, t));
+                        o.pushed.push(false);
+                        (owner, o.rows.len() - 1)
+                    })
+                    .collect();
+                world.ranks[s].slots.push(slots);
+            }
+        }
+        world
+    }
+
     #[test]
     fn every_geometry_and_interleaving_completes() {
         let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
-        for case in 0..400 {
-            let m_tiles = 1 + rng.below(40);
-            let (n_gate_up, n_down) = (1 + rng.below(4), 1 + rng.below(4));
-            let tokens = 1 + rng.below(60);
-            let k = 1 + rng.below(4).min(m_tiles - 1);
-            let token_tiles = (0..tokens).map(|_| (0..k).map(|_| rng.below(m_tiles)).collect()).collect();
-            let comm_blocks = rng.below(4);
-            let pairs = 1 + rng.below(6);
-            let mut world = World {
-                dispatched: vec![false; m_tiles],
-                gate_up_done: vec![0; m_tiles],
-                down_done: vec![0; m_tiles],
-                n_gate_up,
-                n_down,
-                token_tiles,
-                next: [0; 4],
-                combined: 0,
-            };
-            let agent = |queues: Vec<usize>| Agent { queues, phase: 0, next: None, current: None, done: false };
-            let mut agents: Vec<Agent> = (0..comm_blocks).map(|_| agent(vec![0, 3])).collect();
-            agents.extend((0..pairs).map(|_| agent(vec![0, 1, 2, 3])));
+        for case in 0..600 {
+            // One GPU (no push) or 1–8 ranks in one launch.
+            let with_push = case % 3 != 0;
+            let ranks = if with_push { 1 + rng.below(8) } else { 1 };
+            let mut world = random_world(&mut rng, ranks, with_push);
+            let (comm_blocks, pairs) = (rng.below(4), 1 + rng.below(4));
+            let mut agents = Vec::new();
+            for rank in 0..ranks {
+                agents.extend((0..comm_blocks).map(|_| Agent::new(rank, vec![DISPATCH, PUSH, COMBINE])));
+                agents.extend((0..pairs).map(|_| Agent::new(rank, vec![DISPATCH, GATE_UP, DOWN, PUSH, COMBINE])));
+            }
             let mut idle_rounds = 0;
             while agents.iter().any(|a| !a.done) {
                 let i = rng.below(agents.len());
@@ -581,16 +644,19 @@ mod work_order_model {
                         let progress = (0..agents.len()).any(|j| (0..4).any(|_| agents[j].step(&mut world, &mut rng)));
                         assert!(
                             progress,
-                            "case {case}: deadlock with {comm_blocks} comm blocks, {pairs} pairs, {m_tiles} M tiles"
+                            "case {case}: deadlock with {ranks} ranks, {comm_blocks} comm blocks and {pairs} pairs each"
                         );
                         idle_rounds = 0;
                     }
                 }
             }
-            assert!(world.dispatched.iter().all(|&d| d), "case {case}: a tile never dispatched");
-            assert!(world.gate_up_done.iter().all(|&n| n == n_gate_up), "case {case}");
-            assert!(world.down_done.iter().all(|&n| n == n_down), "case {case}");
-            assert_eq!(world.combined, tokens, "case {case}");
+            for (r, rank) in world.ranks.iter().enumerate() {
+                assert!(rank.dispatched.iter().all(|&d| d), "case {case} rank {r}: a tile never dispatched");
+                assert!(rank.gate_up_done.iter().all(|&n| n == world.n_gate_up), "case {case} rank {r}");
+                assert!(rank.down_done.iter().all(|&n| n == world.n_down), "case {case} rank {r}");
+                assert!(!with_push || rank.pushed.iter().all(|&p| p), "case {case} rank {r}: a row never pushed");
+                assert_eq!(rank.combined, rank.slots.len(), "case {case} rank {r}");
+            }
         }
     }
 
@@ -600,19 +666,50 @@ mod work_order_model {
         // could wait on gate/up work nobody holds. One pair whose producer takes the down tile of
         // an M tile first waits forever: the only agent, and its wait is on work not yet taken.
         let mut world = World {
-            dispatched: vec![true],
-            gate_up_done: vec![0],
-            down_done: vec![0],
+            ranks: vec![Rank {
+                dispatched: vec![true],
+                gate_up_done: vec![0],
+                down_done: vec![0],
+                rows: vec![(0, 0, 0)],
+                pushed: vec![false],
+                slots: vec![vec![(0, 0)]],
+                next: [1, 0, 0, 0, 0],
+                combined: 0,
+            }],
             n_gate_up: 1,
             n_down: 1,
-            token_tiles: vec![vec![0]],
-            next: [1, 0, 0, 0],
-            combined: 0,
+            with_push: false,
         };
         let mut rng = Rng(7);
-        let mut wrong = Agent { queues: vec![2, 1, 3], phase: 0, next: None, current: None, done: false };
+        let mut wrong = Agent::new(0, vec![DOWN, GATE_UP, COMBINE]);
         let progress = (0..100).filter(|_| wrong.step(&mut world, &mut rng)).count();
         assert_eq!(progress, 1, "only the take of the down tile happens; then it waits forever");
-        assert!(!wrong.done && world.down_done[0] == 0);
+        assert!(!wrong.done && world.ranks[0].down_done[0] == 0);
+    }
+
+    #[test]
+    fn a_combine_before_the_push_queue_is_spent_can_deadlock() {
+        // Across ranks the push must come before the combine: a rank's only agent that combines
+        // first waits for its own row, which only it would push.
+        let mut world = World {
+            ranks: vec![Rank {
+                dispatched: vec![true],
+                gate_up_done: vec![1],
+                down_done: vec![1],
+                rows: vec![(0, 0, 0)],
+                pushed: vec![false],
+                slots: vec![vec![(0, 0)]],
+                next: [1, 1, 1, 0, 0],
+                combined: 0,
+            }],
+            n_gate_up: 1,
+            n_down: 1,
+            with_push: true,
+        };
+        let mut rng = Rng(9);
+        let mut wrong = Agent::new(0, vec![COMBINE, PUSH]);
+        let progress = (0..100).filter(|_| wrong.step(&mut world, &mut rng)).count();
+        assert_eq!(progress, 1, "only the take of the combine token happens; then it waits forever");
+        assert!(!wrong.done && world.ranks[0].combined == 0);
     }
 }
