@@ -127,7 +127,7 @@ pub(crate) struct RankPass {
 }
 
 /// Words of one rank's pass counters for plans of at most `m_tiles` M tiles.
-const fn counter_words(m_tiles: usize) -> usize {
+pub(crate) const fn counter_words(m_tiles: usize) -> usize {
     3 * m_tiles + 3
 }
 

@@ -295,8 +295,9 @@ pub fn workspace_bytes(config: &MoeConfig, backend: Backend) -> Result<usize> {
         if backend == Backend::Megakernel {
             let m_tiles = slots.div_ceil(mok_kernels::gemm_layout::TILE_M as usize) + e;
             let forward = size_of::<mok_kernels::megakernel_layout::ForwardParams>();
-            total +=
-                buffer(forward) + buffer(4 * (3 * m_tiles + 2)) + buffer(4 * mok_kernels::comm::params::ERROR_WORDS);
+            total += buffer(forward)
+                + buffer(4 * crate::megakernel::counter_words(m_tiles))
+                + buffer(4 * mok_kernels::comm::params::ERROR_WORDS);
         }
     }
     Ok(total)

@@ -18,7 +18,8 @@
 #                                    with `sanitize: memcheck N errors, racecheck N hazards, ...`
 #                                    and the tests' `N passed, M failed`; exits 3 when a tool
 #                                    reported anything or did not finish. Logs:
-#                                    logs/sanitize-TOOL-NAME.log
+#                                    logs/sanitize-TOOL-NAME.log, and every report's first lines
+#                                    and every failed test's panic in logs/sanitize-digest.txt
 #   TEST-ARGS                        passed to every test binary (a name filter, --nocapture, ...)
 #   MOK_TEST_TIMEOUT=SECONDS         time limit per test binary (default 300, 600 sanitized; 0: none)
 #   MOK_BENCH_TIMEOUT=SECONDS        time limit per bench binary (default 0: none)
@@ -181,6 +182,18 @@ if [ "$sanitize" = 1 ]; then
     done
     echo "sanitize: $summary"
     echo "$passed passed, $failed failed"
+    # One file with what each tool reported and each failed test's panic (the per-binary logs
+    # are many; this one is enough to read the problems).
+    digest="$log_dir/sanitize-digest.txt"
+    : >"$digest"
+    for log in "$log_dir"/sanitize-*-*.log; do
+        [ -f "$log" ] || continue
+        if grep -a -q -E '^========= (Invalid|Program hit|Uninitialized|Error|Race|Barrier|Warning)|^thread .* panicked' "$log"; then
+            echo "##### $(basename "$log")" >>"$digest"
+            grep -a -E -A6 '^========= (Invalid|Program hit|Uninitialized|Error|Race|Barrier|Warning)|^thread .* panicked' "$log" |
+                head -80 >>"$digest"
+        fi
+    done
     if [ "$failed" != 0 ]; then exit 1; fi
     if [ "$clean" = 0 ]; then exit 3; fi
     exit 0

@@ -71,7 +71,7 @@ impl<T: Pod> DeviceBuffer<T> {
     /// Copies `data` in (synchronously with respect to the host).
     pub fn upload(&mut self, data: &[T]) -> Result<()> {
         self.check_len("upload", data.len())?;
-        self.gpu.bind()?;
+        self.gpu.bind_to_wait("an upload")?;
         // SAFETY: `data` has exactly `len` elements and the allocation holds that many; the
         // call returns after the copy, so `data` outlives it.
         unsafe {
@@ -84,7 +84,7 @@ impl<T: Pod> DeviceBuffer<T> {
     /// Copies the contents out, after all earlier work on the stream.
     pub fn download(&self) -> Result<Vec<T>> {
         let mut out = vec![T::zeroed(); self.len];
-        self.gpu.bind()?;
+        self.gpu.bind_to_wait("a download")?;
         // SAFETY: `out` has `len` elements; the stream is synchronised before `out` is used.
         unsafe {
             result::memcpy_dtoh_async(&mut out, self.ptr, self.gpu.stream)

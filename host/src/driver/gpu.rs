@@ -46,6 +46,30 @@ impl GpuInner {
         // SAFETY: the context is retained until `drop`.
         unsafe { result::ctx::set_current(self.context) }.map_err(|e| cuda_error("cuCtxSetCurrent", e))
     }
+
+    /// [`Self::bind`], then an error naming `what` if the stream is capturing a CUDA graph
+    /// ([`Gpu::capture`]): a wait for the stream (a synchronise, an upload, a download) would
+    /// make the driver invalidate the capture, so mok refuses it before asking the driver, and
+    /// the capture stays valid until the closure returns the error.
+    pub(crate) fn bind_to_wait(&self, what: &str) -> Result<()> {
+        self.bind()?;
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: a live stream of the bound context; `status` outlives the call.
+        let queried = unsafe { sys::cuStreamIsCapturing(self.stream, &mut status) };
+        if queried != sys::CUresult::CUDA_SUCCESS {
+            return Err(MokError::Cuda { call: "cuStreamIsCapturing".into(), message: format!("{queried:?}") });
+        }
+        if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
+            return Err(MokError::InvalidInput {
+                tensor: "stream",
+                problem: format!(
+                    "{what} waits for the stream, which is capturing a CUDA graph: work recorded by Gpu::capture \
+                     must not synchronise, upload or download"
+                ),
+            });
+        }
+        Ok(())
+    }
 }
 
 /// Whose stream a [`Gpu`] enqueues on.
@@ -403,7 +427,7 @@ impl Gpu {
     }
 
     fn synchronize_named(&self, what: &str) -> Result<()> {
-        self.inner.bind()?;
+        self.inner.bind_to_wait("a synchronise")?;
         // SAFETY: the stream is alive for as long as `self`.
         unsafe { result::stream::synchronize(self.inner.stream) }
             .map_err(|e| cuda_error(format!("cuStreamSynchronize (after {what})"), e))

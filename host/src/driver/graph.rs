@@ -31,7 +31,8 @@ impl Gpu {
     /// Runs `record` with this handle's stream in capture mode: the kernels, memsets and copies it
     /// enqueues are recorded into a CUDA graph instead of running, and the instantiated graph is
     /// returned. `record` must not synchronise (no `download`, `upload`, `synchronize` or
-    /// `check_device_errors`): the driver then refuses the capture and this returns the error.
+    /// `check_device_errors`): mok refuses each of those while the stream captures (before the
+    /// driver would invalidate the capture), and this returns that error.
     /// Run the work once eagerly first, so that plans and parameter blocks (uploaded when first
     /// built) already exist. Capture is thread-local: other threads' CUDA calls are unaffected.
     pub fn capture(&self, record: impl FnOnce() -> Result<()>) -> Result<CapturedGraph> {

@@ -15,7 +15,7 @@ impl Gpu {
     /// `dst` must be a device allocation (or mapping) of this process with room for `data`.
     pub unsafe fn copy_to_device<T: Pod>(&self, dst: u64, data: &[T]) -> Result<()> {
         let inner = self.inner();
-        inner.bind()?;
+        inner.bind_to_wait("an upload")?;
         // SAFETY: caller contract for `dst`; `data` outlives the call, which synchronises.
         unsafe {
             result::memcpy_htod_async(dst, data, inner.stream).map_err(|e| cuda_error("cuMemcpyHtoDAsync", e))?;
@@ -30,7 +30,7 @@ impl Gpu {
     pub unsafe fn copy_from_device<T: Pod>(&self, src: u64, len: usize) -> Result<Vec<T>> {
         let mut out = vec![T::zeroed(); len];
         let inner = self.inner();
-        inner.bind()?;
+        inner.bind_to_wait("a download")?;
         // SAFETY: caller contract for `src`; `out` is synchronised before it is used.
         unsafe {
             result::memcpy_dtoh_async(&mut out, src, inner.stream).map_err(|e| cuda_error("cuMemcpyDtoHAsync", e))?;
