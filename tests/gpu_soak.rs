@@ -6,8 +6,10 @@
 //!   tests check against the f64 reference; every 25th pass its `y` is checked against the f64
 //!   reference here too.
 //! - Subjects: for P = 1 the same layer with the routed GEMMs on the tensor-core engine (where the
-//!   GPU has it), in half the blocks with the forward as the megakernel (0–8 comm blocks); for P > 1 the expert-parallel layer over P virtual ranks (`EpLayer`), with vector
-//!   or bulk movers. y, dx, d_topk_weights and every routed weight gradient must equal the oracle's
+//!   GPU has it), in half the blocks with the forward as the megakernel (0–8 comm blocks); for
+//!   P > 1 the expert-parallel layer over P virtual ranks (`EpLayer`), with vector or bulk
+//!   movers, in the same share of blocks with the forward as the megakernel hosting every rank
+//!   in one launch (0–8 comm blocks per rank; its silent-push fault is the megakernel's own). y, dx, d_topk_weights and every routed weight gradient must equal the oracle's
 //!   bits (for P = 1 the shared expert's weight gradients too; for P > 1 those are per-rank partial
 //!   sums that the data-parallel all-reduce finishes, so they are not comparable bit for bit).
 //! - Shapes: T per rank 1..=48, H and I multiples of 8 up to 256 / 192, E = P · (1..=4) local
@@ -37,7 +39,7 @@ use half::bf16;
 use mok::driver::{DeviceBuffer, Gpu, live_device_buffers};
 use mok::ep::EpLayer;
 use mok::exchange::{ExchangeOptions, Silence};
-use mok::megakernel::MegakernelOptions;
+use mok::megakernel::{MegakernelFaults, MegakernelOptions};
 use mok::problem::{ExpertWeights, RoutedTokens, SharedExpertWeights};
 use mok::reference::{self, ReferenceOptions};
 use mok::unfused::{DeviceExperts, DeviceSharedExpert, DeviceTokens, UnfusedLayer};
@@ -324,7 +326,15 @@ fn new_subject(gpu: &Gpu, block: &Block, deadline: Duration) -> Subject {
         Subject::Engine(Box::new(layer))
     } else {
         let config = rank_config(&block.global, block.ranks);
-        Subject::Ep(Box::new(EpLayer::new_virtual(gpu, config, ep_options(block, deadline, None)).unwrap()))
+        let mut layer = EpLayer::new_virtual(gpu, config, ep_options(block, deadline, None)).unwrap();
+        if let (true, Some(comm_blocks)) = (block.engine, block.megakernel) {
+            // The forward as one launch for every rank (sm_90a only; elsewhere the separate path).
+            let options = MegakernelOptions { comm_blocks: Some(comm_blocks), blocks: None, timeout: deadline };
+            if let Err(e) = layer.set_forward_megakernel(gpu, Some(options)) {
+                assert_ne!(gpu.compute_capability().0, 9, "an sm_90 GPU must run the megakernel: {e}");
+            }
+        }
+        Subject::Ep(Box::new(layer))
     }
 }
 
@@ -445,6 +455,7 @@ fn soak_thousand_passes_bitwise_against_the_oracle_with_faults() {
                 }
                 Subject::Ep(layer) => {
                     tally.ep_passes += 1;
+                    tally.megakernel_passes += layer.uses_forward_megakernel() as usize;
                     let experts = rank_experts.as_ref().expect("rank weights");
                     (run_ep(&gpu, layer, &case, experts, oracle_shared.as_ref()), false)
                 }
@@ -487,14 +498,14 @@ fn soak_thousand_passes_bitwise_against_the_oracle_with_faults() {
     let (buffers_after, bytes_after) = live_device_buffers();
     let (free_after, _) = gpu.memory_info().unwrap();
     println!(
-        "  {} passes in {:.1} s over {block_index} blocks: {} engine / mma.sync (P = 1; {} with the megakernel forward), {} expert-parallel; {} on \
+        "  {} passes in {:.1} s over {block_index} blocks: {} engine / mma.sync (P = 1), {} expert-parallel; {} with the megakernel forward; {} on \
          fresh layer objects; P seen (blocks) {:?}; routings uniform / all-to-one / empty experts {:?} passes; \
          {} f64 reference checks",
         tally.passes,
         start.elapsed().as_secs_f64(),
         tally.engine_passes,
-        tally.megakernel_passes,
         tally.ep_passes,
+        tally.megakernel_passes,
         tally.fresh_layers,
         tally.ranks_seen.iter().enumerate().filter(|(_, n)| **n > 0).map(|(p, n)| (p, *n)).collect::<Vec<_>>(),
         tally.routings,
@@ -572,12 +583,22 @@ fn inject_silence(
     let silent = c.range(1, p - 1);
     let kind = if fault == 0 { Silence::Publish } else { Silence::Push };
     upload_ranks(gpu, layer, case);
-    layer.exchange_mut().set_silent_rank(Some((silent, kind)));
+    // The megakernel pushes by itself (the exchange's push kernels do not run): its own fault.
+    let megakernel_push = kind == Silence::Push && layer.uses_forward_megakernel();
+    if megakernel_push {
+        let faults = MegakernelFaults { silent_push: true, ..Default::default() };
+        layer.set_megakernel_faults(silent, faults).unwrap();
+    } else {
+        layer.exchange_mut().set_silent_rank(Some((silent, kind)));
+    }
     let start = Instant::now();
     let forward = layer.forward(gpu, experts, shared);
     let result = forward.and_then(|()| layer.check_errors(gpu));
     let took = start.elapsed();
     layer.exchange_mut().set_silent_rank(None);
+    if megakernel_push {
+        layer.set_megakernel_faults(silent, MegakernelFaults::default()).unwrap();
+    }
     match result {
         Err(MokError::Timeout { peer, rank, .. }) => {
             // A silent pusher is only waited on when it owns rows for someone; a silent publisher
