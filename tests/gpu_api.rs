@@ -1,7 +1,8 @@
 //! GPU tests of the public layer, `MoeLayer`, written against the public API alone (feature
 //! `gpu-tests`): caller-owned device memory in and out through views, every backend this GPU
 //! has giving the same bits, the weight gradients fresh or added into the caller's f32 buffers,
-//! a captured step replayed as a CUDA graph, and the errors a framework can hit.
+//! a captured step replayed as a CUDA graph, the layer over P virtual ranks giving the one-GPU
+//! bits, and the errors a framework can hit.
 #![cfg(feature = "gpu-tests")]
 
 mod common;
@@ -199,12 +200,10 @@ fn moe_layer_rejects_what_it_cannot_run() {
     let gpu = gpu();
     let c = config();
     let case = random_case(&c, 702, Routing { drop_probability: 0.0, empty_experts: &[] });
-    let mut p2 = c.clone();
-    p2.ep_ranks = 2;
-    assert!(matches!(
-        MoeLayer::new(&gpu, p2, LayerOptions::default()),
-        Err(MokError::InvalidConfig { field: "ep_ranks", .. })
-    ));
+    // Over ranks there is no engine path of separate launches.
+    let p2 = MoeConfig { ep_ranks: 2, tokens_per_rank: c.tokens_per_rank / 2, ..c.clone() };
+    let engine = LayerOptions { backend: Some(Backend::Engine), ..Default::default() };
+    assert!(matches!(MoeLayer::new(&gpu, p2, engine), Err(MokError::InvalidConfig { field: "ep_ranks", .. })));
     let mut layer = MoeLayer::new(&gpu, c.clone(), LayerOptions::default()).unwrap();
     let mut caller = Caller::new(&gpu, &case);
     let other_x = DeviceBuffer::from_slice(&gpu, &case.tokens.x).unwrap();
@@ -359,4 +358,96 @@ fn a_pass_token_gives_the_borrowed_pass_bits_and_only_for_the_last_forward() {
     layer.check().unwrap();
     assert_eq!(outputs(&caller), expected, "token backward differs from the borrowed pass");
     println!("  pass token: the borrowed pass's bits; an earlier forward's token refused");
+}
+
+#[test]
+fn moe_layer_over_virtual_ranks_gives_the_one_gpu_bits() {
+    // The same views (the whole problem) through a layer over P virtual ranks, on the
+    // megakernel and on mma.sync: y, dx, d_topk_weights and the routed weight gradients (fresh
+    // and added into f32) are the one-GPU layer's bits; the shared expert's f32 gradient is a
+    // sum over ranks (close, and the same bits every run).
+    let gpu = gpu();
+    let ranks = common::sized("rank counts", vec![2, 3, 4, 8], vec![2]);
+    let mut backends = vec![Backend::MmaSync];
+    if Backend::fastest_for(&gpu, 2) == Backend::Megakernel {
+        backends.insert(0, Backend::Megakernel);
+    } else {
+        println!("  the megakernel needs sm_90a: mma.sync only on this GPU");
+    }
+    for with_shared in [false, true] {
+        let c = MoeConfig {
+            shared_intermediate: with_shared.then_some(64),
+            swiglu_limit: Some(2.0),
+            ..MoeConfig::new(240, 136, 96, 24, 4)
+        };
+        let case = random_case(&c, 710 + with_shared as u64, Routing { drop_probability: 0.1, empty_experts: &[7] });
+        let on = |backend| LayerOptions { backend: Some(backend), ..Default::default() };
+        // Fresh bf16 gradients (not with a shared expert across ranks), then added into f32.
+        let run = |layer: &mut MoeLayer| {
+            let mut caller = Caller::new(&gpu, &case);
+            if !with_shared {
+                step(&gpu, layer, &mut caller, false);
+            }
+            step(&gpu, layer, &mut caller, true);
+            let main: Vec<Vec<f32>> = caller.main_grads.iter().map(|b| b.download().unwrap()).collect();
+            (outputs(&caller), main)
+        };
+        let mut one = MoeLayer::new(&gpu, c.clone(), on(Backend::MmaSync)).unwrap();
+        let (want, want_main) = run(&mut one);
+        for &p in &ranks {
+            for &backend in &backends {
+                let config = MoeConfig { ep_ranks: p, tokens_per_rank: c.tokens_per_rank / p, ..c.clone() };
+                let mut layer = MoeLayer::new(&gpu, config, on(backend)).unwrap();
+                let (got, main) = run(&mut layer);
+                let what = format!("P = {p}, {backend:?}, shared expert {with_shared}");
+                assert_eq!(got, want, "{what}: y, dx, d_topk_weights, fresh gradients");
+                for (n, (g, w)) in main.iter().zip(&want_main).enumerate().take(3) {
+                    assert!(g.iter().map(|v| v.to_bits()).eq(w.iter().map(|v| v.to_bits())), "{what}: f32 grad {n}");
+                }
+                for (n, (g, w)) in main.iter().zip(&want_main).enumerate().skip(3) {
+                    let w64: Vec<f64> = w.iter().map(|&v| v as f64).collect();
+                    let error = common::rel_err(g, &w64);
+                    assert!(error < 1e-2, "{what}: shared f32 grad {n}: rel err {error:e}");
+                }
+                let (again, again_main) = run(&mut layer);
+                assert_eq!(again, got, "{what}: a second run");
+                assert!(
+                    again_main.iter().flatten().map(|v| v.to_bits()).eq(main.iter().flatten().map(|v| v.to_bits()))
+                );
+                println!("  {what}: the one-GPU bits (shared f32 gradient within 1e-2, bitwise the same twice)");
+            }
+        }
+        // What the layer over ranks refuses: fresh bf16 shared gradients, and a token count
+        // other than P · T.
+        let config = MoeConfig { ep_ranks: 2, tokens_per_rank: c.tokens_per_rank / 2, ..c.clone() };
+        let mut layer = MoeLayer::new(&gpu, config, on(backends[0])).unwrap();
+        let mut caller = Caller::new(&gpu, &case);
+        let Caller { tokens, experts, shared, dy, y, dx, d_topk_weights, dw, .. } = &mut caller;
+        let inputs = MoeInputs {
+            tokens: (&*tokens).into(),
+            experts: (&*experts).into(),
+            shared: shared.as_ref().map(Into::into),
+        };
+        let mut short = inputs;
+        short.tokens.x = inputs.tokens.x.sub(0, inputs.tokens.x.len() - c.hidden).unwrap();
+        let mut y_view = DeviceSliceMut::from(&mut *y);
+        let y_short = y_view.sub_mut(0, short.tokens.x.len()).unwrap();
+        match layer.forward(&gpu, &short, y_short) {
+            Err(MokError::InvalidInput { tensor, problem }) => println!("  {tensor}: {problem}"),
+            other => panic!("239 tokens over 2 ranks of 120: expected InvalidInput, got {:?}", other.err()),
+        }
+        if with_shared {
+            let pass = layer.forward(&gpu, &inputs, y.into()).unwrap();
+            let grads = MoeGradients {
+                dx: dx.into(),
+                d_topk_weights: d_topk_weights.into(),
+                weights: WeightGradTarget::Bf16(grad_views(dw)),
+            };
+            match pass.backward(&gpu, &inputs, (&*dy).into(), grads) {
+                Err(MokError::InvalidInput { tensor: "shared expert gradients", problem }) => println!("  {problem}"),
+                other => panic!("fresh bf16 shared gradients over ranks: expected InvalidInput, got {other:?}"),
+            }
+        }
+        layer.check().unwrap();
+    }
 }

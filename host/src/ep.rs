@@ -33,8 +33,8 @@ use crate::megakernel::{FORWARD_RANKS_KERNEL, ForwardMegakernel, MegakernelOptio
 use crate::megakernel::{MegakernelFaults, MegakernelWork};
 use crate::problem::RoutedTokens;
 use crate::unfused::{
-    DeviceExperts, DeviceSharedExpert, ExpertBackward, ExpertCompute, ROW_KERNEL_THREADS, RowGroups,
-    grid_stride_blocks, shared_expert_workspace,
+    DeviceExperts, DeviceSharedExpert, ExpertBackward, ExpertCompute, ExpertsView, ROW_KERNEL_THREADS, RowGroups,
+    SharedExpertView, TokensView, grid_stride_blocks, shared_expert_workspace,
 };
 use mok_kernels::megakernel_layout::PassInputs;
 
@@ -63,6 +63,16 @@ pub struct EpRankOutputs<'a> {
     pub dw: [&'a DeviceBuffer<bf16>; 3],
     /// Shared expert weight gradients over this rank's tokens only, bf16.
     pub dws: Option<[&'a DeviceBuffer<bf16>; 3]>,
+}
+
+/// Where a backward over ranks writes the weight gradients (device addresses, checked by the
+/// caller against the layouts): per rank `[dw_gate, dw_up, dw_down]` of its `[E/P, ...]`
+/// experts and the shared expert's three (empty without one), in bf16 or, when
+/// `accumulate_f32`, added into f32.
+pub(crate) struct EpGradTargets {
+    pub routed: Vec<[u64; 3]>,
+    pub shared: Vec<[u64; 3]>,
+    pub accumulate_f32: bool,
 }
 
 /// The forward megakernel of every rank: each rank's engine plans over its ring, the engine's
@@ -177,7 +187,7 @@ impl EpLayer {
 
     /// Builds every rank's engine plans for `experts` and the megakernel pass over them (when
     /// the megakernel is on): on first use, and again for other weights.
-    fn prepare_megakernel(&mut self, gpu: &Gpu, experts: &[DeviceExperts]) -> Result<()> {
+    fn prepare_megakernel(&mut self, gpu: &Gpu, experts: &[ExpertsView<'_>]) -> Result<()> {
         let Some(m) = self.megakernel.as_mut() else { return Ok(()) };
         let keys: Vec<[u64; 3]> =
             experts.iter().map(|w| [w.w_gate.device_ptr(), w.w_up.device_ptr(), w.w_down.device_ptr()]).collect();
@@ -204,12 +214,7 @@ impl EpLayer {
                 groups: l,
                 capacity,
             };
-            plans.push(state.routed.engine_forward_plans(
-                gpu,
-                ring_x,
-                &groups,
-                [(&w.w_gate).into(), (&w.w_up).into(), (&w.w_down).into()],
-            )?);
+            plans.push(state.routed.engine_forward_plans(gpu, ring_x, &groups, [w.w_gate, w.w_up, w.w_down])?);
         }
         let buffers: Vec<PassBuffers> = self
             .ranks
@@ -276,6 +281,65 @@ impl EpLayer {
         self.exchange.upload_dy(gpu, rank, dy)
     }
 
+    /// Copies `rank`'s tokens from device views (`[T, H]`, `[T, k]`, `[T, k]`) into its slice of
+    /// the heap, ordered on the stream (the views must stay allocated until it has run). The ids
+    /// are checked on the device by the routing kernels (a bad id is dropped and reported by
+    /// [`Self::check_errors`]).
+    pub fn copy_tokens_from(&self, gpu: &Gpu, rank: usize, tokens: TokensView<'_>) -> Result<()> {
+        self.exchange.check_rank(rank)?;
+        let c = &self.config;
+        let (t, h, k) = (c.tokens_per_rank, c.hidden, c.top_k);
+        let r = *self.exchange.regions();
+        for (tensor, len, expected) in [
+            ("x", tokens.x.len(), t * h),
+            ("topk_ids", tokens.topk_ids.len(), t * k),
+            ("topk_weights", tokens.topk_weights.len(), t * k),
+        ] {
+            if len != expected {
+                return Err(MokError::InvalidInput {
+                    tensor,
+                    problem: format!("rank {rank}'s view has {len} elements, expected {expected}"),
+                });
+            }
+        }
+        // SAFETY: each region lies in `rank`'s slice with exactly the view's size (checked above);
+        // the views are device memory the caller keeps until the stream has run the copies.
+        unsafe {
+            gpu.copy_device_to_device(self.exchange.address(rank, r.x), tokens.x.device_ptr(), 2 * t * h)?;
+            gpu.copy_device_to_device(
+                self.exchange.address(rank, r.topk_ids),
+                tokens.topk_ids.device_ptr(),
+                4 * t * k,
+            )?;
+            gpu.copy_device_to_device(
+                self.exchange.address(rank, r.topk_weights),
+                tokens.topk_weights.device_ptr(),
+                4 * t * k,
+            )
+        }
+    }
+
+    /// Copies `rank`'s output gradient `[T, H]` from a device view into its slice of the heap,
+    /// ordered on the stream.
+    pub fn copy_dy_from(&self, gpu: &Gpu, rank: usize, dy: DeviceSlice<'_, bf16>) -> Result<()> {
+        self.exchange.check_rank(rank)?;
+        let expected = self.config.tokens_per_rank * self.config.hidden;
+        if dy.len() != expected {
+            return Err(MokError::InvalidInput {
+                tensor: "dy",
+                problem: format!("rank {rank}'s view has {} elements, expected {expected}", dy.len()),
+            });
+        }
+        // SAFETY: as in `copy_tokens_from`.
+        unsafe {
+            gpu.copy_device_to_device(
+                self.exchange.address(rank, self.exchange.regions().dy),
+                dy.device_ptr(),
+                2 * expected,
+            )
+        }
+    }
+
     /// `rank`'s outputs (`Err` for a rank ≥ P).
     pub fn outputs(&self, rank: usize) -> Result<EpRankOutputs<'_>> {
         self.exchange.check_rank(rank)?;
@@ -308,7 +372,7 @@ impl EpLayer {
         Ok(())
     }
 
-    fn check_weights(&self, experts: &[DeviceExperts], shared: Option<&DeviceSharedExpert>) -> Result<()> {
+    fn check_weights(&self, experts: &[ExpertsView<'_>], shared: Option<SharedExpertView<'_>>) -> Result<()> {
         let c = &self.config;
         if experts.len() != c.ep_ranks {
             return Err(MokError::InvalidInput {
@@ -352,6 +416,17 @@ impl EpLayer {
     /// Enqueues the forward pass of every rank (`experts[r]`: rank r's local experts; the shared
     /// expert's weights are replicated); `outputs(r).y` holds the result.
     pub fn forward(&mut self, gpu: &Gpu, experts: &[DeviceExperts], shared: Option<&DeviceSharedExpert>) -> Result<()> {
+        let experts: Vec<ExpertsView<'_>> = experts.iter().map(Into::into).collect();
+        self.forward_views(gpu, &experts, shared.map(Into::into))
+    }
+
+    /// [`Self::forward`] over borrowed views of the weights (`experts[r]`: rank r's `[E/P, ...]`).
+    pub fn forward_views(
+        &mut self,
+        gpu: &Gpu,
+        experts: &[ExpertsView<'_>],
+        shared: Option<SharedExpertView<'_>>,
+    ) -> Result<()> {
         self.check_weights(experts, shared)?;
         if self.megakernel.is_some() {
             return self.forward_megakernel(gpu, experts, shared);
@@ -368,7 +443,7 @@ impl EpLayer {
                 gpu,
                 &self.groups(rank),
                 self.exchange.address(rank, r.ring_x),
-                [(&w.w_gate).into(), (&w.w_up).into(), (&w.w_down).into()],
+                [w.w_gate, w.w_up, w.w_down],
             )?;
             let mut base = 0;
             if let (Some(weights), Some((compute, offsets))) = (shared, &state.shared) {
@@ -376,7 +451,7 @@ impl EpLayer {
                     gpu,
                     &RowGroups::all_tokens(offsets, t),
                     self.exchange.address(rank, r.x),
-                    [(&weights.ws_gate).into(), (&weights.ws_up).into(), (&weights.ws_down).into()],
+                    [weights.ws_gate, weights.ws_up, weights.ws_down],
                 )?;
                 base = compute.out_rows().device_ptr();
             }
@@ -393,8 +468,8 @@ impl EpLayer {
     fn forward_megakernel(
         &mut self,
         gpu: &Gpu,
-        experts: &[DeviceExperts],
-        shared: Option<&DeviceSharedExpert>,
+        experts: &[ExpertsView<'_>],
+        shared: Option<SharedExpertView<'_>>,
     ) -> Result<()> {
         self.prepare_megakernel(gpu, experts)?;
         let gpus = [gpu];
@@ -409,7 +484,7 @@ impl EpLayer {
                     gpu,
                     &RowGroups::all_tokens(offsets, t),
                     self.exchange.address(rank, r.x),
-                    [(&weights.ws_gate).into(), (&weights.ws_up).into(), (&weights.ws_down).into()],
+                    [weights.ws_gate, weights.ws_up, weights.ws_down],
                 )?;
             }
             // SAFETY: the ring's offsets region of the heap the layer owns, L + 1 words.
@@ -430,7 +505,31 @@ impl EpLayer {
         experts: &[DeviceExperts],
         shared: Option<&DeviceSharedExpert>,
     ) -> Result<()> {
+        let experts: Vec<ExpertsView<'_>> = experts.iter().map(Into::into).collect();
+        self.backward_views(gpu, &experts, shared.map(Into::into), None)
+    }
+
+    /// [`Self::backward`] over borrowed views of the weights, with the weight gradients going to
+    /// `target` (`None`: each rank's own bf16 buffers, [`Self::outputs`]): per rank its experts'
+    /// three gradients and the shared expert's (device addresses), and whether they are added into
+    /// f32 buffers (`+=`) or written fresh in bf16. A shared expert's target may be the same
+    /// buffers for every rank only when they are added into (the ranks then add in rank order).
+    pub(crate) fn backward_views(
+        &mut self,
+        gpu: &Gpu,
+        experts: &[ExpertsView<'_>],
+        shared: Option<SharedExpertView<'_>>,
+        target: Option<&EpGradTargets>,
+    ) -> Result<()> {
         self.check_weights(experts, shared)?;
+        if let Some(t) = target
+            && (t.routed.len() != self.ranks.len() || (shared.is_some() && t.shared.len() != self.ranks.len()))
+        {
+            return Err(MokError::InvalidInput {
+                tensor: "weight gradients",
+                problem: format!("targets for {} ranks, the layer has {}", t.routed.len(), self.ranks.len()),
+            });
+        }
         let gpus = [gpu];
         self.exchange.begin_backward(&gpus)?;
         self.exchange.reverse_combine(&gpus)?;
@@ -460,19 +559,22 @@ impl EpLayer {
                 )
             }?;
             let w = &experts[rank];
+            let accumulate_f32 = target.is_some_and(|t| t.accumulate_f32);
+            let own = [state.dw[0].device_ptr(), state.dw[1].device_ptr(), state.dw[2].device_ptr()];
             state.routed.backward(
                 gpu,
                 &self.groups(rank),
                 ExpertBackward {
                     input_rows: at(r.ring_x),
                     d_out_rows: at(r.ring_dy),
-                    weights: [(&w.w_gate).into(), (&w.w_up).into(), (&w.w_down).into()],
-                    accumulate_f32: false,
-                    weight_grads: [state.dw[0].device_ptr(), state.dw[1].device_ptr(), state.dw[2].device_ptr()],
+                    weights: [w.w_gate, w.w_up, w.w_down],
+                    accumulate_f32,
+                    weight_grads: target.map_or(own, |t| t.routed[rank]),
                 },
             )?;
             let mut base = 0;
             if let (Some(weights), Some((compute, offsets)), Some(dws)) = (shared, &state.shared, &state.dws) {
+                let own = [dws[0].device_ptr(), dws[1].device_ptr(), dws[2].device_ptr()];
                 compute.backward(
                     gpu,
                     &RowGroups::all_tokens(offsets, t),
@@ -480,9 +582,9 @@ impl EpLayer {
                         input_rows: at(r.x),
                         // The shared expert's output is added unscaled: its output gradient is dy.
                         d_out_rows: at(r.dy),
-                        weights: [(&weights.ws_gate).into(), (&weights.ws_up).into(), (&weights.ws_down).into()],
-                        accumulate_f32: false,
-                        weight_grads: [dws[0].device_ptr(), dws[1].device_ptr(), dws[2].device_ptr()],
+                        weights: [weights.ws_gate, weights.ws_up, weights.ws_down],
+                        accumulate_f32,
+                        weight_grads: target.map_or(own, |t| t.shared[rank]),
                     },
                 )?;
                 base = compute.d_in_rows().device_ptr();

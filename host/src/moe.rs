@@ -1,7 +1,8 @@
 //! [`MoeLayer`]: the layer a training framework calls — borrowed device views in and out, the
 //! caller's stream (open the [`Gpu`] with `Gpu::on_stream`), the fastest correct backend this GPU
 //! has, a forward that returns the pass its backward consumes, and weight gradients written
-//! fresh or added into the caller's f32 main gradients. Nothing in a forward or a backward
+//! fresh or added into the caller's f32 main gradients; one GPU holding every expert, or P
+//! expert-parallel virtual ranks on it. Nothing in a forward or a backward
 //! synchronises with the host: device-side problems (a bad id found on the device, a wait that
 //! timed out) are recorded and reported by [`MoeLayer::check`], which does synchronise — call it
 //! where the training loop synchronises anyway (once per step, or before reading the loss).
@@ -10,10 +11,12 @@ use half::bf16;
 
 use crate::config::MoeConfig;
 use crate::driver::{DeviceSlice, DeviceSliceMut, Gpu};
+use crate::ep::{EpGradTargets, EpLayer};
 use crate::error::{MokError, Result};
+use crate::exchange::ExchangeOptions;
 use crate::gemm::engine_available;
-use crate::megakernel::MegakernelOptions;
-use crate::unfused::{ExpertsView, SharedExpertView, TokensView, UnfusedLayer, WeightGradTarget};
+use crate::megakernel::{FORWARD_RANKS_KERNEL, MegakernelOptions};
+use crate::unfused::{ExpertsView, SharedExpertView, TokensView, UnfusedLayer, WeightGradTarget, WeightGradViews};
 
 /// How the layer runs. Every backend gives the same bits (tested); they differ in speed and in
 /// the GPUs they need.
@@ -29,10 +32,21 @@ pub enum Backend {
 }
 
 impl Backend {
-    /// The fastest correct backend `gpu` has: on one GPU the engine path (measured faster than
-    /// the megakernel there, docs/PERF.md), else `mma.sync`.
+    /// The fastest correct backend `gpu` has for one GPU holding every expert: the engine path
+    /// (measured faster than the megakernel there, docs/PERF.md), else `mma.sync`.
     pub fn fastest_on(gpu: &Gpu) -> Backend {
         if engine_available(gpu) { Backend::Engine } else { Backend::MmaSync }
+    }
+
+    /// The fastest correct backend `gpu` has for a layer over `ranks` expert-parallel ranks: for
+    /// P > 1 the megakernel (3.2× the separate launches at P = 8, docs/PERF.md), else
+    /// `mma.sync`; for P = 1 [`Self::fastest_on`].
+    pub fn fastest_for(gpu: &Gpu, ranks: usize) -> Backend {
+        match ranks {
+            1 => Self::fastest_on(gpu),
+            _ if engine_available(gpu) && gpu.has_kernel(FORWARD_RANKS_KERNEL) => Backend::Megakernel,
+            _ => Backend::MmaSync,
+        }
     }
 }
 
@@ -89,14 +103,32 @@ pub struct MoeGradients<'a> {
     pub weights: WeightGradTarget<'a>,
 }
 
-/// The MoE layer of one GPU holding every expert (P = 1) with its workspace, sized for up to
-/// `config.tokens_per_rank` tokens: each forward may take any T from 1 to that (read from the
-/// length of x), and its backward the same T.
+/// The MoE layer with its workspace.
+///
+/// - **One GPU holding every expert** (`config.ep_ranks` = 1), sized for up to
+///   `config.tokens_per_rank` tokens: each forward may take any T from 1 to that (read from the
+///   length of x), and its backward the same T.
+/// - **P expert-parallel virtual ranks on this GPU** (`config.ep_ranks` = P > 1; rank r holds
+///   experts r·E/P .. and tokens r·T .. of the views): the views are the whole problem, exactly
+///   P · T tokens (`config.tokens_per_rank` = T per rank) and all E experts, as for one GPU; the
+///   layer copies each rank's share into its symmetric heap, runs the exchange (and, on
+///   [`Backend::Megakernel`], one launch for every rank), and copies y, dx and d_topk_weights back.
+///   y, dx, d_topk_weights and the routed weight gradients are the one-GPU layer's bits. The
+///   shared expert's weight gradient is a sum over ranks, so at P > 1 it must be added into f32
+///   ([`WeightGradTarget::AccumulateF32`]: each rank adds its tokens' part, in rank order —
+///   deterministic, but not the one-GPU bits) or left in the layer ([`WeightGradTarget::Layer`]).
 pub struct MoeLayer {
-    layer: UnfusedLayer,
+    layer: Layer,
     backend: Backend,
     /// Forwards enqueued so far: a [`PassToken`] names the forward it came from.
     passes: u64,
+}
+
+/// What runs a [`MoeLayer`].
+enum Layer {
+    Single(Box<UnfusedLayer>),
+    /// Virtual ranks, with a handle of their GPU for [`MoeLayer::check`].
+    Ranks(Box<EpLayer>, Gpu),
 }
 
 /// A forward that has been enqueued, holding the layer until its backward: only
@@ -121,26 +153,33 @@ pub struct PassToken {
 }
 
 impl MoeLayer {
-    /// Validates `config` and allocates the workspace on `gpu` (its stream is the layer's). P > 1
-    /// is an error here: the expert-parallel layer is `ep::EpLayer` until the megakernel spans
-    /// ranks.
+    /// Validates `config` and allocates the workspace on `gpu` (its stream is the layer's).
     pub fn new(gpu: &Gpu, config: MoeConfig, options: LayerOptions) -> Result<Self> {
         config.validate()?;
-        if config.ep_ranks != 1 {
-            return Err(MokError::InvalidConfig {
-                field: "ep_ranks",
-                value: config.ep_ranks.to_string(),
-                rule: "MoeLayer holds every expert on one GPU (P = 1); P > 1 runs on ep::EpLayer".into(),
-            });
+        let backend = options.backend.unwrap_or_else(|| Backend::fastest_for(gpu, config.ep_ranks));
+        if config.ep_ranks > 1 {
+            if backend == Backend::Engine {
+                return Err(MokError::InvalidConfig {
+                    field: "ep_ranks",
+                    value: config.ep_ranks.to_string(),
+                    rule: "over ranks the layer runs the megakernel or mma.sync, not the engine's separate launches"
+                        .into(),
+                });
+            }
+            let exchange = ExchangeOptions { timeout: options.megakernel.timeout, ..Default::default() };
+            let mut layer = EpLayer::new_virtual(gpu, config, exchange)?;
+            if backend == Backend::Megakernel {
+                layer.set_forward_megakernel(gpu, Some(options.megakernel))?;
+            }
+            return Ok(Self { layer: Layer::Ranks(Box::new(layer), gpu.handle()), backend, passes: 0 });
         }
-        let backend = options.backend.unwrap_or_else(|| Backend::fastest_on(gpu));
         let mut layer = UnfusedLayer::new(gpu, config)?;
         match backend {
             Backend::MmaSync => {}
             Backend::Engine => layer.set_gemm_engine(gpu, true)?,
             Backend::Megakernel => layer.set_forward_megakernel(gpu, Some(options.megakernel))?,
         }
-        Ok(Self { layer, backend, passes: 0 })
+        Ok(Self { layer: Layer::Single(Box::new(layer)), backend, passes: 0 })
     }
 
     /// The backend this layer runs.
@@ -150,7 +189,10 @@ impl MoeLayer {
 
     /// The configuration.
     pub fn config(&self) -> &MoeConfig {
-        self.layer.config()
+        match &self.layer {
+            Layer::Single(layer) => layer.config(),
+            Layer::Ranks(layer, _) => layer.config(),
+        }
     }
 
     /// Enqueues the forward of `inputs` on the layer's stream and writes y `[T, H]` bf16 into
@@ -179,8 +221,25 @@ impl MoeLayer {
                 problem: format!("output view has {} elements, x has {}", y.len(), inputs.tokens.x.len()),
             });
         }
-        self.layer.forward_views(gpu, inputs.tokens, inputs.experts, inputs.shared)?;
-        self.layer.y().copy_to(&mut y)?;
+        match &mut self.layer {
+            Layer::Single(layer) => {
+                layer.forward_views(gpu, inputs.tokens, inputs.experts, inputs.shared)?;
+                layer.y().copy_to(&mut y)?;
+            }
+            Layer::Ranks(layer, _) => {
+                let shares = RankShares::of(layer.config());
+                shares.check_tokens(&inputs.tokens)?;
+                let experts = shares.experts(&inputs.experts)?;
+                for rank in 0..shares.ranks {
+                    layer.copy_tokens_from(gpu, rank, shares.tokens(&inputs.tokens, rank))?;
+                }
+                layer.forward_views(gpu, &experts, inputs.shared)?;
+                for rank in 0..shares.ranks {
+                    let part = shares.rows(rank);
+                    layer.outputs(rank)?.y.copy_to(&mut sub_mut(&mut y, "y", part)?)?;
+                }
+            }
+        }
         self.passes += 1;
         Ok(PassToken { inputs: inputs.addresses(), pass: self.passes })
     }
@@ -223,17 +282,223 @@ impl MoeLayer {
                 });
             }
         }
-        let layer = &mut self.layer;
-        layer.backward_views(gpu, (inputs.tokens, inputs.experts, inputs.shared), dy, grads.weights)?;
-        layer.grads().dx.copy_to(&mut grads.dx)?;
-        layer.grads().d_topk_weights.copy_to(&mut grads.d_topk_weights)
+        match &mut self.layer {
+            Layer::Single(layer) => {
+                layer.backward_views(gpu, (inputs.tokens, inputs.experts, inputs.shared), dy, grads.weights)?;
+                layer.grads().dx.copy_to(&mut grads.dx)?;
+                layer.grads().d_topk_weights.copy_to(&mut grads.d_topk_weights)
+            }
+            Layer::Ranks(layer, _) => {
+                let shares = RankShares::of(layer.config());
+                let experts = shares.experts(&inputs.experts)?;
+                let targets = shares.grad_targets(&grads.weights, inputs.shared.is_some())?;
+                for rank in 0..shares.ranks {
+                    let part = shares.rows(rank);
+                    let rank_dy = dy.sub(part.0, part.1).ok_or_else(|| too_short("dy"))?;
+                    layer.copy_dy_from(gpu, rank, rank_dy)?;
+                }
+                layer.backward_views(gpu, &experts, inputs.shared, targets.as_ref())?;
+                for rank in 0..shares.ranks {
+                    let out = layer.outputs(rank)?;
+                    out.dx.copy_to(&mut sub_mut(&mut grads.dx, "dx", shares.rows(rank))?)?;
+                    let slots = shares.slots(rank);
+                    out.d_topk_weights.copy_to(&mut sub_mut(&mut grads.d_topk_weights, "d_topk_weights", slots)?)?;
+                }
+                Ok(())
+            }
+        }
     }
 
     /// Waits for the stream and reports the first device-side problem of the passes since the
     /// last check (an id out of range or repeated, found on the device; a megakernel wait that
-    /// timed out), clearing it.
+    /// timed out; across ranks also a ring too small or a rank that never signalled), clearing
+    /// it.
     pub fn check(&mut self) -> Result<()> {
-        self.layer.check_device_errors()
+        match &mut self.layer {
+            Layer::Single(layer) => layer.check_device_errors(),
+            Layer::Ranks(layer, gpu) => {
+                let checked = layer.check_errors(gpu);
+                if checked.is_err() {
+                    // Every rank is idle after the check's synchronise: clear the records and
+                    // counters so the next pass starts clean.
+                    layer.exchange_mut().reset(&[&*gpu])?;
+                }
+                checked
+            }
+        }
+    }
+}
+
+/// A view of `len` elements from `start` of `view`, or an error naming it.
+fn sub_mut<'v, T>(
+    view: &'v mut DeviceSliceMut<'_, T>,
+    tensor: &'static str,
+    (start, len): (usize, usize),
+) -> Result<DeviceSliceMut<'v, T>> {
+    view.sub_mut(start, len).ok_or_else(|| too_short(tensor))
+}
+
+fn too_short(tensor: &'static str) -> MokError {
+    MokError::InvalidInput { tensor, problem: "view shorter than the layer's P · T tokens".into() }
+}
+
+/// How the whole problem's views split over the virtual ranks: rank r holds tokens r·T .. and
+/// experts r·L ...
+struct RankShares {
+    ranks: usize,
+    tokens: usize,
+    hidden: usize,
+    top_k: usize,
+    /// Elements of one rank's `[L, I, H]` (and `[L, H, I]`) weights.
+    expert_block: usize,
+    /// The shared expert's `[Is, H]` elements, if any.
+    shared: Option<usize>,
+}
+
+impl RankShares {
+    fn of(c: &MoeConfig) -> Self {
+        Self {
+            ranks: c.ep_ranks,
+            tokens: c.tokens_per_rank,
+            hidden: c.hidden,
+            top_k: c.top_k,
+            expert_block: c.local_experts() * c.intermediate * c.hidden,
+            shared: c.shared_intermediate.map(|is| is * c.hidden),
+        }
+    }
+
+    /// `(first element, elements)` of rank `rank`'s rows of a `[P·T, H]` tensor.
+    fn rows(&self, rank: usize) -> (usize, usize) {
+        (rank * self.tokens * self.hidden, self.tokens * self.hidden)
+    }
+
+    /// The same for a `[P·T, k]` tensor.
+    fn slots(&self, rank: usize) -> (usize, usize) {
+        (rank * self.tokens * self.top_k, self.tokens * self.top_k)
+    }
+
+    /// Exactly P · T tokens (the heap is laid out for T per rank).
+    fn check_tokens(&self, tokens: &TokensView<'_>) -> Result<()> {
+        let (t, h, k) = (self.ranks * self.tokens, self.hidden, self.top_k);
+        for (tensor, len, expected) in [
+            ("x", tokens.x.len(), t * h),
+            ("topk_ids", tokens.topk_ids.len(), t * k),
+            ("topk_weights", tokens.topk_weights.len(), t * k),
+        ] {
+            if len != expected {
+                return Err(MokError::InvalidInput {
+                    tensor,
+                    problem: format!(
+                        "{len} elements; a layer over {} ranks takes exactly P · T = {t} tokens ({} per rank): {expected}",
+                        self.ranks, self.tokens
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn tokens<'a>(&self, tokens: &TokensView<'a>, rank: usize) -> TokensView<'a> {
+        let ((x0, xn), (s0, sn)) = (self.rows(rank), self.slots(rank));
+        // In range: check_tokens passed.
+        TokensView {
+            x: tokens.x.sub(x0, xn).unwrap_or(tokens.x),
+            topk_ids: tokens.topk_ids.sub(s0, sn).unwrap_or(tokens.topk_ids),
+            topk_weights: tokens.topk_weights.sub(s0, sn).unwrap_or(tokens.topk_weights),
+        }
+    }
+
+    /// Each rank's `[E/P, ...]` experts of the whole `[E, ...]` weights.
+    fn experts<'a>(&self, experts: &ExpertsView<'a>) -> Result<Vec<ExpertsView<'a>>> {
+        let n = self.expert_block;
+        for (tensor, len) in
+            [("w_gate", experts.w_gate.len()), ("w_up", experts.w_up.len()), ("w_down", experts.w_down.len())]
+        {
+            if len != self.ranks * n {
+                return Err(MokError::InvalidInput {
+                    tensor,
+                    problem: format!("{len} elements, expected {} (all E experts)", self.ranks * n),
+                });
+            }
+        }
+        Ok((0..self.ranks)
+            .map(|r| ExpertsView {
+                w_gate: experts.w_gate.sub(r * n, n).unwrap_or(experts.w_gate),
+                w_up: experts.w_up.sub(r * n, n).unwrap_or(experts.w_up),
+                w_down: experts.w_down.sub(r * n, n).unwrap_or(experts.w_down),
+            })
+            .collect())
+    }
+
+    /// Each rank's gradient addresses for `target` (`None`: the layer's own buffers).
+    fn grad_targets(&self, target: &WeightGradTarget<'_>, with_shared: bool) -> Result<Option<EpGradTargets>> {
+        fn routed<T>(views: &WeightGradViews<'_, T>, shares: &RankShares) -> Result<Vec<[u64; 3]>> {
+            let n = shares.expert_block;
+            for (tensor, len) in
+                [("dw_gate", views.dw_gate.len()), ("dw_up", views.dw_up.len()), ("dw_down", views.dw_down.len())]
+            {
+                if len != shares.ranks * n {
+                    return Err(MokError::InvalidInput {
+                        tensor,
+                        problem: format!(
+                            "gradient view has {len} elements, expected {} (all E experts)",
+                            shares.ranks * n
+                        ),
+                    });
+                }
+            }
+            let bytes = (n * size_of::<T>()) as u64;
+            Ok((0..shares.ranks as u64)
+                .map(|r| {
+                    [views.dw_gate.device_ptr(), views.dw_up.device_ptr(), views.dw_down.device_ptr()]
+                        .map(|p| p + r * bytes)
+                })
+                .collect())
+        }
+        let shared_views = |shared: &Option<[DeviceSliceMut<'_, f32>; 3]>| -> Result<Vec<[u64; 3]>> {
+            match (shared, self.shared) {
+                (Some(views), Some(n)) => {
+                    if views.iter().any(|v| v.len() != n) {
+                        return Err(MokError::InvalidInput {
+                            tensor: "shared expert gradients",
+                            problem: format!("each view must have {n} elements"),
+                        });
+                    }
+                    let addresses = [views[0].device_ptr(), views[1].device_ptr(), views[2].device_ptr()];
+                    Ok(vec![addresses; self.ranks])
+                }
+                (None, None) => Ok(Vec::new()),
+                (Some(_), None) => Err(MokError::InvalidInput {
+                    tensor: "shared expert gradients",
+                    problem: "given, but the layer has no shared expert".into(),
+                }),
+                (None, Some(_)) => Err(MokError::InvalidInput {
+                    tensor: "shared expert gradients",
+                    problem: "missing: the layer has a shared expert".into(),
+                }),
+            }
+        };
+        Ok(match target {
+            WeightGradTarget::Layer => None,
+            WeightGradTarget::Bf16(views) => {
+                if with_shared || views.shared.is_some() {
+                    return Err(MokError::InvalidInput {
+                        tensor: "shared expert gradients",
+                        problem: format!(
+                            "over {} ranks the shared expert's gradient is a sum over the ranks' tokens: add it into f32 \
+                             (WeightGradTarget::AccumulateF32) or leave it in the layer (WeightGradTarget::Layer)",
+                            self.ranks
+                        ),
+                    });
+                }
+                Some(EpGradTargets { routed: routed(views, self)?, shared: Vec::new(), accumulate_f32: false })
+            }
+            WeightGradTarget::AccumulateF32(views) => Some(EpGradTargets {
+                routed: routed(views, self)?,
+                shared: shared_views(&views.shared)?,
+                accumulate_f32: true,
+            }),
+        })
     }
 }
 
@@ -258,6 +523,15 @@ impl ForwardPass<'_> {
 /// The caller's own buffers (inputs, outputs, gradient targets) are not included.
 pub fn workspace_bytes(config: &MoeConfig, backend: Backend) -> Result<usize> {
     config.validate()?;
+    if config.ep_ranks > 1 {
+        return Err(MokError::InvalidConfig {
+            field: "ep_ranks",
+            value: config.ep_ranks.to_string(),
+            rule: "workspace_bytes counts a one-GPU layer (P = 1); a layer over ranks holds P ranks' workspaces \
+                   and its symmetric heap (exchange::Exchange::heap_bytes_per_rank per rank)"
+                .into(),
+        });
+    }
     let c = config;
     let (t, h, i, e, k) = (c.tokens_per_rank, c.hidden, c.intermediate, c.local_experts(), c.top_k);
     let slots = t * k;
@@ -308,6 +582,63 @@ mod tests {
     use super::*;
 
     #[test]
+    fn rank_shares_split_the_views_and_check_them() {
+        let c = MoeConfig { ep_ranks: 4, shared_intermediate: Some(16), ..MoeConfig::new(10, 64, 32, 8, 2) };
+        let shares = RankShares::of(&c);
+        assert_eq!((shares.rows(3), shares.slots(3)), ((3 * 10 * 64, 10 * 64), (3 * 10 * 2, 10 * 2)));
+        // SAFETY: views of made-up addresses that nothing dereferences (only split and compared).
+        let view = |ptr, len| unsafe { DeviceSlice::<bf16>::from_raw_parts(ptr, len) };
+        let n = 2 * 32 * 64;
+        let experts =
+            ExpertsView { w_gate: view(0x1000, 4 * n), w_up: view(0x9000_0000, 4 * n), w_down: view(0x2000, 4 * n) };
+        let per_rank = shares.experts(&experts).unwrap();
+        assert_eq!(per_rank.len(), 4);
+        assert_eq!(per_rank[2].w_up.device_ptr(), 0x9000_0000 + 2 * 2 * n as u64);
+        assert!(per_rank.iter().all(|e| e.w_gate.len() == n && e.w_down.len() == n));
+        let short = ExpertsView { w_gate: view(0x1000, 4 * n - 1), ..experts };
+        assert!(matches!(shares.experts(&short), Err(MokError::InvalidInput { tensor: "w_gate", .. })));
+        // SAFETY: as above.
+        let tokens = |t: usize| unsafe {
+            TokensView {
+                x: DeviceSlice::from_raw_parts(0x4000, t * 64),
+                topk_ids: DeviceSlice::from_raw_parts(0x8000, t * 2),
+                topk_weights: DeviceSlice::from_raw_parts(0xc000, t * 2),
+            }
+        };
+        assert!(shares.check_tokens(&tokens(40)).is_ok());
+        assert!(matches!(shares.check_tokens(&tokens(39)), Err(MokError::InvalidInput { tensor: "x", .. })));
+        assert_eq!(shares.tokens(&tokens(40), 1).topk_weights.device_ptr(), 0xc000 + 4 * 20);
+        // Gradient targets: fresh bf16 shared gradients over ranks are refused; f32 ones are
+        // every rank's same buffers, the routed ones each rank's block.
+        // SAFETY: as above.
+        let grads = |ptr: u64, len| unsafe { DeviceSliceMut::<f32>::from_raw_parts(ptr, len) };
+        let f32_views = WeightGradViews {
+            dw_gate: grads(0x10_0000, 4 * n),
+            dw_up: grads(0x20_0000, 4 * n),
+            dw_down: grads(0x30_0000, 4 * n),
+            shared: Some([grads(0x40_0000, 16 * 64), grads(0x50_0000, 16 * 64), grads(0x60_0000, 16 * 64)]),
+        };
+        let targets = shares.grad_targets(&WeightGradTarget::AccumulateF32(f32_views), true).unwrap().unwrap();
+        assert!(targets.accumulate_f32 && targets.shared.len() == 4 && targets.shared[3][0] == 0x40_0000);
+        assert_eq!(targets.routed[1], [0x10_0000 + 4 * n as u64, 0x20_0000 + 4 * n as u64, 0x30_0000 + 4 * n as u64]);
+        // SAFETY: as above.
+        let bf16_grads = |ptr: u64| unsafe { DeviceSliceMut::<bf16>::from_raw_parts(ptr, 4 * n) };
+        let bf16_views = |shared| WeightGradViews {
+            dw_gate: bf16_grads(0x1_0000),
+            dw_up: bf16_grads(0x2_0000),
+            dw_down: bf16_grads(0x3_0000),
+            shared,
+        };
+        assert!(matches!(
+            shares.grad_targets(&WeightGradTarget::Bf16(bf16_views(None)), true),
+            Err(MokError::InvalidInput { tensor: "shared expert gradients", .. })
+        ));
+        let fresh = shares.grad_targets(&WeightGradTarget::Bf16(bf16_views(None)), false).unwrap().unwrap();
+        assert_eq!(fresh.routed[3][2], 0x3_0000 + 3 * 2 * n as u64);
+        assert!(shares.grad_targets(&WeightGradTarget::Layer, true).unwrap().is_none());
+    }
+
+    #[test]
     fn workspace_bytes_follow_the_config_and_the_backend() {
         let config = MoeConfig { shared_intermediate: Some(256), ..MoeConfig::new(400, 512, 256, 32, 8) };
         let [mma, engine, mega] =
@@ -317,6 +648,11 @@ mod tests {
         assert!(mma > 3 * 2 * 32 * 256 * 512);
         let more = MoeConfig { tokens_per_rank: 800, ..config.clone() };
         assert!(workspace_bytes(&more, Backend::Engine).unwrap() > engine);
+        let ranks = MoeConfig { ep_ranks: 2, tokens_per_rank: 200, ..config.clone() };
+        assert!(matches!(
+            workspace_bytes(&ranks, Backend::Megakernel),
+            Err(MokError::InvalidConfig { field: "ep_ranks", .. })
+        ));
         let bad = MoeConfig { hidden: 60, ..config };
         assert!(matches!(workspace_bytes(&bad, Backend::Engine), Err(MokError::InvalidConfig { field: "hidden", .. })));
     }

@@ -16,7 +16,8 @@ use crate::error::{MokError, Result};
 /// still alive. `Kernels` holds its own reference to the context (and binds it before the unload),
 /// so the unload is valid whichever of `Gpu`, a buffer or a timer drops the last reference.
 pub struct Gpu {
-    kernels: Kernels,
+    /// Shared by the handles of one GPU ([`Gpu::handle`]); the last one unloads the module.
+    kernels: Arc<Kernels>,
     inner: Arc<GpuInner>,
     sync_launches: bool,
     /// Kernels launched through this handle so far ([`Gpu::kernel_launches`]).
@@ -240,7 +241,7 @@ impl Gpu {
         // SAFETY: `source` is a NUL-terminated PTX image that outlives the call.
         let module = unsafe { result::module::load_data(source.as_ptr() as *const c_void) }
             .map_err(|e| cuda_error("cuModuleLoadData (JIT of mok's PTX)", e))?;
-        let kernels = Kernels { module, functions: Mutex::new(HashMap::new()), context: inner.clone() };
+        let kernels = Arc::new(Kernels { module, functions: Mutex::new(HashMap::new()), context: inner.clone() });
         let gpu = Self { kernels, inner, sync_launches: false, launches: Default::default() };
         // Resolve the expected kernels now, so a PTX that lacks one fails at open, not mid-pass.
         for &kernel in kernel_names {
@@ -419,6 +420,18 @@ impl Gpu {
     /// over a pass is the pass's launch count.
     pub fn kernel_launches(&self) -> u64 {
         self.launches.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Another handle of this GPU: the same context, stream and module (a layer that must
+    /// synchronise later without being handed the `Gpu` again keeps one). Its launch count
+    /// starts at 0.
+    pub(crate) fn handle(&self) -> Gpu {
+        Gpu {
+            kernels: self.kernels.clone(),
+            inner: self.inner.clone(),
+            sync_launches: self.sync_launches,
+            launches: Default::default(),
+        }
     }
 
     /// Waits for all work on the stream; an execution fault is reported here.

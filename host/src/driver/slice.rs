@@ -66,6 +66,16 @@ impl<'a, T> DeviceSlice<'a, T> {
     pub fn device_ptr(&self) -> u64 {
         self.ptr
     }
+
+    /// The `len` elements from element `start` on, as a view of the same borrow (`None` past the
+    /// end).
+    pub fn sub(&self, start: usize, len: usize) -> Option<DeviceSlice<'a, T>> {
+        (start.checked_add(len)? <= self.len).then(|| DeviceSlice {
+            ptr: self.ptr + (start * size_of::<T>()) as u64,
+            len,
+            _borrow: PhantomData,
+        })
+    }
 }
 
 impl<'a, T> DeviceSliceMut<'a, T> {
@@ -103,6 +113,16 @@ impl<'a, T> DeviceSliceMut<'a, T> {
     /// A shorter-lived writable view of the same memory.
     pub fn reborrow(&mut self) -> DeviceSliceMut<'_, T> {
         DeviceSliceMut { ptr: self.ptr, len: self.len, _borrow: PhantomData }
+    }
+
+    /// A shorter-lived writable view of the `len` elements from element `start` on (`None` past
+    /// the end).
+    pub fn sub_mut(&mut self, start: usize, len: usize) -> Option<DeviceSliceMut<'_, T>> {
+        (start.checked_add(len)? <= self.len).then(|| DeviceSliceMut {
+            ptr: self.ptr + (start * size_of::<T>()) as u64,
+            len,
+            _borrow: PhantomData,
+        })
     }
 }
 
