@@ -258,7 +258,10 @@ pub fn to_svg(results: &[Measurement]) -> String {
     let top = (top * 1.05 / 100.0).ceil() * 100.0;
     let (panel_w, panel_h, left, margin_top, bottom) = (520.0, 300.0, 60.0, 50.0, 70.0);
     let width = left + 2.0 * (panel_w + 30.0) + 10.0;
-    let height = margin_top + panel_h + bottom + 22.0 * (series.len() as f64 / 4.0).ceil() + 20.0;
+    // The legend: the series four to a row, then the floors' key on a row of its own (it is
+    // as wide as three series).
+    let legend_rows = series.len().div_ceil(4) + 1;
+    let height = margin_top + panel_h + bottom + 22.0 * legend_rows as f64 + 20.0;
     let mut svg = String::new();
     let _ = writeln!(
         svg,
@@ -344,7 +347,11 @@ pub fn to_svg(results: &[Measurement]) -> String {
         series.iter().enumerate().map(|(i, s)| (s.clone(), colour(i).to_string())).collect();
     items.push(("floors: FLOP (dashed), bytes (dotted); forward + backward: the larger".into(), "none".into()));
     for (n, (name, fill)) in items.iter().enumerate() {
-        let (lx, ly) = (left + (n % 4) as f64 * 260.0, legend_y + (n / 4) as f64 * 22.0);
+        let (lx, ly) = if n < series.len() {
+            (left + (n % 4) as f64 * 260.0, legend_y + (n / 4) as f64 * 22.0)
+        } else {
+            (left, legend_y + (legend_rows - 1) as f64 * 22.0)
+        };
         if fill == "none" {
             let _ = writeln!(
                 svg,
