@@ -290,17 +290,11 @@ impl EpLayer {
         let c = &self.config;
         let (t, h, k) = (c.tokens_per_rank, c.hidden, c.top_k);
         let r = *self.exchange.regions();
-        for (tensor, len, expected) in [
-            ("x", tokens.x.len(), t * h),
-            ("topk_ids", tokens.topk_ids.len(), t * k),
-            ("topk_weights", tokens.topk_weights.len(), t * k),
-        ] {
-            if len != expected {
-                return Err(MokError::InvalidInput {
-                    tensor,
-                    problem: format!("rank {rank}'s view has {len} elements, expected {expected}"),
-                });
-            }
+        if let Some((tensor, len, expected)) = tokens.wrong_length(t, h, k) {
+            return Err(MokError::InvalidInput {
+                tensor,
+                problem: format!("rank {rank}'s view has {len} elements, expected {expected}"),
+            });
         }
         // SAFETY: each region lies in `rank`'s slice with exactly the view's size (checked above);
         // the views are device memory the caller keeps until the stream has run the copies.
@@ -435,7 +429,6 @@ impl EpLayer {
         self.exchange.schedule(&gpus)?;
         self.exchange.dispatch(&gpus)?;
         let r = *self.exchange.regions();
-        let t = self.config.tokens_per_rank;
         let mut bases = Vec::with_capacity(self.ranks.len());
         for (rank, state) in self.ranks.iter().enumerate() {
             let w = &experts[rank];
@@ -445,21 +438,24 @@ impl EpLayer {
                 self.exchange.address(rank, r.ring_x),
                 [w.w_gate, w.w_up, w.w_down],
             )?;
-            let mut base = 0;
-            if let (Some(weights), Some((compute, offsets))) = (shared, &state.shared) {
-                compute.forward(
-                    gpu,
-                    &RowGroups::all_tokens(offsets, t),
-                    self.exchange.address(rank, r.x),
-                    [weights.ws_gate, weights.ws_up, weights.ws_down],
-                )?;
-                base = compute.out_rows().device_ptr();
-            }
-            bases.push(base);
+            bases.push(self.shared_forward(gpu, rank, shared)?);
         }
         let rows: Vec<u64> = self.ranks.iter().map(|s| s.routed.out_rows().device_ptr()).collect();
         let outs: Vec<u64> = self.ranks.iter().map(|s| s.y.device_ptr()).collect();
         self.exchange.combine(&gpus, &rows, &bases, &outs)
+    }
+
+    /// `rank`'s shared expert over its own tokens (when the layer has one); returns the address
+    /// of its `[T][H]` f32 rows, the first term of the rank's combine (0 without one).
+    fn shared_forward(&self, gpu: &Gpu, rank: usize, shared: Option<SharedExpertView<'_>>) -> Result<u64> {
+        let (Some(weights), Some((compute, offsets))) = (shared, &self.ranks[rank].shared) else { return Ok(0) };
+        compute.forward(
+            gpu,
+            &RowGroups::all_tokens(offsets, self.config.tokens_per_rank),
+            self.exchange.address(rank, self.exchange.regions().x),
+            [weights.ws_gate, weights.ws_up, weights.ws_down],
+        )?;
+        Ok(compute.out_rows().device_ptr())
     }
 
     /// The forward as the megakernel: the slot flags cleared, the schedule, each rank's shared
@@ -476,17 +472,12 @@ impl EpLayer {
         self.exchange.clear_slot_flags(&gpus)?;
         self.exchange.schedule(&gpus)?;
         let r = *self.exchange.regions();
-        let (t, l) = (self.config.tokens_per_rank, self.config.local_experts());
+        let l = self.config.local_experts();
+        for rank in 0..self.ranks.len() {
+            self.shared_forward(gpu, rank, shared)?;
+        }
         let Some(m) = self.megakernel.as_mut() else { return Ok(()) };
-        for (rank, state) in self.ranks.iter().enumerate() {
-            if let (Some(weights), Some((compute, offsets))) = (shared, &state.shared) {
-                compute.forward(
-                    gpu,
-                    &RowGroups::all_tokens(offsets, t),
-                    self.exchange.address(rank, r.x),
-                    [weights.ws_gate, weights.ws_up, weights.ws_down],
-                )?;
-            }
+        for rank in 0..self.ranks.len() {
             // SAFETY: the ring's offsets region of the heap the layer owns, L + 1 words.
             let ring_row_offsets =
                 unsafe { DeviceSlice::<u32>::from_raw_parts(self.exchange.address(rank, r.ring_row_offsets), l + 1) };

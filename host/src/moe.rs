@@ -379,23 +379,17 @@ impl RankShares {
 
     /// Exactly P · T tokens (the heap is laid out for T per rank).
     fn check_tokens(&self, tokens: &TokensView<'_>) -> Result<()> {
-        let (t, h, k) = (self.ranks * self.tokens, self.hidden, self.top_k);
-        for (tensor, len, expected) in [
-            ("x", tokens.x.len(), t * h),
-            ("topk_ids", tokens.topk_ids.len(), t * k),
-            ("topk_weights", tokens.topk_weights.len(), t * k),
-        ] {
-            if len != expected {
-                return Err(MokError::InvalidInput {
-                    tensor,
-                    problem: format!(
-                        "{len} elements; a layer over {} ranks takes exactly P · T = {t} tokens ({} per rank): {expected}",
-                        self.ranks, self.tokens
-                    ),
-                });
-            }
+        let t = self.ranks * self.tokens;
+        match tokens.wrong_length(t, self.hidden, self.top_k) {
+            None => Ok(()),
+            Some((tensor, len, expected)) => Err(MokError::InvalidInput {
+                tensor,
+                problem: format!(
+                    "{len} elements; a layer over {} ranks takes exactly P · T = {t} tokens ({} per rank): {expected}",
+                    self.ranks, self.tokens
+                ),
+            }),
         }
-        Ok(())
     }
 
     fn tokens<'a>(&self, tokens: &TokensView<'a>, rank: usize) -> TokensView<'a> {

@@ -115,6 +115,25 @@ pub struct TokensView<'a> {
     pub topk_weights: DeviceSlice<'a, f32>,
 }
 
+impl TokensView<'_> {
+    /// The first of x `[T, H]`, the top-k ids and weights `[T, k]` whose length is not that of
+    /// `tokens` tokens: `(tensor, length, expected)`.
+    pub(crate) fn wrong_length(
+        &self,
+        tokens: usize,
+        hidden: usize,
+        top_k: usize,
+    ) -> Option<(&'static str, usize, usize)> {
+        [
+            ("x", self.x.len(), tokens * hidden),
+            ("topk_ids", self.topk_ids.len(), tokens * top_k),
+            ("topk_weights", self.topk_weights.len(), tokens * top_k),
+        ]
+        .into_iter()
+        .find(|&(_, len, expected)| len != expected)
+    }
+}
+
 impl<'a> From<&'a DeviceTokens> for TokensView<'a> {
     fn from(t: &'a DeviceTokens) -> Self {
         Self { x: (&t.x).into(), topk_ids: (&t.topk_ids).into(), topk_weights: (&t.topk_weights).into() }
