@@ -9,8 +9,9 @@
 //! partial sum over its own tokens: the cross-rank reduction of replicated weights belongs to the
 //! data-parallel all-reduce, outside the layer.
 //!
-//! Runs virtual ranks on one GPU today (every rank's launches on that GPU's stream); the same
-//! sequence serves several GPUs once [`Exchange`] is built over a multi-GPU heap.
+//! Runs virtual ranks on one GPU (every rank's launches on that GPU's stream); the same
+//! sequence would serve several GPUs with [`Exchange`] over a multi-GPU heap, which this layer
+//! does not drive yet.
 //!
 //! The forward can instead run as the forward megakernel ([`EpLayer::set_forward_megakernel`]):
 //! after the schedule, ONE persistent launch hosts every rank — each rank on its own run of the
@@ -28,7 +29,10 @@ use crate::driver::{DeviceBuffer, Gpu, KernelArg, LaunchShape};
 use crate::error::{MokError, Result};
 use crate::exchange::{Exchange, ExchangeOptions};
 use crate::gemm::{self as engine, EnginePlan};
-use crate::megakernel::{FORWARD_RANKS_KERNEL, ForwardMegakernel, MegakernelOptions, PassBuffers, RankPass};
+use crate::megakernel::{
+    FORWARD_RANKS_KERNEL, ForwardMegakernel, MegakernelOptions, PassBuffers, RankPass, checked_geometry,
+    resident_blocks,
+};
 #[cfg(feature = "testing")]
 use crate::megakernel::{MegakernelFaults, MegakernelWork};
 use crate::problem::RoutedTokens;
@@ -83,7 +87,7 @@ struct EpMegakernel {
     tile_offsets: Vec<DeviceBuffer<u32>>,
     /// Per rank: the gate/up and down plans, and the weights they were built for.
     plans: Vec<(EnginePlan, EnginePlan)>,
-    built_for: Vec<[u64; 3]>,
+    weights_built_for: Vec<[u64; 3]>,
     pass: Option<ForwardMegakernel>,
 }
 
@@ -128,8 +132,8 @@ impl EpLayer {
     /// step (`None`, the default). Both give the same bits, and the backward reads what either
     /// saved. `options.comm_blocks` counts each rank's comm blocks; the grid (all resident at
     /// once) is split into contiguous runs of pairs, one per rank, each needing its comm blocks
-    /// and a compute pair. Errors when this GPU or the loaded PTX cannot run it; the layer is
-    /// then unchanged. The geometry is checked when the first forward builds the pass.
+    /// and a compute pair. Errors when this GPU or the loaded PTX cannot run it, or the geometry
+    /// cannot hold every rank; the layer is then unchanged.
     pub fn set_forward_megakernel(&mut self, gpu: &Gpu, options: Option<MegakernelOptions>) -> Result<()> {
         let Some(options) = options else {
             self.megakernel = None;
@@ -145,11 +149,13 @@ impl EpLayer {
                 ),
             });
         }
+        // The geometry needs no weights: check it now, not at the first forward.
+        checked_geometry(resident_blocks(gpu, FORWARD_RANKS_KERNEL)?, &options, self.config.ep_ranks as u32)?;
         let l = self.config.local_experts();
         let tile_offsets =
             (0..self.config.ep_ranks).map(|_| DeviceBuffer::alloc(gpu, 2 * (l + 1))).collect::<Result<Vec<_>>>()?;
         self.megakernel =
-            Some(EpMegakernel { options, tile_offsets, plans: Vec::new(), built_for: Vec::new(), pass: None });
+            Some(EpMegakernel { options, tile_offsets, plans: Vec::new(), weights_built_for: Vec::new(), pass: None });
         Ok(())
     }
 
@@ -191,7 +197,7 @@ impl EpLayer {
         let Some(m) = self.megakernel.as_mut() else { return Ok(()) };
         let keys: Vec<[u64; 3]> =
             experts.iter().map(|w| [w.w_gate.device_ptr(), w.w_up.device_ptr(), w.w_down.device_ptr()]).collect();
-        if m.pass.is_some() && m.built_for == keys {
+        if m.pass.is_some() && m.weights_built_for == keys {
             return Ok(());
         }
         let c = &self.config;
@@ -200,16 +206,12 @@ impl EpLayer {
         let r = *self.exchange.regions();
         let mut plans = Vec::with_capacity(c.ep_ranks);
         for (rank, (state, w)) in self.ranks.iter().zip(experts).enumerate() {
-            // SAFETY: the regions lie in the heap, which the layer owns and keeps for as long as
-            // the plans (also the layer's) exist; the lengths are the regions' sizes.
-            let (ring_x, ring_row_offsets) = unsafe {
-                (
-                    DeviceSlice::<bf16>::from_raw_parts(self.exchange.address(rank, r.ring_x), capacity * h),
-                    DeviceSlice::<u32>::from_raw_parts(self.exchange.address(rank, r.ring_row_offsets), l + 1),
-                )
-            };
+            // SAFETY: the region lies in the heap, which the layer owns and keeps for as long as
+            // the plans (also the layer's) exist; the length is the region's size.
+            let ring_x =
+                unsafe { DeviceSlice::<bf16>::from_raw_parts(self.exchange.address(rank, r.ring_x), capacity * h) };
             let groups = engine::RowGroups {
-                row_offsets: ring_row_offsets,
+                row_offsets: self.exchange.ring_row_offsets(rank),
                 tile_offsets: &m.tile_offsets[rank],
                 groups: l,
                 capacity,
@@ -222,7 +224,7 @@ impl EpLayer {
             .enumerate()
             .map(|(rank, state)| {
                 let at = |region| self.exchange.address(rank, region);
-                PassBuffers {
+                Ok(PassBuffers {
                     row_source: at(r.ring_source_slot),
                     slot_row: at(r.slot_self),
                     rows: at(r.ring_x),
@@ -231,7 +233,7 @@ impl EpLayer {
                     top_k: k as u32,
                     hidden: h as u32,
                     rank: Some(RankPass {
-                        exchange: self.exchange.params_address(rank),
+                        exchange: self.exchange.params_address(rank)?,
                         rank: rank as u32,
                         error: at(r.error),
                         inputs: PassInputs {
@@ -245,13 +247,13 @@ impl EpLayer {
                             reserved: 0,
                         },
                     }),
-                }
+                })
             })
-            .collect();
+            .collect::<Result<_>>()?;
         let pairs: Vec<[&EnginePlan; 2]> = plans.iter().map(|(g, d)| [g, d]).collect();
         let pass = ForwardMegakernel::new(gpu, &pairs, &buffers, &m.options)?;
         m.plans = plans;
-        m.built_for = keys;
+        m.weights_built_for = keys;
         m.pass = Some(pass);
         Ok(())
     }
@@ -458,7 +460,7 @@ impl EpLayer {
         Ok(compute.out_rows().device_ptr())
     }
 
-    /// The forward as the megakernel: the slot flags cleared, the schedule, each rank's shared
+    /// The forward as the megakernel: every rank's `slot_ready` cleared, the schedule, each rank's shared
     /// expert (its rows are the first term of its tokens' sums) and the engine tile offsets of
     /// its ring, then one launch for every rank.
     fn forward_megakernel(
@@ -469,23 +471,20 @@ impl EpLayer {
     ) -> Result<()> {
         self.prepare_megakernel(gpu, experts)?;
         let gpus = [gpu];
-        self.exchange.clear_slot_flags(&gpus)?;
+        self.exchange.clear_slot_ready(&gpus)?;
         self.exchange.schedule(&gpus)?;
-        let r = *self.exchange.regions();
         let l = self.config.local_experts();
         for rank in 0..self.ranks.len() {
             self.shared_forward(gpu, rank, shared)?;
         }
-        let Some(m) = self.megakernel.as_mut() else { return Ok(()) };
+        let not_built =
+            || MokError::InvalidInput { tensor: "megakernel", problem: "no pass built for this forward".into() };
+        let m = self.megakernel.as_mut().ok_or_else(not_built)?;
         for rank in 0..self.ranks.len() {
-            // SAFETY: the ring's offsets region of the heap the layer owns, L + 1 words.
-            let ring_row_offsets =
-                unsafe { DeviceSlice::<u32>::from_raw_parts(self.exchange.address(rank, r.ring_row_offsets), l + 1) };
-            engine::tile_offsets_into(gpu, ring_row_offsets, l, &m.tile_offsets[rank])?;
+            engine::tile_offsets_into(gpu, self.exchange.ring_row_offsets(rank), l, &m.tile_offsets[rank])?;
         }
         let pairs: Vec<[&EnginePlan; 2]> = m.plans.iter().map(|(g, d)| [g, d]).collect();
-        let Some(pass) = m.pass.as_mut() else { return Ok(()) };
-        pass.launch_ranks(gpu, &pairs)
+        m.pass.as_mut().ok_or_else(not_built)?.launch_ranks(gpu, &pairs)
     }
 
     /// Enqueues the backward pass of the last forward, with every rank's dy uploaded

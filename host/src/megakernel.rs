@@ -22,14 +22,16 @@ pub const FORWARD_RANKS_KERNEL: &str = "mok_sm90_forward_ranks";
 /// How a forward megakernel pass is laid out on the GPU. Results do not depend on any of it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct MegakernelOptions {
-    /// Blocks that only move rows (dispatch and combine; every other block also computes); `None`:
+    /// Blocks, of each rank's share of the launch, that only move rows (dispatch, across ranks
+    /// the push, and the combine; every other block also computes); `None`:
     /// [`DEFAULT_COMM_BLOCKS`].
     pub comm_blocks: Option<u32>,
     /// Blocks of the whole launch; `None`: as many 2-block clusters as can be resident at once.
-    /// Must be co-resident (at most that many) and leave at least one compute pair.
+    /// Must be co-resident (at most that many) and leave every rank at least one compute pair.
     pub blocks: Option<u32>,
-    /// How long any one wait of the pass may take before it is reported as
-    /// [`MokError::Timeout`].
+    /// How long a wait on the dispatch may take before it is reported as [`MokError::Timeout`];
+    /// the waits downstream of it get up to 1.875× that (`megakernel_layout::downstream_deadline`),
+    /// so the wait reported first is the one on the counter that never completed.
     pub timeout: Duration,
 }
 
@@ -39,9 +41,9 @@ impl Default for MegakernelOptions {
     }
 }
 
-/// The comm blocks used when the options name none: 0 on one GPU, where every block dispatches,
-/// computes and combines (measured fastest of 0, 2, 4, 8 and 16 comm blocks on the frontier
-/// shapes, docs/PERF.md).
+/// The comm blocks used when the options name none: 0, every block dispatches, computes and
+/// combines (on one GPU measured fastest of 0, 2, 4, 8 and 16 comm blocks on the frontier
+/// shapes, docs/PERF.md; across ranks the same default, not yet swept).
 pub const DEFAULT_COMM_BLOCKS: u32 = 0;
 
 /// Faults a test can inject into the next passes of one rank (feature `testing`): an M tile whose
@@ -126,6 +128,43 @@ pub(crate) struct RankPass {
     pub inputs: PassInputs,
 }
 
+/// Blocks of a launch of the megakernel entry `kernel` that can be resident on `gpu` at once
+/// (whole 2-block clusters, at most one block per SM).
+pub(crate) fn resident_blocks(gpu: &Gpu, kernel: &'static str) -> Result<u32> {
+    gpu.set_max_dynamic_smem(kernel, ENGINE_SMEM_BYTES)?;
+    let clusters = gpu.max_active_clusters(kernel, ENGINE_THREADS, ENGINE_SMEM_BYTES, 2)?;
+    Ok((2 * clusters).min(gpu.multiprocessors().next_multiple_of(2)))
+}
+
+/// The launch's `(blocks, comm blocks per rank)` for `options` when `resident` blocks fit at once
+/// and the launch hosts `ranks` ranks, or why that geometry cannot run: every block resident,
+/// whole pairs, and each rank's share (whole pairs, sizes differing by at most one) holding its
+/// comm blocks and a compute pair.
+pub(crate) fn checked_geometry(resident: u32, options: &MegakernelOptions, ranks: u32) -> Result<(u32, u32)> {
+    let blocks = options.blocks.unwrap_or(resident);
+    let comm_blocks = options.comm_blocks.unwrap_or(DEFAULT_COMM_BLOCKS);
+    if blocks > resident || !blocks.is_multiple_of(2) {
+        return Err(MokError::InvalidInput {
+            tensor: "megakernel blocks",
+            problem: format!(
+                "{blocks}: the pass needs every block resident at once, in 2-block clusters (at most {resident} here, even)"
+            ),
+        });
+    }
+    // The smallest rank's share of the grid.
+    let rank_blocks = 2 * (blocks / 2 / ranks.max(1));
+    if first_compute_block(comm_blocks) + 2 > rank_blocks {
+        return Err(MokError::InvalidInput {
+            tensor: "megakernel comm blocks",
+            problem: format!(
+                "{comm_blocks} comm blocks per rank with {rank_blocks} blocks for the smallest of {ranks} ranks \
+                 ({blocks} in all): the comm blocks, rounded up to a pair, must leave every rank a compute pair"
+            ),
+        });
+    }
+    Ok((blocks, comm_blocks))
+}
+
 /// Words of one rank's pass counters for plans of at most `m_tiles` M tiles.
 pub(crate) const fn counter_words(m_tiles: usize) -> usize {
     3 * m_tiles + 3
@@ -171,31 +210,7 @@ impl ForwardMegakernel {
             }
         }
         let ranks = buffers.len() as u32;
-        gpu.set_max_dynamic_smem(kernel, ENGINE_SMEM_BYTES)?;
-        let clusters = gpu.max_active_clusters(kernel, ENGINE_THREADS, ENGINE_SMEM_BYTES, 2)?;
-        let resident = (2 * clusters).min(gpu.multiprocessors().next_multiple_of(2));
-        let blocks = options.blocks.unwrap_or(resident);
-        let comm_blocks = options.comm_blocks.unwrap_or(DEFAULT_COMM_BLOCKS);
-        if blocks > resident || !blocks.is_multiple_of(2) {
-            return Err(MokError::InvalidInput {
-                tensor: "megakernel blocks",
-                problem: format!(
-                    "{blocks}: the pass needs every block resident at once, in 2-block clusters (at most {resident} here, even)"
-                ),
-            });
-        }
-        // The smallest rank's share of the grid (ranks hold whole pairs, sizes differing by at
-        // most one).
-        let rank_blocks = 2 * (blocks / 2 / ranks);
-        if first_compute_block(comm_blocks) + 2 > rank_blocks {
-            return Err(MokError::InvalidInput {
-                tensor: "megakernel comm blocks",
-                problem: format!(
-                    "{comm_blocks} comm blocks per rank with {rank_blocks} blocks for the smallest of {ranks} ranks \
-                     ({blocks} in all): the comm blocks, rounded up to a pair, must leave every rank a compute pair"
-                ),
-            });
-        }
+        let (blocks, comm_blocks) = checked_geometry(resident_blocks(gpu, kernel)?, options, ranks)?;
         let m_tiles = plans.iter().flatten().map(|p| p.max_m_tiles()).max().unwrap_or(0).max(1);
         let words = counter_words(m_tiles);
         let pass_counters = DeviceBuffer::from_slice(gpu, &vec![0u32; words * ranks as usize])?;
@@ -241,10 +256,10 @@ impl ForwardMegakernel {
                 }
             })
             .collect();
-        let params = DeviceBuffer::from_slice(gpu, &params_bytes(&host))?;
+        let params = DeviceBuffer::from_slice(gpu, &blocks_bytes(&host))?;
         let inputs = if with_ranks {
             let inputs: Vec<PassInputs> = buffers.iter().filter_map(|b| b.rank.as_ref().map(|r| r.inputs)).collect();
-            Some(DeviceBuffer::from_slice(gpu, &inputs_bytes(&inputs))?)
+            Some(DeviceBuffer::from_slice(gpu, &blocks_bytes(&inputs))?)
         } else {
             None
         };
@@ -282,7 +297,7 @@ impl ForwardMegakernel {
     /// Uploads the parameter blocks again after a test hook changed them.
     #[cfg(feature = "testing")]
     fn upload_params(&mut self) -> Result<()> {
-        self.params.upload(&params_bytes(&self.host))
+        self.params.upload(&blocks_bytes(&self.host))
     }
 
     /// Sets the faults of `rank` for the following passes (tests).
@@ -295,6 +310,12 @@ impl ForwardMegakernel {
                 problem: format!("rank {rank} is not below the pass's {ranks} ranks"),
             });
         };
+        if faults.silent_push && params.exchange == 0 {
+            return Err(MokError::InvalidInput {
+                tensor: "megakernel faults",
+                problem: "silent_push needs a pass across ranks (on one GPU nothing is pushed)".into(),
+            });
+        }
         params.silent_rows_tile = faults.silent_rows_tile.unwrap_or(NO_FAULT);
         params.silent_hidden_tile = faults.silent_hidden_tile.unwrap_or(NO_FAULT);
         params.silent_push = if faults.silent_push { 1 } else { NO_FAULT };
@@ -387,18 +408,34 @@ impl ForwardMegakernel {
     }
 }
 
-/// The parameter blocks as the bytes the device reads.
-fn params_bytes(blocks: &[ForwardParams]) -> Vec<u8> {
-    // SAFETY: ForwardParams is repr(C) plain data: sixteen u64 and eight u32, no padding (160
-    // bytes, asserted in megakernel_layout).
+/// `#[repr(C)]` blocks without padding (the parameter blocks, the pass inputs) as the bytes the
+/// device reads.
+fn blocks_bytes<T: Copy>(blocks: &[T]) -> Vec<u8> {
+    // SAFETY: every caller passes ForwardParams (sixteen u64 and eight u32: 160 bytes) or
+    // PassInputs (three u64 and two u32: 32 bytes), repr(C) plain data whose sizes
+    // megakernel_layout asserts, so they have no padding and every byte is initialised.
     blocks.iter().flat_map(|b| unsafe { plain_bytes(b) }.to_vec()).collect()
 }
 
-/// The pass inputs as the bytes the device reads.
-fn inputs_bytes(blocks: &[PassInputs]) -> Vec<u8> {
-    // SAFETY: PassInputs is repr(C) plain data: three u64 and two u32, no padding (32 bytes,
-    // asserted in megakernel_layout).
-    blocks.iter().flat_map(|b| unsafe { plain_bytes(b) }.to_vec()).collect()
+#[cfg(test)]
+mod geometry_tests {
+    use super::*;
+
+    #[test]
+    fn every_rank_gets_its_comm_blocks_and_a_compute_pair() {
+        let options = |comm_blocks, blocks| MegakernelOptions { comm_blocks, blocks, ..Default::default() };
+        assert_eq!(checked_geometry(132, &options(None, None), 1).unwrap(), (132, DEFAULT_COMM_BLOCKS));
+        // 66 pairs over 8 ranks: the smallest share is 8 pairs (16 blocks).
+        assert_eq!(checked_geometry(132, &options(Some(14), None), 8).unwrap(), (132, 14));
+        assert!(checked_geometry(132, &options(Some(15), None), 8).is_err());
+        // One pair per rank, and no fewer pairs than ranks.
+        assert_eq!(checked_geometry(132, &options(Some(0), Some(16)), 8).unwrap(), (16, 0));
+        assert!(checked_geometry(132, &options(Some(0), Some(14)), 8).is_err());
+        assert!(checked_geometry(132, &options(None, None), 67).is_err());
+        // Resident and whole pairs only.
+        assert!(checked_geometry(132, &options(None, Some(134)), 1).is_err());
+        assert!(checked_geometry(132, &options(None, Some(9)), 1).is_err());
+    }
 }
 
 #[cfg(test)]

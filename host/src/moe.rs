@@ -15,7 +15,7 @@ use crate::ep::{EpGradTargets, EpLayer};
 use crate::error::{MokError, Result};
 use crate::exchange::ExchangeOptions;
 use crate::gemm::engine_available;
-use crate::megakernel::{FORWARD_RANKS_KERNEL, MegakernelOptions};
+use crate::megakernel::{FORWARD_RANKS_KERNEL, MegakernelOptions, checked_geometry, resident_blocks};
 use crate::unfused::{ExpertsView, SharedExpertView, TokensView, UnfusedLayer, WeightGradTarget, WeightGradViews};
 
 /// How the layer runs. Every backend gives the same bits (tested); they differ in speed and in
@@ -39,12 +39,19 @@ impl Backend {
     }
 
     /// The fastest correct backend `gpu` has for a layer over `ranks` expert-parallel ranks: for
-    /// P > 1 the megakernel (3.2× the separate launches at P = 8, docs/PERF.md), else
-    /// `mma.sync`; for P = 1 [`Self::fastest_on`].
+    /// P > 1 the megakernel (3.2× the separate launches at P = 8, docs/PERF.md) where its default
+    /// geometry gives every rank a compute pair, else `mma.sync`; for P = 1 [`Self::fastest_on`].
     pub fn fastest_for(gpu: &Gpu, ranks: usize) -> Backend {
+        let megakernel_fits = || {
+            resident_blocks(gpu, FORWARD_RANKS_KERNEL)
+                .and_then(|resident| checked_geometry(resident, &MegakernelOptions::default(), ranks as u32))
+                .is_ok()
+        };
         match ranks {
             1 => Self::fastest_on(gpu),
-            _ if engine_available(gpu) && gpu.has_kernel(FORWARD_RANKS_KERNEL) => Backend::Megakernel,
+            _ if engine_available(gpu) && gpu.has_kernel(FORWARD_RANKS_KERNEL) && megakernel_fits() => {
+                Backend::Megakernel
+            }
             _ => Backend::MmaSync,
         }
     }
@@ -53,16 +60,19 @@ impl Backend {
 /// How a [`MoeLayer`] is built.
 #[derive(Clone, Debug, Default)]
 pub struct LayerOptions {
-    /// `None`: [`Backend::fastest_on`] the GPU; `Some`: that backend, or an error where the GPU
-    /// lacks it (tests compare backends this way).
+    /// `None`: [`Backend::fastest_for`] the GPU and the config's ranks; `Some`: that backend, or
+    /// an error where the GPU lacks it (tests compare backends this way).
     pub backend: Option<Backend>,
-    /// The megakernel's geometry and wait deadline ([`Backend::Megakernel`] only).
+    /// The megakernel's geometry and wait deadline ([`Backend::Megakernel`]); over ranks its
+    /// `timeout` also bounds the exchange's waits, whatever the backend.
     pub megakernel: MegakernelOptions,
 }
 
-/// What a forward reads: one rank's tokens, the routed experts' weights and, when the config
-/// has one, the shared expert's. All borrowed; they must stay allocated and unchanged until the
-/// backward has been enqueued (the backward reads them again) and the stream has run it.
+/// What a forward reads: the tokens (one GPU: T of them; over P ranks all P · T), every routed
+/// expert's weights and, when the config has one, the shared expert's. All borrowed; they must
+/// stay allocated and unchanged until the backward has been enqueued (the backward reads them
+/// again; over ranks it reads the forward's copy of the tokens in the layer) and the stream has
+/// run it.
 #[derive(Clone, Copy)]
 pub struct MoeInputs<'a> {
     /// x `[T, H]`, top-k ids and weights `[T, k]`.
@@ -221,6 +231,10 @@ impl MoeLayer {
                 problem: format!("output view has {} elements, x has {}", y.len(), inputs.tokens.x.len()),
             });
         }
+        // From here on the workspace (and over ranks the heap's copy of the tokens) may change,
+        // so the token of the last forward no longer names what the layer holds, even if this
+        // forward fails.
+        self.passes += 1;
         match &mut self.layer {
             Layer::Single(layer) => {
                 layer.forward_views(gpu, inputs.tokens, inputs.experts, inputs.shared)?;
@@ -231,7 +245,7 @@ impl MoeLayer {
                 shares.check_tokens(&inputs.tokens)?;
                 let experts = shares.experts(&inputs.experts)?;
                 for rank in 0..shares.ranks {
-                    layer.copy_tokens_from(gpu, rank, shares.tokens(&inputs.tokens, rank))?;
+                    layer.copy_tokens_from(gpu, rank, shares.tokens(&inputs.tokens, rank)?)?;
                 }
                 layer.forward_views(gpu, &experts, inputs.shared)?;
                 for rank in 0..shares.ranks {
@@ -240,7 +254,6 @@ impl MoeLayer {
                 }
             }
         }
-        self.passes += 1;
         Ok(PassToken { inputs: inputs.addresses(), pass: self.passes })
     }
 
@@ -320,8 +333,9 @@ impl MoeLayer {
                 let checked = layer.check_errors(gpu);
                 if checked.is_err() {
                     // Every rank is idle after the check's synchronise: clear the records and
-                    // counters so the next pass starts clean.
-                    layer.exchange_mut().reset(&[&*gpu])?;
+                    // counters so the next pass starts clean. The error reported is the pass's
+                    // (a reset that fails too, after a device fault, would only hide it).
+                    let _ = layer.exchange_mut().reset(&[&*gpu]);
                 }
                 checked
             }
@@ -339,7 +353,7 @@ fn sub_mut<'v, T>(
 }
 
 fn too_short(tensor: &'static str) -> MokError {
-    MokError::InvalidInput { tensor, problem: "view shorter than the layer's P · T tokens".into() }
+    MokError::InvalidInput { tensor, problem: "view shorter than the layer's P ranks' share".into() }
 }
 
 /// How the whole problem's views split over the virtual ranks: rank r holds tokens r·T .. and
@@ -392,14 +406,14 @@ impl RankShares {
         }
     }
 
-    fn tokens<'a>(&self, tokens: &TokensView<'a>, rank: usize) -> TokensView<'a> {
+    /// Rank `rank`'s rows of the whole problem's token views.
+    fn tokens<'a>(&self, tokens: &TokensView<'a>, rank: usize) -> Result<TokensView<'a>> {
         let ((x0, xn), (s0, sn)) = (self.rows(rank), self.slots(rank));
-        // In range: check_tokens passed.
-        TokensView {
-            x: tokens.x.sub(x0, xn).unwrap_or(tokens.x),
-            topk_ids: tokens.topk_ids.sub(s0, sn).unwrap_or(tokens.topk_ids),
-            topk_weights: tokens.topk_weights.sub(s0, sn).unwrap_or(tokens.topk_weights),
-        }
+        Ok(TokensView {
+            x: tokens.x.sub(x0, xn).ok_or_else(|| too_short("x"))?,
+            topk_ids: tokens.topk_ids.sub(s0, sn).ok_or_else(|| too_short("topk_ids"))?,
+            topk_weights: tokens.topk_weights.sub(s0, sn).ok_or_else(|| too_short("topk_weights"))?,
+        })
     }
 
     /// Each rank's `[E/P, ...]` experts of the whole `[E, ...]` weights.
@@ -415,13 +429,15 @@ impl RankShares {
                 });
             }
         }
-        Ok((0..self.ranks)
-            .map(|r| ExpertsView {
-                w_gate: experts.w_gate.sub(r * n, n).unwrap_or(experts.w_gate),
-                w_up: experts.w_up.sub(r * n, n).unwrap_or(experts.w_up),
-                w_down: experts.w_down.sub(r * n, n).unwrap_or(experts.w_down),
+        (0..self.ranks)
+            .map(|r| {
+                Ok(ExpertsView {
+                    w_gate: experts.w_gate.sub(r * n, n).ok_or_else(|| too_short("w_gate"))?,
+                    w_up: experts.w_up.sub(r * n, n).ok_or_else(|| too_short("w_up"))?,
+                    w_down: experts.w_down.sub(r * n, n).ok_or_else(|| too_short("w_down"))?,
+                })
             })
-            .collect())
+            .collect()
     }
 
     /// Each rank's gradient addresses for `target` (`None`: the layer's own buffers).
@@ -601,7 +617,8 @@ mod tests {
         };
         assert!(shares.check_tokens(&tokens(40)).is_ok());
         assert!(matches!(shares.check_tokens(&tokens(39)), Err(MokError::InvalidInput { tensor: "x", .. })));
-        assert_eq!(shares.tokens(&tokens(40), 1).topk_weights.device_ptr(), 0xc000 + 4 * 20);
+        assert_eq!(shares.tokens(&tokens(40), 1).unwrap().topk_weights.device_ptr(), 0xc000 + 4 * 20);
+        assert!(shares.tokens(&tokens(30), 3).is_err());
         // Gradient targets: fresh bf16 shared gradients over ranks are refused; f32 ones are
         // every rank's same buffers, the routed ones each rank's block.
         // SAFETY: as above.

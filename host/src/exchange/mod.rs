@@ -33,7 +33,7 @@ use mok_kernels::comm::params::{
 use mok_kernels::layout;
 
 use crate::config::MoeConfig;
-use crate::driver::{DeviceBuffer, Gpu, KernelArg, LaunchShape};
+use crate::driver::{DeviceBuffer, DeviceSlice, Gpu, KernelArg, LaunchShape};
 use crate::error::{MokError, Result};
 use crate::problem::RoutedTokens;
 use crate::symmetric::SymmetricHeap;
@@ -285,7 +285,7 @@ impl Exchange {
     /// Clears every local rank's `slot_ready` flags (the forward megakernel's push signals), in
     /// stream order before the next [`Self::schedule`]'s publish: no peer can push into a pass
     /// before its owner has published it, so no push can race the clearing.
-    pub(crate) fn clear_slot_flags(&self, gpus: &[&Gpu]) -> Result<()> {
+    pub(crate) fn clear_slot_ready(&self, gpus: &[&Gpu]) -> Result<()> {
         let slots = (self.shape.tokens * self.shape.top_k) as u64;
         for (i, rank) in self.local() {
             self.fill_words(gpu_of(gpus, i), rank, self.regions().slot_ready, slots)?;
@@ -293,10 +293,20 @@ impl Exchange {
         Ok(())
     }
 
-    /// The parameter block of `rank` on the GPU driving it (device address).
-    pub(crate) fn params_address(&self, rank: usize) -> u64 {
-        let local = self.heap.local_ranks().iter().position(|&r| r == rank).unwrap_or(0);
-        self.params_ptr(local)
+    /// The parameter block of `rank` on the GPU driving it (device address); `Err` for a rank
+    /// this process does not drive.
+    pub(crate) fn params_address(&self, rank: usize) -> Result<u64> {
+        self.check_rank(rank)?;
+        match self.heap.local_ranks().iter().position(|&r| r == rank) {
+            Some(local) => Ok(self.params_ptr(local)),
+            None => Err(MokError::InvalidInput {
+                tensor: "rank",
+                problem: format!(
+                    "rank {rank} is not driven by this process (its ranks: {:?})",
+                    self.heap.local_ranks()
+                ),
+            }),
+        }
     }
 
     /// Forward schedule: route every local rank's slots, publish a new epoch, then (each rank
@@ -601,6 +611,15 @@ impl Exchange {
         self.sum(gpus, true, bases, outs)
     }
 
+    /// `rank`'s ring row offsets (`[L + 1]`, written by the schedule), as a view that lives as long
+    /// as the exchange (and so its heap).
+    pub(crate) fn ring_row_offsets(&self, rank: usize) -> DeviceSlice<'_, u32> {
+        let words = self.shape.local_experts() as usize + 1;
+        // SAFETY: the region lies in `rank`'s slice of the heap with L + 1 words, and the heap
+        // lives as long as `self`, which the view borrows.
+        unsafe { DeviceSlice::from_raw_parts(self.address(rank, self.regions().ring_row_offsets), words) }
+    }
+
     /// Device address of `rank`'s ring row count (`ring_row_offsets[L]`), for the compute.
     pub fn ring_row_count_ptr(&self, rank: usize) -> u64 {
         self.address(rank, self.regions().ring_row_offsets) + 4 * self.shape.local_experts() as u64
@@ -668,6 +687,7 @@ impl Exchange {
                 (r.dx_seen, chunk_words),
                 (r.error, ERROR_WORDS as u64),
                 (r.route_error, 4),
+                (r.slot_ready, (s.tokens * s.top_k) as u64),
             ] {
                 self.fill_words(gpu, rank, region, words)?;
             }
