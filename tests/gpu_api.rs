@@ -358,6 +358,29 @@ fn a_pass_token_gives_the_borrowed_pass_bits_and_only_for_the_last_forward() {
     layer.check().unwrap();
     assert_eq!(outputs(&caller), expected, "token backward differs from the borrowed pass");
     println!("  pass token: the borrowed pass's bits; an earlier forward's token refused");
+    // A forward that fails after it began (more tokens than the layer holds) also retires the
+    // last forward's token: the workspace may no longer hold that pass.
+    let Caller { tokens, experts, shared, dy, y, dx, d_topk_weights, dw, .. } = &mut caller;
+    let inputs =
+        MoeInputs { tokens: (&*tokens).into(), experts: (&*experts).into(), shared: shared.as_ref().map(Into::into) };
+    let token = layer.forward_token(&gpu, &inputs, y.into()).unwrap();
+    let h = layer.config().hidden;
+    let too_many = DeviceBuffer::<bf16>::alloc(&gpu, inputs.tokens.x.len() + h).unwrap();
+    let mut too_many_y = DeviceBuffer::<bf16>::alloc(&gpu, inputs.tokens.x.len() + h).unwrap();
+    let mut failing = inputs;
+    failing.tokens.x = (&too_many).into();
+    assert!(layer.forward_token(&gpu, &failing, (&mut too_many_y).into()).is_err(), "T above the capacity");
+    let grads = MoeGradients {
+        dx: (&mut *dx).into(),
+        d_topk_weights: (&mut *d_topk_weights).into(),
+        weights: WeightGradTarget::Bf16(grad_views(dw)),
+    };
+    match layer.backward(&gpu, token, &inputs, (&*dy).into(), grads) {
+        Err(MokError::InvalidInput { tensor: "pass token", problem }) => {
+            println!("  after a failed forward: {problem}")
+        }
+        other => panic!("the token of the forward before a failed one must be refused, got {other:?}"),
+    }
 }
 
 #[test]

@@ -694,8 +694,8 @@ fn ep_forward_megakernel_faults_are_reported_timeouts_and_the_next_pass_is_right
     let weights = rank_weights(&gpu, &c, &case);
     let want = ep_forward_y(&gpu, &mut layer, &weights);
     /// A fault of one rank, what the error must say, and which rank's record names the cause
-    /// (`None`: any — every token owner waiting on a silent pusher times out at about the same
-    /// moment, and the first record stops the others).
+    /// (`None`: any — every token owner waiting on a silent pusher times out on its own, at about
+    /// the same moment, and the error is the lowest-numbered such rank's record).
     struct Fault {
         rank: usize,
         megakernel: MegakernelFaults,

@@ -1,15 +1,16 @@
-//! The parameter block of the forward megakernel (`mok_sm90_forward`, see
-//! `kernels/src/megakernel/`), shared by host and device, and the arithmetic both sides use to
-//! size and check its counters.
+//! The parameter block of the forward megakernel (`mok_sm90_forward` on one GPU,
+//! `mok_sm90_forward_ranks` across ranks; see `kernels/src/megakernel/`), shared by host and
+//! device, and the arithmetic both sides use to size and check its counters.
 
 /// A `silent_*` field's value that injects no fault.
 pub const NO_FAULT: u32 = u32::MAX;
 
-/// What a forward pass computes and the counters its roles hand work over through: everything
-/// that stays the same from pass to pass (the per-pass values — the token rows, the slot
-/// weights and the shared expert's rows — are kernel arguments, [`PassInputs`], so a pass needs
-/// no upload, and a captured CUDA graph replays it as it is). Written by the host into device
-/// memory once, read by every block. All pointers are device addresses.
+/// What one rank's forward pass computes and the counters its roles hand work over through:
+/// everything that stays the same from pass to pass (the per-pass values — the token rows, the
+/// slot weights and the shared expert's rows — are [`PassInputs`]: kernel arguments on one GPU,
+/// so a pass needs no upload and a captured CUDA graph replays it as it is; across ranks fixed
+/// heap addresses, written once). Written by the host into device memory once, read by every
+/// block of the rank. All pointers are device addresses.
 ///
 /// The counters are per engine M tile (128 rows, numbered over all groups by the engine's tile
 /// offsets, `GemmParams::tile_offsets`): the one tile vocabulary of the dispatch, the gate/up
@@ -21,9 +22,13 @@ pub struct ForwardParams {
     pub gate_up: u64,
     /// The down engine plan's `GemmParams` (A = hidden rows, out = `down_rows`).
     pub down: u64,
-    /// `[R]` u32: the slot `t·k + j` each expert-ordered row holds (the routing layout).
+    /// `[R]` u32: the slot `t·k + j` each expert-ordered row holds (one GPU: the routing
+    /// layout's `row_source`; across ranks the ring map's `ring_source_slot`, a slot of the row's
+    /// token owner).
     pub row_source: u64,
-    /// `[T·k]` u32: the row each slot landed in (`layout::NO_ROW` when dropped).
+    /// `[T·k]` u32: where the combine finds each slot's row, `layout::NO_ROW` when dropped (one
+    /// GPU: the row in `down_rows`, `slot_row`; across ranks the slot itself, `slot_self`,
+    /// addressing the slot buffer).
     pub slot_row: u64,
     /// `[cap][H]` bf16: the dispatched rows in expert order (the gate/up GEMM's A).
     pub rows: u64,
@@ -47,7 +52,7 @@ pub struct ForwardParams {
     /// ranks, the rank's record in the symmetric heap.
     pub error: u64,
     /// With expert-parallel ranks, this rank's `comm::params::ExchangeParams` (the symmetric heap:
-    /// where the dispatch reads the token owners' rows and where the combine pushes them back);
+    /// where the dispatch reads the token owners' rows and where the push sends them back);
     /// 0 on a single GPU, where the rows come from the pass's x and the combine reads
     /// `down_rows` in place.
     pub exchange: u64,
@@ -61,8 +66,9 @@ pub struct ForwardParams {
     pub top_k: u32,
     /// Hidden width H (a multiple of 8).
     pub hidden: u32,
-    /// Blocks `0 .. comm_blocks` only dispatch and combine; the others (from the next whole
-    /// pair on) dispatch, run the GEMM tiles, then combine. 0: every block computes.
+    /// Blocks `0 .. comm_blocks` of the rank only move rows (dispatch, across ranks the push,
+    /// then the combine); the others (from the next whole pair on) dispatch, run the GEMM tiles,
+    /// then push and combine. 0: every block computes.
     pub comm_blocks: u32,
     /// Fault injection (tests): an M tile whose rows are gathered but never published, or
     /// [`NO_FAULT`].

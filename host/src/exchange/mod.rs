@@ -727,7 +727,7 @@ pub(crate) fn decode_timeout(rank: Option<usize>, words: &[u32]) -> MokError {
         codes::WAIT_ENGINE_TILE_DISPATCHED => {
             format!("M tile {index}: expected its dispatched flag {expected}, it held {seen}")
         }
-        codes::WAIT_COMBINE_SLOT => {
+        codes::WAIT_SLOT_READY => {
             format!(
                 "slot t·k + j = {index}: expected its row pushed by rank {peer} (flag {expected}), the flag held {seen}"
             )
@@ -735,7 +735,7 @@ pub(crate) fn decode_timeout(rank: Option<usize>, words: &[u32]) -> MokError {
         _ => format!("record {words:?}"),
     };
     let peer = match waited {
-        codes::WAIT_PEER_PUBLISHED | codes::WAIT_COMBINE_ROWS | codes::WAIT_DX_ROWS | codes::WAIT_COMBINE_SLOT => {
+        codes::WAIT_PEER_PUBLISHED | codes::WAIT_COMBINE_ROWS | codes::WAIT_DX_ROWS | codes::WAIT_SLOT_READY => {
             Some(peer)
         }
         _ => None,

@@ -99,7 +99,8 @@ pub enum WeightGradTarget<'a> {
     AccumulateF32(WeightGradViews<'a, f32>),
 }
 
-/// A caller's weight-gradient buffers, in the weights' layouts.
+/// A caller's weight-gradient buffers, in the weights' layouts: the layer's own experts
+/// (`[E/P, ...]`; through `MoeLayer` over P virtual ranks all E experts, `[E, ...]`).
 pub struct WeightGradViews<'a, T> {
     /// `[E/P, I, H]`.
     pub dw_gate: DeviceSliceMut<'a, T>,

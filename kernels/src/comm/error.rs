@@ -64,7 +64,7 @@ pub const WAIT_ENGINE_TILE_DISPATCHED: u32 = 10;
 /// The forward megakernel's combine, across ranks, waited for the down-projection row of one of
 /// the token's slots to be pushed by its expert owner (index = the slot `t·k + j`, peer = the
 /// owner, expected 1 = pushed; `HeapRegions::slot_ready`).
-pub const WAIT_COMBINE_SLOT: u32 = 11;
+pub const WAIT_SLOT_READY: u32 = 11;
 
 /// A name for a `WAIT_*` code, for messages.
 pub fn waited_for_name(code: u32) -> &'static str {
@@ -79,7 +79,7 @@ pub fn waited_for_name(code: u32) -> &'static str {
         WAIT_ENGINE_TILE_DISPATCHED => "the rows of an engine M tile to be dispatched (rows_dispatched)",
         WAIT_ENGINE_TILE_HIDDEN => "the gate/up tiles of an engine M tile to be stored (gate_up_stored)",
         WAIT_ENGINE_TILE_OUTPUT => "the down tiles of an engine M tile to be stored (down_stored)",
-        WAIT_COMBINE_SLOT => "a slot's down-projection row pushed by the expert owner (slot_ready)",
+        WAIT_SLOT_READY => "a slot's down-projection row pushed by the expert owner (slot_ready)",
         _ => "an unknown counter",
     }
 }

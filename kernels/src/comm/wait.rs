@@ -14,7 +14,14 @@
 //! - counters that another rank adds to are never reset while ranks run: they grow by the rows of
 //!   each pass, and the waiter keeps its own baseline (what it consumed before), so no reset can
 //!   race with a fast peer's next signal. Counters only this rank adds to (its tile counters) are
-//!   cleared in stream order before the pass.
+//!   cleared in stream order before the pass. The one exception, the forward megakernel's
+//!   `slot_ready` flags, which peers set: each rank clears its own in stream order before it
+//!   publishes the pass, and a peer pushes only after its schedule has acquired that publish, so
+//!   no push of the pass can land before the clearing;
+//! - a wait may also stop early when an error record becomes non-zero (the waiter's own, or, in
+//!   the megakernel's combine, the expert owner's). Those records are read at GPU scope: enough
+//!   for virtual ranks; across GPUs the early stop would need system-scope reads (not built),
+//!   and without them the wait still ends at its deadline.
 
 use crate::ptx::memory::{
     ld_acquire_gpu_u32, ld_acquire_sys_u32, ld_relaxed_gpu_u32, red_add_release_gpu_u32, red_add_release_sys_u32,
@@ -49,8 +56,9 @@ pub unsafe fn signal(counter: *mut u32, value: u32, sys: bool) {
     unsafe { if sys { red_add_release_sys_u32(counter, value) } else { red_add_release_gpu_u32(counter, value) } }
 }
 
-/// Polls `counter` until `ready(value)` holds, `timeout_ns` passes, or this rank's error record
-/// `abort` becomes non-zero (another wait already failed: stop early). `Ok(value)` when ready,
+/// Polls `counter` until `ready(value)` holds, `timeout_ns` passes, or the error record `abort`
+/// becomes non-zero (a wait it depends on already failed: stop early) — this rank's own, or the
+/// record of the rank that would signal. `Ok(value)` when ready,
 /// `Err(value last seen)` otherwise. Called by one thread; the value it acquired is visible to
 /// its block after a block barrier.
 ///

@@ -11,7 +11,7 @@
 //! summed in the same order, so the bits do not depend on P.
 
 use crate::comm::RankView;
-use crate::comm::error::{self, ERROR_TIMEOUT, WAIT_COMBINE_SLOT, WAIT_ENGINE_TILE_OUTPUT};
+use crate::comm::error::{self, ERROR_TIMEOUT, WAIT_ENGINE_TILE_OUTPUT, WAIT_SLOT_READY};
 use crate::comm::params::ExchangeParams;
 use crate::comm::schedule::{rows_in_tile, tile_of_row};
 use crate::comm::wait::{signal, wait_until};
@@ -244,7 +244,7 @@ pub unsafe fn combine(f: &ForwardParams, pass: &PassInputs, view: Option<&RankVi
                         if let Err(seen) = wait_until(flag, v.sys(), timeout_ns, owner_error, |x| x != 0)
                             && !error::has_error(owner_error)
                         {
-                            error::record(error, [ERROR_TIMEOUT, WAIT_COMBINE_SLOT, owner, slot, 1, seen, f.rank, 0]);
+                            error::record(error, [ERROR_TIMEOUT, WAIT_SLOT_READY, owner, slot, 1, seen, f.rank, 0]);
                         }
                     }
                 }
