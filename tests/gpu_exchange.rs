@@ -276,7 +276,7 @@ fn ep_config() -> MoeConfig {
 fn run_ep(gpu: &Gpu, case: &common::Case, p: usize, options: ExchangeOptions) -> LayerBits {
     let config = rank_config(&case.config, p);
     let mut layer = EpLayer::new_virtual(gpu, config.clone(), options).unwrap();
-    layer.poison().unwrap();
+    layer.poison(gpu).unwrap();
     let experts: Vec<DeviceExperts> =
         split_weights(&case.experts, p).iter().map(|w| DeviceExperts::upload(gpu, &config, w).unwrap()).collect();
     let shared = case.shared.as_ref().map(|s| DeviceSharedExpert::upload(gpu, &config, s).unwrap());
@@ -537,7 +537,7 @@ fn ep_forward_y(
     layer: &mut EpLayer,
     weights: &(Vec<DeviceExperts>, Option<DeviceSharedExpert>),
 ) -> Vec<bf16> {
-    layer.poison().unwrap();
+    layer.poison(gpu).unwrap();
     layer.forward(gpu, &weights.0, weights.1.as_ref()).unwrap();
     layer.check_errors(gpu).unwrap();
     (0..layer.config().ep_ranks).flat_map(|r| layer.outputs(r).unwrap().y.download().unwrap()).collect()

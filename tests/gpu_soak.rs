@@ -270,7 +270,7 @@ fn split_experts(gpu: &Gpu, config: &MoeConfig, weights: &ExpertWeights) -> Vec<
 }
 
 fn upload_ranks(gpu: &Gpu, layer: &mut EpLayer, case: &Case) {
-    layer.poison().unwrap();
+    layer.poison(gpu).unwrap();
     upload_rank_inputs(gpu, layer, case);
 }
 

@@ -349,9 +349,22 @@ impl EpLayer {
         })
     }
 
-    /// Fills every output and workspace with NaN bytes (feature `testing`).
+    /// Fills every output and workspace with NaN bytes (feature `testing`), the rows the
+    /// exchange and the megakernel write into the heap too (each rank's rings and slot buffers),
+    /// so a pass that left one of them unwritten cannot pass on the previous pass's rows.
     #[cfg(feature = "testing")]
-    pub fn poison(&mut self) -> Result<()> {
+    pub fn poison(&mut self, gpu: &Gpu) -> Result<()> {
+        let r = *self.exchange.regions();
+        let s = *self.exchange.shape();
+        let (ring, slots) = (s.capacity as usize * s.hidden as usize, (s.tokens * s.top_k * s.hidden) as usize);
+        for rank in 0..self.ranks.len() {
+            for (region, bytes) in
+                [(r.ring_x, 2 * ring), (r.ring_dy, 2 * ring), (r.combine_slots, 4 * slots), (r.dx_slots, 4 * slots)]
+            {
+                // SAFETY: each region lies in `rank`'s slice of the heap with (at least) these bytes.
+                unsafe { gpu.fill_device_bytes(self.exchange.address(rank, region), 0xff, bytes)? };
+            }
+        }
         for rank in &mut self.ranks {
             rank.routed.poison()?;
             if let Some((compute, _)) = &mut rank.shared {
