@@ -36,6 +36,7 @@ use crate::megakernel::{
 #[cfg(feature = "testing")]
 use crate::megakernel::{MegakernelFaults, MegakernelWork};
 use crate::problem::RoutedTokens;
+use crate::symmetric::SymmetricHeap;
 use crate::unfused::{
     DeviceExperts, DeviceSharedExpert, ExpertBackward, ExpertCompute, ExpertsView, ROW_KERNEL_THREADS, RowGroups,
     SharedExpertView, TokensView, grid_stride_blocks, shared_expert_workspace,
@@ -70,7 +71,7 @@ pub struct EpRankOutputs<'a> {
 }
 
 /// Where a backward over ranks writes the weight gradients (device addresses, checked by the
-/// caller against the layouts): per rank `[dw_gate, dw_up, dw_down]` of its `[E/P, ...]`
+/// caller against the layouts): per local rank `[dw_gate, dw_up, dw_down]` of its `[E/P, ...]`
 /// experts and the shared expert's three (empty without one), in bf16 or, when
 /// `accumulate_f32`, added into f32.
 pub(crate) struct EpGradTargets {
@@ -91,10 +92,15 @@ struct EpMegakernel {
     pass: Option<ForwardMegakernel>,
 }
 
-/// The layer over `config.ep_ranks` virtual ranks on one GPU.
+/// The layer over `config.ep_ranks` ranks, of which this process drives the heap's local ranks
+/// on one GPU: every rank (virtual ranks, [`EpLayer::new_virtual`]) or one (one process per GPU,
+/// [`EpLayer::with_heap`] over a multi-process heap). Per-rank arguments and results (weights,
+/// gradient targets) are per local rank, in the heap's local order; methods taking a `rank`
+/// take its global number and refuse one this process does not drive.
 pub struct EpLayer {
     config: MoeConfig,
     exchange: Exchange,
+    /// One per local rank, in the heap's local order.
     ranks: Vec<RankState>,
     megakernel: Option<EpMegakernel>,
 }
@@ -103,10 +109,33 @@ impl EpLayer {
     /// Validates `config` and allocates the heap and every rank's workspace on `gpu`.
     pub fn new_virtual(gpu: &Gpu, config: MoeConfig, options: ExchangeOptions) -> Result<Self> {
         let exchange = Exchange::new_virtual(gpu, &config, options)?;
+        Self::over(gpu, config, exchange)
+    }
+
+    /// The layer over an existing symmetric heap whose local ranks all live on `gpu` (virtual
+    /// ranks, or one process per GPU: `SymmetricHeap::multi_process`), with a workspace per local
+    /// rank. A heap with local ranks on several GPUs (`vmm_peers`) is refused: a layer drives one
+    /// GPU. Built for one process per GPU; not yet run on more than one GPU.
+    pub fn with_heap(gpu: &Gpu, config: MoeConfig, options: ExchangeOptions, heap: SymmetricHeap) -> Result<Self> {
+        if heap.local_ranks().len() > 1 && !heap.single_gpu() {
+            return Err(MokError::InvalidInput {
+                tensor: "symmetric heap",
+                problem: format!(
+                    "{} local ranks on several GPUs: an EpLayer drives one GPU (one process per GPU, or virtual ranks)",
+                    heap.local_ranks().len()
+                ),
+            });
+        }
+        let exchange = Exchange::with_heap(&[gpu], &config, options, heap)?;
+        Self::over(gpu, config, exchange)
+    }
+
+    /// The workspaces of the exchange's local ranks.
+    fn over(gpu: &Gpu, config: MoeConfig, exchange: Exchange) -> Result<Self> {
         let capacity = exchange.shape().capacity as usize;
         let (t, h, i, l, k) =
             (config.tokens_per_rank, config.hidden, config.intermediate, config.local_experts(), config.top_k);
-        let ranks = (0..config.ep_ranks)
+        let ranks = (0..exchange.heap().local_ranks().len())
             .map(|_| {
                 let (shared, dws) = shared_expert_workspace(gpu, &config)?.unzip();
                 Ok(RankState {
@@ -150,10 +179,10 @@ impl EpLayer {
             });
         }
         // The geometry needs no weights: check it now, not at the first forward.
-        checked_geometry(resident_blocks(gpu, FORWARD_RANKS_KERNEL)?, &options, self.config.ep_ranks as u32)?;
+        let locals = self.ranks.len();
+        checked_geometry(resident_blocks(gpu, FORWARD_RANKS_KERNEL)?, &options, locals as u32)?;
         let l = self.config.local_experts();
-        let tile_offsets =
-            (0..self.config.ep_ranks).map(|_| DeviceBuffer::alloc(gpu, 2 * (l + 1))).collect::<Result<Vec<_>>>()?;
+        let tile_offsets = (0..locals).map(|_| DeviceBuffer::alloc(gpu, 2 * (l + 1))).collect::<Result<Vec<_>>>()?;
         self.megakernel =
             Some(EpMegakernel { options, tile_offsets, plans: Vec::new(), weights_built_for: Vec::new(), pass: None });
         Ok(())
@@ -173,7 +202,8 @@ impl EpLayer {
     /// exist: run a forward first).
     #[cfg(feature = "testing")]
     pub fn set_megakernel_faults(&mut self, rank: usize, faults: MegakernelFaults) -> Result<()> {
-        self.built_megakernel()?.set_faults(rank, faults)
+        let local = self.local_index(rank)?;
+        self.built_megakernel()?.set_faults(local, faults)
     }
 
     /// The work of the following megakernel passes (feature `testing`: the benchmark's overlap
@@ -204,15 +234,16 @@ impl EpLayer {
         let (l, capacity) = (c.local_experts(), self.exchange.shape().capacity as usize);
         let (h, k) = (c.hidden, c.top_k);
         let r = *self.exchange.regions();
-        let mut plans = Vec::with_capacity(c.ep_ranks);
-        for (rank, (state, w)) in self.ranks.iter().zip(experts).enumerate() {
+        let mut plans = Vec::with_capacity(self.ranks.len());
+        let locals = self.exchange.heap().local_ranks();
+        for (local, ((state, w), &rank)) in self.ranks.iter().zip(experts).zip(locals).enumerate() {
             // SAFETY: the region lies in the heap, which the layer owns and keeps for as long as
             // the plans (also the layer's) exist; the length is the region's size.
             let ring_x =
                 unsafe { DeviceSlice::<bf16>::from_raw_parts(self.exchange.address(rank, r.ring_x), capacity * h) };
             let groups = engine::RowGroups {
                 row_offsets: self.exchange.ring_row_offsets(rank),
-                tile_offsets: &m.tile_offsets[rank],
+                tile_offsets: &m.tile_offsets[local],
                 groups: l,
                 capacity,
             };
@@ -221,8 +252,8 @@ impl EpLayer {
         let buffers: Vec<PassBuffers> = self
             .ranks
             .iter()
-            .enumerate()
-            .map(|(rank, state)| {
+            .zip(locals)
+            .map(|(state, &rank)| {
                 let at = |region| self.exchange.address(rank, region);
                 Ok(PassBuffers {
                     row_source: at(r.ring_source_slot),
@@ -273,13 +304,29 @@ impl EpLayer {
         &mut self.exchange
     }
 
+    /// The global ranks this process drives, in local order (every rank for virtual ranks).
+    pub fn local_ranks(&self) -> &[usize] {
+        self.exchange.heap().local_ranks()
+    }
+
+    /// `rank`'s local index, or an error for a rank this process does not drive.
+    fn local_index(&self, rank: usize) -> Result<usize> {
+        self.exchange.check_rank(rank)?;
+        self.local_ranks().iter().position(|&r| r == rank).ok_or_else(|| MokError::InvalidInput {
+            tensor: "rank",
+            problem: format!("rank {rank} is not driven by this process (its ranks: {:?})", self.local_ranks()),
+        })
+    }
+
     /// Uploads `rank`'s tokens.
     pub fn upload_tokens(&self, gpu: &Gpu, rank: usize, tokens: &RoutedTokens) -> Result<()> {
+        self.local_index(rank)?;
         self.exchange.upload_tokens(gpu, rank, &self.config, tokens)
     }
 
     /// Uploads `rank`'s output gradient.
     pub fn upload_dy(&self, gpu: &Gpu, rank: usize, dy: &[bf16]) -> Result<()> {
+        self.local_index(rank)?;
         self.exchange.upload_dy(gpu, rank, dy)
     }
 
@@ -288,7 +335,7 @@ impl EpLayer {
     /// are checked on the device by the routing kernels (a bad id is dropped and reported by
     /// [`Self::check_errors`]).
     pub fn copy_tokens_from(&self, gpu: &Gpu, rank: usize, tokens: TokensView<'_>) -> Result<()> {
-        self.exchange.check_rank(rank)?;
+        self.local_index(rank)?;
         let c = &self.config;
         let (t, h, k) = (c.tokens_per_rank, c.hidden, c.top_k);
         let r = *self.exchange.regions();
@@ -318,7 +365,7 @@ impl EpLayer {
     /// Copies `rank`'s output gradient `[T, H]` from a device view into its slice of the heap,
     /// ordered on the stream.
     pub fn copy_dy_from(&self, gpu: &Gpu, rank: usize, dy: DeviceSlice<'_, bf16>) -> Result<()> {
-        self.exchange.check_rank(rank)?;
+        self.local_index(rank)?;
         let expected = self.config.tokens_per_rank * self.config.hidden;
         if dy.len() != expected {
             return Err(MokError::InvalidInput {
@@ -336,10 +383,9 @@ impl EpLayer {
         }
     }
 
-    /// `rank`'s outputs (`Err` for a rank ≥ P).
+    /// `rank`'s outputs (`Err` for a rank ≥ P or one this process does not drive).
     pub fn outputs(&self, rank: usize) -> Result<EpRankOutputs<'_>> {
-        self.exchange.check_rank(rank)?;
-        let r = &self.ranks[rank];
+        let r = &self.ranks[self.local_index(rank)?];
         Ok(EpRankOutputs {
             y: &r.y,
             dx: &r.dx,
@@ -357,7 +403,7 @@ impl EpLayer {
         let r = *self.exchange.regions();
         let s = *self.exchange.shape();
         let (ring, slots) = (s.capacity as usize * s.hidden as usize, (s.tokens * s.top_k * s.hidden) as usize);
-        for rank in 0..self.ranks.len() {
+        for &rank in self.exchange.heap().local_ranks() {
             for (region, bytes) in
                 [(r.ring_x, 2 * ring), (r.ring_dy, 2 * ring), (r.combine_slots, 4 * slots), (r.dx_slots, 4 * slots)]
             {
@@ -383,14 +429,18 @@ impl EpLayer {
 
     fn check_weights(&self, experts: &[ExpertsView<'_>], shared: Option<SharedExpertView<'_>>) -> Result<()> {
         let c = &self.config;
-        if experts.len() != c.ep_ranks {
+        if experts.len() != self.ranks.len() {
             return Err(MokError::InvalidInput {
                 tensor: "experts",
-                problem: format!("{} ranks' weights for {} ranks", experts.len(), c.ep_ranks),
+                problem: format!(
+                    "{} ranks' weights for the {} ranks this process drives",
+                    experts.len(),
+                    self.ranks.len()
+                ),
             });
         }
         let per_rank = c.local_experts() * c.intermediate * c.hidden;
-        for (rank, weights) in experts.iter().enumerate() {
+        for (weights, rank) in experts.iter().zip(self.local_ranks()) {
             for (name, len) in
                 [("w_gate", weights.w_gate.len()), ("w_up", weights.w_up.len()), ("w_down", weights.w_down.len())]
             {
@@ -422,14 +472,16 @@ impl EpLayer {
         }
     }
 
-    /// Enqueues the forward pass of every rank (`experts[r]`: rank r's local experts; the shared
-    /// expert's weights are replicated); `outputs(r).y` holds the result.
+    /// Enqueues the forward pass of every local rank (`experts[i]`: the experts of the `i`-th
+    /// local rank, [`Self::local_ranks`]; the shared expert's weights are replicated);
+    /// `outputs(r).y` holds the result.
     pub fn forward(&mut self, gpu: &Gpu, experts: &[DeviceExperts], shared: Option<&DeviceSharedExpert>) -> Result<()> {
         let experts: Vec<ExpertsView<'_>> = experts.iter().map(Into::into).collect();
         self.forward_views(gpu, &experts, shared.map(Into::into))
     }
 
-    /// [`Self::forward`] over borrowed views of the weights (`experts[r]`: rank r's `[E/P, ...]`).
+    /// [`Self::forward`] over borrowed views of the weights (`experts[i]`: the `i`-th local
+    /// rank's `[E/P, ...]`).
     pub fn forward_views(
         &mut self,
         gpu: &Gpu,
@@ -445,25 +497,27 @@ impl EpLayer {
         self.exchange.dispatch(&gpus)?;
         let r = *self.exchange.regions();
         let mut bases = Vec::with_capacity(self.ranks.len());
-        for (rank, state) in self.ranks.iter().enumerate() {
-            let w = &experts[rank];
+        for (local, (state, &rank)) in self.ranks.iter().zip(self.local_ranks()).enumerate() {
+            let w = &experts[local];
             state.routed.forward(
                 gpu,
                 &self.groups(rank),
                 self.exchange.address(rank, r.ring_x),
                 [w.w_gate, w.w_up, w.w_down],
             )?;
-            bases.push(self.shared_forward(gpu, rank, shared)?);
+            bases.push(self.shared_forward(gpu, local, shared)?);
         }
         let rows: Vec<u64> = self.ranks.iter().map(|s| s.routed.out_rows().device_ptr()).collect();
         let outs: Vec<u64> = self.ranks.iter().map(|s| s.y.device_ptr()).collect();
         self.exchange.combine(&gpus, &rows, &bases, &outs)
     }
 
-    /// `rank`'s shared expert over its own tokens (when the layer has one); returns the address
-    /// of its `[T][H]` f32 rows, the first term of the rank's combine (0 without one).
-    fn shared_forward(&self, gpu: &Gpu, rank: usize, shared: Option<SharedExpertView<'_>>) -> Result<u64> {
-        let (Some(weights), Some((compute, offsets))) = (shared, &self.ranks[rank].shared) else { return Ok(0) };
+    /// The `local`-th local rank's shared expert over its own tokens (when the layer has one);
+    /// returns the address of its `[T][H]` f32 rows, the first term of the rank's combine (0
+    /// without one).
+    fn shared_forward(&self, gpu: &Gpu, local: usize, shared: Option<SharedExpertView<'_>>) -> Result<u64> {
+        let rank = self.local_ranks()[local];
+        let (Some(weights), Some((compute, offsets))) = (shared, &self.ranks[local].shared) else { return Ok(0) };
         compute.forward(
             gpu,
             &RowGroups::all_tokens(offsets, self.config.tokens_per_rank),
@@ -487,14 +541,14 @@ impl EpLayer {
         self.exchange.clear_slot_ready(&gpus)?;
         self.exchange.schedule(&gpus)?;
         let l = self.config.local_experts();
-        for rank in 0..self.ranks.len() {
-            self.shared_forward(gpu, rank, shared)?;
+        for local in 0..self.ranks.len() {
+            self.shared_forward(gpu, local, shared)?;
         }
         let not_built =
             || MokError::InvalidInput { tensor: "megakernel", problem: "no pass built for this forward".into() };
         let m = self.megakernel.as_mut().ok_or_else(not_built)?;
-        for rank in 0..self.ranks.len() {
-            engine::tile_offsets_into(gpu, self.exchange.ring_row_offsets(rank), l, &m.tile_offsets[rank])?;
+        for (local, &rank) in self.exchange.heap().local_ranks().iter().enumerate() {
+            engine::tile_offsets_into(gpu, self.exchange.ring_row_offsets(rank), l, &m.tile_offsets[local])?;
         }
         let pairs: Vec<[&EnginePlan; 2]> = m.plans.iter().map(|(g, d)| [g, d]).collect();
         m.pass.as_mut().ok_or_else(not_built)?.launch_ranks(gpu, &pairs)
@@ -513,10 +567,11 @@ impl EpLayer {
     }
 
     /// [`Self::backward`] over borrowed views of the weights, with the weight gradients going to
-    /// `target` (`None`: each rank's own bf16 buffers, [`Self::outputs`]): per rank its experts'
-    /// three gradients and the shared expert's (device addresses), and whether they are added into
-    /// f32 buffers (`+=`) or written fresh in bf16. A shared expert's target may be the same
-    /// buffers for every rank only when they are added into (the ranks then add in rank order).
+    /// `target` (`None`: each rank's own bf16 buffers, [`Self::outputs`]): per local rank its
+    /// experts' three gradients and the shared expert's (device addresses), and whether they are
+    /// added into f32 buffers (`+=`) or written fresh in bf16. A shared expert's target may be the
+    /// same buffers for every rank only when they are added into (the ranks then add in local
+    /// order).
     pub(crate) fn backward_views(
         &mut self,
         gpu: &Gpu,
@@ -540,7 +595,7 @@ impl EpLayer {
         let c = self.config.clone();
         let (t, k, h) = (c.tokens_per_rank, c.top_k, c.hidden);
         let mut bases = Vec::with_capacity(self.ranks.len());
-        for (rank, state) in self.ranks.iter().enumerate() {
+        for (local, (state, &rank)) in self.ranks.iter().zip(self.local_ranks()).enumerate() {
             let at = |region| self.exchange.address(rank, region);
             // The slot-weight gradient on the token owner, from the f32 rows the forward combine
             // delivered to it: the same rows and order as the single-rank path.
@@ -561,7 +616,7 @@ impl EpLayer {
                     ],
                 )
             }?;
-            let w = &experts[rank];
+            let w = &experts[local];
             let accumulate_f32 = target.is_some_and(|t| t.accumulate_f32);
             let own = [state.dw[0].device_ptr(), state.dw[1].device_ptr(), state.dw[2].device_ptr()];
             state.routed.backward(
@@ -572,7 +627,7 @@ impl EpLayer {
                     d_out_rows: at(r.ring_dy),
                     weights: [w.w_gate, w.w_up, w.w_down],
                     accumulate_f32,
-                    weight_grads: target.map_or(own, |t| t.routed[rank]),
+                    weight_grads: target.map_or(own, |t| t.routed[local]),
                 },
             )?;
             let mut base = 0;
@@ -587,7 +642,7 @@ impl EpLayer {
                         d_out_rows: at(r.dy),
                         weights: [weights.ws_gate, weights.ws_up, weights.ws_down],
                         accumulate_f32,
-                        weight_grads: target.map_or(own, |t| t.shared[rank]),
+                        weight_grads: target.map_or(own, |t| t.shared[local]),
                     },
                 )?;
                 base = compute.d_in_rows().device_ptr();

@@ -16,6 +16,7 @@ use crate::error::{MokError, Result};
 use crate::exchange::ExchangeOptions;
 use crate::gemm::engine_available;
 use crate::megakernel::{FORWARD_RANKS_KERNEL, MegakernelOptions, checked_geometry, resident_blocks};
+use crate::symmetric::SymmetricHeap;
 use crate::unfused::{ExpertsView, SharedExpertView, TokensView, UnfusedLayer, WeightGradTarget, WeightGradViews};
 
 /// How the layer runs. Every backend gives the same bits (tested); they differ in speed and in
@@ -42,17 +43,21 @@ impl Backend {
     /// P > 1 the megakernel (3.2× the separate launches at P = 8, docs/PERF.md) where its default
     /// geometry gives every rank a compute pair, else `mma.sync`; for P = 1 [`Self::fastest_on`].
     pub fn fastest_for(gpu: &Gpu, ranks: usize) -> Backend {
+        if ranks == 1 { Self::fastest_on(gpu) } else { Self::fastest_hosting(gpu, ranks) }
+    }
+
+    /// The fastest correct backend of a layer over ranks whose launch hosts `hosted` of them on
+    /// `gpu` (every rank for virtual ranks, one per process per GPU).
+    fn fastest_hosting(gpu: &Gpu, hosted: usize) -> Backend {
         let megakernel_fits = || {
             resident_blocks(gpu, FORWARD_RANKS_KERNEL)
-                .and_then(|resident| checked_geometry(resident, &MegakernelOptions::default(), ranks as u32))
+                .and_then(|resident| checked_geometry(resident, &MegakernelOptions::default(), hosted as u32))
                 .is_ok()
         };
-        match ranks {
-            1 => Self::fastest_on(gpu),
-            _ if engine_available(gpu) && gpu.has_kernel(FORWARD_RANKS_KERNEL) && megakernel_fits() => {
-                Backend::Megakernel
-            }
-            _ => Backend::MmaSync,
+        if engine_available(gpu) && gpu.has_kernel(FORWARD_RANKS_KERNEL) && megakernel_fits() {
+            Backend::Megakernel
+        } else {
+            Backend::MmaSync
         }
     }
 }
@@ -192,6 +197,30 @@ impl MoeLayer {
         Ok(Self { layer: Layer::Single(Box::new(layer)), backend, passes: 0 })
     }
 
+    /// The layer for the ranks of `heap` that this process drives, all on `gpu` (with one process
+    /// per GPU, `symmetric::SymmetricHeap::multi_process`: its one rank). The views are then that
+    /// rank's share: T tokens and its E/P experts (`[E/P, ...]` weights and gradients); the
+    /// shared expert's f32 gradient gets this rank's tokens' part (the data-parallel all-reduce
+    /// sums the ranks). Backends as for virtual ranks. Built for one process per GPU; **not yet
+    /// run** there (no multi-GPU machine has been lent).
+    pub fn with_heap(gpu: &Gpu, config: MoeConfig, options: LayerOptions, heap: SymmetricHeap) -> Result<Self> {
+        config.validate()?;
+        let backend = options.backend.unwrap_or_else(|| Backend::fastest_hosting(gpu, heap.local_ranks().len()));
+        if backend == Backend::Engine {
+            return Err(MokError::InvalidConfig {
+                field: "ep_ranks",
+                value: config.ep_ranks.to_string(),
+                rule: "over ranks the layer runs the megakernel or mma.sync, not the engine's separate launches".into(),
+            });
+        }
+        let exchange = ExchangeOptions { timeout: options.megakernel.timeout, ..Default::default() };
+        let mut layer = EpLayer::with_heap(gpu, config, exchange, heap)?;
+        if backend == Backend::Megakernel {
+            layer.set_forward_megakernel(gpu, Some(options.megakernel))?;
+        }
+        Ok(Self { layer: Layer::Ranks(Box::new(layer), gpu.handle()), backend, passes: 0 })
+    }
+
     /// The backend this layer runs.
     pub fn backend(&self) -> Backend {
         self.backend
@@ -241,16 +270,16 @@ impl MoeLayer {
                 layer.y().copy_to(&mut y)?;
             }
             Layer::Ranks(layer, _) => {
-                let shares = RankShares::of(layer.config());
+                let locals = layer.local_ranks().to_vec();
+                let shares = RankShares::of(layer.config(), locals.len());
                 shares.check_tokens(&inputs.tokens)?;
                 let experts = shares.experts(&inputs.experts)?;
-                for rank in 0..shares.ranks {
-                    layer.copy_tokens_from(gpu, rank, shares.tokens(&inputs.tokens, rank)?)?;
+                for (part, &rank) in locals.iter().enumerate() {
+                    layer.copy_tokens_from(gpu, rank, shares.tokens(&inputs.tokens, part)?)?;
                 }
                 layer.forward_views(gpu, &experts, inputs.shared)?;
-                for rank in 0..shares.ranks {
-                    let part = shares.rows(rank);
-                    layer.outputs(rank)?.y.copy_to(&mut sub_mut(&mut y, "y", part)?)?;
+                for (part, &rank) in locals.iter().enumerate() {
+                    layer.outputs(rank)?.y.copy_to(&mut sub_mut(&mut y, "y", shares.rows(part))?)?;
                 }
             }
         }
@@ -302,19 +331,19 @@ impl MoeLayer {
                 layer.grads().d_topk_weights.copy_to(&mut grads.d_topk_weights)
             }
             Layer::Ranks(layer, _) => {
-                let shares = RankShares::of(layer.config());
+                let locals = layer.local_ranks().to_vec();
+                let shares = RankShares::of(layer.config(), locals.len());
                 let experts = shares.experts(&inputs.experts)?;
                 let targets = shares.grad_targets(&grads.weights, inputs.shared.is_some())?;
-                for rank in 0..shares.ranks {
-                    let part = shares.rows(rank);
-                    let rank_dy = dy.sub(part.0, part.1).ok_or_else(|| too_short("dy"))?;
-                    layer.copy_dy_from(gpu, rank, rank_dy)?;
+                for (part, &rank) in locals.iter().enumerate() {
+                    let (start, len) = shares.rows(part);
+                    layer.copy_dy_from(gpu, rank, dy.sub(start, len).ok_or_else(|| too_short("dy"))?)?;
                 }
                 layer.backward_views(gpu, &experts, inputs.shared, targets.as_ref())?;
-                for rank in 0..shares.ranks {
+                for (part, &rank) in locals.iter().enumerate() {
                     let out = layer.outputs(rank)?;
-                    out.dx.copy_to(&mut sub_mut(&mut grads.dx, "dx", shares.rows(rank))?)?;
-                    let slots = shares.slots(rank);
+                    out.dx.copy_to(&mut sub_mut(&mut grads.dx, "dx", shares.rows(part))?)?;
+                    let slots = shares.slots(part);
                     out.d_topk_weights.copy_to(&mut sub_mut(&mut grads.d_topk_weights, "d_topk_weights", slots)?)?;
                 }
                 Ok(())
@@ -353,12 +382,14 @@ fn sub_mut<'v, T>(
 }
 
 fn too_short(tensor: &'static str) -> MokError {
-    MokError::InvalidInput { tensor, problem: "view shorter than the layer's P ranks' share".into() }
+    MokError::InvalidInput { tensor, problem: "view shorter than the layer's local ranks' shares".into() }
 }
 
-/// How the whole problem's views split over the virtual ranks: rank r holds tokens r·T .. and
-/// experts r·L ...
+/// How a layer's views split over the ranks it drives: the views hold the local ranks' shares
+/// one after another, in local order (every rank for virtual ranks: the whole problem; one for
+/// one process per GPU); part i holds tokens i·T .. and experts i·L ...
 struct RankShares {
+    /// The local ranks (parts of the views).
     ranks: usize,
     tokens: usize,
     hidden: usize,
@@ -370,9 +401,9 @@ struct RankShares {
 }
 
 impl RankShares {
-    fn of(c: &MoeConfig) -> Self {
+    fn of(c: &MoeConfig, local_ranks: usize) -> Self {
         Self {
-            ranks: c.ep_ranks,
+            ranks: local_ranks,
             tokens: c.tokens_per_rank,
             hidden: c.hidden,
             top_k: c.top_k,
@@ -399,7 +430,7 @@ impl RankShares {
             Some((tensor, len, expected)) => Err(MokError::InvalidInput {
                 tensor,
                 problem: format!(
-                    "{len} elements; a layer over {} ranks takes exactly P · T = {t} tokens ({} per rank): {expected}",
+                    "{len} elements; a layer driving {} ranks takes exactly their {t} tokens ({} per rank): {expected}",
                     self.ranks, self.tokens
                 ),
             }),
@@ -594,7 +625,7 @@ mod tests {
     #[test]
     fn rank_shares_split_the_views_and_check_them() {
         let c = MoeConfig { ep_ranks: 4, shared_intermediate: Some(16), ..MoeConfig::new(10, 64, 32, 8, 2) };
-        let shares = RankShares::of(&c);
+        let shares = RankShares::of(&c, c.ep_ranks);
         assert_eq!((shares.rows(3), shares.slots(3)), ((3 * 10 * 64, 10 * 64), (3 * 10 * 2, 10 * 2)));
         // SAFETY: views of made-up addresses that nothing dereferences (only split and compared).
         let view = |ptr, len| unsafe { DeviceSlice::<bf16>::from_raw_parts(ptr, len) };
