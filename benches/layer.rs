@@ -11,7 +11,10 @@
 //! its backend. `--ranks P` (P > 1) runs the expert-parallel layer over P virtual ranks on this GPU
 //! instead (the tokens of a case split over the ranks), on `mma` (`epP:mma`: the exchange's
 //! separate launches, `mma.sync` expert compute) or `megakernel[:N]` (`epP:megakernel`: one
-//! launch hosting every rank, N comm blocks per rank). Every
+//! launch hosting every rank, N comm blocks per rank). Launched by torchrun or srun with more
+//! than one process (and built with the `nccl` feature, as the GPU bundle is), it runs the layer
+//! across the processes instead, one rank per GPU (`procsP:mma`, `procsP:megakernel`; rank 0
+//! prints the results; built, not yet run: no multi-GPU machine has been lent). Every
 //! run also prints one `RESULT` line of name–value pairs (what `cargo xtask bench` reads). Without a GPU it says so and exits 0 (a benchmark is not a test).
 
 use std::collections::HashMap;
@@ -139,6 +142,49 @@ struct Measured {
     /// Megakernel backends: the same launch with only the row moving, with only the GEMMs (rows
     /// in place), and with no work at all (the schedule and an empty launch), ms.
     sides: Option<(f64, f64, f64)>,
+}
+
+/// The layer bench across processes ([`bench_case_processes`]): rank 0 prints the `RESULT`
+/// lines (the other ranks measure in step with it and print nothing).
+fn main_processes(args: &Args, env: &mok::symmetric::LaunchEnv) -> Result<()> {
+    #[cfg(feature = "nccl")]
+    {
+        let gpu = mok::open_gpu(env.local_rank)?;
+        let boot = mok::symmetric::bootstrap::NcclBootstrap::new(&gpu, env, std::time::Duration::from_secs(120))?;
+        for &(shape, tokens) in &args.cases {
+            for &backend in &args.backends {
+                let m = bench_case_processes(&gpu, env, &boot, (shape, tokens), args.reps, backend)?;
+                if env.rank == 0 {
+                    let config = shape.config(tokens);
+                    let flops = forward_flops(&config);
+                    // Backend `procsP:NAME`: P processes, one rank each.
+                    println!(
+                        "RESULT {} {tokens} procs{}:{} fwd_ms {:.3} step_ms {:.3} fwd_tflops {:.1} step_tflops {:.1} \
+                         torch_fwd_ms NaN torch_step_ms NaN flops {flops:.0} launches {}",
+                        shape.name,
+                        env.world,
+                        backend.name(),
+                        m.fwd,
+                        m.step,
+                        flops / m.fwd / 1e9,
+                        3.0 * flops / m.step / 1e9,
+                        m.launches
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+    #[cfg(not(feature = "nccl"))]
+    {
+        let _ = args;
+        bail!(
+            "launched as rank {} of {}: the layer across processes needs the bench built with the `nccl` feature \
+             (cargo xtask gpu-bundle does)",
+            env.rank,
+            env.world
+        )
+    }
 }
 
 /// The expert-parallel layer over `ranks` virtual ranks, `tokens` split evenly over them, on
@@ -270,8 +316,101 @@ fn bench_case(gpu: &Gpu, shape: FrontierShape, tokens: usize, reps: usize, backe
     Ok(Measured { fwd: median(fwd), step: median(step), launches, sides })
 }
 
+/// The layer across processes, one rank per GPU (launched by torchrun or srun: `env`): this
+/// process's rank of `tokens` global tokens split over the world, its E/P experts, through
+/// `MoeLayer::with_heap` over a multi-process symmetric heap (handles exchanged with NCCL;
+/// `MOK_HEAP_HANDLE=fabric` across the nodes of an NVLink domain, POSIX fds within a node by
+/// default). Every rank runs the same cases in the same order; the exchange keeps them in step.
+#[cfg(feature = "nccl")]
+fn bench_case_processes(
+    gpu: &Gpu,
+    env: &mok::symmetric::LaunchEnv,
+    boot: &mok::symmetric::bootstrap::NcclBootstrap,
+    (shape, tokens): (FrontierShape, usize),
+    reps: usize,
+    backend: Backend,
+) -> Result<Measured> {
+    use mok::driver::DeviceBuffer;
+    use mok::driver::vmm::ShareableKind;
+    use mok::exchange::Exchange;
+    use mok::moe::{Backend as LayerBackend, LayerOptions, MoeGradients, MoeInputs};
+    use mok::symmetric::SymmetricHeap;
+    use mok::unfused::{TokensView, WeightGradTarget};
+
+    let world = env.world;
+    if !tokens.is_multiple_of(world) || !shape.experts.is_multiple_of(world) {
+        bail!("{} at T = {tokens}: T and E = {} must split evenly over {world} ranks", shape.name, shape.experts);
+    }
+    let config = mok::MoeConfig { ep_ranks: world, ..shape.config(tokens / world) };
+    let (t, h, k) = (config.tokens_per_rank, config.hidden, config.top_k);
+    let kind = match std::env::var("MOK_HEAP_HANDLE").as_deref() {
+        Ok("fabric") => ShareableKind::Fabric,
+        _ => ShareableKind::PosixFd,
+    };
+    let bytes = Exchange::heap_bytes_per_rank(&config, &ExchangeOptions::default())?;
+    let heap = SymmetricHeap::multi_process(gpu, env, env.local_rank as i32, bytes, kind, &mut |mine| {
+        boot.all_gather_bytes(gpu, mine)
+    })?;
+    let options = match backend {
+        Backend::Mma => LayerOptions { backend: Some(LayerBackend::MmaSync), ..Default::default() },
+        Backend::Megakernel(comm_blocks) => LayerOptions {
+            backend: Some(LayerBackend::Megakernel),
+            megakernel: MegakernelOptions { comm_blocks, ..Default::default() },
+        },
+        Backend::Engine => bail!("across ranks the layer runs mma or megakernel[:N], not engine"),
+    };
+    let mut layer = mok::MoeLayer::with_heap(gpu, config.clone(), options, heap)?;
+    let host = random_tokens(&config, 7 + env.rank as u64);
+    let x = DeviceBuffer::from_slice(gpu, &host.x)?;
+    let ids = DeviceBuffer::from_slice(gpu, &host.topk_ids)?;
+    let weights = DeviceBuffer::from_slice(gpu, &host.topk_weights)?;
+    let experts = DeviceExperts::random(gpu, &config, 1 + 3 * env.rank as u64, 3.0 / (h as f32).sqrt())?;
+    let dy = DeviceBuffer::from_slice(gpu, &mok::random::bf16_values(t * h, 4 + env.rank as u64, 1.0))?;
+    let mut y = DeviceBuffer::alloc(gpu, t * h)?;
+    let mut dx = DeviceBuffer::alloc(gpu, t * h)?;
+    let mut d_topk = DeviceBuffer::alloc(gpu, t * k)?;
+    let inputs = MoeInputs {
+        tokens: TokensView { x: (&x).into(), topk_ids: (&ids).into(), topk_weights: (&weights).into() },
+        experts: (&experts).into(),
+        shared: None,
+    };
+    let mut step = |with_backward: bool| -> Result<()> {
+        let token = layer.forward_token(gpu, &inputs, (&mut y).into())?;
+        if with_backward {
+            let grads = MoeGradients {
+                dx: (&mut dx).into(),
+                d_topk_weights: (&mut d_topk).into(),
+                weights: WeightGradTarget::Layer,
+            };
+            layer.backward(gpu, token, &inputs, (&dy).into(), grads)?;
+        }
+        Ok(())
+    };
+    step(true)?;
+    let timer = gpu.timer()?;
+    let (mut fwd, mut steps) = (Vec::new(), Vec::new());
+    for _ in 0..reps {
+        timer.start()?;
+        step(false)?;
+        fwd.push(timer.stop_ms()?);
+        timer.start()?;
+        step(true)?;
+        steps.push(timer.stop_ms()?);
+    }
+    let before = gpu.kernel_launches();
+    step(false)?;
+    let launches = gpu.kernel_launches() - before;
+    layer.check()?;
+    Ok(Measured { fwd: median(fwd), step: median(steps), launches, sides: None })
+}
+
 fn main() -> Result<()> {
     let args = parse_args()?;
+    // Under torchrun or srun with more than one process: one rank per GPU, across processes.
+    let env = mok::symmetric::LaunchEnv::from_env()?;
+    if env.world > 1 {
+        return main_processes(&args, &env);
+    }
     let gpu = match mok::open_gpu(0) {
         Ok(gpu) => gpu,
         Err(e) => {

@@ -3,9 +3,11 @@
 //! progress while it runs, and `results.json` plus `chart.svg` (TFLOP/s per case for each backend
 //! and PyTorch, with the FLOP and byte floors marked) in the output folder.
 //!
-//! Launched by torchrun or srun with more than one rank, it stops with an error that says so: the
-//! expert-parallel layer across processes is not built yet (`--ranks P` measures P virtual ranks on
-//! one GPU). xtask keeps to anyhow and clap, so it reads the launcher's variables itself, the same
+//! Launched by torchrun or srun with more than one rank, every process runs the layer bench,
+//! which then runs the layer across the processes, one rank per GPU; rank 0 reports (no PyTorch
+//! comparison there: the PyTorch layer runs on one GPU). That path is built and not yet run (no
+//! multi-GPU machine has been lent). `--ranks P` instead measures P virtual ranks inside one
+//! process. xtask keeps to anyhow and clap, so it reads the launcher's variables itself, the same
 //! ones `mok_host::symmetric::LaunchEnv` reads.
 
 use std::fmt::Write as _;
@@ -76,9 +78,9 @@ impl BenchArgs {
             .join(","))
     }
 
-    /// Runs the layer bench this many times (cases × backends, or cases for `--ranks` > 1).
+    /// Runs the layer bench this many times (cases × backends).
     pub fn runs(&self) -> usize {
-        self.shapes.len() * self.tokens.len() * if self.ranks > 1 { 1 } else { self.backends.len() }
+        self.shapes.len() * self.tokens.len() * self.backends.len()
     }
 }
 
@@ -401,12 +403,22 @@ fn stream(command: &mut Command, mut show: impl FnMut(&str) -> Option<String>) -
 }
 
 pub fn bench(root: &Path, args: &BenchArgs) -> Result<()> {
+    // Under torchrun or srun with several processes the ranks are the processes: every process
+    // runs the layer bench (which then runs one rank per GPU), rank 0 reports.
     let (rank, world) = launch_world(|name| std::env::var(name).ok())?;
-    if world > 1 {
+    let across = world > 1;
+    if across && args.ranks > 1 {
         bail!(
-            "launched as rank {rank} of {world}: the expert-parallel layer across processes is not built yet \
-             (run one process with --ranks P to measure P virtual ranks on one GPU)"
+            "launched as rank {rank} of {world}: the ranks are the processes here; --ranks P measures P virtual \
+             ranks inside one process"
         );
+    }
+    if across {
+        for &t in &args.tokens {
+            if !t.is_multiple_of(world) {
+                bail!("--tokens {t}: must split evenly over the {world} processes");
+            }
+        }
     }
     let cases = args.cases()?;
     fs::create_dir_all(&args.out).with_context(|| format!("cannot create {}", args.out.display()))?;
@@ -422,7 +434,7 @@ pub fn bench(root: &Path, args: &BenchArgs) -> Result<()> {
     };
     let mut ceilings: Option<(f64, f64)> = None;
     let mut baseline = None;
-    if args.torch && torch_available() {
+    if args.torch && !across && torch_available() {
         println!("bench: measuring the ceilings and the PyTorch layer ({cases})");
         let lines = stream(Command::new("python3").arg(benches.join("ceilings.py")), |l| {
             l.starts_with("CEILING").then(|| format!("  {l}"))
@@ -448,7 +460,13 @@ pub fn bench(root: &Path, args: &BenchArgs) -> Result<()> {
     } else {
         println!(
             "bench: no PyTorch comparison ({})",
-            if args.torch { "python3 with torch and CUDA not found" } else { "--no-torch" }
+            if across {
+                "the ranks are processes; the PyTorch layer runs on one GPU"
+            } else if args.torch {
+                "python3 with torch and CUDA not found"
+            } else {
+                "--no-torch"
+            }
         );
     }
     let mut command = Command::new(&layer);
@@ -462,6 +480,14 @@ pub fn bench(root: &Path, args: &BenchArgs) -> Result<()> {
         "--ranks",
         &args.ranks.to_string(),
     ]);
+    if across && rank != 0 {
+        // Rank 0 reports; this rank measures in step with it.
+        let status = command.status().with_context(|| format!("cannot run {}", layer.display()))?;
+        if !status.success() {
+            bail!("rank {rank}: the layer bench failed ({status})");
+        }
+        return Ok(());
+    }
     if let Some(file) = &baseline {
         command.arg("--baseline").arg(file);
     }
@@ -561,9 +587,10 @@ mod tests {
             .contains("split evenly over --ranks 3")
         );
         assert!(bad(|a| a.reps = 0).contains("at least 1"));
+        // Every backend runs at P virtual ranks too.
         let mut ep = args();
         ep.ranks = 8;
-        assert_eq!(ep.runs(), 4);
+        assert_eq!(ep.runs(), args().runs());
     }
 
     #[test]

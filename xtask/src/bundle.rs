@@ -21,7 +21,9 @@ const RUN_SH: &str = include_str!("run.sh");
 
 /// Every build of the bundle: release, GPU tests on, the facade package only. One feature set and
 /// one profile for all three builds, so they share the library.
-const BUILD_ARGS: [&str; 5] = ["--release", "--features", "gpu-tests", "-p", "mok"];
+/// `nccl` lets the layer bench run one rank per GPU under torchrun or srun (libnccl is only
+/// loaded when that path runs).
+const BUILD_ARGS: [&str; 5] = ["--release", "--features", "gpu-tests nccl", "-p", "mok"];
 
 /// One `compiler-artifact` message of cargo's JSON output that has an executable.
 #[derive(Debug)]
