@@ -149,11 +149,14 @@ struct Measured {
 fn main_processes(args: &Args, env: &mok::symmetric::LaunchEnv) -> Result<()> {
     #[cfg(feature = "nccl")]
     {
-        let gpu = mok::open_gpu(env.local_rank)?;
+        // One visible GPU (the launcher bound one per task): that one; else the local rank's.
+        let one_visible = std::env::var("CUDA_VISIBLE_DEVICES").is_ok_and(|v| !v.is_empty() && !v.contains(','));
+        let ordinal = if one_visible { 0 } else { env.local_rank };
+        let gpu = mok::open_gpu(ordinal)?;
         let boot = mok::symmetric::bootstrap::NcclBootstrap::new(&gpu, env, std::time::Duration::from_secs(120))?;
         for &(shape, tokens) in &args.cases {
             for &backend in &args.backends {
-                let m = bench_case_processes(&gpu, env, &boot, (shape, tokens), args.reps, backend)?;
+                let m = bench_case_processes((&gpu, ordinal as i32), env, &boot, (shape, tokens), args.reps, backend)?;
                 if env.rank == 0 {
                     let config = shape.config(tokens);
                     let flops = forward_flops(&config);
@@ -323,7 +326,7 @@ fn bench_case(gpu: &Gpu, shape: FrontierShape, tokens: usize, reps: usize, backe
 /// default). Every rank runs the same cases in the same order; the exchange keeps them in step.
 #[cfg(feature = "nccl")]
 fn bench_case_processes(
-    gpu: &Gpu,
+    (gpu, ordinal): (&Gpu, i32),
     env: &mok::symmetric::LaunchEnv,
     boot: &mok::symmetric::bootstrap::NcclBootstrap,
     (shape, tokens): (FrontierShape, usize),
@@ -345,12 +348,9 @@ fn bench_case_processes(
     let (t, h, k) = (config.tokens_per_rank, config.hidden, config.top_k);
     let kind = match std::env::var("MOK_HEAP_HANDLE").as_deref() {
         Ok("fabric") => ShareableKind::Fabric,
-        _ => ShareableKind::PosixFd,
+        Ok("fd") | Err(_) => ShareableKind::PosixFd,
+        Ok(other) => bail!("MOK_HEAP_HANDLE={other:?}: fd (processes of one node, the default) or fabric"),
     };
-    let bytes = Exchange::heap_bytes_per_rank(&config, &ExchangeOptions::default())?;
-    let heap = SymmetricHeap::multi_process(gpu, env, env.local_rank as i32, bytes, kind, &mut |mine| {
-        boot.all_gather_bytes(gpu, mine)
-    })?;
     let options = match backend {
         Backend::Mma => LayerOptions { backend: Some(LayerBackend::MmaSync), ..Default::default() },
         Backend::Megakernel(comm_blocks) => LayerOptions {
@@ -359,6 +359,9 @@ fn bench_case_processes(
         },
         Backend::Engine => bail!("across ranks the layer runs mma or megakernel[:N], not engine"),
     };
+    let bytes = Exchange::heap_bytes_per_rank(&config, &ExchangeOptions::default())?;
+    let heap =
+        SymmetricHeap::multi_process(gpu, env, ordinal, bytes, kind, &mut |mine| boot.all_gather_bytes(gpu, mine))?;
     let mut layer = mok::MoeLayer::with_heap(gpu, config.clone(), options, heap)?;
     let host = random_tokens(&config, 7 + env.rank as u64);
     let x = DeviceBuffer::from_slice(gpu, &host.x)?;

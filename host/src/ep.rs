@@ -9,9 +9,9 @@
 //! partial sum over its own tokens: the cross-rank reduction of replicated weights belongs to the
 //! data-parallel all-reduce, outside the layer.
 //!
-//! Runs virtual ranks on one GPU (every rank's launches on that GPU's stream); the same
-//! sequence would serve several GPUs with [`Exchange`] over a multi-GPU heap, which this layer
-//! does not drive yet.
+//! Runs the ranks a process drives on its GPU: every rank for virtual ranks (every rank's
+//! launches on that GPU's stream, tested), or one rank per process over a multi-process heap
+//! ([`EpLayer::with_heap`], built, not yet run on more than one GPU).
 //!
 //! The forward can instead run as the forward megakernel ([`EpLayer::set_forward_megakernel`]):
 //! after the schedule, ONE persistent launch hosts every rank — each rank on its own run of the

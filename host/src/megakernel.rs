@@ -256,10 +256,14 @@ impl ForwardMegakernel {
                 }
             })
             .collect();
-        let params = DeviceBuffer::from_slice(gpu, &blocks_bytes(&host))?;
+        // SAFETY: ForwardParams is repr(C) plain data, sixteen u64 and eight u32 (160 bytes,
+        // asserted in megakernel_layout): no padding.
+        let params = DeviceBuffer::from_slice(gpu, &unsafe { blocks_bytes(&host) })?;
         let inputs = if with_ranks {
             let inputs: Vec<PassInputs> = buffers.iter().filter_map(|b| b.rank.as_ref().map(|r| r.inputs)).collect();
-            Some(DeviceBuffer::from_slice(gpu, &blocks_bytes(&inputs))?)
+            // SAFETY: PassInputs is repr(C) plain data, three u64 and two u32 (32 bytes, asserted
+            // in megakernel_layout): no padding.
+            Some(DeviceBuffer::from_slice(gpu, &unsafe { blocks_bytes(&inputs) })?)
         } else {
             None
         };
@@ -297,7 +301,8 @@ impl ForwardMegakernel {
     /// Uploads the parameter blocks again after a test hook changed them.
     #[cfg(feature = "testing")]
     fn upload_params(&mut self) -> Result<()> {
-        self.params.upload(&blocks_bytes(&self.host))
+        // SAFETY: as in `new`.
+        self.params.upload(&unsafe { blocks_bytes(&self.host) })
     }
 
     /// Sets the faults of `rank` for the following passes (tests).
@@ -410,10 +415,11 @@ impl ForwardMegakernel {
 
 /// `#[repr(C)]` blocks without padding (the parameter blocks, the pass inputs) as the bytes the
 /// device reads.
-fn blocks_bytes<T: Copy>(blocks: &[T]) -> Vec<u8> {
-    // SAFETY: every caller passes ForwardParams (sixteen u64 and eight u32: 160 bytes) or
-    // PassInputs (three u64 and two u32: 32 bytes), repr(C) plain data whose sizes
-    // megakernel_layout asserts, so they have no padding and every byte is initialised.
+///
+/// # Safety
+/// `T` is plain data without padding (every byte of a value initialised).
+unsafe fn blocks_bytes<T: Copy>(blocks: &[T]) -> Vec<u8> {
+    // SAFETY: caller contract.
     blocks.iter().flat_map(|b| unsafe { plain_bytes(b) }.to_vec()).collect()
 }
 

@@ -201,8 +201,9 @@ impl MoeLayer {
     /// per GPU, `symmetric::SymmetricHeap::multi_process`: its one rank). The views are then that
     /// rank's share: T tokens and its E/P experts (`[E/P, ...]` weights and gradients); the
     /// shared expert's f32 gradient gets this rank's tokens' part (the data-parallel all-reduce
-    /// sums the ranks). Backends as for virtual ranks. Built for one process per GPU; **not yet
-    /// run** there (no multi-GPU machine has been lent).
+    /// sums the ranks). Backends as for virtual ranks. After [`Self::check`] reports an error,
+    /// every rank's layer must be rebuilt (a reset across processes is collective). Built for
+    /// one process per GPU; **not yet run** there (no multi-GPU machine has been lent).
     pub fn with_heap(gpu: &Gpu, config: MoeConfig, options: LayerOptions, heap: SymmetricHeap) -> Result<Self> {
         config.validate()?;
         let backend = options.backend.unwrap_or_else(|| Backend::fastest_hosting(gpu, heap.local_ranks().len()));
@@ -361,10 +362,16 @@ impl MoeLayer {
             Layer::Ranks(layer, gpu) => {
                 let checked = layer.check_errors(gpu);
                 if checked.is_err() {
-                    // Every rank is idle after the check's synchronise: clear the records and
-                    // counters so the next pass starts clean. The error reported is the pass's
-                    // (a reset that fails too, after a device fault, would only hide it).
-                    let _ = layer.exchange_mut().reset(&[&*gpu]);
+                    // The failed pass's state is void: its token goes.
+                    self.passes += 1;
+                    // Virtual ranks are all idle after the check's synchronise: clear the records
+                    // and counters so the next pass starts clean. The error reported is the
+                    // pass's (a reset that fails too, after a device fault, would only hide it).
+                    // Across processes a reset is collective (every rank, between barriers):
+                    // the layer cannot do it alone, so the ranks rebuild their layers.
+                    if layer.exchange().heap().single_gpu() {
+                        let _ = layer.exchange_mut().reset(&[&*gpu]);
+                    }
                 }
                 checked
             }

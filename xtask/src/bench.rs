@@ -420,6 +420,11 @@ pub fn bench(root: &Path, args: &BenchArgs) -> Result<()> {
             }
         }
     }
+    if (across || args.ranks > 1) && args.backends.iter().any(|b| b == "engine") {
+        bail!(
+            "--backends: over ranks the layer runs mma or megakernel[:N], not engine (e.g. --backends mma,megakernel)"
+        );
+    }
     let cases = args.cases()?;
     fs::create_dir_all(&args.out).with_context(|| format!("cannot create {}", args.out.display()))?;
     let (layer, benches) = match &args.layer_bin {

@@ -38,13 +38,24 @@ impl NcclBootstrap {
             value: "unset".into(),
             rule: "must name a file every rank can read (rank 0 writes the NCCL unique id there)".into(),
         })?;
+        // SAFETY: only asks whether the library can be loaded (cudarc's loader; no NCCL call).
+        if !unsafe { nccl_sys::is_culib_present() } {
+            return Err(MokError::Cuda {
+                call: "loading libnccl".into(),
+                message: "NCCL not found: cudarc looks for libnccl.so (and .so.12, .11, ...), not only .so.2 — \
+                          link libnccl.so -> libnccl.so.2 in a directory on LD_LIBRARY_PATH"
+                    .into(),
+            });
+        }
+        // The run's nonce keeps a file left by an earlier run from being read as this run's id.
+        let nonce = run_nonce(|name| std::env::var(name).ok());
         let id = if env.rank == 0 {
             let id = nccl::get_uniqueid().map_err(|e| nccl_error("ncclGetUniqueId", e))?;
             let bytes: Vec<u8> = id.internal.iter().map(|&c| c as u8).collect();
-            write_atomically(&path, &to_hex(&bytes))?;
+            write_atomically(&path, &format!("{nonce}\n{}", to_hex(&bytes)))?;
             id
         } else {
-            let bytes = read_when_present(&path, timeout)?;
+            let bytes = read_when_present(&path, &nonce, timeout)?;
             let mut internal = [0 as core::ffi::c_char; 128];
             if bytes.len() != internal.len() {
                 return Err(MokError::InvalidInput {
@@ -106,11 +117,25 @@ fn write_atomically(path: &Path, text: &str) -> Result<()> {
     std::fs::rename(&temporary, path).map_err(|e| io_error(format!("rename to {}", path.display()), e))
 }
 
-fn read_when_present(path: &Path, timeout: Duration) -> Result<Vec<u8>> {
+/// What names this launch on every rank: the launcher's run and rendezvous (torchrun) or job and
+/// step (Slurm) variables; empty when none is set (a reused file is then not detected).
+fn run_nonce(get: impl Fn(&str) -> Option<String>) -> String {
+    ["TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT", "SLURM_JOB_ID", "SLURM_STEP_ID"]
+        .iter()
+        .map(|name| get(name).unwrap_or_default())
+        .collect::<Vec<_>>()
+        .join("/")
+}
+
+/// Rank 0's id once the file at `path` holds it for this run (`nonce` on its first line).
+fn read_when_present(path: &Path, nonce: &str, timeout: Duration) -> Result<Vec<u8>> {
     let start = Instant::now();
     loop {
-        if let Ok(text) = std::fs::read_to_string(path) {
-            return from_hex(&text);
+        if let Ok(text) = std::fs::read_to_string(path)
+            && let Some((written, hex)) = text.split_once('\n')
+            && written == nonce
+        {
+            return from_hex(hex);
         }
         if start.elapsed() > timeout {
             return Err(MokError::Timeout {

@@ -152,10 +152,18 @@ impl SymmetricHeap {
                 ExportedHandle::PosixFd(fd) => ExportedHandle::PosixFd(duplicate_peer_fd(peer.pid, fd)?),
                 fabric => fabric,
             };
-            mappings.push(VmmMapping::import(&handle, peer.bytes as usize, &[ordinal])?);
+            let imported = VmmMapping::import(&handle, peer.bytes as usize, &[ordinal]);
+            // The import holds its own reference: the duplicated descriptor would only keep the
+            // peer's memory alive after the heap is dropped.
+            close_descriptor(&handle);
+            mappings.push(imported?);
         }
-        // Every process must have imported before any frees: the caller keeps the heap for the
-        // job's lifetime and tears it down after a barrier.
+        // Every peer has duplicated this process's descriptor once every process got here (a
+        // second all-gather as the barrier); then it can be closed, so dropping the heap frees the
+        // memory. Every process must also have imported before any frees: the caller keeps the
+        // heap for the job's lifetime and tears it down after a barrier.
+        all_gather(&[1])?;
+        close_descriptor(&record.handle);
         Ok(Self {
             bytes_per_rank: table[0].bytes,
             bases: mappings.iter().map(VmmMapping::device_ptr).collect(),
@@ -224,6 +232,20 @@ fn allow_handle_duplication() -> Result<()> {
 
 /// Duplicates file descriptor `fd` of process `pid` into this process (`pidfd_open` +
 /// `pidfd_getfd`, Linux 5.6+).
+/// Closes a POSIX-fd handle's descriptor (a fabric handle has none).
+fn close_descriptor(handle: &ExportedHandle) {
+    if let ExportedHandle::PosixFd(fd) = *handle {
+        #[cfg(unix)]
+        // SAFETY: the descriptor is this process's (exported or duplicated here) and nothing
+        // uses it after this call.
+        unsafe {
+            libc::close(fd);
+        }
+        #[cfg(not(unix))]
+        let _ = fd;
+    }
+}
+
 fn duplicate_peer_fd(pid: u32, fd: i32) -> Result<i32> {
     #[cfg(target_os = "linux")]
     {
