@@ -39,7 +39,7 @@ use crate::problem::RoutedTokens;
 use crate::symmetric::SymmetricHeap;
 use crate::unfused::{
     DeviceExperts, DeviceSharedExpert, ExpertBackward, ExpertCompute, ExpertsView, ROW_KERNEL_THREADS, RowGroups,
-    SharedExpertView, TokensView, grid_stride_blocks, shared_expert_workspace,
+    SharedExpertView, TokensView, grid_stride_blocks, shared_expert_forward, shared_expert_workspace,
 };
 use mok_kernels::megakernel_layout::PassInputs;
 
@@ -517,14 +517,9 @@ impl EpLayer {
     /// without one).
     fn shared_forward(&self, gpu: &Gpu, local: usize, shared: Option<SharedExpertView<'_>>) -> Result<u64> {
         let rank = self.local_ranks()[local];
-        let (Some(weights), Some((compute, offsets))) = (shared, &self.ranks[local].shared) else { return Ok(0) };
-        compute.forward(
-            gpu,
-            &RowGroups::all_tokens(offsets, self.config.tokens_per_rank),
-            self.exchange.address(rank, self.exchange.regions().x),
-            [weights.ws_gate, weights.ws_up, weights.ws_down],
-        )?;
-        Ok(compute.out_rows().device_ptr())
+        let (Some(weights), Some(workspace)) = (shared, &self.ranks[local].shared) else { return Ok(0) };
+        let x = self.exchange.address(rank, self.exchange.regions().x);
+        shared_expert_forward(gpu, workspace, self.config.tokens_per_rank, x, weights)
     }
 
     /// The forward as the megakernel: every rank's `slot_ready` cleared, the schedule, each rank's shared

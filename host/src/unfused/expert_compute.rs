@@ -359,6 +359,25 @@ impl ExpertCompute {
 /// The shared expert's workspace for `config` (none without a shared expert): its expert
 /// computation over one group holding every token, that group's offsets `[0, T, 0, tiles]`, and
 /// its three bf16 weight gradients `(dws_gate [Is, H], dws_up [Is, H], dws_down [H, Is])`.
+/// The shared expert's forward over `tokens` rows at device address `x`, in its `workspace`
+/// (from [`shared_expert_workspace`]): returns the address of its `[T][H]` f32 output rows, the
+/// first term of every token's sum.
+pub(crate) fn shared_expert_forward(
+    gpu: &Gpu,
+    (compute, offsets): &(ExpertCompute, DeviceBuffer<u32>),
+    tokens: usize,
+    x: u64,
+    weights: super::SharedExpertView<'_>,
+) -> Result<u64> {
+    compute.forward(
+        gpu,
+        &RowGroups::all_tokens(offsets, tokens),
+        x,
+        [weights.ws_gate, weights.ws_up, weights.ws_down],
+    )?;
+    Ok(compute.out_rows().device_ptr())
+}
+
 #[allow(clippy::type_complexity)]
 pub(crate) fn shared_expert_workspace(
     gpu: &Gpu,

@@ -718,14 +718,8 @@ impl UnfusedLayer {
     /// weights were given) and returns the address of its f32 rows, the first term of every
     /// token's sum (0 for none).
     fn shared_forward(&self, gpu: &Gpu, tokens: TokensView<'_>, shared: Option<SharedExpertView<'_>>) -> Result<u64> {
-        let (Some(weights), Some((compute, offsets))) = (shared, &self.shared) else { return Ok(0) };
-        compute.forward(
-            gpu,
-            &RowGroups::all_tokens(offsets, self.tokens),
-            tokens.x.device_ptr(),
-            [weights.ws_gate, weights.ws_up, weights.ws_down],
-        )?;
-        Ok(compute.out_rows().device_ptr())
+        let (Some(weights), Some(workspace)) = (shared, &self.shared) else { return Ok(0) };
+        shared_expert_forward(gpu, workspace, self.tokens, tokens.x.device_ptr(), weights)
     }
 
     /// The forward after routing, as the megakernel: the engine's tile offsets, the shared
