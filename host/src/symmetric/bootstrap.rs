@@ -6,12 +6,13 @@
 //! sees half an id); the other ranks poll for the file, up to a timeout. Any shared filesystem
 //! path works (a node-local `/tmp` path for one node). Not yet run: needs several GPUs.
 
-use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::path::PathBuf;
+use std::time::Duration;
 
 use cudarc::nccl::{result as nccl, sys as nccl_sys};
 
-use super::handles::{from_hex, to_hex};
+use super::handles::to_hex;
+use super::id_file::{read_when_present, run_nonce, write_atomically};
 use super::launch_env::LaunchEnv;
 use crate::driver::{DeviceBuffer, Gpu};
 use crate::error::{MokError, Result};
@@ -104,47 +105,5 @@ impl Drop for NcclBootstrap {
         unsafe {
             let _ = nccl::comm_destroy(self.comm);
         }
-    }
-}
-
-fn io_error(what: String, error: std::io::Error) -> MokError {
-    MokError::Cuda { call: what, message: error.to_string() }
-}
-
-fn write_atomically(path: &Path, text: &str) -> Result<()> {
-    let temporary = path.with_extension(format!("tmp{}", std::process::id()));
-    std::fs::write(&temporary, text).map_err(|e| io_error(format!("write {}", temporary.display()), e))?;
-    std::fs::rename(&temporary, path).map_err(|e| io_error(format!("rename to {}", path.display()), e))
-}
-
-/// What names this launch on every rank: the launcher's run and rendezvous (torchrun) or job and
-/// step (Slurm) variables; empty when none is set (a reused file is then not detected).
-fn run_nonce(get: impl Fn(&str) -> Option<String>) -> String {
-    ["TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT", "SLURM_JOB_ID", "SLURM_STEP_ID"]
-        .iter()
-        .map(|name| get(name).unwrap_or_default())
-        .collect::<Vec<_>>()
-        .join("/")
-}
-
-/// Rank 0's id once the file at `path` holds it for this run (`nonce` on its first line).
-fn read_when_present(path: &Path, nonce: &str, timeout: Duration) -> Result<Vec<u8>> {
-    let start = Instant::now();
-    loop {
-        if let Ok(text) = std::fs::read_to_string(path)
-            && let Some((written, hex)) = text.split_once('\n')
-            && written == nonce
-        {
-            return from_hex(hex);
-        }
-        if start.elapsed() > timeout {
-            return Err(MokError::Timeout {
-                waited_for: format!("rank 0 to write the NCCL unique id to {}", path.display()),
-                rank: None,
-                peer: Some(0),
-                detail: format!("nothing after {timeout:?}"),
-            });
-        }
-        std::thread::sleep(Duration::from_millis(20));
     }
 }

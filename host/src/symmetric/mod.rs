@@ -21,6 +21,9 @@
 #[cfg(feature = "nccl")]
 pub mod bootstrap;
 pub mod handles;
+// Used by the `nccl` bootstrap; compiled (and tested) without it too.
+#[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+pub(crate) mod id_file;
 pub mod launch_env;
 
 pub use launch_env::{LaunchEnv, Launcher};
