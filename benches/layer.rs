@@ -144,6 +144,31 @@ struct Measured {
     sides: Option<(f64, f64, f64)>,
 }
 
+/// The megakernel's sides timed alone, `(comm, compute, none)` ms: with only the row moving, with
+/// only the GEMMs (rows left in place by the pass before), and with nothing (the schedule and an
+/// empty launch). `layer(Some(work))` sets the work of the following passes, `layer(None)` runs
+/// a forward. Leaves the work at [`MegakernelWork::ALL`], with one real pass after.
+fn time_sides(
+    timer: &mok::driver::GpuTimer,
+    reps: usize,
+    mut layer: impl FnMut(Option<MegakernelWork>) -> Result<()>,
+) -> Result<(f64, f64, f64)> {
+    let mut time = |work: MegakernelWork| -> Result<f64> {
+        layer(Some(work))?;
+        let mut times = Vec::new();
+        for _ in 0..reps {
+            timer.start()?;
+            layer(None)?;
+            times.push(timer.stop_ms()?);
+        }
+        Ok(median(times))
+    };
+    let sides = (time(MegakernelWork::COMM_ONLY)?, time(MegakernelWork::COMPUTE_ONLY)?, time(MegakernelWork::NONE)?);
+    layer(Some(MegakernelWork::ALL))?;
+    layer(None)?;
+    Ok(sides)
+}
+
 /// The layer bench across processes ([`bench_case_processes`]): rank 0 prints the `RESULT`
 /// lines (the other ranks measure in step with it and print nothing).
 fn main_processes(args: &Args, env: &mok::symmetric::LaunchEnv) -> Result<()> {
@@ -241,23 +266,13 @@ fn bench_case_ep(
     let launches = gpu.kernel_launches() - before;
     let mut sides = None;
     if matches!(backend, Backend::Megakernel(_)) {
-        let mut time_forward = |work: MegakernelWork| -> Result<f64> {
-            layer.set_megakernel_work(work)?;
-            let mut times = Vec::new();
-            for _ in 0..reps {
-                timer.start()?;
-                layer.forward(gpu, &experts, None)?;
-                times.push(timer.stop_ms()?);
+        sides = Some(time_sides(&timer, reps, |work| {
+            match work {
+                Some(work) => layer.set_megakernel_work(work)?,
+                None => layer.forward(gpu, &experts, None)?,
             }
-            Ok(median(times))
-        };
-        sides = Some((
-            time_forward(MegakernelWork::COMM_ONLY)?,
-            time_forward(MegakernelWork::COMPUTE_ONLY)?,
-            time_forward(MegakernelWork::NONE)?,
-        ));
-        layer.set_megakernel_work(MegakernelWork::ALL)?;
-        layer.forward(gpu, &experts, None)?;
+            Ok(())
+        })?);
         layer.check_errors(gpu)?;
     }
     Ok(Measured { fwd: median(fwd), step: median(step), launches, sides })
@@ -297,23 +312,13 @@ fn bench_case(gpu: &Gpu, shape: FrontierShape, tokens: usize, reps: usize, backe
     let launches = gpu.kernel_launches() - before;
     let mut sides = None;
     if matches!(backend, Backend::Megakernel(_)) {
-        let mut time_forward = |work: MegakernelWork| -> Result<f64> {
-            layer.set_megakernel_work(work)?;
-            let mut times = Vec::new();
-            for _ in 0..reps {
-                timer.start()?;
-                layer.forward(gpu, &device_tokens, &experts, None)?;
-                times.push(timer.stop_ms()?);
+        sides = Some(time_sides(&timer, reps, |work| {
+            match work {
+                Some(work) => layer.set_megakernel_work(work)?,
+                None => layer.forward(gpu, &device_tokens, &experts, None)?,
             }
-            Ok(median(times))
-        };
-        sides = Some((
-            time_forward(MegakernelWork::COMM_ONLY)?,
-            time_forward(MegakernelWork::COMPUTE_ONLY)?,
-            time_forward(MegakernelWork::NONE)?,
-        ));
-        layer.set_megakernel_work(MegakernelWork::ALL)?;
-        layer.forward(gpu, &device_tokens, &experts, None)?;
+            Ok(())
+        })?);
         layer.check_device_errors()?;
     }
     Ok(Measured { fwd: median(fwd), step: median(step), launches, sides })
