@@ -402,10 +402,10 @@ fn stream(command: &mut Command, mut show: impl FnMut(&str) -> Option<String>) -
     Ok(lines)
 }
 
-pub fn bench(root: &Path, args: &BenchArgs) -> Result<()> {
-    // Under torchrun or srun with several processes the ranks are the processes: every process
-    // runs the layer bench (which then runs one rank per GPU), rank 0 reports.
-    let (rank, world) = launch_world(|name| std::env::var(name).ok())?;
+/// Whether the bench runs across processes (launched as `rank` of `world` > 1), after checking
+/// that the options fit that launch: `--ranks` only inside one process, tokens that split over
+/// the processes, and no `engine` backend over ranks.
+fn check_launch(args: &BenchArgs, (rank, world): (usize, usize)) -> Result<bool> {
     let across = world > 1;
     if across && args.ranks > 1 {
         bail!(
@@ -425,6 +425,14 @@ pub fn bench(root: &Path, args: &BenchArgs) -> Result<()> {
             "--backends: over ranks the layer runs mma or megakernel[:N], not engine (e.g. --backends mma,megakernel)"
         );
     }
+    Ok(across)
+}
+
+pub fn bench(root: &Path, args: &BenchArgs) -> Result<()> {
+    // Under torchrun or srun with several processes the ranks are the processes: every process
+    // runs the layer bench (which then runs one rank per GPU), rank 0 reports.
+    let (rank, world) = launch_world(|name| std::env::var(name).ok())?;
+    let across = check_launch(args, (rank, world))?;
     let cases = args.cases()?;
     fs::create_dir_all(&args.out).with_context(|| format!("cannot create {}", args.out.display()))?;
     let (layer, benches) = match &args.layer_bin {
@@ -596,6 +604,28 @@ mod tests {
         let mut ep = args();
         ep.ranks = 8;
         assert_eq!(ep.runs(), args().runs());
+    }
+
+    #[test]
+    fn a_launch_across_processes_checks_its_options() {
+        let mut a = args();
+        a.backends = vec!["mma".into(), "megakernel".into()];
+        assert!(!check_launch(&a, (0, 1)).unwrap(), "one process");
+        assert!(check_launch(&a, (3, 8)).unwrap(), "eight processes");
+        let mut virtual_ranks = a.clone();
+        virtual_ranks.ranks = 8;
+        assert!(check_launch(&virtual_ranks, (0, 8)).unwrap_err().to_string().contains("ranks are the processes"));
+        assert!(!check_launch(&virtual_ranks, (0, 1)).unwrap());
+        let mut uneven = a.clone();
+        uneven.tokens = vec![8190];
+        assert!(check_launch(&uneven, (0, 8)).unwrap_err().to_string().contains("split evenly over the 8"));
+        let mut engine = a.clone();
+        engine.backends = vec!["engine".into()];
+        assert!(check_launch(&engine, (1, 4)).unwrap_err().to_string().contains("not engine"));
+        engine.ranks = 2;
+        assert!(check_launch(&engine, (0, 1)).unwrap_err().to_string().contains("not engine"));
+        engine.ranks = 1;
+        assert!(!check_launch(&engine, (0, 1)).unwrap(), "engine on one GPU");
     }
 
     #[test]
