@@ -56,6 +56,20 @@ pub struct RankView<'a> {
 }
 
 #[cfg(target_arch = "nvptx64")]
+impl<'a> RankView<'a> {
+    /// The view of rank `rank` through the parameter block at `params`.
+    ///
+    /// # Safety
+    /// `params` points at a parameter block the host built, read-only for `'a` (the launch);
+    /// `rank < world`.
+    #[inline(always)]
+    pub unsafe fn from_raw(params: *const params::ExchangeParams, rank: u32) -> Self {
+        // SAFETY: caller contract.
+        RankView { params: unsafe { &*params }, rank }
+    }
+}
+
+#[cfg(target_arch = "nvptx64")]
 impl RankView<'_> {
     /// `region` in this rank's slice.
     #[inline(always)]

@@ -20,14 +20,6 @@ fn grid_warp() -> (u32, u32) {
     (sreg::block_idx_x() * warps_per_block + sreg::thread_idx_x() / 32, sreg::grid_dim_x() * warps_per_block)
 }
 
-/// # Safety
-/// `params` points at a parameter block the host built; `rank < world`.
-#[inline(always)]
-unsafe fn view<'a>(params: *const ExchangeParams, rank: u32) -> RankView<'a> {
-    // SAFETY: caller contract; the block is read-only while kernels run.
-    RankView { params: unsafe { &*params }, rank }
-}
-
 /// Step 2 of the schedule (grid-stride over T·k slots): the slot-addressed map.
 ///
 /// # Safety
@@ -36,7 +28,7 @@ unsafe fn view<'a>(params: *const ExchangeParams, rank: u32) -> RankView<'a> {
 pub unsafe extern "ptx-kernel" fn mok_ep_prepare_tokens(params: *const ExchangeParams, rank: u32) {
     let (first, stride) = grid_thread();
     // SAFETY: caller contract.
-    unsafe { plan::prepare_tokens(&view(params, rank), first, stride) };
+    unsafe { plan::prepare_tokens(&RankView::from_raw(params, rank), first, stride) };
 }
 
 /// Step 3 (one thread): publishes `epoch` — this rank's inputs and routing layout are ready.
@@ -47,7 +39,7 @@ pub unsafe extern "ptx-kernel" fn mok_ep_prepare_tokens(params: *const ExchangeP
 pub unsafe extern "ptx-kernel" fn mok_ep_publish(params: *const ExchangeParams, rank: u32, epoch: u32) {
     if sreg::block_idx_x() == 0 && sreg::thread_idx_x() == 0 {
         // SAFETY: caller contract.
-        unsafe { plan::publish(&view(params, rank), epoch) };
+        unsafe { plan::publish(&RankView::from_raw(params, rank), epoch) };
     }
 }
 
@@ -59,7 +51,7 @@ pub unsafe extern "ptx-kernel" fn mok_ep_publish(params: *const ExchangeParams, 
 #[unsafe(no_mangle)]
 pub unsafe extern "ptx-kernel" fn mok_ep_schedule(params: *const ExchangeParams, rank: u32, epoch: u32) {
     // SAFETY: caller contract; the launch gives 4 bytes of shared memory.
-    unsafe { plan::schedule_block(&view(params, rank), epoch, smem::dynamic_smem_base()) };
+    unsafe { plan::schedule_block(&RankView::from_raw(params, rank), epoch, smem::dynamic_smem_base()) };
 }
 
 /// Step 5 (grid-stride over ring rows): the inverse map, ring row → source rank and slot.
@@ -70,7 +62,7 @@ pub unsafe extern "ptx-kernel" fn mok_ep_schedule(params: *const ExchangeParams,
 pub unsafe extern "ptx-kernel" fn mok_ep_ring_map(params: *const ExchangeParams, rank: u32) {
     let (first, stride) = grid_thread();
     // SAFETY: caller contract.
-    unsafe { plan::ring_map_rows(&view(params, rank), first, stride) };
+    unsafe { plan::ring_map_rows(&RankView::from_raw(params, rank), first, stride) };
 }
 
 /// Pull mover (blocks of whole warps, 4 bytes of dynamic shared memory): `pass` 0 dispatches x
@@ -82,7 +74,7 @@ pub unsafe extern "ptx-kernel" fn mok_ep_ring_map(params: *const ExchangeParams,
 #[unsafe(no_mangle)]
 pub unsafe extern "ptx-kernel" fn mok_ep_pull(params: *const ExchangeParams, rank: u32, pass: u32, epoch: u32) {
     // SAFETY: caller contract.
-    let view = unsafe { view(params, rank) };
+    let view = unsafe { RankView::from_raw(params, rank) };
     // SAFETY: uniform call; the launch gives 4 bytes of shared memory.
     if !unsafe { plan::wait_all_published(&view, epoch, smem::dynamic_smem_base()) } {
         return;
@@ -100,7 +92,7 @@ pub unsafe extern "ptx-kernel" fn mok_ep_pull(params: *const ExchangeParams, ran
 #[unsafe(no_mangle)]
 pub unsafe extern "ptx-kernel" fn mok_ep_pull_bulk(params: *const ExchangeParams, rank: u32, epoch: u32) {
     // SAFETY: caller contract.
-    let view = unsafe { view(params, rank) };
+    let view = unsafe { RankView::from_raw(params, rank) };
     // The publish wait uses the first word of the mbarrier header before the barriers exist.
     // SAFETY: uniform call; the header is this block's shared memory.
     if !unsafe { plan::wait_all_published(&view, epoch, smem::dynamic_smem_base()) } {
@@ -119,7 +111,7 @@ pub unsafe extern "ptx-kernel" fn mok_ep_pull_bulk(params: *const ExchangeParams
 pub unsafe extern "ptx-kernel" fn mok_ep_push(params: *const ExchangeParams, rank: u32, pass: u32, rows: *const f32) {
     let (warp, warps) = grid_warp();
     // SAFETY: caller contract; whole warps.
-    unsafe { movers::push_rows(&view(params, rank), Pass::from_arg(pass), rows, warp, warps) };
+    unsafe { movers::push_rows(&RankView::from_raw(params, rank), Pass::from_arg(pass), rows, warp, warps) };
 }
 
 /// Bulk-copy push mover (blocks of 32 threads, [`crate::comm::params::BULK_SMEM_BYTES`] of dynamic shared
@@ -136,7 +128,13 @@ pub unsafe extern "ptx-kernel" fn mok_ep_push_bulk(
 ) {
     // SAFETY: caller contract.
     unsafe {
-        movers::push_rows_bulk(&view(params, rank), Pass::from_arg(pass), rows, sreg::block_idx_x(), sreg::grid_dim_x())
+        movers::push_rows_bulk(
+            &RankView::from_raw(params, rank),
+            Pass::from_arg(pass),
+            rows,
+            sreg::block_idx_x(),
+            sreg::grid_dim_x(),
+        )
     };
 }
 
@@ -149,7 +147,7 @@ pub unsafe extern "ptx-kernel" fn mok_ep_push_bulk(
 pub unsafe extern "ptx-kernel" fn mok_ep_wait_tiles(params: *const ExchangeParams, rank: u32, pass: u32, epoch: u32) {
     let (first, stride) = grid_thread();
     // SAFETY: caller contract.
-    unsafe { plan::wait_tiles(&view(params, rank), Pass::from_arg(pass), epoch, first, stride) };
+    unsafe { plan::wait_tiles(&RankView::from_raw(params, rank), Pass::from_arg(pass), epoch, first, stride) };
 }
 
 /// The token owner's wait (grid-stride, one thread per (token tile, expert owner)): bounded wait
@@ -167,7 +165,7 @@ pub unsafe extern "ptx-kernel" fn mok_ep_wait_arrivals(
 ) {
     let (first, stride) = grid_thread();
     // SAFETY: caller contract.
-    let view = unsafe { view(params, rank) };
+    let view = unsafe { RankView::from_raw(params, rank) };
     let pairs = (view.params.chunks * view.params.world) as usize;
     let mut pair = first;
     while pair < pairs {
@@ -197,5 +195,5 @@ pub unsafe extern "ptx-kernel" fn mok_ep_combine(
 ) {
     let (first, stride) = grid_thread();
     // SAFETY: caller contract.
-    unsafe { combine::sum_slots(&view(params, rank), Pass::from_arg(pass), base, out, first, stride) };
+    unsafe { combine::sum_slots(&RankView::from_raw(params, rank), Pass::from_arg(pass), base, out, first, stride) };
 }

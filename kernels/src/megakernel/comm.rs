@@ -32,7 +32,7 @@ use crate::tiles::group_of_tile;
 #[inline(always)]
 pub unsafe fn rank_view(f: &ForwardParams) -> Option<RankView<'_>> {
     // SAFETY: caller contract.
-    (f.exchange != 0).then(|| RankView { params: unsafe { &*(f.exchange as *const ExchangeParams) }, rank: f.rank })
+    (f.exchange != 0).then(|| unsafe { RankView::from_raw(f.exchange as *const ExchangeParams, f.rank) })
 }
 
 /// The engine M tile holding `row` of a plan's groups, and the parts that complete it.
