@@ -506,8 +506,9 @@ impl UnfusedLayer {
                 })
             }
         };
-        expect("topk_ids", tokens.topk_ids.len(), t * k)?;
-        expect("topk_weights", tokens.topk_weights.len(), t * k)?;
+        if let Some((tensor, actual, expected)) = tokens.wrong_length(t, h, k) {
+            expect(tensor, actual, expected)?;
+        }
         expect("w_gate", experts.w_gate.len(), e * i * h)?;
         expect("w_up", experts.w_up.len(), e * i * h)?;
         expect("w_down", experts.w_down.len(), e * h * i)?;
