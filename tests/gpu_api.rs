@@ -79,12 +79,20 @@ fn grad_views<T: bytemuck::Pod>(buffers: &mut [DeviceBuffer<T>]) -> WeightGradVi
     }
 }
 
+/// The forward's inputs: views of the caller's tokens, experts and shared expert.
+fn inputs_of<'a>(
+    tokens: &'a DeviceTokens,
+    experts: &'a DeviceExperts,
+    shared: &'a Option<DeviceSharedExpert>,
+) -> MoeInputs<'a> {
+    MoeInputs { tokens: tokens.into(), experts: experts.into(), shared: shared.as_ref().map(Into::into) }
+}
+
 /// One training step through the public API; fresh bf16 weight gradients into the caller's
 /// buffers, or added into its f32 main gradients.
 fn step(gpu: &Gpu, layer: &mut MoeLayer, caller: &mut Caller, accumulate: bool) {
     let Caller { tokens, experts, shared, dy, y, dx, d_topk_weights, dw, main_grads } = caller;
-    let inputs =
-        MoeInputs { tokens: (&*tokens).into(), experts: (&*experts).into(), shared: shared.as_ref().map(Into::into) };
+    let inputs = inputs_of(tokens, experts, shared);
     let pass = layer.forward(gpu, &inputs, y.into()).unwrap();
     let weights = if accumulate {
         WeightGradTarget::AccumulateF32(grad_views(main_grads))
@@ -170,11 +178,7 @@ fn a_captured_moe_layer_step_replays_the_eager_bits() {
     let graph = gpu
         .capture(|| {
             let Caller { tokens, experts, shared, dy, y, dx, d_topk_weights, dw, .. } = &mut caller;
-            let inputs = MoeInputs {
-                tokens: (&*tokens).into(),
-                experts: (&*experts).into(),
-                shared: shared.as_ref().map(Into::into),
-            };
+            let inputs = inputs_of(tokens, experts, shared);
             let pass = layer.forward(&gpu, &inputs, y.into())?;
             let grads = MoeGradients {
                 dx: dx.into(),
@@ -208,8 +212,7 @@ fn moe_layer_rejects_what_it_cannot_run() {
     let mut caller = Caller::new(&gpu, &case);
     let other_x = DeviceBuffer::from_slice(&gpu, &case.tokens.x).unwrap();
     let Caller { tokens, experts, shared, dy, y, dx, d_topk_weights, dw, .. } = &mut caller;
-    let inputs =
-        MoeInputs { tokens: (&*tokens).into(), experts: (&*experts).into(), shared: shared.as_ref().map(Into::into) };
+    let inputs = inputs_of(tokens, experts, shared);
     // A y view of the wrong length.
     // SAFETY: a sub-range of a live allocation of the caller's.
     let short_y = unsafe { DeviceSliceMut::<bf16>::from_raw_parts(y.device_ptr(), 10) };
@@ -273,11 +276,7 @@ fn moe_layer_takes_any_token_count_up_to_its_capacity() {
         let case = random_case(&too_many, 900, Routing { drop_probability: 0.0, empty_experts: &[] });
         let mut caller = Caller::new(&gpu, &case);
         let Caller { tokens, experts, shared, y, .. } = &mut caller;
-        let inputs = MoeInputs {
-            tokens: (&*tokens).into(),
-            experts: (&*experts).into(),
-            shared: shared.as_ref().map(Into::into),
-        };
+        let inputs = inputs_of(tokens, experts, shared);
         match layer.forward(&gpu, &inputs, y.into()) {
             Err(MokError::InvalidInput { tensor: "x", problem }) => println!("  401 tokens: {problem}"),
             Err(other) => panic!("expected InvalidInput for x, got {other:?}"),
@@ -324,8 +323,7 @@ fn a_pass_token_gives_the_borrowed_pass_bits_and_only_for_the_last_forward() {
     let expected = outputs(&borrowed);
     let mut caller = Caller::new(&gpu, &case);
     let Caller { tokens, experts, shared, dy, y, dx, d_topk_weights, dw, .. } = &mut caller;
-    let inputs =
-        MoeInputs { tokens: (&*tokens).into(), experts: (&*experts).into(), shared: shared.as_ref().map(Into::into) };
+    let inputs = inputs_of(tokens, experts, shared);
     let stale = layer.forward_token(&gpu, &inputs, y.into()).unwrap();
     let token = layer.forward_token(&gpu, &inputs, y.into()).unwrap();
     match layer.backward(
@@ -361,8 +359,7 @@ fn a_pass_token_gives_the_borrowed_pass_bits_and_only_for_the_last_forward() {
     // A forward that fails after it began (more tokens than the layer holds) also retires the
     // last forward's token: the workspace may no longer hold that pass.
     let Caller { tokens, experts, shared, dy, y, dx, d_topk_weights, dw, .. } = &mut caller;
-    let inputs =
-        MoeInputs { tokens: (&*tokens).into(), experts: (&*experts).into(), shared: shared.as_ref().map(Into::into) };
+    let inputs = inputs_of(tokens, experts, shared);
     let token = layer.forward_token(&gpu, &inputs, y.into()).unwrap();
     let h = layer.config().hidden;
     let too_many = DeviceBuffer::<bf16>::alloc(&gpu, inputs.tokens.x.len() + h).unwrap();
@@ -446,11 +443,7 @@ fn moe_layer_over_virtual_ranks_gives_the_one_gpu_bits() {
         let mut layer = MoeLayer::new(&gpu, config, on(backends[0])).unwrap();
         let mut caller = Caller::new(&gpu, &case);
         let Caller { tokens, experts, shared, dy, y, dx, d_topk_weights, dw, .. } = &mut caller;
-        let inputs = MoeInputs {
-            tokens: (&*tokens).into(),
-            experts: (&*experts).into(),
-            shared: shared.as_ref().map(Into::into),
-        };
+        let inputs = inputs_of(tokens, experts, shared);
         let mut short = inputs;
         short.tokens.x = inputs.tokens.x.sub(0, inputs.tokens.x.len() - c.hidden).unwrap();
         let mut y_view = DeviceSliceMut::from(&mut *y);
