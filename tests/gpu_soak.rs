@@ -9,7 +9,7 @@
 //!   GPU has it), in half the blocks with the forward as the megakernel (0–8 comm blocks); for
 //!   P > 1 the expert-parallel layer over P virtual ranks (`EpLayer`), with vector or bulk
 //!   movers, in the same share of blocks with the forward as the megakernel hosting every rank
-//!   in one launch (0–8 comm blocks per rank; its silent-push fault is the megakernel's own). y, dx, d_topk_weights and every routed weight gradient must equal the oracle's
+//!   in one launch (0–8 comm blocks per rank). y, dx, d_topk_weights and every routed weight gradient must equal the oracle's
 //!   bits (for P = 1 the shared expert's weight gradients too; for P > 1 those are per-rank partial
 //!   sums that the data-parallel all-reduce finishes, so they are not comparable bit for bit).
 //! - Shapes: T per rank 1..=48, H and I multiples of 8 up to 256 / 192, E = P · (1..=4) local
@@ -39,7 +39,7 @@ use half::bf16;
 use mok::driver::{DeviceBuffer, Gpu, live_device_buffers};
 use mok::ep::EpLayer;
 use mok::exchange::{ExchangeOptions, Silence};
-use mok::megakernel::{MegakernelFaults, MegakernelOptions};
+use mok::megakernel::MegakernelOptions;
 use mok::problem::{ExpertWeights, RoutedTokens, SharedExpertWeights};
 use mok::reference::{self, ReferenceOptions};
 use mok::unfused::{DeviceExperts, DeviceSharedExpert, DeviceTokens, UnfusedLayer};
@@ -583,22 +583,12 @@ fn inject_silence(
     let silent = c.range(1, p - 1);
     let kind = if fault == 0 { Silence::Publish } else { Silence::Push };
     upload_ranks(gpu, layer, case);
-    // The megakernel pushes by itself (the exchange's push kernels do not run): its own fault.
-    let megakernel_push = kind == Silence::Push && layer.uses_forward_megakernel();
-    if megakernel_push {
-        let faults = MegakernelFaults { silent_push: true, ..Default::default() };
-        layer.set_megakernel_faults(silent, faults).unwrap();
-    } else {
-        layer.exchange_mut().set_silent_rank(Some((silent, kind)));
-    }
+    layer.exchange_mut().set_silent_rank(Some((silent, kind)));
     let start = Instant::now();
     let forward = layer.forward(gpu, experts, shared);
     let result = forward.and_then(|()| layer.check_errors(gpu));
     let took = start.elapsed();
     layer.exchange_mut().set_silent_rank(None);
-    if megakernel_push {
-        layer.set_megakernel_faults(silent, MegakernelFaults::default()).unwrap();
-    }
     match result {
         Err(MokError::Timeout { peer, rank, .. }) => {
             // A silent pusher is only waited on when it owns rows for someone; a silent publisher

@@ -27,7 +27,7 @@ use crate::config::MoeConfig;
 use crate::driver::DeviceSlice;
 use crate::driver::{DeviceBuffer, Gpu, KernelArg, LaunchShape};
 use crate::error::{MokError, Result};
-use crate::exchange::{Exchange, ExchangeOptions};
+use crate::exchange::{Exchange, ExchangeOptions, Silence};
 use crate::gemm::{self as engine, EnginePlan};
 use crate::megakernel::{
     FORWARD_RANKS_KERNEL, ForwardMegakernel, MegakernelOptions, PassBuffers, RankPass, checked_geometry,
@@ -546,7 +546,11 @@ impl EpLayer {
             engine::tile_offsets_into(gpu, self.exchange.ring_row_offsets(rank), l, &m.tile_offsets[local])?;
         }
         let pairs: Vec<[&EnginePlan; 2]> = m.plans.iter().map(|(g, d)| [g, d]).collect();
-        m.pass.as_mut().ok_or_else(not_built)?.launch_ranks(gpu, &pairs)
+        let pass = m.pass.as_mut().ok_or_else(not_built)?;
+        let silent: Vec<bool> =
+            self.exchange.heap().local_ranks().iter().map(|&r| self.exchange.silent(r, Silence::Push)).collect();
+        pass.set_silent_pushes(&silent)?;
+        pass.launch_ranks(gpu, &pairs)
     }
 
     /// Enqueues the backward pass of the last forward, with every rank's dy uploaded

@@ -47,16 +47,15 @@ impl Default for MegakernelOptions {
 pub const DEFAULT_COMM_BLOCKS: u32 = 0;
 
 /// Faults a test can inject into the next passes of one rank (feature `testing`): an M tile whose
-/// rows are gathered but never published, one whose gate/up parts are stored but never counted,
-/// and across ranks pushed rows that are never flagged.
+/// rows are gathered but never published, and one whose gate/up parts are stored but never
+/// counted. (Across ranks, a rank whose pushes never arrive is the exchange's
+/// `Silence::Push`, which the megakernel honours too.)
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct MegakernelFaults {
     /// The comm side never publishes this M tile's rows.
     pub silent_rows_tile: Option<u32>,
     /// The compute side never counts this M tile's gate/up parts (its down tiles wait).
     pub silent_hidden_tile: Option<u32>,
-    /// Across ranks: the rank pushes its rows to their token owners but never flags them.
-    pub silent_push: bool,
 }
 
 /// Which work a megakernel pass does (set with `UnfusedLayer::set_megakernel_work`, feature
@@ -315,16 +314,26 @@ impl ForwardMegakernel {
                 problem: format!("rank {rank} is not below the pass's {ranks} ranks"),
             });
         };
-        if faults.silent_push && params.exchange == 0 {
-            return Err(MokError::InvalidInput {
-                tensor: "megakernel faults",
-                problem: "silent_push needs a pass across ranks (on one GPU nothing is pushed)".into(),
-            });
-        }
         params.silent_rows_tile = faults.silent_rows_tile.unwrap_or(NO_FAULT);
         params.silent_hidden_tile = faults.silent_hidden_tile.unwrap_or(NO_FAULT);
-        params.silent_push = if faults.silent_push { 1 } else { NO_FAULT };
         self.upload_params()
+    }
+
+    /// Which local ranks push their rows but never flag them (the exchange's `Silence::Push`
+    /// fault; all `false` in a real run): the parameter blocks are uploaded again only when this
+    /// changes.
+    pub(crate) fn set_silent_pushes(&mut self, silent: &[bool]) -> Result<()> {
+        let mut changed = false;
+        for (params, &silent) in self.host.iter_mut().zip(silent) {
+            let value = if silent { 1 } else { NO_FAULT };
+            changed |= params.silent_push != value;
+            params.silent_push = value;
+        }
+        if changed {
+            // SAFETY: as in `new`.
+            self.params.upload(&unsafe { blocks_bytes(&self.host) })?;
+        }
+        Ok(())
     }
 
     /// Checks the plans and enqueues what precedes every pass: cuts every plan's group maps

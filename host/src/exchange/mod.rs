@@ -205,7 +205,9 @@ impl Exchange {
         self.silent = silent;
     }
 
-    fn silent(&self, rank: usize, what: Silence) -> bool {
+    /// Whether `rank` is set silent in the way `what` ([`Self::set_silent_rank`]; the forward
+    /// megakernel reads [`Silence::Push`] too, its pushes being its own).
+    pub(crate) fn silent(&self, rank: usize, what: Silence) -> bool {
         self.silent == Some((rank, what))
     }
 
