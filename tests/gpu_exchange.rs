@@ -665,13 +665,14 @@ fn ep_forward_megakernel_repeats_bitwise_and_rejects_bad_geometry() {
         (Some(0), Some(resident + 2), "more blocks than fit at once"),
         (Some(0), Some(2 * p as u32 + 1), "an odd block count"),
     ] {
-        layer
-            .set_forward_megakernel(&gpu, Some(MegakernelOptions { comm_blocks: comm, blocks, ..Default::default() }))
-            .unwrap();
-        match layer.forward(&gpu, &weights.0, weights.1.as_ref()) {
+        // The geometry is checked when it is set, before any pass runs with it.
+        let options = MegakernelOptions { comm_blocks: comm, blocks, ..Default::default() };
+        match layer.set_forward_megakernel(&gpu, Some(options)) {
             Err(MokError::InvalidInput { tensor, problem }) => println!("  {why}: {tensor}: {problem}"),
             other => panic!("{why}: expected InvalidInput, got {other:?}"),
         }
+        // A refused geometry leaves the layer as it was.
+        assert!(same_bf16(&ep_forward_y(&gpu, &mut layer, &weights), &first), "after refusing: {why}");
     }
     layer.set_forward_megakernel(&gpu, Some(MegakernelOptions::default())).unwrap();
     assert!(same_bf16(&ep_forward_y(&gpu, &mut layer, &weights), &first), "after the rejected geometries");
