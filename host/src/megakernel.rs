@@ -8,7 +8,9 @@ use std::time::Duration;
 
 use mok_kernels::comm::params::ERROR_WORDS;
 use mok_kernels::gemm_layout::{ENGINE_SMEM_BYTES, ENGINE_THREADS};
-use mok_kernels::megakernel_layout::{ForwardParams, NO_FAULT, PassInputs, WORK_ALL, first_compute_block};
+use mok_kernels::megakernel_layout::{
+    BackwardParams, ForwardParams, NO_FAULT, PassInputs, WORK_ALL, backward_counter_words, first_compute_block,
+};
 
 use crate::driver::{DeviceBuffer, Gpu, KernelArg, LaunchShape};
 use crate::error::{MokError, Result};
@@ -416,6 +418,184 @@ impl ForwardMegakernel {
             None => Ok(()),
             Some(error) => {
                 record.upload(&[0; ERROR_WORDS])?;
+                Err(error)
+            }
+        }
+    }
+}
+
+/// The backward megakernel's entry point on one GPU.
+pub const BACKWARD_KERNEL: &str = "mok_sm90_backward";
+
+/// The kernels of a backward pass's plans, in [`BackwardParams`] order: the down dgrad with the
+/// SwiGLU backward, the gate/up dgrad, then the down, gate and up weight gradients.
+const BACKWARD_PLAN_KERNELS: [&str; 5] = [
+    "mok_sm90_gemm_rows_nn_swiglu_bwd",
+    "mok_sm90_gemm_rows_nn",
+    "mok_sm90_gemm_wgrad",
+    "mok_sm90_gemm_wgrad",
+    "mok_sm90_gemm_wgrad",
+];
+
+/// The layer buffers a backward pass reads and writes, besides its plans'.
+pub(crate) struct BackwardBuffers {
+    /// `[R]` the slot each expert-ordered row holds.
+    pub row_source: u64,
+    /// `[T·k]` the row of each slot.
+    pub slot_row: u64,
+    /// `[cap][H]` f32: the forward's down rows.
+    pub down_rows: u64,
+    /// `[cap][H]` bf16: the gathered, scaled dy rows (the down dgrad's A).
+    pub d_rows: u64,
+    /// `[cap][H]` f32: the gate/up dgrad's output rows.
+    pub d_in_rows: u64,
+    /// `[T][H]` bf16 dx.
+    pub dx: u64,
+    /// `[T·k]` f32 d_topk_weights.
+    pub d_topk_weights: u64,
+    /// k, H.
+    pub top_k: u32,
+    pub hidden: u32,
+}
+
+/// A layer's backward megakernel on one GPU: its parameter block, counters and geometry.
+pub(crate) struct BackwardMegakernel {
+    host: BackwardParams,
+    params: DeviceBuffer<u8>,
+    /// `[M tiles]` gathered flags, down-dgrad parts, gate/up-dgrad parts, then the gather's and
+    /// the combine's next: cleared together before each pass.
+    pass_counters: DeviceBuffer<u32>,
+    error: DeviceBuffer<u32>,
+    blocks: u32,
+    /// The plans' parameter blocks this pass points at.
+    built_for: [u64; 5],
+}
+
+impl BackwardMegakernel {
+    /// The pass over `plans` (in [`BACKWARD_PLAN_KERNELS`] order) and the layer's `buffers`.
+    pub(crate) fn new(
+        gpu: &Gpu,
+        plans: [&EnginePlan; 5],
+        b: &BackwardBuffers,
+        options: &MegakernelOptions,
+    ) -> Result<Self> {
+        if !gpu.has_kernel(BACKWARD_KERNEL) {
+            return Err(MokError::InvalidInput {
+                tensor: "megakernel",
+                problem: format!("the loaded PTX has no {BACKWARD_KERNEL} (it needs sm_90a)"),
+            });
+        }
+        for (plan, kernel) in plans.iter().zip(BACKWARD_PLAN_KERNELS) {
+            if plan.kernel() != kernel {
+                return Err(MokError::InvalidInput {
+                    tensor: "megakernel",
+                    problem: format!("the backward runs a {kernel} plan where it was given {}", plan.kernel()),
+                });
+            }
+        }
+        let (blocks, comm_blocks) = checked_geometry(resident_blocks(gpu, BACKWARD_KERNEL)?, options, 1)?;
+        let m_tiles = plans[0].max_m_tiles().max(plans[1].max_m_tiles()).max(1);
+        let pass_counters = DeviceBuffer::from_slice(gpu, &vec![0u32; backward_counter_words(m_tiles)])?;
+        let error = DeviceBuffer::from_slice(gpu, &[0u32; ERROR_WORDS])?;
+        let counters = pass_counters.device_ptr();
+        let tile_words = 4 * m_tiles as u64;
+        let host = BackwardParams {
+            down_dgrad: plans[0].params_ptr(),
+            gate_up_dgrad: plans[1].params_ptr(),
+            wgrad: [plans[2].params_ptr(), plans[3].params_ptr(), plans[4].params_ptr()],
+            row_source: b.row_source,
+            slot_row: b.slot_row,
+            down_rows: b.down_rows,
+            d_rows: b.d_rows,
+            d_in_rows: b.d_in_rows,
+            dx: b.dx,
+            d_topk_weights: b.d_topk_weights,
+            rows_gathered: counters,
+            down_dgrad_stored: counters + tile_words,
+            gate_up_dgrad_stored: counters + 2 * tile_words,
+            gather_next: counters + 3 * tile_words,
+            combine_next: counters + 3 * tile_words + 4,
+            error: error.device_ptr(),
+            timeout_ns: options.timeout.as_nanos().min(u64::MAX as u128) as u64,
+            top_k: b.top_k,
+            hidden: b.hidden,
+            comm_blocks,
+            silent_rows_tile: NO_FAULT,
+            silent_hidden_tile: NO_FAULT,
+            work: WORK_ALL,
+            rank: 0,
+            reserved: 0,
+        };
+        // SAFETY: BackwardParams is repr(C) plain data, nineteen u64 and eight u32 (184 bytes,
+        // asserted in megakernel_layout): no padding.
+        let params = DeviceBuffer::from_slice(gpu, &unsafe { blocks_bytes(&[host]) })?;
+        Ok(Self { host, params, pass_counters, error, blocks, built_for: plans.map(EnginePlan::params_ptr) })
+    }
+
+    /// Whether this pass was built for these plans.
+    pub(crate) fn built_for(&self, plans: [&EnginePlan; 5]) -> bool {
+        self.built_for == plans.map(EnginePlan::params_ptr)
+    }
+
+    /// Blocks of the launch, and of them the comm blocks.
+    pub(crate) fn geometry(&self) -> (u32, u32) {
+        (self.blocks, self.host.comm_blocks)
+    }
+
+    /// Sets the faults of the following passes (tests): an M tile whose dy rows are gathered
+    /// but never published (`silent_rows_tile`), one whose down-dgrad parts are never counted
+    /// (`silent_hidden_tile`).
+    #[cfg(feature = "testing")]
+    pub(crate) fn set_faults(&mut self, faults: MegakernelFaults) -> Result<()> {
+        self.host.silent_rows_tile = faults.silent_rows_tile.unwrap_or(NO_FAULT);
+        self.host.silent_hidden_tile = faults.silent_hidden_tile.unwrap_or(NO_FAULT);
+        // SAFETY: as in `new`.
+        self.params.upload(&unsafe { blocks_bytes(&[self.host]) })
+    }
+
+    /// Enqueues one backward pass of `tokens` tokens: cuts every plan's group maps (zeroing
+    /// their tile counters), clears the pass counters, then the megakernel. `dy` `[T][H]` bf16,
+    /// `topk_weights` `[T·k]` f32 and `shared_dx` `[T][H]` f32 (0 for none) must stay allocated
+    /// until the stream has run it.
+    pub(crate) fn launch(
+        &mut self,
+        gpu: &Gpu,
+        plans: [&EnginePlan; 5],
+        dy: u64,
+        topk_weights: u64,
+        shared_dx: u64,
+        tokens: u32,
+    ) -> Result<()> {
+        if !self.built_for(plans) {
+            return Err(MokError::InvalidInput { tensor: "megakernel", problem: "built for other engine plans".into() });
+        }
+        for plan in plans {
+            plan.cut_group_maps(gpu)?;
+        }
+        self.pass_counters.fill_bytes(0)?;
+        let args = [
+            KernelArg::Ptr(self.params.device_ptr()),
+            KernelArg::Ptr(dy),
+            KernelArg::Ptr(topk_weights),
+            KernelArg::Ptr(shared_dx),
+            KernelArg::U32(tokens),
+        ];
+        let shape = LaunchShape { grid: (self.blocks, 1, 1), threads: ENGINE_THREADS, smem_bytes: ENGINE_SMEM_BYTES };
+        // SAFETY: `mok_sm90_backward`'s parameters in order and type; the parameter block points
+        // at the layer's live buffers and the plans' parameter blocks (checked above), its
+        // counters hold an entry per M tile the plans' groups can have, cleared above on the
+        // stream; the grid is co-resident (checked in `new`); the caller keeps dy, the weights
+        // and the shared dx rows alive until the stream has run the pass.
+        unsafe { gpu.launch(BACKWARD_KERNEL, shape, &args) }
+    }
+
+    /// Waits for the stream and reports the first failure of the last pass, clearing it.
+    pub(crate) fn check(&mut self) -> Result<()> {
+        let words = self.error.download()?;
+        match engine_error(&words, None) {
+            None => Ok(()),
+            Some(error) => {
+                self.error.upload(&[0; ERROR_WORDS])?;
                 Err(error)
             }
         }

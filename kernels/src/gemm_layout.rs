@@ -52,6 +52,29 @@ impl Variant {
     pub const ROWS_NN: u32 = 2;
     /// Per-group weight gradient, rows reduced in order.
     pub const WGRAD: u32 = 3;
+    /// [`Variant::ROWS_NN`] with one K segment whose epilogue is the SwiGLU backward: the f32
+    /// accumulator is `d_hidden` (the down projection's data gradient), which with the saved
+    /// gate and up pre-activations (`GemmParams::pre_gate`, `pre_up`) gives `d_gate` and `d_up`
+    /// as bf16 rows (`out0`, `out1`) — the same function of the same f32 values as the separate
+    /// SwiGLU backward kernel, so the same bits, without `d_hidden` going through memory.
+    pub const ROWS_NN_SWIGLU_BWD: u32 = 5;
+    /// [`Variant::WGRAD`] on the ring of a persistent kernel that runs in 2-block clusters (the
+    /// backward megakernel): each block still computes its own tiles alone (no multicast, no
+    /// partner), taking them from the plan's tile counter, but the ring's `empty` barriers count
+    /// the consumer warps of both blocks, so each warp arrives twice on its own block's barrier.
+    pub const WGRAD_IN_PAIR: u32 = 6;
+}
+
+/// Whether `variant` is a weight gradient (K over a group's rows, `[G][M][N]` out).
+pub const fn is_wgrad(variant: u32) -> bool {
+    variant == Variant::WGRAD || variant == Variant::WGRAD_IN_PAIR
+}
+
+/// Arrivals of each consumer warp on its own block's `empty` barrier when it releases a stage:
+/// 1, except for [`Variant::WGRAD_IN_PAIR`], whose ring counts a pair's 16 warps while only this
+/// block's 8 use its stages.
+pub const fn own_empty_arrivals(variant: u32) -> u32 {
+    if variant == Variant::WGRAD_IN_PAIR { 2 } else { 1 }
 }
 
 /// Pipeline stages in shared memory.
@@ -63,7 +86,7 @@ pub const STAGES: u32 = 4;
 /// N tiles and shares the rows (each block loads a 64-row half into both). A weight gradient's
 /// tiles run alone.
 pub const fn cluster_blocks(variant: u32) -> u32 {
-    if variant == Variant::WGRAD { 1 } else { 2 }
+    if is_wgrad(variant) { 1 } else { 2 }
 }
 
 /// Boxes of output staging per consumer warpgroup (TMA-store epilogue), each 64 rows × 128
@@ -213,6 +236,11 @@ pub struct GemmParams {
     pub m: u32,
     /// SwiGLU clamp (+inf for none).
     pub swiglu_limit: f32,
+    /// [`Variant::ROWS_NN_SWIGLU_BWD`]: `[cap][N]` f32 gate pre-activations the epilogue reads
+    /// (the forward's saved `out1` of the gate/up plan); 0 otherwise.
+    pub pre_gate: u64,
+    /// ... and the up pre-activations.
+    pub pre_up: u64,
 }
 
 impl GemmParams {
@@ -328,7 +356,7 @@ pub fn pair_tile(
 
 // The host uploads GemmParams as raw bytes: keep it free of padding. And the ring must fit in
 // an SM's shared memory (227 KiB on sm_90).
-const _: () = assert!(core::mem::size_of::<GemmParams>() == 184);
+const _: () = assert!(core::mem::size_of::<GemmParams>() == 200);
 const _: () = assert!(ENGINE_SMEM_BYTES <= 227 * 1024);
 const _: () = assert!(STAGE_BYTES.is_multiple_of(1024));
 const fn fits(producer: u32, consumer: u32) -> bool {

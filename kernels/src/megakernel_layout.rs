@@ -90,18 +90,20 @@ pub struct ForwardParams {
 // The host writes this block byte for byte: sixteen 8-byte fields, then eight u32.
 const _: () = assert!(size_of::<ForwardParams>() == 160);
 
-/// The per-pass inputs of the forward megakernel: kernel arguments after the parameter block on
+/// The per-pass inputs of a megakernel (the backward's are the same four: dy in `x`, the shared
+/// expert's dx rows in `shared_rows`): kernel arguments after the parameter block on
 /// a single GPU (`mok_sm90_forward`); with expert-parallel ranks (`mok_sm90_forward_ranks`),
 /// where every input sits at a fixed address in the symmetric heap, one block per rank in device
 /// memory, written once.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct PassInputs {
-    /// `[T][H]` bf16 token rows.
+    /// `[T][H]` bf16 token rows: x (forward) or dy (backward).
     pub x: u64,
     /// `[T·k]` f32 slot weights.
     pub topk_weights: u64,
-    /// `[T][H]` f32, the shared expert's output added first in each token's sum; 0 for none.
+    /// `[T][H]` f32, the shared expert's rows added first in each token's sum (its output, or
+    /// in the backward its dx rows); 0 for none.
     pub shared_rows: u64,
     /// Tokens T of this pass (at most the capacity the layer's buffers were sized for).
     pub tokens: u32,
@@ -110,6 +112,84 @@ pub struct PassInputs {
 }
 
 const _: () = assert!(size_of::<PassInputs>() == 32);
+
+/// What one rank's backward pass (`mok_sm90_backward`) computes and the counters its roles hand
+/// work over through, as [`ForwardParams`] is for the forward: written by the host once per
+/// layer buffers and plans, read by every block. The per-pass values are a [`PassInputs`]
+/// (`x` = dy, `shared_rows` = the shared expert's f32 dx rows, the first term of each token's dx
+/// sum). Counters are per engine M tile, cleared in stream order before the pass.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct BackwardParams {
+    /// The down projection's data-gradient plan with the SwiGLU backward in its epilogue
+    /// (`Variant::ROWS_NN_SWIGLU_BWD`: A = `d_rows`, out = d_gate and d_up bf16 rows).
+    pub down_dgrad: u64,
+    /// The gate/up data-gradient plan (`Variant::ROWS_NN`, two K segments
+    /// `[d_gate d_up]·[W_gate; W_up]`, out = `d_in_rows`).
+    pub gate_up_dgrad: u64,
+    /// The weight-gradient plans, in this order: down (`d_rowsᵀ·hidden`), gate (`d_gateᵀ·rows`),
+    /// up (`d_upᵀ·rows`); run as `Variant::WGRAD_IN_PAIR`.
+    pub wgrad: [u64; 3],
+    /// `[R]` u32: the slot `t·k + j` each expert-ordered row holds.
+    pub row_source: u64,
+    /// `[T·k]` u32: each slot's row, `layout::NO_ROW` when dropped.
+    pub slot_row: u64,
+    /// `[cap][H]` f32: the forward's down-projection rows (read for d_topk_weights).
+    pub down_rows: u64,
+    /// `[cap][H]` bf16: dy gathered into expert order and scaled by the slot weight (written).
+    pub d_rows: u64,
+    /// `[cap][H]` f32: the gate/up data gradient's rows (the dx combine's slot terms).
+    pub d_in_rows: u64,
+    /// `[T][H]` bf16: dx.
+    pub dx: u64,
+    /// `[T·k]` f32: d_topk_weights (0 for a dropped slot).
+    pub d_topk_weights: u64,
+    /// `[M tiles]` u32: 1 once this pass's dy rows of that M tile are in `d_rows` (and their
+    /// d_topk_weights written).
+    pub rows_gathered: u64,
+    /// `[M tiles]` u32: the down-dgrad tile parts stored per M tile (d_gate and d_up).
+    pub down_dgrad_stored: u64,
+    /// `[M tiles]` u32: the gate/up dgrad tile parts stored per M tile (`d_in_rows`).
+    pub gate_up_dgrad_stored: u64,
+    /// One u32: the next M tile of the gather to hand out.
+    pub gather_next: u64,
+    /// One u32: the next token of the dx combine to hand out.
+    pub combine_next: u64,
+    /// `comm::params::ERROR_WORDS` u32: the pass's first failure (`comm::error` format).
+    pub error: u64,
+    /// How long a wait on the gather may take, in `%globaltimer` nanoseconds (waits further
+    /// downstream get longer: [`downstream_deadline`]).
+    pub timeout_ns: u64,
+    /// Slots per token k.
+    pub top_k: u32,
+    /// Hidden width H (a multiple of 8).
+    pub hidden: u32,
+    /// Blocks `0 .. comm_blocks` only move rows (the gather with d_topk_weights, then the dx
+    /// combine); the others (from the next whole pair on) gather, run the GEMM tiles, then
+    /// combine. 0: every block computes.
+    pub comm_blocks: u32,
+    /// Fault injection (tests): an M tile whose dy rows are gathered but never published, or
+    /// [`NO_FAULT`].
+    pub silent_rows_tile: u32,
+    /// Fault injection (tests): an M tile whose down-dgrad parts are stored but never counted,
+    /// or [`NO_FAULT`].
+    pub silent_hidden_tile: u32,
+    /// Which work the pass does ([`WORK_ALL`] in a real pass; see [`ForwardParams::work`]).
+    pub work: u32,
+    /// The rank these parameters act as (0 on a single GPU).
+    pub rank: u32,
+    /// Keeps the block a whole number of 8-byte words; 0.
+    pub reserved: u32,
+}
+
+// The host writes this block byte for byte: nineteen 8-byte words, then eight u32.
+const _: () = assert!(size_of::<BackwardParams>() == 184);
+
+/// Words of one rank's backward pass counters for plans of at most `m_tiles` M tiles: three
+/// per M tile (gathered, down-dgrad parts, gate/up-dgrad parts) and the two queues.
+pub const fn backward_counter_words(m_tiles: usize) -> usize {
+    3 * m_tiles + 2
+}
 
 /// [`ForwardParams::work`]: the dispatch copies the rows (without it, it only publishes them:
 /// the rows of an earlier pass are in place).

@@ -723,11 +723,17 @@ pub(crate) fn decode_timeout(rank: Option<usize>, words: &[u32]) -> MokError {
         }
         codes::WAIT_BULK_COPY => format!("ring row {index}"),
         codes::WAIT_ENGINE_TILE_ROWS => format!("M tile {index}: expected epoch {expected}, the flag held {seen}"),
-        codes::WAIT_ENGINE_TILE_HIDDEN | codes::WAIT_ENGINE_TILE_OUTPUT => {
+        codes::WAIT_ENGINE_TILE_HIDDEN
+        | codes::WAIT_ENGINE_TILE_OUTPUT
+        | codes::WAIT_ENGINE_TILE_D_HIDDEN
+        | codes::WAIT_ENGINE_TILE_DX => {
             format!("M tile {index}: expected {expected} stored tile parts, {seen} counted")
         }
         codes::WAIT_ENGINE_TILE_DISPATCHED => {
             format!("M tile {index}: expected its dispatched flag {expected}, it held {seen}")
+        }
+        codes::WAIT_ENGINE_TILE_GATHERED => {
+            format!("M tile {index}: expected its gathered flag {expected}, it held {seen}")
         }
         codes::WAIT_SLOT_READY => {
             format!(

@@ -7,7 +7,10 @@ use crate::config::MoeConfig;
 use crate::driver::{DeviceBuffer, DeviceSlice, DeviceSliceMut, Gpu, KernelArg, LaunchShape};
 use crate::error::{MokError, Result};
 use crate::gemm::{self as engine, EnginePlan, WgradOut};
-use crate::megakernel::{FORWARD_KERNEL, ForwardMegakernel, MegakernelOptions, PassBuffers};
+use crate::megakernel::{
+    BACKWARD_KERNEL, BackwardBuffers, BackwardMegakernel, FORWARD_KERNEL, ForwardMegakernel, MegakernelOptions,
+    PassBuffers, checked_geometry, resident_blocks,
+};
 #[cfg(feature = "testing")]
 use crate::megakernel::{MegakernelFaults, MegakernelWork};
 
@@ -63,6 +66,9 @@ pub struct UnfusedLayer {
     /// The forward as one persistent launch ([`UnfusedLayer::set_forward_megakernel`]): its
     /// options, and the pass once built for the engine's plans.
     megakernel: Option<(MegakernelOptions, Option<ForwardMegakernel>)>,
+    /// The backward as one persistent launch ([`UnfusedLayer::set_backward_megakernel`]): its
+    /// options, and the pass once built for the engine's plans.
+    backward_megakernel: Option<(MegakernelOptions, Option<BackwardMegakernel>)>,
     /// Tokens of the last forward (at most `config.tokens_per_rank`, the capacity).
     tokens: usize,
     /// The token count the shared expert's group offsets hold.
@@ -80,7 +86,8 @@ struct EngineExperts {
     built_for: [u64; 3],
     /// Gate/up with SwiGLU (keeping the pre-activations for backward), down.
     forward: Vec<EnginePlan>,
-    /// Down dgrad; gate/up dgrad (two K segments).
+    /// Down dgrad; gate/up dgrad (two K segments); the down dgrad with the SwiGLU backward in
+    /// its epilogue (the backward megakernel's first phase).
     dgrad: Vec<EnginePlan>,
     /// The down, gate and up weight gradients, for the target they were built for.
     wgrad: Vec<EnginePlan>,
@@ -158,6 +165,7 @@ impl UnfusedLayer {
             y: DeviceBuffer::alloc(gpu, t * h)?,
             engine: None,
             megakernel: None,
+            backward_megakernel: None,
             tokens: t,
             shared_offsets_tokens: t,
             grads: DeviceGrads {
@@ -259,6 +267,83 @@ impl UnfusedLayer {
         Ok(())
     }
 
+    /// Runs the backward as one persistent launch (`Some(options)`: the backward megakernel,
+    /// sm_90a, after the shared expert's backward on its own kernels; it needs the tensor-core
+    /// engine and switches it on), or as separate launches (`None`). Both give the same bits.
+    /// Errors, leaving the layer unchanged, when this GPU or the loaded PTX cannot run it or the
+    /// options' geometry cannot be resident.
+    pub fn set_backward_megakernel(&mut self, gpu: &Gpu, options: Option<MegakernelOptions>) -> Result<()> {
+        let Some(options) = options else {
+            self.backward_megakernel = None;
+            return Ok(());
+        };
+        if !gpu.has_kernel(BACKWARD_KERNEL) || gpu.compute_capability().0 != 9 {
+            return Err(MokError::InvalidInput {
+                tensor: "megakernel",
+                problem: format!(
+                    "needs an sm_90 GPU and {BACKWARD_KERNEL} in the loaded PTX (this GPU is sm_{}{})",
+                    gpu.compute_capability().0,
+                    gpu.compute_capability().1
+                ),
+            });
+        }
+        checked_geometry(resident_blocks(gpu, BACKWARD_KERNEL)?, &options, 1)?;
+        self.set_gemm_engine(gpu, true)?;
+        self.backward_megakernel = Some((options, None));
+        Ok(())
+    }
+
+    /// Whether the backward runs as the megakernel.
+    pub fn uses_backward_megakernel(&self) -> bool {
+        self.backward_megakernel.is_some()
+    }
+
+    /// The last backward megakernel pass's (blocks, comm blocks), once a backward has built it.
+    pub fn backward_megakernel_geometry(&self) -> Option<(u32, u32)> {
+        self.backward_megakernel.as_ref().and_then(|(_, pass)| pass.as_ref()).map(BackwardMegakernel::geometry)
+    }
+
+    /// Faults for the following backward megakernel passes (feature `testing`; the pass must
+    /// exist: run a backward first): an M tile whose dy rows are never published, one whose
+    /// down-dgrad parts are never counted.
+    #[cfg(feature = "testing")]
+    pub fn set_backward_megakernel_faults(&mut self, faults: MegakernelFaults) -> Result<()> {
+        let pass = self.backward_megakernel.as_mut().and_then(|(_, pass)| pass.as_mut());
+        let Some(pass) = pass else {
+            return Err(MokError::InvalidInput {
+                tensor: "megakernel",
+                problem: "no backward megakernel pass yet (switch it on and run a backward)".into(),
+            });
+        };
+        pass.set_faults(faults)
+    }
+
+    /// Builds the backward megakernel pass for the engine's current plans (when it is on).
+    fn prepare_backward_megakernel(&mut self, gpu: &Gpu) -> Result<()> {
+        let (Some((options, pass)), Some(engine)) = (self.backward_megakernel.as_mut(), self.engine.as_ref()) else {
+            return Ok(());
+        };
+        let plans = backward_plans(engine);
+        if pass.as_ref().is_some_and(|p| p.built_for(plans)) {
+            return Ok(());
+        }
+        let c = &self.config;
+        let rows = &self.routed.rows;
+        let buffers = BackwardBuffers {
+            row_source: self.routing.row_source.device_ptr(),
+            slot_row: self.routing.slot_row.device_ptr(),
+            down_rows: rows.out.device_ptr(),
+            d_rows: rows.d_rows.device_ptr(),
+            d_in_rows: rows.d_in.device_ptr(),
+            dx: self.grads.dx.device_ptr(),
+            d_topk_weights: self.grads.d_topk_weights.device_ptr(),
+            top_k: c.top_k as u32,
+            hidden: c.hidden as u32,
+        };
+        *pass = Some(BackwardMegakernel::new(gpu, plans, &buffers, options)?);
+        Ok(())
+    }
+
     /// Whether the forward runs as the megakernel.
     pub fn uses_forward_megakernel(&self) -> bool {
         self.megakernel.is_some()
@@ -352,6 +437,15 @@ impl UnfusedLayer {
                     &groups,
                     (h, i),
                     &rows.d_in,
+                )?,
+                EnginePlan::rows_nn_swiglu_backward(
+                    gpu,
+                    (&rows.d_rows, experts.w_down),
+                    &groups,
+                    (i, h),
+                    (&rows.gate, &rows.up),
+                    (&rows.d_gate, &rows.d_up),
+                    c.swiglu_limit,
                 )?,
             ];
             state.forward = vec![gate_up, down];
@@ -786,6 +880,9 @@ impl UnfusedLayer {
         }
         self.prepare_engine_plans(gpu, experts)?;
         self.prepare_wgrad_plans(gpu, &target)?;
+        if self.backward_megakernel.is_some() && self.engine.is_some() {
+            return self.backward_megakernel_pass(gpu, (tokens, shared), dy, &target);
+        }
         let slots = t * k;
         let count = self.row_count_ptr();
         let r = &self.routing;
@@ -858,24 +955,8 @@ impl UnfusedLayer {
                 },
             )?;
         }
+        let shared_dx = self.shared_backward(gpu, (tokens, shared), dy, &target)?;
         let r = &self.routing;
-        let mut shared_dx = 0;
-        if let (Some(weights), Some((compute, offsets))) = (shared, &self.shared) {
-            let grads = target.shared.expect("checked against the config");
-            compute.backward(
-                gpu,
-                &RowGroups::all_tokens(offsets, t),
-                ExpertBackward {
-                    input_rows: tokens.x.device_ptr(),
-                    // The shared expert's output is added unscaled, so its output gradient is dy.
-                    d_out_rows: dy.device_ptr(),
-                    weights: [weights.ws_gate, weights.ws_up, weights.ws_down],
-                    weight_grads: grads,
-                    accumulate_f32: target.accumulate_f32,
-                },
-            )?;
-            shared_dx = compute.d_in_rows().device_ptr();
-        }
         // SAFETY: the arguments are `mok_combine_slots`'s parameters, in order and type (its entry point in
         // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
         unsafe {
@@ -896,16 +977,77 @@ impl UnfusedLayer {
         }
     }
 
+    /// The backward after the checks, as the megakernel: the engine's tile offsets of the
+    /// forward's routing, the shared expert's backward (its dx rows are the first term of each
+    /// token's dx sum), then one launch for the routed experts' whole backward.
+    fn backward_megakernel_pass(
+        &mut self,
+        gpu: &Gpu,
+        (tokens, shared): (TokensView<'_>, Option<SharedExpertView<'_>>),
+        dy: DeviceSlice<'_, bf16>,
+        target: &GradAddresses,
+    ) -> Result<()> {
+        self.prepare_backward_megakernel(gpu)?;
+        let t = self.tokens;
+        let e = self.config.num_experts;
+        let shared_dx = self.shared_backward(gpu, (tokens, shared), dy, target)?;
+        let (Some(engine), Some((_, Some(pass)))) = (&self.engine, &mut self.backward_megakernel) else {
+            unreachable!("prepared above");
+        };
+        engine::tile_offsets_into(gpu, &self.routing.row_offsets, e, &engine.tile_offsets)?;
+        pass.launch(
+            gpu,
+            backward_plans(engine),
+            dy.device_ptr(),
+            tokens.topk_weights.device_ptr(),
+            shared_dx,
+            t as u32,
+        )
+    }
+
+    /// The shared expert's backward (when the layer has one): its weight gradients into
+    /// `target`, and the address of its f32 dx rows (0 without a shared expert).
+    fn shared_backward(
+        &self,
+        gpu: &Gpu,
+        (tokens, shared): (TokensView<'_>, Option<SharedExpertView<'_>>),
+        dy: DeviceSlice<'_, bf16>,
+        target: &GradAddresses,
+    ) -> Result<u64> {
+        let (Some(weights), Some((compute, offsets))) = (shared, &self.shared) else { return Ok(0) };
+        let grads = target.shared.expect("checked against the config");
+        compute.backward(
+            gpu,
+            &RowGroups::all_tokens(offsets, self.tokens),
+            ExpertBackward {
+                input_rows: tokens.x.device_ptr(),
+                // The shared expert's output is added unscaled, so its output gradient is dy.
+                d_out_rows: dy.device_ptr(),
+                weights: [weights.ws_gate, weights.ws_up, weights.ws_down],
+                weight_grads: grads,
+                accumulate_f32: target.accumulate_f32,
+            },
+        )?;
+        Ok(compute.d_in_rows().device_ptr())
+    }
+
     /// Waits for the stream and reports a routing problem the kernels found in `topk_ids`
     /// (an id out of range or repeated in a token: that slot was dropped), or else, with the
     /// megakernel forward, the first wait of its passes that timed out (`MokError::Timeout`,
     /// cleared by the report so the next pass starts clean).
     pub fn check_device_errors(&mut self) -> Result<()> {
         let words = self.routing.error.download()?;
-        if words[0] == 0
-            && let Some((_, Some(pass))) = &mut self.megakernel
-        {
-            return pass.check();
+        if words[0] == 0 {
+            // Both passes' records are read (and cleared), the forward's reported first.
+            let forward = match &mut self.megakernel {
+                Some((_, Some(pass))) => pass.check(),
+                _ => Ok(()),
+            };
+            let backward = match &mut self.backward_megakernel {
+                Some((_, Some(pass))) => pass.check(),
+                _ => Ok(()),
+            };
+            return forward.and(backward);
         }
         let k = self.config.top_k as u32;
         let describe = |what: &str| {
@@ -963,4 +1105,10 @@ pub struct RoutedBackward<'a> {
     pub d_up: &'a DeviceBuffer<bf16>,
     /// `[R, H]` f32.
     pub d_in: &'a DeviceBuffer<f32>,
+}
+
+/// The engine plans of a backward megakernel pass, in `BackwardParams` order: the down dgrad
+/// with the SwiGLU backward, the gate/up dgrad, the down, gate and up weight gradients.
+fn backward_plans(engine: &EngineExperts) -> [&EnginePlan; 5] {
+    [&engine.dgrad[2], &engine.dgrad[1], &engine.wgrad[0], &engine.wgrad[1], &engine.wgrad[2]]
 }

@@ -66,6 +66,21 @@ pub const WAIT_ENGINE_TILE_DISPATCHED: u32 = 10;
 /// owner, expected 1 = pushed; `HeapRegions::slot_ready`).
 pub const WAIT_SLOT_READY: u32 = 11;
 
+/// The backward megakernel's down-dgrad tile (or a down weight-gradient tile) waited for the
+/// gathered dy rows of an M tile (index = the M tile, expected 1 = set;
+/// `BackwardParams::rows_gathered`).
+pub const WAIT_ENGINE_TILE_GATHERED: u32 = 12;
+
+/// The backward megakernel's gate/up dgrad tile (or a gate/up weight-gradient tile) waited for
+/// the SwiGLU-backward rows (d_gate, d_up) of an M tile: every down-dgrad part of the tile stored
+/// (index = the M tile, expected and seen = stored parts; `BackwardParams::down_dgrad_stored`).
+pub const WAIT_ENGINE_TILE_D_HIDDEN: u32 = 13;
+
+/// The backward megakernel's dx combine waited for the gate/up dgrad rows of an M tile holding
+/// one of the token's slots (index = the M tile, expected and seen = stored parts;
+/// `BackwardParams::gate_up_dgrad_stored`).
+pub const WAIT_ENGINE_TILE_DX: u32 = 14;
+
 /// A name for a `WAIT_*` code, for messages.
 pub fn waited_for_name(code: u32) -> &'static str {
     match code {
@@ -80,6 +95,11 @@ pub fn waited_for_name(code: u32) -> &'static str {
         WAIT_ENGINE_TILE_HIDDEN => "the gate/up tiles of an engine M tile to be stored (gate_up_stored)",
         WAIT_ENGINE_TILE_OUTPUT => "the down tiles of an engine M tile to be stored (down_stored)",
         WAIT_SLOT_READY => "a slot's down-projection row pushed by the expert owner (slot_ready)",
+        WAIT_ENGINE_TILE_GATHERED => "the dy rows of an engine M tile to be gathered (rows_gathered)",
+        WAIT_ENGINE_TILE_D_HIDDEN => {
+            "the down-dgrad tiles (d_gate, d_up) of an engine M tile to be stored (down_dgrad_stored)"
+        }
+        WAIT_ENGINE_TILE_DX => "the gate/up dgrad tiles of an engine M tile to be stored (gate_up_dgrad_stored)",
         _ => "an unknown counter",
     }
 }

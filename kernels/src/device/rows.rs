@@ -2,6 +2,7 @@
 //! same bits.
 
 use crate::layout::NO_ROW;
+use crate::num::{bf16x2_hi, bf16x2_lo};
 use crate::ptx::convert::f32x2_to_bf16x2;
 use crate::ptx::memory::{ld_global_v4, st_global_v4};
 
@@ -128,4 +129,79 @@ pub unsafe fn copy_row(src: *const u32, dst: *mut u32, vectors: u32, lane: u32) 
         }
         first += 32 * VECTORS_IN_FLIGHT;
     }
+}
+
+/// 8 bf16 (4 words) scaled by `weight` in f32 and rounded back to bf16: the backward gather's
+/// `bf16(w · dy)`.
+#[inline(always)]
+pub fn scale_bf16x8(weight: f32, mut vector: [u32; 4]) -> [u32; 4] {
+    for pair in vector.iter_mut() {
+        *pair = f32x2_to_bf16x2(weight * bf16x2_lo(*pair), weight * bf16x2_hi(*pair));
+    }
+    vector
+}
+
+/// `partial` plus the products of 8 bf16 columns (`g`, 4 words) with 8 f32 columns (`lo`,
+/// `hi`), added one at a time in column order: one lane's step of the slot-weight gradient
+/// `⟨dy[t], out[row]⟩`.
+#[inline(always)]
+pub fn dot8(mut partial: f32, g: [u32; 4], lo: [u32; 4], hi: [u32; 4]) -> f32 {
+    // Columns in order: pair p of g holds columns 2p (low) and 2p + 1 (high).
+    let f = [lo[0], lo[1], lo[2], lo[3], hi[0], hi[1], hi[2], hi[3]];
+    for p in 0..4 {
+        partial += bf16x2_lo(g[p]) * f32::from_bits(f[2 * p]);
+        partial += bf16x2_hi(g[p]) * f32::from_bits(f[2 * p + 1]);
+    }
+    partial
+}
+
+/// Row steps (8 columns per lane each) a lane of [`gather_scaled_row_and_dot`] loads before it
+/// adds or stores any.
+const STEPS_IN_FLIGHT: usize = 4;
+
+/// The backward gather of one slot's row by a warp: `dst = bf16(weight · dy)` (the bits of
+/// `mok_gather_rows`), and the lane's partial of `⟨dy, out⟩` over its columns `8·lane + 256·i`
+/// in order (the bits of `mok_topk_weight_grad`'s lane partial; `sync::warp_sum_f32` of the
+/// partials is the slot-weight gradient). [`STEPS_IN_FLIGHT`] steps' loads are issued before
+/// they are used; the order of the additions does not depend on it.
+///
+/// # Safety
+/// `dy` `[width]` bf16, `out` `[width]` f32, `dst` `[width]` bf16, all 16-byte aligned;
+/// `width % 8 == 0`.
+#[inline(always)]
+pub unsafe fn gather_scaled_row_and_dot(
+    dy: *const u16,
+    out: *const f32,
+    dst: *mut u16,
+    weight: f32,
+    width: u32,
+    lane: u32,
+) -> f32 {
+    let w = width as usize;
+    let mut partial = 0.0f32;
+    let mut column = 8 * lane as usize;
+    while column < w {
+        let mut g = [[0u32; 4]; STEPS_IN_FLIGHT];
+        let mut f = [[[0u32; 4]; 2]; STEPS_IN_FLIGHT];
+        for s in 0..STEPS_IN_FLIGHT {
+            let c = column + 256 * s;
+            if c < w {
+                // SAFETY: c + 8 ≤ width (caller contract: width % 8 == 0).
+                unsafe {
+                    g[s] = ld_global_v4(dy.add(c) as *const u32);
+                    f[s] = [ld_global_v4(out.add(c) as *const u32), ld_global_v4(out.add(c + 4) as *const u32)];
+                }
+            }
+        }
+        for s in 0..STEPS_IN_FLIGHT {
+            let c = column + 256 * s;
+            if c < w {
+                partial = dot8(partial, g[s], f[s][0], f[s][1]);
+                // SAFETY: as above.
+                unsafe { st_global_v4(dst.add(c) as *mut u32, scale_bf16x8(weight, g[s])) };
+            }
+        }
+        column += 256 * STEPS_IN_FLIGHT;
+    }
+    partial
 }

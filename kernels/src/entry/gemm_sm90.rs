@@ -51,6 +51,19 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_rows_nn(params: *const GemmParam
     unsafe { run::<{ Variant::ROWS_NN }, _>(params, Standalone) }
 }
 
+/// The down projection's data gradient with the SwiGLU backward in its epilogue: d_gate and
+/// d_up bf16 rows from `d_rows · W_down` and the saved pre-activations (the megakernel's first
+/// backward phase, launched alone).
+///
+/// # Safety
+/// `params` valid for the `ROWS_NN_SWIGLU_BWD` variant, its `tile_counter` zeroed by
+/// `mok_sm90_group_maps` on the same stream since the last engine launch with these params.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_rows_nn_swiglu_bwd(params: *const GemmParams) {
+    // SAFETY: caller contract.
+    unsafe { run::<{ Variant::ROWS_NN_SWIGLU_BWD }, _>(params, Standalone) }
+}
+
 /// Per-group weight gradient, rows reduced in order, no split-K.
 ///
 /// # Safety
@@ -149,4 +162,31 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_forward_ranks(
     let (rank, block) = crate::megakernel::forward::rank_of_block(ranks);
     // SAFETY: caller contract: rank < ranks.
     unsafe { crate::megakernel::forward::forward(params.add(rank as usize), *inputs.add(rank as usize), block) }
+}
+
+/// The backward megakernel on one GPU: the whole backward pass of the routed experts (gather,
+/// slot-weight gradients, both data gradients with the SwiGLU backward, the three weight
+/// gradients, the dx combine) in one launch. The pass's inputs are arguments, as in
+/// [`mok_sm90_forward`]: dy, the slot weights, the shared expert's f32 dx rows (null for none)
+/// and T.
+///
+/// # Safety
+/// As [`crate::megakernel::backward::backward`].
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn mok_sm90_backward(
+    params: *const crate::megakernel_layout::BackwardParams,
+    dy: *const u16,
+    topk_weights: *const f32,
+    shared_dx: *const f32,
+    tokens: u32,
+) {
+    let pass = crate::megakernel_layout::PassInputs {
+        x: dy as u64,
+        topk_weights: topk_weights as u64,
+        shared_rows: shared_dx as u64,
+        tokens,
+        reserved: 0,
+    };
+    // SAFETY: caller contract.
+    unsafe { crate::megakernel::backward::backward(params, pass, crate::ptx::sreg::block_idx_x()) }
 }

@@ -4,10 +4,9 @@
 
 use crate::device::grid_thread;
 use crate::device::math;
-use crate::device::rows::combine_quads;
+use crate::device::rows::{combine_quads, dot8, scale_bf16x8};
 use crate::layout::NO_ROW;
-use crate::num::{bf16x2_hi, bf16x2_lo};
-use crate::ptx::convert::{f32_to_bf16, f32x2_to_bf16x2};
+use crate::ptx::convert::f32_to_bf16;
 use crate::ptx::memory::{ld_global_v4, st_global_v4};
 use crate::ptx::sync;
 
@@ -40,10 +39,7 @@ pub unsafe extern "ptx-kernel" fn mok_gather_rows(
             let token = slot / top_k as usize;
             let mut vector = ld_global_v4(src.add(token * width as usize + chunk * 8) as *const u32);
             if !topk_weights.is_null() {
-                let weight = *topk_weights.add(slot);
-                for pair in vector.iter_mut() {
-                    *pair = f32x2_to_bf16x2(weight * bf16x2_lo(*pair), weight * bf16x2_hi(*pair));
-                }
+                vector = scale_bf16x8(*topk_weights.add(slot), vector);
             }
             st_global_v4(out.add(row * width as usize + chunk * 8) as *mut u32, vector);
         }
@@ -119,16 +115,7 @@ pub unsafe extern "ptx-kernel" fn mok_topk_weight_grad(
                         ld_global_v4(rows.add(row as usize * w + column + 4) as *const u32),
                     )
                 };
-                // Columns in order: pair p of dy holds columns 2p (low) and 2p + 1 (high).
-                let f = [lo[0], lo[1], lo[2], lo[3], hi[0], hi[1], hi[2], hi[3]];
-                partial += bf16x2_lo(g[0]) * f32::from_bits(f[0]);
-                partial += bf16x2_hi(g[0]) * f32::from_bits(f[1]);
-                partial += bf16x2_lo(g[1]) * f32::from_bits(f[2]);
-                partial += bf16x2_hi(g[1]) * f32::from_bits(f[3]);
-                partial += bf16x2_lo(g[2]) * f32::from_bits(f[4]);
-                partial += bf16x2_hi(g[2]) * f32::from_bits(f[5]);
-                partial += bf16x2_lo(g[3]) * f32::from_bits(f[6]);
-                partial += bf16x2_hi(g[3]) * f32::from_bits(f[7]);
+                partial = dot8(partial, g, lo, hi);
                 column += 32 * 8;
             }
         }

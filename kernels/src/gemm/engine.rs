@@ -33,11 +33,14 @@
 //! - `ROWS_NT`: `rows[R][K] · w[g][N][K]ᵀ` → f32 rows (down projection); `ROWS_NT_BF16` the same
 //!   → bf16 rows (a plain grouped GEMM with the output type of `torch._grouped_mm`).
 //! - `ROWS_NN`: `a[R][K] · w[g][K][N]` (+ a second segment) → f32 rows (data gradients).
-//! - `WGRAD`: `Σ_{r in g} a[r][M]ᵀ b[r][N]` → `[G][M][N]` bf16, or added into f32.
+//! - `ROWS_NN_SWIGLU_BWD`: `ROWS_NN` with one segment (the down projection's data gradient,
+//!   `d_hidden`), its epilogue the SwiGLU backward → d_gate and d_up bf16 rows.
+//! - `WGRAD`: `Σ_{r in g} a[r][M]ᵀ b[r][N]` → `[G][M][N]` bf16, or added into f32;
+//!   `WGRAD_IN_PAIR` the same on a persistent kernel's paired ring.
 
 use crate::gemm_layout::{
     CONSUMER_REGISTERS, ENGINE_THREADS, GemmParams, NO_TILE, PAIRED_CONSUMER_REGISTERS, PAIRED_PRODUCER_REGISTERS,
-    PRODUCER_REGISTERS, STAGES, cluster_blocks,
+    PRODUCER_REGISTERS, STAGES, cluster_blocks, is_wgrad,
 };
 use crate::ptx::memory::ld_shared_u32;
 use crate::ptx::{bulk, cluster, mbarrier, sreg, sync};
@@ -83,7 +86,7 @@ pub(super) unsafe fn consume<const V: u32, H: TileHooks>(
         }
         // SAFETY: the producer hands out only tiles < total.
         let w = unsafe { work_of::<V>(p, tile) };
-        if V != Variant::WGRAD && (wg * 64 >= w.rows || !w.has_columns) {
+        if !is_wgrad(V) && (wg * 64 >= w.rows || !w.has_columns) {
             // A ragged tile with no rows in this warpgroup's half (a group's last ≤ 64 rows), or
             // a pair's second block without an N tile (an odd tile count):
             // skip the MMAs, so the other warpgroup has the tensor cores to itself, but keep
@@ -258,6 +261,76 @@ pub unsafe fn run_forward_phases<H1: TileHooks, H2: TileHooks>(
             let walk = consume::<{ Variant::GATE_UP }, H1>(first, ring, wg, thread_in_wg, gate_up_hooks, Walk::START);
             let walk = next_phase::<{ Variant::GATE_UP }>(ring, walk, thread_in_wg);
             consume::<{ Variant::ROWS_NT }, H2>(second, ring, wg, thread_in_wg, down_hooks, walk);
+        }
+        Some(())
+    };
+    // No block may leave its engine phases while its partner can still write into it.
+    cluster::cluster_sync();
+    role
+}
+
+/// The compute role of the backward megakernel, in a 2-block cluster as
+/// [`run_forward_phases`]: on one ring, the down projection's data gradient with the SwiGLU
+/// backward in its epilogue ([`Variant::ROWS_NN_SWIGLU_BWD`]), the gate/up data gradient
+/// ([`Variant::ROWS_NN`]), then the three weight gradients (down, gate, up:
+/// [`Variant::WGRAD_IN_PAIR`], each block taking its own tiles). A block moves on to a phase
+/// only when the previous phase's tile counter is spent, so a tile only ever waits for work a
+/// running block already holds (docs/ARCHITECTURE.md). Returns `Some(())` for the consumer
+/// warpgroups' threads, `None` for the producer warpgroup's.
+///
+/// # Safety
+/// The parameter blocks are valid for those variants over the same row groups, their tile
+/// counters zeroed before the launch; the hooks' contracts hold.
+#[inline(always)]
+pub unsafe fn run_backward_phases<H1: TileHooks, H2: TileHooks, H3: TileHooks, H4: TileHooks>(
+    (down_dgrad, down_hooks): (*const GemmParams, H1),
+    (gate_up_dgrad, gate_up_hooks): (*const GemmParams, H2),
+    wgrad: [*const GemmParams; 3],
+    (wgrad_down_hooks, wgrad_gate_up_hooks): (H3, H4),
+) -> Option<()> {
+    const {
+        assert!(cluster_blocks(Variant::ROWS_NN_SWIGLU_BWD) == 2 && cluster_blocks(Variant::ROWS_NN) == 2);
+    };
+    const W: u32 = Variant::WGRAD_IN_PAIR;
+    // SAFETY: caller contract; read-only for the whole launch, borrowed (see
+    // `run_forward_phases`).
+    let (first, second) = unsafe { (&*down_dgrad, &*gate_up_dgrad) };
+    // SAFETY: as above.
+    let (w_down, w_gate, w_up) = unsafe { (&*wgrad[0], &*wgrad[1], &*wgrad[2]) };
+    let ring = Ring::new();
+    let thread = sreg::thread_idx_x();
+    if thread == 0 {
+        init_barriers(ring, 16);
+    }
+    cluster::cluster_sync();
+    let warpgroup = thread / 128;
+    let role = if warpgroup == 0 {
+        sync::release_registers::<PAIRED_PRODUCER_REGISTERS>();
+        if thread == 0 {
+            // SAFETY: one producer thread; the phases share the ring walk.
+            unsafe {
+                let walk = produce::<{ Variant::ROWS_NN_SWIGLU_BWD }, H1>(first, ring, down_hooks, Walk::START);
+                let walk = produce::<{ Variant::ROWS_NN }, H2>(second, ring, gate_up_hooks, walk);
+                let walk = produce::<W, H3>(w_down, ring, wgrad_down_hooks, walk);
+                let walk = produce::<W, H4>(w_gate, ring, wgrad_gate_up_hooks, walk);
+                produce::<W, H4>(w_up, ring, wgrad_gate_up_hooks, walk);
+            }
+        }
+        None
+    } else {
+        sync::claim_registers::<PAIRED_CONSUMER_REGISTERS>();
+        let (wg, t) = (warpgroup - 1, thread % 128);
+        // SAFETY: a whole consumer warpgroup.
+        unsafe {
+            let walk = consume::<{ Variant::ROWS_NN_SWIGLU_BWD }, H1>(first, ring, wg, t, down_hooks, Walk::START);
+            let walk = next_phase::<{ Variant::ROWS_NN_SWIGLU_BWD }>(ring, walk, t);
+            let walk = consume::<{ Variant::ROWS_NN }, H2>(second, ring, wg, t, gate_up_hooks, walk);
+            let walk = next_phase::<{ Variant::ROWS_NN }>(ring, walk, t);
+            let walk = consume::<W, H3>(w_down, ring, wg, t, wgrad_down_hooks, walk);
+            let walk = next_phase::<W>(ring, walk, t);
+            let walk = consume::<W, H4>(w_gate, ring, wg, t, wgrad_gate_up_hooks, walk);
+            let walk = next_phase::<W>(ring, walk, t);
+            consume::<W, H4>(w_up, ring, wg, t, wgrad_gate_up_hooks, walk);
         }
         Some(())
     };

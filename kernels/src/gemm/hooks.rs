@@ -11,12 +11,13 @@
 //! `n` N tiles is complete at `n · ⌈r / 64⌉`.
 
 use crate::comm::error::{
-    self, ERROR_TIMEOUT, WAIT_ENGINE_TILE_DISPATCHED, WAIT_ENGINE_TILE_HIDDEN, WAIT_ENGINE_TILE_ROWS,
+    self, ERROR_TIMEOUT, WAIT_ENGINE_TILE_D_HIDDEN, WAIT_ENGINE_TILE_DISPATCHED, WAIT_ENGINE_TILE_GATHERED,
+    WAIT_ENGINE_TILE_HIDDEN, WAIT_ENGINE_TILE_ROWS,
 };
 use crate::comm::schedule::epoch_reached;
 use crate::comm::wait::{signal, wait_until};
 use crate::gemm_layout::{GemmParams, TILE_M, TILE_N, TileCounters, Variant};
-use crate::megakernel_layout::{ForwardParams, NO_FAULT, downstream_deadline, parts_per_m_tile};
+use crate::megakernel_layout::{BackwardParams, ForwardParams, NO_FAULT, downstream_deadline, parts_per_m_tile};
 use crate::ptx::bulk;
 use crate::ptx::memory::fence_proxy_async_global;
 
@@ -102,10 +103,11 @@ impl TileHooks for Counters {
 enum Ready {
     /// `flags[m tile]` reaches `epoch` (wrapping).
     Epoch { flags: *const u32, epoch: u32 },
-    /// `flags[m tile]` is set (cleared before the pass).
-    Dispatched { flags: *const u32 },
-    /// `counts[m tile]` reaches the parts of a GEMM with `n_tiles` N tiles.
-    Stored { counts: *const u32, n_tiles: u32 },
+    /// `flags[m tile]` is set (cleared before the pass); `code` names the flag in a record.
+    Flag { flags: *const u32, code: u32 },
+    /// `counts[m tile]` reaches the parts of a GEMM with `n_tiles` N tiles; `code` names the
+    /// count in a record.
+    Stored { counts: *const u32, n_tiles: u32, code: u32 },
 }
 
 /// Bounded wait of the producer thread until the rows of `work`'s M tile are ready, then the
@@ -123,14 +125,14 @@ unsafe fn wait_for_rows(p: &GemmParams, work: &Work, ready: Ready, error: *mut u
         let tile = m_tile(p, work);
         let (counter, expected, code) = match ready {
             Ready::Epoch { flags, epoch } => (flags.add(tile as usize), epoch, WAIT_ENGINE_TILE_ROWS),
-            Ready::Dispatched { flags } => (flags.add(tile as usize), 1, WAIT_ENGINE_TILE_DISPATCHED),
-            Ready::Stored { counts, n_tiles } => {
-                (counts.add(tile as usize), parts_per_m_tile(n_tiles, work.rows), WAIT_ENGINE_TILE_HIDDEN)
+            Ready::Flag { flags, code } => (flags.add(tile as usize), 1, code),
+            Ready::Stored { counts, n_tiles, code } => {
+                (counts.add(tile as usize), parts_per_m_tile(n_tiles, work.rows), code)
             }
         };
         let waited = match ready {
             Ready::Epoch { .. } => wait_until(counter, false, timeout_ns, error, |v| epoch_reached(v, expected)),
-            Ready::Dispatched { .. } | Ready::Stored { .. } => {
+            Ready::Flag { .. } | Ready::Stored { .. } => {
                 wait_until(counter, false, timeout_ns, error, |v| v >= expected)
             }
         };
@@ -197,11 +199,11 @@ impl<const PHASE: u32> TileHooks for ForwardHandover<PHASE> {
         unsafe {
             let f = &*self.params;
             let ready = if PHASE == ForwardHandover::GATE_UP {
-                Ready::Dispatched { flags: f.rows_dispatched as *const u32 }
+                Ready::Flag { flags: f.rows_dispatched as *const u32, code: WAIT_ENGINE_TILE_DISPATCHED }
             } else {
                 // The SwiGLU tile writes 128 hidden columns.
                 let gate_up_n = (*(f.gate_up as *const GemmParams)).n.div_ceil(TILE_N / 2);
-                Ready::Stored { counts: f.gate_up_stored as *const u32, n_tiles: gate_up_n }
+                Ready::Stored { counts: f.gate_up_stored as *const u32, n_tiles: gate_up_n, code: WAIT_ENGINE_TILE_HIDDEN }
             };
             // A down tile's wait is downstream of its gate/up tiles' waits: a longer deadline, so
             // the failure reported first is the cause (`megakernel_layout::downstream_deadline`).
@@ -225,9 +227,133 @@ impl<const PHASE: u32> TileHooks for ForwardHandover<PHASE> {
     }
 }
 
-/// Whether variant `V` hands its tiles over (the weight gradient reduces over whole groups and
-/// has no per-tile readiness).
+/// The backward megakernel's hand-over around its five GEMM phases, read from the pass's
+/// [`BackwardParams`] where used:
+/// - [`BackwardHandover::DOWN_DGRAD`] (the down projection's data gradient with the SwiGLU
+///   backward): a tile waits for its M tile's `rows_gathered` flag and counts its parts in
+///   `down_dgrad_stored` (except `silent_hidden_tile`, fault injection);
+/// - [`BackwardHandover::GATE_UP_DGRAD`]: a tile waits until `down_dgrad_stored` says every
+///   down-dgrad part of its rows is stored (its A is d_gate and d_up) and counts its parts in
+///   `gate_up_dgrad_stored`;
+/// - [`BackwardHandover::WGRAD_DOWN`] (`d_rowsᵀ·hidden`): a tile of expert g waits until every
+///   M tile of g is gathered; [`BackwardHandover::WGRAD_GATE_UP`] (`d_gateᵀ·rows`,
+///   `d_upᵀ·rows`) until every down-dgrad part of g is stored. Nothing in the pass waits for a
+///   weight gradient, so those tiles count nothing.
+#[derive(Clone, Copy)]
+pub struct BackwardHandover<const PHASE: u32> {
+    params: *const BackwardParams,
+}
+
+impl BackwardHandover<0> {
+    /// The down projection's data gradient, with the SwiGLU backward in its epilogue.
+    pub const DOWN_DGRAD: u32 = 0;
+    /// The gate/up data gradient.
+    pub const GATE_UP_DGRAD: u32 = 1;
+    /// The down weight gradient.
+    pub const WGRAD_DOWN: u32 = 2;
+    /// The gate and up weight gradients.
+    pub const WGRAD_GATE_UP: u32 = 3;
+}
+
+impl<const PHASE: u32> BackwardHandover<PHASE> {
+    /// # Safety
+    /// `params` points at the pass's valid [`BackwardParams`] for the whole launch.
+    #[inline(always)]
+    pub unsafe fn new(params: *const BackwardParams) -> Self {
+        Self { params }
+    }
+}
+
+/// Down-dgrad parts that complete an M tile of `rows` rows: its plan's N tiles (of I).
+///
+/// # Safety
+/// `b.down_dgrad` is the pass's valid plan block.
+#[inline(always)]
+unsafe fn down_dgrad_n_tiles(b: &BackwardParams) -> u32 {
+    // SAFETY: caller contract.
+    unsafe { (*(b.down_dgrad as *const GemmParams)).n.div_ceil(TILE_N) }
+}
+
+impl<const PHASE: u32> TileHooks for BackwardHandover<PHASE> {
+    #[inline(always)]
+    unsafe fn before_rows(&self, p: &GemmParams, work: &Work) {
+        // SAFETY: the pass's counters (constructor's contract) and the hook's.
+        unsafe {
+            let b = &*self.params;
+            let error = b.error as *mut u32;
+            if PHASE == BackwardHandover::DOWN_DGRAD {
+                let ready = Ready::Flag { flags: b.rows_gathered as *const u32, code: WAIT_ENGINE_TILE_GATHERED };
+                wait_for_rows(p, work, ready, error, b.timeout_ns, 0);
+            } else if PHASE == BackwardHandover::GATE_UP_DGRAD {
+                let ready = Ready::Stored {
+                    counts: b.down_dgrad_stored as *const u32,
+                    n_tiles: down_dgrad_n_tiles(b),
+                    code: WAIT_ENGINE_TILE_D_HIDDEN,
+                };
+                wait_for_rows(p, work, ready, error, downstream_deadline(b.timeout_ns, 1), 0);
+            } else {
+                wait_for_group(b, work.group, PHASE == BackwardHandover::WGRAD_DOWN);
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn after_store(&self, p: &GemmParams, work: &Work, _wg: u32) {
+        // SAFETY: as above.
+        unsafe {
+            let b = &*self.params;
+            if PHASE == BackwardHandover::DOWN_DGRAD {
+                count_stored(p, work, b.down_dgrad_stored as *mut u32, b.silent_hidden_tile);
+            } else if PHASE == BackwardHandover::GATE_UP_DGRAD {
+                count_stored(p, work, b.gate_up_dgrad_stored as *mut u32, NO_FAULT);
+            }
+        }
+    }
+}
+
+/// The producer of a weight-gradient tile of expert `group`: bounded waits until every M tile
+/// of the group is gathered (`gathered`: the down weight gradient reads `d_rows`) or has every
+/// down-dgrad part stored (the gate and up weight gradients read d_gate and d_up), then the
+/// async-proxy fence before the TMA copies. A failed wait records itself like
+/// [`wait_for_rows`]' and the tile runs on what the rows hold.
+///
+/// # Safety
+/// `b` is the pass's; `group` < its plans' groups.
+#[inline(always)]
+unsafe fn wait_for_group(b: &BackwardParams, group: u32, gathered: bool) {
+    // SAFETY: caller contract: the down-dgrad plan's offsets hold G + 1 entries of each kind.
+    unsafe {
+        let p = &*(b.down_dgrad as *const GemmParams);
+        let (first_tile, end_tile) = (tile_offset(p, group), tile_offset(p, group + 1));
+        let offsets = p.row_offsets as *const u32;
+        let (row_begin, row_end) = (*offsets.add(group as usize), *offsets.add(group as usize + 1));
+        let error = b.error as *mut u32;
+        let n_tiles = down_dgrad_n_tiles(b);
+        for tile in first_tile..end_tile {
+            let rows = (row_end - (row_begin + (tile - first_tile) * TILE_M)).min(TILE_M);
+            let (counter, expected, code, timeout_ns) = if gathered {
+                ((b.rows_gathered as *const u32).add(tile as usize), 1, WAIT_ENGINE_TILE_GATHERED, b.timeout_ns)
+            } else {
+                (
+                    (b.down_dgrad_stored as *const u32).add(tile as usize),
+                    parts_per_m_tile(n_tiles, rows),
+                    WAIT_ENGINE_TILE_D_HIDDEN,
+                    downstream_deadline(b.timeout_ns, 1),
+                )
+            };
+            if let Err(seen) = wait_until(counter, false, timeout_ns, error, |v| v >= expected) {
+                error::record(error, [ERROR_TIMEOUT, code, 0, tile, expected, seen, 0, 0]);
+            }
+        }
+        fence_proxy_async_global();
+    }
+}
+
+/// Whether variant `V` calls its hooks (the standalone weight gradient reduces over whole groups
+/// and has no per-tile readiness; inside the backward megakernel, [`Variant::WGRAD_IN_PAIR`],
+/// its tiles wait for their group's rows).
 #[inline(always)]
 pub(super) const fn hooked(v: u32) -> bool {
     v != Variant::WGRAD
 }
+

@@ -1,7 +1,7 @@
 //! The consumers' main loop: one warpgroup's `wgmma.m64n256k16` over a tile's stages, each stage
 //! released once the MMAs reading it are done.
 
-use crate::gemm_layout::{BLOCK_64_BYTES, TILE_N, Variant, cluster_blocks, smem_descriptor};
+use crate::gemm_layout::{BLOCK_64_BYTES, TILE_N, Variant, cluster_blocks, is_wgrad, own_empty_arrivals, smem_descriptor};
 use crate::ptx::{cluster, mbarrier, wgmma};
 
 use super::ring::Ring;
@@ -20,7 +20,7 @@ pub(super) fn stage_descriptors<const V: u32>(ring: Ring, stage: u32, wg: u32) -
     let mut b = [0u64; 4];
     for (k, (da, db)) in a.iter_mut().zip(b.iter_mut()).enumerate() {
         let k = k as u32;
-        *da = if V == Variant::WGRAD {
+        *da = if is_wgrad(V) {
             // M-major: this warpgroup's 64 M values are one 64-wide half; 16 K rows per slice.
             smem_descriptor(a_tile + wg * BLOCK_64_BYTES + k * 16 * 128, BLOCK_64_BYTES, 1024)
         } else {
@@ -48,6 +48,9 @@ pub(super) fn release<const V: u32>(ring: Ring, stage: u32, thread_in_wg: u32) {
         // final cluster barrier.
         unsafe {
             mbarrier::arrive(ring.empty(stage));
+            if own_empty_arrivals(V) > 1 {
+                mbarrier::arrive(ring.empty(stage));
+            }
             if cluster_blocks(V) > 1 {
                 cluster::arrive_remote(cluster::map_to_rank(ring.empty(stage), pair_rank::<V>() ^ 1));
             }
@@ -81,7 +84,7 @@ pub(super) fn mainloop<const V: u32>(
                 Variant::GATE_UP | Variant::ROWS_NT | Variant::ROWS_NT_BF16 => {
                     wgmma::issue_k64_m64n256_kk(acc, a, b, accumulate)
                 }
-                Variant::ROWS_NN => wgmma::issue_k64_m64n256_kn(acc, a, b, accumulate),
+                Variant::ROWS_NN | Variant::ROWS_NN_SWIGLU_BWD => wgmma::issue_k64_m64n256_kn(acc, a, b, accumulate),
                 _ => wgmma::issue_k64_m64n256_mn(acc, a, b, accumulate),
             }
         }

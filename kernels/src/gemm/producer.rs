@@ -3,7 +3,7 @@
 
 use crate::gemm_layout::{
     A_TILE_BYTES, B_TILE_BYTES, BLOCK_64_BYTES, GemmParams, NO_TILE, STAGE_BYTES, TILE_K, TILE_M, TILE_N, Variant,
-    cluster_blocks,
+    cluster_blocks, is_wgrad,
 };
 use crate::ptx::memory::{atom_add_relaxed_gpu_u32, ld_shared_u32, st_shared_u32};
 use crate::ptx::{cluster, mbarrier, sreg, tensormap, tma};
@@ -48,6 +48,8 @@ pub(super) unsafe fn produce<const V: u32, H: TileHooks>(p: &GemmParams, ring: R
         let tile = if V == Variant::WGRAD {
             sreg::block_idx_x() + taken * sreg::grid_dim_x()
         } else if rank == 0 {
+            // (A weight gradient in a persistent kernel's pair takes its tiles here too: each
+            // block alone, rank 0.)
             // SAFETY: the plan's counter, zeroed before the launch (host contract).
             unsafe { atom_add_relaxed_gpu_u32(counter, 1) }
         } else {
@@ -74,7 +76,7 @@ pub(super) unsafe fn produce<const V: u32, H: TileHooks>(p: &GemmParams, ring: R
         // Maps cut at this group's end: for a ragged row tile (A, and the second A), for the
         // last K block of a weight gradient (A and B). They were written by the group-map kernel
         // through the tensor-map proxy; acquire them before the first copy.
-        let cut = if V == Variant::WGRAD { !(w.row_end - w.row_begin).is_multiple_of(TILE_K) } else { w.rows < TILE_M };
+        let cut = if is_wgrad(V) { !(w.row_end - w.row_begin).is_multiple_of(TILE_K) } else { w.rows < TILE_M };
         let (cut_0, cut_1) = (p.group_map(w.group, 0), p.group_map(w.group, 1));
         if cut {
             // SAFETY: group < groups; the group-map kernel ran before this launch (host contract).
@@ -90,8 +92,8 @@ pub(super) unsafe fn produce<const V: u32, H: TileHooks>(p: &GemmParams, ring: R
         // tile. An M-pair's blocks each load their own rows and one half of the shared weight
         // tile into both blocks; an N-pair's blocks each load one A half into both blocks and
         // their own weight tile (none for a second block without columns).
-        let a_halves = if V == Variant::WGRAD { 2 } else { w.rows.div_ceil(64) };
-        let stage_bytes = if V == Variant::WGRAD {
+        let a_halves = if is_wgrad(V) { 2 } else { w.rows.div_ceil(64) };
+        let stage_bytes = if is_wgrad(V) {
             STAGE_BYTES
         } else {
             a_halves * (A_TILE_BYTES / 2) + if w.has_columns { B_TILE_BYTES } else { 0 }
@@ -112,7 +114,7 @@ pub(super) unsafe fn produce<const V: u32, H: TileHooks>(p: &GemmParams, ring: R
                     name_tile::<V>(ring, stage, tile);
                 }
                 mbarrier::arrive_expect_tx(full, stage_bytes);
-                if V == Variant::WGRAD {
+                if is_wgrad(V) {
                     // K runs over the group's rows; the last block may end inside the group.
                     let row = w.row_begin + kb * TILE_K;
                     let tail = row + TILE_K > w.row_end;

@@ -3,7 +3,7 @@
 //! counter by a pair's first block; weight gradients walk `blockIdx.x + i·gridDim.x`.
 
 use crate::gemm_layout::{
-    GemmParams, PairTile, TILE_K, TILE_M, TILE_N, Variant, cluster_blocks, pair_entries_list_before, pair_tile,
+    GemmParams, PairTile, TILE_K, TILE_M, TILE_N, Variant, cluster_blocks, is_wgrad, pair_entries_list_before, pair_tile,
 };
 use crate::ptx::sreg;
 
@@ -39,7 +39,7 @@ pub(super) fn n_tiles<const V: u32>(p: &GemmParams) -> u32 {
 /// Number of tiles of the launch (from device-written offsets for row-grouped variants).
 #[inline(always)]
 pub(super) unsafe fn tile_count<const V: u32>(p: &GemmParams) -> u32 {
-    if V == Variant::WGRAD {
+    if is_wgrad(V) {
         p.groups * p.m.div_ceil(TILE_M) * p.n.div_ceil(TILE_N)
     } else {
         // The whole list: the entries before a group past the last (see [`pair_tile`]).
@@ -63,7 +63,7 @@ pub(super) unsafe fn tile_offset(p: &GemmParams, i: u32) -> u32 {
 #[inline(always)]
 pub(super) unsafe fn work_of<const V: u32>(p: &GemmParams, tile: u32) -> Work {
     let offsets = p.row_offsets as *const u32;
-    if V == Variant::WGRAD {
+    if is_wgrad(V) {
         let (m_tiles, nt) = (p.m.div_ceil(TILE_M), p.n.div_ceil(TILE_N));
         let group = tile / (m_tiles * nt);
         let within = tile % (m_tiles * nt);

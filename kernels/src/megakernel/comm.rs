@@ -41,7 +41,7 @@ pub unsafe fn rank_view(f: &ForwardParams) -> Option<RankView<'_>> {
 /// `p` is a row-grouped plan's parameter block whose offsets were written before the launch;
 /// `row` is below its row count.
 #[inline(always)]
-unsafe fn stored_tile_of_row(p: &GemmParams, row: u32, n_tiles: u32) -> (u32, u32) {
+pub(super) unsafe fn stored_tile_of_row(p: &GemmParams, row: u32, n_tiles: u32) -> (u32, u32) {
     let groups = p.groups as usize + 1;
     // SAFETY: caller contract: the plan's G + 1 offsets of each kind.
     let (row_offsets, tile_offsets) = unsafe {
