@@ -7,7 +7,8 @@
 //! [--copy-tbps B] [--gemm BACKEND,...]`. Backends, each case run on each in turn: `mma` (the
 //! routed experts' GEMMs on the `mma.sync` kernels, the layer's default), `engine` (on the
 //! tensor-core engine, sm_90 only), `megakernel` (the forward as one persistent launch over the
-//! engine, with its default comm blocks) and `megakernel:N` (N comm blocks). Each table row names
+//! engine, with its default comm blocks), `megakernel:N` (N comm blocks) and `megakernels[:N]`
+//! (the forward and the backward megakernels). Each table row names
 //! its backend. `--ranks P` (P > 1) runs the expert-parallel layer over P virtual ranks on this GPU
 //! instead (the tokens of a case split over the ranks), on `mma` (`epP:mma`: the exchange's
 //! separate launches, `mma.sync` expert compute) or `megakernel[:N]` (`epP:megakernel`: one
@@ -48,6 +49,8 @@ enum Backend {
     Engine,
     /// The forward megakernel with this many comm blocks (`None`: its default).
     Megakernel(Option<u32>),
+    /// The forward and the backward megakernels (one GPU), with this many comm blocks each.
+    Megakernels(Option<u32>),
 }
 
 impl Backend {
@@ -56,9 +59,13 @@ impl Backend {
             "mma" => Backend::Mma,
             "engine" => Backend::Engine,
             "megakernel" => Backend::Megakernel(None),
-            other => match other.strip_prefix("megakernel:") {
-                Some(n) => Backend::Megakernel(Some(n.parse().context("megakernel:N takes a comm block count")?)),
-                None => bail!("--gemm takes mma, engine, megakernel or megakernel:N, not {other}"),
+            "megakernels" => Backend::Megakernels(None),
+            other => match (other.strip_prefix("megakernel:"), other.strip_prefix("megakernels:")) {
+                (Some(n), _) => Backend::Megakernel(Some(n.parse().context("megakernel:N takes a comm block count")?)),
+                (_, Some(n)) => {
+                    Backend::Megakernels(Some(n.parse().context("megakernels:N takes a comm block count")?))
+                }
+                _ => bail!("--gemm takes mma, engine, megakernel[:N] or megakernels[:N], not {other}"),
             },
         })
     }
@@ -69,14 +76,19 @@ impl Backend {
             Backend::Engine => "engine".into(),
             Backend::Megakernel(None) => "megakernel".into(),
             Backend::Megakernel(Some(n)) => format!("megakernel:{n}"),
+            Backend::Megakernels(None) => "megakernels".into(),
+            Backend::Megakernels(Some(n)) => format!("megakernels:{n}"),
         }
     }
 
     fn apply(self, gpu: &Gpu, layer: &mut UnfusedLayer) -> Result<()> {
         layer.set_gemm_engine(gpu, self != Backend::Mma)?;
-        if let Backend::Megakernel(comm_blocks) = self {
+        if let Backend::Megakernel(comm_blocks) | Backend::Megakernels(comm_blocks) = self {
             let options = MegakernelOptions { comm_blocks, ..MegakernelOptions::default() };
-            layer.set_forward_megakernel(gpu, Some(options))?;
+            layer.set_forward_megakernel(gpu, Some(options.clone()))?;
+            if matches!(self, Backend::Megakernels(_)) {
+                layer.set_backward_megakernel(gpu, Some(options))?;
+            }
         }
         Ok(())
     }
@@ -237,7 +249,9 @@ fn bench_case_ep(
         Backend::Megakernel(comm_blocks) => {
             layer.set_forward_megakernel(gpu, Some(MegakernelOptions { comm_blocks, ..Default::default() }))?
         }
-        Backend::Engine => bail!("--ranks {ranks} runs mma (separate launches) or megakernel[:N], not engine"),
+        Backend::Engine | Backend::Megakernels(_) => {
+            bail!("--ranks {ranks} runs mma (separate launches) or megakernel[:N], not {}", backend.name())
+        }
     }
     let experts: Vec<DeviceExperts> = (0..ranks)
         .map(|rank| DeviceExperts::random(gpu, &config, 1 + 3 * rank as u64, 3.0 / (h as f32).sqrt()))
@@ -362,7 +376,9 @@ fn bench_case_processes(
             backend: Some(LayerBackend::Megakernel),
             megakernel: MegakernelOptions { comm_blocks, ..Default::default() },
         },
-        Backend::Engine => bail!("across ranks the layer runs mma or megakernel[:N], not engine"),
+        Backend::Engine | Backend::Megakernels(_) => {
+            bail!("across ranks the layer runs mma or megakernel[:N], not {}", backend.name())
+        }
     };
     let bytes = Exchange::heap_bytes_per_rank(&config, &ExchangeOptions::default())?;
     let heap =

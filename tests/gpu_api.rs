@@ -7,11 +7,11 @@
 
 mod common;
 
-use common::{Case, Routing, fingerprint, random_case};
+use common::{Case, Routing, fingerprint, grad_views, random_case};
 use half::bf16;
 use mok::driver::{DeviceBuffer, DeviceSlice, DeviceSliceMut, Gpu};
 use mok::moe::{Backend, LayerOptions, MoeGradients, MoeInputs};
-use mok::unfused::{DeviceExperts, DeviceSharedExpert, DeviceTokens, WeightGradTarget, WeightGradViews};
+use mok::unfused::{DeviceExperts, DeviceSharedExpert, DeviceTokens, WeightGradTarget};
 use mok::{MoeConfig, MoeLayer, MokError};
 
 fn gpu() -> Gpu {
@@ -59,23 +59,6 @@ impl Caller {
             dw: sizes.iter().map(|&n| poisoned_bf16(n)).collect(),
             main_grads: sizes.iter().map(|&n| DeviceBuffer::from_slice(gpu, &vec![0.0f32; n]).unwrap()).collect(),
         }
-    }
-}
-
-/// Views of `buffers` as weight-gradient targets (routed three, then the shared three if any).
-fn grad_views<T: bytemuck::Pod>(buffers: &mut [DeviceBuffer<T>]) -> WeightGradViews<'_, T> {
-    let mut views: Vec<DeviceSliceMut<'_, T>> = buffers.iter_mut().map(Into::into).collect();
-    let shared = (views.len() == 6).then(|| {
-        let s: Vec<_> = views.drain(3..).collect();
-        let [a, b, c]: [DeviceSliceMut<'_, T>; 3] = s.try_into().ok().unwrap();
-        [a, b, c]
-    });
-    let mut routed = views.into_iter();
-    WeightGradViews {
-        dw_gate: routed.next().unwrap(),
-        dw_up: routed.next().unwrap(),
-        dw_down: routed.next().unwrap(),
-        shared,
     }
 }
 

@@ -6,7 +6,8 @@
 //!   tests check against the f64 reference; every 25th pass its `y` is checked against the f64
 //!   reference here too.
 //! - Subjects: for P = 1 the same layer with the routed GEMMs on the tensor-core engine (where the
-//!   GPU has it), in half the blocks with the forward as the megakernel (0–8 comm blocks); for
+//!   GPU has it), in half the blocks with the forward and the backward as the megakernels (0–8
+//!   comm blocks); for
 //!   P > 1 the expert-parallel layer over P virtual ranks (`EpLayer`), with vector or bulk
 //!   movers, in the same share of blocks with the forward as the megakernel hosting every rank
 //!   in one launch (0–8 comm blocks per rank). y, dx, d_topk_weights and every routed weight gradient must equal the oracle's
@@ -320,7 +321,8 @@ fn new_subject(gpu: &Gpu, block: &Block, deadline: Duration) -> Subject {
             }
             if let (Some(comm_blocks), true) = (block.megakernel, layer.uses_gemm_engine()) {
                 let options = MegakernelOptions { comm_blocks: Some(comm_blocks), blocks: None, timeout: deadline };
-                layer.set_forward_megakernel(gpu, Some(options)).unwrap();
+                layer.set_forward_megakernel(gpu, Some(options.clone())).unwrap();
+                layer.set_backward_megakernel(gpu, Some(options)).unwrap();
             }
         }
         Subject::Engine(Box::new(layer))
@@ -355,6 +357,7 @@ struct Tally {
     fresh_layers: usize,
     engine_passes: usize,
     megakernel_passes: usize,
+    backward_megakernel_passes: usize,
     ep_passes: usize,
     reference_checks: usize,
     silent_publish: usize,
@@ -451,6 +454,7 @@ fn soak_thousand_passes_bitwise_against_the_oracle_with_faults() {
                 Subject::Engine(layer) => {
                     tally.engine_passes += 1;
                     tally.megakernel_passes += layer.uses_forward_megakernel() as usize;
+                    tally.backward_megakernel_passes += layer.uses_backward_megakernel() as usize;
                     (run_unfused(&gpu, layer, &device, &oracle_experts, oracle_shared.as_ref()), true)
                 }
                 Subject::Ep(layer) => {
@@ -498,7 +502,7 @@ fn soak_thousand_passes_bitwise_against_the_oracle_with_faults() {
     let (buffers_after, bytes_after) = live_device_buffers();
     let (free_after, _) = gpu.memory_info().unwrap();
     println!(
-        "  {} passes in {:.1} s over {block_index} blocks: {} engine / mma.sync (P = 1), {} expert-parallel; {} with the megakernel forward; {} on \
+        "  {} passes in {:.1} s over {block_index} blocks: {} engine / mma.sync (P = 1), {} expert-parallel; {} with the megakernel forward, {} with the megakernel backward; {} on \
          fresh layer objects; P seen (blocks) {:?}; routings uniform / all-to-one / empty experts {:?} passes; \
          {} f64 reference checks",
         tally.passes,
@@ -506,6 +510,7 @@ fn soak_thousand_passes_bitwise_against_the_oracle_with_faults() {
         tally.engine_passes,
         tally.ep_passes,
         tally.megakernel_passes,
+        tally.backward_megakernel_passes,
         tally.fresh_layers,
         tally.ranks_seen.iter().enumerate().filter(|(_, n)| **n > 0).map(|(p, n)| (p, *n)).collect::<Vec<_>>(),
         tally.routings,

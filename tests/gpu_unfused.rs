@@ -32,7 +32,8 @@ use mok::megakernel::{MegakernelFaults, MegakernelOptions};
 use mok::problem::ExpertWeights;
 use mok::reference::{self, ReferenceOptions};
 use mok::unfused::{
-    DeviceExperts, DeviceSharedExpert, DeviceTokens, UnfusedLayer, random_bf16 as random_bf16_on_device,
+    DeviceExperts, DeviceSharedExpert, DeviceTokens, UnfusedLayer, WeightGradTarget,
+    random_bf16 as random_bf16_on_device,
 };
 use mok::{MoeConfig, MokError};
 
@@ -660,5 +661,228 @@ fn a_captured_training_step_replays_the_eager_bits() {
             other => panic!("{name}: a synchronising capture must be refused, got {:?}", other.err()),
         }
         assert_same_run(&run(&gpu, &mut layer, &device), &eager, &format!("{name}: eager after a refused capture"));
+    }
+}
+
+/// A layer whose backward (and, with `fused_forward`, forward) is the megakernel, or `None`
+/// (printed) on a GPU without it.
+fn backward_megakernel_layer(
+    gpu: &Gpu,
+    c: &MoeConfig,
+    options: MegakernelOptions,
+    fused_forward: bool,
+) -> Option<UnfusedLayer> {
+    let mut layer = UnfusedLayer::new(gpu, c.clone()).unwrap();
+    if let Err(e) = layer.set_backward_megakernel(gpu, Some(options.clone())) {
+        println!("  NOT RUN: the backward megakernel is not available on this GPU: {e}");
+        assert_ne!(gpu.compute_capability().0, 9, "an sm_90 GPU must run the megakernel: {e}");
+        return None;
+    }
+    if fused_forward {
+        layer.set_forward_megakernel(gpu, Some(options)).unwrap();
+    }
+    Some(layer)
+}
+
+/// Asserts that `got` (a backward megakernel run) equals the engine path's run bit for bit:
+/// the forward's saved rows, y, the backward rows the megakernel stores (d_gate, d_up, d_in —
+/// d_hidden lives only in its registers) and every output and gradient.
+fn assert_same_backward(got: &GpuRun, expected: &GpuRun, what: &str) {
+    assert_eq!(got.layout, expected.layout, "{what}: routing layout");
+    assert_eq!(fingerprint(&got.hidden), fingerprint(&expected.hidden), "{what}: hidden");
+    assert_eq!(fingerprint(&got.down), fingerprint(&expected.down), "{what}: down rows");
+    assert_eq!(got.backward_rows[1..], expected.backward_rows[1..], "{what}: d_gate, d_up, d_in rows");
+    assert_eq!(fingerprint(&got.dx), fingerprint(&expected.dx), "{what}: dx");
+    assert_eq!(fingerprint(&got.d_topk_weights), fingerprint(&expected.d_topk_weights), "{what}: d_topk_weights");
+    assert_eq!(got.fingerprints(), expected.fingerprints(), "{what}: outputs and gradients");
+}
+
+/// The exact zeros the backward owes: every weight gradient of an expert without rows, and the
+/// d_topk_weight of every dropped slot.
+fn assert_exact_zeros(got: &GpuRun, c: &MoeConfig, what: &str) {
+    let (h, i) = (c.hidden, c.intermediate);
+    for e in 0..c.num_experts {
+        if got.layout.expert_counts[e] != 0 {
+            continue;
+        }
+        for (name, dw) in ["dw_gate", "dw_up", "dw_down"].iter().zip(&got.dw) {
+            let block = &dw[e * h * i..(e + 1) * h * i];
+            assert!(block.iter().all(|v| v.to_bits() == 0), "{what}: {name} of empty expert {e} is not exactly 0");
+        }
+    }
+    for (slot, &row) in got.layout.slot_row.iter().enumerate() {
+        if row == u32::MAX {
+            assert_eq!(got.d_topk_weights[slot].to_bits(), 0, "{what}: d_topk_weight of dropped slot {slot}");
+        }
+    }
+}
+
+/// The backward of the last forward on `layer` with the weight gradients added into f32
+/// buffers that start at `start` (routed gate, up, down, then the shared three): their values
+/// after.
+fn accumulated_backward(gpu: &Gpu, layer: &mut UnfusedLayer, device: &DeviceCase, start: &[Vec<f32>]) -> Vec<Vec<f32>> {
+    let mut buffers: Vec<DeviceBuffer<f32>> = start.iter().map(|v| DeviceBuffer::from_slice(gpu, v).unwrap()).collect();
+    let views = ((&device.tokens).into(), (&device.experts).into(), device.shared.as_ref().map(Into::into));
+    let target = WeightGradTarget::AccumulateF32(common::grad_views(&mut buffers));
+    layer.backward_views(gpu, views, (&device.dy).into(), target).unwrap();
+    gpu.synchronize().unwrap();
+    layer.check_device_errors().unwrap();
+    buffers.iter().map(|b| b.download().unwrap()).collect()
+}
+
+/// Random f32 starting values for the accumulated weight gradients of `c`.
+fn main_grads_start(c: &MoeConfig, seed: u64) -> Vec<Vec<f32>> {
+    let (h, i, e) = (c.hidden, c.intermediate, c.num_experts);
+    let mut sizes = vec![e * i * h, e * i * h, e * h * i];
+    if let Some(s) = c.shared_intermediate {
+        sizes.extend([s * h, s * h, h * s]);
+    }
+    sizes
+        .iter()
+        .enumerate()
+        .map(|(n, &len)| common::random_bf16(len, seed + n as u64, 0.5).iter().map(|v| v.to_f32()).collect())
+        .collect()
+}
+
+#[test]
+fn backward_megakernel_is_bitwise_the_engine_path() {
+    // One persistent launch for the routed backward (gather with d_topk_weights, the down dgrad
+    // with the SwiGLU backward fused, the gate/up dgrad, three weight gradients, the dx combine)
+    // must give the engine path's bits for every comm-block split and grid size, with fresh
+    // bf16 and accumulated f32 weight gradients, on ragged, empty and hot experts, T = 1, k = 1
+    // and k = 10, dropped slots, the shared expert and the SwiGLU limit; after either forward.
+    let gpu = gpu();
+    let hot: &[usize] = &[2, 3, 4, 5, 6, 7];
+    let cases = [
+        (config(131, 72, 40, 8, 4, Some(24), Some(1.5)), Routing { drop_probability: 0.15, empty_experts: &[3] }),
+        (config(400, 512, 256, 32, 8, Some(256), Some(1.0)), Routing { drop_probability: 0.02, empty_experts: &[5] }),
+        (config(1, 64, 64, 4, 1, None, None), PLAIN_ROUTING),
+        (config(333, 136, 96, 16, 10, None, Some(2.0)), Routing { drop_probability: 0.05, empty_experts: &[0, 9] }),
+        (config(700, 256, 192, 8, 2, Some(64), None), Routing { drop_probability: 0.0, empty_experts: hot }),
+        (config(1024, 256, 192, 4, 1, None, None), PLAIN_ROUTING),
+    ];
+    let Some(probe) = backward_megakernel_layer(&gpu, &cases[0].0, megakernel_options(None, None), false) else {
+        return;
+    };
+    drop(probe);
+    let shapes = common::sized("backward megakernel shapes", cases.len(), 3);
+    for (seed, (c, routing)) in cases.into_iter().take(shapes).enumerate() {
+        let case = random_case(&c, 700 + seed as u64, routing);
+        let device = upload(&gpu, &case);
+        let mut engine = UnfusedLayer::new(&gpu, c.clone()).unwrap();
+        engine.set_gemm_engine(&gpu, true).unwrap();
+        let expected = run(&gpu, &mut engine, &device);
+        let start = main_grads_start(&c, 800 + seed as u64);
+        let expected_accumulated = accumulated_backward(&gpu, &mut engine, &device, &start);
+        let what =
+            format!("T={} H={} I={} E={} k={}", c.tokens_per_rank, c.hidden, c.intermediate, c.num_experts, c.top_k);
+        let mut layer = backward_megakernel_layer(&gpu, &c, megakernel_options(None, None), false).unwrap();
+        let got = run(&gpu, &mut layer, &device);
+        assert_same_backward(&got, &expected, &format!("{what}, default split"));
+        assert_exact_zeros(&got, &c, &what);
+        let accumulated = accumulated_backward(&gpu, &mut layer, &device, &start);
+        assert!(
+            accumulated.iter().zip(&expected_accumulated).all(|(a, b)| fingerprint(a) == fingerprint(b)),
+            "{what}: accumulated f32 weight gradients differ"
+        );
+        let (resident, default_comm) = layer.backward_megakernel_geometry().unwrap();
+        let all_splits = [0, 1, 2, 3, 5, 8, 13, resident / 4, resident / 2];
+        let grids = [(0, 2), (1, 4), (3, 8), (2, 10), (6, 30), (9, resident - 2)];
+        let (splits, grids) =
+            if common::sanitizing() { (&all_splits[..2], &grids[..1]) } else { (&all_splits[..], &grids[..]) };
+        for &comm in splits {
+            layer.set_backward_megakernel(&gpu, Some(megakernel_options(Some(comm), None))).unwrap();
+            assert_same_backward(&run(&gpu, &mut layer, &device), &expected, &format!("{what}, {comm} comm blocks"));
+        }
+        for &(comm, blocks) in grids {
+            layer.set_backward_megakernel(&gpu, Some(megakernel_options(Some(comm), Some(blocks)))).unwrap();
+            let got = run(&gpu, &mut layer, &device);
+            assert_eq!(layer.backward_megakernel_geometry(), Some((blocks, comm)));
+            assert_same_backward(&got, &expected, &format!("{what}, {comm} comm of {blocks} blocks"));
+            let accumulated = accumulated_backward(&gpu, &mut layer, &device, &start);
+            assert!(
+                accumulated.iter().zip(&expected_accumulated).all(|(a, b)| fingerprint(a) == fingerprint(b)),
+                "{what}, {comm} comm of {blocks} blocks: accumulated f32 weight gradients differ"
+            );
+        }
+        // Both passes as megakernels.
+        let mut fused = backward_megakernel_layer(&gpu, &c, megakernel_options(None, None), true).unwrap();
+        assert_same_backward(&run(&gpu, &mut fused, &device), &expected, &format!("{what}, both megakernels"));
+        println!(
+            "  {what}: backward megakernel bitwise equal to the engine path ({} splits + {} grids, fresh and accumulated; resident {resident} blocks, default {default_comm} comm)",
+            splits.len(),
+            grids.len()
+        );
+    }
+}
+
+#[test]
+fn backward_megakernel_repeats_bitwise_and_rejects_bad_geometry() {
+    let gpu = gpu();
+    let c = config(400, 512, 256, 32, 8, Some(256), Some(1.0));
+    let Some(mut layer) = backward_megakernel_layer(&gpu, &c, megakernel_options(None, None), true) else { return };
+    let case = random_case(&c, 900, Routing { drop_probability: 0.02, empty_experts: &[5] });
+    let device = upload(&gpu, &case);
+    let first = run(&gpu, &mut layer, &device);
+    let repeats = common::sized("repeats", 20, 3);
+    for i in 1..repeats {
+        assert_same_backward(&run(&gpu, &mut layer, &device), &first, &format!("repeat {i}"));
+    }
+    println!("  {repeats} runs on one layer: bitwise identical");
+    let (resident, _) = layer.backward_megakernel_geometry().unwrap();
+    for (comm, blocks, why) in [
+        (Some(resident - 1), None, "no compute pair"),
+        (Some(1), Some(resident + 2), "more blocks than fit at once"),
+        (Some(1), Some(7), "an odd grid"),
+        (Some(2), Some(2), "no compute pair"),
+    ] {
+        match layer.set_backward_megakernel(&gpu, Some(megakernel_options(comm, blocks))) {
+            Err(MokError::InvalidInput { problem, .. }) => println!("  {why}: {problem}"),
+            other => panic!("{why}: expected InvalidInput, got {other:?}"),
+        }
+        assert_same_backward(&run(&gpu, &mut layer, &device), &first, &format!("after refusing: {why}"));
+    }
+}
+
+#[test]
+fn backward_megakernel_faults_are_reported_timeouts_then_correct_passes() {
+    // A tile whose dy rows are never published, and one whose down-dgrad parts never count: each
+    // is a `MokError::Timeout` naming the counter and the tile within twice the deadline; the
+    // next pass on the same layer is correct.
+    let gpu = gpu();
+    let c = config(400, 512, 256, 32, 8, Some(256), Some(1.0));
+    let deadline = std::time::Duration::from_millis(common::sized("fault deadline (ms)", 200, 2000));
+    let options = MegakernelOptions { comm_blocks: None, blocks: None, timeout: deadline };
+    let Some(mut layer) = backward_megakernel_layer(&gpu, &c, options, false) else { return };
+    let case = random_case(&c, 910, Routing { drop_probability: 0.02, empty_experts: &[5] });
+    let device = upload(&gpu, &case);
+    let mut engine = UnfusedLayer::new(&gpu, c.clone()).unwrap();
+    engine.set_gemm_engine(&gpu, true).unwrap();
+    let expected = run(&gpu, &mut engine, &device);
+    assert_same_backward(&run(&gpu, &mut layer, &device), &expected, "before the faults");
+    let faults = [
+        (MegakernelFaults { silent_rows_tile: Some(3), ..Default::default() }, "gathered", "M tile 3"),
+        (MegakernelFaults { silent_hidden_tile: Some(5), ..Default::default() }, "down_dgrad_stored", "M tile 5"),
+    ];
+    for (fault, counter, tile) in faults {
+        layer.set_backward_megakernel_faults(fault).unwrap();
+        layer.poison().unwrap();
+        layer.forward(&gpu, &device.tokens, &device.experts, device.shared.as_ref()).unwrap();
+        gpu.synchronize().unwrap();
+        let start = std::time::Instant::now();
+        layer.backward(&gpu, &device.tokens, &device.experts, device.shared.as_ref(), &device.dy).unwrap();
+        let result = layer.check_device_errors();
+        let elapsed = start.elapsed();
+        match result {
+            Err(MokError::Timeout { waited_for, detail, .. }) => {
+                assert!(waited_for.contains(counter), "{waited_for}");
+                assert!(detail.contains(tile) && detail.contains("expected"), "{detail}");
+                println!("  {fault:?}: Timeout after {:.3} s: {waited_for}: {detail}", elapsed.as_secs_f64());
+            }
+            other => panic!("{fault:?}: expected a Timeout, got {other:?}"),
+        }
+        assert!(elapsed < 2 * deadline, "{fault:?}: reported after {elapsed:?}, deadline {deadline:?}");
+        layer.set_backward_megakernel_faults(MegakernelFaults::default()).unwrap();
+        assert_same_backward(&run(&gpu, &mut layer, &device), &expected, &format!("the pass after {fault:?}"));
     }
 }

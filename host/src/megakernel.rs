@@ -567,7 +567,10 @@ impl BackwardMegakernel {
         tokens: u32,
     ) -> Result<()> {
         if !self.built_for(plans) {
-            return Err(MokError::InvalidInput { tensor: "megakernel", problem: "built for other engine plans".into() });
+            return Err(MokError::InvalidInput {
+                tensor: "megakernel",
+                problem: "built for other engine plans".into(),
+            });
         }
         for plan in plans {
             plan.cut_group_maps(gpu)?;

@@ -4,9 +4,11 @@
 use half::bf16;
 use mok::MoeConfig;
 use mok::driver::Gpu;
+use mok::driver::{DeviceBuffer, DeviceSliceMut};
 use mok::ep::EpLayer;
 use mok::kernels::num::random_uniform;
 use mok::problem::{ExpertWeights, RoutedTokens, SharedExpertWeights};
+use mok::unfused::WeightGradViews;
 
 /// Whether the tests run under compute-sanitizer (`run.sh --sanitize` sets `MOK_SANITIZE=1`).
 /// Instrumented kernels run 10-100× slower, so tests with frontier-sized data use their reduced
@@ -176,5 +178,22 @@ pub fn upload_rank_inputs(gpu: &Gpu, layer: &EpLayer, case: &Case) {
         };
         layer.upload_tokens(gpu, rank, &tokens).unwrap();
         layer.upload_dy(gpu, rank, &share(&case.dy, p, rank, h)).unwrap();
+    }
+}
+
+/// Views of `buffers` as weight-gradient targets (routed three, then the shared three if any).
+pub fn grad_views<T: bytemuck::Pod>(buffers: &mut [DeviceBuffer<T>]) -> WeightGradViews<'_, T> {
+    let mut views: Vec<DeviceSliceMut<'_, T>> = buffers.iter_mut().map(Into::into).collect();
+    let shared = (views.len() == 6).then(|| {
+        let s: Vec<_> = views.drain(3..).collect();
+        let [a, b, c]: [DeviceSliceMut<'_, T>; 3] = s.try_into().ok().unwrap();
+        [a, b, c]
+    });
+    let mut routed = views.into_iter();
+    WeightGradViews {
+        dw_gate: routed.next().unwrap(),
+        dw_up: routed.next().unwrap(),
+        dw_down: routed.next().unwrap(),
+        shared,
     }
 }

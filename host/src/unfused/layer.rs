@@ -995,14 +995,7 @@ impl UnfusedLayer {
             unreachable!("prepared above");
         };
         engine::tile_offsets_into(gpu, &self.routing.row_offsets, e, &engine.tile_offsets)?;
-        pass.launch(
-            gpu,
-            backward_plans(engine),
-            dy.device_ptr(),
-            tokens.topk_weights.device_ptr(),
-            shared_dx,
-            t as u32,
-        )
+        pass.launch(gpu, backward_plans(engine), dy.device_ptr(), tokens.topk_weights.device_ptr(), shared_dx, t as u32)
     }
 
     /// The shared expert's backward (when the layer has one): its weight gradients into

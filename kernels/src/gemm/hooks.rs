@@ -203,7 +203,11 @@ impl<const PHASE: u32> TileHooks for ForwardHandover<PHASE> {
             } else {
                 // The SwiGLU tile writes 128 hidden columns.
                 let gate_up_n = (*(f.gate_up as *const GemmParams)).n.div_ceil(TILE_N / 2);
-                Ready::Stored { counts: f.gate_up_stored as *const u32, n_tiles: gate_up_n, code: WAIT_ENGINE_TILE_HIDDEN }
+                Ready::Stored {
+                    counts: f.gate_up_stored as *const u32,
+                    n_tiles: gate_up_n,
+                    code: WAIT_ENGINE_TILE_HIDDEN,
+                }
             };
             // A down tile's wait is downstream of its gate/up tiles' waits: a longer deadline, so
             // the failure reported first is the cause (`megakernel_layout::downstream_deadline`).
@@ -356,4 +360,3 @@ unsafe fn wait_for_group(b: &BackwardParams, group: u32, gathered: bool) {
 pub(super) const fn hooked(v: u32) -> bool {
     v != Variant::WGRAD
 }
-

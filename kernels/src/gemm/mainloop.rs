@@ -1,7 +1,9 @@
 //! The consumers' main loop: one warpgroup's `wgmma.m64n256k16` over a tile's stages, each stage
 //! released once the MMAs reading it are done.
 
-use crate::gemm_layout::{BLOCK_64_BYTES, TILE_N, Variant, cluster_blocks, is_wgrad, own_empty_arrivals, smem_descriptor};
+use crate::gemm_layout::{
+    BLOCK_64_BYTES, TILE_N, Variant, cluster_blocks, is_wgrad, own_empty_arrivals, smem_descriptor,
+};
 use crate::ptx::{cluster, mbarrier, wgmma};
 
 use super::ring::Ring;

@@ -3,7 +3,8 @@
 //! counter by a pair's first block; weight gradients walk `blockIdx.x + i·gridDim.x`.
 
 use crate::gemm_layout::{
-    GemmParams, PairTile, TILE_K, TILE_M, TILE_N, Variant, cluster_blocks, is_wgrad, pair_entries_list_before, pair_tile,
+    GemmParams, PairTile, TILE_K, TILE_M, TILE_N, Variant, cluster_blocks, is_wgrad, pair_entries_list_before,
+    pair_tile,
 };
 use crate::ptx::sreg;
 
