@@ -151,9 +151,13 @@ struct Measured {
     step: f64,
     /// Kernels launched per forward (memsets not counted).
     launches: u64,
+    /// ... and per backward (after a forward).
+    bwd_launches: u64,
     /// Megakernel backends: the same launch with only the row moving, with only the GEMMs (rows
     /// in place), and with no work at all (the schedule and an empty launch), ms.
     sides: Option<(f64, f64, f64)>,
+    /// With the backward megakernel: the backward alone, ms, and its sides as `sides`.
+    backward: Option<(f64, (f64, f64, f64))>,
 }
 
 /// The megakernel's sides timed alone, `(comm, compute, none)` ms: with only the row moving, with
@@ -278,6 +282,9 @@ fn bench_case_ep(
     let before = gpu.kernel_launches();
     layer.forward(gpu, &experts, None)?;
     let launches = gpu.kernel_launches() - before;
+    let before = gpu.kernel_launches();
+    layer.backward(gpu, &experts, None)?;
+    let bwd_launches = gpu.kernel_launches() - before;
     let mut sides = None;
     if matches!(backend, Backend::Megakernel(_)) {
         sides = Some(time_sides(&timer, reps, |work| {
@@ -289,7 +296,7 @@ fn bench_case_ep(
         })?);
         layer.check_errors(gpu)?;
     }
-    Ok(Measured { fwd: median(fwd), step: median(step), launches, sides })
+    Ok(Measured { fwd: median(fwd), step: median(step), launches, bwd_launches, sides, backward: None })
 }
 
 fn bench_case(gpu: &Gpu, shape: FrontierShape, tokens: usize, reps: usize, backend: Backend) -> Result<Measured> {
@@ -324,6 +331,9 @@ fn bench_case(gpu: &Gpu, shape: FrontierShape, tokens: usize, reps: usize, backe
     let before = gpu.kernel_launches();
     layer.forward(gpu, &device_tokens, &experts, None)?;
     let launches = gpu.kernel_launches() - before;
+    let before = gpu.kernel_launches();
+    layer.backward(gpu, &device_tokens, &experts, None, &dy)?;
+    let bwd_launches = gpu.kernel_launches() - before;
     let mut sides = None;
     if matches!(backend, Backend::Megakernel(_)) {
         sides = Some(time_sides(&timer, reps, |work| {
@@ -335,7 +345,25 @@ fn bench_case(gpu: &Gpu, shape: FrontierShape, tokens: usize, reps: usize, backe
         })?);
         layer.check_device_errors()?;
     }
-    Ok(Measured { fwd: median(fwd), step: median(step), launches, sides })
+    let mut backward = None;
+    if matches!(backend, Backend::Megakernels(_)) {
+        let mut times = Vec::new();
+        for _ in 0..reps {
+            timer.start()?;
+            layer.backward(gpu, &device_tokens, &experts, None, &dy)?;
+            times.push(timer.stop_ms()?);
+        }
+        let sides = time_sides(&timer, reps, |work| {
+            match work {
+                Some(work) => layer.set_backward_megakernel_work(work)?,
+                None => layer.backward(gpu, &device_tokens, &experts, None, &dy)?,
+            }
+            Ok(())
+        })?;
+        layer.check_device_errors()?;
+        backward = Some((median(times), sides));
+    }
+    Ok(Measured { fwd: median(fwd), step: median(step), launches, bwd_launches, sides, backward })
 }
 
 /// The layer across processes, one rank per GPU (launched by torchrun or srun: `env`): this
@@ -424,11 +452,14 @@ fn bench_case_processes(
     let before = gpu.kernel_launches();
     step(false)?;
     let launches = gpu.kernel_launches() - before;
+    let before = gpu.kernel_launches();
+    step(true)?;
+    let bwd_launches = gpu.kernel_launches() - before - launches;
     layer.check()?;
     // Every rank is done with every slice before any rank frees its own.
     boot.all_gather_bytes(gpu, &[1])?;
     drop(layer);
-    Ok(Measured { fwd: median(fwd), step: median(steps), launches, sides: None })
+    Ok(Measured { fwd: median(fwd), step: median(steps), launches, bwd_launches, sides: None, backward: None })
 }
 
 fn main() -> Result<()> {
@@ -472,19 +503,32 @@ fn main() -> Result<()> {
             // Overlap efficiency: how much of the shorter side the full pass hides.
             let overlap = (comm + compute - fwd) / comm.min(compute);
             details.push(format!(
-                "| {} | {tokens} | {} | {} | {none:.2} ({:.1} %) | {comm:.2} | {compute:.2} | {fwd:.2} | {:.0} % |",
+                "| {} | {tokens} | {} | {} | {} | {none:.2} ({:.1} %) | {comm:.2} | {compute:.2} | {fwd:.2} | {:.0} % |",
                 shape.name,
                 backend_name.clone(),
                 measured.launches,
+                measured.bwd_launches,
                 100.0 * none / fwd,
                 100.0 * overlap
             ));
         } else {
             details.push(format!(
-                "| {} | {tokens} | {} | {} | - | - | - | {fwd:.2} | - |",
+                "| {} | {tokens} | {} | {} | {} | - | - | - | {fwd:.2} | - |",
                 shape.name,
                 backend_name.clone(),
-                measured.launches
+                measured.launches,
+                measured.bwd_launches
+            ));
+        }
+        if let Some((bwd, (comm, compute, none))) = measured.backward {
+            let overlap = (comm + compute - bwd) / comm.min(compute);
+            details.push(format!(
+                "| {} | {tokens} | {} (backward) | - | {} | {none:.2} ({:.1} %) | {comm:.2} | {compute:.2} | {bwd:.2} | {:.0} % |",
+                shape.name,
+                backend_name.clone(),
+                measured.bwd_launches,
+                100.0 * none / bwd,
+                100.0 * overlap
             ));
         }
         let config = shape.config(tokens);
@@ -500,11 +544,12 @@ fn main() -> Result<()> {
         println!(
             "RESULT {} {tokens} {backend_name} fwd_ms {fwd:.3} step_ms {step:.3} fwd_tflops {:.1} step_tflops {:.1} \
              fwd_flop_floor_ms {fwd_flop_floor:.3} fwd_byte_floor_ms {fwd_byte_floor:.3} step_floor_ms {step_floor:.3} \
-             torch_fwd_ms {torch_fwd:.3} torch_step_ms {torch_step:.3} flops {flops:.0} launches {}",
+             torch_fwd_ms {torch_fwd:.3} torch_step_ms {torch_step:.3} flops {flops:.0} launches {} bwd_launches {}",
             shape.name,
             flops / fwd / 1e9,
             3.0 * flops / step / 1e9,
-            measured.launches
+            measured.launches,
+            measured.bwd_launches
         );
         rows.push((
             backend_name.clone(),
@@ -537,9 +582,9 @@ fn main() -> Result<()> {
     }
     println!();
     println!(
-        "| shape | T | backend | kernels per forward | schedule + empty launch ms (share) | comm side alone ms | compute side alone ms | forward ms | overlap efficiency |"
+        "| shape | T | backend | kernels per forward | kernels per backward | schedule + empty launch ms (share) | comm side alone ms | compute side alone ms | pass ms | overlap efficiency |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     for line in details {
         println!("{line}");
     }

@@ -553,6 +553,14 @@ impl BackwardMegakernel {
         self.params.upload(&unsafe { blocks_bytes(&[self.host]) })
     }
 
+    /// Sets the work of the following passes (benchmarks: the backward's sides timed alone).
+    #[cfg(feature = "testing")]
+    pub(crate) fn set_work(&mut self, work: MegakernelWork) -> Result<()> {
+        self.host.work = work.0;
+        // SAFETY: as in `new`.
+        self.params.upload(&unsafe { blocks_bytes(&[self.host]) })
+    }
+
     /// Enqueues one backward pass of `tokens` tokens: cuts every plan's group maps (zeroing
     /// their tile counters), clears the pass counters, then the megakernel. `dy` `[T][H]` bf16,
     /// `topk_weights` `[T·k]` f32 and `shared_dx` `[T][H]` f32 (0 for none) must stay allocated

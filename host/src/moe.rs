@@ -23,8 +23,9 @@ use crate::unfused::{ExpertsView, SharedExpertView, TokensView, UnfusedLayer, We
 /// the GPUs they need.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Backend {
-    /// The forward as one persistent launch over the tensor-core engine (sm_90a); the backward
-    /// on the engine's kernels.
+    /// The megakernels over the tensor-core engine (sm_90a): on one GPU the forward and the
+    /// backward each as one persistent launch; over ranks the forward as one launch hosting
+    /// every rank, the backward on the exchange's separate launches.
     Megakernel,
     /// The routed experts' GEMMs on the tensor-core engine (sm_90a), as separate launches.
     Engine,
@@ -192,7 +193,10 @@ impl MoeLayer {
         match backend {
             Backend::MmaSync => {}
             Backend::Engine => layer.set_gemm_engine(gpu, true)?,
-            Backend::Megakernel => layer.set_forward_megakernel(gpu, Some(options.megakernel))?,
+            Backend::Megakernel => {
+                layer.set_forward_megakernel(gpu, Some(options.megakernel.clone()))?;
+                layer.set_backward_megakernel(gpu, Some(options.megakernel))?;
+            }
         }
         Ok(Self { layer: Layer::Single(Box::new(layer)), backend, passes: 0 })
     }
@@ -609,16 +613,22 @@ pub fn workspace_bytes(config: &MoeConfig, backend: Backend) -> Result<usize> {
         use mok_kernels::gemm_layout::{GROUP_MAP_SLOTS, TENSOR_MAP_BYTES};
         let params = size_of::<mok_kernels::gemm_layout::GemmParams>();
         let group_maps = buffer(e.max(1) * GROUP_MAP_SLOTS as usize * TENSOR_MAP_BYTES as usize);
-        // gate/up 4 maps, down 3, the two dgrads 3 and 5, three weight gradients 3 each.
-        let plans = [4, 3, 3, 5, 3, 3, 3];
+        // gate/up 4 maps, down 3, the two dgrads 3 and 5, the down dgrad with the SwiGLU
+        // backward 2, three weight gradients 3 each.
+        let plans = [4, 3, 3, 5, 2, 3, 3, 3];
         total += buffer(4 * 2 * (e + 1));
         total +=
             plans.iter().map(|maps| buffer(params) + maps * TENSOR_MAP_BYTES as usize + group_maps + 16).sum::<usize>();
         if backend == Backend::Megakernel {
             let m_tiles = slots.div_ceil(mok_kernels::gemm_layout::TILE_M as usize) + e;
             let forward = size_of::<mok_kernels::megakernel_layout::ForwardParams>();
+            let backward = size_of::<mok_kernels::megakernel_layout::BackwardParams>();
             total += buffer(forward)
                 + buffer(4 * crate::megakernel::counter_words(m_tiles))
+                + buffer(4 * mok_kernels::comm::params::ERROR_WORDS);
+            // The backward megakernel's parameter block, counters and error record.
+            total += buffer(backward)
+                + buffer(4 * mok_kernels::megakernel_layout::backward_counter_words(m_tiles))
                 + buffer(4 * mok_kernels::comm::params::ERROR_WORDS);
         }
     }

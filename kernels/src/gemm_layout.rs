@@ -60,8 +60,9 @@ impl Variant {
     pub const ROWS_NN_SWIGLU_BWD: u32 = 5;
     /// [`Variant::WGRAD`] on the ring of a persistent kernel that runs in 2-block clusters (the
     /// backward megakernel): each block still computes its own tiles alone (no multicast, no
-    /// partner), taking them from the plan's tile counter, but the ring's `empty` barriers count
-    /// the consumer warps of both blocks, so each warp arrives twice on its own block's barrier.
+    /// partner), walking them with a fixed stride over the blocks that run the phase (the
+    /// hooks' `weight_tile_walk`), but the ring's `empty` barriers count the consumer warps of
+    /// both blocks, so each warp arrives twice on its own block's barrier.
     pub const WGRAD_IN_PAIR: u32 = 6;
 }
 

@@ -318,6 +318,22 @@ impl UnfusedLayer {
         pass.set_faults(faults)
     }
 
+    /// The work of the following backward megakernel passes (feature `testing`: the benchmark's
+    /// overlap measurement; [`MegakernelWork::COMM_ONLY`] is the gather with the slot-weight
+    /// gradients and the dx combine, [`MegakernelWork::COMPUTE_ONLY`] the GEMM tiles). The pass
+    /// must exist.
+    #[cfg(feature = "testing")]
+    pub fn set_backward_megakernel_work(&mut self, work: MegakernelWork) -> Result<()> {
+        let pass = self.backward_megakernel.as_mut().and_then(|(_, pass)| pass.as_mut());
+        let Some(pass) = pass else {
+            return Err(MokError::InvalidInput {
+                tensor: "megakernel",
+                problem: "no backward megakernel pass yet (switch it on and run a backward)".into(),
+            });
+        };
+        pass.set_work(work)
+    }
+
     /// Builds the backward megakernel pass for the engine's current plans (when it is on).
     fn prepare_backward_megakernel(&mut self, gpu: &Gpu) -> Result<()> {
         let (Some((options, pass)), Some(engine)) = (self.backward_megakernel.as_mut(), self.engine.as_ref()) else {

@@ -273,9 +273,10 @@ pub unsafe fn run_forward_phases<H1: TileHooks, H2: TileHooks>(
 /// [`run_forward_phases`]: on one ring, the down projection's data gradient with the SwiGLU
 /// backward in its epilogue ([`Variant::ROWS_NN_SWIGLU_BWD`]), the gate/up data gradient
 /// ([`Variant::ROWS_NN`]), then the three weight gradients (down, gate, up:
-/// [`Variant::WGRAD_IN_PAIR`], each block taking its own tiles). A block moves on to a phase
-/// only when the previous phase's tile counter is spent, so a tile only ever waits for work a
-/// running block already holds (docs/ARCHITECTURE.md). Returns `Some(())` for the consumer
+/// [`Variant::WGRAD_IN_PAIR`], each block walking its own share of the tiles). A block moves
+/// on to a phase only when it has no more tiles of the previous one (the data gradients: their
+/// counter is spent), and a tile waits only for earlier phases, so it only ever waits for work
+/// a running block already holds (docs/ARCHITECTURE.md). Returns `Some(())` for the consumer
 /// warpgroups' threads, `None` for the producer warpgroup's.
 ///
 /// # Safety

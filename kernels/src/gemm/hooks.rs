@@ -17,7 +17,9 @@ use crate::comm::error::{
 use crate::comm::schedule::epoch_reached;
 use crate::comm::wait::{signal, wait_until};
 use crate::gemm_layout::{GemmParams, TILE_M, TILE_N, TileCounters, Variant};
-use crate::megakernel_layout::{BackwardParams, ForwardParams, NO_FAULT, downstream_deadline, parts_per_m_tile};
+use crate::megakernel_layout::{
+    BackwardParams, ForwardParams, NO_FAULT, downstream_deadline, first_compute_block, parts_per_m_tile,
+};
 use crate::ptx::bulk;
 use crate::ptx::memory::fence_proxy_async_global;
 
@@ -38,6 +40,15 @@ pub trait TileHooks: Copy {
     /// # Safety
     /// As [`Self::before_rows`]; called by the thread that issued the tile's bulk stores.
     unsafe fn after_store(&self, p: &GemmParams, work: &Work, wg: u32);
+
+    /// A weight gradient on a persistent kernel's ring (`Variant::WGRAD_IN_PAIR`): this block's
+    /// first tile and the stride of its walk, `(index, count)` among the blocks that run the
+    /// phase (a fixed stride, as the standalone weight gradient walks: its tiles are a few K
+    /// blocks long, and an atomic hand-out per tile measured 5–15 % slower, docs/PERF.md v13).
+    #[inline(always)]
+    fn weight_tile_walk(&self) -> (u32, u32) {
+        (crate::ptx::sreg::block_idx_x(), crate::ptx::sreg::grid_dim_x())
+    }
 }
 
 /// No hooks: the standalone GEMM kernels.
@@ -299,6 +310,14 @@ impl<const PHASE: u32> TileHooks for BackwardHandover<PHASE> {
                 wait_for_group(b, work.group, PHASE == BackwardHandover::WGRAD_DOWN);
             }
         }
+    }
+
+    #[inline(always)]
+    fn weight_tile_walk(&self) -> (u32, u32) {
+        // The compute blocks: every block from the first compute pair on.
+        // SAFETY: the pass's parameter block (constructor's contract).
+        let first = first_compute_block(unsafe { (*self.params).comm_blocks });
+        (crate::ptx::sreg::block_idx_x() - first, crate::ptx::sreg::grid_dim_x() - first)
     }
 
     #[inline(always)]

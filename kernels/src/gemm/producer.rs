@@ -47,9 +47,10 @@ pub(super) unsafe fn produce<const V: u32, H: TileHooks>(p: &GemmParams, ring: R
         // nothing but A columns; there the fixed stride avoids an atomic round trip per tile.
         let tile = if V == Variant::WGRAD {
             sreg::block_idx_x() + taken * sreg::grid_dim_x()
+        } else if V == Variant::WGRAD_IN_PAIR {
+            let (first, stride) = hooks.weight_tile_walk();
+            first + taken * stride
         } else if rank == 0 {
-            // (A weight gradient in a persistent kernel's pair takes its tiles here too: each
-            // block alone, rank 0.)
             // SAFETY: the plan's counter, zeroed before the launch (host contract).
             unsafe { atom_add_relaxed_gpu_u32(counter, 1) }
         } else {
