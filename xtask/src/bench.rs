@@ -37,8 +37,9 @@ pub struct BenchArgs {
 
 /// The frontier shapes the layer bench knows.
 const SHAPES: [&str; 4] = ["kimi", "glm", "qwen", "deepseek"];
-/// The backends the layer bench knows (`megakernel:N` too).
-const BACKENDS: [&str; 3] = ["mma", "engine", "megakernel"];
+/// The backends the layer bench knows (`megakernel:N` and `megakernels:N` too; `megakernels`:
+/// the forward and the backward megakernels, one GPU).
+const BACKENDS: [&str; 4] = ["mma", "engine", "megakernel", "megakernels"];
 
 impl BenchArgs {
     /// Checks the options and returns the bench's `--cases` value.
@@ -55,11 +56,11 @@ impl BenchArgs {
             let base = backend.split(':').next().unwrap_or_default();
             let count_ok = match backend.split_once(':') {
                 None => true,
-                Some(("megakernel", n)) => n.parse::<u32>().is_ok(),
+                Some(("megakernel" | "megakernels", n)) => n.parse::<u32>().is_ok(),
                 Some(_) => false,
             };
             if !BACKENDS.contains(&base) || !count_ok {
-                bail!("--backends: unknown backend {backend:?} (known: mma, engine, megakernel, megakernel:N)");
+                bail!("--backends: unknown backend {backend:?} (known: mma, engine, megakernel[:N], megakernels[:N])");
             }
         }
         if self.ranks == 0 || self.reps == 0 {
@@ -420,9 +421,9 @@ fn check_launch(args: &BenchArgs, (rank, world): (usize, usize)) -> Result<bool>
             }
         }
     }
-    if (across || args.ranks > 1) && args.backends.iter().any(|b| b == "engine") {
+    if (across || args.ranks > 1) && args.backends.iter().any(|b| b == "engine" || b.starts_with("megakernels")) {
         bail!(
-            "--backends: over ranks the layer runs mma or megakernel[:N], not engine (e.g. --backends mma,megakernel)"
+            "--backends: over ranks the layer runs mma or megakernel[:N], not engine or megakernels (e.g. --backends mma,megakernel)"
         );
     }
     Ok(across)
@@ -592,6 +593,10 @@ mod tests {
         assert!(bad(|a| a.shapes = vec!["llama".into()]).contains("unknown shape \"llama\""));
         assert!(bad(|a| a.backends = vec!["megakernel:x".into()]).contains("unknown backend"));
         assert!(bad(|a| a.backends = vec!["cublas".into()]).contains("unknown backend"));
+        assert!(bad(|a| a.backends = vec!["megakernels:".into()]).contains("unknown backend"));
+        let mut both = args();
+        both.backends = vec!["megakernels".into(), "megakernels:4".into()];
+        assert!(both.cases().is_ok());
         assert!(bad(|a| a.tokens = vec![]).contains("at least one value"));
         assert!(
             bad(|a| {

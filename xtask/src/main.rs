@@ -62,7 +62,8 @@ enum Task {
         /// Token counts T per case (global over the ranks).
         #[arg(long, value_delimiter = ',', default_value = "8192")]
         tokens: Vec<usize>,
-        /// Backends: mma, engine, megakernel, megakernel:N (N comm blocks).
+        /// Backends: mma, engine, megakernel, megakernel:N (N comm blocks), megakernels[:N] (the forward
+        /// and the backward megakernels, one GPU).
         #[arg(long, value_delimiter = ',', default_value = "engine,megakernel")]
         backends: Vec<String>,
         /// P > 1: the expert-parallel layer over P virtual ranks on one GPU instead.
