@@ -482,6 +482,21 @@ fn assert_same_run(got: &GpuRun, expected: &GpuRun, what: &str) {
     assert_eq!(got.fingerprints(), expected.fingerprints(), "{what}: outputs and gradients");
 }
 
+/// The megakernel tests' shapes: ragged (nothing a multiple of a tile) with dropped slots, an
+/// empty expert, the shared expert and a limit; k = 8 over 32 experts; T = 1 with k = 1; k = 10
+/// with two empty experts; every token on the same two experts (six empty); k = 1 at T = 1024.
+fn megakernel_cases() -> [(MoeConfig, Routing<'static>); 6] {
+    const HOT: &[usize] = &[2, 3, 4, 5, 6, 7];
+    [
+        (config(131, 72, 40, 8, 4, Some(24), Some(1.5)), Routing { drop_probability: 0.15, empty_experts: &[3] }),
+        (config(400, 512, 256, 32, 8, Some(256), Some(1.0)), Routing { drop_probability: 0.02, empty_experts: &[5] }),
+        (config(1, 64, 64, 4, 1, None, None), PLAIN_ROUTING),
+        (config(333, 136, 96, 16, 10, None, Some(2.0)), Routing { drop_probability: 0.05, empty_experts: &[0, 9] }),
+        (config(700, 256, 192, 8, 2, Some(64), None), Routing { drop_probability: 0.0, empty_experts: HOT }),
+        (config(1024, 256, 192, 4, 1, None, None), PLAIN_ROUTING),
+    ]
+}
+
 #[test]
 fn forward_megakernel_is_bitwise_the_engine_path() {
     // One persistent launch (dispatch, gate/up + SwiGLU, down, combine) must give the engine
@@ -489,15 +504,7 @@ fn forward_megakernel_is_bitwise_the_engine_path() {
     // on ragged, empty and hot experts, T = 1, k = 1 and k = 10, dropped slots, the shared
     // expert and the SwiGLU limit.
     let gpu = gpu();
-    let hot: &[usize] = &[2, 3, 4, 5, 6, 7];
-    let cases = [
-        (config(131, 72, 40, 8, 4, Some(24), Some(1.5)), Routing { drop_probability: 0.15, empty_experts: &[3] }),
-        (config(400, 512, 256, 32, 8, Some(256), Some(1.0)), Routing { drop_probability: 0.02, empty_experts: &[5] }),
-        (config(1, 64, 64, 4, 1, None, None), PLAIN_ROUTING),
-        (config(333, 136, 96, 16, 10, None, Some(2.0)), Routing { drop_probability: 0.05, empty_experts: &[0, 9] }),
-        (config(700, 256, 192, 8, 2, Some(64), None), Routing { drop_probability: 0.0, empty_experts: hot }),
-        (config(1024, 256, 192, 4, 1, None, None), PLAIN_ROUTING),
-    ];
+    let cases = megakernel_cases();
     let Some(probe) = megakernel_layer(&gpu, &cases[0].0, megakernel_options(None, None)) else { return };
     drop(probe);
     // Under compute-sanitizer: the first three shapes.
@@ -752,15 +759,7 @@ fn backward_megakernel_is_bitwise_the_engine_path() {
     // bf16 and accumulated f32 weight gradients, on ragged, empty and hot experts, T = 1, k = 1
     // and k = 10, dropped slots, the shared expert and the SwiGLU limit; after either forward.
     let gpu = gpu();
-    let hot: &[usize] = &[2, 3, 4, 5, 6, 7];
-    let cases = [
-        (config(131, 72, 40, 8, 4, Some(24), Some(1.5)), Routing { drop_probability: 0.15, empty_experts: &[3] }),
-        (config(400, 512, 256, 32, 8, Some(256), Some(1.0)), Routing { drop_probability: 0.02, empty_experts: &[5] }),
-        (config(1, 64, 64, 4, 1, None, None), PLAIN_ROUTING),
-        (config(333, 136, 96, 16, 10, None, Some(2.0)), Routing { drop_probability: 0.05, empty_experts: &[0, 9] }),
-        (config(700, 256, 192, 8, 2, Some(64), None), Routing { drop_probability: 0.0, empty_experts: hot }),
-        (config(1024, 256, 192, 4, 1, None, None), PLAIN_ROUTING),
-    ];
+    let cases = megakernel_cases();
     let Some(probe) = backward_megakernel_layer(&gpu, &cases[0].0, megakernel_options(None, None), false) else {
         return;
     };

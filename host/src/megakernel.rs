@@ -646,332 +646,19 @@ mod geometry_tests {
 
 #[cfg(test)]
 mod work_order_model {
-    //! A model of the forward megakernel's work order, run on the CPU over many random
-    //! geometries, routings, rank counts and interleavings: each rank's blocks take dispatch
-    //! tiles, gate/up tiles, down tiles, across ranks push rows, and combine tokens from the
-    //! rank's queues in that order; a compute pair's producer takes the next GEMM tile while its
-    //! consumers still finish the one before (its rows already loaded, so it never waits); every
-    //! unit waits only on the counters it reads in the kernel (a pushed row on its rank's down
-    //! tile; a token's combine, across ranks on the rows its owners push, on one GPU on the down
-    //! tiles). The property checked is the one docs/ARCHITECTURE.md argues: whatever the
-    //! interleaving, every unit completes (no state where every unfinished agent waits).
+    //! CPU models of the megakernels' work orders, run over many random geometries, routings,
+    //! rank counts and interleavings. Agents stand for blocks: a comm block, or a compute pair
+    //! whose producer holds the next GEMM tile (waiting on its inputs) while its consumers
+    //! finish the current one (its rows loaded, so it completes without waiting). Each unit waits
+    //! only on the counters its kernel wait reads. The property checked is the one
+    //! docs/ARCHITECTURE.md argues: whatever the interleaving, every unit completes (no state
+    //! where every unfinished agent waits); and the order matters (taking a later queue early
+    //! can deadlock).
 
     /// Deterministic xorshift for the interleavings.
-    struct Rng(u64);
+    pub(super) struct Rng(pub(super) u64);
     impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0
-        }
-        fn below(&mut self, n: usize) -> usize {
-            (self.next() % n as u64) as usize
-        }
-    }
-
-    /// A unit of work of rank `.0`.
-    #[derive(Clone, Copy, PartialEq, Debug)]
-    enum Unit {
-        Dispatch(usize, usize),
-        GateUp(usize, usize),
-        Down(usize, usize),
-        Push(usize, usize),
-        Combine(usize, usize),
-    }
-
-    const DISPATCH: usize = 0;
-    const GATE_UP: usize = 1;
-    const DOWN: usize = 2;
-    const PUSH: usize = 3;
-    const COMBINE: usize = 4;
-
-    /// One rank's counters and queues.
-    #[derive(Default)]
-    struct Rank {
-        /// Per M tile of the rank's ring: dispatched, gate/up tiles stored, down tiles stored.
-        dispatched: Vec<bool>,
-        gate_up_done: Vec<usize>,
-        down_done: Vec<usize>,
-        /// Per ring row: its M tile, its token owner and token, and whether it was pushed.
-        rows: Vec<(usize, usize, usize)>,
-        pushed: Vec<bool>,
-        /// Per token of the rank: the (owner, ring row) of each of its slots.
-        slots: Vec<Vec<(usize, usize)>>,
-        next: [usize; 5],
-        combined: usize,
-    }
-
-    struct World {
-        ranks: Vec<Rank>,
-        /// N tiles per M tile of each GEMM.
-        n_gate_up: usize,
-        n_down: usize,
-        /// Across ranks (push, then the combine waits on pushed rows) or one GPU (no push; the
-        /// combine waits on down tiles).
-        with_push: bool,
-    }
-
-    impl World {
-        /// Takes the next unit of queue `q` of `rank`, `None` when spent.
-        fn take(&mut self, rank: usize, q: usize) -> Option<Unit> {
-            let (n_gate_up, n_down, with_push) = (self.n_gate_up, self.n_down, self.with_push);
-            let r = &mut self.ranks[rank];
-            let m_tiles = r.dispatched.len();
-            let len = [
-                m_tiles,
-                m_tiles * n_gate_up,
-                m_tiles * n_down,
-                if with_push { r.rows.len() } else { 0 },
-                r.slots.len(),
-            ][q];
-            let i = r.next[q];
-            if i >= len {
-                return None;
-            }
-            r.next[q] += 1;
-            Some(match q {
-                DISPATCH => Unit::Dispatch(rank, i),
-                GATE_UP => Unit::GateUp(rank, i / n_gate_up),
-                DOWN => Unit::Down(rank, i / n_down),
-                PUSH => Unit::Push(rank, i),
-                _ => Unit::Combine(rank, i),
-            })
-        }
-        /// Whether `unit`'s inputs are ready (what its wait in the kernel reads).
-        fn ready(&self, unit: Unit) -> bool {
-            match unit {
-                Unit::Dispatch(..) => true,
-                Unit::GateUp(r, m) => self.ranks[r].dispatched[m],
-                Unit::Down(r, m) => self.ranks[r].gate_up_done[m] == self.n_gate_up,
-                Unit::Push(r, row) => self.ranks[r].down_done[self.ranks[r].rows[row].0] == self.n_down,
-                Unit::Combine(r, t) => self.ranks[r].slots[t].iter().all(|&(owner, row)| {
-                    let o = &self.ranks[owner];
-                    if self.with_push { o.pushed[row] } else { o.down_done[o.rows[row].0] == self.n_down }
-                }),
-            }
-        }
-        fn finish(&mut self, unit: Unit) {
-            match unit {
-                Unit::Dispatch(r, m) => self.ranks[r].dispatched[m] = true,
-                Unit::GateUp(r, m) => self.ranks[r].gate_up_done[m] += 1,
-                Unit::Down(r, m) => self.ranks[r].down_done[m] += 1,
-                Unit::Push(r, row) => self.ranks[r].pushed[row] = true,
-                Unit::Combine(r, _) => self.ranks[r].combined += 1,
-            }
-        }
-    }
-
-    /// An agent of one rank: a comm block (dispatch, then push and combine), or a compute pair,
-    /// whose producer may hold the next GEMM tile (waiting on it) while its consumers hold the
-    /// current one (whose rows are loaded: it completes without waiting).
-    struct Agent {
-        rank: usize,
-        /// The queues it takes from, in order.
-        queues: Vec<usize>,
-        phase: usize,
-        /// The producer's next tile (loaded once ready) and the consumers' current one.
-        next: Option<Unit>,
-        current: Option<Unit>,
-        done: bool,
-    }
-
-    impl Agent {
-        fn new(rank: usize, queues: Vec<usize>) -> Self {
-            Agent { rank, queues, phase: 0, next: None, current: None, done: false }
-        }
-
-        /// One step; `true` if anything changed.
-        fn step(&mut self, world: &mut World, rng: &mut Rng) -> bool {
-            if self.done {
-                return false;
-            }
-            // Consumers: the current tile's rows are loaded, so it finishes.
-            if let Some(unit) = self.current
-                && rng.below(2) == 0
-            {
-                world.finish(unit);
-                self.current = None;
-                return true;
-            }
-            // Producer: load the next tile once its inputs are ready (the bounded wait), handing
-            // it to the consumers when they are free; else take one.
-            if let Some(unit) = self.next {
-                if world.ready(unit) && self.current.is_none() {
-                    let gemm = matches!(unit, Unit::GateUp(..) | Unit::Down(..));
-                    if gemm {
-                        self.current = Some(unit);
-                    } else {
-                        // Dispatch, push and combine run on the whole block, not pipelined.
-                        world.finish(unit);
-                    }
-                    self.next = None;
-                    return true;
-                }
-                return false;
-            }
-            while self.phase < self.queues.len() {
-                if let Some(unit) = world.take(self.rank, self.queues[self.phase]) {
-                    self.next = Some(unit);
-                    return true;
-                }
-                self.phase += 1;
-            }
-            if self.current.is_none() {
-                self.done = true;
-                return true;
-            }
-            false
-        }
-    }
-
-    /// A random pass: `ranks` ranks, each with its own M tiles and tokens; every slot of a token
-    /// lands in a row of a random owner's ring.
-    fn random_world(rng: &mut Rng, ranks: usize, with_push: bool) -> World {
-        let mut world = World {
-            ranks: (0..ranks).map(|_| Rank::default()).collect(),
-            n_gate_up: 1 + rng.below(4),
-            n_down: 1 + rng.below(4),
-            with_push,
-        };
-        let m_tiles: Vec<usize> = (0..ranks).map(|_| 1 + rng.below(12)).collect();
-        for (r, &m) in m_tiles.iter().enumerate() {
-            let rank = &mut world.ranks[r];
-            rank.dispatched = vec![false; m];
-            rank.gate_up_done = vec![0; m];
-            rank.down_done = vec![0; m];
-        }
-        for s in 0..ranks {
-            let tokens = 1 + rng.below(20);
-            for t in 0..tokens {
-                let k = 1 + rng.below(4);
-                let slots = (0..k)
-                    .map(|_| {
-                        let owner = rng.below(ranks);
-                        let tile = rng.below(m_tiles[owner]);
-                        let o = &mut world.ranks[owner];
-                        o.rows.push((tile, s, t));
-                        o.pushed.push(false);
-                        (owner, o.rows.len() - 1)
-                    })
-                    .collect();
-                world.ranks[s].slots.push(slots);
-            }
-        }
-        world
-    }
-
-    #[test]
-    fn every_geometry_and_interleaving_completes() {
-        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
-        for case in 0..600 {
-            // One GPU (no push) or 1–8 ranks in one launch.
-            let with_push = case % 3 != 0;
-            let ranks = if with_push { 1 + rng.below(8) } else { 1 };
-            let mut world = random_world(&mut rng, ranks, with_push);
-            let (comm_blocks, pairs) = (rng.below(4), 1 + rng.below(4));
-            let mut agents = Vec::new();
-            for rank in 0..ranks {
-                agents.extend((0..comm_blocks).map(|_| Agent::new(rank, vec![DISPATCH, PUSH, COMBINE])));
-                agents.extend((0..pairs).map(|_| Agent::new(rank, vec![DISPATCH, GATE_UP, DOWN, PUSH, COMBINE])));
-            }
-            let mut idle_rounds = 0;
-            while agents.iter().any(|a| !a.done) {
-                let i = rng.below(agents.len());
-                if agents[i].step(&mut world, &mut rng) {
-                    idle_rounds = 0;
-                } else {
-                    idle_rounds += 1;
-                    // Every agent stuck for long: try each once deterministically before calling it a deadlock.
-                    if idle_rounds > 10_000 {
-                        let progress = (0..agents.len()).any(|j| (0..4).any(|_| agents[j].step(&mut world, &mut rng)));
-                        assert!(
-                            progress,
-                            "case {case}: deadlock with {ranks} ranks, {comm_blocks} comm blocks and {pairs} pairs each"
-                        );
-                        idle_rounds = 0;
-                    }
-                }
-            }
-            for (r, rank) in world.ranks.iter().enumerate() {
-                assert!(rank.dispatched.iter().all(|&d| d), "case {case} rank {r}: a tile never dispatched");
-                assert!(rank.gate_up_done.iter().all(|&n| n == world.n_gate_up), "case {case} rank {r}");
-                assert!(rank.down_done.iter().all(|&n| n == world.n_down), "case {case} rank {r}");
-                assert!(!with_push || rank.pushed.iter().all(|&p| p), "case {case} rank {r}: a row never pushed");
-                assert_eq!(rank.combined, rank.slots.len(), "case {case} rank {r}");
-            }
-        }
-    }
-
-    #[test]
-    fn taking_a_later_queue_early_can_deadlock() {
-        // The order matters: an agent that took a down tile before the gate/up queue was spent
-        // could wait on gate/up work nobody holds. One pair whose producer takes the down tile of
-        // an M tile first waits forever: the only agent, and its wait is on work not yet taken.
-        let mut world = World {
-            ranks: vec![Rank {
-                dispatched: vec![true],
-                gate_up_done: vec![0],
-                down_done: vec![0],
-                rows: vec![(0, 0, 0)],
-                pushed: vec![false],
-                slots: vec![vec![(0, 0)]],
-                next: [1, 0, 0, 0, 0],
-                combined: 0,
-            }],
-            n_gate_up: 1,
-            n_down: 1,
-            with_push: false,
-        };
-        let mut rng = Rng(7);
-        let mut wrong = Agent::new(0, vec![DOWN, GATE_UP, COMBINE]);
-        let progress = (0..100).filter(|_| wrong.step(&mut world, &mut rng)).count();
-        assert_eq!(progress, 1, "only the take of the down tile happens; then it waits forever");
-        assert!(!wrong.done && world.ranks[0].down_done[0] == 0);
-    }
-
-    #[test]
-    fn a_combine_before_the_push_queue_is_spent_can_deadlock() {
-        // Across ranks the push must come before the combine: a rank's only agent that combines
-        // first waits for its own row, which only it would push.
-        let mut world = World {
-            ranks: vec![Rank {
-                dispatched: vec![true],
-                gate_up_done: vec![1],
-                down_done: vec![1],
-                rows: vec![(0, 0, 0)],
-                pushed: vec![false],
-                slots: vec![vec![(0, 0)]],
-                next: [1, 1, 1, 0, 0],
-                combined: 0,
-            }],
-            n_gate_up: 1,
-            n_down: 1,
-            with_push: true,
-        };
-        let mut rng = Rng(9);
-        let mut wrong = Agent::new(0, vec![COMBINE, PUSH]);
-        let progress = (0..100).filter(|_| wrong.step(&mut world, &mut rng)).count();
-        assert_eq!(progress, 1, "only the take of the combine token happens; then it waits forever");
-        assert!(!wrong.done && world.ranks[0].combined == 0);
-    }
-}
-
-#[cfg(test)]
-mod backward_work_order_model {
-    //! The backward megakernel's work order (one GPU), modelled like the forward's
-    //! (`work_order_model`): blocks take gather tiles, down-dgrad tiles, gate/up-dgrad tiles, then
-    //! their own fixed-stride share of each of the three weight gradients' tiles, then combine
-    //! tokens; a compute pair's producer holds the next tile (waiting on its inputs) while its
-    //! consumers finish the current one. Each unit waits on what its kernel wait reads: a
-    //! down-dgrad tile on its M tile's gather, a gate/up-dgrad tile on its M tile's down-dgrad
-    //! parts, the down weight gradient of expert g on every gather of g, the gate and up weight
-    //! gradients on every down-dgrad part of g, a combine token on the gate/up-dgrad parts of its
-    //! slots' M tiles. Checked: every random geometry and interleaving completes.
-
-    struct Rng(u64);
-    impl Rng {
-        fn below(&mut self, n: usize) -> usize {
+        pub(super) fn below(&mut self, n: usize) -> usize {
             self.0 ^= self.0 << 13;
             self.0 ^= self.0 >> 7;
             self.0 ^= self.0 << 17;
@@ -979,103 +666,50 @@ mod backward_work_order_model {
         }
     }
 
-    const GATHER: usize = 0;
-    const DOWN_DGRAD: usize = 1;
-    const GATE_UP_DGRAD: usize = 2;
-    /// The three weight gradients: down, gate, up.
-    const WGRAD: [usize; 3] = [3, 4, 5];
-    const COMBINE: usize = 6;
-
-    #[derive(Clone, Copy, Debug)]
-    enum Unit {
-        Gather(usize),
-        DownDgrad(usize),
-        GateUpDgrad(usize),
-        /// (which weight gradient, expert)
-        Wgrad(usize, usize),
-        Combine(usize),
+    /// A block's place in the model: its rank, its index among the rank's compute blocks and
+    /// their count (the weight gradients' fixed stride), and what it took of each queue.
+    #[derive(Clone, Copy, Default)]
+    pub(super) struct Who {
+        pub(super) rank: usize,
+        pub(super) compute: (usize, usize),
+        pub(super) taken: [usize; 8],
     }
 
-    struct World {
-        /// Per M tile: its expert; gathered; parts stored by each data gradient.
-        expert_of_tile: Vec<usize>,
-        gathered: Vec<bool>,
-        down_dgrad: Vec<usize>,
-        gate_up_dgrad: Vec<usize>,
-        n_down_dgrad: usize,
-        n_gate_up_dgrad: usize,
-        /// Weight-gradient tiles per expert (each of the three products), and done per product.
-        wgrad_tiles: usize,
-        experts: usize,
-        wgrad_done: [usize; 3],
-        /// Per token: the M tiles of its slots.
-        tokens: Vec<Vec<usize>>,
-        combined: usize,
-        /// Shared queues (gather, the two data gradients, combine): next index.
-        next: [usize; 7],
+    /// The counters and queues of a model.
+    pub(super) trait World {
+        type Unit: Copy;
+        /// The next unit of queue `q` for `who`, `None` when spent (for it).
+        fn take(&mut self, who: &mut Who, q: usize) -> Option<Self::Unit>;
+        /// Whether `unit`'s inputs are ready (what its wait in the kernel reads).
+        fn ready(&self, unit: Self::Unit) -> bool;
+        fn finish(&mut self, unit: Self::Unit);
+        /// GEMM tiles are pipelined (producer ahead of consumers); row work runs on the whole
+        /// block.
+        fn pipelined(unit: Self::Unit) -> bool;
     }
 
-    impl World {
-        fn ready(&self, unit: Unit) -> bool {
-            let of_expert = |g: usize| (0..self.expert_of_tile.len()).filter(move |&m| self.expert_of_tile[m] == g);
-            match unit {
-                Unit::Gather(_) => true,
-                Unit::DownDgrad(m) => self.gathered[m],
-                Unit::GateUpDgrad(m) => self.down_dgrad[m] == self.n_down_dgrad,
-                Unit::Wgrad(0, g) => of_expert(g).all(|m| self.gathered[m]),
-                Unit::Wgrad(_, g) => of_expert(g).all(|m| self.down_dgrad[m] == self.n_down_dgrad),
-                Unit::Combine(t) => self.tokens[t].iter().all(|&m| self.gate_up_dgrad[m] == self.n_gate_up_dgrad),
-            }
-        }
-        fn finish(&mut self, unit: Unit) {
-            match unit {
-                Unit::Gather(m) => self.gathered[m] = true,
-                Unit::DownDgrad(m) => self.down_dgrad[m] += 1,
-                Unit::GateUpDgrad(m) => self.gate_up_dgrad[m] += 1,
-                Unit::Wgrad(w, _) => self.wgrad_done[w] += 1,
-                Unit::Combine(_) => self.combined += 1,
-            }
-        }
-        /// The next unit of queue `q` for the agent that is compute block `index` of `blocks`
-        /// (the weight gradients' fixed stride), `None` when its share is spent.
-        fn take(&mut self, q: usize, taken: &mut [usize; 7], (index, blocks): (usize, usize)) -> Option<Unit> {
-            let m_tiles = self.gathered.len();
-            if let Some(w) = WGRAD.iter().position(|&x| x == q) {
-                let tile = index + taken[q] * blocks;
-                if tile >= self.experts * self.wgrad_tiles {
-                    return None;
-                }
-                taken[q] += 1;
-                return Some(Unit::Wgrad(w, tile / self.wgrad_tiles));
-            }
-            let len =
-                [m_tiles, m_tiles * self.n_down_dgrad, m_tiles * self.n_gate_up_dgrad, 0, 0, 0, self.tokens.len()][q];
-            let i = self.next[q];
-            if i >= len {
-                return None;
-            }
-            self.next[q] += 1;
-            Some(match q {
-                GATHER => Unit::Gather(i),
-                DOWN_DGRAD => Unit::DownDgrad(i / self.n_down_dgrad),
-                GATE_UP_DGRAD => Unit::GateUpDgrad(i / self.n_gate_up_dgrad),
-                _ => Unit::Combine(i),
-            })
-        }
-    }
-
-    struct Agent {
+    pub(super) struct Agent<U> {
+        who: Who,
+        /// The queues it takes from, in order.
         queues: Vec<usize>,
-        compute: (usize, usize),
-        taken: [usize; 7],
         phase: usize,
-        next: Option<Unit>,
-        current: Option<Unit>,
+        /// The producer's next tile (loaded once ready) and the consumers' current one.
+        next: Option<U>,
+        current: Option<U>,
         done: bool,
     }
 
-    impl Agent {
-        fn step(&mut self, world: &mut World, rng: &mut Rng) -> bool {
+    impl<U: Copy> Agent<U> {
+        pub(super) fn new(who: Who, queues: Vec<usize>) -> Self {
+            Agent { who, queues, phase: 0, next: None, current: None, done: false }
+        }
+
+        pub(super) fn done(&self) -> bool {
+            self.done
+        }
+
+        /// One step; `true` if anything changed.
+        pub(super) fn step<W: World<Unit = U>>(&mut self, world: &mut W, rng: &mut Rng) -> bool {
             if self.done {
                 return false;
             }
@@ -1088,10 +722,10 @@ mod backward_work_order_model {
             }
             if let Some(unit) = self.next {
                 if world.ready(unit) && self.current.is_none() {
-                    if matches!(unit, Unit::Gather(_) | Unit::Combine(_)) {
-                        world.finish(unit);
-                    } else {
+                    if W::pipelined(unit) {
                         self.current = Some(unit);
+                    } else {
+                        world.finish(unit);
                     }
                     self.next = None;
                     return true;
@@ -1099,7 +733,7 @@ mod backward_work_order_model {
                 return false;
             }
             while self.phase < self.queues.len() {
-                if let Some(unit) = world.take(self.queues[self.phase], &mut self.taken, self.compute) {
+                if let Some(unit) = world.take(&mut self.who, self.queues[self.phase]) {
                     self.next = Some(unit);
                     return true;
                 }
@@ -1113,97 +747,422 @@ mod backward_work_order_model {
         }
     }
 
-    #[test]
-    fn a_weight_gradient_taken_before_the_data_gradients_can_deadlock() {
-        // The order matters here too: a lone block that takes a gate weight-gradient tile before
-        // the down-dgrad queue waits for down-dgrad parts that only it would compute.
-        let mut world = World {
-            expert_of_tile: vec![0],
-            gathered: vec![true],
-            down_dgrad: vec![0],
-            gate_up_dgrad: vec![0],
-            n_down_dgrad: 1,
-            n_gate_up_dgrad: 1,
-            wgrad_tiles: 1,
-            experts: 1,
-            wgrad_done: [0; 3],
-            tokens: vec![vec![0]],
-            combined: 0,
-            next: [1, 0, 0, 0, 0, 0, 0],
-        };
-        let mut rng = Rng(11);
-        let mut wrong = Agent {
-            queues: vec![WGRAD[1], DOWN_DGRAD, GATE_UP_DGRAD, COMBINE],
-            compute: (0, 1),
-            taken: [0; 7],
-            phase: 0,
-            next: None,
-            current: None,
-            done: false,
-        };
-        let progress = (0..100).filter(|_| wrong.step(&mut world, &mut rng)).count();
-        assert_eq!(progress, 1, "only the take of the weight-gradient tile happens; then it waits forever");
-        assert!(!wrong.done && world.down_dgrad[0] == 0);
-    }
-
-    #[test]
-    fn every_backward_geometry_and_interleaving_completes() {
-        let mut rng = Rng(0x2545_f491_4f6c_dd1d);
-        for case in 0..400 {
-            let experts = 1 + rng.below(6);
-            let m_tiles = 1 + rng.below(12);
-            // Every expert with rows has at least one M tile; the others are empty.
-            let expert_of_tile: Vec<usize> = (0..m_tiles).map(|_| rng.below(experts)).collect();
-            let tokens =
-                (0..1 + rng.below(20)).map(|_| (0..1 + rng.below(4)).map(|_| rng.below(m_tiles)).collect()).collect();
-            let mut world = World {
-                gathered: vec![false; m_tiles],
-                down_dgrad: vec![0; m_tiles],
-                gate_up_dgrad: vec![0; m_tiles],
-                expert_of_tile,
-                n_down_dgrad: 1 + rng.below(4),
-                n_gate_up_dgrad: 1 + rng.below(4),
-                wgrad_tiles: 1 + rng.below(5),
-                experts,
-                wgrad_done: [0; 3],
-                tokens,
-                combined: 0,
-                next: [0; 7],
-            };
-            let (comm_blocks, pairs) = (rng.below(4), 1 + rng.below(4));
-            let compute_blocks = 2 * pairs;
-            let agent = |queues: Vec<usize>, compute| Agent {
-                queues,
-                compute,
-                taken: [0; 7],
-                phase: 0,
-                next: None,
-                current: None,
-                done: false,
-            };
-            let mut agents: Vec<Agent> = (0..comm_blocks).map(|_| agent(vec![GATHER, COMBINE], (0, 1))).collect();
-            // Each block of a pair walks its own weight-gradient share (modelled as one agent per block).
-            let compute_queues = vec![GATHER, DOWN_DGRAD, GATE_UP_DGRAD, WGRAD[0], WGRAD[1], WGRAD[2], COMBINE];
-            agents.extend((0..compute_blocks).map(|b| agent(compute_queues.clone(), (b, compute_blocks))));
-            let mut idle_rounds = 0;
-            while agents.iter().any(|a| !a.done) {
-                let i = rng.below(agents.len());
-                if agents[i].step(&mut world, &mut rng) {
+    /// Steps random agents until all are done; panics with `what` when every agent is stuck.
+    pub(super) fn run_to_completion<W: World>(world: &mut W, agents: &mut [Agent<W::Unit>], rng: &mut Rng, what: &str) {
+        let mut idle_rounds = 0;
+        while agents.iter().any(|a| !a.done()) {
+            let i = rng.below(agents.len());
+            if agents[i].step(world, rng) {
+                idle_rounds = 0;
+            } else {
+                idle_rounds += 1;
+                // Every agent stuck for long: try each once deterministically before calling it a deadlock.
+                if idle_rounds > 10_000 {
+                    let progress = (0..agents.len()).any(|j| (0..4).any(|_| agents[j].step(world, rng)));
+                    assert!(progress, "{what}: deadlock");
                     idle_rounds = 0;
-                } else {
-                    idle_rounds += 1;
-                    if idle_rounds > 10_000 {
-                        let progress = (0..agents.len()).any(|j| (0..4).any(|_| agents[j].step(&mut world, &mut rng)));
-                        assert!(progress, "case {case}: deadlock with {comm_blocks} comm blocks and {pairs} pairs");
-                        idle_rounds = 0;
-                    }
                 }
             }
-            assert!(world.gathered.iter().all(|&g| g), "case {case}");
-            assert!(world.down_dgrad.iter().all(|&n| n == world.n_down_dgrad), "case {case}");
-            assert!(world.gate_up_dgrad.iter().all(|&n| n == world.n_gate_up_dgrad), "case {case}");
-            assert_eq!(world.wgrad_done, [experts * world.wgrad_tiles; 3], "case {case}");
-            assert_eq!(world.combined, world.tokens.len(), "case {case}");
+        }
+    }
+
+    /// Steps one agent alone 100 times: how many steps changed anything.
+    pub(super) fn lone_progress<W: World>(world: &mut W, agent: &mut Agent<W::Unit>, rng: &mut Rng) -> usize {
+        (0..100).filter(|_| agent.step(world, rng)).count()
+    }
+
+    mod forward {
+        //! The forward: each rank's blocks take dispatch tiles, gate/up tiles, down tiles, across
+        //! ranks push rows, and combine tokens from the rank's queues in that order. A pushed row
+        //! waits on its rank's down tile; a token's combine, across ranks on the rows its owners
+        //! push, on one GPU on the down tiles.
+
+        use super::*;
+
+        /// A unit of work of rank `.0`.
+        #[derive(Clone, Copy, PartialEq, Debug)]
+        enum Unit {
+            Dispatch(usize, usize),
+            GateUp(usize, usize),
+            Down(usize, usize),
+            Push(usize, usize),
+            Combine(usize, usize),
+        }
+
+        const DISPATCH: usize = 0;
+        const GATE_UP: usize = 1;
+        const DOWN: usize = 2;
+        const PUSH: usize = 3;
+        const COMBINE: usize = 4;
+
+        /// One rank's counters and queues.
+        #[derive(Default)]
+        struct Rank {
+            /// Per M tile of the rank's ring: dispatched, gate/up tiles stored, down tiles stored.
+            dispatched: Vec<bool>,
+            gate_up_done: Vec<usize>,
+            down_done: Vec<usize>,
+            /// Per ring row: its M tile, its token owner and token.
+            rows: Vec<(usize, usize, usize)>,
+            pushed: Vec<bool>,
+            /// Per token of the rank: the (owner, ring row) of each of its slots.
+            slots: Vec<Vec<(usize, usize)>>,
+            next: [usize; 5],
+            combined: usize,
+        }
+
+        struct Forward {
+            ranks: Vec<Rank>,
+            /// N tiles per M tile of each GEMM.
+            n_gate_up: usize,
+            n_down: usize,
+            /// Across ranks (push, then the combine waits on pushed rows) or one GPU (no push; the
+            /// combine waits on down tiles).
+            with_push: bool,
+        }
+
+        impl World for Forward {
+            type Unit = Unit;
+
+            fn take(&mut self, who: &mut Who, q: usize) -> Option<Unit> {
+                let (n_gate_up, n_down, with_push, rank) = (self.n_gate_up, self.n_down, self.with_push, who.rank);
+                let r = &mut self.ranks[rank];
+                let m_tiles = r.dispatched.len();
+                let len = [
+                    m_tiles,
+                    m_tiles * n_gate_up,
+                    m_tiles * n_down,
+                    if with_push { r.rows.len() } else { 0 },
+                    r.slots.len(),
+                ][q];
+                let i = r.next[q];
+                if i >= len {
+                    return None;
+                }
+                r.next[q] += 1;
+                Some(match q {
+                    DISPATCH => Unit::Dispatch(rank, i),
+                    GATE_UP => Unit::GateUp(rank, i / n_gate_up),
+                    DOWN => Unit::Down(rank, i / n_down),
+                    PUSH => Unit::Push(rank, i),
+                    _ => Unit::Combine(rank, i),
+                })
+            }
+
+            fn ready(&self, unit: Unit) -> bool {
+                match unit {
+                    Unit::Dispatch(..) => true,
+                    Unit::GateUp(r, m) => self.ranks[r].dispatched[m],
+                    Unit::Down(r, m) => self.ranks[r].gate_up_done[m] == self.n_gate_up,
+                    Unit::Push(r, row) => self.ranks[r].down_done[self.ranks[r].rows[row].0] == self.n_down,
+                    Unit::Combine(r, t) => self.ranks[r].slots[t].iter().all(|&(owner, row)| {
+                        let o = &self.ranks[owner];
+                        if self.with_push { o.pushed[row] } else { o.down_done[o.rows[row].0] == self.n_down }
+                    }),
+                }
+            }
+
+            fn finish(&mut self, unit: Unit) {
+                match unit {
+                    Unit::Dispatch(r, m) => self.ranks[r].dispatched[m] = true,
+                    Unit::GateUp(r, m) => self.ranks[r].gate_up_done[m] += 1,
+                    Unit::Down(r, m) => self.ranks[r].down_done[m] += 1,
+                    Unit::Push(r, row) => self.ranks[r].pushed[row] = true,
+                    Unit::Combine(r, _) => self.ranks[r].combined += 1,
+                }
+            }
+
+            fn pipelined(unit: Unit) -> bool {
+                matches!(unit, Unit::GateUp(..) | Unit::Down(..))
+            }
+        }
+
+        /// A random pass: `ranks` ranks, each with its own M tiles and tokens; every slot of a
+        /// token lands in a row of a random owner's ring.
+        fn random_world(rng: &mut Rng, ranks: usize, with_push: bool) -> Forward {
+            let mut world = Forward {
+                ranks: (0..ranks).map(|_| Rank::default()).collect(),
+                n_gate_up: 1 + rng.below(4),
+                n_down: 1 + rng.below(4),
+                with_push,
+            };
+            let m_tiles: Vec<usize> = (0..ranks).map(|_| 1 + rng.below(12)).collect();
+            for (r, &m) in m_tiles.iter().enumerate() {
+                let rank = &mut world.ranks[r];
+                rank.dispatched = vec![false; m];
+                rank.gate_up_done = vec![0; m];
+                rank.down_done = vec![0; m];
+            }
+            for s in 0..ranks {
+                let tokens = 1 + rng.below(20);
+                for t in 0..tokens {
+                    let k = 1 + rng.below(4);
+                    let slots = (0..k)
+                        .map(|_| {
+                            let owner = rng.below(ranks);
+                            let tile = rng.below(m_tiles[owner]);
+                            let o = &mut world.ranks[owner];
+                            o.rows.push((tile, s, t));
+                            o.pushed.push(false);
+                            (owner, o.rows.len() - 1)
+                        })
+                        .collect();
+                    world.ranks[s].slots.push(slots);
+                }
+            }
+            world
+        }
+
+        fn rank(rank: usize) -> Who {
+            Who { rank, ..Who::default() }
+        }
+
+        #[test]
+        fn every_geometry_and_interleaving_completes() {
+            let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+            for case in 0..600 {
+                // One GPU (no push) or 1–8 ranks in one launch.
+                let with_push = case % 3 != 0;
+                let ranks = if with_push { 1 + rng.below(8) } else { 1 };
+                let mut world = random_world(&mut rng, ranks, with_push);
+                let (comm_blocks, pairs) = (rng.below(4), 1 + rng.below(4));
+                let mut agents = Vec::new();
+                for r in 0..ranks {
+                    agents.extend((0..comm_blocks).map(|_| Agent::new(rank(r), vec![DISPATCH, PUSH, COMBINE])));
+                    agents
+                        .extend((0..pairs).map(|_| Agent::new(rank(r), vec![DISPATCH, GATE_UP, DOWN, PUSH, COMBINE])));
+                }
+                let what = format!("case {case}: {ranks} ranks, {comm_blocks} comm blocks and {pairs} pairs each");
+                run_to_completion(&mut world, &mut agents, &mut rng, &what);
+                for (r, rank) in world.ranks.iter().enumerate() {
+                    assert!(rank.dispatched.iter().all(|&d| d), "case {case} rank {r}: a tile never dispatched");
+                    assert!(rank.gate_up_done.iter().all(|&n| n == world.n_gate_up), "case {case} rank {r}");
+                    assert!(rank.down_done.iter().all(|&n| n == world.n_down), "case {case} rank {r}");
+                    assert!(!with_push || rank.pushed.iter().all(|&p| p), "case {case} rank {r}: a row never pushed");
+                    assert_eq!(rank.combined, rank.slots.len(), "case {case} rank {r}");
+                }
+            }
+        }
+
+        /// One rank with one M tile, one row and one token, the counters and queue positions
+        /// given.
+        fn one_tile_world(gate_up_done: usize, down_done: usize, next: [usize; 5], with_push: bool) -> Forward {
+            Forward {
+                ranks: vec![Rank {
+                    dispatched: vec![true],
+                    gate_up_done: vec![gate_up_done],
+                    down_done: vec![down_done],
+                    rows: vec![(0, 0, 0)],
+                    pushed: vec![false],
+                    slots: vec![vec![(0, 0)]],
+                    next,
+                    combined: 0,
+                }],
+                n_gate_up: 1,
+                n_down: 1,
+                with_push,
+            }
+        }
+
+        #[test]
+        fn taking_a_later_queue_early_can_deadlock() {
+            // The order matters: an agent that took a down tile before the gate/up queue was
+            // spent could wait on gate/up work nobody holds. One pair whose producer takes the
+            // down tile of an M tile first waits forever: the only agent, and its wait is on work
+            // not yet taken.
+            let mut world = one_tile_world(0, 0, [1, 0, 0, 0, 0], false);
+            let mut wrong = Agent::new(rank(0), vec![DOWN, GATE_UP, COMBINE]);
+            let progress = lone_progress(&mut world, &mut wrong, &mut Rng(7));
+            assert_eq!(progress, 1, "only the take of the down tile happens; then it waits forever");
+            assert!(!wrong.done() && world.ranks[0].down_done[0] == 0);
+        }
+
+        #[test]
+        fn a_combine_before_the_push_queue_is_spent_can_deadlock() {
+            // Across ranks the push must come before the combine: a rank's only agent that
+            // combines first waits for its own row, which only it would push.
+            let mut world = one_tile_world(1, 1, [1, 1, 1, 0, 0], true);
+            let mut wrong = Agent::new(rank(0), vec![COMBINE, PUSH]);
+            let progress = lone_progress(&mut world, &mut wrong, &mut Rng(9));
+            assert_eq!(progress, 1, "only the take of the combine token happens; then it waits forever");
+            assert!(!wrong.done() && world.ranks[0].combined == 0);
+        }
+    }
+
+    mod backward {
+        //! The backward (one GPU): blocks take gather tiles, down-dgrad tiles, gate/up-dgrad
+        //! tiles, then their own fixed-stride share of each of the three weight gradients'
+        //! tiles, then combine tokens. A down-dgrad tile waits on its M tile's gather, a
+        //! gate/up-dgrad tile on its M tile's down-dgrad parts, the down weight gradient of
+        //! expert g on every gather of g, the gate and up weight gradients on every down-dgrad
+        //! part of g, a combine token on the gate/up-dgrad parts of its slots' M tiles.
+
+        use super::*;
+
+        const GATHER: usize = 0;
+        const DOWN_DGRAD: usize = 1;
+        const GATE_UP_DGRAD: usize = 2;
+        /// The three weight gradients: down, gate, up.
+        const WGRAD: [usize; 3] = [3, 4, 5];
+        const COMBINE: usize = 6;
+
+        #[derive(Clone, Copy, Debug)]
+        enum Unit {
+            Gather(usize),
+            DownDgrad(usize),
+            GateUpDgrad(usize),
+            /// (which weight gradient, expert)
+            Wgrad(usize, usize),
+            Combine(usize),
+        }
+
+        struct Backward {
+            /// Per M tile: its expert; gathered; parts stored by each data gradient.
+            expert_of_tile: Vec<usize>,
+            gathered: Vec<bool>,
+            down_dgrad: Vec<usize>,
+            gate_up_dgrad: Vec<usize>,
+            n_down_dgrad: usize,
+            n_gate_up_dgrad: usize,
+            /// Weight-gradient tiles per expert (each of the three products), and done per
+            /// product.
+            wgrad_tiles: usize,
+            experts: usize,
+            wgrad_done: [usize; 3],
+            /// Per token: the M tiles of its slots.
+            tokens: Vec<Vec<usize>>,
+            combined: usize,
+            /// The shared queues (gather, the two data gradients, combine): next index.
+            next: [usize; 7],
+        }
+
+        impl World for Backward {
+            type Unit = Unit;
+
+            fn take(&mut self, who: &mut Who, q: usize) -> Option<Unit> {
+                let m_tiles = self.gathered.len();
+                if let Some(w) = WGRAD.iter().position(|&x| x == q) {
+                    let (index, blocks) = who.compute;
+                    let tile = index + who.taken[q] * blocks;
+                    if tile >= self.experts * self.wgrad_tiles {
+                        return None;
+                    }
+                    who.taken[q] += 1;
+                    return Some(Unit::Wgrad(w, tile / self.wgrad_tiles));
+                }
+                let len =
+                    [m_tiles, m_tiles * self.n_down_dgrad, m_tiles * self.n_gate_up_dgrad, 0, 0, 0, self.tokens.len()]
+                        [q];
+                let i = self.next[q];
+                if i >= len {
+                    return None;
+                }
+                self.next[q] += 1;
+                Some(match q {
+                    GATHER => Unit::Gather(i),
+                    DOWN_DGRAD => Unit::DownDgrad(i / self.n_down_dgrad),
+                    GATE_UP_DGRAD => Unit::GateUpDgrad(i / self.n_gate_up_dgrad),
+                    _ => Unit::Combine(i),
+                })
+            }
+
+            fn ready(&self, unit: Unit) -> bool {
+                let of_expert = |g: usize| (0..self.expert_of_tile.len()).filter(move |&m| self.expert_of_tile[m] == g);
+                match unit {
+                    Unit::Gather(_) => true,
+                    Unit::DownDgrad(m) => self.gathered[m],
+                    Unit::GateUpDgrad(m) => self.down_dgrad[m] == self.n_down_dgrad,
+                    Unit::Wgrad(0, g) => of_expert(g).all(|m| self.gathered[m]),
+                    Unit::Wgrad(_, g) => of_expert(g).all(|m| self.down_dgrad[m] == self.n_down_dgrad),
+                    Unit::Combine(t) => self.tokens[t].iter().all(|&m| self.gate_up_dgrad[m] == self.n_gate_up_dgrad),
+                }
+            }
+
+            fn finish(&mut self, unit: Unit) {
+                match unit {
+                    Unit::Gather(m) => self.gathered[m] = true,
+                    Unit::DownDgrad(m) => self.down_dgrad[m] += 1,
+                    Unit::GateUpDgrad(m) => self.gate_up_dgrad[m] += 1,
+                    Unit::Wgrad(w, _) => self.wgrad_done[w] += 1,
+                    Unit::Combine(_) => self.combined += 1,
+                }
+            }
+
+            fn pipelined(unit: Unit) -> bool {
+                !matches!(unit, Unit::Gather(_) | Unit::Combine(_))
+            }
+        }
+
+        fn compute_block(index: usize, blocks: usize) -> Who {
+            Who { compute: (index, blocks), ..Who::default() }
+        }
+
+        #[test]
+        fn every_backward_geometry_and_interleaving_completes() {
+            let mut rng = Rng(0x2545_f491_4f6c_dd1d);
+            for case in 0..400 {
+                let experts = 1 + rng.below(6);
+                let m_tiles = 1 + rng.below(12);
+                // Experts without an M tile are empty (their weight gradients wait for nothing).
+                let expert_of_tile: Vec<usize> = (0..m_tiles).map(|_| rng.below(experts)).collect();
+                let tokens = (0..1 + rng.below(20))
+                    .map(|_| (0..1 + rng.below(4)).map(|_| rng.below(m_tiles)).collect())
+                    .collect();
+                let mut world = Backward {
+                    gathered: vec![false; m_tiles],
+                    down_dgrad: vec![0; m_tiles],
+                    gate_up_dgrad: vec![0; m_tiles],
+                    expert_of_tile,
+                    n_down_dgrad: 1 + rng.below(4),
+                    n_gate_up_dgrad: 1 + rng.below(4),
+                    wgrad_tiles: 1 + rng.below(5),
+                    experts,
+                    wgrad_done: [0; 3],
+                    tokens,
+                    combined: 0,
+                    next: [0; 7],
+                };
+                let (comm_blocks, pairs) = (rng.below(4), 1 + rng.below(4));
+                let compute_blocks = 2 * pairs;
+                let mut agents: Vec<Agent<Unit>> =
+                    (0..comm_blocks).map(|_| Agent::new(Who::default(), vec![GATHER, COMBINE])).collect();
+                // Each block of a pair walks its own weight-gradient share: one agent per block.
+                let compute_queues = vec![GATHER, DOWN_DGRAD, GATE_UP_DGRAD, WGRAD[0], WGRAD[1], WGRAD[2], COMBINE];
+                agents.extend(
+                    (0..compute_blocks).map(|b| Agent::new(compute_block(b, compute_blocks), compute_queues.clone())),
+                );
+                let what = format!("case {case}: {comm_blocks} comm blocks and {pairs} pairs");
+                run_to_completion(&mut world, &mut agents, &mut rng, &what);
+                assert!(world.gathered.iter().all(|&g| g), "case {case}");
+                assert!(world.down_dgrad.iter().all(|&n| n == world.n_down_dgrad), "case {case}");
+                assert!(world.gate_up_dgrad.iter().all(|&n| n == world.n_gate_up_dgrad), "case {case}");
+                assert_eq!(world.wgrad_done, [experts * world.wgrad_tiles; 3], "case {case}");
+                assert_eq!(world.combined, world.tokens.len(), "case {case}");
+            }
+        }
+
+        #[test]
+        fn a_weight_gradient_taken_before_the_data_gradients_can_deadlock() {
+            // A lone block that takes a gate weight-gradient tile before the down-dgrad queue
+            // waits for down-dgrad parts that only it would compute.
+            let mut world = Backward {
+                expert_of_tile: vec![0],
+                gathered: vec![true],
+                down_dgrad: vec![0],
+                gate_up_dgrad: vec![0],
+                n_down_dgrad: 1,
+                n_gate_up_dgrad: 1,
+                wgrad_tiles: 1,
+                experts: 1,
+                wgrad_done: [0; 3],
+                tokens: vec![vec![0]],
+                combined: 0,
+                next: [1, 0, 0, 0, 0, 0, 0],
+            };
+            let mut wrong = Agent::new(compute_block(0, 1), vec![WGRAD[1], DOWN_DGRAD, GATE_UP_DGRAD, COMBINE]);
+            let progress = lone_progress(&mut world, &mut wrong, &mut Rng(11));
+            assert_eq!(progress, 1, "only the take of the weight-gradient tile happens; then it waits forever");
+            assert!(!wrong.done() && world.down_dgrad[0] == 0);
         }
     }
 }
