@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # mok GPU bundle runner (written by `cargo xtask gpu-bundle`).
 #
-# Runs every test binary in tests/ one after another (a `NAME.gz` there is unpacked first), each with --test-threads=1 (the tests share
+# Runs every test binary in tests/ one after another (a `NAME.gz` there is unpacked first), each with
+# --test-threads=1 --nocapture (the tests print what they measured: errors, timings, the soak's
+# tally; one test at a time, so their lines do not interleave; the tests share
 # one GPU), logs each to ${OUT:-.}/logs/NAME.log, and ends with the line `N passed, M failed`
 # (summed over libtest's `test result:` lines). A binary that crashes, times out or prints no
 # result line counts as 1 failed. Exits non-zero when M > 0.
@@ -20,7 +22,7 @@
 #                                    reported anything or did not finish. Logs:
 #                                    logs/sanitize-TOOL-NAME.log, and every report's first lines
 #                                    and every failed test's panic in logs/sanitize-digest.txt
-#   TEST-ARGS                        passed to every test binary (a name filter, --nocapture, ...)
+#   TEST-ARGS                        passed to every test binary (a name filter, --exact, ...)
 #   MOK_TEST_TIMEOUT=SECONDS         time limit per test binary (default 300, 600 sanitized; 0: none)
 #   MOK_BENCH_TIMEOUT=SECONDS        time limit per bench binary (default 0: none)
 set -u
@@ -204,7 +206,7 @@ for bin in "$here"/tests/*; do
     name=$(basename "$bin")
     log="$log_dir/$name.log"
     echo "=== $name"
-    with_limit "${MOK_TEST_TIMEOUT:-300}" "$bin" --test-threads=1 "$@" 2>&1 | tee "$log"
+    with_limit "${MOK_TEST_TIMEOUT:-300}" "$bin" --test-threads=1 --nocapture "$@" 2>&1 | tee "$log"
     status=${PIPESTATUS[0]}
     read -r bin_passed bin_failed < <(test_results "$name" "$log" "$status")
     passed=$((passed + bin_passed))
