@@ -754,3 +754,124 @@ fn ep_forward_megakernel_faults_are_reported_timeouts_and_the_next_pass_is_right
         );
     }
 }
+
+/// Both megakernels over ranks (`None` when this GPU or PTX cannot run them: said, not silent).
+fn megakernels_ep_layer(gpu: &Gpu, config: &MoeConfig, options: ExchangeOptions) -> Option<EpLayer> {
+    let mut layer = megakernel_ep_layer(gpu, config, options)?;
+    match layer.set_backward_megakernel(gpu, Some(MegakernelOptions::default())) {
+        Ok(()) => Some(layer),
+        Err(e) => {
+            println!("  SKIPPED on this GPU (the backward megakernel needs sm_90a): {e}");
+            None
+        }
+    }
+}
+
+#[test]
+fn ep_backward_megakernel_is_bitwise_the_single_rank_path() {
+    // One backward launch hosting every virtual rank (pull of dy from the token owners, the
+    // engine's data- and weight-gradient tiles on each ring, push of the dx rows back to their
+    // owners, the owners' dx combine and slot-weight gradients) must give the P = 1 unfused
+    // path's dx, d_topk_weights and routed weight gradients for every P, comm split and grid,
+    // after the forward megakernel and after the separate forward.
+    let gpu = gpu();
+    let hot: &[usize] = &[0, 1, 3, 4, 5, 6, 7, 8, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 21, 22, 23];
+    let config = |t, h, i, e, k, shared, limit| MoeConfig {
+        shared_intermediate: shared,
+        swiglu_limit: limit,
+        ..MoeConfig::new(t, h, i, e, k)
+    };
+    let cases = [
+        (config(37, 136, 96, 24, 4, Some(64), Some(2.0)), Routing { drop_probability: 0.1, empty_experts: &[7] }),
+        (config(1, 64, 64, 24, 1, None, None), common::PLAIN_ROUTING),
+        (config(29, 72, 40, 24, 10, None, Some(1.5)), Routing { drop_probability: 0.05, empty_experts: &[0, 13] }),
+        (config(64, 256, 192, 24, 3, Some(128), None), Routing { drop_probability: 0.0, empty_experts: hot }),
+    ];
+    let rank_counts = common::sized("backward megakernel rank counts", vec![1, 2, 3, 4, 6, 8], vec![1, 3]);
+    let shapes = common::sized("backward megakernel shapes", cases.len(), 2);
+    let mut runs = 0;
+    for (seed, (per_rank, routing)) in cases.into_iter().take(shapes).enumerate() {
+        for &p in &rank_counts {
+            let global = MoeConfig { tokens_per_rank: per_rank.tokens_per_rank * p, ..per_rank.clone() };
+            let case = random_case(&global, 1700 + 10 * seed as u64 + p as u64, routing);
+            let want = unfused_bits(&gpu, &case);
+            let c = rank_config(&global, p);
+            let what = format!(
+                "P={p} T={}·{p} H={} I={} E={} k={}",
+                c.tokens_per_rank, c.hidden, c.intermediate, c.num_experts, c.top_k
+            );
+            let Some(mut layer) = megakernels_ep_layer(&gpu, &c, ExchangeOptions::default()) else { return };
+            upload_rank_inputs(&gpu, &layer, &case);
+            let weights = rank_weights(&gpu, &c, &case);
+            assert_same_bits(&format!("{what}, both megakernels"), &ep_bits(&gpu, &mut layer, &weights), &want);
+            let (resident, _) = layer.backward_megakernel_geometry().unwrap();
+            let geometries = ep_geometries(resident, p as u32);
+            let geometries = if common::sanitizing() { &geometries[..2] } else { &geometries[..] };
+            for &(comm, blocks) in geometries {
+                let options = MegakernelOptions { comm_blocks: Some(comm), blocks, ..Default::default() };
+                layer.set_backward_megakernel(&gpu, Some(options)).unwrap();
+                let got = ep_bits(&gpu, &mut layer, &weights);
+                assert_eq!(layer.backward_megakernel_geometry(), Some((blocks.unwrap_or(resident), comm)));
+                assert_same_bits(&format!("{what}, {comm} comm blocks per rank of {blocks:?}"), &got, &want);
+                runs += 1;
+            }
+            // After the separate forward (mma.sync expert compute, the exchange's movers).
+            layer.set_forward_megakernel(&gpu, None).unwrap();
+            layer.set_backward_megakernel(&gpu, Some(MegakernelOptions::default())).unwrap();
+            assert_same_bits(
+                &format!("{what}, after the separate forward"),
+                &ep_bits(&gpu, &mut layer, &weights),
+                &want,
+            );
+            println!(
+                "  {what}: the backward megakernel gives the P = 1 unfused bits over {} geometries and after either forward",
+                geometries.len()
+            );
+        }
+    }
+    assert!(runs > 0);
+}
+
+#[test]
+fn ep_backward_megakernel_faults_are_reported_timeouts_and_the_next_pass_is_right() {
+    let gpu = gpu();
+    let p = 4;
+    let global = MoeConfig { shared_intermediate: Some(64), ..MoeConfig::new(4 * 64, 136, 96, 24, 4) };
+    let c = rank_config(&global, p);
+    let case = random_case(&global, 1902, common::PLAIN_ROUTING);
+    let deadline = Duration::from_millis(common::sized("fault deadline (ms)", 200, 2000));
+    let options = ExchangeOptions { timeout: deadline, ..Default::default() };
+    let Some(mut layer) = megakernels_ep_layer(&gpu, &c, options) else { return };
+    let megakernel = MegakernelOptions { timeout: deadline, ..Default::default() };
+    layer.set_forward_megakernel(&gpu, Some(megakernel.clone())).unwrap();
+    layer.set_backward_megakernel(&gpu, Some(megakernel)).unwrap();
+    upload_rank_inputs(&gpu, &layer, &case);
+    let weights = rank_weights(&gpu, &c, &case);
+    let want = unfused_bits(&gpu, &case);
+    assert_same_bits("before the faults", &ep_bits(&gpu, &mut layer, &weights), &want);
+    let faults: [(usize, MegakernelFaults, Option<Silence>, &str); 3] = [
+        (2, MegakernelFaults { silent_rows_tile: Some(0), ..Default::default() }, None, "gathered"),
+        (3, MegakernelFaults { silent_hidden_tile: Some(1), ..Default::default() }, None, "down_dgrad_stored"),
+        (1, MegakernelFaults::default(), Some(Silence::Push), "pushed by the expert owner"),
+    ];
+    for (rank, fault, silence, waited) in faults {
+        ep_forward_y(&gpu, &mut layer, &weights);
+        layer.set_backward_megakernel_faults(rank, fault).unwrap();
+        layer.exchange_mut().set_silent_rank(silence.map(|s| (rank, s)));
+        let start = Instant::now();
+        layer.backward(&gpu, &weights.0, weights.1.as_ref()).unwrap();
+        let error = layer.check_errors(&gpu).unwrap_err();
+        let took = start.elapsed();
+        println!("  rank {rank} {fault:?} {silence:?}: {error} (after {took:?})");
+        match &error {
+            MokError::Timeout { waited_for, .. } => assert!(waited_for.contains(waited), "{waited_for}"),
+            other => panic!("expected a timeout, got {other:?}"),
+        }
+        let slack = Duration::from_millis(common::sized("fault slack (ms)", 100, 4000));
+        assert!(took < 2 * deadline + slack, "reported after {took:?}");
+        layer.set_backward_megakernel_faults(rank, MegakernelFaults::default()).unwrap();
+        layer.exchange_mut().set_silent_rank(None);
+        layer.exchange_mut().reset(&[&gpu]).unwrap();
+        assert_same_bits(&format!("the pass after {fault:?} {silence:?}"), &ep_bits(&gpu, &mut layer, &weights), &want);
+    }
+}

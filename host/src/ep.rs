@@ -30,8 +30,8 @@ use crate::error::{MokError, Result};
 use crate::exchange::{Exchange, ExchangeOptions, Silence};
 use crate::gemm::{self as engine, EnginePlan};
 use crate::megakernel::{
-    FORWARD_RANKS_KERNEL, ForwardMegakernel, MegakernelOptions, PassBuffers, RankPass, checked_geometry,
-    resident_blocks,
+    BACKWARD_RANKS_KERNEL, BackwardBuffers, BackwardMegakernel, FORWARD_RANKS_KERNEL, ForwardMegakernel,
+    MegakernelOptions, PassBuffers, RankPass, checked_geometry, resident_blocks,
 };
 #[cfg(feature = "testing")]
 use crate::megakernel::{MegakernelFaults, MegakernelWork};
@@ -92,6 +92,19 @@ struct EpMegakernel {
     pass: Option<ForwardMegakernel>,
 }
 
+/// The backward megakernel of every rank: each rank's five engine plans over its ring, the
+/// engine's tile offsets of its ring, and the pass (built at the first backward, again for other
+/// weights or gradient targets).
+struct EpBackwardMegakernel {
+    options: MegakernelOptions,
+    /// Per rank: `[2 · (L + 1)]` engine tile offsets of its ring (written each backward).
+    tile_offsets: Vec<DeviceBuffer<u32>>,
+    /// Per rank: the plans, and the weights and gradient targets they were built for.
+    plans: Vec<[EnginePlan; 5]>,
+    built_for: Vec<([u64; 3], [u64; 3], bool)>,
+    pass: Option<BackwardMegakernel>,
+}
+
 /// The layer over `config.ep_ranks` ranks, of which this process drives the heap's local ranks
 /// on one GPU: every rank (virtual ranks, [`EpLayer::new_virtual`]) or one (one process per GPU,
 /// [`EpLayer::with_heap`] over a multi-process heap). Per-rank arguments and results (weights,
@@ -103,6 +116,7 @@ pub struct EpLayer {
     /// One per local rank, in the heap's local order.
     ranks: Vec<RankState>,
     megakernel: Option<EpMegakernel>,
+    backward_megakernel: Option<EpBackwardMegakernel>,
 }
 
 impl EpLayer {
@@ -153,7 +167,7 @@ impl EpLayer {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Self { config, exchange, ranks, megakernel: None })
+        Ok(Self { config, exchange, ranks, megakernel: None, backward_megakernel: None })
     }
 
     /// Runs the forward as the forward megakernel (`Some(options)`: one launch for every rank
@@ -191,6 +205,170 @@ impl EpLayer {
     /// Whether the forward runs as the megakernel.
     pub fn uses_forward_megakernel(&self) -> bool {
         self.megakernel.is_some()
+    }
+
+    /// Runs the backward as the backward megakernel (`Some(options)`: one launch for every
+    /// virtual rank — pull of dy from the token owners, the engine's data- and weight-gradient
+    /// tiles on each rank's ring, push of the dx rows to the owners' slot buffers, the owners'
+    /// dx combine and slot-weight gradients; sm_90a) or as the separate path (`None`, the
+    /// default). It follows either forward. Virtual ranks only (every rank on this GPU): with one
+    /// process per GPU it is refused, since its pull would need the peers' dy published first
+    /// (not built). Errors when this GPU, the loaded PTX or the geometry cannot run it; the layer
+    /// is then unchanged. **Not yet run on a GPU.**
+    pub fn set_backward_megakernel(&mut self, gpu: &Gpu, options: Option<MegakernelOptions>) -> Result<()> {
+        let Some(options) = options else {
+            self.backward_megakernel = None;
+            return Ok(());
+        };
+        if !gpu.has_kernel(BACKWARD_RANKS_KERNEL) || !engine::engine_available(gpu) {
+            return Err(MokError::InvalidInput {
+                tensor: "megakernel",
+                problem: format!(
+                    "needs an sm_90 GPU, the engine kernels and {BACKWARD_RANKS_KERNEL} in the loaded PTX (this GPU is sm_{}{})",
+                    gpu.compute_capability().0,
+                    gpu.compute_capability().1
+                ),
+            });
+        }
+        let locals = self.ranks.len();
+        if locals != self.config.ep_ranks {
+            return Err(MokError::InvalidInput {
+                tensor: "megakernel",
+                problem: format!(
+                    "the backward megakernel hosts every rank in one launch (virtual ranks); this process drives {locals} of {}",
+                    self.config.ep_ranks
+                ),
+            });
+        }
+        checked_geometry(resident_blocks(gpu, BACKWARD_RANKS_KERNEL)?, &options, locals as u32)?;
+        let l = self.config.local_experts();
+        let tile_offsets = (0..locals).map(|_| DeviceBuffer::alloc(gpu, 2 * (l + 1))).collect::<Result<Vec<_>>>()?;
+        self.backward_megakernel =
+            Some(EpBackwardMegakernel { options, tile_offsets, plans: Vec::new(), built_for: Vec::new(), pass: None });
+        Ok(())
+    }
+
+    /// Whether the backward runs as the megakernel.
+    pub fn uses_backward_megakernel(&self) -> bool {
+        self.backward_megakernel.is_some()
+    }
+
+    /// The backward megakernel pass's (blocks, comm blocks per rank), once a backward has built
+    /// it.
+    pub fn backward_megakernel_geometry(&self) -> Option<(u32, u32)> {
+        self.backward_megakernel.as_ref().and_then(|m| m.pass.as_ref()).map(BackwardMegakernel::geometry)
+    }
+
+    /// Faults of `rank` for the following backward megakernel passes (feature `testing`; the
+    /// pass must exist: run a backward first).
+    #[cfg(feature = "testing")]
+    pub fn set_backward_megakernel_faults(&mut self, rank: usize, faults: MegakernelFaults) -> Result<()> {
+        let local = self.local_index(rank)?;
+        let pass = self.backward_megakernel.as_mut().and_then(|m| m.pass.as_mut());
+        let Some(pass) = pass else {
+            return Err(MokError::InvalidInput {
+                tensor: "megakernel",
+                problem: "no backward megakernel pass yet (switch it on and run a backward)".into(),
+            });
+        };
+        pass.set_faults(local, faults)
+    }
+
+    /// Builds every rank's backward plans and the backward megakernel pass over them (when it is
+    /// on): on first use, and again for other weights or gradient targets. `targets[local]`:
+    /// `([dw_gate, dw_up, dw_down] addresses, accumulate into f32)`.
+    ///
+    /// # Safety
+    /// The targets are live allocations of the routed gradients' lengths (f32 when accumulating)
+    /// until the stream has run every pass launched over these plans.
+    unsafe fn prepare_backward_megakernel(
+        &mut self,
+        gpu: &Gpu,
+        experts: &[ExpertsView<'_>],
+        shared_dx: &[u64],
+        targets: &[([u64; 3], bool)],
+    ) -> Result<()> {
+        let Some(m) = self.backward_megakernel.as_mut() else { return Ok(()) };
+        let keys: Vec<([u64; 3], [u64; 3], bool)> = experts
+            .iter()
+            .zip(targets)
+            .map(|(w, &(dw, accumulate))| {
+                ([w.w_gate.device_ptr(), w.w_up.device_ptr(), w.w_down.device_ptr()], dw, accumulate)
+            })
+            .collect();
+        if m.pass.is_some() && m.built_for == keys {
+            return Ok(());
+        }
+        let c = &self.config;
+        let (l, capacity) = (c.local_experts(), self.exchange.shape().capacity as usize);
+        let (h, k) = (c.hidden, c.top_k);
+        let r = *self.exchange.regions();
+        let locals = self.exchange.heap().local_ranks();
+        let mut plans = Vec::with_capacity(self.ranks.len());
+        for (local, ((state, w), &rank)) in self.ranks.iter().zip(experts).zip(locals).enumerate() {
+            // SAFETY: the regions lie in the heap, which the layer owns and keeps for as long as
+            // the plans (also the layer's) exist; the lengths are the regions' sizes.
+            let (ring_dy, ring_x) = unsafe {
+                (
+                    DeviceSlice::<bf16>::from_raw_parts(self.exchange.address(rank, r.ring_dy), capacity * h),
+                    DeviceSlice::<bf16>::from_raw_parts(self.exchange.address(rank, r.ring_x), capacity * h),
+                )
+            };
+            let groups = engine::RowGroups {
+                row_offsets: self.exchange.ring_row_offsets(rank),
+                tile_offsets: &m.tile_offsets[local],
+                groups: l,
+                capacity,
+            };
+            // SAFETY: caller contract for the targets.
+            plans.push(unsafe {
+                state.routed.engine_backward_plans(
+                    gpu,
+                    (ring_dy, ring_x),
+                    &groups,
+                    [w.w_gate, w.w_up, w.w_down],
+                    targets[local],
+                )
+            }?);
+        }
+        let buffers: Vec<BackwardBuffers> = self
+            .ranks
+            .iter()
+            .zip(locals)
+            .zip(shared_dx)
+            .map(|((state, &rank), &shared_rows)| {
+                let at = |region| self.exchange.address(rank, region);
+                Ok(BackwardBuffers {
+                    row_source: at(r.ring_source_slot),
+                    slot_row: at(r.slot_self),
+                    down_rows: state.routed.out_rows().device_ptr(),
+                    d_rows: at(r.ring_dy),
+                    d_in_rows: state.routed.d_in_rows().device_ptr(),
+                    dx: state.dx.device_ptr(),
+                    d_topk_weights: state.d_topk_weights.device_ptr(),
+                    top_k: k as u32,
+                    hidden: h as u32,
+                    rank: Some(RankPass {
+                        exchange: self.exchange.params_address(rank)?,
+                        rank: rank as u32,
+                        error: at(r.error),
+                        inputs: PassInputs {
+                            x: at(r.dy),
+                            topk_weights: at(r.topk_weights),
+                            shared_rows,
+                            tokens: c.tokens_per_rank as u32,
+                            reserved: 0,
+                        },
+                    }),
+                })
+            })
+            .collect::<Result<_>>()?;
+        let sets: Vec<[&EnginePlan; 5]> = plans.iter().map(|p| p.each_ref()).collect();
+        let pass = BackwardMegakernel::new(gpu, &sets, &buffers, &m.options)?;
+        m.plans = plans;
+        m.built_for = keys;
+        m.pass = Some(pass);
+        Ok(())
     }
 
     /// The megakernel pass's (blocks, comm blocks per rank), once a forward has built it.
@@ -512,6 +690,70 @@ impl EpLayer {
         self.exchange.combine(&gpus, &rows, &bases, &outs)
     }
 
+    /// The backward as the megakernel: each rank's shared expert backward (its dx rows are the
+    /// first term of the rank's dx sums), the engine tile offsets of every ring, every rank's
+    /// `slot_ready` cleared (the dx pushes flag them), then one launch for every rank.
+    fn backward_megakernel_pass(
+        &mut self,
+        gpu: &Gpu,
+        experts: &[ExpertsView<'_>],
+        shared: Option<SharedExpertView<'_>>,
+        target: Option<&EpGradTargets>,
+    ) -> Result<()> {
+        let r = *self.exchange.regions();
+        let t = self.config.tokens_per_rank;
+        let accumulate_f32 = target.is_some_and(|t| t.accumulate_f32);
+        let mut shared_dx = Vec::with_capacity(self.ranks.len());
+        for (local, (state, &rank)) in self.ranks.iter().zip(self.local_ranks()).enumerate() {
+            let mut base = 0;
+            if let (Some(weights), Some((compute, offsets)), Some(dws)) = (shared, &state.shared, &state.dws) {
+                let own = [dws[0].device_ptr(), dws[1].device_ptr(), dws[2].device_ptr()];
+                let at = |region| self.exchange.address(rank, region);
+                compute.backward(
+                    gpu,
+                    &RowGroups::all_tokens(offsets, t),
+                    ExpertBackward {
+                        input_rows: at(r.x),
+                        // The shared expert's output is added unscaled: its output gradient is dy.
+                        d_out_rows: at(r.dy),
+                        weights: [weights.ws_gate, weights.ws_up, weights.ws_down],
+                        accumulate_f32,
+                        weight_grads: target.map_or(own, |t| t.shared[local]),
+                    },
+                )?;
+                base = compute.d_in_rows().device_ptr();
+            }
+            shared_dx.push(base);
+        }
+        let targets: Vec<([u64; 3], bool)> = self
+            .ranks
+            .iter()
+            .enumerate()
+            .map(|(local, state)| {
+                let own = [state.dw[0].device_ptr(), state.dw[1].device_ptr(), state.dw[2].device_ptr()];
+                (target.map_or(own, |t| t.routed[local]), accumulate_f32)
+            })
+            .collect();
+        // SAFETY: the targets are the layer's own gradients or the caller's, checked against the
+        // layouts by the caller of `backward_views` and alive until the stream has run the pass;
+        // a plan over another target is rebuilt before it is launched again.
+        unsafe { self.prepare_backward_megakernel(gpu, experts, &shared_dx, &targets) }?;
+        let gpus = [gpu];
+        let l = self.config.local_experts();
+        let not_built = || MokError::InvalidInput { tensor: "megakernel", problem: "no backward pass built".into() };
+        let m = self.backward_megakernel.as_mut().ok_or_else(not_built)?;
+        for (local, &rank) in self.exchange.heap().local_ranks().iter().enumerate() {
+            engine::tile_offsets_into(gpu, self.exchange.ring_row_offsets(rank), l, &m.tile_offsets[local])?;
+        }
+        self.exchange.clear_slot_ready(&gpus)?;
+        let sets: Vec<[&EnginePlan; 5]> = m.plans.iter().map(|p| p.each_ref()).collect();
+        let pass = m.pass.as_mut().ok_or_else(not_built)?;
+        let silent: Vec<bool> =
+            self.exchange.heap().local_ranks().iter().map(|&r| self.exchange.silent(r, Silence::Push)).collect();
+        pass.set_silent_pushes(&silent)?;
+        pass.launch_ranks(gpu, &sets)
+    }
+
     /// The `local`-th local rank's shared expert over its own tokens (when the layer has one);
     /// returns the address of its `[T][H]` f32 rows, the first term of the rank's combine (0
     /// without one).
@@ -586,6 +828,9 @@ impl EpLayer {
                 tensor: "weight gradients",
                 problem: format!("targets for {} ranks, the layer has {}", t.routed.len(), self.ranks.len()),
             });
+        }
+        if self.backward_megakernel.is_some() {
+            return self.backward_megakernel_pass(gpu, experts, shared, target);
         }
         let gpus = [gpu];
         self.exchange.begin_backward(&gpus)?;

@@ -556,7 +556,7 @@ impl EnginePlan {
     #[allow(clippy::too_many_arguments)]
     pub fn rows_nn_swiglu_backward(
         gpu: &Gpu,
-        (d_rows, w_down): (&DeviceBuffer<bf16>, DeviceSlice<'_, bf16>),
+        (d_rows, w_down): (DeviceSlice<'_, bf16>, DeviceSlice<'_, bf16>),
         groups: &RowGroups<'_>,
         (i, h): (usize, usize),
         (pre_gate, pre_up): (&DeviceBuffer<f32>, &DeviceBuffer<f32>),
@@ -575,7 +575,7 @@ impl EnginePlan {
             check_len(tensor, len, groups.capacity * i)?;
         }
         let maps = vec![
-            rows_map(gpu, d_rows.into(), h, groups.capacity)?,
+            rows_map(gpu, d_rows, h, groups.capacity)?,
             TensorMap::bf16(
                 gpu,
                 w_down.device_ptr(),
@@ -608,15 +608,16 @@ impl EnginePlan {
 
     /// Weight gradient per group, `dw[g] = Σ_{r in g} a[r]ᵀ b[r]`, reducing the group's rows
     /// in order (no split-K): `a` `[cap][m]`, `b` `[cap][n]`, output `[G][m][n]`.
-    pub fn wgrad(
+    pub fn wgrad<'a>(
         gpu: &Gpu,
-        a: &DeviceBuffer<bf16>,
-        b: &DeviceBuffer<bf16>,
-        row_offsets: &DeviceBuffer<u32>,
+        a: impl Into<DeviceSlice<'a, bf16>>,
+        b: impl Into<DeviceSlice<'a, bf16>>,
+        row_offsets: impl Into<DeviceSlice<'a, u32>>,
         (groups, capacity): (usize, usize),
         (m, n): (usize, usize),
         out: WgradOut<'_>,
     ) -> Result<Self> {
+        let (a, b, row_offsets) = (a.into(), b.into(), row_offsets.into());
         check_width("m", m)?;
         check_width("n", n)?;
         check_len("a", a.len(), capacity * m)?;

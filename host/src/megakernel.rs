@@ -10,6 +10,7 @@ use mok_kernels::comm::params::ERROR_WORDS;
 use mok_kernels::gemm_layout::{ENGINE_SMEM_BYTES, ENGINE_THREADS};
 use mok_kernels::megakernel_layout::{
     BackwardParams, ForwardParams, NO_FAULT, PassInputs, WORK_ALL, backward_counter_words, first_compute_block,
+    rank_pairs,
 };
 
 use crate::driver::{DeviceBuffer, Gpu, KernelArg, LaunchShape};
@@ -426,6 +427,8 @@ impl ForwardMegakernel {
 
 /// The backward megakernel's entry point on one GPU.
 pub const BACKWARD_KERNEL: &str = "mok_sm90_backward";
+/// Its entry point hosting every expert-parallel rank of a pass (virtual ranks on one GPU).
+pub const BACKWARD_RANKS_KERNEL: &str = "mok_sm90_backward_ranks";
 
 /// The kernels of a backward pass's plans, in [`BackwardParams`] order: the down dgrad with the
 /// SwiGLU backward, the gate/up dgrad, then the down, gate and up weight gradients.
@@ -437,13 +440,13 @@ const BACKWARD_PLAN_KERNELS: [&str; 5] = [
     "mok_sm90_gemm_wgrad",
 ];
 
-/// The layer buffers a backward pass reads and writes, besides its plans'.
+/// The layer buffers a backward pass reads and writes, besides its plans', for one rank.
 pub(crate) struct BackwardBuffers {
-    /// `[R]` the slot each expert-ordered row holds.
+    /// `[R]` the slot each expert-ordered row holds (with ranks: the ring map's source slots).
     pub row_source: u64,
-    /// `[T·k]` the row of each slot.
+    /// `[T·k]` the row of each slot (with ranks: `slot_self`, addressing the slot buffers).
     pub slot_row: u64,
-    /// `[cap][H]` f32: the forward's down rows.
+    /// `[cap][H]` f32: the forward's down rows (one GPU: read for d_topk_weights).
     pub down_rows: u64,
     /// `[cap][H]` bf16: the gathered, scaled dy rows (the down dgrad's A).
     pub d_rows: u64,
@@ -456,115 +459,219 @@ pub(crate) struct BackwardBuffers {
     /// k, H.
     pub top_k: u32,
     pub hidden: u32,
+    /// With expert-parallel ranks: the rank's place in the symmetric heap (its inputs: dy, the
+    /// slot weights, its shared expert's dx rows).
+    pub rank: Option<RankPass>,
 }
 
-/// A layer's backward megakernel on one GPU: its parameter block, counters and geometry.
+/// A layer's backward megakernel: the parameter blocks (one per rank), counters and geometry.
 pub(crate) struct BackwardMegakernel {
-    host: BackwardParams,
+    host: Vec<BackwardParams>,
     params: DeviceBuffer<u8>,
-    /// `[M tiles]` gathered flags, down-dgrad parts, gate/up-dgrad parts, then the gather's and
-    /// the combine's next: cleared together before each pass.
+    /// With ranks, every rank's [`PassInputs`] (fixed heap addresses; the shared expert's dx
+    /// rows), written once.
+    inputs: Option<DeviceBuffer<u8>>,
+    /// Per rank: `[M tiles]` gathered flags, down-dgrad parts, gate/up-dgrad parts, then the
+    /// gather's, the combine's and the push's next: cleared together before each pass.
     pass_counters: DeviceBuffer<u32>,
-    error: DeviceBuffer<u32>,
+    /// On one GPU, the pass's error record (with ranks, each rank's record in the heap).
+    error: Option<DeviceBuffer<u32>>,
     blocks: u32,
-    /// The plans' parameter blocks this pass points at.
-    built_for: [u64; 5],
+    /// The plans' parameter blocks each rank's pass points at.
+    built_for: Vec<[u64; 5]>,
 }
 
 impl BackwardMegakernel {
-    /// The pass over `plans` (in [`BACKWARD_PLAN_KERNELS`] order) and the layer's `buffers`.
+    /// The pass of one rank (`buffers.len() == 1` without ranks: one GPU) or of every virtual
+    /// rank in one launch; `plans[r]` are rank r's plans in [`BACKWARD_PLAN_KERNELS`] order.
     pub(crate) fn new(
         gpu: &Gpu,
-        plans: [&EnginePlan; 5],
-        b: &BackwardBuffers,
+        plans: &[[&EnginePlan; 5]],
+        buffers: &[BackwardBuffers],
         options: &MegakernelOptions,
     ) -> Result<Self> {
-        if !gpu.has_kernel(BACKWARD_KERNEL) {
+        let with_ranks = buffers.first().is_some_and(|b| b.rank.is_some());
+        let kernel = if with_ranks { BACKWARD_RANKS_KERNEL } else { BACKWARD_KERNEL };
+        if plans.len() != buffers.len()
+            || buffers.is_empty()
+            || buffers.iter().any(|b| b.rank.is_some() != with_ranks)
+            || (!with_ranks && buffers.len() != 1)
+        {
             return Err(MokError::InvalidInput {
                 tensor: "megakernel",
-                problem: format!("the loaded PTX has no {BACKWARD_KERNEL} (it needs sm_90a)"),
+                problem: format!("{} plan sets for {} ranks' buffers", plans.len(), buffers.len()),
             });
         }
-        for (plan, kernel) in plans.iter().zip(BACKWARD_PLAN_KERNELS) {
-            if plan.kernel() != kernel {
-                return Err(MokError::InvalidInput {
-                    tensor: "megakernel",
-                    problem: format!("the backward runs a {kernel} plan where it was given {}", plan.kernel()),
-                });
+        if !gpu.has_kernel(kernel) {
+            return Err(MokError::InvalidInput {
+                tensor: "megakernel",
+                problem: format!("the loaded PTX has no {kernel} (it needs sm_90a)"),
+            });
+        }
+        for rank_plans in plans {
+            for (plan, expected) in rank_plans.iter().zip(BACKWARD_PLAN_KERNELS) {
+                if plan.kernel() != expected {
+                    return Err(MokError::InvalidInput {
+                        tensor: "megakernel",
+                        problem: format!("the backward runs a {expected} plan where it was given {}", plan.kernel()),
+                    });
+                }
             }
         }
-        let (blocks, comm_blocks) = checked_geometry(resident_blocks(gpu, BACKWARD_KERNEL)?, options, 1)?;
-        let m_tiles = plans[0].max_m_tiles().max(plans[1].max_m_tiles()).max(1);
-        let pass_counters = DeviceBuffer::from_slice(gpu, &vec![0u32; backward_counter_words(m_tiles)])?;
-        let error = DeviceBuffer::from_slice(gpu, &[0u32; ERROR_WORDS])?;
-        let counters = pass_counters.device_ptr();
-        let tile_words = 4 * m_tiles as u64;
-        let host = BackwardParams {
-            down_dgrad: plans[0].params_ptr(),
-            gate_up_dgrad: plans[1].params_ptr(),
-            wgrad: [plans[2].params_ptr(), plans[3].params_ptr(), plans[4].params_ptr()],
-            row_source: b.row_source,
-            slot_row: b.slot_row,
-            down_rows: b.down_rows,
-            d_rows: b.d_rows,
-            d_in_rows: b.d_in_rows,
-            dx: b.dx,
-            d_topk_weights: b.d_topk_weights,
-            rows_gathered: counters,
-            down_dgrad_stored: counters + tile_words,
-            gate_up_dgrad_stored: counters + 2 * tile_words,
-            gather_next: counters + 3 * tile_words,
-            combine_next: counters + 3 * tile_words + 4,
-            error: error.device_ptr(),
-            timeout_ns: options.timeout.as_nanos().min(u64::MAX as u128) as u64,
-            top_k: b.top_k,
-            hidden: b.hidden,
-            comm_blocks,
-            silent_rows_tile: NO_FAULT,
-            silent_hidden_tile: NO_FAULT,
-            work: WORK_ALL,
-            rank: 0,
-            reserved: 0,
+        let ranks = buffers.len() as u32;
+        let (blocks, comm_blocks) = checked_geometry(resident_blocks(gpu, kernel)?, options, ranks)?;
+        let m_tiles = plans.iter().map(|p| p[0].max_m_tiles().max(p[1].max_m_tiles())).max().unwrap_or(0).max(1);
+        let words = backward_counter_words(m_tiles);
+        let pass_counters = DeviceBuffer::from_slice(gpu, &vec![0u32; words * ranks as usize])?;
+        let error = if with_ranks { None } else { Some(DeviceBuffer::from_slice(gpu, &[0u32; ERROR_WORDS])?) };
+        let timeout_ns = options.timeout.as_nanos().min(u64::MAX as u128) as u64;
+        let host: Vec<BackwardParams> = plans
+            .iter()
+            .zip(buffers)
+            .enumerate()
+            .map(|(r, (p, b))| {
+                let counters = pass_counters.device_ptr() + 4 * (r * words) as u64;
+                let tile_words = 4 * m_tiles as u64;
+                let (exchange, rank, error) = match (&b.rank, &error) {
+                    (Some(rank), _) => (rank.exchange, rank.rank, rank.error),
+                    (None, Some(record)) => (0, 0, record.device_ptr()),
+                    (None, None) => unreachable!("a pass without ranks has its own record"),
+                };
+                // The rank's run of the grid (whole pairs, `rank_pairs`).
+                let (first_pair, pairs) = rank_pairs(blocks / 2, ranks, r as u32);
+                BackwardParams {
+                    down_dgrad: p[0].params_ptr(),
+                    gate_up_dgrad: p[1].params_ptr(),
+                    wgrad: [p[2].params_ptr(), p[3].params_ptr(), p[4].params_ptr()],
+                    row_source: b.row_source,
+                    slot_row: b.slot_row,
+                    down_rows: b.down_rows,
+                    d_rows: b.d_rows,
+                    d_in_rows: b.d_in_rows,
+                    dx: b.dx,
+                    d_topk_weights: b.d_topk_weights,
+                    rows_gathered: counters,
+                    down_dgrad_stored: counters + tile_words,
+                    gate_up_dgrad_stored: counters + 2 * tile_words,
+                    gather_next: counters + 3 * tile_words,
+                    combine_next: counters + 3 * tile_words + 4,
+                    error,
+                    timeout_ns,
+                    top_k: b.top_k,
+                    hidden: b.hidden,
+                    comm_blocks,
+                    silent_rows_tile: NO_FAULT,
+                    silent_hidden_tile: NO_FAULT,
+                    work: WORK_ALL,
+                    rank,
+                    reserved: 0,
+                    exchange,
+                    push_next: counters + 3 * tile_words + 8,
+                    silent_push: NO_FAULT,
+                    rank_first_block: if with_ranks { 2 * first_pair } else { 0 },
+                    rank_blocks: if with_ranks { 2 * pairs } else { blocks },
+                    reserved_ranks: 0,
+                }
+            })
+            .collect();
+        // SAFETY: BackwardParams is repr(C) plain data without padding (216 bytes, asserted in
+        // megakernel_layout).
+        let params = DeviceBuffer::from_slice(gpu, &unsafe { blocks_bytes(&host) })?;
+        let inputs = if with_ranks {
+            let inputs: Vec<PassInputs> = buffers.iter().filter_map(|b| b.rank.as_ref().map(|r| r.inputs)).collect();
+            // SAFETY: PassInputs is repr(C) plain data without padding (32 bytes, asserted).
+            Some(DeviceBuffer::from_slice(gpu, &unsafe { blocks_bytes(&inputs) })?)
+        } else {
+            None
         };
-        // SAFETY: BackwardParams is repr(C) plain data, nineteen u64 and eight u32 (184 bytes,
-        // asserted in megakernel_layout): no padding.
-        let params = DeviceBuffer::from_slice(gpu, &unsafe { blocks_bytes(&[host]) })?;
-        Ok(Self { host, params, pass_counters, error, blocks, built_for: plans.map(EnginePlan::params_ptr) })
+        Ok(Self {
+            host,
+            params,
+            inputs,
+            pass_counters,
+            error,
+            blocks,
+            built_for: plans.iter().map(|p| p.map(EnginePlan::params_ptr)).collect(),
+        })
     }
 
-    /// Whether this pass was built for these plans.
-    pub(crate) fn built_for(&self, plans: [&EnginePlan; 5]) -> bool {
-        self.built_for == plans.map(EnginePlan::params_ptr)
+    /// Whether this pass was built for these plans (one set per rank).
+    pub(crate) fn built_for(&self, plans: &[[&EnginePlan; 5]]) -> bool {
+        self.built_for.len() == plans.len()
+            && self.built_for.iter().zip(plans).all(|(b, p)| *b == p.map(EnginePlan::params_ptr))
     }
 
-    /// Blocks of the launch, and of them the comm blocks.
+    /// Blocks of the launch, and of them the comm blocks (of each rank).
     pub(crate) fn geometry(&self) -> (u32, u32) {
-        (self.blocks, self.host.comm_blocks)
+        (self.blocks, self.host[0].comm_blocks)
     }
 
-    /// Sets the faults of the following passes (tests): an M tile whose dy rows are gathered
-    /// but never published (`silent_rows_tile`), one whose down-dgrad parts are never counted
-    /// (`silent_hidden_tile`).
-    #[cfg(feature = "testing")]
-    pub(crate) fn set_faults(&mut self, faults: MegakernelFaults) -> Result<()> {
-        self.host.silent_rows_tile = faults.silent_rows_tile.unwrap_or(NO_FAULT);
-        self.host.silent_hidden_tile = faults.silent_hidden_tile.unwrap_or(NO_FAULT);
+    /// Uploads the parameter blocks again after a test hook changed them.
+    fn upload_params(&mut self) -> Result<()> {
         // SAFETY: as in `new`.
-        self.params.upload(&unsafe { blocks_bytes(&[self.host]) })
+        self.params.upload(&unsafe { blocks_bytes(&self.host) })
+    }
+
+    /// Sets the faults of `rank` for the following passes (tests): an M tile whose dy rows are
+    /// gathered but never published (`silent_rows_tile`), one whose down-dgrad parts are never
+    /// counted (`silent_hidden_tile`).
+    #[cfg(feature = "testing")]
+    pub(crate) fn set_faults(&mut self, rank: usize, faults: MegakernelFaults) -> Result<()> {
+        let ranks = self.host.len();
+        let Some(params) = self.host.get_mut(rank) else {
+            return Err(MokError::InvalidInput {
+                tensor: "rank",
+                problem: format!("rank {rank} is not below the pass's {ranks} ranks"),
+            });
+        };
+        params.silent_rows_tile = faults.silent_rows_tile.unwrap_or(NO_FAULT);
+        params.silent_hidden_tile = faults.silent_hidden_tile.unwrap_or(NO_FAULT);
+        self.upload_params()
     }
 
     /// Sets the work of the following passes (benchmarks: the backward's sides timed alone).
     #[cfg(feature = "testing")]
     pub(crate) fn set_work(&mut self, work: MegakernelWork) -> Result<()> {
-        self.host.work = work.0;
-        // SAFETY: as in `new`.
-        self.params.upload(&unsafe { blocks_bytes(&[self.host]) })
+        for rank in &mut self.host {
+            rank.work = work.0;
+        }
+        self.upload_params()
     }
 
-    /// Enqueues one backward pass of `tokens` tokens: cuts every plan's group maps (zeroing
-    /// their tile counters), clears the pass counters, then the megakernel. `dy` `[T][H]` bf16,
-    /// `topk_weights` `[T·k]` f32 and `shared_dx` `[T][H]` f32 (0 for none) must stay allocated
-    /// until the stream has run it.
+    /// Which local ranks push their dx rows but never flag them (the exchange's `Silence::Push`
+    /// fault): the parameter blocks are uploaded again only when this changes.
+    pub(crate) fn set_silent_pushes(&mut self, silent: &[bool]) -> Result<()> {
+        let mut changed = false;
+        for (params, &silent) in self.host.iter_mut().zip(silent) {
+            let value = if silent { 1 } else { NO_FAULT };
+            changed |= params.silent_push != value;
+            params.silent_push = value;
+        }
+        if changed { self.upload_params() } else { Ok(()) }
+    }
+
+    /// Cuts every plan's group maps (zeroing their tile counters) and clears the pass counters.
+    fn prepare_pass(&mut self, gpu: &Gpu, plans: &[[&EnginePlan; 5]]) -> Result<()> {
+        if !self.built_for(plans) {
+            return Err(MokError::InvalidInput {
+                tensor: "megakernel",
+                problem: "built for other engine plans".into(),
+            });
+        }
+        for plan in plans.iter().flatten() {
+            plan.cut_group_maps(gpu)?;
+        }
+        self.pass_counters.fill_bytes(0)
+    }
+
+    fn shape(&self) -> LaunchShape {
+        LaunchShape { grid: (self.blocks, 1, 1), threads: ENGINE_THREADS, smem_bytes: ENGINE_SMEM_BYTES }
+    }
+
+    /// Enqueues one backward pass on one GPU of `tokens` tokens: cuts every plan's group maps,
+    /// clears the pass counters, then the megakernel. `dy` `[T][H]` bf16, `topk_weights` `[T·k]`
+    /// f32 and `shared_dx` `[T][H]` f32 (0 for none) must stay allocated until the stream has run
+    /// it.
     pub(crate) fn launch(
         &mut self,
         gpu: &Gpu,
@@ -574,16 +681,10 @@ impl BackwardMegakernel {
         shared_dx: u64,
         tokens: u32,
     ) -> Result<()> {
-        if !self.built_for(plans) {
-            return Err(MokError::InvalidInput {
-                tensor: "megakernel",
-                problem: "built for other engine plans".into(),
-            });
+        if self.inputs.is_some() {
+            return Err(MokError::InvalidInput { tensor: "megakernel", problem: "built for ranks".into() });
         }
-        for plan in plans {
-            plan.cut_group_maps(gpu)?;
-        }
-        self.pass_counters.fill_bytes(0)?;
+        self.prepare_pass(gpu, &[plans])?;
         let args = [
             KernelArg::Ptr(self.params.device_ptr()),
             KernelArg::Ptr(dy),
@@ -591,22 +692,42 @@ impl BackwardMegakernel {
             KernelArg::Ptr(shared_dx),
             KernelArg::U32(tokens),
         ];
-        let shape = LaunchShape { grid: (self.blocks, 1, 1), threads: ENGINE_THREADS, smem_bytes: ENGINE_SMEM_BYTES };
         // SAFETY: `mok_sm90_backward`'s parameters in order and type; the parameter block points
         // at the layer's live buffers and the plans' parameter blocks (checked above), its
         // counters hold an entry per M tile the plans' groups can have, cleared above on the
         // stream; the grid is co-resident (checked in `new`); the caller keeps dy, the weights
         // and the shared dx rows alive until the stream has run the pass.
-        unsafe { gpu.launch(BACKWARD_KERNEL, shape, &args) }
+        unsafe { gpu.launch(BACKWARD_KERNEL, self.shape(), &args) }
     }
 
-    /// Waits for the stream and reports the first failure of the last pass, clearing it.
+    /// Enqueues one backward pass of every rank in one launch (the caller cleared every rank's
+    /// `slot_ready` flags on the stream before): cuts every plan's group maps, clears the pass
+    /// counters, then the megakernel.
+    pub(crate) fn launch_ranks(&mut self, gpu: &Gpu, plans: &[[&EnginePlan; 5]]) -> Result<()> {
+        let Some(inputs) = &self.inputs else {
+            return Err(MokError::InvalidInput { tensor: "megakernel", problem: "built for one GPU".into() });
+        };
+        let inputs = inputs.device_ptr();
+        self.prepare_pass(gpu, plans)?;
+        let args =
+            [KernelArg::Ptr(self.params.device_ptr()), KernelArg::Ptr(inputs), KernelArg::U32(self.host.len() as u32)];
+        // SAFETY: `mok_sm90_backward_ranks`'s parameters in order and type; each rank's
+        // parameter block points at the layer's live buffers, its heap slice and the plans'
+        // parameter blocks (checked above); the inputs are one block per rank; the counters are
+        // cleared above on the stream; the grid is co-resident and gives every rank a compute
+        // pair (checked in `new`).
+        unsafe { gpu.launch(BACKWARD_RANKS_KERNEL, self.shape(), &args) }
+    }
+
+    /// Waits for the stream and reports the first failure of the last pass on one GPU, clearing
+    /// it (across ranks the exchange reads the heap's records).
     pub(crate) fn check(&mut self) -> Result<()> {
-        let words = self.error.download()?;
+        let Some(record) = &mut self.error else { return Ok(()) };
+        let words = record.download()?;
         match engine_error(&words, None) {
             None => Ok(()),
             Some(error) => {
-                self.error.upload(&[0; ERROR_WORDS])?;
+                record.upload(&[0; ERROR_WORDS])?;
                 Err(error)
             }
         }

@@ -180,10 +180,28 @@ pub struct BackwardParams {
     pub rank: u32,
     /// Keeps the block a whole number of 8-byte words; 0.
     pub reserved: u32,
+    /// Across ranks (`mok_sm90_backward_ranks`), this rank's `comm::params::ExchangeParams`:
+    /// where the gather pulls the token owners' dy and slot weights, where the push sends the
+    /// dx rows (the owners' `dx_slots`, flagged in their `slot_ready`) and where the owner's
+    /// combine finds its forward slot rows (`combine_slots`, for d_topk_weights); 0 on one GPU.
+    pub exchange: u64,
+    /// Across ranks, one u32: the next ring row to push to its token owner.
+    pub push_next: u64,
+    /// Fault injection across ranks (tests): anything but [`NO_FAULT`] makes this rank push its
+    /// dx rows but never flag them.
+    pub silent_push: u32,
+    /// Across ranks: the first block of the launch that this rank holds, and how many it
+    /// holds (its weight-gradient tiles walk its own compute blocks); 0 and the grid on one GPU.
+    pub rank_first_block: u32,
+    /// ... and the blocks it holds.
+    pub rank_blocks: u32,
+    /// Keeps the block a whole number of 8-byte words; 0.
+    pub reserved_ranks: u32,
 }
 
-// The host writes this block byte for byte: nineteen 8-byte words, then eight u32.
-const _: () = assert!(size_of::<BackwardParams>() == 184);
+// The host writes this block byte for byte: nineteen 8-byte words, eight u32, two 8-byte words,
+// four u32.
+const _: () = assert!(size_of::<BackwardParams>() == 216);
 
 /// Words of one rank's backward pass counters for plans of at most `m_tiles` M tiles: three
 /// per M tile (gathered, down-dgrad parts, gate/up-dgrad parts) and the two queues.

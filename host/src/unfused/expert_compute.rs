@@ -181,6 +181,58 @@ impl ExpertCompute {
         ))
     }
 
+    /// The backward megakernel's five engine plans over `groups` of `d_rows` (`[R][H]` bf16, the
+    /// gathered dy rows scaled by their slot weights), `input_rows` (`[R][H]` bf16, the forward's
+    /// rows) and this workspace (the saved pre-activations and hidden rows; d_gate, d_up and the
+    /// f32 input-row gradients written): the down dgrad with the SwiGLU backward, the gate/up
+    /// dgrad, and the down, gate and up weight gradients into `dw` = `[dw_gate, dw_up, dw_down]`
+    /// (device addresses of `[G, I, H]`, `[G, I, H]`, `[G, H, I]`), bf16 or, with
+    /// `accumulate_f32`, added into f32. In `BackwardParams` order.
+    ///
+    /// # Safety
+    /// `dw` are live allocations of those lengths (of f32 with `accumulate_f32`, else bf16) for
+    /// as long as the plans are launched.
+    pub(crate) unsafe fn engine_backward_plans(
+        &self,
+        gpu: &Gpu,
+        (d_rows, input_rows): (DeviceSlice<'_, bf16>, DeviceSlice<'_, bf16>),
+        groups: &crate::gemm::RowGroups<'_>,
+        [w_gate, w_up, w_down]: [DeviceSlice<'_, bf16>; 3],
+        (dw, accumulate_f32): ([u64; 3], bool),
+    ) -> Result<[crate::gemm::EnginePlan; 5]> {
+        use crate::gemm::{EnginePlan, WgradOut};
+        let (h, i, r) = (self.hidden, self.inter, &self.rows);
+        let limit = self.limit.is_finite().then_some(self.limit);
+        let g = groups.groups;
+        let out = |address: u64| {
+            // SAFETY: caller contract (each gradient holds G · I · H elements).
+            unsafe {
+                if accumulate_f32 {
+                    WgradOut::AccumulateF32(DeviceSlice::from_raw_parts(address, g * i * h))
+                } else {
+                    WgradOut::Bf16(DeviceSlice::from_raw_parts(address, g * i * h))
+                }
+            }
+        };
+        let wgrad =
+            |a, b, (m, n), dw| EnginePlan::wgrad(gpu, a, b, groups.row_offsets, (g, groups.capacity), (m, n), out(dw));
+        Ok([
+            EnginePlan::rows_nn_swiglu_backward(
+                gpu,
+                (d_rows, w_down),
+                groups,
+                (i, h),
+                (&r.gate, &r.up),
+                (&r.d_gate, &r.d_up),
+                limit,
+            )?,
+            EnginePlan::rows_nn(gpu, (&r.d_gate, w_gate), Some((&r.d_up, w_up)), groups, (h, i), &r.d_in)?,
+            wgrad(d_rows, (&r.hidden).into(), (h, i), dw[2])?,
+            wgrad((&r.d_gate).into(), input_rows, (i, h), dw[0])?,
+            wgrad((&r.d_up).into(), input_rows, (i, h), dw[1])?,
+        ])
+    }
+
     /// `[R][H]` f32 input-row gradients of the last backward.
     pub fn d_in_rows(&self) -> &DeviceBuffer<f32> {
         &self.rows.d_in

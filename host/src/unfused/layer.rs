@@ -315,7 +315,7 @@ impl UnfusedLayer {
                 problem: "no backward megakernel pass yet (switch it on and run a backward)".into(),
             });
         };
-        pass.set_faults(faults)
+        pass.set_faults(0, faults)
     }
 
     /// The work of the following backward megakernel passes (feature `testing`: the benchmark's
@@ -340,7 +340,7 @@ impl UnfusedLayer {
             return Ok(());
         };
         let plans = backward_plans(engine);
-        if pass.as_ref().is_some_and(|p| p.built_for(plans)) {
+        if pass.as_ref().is_some_and(|p| p.built_for(&[plans])) {
             return Ok(());
         }
         let c = &self.config;
@@ -355,8 +355,9 @@ impl UnfusedLayer {
             d_topk_weights: self.grads.d_topk_weights.device_ptr(),
             top_k: c.top_k as u32,
             hidden: c.hidden as u32,
+            rank: None,
         };
-        *pass = Some(BackwardMegakernel::new(gpu, plans, &buffers, options)?);
+        *pass = Some(BackwardMegakernel::new(gpu, &[plans], &[buffers], options)?);
         Ok(())
     }
 
@@ -456,7 +457,7 @@ impl UnfusedLayer {
                 )?,
                 EnginePlan::rows_nn_swiglu_backward(
                     gpu,
-                    (&rows.d_rows, experts.w_down),
+                    ((&rows.d_rows).into(), experts.w_down),
                     &groups,
                     (i, h),
                     (&rows.gate, &rows.up),

@@ -61,9 +61,10 @@ pub const WAIT_ENGINE_TILE_OUTPUT: u32 = 9;
 /// the M tile, expected 1 = set; `ForwardParams::rows_dispatched`).
 pub const WAIT_ENGINE_TILE_DISPATCHED: u32 = 10;
 
-/// The forward megakernel's combine, across ranks, waited for the down-projection row of one of
-/// the token's slots to be pushed by its expert owner (index = the slot `t·k + j`, peer = the
-/// owner, expected 1 = pushed; `HeapRegions::slot_ready`).
+/// A megakernel's combine, across ranks, waited for the row of one of the token's slots to be
+/// pushed by its expert owner — the down-projection row in the forward, the dx row in the
+/// backward (index = the slot `t·k + j`, peer = the owner, expected 1 = pushed;
+/// `HeapRegions::slot_ready`).
 pub const WAIT_SLOT_READY: u32 = 11;
 
 /// The backward megakernel's down-dgrad tile (or a down weight-gradient tile) waited for the
@@ -94,7 +95,9 @@ pub fn waited_for_name(code: u32) -> &'static str {
         WAIT_ENGINE_TILE_DISPATCHED => "the rows of an engine M tile to be dispatched (rows_dispatched)",
         WAIT_ENGINE_TILE_HIDDEN => "the gate/up tiles of an engine M tile to be stored (gate_up_stored)",
         WAIT_ENGINE_TILE_OUTPUT => "the down tiles of an engine M tile to be stored (down_stored)",
-        WAIT_SLOT_READY => "a slot's down-projection row pushed by the expert owner (slot_ready)",
+        WAIT_SLOT_READY => {
+            "a slot's row pushed by the expert owner (slot_ready: the down-projection row forward, the dx row backward)"
+        }
         WAIT_ENGINE_TILE_GATHERED => "the dy rows of an engine M tile to be gathered (rows_gathered)",
         WAIT_ENGINE_TILE_D_HIDDEN => {
             "the down-dgrad tiles (d_gate, d_up) of an engine M tile to be stored (down_dgrad_stored)"

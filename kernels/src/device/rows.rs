@@ -205,3 +205,59 @@ pub unsafe fn gather_scaled_row_and_dot(
     }
     partial
 }
+
+/// The backward gather of one slot's row by a warp without its dot product (across ranks the
+/// token owner computes the slot-weight gradient): `dst = bf16(weight · dy)`, the bits of
+/// `mok_gather_rows`, [`STEPS_IN_FLIGHT`] loads in flight per lane.
+///
+/// # Safety
+/// `dy` and `dst` are `[width]` bf16, 16-byte aligned; `width % 8 == 0`.
+#[inline(always)]
+pub unsafe fn gather_scaled_row(dy: *const u16, dst: *mut u16, weight: f32, width: u32, lane: u32) {
+    let w = width as usize;
+    let mut column = 8 * lane as usize;
+    while column < w {
+        let mut g = [[0u32; 4]; STEPS_IN_FLIGHT];
+        for (s, v) in g.iter_mut().enumerate() {
+            let c = column + 256 * s;
+            if c < w {
+                // SAFETY: c + 8 ≤ width (caller contract).
+                *v = unsafe { ld_global_v4(dy.add(c) as *const u32) };
+            }
+        }
+        for (s, v) in g.iter().enumerate() {
+            let c = column + 256 * s;
+            if c < w {
+                // SAFETY: as above.
+                unsafe { st_global_v4(dst.add(c) as *mut u32, scale_bf16x8(weight, *v)) };
+            }
+        }
+        column += 256 * STEPS_IN_FLIGHT;
+    }
+}
+
+/// A lane's partial of `⟨dy, out⟩` over its columns `8·lane + 256·i` in order: the same
+/// additions as [`gather_scaled_row_and_dot`]'s (so `sync::warp_sum_f32` of the partials is the
+/// same slot-weight gradient), without the gather.
+///
+/// # Safety
+/// `dy` `[width]` bf16, `out` `[width]` f32, 16-byte aligned; `width % 8 == 0`.
+#[inline(always)]
+pub unsafe fn dot_row(dy: *const u16, out: *const f32, width: u32, lane: u32) -> f32 {
+    let w = width as usize;
+    let mut partial = 0.0f32;
+    let mut column = 8 * lane as usize;
+    while column < w {
+        // SAFETY: column + 8 ≤ width (caller contract).
+        let (g, lo, hi) = unsafe {
+            (
+                ld_global_v4(dy.add(column) as *const u32),
+                ld_global_v4(out.add(column) as *const u32),
+                ld_global_v4(out.add(column + 4) as *const u32),
+            )
+        };
+        partial = dot8(partial, g, lo, hi);
+        column += 256;
+    }
+    partial
+}

@@ -188,5 +188,28 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_backward(
         reserved: 0,
     };
     // SAFETY: caller contract.
-    unsafe { crate::megakernel::backward::backward(params, pass, crate::ptx::sreg::block_idx_x()) }
+    unsafe { crate::megakernel::backward::backward::<false>(params, pass, crate::ptx::sreg::block_idx_x()) }
+}
+
+/// The backward megakernel hosting `ranks` expert-parallel ranks in one launch (virtual ranks on
+/// one GPU): `params` and `inputs` hold one block per rank (dy, the slot weights, the shared
+/// expert's dx rows, T); each rank runs on its own contiguous run of the grid's 2-block clusters,
+/// as in [`mok_sm90_forward_ranks`].
+///
+/// # Safety
+/// As [`crate::megakernel::backward::backward`] for every rank; `ranks` ≥ 1 blocks at `params`
+/// and at `inputs`; the grid holds at least `ranks` pairs and every rank's share is large enough
+/// for its comm blocks and a compute pair; every rank's `slot_ready` flags cleared before the
+/// launch.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn mok_sm90_backward_ranks(
+    params: *const crate::megakernel_layout::BackwardParams,
+    inputs: *const crate::megakernel_layout::PassInputs,
+    ranks: u32,
+) {
+    let (rank, block) = crate::megakernel::forward::rank_of_block(ranks);
+    // SAFETY: caller contract: rank < ranks.
+    unsafe {
+        crate::megakernel::backward::backward::<true>(params.add(rank as usize), *inputs.add(rank as usize), block)
+    }
 }

@@ -254,12 +254,15 @@ impl<const PHASE: u32> TileHooks for ForwardHandover<PHASE> {
 ///   M tile of g is gathered; [`BackwardHandover::WGRAD_GATE_UP`] (`d_gateᵀ·rows`,
 ///   `d_upᵀ·rows`) until every down-dgrad part of g is stored. Nothing in the pass waits for a
 ///   weight gradient, so those tiles count nothing.
+///
+/// `RANKS`: the launch hosts several ranks (`mok_sm90_backward_ranks`), so a rank's compute
+/// blocks are its own run of the grid (`BackwardParams::rank_first_block`, `rank_blocks`).
 #[derive(Clone, Copy)]
-pub struct BackwardHandover<const PHASE: u32> {
+pub struct BackwardHandover<const PHASE: u32, const RANKS: bool> {
     params: *const BackwardParams,
 }
 
-impl BackwardHandover<0> {
+impl BackwardHandover<0, false> {
     /// The down projection's data gradient, with the SwiGLU backward in its epilogue.
     pub const DOWN_DGRAD: u32 = 0;
     /// The gate/up data gradient.
@@ -270,7 +273,7 @@ impl BackwardHandover<0> {
     pub const WGRAD_GATE_UP: u32 = 3;
 }
 
-impl<const PHASE: u32> BackwardHandover<PHASE> {
+impl<const PHASE: u32, const RANKS: bool> BackwardHandover<PHASE, RANKS> {
     /// # Safety
     /// `params` points at the pass's valid [`BackwardParams`] for the whole launch.
     #[inline(always)]
@@ -289,7 +292,7 @@ unsafe fn down_dgrad_n_tiles(b: &BackwardParams) -> u32 {
     unsafe { (*(b.down_dgrad as *const GemmParams)).n.div_ceil(TILE_N) }
 }
 
-impl<const PHASE: u32> TileHooks for BackwardHandover<PHASE> {
+impl<const PHASE: u32, const RANKS: bool> TileHooks for BackwardHandover<PHASE, RANKS> {
     #[inline(always)]
     unsafe fn before_rows(&self, p: &GemmParams, work: &Work) {
         // SAFETY: the pass's counters (constructor's contract) and the hook's.
@@ -314,10 +317,15 @@ impl<const PHASE: u32> TileHooks for BackwardHandover<PHASE> {
 
     #[inline(always)]
     fn weight_tile_walk(&self) -> (u32, u32) {
-        // The compute blocks: every block from the first compute pair on.
+        // The compute blocks: every block of the rank from its first compute pair on.
         // SAFETY: the pass's parameter block (constructor's contract).
-        let first = first_compute_block(unsafe { (*self.params).comm_blocks });
-        (crate::ptx::sreg::block_idx_x() - first, crate::ptx::sreg::grid_dim_x() - first)
+        let b = unsafe { &*self.params };
+        let first = first_compute_block(b.comm_blocks);
+        if RANKS {
+            (crate::ptx::sreg::block_idx_x() - b.rank_first_block - first, b.rank_blocks - first)
+        } else {
+            (crate::ptx::sreg::block_idx_x() - first, crate::ptx::sreg::grid_dim_x() - first)
+        }
     }
 
     #[inline(always)]

@@ -15,18 +15,21 @@
 //! scaled copies, the same dot products in the same order, each GEMM tile the same K loop and
 //! the same epilogue arithmetic, each token's sum the same order.
 
-use crate::comm::error::{self, ERROR_TIMEOUT, WAIT_ENGINE_TILE_DX};
-use crate::comm::wait::wait_until;
-use crate::device::rows::{combine_quads, gather_scaled_row_and_dot};
+use crate::comm::RankView;
+use crate::comm::error::{self, ERROR_TIMEOUT, WAIT_ENGINE_TILE_DX, WAIT_SLOT_READY};
+use crate::comm::params::ExchangeParams;
+use crate::comm::wait::{signal, wait_until};
+use crate::device::rows::{combine_quads, copy_row, dot_row, gather_scaled_row, gather_scaled_row_and_dot};
 use crate::gemm::engine::run_backward_phases;
 use crate::gemm::hooks::BackwardHandover;
 use crate::gemm_layout::{ENGINE_THREADS, GemmParams, TILE_M, TILE_N};
 use crate::layout::NO_ROW;
 use crate::megakernel_layout::{
-    BackwardParams, PassInputs, WORK_COMBINE, WORK_COPY_ROWS, WORK_GEMMS, downstream_deadline, first_compute_block,
+    BackwardParams, NO_FAULT, PassInputs, WORK_COMBINE, WORK_COPY_ROWS, WORK_GEMMS, downstream_deadline,
+    first_compute_block,
 };
 use crate::ptx::memory::{atom_add_relaxed_gpu_u32, ld_shared_u32, st_release_gpu_u32, st_shared_u32};
-use crate::ptx::{smem, sreg, sync};
+use crate::ptx::{signal as warp, smem, sreg, sync};
 use crate::tiles::group_of_tile;
 
 use super::comm::stored_tile_of_row;
@@ -42,7 +45,7 @@ use super::comm::stored_tile_of_row;
 /// `b` and `pass` are the pass's; the schedule was written before the launch; the block's first
 /// 4 bytes of dynamic shared memory are free.
 #[inline(always)]
-pub unsafe fn gather(b: &BackwardParams, pass: &PassInputs) {
+pub unsafe fn gather<const RANKS: bool>(b: &BackwardParams, pass: &PassInputs, view: Option<&RankView>) {
     // SAFETY: caller contract: the down-dgrad parameter block and the offsets it points at.
     unsafe {
         let p = &*(b.down_dgrad as *const GemmParams);
@@ -54,7 +57,10 @@ pub unsafe fn gather(b: &BackwardParams, pass: &PassInputs) {
         let (dy, weights) = (pass.x as *const u16, pass.topk_weights as *const f32);
         let (row_source, out, d_rows) = (b.row_source as *const u32, b.down_rows as *const f32, b.d_rows as *mut u16);
         let h = b.hidden as usize;
-        let copy = b.work & WORK_COPY_ROWS != 0;
+        // Across ranks a rank whose error record is set (its schedule failed) copies nothing:
+        // the waits on its tiles then stop at once.
+        let copy = b.work & WORK_COPY_ROWS != 0 && !(RANKS && error::has_error(b.error as *const u32));
+        let source_rank: *const u32 = view.map_or(core::ptr::null(), |v| v.local(v.params.regions.ring_source_rank));
         let handout = smem::dynamic_smem_base();
         loop {
             if sreg::thread_idx_x() == 0 {
@@ -73,24 +79,37 @@ pub unsafe fn gather(b: &BackwardParams, pass: &PassInputs) {
                 let slot = *row_source.add(row as usize);
                 let token = (slot / b.top_k) as usize;
                 let r = row as usize;
-                let partial = gather_scaled_row_and_dot(
-                    dy.add(token * h),
-                    out.add(r * h),
-                    d_rows.add(r * h),
-                    *weights.add(slot as usize),
-                    b.hidden,
-                    lane,
-                );
-                let total = sync::warp_sum_f32(partial);
-                if lane == 0 {
-                    *(b.d_topk_weights as *mut f32).add(slot as usize) = total;
+                match view {
+                    // Across ranks: the token owner's dy and slot weight, through the peer
+                    // mapping; the owner computes the slot-weight gradient in its combine.
+                    Some(v) if RANKS => {
+                        let owner = *source_rank.add(r);
+                        let regions = &v.params.regions;
+                        let owner_dy = v.peer::<u16>(regions.dy, owner).add(token * h);
+                        let weight = *v.peer::<f32>(regions.topk_weights, owner).add(slot as usize);
+                        gather_scaled_row(owner_dy, d_rows.add(r * h), weight, b.hidden, lane);
+                    }
+                    _ => {
+                        let partial = gather_scaled_row_and_dot(
+                            dy.add(token * h),
+                            out.add(r * h),
+                            d_rows.add(r * h),
+                            *weights.add(slot as usize),
+                            b.hidden,
+                            lane,
+                        );
+                        let total = sync::warp_sum_f32(partial);
+                        if lane == 0 {
+                            *(b.d_topk_weights as *mut f32).add(slot as usize) = total;
+                        }
+                    }
                 }
                 row += warps;
             }
             // Every thread's rows of the tile are written (and the hand-out read) before thread 0
             // publishes them (barrier, then release at GPU scope) and takes the next tile.
             sync::block_barrier();
-            if sreg::thread_idx_x() == 0 && tile != b.silent_rows_tile {
+            if sreg::thread_idx_x() == 0 && tile != b.silent_rows_tile && copy == (b.work & WORK_COPY_ROWS != 0) {
                 st_release_gpu_u32((b.rows_gathered as *mut u32).add(tile as usize), 1);
             }
         }
@@ -98,16 +117,22 @@ pub unsafe fn gather(b: &BackwardParams, pass: &PassInputs) {
 }
 
 /// The dx combine, by a whole warp (comm blocks after their gather, compute blocks' consumer
-/// warps after their GEMM phases): tokens taken one at a time from `combine_next`; each lane
-/// waits (bounded, acquire) until the gate/up dgrad tile holding each routed slot's row is
-/// stored, then the warp sums `dx[t] = bf16(shared_dx[t] + Σ_j d_in[row(t,j)])` with
-/// [`combine_quads`] (the shared term first, slots in order: the bits of `mok_combine_slots`).
-/// A dropped slot's d_topk_weight is written here, as 0.
+/// warps after their GEMM phases; across ranks after the rank's push): tokens taken one at a time
+/// from `combine_next`; each lane waits (bounded, acquire) until each routed slot's row is there
+/// — on one GPU until the gate/up dgrad tile holding it is stored, across ranks until its expert
+/// owner's push has flagged it in `slot_ready` — then the warp sums `dx[t] = bf16(shared_dx[t] +
+/// Σ_j d_in[row(t,j)])` with [`combine_quads`] (the shared term first, slots in order: the bits
+/// of `mok_combine_slots`). A dropped slot's d_topk_weight is written here, as 0; across ranks
+/// every routed slot's too, `⟨dy[t], combine_slots[t·k+j]⟩` (the forward's slot row, the bits of
+/// the one-GPU gather's dot product).
+///
+/// Across ranks a wait stops early when the owner's error record is set (the owner names the
+/// cause), and once this rank's own record is set its combine waits for nothing more.
 ///
 /// # Safety
 /// As [`gather`]; all 32 lanes call it.
 #[inline(always)]
-pub unsafe fn combine_dx(b: &BackwardParams, pass: &PassInputs) {
+pub unsafe fn combine_dx<const RANKS: bool>(b: &BackwardParams, pass: &PassInputs, view: Option<&RankView>) {
     if b.work & WORK_COMBINE == 0 {
         return;
     }
@@ -132,14 +157,41 @@ pub unsafe fn combine_dx(b: &BackwardParams, pass: &PassInputs) {
                     }
                     continue;
                 }
-                if b.work & WORK_GEMMS == 0 {
-                    continue;
-                }
-                let (tile, expected) = stored_tile_of_row(p, row, n_tiles);
-                let counter = (b.gate_up_dgrad_stored as *const u32).add(tile as usize);
-                let timeout_ns = downstream_deadline(b.timeout_ns, 2);
-                if let Err(seen) = wait_until(counter, false, timeout_ns, error, |v| v >= expected) {
-                    error::record(error, [ERROR_TIMEOUT, WAIT_ENGINE_TILE_DX, 0, tile, expected, seen, 0, 0]);
+                match view {
+                    Some(v) if RANKS => {
+                        let regions = &v.params.regions;
+                        // The slot-weight gradient from the forward's slot row (still in place:
+                        // the dx rows land in their own slot buffer).
+                        let forward_row = v.local::<f32>(regions.combine_slots).add((slot * b.hidden) as usize);
+                        let dy = (pass.x as *const u16).add((token * b.hidden) as usize);
+                        let total = sync::warp_sum_f32(dot_row(dy, forward_row, b.hidden, lane));
+                        if lane == 0 {
+                            *(b.d_topk_weights as *mut f32).add(slot as usize) = total;
+                        }
+                        if error::has_error(error) {
+                            continue;
+                        }
+                        let owner = *v.local::<u32>(regions.topk_ids).add(slot as usize) / v.params.local_experts;
+                        let owner_error = v.peer::<u32>(regions.error, owner);
+                        let flag = v.local::<u32>(regions.slot_ready).add(slot as usize);
+                        let timeout_ns = downstream_deadline(b.timeout_ns, 3);
+                        if let Err(seen) = wait_until(flag, v.sys(), timeout_ns, owner_error, |x| x != 0)
+                            && !error::has_error(owner_error)
+                        {
+                            error::record(error, [ERROR_TIMEOUT, WAIT_SLOT_READY, owner, slot, 1, seen, b.rank, 0]);
+                        }
+                    }
+                    _ => {
+                        if b.work & WORK_GEMMS == 0 {
+                            continue;
+                        }
+                        let (tile, expected) = stored_tile_of_row(p, row, n_tiles);
+                        let counter = (b.gate_up_dgrad_stored as *const u32).add(tile as usize);
+                        let timeout_ns = downstream_deadline(b.timeout_ns, 2);
+                        if let Err(seen) = wait_until(counter, false, timeout_ns, error, |v| v >= expected) {
+                            error::record(error, [ERROR_TIMEOUT, WAIT_ENGINE_TILE_DX, 0, tile, expected, seen, 0, 0]);
+                        }
+                    }
                 }
             }
             let mut column = 4 * lane;
@@ -147,7 +199,11 @@ pub unsafe fn combine_dx(b: &BackwardParams, pass: &PassInputs) {
                 combine_quads::<2>(
                     slot_row,
                     core::ptr::null(),
-                    b.d_in_rows as *const f32,
+                    // Across ranks the owners pushed the dx rows into this rank's slot buffer.
+                    match view {
+                        Some(v) if RANKS => v.local::<f32>(v.params.regions.dx_slots) as *const f32,
+                        _ => b.d_in_rows as *const f32,
+                    },
                     pass.shared_rows as *const f32,
                     token as usize,
                     (column as usize, 4 * 32),
@@ -158,6 +214,84 @@ pub unsafe fn combine_dx(b: &BackwardParams, pass: &PassInputs) {
                 column += 2 * 4 * 32;
             }
         }
+    }
+}
+
+/// The push across ranks, by a whole warp (comm blocks after their gather, compute blocks'
+/// consumer warps after their GEMM phases): ring rows taken one at a time from `push_next`;
+/// lane 0 waits (bounded, acquire) until the gate/up dgrad tile holding the row is stored, the
+/// warp copies the f32 dx row into its token owner's `dx_slots` at the row's slot, then (after a
+/// warp barrier) lane 0 adds 1 to the owner's `slot_ready` flag of that slot with a release at
+/// the heap's scope (the flags are cleared before the pass). A rank whose error record is set
+/// pushes nothing more.
+///
+/// # Safety
+/// As [`gather`], with ranks (`view` is the rank's); all 32 lanes call it.
+#[inline(always)]
+pub unsafe fn push_dx(b: &BackwardParams, view: &RankView) {
+    // SAFETY: caller contract.
+    unsafe {
+        let p = &*(b.gate_up_dgrad as *const GemmParams);
+        let total = *(p.row_offsets as *const u32).add(p.groups as usize);
+        let n_tiles = p.n.div_ceil(TILE_N);
+        let lane = sreg::lane_id();
+        let regions = &view.params.regions;
+        let (source_rank, source_slot): (*const u32, *const u32) =
+            (view.local(regions.ring_source_rank), b.row_source as *const u32);
+        let error = b.error as *mut u32;
+        loop {
+            let claimed = if lane == 0 { atom_add_relaxed_gpu_u32(b.push_next as *mut u32, 1) } else { 0 };
+            let row = sync::shfl_idx_u32(claimed, 0);
+            if row >= total {
+                return;
+            }
+            let mut ok = 1;
+            if lane == 0 {
+                if b.work & WORK_GEMMS != 0 {
+                    let (tile, expected) = stored_tile_of_row(p, row, n_tiles);
+                    let counter = (b.gate_up_dgrad_stored as *const u32).add(tile as usize);
+                    let timeout_ns = downstream_deadline(b.timeout_ns, 2);
+                    if let Err(seen) = wait_until(counter, false, timeout_ns, error, |v| v >= expected) {
+                        error::record(
+                            error,
+                            [ERROR_TIMEOUT, WAIT_ENGINE_TILE_DX, b.rank, tile, expected, seen, b.rank, 0],
+                        );
+                    }
+                }
+                ok = !error::has_error(error) as u32;
+            }
+            // Lane 0 acquired the tile's stores; the warp barrier passes that on to every lane.
+            if sync::shfl_idx_u32(ok, 0) == 0 {
+                continue;
+            }
+            warp::warp_sync();
+            let (owner, slot) = (*source_rank.add(row as usize), *source_slot.add(row as usize));
+            let src = (b.d_in_rows as *const f32).add((row * b.hidden) as usize);
+            let dst = view.peer::<f32>(regions.dx_slots, owner).add((slot * b.hidden) as usize);
+            copy_row(src as *const u32, dst as *mut u32, b.hidden / 4, lane);
+            warp::warp_sync();
+            if lane == 0 && b.silent_push == NO_FAULT {
+                signal(view.peer::<u32>(regions.slot_ready, owner).add(slot as usize), 1, view.sys());
+            }
+        }
+    }
+}
+
+/// The rows' journey after the GEMMs, by a whole warp: across ranks the push, then the combine.
+///
+/// # Safety
+/// As [`backward`]; all 32 lanes call it.
+#[inline(always)]
+unsafe fn push_and_combine<const RANKS: bool>(b: &BackwardParams, pass: &PassInputs, view: Option<&RankView>) {
+    // SAFETY: caller contract.
+    unsafe {
+        if RANKS
+            && b.work & WORK_COMBINE != 0
+            && let Some(v) = view
+        {
+            push_dx(b, v);
+        }
+        combine_dx::<RANKS>(b, pass, view);
     }
 }
 
@@ -173,42 +307,57 @@ pub unsafe fn combine_dx(b: &BackwardParams, pass: &PassInputs) {
 /// before the launch; the grid is co-resident; the rank holds more than `first_compute_block`
 /// blocks, [`ENGINE_THREADS`] threads each, pair-aligned.
 #[inline(always)]
-pub unsafe fn backward(params: *const BackwardParams, pass: PassInputs, block: u32) {
+pub unsafe fn backward<const RANKS: bool>(params: *const BackwardParams, pass: PassInputs, block: u32) {
     crate::ptx::declare_block_threads::<ENGINE_THREADS>();
     crate::ptx::declare_cluster_blocks::<2>();
     // SAFETY: caller contract; read-only for the whole launch.
     let b = unsafe { &*params };
+    // SAFETY: caller contract: `exchange` is the rank's valid parameter block across ranks.
+    let view = if RANKS { unsafe { backward_rank_view(b) } } else { None };
     if block < b.comm_blocks {
         // SAFETY: caller contract.
         unsafe {
-            gather(b, &pass);
-            combine_dx(b, &pass);
+            gather::<RANKS>(b, &pass, view.as_ref());
+            push_and_combine::<RANKS>(b, &pass, view.as_ref());
         }
     } else if block >= first_compute_block(b.comm_blocks) {
         // SAFETY: caller contract; the gather's shared word is free before the engine carves
         // the ring, and read by every thread before the gather returns.
         unsafe {
-            gather(b, &pass);
+            gather::<RANKS>(b, &pass, view.as_ref());
             if b.work & WORK_GEMMS == 0 {
-                combine_dx(b, &pass);
+                push_and_combine::<RANKS>(b, &pass, view.as_ref());
                 return;
             }
             let phases = run_backward_phases(
-                (b.down_dgrad as *const GemmParams, BackwardHandover::<{ BackwardHandover::DOWN_DGRAD }>::new(params)),
+                (
+                    b.down_dgrad as *const GemmParams,
+                    BackwardHandover::<{ BackwardHandover::DOWN_DGRAD }, RANKS>::new(params),
+                ),
                 (
                     b.gate_up_dgrad as *const GemmParams,
-                    BackwardHandover::<{ BackwardHandover::GATE_UP_DGRAD }>::new(params),
+                    BackwardHandover::<{ BackwardHandover::GATE_UP_DGRAD }, RANKS>::new(params),
                 ),
                 b.wgrad.map(|p| p as *const GemmParams),
                 (
-                    BackwardHandover::<{ BackwardHandover::WGRAD_DOWN }>::new(params),
-                    BackwardHandover::<{ BackwardHandover::WGRAD_GATE_UP }>::new(params),
+                    BackwardHandover::<{ BackwardHandover::WGRAD_DOWN }, RANKS>::new(params),
+                    BackwardHandover::<{ BackwardHandover::WGRAD_GATE_UP }, RANKS>::new(params),
                 ),
             );
             if phases.is_some() {
-                combine_dx(b, &pass);
+                push_and_combine::<RANKS>(b, &pass, view.as_ref());
             }
         }
     }
     // Otherwise the idle partner of an odd comm block count.
+}
+
+/// The rank's view of the symmetric heap, when the pass has ranks.
+///
+/// # Safety
+/// `b.exchange` is 0 or points at the rank's valid `ExchangeParams` for the whole launch.
+#[inline(always)]
+unsafe fn backward_rank_view(b: &BackwardParams) -> Option<RankView<'_>> {
+    // SAFETY: caller contract.
+    (b.exchange != 0).then(|| unsafe { RankView::from_raw(b.exchange as *const ExchangeParams, b.rank) })
 }
