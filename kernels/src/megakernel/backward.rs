@@ -38,12 +38,15 @@ use super::comm::stored_tile_of_row;
 /// `gather_next`; each tile's rows are written in expert order (a warp per row) as
 /// `bf16(w[t,j] · dy[t])`, and the warp's sum of `dy[t] · out[row]` (the forward's f32
 /// down-projection row) is the slot's d_topk_weight; then, after a block barrier, thread 0
-/// sets the tile's `rows_gathered` flag with a release. Waits for nothing. Returns once the
-/// tiles are all handed out.
+/// sets the tile's `rows_gathered` flag with a release. Across ranks (`view`) each row pulls
+/// its token owner's dy and slot weight through the peer mapping and is only scaled (the owner
+/// computes the slot-weight gradient in its combine). Waits for nothing. Returns once the tiles
+/// are all handed out.
 ///
 /// # Safety
 /// `b` and `pass` are the pass's; the schedule was written before the launch; the block's first
-/// 4 bytes of dynamic shared memory are free.
+/// 4 bytes of dynamic shared memory are free; `view` is the rank's view across ranks (`RANKS`),
+/// else `None`.
 #[inline(always)]
 pub unsafe fn gather<const RANKS: bool>(b: &BackwardParams, pass: &PassInputs, view: Option<&RankView>) {
     // SAFETY: caller contract: the down-dgrad parameter block and the offsets it points at.
