@@ -804,6 +804,11 @@ fn ep_backward_megakernel_is_bitwise_the_single_rank_path() {
             upload_rank_inputs(&gpu, &layer, &case);
             let weights = rank_weights(&gpu, &c, &case);
             assert_same_bits(&format!("{what}, both megakernels"), &ep_bits(&gpu, &mut layer, &weights), &want);
+            // The same pass object again: counters cleared between passes, flags cleared again.
+            for repeat in 1..3 {
+                let got = ep_bits(&gpu, &mut layer, &weights);
+                assert_same_bits(&format!("{what}, both megakernels, repeat {repeat}"), &got, &want);
+            }
             let (resident, _) = layer.backward_megakernel_geometry().unwrap();
             let geometries = ep_geometries(resident, p as u32);
             let geometries = if common::sanitizing() { &geometries[..2] } else { &geometries[..] };

@@ -539,6 +539,8 @@ impl BackwardMegakernel {
                 };
                 // The rank's run of the grid (whole pairs, `rank_pairs`).
                 let (first_pair, pairs) = rank_pairs(blocks / 2, ranks, r as u32);
+                // The last queue word (the push's next) inside the rank's block of counters.
+                debug_assert!(3 * tile_words + 12 <= 4 * words as u64);
                 BackwardParams {
                     down_dgrad: p[0].params_ptr(),
                     gate_up_dgrad: p[1].params_ptr(),

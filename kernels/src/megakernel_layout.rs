@@ -204,9 +204,10 @@ pub struct BackwardParams {
 const _: () = assert!(size_of::<BackwardParams>() == 216);
 
 /// Words of one rank's backward pass counters for plans of at most `m_tiles` M tiles: three
-/// per M tile (gathered, down-dgrad parts, gate/up-dgrad parts) and the two queues.
+/// per M tile (gathered, down-dgrad parts, gate/up-dgrad parts) and the three queues (gather,
+/// combine, and across ranks the push).
 pub const fn backward_counter_words(m_tiles: usize) -> usize {
-    3 * m_tiles + 2
+    3 * m_tiles + 3
 }
 
 /// [`ForwardParams::work`]: the dispatch copies the rows (without it, it only publishes them:

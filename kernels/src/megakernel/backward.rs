@@ -165,8 +165,8 @@ pub unsafe fn combine_dx<const RANKS: bool>(b: &BackwardParams, pass: &PassInput
                         let regions = &v.params.regions;
                         // The slot-weight gradient from the forward's slot row (still in place:
                         // the dx rows land in their own slot buffer).
-                        let forward_row = v.local::<f32>(regions.combine_slots).add((slot * b.hidden) as usize);
-                        let dy = (pass.x as *const u16).add((token * b.hidden) as usize);
+                        let forward_row = v.local::<f32>(regions.combine_slots).add(slot as usize * b.hidden as usize);
+                        let dy = (pass.x as *const u16).add(token as usize * b.hidden as usize);
                         let total = sync::warp_sum_f32(dot_row(dy, forward_row, b.hidden, lane));
                         if lane == 0 {
                             *(b.d_topk_weights as *mut f32).add(slot as usize) = total;
@@ -269,8 +269,8 @@ pub unsafe fn push_dx(b: &BackwardParams, view: &RankView) {
             }
             warp::warp_sync();
             let (owner, slot) = (*source_rank.add(row as usize), *source_slot.add(row as usize));
-            let src = (b.d_in_rows as *const f32).add((row * b.hidden) as usize);
-            let dst = view.peer::<f32>(regions.dx_slots, owner).add((slot * b.hidden) as usize);
+            let src = (b.d_in_rows as *const f32).add(row as usize * b.hidden as usize);
+            let dst = view.peer::<f32>(regions.dx_slots, owner).add(slot as usize * b.hidden as usize);
             copy_row(src as *const u32, dst as *mut u32, b.hidden / 4, lane);
             warp::warp_sync();
             if lane == 0 && b.silent_push == NO_FAULT {
