@@ -289,7 +289,7 @@ fn bench_case_ep(
     if matches!(backend, Backend::Megakernel(_)) {
         sides = Some(time_sides(&timer, reps, |work| {
             match work {
-                Some(work) => layer.set_megakernel_work(work)?,
+                Some(work) => layer.set_forward_megakernel_work(work)?,
                 None => layer.forward(gpu, &experts, None)?,
             }
             Ok(())
@@ -338,7 +338,7 @@ fn bench_case(gpu: &Gpu, shape: FrontierShape, tokens: usize, reps: usize, backe
     if matches!(backend, Backend::Megakernel(_)) {
         sides = Some(time_sides(&timer, reps, |work| {
             match work {
-                Some(work) => layer.set_megakernel_work(work)?,
+                Some(work) => layer.set_forward_megakernel_work(work)?,
                 None => layer.forward(gpu, &device_tokens, &experts, None)?,
             }
             Ok(())

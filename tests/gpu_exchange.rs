@@ -620,14 +620,14 @@ fn ep_forward_megakernel_is_bitwise_the_single_rank_path() {
             let weights = rank_weights(&gpu, &c, &case);
             // The default geometry, then the backward on what it saved.
             assert_same_bits(&format!("{what}, default"), &ep_bits(&gpu, &mut layer, &weights), &want);
-            let (resident, _) = layer.megakernel_geometry().unwrap();
+            let (resident, _) = layer.forward_megakernel_geometry().unwrap();
             let geometries = ep_geometries(resident, p as u32);
             let geometries = if common::sanitizing() { &geometries[..2] } else { &geometries[..] };
             for &(comm, blocks) in geometries {
                 let options = MegakernelOptions { comm_blocks: Some(comm), blocks, ..Default::default() };
                 layer.set_forward_megakernel(&gpu, Some(options)).unwrap();
                 let y = ep_forward_y(&gpu, &mut layer, &weights);
-                assert_eq!(layer.megakernel_geometry(), Some((blocks.unwrap_or(resident), comm)));
+                assert_eq!(layer.forward_megakernel_geometry(), Some((blocks.unwrap_or(resident), comm)));
                 assert!(same_bf16(&y, &want.y), "{what}: y differs with {comm} comm blocks per rank of {blocks:?}");
                 runs += 1;
             }
@@ -658,7 +658,7 @@ fn ep_forward_megakernel_repeats_bitwise_and_rejects_bad_geometry() {
         assert!(same_bf16(&ep_forward_y(&gpu, &mut layer, &weights), &first), "repeat {i} differs");
     }
     println!("  {repeats} passes at P = {p} on one layer: bitwise identical");
-    let (resident, _) = layer.megakernel_geometry().unwrap();
+    let (resident, _) = layer.forward_megakernel_geometry().unwrap();
     for (comm, blocks, why) in [
         (Some(resident / p as u32), None, "no compute pair in a rank"),
         (Some(0), Some(2 * p as u32 - 2), "fewer pairs than ranks"),
@@ -720,7 +720,7 @@ fn ep_forward_megakernel_faults_are_reported_timeouts_and_the_next_pass_is_right
         fault(1, MegakernelFaults::default(), Some(Silence::Publish), "publish flag", Some(0)),
     ];
     for Fault { rank, megakernel, exchange, waited_for: waited, reporter } in faults {
-        layer.set_megakernel_faults(rank, megakernel).unwrap();
+        layer.set_forward_megakernel_faults(rank, megakernel).unwrap();
         layer.exchange_mut().set_silent_rank(exchange.map(|s| (rank, s)));
         let start = Instant::now();
         layer.forward(&gpu, &weights.0, weights.1.as_ref()).unwrap();
@@ -745,7 +745,7 @@ fn ep_forward_megakernel_faults_are_reported_timeouts_and_the_next_pass_is_right
             if exchange == Some(Silence::Publish) { (p as u32 + 1) * deadline + slack } else { 2 * deadline + slack };
         assert!(took < limit, "reported after {took:?}");
         // Back to a clean state: no faults, counters reset, and the next pass is right.
-        layer.set_megakernel_faults(rank, MegakernelFaults::default()).unwrap();
+        layer.set_forward_megakernel_faults(rank, MegakernelFaults::default()).unwrap();
         layer.exchange_mut().set_silent_rank(None);
         layer.exchange_mut().reset(&[&gpu]).unwrap();
         assert!(

@@ -520,7 +520,7 @@ fn forward_megakernel_is_bitwise_the_engine_path() {
         // The default geometry first (it also tells the resident grid).
         let mut layer = megakernel_layer(&gpu, &c, megakernel_options(None, None)).unwrap();
         assert_same_run(&run(&gpu, &mut layer, &device), &expected, &format!("{what}, default split"));
-        let (resident, default_comm) = layer.megakernel_geometry().unwrap();
+        let (resident, default_comm) = layer.forward_megakernel_geometry().unwrap();
         // Comm blocks from none to half the grid (odd counts leave a block idle), and smaller
         // grids down to one compute pair alone, and one comm block beside one compute pair.
         let all_splits = [0, 1, 2, 3, 5, 8, 13, resident / 4, resident / 2];
@@ -536,7 +536,7 @@ fn forward_megakernel_is_bitwise_the_engine_path() {
         for &(comm, blocks) in grids {
             layer.set_forward_megakernel(&gpu, Some(megakernel_options(Some(comm), Some(blocks)))).unwrap();
             let got = run(&gpu, &mut layer, &device);
-            assert_eq!(layer.megakernel_geometry(), Some((blocks, comm)));
+            assert_eq!(layer.forward_megakernel_geometry(), Some((blocks, comm)));
             assert_same_run(&got, &expected, &format!("{what}, {comm} comm of {blocks} blocks"));
             tried += 1;
         }
@@ -562,7 +562,7 @@ fn forward_megakernel_repeats_bitwise_and_rejects_bad_geometry() {
         assert_same_run(&run(&gpu, &mut layer, &device), &first, &format!("repeat {i}"));
     }
     println!("  {repeats} runs on one layer: bitwise identical");
-    let (resident, _) = layer.megakernel_geometry().unwrap();
+    let (resident, _) = layer.forward_megakernel_geometry().unwrap();
     for (comm, blocks, why) in [
         (Some(resident - 1), None, "no compute pair"),
         (Some(1), Some(resident + 2), "more blocks than fit at once"),
@@ -602,7 +602,7 @@ fn forward_megakernel_faults_are_reported_timeouts_then_correct_passes() {
         (MegakernelFaults { silent_hidden_tile: Some(5), ..Default::default() }, "gate/up tiles", "M tile 5"),
     ];
     for (fault, counter, tile) in faults {
-        layer.set_megakernel_faults(fault).unwrap();
+        layer.set_forward_megakernel_faults(fault).unwrap();
         layer.poison().unwrap();
         let start = std::time::Instant::now();
         layer.forward(&gpu, &device.tokens, &device.experts, device.shared.as_ref()).unwrap();
@@ -617,7 +617,7 @@ fn forward_megakernel_faults_are_reported_timeouts_then_correct_passes() {
             other => panic!("{fault:?}: expected a Timeout, got {other:?}"),
         }
         assert!(elapsed < 2 * deadline, "{fault:?}: reported after {elapsed:?}, deadline {deadline:?}");
-        layer.set_megakernel_faults(MegakernelFaults::default()).unwrap();
+        layer.set_forward_megakernel_faults(MegakernelFaults::default()).unwrap();
         assert_same_run(&run(&gpu, &mut layer, &device), &expected, &format!("the pass after {fault:?}"));
     }
 }

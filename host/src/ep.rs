@@ -19,7 +19,10 @@
 //! gate/up and down tiles on the tensor-core engine as their rows land, pushing each finished
 //! row back to its token owner's slot buffer and combining its own tokens. It writes what the
 //! separate path writes (the ring rows, the pre-activations, the hidden and down rows, the slot
-//! buffer, y), so the backward is unchanged.
+//! buffer, y), so either backward reads what it needs. The backward can run as the backward
+//! megakernel ([`EpLayer::set_backward_megakernel`], virtual ranks; built, not yet run on a GPU):
+//! one launch pulls dy from the token owners, runs each ring's data- and weight-gradient tiles,
+//! pushes the dx rows back and combines them on their owners.
 
 use half::bf16;
 
@@ -372,14 +375,14 @@ impl EpLayer {
     }
 
     /// The megakernel pass's (blocks, comm blocks per rank), once a forward has built it.
-    pub fn megakernel_geometry(&self) -> Option<(u32, u32)> {
+    pub fn forward_megakernel_geometry(&self) -> Option<(u32, u32)> {
         self.megakernel.as_ref().and_then(|m| m.pass.as_ref()).map(ForwardMegakernel::geometry)
     }
 
     /// Faults of `rank` for the following megakernel passes (feature `testing`; the pass must
     /// exist: run a forward first).
     #[cfg(feature = "testing")]
-    pub fn set_megakernel_faults(&mut self, rank: usize, faults: MegakernelFaults) -> Result<()> {
+    pub fn set_forward_megakernel_faults(&mut self, rank: usize, faults: MegakernelFaults) -> Result<()> {
         let local = self.local_index(rank)?;
         self.built_megakernel()?.set_faults(local, faults)
     }
@@ -387,7 +390,7 @@ impl EpLayer {
     /// The work of the following megakernel passes (feature `testing`: the benchmark's overlap
     /// measurement). The pass must exist.
     #[cfg(feature = "testing")]
-    pub fn set_megakernel_work(&mut self, work: MegakernelWork) -> Result<()> {
+    pub fn set_forward_megakernel_work(&mut self, work: MegakernelWork) -> Result<()> {
         self.built_megakernel()?.set_work(work)
     }
 
@@ -703,9 +706,30 @@ impl EpLayer {
         let r = *self.exchange.regions();
         let t = self.config.tokens_per_rank;
         let accumulate_f32 = target.is_some_and(|t| t.accumulate_f32);
-        let mut shared_dx = Vec::with_capacity(self.ranks.len());
+        // The shared expert's dx rows are fixed buffers: the pass is built (and can fail)
+        // before anything is enqueued, so a failed call adds no gradient anywhere.
+        let shared_dx: Vec<u64> = self
+            .ranks
+            .iter()
+            .map(|state| match (shared, &state.shared) {
+                (Some(_), Some((compute, _))) => compute.d_in_rows().device_ptr(),
+                _ => 0,
+            })
+            .collect();
+        let targets: Vec<([u64; 3], bool)> = self
+            .ranks
+            .iter()
+            .enumerate()
+            .map(|(local, state)| {
+                let own = [state.dw[0].device_ptr(), state.dw[1].device_ptr(), state.dw[2].device_ptr()];
+                (target.map_or(own, |t| t.routed[local]), accumulate_f32)
+            })
+            .collect();
+        // SAFETY: the targets are the layer's own gradients or the caller's, checked against the
+        // layouts by the caller of `backward_views` and alive until the stream has run the pass;
+        // a plan over another target is rebuilt before it is launched again.
+        unsafe { self.prepare_backward_megakernel(gpu, experts, &shared_dx, &targets) }?;
         for (local, (state, &rank)) in self.ranks.iter().zip(self.local_ranks()).enumerate() {
-            let mut base = 0;
             if let (Some(weights), Some((compute, offsets)), Some(dws)) = (shared, &state.shared, &state.dws) {
                 let own = [dws[0].device_ptr(), dws[1].device_ptr(), dws[2].device_ptr()];
                 let at = |region| self.exchange.address(rank, region);
@@ -721,23 +745,8 @@ impl EpLayer {
                         weight_grads: target.map_or(own, |t| t.shared[local]),
                     },
                 )?;
-                base = compute.d_in_rows().device_ptr();
             }
-            shared_dx.push(base);
         }
-        let targets: Vec<([u64; 3], bool)> = self
-            .ranks
-            .iter()
-            .enumerate()
-            .map(|(local, state)| {
-                let own = [state.dw[0].device_ptr(), state.dw[1].device_ptr(), state.dw[2].device_ptr()];
-                (target.map_or(own, |t| t.routed[local]), accumulate_f32)
-            })
-            .collect();
-        // SAFETY: the targets are the layer's own gradients or the caller's, checked against the
-        // layouts by the caller of `backward_views` and alive until the stream has run the pass;
-        // a plan over another target is rebuilt before it is launched again.
-        unsafe { self.prepare_backward_megakernel(gpu, experts, &shared_dx, &targets) }?;
         let gpus = [gpu];
         let l = self.config.local_experts();
         let not_built = || MokError::InvalidInput { tensor: "megakernel", problem: "no backward pass built".into() };

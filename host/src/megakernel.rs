@@ -1,8 +1,12 @@
-//! The forward megakernel from the host (`mok_sm90_forward`, kernels/src/megakernel/): its
-//! parameter block, its counters and its launch. A layer switches it on with
-//! [`UnfusedLayer::set_forward_megakernel`](crate::unfused::UnfusedLayer::set_forward_megakernel);
-//! the pass reads the same engine plans (tile lists, tensor maps) as the engine path and writes
-//! the same buffers, so the backward reads what it always reads.
+//! The megakernels from the host (kernels/src/megakernel/): their parameter blocks, counters
+//! and launches — the forward (`mok_sm90_forward`, `mok_sm90_forward_ranks`: [`ForwardMegakernel`])
+//! and the backward (`mok_sm90_backward`, `mok_sm90_backward_ranks`: [`BackwardMegakernel`]). A
+//! layer switches them on with
+//! [`UnfusedLayer::set_forward_megakernel`](crate::unfused::UnfusedLayer::set_forward_megakernel)
+//! and [`UnfusedLayer::set_backward_megakernel`](crate::unfused::UnfusedLayer::set_backward_megakernel)
+//! (or the `EpLayer` methods of the same names); a pass reads the same engine plans (tile lists,
+//! tensor maps) as the engine path and writes the same buffers, so each pass reads what the other
+//! wrote whichever way it ran.
 
 use std::time::Duration;
 
@@ -22,19 +26,21 @@ pub const FORWARD_KERNEL: &str = "mok_sm90_forward";
 /// Its entry point hosting every expert-parallel rank of a pass (virtual ranks on one GPU).
 pub const FORWARD_RANKS_KERNEL: &str = "mok_sm90_forward_ranks";
 
-/// How a forward megakernel pass is laid out on the GPU. Results do not depend on any of it.
+/// How a megakernel pass (forward or backward) is laid out on the GPU. Results do not depend on
+/// any of it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct MegakernelOptions {
-    /// Blocks, of each rank's share of the launch, that only move rows (dispatch, across ranks
-    /// the push, and the combine; every other block also computes); `None`:
+    /// Blocks, of each rank's share of the launch, that only move rows (the dispatch or the dy
+    /// gather, across ranks the push, and the combine; every other block also computes); `None`:
     /// [`DEFAULT_COMM_BLOCKS`].
     pub comm_blocks: Option<u32>,
     /// Blocks of the whole launch; `None`: as many 2-block clusters as can be resident at once.
     /// Must be co-resident (at most that many) and leave every rank at least one compute pair.
     pub blocks: Option<u32>,
-    /// How long a wait on the dispatch may take before it is reported as [`MokError::Timeout`];
-    /// the waits downstream of it get up to 1.875× that (`megakernel_layout::downstream_deadline`),
-    /// so the wait reported first is the one on the counter that never completed.
+    /// How long a wait on the dispatched (or, backward, gathered) rows may take before it is
+    /// reported as [`MokError::Timeout`]; the waits downstream of it get up to 1.875× that
+    /// (`megakernel_layout::downstream_deadline`), so the wait reported first is the one on the
+    /// counter that never completed.
     pub timeout: Duration,
 }
 
@@ -49,35 +55,40 @@ impl Default for MegakernelOptions {
 /// shapes, docs/PERF.md; across ranks the same default, not yet swept).
 pub const DEFAULT_COMM_BLOCKS: u32 = 0;
 
-/// Faults a test can inject into the next passes of one rank (feature `testing`): an M tile whose
-/// rows are gathered but never published, and one whose gate/up parts are stored but never
-/// counted. (Across ranks, a rank whose pushes never arrive is the exchange's
-/// `Silence::Push`, which the megakernel honours too.)
+/// Faults a test can inject into the next passes of one rank (feature `testing`; set per pass:
+/// `set_forward_megakernel_faults`, `set_backward_megakernel_faults`): an M tile whose rows are
+/// copied but never published, and one whose intermediate-width rows are stored but never
+/// counted. (Across ranks, a rank whose pushes never arrive is the exchange's `Silence::Push`,
+/// which both megakernels honour too.)
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct MegakernelFaults {
-    /// The comm side never publishes this M tile's rows.
+    /// The comm side never publishes this M tile's rows (forward: dispatched x; backward:
+    /// gathered dy).
     pub silent_rows_tile: Option<u32>,
-    /// The compute side never counts this M tile's gate/up parts (its down tiles wait).
+    /// The compute side never counts this M tile's intermediate-width parts (forward: the
+    /// gate/up tiles' hidden rows, so its down tiles wait; backward: the down dgrad's d_gate and
+    /// d_up, so its gate/up dgrad and weight-gradient tiles wait).
     pub silent_hidden_tile: Option<u32>,
 }
 
-/// Which work a megakernel pass does (set with `UnfusedLayer::set_megakernel_work`, feature
-/// `testing`; the benchmark's overlap measurement). Only [`MegakernelWork::ALL`] computes the
-/// layer; the others time one side of the pass.
+/// Which work a megakernel pass does (set with `UnfusedLayer::set_forward_megakernel_work` or
+/// `set_backward_megakernel_work`, feature `testing`; the benchmark's overlap measurement). Only
+/// [`MegakernelWork::ALL`] computes the layer; the others time one side of the pass.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MegakernelWork(pub(crate) u32);
 
 impl MegakernelWork {
     /// A real pass.
     pub const ALL: Self = Self(WORK_ALL);
-    /// Only the row moving: the dispatch copies and the combine (which then does not wait for
-    /// GEMM tiles and sums whatever the down rows hold).
+    /// Only the row moving: the dispatch (backward: the dy gather with the slot-weight
+    /// gradients) copies, and the combine runs without waiting for GEMM tiles, summing whatever
+    /// the rows hold.
     pub const COMM_ONLY: Self =
         Self(mok_kernels::megakernel_layout::WORK_COPY_ROWS | mok_kernels::megakernel_layout::WORK_COMBINE);
-    /// Only the GEMM tiles, on rows left in place by an earlier pass (the dispatch publishes
-    /// without copying; no combine).
+    /// Only the GEMM tiles, on rows left in place by an earlier pass (the dispatch or gather
+    /// publishes without copying; no combine).
     pub const COMPUTE_ONLY: Self = Self(mok_kernels::megakernel_layout::WORK_GEMMS);
-    /// Nothing but the hand-out of the dispatch queue: the schedule and an empty launch.
+    /// Nothing but the hand-out of the first queue: the schedule and an empty launch.
     pub const NONE: Self = Self(0);
 }
 

@@ -725,8 +725,8 @@ pub(crate) fn decode_timeout(rank: Option<usize>, words: &[u32]) -> MokError {
         codes::WAIT_ENGINE_TILE_ROWS => format!("M tile {index}: expected epoch {expected}, the flag held {seen}"),
         codes::WAIT_ENGINE_TILE_HIDDEN
         | codes::WAIT_ENGINE_TILE_OUTPUT
-        | codes::WAIT_ENGINE_TILE_D_HIDDEN
-        | codes::WAIT_ENGINE_TILE_DX => {
+        | codes::WAIT_ENGINE_TILE_DOWN_DGRAD
+        | codes::WAIT_ENGINE_TILE_GATE_UP_DGRAD => {
             format!("M tile {index}: expected {expected} stored tile parts, {seen} counted")
         }
         codes::WAIT_ENGINE_TILE_DISPATCHED => {

@@ -216,8 +216,10 @@ impl UnfusedLayer {
     /// (`routing`, `gathered_x`, `grads`) while it is on.
     pub fn set_gemm_engine(&mut self, gpu: &Gpu, on: bool) -> Result<()> {
         if !on {
+            // Both megakernels run on the engine's plans.
             self.engine = None;
             self.megakernel = None;
+            self.backward_megakernel = None;
             return Ok(());
         }
         if !engine::engine_available(gpu) {
@@ -367,21 +369,21 @@ impl UnfusedLayer {
     }
 
     /// The last megakernel pass's (blocks, comm blocks), once a forward has built it.
-    pub fn megakernel_geometry(&self) -> Option<(u32, u32)> {
+    pub fn forward_megakernel_geometry(&self) -> Option<(u32, u32)> {
         self.megakernel.as_ref().and_then(|(_, pass)| pass.as_ref()).map(ForwardMegakernel::geometry)
     }
 
     /// Faults for the following megakernel passes (feature `testing`; the pass must exist: run
     /// a forward first).
     #[cfg(feature = "testing")]
-    pub fn set_megakernel_faults(&mut self, faults: MegakernelFaults) -> Result<()> {
+    pub fn set_forward_megakernel_faults(&mut self, faults: MegakernelFaults) -> Result<()> {
         self.built_megakernel()?.set_faults(0, faults)
     }
 
     /// The work of the following megakernel passes (feature `testing`: the benchmark's overlap
     /// measurement; only [`MegakernelWork::ALL`] computes the layer). The pass must exist.
     #[cfg(feature = "testing")]
-    pub fn set_megakernel_work(&mut self, work: MegakernelWork) -> Result<()> {
+    pub fn set_forward_megakernel_work(&mut self, work: MegakernelWork) -> Result<()> {
         self.built_megakernel()?.set_work(work)
     }
 
@@ -1043,8 +1045,8 @@ impl UnfusedLayer {
 
     /// Waits for the stream and reports a routing problem the kernels found in `topk_ids`
     /// (an id out of range or repeated in a token: that slot was dropped), or else, with the
-    /// megakernel forward, the first wait of its passes that timed out (`MokError::Timeout`,
-    /// cleared by the report so the next pass starts clean).
+    /// megakernels, the first wait of their last passes that timed out (`MokError::Timeout`, the
+    /// forward's first; both records cleared by the report, so the next pass starts clean).
     pub fn check_device_errors(&mut self) -> Result<()> {
         let words = self.routing.error.download()?;
         if words[0] == 0 {

@@ -75,12 +75,12 @@ pub const WAIT_ENGINE_TILE_GATHERED: u32 = 12;
 /// The backward megakernel's gate/up dgrad tile (or a gate/up weight-gradient tile) waited for
 /// the SwiGLU-backward rows (d_gate, d_up) of an M tile: every down-dgrad part of the tile stored
 /// (index = the M tile, expected and seen = stored parts; `BackwardParams::down_dgrad_stored`).
-pub const WAIT_ENGINE_TILE_D_HIDDEN: u32 = 13;
+pub const WAIT_ENGINE_TILE_DOWN_DGRAD: u32 = 13;
 
 /// The backward megakernel's dx combine waited for the gate/up dgrad rows of an M tile holding
 /// one of the token's slots (index = the M tile, expected and seen = stored parts;
 /// `BackwardParams::gate_up_dgrad_stored`).
-pub const WAIT_ENGINE_TILE_DX: u32 = 14;
+pub const WAIT_ENGINE_TILE_GATE_UP_DGRAD: u32 = 14;
 
 /// A name for a `WAIT_*` code, for messages.
 pub fn waited_for_name(code: u32) -> &'static str {
@@ -99,10 +99,12 @@ pub fn waited_for_name(code: u32) -> &'static str {
             "a slot's row pushed by the expert owner (slot_ready: the down-projection row forward, the dx row backward)"
         }
         WAIT_ENGINE_TILE_GATHERED => "the dy rows of an engine M tile to be gathered (rows_gathered)",
-        WAIT_ENGINE_TILE_D_HIDDEN => {
+        WAIT_ENGINE_TILE_DOWN_DGRAD => {
             "the down-dgrad tiles (d_gate, d_up) of an engine M tile to be stored (down_dgrad_stored)"
         }
-        WAIT_ENGINE_TILE_DX => "the gate/up dgrad tiles of an engine M tile to be stored (gate_up_dgrad_stored)",
+        WAIT_ENGINE_TILE_GATE_UP_DGRAD => {
+            "the gate/up dgrad tiles of an engine M tile to be stored (gate_up_dgrad_stored)"
+        }
         _ => "an unknown counter",
     }
 }

@@ -11,7 +11,7 @@
 //! `n` N tiles is complete at `n · ⌈r / 64⌉`.
 
 use crate::comm::error::{
-    self, ERROR_TIMEOUT, WAIT_ENGINE_TILE_D_HIDDEN, WAIT_ENGINE_TILE_DISPATCHED, WAIT_ENGINE_TILE_GATHERED,
+    self, ERROR_TIMEOUT, WAIT_ENGINE_TILE_DISPATCHED, WAIT_ENGINE_TILE_DOWN_DGRAD, WAIT_ENGINE_TILE_GATHERED,
     WAIT_ENGINE_TILE_HIDDEN, WAIT_ENGINE_TILE_ROWS,
 };
 use crate::comm::schedule::epoch_reached;
@@ -306,7 +306,7 @@ impl<const PHASE: u32, const RANKS: bool> TileHooks for BackwardHandover<PHASE, 
                 let ready = Ready::Stored {
                     counts: b.down_dgrad_stored as *const u32,
                     n_tiles: down_dgrad_n_tiles(b),
-                    code: WAIT_ENGINE_TILE_D_HIDDEN,
+                    code: WAIT_ENGINE_TILE_DOWN_DGRAD,
                 };
                 wait_for_rows(p, work, ready, error, downstream_deadline(b.timeout_ns, 1), 0);
             } else {
@@ -368,7 +368,7 @@ unsafe fn wait_for_group(b: &BackwardParams, group: u32, gathered: bool) {
                 (
                     (b.down_dgrad_stored as *const u32).add(tile as usize),
                     parts_per_m_tile(n_tiles, rows),
-                    WAIT_ENGINE_TILE_D_HIDDEN,
+                    WAIT_ENGINE_TILE_DOWN_DGRAD,
                     downstream_deadline(b.timeout_ns, 1),
                 )
             };

@@ -16,7 +16,7 @@
 //! the same epilogue arithmetic, each token's sum the same order.
 
 use crate::comm::RankView;
-use crate::comm::error::{self, ERROR_TIMEOUT, WAIT_ENGINE_TILE_DX, WAIT_SLOT_READY};
+use crate::comm::error::{self, ERROR_TIMEOUT, WAIT_ENGINE_TILE_GATE_UP_DGRAD, WAIT_SLOT_READY};
 use crate::comm::params::ExchangeParams;
 use crate::comm::wait::{signal, wait_until};
 use crate::device::rows::{combine_quads, copy_row, dot_row, gather_scaled_row, gather_scaled_row_and_dot};
@@ -192,7 +192,10 @@ pub unsafe fn combine_dx<const RANKS: bool>(b: &BackwardParams, pass: &PassInput
                         let counter = (b.gate_up_dgrad_stored as *const u32).add(tile as usize);
                         let timeout_ns = downstream_deadline(b.timeout_ns, 2);
                         if let Err(seen) = wait_until(counter, false, timeout_ns, error, |v| v >= expected) {
-                            error::record(error, [ERROR_TIMEOUT, WAIT_ENGINE_TILE_DX, 0, tile, expected, seen, 0, 0]);
+                            error::record(
+                                error,
+                                [ERROR_TIMEOUT, WAIT_ENGINE_TILE_GATE_UP_DGRAD, 0, tile, expected, seen, 0, 0],
+                            );
                         }
                     }
                 }
@@ -257,7 +260,7 @@ pub unsafe fn push_dx(b: &BackwardParams, view: &RankView) {
                     if let Err(seen) = wait_until(counter, false, timeout_ns, error, |v| v >= expected) {
                         error::record(
                             error,
-                            [ERROR_TIMEOUT, WAIT_ENGINE_TILE_DX, b.rank, tile, expected, seen, b.rank, 0],
+                            [ERROR_TIMEOUT, WAIT_ENGINE_TILE_GATE_UP_DGRAD, b.rank, tile, expected, seen, b.rank, 0],
                         );
                     }
                 }
