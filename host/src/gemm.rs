@@ -289,6 +289,11 @@ impl EnginePlan {
         self.kernel
     }
 
+    /// `(M, N)` of a weight-gradient plan's `[G][M][N]` output (row-grouped plans: `(0, N)`).
+    pub(crate) fn output_dims(&self) -> (u32, u32) {
+        (self.host_params.m, self.host_params.n)
+    }
+
     /// Row-grouped plans: the most engine M tiles their groups can hold (rows / 128 + groups).
     pub(crate) fn max_m_tiles(&self) -> usize {
         self.max_m_tiles

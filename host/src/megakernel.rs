@@ -519,7 +519,7 @@ impl BackwardMegakernel {
                 problem: format!("the loaded PTX has no {kernel} (it needs sm_90a)"),
             });
         }
-        for rank_plans in plans {
+        for (rank_plans, b) in plans.iter().zip(buffers) {
             for (plan, expected) in rank_plans.iter().zip(BACKWARD_PLAN_KERNELS) {
                 if plan.kernel() != expected {
                     return Err(MokError::InvalidInput {
@@ -527,6 +527,18 @@ impl BackwardMegakernel {
                         problem: format!("the backward runs a {expected} plan where it was given {}", plan.kernel()),
                     });
                 }
+            }
+            // The down weight gradient (`[G][H][I]`) first, then gate and up (`[G][I][H]`): each
+            // phase waits on what its own product reads.
+            let dims = [2, 3, 4].map(|i| rank_plans[i].output_dims());
+            if dims[0].0 != b.hidden || dims[1].1 != b.hidden || dims[2].1 != b.hidden {
+                return Err(MokError::InvalidInput {
+                    tensor: "megakernel",
+                    problem: format!(
+                        "weight-gradient plans of outputs {dims:?}: expected down [H][I], then gate and up [I][H] (H = {})",
+                        b.hidden
+                    ),
+                });
             }
         }
         let ranks = buffers.len() as u32;
