@@ -156,8 +156,9 @@ struct Measured {
     /// Megakernel backends: the same launch with only the row moving, with only the GEMMs (rows
     /// in place), and with no work at all (the schedule and an empty launch), ms.
     sides: Option<(f64, f64, f64)>,
-    /// With the backward megakernel: the backward alone, ms, and its sides as `sides`.
-    backward: Option<(f64, (f64, f64, f64))>,
+    /// With the backward megakernel: the backward alone, ms, its sides as `sides`, and the
+    /// backward without its weight-gradient tiles, ms.
+    backward: Option<(f64, (f64, f64, f64), f64)>,
 }
 
 /// The megakernel's sides timed alone, `(comm, compute, none)` ms: with only the row moving, with
@@ -360,8 +361,17 @@ fn bench_case(gpu: &Gpu, shape: FrontierShape, tokens: usize, reps: usize, backe
             }
             Ok(())
         })?;
+        layer.set_backward_megakernel_work(MegakernelWork::WITHOUT_WEIGHT_GRADS)?;
+        let mut without = Vec::new();
+        for _ in 0..reps {
+            timer.start()?;
+            layer.backward(gpu, &device_tokens, &experts, None, &dy)?;
+            without.push(timer.stop_ms()?);
+        }
+        layer.set_backward_megakernel_work(MegakernelWork::ALL)?;
+        layer.backward(gpu, &device_tokens, &experts, None, &dy)?;
         layer.check_device_errors()?;
-        backward = Some((median(times), sides));
+        backward = Some((median(times), sides, median(without)));
     }
     Ok(Measured { fwd: median(fwd), step: median(step), launches, bwd_launches, sides, backward })
 }
@@ -520,8 +530,14 @@ fn main() -> Result<()> {
                 measured.bwd_launches
             ));
         }
-        if let Some((bwd, (comm, compute, none))) = measured.backward {
+        if let Some((bwd, (comm, compute, none), without_wgrad)) = measured.backward {
             let overlap = (comm + compute - bwd) / comm.min(compute);
+            println!(
+                "{} {tokens} {}: backward {bwd:.2} ms, without its weight-gradient tiles {without_wgrad:.2} ms (weight gradients {:.1} % of the backward)",
+                shape.name,
+                backend_name,
+                100.0 * (bwd - without_wgrad) / bwd
+            );
             details.push(format!(
                 "| {} | {tokens} | {} (backward) | - | {} | {none:.2} ({:.1} %) | {comm:.2} | {compute:.2} | {bwd:.2} | {:.0} % |",
                 shape.name,

@@ -87,9 +87,13 @@ impl MegakernelWork {
         Self(mok_kernels::megakernel_layout::WORK_COPY_ROWS | mok_kernels::megakernel_layout::WORK_COMBINE);
     /// Only the GEMM tiles, on rows left in place by an earlier pass (the dispatch or gather
     /// publishes without copying; no combine).
-    pub const COMPUTE_ONLY: Self = Self(mok_kernels::megakernel_layout::WORK_GEMMS);
+    pub const COMPUTE_ONLY: Self =
+        Self(mok_kernels::megakernel_layout::WORK_GEMMS | mok_kernels::megakernel_layout::WORK_WEIGHT_GRADS);
     /// Nothing but the hand-out of the first queue: the schedule and an empty launch.
     pub const NONE: Self = Self(0);
+    /// The backward without its weight-gradient tiles (the rest as in a real pass): the
+    /// benchmark's share of the weight gradients.
+    pub const WITHOUT_WEIGHT_GRADS: Self = Self(WORK_ALL & !mok_kernels::megakernel_layout::WORK_WEIGHT_GRADS);
 }
 
 /// A layer's forward megakernel: the parameter blocks (one per rank, fixed for the layer's

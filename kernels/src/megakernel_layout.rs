@@ -219,7 +219,10 @@ pub const WORK_GEMMS: u32 = 2;
 /// [`ForwardParams::work`]: the combine runs.
 pub const WORK_COMBINE: u32 = 4;
 /// Everything: a real pass.
-pub const WORK_ALL: u32 = WORK_COPY_ROWS | WORK_GEMMS | WORK_COMBINE;
+pub const WORK_ALL: u32 = WORK_COPY_ROWS | WORK_GEMMS | WORK_COMBINE | WORK_WEIGHT_GRADS;
+/// [`BackwardParams::work`]: with [`WORK_GEMMS`], the weight-gradient tiles run too (without it
+/// the backward's compute blocks take none: the benchmark times the data gradients alone).
+pub const WORK_WEIGHT_GRADS: u32 = 8;
 
 /// The first block after the comm blocks that starts a compute pair (compute blocks run in
 /// 2-block clusters, so a comm count that is odd leaves the last comm block's partner idle).

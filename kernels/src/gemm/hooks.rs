@@ -18,7 +18,8 @@ use crate::comm::schedule::epoch_reached;
 use crate::comm::wait::{signal, wait_until};
 use crate::gemm_layout::{GemmParams, TILE_M, TILE_N, TileCounters, Variant};
 use crate::megakernel_layout::{
-    BackwardParams, ForwardParams, NO_FAULT, downstream_deadline, first_compute_block, parts_per_m_tile,
+    BackwardParams, ForwardParams, NO_FAULT, WORK_WEIGHT_GRADS, downstream_deadline, first_compute_block,
+    parts_per_m_tile,
 };
 use crate::ptx::bulk;
 use crate::ptx::memory::fence_proxy_async_global;
@@ -321,6 +322,10 @@ impl<const PHASE: u32, const RANKS: bool> TileHooks for BackwardHandover<PHASE, 
         // SAFETY: the pass's parameter block (constructor's contract).
         let b = unsafe { &*self.params };
         let first = first_compute_block(b.comm_blocks);
+        if b.work & WORK_WEIGHT_GRADS == 0 {
+            // No weight-gradient tile for this block (a benchmark's data gradients alone).
+            return (u32::MAX, 1);
+        }
         if RANKS {
             (crate::ptx::sreg::block_idx_x() - b.rank_first_block - first, b.rank_blocks - first)
         } else {
