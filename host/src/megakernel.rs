@@ -1,6 +1,6 @@
 //! The megakernels from the host (kernels/src/megakernel/): their parameter blocks, counters
-//! and launches — the forward (`mok_sm90_forward`, `mok_sm90_forward_ranks`: [`ForwardMegakernel`])
-//! and the backward (`mok_sm90_backward`, `mok_sm90_backward_ranks`: [`BackwardMegakernel`]). A
+//! and launches — the forward (`mok_sm90_forward`, `mok_sm90_forward_ranks`) and the backward
+//! (`mok_sm90_backward`, `mok_sm90_backward_ranks`), one crate-private pass type for both. A
 //! layer switches them on with
 //! [`UnfusedLayer::set_forward_megakernel`](crate::unfused::UnfusedLayer::set_forward_megakernel)
 //! and [`UnfusedLayer::set_backward_megakernel`](crate::unfused::UnfusedLayer::set_backward_megakernel)
@@ -96,22 +96,85 @@ impl MegakernelWork {
     pub const WITHOUT_WEIGHT_GRADS: Self = Self(WORK_ALL & !mok_kernels::megakernel_layout::WORK_WEIGHT_GRADS);
 }
 
-/// A layer's forward megakernel: the parameter blocks (one per rank, fixed for the layer's
-/// buffers and plans), the counters and the launch geometry.
-pub(crate) struct ForwardMegakernel {
-    host: Vec<ForwardParams>,
+/// A megakernel pass of a layer: the parameter blocks (one per rank, fixed for the layer's
+/// buffers and plans), the pass counters, the error record and the launch geometry, for the
+/// forward ([`ForwardMegakernel`], `PLANS` = 2) or the backward ([`BackwardMegakernel`], 5).
+pub(crate) struct MegakernelPass<P, const PLANS: usize> {
+    /// The entry points: one GPU, and every rank in one launch.
+    kernels: [&'static str; 2],
+    host: Vec<P>,
     params: DeviceBuffer<u8>,
     /// With ranks, every rank's [`PassInputs`] (fixed heap addresses), written once.
     inputs: Option<DeviceBuffer<u8>>,
-    /// Per rank: `[M tiles]` dispatched flags, `[M tiles]` gate/up parts, `[M tiles]` down
-    /// parts, the combine's next token, the dispatch's next M tile, the push's next ring row:
-    /// cleared together (one memset) before each pass.
+    /// Per rank: three `[M tiles]` counters and three queue words (see each pass's parameter
+    /// block), cleared together (one memset) before each pass.
     pass_counters: DeviceBuffer<u32>,
     /// On one GPU, the pass's error record (with ranks, each rank's record in the heap).
     error: Option<DeviceBuffer<u32>>,
     blocks: u32,
     /// The plans each rank's parameter block points at (their parameter blocks' addresses).
-    built_for: Vec<[u64; 2]>,
+    built_for: Vec<[u64; PLANS]>,
+}
+
+/// The forward megakernel's pass.
+pub(crate) type ForwardMegakernel = MegakernelPass<ForwardParams, 2>;
+/// The backward megakernel's pass.
+pub(crate) type BackwardMegakernel = MegakernelPass<BackwardParams, 5>;
+
+/// What the shared pass code sets in a megakernel's parameter block.
+pub(crate) trait PassParams: Copy {
+    fn comm_blocks(&self) -> u32;
+    /// The work of the pass (test and benchmark hooks only).
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))]
+    fn set_work(&mut self, work: u32);
+    /// The fault injections of [`MegakernelFaults`] ([`NO_FAULT`] for none; tests only).
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))]
+    fn set_silent_tiles(&mut self, rows_tile: u32, hidden_tile: u32);
+    fn silent_push(&mut self) -> &mut u32;
+}
+
+impl PassParams for ForwardParams {
+    fn comm_blocks(&self) -> u32 {
+        self.comm_blocks
+    }
+    fn set_work(&mut self, work: u32) {
+        self.work = work;
+    }
+    fn set_silent_tiles(&mut self, rows_tile: u32, hidden_tile: u32) {
+        (self.silent_rows_tile, self.silent_hidden_tile) = (rows_tile, hidden_tile);
+    }
+    fn silent_push(&mut self) -> &mut u32 {
+        &mut self.silent_push
+    }
+}
+
+impl PassParams for BackwardParams {
+    fn comm_blocks(&self) -> u32 {
+        self.comm_blocks
+    }
+    fn set_work(&mut self, work: u32) {
+        self.work = work;
+    }
+    fn set_silent_tiles(&mut self, rows_tile: u32, hidden_tile: u32) {
+        (self.silent_rows_tile, self.silent_hidden_tile) = (rows_tile, hidden_tile);
+    }
+    fn silent_push(&mut self) -> &mut u32 {
+        &mut self.silent_push
+    }
+}
+
+/// Where one rank's parameter block points, from the shared pass set-up.
+struct RankSlot {
+    /// The rank's pass counters and the bytes of one `[M tiles]` counter.
+    counters: u64,
+    tile_words: u64,
+    /// The rank's `ExchangeParams` (0 on one GPU), its number and its error record.
+    exchange: u64,
+    rank: u32,
+    error: u64,
+    /// The rank's run of the grid: first block and blocks.
+    first_block: u32,
+    blocks: u32,
 }
 
 /// The layer buffers a pass reads and writes, besides the plans', for one rank.
@@ -187,6 +250,91 @@ pub(crate) const fn counter_words(m_tiles: usize) -> usize {
     3 * m_tiles + 3
 }
 
+/// The checks and the allocations shared by both passes' constructors: one rank without ranks
+/// (one GPU) or every rank's buffers with their heap places, the entry point loaded, the
+/// geometry resident; then the counters, the error record (one GPU) and, per rank, what its
+/// parameter block points at (`make`).
+#[allow(clippy::too_many_arguments)]
+fn build_pass<P: PassParams, const PLANS: usize>(
+    gpu: &Gpu,
+    kernels: [&'static str; 2],
+    plans: &[[&EnginePlan; PLANS]],
+    ranks_of: &[Option<&RankPass>],
+    options: &MegakernelOptions,
+    words_per_m_tiles: fn(usize) -> usize,
+    make: impl Fn(usize, RankSlot, u32, u64) -> P,
+) -> Result<MegakernelPass<P, PLANS>> {
+    let with_ranks = ranks_of.first().is_some_and(Option::is_some);
+    let kernel = kernels[with_ranks as usize];
+    if plans.len() != ranks_of.len()
+        || ranks_of.is_empty()
+        || ranks_of.iter().any(|r| r.is_some() != with_ranks)
+        || (!with_ranks && ranks_of.len() != 1)
+    {
+        return Err(MokError::InvalidInput {
+            tensor: "megakernel",
+            problem: format!("{} plan sets for {} ranks' buffers", plans.len(), ranks_of.len()),
+        });
+    }
+    if !gpu.has_kernel(kernel) {
+        return Err(MokError::InvalidInput {
+            tensor: "megakernel",
+            problem: format!("the loaded PTX has no {kernel} (it needs sm_90a)"),
+        });
+    }
+    let ranks = ranks_of.len() as u32;
+    let (blocks, comm_blocks) = checked_geometry(resident_blocks(gpu, kernel)?, options, ranks)?;
+    let m_tiles = plans.iter().flatten().map(|p| p.max_m_tiles()).max().unwrap_or(0).max(1);
+    let words = words_per_m_tiles(m_tiles);
+    let pass_counters = DeviceBuffer::from_slice(gpu, &vec![0u32; words * ranks as usize])?;
+    let error = if with_ranks { None } else { Some(DeviceBuffer::from_slice(gpu, &[0u32; ERROR_WORDS])?) };
+    let timeout_ns = options.timeout.as_nanos().min(u64::MAX as u128) as u64;
+    let host: Vec<P> = ranks_of
+        .iter()
+        .enumerate()
+        .map(|(r, place)| {
+            let (exchange, rank, error) = match (place, &error) {
+                (Some(rank), _) => (rank.exchange, rank.rank, rank.error),
+                (None, Some(record)) => (0, 0, record.device_ptr()),
+                (None, None) => unreachable!("a pass without ranks has its own record"),
+            };
+            // The rank's run of the grid (whole pairs, `rank_pairs`).
+            let (first_pair, pairs) = rank_pairs(blocks / 2, ranks, r as u32);
+            let slot = RankSlot {
+                counters: pass_counters.device_ptr() + 4 * (r * words) as u64,
+                tile_words: 4 * m_tiles as u64,
+                exchange,
+                rank,
+                error,
+                first_block: 2 * first_pair,
+                blocks: 2 * pairs,
+            };
+            make(r, slot, comm_blocks, timeout_ns)
+        })
+        .collect();
+    // SAFETY: both parameter blocks are repr(C) plain data without padding (sizes asserted in
+    // megakernel_layout).
+    let params = DeviceBuffer::from_slice(gpu, &unsafe { blocks_bytes(&host) })?;
+    let inputs = if with_ranks {
+        let inputs: Vec<PassInputs> = ranks_of.iter().filter_map(|r| r.map(|r| r.inputs)).collect();
+        // SAFETY: PassInputs is repr(C) plain data, three u64 and two u32 (32 bytes, asserted
+        // in megakernel_layout): no padding.
+        Some(DeviceBuffer::from_slice(gpu, &unsafe { blocks_bytes(&inputs) })?)
+    } else {
+        None
+    };
+    Ok(MegakernelPass {
+        kernels,
+        host,
+        params,
+        inputs,
+        pass_counters,
+        error,
+        blocks,
+        built_for: plans.iter().map(|p| p.map(EnginePlan::params_ptr)).collect(),
+    })
+}
+
 impl ForwardMegakernel {
     /// The pass of one rank (`buffers.len() == 1`, a single GPU or one rank per GPU) or of
     /// every virtual rank in one launch; `plans[r]` are rank r's gate/up and down plans.
@@ -196,24 +344,6 @@ impl ForwardMegakernel {
         buffers: &[PassBuffers],
         options: &MegakernelOptions,
     ) -> Result<Self> {
-        let with_ranks = buffers.first().is_some_and(|b| b.rank.is_some());
-        let kernel = if with_ranks { FORWARD_RANKS_KERNEL } else { FORWARD_KERNEL };
-        if plans.len() != buffers.len()
-            || buffers.is_empty()
-            || buffers.iter().any(|b| b.rank.is_some() != with_ranks)
-            || (!with_ranks && buffers.len() != 1)
-        {
-            return Err(MokError::InvalidInput {
-                tensor: "megakernel",
-                problem: format!("{} plan pairs for {} ranks' buffers", plans.len(), buffers.len()),
-            });
-        }
-        if !gpu.has_kernel(kernel) {
-            return Err(MokError::InvalidInput {
-                tensor: "megakernel",
-                problem: format!("the loaded PTX has no {kernel} (it needs sm_90a)"),
-            });
-        }
         for pair in plans {
             if pair[0].kernel() != "mok_sm90_gemm_gate_up" || pair[1].kernel() != "mok_sm90_gemm_rows_nt" {
                 return Err(MokError::InvalidInput {
@@ -226,100 +356,65 @@ impl ForwardMegakernel {
                 });
             }
         }
-        let ranks = buffers.len() as u32;
-        let (blocks, comm_blocks) = checked_geometry(resident_blocks(gpu, kernel)?, options, ranks)?;
-        let m_tiles = plans.iter().flatten().map(|p| p.max_m_tiles()).max().unwrap_or(0).max(1);
-        let words = counter_words(m_tiles);
-        let pass_counters = DeviceBuffer::from_slice(gpu, &vec![0u32; words * ranks as usize])?;
-        let error = if with_ranks { None } else { Some(DeviceBuffer::from_slice(gpu, &[0u32; ERROR_WORDS])?) };
-        let timeout_ns = options.timeout.as_nanos().min(u64::MAX as u128) as u64;
-        let host: Vec<ForwardParams> = plans
-            .iter()
-            .zip(buffers)
-            .enumerate()
-            .map(|(r, (pair, b))| {
-                let counters = pass_counters.device_ptr() + 4 * (r * words) as u64;
-                let tile_words = 4 * m_tiles as u64;
-                let (exchange, rank, error) = match (&b.rank, &error) {
-                    (Some(rank), _) => (rank.exchange, rank.rank, rank.error),
-                    (None, Some(record)) => (0, 0, record.device_ptr()),
-                    (None, None) => unreachable!("a pass without ranks has its own record"),
-                };
-                ForwardParams {
-                    gate_up: pair[0].params_ptr(),
-                    down: pair[1].params_ptr(),
-                    row_source: b.row_source,
-                    slot_row: b.slot_row,
-                    rows: b.rows,
-                    down_rows: b.down_rows,
-                    y: b.y,
-                    rows_dispatched: counters,
-                    gate_up_stored: counters + tile_words,
-                    down_stored: counters + 2 * tile_words,
-                    combine_next: counters + 3 * tile_words,
-                    dispatch_next: counters + 3 * tile_words + 4,
-                    error,
-                    timeout_ns,
-                    exchange,
-                    push_next: counters + 3 * tile_words + 8,
-                    top_k: b.top_k,
-                    hidden: b.hidden,
-                    comm_blocks,
-                    silent_rows_tile: NO_FAULT,
-                    silent_hidden_tile: NO_FAULT,
-                    work: WORK_ALL,
-                    rank,
-                    silent_push: NO_FAULT,
-                }
-            })
-            .collect();
-        // SAFETY: ForwardParams is repr(C) plain data, sixteen u64 and eight u32 (160 bytes,
-        // asserted in megakernel_layout): no padding.
-        let params = DeviceBuffer::from_slice(gpu, &unsafe { blocks_bytes(&host) })?;
-        let inputs = if with_ranks {
-            let inputs: Vec<PassInputs> = buffers.iter().filter_map(|b| b.rank.as_ref().map(|r| r.inputs)).collect();
-            // SAFETY: PassInputs is repr(C) plain data, three u64 and two u32 (32 bytes, asserted
-            // in megakernel_layout): no padding.
-            Some(DeviceBuffer::from_slice(gpu, &unsafe { blocks_bytes(&inputs) })?)
-        } else {
-            None
-        };
-        Ok(Self {
-            host,
-            params,
-            inputs,
-            pass_counters,
-            error,
-            blocks,
-            built_for: plans.iter().map(|p| [p[0].params_ptr(), p[1].params_ptr()]).collect(),
+        let ranks_of: Vec<Option<&RankPass>> = buffers.iter().map(|b| b.rank.as_ref()).collect();
+        let kernels = [FORWARD_KERNEL, FORWARD_RANKS_KERNEL];
+        build_pass(gpu, kernels, plans, &ranks_of, options, counter_words, |r, at, comm_blocks, timeout_ns| {
+            let (pair, b, counters, tile_words) = (plans[r], &buffers[r], at.counters, at.tile_words);
+            ForwardParams {
+                gate_up: pair[0].params_ptr(),
+                down: pair[1].params_ptr(),
+                row_source: b.row_source,
+                slot_row: b.slot_row,
+                rows: b.rows,
+                down_rows: b.down_rows,
+                y: b.y,
+                rows_dispatched: counters,
+                gate_up_stored: counters + tile_words,
+                down_stored: counters + 2 * tile_words,
+                combine_next: counters + 3 * tile_words,
+                dispatch_next: counters + 3 * tile_words + 4,
+                error: at.error,
+                timeout_ns,
+                exchange: at.exchange,
+                push_next: counters + 3 * tile_words + 8,
+                top_k: b.top_k,
+                hidden: b.hidden,
+                comm_blocks,
+                silent_rows_tile: NO_FAULT,
+                silent_hidden_tile: NO_FAULT,
+                work: WORK_ALL,
+                rank: at.rank,
+                silent_push: NO_FAULT,
+            }
         })
     }
+}
 
-    /// Whether this pass was built for these plans (one pair per rank).
-    pub(crate) fn built_for(&self, plans: &[[&EnginePlan; 2]]) -> bool {
+impl<P: PassParams, const PLANS: usize> MegakernelPass<P, PLANS> {
+    /// Whether this pass was built for these plans (one set per rank).
+    pub(crate) fn built_for(&self, plans: &[[&EnginePlan; PLANS]]) -> bool {
         self.built_for.len() == plans.len()
-            && self.built_for.iter().zip(plans).all(|(b, p)| *b == [p[0].params_ptr(), p[1].params_ptr()])
+            && self.built_for.iter().zip(plans).all(|(b, p)| *b == p.map(EnginePlan::params_ptr))
     }
 
     /// Blocks of the launch, and of them the comm blocks (of each rank).
     pub(crate) fn geometry(&self) -> (u32, u32) {
-        (self.blocks, self.host[0].comm_blocks)
+        (self.blocks, self.host[0].comm_blocks())
+    }
+
+    /// Uploads the parameter blocks again after a hook changed them.
+    fn upload_params(&mut self) -> Result<()> {
+        // SAFETY: as in `build_pass`.
+        self.params.upload(&unsafe { blocks_bytes(&self.host) })
     }
 
     /// Sets the work of the following passes (benchmarks).
     #[cfg(feature = "testing")]
     pub(crate) fn set_work(&mut self, work: MegakernelWork) -> Result<()> {
         for rank in &mut self.host {
-            rank.work = work.0;
+            rank.set_work(work.0);
         }
         self.upload_params()
-    }
-
-    /// Uploads the parameter blocks again after a test hook changed them.
-    #[cfg(feature = "testing")]
-    fn upload_params(&mut self) -> Result<()> {
-        // SAFETY: as in `new`.
-        self.params.upload(&unsafe { blocks_bytes(&self.host) })
     }
 
     /// Sets the faults of `rank` for the following passes (tests).
@@ -332,8 +427,10 @@ impl ForwardMegakernel {
                 problem: format!("rank {rank} is not below the pass's {ranks} ranks"),
             });
         };
-        params.silent_rows_tile = faults.silent_rows_tile.unwrap_or(NO_FAULT);
-        params.silent_hidden_tile = faults.silent_hidden_tile.unwrap_or(NO_FAULT);
+        params.set_silent_tiles(
+            faults.silent_rows_tile.unwrap_or(NO_FAULT),
+            faults.silent_hidden_tile.unwrap_or(NO_FAULT),
+        );
         self.upload_params()
     }
 
@@ -344,19 +441,15 @@ impl ForwardMegakernel {
         let mut changed = false;
         for (params, &silent) in self.host.iter_mut().zip(silent) {
             let value = if silent { 1 } else { NO_FAULT };
-            changed |= params.silent_push != value;
-            params.silent_push = value;
+            changed |= *params.silent_push() != value;
+            *params.silent_push() = value;
         }
-        if changed {
-            // SAFETY: as in `new`.
-            self.params.upload(&unsafe { blocks_bytes(&self.host) })?;
-        }
-        Ok(())
+        if changed { self.upload_params() } else { Ok(()) }
     }
 
     /// Checks the plans and enqueues what precedes every pass: cuts every plan's group maps
     /// (zeroing their tile counters) and clears the pass counters.
-    fn prepare_pass(&mut self, gpu: &Gpu, plans: &[[&EnginePlan; 2]]) -> Result<()> {
+    fn prepare_pass(&mut self, gpu: &Gpu, plans: &[[&EnginePlan; PLANS]]) -> Result<()> {
         if !self.built_for(plans) {
             return Err(MokError::InvalidInput {
                 tensor: "megakernel",
@@ -374,14 +467,15 @@ impl ForwardMegakernel {
     }
 
     /// Enqueues one pass on one GPU of `tokens` tokens (at most the layer's capacity): cuts
-    /// both plans' group maps (zeroing their tile counters), clears the pass counters, then the
-    /// megakernel. `x` `[T][H]` bf16, `topk_weights` `[T·k]` f32 and `shared_rows` `[T][H]`
-    /// f32 (0 for none) must stay allocated until the stream has run it.
+    /// every plan's group maps (zeroing their tile counters), clears the pass counters, then the
+    /// megakernel. `rows` `[T][H]` bf16 (x forward, dy backward), `topk_weights` `[T·k]` f32 and
+    /// `shared_rows` `[T][H]` f32 (the shared expert's output or dx rows; 0 for none) must stay
+    /// allocated until the stream has run it.
     pub(crate) fn launch(
         &mut self,
         gpu: &Gpu,
-        plans: [&EnginePlan; 2],
-        x: u64,
+        plans: [&EnginePlan; PLANS],
+        rows: u64,
         topk_weights: u64,
         shared_rows: u64,
         tokens: u32,
@@ -392,23 +486,25 @@ impl ForwardMegakernel {
         self.prepare_pass(gpu, &[plans])?;
         let args = [
             KernelArg::Ptr(self.params.device_ptr()),
-            KernelArg::Ptr(x),
+            KernelArg::Ptr(rows),
             KernelArg::Ptr(topk_weights),
             KernelArg::Ptr(shared_rows),
             KernelArg::U32(tokens),
         ];
-        // SAFETY: `mok_sm90_forward`'s parameters in order and type; the parameter block points
-        // at the layer's live buffers and the plans' parameter blocks (checked above), its
-        // counters hold an entry per M tile the plans' groups can have, cleared above on the
-        // stream; the grid is co-resident (checked in `new`); the caller keeps x, the weights
-        // and the shared rows alive until the stream has run the pass.
-        unsafe { gpu.launch(FORWARD_KERNEL, self.shape(), &args) }
+        // SAFETY: `mok_sm90_forward`'s and `mok_sm90_backward`'s parameters in order and type;
+        // the parameter block points at the layer's live buffers and the plans' parameter blocks
+        // (checked above), its counters hold an entry per M tile the plans' groups can have,
+        // cleared above on the stream; the grid is co-resident (checked when built); the caller
+        // keeps the rows, the weights and the shared rows alive until the stream has run the
+        // pass.
+        unsafe { gpu.launch(self.kernels[0], self.shape(), &args) }
     }
 
-    /// Enqueues one pass of every rank in one launch, after the exchange's schedule (which the
-    /// caller enqueued, with every rank's `slot_ready` cleared before its publish): cuts every
-    /// plan's group maps, clears the pass counters, then the megakernel.
-    pub(crate) fn launch_ranks(&mut self, gpu: &Gpu, plans: &[[&EnginePlan; 2]]) -> Result<()> {
+    /// Enqueues one pass of every rank in one launch, after what the caller enqueued before it
+    /// (the forward: the exchange's schedule, with every rank's `slot_ready` cleared before its
+    /// publish; the backward: every rank's `slot_ready` cleared): cuts every plan's group maps,
+    /// clears the pass counters, then the megakernel.
+    pub(crate) fn launch_ranks(&mut self, gpu: &Gpu, plans: &[[&EnginePlan; PLANS]]) -> Result<()> {
         let Some(inputs) = &self.inputs else {
             return Err(MokError::InvalidInput { tensor: "megakernel", problem: "built for one GPU".into() });
         };
@@ -416,12 +512,13 @@ impl ForwardMegakernel {
         self.prepare_pass(gpu, plans)?;
         let args =
             [KernelArg::Ptr(self.params.device_ptr()), KernelArg::Ptr(inputs), KernelArg::U32(self.host.len() as u32)];
-        // SAFETY: `mok_sm90_forward_ranks`'s parameters in order and type; each rank's
-        // parameter block points at the layer's live buffers, its heap slice and the plans'
-        // parameter blocks (checked above); the inputs are one block per rank; the counters are
-        // cleared above on the stream; the grid is co-resident and gives every rank a compute
-        // pair (checked in `new`).
-        unsafe { gpu.launch(FORWARD_RANKS_KERNEL, self.shape(), &args) }
+        // SAFETY: `mok_sm90_forward_ranks`'s and `mok_sm90_backward_ranks`' parameters in order
+        // and type; each rank's parameter block points at the layer's live buffers, its heap
+        // slice and the plans' parameter blocks (checked above); the inputs are one block per
+        // rank; the counters are cleared above on the stream, and the `slot_ready` flags by the
+        // caller; the grid is co-resident and gives every rank a compute pair (checked when
+        // built).
+        unsafe { gpu.launch(self.kernels[1], self.shape(), &args) }
     }
 
     /// Waits for the stream (the download does) and reports the first failure of the last
@@ -479,23 +576,6 @@ pub(crate) struct BackwardBuffers {
     pub rank: Option<RankPass>,
 }
 
-/// A layer's backward megakernel: the parameter blocks (one per rank), counters and geometry.
-pub(crate) struct BackwardMegakernel {
-    host: Vec<BackwardParams>,
-    params: DeviceBuffer<u8>,
-    /// With ranks, every rank's [`PassInputs`] (fixed heap addresses; the shared expert's dx
-    /// rows), written once.
-    inputs: Option<DeviceBuffer<u8>>,
-    /// Per rank: `[M tiles]` gathered flags, down-dgrad parts, gate/up-dgrad parts, then the
-    /// gather's, the combine's and the push's next: cleared together before each pass.
-    pass_counters: DeviceBuffer<u32>,
-    /// On one GPU, the pass's error record (with ranks, each rank's record in the heap).
-    error: Option<DeviceBuffer<u32>>,
-    blocks: u32,
-    /// The plans' parameter blocks each rank's pass points at.
-    built_for: Vec<[u64; 5]>,
-}
-
 impl BackwardMegakernel {
     /// The pass of one rank (`buffers.len() == 1` without ranks: one GPU) or of every virtual
     /// rank in one launch; `plans[r]` are rank r's plans in [`BACKWARD_PLAN_KERNELS`] order.
@@ -505,24 +585,6 @@ impl BackwardMegakernel {
         buffers: &[BackwardBuffers],
         options: &MegakernelOptions,
     ) -> Result<Self> {
-        let with_ranks = buffers.first().is_some_and(|b| b.rank.is_some());
-        let kernel = if with_ranks { BACKWARD_RANKS_KERNEL } else { BACKWARD_KERNEL };
-        if plans.len() != buffers.len()
-            || buffers.is_empty()
-            || buffers.iter().any(|b| b.rank.is_some() != with_ranks)
-            || (!with_ranks && buffers.len() != 1)
-        {
-            return Err(MokError::InvalidInput {
-                tensor: "megakernel",
-                problem: format!("{} plan sets for {} ranks' buffers", plans.len(), buffers.len()),
-            });
-        }
-        if !gpu.has_kernel(kernel) {
-            return Err(MokError::InvalidInput {
-                tensor: "megakernel",
-                problem: format!("the loaded PTX has no {kernel} (it needs sm_90a)"),
-            });
-        }
         for (rank_plans, b) in plans.iter().zip(buffers) {
             for (plan, expected) in rank_plans.iter().zip(BACKWARD_PLAN_KERNELS) {
                 if plan.kernel() != expected {
@@ -545,221 +607,47 @@ impl BackwardMegakernel {
                 });
             }
         }
-        let ranks = buffers.len() as u32;
-        let (blocks, comm_blocks) = checked_geometry(resident_blocks(gpu, kernel)?, options, ranks)?;
-        let m_tiles = plans.iter().map(|p| p[0].max_m_tiles().max(p[1].max_m_tiles())).max().unwrap_or(0).max(1);
-        let words = backward_counter_words(m_tiles);
-        let pass_counters = DeviceBuffer::from_slice(gpu, &vec![0u32; words * ranks as usize])?;
-        let error = if with_ranks { None } else { Some(DeviceBuffer::from_slice(gpu, &[0u32; ERROR_WORDS])?) };
-        let timeout_ns = options.timeout.as_nanos().min(u64::MAX as u128) as u64;
-        let host: Vec<BackwardParams> = plans
-            .iter()
-            .zip(buffers)
-            .enumerate()
-            .map(|(r, (p, b))| {
-                let counters = pass_counters.device_ptr() + 4 * (r * words) as u64;
-                let tile_words = 4 * m_tiles as u64;
-                let (exchange, rank, error) = match (&b.rank, &error) {
-                    (Some(rank), _) => (rank.exchange, rank.rank, rank.error),
-                    (None, Some(record)) => (0, 0, record.device_ptr()),
-                    (None, None) => unreachable!("a pass without ranks has its own record"),
-                };
-                // The rank's run of the grid (whole pairs, `rank_pairs`).
-                let (first_pair, pairs) = rank_pairs(blocks / 2, ranks, r as u32);
-                // The last queue word (the push's next) inside the rank's block of counters.
-                debug_assert!(3 * tile_words + 12 <= 4 * words as u64);
-                BackwardParams {
-                    down_dgrad: p[0].params_ptr(),
-                    gate_up_dgrad: p[1].params_ptr(),
-                    wgrad: [p[2].params_ptr(), p[3].params_ptr(), p[4].params_ptr()],
-                    row_source: b.row_source,
-                    slot_row: b.slot_row,
-                    down_rows: b.down_rows,
-                    d_rows: b.d_rows,
-                    d_in_rows: b.d_in_rows,
-                    dx: b.dx,
-                    d_topk_weights: b.d_topk_weights,
-                    rows_gathered: counters,
-                    down_dgrad_stored: counters + tile_words,
-                    gate_up_dgrad_stored: counters + 2 * tile_words,
-                    gather_next: counters + 3 * tile_words,
-                    combine_next: counters + 3 * tile_words + 4,
-                    error,
-                    timeout_ns,
-                    top_k: b.top_k,
-                    hidden: b.hidden,
-                    comm_blocks,
-                    silent_rows_tile: NO_FAULT,
-                    silent_hidden_tile: NO_FAULT,
-                    work: WORK_ALL,
-                    rank,
-                    reserved: 0,
-                    exchange,
-                    push_next: counters + 3 * tile_words + 8,
-                    silent_push: NO_FAULT,
-                    rank_first_block: if with_ranks { 2 * first_pair } else { 0 },
-                    rank_blocks: if with_ranks { 2 * pairs } else { blocks },
-                    reserved_ranks: 0,
-                }
-            })
-            .collect();
-        // SAFETY: BackwardParams is repr(C) plain data without padding (216 bytes, asserted in
-        // megakernel_layout).
-        let params = DeviceBuffer::from_slice(gpu, &unsafe { blocks_bytes(&host) })?;
-        let inputs = if with_ranks {
-            let inputs: Vec<PassInputs> = buffers.iter().filter_map(|b| b.rank.as_ref().map(|r| r.inputs)).collect();
-            // SAFETY: PassInputs is repr(C) plain data without padding (32 bytes, asserted).
-            Some(DeviceBuffer::from_slice(gpu, &unsafe { blocks_bytes(&inputs) })?)
-        } else {
-            None
-        };
-        Ok(Self {
-            host,
-            params,
-            inputs,
-            pass_counters,
-            error,
-            blocks,
-            built_for: plans.iter().map(|p| p.map(EnginePlan::params_ptr)).collect(),
-        })
-    }
-
-    /// Whether this pass was built for these plans (one set per rank).
-    pub(crate) fn built_for(&self, plans: &[[&EnginePlan; 5]]) -> bool {
-        self.built_for.len() == plans.len()
-            && self.built_for.iter().zip(plans).all(|(b, p)| *b == p.map(EnginePlan::params_ptr))
-    }
-
-    /// Blocks of the launch, and of them the comm blocks (of each rank).
-    pub(crate) fn geometry(&self) -> (u32, u32) {
-        (self.blocks, self.host[0].comm_blocks)
-    }
-
-    /// Uploads the parameter blocks again after a test hook changed them.
-    fn upload_params(&mut self) -> Result<()> {
-        // SAFETY: as in `new`.
-        self.params.upload(&unsafe { blocks_bytes(&self.host) })
-    }
-
-    /// Sets the faults of `rank` for the following passes (tests): an M tile whose dy rows are
-    /// gathered but never published (`silent_rows_tile`), one whose down-dgrad parts are never
-    /// counted (`silent_hidden_tile`).
-    #[cfg(feature = "testing")]
-    pub(crate) fn set_faults(&mut self, rank: usize, faults: MegakernelFaults) -> Result<()> {
-        let ranks = self.host.len();
-        let Some(params) = self.host.get_mut(rank) else {
-            return Err(MokError::InvalidInput {
-                tensor: "rank",
-                problem: format!("rank {rank} is not below the pass's {ranks} ranks"),
-            });
-        };
-        params.silent_rows_tile = faults.silent_rows_tile.unwrap_or(NO_FAULT);
-        params.silent_hidden_tile = faults.silent_hidden_tile.unwrap_or(NO_FAULT);
-        self.upload_params()
-    }
-
-    /// Sets the work of the following passes (benchmarks: the backward's sides timed alone).
-    #[cfg(feature = "testing")]
-    pub(crate) fn set_work(&mut self, work: MegakernelWork) -> Result<()> {
-        for rank in &mut self.host {
-            rank.work = work.0;
-        }
-        self.upload_params()
-    }
-
-    /// Which local ranks push their dx rows but never flag them (the exchange's `Silence::Push`
-    /// fault): the parameter blocks are uploaded again only when this changes.
-    pub(crate) fn set_silent_pushes(&mut self, silent: &[bool]) -> Result<()> {
-        let mut changed = false;
-        for (params, &silent) in self.host.iter_mut().zip(silent) {
-            let value = if silent { 1 } else { NO_FAULT };
-            changed |= params.silent_push != value;
-            params.silent_push = value;
-        }
-        if changed { self.upload_params() } else { Ok(()) }
-    }
-
-    /// Cuts every plan's group maps (zeroing their tile counters) and clears the pass counters.
-    fn prepare_pass(&mut self, gpu: &Gpu, plans: &[[&EnginePlan; 5]]) -> Result<()> {
-        if !self.built_for(plans) {
-            return Err(MokError::InvalidInput {
-                tensor: "megakernel",
-                problem: "built for other engine plans".into(),
-            });
-        }
-        for plan in plans.iter().flatten() {
-            plan.cut_group_maps(gpu)?;
-        }
-        self.pass_counters.fill_bytes(0)
-    }
-
-    fn shape(&self) -> LaunchShape {
-        LaunchShape { grid: (self.blocks, 1, 1), threads: ENGINE_THREADS, smem_bytes: ENGINE_SMEM_BYTES }
-    }
-
-    /// Enqueues one backward pass on one GPU of `tokens` tokens: cuts every plan's group maps,
-    /// clears the pass counters, then the megakernel. `dy` `[T][H]` bf16, `topk_weights` `[T·k]`
-    /// f32 and `shared_dx` `[T][H]` f32 (0 for none) must stay allocated until the stream has run
-    /// it.
-    pub(crate) fn launch(
-        &mut self,
-        gpu: &Gpu,
-        plans: [&EnginePlan; 5],
-        dy: u64,
-        topk_weights: u64,
-        shared_dx: u64,
-        tokens: u32,
-    ) -> Result<()> {
-        if self.inputs.is_some() {
-            return Err(MokError::InvalidInput { tensor: "megakernel", problem: "built for ranks".into() });
-        }
-        self.prepare_pass(gpu, &[plans])?;
-        let args = [
-            KernelArg::Ptr(self.params.device_ptr()),
-            KernelArg::Ptr(dy),
-            KernelArg::Ptr(topk_weights),
-            KernelArg::Ptr(shared_dx),
-            KernelArg::U32(tokens),
-        ];
-        // SAFETY: `mok_sm90_backward`'s parameters in order and type; the parameter block points
-        // at the layer's live buffers and the plans' parameter blocks (checked above), its
-        // counters hold an entry per M tile the plans' groups can have, cleared above on the
-        // stream; the grid is co-resident (checked in `new`); the caller keeps dy, the weights
-        // and the shared dx rows alive until the stream has run the pass.
-        unsafe { gpu.launch(BACKWARD_KERNEL, self.shape(), &args) }
-    }
-
-    /// Enqueues one backward pass of every rank in one launch (the caller cleared every rank's
-    /// `slot_ready` flags on the stream before): cuts every plan's group maps, clears the pass
-    /// counters, then the megakernel.
-    pub(crate) fn launch_ranks(&mut self, gpu: &Gpu, plans: &[[&EnginePlan; 5]]) -> Result<()> {
-        let Some(inputs) = &self.inputs else {
-            return Err(MokError::InvalidInput { tensor: "megakernel", problem: "built for one GPU".into() });
-        };
-        let inputs = inputs.device_ptr();
-        self.prepare_pass(gpu, plans)?;
-        let args =
-            [KernelArg::Ptr(self.params.device_ptr()), KernelArg::Ptr(inputs), KernelArg::U32(self.host.len() as u32)];
-        // SAFETY: `mok_sm90_backward_ranks`'s parameters in order and type; each rank's
-        // parameter block points at the layer's live buffers, its heap slice and the plans'
-        // parameter blocks (checked above); the inputs are one block per rank; the counters are
-        // cleared above on the stream; the grid is co-resident and gives every rank a compute
-        // pair (checked in `new`).
-        unsafe { gpu.launch(BACKWARD_RANKS_KERNEL, self.shape(), &args) }
-    }
-
-    /// Waits for the stream and reports the first failure of the last pass on one GPU, clearing
-    /// it (across ranks the exchange reads the heap's records).
-    pub(crate) fn check(&mut self) -> Result<()> {
-        let Some(record) = &mut self.error else { return Ok(()) };
-        let words = record.download()?;
-        match engine_error(&words, None) {
-            None => Ok(()),
-            Some(error) => {
-                record.upload(&[0; ERROR_WORDS])?;
-                Err(error)
+        let ranks_of: Vec<Option<&RankPass>> = buffers.iter().map(|b| b.rank.as_ref()).collect();
+        let with_ranks = ranks_of.first().is_some_and(Option::is_some);
+        let kernels = [BACKWARD_KERNEL, BACKWARD_RANKS_KERNEL];
+        let words = backward_counter_words;
+        build_pass(gpu, kernels, plans, &ranks_of, options, words, |r, at, comm_blocks, timeout_ns| {
+            let (p, b, counters, tile_words) = (plans[r], &buffers[r], at.counters, at.tile_words);
+            BackwardParams {
+                down_dgrad: p[0].params_ptr(),
+                gate_up_dgrad: p[1].params_ptr(),
+                wgrad: [p[2].params_ptr(), p[3].params_ptr(), p[4].params_ptr()],
+                row_source: b.row_source,
+                slot_row: b.slot_row,
+                down_rows: b.down_rows,
+                d_rows: b.d_rows,
+                d_in_rows: b.d_in_rows,
+                dx: b.dx,
+                d_topk_weights: b.d_topk_weights,
+                rows_gathered: counters,
+                down_dgrad_stored: counters + tile_words,
+                gate_up_dgrad_stored: counters + 2 * tile_words,
+                gather_next: counters + 3 * tile_words,
+                combine_next: counters + 3 * tile_words + 4,
+                error: at.error,
+                timeout_ns,
+                top_k: b.top_k,
+                hidden: b.hidden,
+                comm_blocks,
+                silent_rows_tile: NO_FAULT,
+                silent_hidden_tile: NO_FAULT,
+                work: WORK_ALL,
+                rank: at.rank,
+                reserved: 0,
+                exchange: at.exchange,
+                push_next: counters + 3 * tile_words + 8,
+                silent_push: NO_FAULT,
+                // On one GPU the kernel walks the whole grid (its own sreg reads).
+                rank_first_block: if with_ranks { at.first_block } else { 0 },
+                rank_blocks: at.blocks,
+                reserved_ranks: 0,
             }
-        }
+        })
     }
 }
 
