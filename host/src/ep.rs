@@ -185,24 +185,36 @@ impl EpLayer {
             self.megakernel = None;
             return Ok(());
         };
-        if !gpu.has_kernel(FORWARD_RANKS_KERNEL) || !engine::engine_available(gpu) {
+        let tile_offsets = self.megakernel_ring_tile_offsets(gpu, FORWARD_RANKS_KERNEL, &options)?;
+        self.megakernel =
+            Some(EpMegakernel { options, tile_offsets, plans: Vec::new(), weights_built_for: Vec::new(), pass: None });
+        Ok(())
+    }
+
+    /// What switching a megakernel on needs, checked before the layer changes: this GPU and the
+    /// loaded PTX run `kernel` and the engine, and `options`' geometry holds every local rank
+    /// (it needs no weights: checked now, not at the first pass); then a buffer per local rank
+    /// for the engine tile offsets of its ring.
+    fn megakernel_ring_tile_offsets(
+        &self,
+        gpu: &Gpu,
+        kernel: &'static str,
+        options: &MegakernelOptions,
+    ) -> Result<Vec<DeviceBuffer<u32>>> {
+        if !gpu.has_kernel(kernel) || !engine::engine_available(gpu) {
             return Err(MokError::InvalidInput {
                 tensor: "megakernel",
                 problem: format!(
-                    "needs an sm_90 GPU, the engine kernels and {FORWARD_RANKS_KERNEL} in the loaded PTX (this GPU is sm_{}{})",
+                    "needs an sm_90 GPU, the engine kernels and {kernel} in the loaded PTX (this GPU is sm_{}{})",
                     gpu.compute_capability().0,
                     gpu.compute_capability().1
                 ),
             });
         }
-        // The geometry needs no weights: check it now, not at the first forward.
         let locals = self.ranks.len();
-        checked_geometry(resident_blocks(gpu, FORWARD_RANKS_KERNEL)?, &options, locals as u32)?;
+        checked_geometry(resident_blocks(gpu, kernel)?, options, locals as u32)?;
         let l = self.config.local_experts();
-        let tile_offsets = (0..locals).map(|_| DeviceBuffer::alloc(gpu, 2 * (l + 1))).collect::<Result<Vec<_>>>()?;
-        self.megakernel =
-            Some(EpMegakernel { options, tile_offsets, plans: Vec::new(), weights_built_for: Vec::new(), pass: None });
-        Ok(())
+        (0..locals).map(|_| DeviceBuffer::alloc(gpu, 2 * (l + 1))).collect()
     }
 
     /// Whether the forward runs as the megakernel.
@@ -223,16 +235,6 @@ impl EpLayer {
             self.backward_megakernel = None;
             return Ok(());
         };
-        if !gpu.has_kernel(BACKWARD_RANKS_KERNEL) || !engine::engine_available(gpu) {
-            return Err(MokError::InvalidInput {
-                tensor: "megakernel",
-                problem: format!(
-                    "needs an sm_90 GPU, the engine kernels and {BACKWARD_RANKS_KERNEL} in the loaded PTX (this GPU is sm_{}{})",
-                    gpu.compute_capability().0,
-                    gpu.compute_capability().1
-                ),
-            });
-        }
         let locals = self.ranks.len();
         if locals != self.config.ep_ranks {
             return Err(MokError::InvalidInput {
@@ -243,9 +245,7 @@ impl EpLayer {
                 ),
             });
         }
-        checked_geometry(resident_blocks(gpu, BACKWARD_RANKS_KERNEL)?, &options, locals as u32)?;
-        let l = self.config.local_experts();
-        let tile_offsets = (0..locals).map(|_| DeviceBuffer::alloc(gpu, 2 * (l + 1))).collect::<Result<Vec<_>>>()?;
+        let tile_offsets = self.megakernel_ring_tile_offsets(gpu, BACKWARD_RANKS_KERNEL, &options)?;
         self.backward_megakernel =
             Some(EpBackwardMegakernel { options, tile_offsets, plans: Vec::new(), built_for: Vec::new(), pass: None });
         Ok(())

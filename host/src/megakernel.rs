@@ -133,35 +133,26 @@ pub(crate) trait PassParams: Copy {
     fn silent_push(&mut self) -> &mut u32;
 }
 
-impl PassParams for ForwardParams {
-    fn comm_blocks(&self) -> u32 {
-        self.comm_blocks
-    }
-    fn set_work(&mut self, work: u32) {
-        self.work = work;
-    }
-    fn set_silent_tiles(&mut self, rows_tile: u32, hidden_tile: u32) {
-        (self.silent_rows_tile, self.silent_hidden_tile) = (rows_tile, hidden_tile);
-    }
-    fn silent_push(&mut self) -> &mut u32 {
-        &mut self.silent_push
-    }
+/// Both parameter blocks name these fields alike.
+macro_rules! pass_params {
+    ($($params:ty),*) => {$(
+        impl PassParams for $params {
+            fn comm_blocks(&self) -> u32 {
+                self.comm_blocks
+            }
+            fn set_work(&mut self, work: u32) {
+                self.work = work;
+            }
+            fn set_silent_tiles(&mut self, rows_tile: u32, hidden_tile: u32) {
+                (self.silent_rows_tile, self.silent_hidden_tile) = (rows_tile, hidden_tile);
+            }
+            fn silent_push(&mut self) -> &mut u32 {
+                &mut self.silent_push
+            }
+        }
+    )*};
 }
-
-impl PassParams for BackwardParams {
-    fn comm_blocks(&self) -> u32 {
-        self.comm_blocks
-    }
-    fn set_work(&mut self, work: u32) {
-        self.work = work;
-    }
-    fn set_silent_tiles(&mut self, rows_tile: u32, hidden_tile: u32) {
-        (self.silent_rows_tile, self.silent_hidden_tile) = (rows_tile, hidden_tile);
-    }
-    fn silent_push(&mut self) -> &mut u32 {
-        &mut self.silent_push
-    }
-}
+pass_params!(ForwardParams, BackwardParams);
 
 /// Where one rank's parameter block points, from the shared pass set-up.
 struct RankSlot {
