@@ -183,26 +183,89 @@ impl ExpertCompute {
 
     /// The backward megakernel's five engine plans over `groups` of `d_rows` (`[R][H]` bf16, the
     /// gathered dy rows scaled by their slot weights), `input_rows` (`[R][H]` bf16, the forward's
-    /// rows) and this workspace (the saved pre-activations and hidden rows; d_gate, d_up and the
-    /// f32 input-row gradients written): the down dgrad with the SwiGLU backward, the gate/up
-    /// dgrad, and the down, gate and up weight gradients into `dw` = `[dw_gate, dw_up, dw_down]`
-    /// (device addresses of `[G, I, H]`, `[G, I, H]`, `[G, H, I]`), bf16 or, with
-    /// `accumulate_f32`, added into f32. In `BackwardParams` order.
+    /// rows) and this workspace: [`Self::engine_fused_down_dgrad_plan`],
+    /// [`Self::engine_gate_up_dgrad_plan`], then [`Self::engine_wgrad_plans`] — in
+    /// `BackwardParams` order.
     ///
     /// # Safety
-    /// `dw` are live allocations of those lengths (of f32 with `accumulate_f32`, else bf16) for
-    /// as long as the plans are launched.
+    /// As [`Self::engine_wgrad_plans`].
     pub(crate) unsafe fn engine_backward_plans(
         &self,
         gpu: &Gpu,
         (d_rows, input_rows): (DeviceSlice<'_, bf16>, DeviceSlice<'_, bf16>),
         groups: &crate::gemm::RowGroups<'_>,
         [w_gate, w_up, w_down]: [DeviceSlice<'_, bf16>; 3],
-        (dw, accumulate_f32): ([u64; 3], bool),
+        targets: ([u64; 3], bool),
     ) -> Result<[crate::gemm::EnginePlan; 5]> {
+        // SAFETY: caller contract.
+        let [down, gate, up] = unsafe { self.engine_wgrad_plans(gpu, (d_rows, input_rows), groups, targets) }?;
+        Ok([
+            self.engine_fused_down_dgrad_plan(gpu, d_rows, groups, w_down)?,
+            self.engine_gate_up_dgrad_plan(gpu, groups, [w_gate, w_up])?,
+            down,
+            gate,
+            up,
+        ])
+    }
+
+    /// The down projection's data gradient over `groups` of `d_rows` with the SwiGLU backward in
+    /// its epilogue: d_gate and d_up of this workspace from its saved pre-activations.
+    pub(crate) fn engine_fused_down_dgrad_plan(
+        &self,
+        gpu: &Gpu,
+        d_rows: DeviceSlice<'_, bf16>,
+        groups: &crate::gemm::RowGroups<'_>,
+        w_down: DeviceSlice<'_, bf16>,
+    ) -> Result<crate::gemm::EnginePlan> {
+        let r = &self.rows;
+        let limit = self.limit.is_finite().then_some(self.limit);
+        let (h, i) = (self.hidden, self.inter);
+        crate::gemm::EnginePlan::rows_nn_swiglu_backward(
+            gpu,
+            (d_rows, w_down),
+            groups,
+            (i, h),
+            (&r.gate, &r.up),
+            (&r.d_gate, &r.d_up),
+            limit,
+        )
+    }
+
+    /// The gate/up data gradient over `groups`: `[d_gate d_up]·[W_gate; W_up]` into this
+    /// workspace's f32 input-row gradients.
+    pub(crate) fn engine_gate_up_dgrad_plan(
+        &self,
+        gpu: &Gpu,
+        groups: &crate::gemm::RowGroups<'_>,
+        [w_gate, w_up]: [DeviceSlice<'_, bf16>; 2],
+    ) -> Result<crate::gemm::EnginePlan> {
+        let r = &self.rows;
+        crate::gemm::EnginePlan::rows_nn(
+            gpu,
+            (&r.d_gate, w_gate),
+            Some((&r.d_up, w_up)),
+            groups,
+            (self.hidden, self.inter),
+            &r.d_in,
+        )
+    }
+
+    /// The down, gate and up weight gradients over `groups` — `d_rowsᵀ·hidden`, `d_gateᵀ·input_rows`,
+    /// `d_upᵀ·input_rows` — into `dw` = `[dw_gate, dw_up, dw_down]` (device addresses of
+    /// `[G, I, H]`, `[G, I, H]`, `[G, H, I]`), bf16 or, with `accumulate_f32`, added into f32.
+    ///
+    /// # Safety
+    /// `dw` are live allocations of those lengths (of f32 with `accumulate_f32`, else bf16) for
+    /// as long as the plans are launched.
+    pub(crate) unsafe fn engine_wgrad_plans(
+        &self,
+        gpu: &Gpu,
+        (d_rows, input_rows): (DeviceSlice<'_, bf16>, DeviceSlice<'_, bf16>),
+        groups: &crate::gemm::RowGroups<'_>,
+        (dw, accumulate_f32): ([u64; 3], bool),
+    ) -> Result<[crate::gemm::EnginePlan; 3]> {
         use crate::gemm::{EnginePlan, WgradOut};
         let (h, i, r) = (self.hidden, self.inter, &self.rows);
-        let limit = self.limit.is_finite().then_some(self.limit);
         let g = groups.groups;
         let out = |address: u64| {
             // SAFETY: caller contract (each gradient holds G · I · H elements).
@@ -217,16 +280,6 @@ impl ExpertCompute {
         let wgrad =
             |a, b, (m, n), dw| EnginePlan::wgrad(gpu, a, b, groups.row_offsets, (g, groups.capacity), (m, n), out(dw));
         Ok([
-            EnginePlan::rows_nn_swiglu_backward(
-                gpu,
-                (d_rows, w_down),
-                groups,
-                (i, h),
-                (&r.gate, &r.up),
-                (&r.d_gate, &r.d_up),
-                limit,
-            )?,
-            EnginePlan::rows_nn(gpu, (&r.d_gate, w_gate), Some((&r.d_up, w_up)), groups, (h, i), &r.d_in)?,
             wgrad(d_rows, (&r.hidden).into(), (h, i), dw[2])?,
             wgrad((&r.d_gate).into(), input_rows, (i, h), dw[0])?,
             wgrad((&r.d_up).into(), input_rows, (i, h), dw[1])?,

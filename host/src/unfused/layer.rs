@@ -6,7 +6,7 @@ use half::bf16;
 use crate::config::MoeConfig;
 use crate::driver::{DeviceBuffer, DeviceSlice, DeviceSliceMut, Gpu, KernelArg, LaunchShape};
 use crate::error::{MokError, Result};
-use crate::gemm::{self as engine, EnginePlan, WgradOut};
+use crate::gemm::{self as engine, EnginePlan};
 use crate::megakernel::{
     BACKWARD_KERNEL, BackwardBuffers, BackwardMegakernel, FORWARD_KERNEL, ForwardMegakernel, MegakernelOptions,
     PassBuffers, checked_geometry, resident_blocks,
@@ -449,23 +449,8 @@ impl UnfusedLayer {
             )?;
             state.dgrad = vec![
                 EnginePlan::rows_nn(gpu, (&rows.d_rows, experts.w_down), None, &groups, (i, h), &rows.d_hidden)?,
-                EnginePlan::rows_nn(
-                    gpu,
-                    (&rows.d_gate, experts.w_gate),
-                    Some((&rows.d_up, experts.w_up)),
-                    &groups,
-                    (h, i),
-                    &rows.d_in,
-                )?,
-                EnginePlan::rows_nn_swiglu_backward(
-                    gpu,
-                    ((&rows.d_rows).into(), experts.w_down),
-                    &groups,
-                    (i, h),
-                    (&rows.gate, &rows.up),
-                    (&rows.d_gate, &rows.d_up),
-                    c.swiglu_limit,
-                )?,
+                self.routed.engine_gate_up_dgrad_plan(gpu, &groups, [experts.w_gate, experts.w_up])?,
+                self.routed.engine_fused_down_dgrad_plan(gpu, (&rows.d_rows).into(), &groups, experts.w_down)?,
             ];
             state.forward = vec![gate_up, down];
             state.built_for = key;
@@ -480,28 +465,18 @@ impl UnfusedLayer {
         let key = (target.routed, target.accumulate_f32);
         if state.wgrad.is_empty() || state.wgrad_for != key {
             let c = &self.config;
-            let (h, i, e, slots) = (c.hidden, c.intermediate, c.num_experts, c.tokens_per_rank * c.top_k);
-            let rows = &self.routed.rows;
-            let x = &self.gathered_x;
-            let [dw_gate, dw_up, dw_down] = target.routed;
-            let out = |address: u64, len: usize| {
-                // SAFETY: `target` was checked against these lengths for this call and lives for
-                // it; the plan keeps the address and is rebuilt for any other.
-                unsafe {
-                    if target.accumulate_f32 {
-                        WgradOut::AccumulateF32(DeviceSlice::from_raw_parts(address, len))
-                    } else {
-                        WgradOut::Bf16(DeviceSlice::from_raw_parts(address, len))
-                    }
-                }
+            let groups = engine::RowGroups {
+                row_offsets: (&self.routing.row_offsets).into(),
+                tile_offsets: &state.tile_offsets,
+                groups: c.num_experts,
+                capacity: c.tokens_per_rank * c.top_k,
             };
-            let wgrad =
-                |a, b, (m, n), out| EnginePlan::wgrad(gpu, a, b, &self.routing.row_offsets, (e, slots), (m, n), out);
-            state.wgrad = vec![
-                wgrad(&rows.d_rows, &rows.hidden, (h, i), out(dw_down, e * h * i))?,
-                wgrad(&rows.d_gate, x, (i, h), out(dw_gate, e * i * h))?,
-                wgrad(&rows.d_up, x, (i, h), out(dw_up, e * i * h))?,
-            ];
+            let rows = (self.routed.d_rows().into(), (&self.gathered_x).into());
+            // SAFETY: `target` was checked against the gradients' lengths for this call and lives
+            // for it; the plans keep the addresses and are rebuilt for any other target.
+            let plans =
+                unsafe { self.routed.engine_wgrad_plans(gpu, rows, &groups, (target.routed, target.accumulate_f32)) }?;
+            state.wgrad = plans.into();
             state.wgrad_for = key;
         }
         Ok(())
