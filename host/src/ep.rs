@@ -291,7 +291,7 @@ impl EpLayer {
         shared_dx: &[u64],
         targets: &[([u64; 3], bool)],
     ) -> Result<()> {
-        let Some(m) = self.backward_megakernel.as_mut() else { return Ok(()) };
+        let Some(m) = self.backward_megakernel.as_ref() else { return Ok(()) };
         let keys: Vec<([u64; 3], [u64; 3], bool)> = experts
             .iter()
             .zip(targets)
@@ -303,35 +303,15 @@ impl EpLayer {
             return Ok(());
         }
         let c = &self.config;
-        let (l, capacity) = (c.local_experts(), self.exchange.shape().capacity as usize);
-        let (h, k) = (c.hidden, c.top_k);
         let r = *self.exchange.regions();
         let locals = self.exchange.heap().local_ranks();
         let mut plans = Vec::with_capacity(self.ranks.len());
         for (local, ((state, w), &rank)) in self.ranks.iter().zip(experts).zip(locals).enumerate() {
-            // SAFETY: the regions lie in the heap, which the layer owns and keeps for as long as
-            // the plans (also the layer's) exist; the lengths are the regions' sizes.
-            let (ring_dy, ring_x) = unsafe {
-                (
-                    DeviceSlice::<bf16>::from_raw_parts(self.exchange.address(rank, r.ring_dy), capacity * h),
-                    DeviceSlice::<bf16>::from_raw_parts(self.exchange.address(rank, r.ring_x), capacity * h),
-                )
-            };
-            let groups = engine::RowGroups {
-                row_offsets: self.exchange.ring_row_offsets(rank),
-                tile_offsets: &m.tile_offsets[local],
-                groups: l,
-                capacity,
-            };
+            let groups = self.ring_groups(rank, &m.tile_offsets[local]);
+            let rows = (self.ring_rows(rank, r.ring_dy), self.ring_rows(rank, r.ring_x));
             // SAFETY: caller contract for the targets.
             plans.push(unsafe {
-                state.routed.engine_backward_plans(
-                    gpu,
-                    (ring_dy, ring_x),
-                    &groups,
-                    [w.w_gate, w.w_up, w.w_down],
-                    targets[local],
-                )
+                state.routed.engine_backward_plans(gpu, rows, &groups, [w.w_gate, w.w_up, w.w_down], targets[local])
             }?);
         }
         let buffers: Vec<BackwardBuffers> = self
@@ -340,37 +320,25 @@ impl EpLayer {
             .zip(locals)
             .zip(shared_dx)
             .map(|((state, &rank), &shared_rows)| {
-                let at = |region| self.exchange.address(rank, region);
                 Ok(BackwardBuffers {
-                    row_source: at(r.ring_source_slot),
-                    slot_row: at(r.slot_self),
+                    row_source: self.exchange.address(rank, r.ring_source_slot),
+                    slot_row: self.exchange.address(rank, r.slot_self),
                     down_rows: state.routed.out_rows().device_ptr(),
-                    d_rows: at(r.ring_dy),
+                    d_rows: self.exchange.address(rank, r.ring_dy),
                     d_in_rows: state.routed.d_in_rows().device_ptr(),
                     dx: state.dx.device_ptr(),
                     d_topk_weights: state.d_topk_weights.device_ptr(),
-                    top_k: k as u32,
-                    hidden: h as u32,
-                    rank: Some(RankPass {
-                        exchange: self.exchange.params_address(rank)?,
-                        rank: rank as u32,
-                        error: at(r.error),
-                        inputs: PassInputs {
-                            x: at(r.dy),
-                            topk_weights: at(r.topk_weights),
-                            shared_rows,
-                            tokens: c.tokens_per_rank as u32,
-                            reserved: 0,
-                        },
-                    }),
+                    top_k: c.top_k as u32,
+                    hidden: c.hidden as u32,
+                    rank: Some(self.rank_pass(rank, r.dy, shared_rows)?),
                 })
             })
             .collect::<Result<_>>()?;
         let sets: Vec<[&EnginePlan; 5]> = plans.iter().map(|p| p.each_ref()).collect();
         let pass = BackwardMegakernel::new(gpu, &sets, &buffers, &m.options)?;
-        m.plans = plans;
-        m.built_for = keys;
-        m.pass = Some(pass);
+        if let Some(m) = self.backward_megakernel.as_mut() {
+            (m.plans, m.built_for, m.pass) = (plans, keys, Some(pass));
+        }
         Ok(())
     }
 
@@ -405,29 +373,19 @@ impl EpLayer {
     /// Builds every rank's engine plans for `experts` and the megakernel pass over them (when
     /// the megakernel is on): on first use, and again for other weights.
     fn prepare_megakernel(&mut self, gpu: &Gpu, experts: &[ExpertsView<'_>]) -> Result<()> {
-        let Some(m) = self.megakernel.as_mut() else { return Ok(()) };
+        let Some(m) = self.megakernel.as_ref() else { return Ok(()) };
         let keys: Vec<[u64; 3]> =
             experts.iter().map(|w| [w.w_gate.device_ptr(), w.w_up.device_ptr(), w.w_down.device_ptr()]).collect();
         if m.pass.is_some() && m.weights_built_for == keys {
             return Ok(());
         }
         let c = &self.config;
-        let (l, capacity) = (c.local_experts(), self.exchange.shape().capacity as usize);
-        let (h, k) = (c.hidden, c.top_k);
         let r = *self.exchange.regions();
-        let mut plans = Vec::with_capacity(self.ranks.len());
         let locals = self.exchange.heap().local_ranks();
+        let mut plans = Vec::with_capacity(self.ranks.len());
         for (local, ((state, w), &rank)) in self.ranks.iter().zip(experts).zip(locals).enumerate() {
-            // SAFETY: the region lies in the heap, which the layer owns and keeps for as long as
-            // the plans (also the layer's) exist; the length is the region's size.
-            let ring_x =
-                unsafe { DeviceSlice::<bf16>::from_raw_parts(self.exchange.address(rank, r.ring_x), capacity * h) };
-            let groups = engine::RowGroups {
-                row_offsets: self.exchange.ring_row_offsets(rank),
-                tile_offsets: &m.tile_offsets[local],
-                groups: l,
-                capacity,
-            };
+            let groups = self.ring_groups(rank, &m.tile_offsets[local]);
+            let ring_x = self.ring_rows(rank, r.ring_x);
             plans.push(state.routed.engine_forward_plans(gpu, ring_x, &groups, [w.w_gate, w.w_up, w.w_down])?);
         }
         let buffers: Vec<PassBuffers> = self
@@ -435,39 +393,64 @@ impl EpLayer {
             .iter()
             .zip(locals)
             .map(|(state, &rank)| {
-                let at = |region| self.exchange.address(rank, region);
+                let shared_rows = state.shared.as_ref().map_or(0, |(compute, _)| compute.out_rows().device_ptr());
                 Ok(PassBuffers {
-                    row_source: at(r.ring_source_slot),
-                    slot_row: at(r.slot_self),
-                    rows: at(r.ring_x),
+                    row_source: self.exchange.address(rank, r.ring_source_slot),
+                    slot_row: self.exchange.address(rank, r.slot_self),
+                    rows: self.exchange.address(rank, r.ring_x),
                     down_rows: state.routed.out_rows().device_ptr(),
                     y: state.y.device_ptr(),
-                    top_k: k as u32,
-                    hidden: h as u32,
-                    rank: Some(RankPass {
-                        exchange: self.exchange.params_address(rank)?,
-                        rank: rank as u32,
-                        error: at(r.error),
-                        inputs: PassInputs {
-                            x: at(r.x),
-                            topk_weights: at(r.topk_weights),
-                            shared_rows: state
-                                .shared
-                                .as_ref()
-                                .map_or(0, |(compute, _)| compute.out_rows().device_ptr()),
-                            tokens: c.tokens_per_rank as u32,
-                            reserved: 0,
-                        },
-                    }),
+                    top_k: c.top_k as u32,
+                    hidden: c.hidden as u32,
+                    rank: Some(self.rank_pass(rank, r.x, shared_rows)?),
                 })
             })
             .collect::<Result<_>>()?;
         let pairs: Vec<[&EnginePlan; 2]> = plans.iter().map(|(g, d)| [g, d]).collect();
         let pass = ForwardMegakernel::new(gpu, &pairs, &buffers, &m.options)?;
-        m.plans = plans;
-        m.weights_built_for = keys;
-        m.pass = Some(pass);
+        if let Some(m) = self.megakernel.as_mut() {
+            (m.plans, m.weights_built_for, m.pass) = (plans, keys, Some(pass));
+        }
         Ok(())
+    }
+
+    /// `region` of `rank`'s heap slice as its ring's `[capacity][H]` bf16 rows (`ring_x`,
+    /// `ring_dy`), a view that lives as long as the layer (and so its heap).
+    fn ring_rows(&self, rank: usize, region: u64) -> DeviceSlice<'_, bf16> {
+        let rows = self.exchange.shape().capacity as usize * self.config.hidden;
+        // SAFETY: the ring regions lie in `rank`'s slice of the heap with capacity × H elements,
+        // and the heap lives as long as the layer, which the view borrows.
+        unsafe { DeviceSlice::from_raw_parts(self.exchange.address(rank, region), rows) }
+    }
+
+    /// `rank`'s ring as the engine's row groups (its local experts over its ring row offsets),
+    /// with its engine tile offsets in `tile_offsets`.
+    fn ring_groups<'a>(&'a self, rank: usize, tile_offsets: &'a DeviceBuffer<u32>) -> engine::RowGroups<'a> {
+        engine::RowGroups {
+            row_offsets: self.exchange.ring_row_offsets(rank),
+            tile_offsets,
+            groups: self.config.local_experts(),
+            capacity: self.exchange.shape().capacity as usize,
+        }
+    }
+
+    /// `rank`'s place in the heap for a megakernel pass: its exchange parameter block and error
+    /// record, and its inputs — the token rows in heap region `rows` (x forward, dy backward), its
+    /// slot weights, and `shared_rows` (its shared expert's output or dx rows; 0 for none).
+    fn rank_pass(&self, rank: usize, rows: u64, shared_rows: u64) -> Result<RankPass> {
+        let r = self.exchange.regions();
+        Ok(RankPass {
+            exchange: self.exchange.params_address(rank)?,
+            rank: rank as u32,
+            error: self.exchange.address(rank, r.error),
+            inputs: PassInputs {
+                x: self.exchange.address(rank, rows),
+                topk_weights: self.exchange.address(rank, r.topk_weights),
+                shared_rows,
+                tokens: self.config.tokens_per_rank as u32,
+                reserved: 0,
+            },
+        })
     }
 
     /// The configuration (P = `ep_ranks`, T per rank).
