@@ -579,6 +579,25 @@ fn ep_geometries(resident: u32, p: u32) -> Vec<(u32, Option<u32>)> {
     all
 }
 
+/// The expert-parallel megakernel tests' shapes, per rank (global T = that × P): ragged with
+/// dropped slots, an empty expert, the shared expert and a limit; T = 1 with k = 1; k = 10 with
+/// two empty experts; every token on three experts; k = 8 with the shared expert.
+fn ep_megakernel_cases() -> [(MoeConfig, Routing<'static>); 5] {
+    const HOT: &[usize] = &[0, 1, 3, 4, 5, 6, 7, 8, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 21, 22, 23];
+    let config = |t, h, i, e, k, shared, limit| MoeConfig {
+        shared_intermediate: shared,
+        swiglu_limit: limit,
+        ..MoeConfig::new(t, h, i, e, k)
+    };
+    [
+        (config(37, 136, 96, 24, 4, Some(64), Some(2.0)), Routing { drop_probability: 0.1, empty_experts: &[7] }),
+        (config(1, 64, 64, 24, 1, None, None), common::PLAIN_ROUTING),
+        (config(29, 72, 40, 24, 10, None, Some(1.5)), Routing { drop_probability: 0.05, empty_experts: &[0, 13] }),
+        (config(64, 256, 192, 24, 3, Some(128), None), Routing { drop_probability: 0.0, empty_experts: HOT }),
+        (config(128, 512, 256, 24, 8, Some(256), Some(1.0)), Routing { drop_probability: 0.02, empty_experts: &[5] }),
+    ]
+}
+
 #[test]
 fn ep_forward_megakernel_is_bitwise_the_single_rank_path() {
     // One launch hosting every virtual rank (pull dispatch from the token owners, the engine's
@@ -588,20 +607,7 @@ fn ep_forward_megakernel_is_bitwise_the_single_rank_path() {
     // hot experts, T = 1 and T not a multiple of anything, dropped slots, k = 1 and k = 10, the
     // shared expert on and off and the SwiGLU limit.
     let gpu = gpu();
-    let hot: &[usize] = &[0, 1, 3, 4, 5, 6, 7, 8, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 21, 22, 23];
-    let config = |t, h, i, e, k, shared, limit| MoeConfig {
-        shared_intermediate: shared,
-        swiglu_limit: limit,
-        ..MoeConfig::new(t, h, i, e, k)
-    };
-    // (tokens per rank, ...): global T = that × P.
-    let cases = [
-        (config(37, 136, 96, 24, 4, Some(64), Some(2.0)), Routing { drop_probability: 0.1, empty_experts: &[7] }),
-        (config(1, 64, 64, 24, 1, None, None), common::PLAIN_ROUTING),
-        (config(29, 72, 40, 24, 10, None, Some(1.5)), Routing { drop_probability: 0.05, empty_experts: &[0, 13] }),
-        (config(64, 256, 192, 24, 3, Some(128), None), Routing { drop_probability: 0.0, empty_experts: hot }),
-        (config(128, 512, 256, 24, 8, Some(256), Some(1.0)), Routing { drop_probability: 0.02, empty_experts: &[5] }),
-    ];
+    let cases = ep_megakernel_cases();
     let rank_counts = common::sized("megakernel rank counts", vec![1, 2, 3, 4, 6, 8], vec![1, 3]);
     let shapes = common::sized("megakernel shapes", cases.len(), 2);
     let mut runs = 0;
@@ -775,18 +781,8 @@ fn ep_backward_megakernel_is_bitwise_the_single_rank_path() {
     // path's dx, d_topk_weights and routed weight gradients for every P, comm split and grid,
     // after the forward megakernel and after the separate forward.
     let gpu = gpu();
-    let hot: &[usize] = &[0, 1, 3, 4, 5, 6, 7, 8, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 21, 22, 23];
-    let config = |t, h, i, e, k, shared, limit| MoeConfig {
-        shared_intermediate: shared,
-        swiglu_limit: limit,
-        ..MoeConfig::new(t, h, i, e, k)
-    };
-    let cases = [
-        (config(37, 136, 96, 24, 4, Some(64), Some(2.0)), Routing { drop_probability: 0.1, empty_experts: &[7] }),
-        (config(1, 64, 64, 24, 1, None, None), common::PLAIN_ROUTING),
-        (config(29, 72, 40, 24, 10, None, Some(1.5)), Routing { drop_probability: 0.05, empty_experts: &[0, 13] }),
-        (config(64, 256, 192, 24, 3, Some(128), None), Routing { drop_probability: 0.0, empty_experts: hot }),
-    ];
+    // The first four of the forward test's shapes.
+    let cases: Vec<_> = ep_megakernel_cases().into_iter().take(4).collect();
     let rank_counts = common::sized("backward megakernel rank counts", vec![1, 2, 3, 4, 6, 8], vec![1, 3]);
     let shapes = common::sized("backward megakernel shapes", cases.len(), 2);
     let mut runs = 0;
