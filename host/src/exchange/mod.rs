@@ -284,9 +284,10 @@ impl Exchange {
         unsafe { gpu.fill_device_bytes(self.address(rank, region), 0, (words * 4) as usize) }
     }
 
-    /// Clears every local rank's `slot_ready` flags (the forward megakernel's push signals), in
-    /// stream order before the next [`Self::schedule`]'s publish: no peer can push into a pass
-    /// before its owner has published it, so no push can race the clearing.
+    /// Clears every local rank's `slot_ready` flags (the megakernels' push signals), in stream
+    /// order: before the next [`Self::schedule`]'s publish in the forward — no peer can push into
+    /// a pass before its owner has published it, so no push can race the clearing — and before
+    /// the backward megakernel's launch (virtual ranks: every pusher is in that later launch).
     pub(crate) fn clear_slot_ready(&self, gpus: &[&Gpu]) -> Result<()> {
         let slots = (self.shape.tokens * self.shape.top_k) as u64;
         for (i, rank) in self.local() {
