@@ -9,8 +9,8 @@
 //!   GPU has it), in half the blocks with the forward and the backward as the megakernels (0–8
 //!   comm blocks); for
 //!   P > 1 the expert-parallel layer over P virtual ranks (`EpLayer`), with vector or bulk
-//!   movers, in the same share of blocks with the forward as the megakernel hosting every rank
-//!   in one launch (0–8 comm blocks per rank). y, dx, d_topk_weights and every routed weight gradient must equal the oracle's
+//!   movers, in the same share of blocks with the forward and the backward as the megakernels
+//!   hosting every rank in one launch (0–8 comm blocks per rank). y, dx, d_topk_weights and every routed weight gradient must equal the oracle's
 //!   bits (for P = 1 the shared expert's weight gradients too; for P > 1 those are per-rank partial
 //!   sums that the data-parallel all-reduce finishes, so they are not comparable bit for bit).
 //! - Shapes: T per rank 1..=48, H and I multiples of 8 up to 256 / 192, E = P · (1..=4) local
@@ -332,8 +332,11 @@ fn new_subject(gpu: &Gpu, block: &Block, deadline: Duration) -> Subject {
         if let (true, Some(comm_blocks)) = (block.engine, block.megakernel) {
             // The forward as one launch for every rank (sm_90a only; elsewhere the separate path).
             let options = MegakernelOptions { comm_blocks: Some(comm_blocks), blocks: None, timeout: deadline };
-            if let Err(e) = layer.set_forward_megakernel(gpu, Some(options)) {
+            if let Err(e) = layer.set_forward_megakernel(gpu, Some(options.clone())) {
                 assert_ne!(gpu.compute_capability().0, 9, "an sm_90 GPU must run the megakernel: {e}");
+            }
+            if let Err(e) = layer.set_backward_megakernel(gpu, Some(options)) {
+                assert_ne!(gpu.compute_capability().0, 9, "an sm_90 GPU must run the backward megakernel: {e}");
             }
         }
         Subject::Ep(Box::new(layer))
@@ -460,6 +463,7 @@ fn soak_thousand_passes_bitwise_against_the_oracle_with_faults() {
                 Subject::Ep(layer) => {
                     tally.ep_passes += 1;
                     tally.megakernel_passes += layer.uses_forward_megakernel() as usize;
+                    tally.backward_megakernel_passes += layer.uses_backward_megakernel() as usize;
                     let experts = rank_experts.as_ref().expect("rank weights");
                     (run_ep(&gpu, layer, &case, experts, oracle_shared.as_ref()), false)
                 }
