@@ -20,7 +20,7 @@
 //! row back to its token owner's slot buffer and combining its own tokens. It writes what the
 //! separate path writes (the ring rows, the pre-activations, the hidden and down rows, the slot
 //! buffer, y), so either backward reads what it needs. The backward can run as the backward
-//! megakernel ([`EpLayer::set_backward_megakernel`], virtual ranks; built, not yet run on a GPU):
+//! megakernel ([`EpLayer::set_backward_megakernel`], virtual ranks):
 //! one launch pulls dy from the token owners, runs each ring's data- and weight-gradient tiles,
 //! pushes the dx rows back and combines them on their owners.
 
@@ -229,7 +229,7 @@ impl EpLayer {
     /// default). It follows either forward. Virtual ranks only (every rank on this GPU): with one
     /// process per GPU it is refused, since its pull would need the peers' dy published first
     /// (not built). Errors when this GPU, the loaded PTX or the geometry cannot run it; the layer
-    /// is then unchanged. **Not yet run on a GPU.**
+    /// is then unchanged.
     pub fn set_backward_megakernel(&mut self, gpu: &Gpu, options: Option<MegakernelOptions>) -> Result<()> {
         let Some(options) = options else {
             self.backward_megakernel = None;

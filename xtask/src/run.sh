@@ -119,7 +119,7 @@ tool_options() {
     local third_party=0
     case "$2" in burn_*) third_party=1 ;; esac
     if [ "$third_party" = 1 ]; then
-        printf '%s ' --kernel-regex kns=mok
+        printf '%s ' --kernel-name kns=mok
         case "$1" in
             initcheck)
                 if compute-sanitizer --help 2>&1 | grep -q -- '--check-api-memory-access'; then
