@@ -11,8 +11,9 @@
 //! (the forward and the backward megakernels). Each table row names
 //! its backend. `--ranks P` (P > 1) runs the expert-parallel layer over P virtual ranks on this GPU
 //! instead (the tokens of a case split over the ranks), on `mma` (`epP:mma`: the exchange's
-//! separate launches, `mma.sync` expert compute) or `megakernel[:N]` (`epP:megakernel`: one
-//! launch hosting every rank, N comm blocks per rank). Launched by torchrun or srun with more
+//! separate launches, `mma.sync` expert compute), `megakernel[:N]` (`epP:megakernel`: the
+//! forward as one launch hosting every rank, N comm blocks per rank) or `megakernels[:N]`
+//! (`epP:megakernels`: the backward as one such launch too). Launched by torchrun or srun with more
 //! than one process (and built with the `nccl` feature, as the GPU bundle is), it runs the layer
 //! across the processes instead, one rank per GPU (`procsP:mma`, `procsP:megakernel`; rank 0
 //! prints the results; built, not yet run: no multi-GPU machine has been lent). Every
@@ -49,7 +50,8 @@ enum Backend {
     Engine,
     /// The forward megakernel with this many comm blocks (`None`: its default).
     Megakernel(Option<u32>),
-    /// The forward and the backward megakernels (one GPU), with this many comm blocks each.
+    /// The forward and the backward megakernels (one GPU, or every virtual rank in one launch),
+    /// with this many comm blocks each (per rank over ranks).
     Megakernels(Option<u32>),
 }
 
@@ -254,8 +256,13 @@ fn bench_case_ep(
         Backend::Megakernel(comm_blocks) => {
             layer.set_forward_megakernel(gpu, Some(MegakernelOptions { comm_blocks, ..Default::default() }))?
         }
-        Backend::Engine | Backend::Megakernels(_) => {
-            bail!("--ranks {ranks} runs mma (separate launches) or megakernel[:N], not {}", backend.name())
+        Backend::Megakernels(comm_blocks) => {
+            let options = MegakernelOptions { comm_blocks, ..Default::default() };
+            layer.set_forward_megakernel(gpu, Some(options.clone()))?;
+            layer.set_backward_megakernel(gpu, Some(options))?;
+        }
+        Backend::Engine => {
+            bail!("--ranks {ranks} runs mma (separate launches), megakernel[:N] or megakernels[:N], not engine")
         }
     }
     let experts: Vec<DeviceExperts> = (0..ranks)
