@@ -686,8 +686,6 @@ impl EpLayer {
         shared: Option<SharedExpertView<'_>>,
         target: Option<&EpGradTargets>,
     ) -> Result<()> {
-        let r = *self.exchange.regions();
-        let t = self.config.tokens_per_rank;
         let accumulate_f32 = target.is_some_and(|t| t.accumulate_f32);
         // The shared expert's dx rows are fixed buffers: the pass is built (and can fail)
         // before anything is enqueued, so a failed call adds no gradient anywhere.
@@ -712,23 +710,8 @@ impl EpLayer {
         // layouts by the caller of `backward_views` and alive until the stream has run the pass;
         // a plan over another target is rebuilt before it is launched again.
         unsafe { self.prepare_backward_megakernel(gpu, experts, &shared_dx, &targets) }?;
-        for (local, (state, &rank)) in self.ranks.iter().zip(self.local_ranks()).enumerate() {
-            if let (Some(weights), Some((compute, offsets)), Some(dws)) = (shared, &state.shared, &state.dws) {
-                let own = [dws[0].device_ptr(), dws[1].device_ptr(), dws[2].device_ptr()];
-                let at = |region| self.exchange.address(rank, region);
-                compute.backward(
-                    gpu,
-                    &RowGroups::all_tokens(offsets, t),
-                    ExpertBackward {
-                        input_rows: at(r.x),
-                        // The shared expert's output is added unscaled: its output gradient is dy.
-                        d_out_rows: at(r.dy),
-                        weights: [weights.ws_gate, weights.ws_up, weights.ws_down],
-                        accumulate_f32,
-                        weight_grads: target.map_or(own, |t| t.shared[local]),
-                    },
-                )?;
-            }
+        for local in 0..self.ranks.len() {
+            self.shared_backward(gpu, local, shared, target)?;
         }
         let gpus = [gpu];
         let l = self.config.local_experts();
@@ -754,6 +737,38 @@ impl EpLayer {
         let (Some(weights), Some(workspace)) = (shared, &self.ranks[local].shared) else { return Ok(0) };
         let x = self.exchange.address(rank, self.exchange.regions().x);
         shared_expert_forward(gpu, workspace, self.config.tokens_per_rank, x, weights)
+    }
+
+    /// The `local`-th local rank's shared expert backward over its own tokens (when the layer has
+    /// one): its output gradient is dy (the shared term is added unscaled), its weight gradients
+    /// go to the rank's own buffers or the caller's target. Returns the address of its `[T][H]`
+    /// f32 dx rows, the first term of the rank's dx sums (0 without one).
+    fn shared_backward(
+        &self,
+        gpu: &Gpu,
+        local: usize,
+        shared: Option<SharedExpertView<'_>>,
+        target: Option<&EpGradTargets>,
+    ) -> Result<u64> {
+        let state = &self.ranks[local];
+        let (Some(weights), Some((compute, offsets)), Some(dws)) = (shared, &state.shared, &state.dws) else {
+            return Ok(0);
+        };
+        let rank = self.local_ranks()[local];
+        let r = self.exchange.regions();
+        let own = [dws[0].device_ptr(), dws[1].device_ptr(), dws[2].device_ptr()];
+        compute.backward(
+            gpu,
+            &RowGroups::all_tokens(offsets, self.config.tokens_per_rank),
+            ExpertBackward {
+                input_rows: self.exchange.address(rank, r.x),
+                d_out_rows: self.exchange.address(rank, r.dy),
+                weights: [weights.ws_gate, weights.ws_up, weights.ws_down],
+                accumulate_f32: target.is_some_and(|t| t.accumulate_f32),
+                weight_grads: target.map_or(own, |t| t.shared[local]),
+            },
+        )?;
+        Ok(compute.d_in_rows().device_ptr())
     }
 
     /// The forward as the megakernel: every rank's `slot_ready` cleared, the schedule, each rank's shared
@@ -866,24 +881,7 @@ impl EpLayer {
                     weight_grads: target.map_or(own, |t| t.routed[local]),
                 },
             )?;
-            let mut base = 0;
-            if let (Some(weights), Some((compute, offsets)), Some(dws)) = (shared, &state.shared, &state.dws) {
-                let own = [dws[0].device_ptr(), dws[1].device_ptr(), dws[2].device_ptr()];
-                compute.backward(
-                    gpu,
-                    &RowGroups::all_tokens(offsets, t),
-                    ExpertBackward {
-                        input_rows: at(r.x),
-                        // The shared expert's output is added unscaled: its output gradient is dy.
-                        d_out_rows: at(r.dy),
-                        weights: [weights.ws_gate, weights.ws_up, weights.ws_down],
-                        accumulate_f32,
-                        weight_grads: target.map_or(own, |t| t.shared[local]),
-                    },
-                )?;
-                base = compute.d_in_rows().device_ptr();
-            }
-            bases.push(base);
+            bases.push(self.shared_backward(gpu, local, shared, target)?);
         }
         let rows: Vec<u64> = self.ranks.iter().map(|s| s.routed.d_in_rows().device_ptr()).collect();
         let outs: Vec<u64> = self.ranks.iter().map(|s| s.dx.device_ptr()).collect();
