@@ -598,6 +598,11 @@ fn ep_megakernel_cases() -> [(MoeConfig, Routing<'static>); 5] {
     ]
 }
 
+/// How the megakernel tests name a case: P and the per-rank shape.
+fn rank_case_name(c: &MoeConfig, p: usize) -> String {
+    format!("P={p} T={}·{p} H={} I={} E={} k={}", c.tokens_per_rank, c.hidden, c.intermediate, c.num_experts, c.top_k)
+}
+
 #[test]
 fn ep_forward_megakernel_is_bitwise_the_single_rank_path() {
     // One launch hosting every virtual rank (pull dispatch from the token owners, the engine's
@@ -617,10 +622,7 @@ fn ep_forward_megakernel_is_bitwise_the_single_rank_path() {
             let case = random_case(&global, 700 + 10 * seed as u64 + p as u64, routing);
             let want = unfused_bits(&gpu, &case);
             let c = rank_config(&global, p);
-            let what = format!(
-                "P={p} T={}·{p} H={} I={} E={} k={}",
-                c.tokens_per_rank, c.hidden, c.intermediate, c.num_experts, c.top_k
-            );
+            let what = rank_case_name(&c, p);
             let Some(mut layer) = megakernel_ep_layer(&gpu, &c, ExchangeOptions::default()) else { return };
             upload_rank_inputs(&gpu, &layer, &case);
             let weights = rank_weights(&gpu, &c, &case);
@@ -792,10 +794,7 @@ fn ep_backward_megakernel_is_bitwise_the_single_rank_path() {
             let case = random_case(&global, 1700 + 10 * seed as u64 + p as u64, routing);
             let want = unfused_bits(&gpu, &case);
             let c = rank_config(&global, p);
-            let what = format!(
-                "P={p} T={}·{p} H={} I={} E={} k={}",
-                c.tokens_per_rank, c.hidden, c.intermediate, c.num_experts, c.top_k
-            );
+            let what = rank_case_name(&c, p);
             let Some(mut layer) = megakernels_ep_layer(&gpu, &c, ExchangeOptions::default()) else { return };
             upload_rank_inputs(&gpu, &layer, &case);
             let weights = rank_weights(&gpu, &c, &case);

@@ -549,6 +549,17 @@ fn forward_megakernel_is_bitwise_the_engine_path() {
     }
 }
 
+/// Geometries both megakernels must refuse on a GPU where `resident` blocks fit at once:
+/// (comm blocks, blocks, why).
+fn bad_megakernel_geometries(resident: u32) -> [(Option<u32>, Option<u32>, &'static str); 4] {
+    [
+        (Some(resident - 1), None, "no compute pair"),
+        (Some(1), Some(resident + 2), "more blocks than fit at once"),
+        (Some(1), Some(7), "an odd grid"),
+        (Some(2), Some(2), "no compute pair"),
+    ]
+}
+
 #[test]
 fn forward_megakernel_repeats_bitwise_and_rejects_bad_geometry() {
     let gpu = gpu();
@@ -563,12 +574,7 @@ fn forward_megakernel_repeats_bitwise_and_rejects_bad_geometry() {
     }
     println!("  {repeats} runs on one layer: bitwise identical");
     let (resident, _) = layer.forward_megakernel_geometry().unwrap();
-    for (comm, blocks, why) in [
-        (Some(resident - 1), None, "no compute pair"),
-        (Some(1), Some(resident + 2), "more blocks than fit at once"),
-        (Some(1), Some(7), "an odd grid"),
-        (Some(2), Some(2), "no compute pair"),
-    ] {
+    for (comm, blocks, why) in bad_megakernel_geometries(resident) {
         let mut bad = UnfusedLayer::new(&gpu, c.clone()).unwrap();
         bad.set_forward_megakernel(&gpu, Some(megakernel_options(comm, blocks))).unwrap();
         bad.poison().unwrap();
@@ -829,12 +835,7 @@ fn backward_megakernel_repeats_bitwise_and_rejects_bad_geometry() {
     }
     println!("  {repeats} runs on one layer: bitwise identical");
     let (resident, _) = layer.backward_megakernel_geometry().unwrap();
-    for (comm, blocks, why) in [
-        (Some(resident - 1), None, "no compute pair"),
-        (Some(1), Some(resident + 2), "more blocks than fit at once"),
-        (Some(1), Some(7), "an odd grid"),
-        (Some(2), Some(2), "no compute pair"),
-    ] {
+    for (comm, blocks, why) in bad_megakernel_geometries(resident) {
         match layer.set_backward_megakernel(&gpu, Some(megakernel_options(comm, blocks))) {
             Err(MokError::InvalidInput { problem, .. }) => println!("  {why}: {problem}"),
             other => panic!("{why}: expected InvalidInput, got {other:?}"),
