@@ -34,7 +34,7 @@ use crate::exchange::{Exchange, ExchangeOptions, Silence};
 use crate::gemm::{self as engine, EnginePlan};
 use crate::megakernel::{
     BACKWARD_RANKS_KERNEL, BackwardBuffers, BackwardMegakernel, FORWARD_RANKS_KERNEL, ForwardMegakernel,
-    MegakernelOptions, PassBuffers, RankPass, checked_geometry, resident_blocks,
+    MegakernelOptions, PassBuffers, RankPass, SharedPassBuffers, checked_geometry, resident_blocks,
 };
 #[cfg(feature = "testing")]
 use crate::megakernel::{MegakernelFaults, MegakernelWork};
@@ -42,7 +42,8 @@ use crate::problem::RoutedTokens;
 use crate::symmetric::SymmetricHeap;
 use crate::unfused::{
     DeviceExperts, DeviceSharedExpert, ExpertBackward, ExpertCompute, ExpertsView, ROW_KERNEL_THREADS, RowGroups,
-    SharedExpertView, TokensView, grid_stride_blocks, shared_expert_forward, shared_expert_workspace,
+    SharedEnginePlans, SharedExpertView, TokensView, grid_stride_blocks, shared_expert_forward,
+    shared_expert_workspace,
 };
 use mok_kernels::megakernel_layout::PassInputs;
 
@@ -83,6 +84,25 @@ pub(crate) struct EpGradTargets {
     pub accumulate_f32: bool,
 }
 
+/// Each rank's forward megakernel plans: its gate/up and down plans, then its shared expert's
+/// (when `shared` has one per rank).
+fn forward_plan_sets<'a>(
+    routed: &'a [(EnginePlan, EnginePlan)],
+    shared: &'a [SharedEnginePlans],
+) -> Vec<Vec<&'a EnginePlan>> {
+    routed
+        .iter()
+        .enumerate()
+        .map(|(r, (g, d))| {
+            let mut set = vec![g, d];
+            if let Some(s) = shared.get(r) {
+                set.extend(s.plans());
+            }
+            set
+        })
+        .collect()
+}
+
 /// The forward megakernel of every rank: each rank's engine plans over its ring, the engine's
 /// tile offsets of its ring, and the pass (built at the first forward, again for other weights).
 struct EpMegakernel {
@@ -92,6 +112,8 @@ struct EpMegakernel {
     /// Per rank: the gate/up and down plans, and the weights they were built for.
     plans: Vec<(EnginePlan, EnginePlan)>,
     weights_built_for: Vec<[u64; 3]>,
+    /// Per rank (none without a shared expert): its shared expert's plans inside the launch.
+    shared: Vec<SharedEnginePlans>,
     pass: Option<ForwardMegakernel>,
 }
 
@@ -186,8 +208,14 @@ impl EpLayer {
             return Ok(());
         };
         let tile_offsets = self.megakernel_ring_tile_offsets(gpu, FORWARD_RANKS_KERNEL, &options)?;
-        self.megakernel =
-            Some(EpMegakernel { options, tile_offsets, plans: Vec::new(), weights_built_for: Vec::new(), pass: None });
+        self.megakernel = Some(EpMegakernel {
+            options,
+            tile_offsets,
+            plans: Vec::new(),
+            weights_built_for: Vec::new(),
+            shared: Vec::new(),
+            pass: None,
+        });
         Ok(())
     }
 
@@ -370,29 +398,44 @@ impl EpLayer {
         })
     }
 
-    /// Builds every rank's engine plans for `experts` and the megakernel pass over them (when
-    /// the megakernel is on): on first use, and again for other weights.
-    fn prepare_megakernel(&mut self, gpu: &Gpu, experts: &[ExpertsView<'_>]) -> Result<()> {
+    /// Builds every rank's engine plans for `experts` (and its shared expert's for `shared`) and
+    /// the megakernel pass over them (when the megakernel is on): on first use, and again for
+    /// other weights.
+    fn prepare_megakernel(
+        &mut self,
+        gpu: &Gpu,
+        experts: &[ExpertsView<'_>],
+        shared: Option<SharedExpertView<'_>>,
+    ) -> Result<()> {
         let Some(m) = self.megakernel.as_ref() else { return Ok(()) };
         let keys: Vec<[u64; 3]> =
             experts.iter().map(|w| [w.w_gate.device_ptr(), w.w_up.device_ptr(), w.w_down.device_ptr()]).collect();
-        if m.pass.is_some() && m.weights_built_for == keys {
+        let shared_current = match shared {
+            Some(weights) => m.shared.len() == self.ranks.len() && m.shared.iter().all(|s| s.built_for(weights)),
+            None => m.shared.is_empty(),
+        };
+        if m.pass.is_some() && m.weights_built_for == keys && shared_current {
             return Ok(());
         }
         let c = &self.config;
         let r = *self.exchange.regions();
         let locals = self.exchange.heap().local_ranks();
         let mut plans = Vec::with_capacity(self.ranks.len());
+        let mut shared_plans = Vec::new();
         for (local, ((state, w), &rank)) in self.ranks.iter().zip(experts).zip(locals).enumerate() {
             let groups = self.ring_groups(rank, &m.tile_offsets[local]);
             let ring_x = self.ring_rows(rank, r.ring_x);
             plans.push(state.routed.engine_forward_plans(gpu, ring_x, &groups, [w.w_gate, w.w_up, w.w_down])?);
+            if let (Some(weights), Some(workspace)) = (shared, &state.shared) {
+                shared_plans.push(SharedEnginePlans::new(gpu, workspace, weights)?);
+            }
         }
         let buffers: Vec<PassBuffers> = self
             .ranks
             .iter()
             .zip(locals)
-            .map(|(state, &rank)| {
+            .enumerate()
+            .map(|(local, (state, &rank))| {
                 let shared_rows = state.shared.as_ref().map_or(0, |(compute, _)| compute.out_rows().device_ptr());
                 Ok(PassBuffers {
                     row_source: self.exchange.address(rank, r.ring_source_slot),
@@ -403,13 +446,15 @@ impl EpLayer {
                     top_k: c.top_k as u32,
                     hidden: c.hidden as u32,
                     rank: Some(self.rank_pass(rank, r.x, shared_rows)?),
+                    shared: shared_plans.get(local).map(|s| SharedPassBuffers { x_rows: s.x_rows() }),
                 })
             })
             .collect::<Result<_>>()?;
-        let pairs: Vec<[&EnginePlan; 2]> = plans.iter().map(|(g, d)| [g, d]).collect();
-        let pass = ForwardMegakernel::new(gpu, &pairs, &buffers, &m.options)?;
+        let sets = forward_plan_sets(&plans, &shared_plans);
+        let sets: Vec<&[&EnginePlan]> = sets.iter().map(Vec::as_slice).collect();
+        let pass = ForwardMegakernel::new(gpu, &sets, &buffers, &m.options)?;
         if let Some(m) = self.megakernel.as_mut() {
-            (m.plans, m.weights_built_for, m.pass) = (plans, keys, Some(pass));
+            (m.plans, m.weights_built_for, m.shared, m.pass) = (plans, keys, shared_plans, Some(pass));
         }
         Ok(())
     }
@@ -722,6 +767,7 @@ impl EpLayer {
         }
         self.exchange.clear_slot_ready(&gpus)?;
         let sets: Vec<[&EnginePlan; 5]> = m.plans.iter().map(|p| p.each_ref()).collect();
+        let sets: Vec<&[&EnginePlan]> = sets.iter().map(|p| &p[..]).collect();
         let pass = m.pass.as_mut().ok_or_else(not_built)?;
         let silent: Vec<bool> =
             self.exchange.heap().local_ranks().iter().map(|&r| self.exchange.silent(r, Silence::Push)).collect();
@@ -780,26 +826,30 @@ impl EpLayer {
         experts: &[ExpertsView<'_>],
         shared: Option<SharedExpertView<'_>>,
     ) -> Result<()> {
-        self.prepare_megakernel(gpu, experts)?;
+        self.prepare_megakernel(gpu, experts, shared)?;
         let gpus = [gpu];
         self.exchange.clear_slot_ready(&gpus)?;
         self.exchange.schedule(&gpus)?;
         let l = self.config.local_experts();
-        for local in 0..self.ranks.len() {
-            self.shared_forward(gpu, local, shared)?;
-        }
         let not_built =
             || MokError::InvalidInput { tensor: "megakernel", problem: "no pass built for this forward".into() };
         let m = self.megakernel.as_mut().ok_or_else(not_built)?;
         for (local, &rank) in self.exchange.heap().local_ranks().iter().enumerate() {
             engine::tile_offsets_into(gpu, self.exchange.ring_row_offsets(rank), l, &m.tile_offsets[local])?;
         }
-        let pairs: Vec<[&EnginePlan; 2]> = m.plans.iter().map(|(g, d)| [g, d]).collect();
+        // Each rank's shared expert runs inside the launch, over its own T tokens.
+        for (s, state) in m.shared.iter_mut().zip(&self.ranks) {
+            if let Some((_, offsets)) = &state.shared {
+                s.set_tokens(gpu, offsets, self.config.tokens_per_rank)?;
+            }
+        }
+        let sets = forward_plan_sets(&m.plans, &m.shared);
+        let sets: Vec<&[&EnginePlan]> = sets.iter().map(Vec::as_slice).collect();
         let pass = m.pass.as_mut().ok_or_else(not_built)?;
         let silent: Vec<bool> =
             self.exchange.heap().local_ranks().iter().map(|&r| self.exchange.silent(r, Silence::Push)).collect();
         pass.set_silent_pushes(&silent)?;
-        pass.launch_ranks(gpu, &pairs)
+        pass.launch_ranks(gpu, &sets)
     }
 
     /// Enqueues the backward pass of the last forward, with every rank's dy uploaded

@@ -30,6 +30,8 @@ pub const ENGINE_KERNELS: [&str; 6] = [
 
 /// Writes the per-group tensor maps (`GemmParams::group_maps`) before each engine launch.
 const GROUP_MAPS_KERNEL: &str = "mok_sm90_group_maps";
+/// The same for several plans in one launch (a megakernel pass's plans).
+pub(crate) const GROUP_MAPS_PLANS_KERNEL: &str = "mok_sm90_group_maps_plans";
 /// Writes the row-grouped plans' tile offsets ([`tile_offsets`]).
 const TILE_OFFSETS_KERNEL: &str = "mok_tile_offsets";
 
@@ -304,6 +306,11 @@ impl EnginePlan {
     /// query when the plan was built).
     pub fn resident_blocks(&self) -> u32 {
         self.resident_blocks
+    }
+
+    /// Groups of the plan.
+    pub(crate) fn groups(&self) -> u32 {
+        self.groups
     }
 
     /// Enqueues `mok_sm90_group_maps` for this plan: the group bounds may have changed since the
@@ -663,6 +670,50 @@ impl EnginePlan {
         // A group's last K block reads its rows through maps cut at the group's end.
         let cut = [Some((0, a.device_ptr(), 2 * m)), Some((1, b.device_ptr(), 2 * n)), None];
         Self::new(gpu, "mok_sm90_gemm_wgrad", Variant::WGRAD, params, maps, cut)
+    }
+}
+
+/// A set of plans whose group maps are cut together, in one launch ([`PlanSet::cut_group_maps`])
+/// before a pass that runs all of them (a megakernel's plans, of every rank it hosts).
+pub(crate) struct PlanSet {
+    /// The plans' parameter-block addresses.
+    params: DeviceBuffer<u64>,
+    /// Groups of the plan with the most.
+    max_groups: u32,
+}
+
+impl PlanSet {
+    /// The set of `plans` (distinct plans; at most 65 535).
+    pub(crate) fn new<'a>(gpu: &Gpu, plans: impl IntoIterator<Item = &'a EnginePlan>) -> Result<Self> {
+        let plans: Vec<&EnginePlan> = plans.into_iter().collect();
+        if plans.is_empty() || plans.len() > u16::MAX as usize {
+            return Err(MokError::InvalidInput {
+                tensor: "engine plans",
+                problem: format!("{} plans in one set (1 to 65535)", plans.len()),
+            });
+        }
+        let addresses: Vec<u64> = plans.iter().map(|p| p.params_ptr()).collect();
+        Ok(Self {
+            params: DeviceBuffer::from_slice(gpu, &addresses)?,
+            max_groups: plans.iter().map(|p| p.groups()).max().unwrap_or(1),
+        })
+    }
+
+    /// Enqueues `mok_sm90_group_maps_plans` over the set: every plan's maps cut again for the
+    /// device-written group bounds, and its tile counter zeroed, as [`EnginePlan::cut_group_maps`]
+    /// does for one plan.
+    ///
+    /// # Safety
+    /// Every plan of the set is still alive (the set keeps their addresses, not borrows).
+    pub(crate) unsafe fn cut_group_maps(&self, gpu: &Gpu) -> Result<()> {
+        let shape = LaunchShape {
+            grid: (self.max_groups.div_ceil(GROUP_MAP_WARPS).max(1), self.params.len() as u32, 1),
+            threads: 32 * GROUP_MAP_WARPS,
+            smem_bytes: GROUP_MAP_SMEM_BYTES,
+        };
+        // SAFETY: the kernel's one parameter: `gridDim.y` addresses of live, distinct parameter
+        // blocks (caller contract).
+        unsafe { gpu.launch(GROUP_MAPS_PLANS_KERNEL, shape, &[KernelArg::Ptr(self.params.device_ptr())]) }
     }
 }
 

@@ -14,12 +14,12 @@ use mok_kernels::comm::params::ERROR_WORDS;
 use mok_kernels::gemm_layout::{ENGINE_SMEM_BYTES, ENGINE_THREADS};
 use mok_kernels::megakernel_layout::{
     BackwardParams, ForwardParams, NO_FAULT, PassInputs, WORK_ALL, backward_counter_words, first_compute_block,
-    rank_pairs,
+    forward_counter_words, rank_pairs,
 };
 
 use crate::driver::{DeviceBuffer, Gpu, KernelArg, LaunchShape};
 use crate::error::{MokError, Result};
-use crate::gemm::{EnginePlan, engine_error, plain_bytes};
+use crate::gemm::{EnginePlan, GROUP_MAPS_PLANS_KERNEL, PlanSet, engine_error, plain_bytes};
 
 /// The forward megakernel's entry point on one GPU.
 pub const FORWARD_KERNEL: &str = "mok_sm90_forward";
@@ -99,7 +99,7 @@ impl MegakernelWork {
 /// A megakernel pass of a layer: the parameter blocks (one per rank, fixed for the layer's
 /// buffers and plans), the pass counters, the error record and the launch geometry, for the
 /// forward ([`ForwardMegakernel`], `PLANS` = 2) or the backward ([`BackwardMegakernel`], 5).
-pub(crate) struct MegakernelPass<P, const PLANS: usize> {
+pub(crate) struct MegakernelPass<P> {
     /// The entry points: one GPU, and every rank in one launch.
     kernels: [&'static str; 2],
     host: Vec<P>,
@@ -113,13 +113,15 @@ pub(crate) struct MegakernelPass<P, const PLANS: usize> {
     error: Option<DeviceBuffer<u32>>,
     blocks: u32,
     /// The plans each rank's parameter block points at (their parameter blocks' addresses).
-    built_for: Vec<[u64; PLANS]>,
+    built_for: Vec<Vec<u64>>,
+    /// Those plans, whose group maps one launch cuts before each pass.
+    plan_set: PlanSet,
 }
 
 /// The forward megakernel's pass.
-pub(crate) type ForwardMegakernel = MegakernelPass<ForwardParams, 2>;
+pub(crate) type ForwardMegakernel = MegakernelPass<ForwardParams>;
 /// The backward megakernel's pass.
-pub(crate) type BackwardMegakernel = MegakernelPass<BackwardParams, 5>;
+pub(crate) type BackwardMegakernel = MegakernelPass<BackwardParams>;
 
 /// What the shared pass code sets in a megakernel's parameter block.
 pub(crate) trait PassParams: Copy {
@@ -186,6 +188,15 @@ pub(crate) struct PassBuffers {
     pub hidden: u32,
     /// With expert-parallel ranks: the rank's place in the symmetric heap.
     pub rank: Option<RankPass>,
+    /// With a shared expert run inside the pass: its buffers (its plans come after the routed
+    /// ones).
+    pub shared: Option<SharedPassBuffers>,
+}
+
+/// The buffers of a shared expert run inside a forward pass, besides its plans'.
+pub(crate) struct SharedPassBuffers {
+    /// `[cap][H]` bf16: where the dispatch copies the pass's token rows (the shared gate/up's A).
+    pub x_rows: u64,
 }
 
 /// One rank's part of a pass across ranks.
@@ -236,25 +247,20 @@ pub(crate) fn checked_geometry(resident: u32, options: &MegakernelOptions, ranks
     Ok((blocks, comm_blocks))
 }
 
-/// Words of one rank's pass counters for plans of at most `m_tiles` M tiles.
-pub(crate) const fn counter_words(m_tiles: usize) -> usize {
-    3 * m_tiles + 3
-}
-
 /// The checks and the allocations shared by both passes' constructors: one rank without ranks
 /// (one GPU) or every rank's buffers with their heap places, the entry point loaded, the
 /// geometry resident; then the counters, the error record (one GPU) and, per rank, what its
 /// parameter block points at (`make`).
 #[allow(clippy::too_many_arguments)]
-fn build_pass<P: PassParams, const PLANS: usize>(
+fn build_pass<P: PassParams>(
     gpu: &Gpu,
     kernels: [&'static str; 2],
-    plans: &[[&EnginePlan; PLANS]],
+    plans: &[&[&EnginePlan]],
     ranks_of: &[Option<&RankPass>],
     options: &MegakernelOptions,
     words_per_m_tiles: fn(usize) -> usize,
     make: impl Fn(usize, RankSlot, u32, u64) -> P,
-) -> Result<MegakernelPass<P, PLANS>> {
+) -> Result<MegakernelPass<P>> {
     let with_ranks = ranks_of.first().is_some_and(Option::is_some);
     let kernel = kernels[with_ranks as usize];
     if plans.len() != ranks_of.len()
@@ -267,15 +273,15 @@ fn build_pass<P: PassParams, const PLANS: usize>(
             problem: format!("{} plan sets for {} ranks' buffers", plans.len(), ranks_of.len()),
         });
     }
-    if !gpu.has_kernel(kernel) {
+    if let Some(missing) = [kernel, GROUP_MAPS_PLANS_KERNEL].into_iter().find(|k| !gpu.has_kernel(k)) {
         return Err(MokError::InvalidInput {
             tensor: "megakernel",
-            problem: format!("the loaded PTX has no {kernel} (it needs sm_90a)"),
+            problem: format!("the loaded PTX has no {missing} (it needs sm_90a)"),
         });
     }
     let ranks = ranks_of.len() as u32;
     let (blocks, comm_blocks) = checked_geometry(resident_blocks(gpu, kernel)?, options, ranks)?;
-    let m_tiles = plans.iter().flatten().map(|p| p.max_m_tiles()).max().unwrap_or(0).max(1);
+    let m_tiles = plans.iter().flat_map(|set| set.iter()).map(|p| p.max_m_tiles()).max().unwrap_or(0).max(1);
     let words = words_per_m_tiles(m_tiles);
     let pass_counters = DeviceBuffer::from_slice(gpu, &vec![0u32; words * ranks as usize])?;
     let error = if with_ranks { None } else { Some(DeviceBuffer::from_slice(gpu, &[0u32; ERROR_WORDS])?) };
@@ -322,38 +328,45 @@ fn build_pass<P: PassParams, const PLANS: usize>(
         pass_counters,
         error,
         blocks,
-        built_for: plans.iter().map(|p| p.map(EnginePlan::params_ptr)).collect(),
+        built_for: plans.iter().map(|p| p.iter().map(|plan| plan.params_ptr()).collect()).collect(),
+        plan_set: PlanSet::new(gpu, plans.iter().flat_map(|set| set.iter().copied()))?,
     })
 }
 
 impl ForwardMegakernel {
     /// The pass of one rank (`buffers.len() == 1`, a single GPU or one rank per GPU) or of
-    /// every virtual rank in one launch; `plans[r]` are rank r's gate/up and down plans.
+    /// every virtual rank in one launch; `plans[r]` are rank r's gate/up and down plans, then,
+    /// when `buffers[r].shared` is given, its shared expert's gate/up and down plans.
     pub(crate) fn new(
         gpu: &Gpu,
-        plans: &[[&EnginePlan; 2]],
+        plans: &[&[&EnginePlan]],
         buffers: &[PassBuffers],
         options: &MegakernelOptions,
     ) -> Result<Self> {
-        for pair in plans {
-            if pair[0].kernel() != "mok_sm90_gemm_gate_up" || pair[1].kernel() != "mok_sm90_gemm_rows_nt" {
+        const KERNELS: [&str; 2] = ["mok_sm90_gemm_gate_up", "mok_sm90_gemm_rows_nt"];
+        for (set, b) in plans.iter().zip(buffers) {
+            let expected = if b.shared.is_some() { 4 } else { 2 };
+            let kernels: Vec<&str> = set.iter().map(|p| p.kernel()).collect();
+            if set.len() != expected || kernels.chunks(2).any(|pair| pair != KERNELS) {
                 return Err(MokError::InvalidInput {
                     tensor: "megakernel",
                     problem: format!(
-                        "runs a gate/up and an f32 down plan, not {} and {}",
-                        pair[0].kernel(),
-                        pair[1].kernel()
+                        "runs a gate/up and an f32 down plan (and the same for a shared expert), not {kernels:?}"
                     ),
                 });
             }
         }
         let ranks_of: Vec<Option<&RankPass>> = buffers.iter().map(|b| b.rank.as_ref()).collect();
         let kernels = [FORWARD_KERNEL, FORWARD_RANKS_KERNEL];
-        build_pass(gpu, kernels, plans, &ranks_of, options, counter_words, |r, at, comm_blocks, timeout_ns| {
-            let (pair, b, counters, tile_words) = (plans[r], &buffers[r], at.counters, at.tile_words);
+        build_pass(gpu, kernels, plans, &ranks_of, options, forward_counter_words, |r, at, comm_blocks, timeout_ns| {
+            let (set, b, counters, tile_words) = (plans[r], &buffers[r], at.counters, at.tile_words);
+            // After the routed counters and the three queue words: the shared expert's three.
+            let shared_counters = counters + 3 * tile_words + 12;
+            let shared = |i: usize| if b.shared.is_some() { set[i].params_ptr() } else { 0 };
+            let shared_counter = |i: u64| if b.shared.is_some() { shared_counters + i * tile_words } else { 0 };
             ForwardParams {
-                gate_up: pair[0].params_ptr(),
-                down: pair[1].params_ptr(),
+                gate_up: set[0].params_ptr(),
+                down: set[1].params_ptr(),
                 row_source: b.row_source,
                 slot_row: b.slot_row,
                 rows: b.rows,
@@ -368,6 +381,12 @@ impl ForwardMegakernel {
                 timeout_ns,
                 exchange: at.exchange,
                 push_next: counters + 3 * tile_words + 8,
+                shared_gate_up: shared(2),
+                shared_down: shared(3),
+                shared_x: b.shared.as_ref().map_or(0, |s| s.x_rows),
+                shared_dispatched: shared_counter(0),
+                shared_gate_up_stored: shared_counter(1),
+                shared_down_stored: shared_counter(2),
                 top_k: b.top_k,
                 hidden: b.hidden,
                 comm_blocks,
@@ -381,11 +400,15 @@ impl ForwardMegakernel {
     }
 }
 
-impl<P: PassParams, const PLANS: usize> MegakernelPass<P, PLANS> {
+impl<P: PassParams> MegakernelPass<P> {
     /// Whether this pass was built for these plans (one set per rank).
-    pub(crate) fn built_for(&self, plans: &[[&EnginePlan; PLANS]]) -> bool {
+    pub(crate) fn built_for(&self, plans: &[&[&EnginePlan]]) -> bool {
         self.built_for.len() == plans.len()
-            && self.built_for.iter().zip(plans).all(|(b, p)| *b == p.map(EnginePlan::params_ptr))
+            && self
+                .built_for
+                .iter()
+                .zip(plans)
+                .all(|(b, p)| b.iter().copied().eq(p.iter().map(|plan| plan.params_ptr())))
     }
 
     /// Blocks of the launch, and of them the comm blocks (of each rank).
@@ -439,17 +462,16 @@ impl<P: PassParams, const PLANS: usize> MegakernelPass<P, PLANS> {
     }
 
     /// Checks the plans and enqueues what precedes every pass: cuts every plan's group maps
-    /// (zeroing their tile counters) and clears the pass counters.
-    fn prepare_pass(&mut self, gpu: &Gpu, plans: &[[&EnginePlan; PLANS]]) -> Result<()> {
+    /// (zeroing their tile counters), all in one launch, and clears the pass counters.
+    fn prepare_pass(&mut self, gpu: &Gpu, plans: &[&[&EnginePlan]]) -> Result<()> {
         if !self.built_for(plans) {
             return Err(MokError::InvalidInput {
                 tensor: "megakernel",
                 problem: "built for other engine plans".into(),
             });
         }
-        for plan in plans.iter().flatten() {
-            plan.cut_group_maps(gpu)?;
-        }
+        // SAFETY: the set holds exactly these plans (checked above), alive for the call.
+        unsafe { self.plan_set.cut_group_maps(gpu) }?;
         self.pass_counters.fill_bytes(0)
     }
 
@@ -465,7 +487,7 @@ impl<P: PassParams, const PLANS: usize> MegakernelPass<P, PLANS> {
     pub(crate) fn launch(
         &mut self,
         gpu: &Gpu,
-        plans: [&EnginePlan; PLANS],
+        plans: &[&EnginePlan],
         rows: u64,
         topk_weights: u64,
         shared_rows: u64,
@@ -495,7 +517,7 @@ impl<P: PassParams, const PLANS: usize> MegakernelPass<P, PLANS> {
     /// (the forward: the exchange's schedule, with every rank's `slot_ready` cleared before its
     /// publish; the backward: every rank's `slot_ready` cleared): cuts every plan's group maps,
     /// clears the pass counters, then the megakernel.
-    pub(crate) fn launch_ranks(&mut self, gpu: &Gpu, plans: &[[&EnginePlan; PLANS]]) -> Result<()> {
+    pub(crate) fn launch_ranks(&mut self, gpu: &Gpu, plans: &[&[&EnginePlan]]) -> Result<()> {
         let Some(inputs) = &self.inputs else {
             return Err(MokError::InvalidInput { tensor: "megakernel", problem: "built for one GPU".into() });
         };
@@ -602,7 +624,8 @@ impl BackwardMegakernel {
         let with_ranks = ranks_of.first().is_some_and(Option::is_some);
         let kernels = [BACKWARD_KERNEL, BACKWARD_RANKS_KERNEL];
         let words = backward_counter_words;
-        build_pass(gpu, kernels, plans, &ranks_of, options, words, |r, at, comm_blocks, timeout_ns| {
+        let plan_slices: Vec<&[&EnginePlan]> = plans.iter().map(|p| &p[..]).collect();
+        build_pass(gpu, kernels, &plan_slices, &ranks_of, options, words, |r, at, comm_blocks, timeout_ns| {
             let (p, b, counters, tile_words) = (plans[r], &buffers[r], at.counters, at.tile_words);
             BackwardParams {
                 down_dgrad: p[0].params_ptr(),

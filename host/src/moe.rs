@@ -612,24 +612,37 @@ pub fn workspace_bytes(config: &MoeConfig, backend: Backend) -> Result<usize> {
     if backend != Backend::MmaSync {
         use mok_kernels::gemm_layout::{GROUP_MAP_SLOTS, TENSOR_MAP_BYTES};
         let params = size_of::<mok_kernels::gemm_layout::GemmParams>();
-        let group_maps = buffer(e.max(1) * GROUP_MAP_SLOTS as usize * TENSOR_MAP_BYTES as usize);
         // gate/up 4 maps, down 3, the two dgrads 3 and 5, the down dgrad with the SwiGLU
         // backward 2, three weight gradients 3 each.
         let plans = [4, 3, 3, 5, 2, 3, 3, 3];
+        let plan_bytes = |maps: usize, groups: usize| {
+            let group_maps = buffer(groups.max(1) * GROUP_MAP_SLOTS as usize * TENSOR_MAP_BYTES as usize);
+            buffer(params) + maps * TENSOR_MAP_BYTES as usize + group_maps + 16
+        };
         total += buffer(4 * 2 * (e + 1));
-        total +=
-            plans.iter().map(|maps| buffer(params) + maps * TENSOR_MAP_BYTES as usize + group_maps + 16).sum::<usize>();
+        total += plans.iter().map(|&maps| plan_bytes(maps, e)).sum::<usize>();
         if backend == Backend::Megakernel {
             let m_tiles = slots.div_ceil(mok_kernels::gemm_layout::TILE_M as usize) + e;
             let forward = size_of::<mok_kernels::megakernel_layout::ForwardParams>();
             let backward = size_of::<mok_kernels::megakernel_layout::BackwardParams>();
+            // The forward runs the shared expert inside its launch: its copy of the token rows,
+            // its group's tile offsets and its gate/up (4 maps) and down (3) plans, one group.
+            let forward_plans = if c.shared_intermediate.is_some() {
+                total += buffer(2 * t * h) + buffer(16) + plan_bytes(4, 1) + plan_bytes(3, 1);
+                4
+            } else {
+                2
+            };
+            // Each pass's parameter block, counters, error record and plan list (its plans'
+            // group maps cut in one launch).
             total += buffer(forward)
-                + buffer(4 * crate::megakernel::counter_words(m_tiles))
-                + buffer(4 * mok_kernels::comm::params::ERROR_WORDS);
-            // The backward megakernel's parameter block, counters and error record.
+                + buffer(4 * mok_kernels::megakernel_layout::forward_counter_words(m_tiles))
+                + buffer(4 * mok_kernels::comm::params::ERROR_WORDS)
+                + buffer(8 * forward_plans);
             total += buffer(backward)
                 + buffer(4 * mok_kernels::megakernel_layout::backward_counter_words(m_tiles))
-                + buffer(4 * mok_kernels::comm::params::ERROR_WORDS);
+                + buffer(4 * mok_kernels::comm::params::ERROR_WORDS)
+                + buffer(8 * 5);
         }
     }
     Ok(total)

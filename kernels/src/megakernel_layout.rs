@@ -62,6 +62,24 @@ pub struct ForwardParams {
     /// How long a wait on the dispatch may take, in `%globaltimer` nanoseconds (waits further
     /// downstream get longer: [`downstream_deadline`]).
     pub timeout_ns: u64,
+    /// The shared expert's gate/up engine plan (`GemmParams`: one group holding the pass's T
+    /// tokens, A = `shared_x`, out = its hidden rows and pre-activations), or 0 when the pass
+    /// has no shared expert (then every `shared_*` field is unused).
+    pub shared_gate_up: u64,
+    /// The shared expert's down plan (A = its hidden rows, out = the f32 rows the combine adds
+    /// first: `PassInputs::shared_rows`).
+    pub shared_down: u64,
+    /// `[cap][H]` bf16: the token rows copied for the shared gate/up (x is a per-pass input and
+    /// its tensor map needs a fixed address).
+    pub shared_x: u64,
+    /// `[shared M tiles]` u32: 1 once that tile's token rows are in `shared_x`; cleared before
+    /// the pass.
+    pub shared_dispatched: u64,
+    /// `[shared M tiles]` u32: the shared gate/up parts stored per M tile; cleared before the
+    /// pass.
+    pub shared_gate_up_stored: u64,
+    /// `[shared M tiles]` u32: the shared down parts stored per M tile; cleared before the pass.
+    pub shared_down_stored: u64,
     /// Slots per token k.
     pub top_k: u32,
     /// Hidden width H (a multiple of 8).
@@ -87,8 +105,15 @@ pub struct ForwardParams {
     pub silent_push: u32,
 }
 
-// The host writes this block byte for byte: sixteen 8-byte fields, then eight u32.
-const _: () = assert!(size_of::<ForwardParams>() == 160);
+// The host writes this block byte for byte: twenty-two 8-byte fields, then eight u32.
+const _: () = assert!(size_of::<ForwardParams>() == 208);
+
+/// Words of one rank's forward pass counters for plans of at most `m_tiles` M tiles: three per
+/// M tile for the routed experts (dispatched, gate/up parts, down parts), the three queues
+/// (combine, dispatch, across ranks the push), then three per M tile for the shared expert.
+pub const fn forward_counter_words(m_tiles: usize) -> usize {
+    6 * m_tiles + 3
+}
 
 /// The per-pass inputs of a megakernel (the backward's are the same four: dy in `x`, the shared
 /// expert's dx rows in `shared_rows`): kernel arguments after the parameter block on

@@ -499,3 +499,78 @@ pub(crate) fn shared_expert_workspace(
         [DeviceBuffer::alloc(gpu, is * h)?, DeviceBuffer::alloc(gpu, is * h)?, DeviceBuffer::alloc(gpu, h * is)?];
     Ok(Some(((compute, offsets), grads)))
 }
+
+/// The shared expert on the tensor-core engine inside a forward megakernel's launch: the rows
+/// it reads (the pass's token rows, which the megakernel's dispatch copies there — x is a
+/// per-pass input, and a plan's tensor maps need fixed addresses), its one group's engine tile
+/// offsets, and its gate/up and down plans over its [`ExpertCompute`] workspace — the buffers
+/// its `mma.sync` forward writes, bit for bit, so its backward reads the same either way.
+pub(crate) struct SharedEnginePlans {
+    x_rows: DeviceBuffer<bf16>,
+    /// `[4]` the engine tile offsets of the group `[0, T]`, written on the device when T changes.
+    tile_offsets: DeviceBuffer<u32>,
+    /// The T those offsets hold (0: not written yet).
+    tile_offsets_tokens: usize,
+    /// Gate/up with SwiGLU (keeping the pre-activations), down.
+    plans: [crate::gemm::EnginePlan; 2],
+    /// The weight addresses (gate, up, down) the plans were built for.
+    built_for: [u64; 3],
+}
+
+impl SharedEnginePlans {
+    /// The plans of the shared expert `workspace` (from [`shared_expert_workspace`]) for
+    /// `weights`.
+    pub(crate) fn new(
+        gpu: &Gpu,
+        (compute, offsets): &(ExpertCompute, DeviceBuffer<u32>),
+        weights: super::SharedExpertView<'_>,
+    ) -> Result<Self> {
+        let mut x_rows = DeviceBuffer::alloc(gpu, compute.capacity * compute.hidden)?;
+        // Read only where a pass copied rows (zeroed once for initcheck, as the workspace).
+        x_rows.fill_bytes(0)?;
+        let mut tile_offsets = DeviceBuffer::alloc(gpu, 4)?;
+        tile_offsets.fill_bytes(0)?;
+        let groups = crate::gemm::RowGroups {
+            row_offsets: offsets.into(),
+            tile_offsets: &tile_offsets,
+            groups: 1,
+            capacity: compute.capacity,
+        };
+        let (gate_up, down) = compute.engine_forward_plans(
+            gpu,
+            (&x_rows).into(),
+            &groups,
+            [weights.ws_gate, weights.ws_up, weights.ws_down],
+        )?;
+        Ok(Self { x_rows, tile_offsets, tile_offsets_tokens: 0, plans: [gate_up, down], built_for: Self::key(weights) })
+    }
+
+    fn key(weights: super::SharedExpertView<'_>) -> [u64; 3] {
+        [weights.ws_gate.device_ptr(), weights.ws_up.device_ptr(), weights.ws_down.device_ptr()]
+    }
+
+    /// Whether the plans were built for these weights.
+    pub(crate) fn built_for(&self, weights: super::SharedExpertView<'_>) -> bool {
+        self.built_for == Self::key(weights)
+    }
+
+    /// The gate/up and down plans.
+    pub(crate) fn plans(&self) -> [&crate::gemm::EnginePlan; 2] {
+        [&self.plans[0], &self.plans[1]]
+    }
+
+    /// `[cap][H]` bf16 rows the dispatch copies the tokens into.
+    pub(crate) fn x_rows(&self) -> u64 {
+        self.x_rows.device_ptr()
+    }
+
+    /// Enqueues the engine tile offsets of `offsets` = `[0, T, ..]` when `tokens` (T) differs
+    /// from the last call's, after whatever set those words on the stream.
+    pub(crate) fn set_tokens(&mut self, gpu: &Gpu, offsets: &DeviceBuffer<u32>, tokens: usize) -> Result<()> {
+        if self.tile_offsets_tokens != tokens {
+            crate::gemm::tile_offsets_into(gpu, offsets, 1, &self.tile_offsets)?;
+            self.tile_offsets_tokens = tokens;
+        }
+        Ok(())
+    }
+}

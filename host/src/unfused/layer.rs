@@ -9,7 +9,7 @@ use crate::error::{MokError, Result};
 use crate::gemm::{self as engine, EnginePlan};
 use crate::megakernel::{
     BACKWARD_KERNEL, BackwardBuffers, BackwardMegakernel, FORWARD_KERNEL, ForwardMegakernel, MegakernelOptions,
-    PassBuffers, checked_geometry, resident_blocks,
+    PassBuffers, SharedPassBuffers, checked_geometry, resident_blocks,
 };
 #[cfg(feature = "testing")]
 use crate::megakernel::{MegakernelFaults, MegakernelWork};
@@ -73,6 +73,8 @@ pub struct UnfusedLayer {
     tokens: usize,
     /// The token count the shared expert's group offsets hold.
     shared_offsets_tokens: usize,
+    /// The shared expert's engine plans inside the forward megakernel (built with its pass).
+    shared_engine: Option<SharedEnginePlans>,
 }
 
 /// The routed experts' GEMMs on the sm_90a tensor-core engine ([`crate::gemm`]) — the same
@@ -168,6 +170,7 @@ impl UnfusedLayer {
             backward_megakernel: None,
             tokens: t,
             shared_offsets_tokens: t,
+            shared_engine: None,
             grads: DeviceGrads {
                 dx: DeviceBuffer::alloc(gpu, t * h)?,
                 d_topk_weights: DeviceBuffer::alloc(gpu, slots)?,
@@ -342,7 +345,7 @@ impl UnfusedLayer {
             return Ok(());
         };
         let plans = backward_plans(engine);
-        if pass.as_ref().is_some_and(|p| p.built_for(&[plans])) {
+        if pass.as_ref().is_some_and(|p| p.built_for(&[&plans[..]])) {
             return Ok(());
         }
         let c = &self.config;
@@ -396,13 +399,23 @@ impl UnfusedLayer {
         })
     }
 
-    /// Builds the megakernel pass for the engine's current plans (when it is on).
-    fn prepare_megakernel(&mut self, gpu: &Gpu) -> Result<()> {
+    /// Builds the megakernel pass for the engine's current plans (when it is on), with the
+    /// shared expert's plans for `shared` inside it.
+    fn prepare_megakernel(&mut self, gpu: &Gpu, shared: Option<SharedExpertView<'_>>) -> Result<()> {
         let (Some((options, pass)), Some(engine)) = (self.megakernel.as_mut(), self.engine.as_ref()) else {
             return Ok(());
         };
-        let plans = [&engine.forward[0], &engine.forward[1]];
-        if pass.as_ref().is_some_and(|p| p.built_for(&[plans])) {
+        if let (Some(weights), Some(workspace)) = (shared, &self.shared)
+            && !self.shared_engine.as_ref().is_some_and(|s| s.built_for(weights))
+        {
+            self.shared_engine = Some(SharedEnginePlans::new(gpu, workspace, weights)?);
+        }
+        let mut plans = vec![&engine.forward[0], &engine.forward[1]];
+        let shared_engine = self.shared_engine.as_ref().filter(|_| shared.is_some());
+        if let Some(s) = shared_engine {
+            plans.extend(s.plans());
+        }
+        if pass.as_ref().is_some_and(|p| p.built_for(&[&plans])) {
             return Ok(());
         }
         let c = &self.config;
@@ -415,8 +428,9 @@ impl UnfusedLayer {
             top_k: c.top_k as u32,
             hidden: c.hidden as u32,
             rank: None,
+            shared: shared_engine.map(|s| SharedPassBuffers { x_rows: s.x_rows() }),
         };
-        *pass = Some(ForwardMegakernel::new(gpu, &[plans], &[buffers], options)?);
+        *pass = Some(ForwardMegakernel::new(gpu, &[&plans], &[buffers], options)?);
         Ok(())
     }
 
@@ -730,7 +744,7 @@ impl UnfusedLayer {
         let t = self.check_inputs(tokens, experts, shared)?;
         // Before any launch: building plans uploads their parameter blocks.
         self.prepare_engine_plans(gpu, experts)?;
-        self.prepare_megakernel(gpu)?;
+        self.prepare_megakernel(gpu, shared)?;
         self.tokens = t;
         self.set_shared_offsets(t)?;
         self.route(gpu, tokens.topk_ids)?;
@@ -820,13 +834,22 @@ impl UnfusedLayer {
         shared: Option<SharedExpertView<'_>>,
     ) -> Result<()> {
         let t = self.tokens;
-        let shared_out = self.shared_forward(gpu, tokens, shared)?;
+        // The shared expert runs inside the launch: its group's tile offsets for this T, and its
+        // output rows as the first term of each token's sum.
+        let mut shared_out = 0;
+        if let (Some(_), Some(engine), Some((compute, offsets))) = (shared, self.shared_engine.as_mut(), &self.shared) {
+            engine.set_tokens(gpu, offsets, t)?;
+            shared_out = compute.out_rows().device_ptr();
+        }
         let (Some(engine), Some((_, Some(pass)))) = (&self.engine, &mut self.megakernel) else {
             return Err(MokError::InvalidInput { tensor: "megakernel", problem: "not prepared".into() });
         };
         engine::tile_offsets_into(gpu, &self.routing.row_offsets, self.config.num_experts, &engine.tile_offsets)?;
-        let plans = [&engine.forward[0], &engine.forward[1]];
-        pass.launch(gpu, plans, tokens.x.device_ptr(), tokens.topk_weights.device_ptr(), shared_out, t as u32)
+        let mut plans = vec![&engine.forward[0], &engine.forward[1]];
+        if let Some(s) = self.shared_engine.as_ref().filter(|_| shared.is_some()) {
+            plans.extend(s.plans());
+        }
+        pass.launch(gpu, &plans, tokens.x.device_ptr(), tokens.topk_weights.device_ptr(), shared_out, t as u32)
     }
 
     /// Enqueues the backward pass of the last forward (same inputs) for output gradient `dy`;
@@ -989,7 +1012,14 @@ impl UnfusedLayer {
             unreachable!("prepared above");
         };
         engine::tile_offsets_into(gpu, &self.routing.row_offsets, e, &engine.tile_offsets)?;
-        pass.launch(gpu, backward_plans(engine), dy.device_ptr(), tokens.topk_weights.device_ptr(), shared_dx, t as u32)
+        pass.launch(
+            gpu,
+            &backward_plans(engine),
+            dy.device_ptr(),
+            tokens.topk_weights.device_ptr(),
+            shared_dx,
+            t as u32,
+        )
     }
 
     /// The shared expert's backward (when the layer has one): its weight gradients into

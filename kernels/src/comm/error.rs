@@ -82,6 +82,21 @@ pub const WAIT_ENGINE_TILE_DOWN_DGRAD: u32 = 13;
 /// `BackwardParams::gate_up_dgrad_stored`).
 pub const WAIT_ENGINE_TILE_GATE_UP_DGRAD: u32 = 14;
 
+/// The forward megakernel's shared-expert gate/up tile waited for the copy of its token rows
+/// (index = the shared expert's M tile, tokens 128·index.., expected 1 = set;
+/// `ForwardParams::shared_dispatched`).
+pub const WAIT_SHARED_TILE_DISPATCHED: u32 = 15;
+
+/// The forward megakernel's shared-expert down tile waited for the shared hidden rows of its M
+/// tile (index = the shared M tile, expected and seen = stored parts;
+/// `ForwardParams::shared_gate_up_stored`).
+pub const WAIT_SHARED_TILE_HIDDEN: u32 = 16;
+
+/// The forward megakernel's combine waited for the shared expert's output rows of its token's
+/// M tile (index = the shared M tile, expected and seen = stored parts;
+/// `ForwardParams::shared_down_stored`).
+pub const WAIT_SHARED_TILE_OUTPUT: u32 = 17;
+
 /// A name for a `WAIT_*` code, for messages.
 pub fn waited_for_name(code: u32) -> &'static str {
     match code {
@@ -105,6 +120,11 @@ pub fn waited_for_name(code: u32) -> &'static str {
         WAIT_ENGINE_TILE_GATE_UP_DGRAD => {
             "the gate/up dgrad tiles of an engine M tile to be stored (gate_up_dgrad_stored)"
         }
+        WAIT_SHARED_TILE_DISPATCHED => "the token rows of a shared-expert M tile to be copied (shared_dispatched)",
+        WAIT_SHARED_TILE_HIDDEN => {
+            "the shared expert's gate/up tiles of an M tile to be stored (shared_gate_up_stored)"
+        }
+        WAIT_SHARED_TILE_OUTPUT => "the shared expert's down tiles of an M tile to be stored (shared_down_stored)",
         _ => "an unknown counter",
     }
 }

@@ -118,6 +118,20 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_group_maps(params: *const GemmParams)
     unsafe { write_group_maps(params) }
 }
 
+/// [`mok_sm90_group_maps`] for several plans in one launch (a megakernel pass's plans, of every
+/// rank): block row `blockIdx.y` cuts the maps of plan `plans[blockIdx.y]`; the grid's x extent
+/// covers the plan with the most groups (the others' extra blocks find no group). One launch
+/// instead of one per plan: the schedule before a pass is mostly launch latency.
+///
+/// # Safety
+/// `plans` holds `gridDim.y` addresses of parameter blocks, each valid as for
+/// [`write_group_maps`]; no two are the same plan.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn mok_sm90_group_maps_plans(plans: *const u64) {
+    // SAFETY: caller contract: blockIdx.y < gridDim.y entries.
+    unsafe { write_group_maps(*plans.add(crate::ptx::sreg::block_idx_y() as usize) as *const GemmParams) }
+}
+
 /// The forward megakernel (`crate::megakernel::forward`): dispatch, gate/up + SwiGLU, down and
 /// combine in one persistent launch. 384 threads, `gemm_layout::ENGINE_SMEM_BYTES` of dynamic
 /// shared memory, 2-block clusters, a co-resident grid. `x` `[T][H]` bf16, `topk_weights`

@@ -212,29 +212,32 @@ pub unsafe fn run<const V: u32, H: TileHooks>(params: *const GemmParams, hooks: 
 
 /// The compute role of the forward megakernel, in a 2-block cluster of [`ENGINE_THREADS`]
 /// threads with [`ENGINE_SMEM_BYTES`](crate::gemm_layout::ENGINE_SMEM_BYTES) of dynamic shared
-/// memory: the gate/up phase (`gate_up`, [`Variant::GATE_UP`]) and then the down phase
-/// (`down`, [`Variant::ROWS_NT`]) on one ring, each with its hand-over hooks. A block moves to
-/// the down phase when the gate/up tile counter is spent, i.e. once every gate/up tile is held by
-/// a running block — so a down tile only ever waits for work that is already being done. Ends
-/// with the pair's final cluster barrier. Returns `Some(())` for the threads of the consumer
-/// warpgroups, free for further work, and `None` for the producer warpgroup, which holds too
-/// few registers for more.
+/// memory: four phases on one ring — the shared expert's gate/up, the routed gate/up
+/// ([`Variant::GATE_UP`]), the shared expert's down, the routed down ([`Variant::ROWS_NT`]) —
+/// phase `i` running the tiles of the plan `plan(i)` returns (null: the phase is left out) with
+/// the hooks `hooks(i)`. A block moves to a phase when the previous phase's tile counter is spent,
+/// i.e. once every tile of it is held by a running block — so a down tile only ever waits for
+/// work that is already being done. Ends with the pair's final cluster barrier. Returns
+/// `Some(())` for the threads of the consumer warpgroups, free for further work, and `None` for
+/// the producer warpgroup, which holds too few registers for more.
+///
+/// `plan` is called where each phase starts (a load from the caller's parameter block), so no
+/// plan address is held across phases or across the register hand-over: the consumers'
+/// accumulators leave no room for more live values.
 ///
 /// # Safety
-/// `gate_up` and `down` point at valid parameter blocks of those variants over the same row
-/// groups (tile offsets), their tile counters zeroed before the launch; the hooks' contracts
-/// hold.
+/// Every non-null plan `plan` returns is a valid parameter block of its phase's variant, its
+/// tile counter zeroed before the launch; phases 1 and 3 (the routed experts) are never null;
+/// each down phase runs over the row groups of the gate/up phase of the same experts; `plan`
+/// returns the same for every block of the cluster; the hooks' contracts hold.
 #[inline(always)]
-pub unsafe fn run_forward_phases<H1: TileHooks, H2: TileHooks>(
-    gate_up: *const GemmParams,
-    gate_up_hooks: H1,
-    down: *const GemmParams,
-    down_hooks: H2,
+pub unsafe fn run_forward_phases<H: TileHooks>(
+    plan: impl Fn(u32) -> *const GemmParams + Copy,
+    hooks: impl Fn(u32) -> H + Copy,
 ) -> Option<()> {
     const { assert!(cluster_blocks(Variant::GATE_UP) == 2 && cluster_blocks(Variant::ROWS_NT) == 2) };
-    // SAFETY: caller contract; read-only for the whole launch. Borrowed, not copied: the
-    // producer of two phases cannot keep both blocks' fields in its registers.
-    let (first, second) = unsafe { (&*gate_up, &*down) };
+    const G: u32 = Variant::GATE_UP;
+    const D: u32 = Variant::ROWS_NT;
     let ring = Ring::new();
     let thread = sreg::thread_idx_x();
     if thread == 0 {
@@ -246,21 +249,38 @@ pub unsafe fn run_forward_phases<H1: TileHooks, H2: TileHooks>(
     let role = if warpgroup == 0 {
         sync::release_registers::<PAIRED_PRODUCER_REGISTERS>();
         if thread == 0 {
-            // SAFETY: one producer thread; the phases share the ring walk.
+            // SAFETY: one producer thread; the phases share the ring walk (a phase left out is
+            // left out by the consumers too: `plan` is the same for the whole cluster).
             unsafe {
-                let walk = produce::<{ Variant::GATE_UP }, H1>(first, ring, gate_up_hooks, Walk::START);
-                produce::<{ Variant::ROWS_NT }, H2>(second, ring, down_hooks, walk);
+                let mut walk = Walk::START;
+                if !plan(0).is_null() {
+                    walk = produce::<G, H>(&*plan(0), ring, hooks(0), walk);
+                }
+                walk = produce::<G, H>(&*plan(1), ring, hooks(1), walk);
+                if !plan(2).is_null() {
+                    walk = produce::<D, H>(&*plan(2), ring, hooks(2), walk);
+                }
+                produce::<D, H>(&*plan(3), ring, hooks(3), walk);
             }
         }
         None
     } else {
         sync::claim_registers::<PAIRED_CONSUMER_REGISTERS>();
-        let (wg, thread_in_wg) = (warpgroup - 1, thread % 128);
+        let (wg, t) = (warpgroup - 1, thread % 128);
         // SAFETY: a whole consumer warpgroup.
         unsafe {
-            let walk = consume::<{ Variant::GATE_UP }, H1>(first, ring, wg, thread_in_wg, gate_up_hooks, Walk::START);
-            let walk = next_phase::<{ Variant::GATE_UP }>(ring, walk, thread_in_wg);
-            consume::<{ Variant::ROWS_NT }, H2>(second, ring, wg, thread_in_wg, down_hooks, walk);
+            let mut walk = Walk::START;
+            if !plan(0).is_null() {
+                walk = consume::<G, H>(&*plan(0), ring, wg, t, hooks(0), walk);
+                walk = next_phase::<G>(ring, walk, t);
+            }
+            walk = consume::<G, H>(&*plan(1), ring, wg, t, hooks(1), walk);
+            walk = next_phase::<G>(ring, walk, t);
+            if !plan(2).is_null() {
+                walk = consume::<D, H>(&*plan(2), ring, wg, t, hooks(2), walk);
+                walk = next_phase::<D>(ring, walk, t);
+            }
+            consume::<D, H>(&*plan(3), ring, wg, t, hooks(3), walk);
         }
         Some(())
     };

@@ -12,7 +12,7 @@
 
 use crate::comm::error::{
     self, ERROR_TIMEOUT, WAIT_ENGINE_TILE_DISPATCHED, WAIT_ENGINE_TILE_DOWN_DGRAD, WAIT_ENGINE_TILE_GATHERED,
-    WAIT_ENGINE_TILE_HIDDEN, WAIT_ENGINE_TILE_ROWS,
+    WAIT_ENGINE_TILE_HIDDEN, WAIT_ENGINE_TILE_ROWS, WAIT_SHARED_TILE_DISPATCHED, WAIT_SHARED_TILE_HIDDEN,
 };
 use crate::comm::schedule::epoch_reached;
 use crate::comm::wait::{signal, wait_until};
@@ -177,54 +177,72 @@ unsafe fn count_stored(p: &GemmParams, work: &Work, counts: *mut u32, silent_til
     }
 }
 
-/// The forward megakernel's hand-over around its two GEMM phases, read from the pass's
+/// The forward megakernel's hand-over around its GEMM phases, read from the pass's
 /// [`ForwardParams`] where used (a pointer, so the producer keeps no counter addresses in its few
 /// registers). [`ForwardHandover::GATE_UP`]: a tile waits for its rows' `rows_dispatched` flag and
 /// counts its parts in `gate_up_stored` (except `silent_hidden_tile`, fault injection);
 /// [`ForwardHandover::DOWN`]: a tile waits until `gate_up_stored` says every gate/up part of its
-/// rows is stored and counts its parts in `down_stored`.
+/// rows is stored and counts its parts in `down_stored`. The shared expert's two phases
+/// ([`ForwardHandover::SHARED_GATE_UP`], [`ForwardHandover::SHARED_DOWN`]) do the same with
+/// `shared_dispatched`, `shared_gate_up_stored` and `shared_down_stored`.
 #[derive(Clone, Copy)]
-pub struct ForwardHandover<const PHASE: u32> {
+pub struct ForwardHandover {
     params: *const ForwardParams,
+    /// Which of the phases below (a runtime value: the phases share one inlined engine loop).
+    phase: u32,
 }
 
-impl ForwardHandover<0> {
+impl ForwardHandover {
+    /// The shared expert's gate/up phase (the phases are numbered in the order the megakernel
+    /// runs them, `engine::run_forward_phases`).
+    pub const SHARED_GATE_UP: u32 = 0;
     /// The gate/up phase.
-    pub const GATE_UP: u32 = 0;
+    pub const GATE_UP: u32 = 1;
+    /// The shared expert's down phase.
+    pub const SHARED_DOWN: u32 = 2;
     /// The down phase.
-    pub const DOWN: u32 = 1;
-}
+    pub const DOWN: u32 = 3;
 
-impl<const PHASE: u32> ForwardHandover<PHASE> {
+    /// The hand-over of `phase` (one of the constants above).
+    ///
     /// # Safety
     /// `params` points at the pass's valid [`ForwardParams`] for the whole launch.
     #[inline(always)]
-    pub unsafe fn new(params: *const ForwardParams) -> Self {
-        Self { params }
+    pub unsafe fn new(params: *const ForwardParams, phase: u32) -> Self {
+        Self { params, phase }
     }
 }
 
-impl<const PHASE: u32> TileHooks for ForwardHandover<PHASE> {
+impl TileHooks for ForwardHandover {
     #[inline(always)]
     unsafe fn before_rows(&self, p: &GemmParams, work: &Work) {
         // SAFETY: the pass's counters (constructor's contract) and the hook's.
         unsafe {
             let f = &*self.params;
-            let ready = if PHASE == ForwardHandover::GATE_UP {
-                Ready::Flag { flags: f.rows_dispatched as *const u32, code: WAIT_ENGINE_TILE_DISPATCHED }
-            } else {
-                // The SwiGLU tile writes 128 hidden columns.
-                let gate_up_n = (*(f.gate_up as *const GemmParams)).n.div_ceil(TILE_N / 2);
-                Ready::Stored {
-                    counts: f.gate_up_stored as *const u32,
-                    n_tiles: gate_up_n,
-                    code: WAIT_ENGINE_TILE_HIDDEN,
+            // The SwiGLU tile writes 128 hidden columns.
+            let hidden_n = |plan: u64| (*(plan as *const GemmParams)).n.div_ceil(TILE_N / 2);
+            let ready = match self.phase {
+                ForwardHandover::GATE_UP => {
+                    Ready::Flag { flags: f.rows_dispatched as *const u32, code: WAIT_ENGINE_TILE_DISPATCHED }
                 }
+                ForwardHandover::SHARED_GATE_UP => {
+                    Ready::Flag { flags: f.shared_dispatched as *const u32, code: WAIT_SHARED_TILE_DISPATCHED }
+                }
+                ForwardHandover::DOWN => Ready::Stored {
+                    counts: f.gate_up_stored as *const u32,
+                    n_tiles: hidden_n(f.gate_up),
+                    code: WAIT_ENGINE_TILE_HIDDEN,
+                },
+                _ => Ready::Stored {
+                    counts: f.shared_gate_up_stored as *const u32,
+                    n_tiles: hidden_n(f.shared_gate_up),
+                    code: WAIT_SHARED_TILE_HIDDEN,
+                },
             };
             // A down tile's wait is downstream of its gate/up tiles' waits: a longer deadline, so
             // the failure reported first is the cause (`megakernel_layout::downstream_deadline`).
-            let timeout_ns =
-                if PHASE == ForwardHandover::GATE_UP { f.timeout_ns } else { downstream_deadline(f.timeout_ns, 1) };
+            let first = self.phase == ForwardHandover::GATE_UP || self.phase == ForwardHandover::SHARED_GATE_UP;
+            let timeout_ns = if first { f.timeout_ns } else { downstream_deadline(f.timeout_ns, 1) };
             wait_for_rows(p, work, ready, f.error as *mut u32, timeout_ns, 0);
         }
     }
@@ -234,10 +252,11 @@ impl<const PHASE: u32> TileHooks for ForwardHandover<PHASE> {
         // SAFETY: as above.
         unsafe {
             let f = &*self.params;
-            if PHASE == ForwardHandover::GATE_UP {
-                count_stored(p, work, f.gate_up_stored as *mut u32, f.silent_hidden_tile);
-            } else {
-                count_stored(p, work, f.down_stored as *mut u32, NO_FAULT);
+            match self.phase {
+                ForwardHandover::GATE_UP => count_stored(p, work, f.gate_up_stored as *mut u32, f.silent_hidden_tile),
+                ForwardHandover::DOWN => count_stored(p, work, f.down_stored as *mut u32, NO_FAULT),
+                ForwardHandover::SHARED_GATE_UP => count_stored(p, work, f.shared_gate_up_stored as *mut u32, NO_FAULT),
+                _ => count_stored(p, work, f.shared_down_stored as *mut u32, NO_FAULT),
             }
         }
     }

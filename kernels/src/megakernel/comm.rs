@@ -11,7 +11,7 @@
 //! summed in the same order, so the bits do not depend on P.
 
 use crate::comm::RankView;
-use crate::comm::error::{self, ERROR_TIMEOUT, WAIT_ENGINE_TILE_OUTPUT, WAIT_SLOT_READY};
+use crate::comm::error::{self, ERROR_TIMEOUT, WAIT_ENGINE_TILE_OUTPUT, WAIT_SHARED_TILE_OUTPUT, WAIT_SLOT_READY};
 use crate::comm::params::ExchangeParams;
 use crate::comm::schedule::{rows_in_tile, tile_of_row};
 use crate::comm::wait::{signal, wait_until};
@@ -83,15 +83,22 @@ pub unsafe fn dispatch(f: &ForwardParams, pass: &PassInputs, view: Option<&RankV
         let source_rank: *const u32 = view.map_or(core::ptr::null(), |v| v.local(v.params.regions.ring_source_rank));
         let copy = f.work & WORK_COPY_ROWS != 0 && !view.is_some_and(|_| error::has_error(f.error as *const u32));
         let handout = smem::dynamic_smem_base();
+        // With a shared expert the queue starts with its M tiles (its gate/up phase runs first).
+        let shared_tiles = if f.shared_gate_up != 0 { pass.tokens.div_ceil(TILE_M) } else { 0 };
         loop {
             if sreg::thread_idx_x() == 0 {
                 st_shared_u32(handout, atom_add_relaxed_gpu_u32(f.dispatch_next as *mut u32, 1));
             }
             sync::block_barrier();
-            let tile = ld_shared_u32(handout);
-            if tile >= m_tiles {
+            let claimed = ld_shared_u32(handout);
+            if claimed >= shared_tiles + m_tiles {
                 return;
             }
+            if claimed < shared_tiles {
+                copy_shared_tile(f, pass, claimed, f.work & WORK_COPY_ROWS != 0);
+                continue;
+            }
+            let tile = claimed - shared_tiles;
             // tile < m_tiles: a group holds it.
             let g = group_of_tile(tile_offsets, tile).unwrap_or(0);
             let first = row_offsets[g] + (tile - tile_offsets[g]) * TILE_M;
@@ -117,6 +124,60 @@ pub unsafe fn dispatch(f: &ForwardParams, pass: &PassInputs, view: Option<&RankV
                 st_release_gpu_u32((f.rows_dispatched as *mut u32).add(tile as usize), 1);
             }
         }
+    }
+}
+
+/// The combine's bounded wait (acquire) until the shared expert's down tiles of `token`'s M tile
+/// are all stored: its rows are the first term of the token's sum.
+///
+/// # Safety
+/// As [`combine`], with a shared expert; `token` < `tokens`, the pass's T.
+#[inline(always)]
+unsafe fn wait_for_shared_rows(f: &ForwardParams, token: u32, tokens: u32) {
+    let tile = token / TILE_M;
+    // SAFETY: the shared down plan's parameter block and the tile's counter (caller contract).
+    unsafe {
+        let n_tiles = (*(f.shared_down as *const GemmParams)).n.div_ceil(TILE_N);
+        let expected = parts_per_m_tile(n_tiles, (tokens - tile * TILE_M).min(TILE_M));
+        let counter = (f.shared_down_stored as *const u32).add(tile as usize);
+        let error = f.error as *mut u32;
+        if let Err(seen) = wait_until(counter, false, downstream_deadline(f.timeout_ns, 2), error, |v| v >= expected) {
+            error::record(error, [ERROR_TIMEOUT, WAIT_SHARED_TILE_OUTPUT, f.rank, tile, expected, seen, f.rank, 0]);
+        }
+    }
+}
+
+/// One M tile of the shared expert's rows, by every thread of a block: tokens `128·tile ..`
+/// copied from the pass's x (this rank's own tokens) into `shared_x` (a warp per row) when
+/// `copy`, then, after a block barrier, thread 0 sets the tile's `shared_dispatched` flag with a
+/// release (the routed tiles' pattern).
+///
+/// # Safety
+/// As [`dispatch`], with a shared expert; `tile` < ⌈T / 128⌉.
+#[inline(always)]
+unsafe fn copy_shared_tile(f: &ForwardParams, pass: &PassInputs, tile: u32, copy: bool) {
+    let (warp, warps, lane) = (sreg::thread_idx_x() / 32, sreg::block_dim_x() / 32, sreg::lane_id());
+    let end = ((tile + 1) * TILE_M).min(pass.tokens);
+    let mut token = if copy { tile * TILE_M + warp } else { end };
+    while token < end {
+        let offset = (token * f.hidden) as usize;
+        // SAFETY: token < T rows of H bf16 in x and in `shared_x` (caller contract).
+        unsafe {
+            copy_row(
+                (pass.x as *const u16).add(offset) as *const u32,
+                (f.shared_x as *mut u16).add(offset) as *mut u32,
+                f.hidden / 8,
+                lane,
+            )
+        };
+        token += warps;
+    }
+    // Every row of the tile written (and the hand-out read) before the release and the next
+    // hand-out.
+    sync::block_barrier();
+    if sreg::thread_idx_x() == 0 {
+        // SAFETY: the tile's flag (caller contract).
+        unsafe { st_release_gpu_u32((f.shared_dispatched as *mut u32).add(tile as usize), 1) };
     }
 }
 
@@ -248,6 +309,9 @@ pub unsafe fn combine(f: &ForwardParams, pass: &PassInputs, view: Option<&RankVi
                         }
                     }
                 }
+            }
+            if f.shared_gate_up != 0 && f.work & WORK_GEMMS != 0 && !(view.is_some() && error::has_error(error)) {
+                wait_for_shared_rows(f, token, pass.tokens);
             }
             let rows = match view {
                 None => f.down_rows as *const f32,

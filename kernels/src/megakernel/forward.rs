@@ -11,9 +11,12 @@
 //! blocks from the next whole pair on are the compute role, in 2-block clusters: once the
 //! dispatch queue is empty they run every gate/up + SwiGLU tile as soon as its rows have
 //! landed and every down tile as soon as all gate/up tiles of its rows are stored (the engine's
-//! phases with [`ForwardHandover`] hooks), then their consumer warps push and combine. Work is
-//! taken in the order dispatch, gate/up, down, push, combine from counters, so a wait is always
-//! on work a running block already holds (docs/ARCHITECTURE.md). Every result is the
+//! phases with [`ForwardHandover`] hooks), then their consumer warps push and combine. With a
+//! shared expert the dispatch also copies the rank's token rows for it, and the compute blocks
+//! run its gate/up tiles before the routed ones and its down tiles before the routed downs.
+//! Work is taken in the order dispatch, shared gate/up, gate/up, shared down, down, push,
+//! combine from counters, so a wait is always on work a running block already holds
+//! (docs/ARCHITECTURE.md). Every result is the
 //! standalone path's bits: the rows are the same copies, each GEMM tile the same K loop, each
 //! token's sum the same order.
 
@@ -81,13 +84,20 @@ pub unsafe fn forward(params: *const ForwardParams, pass: PassInputs, block: u32
                 push_and_combine(f, &pass);
                 return;
             }
-            let phases = (
-                ForwardHandover::<{ ForwardHandover::GATE_UP }>::new(params),
-                ForwardHandover::<{ ForwardHandover::DOWN }>::new(params),
-            );
-            if run_forward_phases(f.gate_up as *const GemmParams, phases.0, f.down as *const GemmParams, phases.1)
-                .is_some()
-            {
+            // Phases: the shared expert's gate/up, the routed gate/up, the shared down, the
+            // routed down (`run_forward_phases`, numbered as `ForwardHandover`'s phases); each
+            // plan is read where its phase starts. `params` is valid for the whole launch
+            // (caller contract; the closures run inside this unsafe block).
+            let plan = move |phase: u32| {
+                let f = &*params;
+                (match phase {
+                    ForwardHandover::SHARED_GATE_UP => f.shared_gate_up,
+                    ForwardHandover::GATE_UP => f.gate_up,
+                    ForwardHandover::SHARED_DOWN => f.shared_down,
+                    _ => f.down,
+                }) as *const GemmParams
+            };
+            if run_forward_phases(plan, move |phase| ForwardHandover::new(params, phase)).is_some() {
                 push_and_combine(f, &pass);
             }
         }
