@@ -824,16 +824,21 @@ mod work_order_model {
     }
 
     mod forward {
-        //! The forward: each rank's blocks take dispatch tiles, gate/up tiles, down tiles, across
-        //! ranks push rows, and combine tokens from the rank's queues in that order. A pushed row
-        //! waits on its rank's down tile; a token's combine, across ranks on the rows its owners
-        //! push, on one GPU on the down tiles.
+        //! The forward: each rank's blocks take dispatch tiles (the shared expert's copies
+        //! first), the shared expert's gate/up tiles, the routed gate/up tiles, the shared down
+        //! tiles, the routed down tiles, across ranks push rows, and combine tokens from the
+        //! rank's queues in that order. A pushed row waits on its rank's down tile; a token's
+        //! combine on its shared-expert tile and, across ranks on the rows its owners push, on
+        //! one GPU on the down tiles.
 
         use super::*;
 
         /// A unit of work of rank `.0`.
         #[derive(Clone, Copy, PartialEq, Debug)]
         enum Unit {
+            SharedDispatch(usize, usize),
+            SharedGateUp(usize, usize),
+            SharedDown(usize, usize),
             Dispatch(usize, usize),
             GateUp(usize, usize),
             Down(usize, usize),
@@ -846,6 +851,14 @@ mod work_order_model {
         const DOWN: usize = 2;
         const PUSH: usize = 3;
         const COMBINE: usize = 4;
+        /// The shared expert's: its row copies (the head of the dispatch queue in the kernel),
+        /// its gate/up and its down tiles.
+        const SHARED_DISPATCH: usize = 5;
+        const SHARED_GATE_UP: usize = 6;
+        const SHARED_DOWN: usize = 7;
+        /// Every queue a compute pair takes, in the kernel's order.
+        const COMPUTE_ORDER: [usize; 8] =
+            [SHARED_DISPATCH, DISPATCH, SHARED_GATE_UP, GATE_UP, SHARED_DOWN, DOWN, PUSH, COMBINE];
 
         /// One rank's counters and queues.
         #[derive(Default)]
@@ -859,8 +872,19 @@ mod work_order_model {
             pushed: Vec<bool>,
             /// Per token of the rank: the (owner, ring row) of each of its slots.
             slots: Vec<Vec<(usize, usize)>>,
-            next: [usize; 5],
+            /// Per M tile of the shared expert (empty without one): copied, gate/up and down
+            /// tiles stored; token t lies in tile t · tiles / tokens.
+            shared_dispatched: Vec<bool>,
+            shared_gate_up_done: Vec<usize>,
+            shared_down_done: Vec<usize>,
+            next: [usize; 8],
             combined: usize,
+        }
+
+        impl Rank {
+            fn shared_tile(&self, token: usize) -> usize {
+                token * self.shared_dispatched.len() / self.slots.len()
+            }
         }
 
         struct Forward {
@@ -880,12 +904,16 @@ mod work_order_model {
                 let (n_gate_up, n_down, with_push, rank) = (self.n_gate_up, self.n_down, self.with_push, who.rank);
                 let r = &mut self.ranks[rank];
                 let m_tiles = r.dispatched.len();
+                let shared_tiles = r.shared_dispatched.len();
                 let len = [
                     m_tiles,
                     m_tiles * n_gate_up,
                     m_tiles * n_down,
                     if with_push { r.rows.len() } else { 0 },
                     r.slots.len(),
+                    shared_tiles,
+                    shared_tiles * n_gate_up,
+                    shared_tiles * n_down,
                 ][q];
                 let i = r.next[q];
                 if i >= len {
@@ -897,20 +925,31 @@ mod work_order_model {
                     GATE_UP => Unit::GateUp(rank, i / n_gate_up),
                     DOWN => Unit::Down(rank, i / n_down),
                     PUSH => Unit::Push(rank, i),
-                    _ => Unit::Combine(rank, i),
+                    COMBINE => Unit::Combine(rank, i),
+                    SHARED_DISPATCH => Unit::SharedDispatch(rank, i),
+                    SHARED_GATE_UP => Unit::SharedGateUp(rank, i / n_gate_up),
+                    _ => Unit::SharedDown(rank, i / n_down),
                 })
             }
 
             fn ready(&self, unit: Unit) -> bool {
                 match unit {
-                    Unit::Dispatch(..) => true,
+                    Unit::Dispatch(..) | Unit::SharedDispatch(..) => true,
+                    Unit::SharedGateUp(r, m) => self.ranks[r].shared_dispatched[m],
+                    Unit::SharedDown(r, m) => self.ranks[r].shared_gate_up_done[m] == self.n_gate_up,
                     Unit::GateUp(r, m) => self.ranks[r].dispatched[m],
                     Unit::Down(r, m) => self.ranks[r].gate_up_done[m] == self.n_gate_up,
                     Unit::Push(r, row) => self.ranks[r].down_done[self.ranks[r].rows[row].0] == self.n_down,
-                    Unit::Combine(r, t) => self.ranks[r].slots[t].iter().all(|&(owner, row)| {
-                        let o = &self.ranks[owner];
-                        if self.with_push { o.pushed[row] } else { o.down_done[o.rows[row].0] == self.n_down }
-                    }),
+                    Unit::Combine(r, t) => {
+                        let rank = &self.ranks[r];
+                        let shared_ready =
+                            rank.shared_dispatched.is_empty() || rank.shared_down_done[rank.shared_tile(t)] == self.n_down;
+                        shared_ready
+                            && rank.slots[t].iter().all(|&(owner, row)| {
+                                let o = &self.ranks[owner];
+                                if self.with_push { o.pushed[row] } else { o.down_done[o.rows[row].0] == self.n_down }
+                            })
+                    }
                 }
             }
 
@@ -921,16 +960,20 @@ mod work_order_model {
                     Unit::Down(r, m) => self.ranks[r].down_done[m] += 1,
                     Unit::Push(r, row) => self.ranks[r].pushed[row] = true,
                     Unit::Combine(r, _) => self.ranks[r].combined += 1,
+                    Unit::SharedDispatch(r, m) => self.ranks[r].shared_dispatched[m] = true,
+                    Unit::SharedGateUp(r, m) => self.ranks[r].shared_gate_up_done[m] += 1,
+                    Unit::SharedDown(r, m) => self.ranks[r].shared_down_done[m] += 1,
                 }
             }
 
             fn pipelined(unit: Unit) -> bool {
-                matches!(unit, Unit::GateUp(..) | Unit::Down(..))
+                matches!(unit, Unit::GateUp(..) | Unit::Down(..) | Unit::SharedGateUp(..) | Unit::SharedDown(..))
             }
         }
 
         /// A random pass: `ranks` ranks, each with its own M tiles and tokens; every slot of a
-        /// token lands in a row of a random owner's ring.
+        /// token lands in a row of a random owner's ring; with a shared expert (or not) of a
+        /// random number of M tiles per rank.
         fn random_world(rng: &mut Rng, ranks: usize, with_push: bool) -> Forward {
             let mut world = Forward {
                 ranks: (0..ranks).map(|_| Rank::default()).collect(),
@@ -962,6 +1005,13 @@ mod work_order_model {
                     world.ranks[s].slots.push(slots);
                 }
             }
+            if rng.below(2) == 0 {
+                for rank in &mut world.ranks {
+                    let tiles = 1 + rng.below(rank.slots.len());
+                    (rank.shared_dispatched, rank.shared_gate_up_done, rank.shared_down_done) =
+                        (vec![false; tiles], vec![0; tiles], vec![0; tiles]);
+                }
+            }
             world
         }
 
@@ -980,9 +1030,11 @@ mod work_order_model {
                 let (comm_blocks, pairs) = (rng.below(4), 1 + rng.below(4));
                 let mut agents = Vec::new();
                 for r in 0..ranks {
-                    agents.extend((0..comm_blocks).map(|_| Agent::new(rank(r), vec![DISPATCH, PUSH, COMBINE])));
-                    agents
-                        .extend((0..pairs).map(|_| Agent::new(rank(r), vec![DISPATCH, GATE_UP, DOWN, PUSH, COMBINE])));
+                    agents.extend(
+                        (0..comm_blocks)
+                            .map(|_| Agent::new(rank(r), vec![SHARED_DISPATCH, DISPATCH, PUSH, COMBINE])),
+                    );
+                    agents.extend((0..pairs).map(|_| Agent::new(rank(r), COMPUTE_ORDER.to_vec())));
                 }
                 let what = format!("case {case}: {ranks} ranks, {comm_blocks} comm blocks and {pairs} pairs each");
                 run_to_completion(&mut world, &mut agents, &mut rng, &what);
@@ -991,6 +1043,7 @@ mod work_order_model {
                     assert!(rank.gate_up_done.iter().all(|&n| n == world.n_gate_up), "case {case} rank {r}");
                     assert!(rank.down_done.iter().all(|&n| n == world.n_down), "case {case} rank {r}");
                     assert!(!with_push || rank.pushed.iter().all(|&p| p), "case {case} rank {r}: a row never pushed");
+                    assert!(rank.shared_down_done.iter().all(|&n| n == world.n_down), "case {case} rank {r}");
                     assert_eq!(rank.combined, rank.slots.len(), "case {case} rank {r}");
                 }
             }
@@ -998,7 +1051,7 @@ mod work_order_model {
 
         /// One rank with one M tile, one row and one token, the counters and queue positions
         /// given.
-        fn one_tile_world(gate_up_done: usize, down_done: usize, next: [usize; 5], with_push: bool) -> Forward {
+        fn one_tile_world(gate_up_done: usize, down_done: usize, next: [usize; 8], with_push: bool) -> Forward {
             Forward {
                 ranks: vec![Rank {
                     dispatched: vec![true],
@@ -1009,6 +1062,7 @@ mod work_order_model {
                     slots: vec![vec![(0, 0)]],
                     next,
                     combined: 0,
+                    ..Rank::default()
                 }],
                 n_gate_up: 1,
                 n_down: 1,
@@ -1022,7 +1076,7 @@ mod work_order_model {
             // spent could wait on gate/up work nobody holds. One pair whose producer takes the
             // down tile of an M tile first waits forever: the only agent, and its wait is on work
             // not yet taken.
-            let mut world = one_tile_world(0, 0, [1, 0, 0, 0, 0], false);
+            let mut world = one_tile_world(0, 0, [1, 0, 0, 0, 0, 0, 0, 0], false);
             let mut wrong = Agent::new(rank(0), vec![DOWN, GATE_UP, COMBINE]);
             let progress = lone_progress(&mut world, &mut wrong, &mut Rng(7));
             assert_eq!(progress, 1, "only the take of the down tile happens; then it waits forever");
@@ -1033,7 +1087,7 @@ mod work_order_model {
         fn a_combine_before_the_push_queue_is_spent_can_deadlock() {
             // Across ranks the push must come before the combine: a rank's only agent that
             // combines first waits for its own row, which only it would push.
-            let mut world = one_tile_world(1, 1, [1, 1, 1, 0, 0], true);
+            let mut world = one_tile_world(1, 1, [1, 1, 1, 0, 0, 0, 0, 0], true);
             let mut wrong = Agent::new(rank(0), vec![COMBINE, PUSH]);
             let progress = lone_progress(&mut world, &mut wrong, &mut Rng(9));
             assert_eq!(progress, 1, "only the take of the combine token happens; then it waits forever");
