@@ -103,6 +103,27 @@ fn forward_plan_sets<'a>(
         .collect()
 }
 
+/// Each rank's backward megakernel plans: its five, then its shared expert's five (when
+/// `shared` has backward plans for it).
+fn backward_plan_sets<'a>(routed: &'a [[EnginePlan; 5]], shared: &'a [SharedEnginePlans]) -> Vec<Vec<&'a EnginePlan>> {
+    routed
+        .iter()
+        .enumerate()
+        .map(|(r, plans)| {
+            let mut set: Vec<&EnginePlan> = plans.iter().collect();
+            if let Some((shared_plans, _)) = shared.get(r).and_then(SharedEnginePlans::backward_plans) {
+                set.extend(shared_plans);
+            }
+            set
+        })
+        .collect()
+}
+
+/// What one rank's backward megakernel plans were built for: the routed weights, the routed
+/// gradient target and whether it accumulates into f32, and with a shared expert its weights
+/// and gradient target.
+type BackwardKey = ([u64; 3], [u64; 3], bool, Option<([u64; 3], [u64; 3])>);
+
 /// The forward megakernel of every rank: each rank's engine plans over its ring, the engine's
 /// tile offsets of its ring, and the pass (built at the first forward, again for other weights).
 struct EpMegakernel {
@@ -126,7 +147,9 @@ struct EpBackwardMegakernel {
     tile_offsets: Vec<DeviceBuffer<u32>>,
     /// Per rank: the plans, and the weights and gradient targets they were built for.
     plans: Vec<[EnginePlan; 5]>,
-    built_for: Vec<([u64; 3], [u64; 3], bool)>,
+    built_for: Vec<BackwardKey>,
+    /// Per rank (none without a shared expert): its shared expert's plans inside the launch.
+    shared: Vec<SharedEnginePlans>,
     pass: Option<BackwardMegakernel>,
 }
 
@@ -274,8 +297,14 @@ impl EpLayer {
             });
         }
         let tile_offsets = self.megakernel_ring_tile_offsets(gpu, BACKWARD_RANKS_KERNEL, &options)?;
-        self.backward_megakernel =
-            Some(EpBackwardMegakernel { options, tile_offsets, plans: Vec::new(), built_for: Vec::new(), pass: None });
+        self.backward_megakernel = Some(EpBackwardMegakernel {
+            options,
+            tile_offsets,
+            plans: Vec::new(),
+            built_for: Vec::new(),
+            shared: Vec::new(),
+            pass: None,
+        });
         Ok(())
     }
 
@@ -305,26 +334,30 @@ impl EpLayer {
         pass.set_faults(local, faults)
     }
 
-    /// Builds every rank's backward plans and the backward megakernel pass over them (when it is
-    /// on): on first use, and again for other weights or gradient targets. `targets[local]`:
+    /// Builds every rank's backward plans (and its shared expert's for `shared`, into
+    /// `shared_targets[local]`) and the backward megakernel pass over them (when it is on): on
+    /// first use, and again for other weights or gradient targets. `targets[local]`:
     /// `([dw_gate, dw_up, dw_down] addresses, accumulate into f32)`.
     ///
     /// # Safety
-    /// The targets are live allocations of the routed gradients' lengths (f32 when accumulating)
-    /// until the stream has run every pass launched over these plans.
+    /// The targets are live allocations of the gradients' lengths (f32 when accumulating) until
+    /// the stream has run every pass launched over these plans.
     unsafe fn prepare_backward_megakernel(
         &mut self,
         gpu: &Gpu,
-        experts: &[ExpertsView<'_>],
-        shared_dx: &[u64],
+        (experts, shared): (&[ExpertsView<'_>], Option<SharedExpertView<'_>>),
         targets: &[([u64; 3], bool)],
+        shared_targets: &[[u64; 3]],
     ) -> Result<()> {
-        let Some(m) = self.backward_megakernel.as_ref() else { return Ok(()) };
-        let keys: Vec<([u64; 3], [u64; 3], bool)> = experts
+        let Some(m) = self.backward_megakernel.as_mut() else { return Ok(()) };
+        let shared_key = shared.map(|w| [w.ws_gate.device_ptr(), w.ws_up.device_ptr(), w.ws_down.device_ptr()]);
+        let keys: Vec<BackwardKey> = experts
             .iter()
             .zip(targets)
-            .map(|(w, &(dw, accumulate))| {
-                ([w.w_gate.device_ptr(), w.w_up.device_ptr(), w.w_down.device_ptr()], dw, accumulate)
+            .enumerate()
+            .map(|(local, (w, &(dw, accumulate)))| {
+                let shared = shared_key.zip(shared_targets.get(local).copied());
+                ([w.w_gate.device_ptr(), w.w_up.device_ptr(), w.w_down.device_ptr()], dw, accumulate, shared)
             })
             .collect();
         if m.pass.is_some() && m.built_for == keys {
@@ -333,6 +366,34 @@ impl EpLayer {
         let c = &self.config;
         let r = *self.exchange.regions();
         let locals = self.exchange.heap().local_ranks();
+        // The shared expert's plans read the rank's dy through the gather's copy and its x in
+        // place (a fixed heap address).
+        let mut shared_plans = std::mem::take(&mut m.shared);
+        if let Some(weights) = shared {
+            shared_plans.retain(|s| s.built_for(weights));
+            for (local, state) in self.ranks.iter().enumerate() {
+                let Some(workspace) = &state.shared else { continue };
+                if shared_plans.len() <= local {
+                    shared_plans.push(SharedEnginePlans::new(gpu, workspace, weights)?);
+                }
+                let x = self.exchange.address(locals[local], r.x);
+                let accumulate = targets[local].1;
+                // SAFETY: the heap's x region of the rank holds T rows of H bf16 for the layer's
+                // life; the gradient targets are the caller's contract.
+                unsafe {
+                    shared_plans[local].prepare_backward(
+                        gpu,
+                        workspace,
+                        weights,
+                        x,
+                        (shared_targets[local], accumulate),
+                    )
+                }?;
+            }
+        } else {
+            shared_plans.clear();
+        }
+        let m = self.backward_megakernel.as_ref().expect("checked above");
         let mut plans = Vec::with_capacity(self.ranks.len());
         for (local, ((state, w), &rank)) in self.ranks.iter().zip(experts).zip(locals).enumerate() {
             let groups = self.ring_groups(rank, &m.tile_offsets[local]);
@@ -346,8 +407,10 @@ impl EpLayer {
             .ranks
             .iter()
             .zip(locals)
-            .zip(shared_dx)
-            .map(|((state, &rank), &shared_rows)| {
+            .enumerate()
+            .map(|(local, (state, &rank))| {
+                let shared_rows = state.shared.as_ref().filter(|_| shared.is_some());
+                let shared_rows = shared_rows.map_or(0, |(compute, _)| compute.d_in_rows().device_ptr());
                 Ok(BackwardBuffers {
                     row_source: self.exchange.address(rank, r.ring_source_slot),
                     slot_row: self.exchange.address(rank, r.slot_self),
@@ -359,13 +422,15 @@ impl EpLayer {
                     top_k: c.top_k as u32,
                     hidden: c.hidden as u32,
                     rank: Some(self.rank_pass(rank, r.dy, shared_rows)?),
+                    shared_dy: shared_plans.get(local).and_then(|s| s.backward_plans()).map(|(_, dy)| dy),
                 })
             })
             .collect::<Result<_>>()?;
-        let sets: Vec<[&EnginePlan; 5]> = plans.iter().map(|p| p.each_ref()).collect();
+        let sets = backward_plan_sets(&plans, &shared_plans);
+        let sets: Vec<&[&EnginePlan]> = sets.iter().map(Vec::as_slice).collect();
         let pass = BackwardMegakernel::new(gpu, &sets, &buffers, &m.options)?;
         if let Some(m) = self.backward_megakernel.as_mut() {
-            (m.plans, m.built_for, m.pass) = (plans, keys, Some(pass));
+            (m.plans, m.built_for, m.shared, m.pass) = (plans, keys, shared_plans, Some(pass));
         }
         Ok(())
     }
@@ -732,16 +797,6 @@ impl EpLayer {
         target: Option<&EpGradTargets>,
     ) -> Result<()> {
         let accumulate_f32 = target.is_some_and(|t| t.accumulate_f32);
-        // The shared expert's dx rows are fixed buffers: the pass is built (and can fail)
-        // before anything is enqueued, so a failed call adds no gradient anywhere.
-        let shared_dx: Vec<u64> = self
-            .ranks
-            .iter()
-            .map(|state| match (shared, &state.shared) {
-                (Some(_), Some((compute, _))) => compute.d_in_rows().device_ptr(),
-                _ => 0,
-            })
-            .collect();
         let targets: Vec<([u64; 3], bool)> = self
             .ranks
             .iter()
@@ -751,13 +806,23 @@ impl EpLayer {
                 (target.map_or(own, |t| t.routed[local]), accumulate_f32)
             })
             .collect();
+        // Each rank's shared expert runs inside the launch, into its own gradients or the
+        // caller's.
+        let shared_targets: Vec<[u64; 3]> = self
+            .ranks
+            .iter()
+            .enumerate()
+            .filter_map(|(local, state)| {
+                let dws = state.dws.as_ref()?;
+                let own = [dws[0].device_ptr(), dws[1].device_ptr(), dws[2].device_ptr()];
+                Some(target.map_or(own, |t| t.shared[local]))
+            })
+            .collect();
         // SAFETY: the targets are the layer's own gradients or the caller's, checked against the
         // layouts by the caller of `backward_views` and alive until the stream has run the pass;
-        // a plan over another target is rebuilt before it is launched again.
-        unsafe { self.prepare_backward_megakernel(gpu, experts, &shared_dx, &targets) }?;
-        for local in 0..self.ranks.len() {
-            self.shared_backward(gpu, local, shared, target)?;
-        }
+        // a plan over another target is rebuilt before it is launched again. The pass is built
+        // (and can fail) before anything is enqueued, so a failed call adds no gradient anywhere.
+        unsafe { self.prepare_backward_megakernel(gpu, (experts, shared), &targets, &shared_targets) }?;
         let gpus = [gpu];
         let l = self.config.local_experts();
         let not_built = || MokError::InvalidInput { tensor: "megakernel", problem: "no backward pass built".into() };
@@ -765,9 +830,14 @@ impl EpLayer {
         for (local, &rank) in self.exchange.heap().local_ranks().iter().enumerate() {
             engine::tile_offsets_into(gpu, self.exchange.ring_row_offsets(rank), l, &m.tile_offsets[local])?;
         }
+        for (s, state) in m.shared.iter_mut().zip(&self.ranks) {
+            if let Some((_, offsets)) = &state.shared {
+                s.set_tokens(gpu, offsets, self.config.tokens_per_rank)?;
+            }
+        }
         self.exchange.clear_slot_ready(&gpus)?;
-        let sets: Vec<[&EnginePlan; 5]> = m.plans.iter().map(|p| p.each_ref()).collect();
-        let sets: Vec<&[&EnginePlan]> = sets.iter().map(|p| &p[..]).collect();
+        let sets = backward_plan_sets(&m.plans, &m.shared);
+        let sets: Vec<&[&EnginePlan]> = sets.iter().map(Vec::as_slice).collect();
         let pass = m.pass.as_mut().ok_or_else(not_built)?;
         let silent: Vec<bool> =
             self.exchange.heap().local_ranks().iter().map(|&r| self.exchange.silent(r, Silence::Push)).collect();

@@ -587,46 +587,66 @@ pub(crate) struct BackwardBuffers {
     /// With expert-parallel ranks: the rank's place in the symmetric heap (its inputs: dy, the
     /// slot weights, its shared expert's dx rows).
     pub rank: Option<RankPass>,
+    /// With a shared expert run inside the pass: `[cap][H]` bf16 where the gather copies dy for
+    /// it (its plans come after the routed ones, in the same order).
+    pub shared_dy: Option<u64>,
 }
 
 impl BackwardMegakernel {
     /// The pass of one rank (`buffers.len() == 1` without ranks: one GPU) or of every virtual
-    /// rank in one launch; `plans[r]` are rank r's plans in [`BACKWARD_PLAN_KERNELS`] order.
+    /// rank in one launch; `plans[r]` are rank r's plans in [`BACKWARD_PLAN_KERNELS`] order, then,
+    /// when `buffers[r].shared_dy` is given, its shared expert's five in the same order.
     pub(crate) fn new(
         gpu: &Gpu,
-        plans: &[[&EnginePlan; 5]],
+        plans: &[&[&EnginePlan]],
         buffers: &[BackwardBuffers],
         options: &MegakernelOptions,
     ) -> Result<Self> {
-        for (rank_plans, b) in plans.iter().zip(buffers) {
-            for (plan, expected) in rank_plans.iter().zip(BACKWARD_PLAN_KERNELS) {
-                if plan.kernel() != expected {
-                    return Err(MokError::InvalidInput {
-                        tensor: "megakernel",
-                        problem: format!("the backward runs a {expected} plan where it was given {}", plan.kernel()),
-                    });
-                }
-            }
-            // The down weight gradient (`[G][H][I]`) first, then gate and up (`[G][I][H]`): each
-            // phase waits on what its own product reads.
-            let dims = [2, 3, 4].map(|i| rank_plans[i].output_dims());
-            if dims[0].0 != b.hidden || dims[1].1 != b.hidden || dims[2].1 != b.hidden {
+        for (set, b) in plans.iter().zip(buffers) {
+            let expected = if b.shared_dy.is_some() { 10 } else { 5 };
+            if set.len() != expected {
                 return Err(MokError::InvalidInput {
                     tensor: "megakernel",
-                    problem: format!(
-                        "weight-gradient plans of outputs {dims:?}: expected down [H][I], then gate and up [I][H] (H = {})",
-                        b.hidden
-                    ),
+                    problem: format!("the backward runs {expected} plans here, not {}", set.len()),
                 });
+            }
+            for experts in set.chunks(5) {
+                for (plan, expected) in experts.iter().zip(BACKWARD_PLAN_KERNELS) {
+                    if plan.kernel() != expected {
+                        return Err(MokError::InvalidInput {
+                            tensor: "megakernel",
+                            problem: format!(
+                                "the backward runs a {expected} plan where it was given {}",
+                                plan.kernel()
+                            ),
+                        });
+                    }
+                }
+                // The down weight gradient (`[G][H][I]`) first, then gate and up (`[G][I][H]`):
+                // each phase waits on what its own product reads.
+                let dims = [2, 3, 4].map(|i| experts[i].output_dims());
+                if dims[0].0 != b.hidden || dims[1].1 != b.hidden || dims[2].1 != b.hidden {
+                    return Err(MokError::InvalidInput {
+                        tensor: "megakernel",
+                        problem: format!(
+                            "weight-gradient plans of outputs {dims:?}: expected down [H][I], then gate and up [I][H] (H = {})",
+                            b.hidden
+                        ),
+                    });
+                }
             }
         }
         let ranks_of: Vec<Option<&RankPass>> = buffers.iter().map(|b| b.rank.as_ref()).collect();
         let with_ranks = ranks_of.first().is_some_and(Option::is_some);
         let kernels = [BACKWARD_KERNEL, BACKWARD_RANKS_KERNEL];
         let words = backward_counter_words;
-        let plan_slices: Vec<&[&EnginePlan]> = plans.iter().map(|p| &p[..]).collect();
-        build_pass(gpu, kernels, &plan_slices, &ranks_of, options, words, |r, at, comm_blocks, timeout_ns| {
+        build_pass(gpu, kernels, plans, &ranks_of, options, words, |r, at, comm_blocks, timeout_ns| {
             let (p, b, counters, tile_words) = (plans[r], &buffers[r], at.counters, at.tile_words);
+            // After the routed counters and the three queue words: the shared expert's three.
+            let shared_counters = counters + 3 * tile_words + 12;
+            let with_shared = b.shared_dy.is_some();
+            let shared = |i: usize| if with_shared { p[5 + i].params_ptr() } else { 0 };
+            let shared_counter = |i: u64| if with_shared { shared_counters + i * tile_words } else { 0 };
             BackwardParams {
                 down_dgrad: p[0].params_ptr(),
                 gate_up_dgrad: p[1].params_ptr(),
@@ -660,6 +680,13 @@ impl BackwardMegakernel {
                 rank_first_block: if with_ranks { at.first_block } else { 0 },
                 rank_blocks: at.blocks,
                 reserved_ranks: 0,
+                shared_down_dgrad: shared(0),
+                shared_gate_up_dgrad: shared(1),
+                shared_wgrad: [shared(2), shared(3), shared(4)],
+                shared_dy: b.shared_dy.unwrap_or(0),
+                shared_gathered: shared_counter(0),
+                shared_down_dgrad_stored: shared_counter(1),
+                shared_gate_up_dgrad_stored: shared_counter(2),
             }
         })
     }
@@ -942,8 +969,8 @@ mod work_order_model {
                     Unit::Push(r, row) => self.ranks[r].down_done[self.ranks[r].rows[row].0] == self.n_down,
                     Unit::Combine(r, t) => {
                         let rank = &self.ranks[r];
-                        let shared_ready =
-                            rank.shared_dispatched.is_empty() || rank.shared_down_done[rank.shared_tile(t)] == self.n_down;
+                        let shared_ready = rank.shared_dispatched.is_empty()
+                            || rank.shared_down_done[rank.shared_tile(t)] == self.n_down;
                         shared_ready
                             && rank.slots[t].iter().all(|&(owner, row)| {
                                 let o = &self.ranks[owner];
@@ -1031,8 +1058,7 @@ mod work_order_model {
                 let mut agents = Vec::new();
                 for r in 0..ranks {
                     agents.extend(
-                        (0..comm_blocks)
-                            .map(|_| Agent::new(rank(r), vec![SHARED_DISPATCH, DISPATCH, PUSH, COMBINE])),
+                        (0..comm_blocks).map(|_| Agent::new(rank(r), vec![SHARED_DISPATCH, DISPATCH, PUSH, COMBINE])),
                     );
                     agents.extend((0..pairs).map(|_| Agent::new(rank(r), COMPUTE_ORDER.to_vec())));
                 }

@@ -639,10 +639,19 @@ pub fn workspace_bytes(config: &MoeConfig, backend: Backend) -> Result<usize> {
                 + buffer(4 * mok_kernels::megakernel_layout::forward_counter_words(m_tiles))
                 + buffer(4 * mok_kernels::comm::params::ERROR_WORDS)
                 + buffer(8 * forward_plans);
+            // The backward runs the shared expert inside its launch too: its copy of dy and its
+            // five plans (the down dgrad with the SwiGLU backward 2 maps, the gate/up dgrad 5,
+            // three weight gradients 3 each), one group.
+            let backward_plans = if c.shared_intermediate.is_some() {
+                total += buffer(2 * t * h) + [2, 5, 3, 3, 3].map(|maps| plan_bytes(maps, 1)).iter().sum::<usize>();
+                10
+            } else {
+                5
+            };
             total += buffer(backward)
                 + buffer(4 * mok_kernels::megakernel_layout::backward_counter_words(m_tiles))
                 + buffer(4 * mok_kernels::comm::params::ERROR_WORDS)
-                + buffer(8 * 5);
+                + buffer(8 * backward_plans);
         }
     }
     Ok(total)

@@ -222,17 +222,37 @@ pub struct BackwardParams {
     pub rank_blocks: u32,
     /// Keeps the block a whole number of 8-byte words; 0.
     pub reserved_ranks: u32,
+    /// The shared expert's down data-gradient plan with the SwiGLU backward (A = `shared_dy`,
+    /// one group of the pass's T tokens; out = its d_gate and d_up), or 0 when the pass has no
+    /// shared expert (then every `shared_*` field is unused).
+    pub shared_down_dgrad: u64,
+    /// Its gate/up data-gradient plan (out = its f32 dx rows: `PassInputs::shared_rows`, the
+    /// first term of each token's dx sum).
+    pub shared_gate_up_dgrad: u64,
+    /// Its weight-gradient plans, in the order of [`BackwardParams::wgrad`] (down: `dyᵀ·hidden`,
+    /// gate and up: `d_gateᵀ·x`, `d_upᵀ·x`, over every token in order).
+    pub shared_wgrad: [u64; 3],
+    /// `[cap][H]` bf16: dy copied for the shared expert (dy is a per-pass input, and a plan's
+    /// tensor maps need a fixed address).
+    pub shared_dy: u64,
+    /// `[shared M tiles]` u32: 1 once that tile's dy rows are in `shared_dy`.
+    pub shared_gathered: u64,
+    /// `[shared M tiles]` u32: the shared down-dgrad parts stored per M tile.
+    pub shared_down_dgrad_stored: u64,
+    /// `[shared M tiles]` u32: the shared gate/up-dgrad parts stored per M tile.
+    pub shared_gate_up_dgrad_stored: u64,
 }
 
 // The host writes this block byte for byte: nineteen 8-byte words, eight u32, two 8-byte words,
-// four u32.
-const _: () = assert!(size_of::<BackwardParams>() == 216);
+// four u32, nine 8-byte words.
+const _: () = assert!(size_of::<BackwardParams>() == 288);
 
 /// Words of one rank's backward pass counters for plans of at most `m_tiles` M tiles: three
-/// per M tile (gathered, down-dgrad parts, gate/up-dgrad parts) and the three queues (gather,
-/// combine, and across ranks the push).
+/// per M tile for the routed experts (gathered, down-dgrad parts, gate/up-dgrad parts), the
+/// three queues (gather, combine, and across ranks the push), then three per M tile for the
+/// shared expert.
 pub const fn backward_counter_words(m_tiles: usize) -> usize {
-    3 * m_tiles + 3
+    6 * m_tiles + 3
 }
 
 /// [`ForwardParams::work`]: the dispatch copies the rows (without it, it only publishes them:

@@ -124,6 +124,25 @@ impl<T: Pod> DeviceBuffer<T> {
             .map_err(|e| cuda_error("cuMemcpyDtoDAsync", e))
     }
 
+    /// Enqueues a copy of `len` elements from device address `src` into the start of this
+    /// buffer, on the stream.
+    ///
+    /// # Safety
+    /// `src` holds `len` elements of `T` that stay allocated until the stream has run the copy.
+    pub(crate) unsafe fn copy_from_address(&mut self, src: u64, len: usize) -> Result<()> {
+        if len > self.len {
+            return Err(MokError::InvalidInput {
+                tensor: "device buffer",
+                problem: format!("a copy of {len} elements into a buffer of {}", self.len),
+            });
+        }
+        self.gpu.bind()?;
+        // SAFETY: `src` holds `len` elements (caller contract) and this allocation at least as
+        // many (checked); the copy is ordered on the stream with every kernel using either.
+        unsafe { result::memcpy_dtod_async(self.ptr, src, len * size_of::<T>(), self.gpu.stream) }
+            .map_err(|e| cuda_error("cuMemcpyDtoDAsync", e))
+    }
+
     /// Sets every byte to `byte`, ordered on the stream (0xff poisons f32 and bf16 as NaN).
     pub fn fill_bytes(&mut self, byte: u8) -> Result<()> {
         self.gpu.bind()?;

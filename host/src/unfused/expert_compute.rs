@@ -515,6 +515,21 @@ pub(crate) struct SharedEnginePlans {
     plans: [crate::gemm::EnginePlan; 2],
     /// The weight addresses (gate, up, down) the plans were built for.
     built_for: [u64; 3],
+    /// The backward megakernel's plans, once a backward built them.
+    backward: Option<SharedBackwardPlans>,
+    /// Hidden width H.
+    hidden: usize,
+}
+
+/// The shared expert's five plans inside the backward megakernel (`BackwardParams` order: the
+/// down dgrad with the SwiGLU backward, the gate/up dgrad, the down, gate and up weight
+/// gradients), the dy rows they read (copied by the megakernel's gather), and the input rows
+/// and gradient targets they were built for.
+struct SharedBackwardPlans {
+    dy_rows: DeviceBuffer<bf16>,
+    plans: [crate::gemm::EnginePlan; 5],
+    /// (input rows, gradient addresses `[dws_gate, dws_up, dws_down]`, accumulate into f32).
+    built_for: (u64, [u64; 3], bool),
 }
 
 impl SharedEnginePlans {
@@ -542,7 +557,15 @@ impl SharedEnginePlans {
             &groups,
             [weights.ws_gate, weights.ws_up, weights.ws_down],
         )?;
-        Ok(Self { x_rows, tile_offsets, tile_offsets_tokens: 0, plans: [gate_up, down], built_for: Self::key(weights) })
+        Ok(Self {
+            x_rows,
+            tile_offsets,
+            tile_offsets_tokens: 0,
+            plans: [gate_up, down],
+            built_for: Self::key(weights),
+            backward: None,
+            hidden: compute.hidden,
+        })
     }
 
     fn key(weights: super::SharedExpertView<'_>) -> [u64; 3] {
@@ -562,6 +585,72 @@ impl SharedEnginePlans {
     /// `[cap][H]` bf16 rows the dispatch copies the tokens into.
     pub(crate) fn x_rows(&self) -> u64 {
         self.x_rows.device_ptr()
+    }
+
+    /// Builds the backward plans (when they were built for other input rows or gradients):
+    /// over `input_rows` (`[cap][H]` bf16, this pass's token rows: [`Self::x_rows`] once a
+    /// forward megakernel or [`Self::copy_x`] filled it, or a fixed copy elsewhere), `weights`
+    /// (those of [`Self::new`]) and the gradient target `(dws [gate, up, down], accumulate)`.
+    ///
+    /// # Safety
+    /// `input_rows` holds `[cap][H]` bf16 and the gradient addresses `[Is][H]`, `[Is][H]`,
+    /// `[H][Is]` elements (f32 when accumulating, else bf16), alive for as long as the plans are
+    /// launched.
+    pub(crate) unsafe fn prepare_backward(
+        &mut self,
+        gpu: &Gpu,
+        (compute, offsets): &(ExpertCompute, DeviceBuffer<u32>),
+        weights: super::SharedExpertView<'_>,
+        input_rows: u64,
+        (grads, accumulate_f32): ([u64; 3], bool),
+    ) -> Result<()> {
+        let key = (input_rows, grads, accumulate_f32);
+        if self.backward.as_ref().is_some_and(|b| b.built_for == key) {
+            return Ok(());
+        }
+        let rows = compute.capacity * compute.hidden;
+        let dy_rows = match self.backward.take() {
+            Some(b) => b.dy_rows,
+            None => {
+                let mut rows = DeviceBuffer::alloc(gpu, rows)?;
+                rows.fill_bytes(0)?;
+                rows
+            }
+        };
+        let groups = crate::gemm::RowGroups {
+            row_offsets: offsets.into(),
+            tile_offsets: &self.tile_offsets,
+            groups: 1,
+            capacity: compute.capacity,
+        };
+        // SAFETY: caller contract (the input rows and the gradient targets).
+        let plans = unsafe {
+            compute.engine_backward_plans(
+                gpu,
+                ((&dy_rows).into(), DeviceSlice::from_raw_parts(input_rows, rows)),
+                &groups,
+                [weights.ws_gate, weights.ws_up, weights.ws_down],
+                (grads, accumulate_f32),
+            )
+        }?;
+        self.backward = Some(SharedBackwardPlans { dy_rows, plans, built_for: key });
+        Ok(())
+    }
+
+    /// The backward plans ([`Self::prepare_backward`]) and the dy rows they read.
+    pub(crate) fn backward_plans(&self) -> Option<([&crate::gemm::EnginePlan; 5], u64)> {
+        self.backward.as_ref().map(|b| (b.plans.each_ref(), b.dy_rows.device_ptr()))
+    }
+
+    /// Enqueues a copy of `tokens` rows of x (device address `x`, `[T][H]` bf16) into
+    /// [`Self::x_rows`] (a backward after a forward that did not run the megakernel).
+    ///
+    /// # Safety
+    /// `x` holds `tokens` rows of H bf16, alive until the stream has run the copy; `tokens` is at
+    /// most the capacity.
+    pub(crate) unsafe fn copy_x(&mut self, x: u64, tokens: usize) -> Result<()> {
+        // SAFETY: caller contract.
+        unsafe { self.x_rows.copy_from_address(x, tokens * self.hidden) }
     }
 
     /// Enqueues the engine tile offsets of `offsets` = `[0, T, ..]` when `tokens` (T) differs

@@ -73,8 +73,11 @@ pub struct UnfusedLayer {
     tokens: usize,
     /// The token count the shared expert's group offsets hold.
     shared_offsets_tokens: usize,
-    /// The shared expert's engine plans inside the forward megakernel (built with its pass).
+    /// The shared expert's engine plans inside the megakernels (built with their passes).
     shared_engine: Option<SharedEnginePlans>,
+    /// Whether the shared expert's copy of the token rows holds the last forward's x (its
+    /// megakernel copied it), so a backward megakernel need not copy it again.
+    shared_x_from_forward: bool,
 }
 
 /// The routed experts' GEMMs on the sm_90a tensor-core engine ([`crate::gemm`]) — the same
@@ -171,6 +174,7 @@ impl UnfusedLayer {
             tokens: t,
             shared_offsets_tokens: t,
             shared_engine: None,
+            shared_x_from_forward: false,
             grads: DeviceGrads {
                 dx: DeviceBuffer::alloc(gpu, t * h)?,
                 d_topk_weights: DeviceBuffer::alloc(gpu, slots)?,
@@ -339,13 +343,18 @@ impl UnfusedLayer {
         pass.set_work(work)
     }
 
-    /// Builds the backward megakernel pass for the engine's current plans (when it is on).
-    fn prepare_backward_megakernel(&mut self, gpu: &Gpu) -> Result<()> {
+    /// Builds the backward megakernel pass for the engine's current plans (when it is on), with
+    /// the shared expert's backward plans inside it when `with_shared`.
+    fn prepare_backward_megakernel(&mut self, gpu: &Gpu, with_shared: bool) -> Result<()> {
         let (Some((options, pass)), Some(engine)) = (self.backward_megakernel.as_mut(), self.engine.as_ref()) else {
             return Ok(());
         };
-        let plans = backward_plans(engine);
-        if pass.as_ref().is_some_and(|p| p.built_for(&[&plans[..]])) {
+        let mut plans = backward_plans(engine).to_vec();
+        let shared = self.shared_engine.as_ref().and_then(SharedEnginePlans::backward_plans).filter(|_| with_shared);
+        if let Some((shared_plans, _)) = shared {
+            plans.extend(shared_plans);
+        }
+        if pass.as_ref().is_some_and(|p| p.built_for(&[&plans])) {
             return Ok(());
         }
         let c = &self.config;
@@ -361,8 +370,9 @@ impl UnfusedLayer {
             top_k: c.top_k as u32,
             hidden: c.hidden as u32,
             rank: None,
+            shared_dy: shared.map(|(_, dy_rows)| dy_rows),
         };
-        *pass = Some(BackwardMegakernel::new(gpu, &[plans], &[buffers], options)?);
+        *pass = Some(BackwardMegakernel::new(gpu, &[&plans], &[buffers], options)?);
         Ok(())
     }
 
@@ -399,17 +409,28 @@ impl UnfusedLayer {
         })
     }
 
-    /// Builds the megakernel pass for the engine's current plans (when it is on), with the
-    /// shared expert's plans for `shared` inside it.
-    fn prepare_megakernel(&mut self, gpu: &Gpu, shared: Option<SharedExpertView<'_>>) -> Result<()> {
-        let (Some((options, pass)), Some(engine)) = (self.megakernel.as_mut(), self.engine.as_ref()) else {
+    /// Builds the shared expert's engine plans for `shared` (when a megakernel is on and the
+    /// layer has a shared expert): on first use, and again for other weights.
+    fn prepare_shared_engine(&mut self, gpu: &Gpu, shared: Option<SharedExpertView<'_>>) -> Result<()> {
+        if self.megakernel.is_none() && self.backward_megakernel.is_none() {
             return Ok(());
-        };
+        }
         if let (Some(weights), Some(workspace)) = (shared, &self.shared)
             && !self.shared_engine.as_ref().is_some_and(|s| s.built_for(weights))
         {
             self.shared_engine = Some(SharedEnginePlans::new(gpu, workspace, weights)?);
+            self.shared_x_from_forward = false;
         }
+        Ok(())
+    }
+
+    /// Builds the megakernel pass for the engine's current plans (when it is on), with the
+    /// shared expert's plans for `shared` inside it.
+    fn prepare_megakernel(&mut self, gpu: &Gpu, shared: Option<SharedExpertView<'_>>) -> Result<()> {
+        self.prepare_shared_engine(gpu, shared)?;
+        let (Some((options, pass)), Some(engine)) = (self.megakernel.as_mut(), self.engine.as_ref()) else {
+            return Ok(());
+        };
         let mut plans = vec![&engine.forward[0], &engine.forward[1]];
         let shared_engine = self.shared_engine.as_ref().filter(|_| shared.is_some());
         if let Some(s) = shared_engine {
@@ -746,6 +767,9 @@ impl UnfusedLayer {
         self.prepare_engine_plans(gpu, experts)?;
         self.prepare_megakernel(gpu, shared)?;
         self.tokens = t;
+        // The forward megakernel copies x for the shared expert; any other forward leaves its
+        // copy stale.
+        self.shared_x_from_forward = self.megakernel.is_some() && shared.is_some();
         self.set_shared_offsets(t)?;
         self.route(gpu, tokens.topk_ids)?;
         if self.megakernel.is_some() {
@@ -1004,22 +1028,39 @@ impl UnfusedLayer {
         dy: DeviceSlice<'_, bf16>,
         target: &GradAddresses,
     ) -> Result<()> {
-        self.prepare_backward_megakernel(gpu)?;
         let t = self.tokens;
         let e = self.config.num_experts;
-        let shared_dx = self.shared_backward(gpu, (tokens, shared), dy, target)?;
+        // The shared expert's backward runs inside the launch: its rows of this pass's x (copied
+        // unless the forward megakernel did), its group's tile offsets, its plans for `target`.
+        self.prepare_shared_engine(gpu, shared)?;
+        let mut shared_dx = 0;
+        if let (Some(weights), Some(engine), Some(workspace)) = (shared, self.shared_engine.as_mut(), &self.shared) {
+            if !self.shared_x_from_forward {
+                // SAFETY: x holds T rows of H bf16 (checked against the config), alive for the pass.
+                unsafe { engine.copy_x(tokens.x.device_ptr(), t) }?;
+                self.shared_x_from_forward = true;
+            }
+            engine.set_tokens(gpu, &workspace.1, t)?;
+            let grads = target.shared.expect("checked against the config");
+            let x_rows = engine.x_rows();
+            // SAFETY: the copy of x has the capacity's rows; `target` was checked against the
+            // gradients' lengths for this call and lives for it (the plans are rebuilt for any
+            // other target).
+            unsafe { engine.prepare_backward(gpu, workspace, weights, x_rows, (grads, target.accumulate_f32)) }?;
+            shared_dx = workspace.0.d_in_rows().device_ptr();
+        }
+        self.prepare_backward_megakernel(gpu, shared.is_some())?;
         let (Some(engine), Some((_, Some(pass)))) = (&self.engine, &mut self.backward_megakernel) else {
             unreachable!("prepared above");
         };
         engine::tile_offsets_into(gpu, &self.routing.row_offsets, e, &engine.tile_offsets)?;
-        pass.launch(
-            gpu,
-            &backward_plans(engine),
-            dy.device_ptr(),
-            tokens.topk_weights.device_ptr(),
-            shared_dx,
-            t as u32,
-        )
+        let mut plans = backward_plans(engine).to_vec();
+        if let Some((shared_plans, _)) =
+            self.shared_engine.as_ref().and_then(SharedEnginePlans::backward_plans).filter(|_| shared.is_some())
+        {
+            plans.extend(shared_plans);
+        }
+        pass.launch(gpu, &plans, dy.device_ptr(), tokens.topk_weights.device_ptr(), shared_dx, t as u32)
     }
 
     /// The shared expert's backward (when the layer has one): its weight gradients into

@@ -97,6 +97,21 @@ pub const WAIT_SHARED_TILE_HIDDEN: u32 = 16;
 /// `ForwardParams::shared_down_stored`).
 pub const WAIT_SHARED_TILE_OUTPUT: u32 = 17;
 
+/// The backward megakernel's shared-expert down-dgrad tile (or its down weight-gradient tile)
+/// waited for the copy of its dy rows (index = the shared M tile, expected 1 = set;
+/// `BackwardParams::shared_gathered`).
+pub const WAIT_SHARED_TILE_GATHERED: u32 = 18;
+
+/// The backward megakernel's shared-expert gate/up dgrad tile (or its gate or up weight-gradient
+/// tile) waited for the shared d_gate and d_up rows of an M tile (index = the shared M tile,
+/// expected and seen = stored parts; `BackwardParams::shared_down_dgrad_stored`).
+pub const WAIT_SHARED_TILE_DOWN_DGRAD: u32 = 19;
+
+/// The backward megakernel's dx combine waited for the shared expert's dx rows of its token's
+/// M tile (index = the shared M tile, expected and seen = stored parts;
+/// `BackwardParams::shared_gate_up_dgrad_stored`).
+pub const WAIT_SHARED_TILE_GATE_UP_DGRAD: u32 = 20;
+
 /// A name for a `WAIT_*` code, for messages.
 pub fn waited_for_name(code: u32) -> &'static str {
     match code {
@@ -125,6 +140,13 @@ pub fn waited_for_name(code: u32) -> &'static str {
             "the shared expert's gate/up tiles of an M tile to be stored (shared_gate_up_stored)"
         }
         WAIT_SHARED_TILE_OUTPUT => "the shared expert's down tiles of an M tile to be stored (shared_down_stored)",
+        WAIT_SHARED_TILE_GATHERED => "the dy rows of a shared-expert M tile to be copied (shared_gathered)",
+        WAIT_SHARED_TILE_DOWN_DGRAD => {
+            "the shared expert's down-dgrad tiles (d_gate, d_up) of an M tile to be stored (shared_down_dgrad_stored)"
+        }
+        WAIT_SHARED_TILE_GATE_UP_DGRAD => {
+            "the shared expert's gate/up dgrad tiles of an M tile to be stored (shared_gate_up_dgrad_stored)"
+        }
         _ => "an unknown counter",
     }
 }

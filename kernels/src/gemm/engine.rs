@@ -289,35 +289,42 @@ pub unsafe fn run_forward_phases<H: TileHooks>(
     role
 }
 
+/// The backward phase whose plan says whether the shared expert's phases run (its down data
+/// gradient), where its weight gradients start, and the phases in all
+/// (`run_backward_phases`).
+const BACKWARD_SHARED_PROBE: u32 = 0;
+const BACKWARD_SHARED_WGRAD: u32 = 7;
+const BACKWARD_PHASES: u32 = 10;
+
 /// The compute role of the backward megakernel, in a 2-block cluster as
-/// [`run_forward_phases`]: on one ring, the down projection's data gradient with the SwiGLU
-/// backward in its epilogue ([`Variant::ROWS_NN_SWIGLU_BWD`]), the gate/up data gradient
-/// ([`Variant::ROWS_NN`]), then the three weight gradients (down, gate, up:
-/// [`Variant::WGRAD_IN_PAIR`], each block walking its own share of the tiles). A block moves
-/// on to a phase only when it has no more tiles of the previous one (the data gradients: their
+/// [`run_forward_phases`]: on one ring, ten phases — the shared expert's and then the routed
+/// experts' down data gradient with the SwiGLU backward in its epilogue
+/// ([`Variant::ROWS_NN_SWIGLU_BWD`]), the shared expert's and then the routed experts' gate/up
+/// data gradient ([`Variant::ROWS_NN`]), the routed experts' three weight gradients (down, gate,
+/// up), then the shared expert's three ([`Variant::WGRAD_IN_PAIR`], each block walking its own
+/// share of the tiles) — phase `i` running the tiles of the plan `plan(i)` returns (null: the
+/// phase is left out; only the shared expert's are) with the hooks `hooks(i)`. A block moves on
+/// to a phase only when it has no more tiles of the previous one (the data gradients: their
 /// counter is spent), and a tile waits only for earlier phases, so it only ever waits for work
 /// a running block already holds (docs/ARCHITECTURE.md). Returns `Some(())` for the consumer
 /// warpgroups' threads, `None` for the producer warpgroup's.
 ///
 /// # Safety
-/// The parameter blocks are valid for those variants over the same row groups, their tile
-/// counters zeroed before the launch; the hooks' contracts hold.
+/// Every non-null plan `plan` returns is a valid parameter block of its phase's variant, its
+/// tile counter zeroed before the launch; phases 1 and 3 to 6 are never null, and the shared
+/// expert's (0, 2, 7 to 9) are all null or none; each expert set's plans are over the same row
+/// groups; `plan` returns the same for every block of the cluster; the hooks' contracts hold.
 #[inline(always)]
-pub unsafe fn run_backward_phases<H1: TileHooks, H2: TileHooks, H3: TileHooks, H4: TileHooks>(
-    (down_dgrad, down_hooks): (*const GemmParams, H1),
-    (gate_up_dgrad, gate_up_hooks): (*const GemmParams, H2),
-    wgrad: [*const GemmParams; 3],
-    (wgrad_down_hooks, wgrad_gate_up_hooks): (H3, H4),
+pub unsafe fn run_backward_phases<H: TileHooks>(
+    plan: impl Fn(u32) -> *const GemmParams + Copy,
+    hooks: impl Fn(u32) -> H + Copy,
 ) -> Option<()> {
     const {
         assert!(cluster_blocks(Variant::ROWS_NN_SWIGLU_BWD) == 2 && cluster_blocks(Variant::ROWS_NN) == 2);
     };
+    const S: u32 = Variant::ROWS_NN_SWIGLU_BWD;
+    const N: u32 = Variant::ROWS_NN;
     const W: u32 = Variant::WGRAD_IN_PAIR;
-    // SAFETY: caller contract; read-only for the whole launch, borrowed (see
-    // `run_forward_phases`).
-    let (first, second) = unsafe { (&*down_dgrad, &*gate_up_dgrad) };
-    // SAFETY: as above.
-    let (w_down, w_gate, w_up) = unsafe { (&*wgrad[0], &*wgrad[1], &*wgrad[2]) };
     let ring = Ring::new();
     let thread = sreg::thread_idx_x();
     if thread == 0 {
@@ -325,16 +332,33 @@ pub unsafe fn run_backward_phases<H1: TileHooks, H2: TileHooks, H3: TileHooks, H
     }
     cluster::cluster_sync();
     let warpgroup = thread / 128;
+    // Each variant's phases run as one loop (a runtime trip count: one inlined copy of its
+    // producer and consumer, where a call per phase spilled the consumers' registers).
+    let shared = !plan(BACKWARD_SHARED_PROBE).is_null();
+    let first = |shared_phase: u32| if shared { shared_phase } else { shared_phase + 1 };
+    let end = if shared { BACKWARD_PHASES } else { BACKWARD_SHARED_WGRAD };
     let role = if warpgroup == 0 {
         sync::release_registers::<PAIRED_PRODUCER_REGISTERS>();
         if thread == 0 {
-            // SAFETY: one producer thread; the phases share the ring walk.
+            // SAFETY: one producer thread; the phases share the ring walk (a phase left out is
+            // left out by the consumers too). Each plan is read where its phase starts.
             unsafe {
-                let walk = produce::<{ Variant::ROWS_NN_SWIGLU_BWD }, H1>(first, ring, down_hooks, Walk::START);
-                let walk = produce::<{ Variant::ROWS_NN }, H2>(second, ring, gate_up_hooks, walk);
-                let walk = produce::<W, H3>(w_down, ring, wgrad_down_hooks, walk);
-                let walk = produce::<W, H4>(w_gate, ring, wgrad_gate_up_hooks, walk);
-                produce::<W, H4>(w_up, ring, wgrad_gate_up_hooks, walk);
+                let mut walk = Walk::START;
+                let mut phase = first(0);
+                while phase < 2 {
+                    walk = produce::<S, H>(&*plan(phase), ring, hooks(phase), walk);
+                    phase += 1;
+                }
+                phase = first(2);
+                while phase < 4 {
+                    walk = produce::<N, H>(&*plan(phase), ring, hooks(phase), walk);
+                    phase += 1;
+                }
+                phase = 4;
+                while phase < end {
+                    walk = produce::<W, H>(&*plan(phase), ring, hooks(phase), walk);
+                    phase += 1;
+                }
             }
         }
         None
@@ -343,15 +367,29 @@ pub unsafe fn run_backward_phases<H1: TileHooks, H2: TileHooks, H3: TileHooks, H
         let (wg, t) = (warpgroup - 1, thread % 128);
         // SAFETY: a whole consumer warpgroup.
         unsafe {
-            let walk = consume::<{ Variant::ROWS_NN_SWIGLU_BWD }, H1>(first, ring, wg, t, down_hooks, Walk::START);
-            let walk = next_phase::<{ Variant::ROWS_NN_SWIGLU_BWD }>(ring, walk, t);
-            let walk = consume::<{ Variant::ROWS_NN }, H2>(second, ring, wg, t, gate_up_hooks, walk);
-            let walk = next_phase::<{ Variant::ROWS_NN }>(ring, walk, t);
-            let walk = consume::<W, H3>(w_down, ring, wg, t, wgrad_down_hooks, walk);
-            let walk = next_phase::<W>(ring, walk, t);
-            let walk = consume::<W, H4>(w_gate, ring, wg, t, wgrad_gate_up_hooks, walk);
-            let walk = next_phase::<W>(ring, walk, t);
-            consume::<W, H4>(w_up, ring, wg, t, wgrad_gate_up_hooks, walk);
+            let mut walk = Walk::START;
+            let mut phase = first(0);
+            while phase < 2 {
+                walk = consume::<S, H>(&*plan(phase), ring, wg, t, hooks(phase), walk);
+                walk = next_phase::<S>(ring, walk, t);
+                phase += 1;
+            }
+            phase = first(2);
+            while phase < 4 {
+                walk = consume::<N, H>(&*plan(phase), ring, wg, t, hooks(phase), walk);
+                walk = next_phase::<N>(ring, walk, t);
+                phase += 1;
+            }
+            // The last phase's final stage stays unreleased (as every kernel's last phase).
+            phase = 4;
+            loop {
+                walk = consume::<W, H>(&*plan(phase), ring, wg, t, hooks(phase), walk);
+                phase += 1;
+                if phase >= end {
+                    break;
+                }
+                walk = next_phase::<W>(ring, walk, t);
+            }
         }
         Some(())
     };

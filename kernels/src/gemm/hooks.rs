@@ -12,7 +12,8 @@
 
 use crate::comm::error::{
     self, ERROR_TIMEOUT, WAIT_ENGINE_TILE_DISPATCHED, WAIT_ENGINE_TILE_DOWN_DGRAD, WAIT_ENGINE_TILE_GATHERED,
-    WAIT_ENGINE_TILE_HIDDEN, WAIT_ENGINE_TILE_ROWS, WAIT_SHARED_TILE_DISPATCHED, WAIT_SHARED_TILE_HIDDEN,
+    WAIT_ENGINE_TILE_HIDDEN, WAIT_ENGINE_TILE_ROWS, WAIT_SHARED_TILE_DISPATCHED, WAIT_SHARED_TILE_DOWN_DGRAD,
+    WAIT_SHARED_TILE_GATHERED, WAIT_SHARED_TILE_HIDDEN,
 };
 use crate::comm::schedule::epoch_reached;
 use crate::comm::wait::{signal, wait_until};
@@ -262,7 +263,7 @@ impl TileHooks for ForwardHandover {
     }
 }
 
-/// The backward megakernel's hand-over around its five GEMM phases, read from the pass's
+/// The backward megakernel's hand-over around its GEMM phases, read from the pass's
 /// [`BackwardParams`] where used:
 /// - [`BackwardHandover::DOWN_DGRAD`] (the down projection's data gradient with the SwiGLU
 ///   backward): a tile waits for its M tile's `rows_gathered` flag and counts its parts in
@@ -271,66 +272,147 @@ impl TileHooks for ForwardHandover {
 ///   down-dgrad part of its rows is stored (its A is d_gate and d_up) and counts its parts in
 ///   `gate_up_dgrad_stored`;
 /// - [`BackwardHandover::WGRAD_DOWN`] (`d_rowsᵀ·hidden`): a tile of expert g waits until every
-///   M tile of g is gathered; [`BackwardHandover::WGRAD_GATE_UP`] (`d_gateᵀ·rows`,
-///   `d_upᵀ·rows`) until every down-dgrad part of g is stored. Nothing in the pass waits for a
-///   weight gradient, so those tiles count nothing.
+///   M tile of g is gathered; [`BackwardHandover::WGRAD_GATE`] and
+///   [`BackwardHandover::WGRAD_UP`] (`d_gateᵀ·rows`, `d_upᵀ·rows`) until every down-dgrad part
+///   of g is stored. Nothing in the pass waits for a weight gradient, so those tiles count
+///   nothing.
+///
+/// The shared expert's phases (`SHARED_*`) do the same over its one group with its counters
+/// (`shared_gathered`, `shared_down_dgrad_stored`, `shared_gate_up_dgrad_stored`).
 ///
 /// `RANKS`: the launch hosts several ranks (`mok_sm90_backward_ranks`), so a rank's compute
 /// blocks are its own run of the grid (`BackwardParams::rank_first_block`, `rank_blocks`).
 #[derive(Clone, Copy)]
-pub struct BackwardHandover<const PHASE: u32, const RANKS: bool> {
+pub struct BackwardHandover<const RANKS: bool> {
     params: *const BackwardParams,
+    /// Which of the phases below (a runtime value, constant where each phase is called).
+    phase: u32,
 }
 
-impl BackwardHandover<0, false> {
+impl BackwardHandover<false> {
+    /// The shared expert's down data gradient, with the SwiGLU backward in its epilogue (the
+    /// phases are numbered in the order the megakernel runs them, `engine::run_backward_phases`).
+    pub const SHARED_DOWN_DGRAD: u32 = 0;
     /// The down projection's data gradient, with the SwiGLU backward in its epilogue.
-    pub const DOWN_DGRAD: u32 = 0;
+    pub const DOWN_DGRAD: u32 = 1;
+    /// The shared expert's gate/up data gradient.
+    pub const SHARED_GATE_UP_DGRAD: u32 = 2;
     /// The gate/up data gradient.
-    pub const GATE_UP_DGRAD: u32 = 1;
+    pub const GATE_UP_DGRAD: u32 = 3;
     /// The down weight gradient.
-    pub const WGRAD_DOWN: u32 = 2;
-    /// The gate and up weight gradients.
-    pub const WGRAD_GATE_UP: u32 = 3;
+    pub const WGRAD_DOWN: u32 = 4;
+    /// The gate weight gradient.
+    pub const WGRAD_GATE: u32 = 5;
+    /// The up weight gradient.
+    pub const WGRAD_UP: u32 = 6;
+    /// The shared expert's down weight gradient.
+    pub const SHARED_WGRAD_DOWN: u32 = 7;
+    /// The shared expert's gate weight gradient.
+    pub const SHARED_WGRAD_GATE: u32 = 8;
+    /// The shared expert's up weight gradient.
+    pub const SHARED_WGRAD_UP: u32 = 9;
+    /// Phases in all.
+    pub const PHASES: u32 = 10;
 }
 
-impl<const PHASE: u32, const RANKS: bool> BackwardHandover<PHASE, RANKS> {
+impl<const RANKS: bool> BackwardHandover<RANKS> {
+    /// The hand-over of `phase` (one of the constants above).
+    ///
     /// # Safety
     /// `params` points at the pass's valid [`BackwardParams`] for the whole launch.
     #[inline(always)]
-    pub unsafe fn new(params: *const BackwardParams) -> Self {
-        Self { params }
+    pub unsafe fn new(params: *const BackwardParams, phase: u32) -> Self {
+        Self { params, phase }
+    }
+
+    /// Whether this is one of the shared expert's phases.
+    #[inline(always)]
+    fn shared(&self) -> bool {
+        matches!(
+            self.phase,
+            BackwardHandover::SHARED_DOWN_DGRAD
+                | BackwardHandover::SHARED_GATE_UP_DGRAD
+                | BackwardHandover::SHARED_WGRAD_DOWN
+                | BackwardHandover::SHARED_WGRAD_GATE
+                | BackwardHandover::SHARED_WGRAD_UP
+        )
     }
 }
 
-/// Down-dgrad parts that complete an M tile of `rows` rows: its plan's N tiles (of I).
-///
-/// # Safety
-/// `b.down_dgrad` is the pass's valid plan block.
-#[inline(always)]
-unsafe fn down_dgrad_n_tiles(b: &BackwardParams) -> u32 {
-    // SAFETY: caller contract.
-    unsafe { (*(b.down_dgrad as *const GemmParams)).n.div_ceil(TILE_N) }
+/// The counters of one expert set's backward (the routed experts', or the shared expert's): its
+/// down-dgrad plan (whose offsets and N tiles describe the M tiles), its gathered flags and its
+/// two stored counts, with the codes a failed wait records.
+#[derive(Clone, Copy)]
+struct BackwardCounters {
+    down_dgrad: *const GemmParams,
+    gathered: *const u32,
+    down_dgrad_stored: *mut u32,
+    gate_up_dgrad_stored: *mut u32,
+    gathered_code: u32,
+    down_dgrad_code: u32,
 }
 
-impl<const PHASE: u32, const RANKS: bool> TileHooks for BackwardHandover<PHASE, RANKS> {
+impl BackwardCounters {
+    #[inline(always)]
+    fn of(b: &BackwardParams, shared: bool) -> Self {
+        if shared {
+            Self {
+                down_dgrad: b.shared_down_dgrad as *const GemmParams,
+                gathered: b.shared_gathered as *const u32,
+                down_dgrad_stored: b.shared_down_dgrad_stored as *mut u32,
+                gate_up_dgrad_stored: b.shared_gate_up_dgrad_stored as *mut u32,
+                gathered_code: WAIT_SHARED_TILE_GATHERED,
+                down_dgrad_code: WAIT_SHARED_TILE_DOWN_DGRAD,
+            }
+        } else {
+            Self {
+                down_dgrad: b.down_dgrad as *const GemmParams,
+                gathered: b.rows_gathered as *const u32,
+                down_dgrad_stored: b.down_dgrad_stored as *mut u32,
+                gate_up_dgrad_stored: b.gate_up_dgrad_stored as *mut u32,
+                gathered_code: WAIT_ENGINE_TILE_GATHERED,
+                down_dgrad_code: WAIT_ENGINE_TILE_DOWN_DGRAD,
+            }
+        }
+    }
+
+    /// Down-dgrad parts that complete an M tile: the plan's N tiles (of I) per 64 rows.
+    ///
+    /// # Safety
+    /// The down-dgrad plan is the pass's valid parameter block.
+    #[inline(always)]
+    unsafe fn down_dgrad_n_tiles(&self) -> u32 {
+        // SAFETY: caller contract.
+        unsafe { (*self.down_dgrad).n.div_ceil(TILE_N) }
+    }
+}
+
+impl<const RANKS: bool> TileHooks for BackwardHandover<RANKS> {
     #[inline(always)]
     unsafe fn before_rows(&self, p: &GemmParams, work: &Work) {
         // SAFETY: the pass's counters (constructor's contract) and the hook's.
         unsafe {
             let b = &*self.params;
             let error = b.error as *mut u32;
-            if PHASE == BackwardHandover::DOWN_DGRAD {
-                let ready = Ready::Flag { flags: b.rows_gathered as *const u32, code: WAIT_ENGINE_TILE_GATHERED };
-                wait_for_rows(p, work, ready, error, b.timeout_ns, 0);
-            } else if PHASE == BackwardHandover::GATE_UP_DGRAD {
-                let ready = Ready::Stored {
-                    counts: b.down_dgrad_stored as *const u32,
-                    n_tiles: down_dgrad_n_tiles(b),
-                    code: WAIT_ENGINE_TILE_DOWN_DGRAD,
-                };
-                wait_for_rows(p, work, ready, error, downstream_deadline(b.timeout_ns, 1), 0);
-            } else {
-                wait_for_group(b, work.group, PHASE == BackwardHandover::WGRAD_DOWN);
+            let c = BackwardCounters::of(b, self.shared());
+            match self.phase {
+                BackwardHandover::SHARED_DOWN_DGRAD | BackwardHandover::DOWN_DGRAD => {
+                    let ready = Ready::Flag { flags: c.gathered, code: c.gathered_code };
+                    wait_for_rows(p, work, ready, error, b.timeout_ns, 0);
+                }
+                BackwardHandover::SHARED_GATE_UP_DGRAD | BackwardHandover::GATE_UP_DGRAD => {
+                    let ready = Ready::Stored {
+                        counts: c.down_dgrad_stored as *const u32,
+                        n_tiles: c.down_dgrad_n_tiles(),
+                        code: c.down_dgrad_code,
+                    };
+                    wait_for_rows(p, work, ready, error, downstream_deadline(b.timeout_ns, 1), 0);
+                }
+                phase => {
+                    let gathered =
+                        phase == BackwardHandover::WGRAD_DOWN || phase == BackwardHandover::SHARED_WGRAD_DOWN;
+                    wait_for_group(b, &c, work.group, gathered);
+                }
             }
         }
     }
@@ -357,42 +439,46 @@ impl<const PHASE: u32, const RANKS: bool> TileHooks for BackwardHandover<PHASE, 
         // SAFETY: as above.
         unsafe {
             let b = &*self.params;
-            if PHASE == BackwardHandover::DOWN_DGRAD {
-                count_stored(p, work, b.down_dgrad_stored as *mut u32, b.silent_hidden_tile);
-            } else if PHASE == BackwardHandover::GATE_UP_DGRAD {
-                count_stored(p, work, b.gate_up_dgrad_stored as *mut u32, NO_FAULT);
+            let c = BackwardCounters::of(b, self.shared());
+            match self.phase {
+                BackwardHandover::DOWN_DGRAD => count_stored(p, work, c.down_dgrad_stored, b.silent_hidden_tile),
+                BackwardHandover::SHARED_DOWN_DGRAD => count_stored(p, work, c.down_dgrad_stored, NO_FAULT),
+                BackwardHandover::SHARED_GATE_UP_DGRAD | BackwardHandover::GATE_UP_DGRAD => {
+                    count_stored(p, work, c.gate_up_dgrad_stored, NO_FAULT)
+                }
+                _ => {}
             }
         }
     }
 }
 
-/// The producer of a weight-gradient tile of expert `group`: bounded waits until every M tile
-/// of the group is gathered (`gathered`: the down weight gradient reads `d_rows`) or has every
-/// down-dgrad part stored (the gate and up weight gradients read d_gate and d_up), then the
-/// async-proxy fence before the TMA copies. A failed wait records itself like
-/// [`wait_for_rows`]' and the tile runs on what the rows hold.
+/// The producer of a weight-gradient tile of expert `group` (of the expert set `c` describes):
+/// bounded waits until every M tile of the group is gathered (`gathered`: the down weight
+/// gradient reads the dy rows) or has every down-dgrad part stored (the gate and up weight
+/// gradients read d_gate and d_up), then the async-proxy fence before the TMA copies. A failed
+/// wait records itself like [`wait_for_rows`]' and the tile runs on what the rows hold.
 ///
 /// # Safety
-/// `b` is the pass's; `group` < its plans' groups.
+/// `b` is the pass's and `c` one of its expert sets; `group` < its plans' groups.
 #[inline(always)]
-unsafe fn wait_for_group(b: &BackwardParams, group: u32, gathered: bool) {
+unsafe fn wait_for_group(b: &BackwardParams, c: &BackwardCounters, group: u32, gathered: bool) {
     // SAFETY: caller contract: the down-dgrad plan's offsets hold G + 1 entries of each kind.
     unsafe {
-        let p = &*(b.down_dgrad as *const GemmParams);
+        let p = &*c.down_dgrad;
         let (first_tile, end_tile) = (tile_offset(p, group), tile_offset(p, group + 1));
         let offsets = p.row_offsets as *const u32;
         let (row_begin, row_end) = (*offsets.add(group as usize), *offsets.add(group as usize + 1));
         let error = b.error as *mut u32;
-        let n_tiles = down_dgrad_n_tiles(b);
+        let n_tiles = c.down_dgrad_n_tiles();
         for tile in first_tile..end_tile {
             let rows = (row_end - (row_begin + (tile - first_tile) * TILE_M)).min(TILE_M);
             let (counter, expected, code, timeout_ns) = if gathered {
-                ((b.rows_gathered as *const u32).add(tile as usize), 1, WAIT_ENGINE_TILE_GATHERED, b.timeout_ns)
+                (c.gathered.add(tile as usize), 1, c.gathered_code, b.timeout_ns)
             } else {
                 (
-                    (b.down_dgrad_stored as *const u32).add(tile as usize),
+                    (c.down_dgrad_stored as *const u32).add(tile as usize),
                     parts_per_m_tile(n_tiles, rows),
-                    WAIT_ENGINE_TILE_DOWN_DGRAD,
+                    c.down_dgrad_code,
                     downstream_deadline(b.timeout_ns, 1),
                 )
             };

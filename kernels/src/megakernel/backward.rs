@@ -16,7 +16,9 @@
 //! the same epilogue arithmetic, each token's sum the same order.
 
 use crate::comm::RankView;
-use crate::comm::error::{self, ERROR_TIMEOUT, WAIT_ENGINE_TILE_GATE_UP_DGRAD, WAIT_SLOT_READY};
+use crate::comm::error::{
+    self, ERROR_TIMEOUT, WAIT_ENGINE_TILE_GATE_UP_DGRAD, WAIT_SHARED_TILE_GATE_UP_DGRAD, WAIT_SLOT_READY,
+};
 use crate::comm::params::ExchangeParams;
 use crate::comm::wait::{signal, wait_until};
 use crate::device::rows::{combine_quads, copy_row, dot_row, gather_scaled_row, gather_scaled_row_and_dot};
@@ -32,7 +34,7 @@ use crate::ptx::memory::{atom_add_relaxed_gpu_u32, ld_shared_u32, st_release_gpu
 use crate::ptx::{signal as warp, smem, sreg, sync};
 use crate::tiles::group_of_tile;
 
-use super::comm::stored_tile_of_row;
+use super::comm::{copy_token_tile, stored_tile_of_row, wait_for_shared_tile};
 
 /// The gather, by every thread of a block: engine M tiles taken one at a time from
 /// `gather_next`; each tile's rows are written in expert order (a warp per row) as
@@ -65,15 +67,23 @@ pub unsafe fn gather<const RANKS: bool>(b: &BackwardParams, pass: &PassInputs, v
         let copy = b.work & WORK_COPY_ROWS != 0 && !(RANKS && error::has_error(b.error as *const u32));
         let source_rank: *const u32 = view.map_or(core::ptr::null(), |v| v.local(v.params.regions.ring_source_rank));
         let handout = smem::dynamic_smem_base();
+        // With a shared expert the queue starts with its M tiles (its phases run first).
+        let shared_tiles = if b.shared_down_dgrad != 0 { pass.tokens.div_ceil(TILE_M) } else { 0 };
         loop {
             if sreg::thread_idx_x() == 0 {
                 st_shared_u32(handout, atom_add_relaxed_gpu_u32(b.gather_next as *mut u32, 1));
             }
             sync::block_barrier();
-            let tile = ld_shared_u32(handout);
-            if tile >= m_tiles {
+            let claimed = ld_shared_u32(handout);
+            if claimed >= shared_tiles + m_tiles {
                 return;
             }
+            if claimed < shared_tiles {
+                let flags = b.shared_gathered as *mut u32;
+                copy_token_tile(pass, b.shared_dy as *mut u16, b.hidden, claimed, b.work & WORK_COPY_ROWS != 0, flags);
+                continue;
+            }
+            let tile = claimed - shared_tiles;
             let g = group_of_tile(tile_offsets, tile).unwrap_or(0);
             let first = row_offsets[g] + (tile - tile_offsets[g]) * TILE_M;
             let end = (first + TILE_M).min(row_offsets[g + 1]);
@@ -199,6 +209,15 @@ pub unsafe fn combine_dx<const RANKS: bool>(b: &BackwardParams, pass: &PassInput
                         }
                     }
                 }
+            }
+            if b.shared_down_dgrad != 0 && b.work & WORK_GEMMS != 0 && !(RANKS && error::has_error(error)) {
+                let shared = (b.shared_gate_up_dgrad_stored as *const u32, b.shared_gate_up_dgrad as *const GemmParams);
+                wait_for_shared_tile(
+                    shared,
+                    (token, pass.tokens),
+                    (b.timeout_ns, error, b.rank),
+                    WAIT_SHARED_TILE_GATE_UP_DGRAD,
+                );
             }
             let mut column = 4 * lane;
             while column < b.hidden {
@@ -335,21 +354,25 @@ pub unsafe fn backward<const RANKS: bool>(params: *const BackwardParams, pass: P
                 push_and_combine::<RANKS>(b, &pass, view.as_ref());
                 return;
             }
-            let phases = run_backward_phases(
-                (
-                    b.down_dgrad as *const GemmParams,
-                    BackwardHandover::<{ BackwardHandover::DOWN_DGRAD }, RANKS>::new(params),
-                ),
-                (
-                    b.gate_up_dgrad as *const GemmParams,
-                    BackwardHandover::<{ BackwardHandover::GATE_UP_DGRAD }, RANKS>::new(params),
-                ),
-                b.wgrad.map(|p| p as *const GemmParams),
-                (
-                    BackwardHandover::<{ BackwardHandover::WGRAD_DOWN }, RANKS>::new(params),
-                    BackwardHandover::<{ BackwardHandover::WGRAD_GATE_UP }, RANKS>::new(params),
-                ),
-            );
+            // The phases in `run_backward_phases`' order (numbered as `BackwardHandover`'s);
+            // each plan is read where its phase starts. `params` is valid for the whole launch
+            // (caller contract; the closures run inside this unsafe block).
+            let plan = move |phase: u32| {
+                let b = &*params;
+                (match phase {
+                    BackwardHandover::SHARED_DOWN_DGRAD => b.shared_down_dgrad,
+                    BackwardHandover::DOWN_DGRAD => b.down_dgrad,
+                    BackwardHandover::SHARED_GATE_UP_DGRAD => b.shared_gate_up_dgrad,
+                    BackwardHandover::GATE_UP_DGRAD => b.gate_up_dgrad,
+                    BackwardHandover::WGRAD_DOWN => b.wgrad[0],
+                    BackwardHandover::WGRAD_GATE => b.wgrad[1],
+                    BackwardHandover::WGRAD_UP => b.wgrad[2],
+                    BackwardHandover::SHARED_WGRAD_DOWN => b.shared_wgrad[0],
+                    BackwardHandover::SHARED_WGRAD_GATE => b.shared_wgrad[1],
+                    _ => b.shared_wgrad[2],
+                }) as *const GemmParams
+            };
+            let phases = run_backward_phases(plan, move |phase| BackwardHandover::<RANKS>::new(params, phase));
             if phases.is_some() {
                 push_and_combine::<RANKS>(b, &pass, view.as_ref());
             }

@@ -95,7 +95,8 @@ pub unsafe fn dispatch(f: &ForwardParams, pass: &PassInputs, view: Option<&RankV
                 return;
             }
             if claimed < shared_tiles {
-                copy_shared_tile(f, pass, claimed, f.work & WORK_COPY_ROWS != 0);
+                let flags = f.shared_dispatched as *mut u32;
+                copy_token_tile(pass, f.shared_x as *mut u16, f.hidden, claimed, f.work & WORK_COPY_ROWS != 0, flags);
                 continue;
             }
             let tile = claimed - shared_tiles;
@@ -127,48 +128,58 @@ pub unsafe fn dispatch(f: &ForwardParams, pass: &PassInputs, view: Option<&RankV
     }
 }
 
-/// The combine's bounded wait (acquire) until the shared expert's down tiles of `token`'s M tile
-/// are all stored: its rows are the first term of the token's sum.
+/// A combine's bounded wait (acquire) until the shared expert's tiles of `token`'s M tile are
+/// all stored (`stored`: the counts of the shared expert's last GEMM before the combine, and
+/// that GEMM's plan, whose N tiles complete a tile): its rows are the first term of the
+/// token's sum. A failed wait records `code`.
 ///
 /// # Safety
-/// As [`combine`], with a shared expert; `token` < `tokens`, the pass's T.
+/// The counts and the plan are the pass's (the shared expert's); `token` < `tokens`, the
+/// pass's T; `error` is the rank's record.
 #[inline(always)]
-unsafe fn wait_for_shared_rows(f: &ForwardParams, token: u32, tokens: u32) {
+pub(super) unsafe fn wait_for_shared_tile(
+    (stored, plan): (*const u32, *const GemmParams),
+    (token, tokens): (u32, u32),
+    (timeout_ns, error, rank): (u64, *mut u32, u32),
+    code: u32,
+) {
     let tile = token / TILE_M;
-    // SAFETY: the shared down plan's parameter block and the tile's counter (caller contract).
+    // SAFETY: caller contract.
     unsafe {
-        let n_tiles = (*(f.shared_down as *const GemmParams)).n.div_ceil(TILE_N);
+        let n_tiles = (*plan).n.div_ceil(TILE_N);
         let expected = parts_per_m_tile(n_tiles, (tokens - tile * TILE_M).min(TILE_M));
-        let counter = (f.shared_down_stored as *const u32).add(tile as usize);
-        let error = f.error as *mut u32;
-        if let Err(seen) = wait_until(counter, false, downstream_deadline(f.timeout_ns, 2), error, |v| v >= expected) {
-            error::record(error, [ERROR_TIMEOUT, WAIT_SHARED_TILE_OUTPUT, f.rank, tile, expected, seen, f.rank, 0]);
+        let counter = stored.add(tile as usize);
+        if let Err(seen) = wait_until(counter, false, downstream_deadline(timeout_ns, 2), error, |v| v >= expected) {
+            error::record(error, [ERROR_TIMEOUT, code, rank, tile, expected, seen, rank, 0]);
         }
     }
 }
 
-/// One M tile of the shared expert's rows, by every thread of a block: tokens `128·tile ..`
-/// copied from the pass's x (this rank's own tokens) into `shared_x` (a warp per row) when
-/// `copy`, then, after a block barrier, thread 0 sets the tile's `shared_dispatched` flag with a
-/// release (the routed tiles' pattern).
+/// One M tile of the pass's token rows for the shared expert, by every thread of a block:
+/// tokens `128·tile ..` copied from the pass's rows (x forward, dy backward: this rank's own
+/// tokens) into `dst` (a warp per row) when `copy`, then, after a block barrier, thread 0 sets
+/// `flags[tile]` with a release (the routed tiles' pattern).
 ///
 /// # Safety
-/// As [`dispatch`], with a shared expert; `tile` < ⌈T / 128⌉.
+/// As [`dispatch`], with a shared expert: `dst` holds T rows of H bf16, `flags` the shared
+/// expert's M tiles; `tile` < ⌈T / 128⌉.
 #[inline(always)]
-unsafe fn copy_shared_tile(f: &ForwardParams, pass: &PassInputs, tile: u32, copy: bool) {
+pub(super) unsafe fn copy_token_tile(
+    pass: &PassInputs,
+    dst: *mut u16,
+    hidden: u32,
+    tile: u32,
+    copy: bool,
+    flags: *mut u32,
+) {
     let (warp, warps, lane) = (sreg::thread_idx_x() / 32, sreg::block_dim_x() / 32, sreg::lane_id());
     let end = ((tile + 1) * TILE_M).min(pass.tokens);
     let mut token = if copy { tile * TILE_M + warp } else { end };
     while token < end {
-        let offset = (token * f.hidden) as usize;
-        // SAFETY: token < T rows of H bf16 in x and in `shared_x` (caller contract).
+        let offset = (token * hidden) as usize;
+        // SAFETY: token < T rows of H bf16 in the pass's rows and in `dst` (caller contract).
         unsafe {
-            copy_row(
-                (pass.x as *const u16).add(offset) as *const u32,
-                (f.shared_x as *mut u16).add(offset) as *mut u32,
-                f.hidden / 8,
-                lane,
-            )
+            copy_row((pass.x as *const u16).add(offset) as *const u32, dst.add(offset) as *mut u32, hidden / 8, lane)
         };
         token += warps;
     }
@@ -177,7 +188,7 @@ unsafe fn copy_shared_tile(f: &ForwardParams, pass: &PassInputs, tile: u32, copy
     sync::block_barrier();
     if sreg::thread_idx_x() == 0 {
         // SAFETY: the tile's flag (caller contract).
-        unsafe { st_release_gpu_u32((f.shared_dispatched as *mut u32).add(tile as usize), 1) };
+        unsafe { st_release_gpu_u32(flags.add(tile as usize), 1) };
     }
 }
 
@@ -311,7 +322,13 @@ pub unsafe fn combine(f: &ForwardParams, pass: &PassInputs, view: Option<&RankVi
                 }
             }
             if f.shared_gate_up != 0 && f.work & WORK_GEMMS != 0 && !(view.is_some() && error::has_error(error)) {
-                wait_for_shared_rows(f, token, pass.tokens);
+                let shared = (f.shared_down_stored as *const u32, f.shared_down as *const GemmParams);
+                wait_for_shared_tile(
+                    shared,
+                    (token, pass.tokens),
+                    (f.timeout_ns, error, f.rank),
+                    WAIT_SHARED_TILE_OUTPUT,
+                );
             }
             let rows = match view {
                 None => f.down_rows as *const f32,
