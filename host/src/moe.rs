@@ -23,9 +23,10 @@ use crate::unfused::{ExpertsView, SharedExpertView, TokensView, UnfusedLayer, We
 /// the GPUs they need.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Backend {
-    /// The megakernels over the tensor-core engine (sm_90a): on one GPU the forward and the
-    /// backward each as one persistent launch; over ranks the forward as one launch hosting
-    /// every rank, the backward on the exchange's separate launches.
+    /// The megakernels over the tensor-core engine (sm_90a): the forward and the backward each
+    /// as one persistent launch — on one GPU, and over virtual ranks one launch hosting every
+    /// rank (with one process per GPU the forward; the backward there on the exchange's separate
+    /// launches).
     Megakernel,
     /// The routed experts' GEMMs on the tensor-core engine (sm_90a), as separate launches.
     Engine,
@@ -41,8 +42,9 @@ impl Backend {
     }
 
     /// The fastest correct backend `gpu` has for a layer over `ranks` expert-parallel ranks: for
-    /// P > 1 the megakernel (3.2× the separate launches at P = 8, docs/PERF.md) where its default
-    /// geometry gives every rank a compute pair, else `mma.sync`; for P = 1 [`Self::fastest_on`].
+    /// P > 1 the megakernels (at P = 8 the forward 3.2× and forward + backward 4.1× the separate
+    /// launches, docs/PERF.md) where their default geometry gives every rank a compute pair, else
+    /// `mma.sync`; for P = 1 [`Self::fastest_on`].
     pub fn fastest_for(gpu: &Gpu, ranks: usize) -> Backend {
         if ranks == 1 { Self::fastest_on(gpu) } else { Self::fastest_hosting(gpu, ranks) }
     }
@@ -185,7 +187,8 @@ impl MoeLayer {
             let exchange = ExchangeOptions { timeout: options.megakernel.timeout, ..Default::default() };
             let mut layer = EpLayer::new_virtual(gpu, config, exchange)?;
             if backend == Backend::Megakernel {
-                layer.set_forward_megakernel(gpu, Some(options.megakernel))?;
+                layer.set_forward_megakernel(gpu, Some(options.megakernel.clone()))?;
+                layer.set_backward_megakernel(gpu, Some(options.megakernel))?;
             }
             return Ok(Self { layer: Layer::Ranks(Box::new(layer), gpu.handle()), backend, passes: 0 });
         }
