@@ -13,7 +13,8 @@
 //! instead (the tokens of a case split over the ranks), on `mma` (`epP:mma`: the exchange's
 //! separate launches, `mma.sync` expert compute), `megakernel[:N]` (`epP:megakernel`: the
 //! forward as one launch hosting every rank, N comm blocks per rank) or `megakernels[:N]`
-//! (`epP:megakernels`: the backward as one such launch too). Launched by torchrun or srun with more
+//! (`epP:megakernels`: the backward as one such launch too); `--ring-factor F` sizes each rank's
+//! receive ring at F times an even split's rows (default: the worst case). Launched by torchrun or srun with more
 //! than one process (and built with the `nccl` feature, as the GPU bundle is), it runs the layer
 //! across the processes instead, one rank per GPU (`procsP:mma`, `procsP:megakernel`; rank 0
 //! prints the results; built, not yet run: no multi-GPU machine has been lent). Every
@@ -41,6 +42,10 @@ struct Args {
     /// P > 1: the expert-parallel layer over P virtual ranks on this GPU (the tokens of a case
     /// split evenly over the ranks), on the backends that support it (`mma`, `megakernel`).
     ranks: usize,
+    /// With ranks: each rank's receive ring holds this many times the rows of an even split
+    /// (T/P tokens · k slots); `None`: the exchange's default, the worst case (every slot of
+    /// every rank on one rank), which at P = 8 does not fit the largest cases in one GPU.
+    ring_factor: Option<f64>,
 }
 
 /// How the layer runs (see the module docs).
@@ -105,6 +110,7 @@ fn parse_args() -> Result<Args> {
         copy_tbps: 4.23,
         backends: vec![Backend::Mma],
         ranks: 1,
+        ring_factor: None,
     };
     let mut cases = "kimi:8192,glm:8192,qwen:8192,deepseek:8192".to_string();
     let mut it = std::env::args().skip(1).filter(|a| a != "--bench");
@@ -116,6 +122,13 @@ fn parse_args() -> Result<Args> {
             "--matmul-tflops" => args.matmul_tflops = value()?.parse()?,
             "--copy-tbps" => args.copy_tbps = value()?.parse()?,
             "--ranks" => args.ranks = value()?.parse()?,
+            "--ring-factor" => {
+                let factor: f64 = value()?.parse()?;
+                if !(factor >= 1.0 && factor.is_finite()) {
+                    bail!("--ring-factor {factor}: a ring must hold at least an even split (1 or more)");
+                }
+                args.ring_factor = Some(factor);
+            }
             "--gemm" => args.backends = value()?.split(',').map(Backend::parse).collect::<Result<_>>()?,
             "--baseline" => {
                 let path = value()?;
@@ -242,7 +255,7 @@ fn bench_case_ep(
     shape: FrontierShape,
     tokens: usize,
     reps: usize,
-    ranks: usize,
+    (ranks, ring_factor): (usize, Option<f64>),
     backend: Backend,
 ) -> Result<Measured> {
     if !tokens.is_multiple_of(ranks) || !shape.experts.is_multiple_of(ranks) {
@@ -250,7 +263,11 @@ fn bench_case_ep(
     }
     let config = mok::MoeConfig { ep_ranks: ranks, ..shape.config(tokens / ranks) };
     let h = config.hidden;
-    let mut layer = EpLayer::new_virtual(gpu, config.clone(), ExchangeOptions::default())?;
+    // A ring sized from the even split (random routing lands close to it); a pass that needs
+    // more reports the rows it needs (MokError) instead of overrunning.
+    let capacity_rows = ring_factor.map(|f| (f * (config.tokens_per_rank * config.top_k) as f64).ceil() as usize);
+    let exchange = ExchangeOptions { capacity_rows, ..ExchangeOptions::default() };
+    let mut layer = EpLayer::new_virtual(gpu, config.clone(), exchange)?;
     match backend {
         Backend::Mma => {}
         Backend::Megakernel(comm_blocks) => {
@@ -304,7 +321,35 @@ fn bench_case_ep(
         })?);
         layer.check_errors(gpu)?;
     }
-    Ok(Measured { fwd: median(fwd), step: median(step), launches, bwd_launches, sides, backward: None })
+    let mut backward = None;
+    if matches!(backend, Backend::Megakernels(_)) {
+        // The backward alone, its two sides, and without its weight-gradient tiles (as on one
+        // GPU, `bench_case`).
+        let mut time_backward = |layer: &mut EpLayer| -> Result<f64> {
+            let mut times = Vec::new();
+            for _ in 0..reps {
+                timer.start()?;
+                layer.backward(gpu, &experts, None)?;
+                times.push(timer.stop_ms()?);
+            }
+            Ok(median(times))
+        };
+        let alone = time_backward(&mut layer)?;
+        let sides = time_sides(&timer, reps, |work| {
+            match work {
+                Some(work) => layer.set_backward_megakernel_work(work)?,
+                None => layer.backward(gpu, &experts, None)?,
+            }
+            Ok(())
+        })?;
+        layer.set_backward_megakernel_work(MegakernelWork::WITHOUT_WEIGHT_GRADS)?;
+        let without = time_backward(&mut layer)?;
+        layer.set_backward_megakernel_work(MegakernelWork::ALL)?;
+        layer.backward(gpu, &experts, None)?;
+        layer.check_errors(gpu)?;
+        backward = Some((alone, sides, without));
+    }
+    Ok(Measured { fwd: median(fwd), step: median(step), launches, bwd_launches, sides, backward })
 }
 
 fn bench_case(gpu: &Gpu, shape: FrontierShape, tokens: usize, reps: usize, backend: Backend) -> Result<Measured> {
@@ -510,7 +555,7 @@ fn main() -> Result<()> {
         args.cases.iter().flat_map(|&(shape, tokens)| args.backends.iter().map(move |&b| (shape, tokens, b))).collect();
     for (shape, tokens, backend) in runs {
         let measured = if args.ranks > 1 {
-            bench_case_ep(&gpu, shape, tokens, args.reps, args.ranks, backend)?
+            bench_case_ep(&gpu, shape, tokens, args.reps, (args.ranks, args.ring_factor), backend)?
         } else {
             bench_case(&gpu, shape, tokens, args.reps, backend)?
         };

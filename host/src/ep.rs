@@ -455,6 +455,20 @@ impl EpLayer {
         self.built_megakernel()?.set_work(work)
     }
 
+    /// The work of the following backward megakernel passes (feature `testing`: the benchmark's
+    /// overlap and weight-gradient measurements). The pass must exist: run a backward first.
+    #[cfg(feature = "testing")]
+    pub fn set_backward_megakernel_work(&mut self, work: MegakernelWork) -> Result<()> {
+        let pass = self.backward_megakernel.as_mut().and_then(|m| m.pass.as_mut());
+        let Some(pass) = pass else {
+            return Err(MokError::InvalidInput {
+                tensor: "megakernel",
+                problem: "no backward megakernel pass yet (switch it on and run a backward)".into(),
+            });
+        };
+        pass.set_work(work)
+    }
+
     #[cfg(feature = "testing")]
     fn built_megakernel(&mut self) -> Result<&mut ForwardMegakernel> {
         self.megakernel.as_mut().and_then(|m| m.pass.as_mut()).ok_or_else(|| MokError::InvalidInput {
