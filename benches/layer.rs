@@ -325,7 +325,7 @@ fn bench_case_ep(
     if matches!(backend, Backend::Megakernels(_)) {
         // The backward alone, its two sides, and without its weight-gradient tiles (as on one
         // GPU, `bench_case`).
-        let mut time_backward = |layer: &mut EpLayer| -> Result<f64> {
+        let time_backward = |layer: &mut EpLayer| -> Result<f64> {
             let mut times = Vec::new();
             for _ in 0..reps {
                 timer.start()?;
