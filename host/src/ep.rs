@@ -150,6 +150,11 @@ struct EpBackwardMegakernel {
     built_for: Vec<BackwardKey>,
     /// Per rank (none without a shared expert): its shared expert's plans inside the launch.
     shared: Vec<SharedEnginePlans>,
+    /// When every rank adds its shared expert's gradient into the same f32 buffers: per rank and
+    /// weight (gate, up, down), a zeroed f32 partial its plans add into instead, summed into the
+    /// target in rank order after the launch (the ranks run concurrently in it, so adding into
+    /// the target directly would make the sum's order, and its bits, vary).
+    shared_partials: Option<DeviceBuffer<f32>>,
     pass: Option<BackwardMegakernel>,
 }
 
@@ -303,6 +308,7 @@ impl EpLayer {
             plans: Vec::new(),
             built_for: Vec::new(),
             shared: Vec::new(),
+            shared_partials: None,
             pass: None,
         });
         Ok(())
@@ -821,8 +827,9 @@ impl EpLayer {
             })
             .collect();
         // Each rank's shared expert runs inside the launch, into its own gradients or the
-        // caller's.
-        let shared_targets: Vec<[u64; 3]> = self
+        // caller's; ranks that add into the same f32 buffers add into partials instead, summed
+        // in rank order after the launch.
+        let mut shared_targets: Vec<[u64; 3]> = self
             .ranks
             .iter()
             .enumerate()
@@ -832,6 +839,30 @@ impl EpLayer {
                 Some(target.map_or(own, |t| t.shared[local]))
             })
             .collect();
+        let summed_into = shared
+            .filter(|_| accumulate_f32 && shared_targets.len() > 1 && shared_targets.windows(2).any(|w| w[0] == w[1]))
+            .map(|_| shared_targets[0]);
+        if let Some(into) = summed_into {
+            if shared_targets.iter().any(|t| *t != into) {
+                return Err(MokError::InvalidInput {
+                    tensor: "shared expert gradients",
+                    problem: "some ranks add into the same f32 buffers and some do not: all or none".into(),
+                });
+            }
+            let n = self.config.shared_intermediate.unwrap_or(0) * self.config.hidden;
+            let ranks = self.ranks.len();
+            let m = self.backward_megakernel.as_mut().ok_or_else(|| MokError::InvalidInput {
+                tensor: "megakernel",
+                problem: "no backward megakernel".into(),
+            })?;
+            if m.shared_partials.is_none() {
+                m.shared_partials = Some(DeviceBuffer::alloc(gpu, ranks * 3 * n)?);
+            }
+            let base = m.shared_partials.as_ref().map_or(0, DeviceBuffer::device_ptr);
+            for (local, t) in shared_targets.iter_mut().enumerate() {
+                *t = [0, 1, 2].map(|w| base + 4 * ((local * 3 + w) * n) as u64);
+            }
+        }
         // SAFETY: the targets are the layer's own gradients or the caller's, checked against the
         // layouts by the caller of `backward_views` and alive until the stream has run the pass;
         // a plan over another target is rebuilt before it is launched again. The pass is built
@@ -852,11 +883,39 @@ impl EpLayer {
         self.exchange.clear_slot_ready(&gpus)?;
         let sets = backward_plan_sets(&m.plans, &m.shared);
         let sets: Vec<&[&EnginePlan]> = sets.iter().map(Vec::as_slice).collect();
+        if summed_into.is_some()
+            && let Some(partials) = m.shared_partials.as_mut()
+        {
+            partials.fill_bytes(0)?;
+        }
         let pass = m.pass.as_mut().ok_or_else(not_built)?;
         let silent: Vec<bool> =
             self.exchange.heap().local_ranks().iter().map(|&r| self.exchange.silent(r, Silence::Push)).collect();
         pass.set_silent_pushes(&silent)?;
-        pass.launch_ranks(gpu, &sets)
+        pass.launch_ranks(gpu, &sets)?;
+        if let (Some(into), Some(partials)) = (summed_into, &m.shared_partials) {
+            let n = self.config.shared_intermediate.unwrap_or(0) * self.config.hidden;
+            let ranks = self.ranks.len();
+            for (w, &dst) in into.iter().enumerate() {
+                // SAFETY: `mok_add_partials_f32`'s parameters in order and type: the target holds
+                // n f32 (checked by the caller of `backward_views`), the partials `ranks` runs of
+                // n, 3n apart, in a buffer of ranks · 3 · n, not overlapping the target.
+                unsafe {
+                    gpu.launch(
+                        "mok_add_partials_f32",
+                        LaunchShape::linear(grid_stride_blocks(gpu, n), ROW_KERNEL_THREADS),
+                        &[
+                            Ptr(dst),
+                            Ptr(partials.device_ptr() + 4 * (w * n) as u64),
+                            KernelArg::U64(3 * n as u64),
+                            U32(ranks as u32),
+                            KernelArg::U64(n as u64),
+                        ],
+                    )
+                }?;
+            }
+        }
+        Ok(())
     }
 
     /// The `local`-th local rank's shared expert over its own tokens (when the layer has one);

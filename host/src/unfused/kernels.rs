@@ -17,6 +17,7 @@ pub const KERNEL_NAMES: &[&str] = &[
     "mok_swiglu_backward",
     "mok_fill_u32",
     "mok_fill_random_bf16",
+    "mok_add_partials_f32",
 ];
 
 pub(crate) const ROW_KERNEL_THREADS: u32 = 256;

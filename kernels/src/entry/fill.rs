@@ -33,3 +33,33 @@ pub unsafe extern "ptx-kernel" fn mok_fill_random_bf16(dst: *mut u16, count: u64
         i += stride;
     }
 }
+
+/// `dst[i] += partials[0·stride + i] + partials[1·stride + i] + …` over `parts` partials, added
+/// one at a time in part order (each add one f32 rounding): a sum whose order does not depend on
+/// which part finished first — the ranks' shared-expert weight gradients, computed concurrently
+/// inside one launch, added into the one gradient they share in rank order.
+///
+/// # Safety
+/// `dst` holds `len` f32 and `partials` `parts` runs of `len` f32, `stride` apart; they do not
+/// overlap.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn mok_add_partials_f32(
+    dst: *mut f32,
+    partials: *const f32,
+    stride: u64,
+    parts: u32,
+    len: u64,
+) {
+    let (mut i, step) = grid_thread();
+    while (i as u64) < len {
+        // SAFETY: i < len, and each part's run holds len (caller contract).
+        unsafe {
+            let mut sum = *dst.add(i);
+            for part in 0..parts as usize {
+                sum += *partials.add(part * stride as usize + i);
+            }
+            *dst.add(i) = sum;
+        }
+        i += step;
+    }
+}
