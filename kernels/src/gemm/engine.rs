@@ -332,8 +332,11 @@ pub unsafe fn run_backward_phases<H: TileHooks>(
     }
     cluster::cluster_sync();
     let warpgroup = thread / 128;
-    // Each variant's phases run as one loop (a runtime trip count: one inlined copy of its
-    // producer and consumer, where a call per phase spilled the consumers' registers).
+    // The two down dgrads and the two gate/up dgrads each run as a loop (a runtime trip count:
+    // one inlined copy of the variant, where a call per phase spilled the consumers'
+    // registers); the routed weight gradients are three calls (their hooks constant: short
+    // tiles, where a per-tile choice between expert sets cost 2–4 % of the backward), the
+    // shared expert's a loop after them.
     let shared = !plan(BACKWARD_SHARED_PROBE).is_null();
     let first = |shared_phase: u32| if shared { shared_phase } else { shared_phase + 1 };
     let end = if shared { BACKWARD_PHASES } else { BACKWARD_SHARED_WGRAD };
@@ -354,7 +357,10 @@ pub unsafe fn run_backward_phases<H: TileHooks>(
                     walk = produce::<N, H>(&*plan(phase), ring, hooks(phase), walk);
                     phase += 1;
                 }
-                phase = 4;
+                walk = produce::<W, H>(&*plan(4), ring, hooks(4), walk);
+                walk = produce::<W, H>(&*plan(5), ring, hooks(5), walk);
+                walk = produce::<W, H>(&*plan(6), ring, hooks(6), walk);
+                phase = 7;
                 while phase < end {
                     walk = produce::<W, H>(&*plan(phase), ring, hooks(phase), walk);
                     phase += 1;
@@ -381,14 +387,16 @@ pub unsafe fn run_backward_phases<H: TileHooks>(
                 phase += 1;
             }
             // The last phase's final stage stays unreleased (as every kernel's last phase).
-            phase = 4;
-            loop {
+            walk = consume::<W, H>(&*plan(4), ring, wg, t, hooks(4), walk);
+            walk = next_phase::<W>(ring, walk, t);
+            walk = consume::<W, H>(&*plan(5), ring, wg, t, hooks(5), walk);
+            walk = next_phase::<W>(ring, walk, t);
+            walk = consume::<W, H>(&*plan(6), ring, wg, t, hooks(6), walk);
+            phase = 7;
+            while phase < end {
+                walk = next_phase::<W>(ring, walk, t);
                 walk = consume::<W, H>(&*plan(phase), ring, wg, t, hooks(phase), walk);
                 phase += 1;
-                if phase >= end {
-                    break;
-                }
-                walk = next_phase::<W>(ring, walk, t);
             }
         }
         Some(())
