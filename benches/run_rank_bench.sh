@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One device call: the ceilings and the PyTorch layer once, then mok's layer benchmark over P
+# virtual ranks (default 8) on both megakernels, every case in its own process (a case that
+# does not fit in memory fails alone), with each rank's ring sized RING_FACTOR times an even
+# split (default 1.25; the worst-case default does not fit the largest cases at P = 8). Run
+# from the bundle's benches/ folder; logs and tables go to $OUT (or ./bench-logs):
+#   CASES=kimi:8192,deepseek:8192 GEMM=megakernel:0,megakernel:4,megakernels ./run_rank_bench.sh
+set -uo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+out="${OUT:-./bench-logs}"
+mkdir -p "$out"
+cases="${CASES:-kimi:8192,glm:8192,qwen:8192,deepseek:8192,kimi:32768,qwen:32768}"
+backends="${GEMM:-megakernel,megakernels}"
+ranks="${RANKS:-8}"
+layer_bin="${LAYER_BIN:-$here/layer}"
+python3 "$here/ceilings.py" > "$out/ceilings.log" 2>&1
+read -r _ _ matmul _ copy < <(grep CEILING "$out/ceilings.log")
+PYTHONUNBUFFERED=1 python3 "$here/torch_moe.py" --cases "$cases" --out "$out/baseline.txt" > "$out/torch.log" 2>&1
+for case in ${cases//,/ }; do
+    "$layer_bin" --ranks "$ranks" --ring-factor "${RING_FACTOR:-1.25}" --cases "$case" --gemm "$backends" \
+        --baseline "$out/baseline.txt" --matmul-tflops "$matmul" --copy-tbps "$copy" \
+        > "$out/ranks-${case/:/-}.log" 2>&1 || echo "$case: failed (see ranks-${case/:/-}.log)"
+done
+for log in "$out"/ranks-*.log; do grep -h -E '^\| [a-z]+ \| [0-9]' "$log"; grep -h 'backward .* ms, without' "$log"; done
