@@ -248,8 +248,10 @@ fn main_processes(args: &Args, env: &mok::symmetric::LaunchEnv) -> Result<()> {
 }
 
 /// The expert-parallel layer over `ranks` virtual ranks, `tokens` split evenly over them, on
-/// `backend`: `mma` (the exchange's separate launches, `mma.sync` expert compute) or the
-/// forward megakernel hosting every rank in one launch (the backward on the separate path).
+/// `backend`: `mma` (the exchange's separate launches, `mma.sync` expert compute), the forward
+/// megakernel hosting every rank in one launch (`megakernel`, the backward on the separate path)
+/// or both megakernels (`megakernels`: then also the backward's sides and its weight-gradient
+/// share).
 fn bench_case_ep(
     gpu: &Gpu,
     shape: FrontierShape,
