@@ -27,6 +27,8 @@ pub struct BenchArgs {
     pub tokens: Vec<usize>,
     pub backends: Vec<String>,
     pub ranks: usize,
+    /// With virtual ranks: each rank's ring as this many times an even split's rows.
+    pub ring_factor: Option<f64>,
     pub reps: usize,
     pub out: PathBuf,
     pub torch: bool,
@@ -65,6 +67,14 @@ impl BenchArgs {
         }
         if self.ranks == 0 || self.reps == 0 {
             bail!("--ranks and --reps must be at least 1");
+        }
+        if let Some(factor) = self.ring_factor {
+            if self.ranks == 1 {
+                bail!("--ring-factor sizes the rings of virtual ranks: give --ranks P too");
+            }
+            if !(factor >= 1.0 && factor.is_finite()) {
+                bail!("--ring-factor {factor}: a ring must hold at least an even split (1 or more)");
+            }
         }
         for &t in &self.tokens {
             if t == 0 || !t.is_multiple_of(self.ranks) {
@@ -499,6 +509,9 @@ pub fn bench(root: &Path, args: &BenchArgs) -> Result<()> {
         "--ranks",
         &args.ranks.to_string(),
     ]);
+    if let Some(factor) = args.ring_factor {
+        command.args(["--ring-factor", &factor.to_string()]);
+    }
     if across && rank != 0 {
         // Rank 0 reports; this rank measures in step with it.
         let status = command.status().with_context(|| format!("cannot run {}", layer.display()))?;
@@ -579,6 +592,7 @@ mod tests {
             tokens: vec![8192, 32768],
             backends: vec!["engine".into(), "megakernel:4".into()],
             ranks: 1,
+            ring_factor: None,
             reps: 10,
             out: "x".into(),
             torch: true,
@@ -598,6 +612,14 @@ mod tests {
         assert!(bad(|a| a.shapes = vec!["llama".into()]).contains("unknown shape \"llama\""));
         assert!(bad(|a| a.backends = vec!["megakernel:x".into()]).contains("unknown backend"));
         assert!(bad(|a| a.backends = vec!["cublas".into()]).contains("unknown backend"));
+        assert!(bad(|a| a.ring_factor = Some(2.0)).contains("give --ranks P too"));
+        assert!(
+            bad(|a| {
+                a.ranks = 2;
+                a.ring_factor = Some(0.5);
+            })
+            .contains("at least an even split")
+        );
         assert!(bad(|a| a.backends = vec!["megakernels:".into()]).contains("unknown backend"));
         let mut both = args();
         both.backends = vec!["megakernels".into(), "megakernels:4".into()];

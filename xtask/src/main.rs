@@ -63,12 +63,16 @@ enum Task {
         #[arg(long, value_delimiter = ',', default_value = "8192")]
         tokens: Vec<usize>,
         /// Backends: mma, engine, megakernel, megakernel:N (N comm blocks), megakernels[:N] (the forward
-        /// and the backward megakernels, one GPU).
+        /// and the backward megakernels, on one GPU or over virtual ranks).
         #[arg(long, value_delimiter = ',', default_value = "engine,megakernel")]
         backends: Vec<String>,
         /// P > 1: the expert-parallel layer over P virtual ranks on one GPU instead.
         #[arg(long, default_value_t = 1)]
         ranks: usize,
+        /// With --ranks: each rank's receive ring holds F times an even split's rows (default:
+        /// the worst case, every slot on one rank, which does not fit the largest cases at P = 8).
+        #[arg(long)]
+        ring_factor: Option<f64>,
         /// Timed repetitions per case (the median is reported).
         #[arg(long, default_value_t = 10)]
         reps: usize,
@@ -111,9 +115,9 @@ fn main() -> ExitCode {
         }
         Task::Test => test(&root),
         Task::GpuBundle { out } => bundle::gpu_bundle(&root, out.unwrap_or_else(|| root.join("bundle"))),
-        Task::Bench { shapes, tokens, backends, ranks, reps, out, no_torch, layer_bin } => bench::bench(
+        Task::Bench { shapes, tokens, backends, ranks, ring_factor, reps, out, no_torch, layer_bin } => bench::bench(
             &root,
-            &bench::BenchArgs { shapes, tokens, backends, ranks, reps, out, torch: !no_torch, layer_bin },
+            &bench::BenchArgs { shapes, tokens, backends, ranks, ring_factor, reps, out, torch: !no_torch, layer_bin },
         ),
         Task::BenchChart { log, out } => bench::chart_from_log(&log, &out),
         Task::Demo { args } => return demo(&root, &args),
