@@ -372,6 +372,8 @@ impl EpLayer {
         let c = &self.config;
         let r = *self.exchange.regions();
         let locals = self.exchange.heap().local_ranks();
+        // Whatever fails below leaves no pass behind, so the next call rebuilds everything.
+        (m.pass, m.built_for) = (None, Vec::new());
         // The shared expert's plans read the rank's dy through the gather's copy and its x in
         // place (a fixed heap address).
         let mut shared_plans = std::mem::take(&mut m.shared);
@@ -839,17 +841,22 @@ impl EpLayer {
                 Some(target.map_or(own, |t| t.shared[local]))
             })
             .collect();
-        let summed_into = shared
-            .filter(|_| accumulate_f32 && shared_targets.len() > 1 && shared_targets.windows(2).any(|w| w[0] == w[1]))
-            .map(|_| shared_targets[0]);
+        let n = self.config.shared_intermediate.unwrap_or(0) * self.config.hidden;
+        let bytes = (n * if accumulate_f32 { 4 } else { 2 }) as u64;
+        // Two ranks' gradient ranges (any of the three weights of either) that overlap.
+        let overlap = |a: &[u64; 3], b: &[u64; 3]| a.iter().any(|&x| b.iter().any(|&y| x < y + bytes && y < x + bytes));
+        let any_overlap =
+            shared_targets.iter().enumerate().any(|(i, a)| shared_targets[..i].iter().any(|b| overlap(a, b)));
+        let summed_into = shared.filter(|_| any_overlap).map(|_| shared_targets[0]);
         if let Some(into) = summed_into {
-            if shared_targets.iter().any(|t| *t != into) {
+            if !accumulate_f32 || shared_targets.iter().any(|t| *t != into) {
                 return Err(MokError::InvalidInput {
                     tensor: "shared expert gradients",
-                    problem: "some ranks add into the same f32 buffers and some do not: all or none".into(),
+                    problem: "ranks' gradient buffers overlap: either every rank adds into the same f32 buffers \
+                              (summed in rank order) or every rank has its own"
+                        .into(),
                 });
             }
-            let n = self.config.shared_intermediate.unwrap_or(0) * self.config.hidden;
             let ranks = self.ranks.len();
             let m = self.backward_megakernel.as_mut().ok_or_else(|| MokError::InvalidInput {
                 tensor: "megakernel",
@@ -866,7 +873,9 @@ impl EpLayer {
         // SAFETY: the targets are the layer's own gradients or the caller's, checked against the
         // layouts by the caller of `backward_views` and alive until the stream has run the pass;
         // a plan over another target is rebuilt before it is launched again. The pass is built
-        // (and can fail) before anything is enqueued, so a failed call adds no gradient anywhere.
+        // (and can fail) before anything is enqueued, so a call that fails there adds no
+        // gradient anywhere (a launch that fails later, past the megakernel, may leave some of
+        // the shared expert's three sums added and others not).
         unsafe { self.prepare_backward_megakernel(gpu, (experts, shared), &targets, &shared_targets) }?;
         let gpus = [gpu];
         let l = self.config.local_experts();

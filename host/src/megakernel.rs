@@ -126,6 +126,8 @@ pub(crate) type BackwardMegakernel = MegakernelPass<BackwardParams>;
 /// What the shared pass code sets in a megakernel's parameter block.
 pub(crate) trait PassParams: Copy {
     fn comm_blocks(&self) -> u32;
+    /// The work of the pass.
+    fn work(&self) -> u32;
     /// The work of the pass (test and benchmark hooks only).
     #[cfg_attr(not(feature = "testing"), allow(dead_code))]
     fn set_work(&mut self, work: u32);
@@ -141,6 +143,9 @@ macro_rules! pass_params {
         impl PassParams for $params {
             fn comm_blocks(&self) -> u32 {
                 self.comm_blocks
+            }
+            fn work(&self) -> u32 {
+                self.work
             }
             fn set_work(&mut self, work: u32) {
                 self.work = work;
@@ -409,6 +414,12 @@ impl<P: PassParams> MegakernelPass<P> {
                 .iter()
                 .zip(plans)
                 .all(|(b, p)| b.iter().copied().eq(p.iter().map(|plan| plan.params_ptr())))
+    }
+
+    /// Whether the passes copy the rows (a real pass; not when a benchmark's work mask leaves
+    /// them out).
+    pub(crate) fn copies_rows(&self) -> bool {
+        self.host.iter().all(|p| p.work() & mok_kernels::megakernel_layout::WORK_COPY_ROWS != 0)
     }
 
     /// Blocks of the launch, and of them the comm blocks (of each rank).

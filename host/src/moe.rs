@@ -15,7 +15,9 @@ use crate::ep::{EpGradTargets, EpLayer};
 use crate::error::{MokError, Result};
 use crate::exchange::ExchangeOptions;
 use crate::gemm::engine_available;
-use crate::megakernel::{FORWARD_RANKS_KERNEL, MegakernelOptions, checked_geometry, resident_blocks};
+use crate::megakernel::{
+    BACKWARD_RANKS_KERNEL, FORWARD_RANKS_KERNEL, MegakernelOptions, checked_geometry, resident_blocks,
+};
 use crate::symmetric::SymmetricHeap;
 use crate::unfused::{ExpertsView, SharedExpertView, TokensView, UnfusedLayer, WeightGradTarget, WeightGradViews};
 
@@ -52,12 +54,14 @@ impl Backend {
     /// The fastest correct backend of a layer over ranks whose launch hosts `hosted` of them on
     /// `gpu` (every rank for virtual ranks, one per process per GPU).
     fn fastest_hosting(gpu: &Gpu, hosted: usize) -> Backend {
-        let megakernel_fits = || {
-            resident_blocks(gpu, FORWARD_RANKS_KERNEL)
-                .and_then(|resident| checked_geometry(resident, &MegakernelOptions::default(), hosted as u32))
-                .is_ok()
+        // Over virtual ranks both megakernels run (with one process per GPU the forward's).
+        let fits = |kernel| {
+            gpu.has_kernel(kernel)
+                && resident_blocks(gpu, kernel)
+                    .and_then(|resident| checked_geometry(resident, &MegakernelOptions::default(), hosted as u32))
+                    .is_ok()
         };
-        if engine_available(gpu) && gpu.has_kernel(FORWARD_RANKS_KERNEL) && megakernel_fits() {
+        if engine_available(gpu) && fits(FORWARD_RANKS_KERNEL) && fits(BACKWARD_RANKS_KERNEL) {
             Backend::Megakernel
         } else {
             Backend::MmaSync

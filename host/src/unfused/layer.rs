@@ -418,8 +418,17 @@ impl UnfusedLayer {
         if let (Some(weights), Some(workspace)) = (shared, &self.shared)
             && !self.shared_engine.as_ref().is_some_and(|s| s.built_for(weights))
         {
-            self.shared_engine = Some(SharedEnginePlans::new(gpu, workspace, weights)?);
+            // The passes point at the old plans' buffers (x and dy copies): built again with
+            // the new ones.
+            if let Some((_, pass)) = &mut self.megakernel {
+                *pass = None;
+            }
+            if let Some((_, pass)) = &mut self.backward_megakernel {
+                *pass = None;
+            }
+            self.shared_engine = None;
             self.shared_x_from_forward = false;
+            self.shared_engine = Some(SharedEnginePlans::new(gpu, workspace, weights)?);
         }
         Ok(())
     }
@@ -767,13 +776,21 @@ impl UnfusedLayer {
         self.prepare_engine_plans(gpu, experts)?;
         self.prepare_megakernel(gpu, shared)?;
         self.tokens = t;
-        // The forward megakernel copies x for the shared expert; any other forward leaves its
-        // copy stale.
-        self.shared_x_from_forward = self.megakernel.is_some() && shared.is_some();
+        // Until this forward's megakernel has copied x for the shared expert, the copy is stale.
+        self.shared_x_from_forward = false;
         self.set_shared_offsets(t)?;
         self.route(gpu, tokens.topk_ids)?;
         if self.megakernel.is_some() {
-            return self.forward_megakernel(gpu, tokens, shared);
+            self.forward_megakernel(gpu, tokens, shared)?;
+            // The pass copied x for the shared expert (unless a test's work mask left the row
+            // copies out).
+            self.shared_x_from_forward = shared.is_some()
+                && self
+                    .megakernel
+                    .as_ref()
+                    .and_then(|(_, pass)| pass.as_ref())
+                    .is_some_and(ForwardMegakernel::copies_rows);
+            return Ok(());
         }
         let c = self.config.clone();
         let (h, e, k) = (c.hidden, c.num_experts, c.top_k);
