@@ -762,7 +762,7 @@ mod work_order_model {
     pub(super) struct Who {
         pub(super) rank: usize,
         pub(super) compute: (usize, usize),
-        pub(super) taken: [usize; 8],
+        pub(super) taken: [usize; 16],
     }
 
     /// The counters and queues of a model.
@@ -1138,106 +1138,175 @@ mod work_order_model {
         //! tiles, then combine tokens. A down-dgrad tile waits on its M tile's gather, a
         //! gate/up-dgrad tile on its M tile's down-dgrad parts, the down weight gradient of
         //! expert g on every gather of g, the gate and up weight gradients on every down-dgrad
-        //! part of g, a combine token on the gate/up-dgrad parts of its slots' M tiles.
+        //! part of g, a combine token on the gate/up-dgrad parts of its slots' M tiles. With a
+        //! shared expert (a second expert set: one expert over the tokens' own M tiles, its own
+        //! counters) its gather tiles come first in the gather queue, each of its data gradients
+        //! before the routed one, its weight gradients after the routed ones, and a combine token
+        //! also waits on its shared M tile.
 
         use super::*;
 
-        const GATHER: usize = 0;
-        const DOWN_DGRAD: usize = 1;
-        const GATE_UP_DGRAD: usize = 2;
-        /// The three weight gradients: down, gate, up.
-        const WGRAD: [usize; 3] = [3, 4, 5];
-        const COMBINE: usize = 6;
+        /// The queues of expert set `set` (0 routed, 1 shared): gather, down dgrad, gate/up
+        /// dgrad, the three weight gradients; then the combine.
+        const fn gather(set: usize) -> usize {
+            6 * set
+        }
+        const fn down_dgrad(set: usize) -> usize {
+            6 * set + 1
+        }
+        const fn gate_up_dgrad(set: usize) -> usize {
+            6 * set + 2
+        }
+        const fn wgrad(set: usize, w: usize) -> usize {
+            6 * set + 3 + w
+        }
+        const COMBINE: usize = 12;
+        const ROUTED: usize = 0;
+        const SHARED: usize = 1;
 
         #[derive(Clone, Copy, Debug)]
         enum Unit {
-            Gather(usize),
-            DownDgrad(usize),
-            GateUpDgrad(usize),
-            /// (which weight gradient, expert)
-            Wgrad(usize, usize),
+            /// (expert set, M tile)
+            Gather(usize, usize),
+            DownDgrad(usize, usize),
+            GateUpDgrad(usize, usize),
+            /// (expert set, which weight gradient, expert)
+            Wgrad(usize, usize, usize),
             Combine(usize),
         }
 
-        struct Backward {
+        /// One expert set's counters.
+        #[derive(Clone, Default)]
+        struct Set {
             /// Per M tile: its expert; gathered; parts stored by each data gradient.
             expert_of_tile: Vec<usize>,
             gathered: Vec<bool>,
             down_dgrad: Vec<usize>,
             gate_up_dgrad: Vec<usize>,
-            n_down_dgrad: usize,
-            n_gate_up_dgrad: usize,
+            experts: usize,
             /// Weight-gradient tiles per expert (each of the three products), and done per
             /// product.
             wgrad_tiles: usize,
-            experts: usize,
             wgrad_done: [usize; 3],
-            /// Per token: the M tiles of its slots.
-            tokens: Vec<Vec<usize>>,
+        }
+
+        impl Set {
+            fn new(expert_of_tile: Vec<usize>, experts: usize, wgrad_tiles: usize) -> Self {
+                let m = expert_of_tile.len();
+                Set {
+                    expert_of_tile,
+                    gathered: vec![false; m],
+                    down_dgrad: vec![0; m],
+                    gate_up_dgrad: vec![0; m],
+                    experts,
+                    wgrad_tiles,
+                    wgrad_done: [0; 3],
+                }
+            }
+        }
+
+        struct Backward {
+            /// The routed experts, and the shared expert (empty set without one).
+            sets: [Set; 2],
+            n_down_dgrad: usize,
+            n_gate_up_dgrad: usize,
+            /// Per token: the routed M tiles of its slots, and its shared M tile.
+            tokens: Vec<(Vec<usize>, usize)>,
             combined: usize,
-            /// The shared queues (gather, the two data gradients, combine): next index.
-            next: [usize; 7],
+            /// The shared queues (every gather and data gradient, the combine): next index.
+            next: [usize; 13],
         }
 
         impl World for Backward {
             type Unit = Unit;
 
             fn take(&mut self, who: &mut Who, q: usize) -> Option<Unit> {
-                let m_tiles = self.gathered.len();
-                if let Some(w) = WGRAD.iter().position(|&x| x == q) {
+                if q == COMBINE {
+                    let i = self.next[q];
+                    if i >= self.tokens.len() {
+                        return None;
+                    }
+                    self.next[q] += 1;
+                    return Some(Unit::Combine(i));
+                }
+                let (set, kind) = (q / 6, q % 6);
+                let s = &self.sets[set];
+                let m_tiles = s.gathered.len();
+                if kind >= 3 {
                     let (index, blocks) = who.compute;
                     let tile = index + who.taken[q] * blocks;
-                    if tile >= self.experts * self.wgrad_tiles {
+                    if tile >= s.experts * s.wgrad_tiles {
                         return None;
                     }
                     who.taken[q] += 1;
-                    return Some(Unit::Wgrad(w, tile / self.wgrad_tiles));
+                    return Some(Unit::Wgrad(set, kind - 3, tile / s.wgrad_tiles));
                 }
-                let len =
-                    [m_tiles, m_tiles * self.n_down_dgrad, m_tiles * self.n_gate_up_dgrad, 0, 0, 0, self.tokens.len()]
-                        [q];
+                let len = [m_tiles, m_tiles * self.n_down_dgrad, m_tiles * self.n_gate_up_dgrad][kind];
                 let i = self.next[q];
                 if i >= len {
                     return None;
                 }
                 self.next[q] += 1;
-                Some(match q {
-                    GATHER => Unit::Gather(i),
-                    DOWN_DGRAD => Unit::DownDgrad(i / self.n_down_dgrad),
-                    GATE_UP_DGRAD => Unit::GateUpDgrad(i / self.n_gate_up_dgrad),
-                    _ => Unit::Combine(i),
+                Some(match kind {
+                    0 => Unit::Gather(set, i),
+                    1 => Unit::DownDgrad(set, i / self.n_down_dgrad),
+                    _ => Unit::GateUpDgrad(set, i / self.n_gate_up_dgrad),
                 })
             }
 
             fn ready(&self, unit: Unit) -> bool {
-                let of_expert = |g: usize| (0..self.expert_of_tile.len()).filter(move |&m| self.expert_of_tile[m] == g);
+                let (nd, ng) = (self.n_down_dgrad, self.n_gate_up_dgrad);
+                // Whether every M tile of expert g in `s` passes `done`.
+                let all_of_expert = |s: &Set, g: usize, done: &dyn Fn(usize) -> bool| {
+                    (0..s.expert_of_tile.len()).filter(|&m| s.expert_of_tile[m] == g).all(done)
+                };
                 match unit {
-                    Unit::Gather(_) => true,
-                    Unit::DownDgrad(m) => self.gathered[m],
-                    Unit::GateUpDgrad(m) => self.down_dgrad[m] == self.n_down_dgrad,
-                    Unit::Wgrad(0, g) => of_expert(g).all(|m| self.gathered[m]),
-                    Unit::Wgrad(_, g) => of_expert(g).all(|m| self.down_dgrad[m] == self.n_down_dgrad),
-                    Unit::Combine(t) => self.tokens[t].iter().all(|&m| self.gate_up_dgrad[m] == self.n_gate_up_dgrad),
+                    Unit::Gather(..) => true,
+                    Unit::DownDgrad(set, m) => self.sets[set].gathered[m],
+                    Unit::GateUpDgrad(set, m) => self.sets[set].down_dgrad[m] == nd,
+                    Unit::Wgrad(set, 0, g) => {
+                        let s = &self.sets[set];
+                        all_of_expert(s, g, &|m| s.gathered[m])
+                    }
+                    Unit::Wgrad(set, _, g) => {
+                        let s = &self.sets[set];
+                        all_of_expert(s, g, &|m| s.down_dgrad[m] == nd)
+                    }
+                    Unit::Combine(t) => {
+                        let (slots, shared_tile) = &self.tokens[t];
+                        let shared = &self.sets[SHARED];
+                        slots.iter().all(|&m| self.sets[ROUTED].gate_up_dgrad[m] == ng)
+                            && (shared.gathered.is_empty() || shared.gate_up_dgrad[*shared_tile] == ng)
+                    }
                 }
             }
 
             fn finish(&mut self, unit: Unit) {
                 match unit {
-                    Unit::Gather(m) => self.gathered[m] = true,
-                    Unit::DownDgrad(m) => self.down_dgrad[m] += 1,
-                    Unit::GateUpDgrad(m) => self.gate_up_dgrad[m] += 1,
-                    Unit::Wgrad(w, _) => self.wgrad_done[w] += 1,
+                    Unit::Gather(set, m) => self.sets[set].gathered[m] = true,
+                    Unit::DownDgrad(set, m) => self.sets[set].down_dgrad[m] += 1,
+                    Unit::GateUpDgrad(set, m) => self.sets[set].gate_up_dgrad[m] += 1,
+                    Unit::Wgrad(set, w, _) => self.sets[set].wgrad_done[w] += 1,
                     Unit::Combine(_) => self.combined += 1,
                 }
             }
 
             fn pipelined(unit: Unit) -> bool {
-                !matches!(unit, Unit::Gather(_) | Unit::Combine(_))
+                !matches!(unit, Unit::Gather(..) | Unit::Combine(_))
             }
         }
 
         fn compute_block(index: usize, blocks: usize) -> Who {
             Who { compute: (index, blocks), ..Who::default() }
+        }
+
+        /// The queues of a compute block, in the kernel's order.
+        fn compute_queues() -> Vec<usize> {
+            let mut queues = vec![gather(SHARED), gather(ROUTED), down_dgrad(SHARED), down_dgrad(ROUTED)];
+            queues.extend([gate_up_dgrad(SHARED), gate_up_dgrad(ROUTED)]);
+            queues.extend((0..3).map(|w| wgrad(ROUTED, w)).chain((0..3).map(|w| wgrad(SHARED, w))));
+            queues.push(COMBINE);
+            queues
         }
 
         #[test]
@@ -1248,38 +1317,47 @@ mod work_order_model {
                 let m_tiles = 1 + rng.below(12);
                 // Experts without an M tile are empty (their weight gradients wait for nothing).
                 let expert_of_tile: Vec<usize> = (0..m_tiles).map(|_| rng.below(experts)).collect();
-                let tokens = (0..1 + rng.below(20))
-                    .map(|_| (0..1 + rng.below(4)).map(|_| rng.below(m_tiles)).collect())
+                let token_count = 1 + rng.below(20);
+                // Half the cases with a shared expert of 1 to T M tiles (token t in tile
+                // t · tiles / T).
+                let shared_tiles = if case % 2 == 0 { 1 + rng.below(token_count) } else { 0 };
+                let tokens = (0..token_count)
+                    .map(|t| {
+                        let slots = (0..1 + rng.below(4)).map(|_| rng.below(m_tiles)).collect();
+                        (slots, t * shared_tiles / token_count)
+                    })
                     .collect();
+                let shared = if shared_tiles > 0 {
+                    Set::new(vec![0; shared_tiles], 1, 1 + rng.below(5))
+                } else {
+                    Set::default()
+                };
                 let mut world = Backward {
-                    gathered: vec![false; m_tiles],
-                    down_dgrad: vec![0; m_tiles],
-                    gate_up_dgrad: vec![0; m_tiles],
-                    expert_of_tile,
+                    sets: [Set::new(expert_of_tile, experts, 1 + rng.below(5)), shared],
                     n_down_dgrad: 1 + rng.below(4),
                     n_gate_up_dgrad: 1 + rng.below(4),
-                    wgrad_tiles: 1 + rng.below(5),
-                    experts,
-                    wgrad_done: [0; 3],
                     tokens,
                     combined: 0,
-                    next: [0; 7],
+                    next: [0; 13],
                 };
                 let (comm_blocks, pairs) = (rng.below(4), 1 + rng.below(4));
                 let compute_blocks = 2 * pairs;
-                let mut agents: Vec<Agent<Unit>> =
-                    (0..comm_blocks).map(|_| Agent::new(Who::default(), vec![GATHER, COMBINE])).collect();
+                let mut agents: Vec<Agent<Unit>> = (0..comm_blocks)
+                    .map(|_| Agent::new(Who::default(), vec![gather(SHARED), gather(ROUTED), COMBINE]))
+                    .collect();
                 // Each block of a pair walks its own weight-gradient share: one agent per block.
-                let compute_queues = vec![GATHER, DOWN_DGRAD, GATE_UP_DGRAD, WGRAD[0], WGRAD[1], WGRAD[2], COMBINE];
                 agents.extend(
-                    (0..compute_blocks).map(|b| Agent::new(compute_block(b, compute_blocks), compute_queues.clone())),
+                    (0..compute_blocks).map(|b| Agent::new(compute_block(b, compute_blocks), compute_queues())),
                 );
-                let what = format!("case {case}: {comm_blocks} comm blocks and {pairs} pairs");
+                let what =
+                    format!("case {case}: {comm_blocks} comm blocks and {pairs} pairs, {shared_tiles} shared tiles");
                 run_to_completion(&mut world, &mut agents, &mut rng, &what);
-                assert!(world.gathered.iter().all(|&g| g), "case {case}");
-                assert!(world.down_dgrad.iter().all(|&n| n == world.n_down_dgrad), "case {case}");
-                assert!(world.gate_up_dgrad.iter().all(|&n| n == world.n_gate_up_dgrad), "case {case}");
-                assert_eq!(world.wgrad_done, [experts * world.wgrad_tiles; 3], "case {case}");
+                for s in &world.sets {
+                    assert!(s.gathered.iter().all(|&g| g), "case {case}");
+                    assert!(s.down_dgrad.iter().all(|&n| n == world.n_down_dgrad), "case {case}");
+                    assert!(s.gate_up_dgrad.iter().all(|&n| n == world.n_gate_up_dgrad), "case {case}");
+                    assert_eq!(s.wgrad_done, [s.experts * s.wgrad_tiles; 3], "case {case}");
+                }
                 assert_eq!(world.combined, world.tokens.len(), "case {case}");
             }
         }
@@ -1288,24 +1366,22 @@ mod work_order_model {
         fn a_weight_gradient_taken_before_the_data_gradients_can_deadlock() {
             // A lone block that takes a gate weight-gradient tile before the down-dgrad queue
             // waits for down-dgrad parts that only it would compute.
+            let mut routed = Set::new(vec![0], 1, 1);
+            routed.gathered[0] = true;
             let mut world = Backward {
-                expert_of_tile: vec![0],
-                gathered: vec![true],
-                down_dgrad: vec![0],
-                gate_up_dgrad: vec![0],
+                sets: [routed, Set::default()],
                 n_down_dgrad: 1,
                 n_gate_up_dgrad: 1,
-                wgrad_tiles: 1,
-                experts: 1,
-                wgrad_done: [0; 3],
-                tokens: vec![vec![0]],
+                tokens: vec![(vec![0], 0)],
                 combined: 0,
-                next: [1, 0, 0, 0, 0, 0, 0],
+                next: [0; 13],
             };
-            let mut wrong = Agent::new(compute_block(0, 1), vec![WGRAD[1], DOWN_DGRAD, GATE_UP_DGRAD, COMBINE]);
+            world.next[gather(ROUTED)] = 1;
+            let queues = vec![wgrad(ROUTED, 1), down_dgrad(ROUTED), gate_up_dgrad(ROUTED), COMBINE];
+            let mut wrong = Agent::new(compute_block(0, 1), queues);
             let progress = lone_progress(&mut world, &mut wrong, &mut Rng(11));
             assert_eq!(progress, 1, "only the take of the weight-gradient tile happens; then it waits forever");
-            assert!(!wrong.done() && world.down_dgrad[0] == 0);
+            assert!(!wrong.done() && world.sets[ROUTED].down_dgrad[0] == 0);
         }
     }
 }
