@@ -2,8 +2,10 @@
 # One device call: the ceilings and the PyTorch layer once, then mok's layer benchmark over P
 # virtual ranks (default 8) on both megakernels, every case in its own process (a case that
 # does not fit in memory fails alone), with each rank's ring sized RING_FACTOR times an even
-# split (default 1.25; the worst-case default does not fit the largest cases at P = 8). Run
-# from the bundle's benches/ folder; logs and tables go to $OUT (or ./bench-logs):
+# split (default 1.25; the worst-case default does not fit the largest cases at P = 8), and
+# with ONE_GPU=1 the same cases on one GPU (GEMM_ONE_GPU, default megakernels) in the same call,
+# for the P = 8 against P = 1 comparison. Run from the bundle's benches/ folder; logs and tables
+# go to $OUT (or ./bench-logs):
 #   CASES=kimi:8192,deepseek:8192 GEMM=megakernel:0,megakernel:4,megakernels ./run_rank_bench.sh
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -21,4 +23,12 @@ for case in ${cases//,/ }; do
         --baseline "$out/baseline.txt" --matmul-tflops "$matmul" --copy-tbps "$copy" \
         > "$out/ranks-${case/:/-}.log" 2>&1 || echo "$case: failed (see ranks-${case/:/-}.log)"
 done
-for log in "$out"/ranks-*.log; do grep -h -E '^\| [a-z]+ \| [0-9]' "$log"; grep -h 'backward .* ms, without' "$log"; done
+if [ "${ONE_GPU:-0}" = 1 ]; then
+    for case in ${cases//,/ }; do
+        "$layer_bin" --cases "$case" --gemm "${GEMM_ONE_GPU:-megakernels}" --baseline "$out/baseline.txt" \
+            --matmul-tflops "$matmul" --copy-tbps "$copy" > "$out/one-gpu-${case/:/-}.log" 2>&1 \
+            || echo "$case on one GPU: failed (see one-gpu-${case/:/-}.log)"
+    done
+fi
+for log in "$out"/ranks-*.log "$out"/one-gpu-*.log; do
+    [ -f "$log" ] || continue grep -h -E '^\| [a-z]+ \| [0-9]' "$log"; grep -h 'backward .* ms, without' "$log"; done
