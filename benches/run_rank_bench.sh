@@ -31,4 +31,7 @@ if [ "${ONE_GPU:-0}" = 1 ]; then
     done
 fi
 for log in "$out"/ranks-*.log "$out"/one-gpu-*.log; do
-    [ -f "$log" ] || continue grep -h -E '^\| [a-z]+ \| [0-9]' "$log"; grep -h 'backward .* ms, without' "$log"; done
+    [ -f "$log" ] || continue
+    grep -h -E '^\| [a-z]+ \| [0-9]' "$log"
+    grep -h 'backward .* ms, without' "$log"
+done
