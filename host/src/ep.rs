@@ -84,6 +84,25 @@ pub(crate) struct EpGradTargets {
     pub accumulate_f32: bool,
 }
 
+/// A failed allocation of a layer over `ranks` virtual ranks, with what sizes most of it: every
+/// rank's receive ring and its expert workspace hold the ring's capacity in rows, by default the
+/// worst case (every slot of every rank landing on one rank), which `ExchangeOptions::
+/// capacity_rows` lowers. Other errors pass unchanged.
+fn out_of_memory_hint(error: MokError, ranks: usize, capacity_rows: Option<usize>) -> MokError {
+    match error {
+        MokError::Cuda { call, message } if message.contains("OUT_OF_MEMORY") && capacity_rows.is_none() => {
+            MokError::Cuda {
+                call: format!(
+                    "{call} (for {ranks} virtual ranks on one GPU, each rank's ring and expert workspace are sized for the \
+                     worst case, every slot on one rank; ExchangeOptions::capacity_rows sets a smaller ring)"
+                ),
+                message,
+            }
+        }
+        other => other,
+    }
+}
+
 /// Each rank's forward megakernel plans: its gate/up and down plans, then its shared expert's
 /// (when `shared` has one per rank).
 fn forward_plan_sets<'a>(
@@ -175,8 +194,10 @@ pub struct EpLayer {
 impl EpLayer {
     /// Validates `config` and allocates the heap and every rank's workspace on `gpu`.
     pub fn new_virtual(gpu: &Gpu, config: MoeConfig, options: ExchangeOptions) -> Result<Self> {
-        let exchange = Exchange::new_virtual(gpu, &config, options)?;
-        Self::over(gpu, config, exchange)
+        let (ranks, capacity) = (config.ep_ranks, options.capacity_rows);
+        let exchange =
+            Exchange::new_virtual(gpu, &config, options).map_err(|e| out_of_memory_hint(e, ranks, capacity))?;
+        Self::over(gpu, config, exchange).map_err(|e| out_of_memory_hint(e, ranks, capacity))
     }
 
     /// The layer over an existing symmetric heap whose local ranks all live on `gpu` (virtual
@@ -1094,5 +1115,25 @@ impl EpLayer {
     /// naming the counter and the silent rank, a ring too small with the size needed, a bad id).
     pub fn check_errors(&self, gpu: &Gpu) -> Result<()> {
         self.exchange.check_errors(&[gpu])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_out_of_memory_layer_over_ranks_names_the_ring_capacity() {
+        let oom = || MokError::Cuda {
+            call: "cuMemAlloc(2113929216 bytes)".into(),
+            message: "CUDA_ERROR_OUT_OF_MEMORY: out of memory".into(),
+        };
+        let hinted = out_of_memory_hint(oom(), 8, None).to_string();
+        assert!(hinted.contains("capacity_rows") && hinted.contains("8 virtual ranks"), "{hinted}");
+        assert!(hinted.contains("cuMemAlloc(2113929216 bytes)") && hinted.contains("OUT_OF_MEMORY"), "{hinted}");
+        // A ring the caller sized, or another error, passes unchanged.
+        assert_eq!(out_of_memory_hint(oom(), 8, Some(1000)).to_string(), oom().to_string());
+        let other = MokError::Cuda { call: "cuLaunchKernel".into(), message: "CUDA_ERROR_INVALID_VALUE".into() };
+        assert!(!out_of_memory_hint(other, 8, None).to_string().contains("capacity_rows"));
     }
 }
