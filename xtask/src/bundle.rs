@@ -256,3 +256,129 @@ pub fn gpu_bundle(root: &Path, out: PathBuf) -> Result<()> {
     println!("gpu-bundle: size {:.1} MiB ({size} bytes)", size as f64 / (1024.0 * 1024.0));
     Ok(())
 }
+
+/// The most a device call carries with the working tree (the device tool's limit).
+pub const CARRY_LIMIT_BYTES: u64 = 64 * 1024 * 1024;
+
+/// What [`gpu_subset`] copies out of a bundle.
+#[derive(Clone, Debug, Default)]
+pub struct SubsetArgs {
+    /// The bundle (`cargo xtask gpu-bundle`'s output).
+    pub from: PathBuf,
+    /// The folder to fill (its `tests/` and `benches/` are replaced).
+    pub out: PathBuf,
+    /// Test binaries by name (`gpu_unfused`, `burn_gpu`, ...), packed with gzip.
+    pub tests: Vec<String>,
+    /// Bench binaries by name (`layer`, ...); the bundle's bench scripts always come along.
+    pub benches: Vec<String>,
+    /// Extra files (PTX variants for `MOK_PTX`, ...), copied into the folder's top level.
+    pub files: Vec<PathBuf>,
+}
+
+/// `cargo xtask gpu-subset`: the part of a bundle one device call needs — `run.sh`, the named
+/// test binaries (gzipped; run.sh unpacks them), the named bench binaries with every bench
+/// script, and extra files — in a folder, refused if it exceeds what a call carries. Prints the
+/// size and the `carry` entry to name (the folder relative to `root`, which must be one git
+/// ignores: a carried path is an ignored one).
+pub fn gpu_subset(root: &Path, args: &SubsetArgs) -> Result<u64> {
+    let (tests_dir, benches_dir) = (args.out.join("tests"), args.out.join("benches"));
+    for dir in [&tests_dir, &benches_dir] {
+        if dir.exists() {
+            fs::remove_dir_all(dir).with_context(|| format!("cannot remove {}", dir.display()))?;
+        }
+        fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    }
+    let run_sh = args.from.join("run.sh");
+    fs::copy(&run_sh, args.out.join("run.sh"))
+        .with_context(|| format!("no {} (build the bundle first)", run_sh.display()))?;
+    for name in &args.tests {
+        let (plain, packed) = (args.from.join("tests").join(name), args.from.join("tests").join(format!("{name}.gz")));
+        if packed.is_file() {
+            fs::copy(&packed, tests_dir.join(format!("{name}.gz")))?;
+        } else if plain.is_file() {
+            let to = tests_dir.join(name);
+            fs::copy(&plain, &to)?;
+            crate::run(Command::new("gzip").args(["-9", "-f"]).arg(&to))?;
+        } else {
+            bail!("the bundle has no test binary {name:?} (in {})", args.from.join("tests").display());
+        }
+    }
+    let bench_sources = args.from.join("benches");
+    for entry in fs::read_dir(&bench_sources).with_context(|| format!("cannot list {}", bench_sources.display()))? {
+        let path = entry?.path();
+        let name = path.file_name().unwrap_or_default().to_string_lossy().into_owned();
+        let script = path.extension().is_some_and(|ext| ext == "py" || ext == "sh");
+        if path.is_file() && (script || args.benches.contains(&name)) {
+            fs::copy(&path, benches_dir.join(&name)).with_context(|| format!("cannot copy {}", path.display()))?;
+        }
+    }
+    for name in &args.benches {
+        if !benches_dir.join(name).is_file() {
+            bail!("the bundle has no bench binary {name:?} (in {})", bench_sources.display());
+        }
+    }
+    for file in &args.files {
+        let name = file.file_name().with_context(|| format!("{} names no file", file.display()))?;
+        fs::copy(file, args.out.join(name)).with_context(|| format!("cannot copy {}", file.display()))?;
+    }
+    let size = dir_size(&args.out)?;
+    if size > CARRY_LIMIT_BYTES {
+        bail!(
+            "{} holds {:.1} MiB, more than the {} MiB a device call carries: name fewer binaries",
+            args.out.display(),
+            size as f64 / (1024.0 * 1024.0),
+            CARRY_LIMIT_BYTES / (1024 * 1024)
+        );
+    }
+    let relative = canonical(&args.out).strip_prefix(canonical(root)).map(Path::to_path_buf).ok();
+    let ignored = relative.as_ref().is_some_and(|r| {
+        Command::new("git").arg("-C").arg(root).args(["check-ignore", "-q"]).arg(r).status().is_ok_and(|s| s.success())
+    });
+    println!("gpu-subset: {} ({:.1} MiB)", args.out.display(), size as f64 / (1024.0 * 1024.0));
+    match relative {
+        Some(r) if ignored => println!("gpu-subset: carry [\"{}\"], then run from there (cd {0})", r.display()),
+        _ => println!("gpu-subset: not an ignored folder of the repository: a device call cannot carry it"),
+    }
+    Ok(size)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_subset_takes_the_named_binaries_and_every_script_and_refuses_unknown_ones() {
+        let scratch = env::temp_dir().join(format!("mok-subset-{}", std::process::id()));
+        let (from, out) = (scratch.join("bundle"), scratch.join("out"));
+        for dir in ["tests", "benches", "bin"] {
+            fs::create_dir_all(from.join(dir)).unwrap();
+        }
+        fs::write(from.join("run.sh"), "#!/bin/sh\n").unwrap();
+        fs::write(from.join("tests/gpu_unfused"), vec![7u8; 4096]).unwrap();
+        fs::write(from.join("tests/gpu_api"), b"api").unwrap();
+        fs::write(from.join("tests/burn_gpu.gz"), b"packed").unwrap();
+        fs::write(from.join("benches/layer"), b"bench").unwrap();
+        fs::write(from.join("benches/gemm"), b"other bench").unwrap();
+        fs::write(from.join("benches/torch_moe.py"), b"print()").unwrap();
+        fs::write(scratch.join("variant.ptx"), b".version 8.8").unwrap();
+        let args = SubsetArgs {
+            from: from.clone(),
+            out: out.clone(),
+            tests: vec!["gpu_unfused".into(), "burn_gpu".into()],
+            benches: vec!["layer".into()],
+            files: vec![scratch.join("variant.ptx")],
+        };
+        let size = gpu_subset(&scratch, &args).unwrap();
+        assert!(size > 0 && size < CARRY_LIMIT_BYTES);
+        assert!(out.join("run.sh").is_file() && out.join("variant.ptx").is_file());
+        assert!(out.join("tests/gpu_unfused.gz").is_file() && out.join("tests/burn_gpu.gz").is_file());
+        assert!(!out.join("tests/gpu_api.gz").exists() && !out.join("tests/gpu_unfused").exists());
+        assert!(out.join("benches/layer").is_file() && out.join("benches/torch_moe.py").is_file());
+        assert!(!out.join("benches/gemm").exists());
+        let missing = SubsetArgs { tests: vec!["gpu_nothing".into()], ..args.clone() };
+        assert!(gpu_subset(&scratch, &missing).unwrap_err().to_string().contains("no test binary \"gpu_nothing\""));
+        let missing = SubsetArgs { benches: vec!["nothing".into()], ..args };
+        assert!(gpu_subset(&scratch, &missing).unwrap_err().to_string().contains("no bench binary \"nothing\""));
+        fs::remove_dir_all(&scratch).unwrap();
+    }
+}

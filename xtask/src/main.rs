@@ -18,6 +18,7 @@ mod json;
 mod ptx;
 mod setup;
 
+use std::env;
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Output, Stdio};
@@ -52,6 +53,26 @@ enum Task {
         /// Output folder (default: bundle/ at the workspace root).
         #[arg(long)]
         out: Option<PathBuf>,
+    },
+    /// Copy what one device call needs out of a bundle into a folder small enough to carry:
+    /// run.sh, the named test binaries (gzipped), the named bench binaries with every bench
+    /// script, and extra files (PTX variants); prints the `carry` entry.
+    GpuSubset {
+        /// The folder to fill, e.g. target/call1 (inside the repository, git-ignored).
+        #[arg(long)]
+        out: PathBuf,
+        /// The bundle (default: bundle/ at the workspace root).
+        #[arg(long)]
+        from: Option<PathBuf>,
+        /// Test binaries, e.g. gpu_unfused,gpu_exchange.
+        #[arg(long, value_delimiter = ',')]
+        tests: Vec<String>,
+        /// Bench binaries, e.g. layer.
+        #[arg(long, value_delimiter = ',')]
+        benches: Vec<String>,
+        /// Extra files copied into the folder (PTX variants for MOK_PTX, ...).
+        #[arg(long, value_delimiter = ',')]
+        files: Vec<PathBuf>,
     },
     /// Run the layer benchmark across shapes, token counts and backends, next to the PyTorch
     /// layer when python3 has torch with CUDA; writes results.json and chart.svg.
@@ -115,6 +136,18 @@ fn main() -> ExitCode {
         }
         Task::Test => test(&root),
         Task::GpuBundle { out } => bundle::gpu_bundle(&root, out.unwrap_or_else(|| root.join("bundle"))),
+        Task::GpuSubset { out, from, tests, benches, files } => {
+            let absolute =
+                |p: PathBuf| if p.is_absolute() { p } else { env::current_dir().unwrap_or_default().join(p) };
+            let args = bundle::SubsetArgs {
+                from: absolute(from.unwrap_or_else(|| root.join("bundle"))),
+                out: absolute(out),
+                tests,
+                benches,
+                files: files.into_iter().map(absolute).collect(),
+            };
+            bundle::gpu_subset(&root, &args).map(|_| ())
+        }
         Task::Bench { shapes, tokens, backends, ranks, ring_factor, reps, out, no_torch, layer_bin } => bench::bench(
             &root,
             &bench::BenchArgs { shapes, tokens, backends, ranks, ring_factor, reps, out, torch: !no_torch, layer_bin },
