@@ -47,7 +47,7 @@ use crate::ptx::{bulk, cluster, mbarrier, sreg, sync};
 
 pub(crate) use super::epilogue::for_each_pair;
 use super::epilogue::*;
-use super::hooks::{TileHooks, hooked};
+use super::hooks::{BackwardHandover, ForwardHandover, TileHooks, hooked};
 use super::mainloop::*;
 use super::producer::*;
 use super::ring::{Ring, Walk};
@@ -227,7 +227,8 @@ pub unsafe fn run<const V: u32, H: TileHooks>(params: *const GemmParams, hooks: 
 ///
 /// # Safety
 /// Every non-null plan `plan` returns is a valid parameter block of its phase's variant, its
-/// tile counter zeroed before the launch; phases 1 and 3 (the routed experts) are never null;
+/// tile counter zeroed before the launch; the routed experts' phases (`ForwardHandover::GATE_UP`,
+/// `DOWN`) are never null;
 /// each down phase runs over the row groups of the gate/up phase of the same experts; `plan`
 /// returns the same for every block of the cluster; the hooks' contracts hold.
 #[inline(always)]
@@ -238,6 +239,8 @@ pub unsafe fn run_forward_phases<H: TileHooks>(
     const { assert!(cluster_blocks(Variant::GATE_UP) == 2 && cluster_blocks(Variant::ROWS_NT) == 2) };
     const G: u32 = Variant::GATE_UP;
     const D: u32 = Variant::ROWS_NT;
+    // The phases are numbered as `ForwardHandover`'s.
+    type F = ForwardHandover;
     let ring = Ring::new();
     let thread = sreg::thread_idx_x();
     if thread == 0 {
@@ -253,14 +256,14 @@ pub unsafe fn run_forward_phases<H: TileHooks>(
             // left out by the consumers too: `plan` is the same for the whole cluster).
             unsafe {
                 let mut walk = Walk::START;
-                if !plan(0).is_null() {
-                    walk = produce::<G, H>(&*plan(0), ring, hooks(0), walk);
+                if !plan(F::SHARED_GATE_UP).is_null() {
+                    walk = produce::<G, H>(&*plan(F::SHARED_GATE_UP), ring, hooks(F::SHARED_GATE_UP), walk);
                 }
-                walk = produce::<G, H>(&*plan(1), ring, hooks(1), walk);
-                if !plan(2).is_null() {
-                    walk = produce::<D, H>(&*plan(2), ring, hooks(2), walk);
+                walk = produce::<G, H>(&*plan(F::GATE_UP), ring, hooks(F::GATE_UP), walk);
+                if !plan(F::SHARED_DOWN).is_null() {
+                    walk = produce::<D, H>(&*plan(F::SHARED_DOWN), ring, hooks(F::SHARED_DOWN), walk);
                 }
-                produce::<D, H>(&*plan(3), ring, hooks(3), walk);
+                produce::<D, H>(&*plan(F::DOWN), ring, hooks(F::DOWN), walk);
             }
         }
         None
@@ -270,17 +273,17 @@ pub unsafe fn run_forward_phases<H: TileHooks>(
         // SAFETY: a whole consumer warpgroup.
         unsafe {
             let mut walk = Walk::START;
-            if !plan(0).is_null() {
-                walk = consume::<G, H>(&*plan(0), ring, wg, t, hooks(0), walk);
+            if !plan(F::SHARED_GATE_UP).is_null() {
+                walk = consume::<G, H>(&*plan(F::SHARED_GATE_UP), ring, wg, t, hooks(F::SHARED_GATE_UP), walk);
                 walk = next_phase::<G>(ring, walk, t);
             }
-            walk = consume::<G, H>(&*plan(1), ring, wg, t, hooks(1), walk);
+            walk = consume::<G, H>(&*plan(F::GATE_UP), ring, wg, t, hooks(F::GATE_UP), walk);
             walk = next_phase::<G>(ring, walk, t);
-            if !plan(2).is_null() {
-                walk = consume::<D, H>(&*plan(2), ring, wg, t, hooks(2), walk);
+            if !plan(F::SHARED_DOWN).is_null() {
+                walk = consume::<D, H>(&*plan(F::SHARED_DOWN), ring, wg, t, hooks(F::SHARED_DOWN), walk);
                 walk = next_phase::<D>(ring, walk, t);
             }
-            consume::<D, H>(&*plan(3), ring, wg, t, hooks(3), walk);
+            consume::<D, H>(&*plan(F::DOWN), ring, wg, t, hooks(F::DOWN), walk);
         }
         Some(())
     };
@@ -288,13 +291,6 @@ pub unsafe fn run_forward_phases<H: TileHooks>(
     cluster::cluster_sync();
     role
 }
-
-/// The backward phase whose plan says whether the shared expert's phases run (its down data
-/// gradient), where its weight gradients start, and the phases in all
-/// (`run_backward_phases`).
-const BACKWARD_SHARED_PROBE: u32 = 0;
-const BACKWARD_SHARED_WGRAD: u32 = 7;
-const BACKWARD_PHASES: u32 = 10;
 
 /// The compute role of the backward megakernel, in a 2-block cluster as
 /// [`run_forward_phases`]: on one ring, ten phases — the shared expert's and then the routed
@@ -311,8 +307,9 @@ const BACKWARD_PHASES: u32 = 10;
 ///
 /// # Safety
 /// Every non-null plan `plan` returns is a valid parameter block of its phase's variant, its
-/// tile counter zeroed before the launch; phases 1 and 3 to 6 are never null, and the shared
-/// expert's (0, 2, 7 to 9) are all null or none; each expert set's plans are over the same row
+/// tile counter zeroed before the launch; the routed experts' phases are never null, and the
+/// shared expert's (`BackwardHandover::SHARED_*`) all null or none; each expert set's plans are
+/// over the same row
 /// groups; `plan` returns the same for every block of the cluster; the hooks' contracts hold.
 #[inline(always)]
 pub unsafe fn run_backward_phases<H: TileHooks>(
@@ -337,9 +334,12 @@ pub unsafe fn run_backward_phases<H: TileHooks>(
     // registers); the routed weight gradients are three calls (their hooks constant: short
     // tiles, where a per-tile choice between expert sets cost 2–4 % of the backward), the
     // shared expert's a loop after them.
-    let shared = !plan(BACKWARD_SHARED_PROBE).is_null();
+    // The phases are numbered as `BackwardHandover`'s; each routed data gradient follows the
+    // shared expert's of the same product.
+    type B = BackwardHandover<false>;
+    let shared = !plan(B::SHARED_DOWN_DGRAD).is_null();
     let first = |shared_phase: u32| if shared { shared_phase } else { shared_phase + 1 };
-    let end = if shared { BACKWARD_PHASES } else { BACKWARD_SHARED_WGRAD };
+    let end = if shared { B::PHASES } else { B::SHARED_WGRAD_DOWN };
     let role = if warpgroup == 0 {
         sync::release_registers::<PAIRED_PRODUCER_REGISTERS>();
         if thread == 0 {
@@ -347,20 +347,20 @@ pub unsafe fn run_backward_phases<H: TileHooks>(
             // left out by the consumers too). Each plan is read where its phase starts.
             unsafe {
                 let mut walk = Walk::START;
-                let mut phase = first(0);
-                while phase < 2 {
+                let mut phase = first(B::SHARED_DOWN_DGRAD);
+                while phase <= B::DOWN_DGRAD {
                     walk = produce::<S, H>(&*plan(phase), ring, hooks(phase), walk);
                     phase += 1;
                 }
-                phase = first(2);
-                while phase < 4 {
+                phase = first(B::SHARED_GATE_UP_DGRAD);
+                while phase <= B::GATE_UP_DGRAD {
                     walk = produce::<N, H>(&*plan(phase), ring, hooks(phase), walk);
                     phase += 1;
                 }
-                walk = produce::<W, H>(&*plan(4), ring, hooks(4), walk);
-                walk = produce::<W, H>(&*plan(5), ring, hooks(5), walk);
-                walk = produce::<W, H>(&*plan(6), ring, hooks(6), walk);
-                phase = 7;
+                walk = produce::<W, H>(&*plan(B::WGRAD_DOWN), ring, hooks(B::WGRAD_DOWN), walk);
+                walk = produce::<W, H>(&*plan(B::WGRAD_GATE), ring, hooks(B::WGRAD_GATE), walk);
+                walk = produce::<W, H>(&*plan(B::WGRAD_UP), ring, hooks(B::WGRAD_UP), walk);
+                phase = B::SHARED_WGRAD_DOWN;
                 while phase < end {
                     walk = produce::<W, H>(&*plan(phase), ring, hooks(phase), walk);
                     phase += 1;
@@ -374,25 +374,25 @@ pub unsafe fn run_backward_phases<H: TileHooks>(
         // SAFETY: a whole consumer warpgroup.
         unsafe {
             let mut walk = Walk::START;
-            let mut phase = first(0);
-            while phase < 2 {
+            let mut phase = first(B::SHARED_DOWN_DGRAD);
+            while phase <= B::DOWN_DGRAD {
                 walk = consume::<S, H>(&*plan(phase), ring, wg, t, hooks(phase), walk);
                 walk = next_phase::<S>(ring, walk, t);
                 phase += 1;
             }
-            phase = first(2);
-            while phase < 4 {
+            phase = first(B::SHARED_GATE_UP_DGRAD);
+            while phase <= B::GATE_UP_DGRAD {
                 walk = consume::<N, H>(&*plan(phase), ring, wg, t, hooks(phase), walk);
                 walk = next_phase::<N>(ring, walk, t);
                 phase += 1;
             }
             // The last phase's final stage stays unreleased (as every kernel's last phase).
-            walk = consume::<W, H>(&*plan(4), ring, wg, t, hooks(4), walk);
+            walk = consume::<W, H>(&*plan(B::WGRAD_DOWN), ring, wg, t, hooks(B::WGRAD_DOWN), walk);
             walk = next_phase::<W>(ring, walk, t);
-            walk = consume::<W, H>(&*plan(5), ring, wg, t, hooks(5), walk);
+            walk = consume::<W, H>(&*plan(B::WGRAD_GATE), ring, wg, t, hooks(B::WGRAD_GATE), walk);
             walk = next_phase::<W>(ring, walk, t);
-            walk = consume::<W, H>(&*plan(6), ring, wg, t, hooks(6), walk);
-            phase = 7;
+            walk = consume::<W, H>(&*plan(B::WGRAD_UP), ring, wg, t, hooks(B::WGRAD_UP), walk);
+            phase = B::SHARED_WGRAD_DOWN;
             while phase < end {
                 walk = next_phase::<W>(ring, walk, t);
                 walk = consume::<W, H>(&*plan(phase), ring, wg, t, hooks(phase), walk);
