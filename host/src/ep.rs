@@ -42,8 +42,8 @@ use crate::problem::RoutedTokens;
 use crate::symmetric::SymmetricHeap;
 use crate::unfused::{
     DeviceExperts, DeviceSharedExpert, ExpertBackward, ExpertCompute, ExpertsView, ROW_KERNEL_THREADS, RowGroups,
-    SharedEnginePlans, SharedExpertView, TokensView, grid_stride_blocks, shared_expert_forward,
-    shared_expert_workspace,
+    SharedEnginePlans, SharedExpertView, TokensView, backward_pass_plans, forward_pass_plans, grid_stride_blocks,
+    shared_expert_forward, shared_expert_workspace,
 };
 use mok_kernels::megakernel_layout::PassInputs;
 
@@ -109,33 +109,13 @@ fn forward_plan_sets<'a>(
     routed: &'a [(EnginePlan, EnginePlan)],
     shared: &'a [SharedEnginePlans],
 ) -> Vec<Vec<&'a EnginePlan>> {
-    routed
-        .iter()
-        .enumerate()
-        .map(|(r, (g, d))| {
-            let mut set = vec![g, d];
-            if let Some(s) = shared.get(r) {
-                set.extend(s.plans());
-            }
-            set
-        })
-        .collect()
+    routed.iter().enumerate().map(|(r, (g, d))| forward_pass_plans([g, d], shared.get(r))).collect()
 }
 
 /// Each rank's backward megakernel plans: its five, then its shared expert's five (when
 /// `shared` has backward plans for it).
 fn backward_plan_sets<'a>(routed: &'a [[EnginePlan; 5]], shared: &'a [SharedEnginePlans]) -> Vec<Vec<&'a EnginePlan>> {
-    routed
-        .iter()
-        .enumerate()
-        .map(|(r, plans)| {
-            let mut set: Vec<&EnginePlan> = plans.iter().collect();
-            if let Some((shared_plans, _)) = shared.get(r).and_then(SharedEnginePlans::backward_plans) {
-                set.extend(shared_plans);
-            }
-            set
-        })
-        .collect()
+    routed.iter().enumerate().map(|(r, plans)| backward_pass_plans(plans.each_ref(), shared.get(r))).collect()
 }
 
 /// What one rank's backward megakernel plans were built for: the routed weights, the routed

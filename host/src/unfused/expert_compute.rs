@@ -500,6 +500,29 @@ pub(crate) fn shared_expert_workspace(
     Ok(Some(((compute, offsets), grads)))
 }
 
+/// A forward megakernel pass's plans for one rank: its routed gate/up and down plans, then, with
+/// `shared`, the shared expert's two (the order `ForwardMegakernel::new` reads them in).
+pub(crate) fn forward_pass_plans<'a>(
+    routed: [&'a crate::gemm::EnginePlan; 2],
+    shared: Option<&'a SharedEnginePlans>,
+) -> Vec<&'a crate::gemm::EnginePlan> {
+    let mut plans = routed.to_vec();
+    plans.extend(shared.map(SharedEnginePlans::plans).into_iter().flatten());
+    plans
+}
+
+/// A backward megakernel pass's plans for one rank: its routed five, then, with `shared` and
+/// once its backward plans are built, the shared expert's five (the order
+/// `BackwardMegakernel::new` reads them in).
+pub(crate) fn backward_pass_plans<'a>(
+    routed: [&'a crate::gemm::EnginePlan; 5],
+    shared: Option<&'a SharedEnginePlans>,
+) -> Vec<&'a crate::gemm::EnginePlan> {
+    let mut plans = routed.to_vec();
+    plans.extend(shared.and_then(SharedEnginePlans::backward_plans).map(|(plans, _)| plans).into_iter().flatten());
+    plans
+}
+
 /// The shared expert on the tensor-core engine inside a forward megakernel's launch: the rows
 /// it reads (the pass's token rows, which the megakernel's dispatch copies there — x is a
 /// per-pass input, and a plan's tensor maps need fixed addresses), its one group's engine tile

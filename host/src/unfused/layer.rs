@@ -349,11 +349,8 @@ impl UnfusedLayer {
         let (Some((options, pass)), Some(engine)) = (self.backward_megakernel.as_mut(), self.engine.as_ref()) else {
             return Ok(());
         };
-        let mut plans = backward_plans(engine).to_vec();
-        let shared = self.shared_engine.as_ref().and_then(SharedEnginePlans::backward_plans).filter(|_| with_shared);
-        if let Some((shared_plans, _)) = shared {
-            plans.extend(shared_plans);
-        }
+        let shared_engine = self.shared_engine.as_ref().filter(|_| with_shared);
+        let plans = backward_pass_plans(backward_plans(engine), shared_engine);
         if pass.as_ref().is_some_and(|p| p.built_for(&[&plans])) {
             return Ok(());
         }
@@ -370,7 +367,7 @@ impl UnfusedLayer {
             top_k: c.top_k as u32,
             hidden: c.hidden as u32,
             rank: None,
-            shared_dy: shared.map(|(_, dy_rows)| dy_rows),
+            shared_dy: shared_engine.and_then(SharedEnginePlans::backward_plans).map(|(_, dy_rows)| dy_rows),
         };
         *pass = Some(BackwardMegakernel::new(gpu, &[&plans], &[buffers], options)?);
         Ok(())
@@ -440,11 +437,8 @@ impl UnfusedLayer {
         let (Some((options, pass)), Some(engine)) = (self.megakernel.as_mut(), self.engine.as_ref()) else {
             return Ok(());
         };
-        let mut plans = vec![&engine.forward[0], &engine.forward[1]];
         let shared_engine = self.shared_engine.as_ref().filter(|_| shared.is_some());
-        if let Some(s) = shared_engine {
-            plans.extend(s.plans());
-        }
+        let plans = forward_pass_plans([&engine.forward[0], &engine.forward[1]], shared_engine);
         if pass.as_ref().is_some_and(|p| p.built_for(&[&plans])) {
             return Ok(());
         }
@@ -886,10 +880,8 @@ impl UnfusedLayer {
             return Err(MokError::InvalidInput { tensor: "megakernel", problem: "not prepared".into() });
         };
         engine::tile_offsets_into(gpu, &self.routing.row_offsets, self.config.num_experts, &engine.tile_offsets)?;
-        let mut plans = vec![&engine.forward[0], &engine.forward[1]];
-        if let Some(s) = self.shared_engine.as_ref().filter(|_| shared.is_some()) {
-            plans.extend(s.plans());
-        }
+        let shared_engine = self.shared_engine.as_ref().filter(|_| shared.is_some());
+        let plans = forward_pass_plans([&engine.forward[0], &engine.forward[1]], shared_engine);
         pass.launch(gpu, &plans, tokens.x.device_ptr(), tokens.topk_weights.device_ptr(), shared_out, t as u32)
     }
 
@@ -1071,12 +1063,8 @@ impl UnfusedLayer {
             unreachable!("prepared above");
         };
         engine::tile_offsets_into(gpu, &self.routing.row_offsets, e, &engine.tile_offsets)?;
-        let mut plans = backward_plans(engine).to_vec();
-        if let Some((shared_plans, _)) =
-            self.shared_engine.as_ref().and_then(SharedEnginePlans::backward_plans).filter(|_| shared.is_some())
-        {
-            plans.extend(shared_plans);
-        }
+        let plans =
+            backward_pass_plans(backward_plans(engine), self.shared_engine.as_ref().filter(|_| shared.is_some()));
         pass.launch(gpu, &plans, dy.device_ptr(), tokens.topk_weights.device_ptr(), shared_dx, t as u32)
     }
 

@@ -19,7 +19,9 @@ mod layer;
 mod tensors;
 
 pub use expert_compute::{ExpertBackward, ExpertCompute, RowGroups};
-pub(crate) use expert_compute::{SharedEnginePlans, shared_expert_forward, shared_expert_workspace};
+pub(crate) use expert_compute::{
+    SharedEnginePlans, backward_pass_plans, forward_pass_plans, shared_expert_forward, shared_expert_workspace,
+};
 pub use kernels::KERNEL_NAMES;
 pub(crate) use kernels::{RANK_CHUNK_THREADS, ROW_KERNEL_THREADS, grid_stride_blocks};
 pub use layer::{DeviceGrads, RoutedBackward, RoutingBuffers, UnfusedLayer, WeightGradTarget, WeightGradViews};
