@@ -296,9 +296,8 @@ pub fn gpu_subset(root: &Path, args: &SubsetArgs) -> Result<u64> {
         if packed.is_file() {
             fs::copy(&packed, tests_dir.join(format!("{name}.gz")))?;
         } else if plain.is_file() {
-            let to = tests_dir.join(name);
-            fs::copy(&plain, &to)?;
-            crate::run(Command::new("gzip").args(["-9", "-f"]).arg(&to))?;
+            // The bundle's binaries are stripped already.
+            pack(&plain, &tests_dir.join(name), false)?;
         } else {
             bail!("the bundle has no test binary {name:?} (in {})", args.from.join("tests").display());
         }
