@@ -69,7 +69,8 @@ fn dense_row(gpu: &Gpu, bf16_out: bool, pairing: Option<Pairing>) -> Result<Row>
     let offsets: Vec<u32> = (0..=g as u32).map(|i| i * m as u32).collect();
     let row_offsets = DeviceBuffer::from_slice(gpu, &offsets)?;
     let tiles = tile_offsets(gpu, &row_offsets, g)?;
-    let groups = RowGroups { row_offsets: (&row_offsets).into(), tile_offsets: &tiles, groups: g, capacity: g * m };
+    let groups =
+        RowGroups { row_offsets: (&row_offsets).into(), tile_offsets: (&tiles).into(), groups: g, capacity: g * m };
     let flop = 2.0 * (g * m * k * n) as f64;
     let operands = 2.0 * (g * (m * k + k * n)) as f64;
     if bf16_out {
@@ -153,7 +154,8 @@ fn main() -> Result<()> {
         let rows = offsets[e] as usize;
         let row_offsets = DeviceBuffer::from_slice(&gpu, &offsets)?;
         let tiles = tile_offsets(&gpu, &row_offsets, e)?;
-        let groups = RowGroups { row_offsets: (&row_offsets).into(), tile_offsets: &tiles, groups: e, capacity: cap };
+        let groups =
+            RowGroups { row_offsets: (&row_offsets).into(), tile_offsets: (&tiles).into(), groups: e, capacity: cap };
         let x = random_bf16(&gpu, cap * h, 3, 1.0)?;
         let w_gate = random_bf16(&gpu, e * i * h, 4, 0.02)?;
         let w_up = random_bf16(&gpu, e * i * h, 5, 0.02)?;

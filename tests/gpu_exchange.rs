@@ -114,10 +114,21 @@ fn schedule_equals_the_cpu_definition_for_every_p() {
         let ids: Vec<&[i32]> = tokens.iter().map(|t| t.topk_ids.as_slice()).collect();
         let expected = reference_schedule(&ids, config.top_k, config.num_experts).unwrap();
         let total: usize = expected.iter().map(|s| s.ring_source.len()).sum();
+        let r = *exchange.regions();
+        let l = config.local_experts();
         for (rank, want) in expected.iter().enumerate() {
             assert_eq!(device_schedule(&exchange, &gpu, rank), *want, "P = {p}, owner {rank}");
+            // The engine's tiles of 128 rows, then the odd-tile counts before each expert.
+            let engine_tiles: Vec<u32> = read(&exchange, &gpu, rank, r.ring_engine_tile_offsets, 2 * (l + 1));
+            let tiles: Vec<u32> = want.row_offsets.windows(2).map(|w| (w[1] - w[0]).div_ceil(128)).collect();
+            let mut expected_tiles = vec![0u32; 2 * (l + 1)];
+            for e in 0..l {
+                expected_tiles[e + 1] = expected_tiles[e] + tiles[e];
+                expected_tiles[l + 2 + e] = expected_tiles[l + 1 + e] + tiles[e] % 2;
+            }
+            assert_eq!(engine_tiles, expected_tiles, "P = {p}, owner {rank}: engine tile offsets");
         }
-        println!("  P = {p}: schedule of {total} rows equals the CPU definition");
+        println!("  P = {p}: schedule of {total} rows (engine tile offsets included) equals the CPU definition");
     }
 }
 

@@ -192,7 +192,7 @@ fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
     println!("engine vs unfused: rows {rows} of {cap}, H={h} I={i} E={e}");
     let groups = RowGroups {
         row_offsets: (&layer.routing().row_offsets).into(),
-        tile_offsets: &s.tiles,
+        tile_offsets: (&s.tiles).into(),
         groups: e,
         capacity: cap,
     };
@@ -515,7 +515,7 @@ fn hooked_engine_kernels_equal_the_standalone_ones_and_count_every_tile() {
     let layer = &s.layer;
     let groups = RowGroups {
         row_offsets: (&layer.routing().row_offsets).into(),
-        tile_offsets: &s.tiles,
+        tile_offsets: (&s.tiles).into(),
         groups: e,
         capacity: cap,
     };

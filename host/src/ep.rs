@@ -123,12 +123,11 @@ fn backward_plan_sets<'a>(routed: &'a [[EnginePlan; 5]], shared: &'a [SharedEngi
 /// and gradient target.
 type BackwardKey = ([u64; 3], [u64; 3], bool, Option<([u64; 3], [u64; 3])>);
 
-/// The forward megakernel of every rank: each rank's engine plans over its ring, the engine's
-/// tile offsets of its ring, and the pass (built at the first forward, again for other weights).
+/// The forward megakernel of every rank: each rank's engine plans over its ring (whose engine
+/// tile offsets the schedule writes into the heap) and the pass (built at the first forward,
+/// again for other weights).
 struct EpMegakernel {
     options: MegakernelOptions,
-    /// Per rank: `[2 · (L + 1)]` engine tile offsets of its ring (written each pass).
-    tile_offsets: Vec<DeviceBuffer<u32>>,
     /// Per rank: the gate/up and down plans, and the weights they were built for.
     plans: Vec<(EnginePlan, EnginePlan)>,
     weights_built_for: Vec<[u64; 3]>,
@@ -137,13 +136,10 @@ struct EpMegakernel {
     pass: Option<ForwardMegakernel>,
 }
 
-/// The backward megakernel of every rank: each rank's five engine plans over its ring, the
-/// engine's tile offsets of its ring, and the pass (built at the first backward, again for other
-/// weights or gradient targets).
+/// The backward megakernel of every rank: each rank's five engine plans over its ring and the
+/// pass (built at the first backward, again for other weights or gradient targets).
 struct EpBackwardMegakernel {
     options: MegakernelOptions,
-    /// Per rank: `[2 · (L + 1)]` engine tile offsets of its ring (written each backward).
-    tile_offsets: Vec<DeviceBuffer<u32>>,
     /// Per rank: the plans, and the weights and gradient targets they were built for.
     plans: Vec<[EnginePlan; 5]>,
     built_for: Vec<BackwardKey>,
@@ -236,10 +232,9 @@ impl EpLayer {
             self.megakernel = None;
             return Ok(());
         };
-        let tile_offsets = self.megakernel_ring_tile_offsets(gpu, FORWARD_RANKS_KERNEL, &options)?;
+        self.check_megakernel(gpu, FORWARD_RANKS_KERNEL, &options)?;
         self.megakernel = Some(EpMegakernel {
             options,
-            tile_offsets,
             plans: Vec::new(),
             weights_built_for: Vec::new(),
             shared: Vec::new(),
@@ -250,14 +245,8 @@ impl EpLayer {
 
     /// What switching a megakernel on needs, checked before the layer changes: this GPU and the
     /// loaded PTX run `kernel` and the engine, and `options`' geometry holds every local rank
-    /// (it needs no weights: checked now, not at the first pass); then a buffer per local rank
-    /// for the engine tile offsets of its ring.
-    fn megakernel_ring_tile_offsets(
-        &self,
-        gpu: &Gpu,
-        kernel: &'static str,
-        options: &MegakernelOptions,
-    ) -> Result<Vec<DeviceBuffer<u32>>> {
+    /// (it needs no weights: checked now, not at the first pass).
+    fn check_megakernel(&self, gpu: &Gpu, kernel: &'static str, options: &MegakernelOptions) -> Result<()> {
         if !gpu.has_kernel(kernel) || !engine::engine_available(gpu) {
             return Err(MokError::InvalidInput {
                 tensor: "megakernel",
@@ -268,10 +257,8 @@ impl EpLayer {
                 ),
             });
         }
-        let locals = self.ranks.len();
-        checked_geometry(resident_blocks(gpu, kernel)?, options, locals as u32)?;
-        let l = self.config.local_experts();
-        (0..locals).map(|_| DeviceBuffer::alloc(gpu, 2 * (l + 1))).collect()
+        checked_geometry(resident_blocks(gpu, kernel)?, options, self.ranks.len() as u32)?;
+        Ok(())
     }
 
     /// Whether the forward runs as the megakernel.
@@ -302,10 +289,9 @@ impl EpLayer {
                 ),
             });
         }
-        let tile_offsets = self.megakernel_ring_tile_offsets(gpu, BACKWARD_RANKS_KERNEL, &options)?;
+        self.check_megakernel(gpu, BACKWARD_RANKS_KERNEL, &options)?;
         self.backward_megakernel = Some(EpBackwardMegakernel {
             options,
-            tile_offsets,
             plans: Vec::new(),
             built_for: Vec::new(),
             shared: Vec::new(),
@@ -405,7 +391,7 @@ impl EpLayer {
         let Some(m) = self.backward_megakernel.as_ref() else { return Ok(()) };
         let mut plans = Vec::with_capacity(self.ranks.len());
         for (local, ((state, w), &rank)) in self.ranks.iter().zip(experts).zip(locals).enumerate() {
-            let groups = self.ring_groups(rank, &m.tile_offsets[local]);
+            let groups = self.ring_groups(rank);
             let rows = (self.ring_rows(rank, r.ring_dy), self.ring_rows(rank, r.ring_x));
             // SAFETY: caller contract for the targets.
             plans.push(unsafe {
@@ -510,8 +496,8 @@ impl EpLayer {
         let locals = self.exchange.heap().local_ranks();
         let mut plans = Vec::with_capacity(self.ranks.len());
         let mut shared_plans = Vec::new();
-        for (local, ((state, w), &rank)) in self.ranks.iter().zip(experts).zip(locals).enumerate() {
-            let groups = self.ring_groups(rank, &m.tile_offsets[local]);
+        for ((state, w), &rank) in self.ranks.iter().zip(experts).zip(locals) {
+            let groups = self.ring_groups(rank);
             let ring_x = self.ring_rows(rank, r.ring_x);
             plans.push(state.routed.engine_forward_plans(gpu, ring_x, &groups, [w.w_gate, w.w_up, w.w_down])?);
             if let (Some(weights), Some(workspace)) = (shared, &state.shared) {
@@ -557,11 +543,11 @@ impl EpLayer {
     }
 
     /// `rank`'s ring as the engine's row groups (its local experts over its ring row offsets),
-    /// with its engine tile offsets in `tile_offsets`.
-    fn ring_groups<'a>(&'a self, rank: usize, tile_offsets: &'a DeviceBuffer<u32>) -> engine::RowGroups<'a> {
+    /// with the engine tile offsets the schedule writes into the heap.
+    fn ring_groups(&self, rank: usize) -> engine::RowGroups<'_> {
         engine::RowGroups {
             row_offsets: self.exchange.ring_row_offsets(rank),
-            tile_offsets,
+            tile_offsets: self.exchange.ring_engine_tile_offsets(rank),
             groups: self.config.local_experts(),
             capacity: self.exchange.shape().capacity as usize,
         }
@@ -879,12 +865,8 @@ impl EpLayer {
         // the shared expert's three sums added and others not).
         unsafe { self.prepare_backward_megakernel(gpu, (experts, shared), &targets, &shared_targets) }?;
         let gpus = [gpu];
-        let l = self.config.local_experts();
         let not_built = || MokError::InvalidInput { tensor: "megakernel", problem: "no backward pass built".into() };
         let m = self.backward_megakernel.as_mut().ok_or_else(not_built)?;
-        for (local, &rank) in self.exchange.heap().local_ranks().iter().enumerate() {
-            engine::tile_offsets_into(gpu, self.exchange.ring_row_offsets(rank), l, &m.tile_offsets[local])?;
-        }
         for (s, state) in m.shared.iter_mut().zip(&self.ranks) {
             if let Some((_, offsets)) = &state.shared {
                 s.set_tokens(gpu, offsets, self.config.tokens_per_rank)?;
@@ -981,15 +963,10 @@ impl EpLayer {
     ) -> Result<()> {
         self.prepare_megakernel(gpu, experts, shared)?;
         let gpus = [gpu];
-        self.exchange.clear_slot_ready(&gpus)?;
-        self.exchange.schedule(&gpus)?;
-        let l = self.config.local_experts();
+        self.exchange.schedule_clearing_slot_ready(&gpus)?;
         let not_built =
             || MokError::InvalidInput { tensor: "megakernel", problem: "no pass built for this forward".into() };
         let m = self.megakernel.as_mut().ok_or_else(not_built)?;
-        for (local, &rank) in self.exchange.heap().local_ranks().iter().enumerate() {
-            engine::tile_offsets_into(gpu, self.exchange.ring_row_offsets(rank), l, &m.tile_offsets[local])?;
-        }
         // Each rank's shared expert runs inside the launch, over its own T tokens.
         for (s, state) in m.shared.iter_mut().zip(&self.ranks) {
             if let Some((_, offsets)) = &state.shared {

@@ -106,8 +106,9 @@ pub struct RowGroups<'a> {
     /// `[groups + 1]` first row of each group (a layer's routing layout, or a ring's offsets in
     /// the symmetric heap).
     pub row_offsets: DeviceSlice<'a, u32>,
-    /// `[2 · (groups + 1)]` tile offsets of the groups (from [`tile_offsets`]).
-    pub tile_offsets: &'a DeviceBuffer<u32>,
+    /// `[2 · (groups + 1)]` tile offsets of the groups (from [`tile_offsets`], or written by the
+    /// exchange's schedule for a ring).
+    pub tile_offsets: DeviceSlice<'a, u32>,
     /// Groups.
     pub groups: usize,
     /// Rows the row buffers hold (an upper bound on `row_offsets[groups]`).

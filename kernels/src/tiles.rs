@@ -49,9 +49,37 @@ pub fn group_of_tile(tile_offsets: &[u32], tile: u32) -> Option<usize> {
     Some(lo - 1)
 }
 
+/// The sm_90 engine's tile offsets for tiles of `tile_m` rows, from `row_offsets[0..=G]`:
+/// `tile_offsets[0..=G]` the first tile of each group, then `tile_offsets[G+1..=2G+1]` the
+/// number of groups before each whose tile count is odd (from which the engine counts its pairs
+/// of blocks). `tile_offsets` holds `2 · (G + 1)` words.
+pub fn engine_tile_offsets(row_offsets: &[u32], tile_m: u32, tile_offsets: &mut [u32]) {
+    let groups = row_offsets.len() - 1;
+    let (first_tiles, odd_before) = tile_offsets.split_at_mut(groups + 1);
+    let (mut tiles, mut odd) = (0, 0);
+    for g in 0..groups {
+        first_tiles[g] = tiles;
+        odd_before[g] = odd;
+        let group_tiles = (row_offsets[g + 1] - row_offsets[g]).div_ceil(tile_m);
+        tiles += group_tiles;
+        odd += group_tiles % 2;
+    }
+    first_tiles[groups] = tiles;
+    odd_before[groups] = odd;
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn engine_tile_offsets_count_tiles_and_odd_groups() {
+        // Rows per group: 300 (3 tiles), 0, 128 (1), 129 (2), 1 (1), tile height 128.
+        let rows = [0, 300, 300, 428, 557, 558];
+        let mut offsets = [u32::MAX; 12];
+        engine_tile_offsets(&rows, 128, &mut offsets);
+        assert_eq!(offsets, [0, 3, 3, 4, 6, 7, 0, 1, 1, 2, 2, 3]);
+    }
 
     #[test]
     fn group_lookup_skips_empty_groups() {

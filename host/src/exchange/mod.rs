@@ -1,9 +1,9 @@
 //! The expert-parallel exchange, driven from the host: the symmetric heap, the device-side
 //! schedule, and the movers of both passes, as standalone kernels enqueued per rank.
 //!
-//! One pass, per rank (each step is one launch per rank on its GPU's stream; for virtual ranks
-//! on one GPU the ranks' launches of a step run back to back, a kernel boundary before the next
-//! step, so every wait is on a signal an earlier launch gave — see `docs/ARCHITECTURE.md`):
+//! One pass, per rank (each step is one launch on a GPU's stream for every rank it drives: the
+//! virtual ranks of one GPU share the launch, one grid row each; a kernel boundary separates the
+//! steps, so every wait is on a signal an earlier launch gave — see `docs/ARCHITECTURE.md`):
 //!
 //! ```text
 //! forward:  schedule()         route own slots, prepare, publish epoch, exchange counts, ring map
@@ -28,7 +28,8 @@ use bytemuck::Pod;
 use half::bf16;
 use mok_kernels::comm::error as codes;
 use mok_kernels::comm::params::{
-    BULK_SMEM_BYTES, BULK_THREADS, ERROR_WORDS, ExchangeParams, ExchangeShape, HeapRegions,
+    BULK_SMEM_BYTES, BULK_THREADS, CLEAR_ROUTE_ERROR, CLEAR_SLOT_READY, ERROR_WORDS, ExchangeParams, ExchangeShape,
+    HeapRegions,
 };
 use mok_kernels::layout;
 
@@ -88,6 +89,14 @@ pub struct Exchange {
 /// GPU that drives them all.
 fn gpu_of<'a>(gpus: &[&'a Gpu], i: usize) -> &'a Gpu {
     if gpus.len() == 1 { gpus[0] } else { gpus[i] }
+}
+
+/// Consecutive local ranks one launch of an exchange step acts for ([`Exchange::rank_runs`]).
+struct RankRun {
+    /// Local index of the first (its GPU and parameter block serve the run).
+    local: usize,
+    first_rank: u32,
+    ranks: u32,
 }
 
 impl Exchange {
@@ -289,11 +298,23 @@ impl Exchange {
     /// a pass before its owner has published it, so no push can race the clearing — and before
     /// the backward megakernel's launch (virtual ranks: every pusher is in that later launch).
     pub(crate) fn clear_slot_ready(&self, gpus: &[&Gpu]) -> Result<()> {
-        let slots = (self.shape.tokens * self.shape.top_k) as u64;
-        for (i, rank) in self.local() {
-            self.fill_words(gpu_of(gpus, i), rank, self.regions().slot_ready, slots)?;
+        self.clear_signals(gpus, CLEAR_SLOT_READY)
+    }
+
+    fn clear_signals(&self, gpus: &[&Gpu], what: u32) -> Result<()> {
+        let slots = (self.shape.tokens * self.shape.top_k) as usize;
+        // SAFETY: `mok_ep_clear_signals`' parameters after (params, first_rank): what.
+        unsafe {
+            self.launch_step(
+                gpus,
+                "mok_ep_clear_signals",
+                |gpu| grid_stride_blocks(gpu, slots),
+                ROW_KERNEL_THREADS,
+                0,
+                None,
+                &[U32(what)],
+            )
         }
-        Ok(())
     }
 
     /// The parameter block of `rank` on the GPU driving it (device address); `Err` for a rank
@@ -312,127 +333,143 @@ impl Exchange {
         }
     }
 
+    /// The local ranks in runs that one launch of an exchange step acts for (its grid row y is
+    /// rank `first_rank + y`, kernels/src/entry/exchange.rs): consecutive ranks driven by one GPU
+    /// through one parameter block. Every virtual rank of a GPU is one run; with one rank per
+    /// GPU each rank is its own. `skip` leaves a rank out (a silent one), splitting its run.
+    fn rank_runs(&self, gpus: &[&Gpu], skip: Option<usize>) -> Vec<RankRun> {
+        let shared_launch = gpus.len() == 1 && self.params_on_gpu.len() == 1;
+        let mut runs: Vec<RankRun> = Vec::new();
+        for (i, rank) in self.local() {
+            if skip == Some(rank) {
+                continue;
+            }
+            match runs.last_mut() {
+                Some(run) if shared_launch && run.first_rank + run.ranks == rank as u32 => run.ranks += 1,
+                _ => runs.push(RankRun { local: i, first_rank: rank as u32, ranks: 1 }),
+            }
+        }
+        runs
+    }
+
+    /// Enqueues one step of the exchange for every local rank: `kernel` once per run of ranks
+    /// ([`Self::rank_runs`], leaving out `skip`), `grid_x(gpu)` blocks per rank, with arguments
+    /// `(params, first_rank)` then `rest`.
+    ///
+    /// # Safety
+    /// `kernel` is an exchange entry point (kernels/src/entry/exchange.rs) whose parameters after
+    /// `(params, first_rank)` are `rest`, in order and type, every pointer in it live and of the
+    /// size the kernel documents; `threads` and `smem_bytes` are what it documents.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn launch_step(
+        &self,
+        gpus: &[&Gpu],
+        kernel: &'static str,
+        grid_x: impl Fn(&Gpu) -> u32,
+        threads: u32,
+        smem_bytes: u32,
+        skip: Option<usize>,
+        rest: &[KernelArg],
+    ) -> Result<()> {
+        for run in self.rank_runs(gpus, skip) {
+            let gpu = gpu_of(gpus, run.local);
+            let mut args = vec![Ptr(self.params_ptr(run.local)), U32(run.first_rank)];
+            args.extend_from_slice(rest);
+            let shape = LaunchShape { grid: (grid_x(gpu).max(1), run.ranks, 1), threads, smem_bytes };
+            // SAFETY: caller contract; the parameter block is this run's and every rank in the
+            // run is below the world size.
+            unsafe { gpu.launch(kernel, shape, &args) }?;
+        }
+        Ok(())
+    }
+
     /// Forward schedule: route every local rank's slots, publish a new epoch, then (each rank
-    /// as expert owner) exchange counts, place the segments and build the inverse map.
+    /// as expert owner) exchange counts, place the segments and build the inverse map. Each step
+    /// is one launch for every virtual rank of a GPU.
     pub fn schedule(&mut self, gpus: &[&Gpu]) -> Result<()> {
         self.route_and_publish(gpus)?;
         self.place(gpus)
     }
 
+    /// [`Self::schedule`] after clearing the megakernels' `slot_ready` flags in the same launch as
+    /// the routing error records ([`Self::clear_slot_ready`] says why that is in time).
+    pub(crate) fn schedule_clearing_slot_ready(&mut self, gpus: &[&Gpu]) -> Result<()> {
+        self.route_and_publish_clearing(gpus, CLEAR_SLOT_READY)?;
+        self.place(gpus)
+    }
+
     /// The first half of [`Self::schedule`]: every local rank lays out its own slots (the
-    /// single-rank routing kernels) and publishes a new epoch.
+    /// single-rank routing steps over its heap regions) and publishes a new epoch.
     pub fn route_and_publish(&mut self, gpus: &[&Gpu]) -> Result<()> {
+        self.route_and_publish_clearing(gpus, 0)
+    }
+
+    fn route_and_publish_clearing(&mut self, gpus: &[&Gpu], also_clear: u32) -> Result<()> {
         self.epoch = self.epoch.wrapping_add(1).max(1);
         let s = self.shape;
         let (t, k, e) = (s.tokens, s.top_k, s.num_experts);
-        let chunks = layout::chunk_count(t);
-        let r = *self.regions();
-        for (i, rank) in self.local() {
-            let gpu = gpu_of(gpus, i);
-            let at = |region| Ptr(self.address(rank, region));
-            self.fill_words(gpu, rank, r.route_error, 4)?;
-            // SAFETY: the arguments are `mok_route_rank_chunks`'s parameters, in order and type (its entry point in
-            // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
-            unsafe {
-                gpu.launch(
-                    "mok_route_rank_chunks",
-                    LaunchShape { grid: (chunks, 1, 1), threads: RANK_CHUNK_THREADS, smem_bytes: 4 * e },
-                    &[at(r.topk_ids), U32(t), U32(k), U32(e), at(r.chunk_counts), at(r.slot_rank), at(r.route_error)],
-                )
-            }?;
-            // SAFETY: the arguments are `mok_route_scan`'s parameters, in order and type (its entry point in
-            // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
-            unsafe {
-                gpu.launch(
-                    "mok_route_scan",
-                    LaunchShape::linear(1, 1024),
-                    &[
-                        at(r.chunk_counts),
-                        U32(chunks),
-                        U32(e),
-                        at(r.expert_counts),
-                        at(r.row_offsets),
-                        at(r.tile_offsets),
-                    ],
-                )
-            }?;
-            // SAFETY: the arguments are `mok_route_place`'s parameters, in order and type (its entry point in
-            // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
-            unsafe {
-                gpu.launch(
-                    "mok_route_place",
-                    LaunchShape::linear(t.div_ceil(ROW_KERNEL_THREADS), ROW_KERNEL_THREADS),
-                    &[
-                        at(r.topk_ids),
-                        at(r.slot_rank),
-                        at(r.chunk_counts),
-                        at(r.row_offsets),
-                        U32(t),
-                        U32(k),
-                        U32(e),
-                        at(r.slot_row),
-                        at(r.row_source),
-                    ],
-                )
-            }?;
-            // SAFETY: the arguments are `mok_ep_prepare_tokens`'s parameters, in order and type (its entry point in
-            // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
-            unsafe {
-                gpu.launch(
-                    "mok_ep_prepare_tokens",
-                    LaunchShape::linear(grid_stride_blocks(gpu, (t * k) as usize), ROW_KERNEL_THREADS),
-                    &[Ptr(self.params_ptr(i)), U32(rank as u32)],
-                )
-            }?;
+        self.clear_signals(gpus, CLEAR_ROUTE_ERROR | also_clear)?;
+        // SAFETY (all four): each kernel's parameters after (params, first_rank) are the ones
+        // given (none), with the block shapes they document; the regions they touch are the
+        // heap's, sized for this shape.
+        unsafe {
+            self.launch_step(
+                gpus,
+                "mok_ep_route_chunks",
+                |_| layout::chunk_count(t),
+                RANK_CHUNK_THREADS,
+                4 * e,
+                None,
+                &[],
+            )?;
+            self.launch_step(gpus, "mok_ep_route_scan", |_| 1, 1024, 0, None, &[])?;
+            self.launch_step(
+                gpus,
+                "mok_ep_route_place",
+                |_| t.div_ceil(ROW_KERNEL_THREADS),
+                ROW_KERNEL_THREADS,
+                0,
+                None,
+                &[],
+            )?;
+            self.launch_step(
+                gpus,
+                "mok_ep_prepare_tokens",
+                |gpu| grid_stride_blocks(gpu, (t * k) as usize),
+                ROW_KERNEL_THREADS,
+                0,
+                None,
+                &[],
+            )?;
         }
         self.publish_all(gpus)
     }
 
     /// The second half of [`Self::schedule`]: every local rank, as expert owner, waits for the
-    /// epoch, exchanges counts, places the segments (capacity checked) and builds the inverse map.
+    /// epoch, exchanges counts, places the segments (capacity checked), writes its ring's engine
+    /// tile offsets and builds the inverse map.
     pub fn place(&self, gpus: &[&Gpu]) -> Result<()> {
-        let s = self.shape;
-        for (i, rank) in self.local() {
-            let gpu = gpu_of(gpus, i);
-            let params = Ptr(self.params_ptr(i));
-            // SAFETY: the arguments are `mok_ep_schedule`'s parameters, in order and type (its entry point in
-            // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
-            unsafe {
-                gpu.launch(
-                    "mok_ep_schedule",
-                    LaunchShape { grid: (1, 1, 1), threads: 256, smem_bytes: 16 },
-                    &[params, U32(rank as u32), U32(self.epoch)],
-                )
-            }?;
-            // SAFETY: the arguments are `mok_ep_ring_map`'s parameters, in order and type (its entry point in
-            // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
-            unsafe {
-                gpu.launch(
-                    "mok_ep_ring_map",
-                    LaunchShape::linear(grid_stride_blocks(gpu, s.capacity as usize), ROW_KERNEL_THREADS),
-                    &[params, U32(rank as u32)],
-                )
-            }?;
+        let capacity = self.shape.capacity as usize;
+        // SAFETY: `mok_ep_schedule`'s parameters after (params, first_rank): the epoch, with 16
+        // bytes of shared memory (it uses 4); `mok_ep_ring_map`'s: none.
+        unsafe {
+            self.launch_step(gpus, "mok_ep_schedule", |_| 1, 256, 16, None, &[U32(self.epoch)])?;
+            self.launch_step(
+                gpus,
+                "mok_ep_ring_map",
+                |gpu| grid_stride_blocks(gpu, capacity),
+                ROW_KERNEL_THREADS,
+                0,
+                None,
+                &[],
+            )
         }
-        Ok(())
     }
 
     fn publish_all(&self, gpus: &[&Gpu]) -> Result<()> {
-        for (i, rank) in self.local() {
-            if self.silent(rank, Silence::Publish) {
-                continue;
-            }
-            // SAFETY: the arguments are `mok_ep_publish`'s parameters, in order and type (its entry point in
-            // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
-            unsafe {
-                gpu_of(gpus, i).launch(
-                    "mok_ep_publish",
-                    LaunchShape::linear(1, 32),
-                    &[Ptr(self.params_ptr(i)), U32(rank as u32), U32(self.epoch)],
-                )
-            }?;
-        }
-        Ok(())
+        let silent = self.local().map(|(_, rank)| rank).find(|&rank| self.silent(rank, Silence::Publish));
+        // SAFETY: `mok_ep_publish`'s parameters after (params, first_rank): the epoch.
+        unsafe { self.launch_step(gpus, "mok_ep_publish", |_| 1, 32, 0, silent, &[U32(self.epoch)]) }
     }
 
     fn mover_blocks(&self, gpu: &Gpu) -> u32 {
@@ -623,6 +660,15 @@ impl Exchange {
         unsafe { DeviceSlice::from_raw_parts(self.address(rank, self.regions().ring_row_offsets), words) }
     }
 
+    /// `rank`'s ring engine tile offsets (`[2 · (L + 1)]`, written by the schedule: the plans of
+    /// a megakernel over the ring read them), as a view that lives as long as the exchange.
+    pub(crate) fn ring_engine_tile_offsets(&self, rank: usize) -> DeviceSlice<'_, u32> {
+        let words = 2 * (self.shape.local_experts() as usize + 1);
+        // SAFETY: the region lies in `rank`'s slice of the heap with 2 · (L + 1) words, and the
+        // heap lives as long as `self`, which the view borrows.
+        unsafe { DeviceSlice::from_raw_parts(self.address(rank, self.regions().ring_engine_tile_offsets), words) }
+    }
+
     /// Device address of `rank`'s ring row count (`ring_row_offsets[L]`), for the compute.
     pub fn ring_row_count_ptr(&self, rank: usize) -> u64 {
         self.address(rank, self.regions().ring_row_offsets) + 4 * self.shape.local_experts() as u64
@@ -659,7 +705,7 @@ impl Exchange {
         if let Some((rank, _, route)) = records.iter().find(|(_, _, r)| r[0] != 0) {
             let k = self.shape.top_k;
             return Err(MokError::Device {
-                kernel: "mok_route_rank_chunks",
+                kernel: "mok_ep_route_chunks",
                 message: format!(
                     "rank {rank}: token {} slot {} has bad expert id {} (error code {}); the slot was dropped",
                     route[1] / k,
@@ -765,7 +811,10 @@ pub(crate) fn decode_timeout(rank: Option<usize>, words: &[u32]) -> MokError {
 
 /// Every kernel the exchange launches.
 pub const KERNEL_NAMES: &[&str] = &[
-    "mok_route_rank_chunks",
+    "mok_ep_clear_signals",
+    "mok_ep_route_chunks",
+    "mok_ep_route_scan",
+    "mok_ep_route_place",
     "mok_ep_prepare_tokens",
     "mok_ep_publish",
     "mok_ep_schedule",

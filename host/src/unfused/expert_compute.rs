@@ -570,7 +570,7 @@ impl SharedEnginePlans {
         tile_offsets.fill_bytes(0)?;
         let groups = crate::gemm::RowGroups {
             row_offsets: offsets.into(),
-            tile_offsets: &tile_offsets,
+            tile_offsets: (&tile_offsets).into(),
             groups: 1,
             capacity: compute.capacity,
         };
@@ -642,7 +642,7 @@ impl SharedEnginePlans {
         };
         let groups = crate::gemm::RowGroups {
             row_offsets: offsets.into(),
-            tile_offsets: &self.tile_offsets,
+            tile_offsets: (&self.tile_offsets).into(),
             groups: 1,
             capacity: compute.capacity,
         };

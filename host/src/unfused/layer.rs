@@ -474,7 +474,7 @@ impl UnfusedLayer {
             let (h, i, e, slots) = (c.hidden, c.intermediate, c.num_experts, c.tokens_per_rank * c.top_k);
             let groups = engine::RowGroups {
                 row_offsets: (&self.routing.row_offsets).into(),
-                tile_offsets: &state.tile_offsets,
+                tile_offsets: (&state.tile_offsets).into(),
                 groups: e,
                 capacity: slots,
             };
@@ -505,7 +505,7 @@ impl UnfusedLayer {
             let c = &self.config;
             let groups = engine::RowGroups {
                 row_offsets: (&self.routing.row_offsets).into(),
-                tile_offsets: &state.tile_offsets,
+                tile_offsets: (&state.tile_offsets).into(),
                 groups: c.num_experts,
                 capacity: c.tokens_per_rank * c.top_k,
             };

@@ -133,6 +133,10 @@ pub struct HeapRegions {
     /// `[L+1]` u32: first GEMM M tile of each local expert (each expert's rows padded to whole
     /// tiles in tile space).
     pub ring_tile_offsets: u64,
+    /// `[2·(L+1)]` u32: the sm_90 engine's tile offsets of the ring's experts (tiles of
+    /// `gemm_layout::TILE_M` rows, then the odd-tile counts: `tiles::engine_tile_offsets`), which
+    /// the megakernels' plans read.
+    pub ring_engine_tile_offsets: u64,
     /// `[L·P+1]` u32: first ring row of segment (local expert, source rank), in that order.
     pub recv_base: u64,
     /// `[C]` u32: source rank of each ring row (the inverse map).
@@ -205,6 +209,7 @@ impl HeapRegions {
             peer_counts: heap.take(p * l * 4),
             ring_row_offsets: heap.take((l + 1) * 4),
             ring_tile_offsets: heap.take((l + 1) * 4),
+            ring_engine_tile_offsets: heap.take(2 * (l + 1) * 4),
             recv_base: heap.take((l * p + 1) * 4),
             ring_source_rank: heap.take(c * 4),
             ring_source_slot: heap.take(c * 4),
@@ -219,6 +224,11 @@ impl HeapRegions {
         regions
     }
 }
+
+/// What `mok_ep_clear_signals` clears (bits of its `what`): the routing kernels' error record ...
+pub const CLEAR_ROUTE_ERROR: u32 = 1;
+/// ... and the megakernels' `slot_ready` flags.
+pub const CLEAR_SLOT_READY: u32 = 2;
 
 /// What every exchange kernel reads: the shape, the layout, the timeout and the peer table.
 /// `#[repr(C)]` of u32 then u64 fields with no padding, so the host uploads its bytes as they are.
@@ -335,6 +345,7 @@ mod tests {
             (r.peer_counts, p * l * 4),
             (r.ring_row_offsets, (l + 1) * 4),
             (r.ring_tile_offsets, (l + 1) * 4),
+            (r.ring_engine_tile_offsets, 2 * (l + 1) * 4),
             (r.recv_base, (l * p + 1) * 4),
             (r.ring_source_rank, c * 4),
             (r.ring_source_slot, c * 4),

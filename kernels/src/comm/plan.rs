@@ -18,13 +18,14 @@ use super::params::ERROR_WORDS;
 use super::schedule::{epoch_reached, owner_offsets, ring_segment, rows_in_tile};
 use super::wait::wait_until;
 use super::{Pass, RankView};
+use crate::gemm_layout::TILE_M;
 use crate::layout::{self, NO_ROW, RouteError};
 use crate::ptx::collective::{lanemask_lt, match_any_u32};
 use crate::ptx::memory::{
     atom_cas_acq_rel_gpu_u32, fence_acq_rel_sys, ld_shared_u32, st_release_sys_u32, st_shared_u32,
 };
 use crate::ptx::{signal, sreg, sync};
-use crate::tiles::GEMM_TILE_M;
+use crate::tiles::{GEMM_TILE_M, engine_tile_offsets};
 
 /// Key of a slot without a row in [`rank_chunk_warp`].
 const NO_KEY: u32 = u32::MAX;
@@ -214,17 +215,26 @@ pub unsafe fn schedule_block(view: &RankView, epoch: u32, flag: u32) {
     }
     sync::block_barrier();
     if thread == 0 {
-        // SAFETY: the regions hold P·L, L+1, L+1 and L·P+1 words; only this thread writes them.
+        // SAFETY: the regions hold P·L, L+1, L+1, L·P+1 and 2·(L+1) words; only this thread
+        // writes them.
         let total = unsafe {
-            owner_offsets(
+            let ring_row_offsets = core::slice::from_raw_parts_mut(view.local(p.regions.ring_row_offsets), local + 1);
+            let total = owner_offsets(
                 core::slice::from_raw_parts(peer_counts, world * local),
                 world,
                 local,
                 GEMM_TILE_M,
-                core::slice::from_raw_parts_mut(view.local(p.regions.ring_row_offsets), local + 1),
+                ring_row_offsets,
                 core::slice::from_raw_parts_mut(view.local(p.regions.ring_tile_offsets), local + 1),
                 core::slice::from_raw_parts_mut(view.local(p.regions.recv_base), local * world + 1),
-            )
+            );
+            // The one tile vocabulary: the megakernels' plans read these, no launch between.
+            engine_tile_offsets(
+                ring_row_offsets,
+                TILE_M,
+                core::slice::from_raw_parts_mut(view.local(p.regions.ring_engine_tile_offsets), 2 * (local + 1)),
+            );
+            total
         };
         if total > p.capacity {
             // An empty ring for the rest of the pass: movers and GEMMs that read these offsets
@@ -234,6 +244,9 @@ pub unsafe fn schedule_block(view: &RankView, epoch: u32, flag: u32) {
                 for i in 0..=local {
                     *view.local::<u32>(p.regions.ring_row_offsets).add(i) = 0;
                     *view.local::<u32>(p.regions.ring_tile_offsets).add(i) = 0;
+                }
+                for i in 0..2 * (local + 1) {
+                    *view.local::<u32>(p.regions.ring_engine_tile_offsets).add(i) = 0;
                 }
                 for i in 0..=local * world {
                     *view.local::<u32>(p.regions.recv_base).add(i) = 0;

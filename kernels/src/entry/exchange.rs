@@ -1,17 +1,35 @@
 //! Standalone kernels of the expert-parallel exchange: thin entry points over
-//! [`crate::comm`]'s block- and warp-level steps, one launch per step and rank. Every kernel
-//! takes the parameter block (device memory, see [`ExchangeParams`]) and the rank it acts as, so
-//! the same PTX serves virtual ranks (P ranks in one GPU, one launch each) and real ones.
+//! [`crate::comm`]'s block- and warp-level steps, one launch per step. Every kernel takes the
+//! parameter block (device memory, see [`ExchangeParams`]) and `first_rank`: the blocks of grid
+//! row `blockIdx.y` act as rank `first_rank + blockIdx.y`, so one launch runs a step for every
+//! virtual rank of a GPU (a grid `P` rows high) and, with one rank per GPU, for that rank (one
+//! row). The x dimension is each rank's own grid.
 //!
-//! Why one launch per step: on one GPU the virtual ranks' steps run a kernel boundary apart, so
-//! every wait a kernel does is on a signal an earlier launch already gave, and no block can wait
-//! on a block that is not resident. The waits are still real and bounded: a rank that never
-//! signals is reported, not waited on forever.
+//! Why one launch per step: the steps run a kernel boundary apart, so every wait a kernel does
+//! is on a signal an earlier launch already gave, and no block can wait on a block that is not
+//! resident. Within a step no rank reads what another rank writes in the same step. The waits
+//! are still real and bounded: a rank that never signals is reported, not waited on forever.
 
-use crate::comm::params::ExchangeParams;
+use crate::comm::params::{CLEAR_ROUTE_ERROR, CLEAR_SLOT_READY, ExchangeParams};
 use crate::comm::{Pass, RankView, combine, movers, plan};
 use crate::device::grid_thread;
 use crate::ptx::{smem, sreg};
+
+/// The rank this block acts as: `first_rank` plus its grid row.
+#[inline(always)]
+fn acting_rank(first_rank: u32) -> u32 {
+    first_rank + sreg::block_idx_y()
+}
+
+/// The exchange's view for this block ([`acting_rank`]).
+///
+/// # Safety
+/// `params` is a parameter block built by the host for this heap and the acting rank `< world`.
+#[inline(always)]
+unsafe fn view(params: *const ExchangeParams, first_rank: u32) -> RankView<'static> {
+    // SAFETY: caller contract.
+    unsafe { RankView::from_raw(params, acting_rank(first_rank)) }
+}
 
 /// This warp's index in the grid, and the grid's warp count (blocks are whole warps).
 #[inline(always)]
@@ -20,15 +38,118 @@ fn grid_warp() -> (u32, u32) {
     (sreg::block_idx_x() * warps_per_block + sreg::thread_idx_x() / 32, sreg::grid_dim_x() * warps_per_block)
 }
 
+/// Before a pass (grid-stride over T·k slots): zeroes the acting rank's signals named in `what`
+/// ([`CLEAR_ROUTE_ERROR`], [`CLEAR_SLOT_READY`]; see `HeapRegions::slot_ready` for when its
+/// flags may be cleared).
+///
+/// # Safety
+/// As [`mok_ep_prepare_tokens`].
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn mok_ep_clear_signals(params: *const ExchangeParams, first_rank: u32, what: u32) {
+    // SAFETY: caller contract.
+    let view = unsafe { view(params, first_rank) };
+    let r = &view.params.regions;
+    let (first, stride) = grid_thread();
+    if what & CLEAR_ROUTE_ERROR != 0 && first < 4 {
+        // SAFETY: the record has 4 words.
+        unsafe { *view.local::<u32>(r.route_error).add(first) = 0 };
+    }
+    if what & CLEAR_SLOT_READY != 0 {
+        let slots = (view.params.tokens * view.params.top_k) as usize;
+        let flags: *mut u32 = view.local(r.slot_ready);
+        let mut slot = first;
+        while slot < slots {
+            // SAFETY: slot < T·k, the region's length.
+            unsafe { *flags.add(slot) = 0 };
+            slot += stride;
+        }
+    }
+}
+
+/// Step 1a of the schedule: the routing layout's chunk ranking of the acting rank's own slots
+/// (`mok_route_rank_chunks` over its heap regions: one block per chunk, `RANK_CHUNK_THREADS`
+/// threads, `4 · E` bytes of dynamic shared memory).
+///
+/// # Safety
+/// As [`mok_ep_prepare_tokens`]; the grid is `chunks` blocks wide.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn mok_ep_route_chunks(params: *const ExchangeParams, first_rank: u32) {
+    // SAFETY: caller contract.
+    let view = unsafe { view(params, first_rank) };
+    let (p, r) = (view.params, &view.params.regions);
+    // SAFETY: the regions hold what the kernel documents for this shape (`HeapRegions::new`).
+    unsafe {
+        super::route::rank_chunks_block(
+            view.local(r.topk_ids),
+            p.tokens,
+            p.top_k,
+            p.num_experts,
+            view.local(r.chunk_counts),
+            view.local(r.slot_rank),
+            view.local(r.route_error),
+        )
+    };
+}
+
+/// Step 1b (one block of up to 1024 threads per rank): the routing layout's scan
+/// (`mok_route_scan` over the acting rank's heap regions).
+///
+/// # Safety
+/// As [`mok_ep_route_chunks`], after it.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn mok_ep_route_scan(params: *const ExchangeParams, first_rank: u32) {
+    // SAFETY: caller contract.
+    let view = unsafe { view(params, first_rank) };
+    let (p, r) = (view.params, &view.params.regions);
+    // SAFETY: as in `mok_ep_route_chunks`.
+    unsafe {
+        super::route::scan_block(
+            view.local(r.chunk_counts),
+            p.chunks,
+            p.num_experts,
+            view.local(r.expert_counts),
+            view.local(r.row_offsets),
+            view.local(r.tile_offsets),
+        )
+    };
+}
+
+/// Step 1c (one thread per token): the routing layout's slot placement (`mok_route_place` over
+/// the acting rank's heap regions).
+///
+/// # Safety
+/// As [`mok_ep_route_chunks`], after [`mok_ep_route_scan`].
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn mok_ep_route_place(params: *const ExchangeParams, first_rank: u32) {
+    // SAFETY: caller contract.
+    let view = unsafe { view(params, first_rank) };
+    let (p, r) = (view.params, &view.params.regions);
+    // SAFETY: as in `mok_ep_route_chunks`.
+    unsafe {
+        super::route::place_slots(
+            view.local(r.topk_ids),
+            view.local(r.slot_rank),
+            view.local(r.chunk_counts),
+            view.local(r.row_offsets),
+            p.tokens,
+            p.top_k,
+            p.num_experts,
+            view.local(r.slot_row),
+            view.local(r.row_source),
+        )
+    };
+}
+
 /// Step 2 of the schedule (grid-stride over T·k slots): the slot-addressed map.
 ///
 /// # Safety
-/// `params` is a parameter block built by the host for this heap; `rank < world`.
+/// `params` is a parameter block built by the host for this heap; every acting rank
+/// (`first_rank + blockIdx.y`) is `< world`.
 #[unsafe(no_mangle)]
-pub unsafe extern "ptx-kernel" fn mok_ep_prepare_tokens(params: *const ExchangeParams, rank: u32) {
+pub unsafe extern "ptx-kernel" fn mok_ep_prepare_tokens(params: *const ExchangeParams, first_rank: u32) {
     let (first, stride) = grid_thread();
     // SAFETY: caller contract.
-    unsafe { plan::prepare_tokens(&RankView::from_raw(params, rank), first, stride) };
+    unsafe { plan::prepare_tokens(&view(params, first_rank), first, stride) };
 }
 
 /// Step 3 (one thread): publishes `epoch` — this rank's inputs and routing layout are ready.
@@ -36,10 +157,10 @@ pub unsafe extern "ptx-kernel" fn mok_ep_prepare_tokens(params: *const ExchangeP
 /// # Safety
 /// As [`mok_ep_prepare_tokens`].
 #[unsafe(no_mangle)]
-pub unsafe extern "ptx-kernel" fn mok_ep_publish(params: *const ExchangeParams, rank: u32, epoch: u32) {
+pub unsafe extern "ptx-kernel" fn mok_ep_publish(params: *const ExchangeParams, first_rank: u32, epoch: u32) {
     if sreg::block_idx_x() == 0 && sreg::thread_idx_x() == 0 {
         // SAFETY: caller contract.
-        unsafe { plan::publish(&RankView::from_raw(params, rank), epoch) };
+        unsafe { plan::publish(&view(params, first_rank), epoch) };
     }
 }
 
@@ -49,9 +170,9 @@ pub unsafe extern "ptx-kernel" fn mok_ep_publish(params: *const ExchangeParams, 
 /// # Safety
 /// As [`mok_ep_prepare_tokens`].
 #[unsafe(no_mangle)]
-pub unsafe extern "ptx-kernel" fn mok_ep_schedule(params: *const ExchangeParams, rank: u32, epoch: u32) {
+pub unsafe extern "ptx-kernel" fn mok_ep_schedule(params: *const ExchangeParams, first_rank: u32, epoch: u32) {
     // SAFETY: caller contract; the launch gives 4 bytes of shared memory.
-    unsafe { plan::schedule_block(&RankView::from_raw(params, rank), epoch, smem::dynamic_smem_base()) };
+    unsafe { plan::schedule_block(&view(params, first_rank), epoch, smem::dynamic_smem_base()) };
 }
 
 /// Step 5 (grid-stride over ring rows): the inverse map, ring row → source rank and slot.
@@ -59,10 +180,10 @@ pub unsafe extern "ptx-kernel" fn mok_ep_schedule(params: *const ExchangeParams,
 /// # Safety
 /// As [`mok_ep_prepare_tokens`]; [`mok_ep_schedule`] ran before for this rank.
 #[unsafe(no_mangle)]
-pub unsafe extern "ptx-kernel" fn mok_ep_ring_map(params: *const ExchangeParams, rank: u32) {
+pub unsafe extern "ptx-kernel" fn mok_ep_ring_map(params: *const ExchangeParams, first_rank: u32) {
     let (first, stride) = grid_thread();
     // SAFETY: caller contract.
-    unsafe { plan::ring_map_rows(&RankView::from_raw(params, rank), first, stride) };
+    unsafe { plan::ring_map_rows(&view(params, first_rank), first, stride) };
 }
 
 /// Pull mover (blocks of whole warps, 4 bytes of dynamic shared memory): `pass` 0 dispatches x
@@ -72,9 +193,9 @@ pub unsafe extern "ptx-kernel" fn mok_ep_ring_map(params: *const ExchangeParams,
 /// # Safety
 /// As [`mok_ep_ring_map`]; [`mok_ep_ring_map`] ran before for this rank.
 #[unsafe(no_mangle)]
-pub unsafe extern "ptx-kernel" fn mok_ep_pull(params: *const ExchangeParams, rank: u32, pass: u32, epoch: u32) {
+pub unsafe extern "ptx-kernel" fn mok_ep_pull(params: *const ExchangeParams, first_rank: u32, pass: u32, epoch: u32) {
     // SAFETY: caller contract.
-    let view = unsafe { RankView::from_raw(params, rank) };
+    let view = unsafe { view(params, first_rank) };
     // SAFETY: uniform call; the launch gives 4 bytes of shared memory.
     if !unsafe { plan::wait_all_published(&view, epoch, smem::dynamic_smem_base()) } {
         return;
@@ -90,9 +211,9 @@ pub unsafe extern "ptx-kernel" fn mok_ep_pull(params: *const ExchangeParams, ran
 /// # Safety
 /// As [`mok_ep_pull`].
 #[unsafe(no_mangle)]
-pub unsafe extern "ptx-kernel" fn mok_ep_pull_bulk(params: *const ExchangeParams, rank: u32, epoch: u32) {
+pub unsafe extern "ptx-kernel" fn mok_ep_pull_bulk(params: *const ExchangeParams, first_rank: u32, epoch: u32) {
     // SAFETY: caller contract.
-    let view = unsafe { RankView::from_raw(params, rank) };
+    let view = unsafe { view(params, first_rank) };
     // The publish wait uses the first word of the mbarrier header before the barriers exist.
     // SAFETY: uniform call; the header is this block's shared memory.
     if !unsafe { plan::wait_all_published(&view, epoch, smem::dynamic_smem_base()) } {
@@ -108,10 +229,15 @@ pub unsafe extern "ptx-kernel" fn mok_ep_pull_bulk(params: *const ExchangeParams
 /// # Safety
 /// As [`mok_ep_ring_map`]; `rows` holds the ring's result rows.
 #[unsafe(no_mangle)]
-pub unsafe extern "ptx-kernel" fn mok_ep_push(params: *const ExchangeParams, rank: u32, pass: u32, rows: *const f32) {
+pub unsafe extern "ptx-kernel" fn mok_ep_push(
+    params: *const ExchangeParams,
+    first_rank: u32,
+    pass: u32,
+    rows: *const f32,
+) {
     let (warp, warps) = grid_warp();
     // SAFETY: caller contract; whole warps.
-    unsafe { movers::push_rows(&RankView::from_raw(params, rank), Pass::from_arg(pass), rows, warp, warps) };
+    unsafe { movers::push_rows(&view(params, first_rank), Pass::from_arg(pass), rows, warp, warps) };
 }
 
 /// Bulk-copy push mover (blocks of 32 threads, [`crate::comm::params::BULK_SMEM_BYTES`] of dynamic shared
@@ -122,14 +248,14 @@ pub unsafe extern "ptx-kernel" fn mok_ep_push(params: *const ExchangeParams, ran
 #[unsafe(no_mangle)]
 pub unsafe extern "ptx-kernel" fn mok_ep_push_bulk(
     params: *const ExchangeParams,
-    rank: u32,
+    first_rank: u32,
     pass: u32,
     rows: *const f32,
 ) {
     // SAFETY: caller contract.
     unsafe {
         movers::push_rows_bulk(
-            &RankView::from_raw(params, rank),
+            &view(params, first_rank),
             Pass::from_arg(pass),
             rows,
             sreg::block_idx_x(),
@@ -144,10 +270,15 @@ pub unsafe extern "ptx-kernel" fn mok_ep_push_bulk(
 /// # Safety
 /// As [`mok_ep_ring_map`].
 #[unsafe(no_mangle)]
-pub unsafe extern "ptx-kernel" fn mok_ep_wait_tiles(params: *const ExchangeParams, rank: u32, pass: u32, epoch: u32) {
+pub unsafe extern "ptx-kernel" fn mok_ep_wait_tiles(
+    params: *const ExchangeParams,
+    first_rank: u32,
+    pass: u32,
+    epoch: u32,
+) {
     let (first, stride) = grid_thread();
     // SAFETY: caller contract.
-    unsafe { plan::wait_tiles(&RankView::from_raw(params, rank), Pass::from_arg(pass), epoch, first, stride) };
+    unsafe { plan::wait_tiles(&view(params, first_rank), Pass::from_arg(pass), epoch, first, stride) };
 }
 
 /// The token owner's wait (grid-stride, one thread per (token tile, expert owner)): bounded wait
@@ -159,13 +290,13 @@ pub unsafe extern "ptx-kernel" fn mok_ep_wait_tiles(params: *const ExchangeParam
 #[unsafe(no_mangle)]
 pub unsafe extern "ptx-kernel" fn mok_ep_wait_arrivals(
     params: *const ExchangeParams,
-    rank: u32,
+    first_rank: u32,
     pass: u32,
     epoch: u32,
 ) {
     let (first, stride) = grid_thread();
     // SAFETY: caller contract.
-    let view = unsafe { RankView::from_raw(params, rank) };
+    let view = unsafe { view(params, first_rank) };
     let pairs = (view.params.chunks * view.params.world) as usize;
     let mut pair = first;
     while pair < pairs {
@@ -188,12 +319,12 @@ pub unsafe extern "ptx-kernel" fn mok_ep_wait_arrivals(
 #[unsafe(no_mangle)]
 pub unsafe extern "ptx-kernel" fn mok_ep_combine(
     params: *const ExchangeParams,
-    rank: u32,
+    first_rank: u32,
     pass: u32,
     base: *const f32,
     out: *mut u16,
 ) {
     let (first, stride) = grid_thread();
     // SAFETY: caller contract.
-    unsafe { combine::sum_slots(&RankView::from_raw(params, rank), Pass::from_arg(pass), base, out, first, stride) };
+    unsafe { combine::sum_slots(&view(params, first_rank), Pass::from_arg(pass), base, out, first, stride) };
 }

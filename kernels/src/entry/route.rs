@@ -25,6 +25,25 @@ pub unsafe extern "ptx-kernel" fn mok_route_rank_chunks(
     slot_rank: *mut u32,
     error: *mut u32,
 ) {
+    // SAFETY: caller contract.
+    unsafe { rank_chunks_block(topk_ids, tokens, top_k, num_experts, chunk_counts, slot_rank, error) };
+}
+
+/// The body of [`mok_route_rank_chunks`] for the block of chunk `blockIdx.x` (the exchange's
+/// per-rank launch runs it too).
+///
+/// # Safety
+/// As [`mok_route_rank_chunks`].
+#[inline(always)]
+pub(crate) unsafe fn rank_chunks_block(
+    topk_ids: *const i32,
+    tokens: u32,
+    top_k: u32,
+    num_experts: u32,
+    chunk_counts: *mut u32,
+    slot_rank: *mut u32,
+    error: *mut u32,
+) {
     let chunk = sreg::block_idx_x();
     let thread = sreg::thread_idx_x();
     let counters = smem::dynamic_smem_base();
@@ -60,6 +79,23 @@ pub unsafe extern "ptx-kernel" fn mok_route_rank_chunks(
 /// Pointers must cover `[chunks·E]`, `[E]`, `[E+1]` and `[E+1]` u32.
 #[unsafe(no_mangle)]
 pub unsafe extern "ptx-kernel" fn mok_route_scan(
+    chunk_counts: *mut u32,
+    num_chunks: u32,
+    num_experts: u32,
+    expert_counts: *mut u32,
+    row_offsets: *mut u32,
+    tile_offsets: *mut u32,
+) {
+    // SAFETY: caller contract.
+    unsafe { scan_block(chunk_counts, num_chunks, num_experts, expert_counts, row_offsets, tile_offsets) };
+}
+
+/// The body of [`mok_route_scan`] (one block).
+///
+/// # Safety
+/// As [`mok_route_scan`].
+#[inline(always)]
+pub(crate) unsafe fn scan_block(
     chunk_counts: *mut u32,
     num_chunks: u32,
     num_experts: u32,
@@ -109,6 +145,28 @@ pub unsafe extern "ptx-kernel" fn mok_route_place(
     slot_row: *mut u32,
     row_source: *mut u32,
 ) {
+    // SAFETY: caller contract.
+    unsafe {
+        place_slots(topk_ids, slot_rank, chunk_bases, row_offsets, tokens, top_k, num_experts, slot_row, row_source)
+    };
+}
+
+/// The body of [`mok_route_place`] for the token of this thread in `blockIdx.x`.
+///
+/// # Safety
+/// As [`mok_route_place`].
+#[inline(always)]
+pub(crate) unsafe fn place_slots(
+    topk_ids: *const i32,
+    slot_rank: *const u32,
+    chunk_bases: *const u32,
+    row_offsets: *const u32,
+    tokens: u32,
+    top_k: u32,
+    num_experts: u32,
+    slot_row: *mut u32,
+    row_source: *mut u32,
+) {
     let token = sreg::block_idx_x() * sreg::block_dim_x() + sreg::thread_idx_x();
     if token >= tokens {
         return;
@@ -140,10 +198,9 @@ pub unsafe extern "ptx-kernel" fn mok_route_place(
     }
 }
 
-/// Tile offsets for a tile height of `tile_m` rows from row offsets (`[groups + 1]`): the first
-/// tile of each group (`tile_offsets[0..=G]`), then the number of groups before each whose tile
-/// count is odd (`tile_offsets[G+1..=2G+1]`), from which the sm_90 engine counts its pairs of
-/// blocks. One thread: groups are few.
+/// The sm_90 engine's tile offsets ([`crate::tiles::engine_tile_offsets`]) for a tile height
+/// of `tile_m` rows from row offsets (`[groups + 1]`) into `tile_offsets` (`[2 · (groups + 1)]`).
+/// One thread: groups are few.
 ///
 /// # Safety
 /// `row_offsets` holds `groups + 1` words, `tile_offsets` `2 · (groups + 1)`.
@@ -157,21 +214,13 @@ pub unsafe extern "ptx-kernel" fn mok_tile_offsets(
     if sreg::thread_idx_x() != 0 || sreg::block_idx_x() != 0 {
         return;
     }
-    let (mut tiles, mut odd) = (0, 0);
-    let odd_offsets = groups as usize + 1;
-    for g in 0..groups as usize {
-        // SAFETY: g + 1 ≤ groups; odd_offsets + g < 2 · (groups + 1).
-        unsafe {
-            *tile_offsets.add(g) = tiles;
-            *tile_offsets.add(odd_offsets + g) = odd;
-            let group_tiles = (*row_offsets.add(g + 1) - *row_offsets.add(g)).div_ceil(tile_m);
-            tiles += group_tiles;
-            odd += group_tiles % 2;
-        }
-    }
-    // SAFETY: the last entry of each half.
+    let groups = groups as usize;
+    // SAFETY: lengths from the caller contract; only this thread touches them.
     unsafe {
-        *tile_offsets.add(groups as usize) = tiles;
-        *tile_offsets.add(odd_offsets + groups as usize) = odd;
-    }
+        crate::tiles::engine_tile_offsets(
+            core::slice::from_raw_parts(row_offsets, groups + 1),
+            tile_m,
+            core::slice::from_raw_parts_mut(tile_offsets, 2 * (groups + 1)),
+        )
+    };
 }
