@@ -11,7 +11,7 @@
 use std::time::Duration;
 
 use mok_kernels::comm::params::ERROR_WORDS;
-use mok_kernels::gemm_layout::{ENGINE_SMEM_BYTES, ENGINE_THREADS};
+use mok_kernels::gemm_layout::{ENGINE_SMEM_BYTES, ENGINE_THREADS, TILE_M, TILE_N};
 use mok_kernels::megakernel_layout::{
     BackwardParams, ForwardParams, NO_FAULT, PassInputs, WORK_ALL, backward_counter_words, first_compute_block,
     forward_counter_words, rank_pairs,
@@ -649,6 +649,20 @@ impl BackwardMegakernel {
         }
         let ranks_of: Vec<Option<&RankPass>> = buffers.iter().map(|b| b.rank.as_ref()).collect();
         let with_ranks = ranks_of.first().is_some_and(Option::is_some);
+        // Across ranks the launch's compute blocks walk every rank's routed weight-gradient
+        // tiles as one list (the walk of one GPU: no rank's blocks idle while another's still
+        // have tiles) when the lists line up: the same tile count per product on every rank.
+        let wgrad_tiles = |set: &[&EnginePlan]| {
+            [2, 3, 4].map(|i| {
+                let (m, n) = set[i].output_dims();
+                set[i].groups() as u64 * m.div_ceil(TILE_M) as u64 * n.div_ceil(TILE_N) as u64
+            })
+        };
+        let wgrad_ranks = if with_ranks && plans.iter().all(|set| wgrad_tiles(set) == wgrad_tiles(plans[0])) {
+            plans.len() as u32
+        } else {
+            1
+        };
         let kernels = [BACKWARD_KERNEL, BACKWARD_RANKS_KERNEL];
         let words = backward_counter_words;
         build_pass(gpu, kernels, plans, &ranks_of, options, words, |r, at, comm_blocks, timeout_ns| {
@@ -683,14 +697,14 @@ impl BackwardMegakernel {
                 silent_hidden_tile: NO_FAULT,
                 work: WORK_ALL,
                 rank: at.rank,
-                reserved: 0,
+                launch_index: r as u32,
                 exchange: at.exchange,
                 push_next: counters + 3 * tile_words + 8,
                 silent_push: NO_FAULT,
                 // On one GPU the kernel walks the whole grid (its own sreg reads).
                 rank_first_block: if with_ranks { at.first_block } else { 0 },
                 rank_blocks: at.blocks,
-                reserved_ranks: 0,
+                wgrad_ranks,
                 shared_down_dgrad: shared(0),
                 shared_gate_up_dgrad: shared(1),
                 shared_wgrad: [shared(2), shared(3), shared(4)],

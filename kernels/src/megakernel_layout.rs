@@ -203,8 +203,9 @@ pub struct BackwardParams {
     pub work: u32,
     /// The rank these parameters act as (0 on a single GPU).
     pub rank: u32,
-    /// Keeps the block a whole number of 8-byte words; 0.
-    pub reserved: u32,
+    /// Its place among the ranks the launch hosts (0 on a single GPU; the launch's parameter
+    /// blocks are an array in this order).
+    pub launch_index: u32,
     /// Across ranks (`mok_sm90_backward_ranks`), this rank's `comm::params::ExchangeParams`:
     /// where the gather pulls the token owners' dy and slot weights, where the push sends the
     /// dx rows (the owners' `dx_slots`, flagged in their `slot_ready`) and where the owner's
@@ -220,8 +221,13 @@ pub struct BackwardParams {
     pub rank_first_block: u32,
     /// ... and the blocks it holds.
     pub rank_blocks: u32,
-    /// Keeps the block a whole number of 8-byte words; 0.
-    pub reserved_ranks: u32,
+    /// Ranks whose routed weight-gradient tiles the launch's compute blocks share: 1, each rank
+    /// walks its own on its own blocks; P (every rank hosted by one launch, the same comm blocks
+    /// and the same tile count per rank), every compute block of the launch walks the ranks'
+    /// tile lists one after the other, phase by phase, as one list — the walk of one GPU
+    /// (`weight_gradient_walk`). Each tile is still computed whole by one block, so the bits
+    /// do not depend on it.
+    pub wgrad_ranks: u32,
     /// The shared expert's down data-gradient plan with the SwiGLU backward (A = `shared_dy`,
     /// one group of the pass's T tokens; out = its d_gate and d_up), or 0 when the pass has no
     /// shared expert (then every `shared_*` field is unused).
@@ -291,6 +297,16 @@ pub const fn rank_of_pair(pair: u32, pairs: u32, ranks: u32) -> u32 {
     (pair * ranks) / pairs
 }
 
+/// The weight-gradient tiles a compute block walks (`(first, stride)`: it takes
+/// `first + i · stride` while below the list's length), for rank `list`'s list of `tiles` tiles
+/// when the launch's `compute_blocks` compute blocks walk `lists` ranks' equal lists one after
+/// the other and this block is compute block `block` of the launch: list `q` starts at tile
+/// `q · tiles` of the walk, and block `b` takes the walk's tiles `b, b + compute_blocks, …`.
+pub const fn weight_gradient_walk(block: u32, compute_blocks: u32, list: u32, tiles: u32) -> (u32, u32) {
+    let offset = ((list as u64 * tiles as u64) % compute_blocks as u64) as u32;
+    ((block + compute_blocks - offset) % compute_blocks, compute_blocks)
+}
+
 /// Stored parts that complete an M tile of `rows` rows in a GEMM of `n_tiles` N tiles: each N
 /// tile's consumer warpgroups with rows (64 each) count once.
 pub const fn parts_per_m_tile(n_tiles: u32, rows: u32) -> u32 {
@@ -309,6 +325,30 @@ pub const fn downstream_deadline(timeout_ns: u64, depth: u32) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_shared_weight_gradient_walk_takes_every_tile_of_every_list_once() {
+        for (blocks, lists, tiles) in [(1, 1, 1), (7, 3, 10), (128, 8, 448), (16, 8, 3), (5, 2, 0), (130, 6, 1000)] {
+            let mut taken = vec![0u32; (lists * tiles) as usize];
+            for block in 0..blocks {
+                let mut walked = 0;
+                for list in 0..lists {
+                    let (first, stride) = weight_gradient_walk(block, blocks, list, tiles);
+                    assert_eq!(stride, blocks);
+                    let mut tile = first;
+                    while tile < tiles {
+                        // The same tiles, in the same order, as one walk over the joined lists.
+                        assert_eq!((list * tiles + tile) % blocks, block);
+                        taken[(list * tiles + tile) as usize] += 1;
+                        walked += 1;
+                        tile += stride;
+                    }
+                }
+                assert_eq!(walked, (lists * tiles).saturating_sub(block).div_ceil(blocks));
+            }
+            assert!(taken.iter().all(|&t| t == 1), "{blocks} blocks, {lists} lists of {tiles}");
+        }
+    }
 
     #[test]
     fn compute_pairs_start_after_the_comm_blocks() {

@@ -298,8 +298,11 @@ pub unsafe fn run_forward_phases<H: TileHooks>(
 /// ([`Variant::ROWS_NN_SWIGLU_BWD`]), the shared expert's and then the routed experts' gate/up
 /// data gradient ([`Variant::ROWS_NN`]), the routed experts' three weight gradients (down, gate,
 /// up), then the shared expert's three ([`Variant::WGRAD_IN_PAIR`], each block walking its own
-/// share of the tiles) — phase `i` running the tiles of the plan `plan(i)` returns (null: the
-/// phase is left out; only the shared expert's are) with the hooks `hooks(i)`. A block moves on
+/// share of the tiles) — phase `i` running the tiles of the plan `plan(i, own)` returns (null:
+/// the phase is left out; only the shared expert's are) with the hooks `hooks(i, own)`. Each
+/// routed weight gradient runs for rank `own` of the launch only (`wgrad_ranks` 1) or for each
+/// of its `wgrad_ranks` ranks in turn, `plan(i, q)` and `hooks(i, q)` for q = 0, 1, … (the
+/// hooks' walk then takes this block's share of every rank's tiles). A block moves on
 /// to a phase only when it has no more tiles of the previous one (the data gradients: their
 /// counter is spent), and a tile waits only for earlier phases, so it only ever waits for work
 /// a running block already holds (docs/ARCHITECTURE.md). Returns `Some(())` for the consumer
@@ -310,11 +313,15 @@ pub unsafe fn run_forward_phases<H: TileHooks>(
 /// tile counter zeroed before the launch; the routed experts' phases are never null, and the
 /// shared expert's (`BackwardHandover::SHARED_*`) all null or none; each expert set's plans are
 /// over the same row
-/// groups; `plan` returns the same for every block of the cluster; the hooks' contracts hold.
+/// groups; `plan` returns the same for every block of the cluster; the hooks' contracts hold;
+/// with `wgrad_ranks` > 1 the same holds for every q < `wgrad_ranks`, and every block of the
+/// launch runs these phases with the same `wgrad_ranks`.
 #[inline(always)]
 pub unsafe fn run_backward_phases<H: TileHooks>(
-    plan: impl Fn(u32) -> *const GemmParams + Copy,
-    hooks: impl Fn(u32) -> H + Copy,
+    plan: impl Fn(u32, u32) -> *const GemmParams + Copy,
+    hooks: impl Fn(u32, u32) -> H + Copy,
+    own: u32,
+    wgrad_ranks: u32,
 ) -> Option<()> {
     const {
         assert!(cluster_blocks(Variant::ROWS_NN_SWIGLU_BWD) == 2 && cluster_blocks(Variant::ROWS_NN) == 2);
@@ -337,7 +344,11 @@ pub unsafe fn run_backward_phases<H: TileHooks>(
     // The phases are numbered as `BackwardHandover`'s; each routed data gradient follows the
     // shared expert's of the same product.
     type B = BackwardHandover<false>;
+    let (plan_of, hooks_of) = (plan, hooks);
+    let (plan, hooks) = (move |phase| plan_of(phase, own), move |phase| hooks_of(phase, own));
     let shared = !plan(B::SHARED_DOWN_DGRAD).is_null();
+    // The ranks whose routed weight gradients this block walks.
+    let (wgrad_first, wgrad_end) = if wgrad_ranks > 1 { (0, wgrad_ranks) } else { (own, own + 1) };
     let first = |shared_phase: u32| if shared { shared_phase } else { shared_phase + 1 };
     let end = if shared { B::PHASES } else { B::SHARED_WGRAD_DOWN };
     let role = if warpgroup == 0 {
@@ -357,9 +368,22 @@ pub unsafe fn run_backward_phases<H: TileHooks>(
                     walk = produce::<N, H>(&*plan(phase), ring, hooks(phase), walk);
                     phase += 1;
                 }
-                walk = produce::<W, H>(&*plan(B::WGRAD_DOWN), ring, hooks(B::WGRAD_DOWN), walk);
-                walk = produce::<W, H>(&*plan(B::WGRAD_GATE), ring, hooks(B::WGRAD_GATE), walk);
-                walk = produce::<W, H>(&*plan(B::WGRAD_UP), ring, hooks(B::WGRAD_UP), walk);
+                // One loop per product, so each call's hooks keep a constant phase.
+                let mut q = wgrad_first;
+                while q < wgrad_end {
+                    walk = produce::<W, H>(&*plan_of(B::WGRAD_DOWN, q), ring, hooks_of(B::WGRAD_DOWN, q), walk);
+                    q += 1;
+                }
+                q = wgrad_first;
+                while q < wgrad_end {
+                    walk = produce::<W, H>(&*plan_of(B::WGRAD_GATE, q), ring, hooks_of(B::WGRAD_GATE, q), walk);
+                    q += 1;
+                }
+                q = wgrad_first;
+                while q < wgrad_end {
+                    walk = produce::<W, H>(&*plan_of(B::WGRAD_UP, q), ring, hooks_of(B::WGRAD_UP, q), walk);
+                    q += 1;
+                }
                 phase = B::SHARED_WGRAD_DOWN;
                 while phase < end {
                     walk = produce::<W, H>(&*plan(phase), ring, hooks(phase), walk);
@@ -386,12 +410,28 @@ pub unsafe fn run_backward_phases<H: TileHooks>(
                 walk = next_phase::<N>(ring, walk, t);
                 phase += 1;
             }
-            // The last phase's final stage stays unreleased (as every kernel's last phase).
-            walk = consume::<W, H>(&*plan(B::WGRAD_DOWN), ring, wg, t, hooks(B::WGRAD_DOWN), walk);
-            walk = next_phase::<W>(ring, walk, t);
-            walk = consume::<W, H>(&*plan(B::WGRAD_GATE), ring, wg, t, hooks(B::WGRAD_GATE), walk);
-            walk = next_phase::<W>(ring, walk, t);
-            walk = consume::<W, H>(&*plan(B::WGRAD_UP), ring, wg, t, hooks(B::WGRAD_UP), walk);
+            // The last phase's final stage stays unreleased (as every kernel's last phase), so
+            // every weight-gradient phase but the first starts by releasing the one before.
+            let mut q = wgrad_first;
+            while q < wgrad_end {
+                if q != wgrad_first {
+                    walk = next_phase::<W>(ring, walk, t);
+                }
+                walk = consume::<W, H>(&*plan_of(B::WGRAD_DOWN, q), ring, wg, t, hooks_of(B::WGRAD_DOWN, q), walk);
+                q += 1;
+            }
+            q = wgrad_first;
+            while q < wgrad_end {
+                walk = next_phase::<W>(ring, walk, t);
+                walk = consume::<W, H>(&*plan_of(B::WGRAD_GATE, q), ring, wg, t, hooks_of(B::WGRAD_GATE, q), walk);
+                q += 1;
+            }
+            q = wgrad_first;
+            while q < wgrad_end {
+                walk = next_phase::<W>(ring, walk, t);
+                walk = consume::<W, H>(&*plan_of(B::WGRAD_UP, q), ring, wg, t, hooks_of(B::WGRAD_UP, q), walk);
+                q += 1;
+            }
             phase = B::SHARED_WGRAD_DOWN;
             while phase < end {
                 walk = next_phase::<W>(ring, walk, t);

@@ -20,7 +20,7 @@ use crate::comm::wait::{signal, wait_until};
 use crate::gemm_layout::{GemmParams, TILE_M, TILE_N, TileCounters, Variant};
 use crate::megakernel_layout::{
     BackwardParams, ForwardParams, NO_FAULT, WORK_WEIGHT_GRADS, downstream_deadline, first_compute_block,
-    parts_per_m_tile,
+    parts_per_m_tile, rank_of_pair, weight_gradient_walk,
 };
 use crate::ptx::bulk;
 use crate::ptx::memory::fence_proxy_async_global;
@@ -47,8 +47,9 @@ pub trait TileHooks: Copy {
     /// first tile and the stride of its walk, `(index, count)` among the blocks that run the
     /// phase (a fixed stride, as the standalone weight gradient walks: its tiles are a few K
     /// blocks long, and an atomic hand-out per tile measured 5–15 % slower, docs/PERF.md v13).
+    /// `tiles`: the phase's tile count.
     #[inline(always)]
-    fn weight_tile_walk(&self) -> (u32, u32) {
+    fn weight_tile_walk(&self, _tiles: u32) -> (u32, u32) {
         (crate::ptx::sreg::block_idx_x(), crate::ptx::sreg::grid_dim_x())
     }
 }
@@ -281,7 +282,9 @@ impl TileHooks for ForwardHandover {
 /// (`shared_gathered`, `shared_down_dgrad_stored`, `shared_gate_up_dgrad_stored`).
 ///
 /// `RANKS`: the launch hosts several ranks (`mok_sm90_backward_ranks`), so a rank's compute
-/// blocks are its own run of the grid (`BackwardParams::rank_first_block`, `rank_blocks`).
+/// blocks are its own run of the grid (`BackwardParams::rank_first_block`, `rank_blocks`),
+/// except in the routed weight gradients when `BackwardParams::wgrad_ranks` > 1: there every
+/// compute block of the launch walks every rank's tiles ([`weight_gradient_walk`]).
 #[derive(Clone, Copy)]
 pub struct BackwardHandover<const RANKS: bool> {
     params: *const BackwardParams,
@@ -418,7 +421,7 @@ impl<const RANKS: bool> TileHooks for BackwardHandover<RANKS> {
     }
 
     #[inline(always)]
-    fn weight_tile_walk(&self) -> (u32, u32) {
+    fn weight_tile_walk(&self, tiles: u32) -> (u32, u32) {
         // The compute blocks: every block of the rank from its first compute pair on.
         // SAFETY: the pass's parameter block (constructor's contract).
         let b = unsafe { &*self.params };
@@ -427,7 +430,16 @@ impl<const RANKS: bool> TileHooks for BackwardHandover<RANKS> {
             // No weight-gradient tile for this block (a benchmark's data gradients alone).
             return (u32::MAX, 1);
         }
-        if RANKS {
+        if RANKS && b.wgrad_ranks > 1 && !self.shared() {
+            // Every compute block of the launch walks the routed lists of all its ranks, this
+            // parameter block's rank's after those before it: the walking block's place among
+            // the launch's compute blocks (every rank has `first` non-compute blocks ahead of
+            // its compute pairs; the walking block's rank need not be this one).
+            let (block, grid) = (crate::ptx::sreg::block_idx_x(), crate::ptx::sreg::grid_dim_x());
+            let walker = rank_of_pair(block / 2, grid / 2, b.wgrad_ranks);
+            let compute_blocks = grid - b.wgrad_ranks * first;
+            weight_gradient_walk(block - (walker + 1) * first, compute_blocks, b.launch_index, tiles)
+        } else if RANKS {
             (crate::ptx::sreg::block_idx_x() - b.rank_first_block - first, b.rank_blocks - first)
         } else {
             (crate::ptx::sreg::block_idx_x() - first, crate::ptx::sreg::grid_dim_x() - first)

@@ -48,7 +48,7 @@ pub(super) unsafe fn produce<const V: u32, H: TileHooks>(p: &GemmParams, ring: R
         let tile = if V == Variant::WGRAD {
             sreg::block_idx_x() + taken * sreg::grid_dim_x()
         } else if V == Variant::WGRAD_IN_PAIR {
-            let (first, stride) = hooks.weight_tile_walk();
+            let (first, stride) = hooks.weight_tile_walk(total);
             first + taken * stride
         } else if rank == 0 {
             // SAFETY: the plan's counter, zeroed before the launch (host contract).

@@ -330,7 +330,10 @@ unsafe fn push_and_combine<const RANKS: bool>(b: &BackwardParams, pass: &PassInp
 /// this pass reads); the counters hold an entry per engine M tile the plans' groups can have,
 /// zeroed with the queues, and every plan's group maps cut (tile counters zeroed) on the stream
 /// before the launch; the grid is co-resident; the rank holds more than `first_compute_block`
-/// blocks, [`ENGINE_THREADS`] threads each, pair-aligned.
+/// blocks, [`ENGINE_THREADS`] threads each, pair-aligned. `params` is element
+/// `launch_index` of the launch's array of parameter blocks; with `wgrad_ranks` > 1 that array
+/// holds that many ranks, every one with the same comm blocks, weight-gradient tile counts and
+/// `wgrad_ranks`, and their blocks are the whole grid.
 #[inline(always)]
 pub unsafe fn backward<const RANKS: bool>(params: *const BackwardParams, pass: PassInputs, block: u32) {
     crate::ptx::declare_block_threads::<ENGINE_THREADS>();
@@ -355,10 +358,13 @@ pub unsafe fn backward<const RANKS: bool>(params: *const BackwardParams, pass: P
                 return;
             }
             // The phases in `run_backward_phases`' order (numbered as `BackwardHandover`'s);
-            // each plan is read where its phase starts. `params` is valid for the whole launch
-            // (caller contract; the closures run inside this unsafe block).
-            let plan = move |phase: u32| {
-                let b = &*params;
+            // each plan is read where its phase starts, from the parameter block of rank q of
+            // the launch (the blocks are an array in launch order; q is this rank but in the
+            // weight gradients shared across ranks). Valid for the whole launch (caller
+            // contract; the closures run inside this unsafe block).
+            let first_params = params.sub(b.launch_index as usize);
+            let plan = move |phase: u32, q: u32| {
+                let b = &*first_params.add(q as usize);
                 (match phase {
                     BackwardHandover::SHARED_DOWN_DGRAD => b.shared_down_dgrad,
                     BackwardHandover::DOWN_DGRAD => b.down_dgrad,
@@ -372,7 +378,9 @@ pub unsafe fn backward<const RANKS: bool>(params: *const BackwardParams, pass: P
                     _ => b.shared_wgrad[2],
                 }) as *const GemmParams
             };
-            let phases = run_backward_phases(plan, move |phase| BackwardHandover::<RANKS>::new(params, phase));
+            let hooks = move |phase, q: u32| BackwardHandover::<RANKS>::new(first_params.add(q as usize), phase);
+            let wgrad_ranks = if RANKS { b.wgrad_ranks } else { 1 };
+            let phases = run_backward_phases(plan, hooks, b.launch_index, wgrad_ranks);
             if phases.is_some() {
                 push_and_combine::<RANKS>(b, &pass, view.as_ref());
             }
