@@ -4,8 +4,9 @@
 # does not fit in memory fails alone), with each rank's ring sized RING_FACTOR times an even
 # split (default 1.25; the worst-case default does not fit the largest cases at P = 8), and
 # with ONE_GPU=1 the same cases on one GPU (GEMM_ONE_GPU, default megakernels) in the same call,
-# for the P = 8 against P = 1 comparison. Run from the bundle's benches/ folder; logs and tables
-# go to $OUT (or ./bench-logs):
+# for the P = 8 against P = 1 comparison, and with VARIANT_PTX=name=file.ptx the rank cases once
+# more on that PTX (MOK_PTX; e.g. an earlier commit's kernels against the current ones, same
+# call). Run from the bundle's benches/ folder; logs and tables go to $OUT (or ./bench-logs):
 #   CASES=kimi:8192,deepseek:8192 GEMM=megakernel:0,megakernel:4,megakernels ./run_rank_bench.sh
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -23,6 +24,14 @@ for case in ${cases//,/ }; do
         --baseline "$out/baseline.txt" --matmul-tflops "$matmul" --copy-tbps "$copy" \
         > "$out/ranks-${case/:/-}.log" 2>&1 || echo "$case: failed (see ranks-${case/:/-}.log)"
 done
+if [ -n "${VARIANT_PTX:-}" ]; then
+    variant="${VARIANT_PTX%%=*}"
+    for case in ${cases//,/ }; do
+        MOK_PTX="${VARIANT_PTX#*=}" "$layer_bin" --ranks "$ranks" --ring-factor "${RING_FACTOR:-1.25}" --cases "$case" \
+            --gemm "$backends" --baseline "$out/baseline.txt" --matmul-tflops "$matmul" --copy-tbps "$copy" \
+            > "$out/ranks-$variant-${case/:/-}.log" 2>&1 || echo "$case on $variant: failed (see ranks-$variant-${case/:/-}.log)"
+    done
+fi
 if [ "${ONE_GPU:-0}" = 1 ]; then
     for case in ${cases//,/ }; do
         "$layer_bin" --cases "$case" --gemm "${GEMM_ONE_GPU:-megakernels}" --baseline "$out/baseline.txt" \
@@ -32,6 +41,7 @@ if [ "${ONE_GPU:-0}" = 1 ]; then
 fi
 for log in "$out"/ranks-*.log "$out"/one-gpu-*.log; do
     [ -f "$log" ] || continue
+    echo "${log##*/}:"
     grep -h -E '^\| [a-z]+ \| [0-9]' "$log"
     grep -h 'backward .* ms, without' "$log"
 done
