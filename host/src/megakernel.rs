@@ -776,7 +776,7 @@ mod work_order_model {
     pub(super) struct Who {
         pub(super) rank: usize,
         pub(super) compute: (usize, usize),
-        pub(super) taken: [usize; 16],
+        pub(super) taken: [usize; 32],
     }
 
     /// The counters and queues of a model.
@@ -1396,6 +1396,216 @@ mod work_order_model {
             let progress = lone_progress(&mut world, &mut wrong, &mut Rng(11));
             assert_eq!(progress, 1, "only the take of the weight-gradient tile happens; then it waits forever");
             assert!(!wrong.done() && world.sets[ROUTED].down_dgrad[0] == 0);
+        }
+    }
+
+    mod backward_ranks {
+        //! The backward across ranks in one launch: each rank's blocks take its gather tiles,
+        //! down-dgrad and gate/up-dgrad tiles from its own queues; then every compute block of
+        //! the launch walks the routed weight-gradient tiles of every rank, product by product,
+        //! rank after rank (`weight_gradient_walk`, the kernel's own function); then it pushes its
+        //! rank's finished rows and combines its rank's tokens. A weight-gradient tile of rank q
+        //! waits on rank q's counters; a pushed row on its rank's gate/up-dgrad parts of its M
+        //! tile; a combine token on the rows its slots' owners push. (The shared expert stays on
+        //! its rank's blocks, as `backward` models it.)
+
+        use super::*;
+        use mok_kernels::megakernel_layout::weight_gradient_walk;
+
+        const GATHER: usize = 0;
+        const DOWN_DGRAD: usize = 1;
+        const GATE_UP_DGRAD: usize = 2;
+        const PUSH: usize = 3;
+        const COMBINE: usize = 4;
+        /// Queue of product `w`'s tiles of rank `q` (P ≤ 8).
+        const fn wgrad(w: usize, q: usize, ranks: usize) -> usize {
+            5 + w * ranks + q
+        }
+
+        #[derive(Clone, Copy, Debug)]
+        enum Unit {
+            /// (rank, M tile)
+            Gather(usize, usize),
+            DownDgrad(usize, usize),
+            GateUpDgrad(usize, usize),
+            /// (rank, product, expert)
+            Wgrad(usize, usize, usize),
+            Push(usize, usize),
+            /// (rank, token)
+            Combine(usize, usize),
+        }
+
+        struct Rank {
+            /// Per M tile: its expert; gathered; parts stored; pushed.
+            expert_of_tile: Vec<usize>,
+            gathered: Vec<bool>,
+            down_dgrad: Vec<usize>,
+            gate_up_dgrad: Vec<usize>,
+            pushed: Vec<bool>,
+            /// Per token: its slots' (owner rank, M tile on the owner).
+            tokens: Vec<Vec<(usize, usize)>>,
+            wgrad_done: [usize; 3],
+            combined: usize,
+            /// Its own queues: next index.
+            next: [usize; 5],
+        }
+
+        struct BackwardRanks {
+            ranks: Vec<Rank>,
+            experts: usize,
+            /// Weight-gradient tiles per expert (each product), the same on every rank.
+            wgrad_tiles: usize,
+            n_down_dgrad: usize,
+            n_gate_up_dgrad: usize,
+        }
+
+        impl World for BackwardRanks {
+            type Unit = Unit;
+
+            fn take(&mut self, who: &mut Who, q: usize) -> Option<Unit> {
+                let p = self.ranks.len();
+                if q >= 5 {
+                    let (w, list) = ((q - 5) / p, (q - 5) % p);
+                    let (block, blocks) = who.compute;
+                    let tiles = (self.experts * self.wgrad_tiles) as u32;
+                    let (first, stride) = weight_gradient_walk(block as u32, blocks as u32, list as u32, tiles);
+                    let tile = first as usize + who.taken[q] * stride as usize;
+                    if tile >= tiles as usize {
+                        return None;
+                    }
+                    who.taken[q] += 1;
+                    return Some(Unit::Wgrad(list, w, tile / self.wgrad_tiles));
+                }
+                let (n_down, n_gate_up) = (self.n_down_dgrad, self.n_gate_up_dgrad);
+                let rank = &mut self.ranks[who.rank];
+                let m = rank.expert_of_tile.len();
+                let len = [m, m * n_down, m * n_gate_up, m, rank.tokens.len()][q];
+                let i = rank.next[q];
+                if i >= len {
+                    return None;
+                }
+                rank.next[q] += 1;
+                let r = who.rank;
+                Some(match q {
+                    GATHER => Unit::Gather(r, i),
+                    DOWN_DGRAD => Unit::DownDgrad(r, i / n_down),
+                    GATE_UP_DGRAD => Unit::GateUpDgrad(r, i / n_gate_up),
+                    PUSH => Unit::Push(r, i),
+                    _ => Unit::Combine(r, i),
+                })
+            }
+
+            fn ready(&self, unit: Unit) -> bool {
+                let (nd, ng) = (self.n_down_dgrad, self.n_gate_up_dgrad);
+                match unit {
+                    Unit::Gather(..) => true,
+                    Unit::DownDgrad(r, m) => self.ranks[r].gathered[m],
+                    Unit::GateUpDgrad(r, m) => self.ranks[r].down_dgrad[m] == nd,
+                    Unit::Wgrad(r, w, g) => {
+                        let rank = &self.ranks[r];
+                        (0..rank.expert_of_tile.len())
+                            .filter(|&m| rank.expert_of_tile[m] == g)
+                            .all(|m| if w == 0 { rank.gathered[m] } else { rank.down_dgrad[m] == nd })
+                    }
+                    Unit::Push(r, m) => self.ranks[r].gate_up_dgrad[m] == ng,
+                    Unit::Combine(r, t) => {
+                        self.ranks[r].tokens[t].iter().all(|&(owner, m)| self.ranks[owner].pushed[m])
+                    }
+                }
+            }
+
+            fn finish(&mut self, unit: Unit) {
+                match unit {
+                    Unit::Gather(r, m) => self.ranks[r].gathered[m] = true,
+                    Unit::DownDgrad(r, m) => self.ranks[r].down_dgrad[m] += 1,
+                    Unit::GateUpDgrad(r, m) => self.ranks[r].gate_up_dgrad[m] += 1,
+                    Unit::Wgrad(r, w, _) => self.ranks[r].wgrad_done[w] += 1,
+                    Unit::Push(r, m) => self.ranks[r].pushed[m] = true,
+                    Unit::Combine(r, _) => self.ranks[r].combined += 1,
+                }
+            }
+
+            fn pipelined(unit: Unit) -> bool {
+                matches!(unit, Unit::DownDgrad(..) | Unit::GateUpDgrad(..) | Unit::Wgrad(..))
+            }
+        }
+
+        #[test]
+        fn every_geometry_with_the_weight_gradients_walked_across_ranks_completes() {
+            let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+            for case in 0..300 {
+                let ranks = 1 + rng.below(8);
+                let experts = 1 + rng.below(4);
+                let wgrad_tiles = 1 + rng.below(5);
+                // Every rank's ring: 1 to 6 M tiles, each of one of its experts (an expert
+                // without one is empty: its weight-gradient tiles wait for nothing).
+                let rings: Vec<Vec<usize>> =
+                    (0..ranks).map(|_| (0..1 + rng.below(6)).map(|_| rng.below(experts)).collect()).collect();
+                let world_ranks = (0..ranks)
+                    .map(|_| {
+                        let tokens = (0..1 + rng.below(8))
+                            .map(|_| {
+                                (0..1 + rng.below(3))
+                                    .map(|_| {
+                                        let owner = rng.below(ranks);
+                                        (owner, rng.below(rings[owner].len()))
+                                    })
+                                    .collect()
+                            })
+                            .collect();
+                        tokens
+                    })
+                    .collect::<Vec<Vec<Vec<(usize, usize)>>>>();
+                let mut world = BackwardRanks {
+                    ranks: rings
+                        .iter()
+                        .zip(world_ranks)
+                        .map(|(ring, tokens)| Rank {
+                            expert_of_tile: ring.clone(),
+                            gathered: vec![false; ring.len()],
+                            down_dgrad: vec![0; ring.len()],
+                            gate_up_dgrad: vec![0; ring.len()],
+                            pushed: vec![false; ring.len()],
+                            tokens,
+                            wgrad_done: [0; 3],
+                            combined: 0,
+                            next: [0; 5],
+                        })
+                        .collect(),
+                    experts,
+                    wgrad_tiles,
+                    n_down_dgrad: 1 + rng.below(3),
+                    n_gate_up_dgrad: 1 + rng.below(3),
+                };
+                // The same comm blocks and 1 to 3 pairs per rank; compute blocks numbered
+                // across the launch, rank by rank (the kernel's `weight_tile_walk`).
+                let comm_blocks = rng.below(3);
+                let pairs: Vec<usize> = (0..ranks).map(|_| 1 + rng.below(3)).collect();
+                let launch_compute: usize = pairs.iter().map(|p| 2 * p).sum();
+                let mut compute_queues = vec![GATHER, DOWN_DGRAD, GATE_UP_DGRAD];
+                for w in 0..3 {
+                    compute_queues.extend((0..ranks).map(|q| wgrad(w, q, ranks)));
+                }
+                compute_queues.extend([PUSH, COMBINE]);
+                let mut agents = Vec::new();
+                let mut index = 0;
+                for (rank, &p) in pairs.iter().enumerate() {
+                    let comm = Who { rank, ..Who::default() };
+                    agents.extend((0..comm_blocks).map(|_| Agent::new(comm, vec![GATHER, PUSH, COMBINE])));
+                    for _ in 0..2 * p {
+                        let who = Who { rank, compute: (index, launch_compute), ..Who::default() };
+                        agents.push(Agent::new(who, compute_queues.clone()));
+                        index += 1;
+                    }
+                }
+                let what = format!("case {case}: {ranks} ranks, {comm_blocks} comm blocks, pairs {pairs:?}");
+                run_to_completion(&mut world, &mut agents, &mut rng, &what);
+                for (r, rank) in world.ranks.iter().enumerate() {
+                    assert!(rank.pushed.iter().all(|&p| p), "{what}: rank {r}");
+                    assert_eq!(rank.wgrad_done, [experts * wgrad_tiles; 3], "{what}: rank {r}: every tile once");
+                    assert_eq!(rank.combined, rank.tokens.len(), "{what}: rank {r}");
+                }
+            }
         }
     }
 }
