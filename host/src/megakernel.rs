@@ -1543,7 +1543,7 @@ mod work_order_model {
                     (0..ranks).map(|_| (0..1 + rng.below(6)).map(|_| rng.below(experts)).collect()).collect();
                 let world_ranks = (0..ranks)
                     .map(|_| {
-                        let tokens = (0..1 + rng.below(8))
+                        (0..1 + rng.below(8))
                             .map(|_| {
                                 (0..1 + rng.below(3))
                                     .map(|_| {
@@ -1552,8 +1552,7 @@ mod work_order_model {
                                     })
                                     .collect()
                             })
-                            .collect();
-                        tokens
+                            .collect()
                     })
                     .collect::<Vec<Vec<Vec<(usize, usize)>>>>();
                 let mut world = BackwardRanks {
