@@ -6,7 +6,7 @@
 # with ONE_GPU=1 the same cases on one GPU (GEMM_ONE_GPU, default megakernels) in the same call,
 # for the P = 8 against P = 1 comparison, and with VARIANT_PTX=name=file.ptx the rank cases once
 # more on that PTX (MOK_PTX; e.g. an earlier commit's kernels against the current ones, same
-# call). Run from the bundle's benches/ folder; logs and tables go to $OUT (or ./bench-logs):
+# call: the PTX must have every kernel this host launches and the same heap layout). Run from the bundle's benches/ folder; logs and tables go to $OUT (or ./bench-logs):
 #   CASES=kimi:8192,deepseek:8192 GEMM=megakernel:0,megakernel:4,megakernels ./run_rank_bench.sh
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"

@@ -217,7 +217,8 @@ pub struct BackwardParams {
     /// dx rows but never flag them.
     pub silent_push: u32,
     /// Across ranks: the first block of the launch that this rank holds, and how many it
-    /// holds (its weight-gradient tiles walk its own compute blocks); 0 and the grid on one GPU.
+    /// holds (its shared expert's weight-gradient tiles, and with `wgrad_ranks` 1 its routed
+    /// ones, walk its own compute blocks); 0 and the grid on one GPU.
     pub rank_first_block: u32,
     /// ... and the blocks it holds.
     pub rank_blocks: u32,

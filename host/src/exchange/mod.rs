@@ -1,9 +1,10 @@
 //! The expert-parallel exchange, driven from the host: the symmetric heap, the device-side
 //! schedule, and the movers of both passes, as standalone kernels enqueued per rank.
 //!
-//! One pass, per rank (each step is one launch on a GPU's stream for every rank it drives: the
-//! virtual ranks of one GPU share the launch, one grid row each; a kernel boundary separates the
-//! steps, so every wait is on a signal an earlier launch gave — see `docs/ARCHITECTURE.md`):
+//! One pass, per rank (each step is a launch on the rank's GPU's stream — the schedule's steps
+//! one launch for every virtual rank of a GPU, one grid row each, the movers one per rank; a
+//! kernel boundary separates the steps, so every wait is on a signal an earlier launch gave —
+//! see `docs/ARCHITECTURE.md`):
 //!
 //! ```text
 //! forward:  schedule()         route own slots, prepare, publish epoch, exchange counts, ring map

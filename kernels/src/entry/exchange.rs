@@ -1,9 +1,10 @@
 //! Standalone kernels of the expert-parallel exchange: thin entry points over
 //! [`crate::comm`]'s block- and warp-level steps, one launch per step. Every kernel takes the
 //! parameter block (device memory, see [`ExchangeParams`]) and `first_rank`: the blocks of grid
-//! row `blockIdx.y` act as rank `first_rank + blockIdx.y`, so one launch runs a step for every
-//! virtual rank of a GPU (a grid `P` rows high) and, with one rank per GPU, for that rank (one
-//! row). The x dimension is each rank's own grid.
+//! row `blockIdx.y` act as rank `first_rank + blockIdx.y`, so one launch can run a step for
+//! every virtual rank of a GPU (a grid `P` rows high: the host does so for the schedule's
+//! steps) or for one rank (one row: the movers, launched per rank). The x dimension is each
+//! rank's own grid.
 //!
 //! Why one launch per step: the steps run a kernel boundary apart, so every wait a kernel does
 //! is on a signal an earlier launch already gave, and no block can wait on a block that is not

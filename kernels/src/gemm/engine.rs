@@ -338,9 +338,10 @@ pub unsafe fn run_backward_phases<H: TileHooks>(
     let warpgroup = thread / 128;
     // The two down dgrads and the two gate/up dgrads each run as a loop (a runtime trip count:
     // one inlined copy of the variant, where a call per phase spilled the consumers'
-    // registers); the routed weight gradients are three calls (their hooks constant: short
-    // tiles, where a per-tile choice between expert sets cost 2–4 % of the backward), the
-    // shared expert's a loop after them.
+    // registers); the routed weight gradients are three loops over the ranks whose tiles this
+    // block walks, one call each with a constant phase in its hooks (short tiles, where a
+    // per-tile choice between expert sets cost 2–4 % of the backward), the shared expert's a
+    // loop after them.
     // The phases are numbered as `BackwardHandover`'s; each routed data gradient follows the
     // shared expert's of the same product.
     type B = BackwardHandover<false>;

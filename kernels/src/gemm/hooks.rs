@@ -44,10 +44,10 @@ pub trait TileHooks: Copy {
     unsafe fn after_store(&self, p: &GemmParams, work: &Work, wg: u32);
 
     /// A weight gradient on a persistent kernel's ring (`Variant::WGRAD_IN_PAIR`): this block's
-    /// first tile and the stride of its walk, `(index, count)` among the blocks that run the
-    /// phase (a fixed stride, as the standalone weight gradient walks: its tiles are a few K
-    /// blocks long, and an atomic hand-out per tile measured 5–15 % slower, docs/PERF.md v13).
-    /// `tiles`: the phase's tile count.
+    /// walk over the phase's `tiles` tiles, `(first, stride)`: it takes `first + i · stride`
+    /// while below `tiles` (a fixed stride, as the standalone weight gradient walks: its tiles
+    /// are a few K blocks long, and an atomic hand-out per tile measured 5–15 % slower,
+    /// docs/PERF.md v13). By default the block's index and the grid's size.
     #[inline(always)]
     fn weight_tile_walk(&self, _tiles: u32) -> (u32, u32) {
         (crate::ptx::sreg::block_idx_x(), crate::ptx::sreg::grid_dim_x())
@@ -422,7 +422,8 @@ impl<const RANKS: bool> TileHooks for BackwardHandover<RANKS> {
 
     #[inline(always)]
     fn weight_tile_walk(&self, tiles: u32) -> (u32, u32) {
-        // The compute blocks: every block of the rank from its first compute pair on.
+        // The compute blocks: every block of the rank from its first compute pair on (of every
+        // rank, in the routed weight gradients shared across ranks).
         // SAFETY: the pass's parameter block (constructor's contract).
         let b = unsafe { &*self.params };
         let first = first_compute_block(b.comm_blocks);

@@ -40,6 +40,8 @@ pub(super) unsafe fn produce<const V: u32, H: TileHooks>(p: &GemmParams, ring: R
     let rank = pair_rank::<V>();
     let Walk { mut stage, mut phase, mut mail_phases } = walk;
     let mut taken = 0u32;
+    // A weight gradient's fixed-stride walk, worked out once per phase.
+    let (walk_first, walk_stride) = if V == Variant::WGRAD_IN_PAIR { hooks.weight_tile_walk(total) } else { (0, 0) };
     loop {
         // Row-grouped tiles are long (a whole K loop over the hidden or intermediate width):
         // handing them out in list order keeps neighbours in time (see `tile_counter`). A weight
@@ -48,8 +50,7 @@ pub(super) unsafe fn produce<const V: u32, H: TileHooks>(p: &GemmParams, ring: R
         let tile = if V == Variant::WGRAD {
             sreg::block_idx_x() + taken * sreg::grid_dim_x()
         } else if V == Variant::WGRAD_IN_PAIR {
-            let (first, stride) = hooks.weight_tile_walk(total);
-            first + taken * stride
+            walk_first + taken * walk_stride
         } else if rank == 0 {
             // SAFETY: the plan's counter, zeroed before the launch (host contract).
             unsafe { atom_add_relaxed_gpu_u32(counter, 1) }
