@@ -93,11 +93,34 @@ fn gpu_of<'a>(gpus: &[&'a Gpu], i: usize) -> &'a Gpu {
 }
 
 /// Consecutive local ranks one launch of an exchange step acts for ([`Exchange::rank_runs`]).
+#[derive(Debug, PartialEq, Eq)]
 struct RankRun {
     /// Local index of the first (its GPU and parameter block serve the run).
     local: usize,
     first_rank: u32,
     ranks: u32,
+}
+
+/// [`Exchange::rank_runs`] for local ranks `locals` (in local order), which one launch can serve
+/// together only when `shared_launch` (one GPU and one parameter block for all of them).
+fn rank_runs(locals: &[usize], shared_launch: bool, skip: Option<usize>) -> Vec<RankRun> {
+    let mut runs: Vec<RankRun> = Vec::new();
+    for (i, &rank) in locals.iter().enumerate() {
+        if skip == Some(rank) {
+            continue;
+        }
+        match runs.last_mut() {
+            Some(run)
+                if shared_launch
+                    && run.local + run.ranks as usize == i
+                    && run.first_rank + run.ranks == rank as u32 =>
+            {
+                run.ranks += 1
+            }
+            _ => runs.push(RankRun { local: i, first_rank: rank as u32, ranks: 1 }),
+        }
+    }
+    runs
 }
 
 impl Exchange {
@@ -339,18 +362,7 @@ impl Exchange {
     /// through one parameter block. Every virtual rank of a GPU is one run; with one rank per
     /// GPU each rank is its own. `skip` leaves a rank out (a silent one), splitting its run.
     fn rank_runs(&self, gpus: &[&Gpu], skip: Option<usize>) -> Vec<RankRun> {
-        let shared_launch = gpus.len() == 1 && self.params_on_gpu.len() == 1;
-        let mut runs: Vec<RankRun> = Vec::new();
-        for (i, rank) in self.local() {
-            if skip == Some(rank) {
-                continue;
-            }
-            match runs.last_mut() {
-                Some(run) if shared_launch && run.first_rank + run.ranks == rank as u32 => run.ranks += 1,
-                _ => runs.push(RankRun { local: i, first_rank: rank as u32, ranks: 1 }),
-            }
-        }
-        runs
+        rank_runs(self.heap.local_ranks(), gpus.len() == 1 && self.params_on_gpu.len() == 1, skip)
     }
 
     /// Enqueues one step of the exchange for every local rank: `kernel` once per run of ranks
@@ -832,6 +844,23 @@ pub const KERNEL_NAMES: &[&str] = &[
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn run(local: usize, first_rank: u32, ranks: u32) -> RankRun {
+        RankRun { local, first_rank, ranks }
+    }
+
+    #[test]
+    fn one_launch_serves_consecutive_ranks_of_one_gpu_only() {
+        // Every virtual rank of a GPU: one run; a silent rank splits it.
+        assert_eq!(rank_runs(&[0, 1, 2, 3], true, None), [run(0, 0, 4)]);
+        assert_eq!(rank_runs(&[0, 1, 2, 3], true, Some(1)), [run(0, 0, 1), run(2, 2, 2)]);
+        assert_eq!(rank_runs(&[0, 1, 2, 3], true, Some(3)), [run(0, 0, 3)]);
+        assert_eq!(rank_runs(&[0], true, Some(0)), []);
+        // Ranks that are not consecutive, or out of order, are separate runs.
+        assert_eq!(rank_runs(&[2, 3, 5, 4], true, None), [run(0, 2, 2), run(2, 5, 1), run(3, 4, 1)]);
+        // One rank per GPU (or a parameter block each): a run per rank.
+        assert_eq!(rank_runs(&[4, 5], false, None), [run(0, 4, 1), run(1, 5, 1)]);
+    }
 
     #[test]
     fn capacity_defaults_to_the_worst_case() {
