@@ -14,7 +14,7 @@ mkdir -p "$dir"
 cargo xtask ptx > /dev/null
 cp target/ptx/mok_sm90a.ptx "$dir/base.ptx"
 benches/ptx_variant.sh "$dir/split2.ptx" \
-    $source 's/        p.groups \* p.m.div_ceil(TILE_M) \* p.n.div_ceil(TILE_N)$/        2 * p.groups * p.m.div_ceil(TILE_M) * p.n.div_ceil(TILE_N)/' \
+    $source 's/        weight_gradient_tiles(p.groups, p.m, p.n)$/        2 * weight_gradient_tiles(p.groups, p.m, p.n)/' \
     $source 's/        let group = tile \/ (m_tiles \* nt);/        let (half, tile) = (tile % 2, tile \/ 2); let group = tile \/ (m_tiles * nt);/' \
     $source 's/        let k_blocks = (row_end - row_begin).div_ceil(TILE_K);/        let split = (row_end - row_begin).div_ceil(TILE_K) \/ 2 * TILE_K; let (row_begin, row_end) = if half == 0 { (row_begin, row_begin + split) } else { (row_begin + split, row_end) }; let k_blocks = (row_end - row_begin).div_ceil(TILE_K);/'
 cmp -s target/ptx/mok_sm90a.ptx "$dir/base.ptx" || { echo "target/ptx no longer matches the tree" >&2; exit 1; }

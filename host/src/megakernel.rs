@@ -11,7 +11,7 @@
 use std::time::Duration;
 
 use mok_kernels::comm::params::ERROR_WORDS;
-use mok_kernels::gemm_layout::{ENGINE_SMEM_BYTES, ENGINE_THREADS, TILE_M, TILE_N};
+use mok_kernels::gemm_layout::{ENGINE_SMEM_BYTES, ENGINE_THREADS, weight_gradient_tiles};
 use mok_kernels::megakernel_layout::{
     BackwardParams, ForwardParams, NO_FAULT, PassInputs, WORK_ALL, backward_counter_words, first_compute_block,
     forward_counter_words, rank_pairs,
@@ -655,7 +655,7 @@ impl BackwardMegakernel {
         let wgrad_tiles = |set: &[&EnginePlan]| {
             [2, 3, 4].map(|i| {
                 let (m, n) = set[i].output_dims();
-                set[i].groups() as u64 * m.div_ceil(TILE_M) as u64 * n.div_ceil(TILE_N) as u64
+                weight_gradient_tiles(set[i].groups(), m, n)
             })
         };
         let wgrad_ranks = if with_ranks && plans.iter().all(|set| wgrad_tiles(set) == wgrad_tiles(plans[0])) {

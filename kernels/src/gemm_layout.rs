@@ -71,6 +71,11 @@ pub const fn is_wgrad(variant: u32) -> bool {
     variant == Variant::WGRAD || variant == Variant::WGRAD_IN_PAIR
 }
 
+/// Tiles of a weight gradient's `[groups][m][n]` output: every group's `m × n` in block tiles.
+pub const fn weight_gradient_tiles(groups: u32, m: u32, n: u32) -> u32 {
+    groups * m.div_ceil(TILE_M) * n.div_ceil(TILE_N)
+}
+
 /// Arrivals of each consumer warp on its own block's `empty` barrier when it releases a stage:
 /// 1, except for [`Variant::WGRAD_IN_PAIR`], whose ring counts a pair's 16 warps while only this
 /// block's 8 use its stages.

@@ -110,13 +110,7 @@ fn rank_runs(locals: &[usize], shared_launch: bool, skip: Option<usize>) -> Vec<
             continue;
         }
         match runs.last_mut() {
-            Some(run)
-                if shared_launch
-                    && run.local + run.ranks as usize == i
-                    && run.first_rank + run.ranks == rank as u32 =>
-            {
-                run.ranks += 1
-            }
+            Some(run) if shared_launch && run.first_rank + run.ranks == rank as u32 => run.ranks += 1,
             _ => runs.push(RankRun { local: i, first_rank: rank as u32, ranks: 1 }),
         }
     }

@@ -4,7 +4,7 @@
 
 use crate::gemm_layout::{
     GemmParams, PairTile, TILE_K, TILE_M, TILE_N, Variant, cluster_blocks, is_wgrad, pair_entries_list_before,
-    pair_tile,
+    pair_tile, weight_gradient_tiles,
 };
 use crate::ptx::sreg;
 
@@ -41,7 +41,7 @@ pub(super) fn n_tiles<const V: u32>(p: &GemmParams) -> u32 {
 #[inline(always)]
 pub(super) unsafe fn tile_count<const V: u32>(p: &GemmParams) -> u32 {
     if is_wgrad(V) {
-        p.groups * p.m.div_ceil(TILE_M) * p.n.div_ceil(TILE_N)
+        weight_gradient_tiles(p.groups, p.m, p.n)
     } else {
         // The whole list: the entries before a group past the last (see [`pair_tile`]).
         // SAFETY: the list functions read i < 2 · (groups + 1) (caller contract of tile_count).
