@@ -171,9 +171,20 @@ struct Measured {
     /// Megakernel backends: the same launch with only the row moving, with only the GEMMs (rows
     /// in place), and with no work at all (the schedule and an empty launch), ms.
     sides: Option<(f64, f64, f64)>,
-    /// With the backward megakernel: the backward alone, ms, its sides as `sides`, and the
-    /// backward without its weight-gradient tiles, ms.
-    backward: Option<(f64, (f64, f64, f64), f64)>,
+    /// With the backward megakernel: its own timings.
+    backward: Option<BackwardTimes>,
+}
+
+/// The backward megakernel timed on its own, ms.
+struct BackwardTimes {
+    /// The backward alone.
+    pass: f64,
+    /// Its sides, as [`Measured::sides`].
+    sides: (f64, f64, f64),
+    /// Without its weight-gradient tiles.
+    without_weight_grads: f64,
+    /// Its weight-gradient tiles alone.
+    weight_grads: f64,
 }
 
 /// The megakernel's sides timed alone, `(comm, compute, none)` ms: with only the row moving, with
@@ -346,10 +357,12 @@ fn bench_case_ep(
         })?;
         layer.set_backward_megakernel_work(MegakernelWork::WITHOUT_WEIGHT_GRADS)?;
         let without = time_backward(&mut layer)?;
+        layer.set_backward_megakernel_work(MegakernelWork::WEIGHT_GRADS_ONLY)?;
+        let weight_grads = time_backward(&mut layer)?;
         layer.set_backward_megakernel_work(MegakernelWork::ALL)?;
         layer.backward(gpu, &experts, None)?;
         layer.check_errors(gpu)?;
-        backward = Some((alone, sides, without));
+        backward = Some(BackwardTimes { pass: alone, sides, without_weight_grads: without, weight_grads });
     }
     Ok(Measured { fwd: median(fwd), step: median(step), launches, bwd_launches, sides, backward })
 }
@@ -415,17 +428,22 @@ fn bench_case(gpu: &Gpu, shape: FrontierShape, tokens: usize, reps: usize, backe
             }
             Ok(())
         })?;
-        layer.set_backward_megakernel_work(MegakernelWork::WITHOUT_WEIGHT_GRADS)?;
-        let mut without = Vec::new();
-        for _ in 0..reps {
-            timer.start()?;
-            layer.backward(gpu, &device_tokens, &experts, None, &dy)?;
-            without.push(timer.stop_ms()?);
-        }
+        let mut time_backward = |work: MegakernelWork| -> Result<f64> {
+            layer.set_backward_megakernel_work(work)?;
+            let mut times = Vec::new();
+            for _ in 0..reps {
+                timer.start()?;
+                layer.backward(gpu, &device_tokens, &experts, None, &dy)?;
+                times.push(timer.stop_ms()?);
+            }
+            Ok(median(times))
+        };
+        let without = time_backward(MegakernelWork::WITHOUT_WEIGHT_GRADS)?;
+        let weight_grads = time_backward(MegakernelWork::WEIGHT_GRADS_ONLY)?;
         layer.set_backward_megakernel_work(MegakernelWork::ALL)?;
         layer.backward(gpu, &device_tokens, &experts, None, &dy)?;
         layer.check_device_errors()?;
-        backward = Some((median(times), sides, median(without)));
+        backward = Some(BackwardTimes { pass: median(times), sides, without_weight_grads: without, weight_grads });
     }
     Ok(Measured { fwd: median(fwd), step: median(step), launches, bwd_launches, sides, backward })
 }
@@ -584,10 +602,12 @@ fn main() -> Result<()> {
                 measured.bwd_launches
             ));
         }
-        if let Some((bwd, (comm, compute, none), without_wgrad)) = measured.backward {
+        if let Some(times) = &measured.backward {
+            let (bwd, (comm, compute, none)) = (times.pass, times.sides);
+            let (without_wgrad, wgrad_alone) = (times.without_weight_grads, times.weight_grads);
             let overlap = (comm + compute - bwd) / comm.min(compute);
             println!(
-                "{} {tokens} {}: backward {bwd:.2} ms, without its weight-gradient tiles {without_wgrad:.2} ms (weight gradients {:.1} % of the backward)",
+                "{} {tokens} {}: backward {bwd:.2} ms, without its weight-gradient tiles {without_wgrad:.2} ms (weight gradients {:.1} % of the backward), the weight-gradient tiles alone {wgrad_alone:.2} ms",
                 shape.name,
                 backend_name,
                 100.0 * (bwd - without_wgrad) / bwd

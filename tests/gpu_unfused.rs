@@ -28,7 +28,7 @@ use common::{
 use half::bf16;
 use mok::driver::{DeviceBuffer, Gpu};
 use mok::layout::RoutingLayout;
-use mok::megakernel::{MegakernelFaults, MegakernelOptions};
+use mok::megakernel::{MegakernelFaults, MegakernelOptions, MegakernelWork};
 use mok::problem::ExpertWeights;
 use mok::reference::{self, ReferenceOptions};
 use mok::unfused::{
@@ -834,6 +834,18 @@ fn backward_megakernel_repeats_bitwise_and_rejects_bad_geometry() {
         assert_same_backward(&run(&gpu, &mut layer, &device), &first, &format!("repeat {i}"));
     }
     println!("  {repeats} runs on one layer: bitwise identical");
+    // The benchmark's weight gradients alone (`MegakernelWork::WEIGHT_GRADS_ONLY`) run on the
+    // rows the pass before left: added into the same f32 start, the same bits as a real pass.
+    let start = main_grads_start(&c, 950);
+    let full = accumulated_backward(&gpu, &mut layer, &device, &start);
+    layer.set_backward_megakernel_work(MegakernelWork::WEIGHT_GRADS_ONLY).unwrap();
+    let alone = accumulated_backward(&gpu, &mut layer, &device, &start);
+    layer.set_backward_megakernel_work(MegakernelWork::ALL).unwrap();
+    for (n, (a, f)) in alone.iter().zip(&full).enumerate() {
+        assert_eq!(fingerprint(a), fingerprint(f), "weight gradient {n}: the weight-gradient tiles alone differ");
+    }
+    assert_ne!(fingerprint(&full[0]), fingerprint(&start[0]), "the pass must have added to the start");
+    println!("  the weight-gradient tiles alone: bitwise the real pass's");
     let (resident, _) = layer.backward_megakernel_geometry().unwrap();
     for (comm, blocks, why) in bad_megakernel_geometries(resident) {
         match layer.set_backward_megakernel(&gpu, Some(megakernel_options(comm, blocks))) {

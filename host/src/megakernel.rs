@@ -94,6 +94,9 @@ impl MegakernelWork {
     /// The backward without its weight-gradient tiles (the rest as in a real pass): the
     /// benchmark's share of the weight gradients.
     pub const WITHOUT_WEIGHT_GRADS: Self = Self(WORK_ALL & !mok_kernels::megakernel_layout::WORK_WEIGHT_GRADS);
+    /// The backward's weight-gradient tiles alone, on the rows and data gradients an earlier
+    /// pass left (the gather publishes without copying; no data-gradient tile, no combine).
+    pub const WEIGHT_GRADS_ONLY: Self = Self(mok_kernels::megakernel_layout::WORK_WEIGHT_GRADS);
 }
 
 /// A megakernel pass of a layer: the parameter blocks (one per rank, fixed for the layer's

@@ -265,15 +265,17 @@ pub const fn backward_counter_words(m_tiles: usize) -> usize {
 /// [`ForwardParams::work`]: the dispatch copies the rows (without it, it only publishes them:
 /// the rows of an earlier pass are in place).
 pub const WORK_COPY_ROWS: u32 = 1;
-/// [`ForwardParams::work`]: the compute blocks run the GEMM tiles (without it, the combine does
-/// not wait for them and sums whatever the down rows hold).
+/// [`ForwardParams::work`]: the compute blocks run the GEMM tiles — in the backward the data
+/// gradients' (without it, the combine does not wait for them and sums whatever the rows hold).
 pub const WORK_GEMMS: u32 = 2;
 /// [`ForwardParams::work`]: the combine runs.
 pub const WORK_COMBINE: u32 = 4;
 /// Everything: a real pass.
 pub const WORK_ALL: u32 = WORK_COPY_ROWS | WORK_GEMMS | WORK_COMBINE | WORK_WEIGHT_GRADS;
-/// [`BackwardParams::work`]: with [`WORK_GEMMS`], the weight-gradient tiles run too (without it
-/// the backward's compute blocks take none: the benchmark times the data gradients alone).
+/// [`BackwardParams::work`]: the weight-gradient tiles run (without it the backward's compute
+/// blocks take none: the benchmark times the data gradients alone; with it but without
+/// [`WORK_GEMMS`], they run alone on the data gradients an earlier pass left, their waits on
+/// the data gradients skipped).
 pub const WORK_WEIGHT_GRADS: u32 = 8;
 
 /// The first block after the comm blocks that starts a compute pair (compute blocks run in

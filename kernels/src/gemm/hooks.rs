@@ -19,7 +19,7 @@ use crate::comm::schedule::epoch_reached;
 use crate::comm::wait::{signal, wait_until};
 use crate::gemm_layout::{GemmParams, TILE_M, TILE_N, TileCounters, Variant};
 use crate::megakernel_layout::{
-    BackwardParams, ForwardParams, NO_FAULT, WORK_WEIGHT_GRADS, downstream_deadline, first_compute_block,
+    BackwardParams, ForwardParams, NO_FAULT, WORK_GEMMS, WORK_WEIGHT_GRADS, downstream_deadline, first_compute_block,
     parts_per_m_tile, rank_of_pair, weight_gradient_walk,
 };
 use crate::ptx::bulk;
@@ -51,6 +51,15 @@ pub trait TileHooks: Copy {
     #[inline(always)]
     fn weight_tile_walk(&self, _tiles: u32) -> (u32, u32) {
         (crate::ptx::sreg::block_idx_x(), crate::ptx::sreg::grid_dim_x())
+    }
+
+    /// Whether the producer hands out none of the phase's tiles (it names [`NO_TILE`] at once:
+    /// a benchmark's phase left out). By default it hands out every tile.
+    ///
+    /// [`NO_TILE`]: crate::gemm_layout::NO_TILE
+    #[inline(always)]
+    fn takes_no_tiles(&self) -> bool {
+        false
     }
 }
 
@@ -414,7 +423,13 @@ impl<const RANKS: bool> TileHooks for BackwardHandover<RANKS> {
                 phase => {
                     let gathered =
                         phase == BackwardHandover::WGRAD_DOWN || phase == BackwardHandover::SHARED_WGRAD_DOWN;
-                    wait_for_group(b, &c, work.group, gathered);
+                    if gathered || b.work & WORK_GEMMS != 0 {
+                        wait_for_group(b, &c, work.group, gathered);
+                    } else {
+                        // The weight gradients alone (a benchmark): no data-gradient tile runs
+                        // to count, so read what an earlier pass left.
+                        fence_proxy_async_global();
+                    }
                 }
             }
         }
@@ -445,6 +460,21 @@ impl<const RANKS: bool> TileHooks for BackwardHandover<RANKS> {
         } else {
             (crate::ptx::sreg::block_idx_x() - first, crate::ptx::sreg::grid_dim_x() - first)
         }
+    }
+
+    #[inline(always)]
+    fn takes_no_tiles(&self) -> bool {
+        // The weight gradients alone (a benchmark): the data gradients' phases take no tile.
+        // SAFETY: the pass's parameter block (constructor's contract).
+        let b = unsafe { &*self.params };
+        b.work & WORK_GEMMS == 0
+            && matches!(
+                self.phase,
+                BackwardHandover::SHARED_DOWN_DGRAD
+                    | BackwardHandover::DOWN_DGRAD
+                    | BackwardHandover::SHARED_GATE_UP_DGRAD
+                    | BackwardHandover::GATE_UP_DGRAD
+            )
     }
 
     #[inline(always)]

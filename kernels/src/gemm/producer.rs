@@ -35,11 +35,16 @@ pub(super) const B_HALF_BYTES: u32 = B_TILE_BYTES / 2;
 pub(super) unsafe fn produce<const V: u32, H: TileHooks>(p: &GemmParams, ring: Ring, hooks: H, walk: Walk) -> Walk {
     // SAFETY: the offsets in `p` hold groups + 1 (rows) and 2 · (groups + 1) (tiles) entries
     // (host contract of `run`).
-    let total = unsafe { tile_count::<V>(p) };
+    let total = if hooks.takes_no_tiles() { 0 } else { unsafe { tile_count::<V>(p) } };
     let counter = p.tile_counter as *mut u32;
     let rank = pair_rank::<V>();
     let Walk { mut stage, mut phase, mut mail_phases } = walk;
     let mut taken = 0u32;
+    // A weight gradient's tiles of one group read the same rows: the producer waits for them
+    // at the group's first tile of this phase only (the proxy fence after that wait orders
+    // every later copy too). On its stride walk a block meets each group in a run of about
+    // (tiles per group) / (stride) tiles: kimi's down weight gradient, 448 / 132.
+    let mut ready_group = u32::MAX;
     // A weight gradient's fixed-stride walk, worked out once per phase.
     let (walk_first, walk_stride) = if V == Variant::WGRAD_IN_PAIR { hooks.weight_tile_walk(total) } else { (0, 0) };
     loop {
@@ -100,10 +105,11 @@ pub(super) unsafe fn produce<const V: u32, H: TileHooks>(p: &GemmParams, ring: R
         } else {
             a_halves * (A_TILE_BYTES / 2) + if w.has_columns { B_TILE_BYTES } else { 0 }
         };
-        if hooked(V) {
+        if hooked(V) && !(V == Variant::WGRAD_IN_PAIR && w.group == ready_group) {
             // A persistent kernel's rows may still be on their way: wait (bounded) until they landed.
             // SAFETY: `w` is a tile of this launch.
             unsafe { hooks.before_rows(p, &w) };
+            ready_group = w.group;
         }
         for kb in 0..w.k_blocks {
             // Wait until the consumers released this stage (a fresh barrier passes parity 1).

@@ -27,8 +27,8 @@ use crate::gemm::hooks::BackwardHandover;
 use crate::gemm_layout::{ENGINE_THREADS, GemmParams, TILE_M, TILE_N};
 use crate::layout::NO_ROW;
 use crate::megakernel_layout::{
-    BackwardParams, NO_FAULT, PassInputs, WORK_COMBINE, WORK_COPY_ROWS, WORK_GEMMS, downstream_deadline,
-    first_compute_block,
+    BackwardParams, NO_FAULT, PassInputs, WORK_COMBINE, WORK_COPY_ROWS, WORK_GEMMS, WORK_WEIGHT_GRADS,
+    downstream_deadline, first_compute_block,
 };
 use crate::ptx::memory::{atom_add_relaxed_gpu_u32, ld_shared_u32, st_release_gpu_u32, st_shared_u32};
 use crate::ptx::{signal as warp, smem, sreg, sync};
@@ -353,7 +353,7 @@ pub unsafe fn backward<const RANKS: bool>(params: *const BackwardParams, pass: P
         // the ring, and read by every thread before the gather returns.
         unsafe {
             gather::<RANKS>(b, &pass, view.as_ref());
-            if b.work & WORK_GEMMS == 0 {
+            if b.work & (WORK_GEMMS | WORK_WEIGHT_GRADS) == 0 {
                 push_and_combine::<RANKS>(b, &pass, view.as_ref());
                 return;
             }
