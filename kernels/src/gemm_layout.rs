@@ -143,6 +143,23 @@ pub const fn swizzled_chunk_offset(row: u32, chunk: u32) -> u32 {
     row * 128 + ((chunk ^ (row % 8)) * 16)
 }
 
+/// A consumer thread's staging offset of its bf16 pair in n8 block 0 of a staged pass (row
+/// `16 · warp + lane / 4`, byte `4 · (lane % 4)` of chunk 0); see [`staged_pair_address`].
+#[inline(always)]
+pub const fn staged_pair_base(thread_in_wg: u32) -> u32 {
+    let (warp, lane) = (thread_in_wg / 32, thread_in_wg % 32);
+    swizzled_chunk_offset(warp * 16 + lane / 4, 0) + 4 * (lane % 4)
+}
+
+/// The address of a thread's bf16 pair in n8 block `j` of a staged pass, from `s`, a 1024-aligned
+/// staging address plus [`staged_pair_base`]: block j is chunk j % 8 of box j / 8, and the
+/// swizzle's XOR only touches bits 4–6, which neither the aligned base nor the box offset use,
+/// so `s ^ 16 · (j % 8)` is the swizzled chunk (the pair 8 rows down is 1024 bytes further).
+#[inline(always)]
+pub const fn staged_pair_address(s: u32, j: u32) -> u32 {
+    (s ^ (16 * (j % 8))) + j / 8 * BLOCK_64_BYTES
+}
+
 /// Bytes of a tensor map (`CUtensorMap`).
 pub const TENSOR_MAP_BYTES: u32 = 128;
 
@@ -376,6 +393,29 @@ const _: () = assert!(fits(PAIRED_PRODUCER_REGISTERS, PAIRED_CONSUMER_REGISTERS)
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_staged_pair_addresses_are_the_swizzled_layout() {
+        // Every thread, n8 block and 1024-aligned staging base: the address of each of the
+        // thread's two pairs is the one the general epilogue computes from row and column.
+        for staging in [0u32, 1024, 196608, 196608 + 16384, 229376 - 16384] {
+            for t in 0..128u32 {
+                let s = staging + super::staged_pair_base(t);
+                let (warp, lane) = (t / 32, t % 32);
+                for j in 0..16u32 {
+                    let col = 8 * j + 2 * (lane % 4);
+                    let (box_index, byte) = (col / 64, (col % 64) * 2);
+                    for (row, extra) in [(warp * 16 + lane / 4, 0), (warp * 16 + lane / 4 + 8, 8 * 128)] {
+                        let expected = staging
+                            + box_index * super::BLOCK_64_BYTES
+                            + super::swizzled_chunk_offset(row, byte / 16)
+                            + byte % 16;
+                        assert_eq!(super::staged_pair_address(s, j) + extra, expected, "t {t} j {j} row {row}");
+                    }
+                }
+            }
+        }
+    }
+
     use super::*;
 
     #[test]

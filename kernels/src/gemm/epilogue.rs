@@ -3,7 +3,10 @@
 //! applied in registers.
 
 use crate::device::math;
-use crate::gemm_layout::{BLOCK_64_BYTES, GemmParams, STAGING_BOXES, TILE_M, Variant, is_wgrad, swizzled_chunk_offset};
+use crate::gemm_layout::{
+    BLOCK_64_BYTES, GemmParams, STAGE_BYTES, STAGES, STAGING_BOXES, STAGING_BYTES_PER_WARPGROUP, TILE_M, Variant,
+    is_wgrad, staged_pair_address, staged_pair_base, swizzled_chunk_offset,
+};
 use crate::ptx::convert::f32x2_to_bf16x2;
 use crate::ptx::memory::{fence_proxy_async_shared_cta, st_shared_u32, st_shared_v2};
 use crate::ptx::{bulk, sync, tensormap, tma};
@@ -100,7 +103,7 @@ pub(super) unsafe fn epilogue<const V: u32>(
         // hidden columns n0 + col: one pass of 128 bf16 columns.
         const UP: usize = ACCUMULATORS / 2;
         let limit = p.swiglu_limit;
-        staged_pass(staging, wg, thread_in_wg, 0, N8_BLOCKS / 2, out, true, false, |index| {
+        staged_pass(staging, wg, thread_in_wg, 0, N8_BLOCKS / 2, out, true, false, false, |index| {
             let (cg0, cu0) = math::clamp_gate_up(acc[index], acc[index + UP], limit);
             let (cg1, cu1) = math::clamp_gate_up(acc[index + 1], acc[index + UP + 1], limit);
             [f32x2_to_bf16x2(math::swiglu(cg0, cu0), math::swiglu(cg1, cu1)), 0]
@@ -114,9 +117,19 @@ pub(super) unsafe fn epilogue<const V: u32>(
         const PASSES: u32 = 4 / STAGING_BOXES;
         for pass in 0..PASSES {
             let first = pass * N8_BLOCKS / PASSES;
-            staged_pass(staging, wg, thread_in_wg, first, first + N8_BLOCKS / PASSES, out, true, false, |index| {
-                [f32x2_to_bf16x2(acc[index], acc[index + 1]), 0]
-            });
+            let xor_addresses = V == Variant::WGRAD_IN_PAIR;
+            staged_pass(
+                staging,
+                wg,
+                thread_in_wg,
+                first,
+                first + N8_BLOCKS / PASSES,
+                out,
+                true,
+                false,
+                xor_addresses,
+                |index| [f32x2_to_bf16x2(acc[index], acc[index + 1]), 0],
+            );
         }
     } else {
         // f32: 256 columns, 32 per box; the f32 weight gradient adds into its output.
@@ -124,9 +137,18 @@ pub(super) unsafe fn epilogue<const V: u32>(
         const PASSES: u32 = 8 / STAGING_BOXES;
         for pass in 0..PASSES {
             let first = pass * N8_BLOCKS / PASSES;
-            staged_pass(staging, wg, thread_in_wg, first, first + N8_BLOCKS / PASSES, out, false, add, |index| {
-                [acc[index].to_bits(), acc[index + 1].to_bits()]
-            });
+            staged_pass(
+                staging,
+                wg,
+                thread_in_wg,
+                first,
+                first + N8_BLOCKS / PASSES,
+                out,
+                false,
+                add,
+                false,
+                |index| [acc[index].to_bits(), acc[index + 1].to_bits()],
+            );
         }
     }
 }
@@ -137,7 +159,12 @@ pub(super) const OUTPUT_SLOT: u32 = 2;
 /// One staged pass: waits for the staging to be free, stages the accumulator pairs of n8 blocks
 /// `first..end` (`pair(index)` gives the bf16x2 word, or the two f32 words), publishes them and
 /// has the leader store (or add, for `add`) its boxes at columns `out.col0 + 8 · first ..`.
-/// Inline with constant block ranges, so only those accumulators are touched.
+/// Inline with constant block ranges, so only those accumulators are touched. `xor_addresses`
+/// (bf16 only) computes each pair's staging address where it is stored instead of letting the
+/// compiler hoist all 64 out of the tile loop: the weight gradient inside the backward
+/// megakernel, whose consumers have no registers to spare for them (its weight gradients alone
+/// 19.2 → 15.6 ms at kimi 8192), not the standalone kernels, which were slower with it (the
+/// standalone weight gradient 9–16 %, docs/PERF.md).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn staged_pass(
@@ -149,24 +176,42 @@ pub(super) fn staged_pass(
     out: OutputBox,
     bf16: bool,
     add: bool,
+    xor_addresses: bool,
     mut pair: impl FnMut(usize) -> [u32; 2],
 ) {
     staging_free(wg, thread_in_wg);
     let first_col = 8 * first;
-    for_each_pair_in(first, end, thread_in_wg, |index, row, col| {
-        let c = col - first_col;
-        let (box_index, byte) = if bf16 { (c / 64, (c % 64) * 2) } else { (c / 32, (c % 32) * 4) };
-        let at = staging + box_index * BLOCK_64_BYTES + swizzled_chunk_offset(row, byte / 16) + byte % 16;
-        let words = pair(index);
-        // SAFETY: inside this warpgroup's staging; 4- (bf16) or 8-byte (f32) aligned.
-        unsafe {
-            if bf16 {
-                st_shared_u32(at, words[0]);
-            } else {
-                st_shared_v2(at, words);
+    if xor_addresses && bf16 {
+        // One instruction per pair (`staged_pair_address`: the staging area is 1024-aligned),
+        // and no per-pair address register held across tiles.
+        const { assert!(STAGING_BYTES_PER_WARPGROUP.is_multiple_of(1024) && (STAGES * STAGE_BYTES).is_multiple_of(1024)) };
+        let s = staging + staged_pair_base(thread_in_wg);
+        for_each_n8_block!(J => {
+            if first <= J && J < end {
+                let at = staged_pair_address(s, J - first);
+                // SAFETY: inside this warpgroup's staging, 4-byte aligned.
+                unsafe {
+                    st_shared_u32(at, pair((4 * J) as usize)[0]);
+                    st_shared_u32(at + 8 * 128, pair((4 * J + 2) as usize)[0]);
+                }
             }
-        }
-    });
+        });
+    } else {
+        for_each_pair_in(first, end, thread_in_wg, |index, row, col| {
+            let c = col - first_col;
+            let (box_index, byte) = if bf16 { (c / 64, (c % 64) * 2) } else { (c / 32, (c % 32) * 4) };
+            let at = staging + box_index * BLOCK_64_BYTES + swizzled_chunk_offset(row, byte / 16) + byte % 16;
+            let words = pair(index);
+            // SAFETY: inside this warpgroup's staging; 4- (bf16) or 8-byte (f32) aligned.
+            unsafe {
+                if bf16 {
+                    st_shared_u32(at, words[0]);
+                } else {
+                    st_shared_v2(at, words);
+                }
+            }
+        });
+    }
     fence_proxy_async_shared_cta();
     // SAFETY: the whole consumer warpgroup (128 threads) with its own id.
     unsafe { sync::named_barrier(1 + wg, 128) };
