@@ -393,30 +393,28 @@ const _: () = assert!(fits(PAIRED_PRODUCER_REGISTERS, PAIRED_CONSUMER_REGISTERS)
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
     #[test]
     fn the_staged_pair_addresses_are_the_swizzled_layout() {
         // Every thread, n8 block and 1024-aligned staging base: the address of each of the
         // thread's two pairs is the one the general epilogue computes from row and column.
         for staging in [0u32, 1024, 196608, 196608 + 16384, 229376 - 16384] {
             for t in 0..128u32 {
-                let s = staging + super::staged_pair_base(t);
+                let s = staging + staged_pair_base(t);
                 let (warp, lane) = (t / 32, t % 32);
                 for j in 0..16u32 {
                     let col = 8 * j + 2 * (lane % 4);
                     let (box_index, byte) = (col / 64, (col % 64) * 2);
                     for (row, extra) in [(warp * 16 + lane / 4, 0), (warp * 16 + lane / 4 + 8, 8 * 128)] {
-                        let expected = staging
-                            + box_index * super::BLOCK_64_BYTES
-                            + super::swizzled_chunk_offset(row, byte / 16)
-                            + byte % 16;
-                        assert_eq!(super::staged_pair_address(s, j) + extra, expected, "t {t} j {j} row {row}");
+                        let expected =
+                            staging + box_index * BLOCK_64_BYTES + swizzled_chunk_offset(row, byte / 16) + byte % 16;
+                        assert_eq!(staged_pair_address(s, j) + extra, expected, "t {t} j {j} row {row}");
                     }
                 }
             }
         }
     }
-
-    use super::*;
 
     #[test]
     fn descriptor_fields() {

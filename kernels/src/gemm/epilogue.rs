@@ -115,9 +115,9 @@ pub(super) unsafe fn epilogue<const V: u32>(
     } else if (is_wgrad(V) && p.out1 == 0) || V == Variant::ROWS_NT_BF16 {
         // bf16 (weight gradient, or rows): 256 columns, 64 per box.
         const PASSES: u32 = 4 / STAGING_BOXES;
+        let xor_addresses = V == Variant::WGRAD_IN_PAIR;
         for pass in 0..PASSES {
             let first = pass * N8_BLOCKS / PASSES;
-            let xor_addresses = V == Variant::WGRAD_IN_PAIR;
             staged_pass(
                 staging,
                 wg,
