@@ -200,7 +200,7 @@ fn main() -> Result<()> {
                 weights + 2.0 * r * hf + 4.0 * r * inf,
                 paired(
                     &gpu,
-                    EnginePlan::rows_nn(&gpu, (&dy, (&w_down).into()), None, &groups, (i, h), &out_i)?,
+                    EnginePlan::rows_nn(&gpu, ((&dy).into(), (&w_down).into()), None, &groups, (i, h), &out_i)?,
                     pairing,
                 )?,
             ),
@@ -212,8 +212,8 @@ fn main() -> Result<()> {
                     &gpu,
                     EnginePlan::rows_nn(
                         &gpu,
-                        (&d_gate, (&w_gate).into()),
-                        Some((&d_up, (&w_up).into())),
+                        ((&d_gate).into(), (&w_gate).into()),
+                        Some(((&d_up).into(), (&w_up).into())),
                         &groups,
                         (h, i),
                         &out_h,

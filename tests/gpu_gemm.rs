@@ -296,7 +296,8 @@ fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
     // Data gradients: one segment (down dgrad), two segments (gate/up dgrad).
     let d_hidden = poisoned::<f32>(gpu, cap * i);
     let plan =
-        EnginePlan::rows_nn(gpu, (back.d_rows, (&s.experts.w_down).into()), None, &groups, (i, h), &d_hidden).unwrap();
+        EnginePlan::rows_nn(gpu, (back.d_rows.into(), (&s.experts.w_down).into()), None, &groups, (i, h), &d_hidden)
+            .unwrap();
     // SAFETY: the plan's buffers live in this scope, past the stream's work on them.
     unsafe { plan.launch(gpu) }.unwrap();
     check(
@@ -307,8 +308,8 @@ fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
     let d_in = poisoned::<f32>(gpu, cap * h);
     let mut plan = EnginePlan::rows_nn(
         gpu,
-        (back.d_gate, (&s.experts.w_gate).into()),
-        Some((back.d_up, (&s.experts.w_up).into())),
+        (back.d_gate.into(), (&s.experts.w_gate).into()),
+        Some((back.d_up.into(), (&s.experts.w_up).into())),
         &groups,
         (h, i),
         &d_in,

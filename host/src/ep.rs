@@ -417,7 +417,8 @@ impl EpLayer {
                     top_k: c.top_k as u32,
                     hidden: c.hidden as u32,
                     rank: Some(self.rank_pass(rank, r.dy, shared_rows)?),
-                    shared_dy: shared_plans.get(local).and_then(|s| s.backward_plans()).map(|(_, dy)| dy),
+                    swiglu: state.routed.swiglu_backward_rows(),
+                    shared: shared_plans.get(local).and_then(SharedEnginePlans::backward_pass_rows),
                 })
             })
             .collect::<Result<_>>()?;

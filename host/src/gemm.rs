@@ -512,8 +512,8 @@ impl EnginePlan {
     /// N-major: `a` `[cap][k]`, `w` `[G][k][n]`, `out` `[cap][n]`. Both segments share `k`.
     pub fn rows_nn(
         gpu: &Gpu,
-        first: (&DeviceBuffer<bf16>, DeviceSlice<'_, bf16>),
-        second: Option<(&DeviceBuffer<bf16>, DeviceSlice<'_, bf16>)>,
+        first: (DeviceSlice<'_, bf16>, DeviceSlice<'_, bf16>),
+        second: Option<(DeviceSlice<'_, bf16>, DeviceSlice<'_, bf16>)>,
         groups: &RowGroups<'_>,
         (n, k): (usize, usize),
         out: &DeviceBuffer<f32>,
@@ -528,7 +528,7 @@ impl EnginePlan {
             check_len("a", a.len(), groups.capacity * k)?;
             check_len("w", w.len(), g * k * n)?;
             cut[segment] = Some((maps.len(), a.device_ptr(), 2 * k));
-            maps.push(rows_map(gpu, a.into(), k, groups.capacity)?);
+            maps.push(rows_map(gpu, a, k, groups.capacity)?);
             maps.push(TensorMap::bf16(
                 gpu,
                 w.device_ptr(),
@@ -558,7 +558,7 @@ impl EnginePlan {
             k2: if second.is_some() { k as u32 } else { 0 },
             ..GemmParams::default()
         };
-        Self::new(gpu, "mok_sm90_gemm_rows_nn", Variant::ROWS_NN, params, maps, cut)
+        Ok(Self::new(gpu, "mok_sm90_gemm_rows_nn", Variant::ROWS_NN, params, maps, cut)?.with_row_capacity(groups))
     }
 
     /// The down projection's data gradient with the SwiGLU backward in its epilogue

@@ -13,8 +13,8 @@ use std::time::Duration;
 use mok_kernels::comm::params::ERROR_WORDS;
 use mok_kernels::gemm_layout::{ENGINE_SMEM_BYTES, ENGINE_THREADS, weight_gradient_tiles};
 use mok_kernels::megakernel_layout::{
-    BackwardParams, ForwardParams, NO_FAULT, PassInputs, WORK_ALL, backward_counter_words, first_compute_block,
-    forward_counter_words, rank_pairs,
+    BackwardParams, ForwardParams, NO_FAULT, PassInputs, SwigluBackwardRows, WORK_ALL, backward_counter_words,
+    first_compute_block, forward_counter_words, rank_pairs,
 };
 
 use crate::driver::{DeviceBuffer, Gpu, KernelArg, LaunchShape};
@@ -569,10 +569,10 @@ pub const BACKWARD_KERNEL: &str = "mok_sm90_backward";
 /// Its entry point hosting every expert-parallel rank of a pass (virtual ranks on one GPU).
 pub const BACKWARD_RANKS_KERNEL: &str = "mok_sm90_backward_ranks";
 
-/// The kernels of a backward pass's plans, in [`BackwardParams`] order: the down dgrad with the
-/// SwiGLU backward, the gate/up dgrad, then the down, gate and up weight gradients.
+/// The kernels of a backward pass's plans, in [`BackwardParams`] order: the down dgrad (into
+/// d_hidden), the gate/up dgrad, then the down, gate and up weight gradients.
 const BACKWARD_PLAN_KERNELS: [&str; 5] = [
-    "mok_sm90_gemm_rows_nn_swiglu_bwd",
+    "mok_sm90_gemm_rows_nn",
     "mok_sm90_gemm_rows_nn",
     "mok_sm90_gemm_wgrad",
     "mok_sm90_gemm_wgrad",
@@ -601,15 +601,26 @@ pub(crate) struct BackwardBuffers {
     /// With expert-parallel ranks: the rank's place in the symmetric heap (its inputs: dy, the
     /// slot weights, its shared expert's dx rows).
     pub rank: Option<RankPass>,
-    /// With a shared expert run inside the pass: `[cap][H]` bf16 where the gather copies dy for
-    /// it (its plans come after the routed ones, in the same order).
-    pub shared_dy: Option<u64>,
+    /// The routed experts' rows of the SwiGLU step between the two data gradients.
+    pub swiglu: SwigluBackwardRows,
+    /// With a shared expert run inside the pass (its plans come after the routed ones, in the
+    /// same order): its rows.
+    pub shared: Option<SharedBackwardRows>,
+}
+
+/// A shared expert's rows inside a backward pass.
+#[derive(Clone, Copy)]
+pub(crate) struct SharedBackwardRows {
+    /// `[cap][H]` bf16 where the gather copies dy for it.
+    pub dy: u64,
+    /// The rows of its SwiGLU step.
+    pub swiglu: SwigluBackwardRows,
 }
 
 impl BackwardMegakernel {
     /// The pass of one rank (`buffers.len() == 1` without ranks: one GPU) or of every virtual
     /// rank in one launch; `plans[r]` are rank r's plans in [`BACKWARD_PLAN_KERNELS`] order, then,
-    /// when `buffers[r].shared_dy` is given, its shared expert's five in the same order.
+    /// when `buffers[r].shared` is given, its shared expert's five in the same order.
     pub(crate) fn new(
         gpu: &Gpu,
         plans: &[&[&EnginePlan]],
@@ -617,7 +628,7 @@ impl BackwardMegakernel {
         options: &MegakernelOptions,
     ) -> Result<Self> {
         for (set, b) in plans.iter().zip(buffers) {
-            let expected = if b.shared_dy.is_some() { 10 } else { 5 };
+            let expected = if b.shared.is_some() { 10 } else { 5 };
             if set.len() != expected {
                 return Err(MokError::InvalidInput {
                     tensor: "megakernel",
@@ -670,9 +681,9 @@ impl BackwardMegakernel {
         let words = backward_counter_words;
         build_pass(gpu, kernels, plans, &ranks_of, options, words, |r, at, comm_blocks, timeout_ns| {
             let (p, b, counters, tile_words) = (plans[r], &buffers[r], at.counters, at.tile_words);
-            // After the routed counters and the three queue words: the shared expert's three.
-            let shared_counters = counters + 3 * tile_words + 12;
-            let with_shared = b.shared_dy.is_some();
+            // After the routed counters and the four queue words: the shared expert's three.
+            let shared_counters = counters + 3 * tile_words + 16;
+            let with_shared = b.shared.is_some();
             let shared = |i: usize| if with_shared { p[5 + i].params_ptr() } else { 0 };
             let shared_counter = |i: u64| if with_shared { shared_counters + i * tile_words } else { 0 };
             BackwardParams {
@@ -711,10 +722,13 @@ impl BackwardMegakernel {
                 shared_down_dgrad: shared(0),
                 shared_gate_up_dgrad: shared(1),
                 shared_wgrad: [shared(2), shared(3), shared(4)],
-                shared_dy: b.shared_dy.unwrap_or(0),
+                shared_dy: b.shared.map_or(0, |s| s.dy),
                 shared_gathered: shared_counter(0),
                 shared_down_dgrad_stored: shared_counter(1),
                 shared_gate_up_dgrad_stored: shared_counter(2),
+                swiglu: b.swiglu,
+                shared_swiglu: b.shared.map(|s| s.swiglu).unwrap_or_default(),
+                swiglu_next: counters + 3 * tile_words + 12,
             }
         })
     }
@@ -1150,12 +1164,13 @@ mod work_order_model {
     }
 
     mod backward {
-        //! The backward (one GPU): blocks take gather tiles, down-dgrad tiles, gate/up-dgrad
-        //! tiles, then their own fixed-stride share of each of the three weight gradients'
-        //! tiles, then combine tokens. A down-dgrad tile waits on its M tile's gather, a
-        //! gate/up-dgrad tile on its M tile's down-dgrad parts, the down weight gradient of
-        //! expert g on every gather of g, the gate and up weight gradients on every down-dgrad
-        //! part of g, a combine token on the gate/up-dgrad parts of its slots' M tiles. With a
+        //! The backward (one GPU): blocks take gather tiles, down-dgrad tiles, SwiGLU-backward
+        //! chunks, gate/up-dgrad tiles, then their own fixed-stride share of each of the three
+        //! weight gradients' tiles, then combine tokens. A down-dgrad tile waits on its M
+        //! tile's gather, a SwiGLU chunk on its M tile's down-dgrad parts, a gate/up-dgrad tile
+        //! on its M tile's SwiGLU chunks, the down weight gradient of expert g on every gather of
+        //! g, the gate and up weight gradients on every SwiGLU chunk of g, a combine token on
+        //! the gate/up-dgrad parts of its slots' M tiles. With a
         //! shared expert (a second expert set: one expert over the tokens' own M tiles, its own
         //! counters) its gather tiles come first in the gather queue, each of its data gradients
         //! before the routed one, its weight gradients after the routed ones, and a combine token
@@ -1163,21 +1178,24 @@ mod work_order_model {
 
         use super::*;
 
-        /// The queues of expert set `set` (0 routed, 1 shared): gather, down dgrad, gate/up
-        /// dgrad, the three weight gradients; then the combine.
+        /// The queues of expert set `set` (0 routed, 1 shared): gather, down dgrad, SwiGLU
+        /// backward, gate/up dgrad, the three weight gradients; then the combine.
         const fn gather(set: usize) -> usize {
-            6 * set
+            7 * set
         }
         const fn down_dgrad(set: usize) -> usize {
-            6 * set + 1
+            7 * set + 1
+        }
+        const fn swiglu(set: usize) -> usize {
+            7 * set + 2
         }
         const fn gate_up_dgrad(set: usize) -> usize {
-            6 * set + 2
+            7 * set + 3
         }
         const fn wgrad(set: usize, w: usize) -> usize {
-            6 * set + 3 + w
+            7 * set + 4 + w
         }
-        const COMBINE: usize = 12;
+        const COMBINE: usize = 14;
         const ROUTED: usize = 0;
         const SHARED: usize = 1;
 
@@ -1186,6 +1204,7 @@ mod work_order_model {
             /// (expert set, M tile)
             Gather(usize, usize),
             DownDgrad(usize, usize),
+            Swiglu(usize, usize),
             GateUpDgrad(usize, usize),
             /// (expert set, which weight gradient, expert)
             Wgrad(usize, usize, usize),
@@ -1195,10 +1214,12 @@ mod work_order_model {
         /// One expert set's counters.
         #[derive(Clone, Default)]
         struct Set {
-            /// Per M tile: its expert; gathered; parts stored by each data gradient.
+            /// Per M tile: its expert; gathered; parts stored by each data gradient, and SwiGLU
+            /// chunks written.
             expert_of_tile: Vec<usize>,
             gathered: Vec<bool>,
             down_dgrad: Vec<usize>,
+            swiglu: Vec<usize>,
             gate_up_dgrad: Vec<usize>,
             experts: usize,
             /// Weight-gradient tiles per expert (each of the three products), and done per
@@ -1214,6 +1235,7 @@ mod work_order_model {
                     expert_of_tile,
                     gathered: vec![false; m],
                     down_dgrad: vec![0; m],
+                    swiglu: vec![0; m],
                     gate_up_dgrad: vec![0; m],
                     experts,
                     wgrad_tiles,
@@ -1226,12 +1248,15 @@ mod work_order_model {
             /// The routed experts, and the shared expert (empty set without one).
             sets: [Set; 2],
             n_down_dgrad: usize,
+            /// SwiGLU chunks per M tile.
+            n_chunks: usize,
             n_gate_up_dgrad: usize,
             /// Per token: the routed M tiles of its slots, and its shared M tile.
             tokens: Vec<(Vec<usize>, usize)>,
             combined: usize,
-            /// The shared queues (every gather and data gradient, the combine): next index.
-            next: [usize; 13],
+            /// The shared queues (every gather, data gradient and SwiGLU chunk, the combine):
+            /// next index.
+            next: [usize; 15],
         }
 
         impl World for Backward {
@@ -1246,33 +1271,35 @@ mod work_order_model {
                     self.next[q] += 1;
                     return Some(Unit::Combine(i));
                 }
-                let (set, kind) = (q / 6, q % 6);
+                let (set, kind) = (q / 7, q % 7);
                 let s = &self.sets[set];
                 let m_tiles = s.gathered.len();
-                if kind >= 3 {
+                if kind >= 4 {
                     let (index, blocks) = who.compute;
                     let tile = index + who.taken[q] * blocks;
                     if tile >= s.experts * s.wgrad_tiles {
                         return None;
                     }
                     who.taken[q] += 1;
-                    return Some(Unit::Wgrad(set, kind - 3, tile / s.wgrad_tiles));
+                    return Some(Unit::Wgrad(set, kind - 4, tile / s.wgrad_tiles));
                 }
-                let len = [m_tiles, m_tiles * self.n_down_dgrad, m_tiles * self.n_gate_up_dgrad][kind];
+                let per_tile = [1, self.n_down_dgrad, self.n_chunks, self.n_gate_up_dgrad][kind];
                 let i = self.next[q];
-                if i >= len {
+                if i >= m_tiles * per_tile {
                     return None;
                 }
                 self.next[q] += 1;
+                let m = i / per_tile;
                 Some(match kind {
-                    0 => Unit::Gather(set, i),
-                    1 => Unit::DownDgrad(set, i / self.n_down_dgrad),
-                    _ => Unit::GateUpDgrad(set, i / self.n_gate_up_dgrad),
+                    0 => Unit::Gather(set, m),
+                    1 => Unit::DownDgrad(set, m),
+                    2 => Unit::Swiglu(set, m),
+                    _ => Unit::GateUpDgrad(set, m),
                 })
             }
 
             fn ready(&self, unit: Unit) -> bool {
-                let (nd, ng) = (self.n_down_dgrad, self.n_gate_up_dgrad);
+                let (nd, nc, ng) = (self.n_down_dgrad, self.n_chunks, self.n_gate_up_dgrad);
                 // Whether every M tile of expert g in `s` passes `done`.
                 let all_of_expert = |s: &Set, g: usize, done: &dyn Fn(usize) -> bool| {
                     (0..s.expert_of_tile.len()).filter(|&m| s.expert_of_tile[m] == g).all(done)
@@ -1280,14 +1307,15 @@ mod work_order_model {
                 match unit {
                     Unit::Gather(..) => true,
                     Unit::DownDgrad(set, m) => self.sets[set].gathered[m],
-                    Unit::GateUpDgrad(set, m) => self.sets[set].down_dgrad[m] == nd,
+                    Unit::Swiglu(set, m) => self.sets[set].down_dgrad[m] == nd,
+                    Unit::GateUpDgrad(set, m) => self.sets[set].swiglu[m] == nc,
                     Unit::Wgrad(set, 0, g) => {
                         let s = &self.sets[set];
                         all_of_expert(s, g, &|m| s.gathered[m])
                     }
                     Unit::Wgrad(set, _, g) => {
                         let s = &self.sets[set];
-                        all_of_expert(s, g, &|m| s.down_dgrad[m] == nd)
+                        all_of_expert(s, g, &|m| s.swiglu[m] == nc)
                     }
                     Unit::Combine(t) => {
                         let (slots, shared_tile) = &self.tokens[t];
@@ -1302,6 +1330,7 @@ mod work_order_model {
                 match unit {
                     Unit::Gather(set, m) => self.sets[set].gathered[m] = true,
                     Unit::DownDgrad(set, m) => self.sets[set].down_dgrad[m] += 1,
+                    Unit::Swiglu(set, m) => self.sets[set].swiglu[m] += 1,
                     Unit::GateUpDgrad(set, m) => self.sets[set].gate_up_dgrad[m] += 1,
                     Unit::Wgrad(set, w, _) => self.sets[set].wgrad_done[w] += 1,
                     Unit::Combine(_) => self.combined += 1,
@@ -1309,7 +1338,7 @@ mod work_order_model {
             }
 
             fn pipelined(unit: Unit) -> bool {
-                !matches!(unit, Unit::Gather(..) | Unit::Combine(_))
+                !matches!(unit, Unit::Gather(..) | Unit::Swiglu(..) | Unit::Combine(_))
             }
         }
 
@@ -1320,7 +1349,7 @@ mod work_order_model {
         /// The queues of a compute block, in the kernel's order.
         fn compute_queues() -> Vec<usize> {
             let mut queues = vec![gather(SHARED), gather(ROUTED), down_dgrad(SHARED), down_dgrad(ROUTED)];
-            queues.extend([gate_up_dgrad(SHARED), gate_up_dgrad(ROUTED)]);
+            queues.extend([swiglu(SHARED), swiglu(ROUTED), gate_up_dgrad(SHARED), gate_up_dgrad(ROUTED)]);
             queues.extend((0..3).map(|w| wgrad(ROUTED, w)).chain((0..3).map(|w| wgrad(SHARED, w))));
             queues.push(COMBINE);
             queues
@@ -1352,10 +1381,11 @@ mod work_order_model {
                 let mut world = Backward {
                     sets: [Set::new(expert_of_tile, experts, 1 + rng.below(5)), shared],
                     n_down_dgrad: 1 + rng.below(4),
+                    n_chunks: 1 + rng.below(3),
                     n_gate_up_dgrad: 1 + rng.below(4),
                     tokens,
                     combined: 0,
-                    next: [0; 13],
+                    next: [0; 15],
                 };
                 let (comm_blocks, pairs) = (rng.below(4), 1 + rng.below(4));
                 let compute_blocks = 2 * pairs;
@@ -1372,6 +1402,7 @@ mod work_order_model {
                 for s in &world.sets {
                     assert!(s.gathered.iter().all(|&g| g), "case {case}");
                     assert!(s.down_dgrad.iter().all(|&n| n == world.n_down_dgrad), "case {case}");
+                    assert!(s.swiglu.iter().all(|&n| n == world.n_chunks), "case {case}");
                     assert!(s.gate_up_dgrad.iter().all(|&n| n == world.n_gate_up_dgrad), "case {case}");
                     assert_eq!(s.wgrad_done, [s.experts * s.wgrad_tiles; 3], "case {case}");
                 }
@@ -1388,13 +1419,14 @@ mod work_order_model {
             let mut world = Backward {
                 sets: [routed, Set::default()],
                 n_down_dgrad: 1,
+                n_chunks: 1,
                 n_gate_up_dgrad: 1,
                 tokens: vec![(vec![0], 0)],
                 combined: 0,
-                next: [0; 13],
+                next: [0; 15],
             };
             world.next[gather(ROUTED)] = 1;
-            let queues = vec![wgrad(ROUTED, 1), down_dgrad(ROUTED), gate_up_dgrad(ROUTED), COMBINE];
+            let queues = vec![wgrad(ROUTED, 1), down_dgrad(ROUTED), swiglu(ROUTED), gate_up_dgrad(ROUTED), COMBINE];
             let mut wrong = Agent::new(compute_block(0, 1), queues);
             let progress = lone_progress(&mut world, &mut wrong, &mut Rng(11));
             assert_eq!(progress, 1, "only the take of the weight-gradient tile happens; then it waits forever");
@@ -1404,7 +1436,7 @@ mod work_order_model {
 
     mod backward_ranks {
         //! The backward across ranks in one launch: each rank's blocks take its gather tiles,
-        //! down-dgrad and gate/up-dgrad tiles from its own queues; then every compute block of
+        //! down-dgrad tiles, SwiGLU chunks and gate/up-dgrad tiles from its own queues; then every compute block of
         //! the launch walks the routed weight-gradient tiles of every rank, product by product,
         //! rank after rank (`weight_gradient_walk`, the kernel's own function); then it pushes its
         //! rank's finished rows and combines its rank's tokens. A weight-gradient tile of rank q
@@ -1417,12 +1449,13 @@ mod work_order_model {
 
         const GATHER: usize = 0;
         const DOWN_DGRAD: usize = 1;
-        const GATE_UP_DGRAD: usize = 2;
-        const PUSH: usize = 3;
-        const COMBINE: usize = 4;
+        const SWIGLU: usize = 2;
+        const GATE_UP_DGRAD: usize = 3;
+        const PUSH: usize = 4;
+        const COMBINE: usize = 5;
         /// Queue of product `w`'s tiles of rank `q` (P ≤ 8).
         const fn wgrad(w: usize, q: usize, ranks: usize) -> usize {
-            5 + w * ranks + q
+            6 + w * ranks + q
         }
 
         #[derive(Clone, Copy, Debug)]
@@ -1430,6 +1463,7 @@ mod work_order_model {
             /// (rank, M tile)
             Gather(usize, usize),
             DownDgrad(usize, usize),
+            Swiglu(usize, usize),
             GateUpDgrad(usize, usize),
             /// (rank, product, expert)
             Wgrad(usize, usize, usize),
@@ -1439,10 +1473,11 @@ mod work_order_model {
         }
 
         struct Rank {
-            /// Per M tile: its expert; gathered; parts stored; pushed.
+            /// Per M tile: its expert; gathered; parts stored, SwiGLU chunks written; pushed.
             expert_of_tile: Vec<usize>,
             gathered: Vec<bool>,
             down_dgrad: Vec<usize>,
+            swiglu: Vec<usize>,
             gate_up_dgrad: Vec<usize>,
             pushed: Vec<bool>,
             /// Per token: its slots' (owner rank, M tile on the owner).
@@ -1450,7 +1485,7 @@ mod work_order_model {
             wgrad_done: [usize; 3],
             combined: usize,
             /// Its own queues: next index.
-            next: [usize; 5],
+            next: [usize; 6],
         }
 
         struct BackwardRanks {
@@ -1459,6 +1494,7 @@ mod work_order_model {
             /// Weight-gradient tiles per expert (each product), the same on every rank.
             wgrad_tiles: usize,
             n_down_dgrad: usize,
+            n_chunks: usize,
             n_gate_up_dgrad: usize,
         }
 
@@ -1467,8 +1503,8 @@ mod work_order_model {
 
             fn take(&mut self, who: &mut Who, q: usize) -> Option<Unit> {
                 let p = self.ranks.len();
-                if q >= 5 {
-                    let (w, list) = ((q - 5) / p, (q - 5) % p);
+                if q >= 6 {
+                    let (w, list) = ((q - 6) / p, (q - 6) % p);
                     let (block, blocks) = who.compute;
                     let tiles = (self.experts * self.wgrad_tiles) as u32;
                     let (first, stride) = weight_gradient_walk(block as u32, blocks as u32, list as u32, tiles);
@@ -1479,10 +1515,10 @@ mod work_order_model {
                     who.taken[q] += 1;
                     return Some(Unit::Wgrad(list, w, tile / self.wgrad_tiles));
                 }
-                let (n_down, n_gate_up) = (self.n_down_dgrad, self.n_gate_up_dgrad);
+                let (n_down, n_chunks, n_gate_up) = (self.n_down_dgrad, self.n_chunks, self.n_gate_up_dgrad);
                 let rank = &mut self.ranks[who.rank];
                 let m = rank.expert_of_tile.len();
-                let len = [m, m * n_down, m * n_gate_up, m, rank.tokens.len()][q];
+                let len = [m, m * n_down, m * n_chunks, m * n_gate_up, m, rank.tokens.len()][q];
                 let i = rank.next[q];
                 if i >= len {
                     return None;
@@ -1492,6 +1528,7 @@ mod work_order_model {
                 Some(match q {
                     GATHER => Unit::Gather(r, i),
                     DOWN_DGRAD => Unit::DownDgrad(r, i / n_down),
+                    SWIGLU => Unit::Swiglu(r, i / n_chunks),
                     GATE_UP_DGRAD => Unit::GateUpDgrad(r, i / n_gate_up),
                     PUSH => Unit::Push(r, i),
                     _ => Unit::Combine(r, i),
@@ -1499,16 +1536,17 @@ mod work_order_model {
             }
 
             fn ready(&self, unit: Unit) -> bool {
-                let (nd, ng) = (self.n_down_dgrad, self.n_gate_up_dgrad);
+                let (nd, nc, ng) = (self.n_down_dgrad, self.n_chunks, self.n_gate_up_dgrad);
                 match unit {
                     Unit::Gather(..) => true,
                     Unit::DownDgrad(r, m) => self.ranks[r].gathered[m],
-                    Unit::GateUpDgrad(r, m) => self.ranks[r].down_dgrad[m] == nd,
+                    Unit::Swiglu(r, m) => self.ranks[r].down_dgrad[m] == nd,
+                    Unit::GateUpDgrad(r, m) => self.ranks[r].swiglu[m] == nc,
                     Unit::Wgrad(r, w, g) => {
                         let rank = &self.ranks[r];
                         (0..rank.expert_of_tile.len())
                             .filter(|&m| rank.expert_of_tile[m] == g)
-                            .all(|m| if w == 0 { rank.gathered[m] } else { rank.down_dgrad[m] == nd })
+                            .all(|m| if w == 0 { rank.gathered[m] } else { rank.swiglu[m] == nc })
                     }
                     Unit::Push(r, m) => self.ranks[r].gate_up_dgrad[m] == ng,
                     Unit::Combine(r, t) => {
@@ -1521,6 +1559,7 @@ mod work_order_model {
                 match unit {
                     Unit::Gather(r, m) => self.ranks[r].gathered[m] = true,
                     Unit::DownDgrad(r, m) => self.ranks[r].down_dgrad[m] += 1,
+                    Unit::Swiglu(r, m) => self.ranks[r].swiglu[m] += 1,
                     Unit::GateUpDgrad(r, m) => self.ranks[r].gate_up_dgrad[m] += 1,
                     Unit::Wgrad(r, w, _) => self.ranks[r].wgrad_done[w] += 1,
                     Unit::Push(r, m) => self.ranks[r].pushed[m] = true,
@@ -1566,17 +1605,19 @@ mod work_order_model {
                             expert_of_tile: ring.clone(),
                             gathered: vec![false; ring.len()],
                             down_dgrad: vec![0; ring.len()],
+                            swiglu: vec![0; ring.len()],
                             gate_up_dgrad: vec![0; ring.len()],
                             pushed: vec![false; ring.len()],
                             tokens,
                             wgrad_done: [0; 3],
                             combined: 0,
-                            next: [0; 5],
+                            next: [0; 6],
                         })
                         .collect(),
                     experts,
                     wgrad_tiles,
                     n_down_dgrad: 1 + rng.below(3),
+                    n_chunks: 1 + rng.below(3),
                     n_gate_up_dgrad: 1 + rng.below(3),
                 };
                 // The same comm blocks and 1 to 3 pairs per rank; compute blocks numbered
@@ -1584,7 +1625,7 @@ mod work_order_model {
                 let comm_blocks = rng.below(3);
                 let pairs: Vec<usize> = (0..ranks).map(|_| 1 + rng.below(3)).collect();
                 let launch_compute: usize = pairs.iter().map(|p| 2 * p).sum();
-                let mut compute_queues = vec![GATHER, DOWN_DGRAD, GATE_UP_DGRAD];
+                let mut compute_queues = vec![GATHER, DOWN_DGRAD, SWIGLU, GATE_UP_DGRAD];
                 for w in 0..3 {
                     compute_queues.extend((0..ranks).map(|q| wgrad(w, q, ranks)));
                 }

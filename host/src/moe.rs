@@ -619,9 +619,9 @@ pub fn workspace_bytes(config: &MoeConfig, backend: Backend) -> Result<usize> {
     if backend != Backend::MmaSync {
         use mok_kernels::gemm_layout::{GROUP_MAP_SLOTS, TENSOR_MAP_BYTES};
         let params = size_of::<mok_kernels::gemm_layout::GemmParams>();
-        // gate/up 4 maps, down 3, the two dgrads 3 and 5, the down dgrad with the SwiGLU
-        // backward 2, three weight gradients 3 each.
-        let plans = [4, 3, 3, 5, 2, 3, 3, 3];
+        // gate/up 4 maps, down 3, the two dgrads 3 and 5 (the backward megakernel runs them
+        // too), three weight gradients 3 each.
+        let plans = [4, 3, 3, 5, 3, 3, 3];
         let plan_bytes = |maps: usize, groups: usize| {
             let group_maps = buffer(groups.max(1) * GROUP_MAP_SLOTS as usize * TENSOR_MAP_BYTES as usize);
             buffer(params) + maps * TENSOR_MAP_BYTES as usize + group_maps + 16
@@ -647,10 +647,10 @@ pub fn workspace_bytes(config: &MoeConfig, backend: Backend) -> Result<usize> {
                 + buffer(4 * mok_kernels::comm::params::ERROR_WORDS)
                 + buffer(8 * forward_plans);
             // The backward runs the shared expert inside its launch too: its copy of dy and its
-            // five plans (the down dgrad with the SwiGLU backward 2 maps, the gate/up dgrad 5,
-            // three weight gradients 3 each), one group.
+            // five plans (the down dgrad 3 maps, the gate/up dgrad 5, three weight gradients 3
+            // each), one group.
             let backward_plans = if c.shared_intermediate.is_some() {
-                total += buffer(2 * t * h) + [2, 5, 3, 3, 3].map(|maps| plan_bytes(maps, 1)).iter().sum::<usize>();
+                total += buffer(2 * t * h) + [3, 5, 3, 3, 3].map(|maps| plan_bytes(maps, 1)).iter().sum::<usize>();
                 10
             } else {
                 5

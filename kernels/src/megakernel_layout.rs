@@ -146,8 +146,8 @@ const _: () = assert!(size_of::<PassInputs>() == 32);
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct BackwardParams {
-    /// The down projection's data-gradient plan with the SwiGLU backward in its epilogue
-    /// (`Variant::ROWS_NN_SWIGLU_BWD`: A = `d_rows`, out = d_gate and d_up bf16 rows).
+    /// The down projection's data-gradient plan (`Variant::ROWS_NN`, one K segment: A =
+    /// `d_rows`, out = the f32 `d_hidden` rows of [`BackwardParams::swiglu`]).
     pub down_dgrad: u64,
     /// The gate/up data-gradient plan (`Variant::ROWS_NN`, two K segments
     /// `[d_gate d_up]·[W_gate; W_up]`, out = `d_in_rows`).
@@ -172,7 +172,8 @@ pub struct BackwardParams {
     /// `[M tiles]` u32: 1 once this pass's dy rows of that M tile are in `d_rows` (and their
     /// d_topk_weights written).
     pub rows_gathered: u64,
-    /// `[M tiles]` u32: the down-dgrad tile parts stored per M tile (d_gate and d_up).
+    /// `[M tiles]` u32: per M tile, the down-dgrad tile parts stored (d_hidden), then one more
+    /// per SwiGLU-backward chunk written (d_gate and d_up): complete at [`down_dgrad_complete`].
     pub down_dgrad_stored: u64,
     /// `[M tiles]` u32: the gate/up dgrad tile parts stored per M tile (`d_in_rows`).
     pub gate_up_dgrad_stored: u64,
@@ -248,18 +249,64 @@ pub struct BackwardParams {
     pub shared_down_dgrad_stored: u64,
     /// `[shared M tiles]` u32: the shared gate/up-dgrad parts stored per M tile.
     pub shared_gate_up_dgrad_stored: u64,
+    /// The rows the SwiGLU backward reads and writes between the two data gradients: the
+    /// routed experts'.
+    pub swiglu: SwigluBackwardRows,
+    /// ... and the shared expert's (unused without one).
+    pub shared_swiglu: SwigluBackwardRows,
+    /// One u32: the next SwiGLU-backward chunk to hand out (the shared expert's M tiles' chunks
+    /// first, then the routed ones', [`SWIGLU_CHUNKS_PER_M_TILE`] per M tile).
+    pub swiglu_next: u64,
+}
+
+/// One expert set's rows of the backward's SwiGLU step, all `[cap][width]` in expert order:
+/// the forward's f32 gate and up pre-activations and the down data gradient's f32 `d_hidden`
+/// (read), `d_gate` and `d_up` bf16 (written; zero where the forward's clamp was active).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct SwigluBackwardRows {
+    /// f32 gate pre-activations (read).
+    pub gate: u64,
+    /// f32 up pre-activations (read).
+    pub up: u64,
+    /// f32 hidden-row gradients, the down data gradient's output (read).
+    pub d_hidden: u64,
+    /// bf16 gate gradients (written).
+    pub d_gate: u64,
+    /// bf16 up gradients (written).
+    pub d_up: u64,
+    /// The intermediate width (I, or the shared expert's; a multiple of 8).
+    pub width: u32,
+    /// The forward's SwiGLU limit (+∞: none).
+    pub limit: f32,
+}
+
+const _: () = assert!(size_of::<SwigluBackwardRows>() == 48);
+
+/// Rows of one SwiGLU-backward chunk: a warp's unit of work. The hand-out numbers
+/// [`SWIGLU_CHUNKS_PER_M_TILE`] per M tile; a chunk past a short tile's rows does nothing.
+pub const SWIGLU_CHUNK_ROWS: u32 = 16;
+/// Chunk numbers per 128-row M tile.
+pub const SWIGLU_CHUNKS_PER_M_TILE: u32 = 128 / SWIGLU_CHUNK_ROWS;
+
+/// The `down_dgrad_stored` count at which an M tile of `rows` rows has d_gate and d_up written,
+/// the down dgrad having `n_tiles` N tiles: every stored part, then every chunk of the tile's
+/// SwiGLU backward. A chunk counts only after it saw every part counted, and a chunk without
+/// rows never counts, so the count cannot pass the parts before they are all stored.
+pub const fn down_dgrad_complete(n_tiles: u32, rows: u32) -> u32 {
+    parts_per_m_tile(n_tiles, rows) + rows.div_ceil(SWIGLU_CHUNK_ROWS)
 }
 
 // The host writes this block byte for byte: nineteen 8-byte words, eight u32, two 8-byte words,
-// four u32, nine 8-byte words.
-const _: () = assert!(size_of::<BackwardParams>() == 288);
+// four u32, nine 8-byte words, two 48-byte `SwigluBackwardRows`, one 8-byte word.
+const _: () = assert!(size_of::<BackwardParams>() == 392);
 
 /// Words of one rank's backward pass counters for plans of at most `m_tiles` M tiles: three
 /// per M tile for the routed experts (gathered, down-dgrad parts, gate/up-dgrad parts), the
-/// three queues (gather, combine, and across ranks the push), then three per M tile for the
-/// shared expert.
+/// four queues (gather, combine, across ranks the push, the SwiGLU backward), then three per M
+/// tile for the shared expert.
 pub const fn backward_counter_words(m_tiles: usize) -> usize {
-    6 * m_tiles + 3
+    6 * m_tiles + 4
 }
 
 /// [`ForwardParams::work`]: the dispatch copies the rows (without it, it only publishes them:

@@ -183,9 +183,10 @@ impl ExpertCompute {
 
     /// The backward megakernel's five engine plans over `groups` of `d_rows` (`[R][H]` bf16, the
     /// gathered dy rows scaled by their slot weights), `input_rows` (`[R][H]` bf16, the forward's
-    /// rows) and this workspace: [`Self::engine_fused_down_dgrad_plan`],
+    /// rows) and this workspace: [`Self::engine_down_dgrad_plan`],
     /// [`Self::engine_gate_up_dgrad_plan`], then [`Self::engine_wgrad_plans`] — in
-    /// `BackwardParams` order.
+    /// `BackwardParams` order (the megakernel runs the SwiGLU backward between the two data
+    /// gradients, over [`Self::swiglu_backward_rows`]).
     ///
     /// # Safety
     /// As [`Self::engine_wgrad_plans`].
@@ -200,7 +201,7 @@ impl ExpertCompute {
         // SAFETY: caller contract.
         let [down, gate, up] = unsafe { self.engine_wgrad_plans(gpu, (d_rows, input_rows), groups, targets) }?;
         Ok([
-            self.engine_fused_down_dgrad_plan(gpu, d_rows, groups, w_down)?,
+            self.engine_down_dgrad_plan(gpu, d_rows, groups, w_down)?,
             self.engine_gate_up_dgrad_plan(gpu, groups, [w_gate, w_up])?,
             down,
             gate,
@@ -208,27 +209,39 @@ impl ExpertCompute {
         ])
     }
 
-    /// The down projection's data gradient over `groups` of `d_rows` with the SwiGLU backward in
-    /// its epilogue: d_gate and d_up of this workspace from its saved pre-activations.
-    pub(crate) fn engine_fused_down_dgrad_plan(
+    /// The down projection's data gradient over `groups` of `d_rows`: `d_rows · W_down` into
+    /// this workspace's f32 `d_hidden` rows.
+    pub(crate) fn engine_down_dgrad_plan(
         &self,
         gpu: &Gpu,
         d_rows: DeviceSlice<'_, bf16>,
         groups: &crate::gemm::RowGroups<'_>,
         w_down: DeviceSlice<'_, bf16>,
     ) -> Result<crate::gemm::EnginePlan> {
-        let r = &self.rows;
-        let limit = self.limit.is_finite().then_some(self.limit);
-        let (h, i) = (self.hidden, self.inter);
-        crate::gemm::EnginePlan::rows_nn_swiglu_backward(
+        crate::gemm::EnginePlan::rows_nn(
             gpu,
             (d_rows, w_down),
+            None,
             groups,
-            (i, h),
-            (&r.gate, &r.up),
-            (&r.d_gate, &r.d_up),
-            limit,
+            (self.inter, self.hidden),
+            &self.rows.d_hidden,
         )
+    }
+
+    /// Where the backward megakernel's SwiGLU step reads and writes this workspace's rows: the
+    /// saved pre-activations and `d_hidden` in, `d_gate` and `d_up` out (what
+    /// `mok_swiglu_backward` reads and writes).
+    pub(crate) fn swiglu_backward_rows(&self) -> mok_kernels::megakernel_layout::SwigluBackwardRows {
+        let r = &self.rows;
+        mok_kernels::megakernel_layout::SwigluBackwardRows {
+            gate: r.gate.device_ptr(),
+            up: r.up.device_ptr(),
+            d_hidden: r.d_hidden.device_ptr(),
+            d_gate: r.d_gate.device_ptr(),
+            d_up: r.d_up.device_ptr(),
+            width: self.inter as u32,
+            limit: self.limit,
+        }
     }
 
     /// The gate/up data gradient over `groups`: `[d_gate d_up]·[W_gate; W_up]` into this
@@ -242,8 +255,8 @@ impl ExpertCompute {
         let r = &self.rows;
         crate::gemm::EnginePlan::rows_nn(
             gpu,
-            (&r.d_gate, w_gate),
-            Some((&r.d_up, w_up)),
+            ((&r.d_gate).into(), w_gate),
+            Some(((&r.d_up).into(), w_up)),
             groups,
             (self.hidden, self.inter),
             &r.d_in,
@@ -551,6 +564,8 @@ pub(crate) struct SharedEnginePlans {
 struct SharedBackwardPlans {
     dy_rows: DeviceBuffer<bf16>,
     plans: [crate::gemm::EnginePlan; 5],
+    /// The workspace's rows of the megakernel's SwiGLU step.
+    swiglu: mok_kernels::megakernel_layout::SwigluBackwardRows,
     /// (input rows, gradient addresses `[dws_gate, dws_up, dws_down]`, accumulate into f32).
     built_for: (u64, [u64; 3], bool),
 }
@@ -656,13 +671,22 @@ impl SharedEnginePlans {
                 (grads, accumulate_f32),
             )
         }?;
-        self.backward = Some(SharedBackwardPlans { dy_rows, plans, built_for: key });
+        let swiglu = compute.swiglu_backward_rows();
+        self.backward = Some(SharedBackwardPlans { dy_rows, plans, swiglu, built_for: key });
         Ok(())
     }
 
     /// The backward plans ([`Self::prepare_backward`]) and the dy rows they read.
     pub(crate) fn backward_plans(&self) -> Option<([&crate::gemm::EnginePlan; 5], u64)> {
         self.backward.as_ref().map(|b| (b.plans.each_ref(), b.dy_rows.device_ptr()))
+    }
+
+    /// The backward megakernel's view of this shared expert ([`Self::prepare_backward`] built
+    /// it): the dy rows its gather fills and the rows of its SwiGLU step.
+    pub(crate) fn backward_pass_rows(&self) -> Option<crate::megakernel::SharedBackwardRows> {
+        self.backward
+            .as_ref()
+            .map(|b| crate::megakernel::SharedBackwardRows { dy: b.dy_rows.device_ptr(), swiglu: b.swiglu })
     }
 
     /// Enqueues a copy of `tokens` rows of x (device address `x`, `[T][H]` bf16) into

@@ -91,8 +91,8 @@ struct EngineExperts {
     built_for: [u64; 3],
     /// Gate/up with SwiGLU (keeping the pre-activations for backward), down.
     forward: Vec<EnginePlan>,
-    /// Down dgrad; gate/up dgrad (two K segments); the down dgrad with the SwiGLU backward in
-    /// its epilogue (the backward megakernel's first phase).
+    /// Down dgrad (into d_hidden); gate/up dgrad (two K segments). The backward megakernel runs
+    /// them too, with the SwiGLU backward between them.
     dgrad: Vec<EnginePlan>,
     /// The down, gate and up weight gradients, for the target they were built for.
     wgrad: Vec<EnginePlan>,
@@ -367,7 +367,8 @@ impl UnfusedLayer {
             top_k: c.top_k as u32,
             hidden: c.hidden as u32,
             rank: None,
-            shared_dy: shared_engine.and_then(SharedEnginePlans::backward_plans).map(|(_, dy_rows)| dy_rows),
+            swiglu: self.routed.swiglu_backward_rows(),
+            shared: shared_engine.and_then(SharedEnginePlans::backward_pass_rows),
         };
         *pass = Some(BackwardMegakernel::new(gpu, &[&plans], &[buffers], options)?);
         Ok(())
@@ -471,7 +472,7 @@ impl UnfusedLayer {
         let experts: ExpertsView<'_> = experts;
         if state.built_for != key {
             let c = &self.config;
-            let (h, i, e, slots) = (c.hidden, c.intermediate, c.num_experts, c.tokens_per_rank * c.top_k);
+            let (e, slots) = (c.num_experts, c.tokens_per_rank * c.top_k);
             let groups = engine::RowGroups {
                 row_offsets: (&self.routing.row_offsets).into(),
                 tile_offsets: (&state.tile_offsets).into(),
@@ -486,9 +487,8 @@ impl UnfusedLayer {
                 [experts.w_gate, experts.w_up, experts.w_down],
             )?;
             state.dgrad = vec![
-                EnginePlan::rows_nn(gpu, (&rows.d_rows, experts.w_down), None, &groups, (i, h), &rows.d_hidden)?,
+                self.routed.engine_down_dgrad_plan(gpu, (&rows.d_rows).into(), &groups, experts.w_down)?,
                 self.routed.engine_gate_up_dgrad_plan(gpu, &groups, [experts.w_gate, experts.w_up])?,
-                self.routed.engine_fused_down_dgrad_plan(gpu, (&rows.d_rows).into(), &groups, experts.w_down)?,
             ];
             state.forward = vec![gate_up, down];
             state.built_for = key;
@@ -1170,8 +1170,8 @@ pub struct RoutedBackward<'a> {
     pub d_in: &'a DeviceBuffer<f32>,
 }
 
-/// The engine plans of a backward megakernel pass, in `BackwardParams` order: the down dgrad
-/// with the SwiGLU backward, the gate/up dgrad, the down, gate and up weight gradients.
+/// The engine plans of a backward megakernel pass, in `BackwardParams` order: the down dgrad,
+/// the gate/up dgrad, the down, gate and up weight gradients.
 fn backward_plans(engine: &EngineExperts) -> [&EnginePlan; 5] {
-    [&engine.dgrad[2], &engine.dgrad[1], &engine.wgrad[0], &engine.wgrad[1], &engine.wgrad[2]]
+    [&engine.dgrad[0], &engine.dgrad[1], &engine.wgrad[0], &engine.wgrad[1], &engine.wgrad[2]]
 }

@@ -1,7 +1,9 @@
 //! Row arithmetic shared by the row kernels and the megakernel's comm side, so both give the
 //! same bits.
 
+use crate::device::math;
 use crate::layout::NO_ROW;
+use crate::megakernel_layout::SwigluBackwardRows;
 use crate::num::{bf16x2_hi, bf16x2_lo};
 use crate::ptx::convert::f32x2_to_bf16x2;
 use crate::ptx::memory::{ld_global_v4, st_global_v4};
@@ -260,4 +262,56 @@ pub unsafe fn dot_row(dy: *const u16, out: *const f32, width: u32, lane: u32) ->
         column += 256;
     }
     partial
+}
+
+/// The SwiGLU backward of the flattened elements `begin..end` of one expert set's rows by one
+/// warp (`rows`: `[..][width]` each, `begin` and `end` multiples of 8): `d_gate`, `d_up` =
+/// `bf16(math::swiglu_backward(gate, up, d_hidden, limit))` element by element, the bits of
+/// `mok_swiglu_backward`. Each lane takes 8 consecutive elements (two 16-byte loads from each
+/// f32 input, one 16-byte store to each output), and two such groups are loaded before either
+/// is computed, so a lane keeps 12 loads in flight.
+///
+/// # Safety
+/// `rows` holds valid `[..][width]` tensors covering `end` elements, 32-byte aligned (f32) and
+/// 16-byte aligned (bf16); their inputs are written and visible to every lane.
+#[inline(always)]
+pub unsafe fn swiglu_backward_octets(rows: &SwigluBackwardRows, (begin, end): (usize, usize), lane: u32) {
+    const STEP: usize = 8 * 32;
+    let (gate, up, d_hidden) = (rows.gate as *const u32, rows.up as *const u32, rows.d_hidden as *const u32);
+    let (d_gate, d_up) = (rows.d_gate as *mut u32, rows.d_up as *mut u32);
+    // SAFETY: caller contract: every octet below `end` is inside the tensors, aligned.
+    let load = |e: usize| unsafe {
+        let octet = |p: *const u32| {
+            let (lo, hi) = (ld_global_v4(p.add(e)), ld_global_v4(p.add(e + 4)));
+            [lo[0], lo[1], lo[2], lo[3], hi[0], hi[1], hi[2], hi[3]]
+        };
+        (octet(gate), octet(up), octet(d_hidden))
+    };
+    let store = |e: usize, (g, u, dh): ([u32; 8], [u32; 8], [u32; 8])| {
+        let (mut dg, mut du) = ([0u32; 4], [0u32; 4]);
+        for pair in 0..4 {
+            let grads = |i: usize| {
+                math::swiglu_backward(f32::from_bits(g[i]), f32::from_bits(u[i]), f32::from_bits(dh[i]), rows.limit)
+            };
+            let ((g0, u0), (g1, u1)) = (grads(2 * pair), grads(2 * pair + 1));
+            dg[pair] = f32x2_to_bf16x2(g0, g1);
+            du[pair] = f32x2_to_bf16x2(u0, u1);
+        }
+        // SAFETY: as the loads (bf16: 8 elements are 16 bytes, at element e / 2 words).
+        unsafe {
+            st_global_v4(d_gate.add(e / 2), dg);
+            st_global_v4(d_up.add(e / 2), du);
+        }
+    };
+    let mut e = begin + 8 * lane as usize;
+    while e < end {
+        let second = e + STEP < end;
+        let first_octets = load(e);
+        let second_octets = if second { load(e + STEP) } else { first_octets };
+        store(e, first_octets);
+        if second {
+            store(e + STEP, second_octets);
+        }
+        e += 2 * STEP;
+    }
 }

@@ -294,11 +294,11 @@ pub unsafe fn run_forward_phases<H: TileHooks>(
 
 /// The compute role of the backward megakernel, in a 2-block cluster as
 /// [`run_forward_phases`]: on one ring, ten phases — the shared expert's and then the routed
-/// experts' down data gradient with the SwiGLU backward in its epilogue
-/// ([`Variant::ROWS_NN_SWIGLU_BWD`]), the shared expert's and then the routed experts' gate/up
-/// data gradient ([`Variant::ROWS_NN`]), the routed experts' three weight gradients (down, gate,
-/// up), then the shared expert's three ([`Variant::WGRAD_IN_PAIR`], each block walking its own
-/// share of the tiles) — phase `i` running the tiles of the plan `plan(i, own)` returns (null:
+/// experts' down data gradient (d_hidden), then, after the consumer warps have run
+/// `between_dgrads` (the SwiGLU backward: d_gate and d_up from d_hidden), the shared expert's
+/// and then the routed experts' gate/up data gradient (all four [`Variant::ROWS_NN`]), the
+/// routed experts' three weight gradients (down, gate, up), then the shared expert's three
+/// ([`Variant::WGRAD_IN_PAIR`], each block walking its own share of the tiles) — phase `i` running the tiles of the plan `plan(i, own)` returns (null:
 /// the phase is left out; only the shared expert's are) with the hooks `hooks(i, own)`. Each
 /// routed weight gradient runs for rank `own` of the launch only (`wgrad_ranks` 1) or for each
 /// of its `wgrad_ranks` ranks in turn, `plan(i, q)` and `hooks(i, q)` for q = 0, 1, … (the
@@ -312,21 +312,19 @@ pub unsafe fn run_forward_phases<H: TileHooks>(
 /// Every non-null plan `plan` returns is a valid parameter block of its phase's variant, its
 /// tile counter zeroed before the launch; the routed experts' phases are never null, and the
 /// shared expert's (`BackwardHandover::SHARED_*`) all null or none; each expert set's plans are
-/// over the same row
-/// groups; `plan` returns the same for every block of the cluster; the hooks' contracts hold;
+/// over the same row groups; every consumer warp calling `between_dgrads` is safe, and it waits
+/// only for down-dgrad tiles; `plan` returns the same for every block of the cluster; the hooks' contracts hold;
 /// with `wgrad_ranks` > 1 the same holds for every q < `wgrad_ranks`, and every block of the
 /// launch runs these phases with the same `wgrad_ranks`.
 #[inline(always)]
 pub unsafe fn run_backward_phases<H: TileHooks>(
     plan: impl Fn(u32, u32) -> *const GemmParams + Copy,
     hooks: impl Fn(u32, u32) -> H + Copy,
+    between_dgrads: impl Fn(),
     own: u32,
     wgrad_ranks: u32,
 ) -> Option<()> {
-    const {
-        assert!(cluster_blocks(Variant::ROWS_NN_SWIGLU_BWD) == 2 && cluster_blocks(Variant::ROWS_NN) == 2);
-    };
-    const S: u32 = Variant::ROWS_NN_SWIGLU_BWD;
+    const { assert!(cluster_blocks(Variant::ROWS_NN) == 2) };
     const N: u32 = Variant::ROWS_NN;
     const W: u32 = Variant::WGRAD_IN_PAIR;
     let ring = Ring::new();
@@ -336,9 +334,9 @@ pub unsafe fn run_backward_phases<H: TileHooks>(
     }
     cluster::cluster_sync();
     let warpgroup = thread / 128;
-    // The two down dgrads and the two gate/up dgrads each run as a loop (a runtime trip count:
-    // one inlined copy of the variant, where a call per phase spilled the consumers'
-    // registers); the routed weight gradients are three loops over the ranks whose tiles this
+    // The four data gradients run as one loop (a runtime trip count: one inlined copy of the
+    // variant, where a call per phase spilled the consumers' registers), the consumers leaving
+    // it once for the SwiGLU backward after the down dgrads; the routed weight gradients are three loops over the ranks whose tiles this
     // block walks, one call each with a constant phase in its hooks (short tiles, where a
     // per-tile choice between expert sets cost 2–4 % of the backward), the shared expert's a
     // loop after them.
@@ -360,14 +358,10 @@ pub unsafe fn run_backward_phases<H: TileHooks>(
             unsafe {
                 let mut walk = Walk::START;
                 let mut phase = first(B::SHARED_DOWN_DGRAD);
-                while phase <= B::DOWN_DGRAD {
-                    walk = produce::<S, H>(&*plan(phase), ring, hooks(phase), walk);
-                    phase += 1;
-                }
-                phase = first(B::SHARED_GATE_UP_DGRAD);
                 while phase <= B::GATE_UP_DGRAD {
                     walk = produce::<N, H>(&*plan(phase), ring, hooks(phase), walk);
-                    phase += 1;
+                    // Without a shared expert its gate/up dgrad is skipped too.
+                    phase += if phase == B::DOWN_DGRAD && !shared { 2 } else { 1 };
                 }
                 // One loop per product, so each call's hooks keep a constant phase.
                 let mut q = wgrad_first;
@@ -400,16 +394,13 @@ pub unsafe fn run_backward_phases<H: TileHooks>(
         unsafe {
             let mut walk = Walk::START;
             let mut phase = first(B::SHARED_DOWN_DGRAD);
-            while phase <= B::DOWN_DGRAD {
-                walk = consume::<S, H>(&*plan(phase), ring, wg, t, hooks(phase), walk);
-                walk = next_phase::<S>(ring, walk, t);
-                phase += 1;
-            }
-            phase = first(B::SHARED_GATE_UP_DGRAD);
             while phase <= B::GATE_UP_DGRAD {
                 walk = consume::<N, H>(&*plan(phase), ring, wg, t, hooks(phase), walk);
                 walk = next_phase::<N>(ring, walk, t);
-                phase += 1;
+                if phase == B::DOWN_DGRAD {
+                    between_dgrads();
+                }
+                phase += if phase == B::DOWN_DGRAD && !shared { 2 } else { 1 };
             }
             // The last phase's final stage stays unreleased (as every kernel's last phase), so
             // every weight-gradient phase but the first starts by releasing the one before.

@@ -19,8 +19,8 @@ use crate::comm::schedule::epoch_reached;
 use crate::comm::wait::{signal, wait_until};
 use crate::gemm_layout::{GemmParams, TILE_M, TILE_N, TileCounters, Variant};
 use crate::megakernel_layout::{
-    BackwardParams, ForwardParams, NO_FAULT, WORK_GEMMS, WORK_WEIGHT_GRADS, downstream_deadline, first_compute_block,
-    parts_per_m_tile, rank_of_pair, weight_gradient_walk,
+    BackwardParams, ForwardParams, NO_FAULT, WORK_GEMMS, WORK_WEIGHT_GRADS, down_dgrad_complete, downstream_deadline,
+    first_compute_block, parts_per_m_tile, rank_of_pair, weight_gradient_walk,
 };
 use crate::ptx::bulk;
 use crate::ptx::memory::fence_proxy_async_global;
@@ -121,7 +121,8 @@ impl TileHooks for Counters {
 /// What a tile's rows are ready by: an epoch flag per M tile (rows placed by the comm side; the
 /// standalone hooked kernels), a flag set this pass (the megakernel's dispatch), or the
 /// stored-part count per M tile of the GEMM phase that wrote them, complete at
-/// [`parts_per_m_tile`]`(n_tiles, rows)`.
+/// [`parts_per_m_tile`]`(n_tiles, rows)` (or, for the backward's d_gate and d_up rows, at
+/// [`down_dgrad_complete`]: after the SwiGLU backward's chunks too).
 #[derive(Clone, Copy)]
 enum Ready {
     /// `flags[m tile]` reaches `epoch` (wrapping).
@@ -131,6 +132,8 @@ enum Ready {
     /// `counts[m tile]` reaches the parts of a GEMM with `n_tiles` N tiles; `code` names the
     /// count in a record.
     Stored { counts: *const u32, n_tiles: u32, code: u32 },
+    /// `counts[m tile]` (the backward's `down_dgrad_stored`) reaches [`down_dgrad_complete`].
+    SwigluDone { counts: *const u32, n_tiles: u32, code: u32 },
 }
 
 /// Bounded wait of the producer thread until the rows of `work`'s M tile are ready, then the
@@ -152,10 +155,13 @@ unsafe fn wait_for_rows(p: &GemmParams, work: &Work, ready: Ready, error: *mut u
             Ready::Stored { counts, n_tiles, code } => {
                 (counts.add(tile as usize), parts_per_m_tile(n_tiles, work.rows), code)
             }
+            Ready::SwigluDone { counts, n_tiles, code } => {
+                (counts.add(tile as usize), down_dgrad_complete(n_tiles, work.rows), code)
+            }
         };
         let waited = match ready {
             Ready::Epoch { .. } => wait_until(counter, false, timeout_ns, error, |v| epoch_reached(v, expected)),
-            Ready::Flag { .. } | Ready::Stored { .. } => {
+            Ready::Flag { .. } | Ready::Stored { .. } | Ready::SwigluDone { .. } => {
                 wait_until(counter, false, timeout_ns, error, |v| v >= expected)
             }
         };
@@ -275,16 +281,17 @@ impl TileHooks for ForwardHandover {
 
 /// The backward megakernel's hand-over around its GEMM phases, read from the pass's
 /// [`BackwardParams`] where used:
-/// - [`BackwardHandover::DOWN_DGRAD`] (the down projection's data gradient with the SwiGLU
-///   backward): a tile waits for its M tile's `rows_gathered` flag and counts its parts in
-///   `down_dgrad_stored` (except `silent_hidden_tile`, fault injection);
-/// - [`BackwardHandover::GATE_UP_DGRAD`]: a tile waits until `down_dgrad_stored` says every
-///   down-dgrad part of its rows is stored (its A is d_gate and d_up) and counts its parts in
+/// - [`BackwardHandover::DOWN_DGRAD`] (the down projection's data gradient, d_hidden): a tile
+///   waits for its M tile's `rows_gathered` flag and counts its parts in `down_dgrad_stored`
+///   (except `silent_hidden_tile`, fault injection); the SwiGLU backward's chunks of the M
+///   tile wait for those parts and count in the same word (`megakernel::backward`);
+/// - [`BackwardHandover::GATE_UP_DGRAD`]: a tile waits until `down_dgrad_stored` says its rows'
+///   d_gate and d_up are written ([`down_dgrad_complete`]: its A) and counts its parts in
 ///   `gate_up_dgrad_stored`;
 /// - [`BackwardHandover::WGRAD_DOWN`] (`d_rowsᵀ·hidden`): a tile of expert g waits until every
 ///   M tile of g is gathered; [`BackwardHandover::WGRAD_GATE`] and
-///   [`BackwardHandover::WGRAD_UP`] (`d_gateᵀ·rows`, `d_upᵀ·rows`) until every down-dgrad part
-///   of g is stored. Nothing in the pass waits for a weight gradient, so those tiles count
+///   [`BackwardHandover::WGRAD_UP`] (`d_gateᵀ·rows`, `d_upᵀ·rows`) until every M tile of g has
+///   its d_gate and d_up. Nothing in the pass waits for a weight gradient, so those tiles count
 ///   nothing.
 ///
 /// The shared expert's phases (`SHARED_*`) do the same over its one group with its counters
@@ -302,10 +309,10 @@ pub struct BackwardHandover<const RANKS: bool> {
 }
 
 impl BackwardHandover<false> {
-    /// The shared expert's down data gradient, with the SwiGLU backward in its epilogue (the
-    /// phases are numbered in the order the megakernel runs them, `engine::run_backward_phases`).
+    /// The shared expert's down data gradient (the phases are numbered in the order the
+    /// megakernel runs them, `engine::run_backward_phases`).
     pub const SHARED_DOWN_DGRAD: u32 = 0;
-    /// The down projection's data gradient, with the SwiGLU backward in its epilogue.
+    /// The down projection's data gradient.
     pub const DOWN_DGRAD: u32 = 1;
     /// The shared expert's gate/up data gradient.
     pub const SHARED_GATE_UP_DGRAD: u32 = 2;
@@ -413,12 +420,12 @@ impl<const RANKS: bool> TileHooks for BackwardHandover<RANKS> {
                     wait_for_rows(p, work, ready, error, b.timeout_ns, 0);
                 }
                 BackwardHandover::SHARED_GATE_UP_DGRAD | BackwardHandover::GATE_UP_DGRAD => {
-                    let ready = Ready::Stored {
+                    let ready = Ready::SwigluDone {
                         counts: c.down_dgrad_stored as *const u32,
                         n_tiles: c.down_dgrad_n_tiles(),
                         code: c.down_dgrad_code,
                     };
-                    wait_for_rows(p, work, ready, error, downstream_deadline(b.timeout_ns, 1), 0);
+                    wait_for_rows(p, work, ready, error, downstream_deadline(b.timeout_ns, 2), 0);
                 }
                 phase => {
                     let gathered =
@@ -497,8 +504,8 @@ impl<const RANKS: bool> TileHooks for BackwardHandover<RANKS> {
 
 /// The producer of a weight-gradient tile of expert `group` (of the expert set `c` describes):
 /// bounded waits until every M tile of the group is gathered (`gathered`: the down weight
-/// gradient reads the dy rows) or has every down-dgrad part stored (the gate and up weight
-/// gradients read d_gate and d_up), then the async-proxy fence before the TMA copies. A failed
+/// gradient reads the dy rows) or has its d_gate and d_up written ([`down_dgrad_complete`]: the
+/// gate and up weight gradients read them), then the async-proxy fence before the TMA copies. A failed
 /// wait records itself like [`wait_for_rows`]' and the tile runs on what the rows hold.
 ///
 /// # Safety
@@ -520,9 +527,9 @@ unsafe fn wait_for_group(b: &BackwardParams, c: &BackwardCounters, group: u32, g
             } else {
                 (
                     (c.down_dgrad_stored as *const u32).add(tile as usize),
-                    parts_per_m_tile(n_tiles, rows),
+                    down_dgrad_complete(n_tiles, rows),
                     c.down_dgrad_code,
-                    downstream_deadline(b.timeout_ns, 1),
+                    downstream_deadline(b.timeout_ns, 2),
                 )
             };
             if let Err(seen) = wait_until(counter, false, timeout_ns, error, |v| v >= expected) {

@@ -17,18 +17,21 @@
 
 use crate::comm::RankView;
 use crate::comm::error::{
-    self, ERROR_TIMEOUT, WAIT_ENGINE_TILE_GATE_UP_DGRAD, WAIT_SHARED_TILE_GATE_UP_DGRAD, WAIT_SLOT_READY,
+    self, ERROR_TIMEOUT, WAIT_ENGINE_TILE_DOWN_DGRAD, WAIT_ENGINE_TILE_GATE_UP_DGRAD, WAIT_SHARED_TILE_DOWN_DGRAD,
+    WAIT_SHARED_TILE_GATE_UP_DGRAD, WAIT_SLOT_READY,
 };
 use crate::comm::params::ExchangeParams;
 use crate::comm::wait::{signal, wait_until};
-use crate::device::rows::{combine_quads, copy_row, dot_row, gather_scaled_row, gather_scaled_row_and_dot};
+use crate::device::rows::{
+    combine_quads, copy_row, dot_row, gather_scaled_row, gather_scaled_row_and_dot, swiglu_backward_octets,
+};
 use crate::gemm::engine::run_backward_phases;
 use crate::gemm::hooks::BackwardHandover;
 use crate::gemm_layout::{ENGINE_THREADS, GemmParams, TILE_M, TILE_N};
 use crate::layout::NO_ROW;
 use crate::megakernel_layout::{
-    BackwardParams, NO_FAULT, PassInputs, WORK_COMBINE, WORK_COPY_ROWS, WORK_GEMMS, WORK_WEIGHT_GRADS,
-    downstream_deadline, first_compute_block,
+    BackwardParams, NO_FAULT, PassInputs, SWIGLU_CHUNK_ROWS, SWIGLU_CHUNKS_PER_M_TILE, WORK_COMBINE, WORK_COPY_ROWS,
+    WORK_GEMMS, WORK_WEIGHT_GRADS, downstream_deadline, first_compute_block, parts_per_m_tile,
 };
 use crate::ptx::memory::{atom_add_relaxed_gpu_u32, ld_shared_u32, st_release_gpu_u32, st_shared_u32};
 use crate::ptx::{signal as warp, smem, sreg, sync};
@@ -129,6 +132,82 @@ pub unsafe fn gather<const RANKS: bool>(b: &BackwardParams, pass: &PassInputs, v
     }
 }
 
+/// The SwiGLU backward between the two data gradients, by a whole warp of a compute block's
+/// consumer warpgroups (after their down-dgrad tiles, before their gate/up-dgrad tiles):
+/// chunks of [`SWIGLU_CHUNK_ROWS`] rows taken one at a time from `swiglu_next` — the shared
+/// expert's M tiles first, then the routed ones, [`SWIGLU_CHUNKS_PER_M_TILE`] per M tile. Lane
+/// 0 waits (bounded, acquire) until every down-dgrad part of the chunk's M tile is stored, the
+/// warp writes the chunk's d_gate and d_up from d_hidden and the saved pre-activations
+/// ([`swiglu_backward_octets`]: the bits of `mok_swiglu_backward`), then lane 0 adds 1 to the
+/// tile's `down_dgrad_stored` with a release, so the tile is complete for the gate/up data and
+/// weight gradients at `down_dgrad_complete`. A chunk past a short tile's rows does nothing. The down data gradient runs as a plain GEMM with a TMA-store epilogue, whose
+/// stores drain under the next tile's MMAs; the SwiGLU backward in its epilogue (loads, math and
+/// 4-byte stores in both consumer warpgroups, no MMA meanwhile) cost ~4 ms of kimi 8192's
+/// backward (docs/PERF.md).
+///
+/// # Safety
+/// As [`gather`]; all 32 lanes call it; `b.swiglu` (and `b.shared_swiglu` with a shared expert)
+/// are the pass's rows.
+#[inline(always)]
+pub unsafe fn swiglu_backward_chunks(b: &BackwardParams, pass: &PassInputs) {
+    if b.work & WORK_GEMMS == 0 {
+        return;
+    }
+    // SAFETY: caller contract: the plans, their offsets and the rows.
+    unsafe {
+        let p = &*(b.down_dgrad as *const GemmParams);
+        let groups = p.groups as usize + 1;
+        let tile_offsets = core::slice::from_raw_parts(p.tile_offsets as *const u32, groups);
+        let row_offsets = core::slice::from_raw_parts(p.row_offsets as *const u32, groups);
+        let m_tiles = tile_offsets[groups - 1];
+        let shared_tiles = if b.shared_down_dgrad != 0 { pass.tokens.div_ceil(TILE_M) } else { 0 };
+        let (lane, error) = (sreg::lane_id(), b.error as *mut u32);
+        loop {
+            let claimed = if lane == 0 { atom_add_relaxed_gpu_u32(b.swiglu_next as *mut u32, 1) } else { 0 };
+            let claimed = sync::shfl_idx_u32(claimed, 0);
+            let (tile, chunk) = (claimed / SWIGLU_CHUNKS_PER_M_TILE, claimed % SWIGLU_CHUNKS_PER_M_TILE);
+            if tile >= shared_tiles + m_tiles {
+                return;
+            }
+            // The tile's rows [first, end) and the expert set's plan, rows and counts.
+            let (shared, tile) = if tile < shared_tiles { (true, tile) } else { (false, tile - shared_tiles) };
+            let (first, end, plan, rows, stored, code) = if shared {
+                let first = tile * TILE_M;
+                let plan = &*(b.shared_down_dgrad as *const GemmParams);
+                let stored = b.shared_down_dgrad_stored as *mut u32;
+                (first, (first + TILE_M).min(pass.tokens), plan, &b.shared_swiglu, stored, WAIT_SHARED_TILE_DOWN_DGRAD)
+            } else {
+                let g = group_of_tile(tile_offsets, tile).unwrap_or(0);
+                let first = row_offsets[g] + (tile - tile_offsets[g]) * TILE_M;
+                let end = (first + TILE_M).min(row_offsets[g + 1]);
+                (first, end, p, &b.swiglu, b.down_dgrad_stored as *mut u32, WAIT_ENGINE_TILE_DOWN_DGRAD)
+            };
+            let chunk_first = first + chunk * SWIGLU_CHUNK_ROWS;
+            let chunk_end = (chunk_first + SWIGLU_CHUNK_ROWS).min(end);
+            let counter = stored.add(tile as usize);
+            // A chunk without rows neither waits nor counts (`down_dgrad_complete`).
+            if chunk_first < chunk_end {
+                if lane == 0 {
+                    let expected = parts_per_m_tile(plan.n.div_ceil(TILE_N), end - first);
+                    let timeout_ns = downstream_deadline(b.timeout_ns, 1);
+                    if let Err(seen) = wait_until(counter, false, timeout_ns, error, |v| v >= expected) {
+                        error::record(error, [ERROR_TIMEOUT, code, b.rank, tile, expected, seen, b.rank, 0]);
+                    }
+                }
+                // Lane 0 acquired the tile's d_hidden; the warp barrier passes that on to every lane.
+                warp::warp_sync();
+                let width = rows.width as usize;
+                swiglu_backward_octets(rows, (chunk_first as usize * width, chunk_end as usize * width), lane);
+                // Every lane's stores before lane 0's release.
+                warp::warp_sync();
+                if lane == 0 {
+                    signal(counter, 1, false);
+                }
+            }
+        }
+    }
+}
+
 /// The dx combine, by a whole warp (comm blocks after their gather, compute blocks' consumer
 /// warps after their GEMM phases; across ranks after the rank's push): tokens taken one at a time
 /// from `combine_next`; each lane waits (bounded, acquire) until each routed slot's row is there
@@ -187,7 +266,7 @@ pub unsafe fn combine_dx<const RANKS: bool>(b: &BackwardParams, pass: &PassInput
                         let owner = *v.local::<u32>(regions.topk_ids).add(slot as usize) / v.params.local_experts;
                         let owner_error = v.peer::<u32>(regions.error, owner);
                         let flag = v.local::<u32>(regions.slot_ready).add(slot as usize);
-                        let timeout_ns = downstream_deadline(b.timeout_ns, 3);
+                        let timeout_ns = downstream_deadline(b.timeout_ns, 4);
                         if let Err(seen) = wait_until(flag, v.sys(), timeout_ns, owner_error, |x| x != 0)
                             && !error::has_error(owner_error)
                         {
@@ -200,7 +279,7 @@ pub unsafe fn combine_dx<const RANKS: bool>(b: &BackwardParams, pass: &PassInput
                         }
                         let (tile, expected) = stored_tile_of_row(p, row, n_tiles);
                         let counter = (b.gate_up_dgrad_stored as *const u32).add(tile as usize);
-                        let timeout_ns = downstream_deadline(b.timeout_ns, 2);
+                        let timeout_ns = downstream_deadline(b.timeout_ns, 3);
                         if let Err(seen) = wait_until(counter, false, timeout_ns, error, |v| v >= expected) {
                             error::record(
                                 error,
@@ -215,7 +294,7 @@ pub unsafe fn combine_dx<const RANKS: bool>(b: &BackwardParams, pass: &PassInput
                 wait_for_shared_tile(
                     shared,
                     (token, pass.tokens),
-                    (b.timeout_ns, error, b.rank),
+                    (downstream_deadline(b.timeout_ns, 3), error, b.rank),
                     WAIT_SHARED_TILE_GATE_UP_DGRAD,
                 );
             }
@@ -275,7 +354,7 @@ pub unsafe fn push_dx(b: &BackwardParams, view: &RankView) {
                 if b.work & WORK_GEMMS != 0 {
                     let (tile, expected) = stored_tile_of_row(p, row, n_tiles);
                     let counter = (b.gate_up_dgrad_stored as *const u32).add(tile as usize);
-                    let timeout_ns = downstream_deadline(b.timeout_ns, 2);
+                    let timeout_ns = downstream_deadline(b.timeout_ns, 3);
                     if let Err(seen) = wait_until(counter, false, timeout_ns, error, |v| v >= expected) {
                         error::record(
                             error,
@@ -380,7 +459,8 @@ pub unsafe fn backward<const RANKS: bool>(params: *const BackwardParams, pass: P
             };
             let hooks = move |phase, q: u32| BackwardHandover::<RANKS>::new(first_params.add(q as usize), phase);
             let wgrad_ranks = if RANKS { b.wgrad_ranks } else { 1 };
-            let phases = run_backward_phases(plan, hooks, b.launch_index, wgrad_ranks);
+            let swiglu = || swiglu_backward_chunks(b, &pass);
+            let phases = run_backward_phases(plan, hooks, swiglu, b.launch_index, wgrad_ranks);
             if phases.is_some() {
                 push_and_combine::<RANKS>(b, &pass, view.as_ref());
             }
