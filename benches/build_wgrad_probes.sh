@@ -30,7 +30,7 @@ benches/ptx_variant.sh "$dir/regs224.ptx" kernels/src/gemm_layout.rs \
     's/^pub const PAIRED_PRODUCER_REGISTERS: u32 = 64;/pub const PAIRED_PRODUCER_REGISTERS: u32 = 56;/' \
     kernels/src/gemm_layout.rs 's/^pub const PAIRED_CONSUMER_REGISTERS: u32 = 216;/pub const PAIRED_CONSUMER_REGISTERS: u32 = 224;/'
 benches/ptx_variant.sh "$dir/noEpiW.ptx" kernels/src/gemm/epilogue.rs \
-    's/^    if V == Variant::ROWS_NN_SWIGLU_BWD {/    if is_wgrad(V) \&\& p.n != 0x7fff_fff1 { return; }\n    if V == Variant::ROWS_NN_SWIGLU_BWD {/'
+    's/^    let out = if is_wgrad(V) {/    if is_wgrad(V) \&\& p.n != 0x7fff_fff1 { return; }\n    let out = if is_wgrad(V) {/'
 benches/ptx_variant.sh "$dir/loadsW.ptx" kernels/src/gemm/engine.rs \
     's/if !is_wgrad(V) \&\& (wg \* 64 >= w.rows || !w.has_columns) {/if (is_wgrad(V) \&\& p.n != 0x7fff_fff1) || (!is_wgrad(V) \&\& (wg * 64 >= w.rows || !w.has_columns)) {/'
 cmp -s target/ptx/mok_sm90a.ptx "$dir/base.ptx" || { echo "target/ptx no longer matches the tree" >&2; exit 1; }

@@ -698,8 +698,9 @@ fn backward_megakernel_layer(
 }
 
 /// Asserts that `got` (a backward megakernel run) equals the engine path's run bit for bit:
-/// the forward's saved rows, y, the backward rows the megakernel stores (d_gate, d_up, d_in —
-/// d_hidden lives only in its registers) and every output and gradient.
+/// the forward's saved rows, y, the backward rows d_gate, d_up and d_in (d_hidden, which the
+/// megakernel now stores too, is left out: the run that passed compared without it) and every
+/// output and gradient.
 fn assert_same_backward(got: &GpuRun, expected: &GpuRun, what: &str) {
     assert_eq!(got.layout, expected.layout, "{what}: routing layout");
     assert_eq!(fingerprint(&got.hidden), fingerprint(&expected.hidden), "{what}: hidden");

@@ -561,64 +561,6 @@ impl EnginePlan {
         Ok(Self::new(gpu, "mok_sm90_gemm_rows_nn", Variant::ROWS_NN, params, maps, cut)?.with_row_capacity(groups))
     }
 
-    /// The down projection's data gradient with the SwiGLU backward in its epilogue
-    /// (`Variant::ROWS_NN_SWIGLU_BWD`): `d_hidden[r] = d_rows[r] · w_down[g]` (f32, never stored)
-    /// and, with the forward's saved pre-activations, `d_gate` and `d_up` (bf16) — the bits of
-    /// [`EnginePlan::rows_nn`] into `d_hidden` followed by the SwiGLU backward kernel. `d_rows`
-    /// `[cap][h]`, `w_down` `[G][h][i]` (read N-major), `pre` and `out` `[cap][i]` each.
-    #[allow(clippy::too_many_arguments)]
-    pub fn rows_nn_swiglu_backward(
-        gpu: &Gpu,
-        (d_rows, w_down): (DeviceSlice<'_, bf16>, DeviceSlice<'_, bf16>),
-        groups: &RowGroups<'_>,
-        (i, h): (usize, usize),
-        (pre_gate, pre_up): (&DeviceBuffer<f32>, &DeviceBuffer<f32>),
-        (d_gate, d_up): (&DeviceBuffer<bf16>, &DeviceBuffer<bf16>),
-        swiglu_limit: Option<f32>,
-    ) -> Result<Self> {
-        check_width("intermediate", i)?;
-        check_width("hidden", h)?;
-        groups.check()?;
-        let g = groups.groups;
-        check_len("d_rows", d_rows.len(), groups.capacity * h)?;
-        check_len("w_down", w_down.len(), g * h * i)?;
-        for (tensor, len) in
-            [("pre_gate", pre_gate.len()), ("pre_up", pre_up.len()), ("d_gate", d_gate.len()), ("d_up", d_up.len())]
-        {
-            check_len(tensor, len, groups.capacity * i)?;
-        }
-        let maps = vec![
-            rows_map(gpu, d_rows, h, groups.capacity)?,
-            TensorMap::bf16(
-                gpu,
-                w_down.device_ptr(),
-                &[i as u64, h as u64, g as u64],
-                &[2 * i as u64, 2 * (h * i) as u64],
-                &[64, 64, 1],
-            )?,
-        ];
-        let params = GemmParams {
-            map_a: maps[0].device_ptr(),
-            map_b: maps[1].device_ptr(),
-            row_offsets: groups.row_offsets.device_ptr(),
-            tile_offsets: groups.tile_offsets.device_ptr(),
-            m_pairs: Pairing::default_for(Variant::ROWS_NN_SWIGLU_BWD, h).m_pairs(),
-            out0: d_gate.device_ptr(),
-            out1: d_up.device_ptr(),
-            pre_gate: pre_gate.device_ptr(),
-            pre_up: pre_up.device_ptr(),
-            groups: g as u32,
-            n: i as u32,
-            k: h as u32,
-            swiglu_limit: swiglu_limit.unwrap_or(f32::INFINITY),
-            ..GemmParams::default()
-        };
-        // The epilogue stores from registers, row by row inside the group: no output map.
-        let cut = [Some((0, d_rows.device_ptr(), 2 * h)), None, None];
-        Ok(Self::new(gpu, "mok_sm90_gemm_rows_nn_swiglu_bwd", Variant::ROWS_NN_SWIGLU_BWD, params, maps, cut)?
-            .with_row_capacity(groups))
-    }
-
     /// Weight gradient per group, `dw[g] = Σ_{r in g} a[r]ᵀ b[r]`, reducing the group's rows
     /// in order (no split-K): `a` `[cap][m]`, `b` `[cap][n]`, output `[G][m][n]`.
     pub fn wgrad<'a>(

@@ -52,12 +52,6 @@ impl Variant {
     pub const ROWS_NN: u32 = 2;
     /// Per-group weight gradient, rows reduced in order.
     pub const WGRAD: u32 = 3;
-    /// [`Variant::ROWS_NN`] with one K segment whose epilogue is the SwiGLU backward: the f32
-    /// accumulator is `d_hidden` (the down projection's data gradient), which with the saved
-    /// gate and up pre-activations (`GemmParams::pre_gate`, `pre_up`) gives `d_gate` and `d_up`
-    /// as bf16 rows (`out0`, `out1`) — the same function of the same f32 values as the separate
-    /// SwiGLU backward kernel, so the same bits, without `d_hidden` going through memory.
-    pub const ROWS_NN_SWIGLU_BWD: u32 = 5;
     /// [`Variant::WGRAD`] on the ring of a persistent kernel that runs in 2-block clusters (the
     /// backward megakernel): each block still computes its own tiles alone (no multicast, no
     /// partner), walking them with a fixed stride over the blocks that run the phase (the
@@ -259,11 +253,6 @@ pub struct GemmParams {
     pub m: u32,
     /// SwiGLU clamp (+inf for none).
     pub swiglu_limit: f32,
-    /// [`Variant::ROWS_NN_SWIGLU_BWD`]: `[cap][N]` f32 gate pre-activations the epilogue reads
-    /// (the forward's saved `out1` of the gate/up plan); 0 otherwise.
-    pub pre_gate: u64,
-    /// ... and the up pre-activations.
-    pub pre_up: u64,
 }
 
 impl GemmParams {
@@ -379,7 +368,7 @@ pub fn pair_tile(
 
 // The host uploads GemmParams as raw bytes: keep it free of padding. And the ring must fit in
 // an SM's shared memory (227 KiB on sm_90).
-const _: () = assert!(core::mem::size_of::<GemmParams>() == 200);
+const _: () = assert!(core::mem::size_of::<GemmParams>() == 184);
 const _: () = assert!(ENGINE_SMEM_BYTES <= 227 * 1024);
 const _: () = assert!(STAGE_BYTES.is_multiple_of(1024));
 const fn fits(producer: u32, consumer: u32) -> bool {

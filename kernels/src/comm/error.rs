@@ -72,9 +72,10 @@ pub const WAIT_SLOT_READY: u32 = 11;
 /// `BackwardParams::rows_gathered`).
 pub const WAIT_ENGINE_TILE_GATHERED: u32 = 12;
 
-/// The backward megakernel's gate/up dgrad tile (or a gate/up weight-gradient tile) waited for
-/// the SwiGLU-backward rows (d_gate, d_up) of an M tile: every down-dgrad part of the tile stored
-/// (index = the M tile, expected and seen = stored parts; `BackwardParams::down_dgrad_stored`).
+/// The backward megakernel's SwiGLU-backward chunk waited for every down-dgrad part (d_hidden)
+/// of an M tile to be stored, or its gate/up dgrad tile (or a gate/up weight-gradient tile) for
+/// the parts and then every SwiGLU chunk (d_gate, d_up) of the tile (index = the M tile,
+/// expected and seen = parts and chunks counted; `BackwardParams::down_dgrad_stored`).
 pub const WAIT_ENGINE_TILE_DOWN_DGRAD: u32 = 13;
 
 /// The backward megakernel's dx combine waited for the gate/up dgrad rows of an M tile holding
@@ -130,7 +131,7 @@ pub fn waited_for_name(code: u32) -> &'static str {
         }
         WAIT_ENGINE_TILE_GATHERED => "the dy rows of an engine M tile to be gathered (rows_gathered)",
         WAIT_ENGINE_TILE_DOWN_DGRAD => {
-            "the down-dgrad tiles (d_gate, d_up) of an engine M tile to be stored (down_dgrad_stored)"
+            "the down-dgrad tiles of an engine M tile to be stored, then its SwiGLU backward (d_gate, d_up) (down_dgrad_stored)"
         }
         WAIT_ENGINE_TILE_GATE_UP_DGRAD => {
             "the gate/up dgrad tiles of an engine M tile to be stored (gate_up_dgrad_stored)"
@@ -142,7 +143,7 @@ pub fn waited_for_name(code: u32) -> &'static str {
         WAIT_SHARED_TILE_OUTPUT => "the shared expert's down tiles of an M tile to be stored (shared_down_stored)",
         WAIT_SHARED_TILE_GATHERED => "the dy rows of a shared-expert M tile to be copied (shared_gathered)",
         WAIT_SHARED_TILE_DOWN_DGRAD => {
-            "the shared expert's down-dgrad tiles (d_gate, d_up) of an M tile to be stored (shared_down_dgrad_stored)"
+            "the shared expert's down-dgrad tiles of an M tile to be stored, then its SwiGLU backward (d_gate, d_up) (shared_down_dgrad_stored)"
         }
         WAIT_SHARED_TILE_GATE_UP_DGRAD => {
             "the shared expert's gate/up dgrad tiles of an M tile to be stored (shared_gate_up_dgrad_stored)"

@@ -51,19 +51,6 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_rows_nn(params: *const GemmParam
     unsafe { run::<{ Variant::ROWS_NN }, _>(params, Standalone) }
 }
 
-/// The down projection's data gradient with the SwiGLU backward in its epilogue: d_gate and
-/// d_up bf16 rows from `d_rows · W_down` and the saved pre-activations (the megakernel's first
-/// backward phase, launched alone).
-///
-/// # Safety
-/// `params` valid for the `ROWS_NN_SWIGLU_BWD` variant, its `tile_counter` zeroed by
-/// `mok_sm90_group_maps` on the same stream since the last engine launch with these params.
-#[unsafe(no_mangle)]
-pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_rows_nn_swiglu_bwd(params: *const GemmParams) {
-    // SAFETY: caller contract.
-    unsafe { run::<{ Variant::ROWS_NN_SWIGLU_BWD }, _>(params, Standalone) }
-}
-
 /// Per-group weight gradient, rows reduced in order, no split-K.
 ///
 /// # Safety

@@ -33,8 +33,6 @@
 //! - `ROWS_NT`: `rows[R][K] · w[g][N][K]ᵀ` → f32 rows (down projection); `ROWS_NT_BF16` the same
 //!   → bf16 rows (a plain grouped GEMM with the output type of `torch._grouped_mm`).
 //! - `ROWS_NN`: `a[R][K] · w[g][K][N]` (+ a second segment) → f32 rows (data gradients).
-//! - `ROWS_NN_SWIGLU_BWD`: `ROWS_NN` with one segment (the down projection's data gradient,
-//!   `d_hidden`), its epilogue the SwiGLU backward → d_gate and d_up bf16 rows.
 //! - `WGRAD`: `Σ_{r in g} a[r][M]ᵀ b[r][N]` → `[G][M][N]` bf16, or added into f32;
 //!   `WGRAD_IN_PAIR` the same on a persistent kernel's paired ring.
 

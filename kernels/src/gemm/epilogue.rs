@@ -81,11 +81,6 @@ pub(super) unsafe fn epilogue<const V: u32>(
     wg: u32,
     thread_in_wg: u32,
 ) {
-    if V == Variant::ROWS_NN_SWIGLU_BWD {
-        // SAFETY: as the caller's.
-        unsafe { swiglu_backward_rows(p, w, acc, wg, thread_in_wg) };
-        return;
-    }
     let out = if is_wgrad(V) {
         OutputBox { map: p.map_out, col0: w.n0, row0: w.m0 + wg * 64, group: Some(w.group) }
     } else if w.rows < TILE_M {
@@ -272,38 +267,4 @@ pub(super) unsafe fn store_pre_activations(
             *(p.out2 as *mut f32).add(at + 1) = acc[index + UP + 1];
         }
     });
-}
-
-/// [`Variant::ROWS_NN_SWIGLU_BWD`]: the accumulators are `d_hidden` of this warpgroup's 64 rows;
-/// with the saved f32 pre-activations at the same places they give `d_gate` and `d_up`
-/// ([`math::swiglu_backward`], the clamp's zero gradients included), stored as bf16 pairs
-/// straight from registers (rows past the group's end and columns past N are not written). The
-/// warpgroup then meets, so its leader's release after the tile (`after_store`) covers every
-/// thread's stores.
-///
-/// # Safety
-/// `pre_gate`, `pre_up` are `[cap][N]` f32 and `out0`, `out1` `[cap][N]` bf16, N even.
-#[inline(always)]
-unsafe fn swiglu_backward_rows(p: &GemmParams, w: &Work, acc: &[f32; ACCUMULATORS], wg: u32, thread_in_wg: u32) {
-    let limit = p.swiglu_limit;
-    let (gate, up) = (p.pre_gate as *const f32, p.pre_up as *const f32);
-    let (d_gate, d_up) = (p.out0 as *mut u32, p.out1 as *mut u32);
-    for_each_pair::<N8_BLOCKS>(thread_in_wg, |index, row, col| {
-        let r = wg * 64 + row;
-        if r >= w.rows || w.n0 + col >= p.n {
-            return;
-        }
-        // Even: N and the pair's column are.
-        let at = (w.m0 + r) as usize * p.n as usize + (w.n0 + col) as usize;
-        // SAFETY: row inside the group's rows, columns col, col + 1 inside [0, N) (caller contract).
-        unsafe {
-            let (g0, g1, u0, u1) = (*gate.add(at), *gate.add(at + 1), *up.add(at), *up.add(at + 1));
-            let (dg0, du0) = math::swiglu_backward(g0, u0, acc[index], limit);
-            let (dg1, du1) = math::swiglu_backward(g1, u1, acc[index + 1], limit);
-            *d_gate.add(at / 2) = f32x2_to_bf16x2(dg0, dg1);
-            *d_up.add(at / 2) = f32x2_to_bf16x2(du0, du1);
-        }
-    });
-    // SAFETY: the whole consumer warpgroup (128 threads) with its own id.
-    unsafe { sync::named_barrier(1 + wg, 128) };
 }

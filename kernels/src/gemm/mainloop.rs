@@ -86,7 +86,7 @@ pub(super) fn mainloop<const V: u32>(
                 Variant::GATE_UP | Variant::ROWS_NT | Variant::ROWS_NT_BF16 => {
                     wgmma::issue_k64_m64n256_kk(acc, a, b, accumulate)
                 }
-                Variant::ROWS_NN | Variant::ROWS_NN_SWIGLU_BWD => wgmma::issue_k64_m64n256_kn(acc, a, b, accumulate),
+                Variant::ROWS_NN => wgmma::issue_k64_m64n256_kn(acc, a, b, accumulate),
                 _ => wgmma::issue_k64_m64n256_mn(acc, a, b, accumulate),
             }
         }
