@@ -1432,6 +1432,31 @@ mod work_order_model {
             assert_eq!(progress, 1, "only the take of the weight-gradient tile happens; then it waits forever");
             assert!(!wrong.done() && world.sets[ROUTED].down_dgrad[0] == 0);
         }
+
+        #[test]
+        fn a_gate_up_tile_taken_before_the_swiglu_chunks_can_deadlock() {
+            // A lone block whose consumers took a gate/up-dgrad tile before running the SwiGLU
+            // chunks waits for chunks that only it would write.
+            let mut routed = Set::new(vec![0], 1, 1);
+            routed.gathered[0] = true;
+            routed.down_dgrad[0] = 1;
+            let mut world = Backward {
+                sets: [routed, Set::default()],
+                n_down_dgrad: 1,
+                n_chunks: 2,
+                n_gate_up_dgrad: 1,
+                tokens: vec![(vec![0], 0)],
+                combined: 0,
+                next: [0; 15],
+            };
+            world.next[gather(ROUTED)] = 1;
+            world.next[down_dgrad(ROUTED)] = 1;
+            let queues = vec![gate_up_dgrad(ROUTED), swiglu(ROUTED), COMBINE];
+            let mut wrong = Agent::new(compute_block(0, 1), queues);
+            let progress = lone_progress(&mut world, &mut wrong, &mut Rng(13));
+            assert_eq!(progress, 1, "only the take of the gate/up tile happens; then it waits forever");
+            assert!(!wrong.done() && world.sets[ROUTED].swiglu[0] == 0);
+        }
     }
 
     mod backward_ranks {

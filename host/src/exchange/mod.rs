@@ -787,10 +787,12 @@ pub(crate) fn decode_timeout(rank: Option<usize>, words: &[u32]) -> MokError {
         codes::WAIT_ENGINE_TILE_HIDDEN | codes::WAIT_ENGINE_TILE_OUTPUT | codes::WAIT_ENGINE_TILE_GATE_UP_DGRAD => {
             format!("M tile {index}: expected {expected} stored tile parts, {seen} counted")
         }
-        codes::WAIT_SHARED_TILE_HIDDEN | codes::WAIT_SHARED_TILE_OUTPUT | codes::WAIT_SHARED_TILE_GATE_UP_DGRAD => format!(
-            "shared-expert M tile {index} (tokens {}..): expected {expected} stored tile parts, {seen} counted",
-            index * mok_kernels::gemm_layout::TILE_M
-        ),
+        codes::WAIT_SHARED_TILE_HIDDEN | codes::WAIT_SHARED_TILE_OUTPUT | codes::WAIT_SHARED_TILE_GATE_UP_DGRAD => {
+            format!(
+                "shared-expert M tile {index} (tokens {}..): expected {expected} stored tile parts, {seen} counted",
+                index * mok_kernels::gemm_layout::TILE_M
+            )
+        }
         codes::WAIT_SHARED_TILE_DISPATCHED | codes::WAIT_SHARED_TILE_GATHERED => format!(
             "shared-expert M tile {index} (tokens {}..): expected its copied flag {expected}, it held {seen}",
             index * mok_kernels::gemm_layout::TILE_M
