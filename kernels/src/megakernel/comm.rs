@@ -128,10 +128,11 @@ pub unsafe fn dispatch(f: &ForwardParams, pass: &PassInputs, view: Option<&RankV
     }
 }
 
-/// A combine's bounded wait (acquire) until the shared expert's tiles of `token`'s M tile are
-/// all stored (`stored`: the counts of the shared expert's last GEMM before the combine, and
-/// that GEMM's plan, whose N tiles complete a tile): its rows are the first term of the
-/// token's sum. A failed wait records `code`.
+/// A combine's bounded wait (acquire, for at most `deadline_ns`: the caller's
+/// `downstream_deadline`) until the shared expert's tiles of `token`'s M tile are all stored
+/// (`stored`: the counts of the shared expert's last GEMM before the combine, and that GEMM's
+/// plan, whose N tiles complete a tile): its rows are the first term of the token's sum. A
+/// failed wait records `code`.
 ///
 /// # Safety
 /// The counts and the plan are the pass's (the shared expert's); `token` < `tokens`, the
@@ -140,7 +141,7 @@ pub unsafe fn dispatch(f: &ForwardParams, pass: &PassInputs, view: Option<&RankV
 pub(super) unsafe fn wait_for_shared_tile(
     (stored, plan): (*const u32, *const GemmParams),
     (token, tokens): (u32, u32),
-    (timeout_ns, error, rank): (u64, *mut u32, u32),
+    (deadline_ns, error, rank): (u64, *mut u32, u32),
     code: u32,
 ) {
     let tile = token / TILE_M;
@@ -149,7 +150,7 @@ pub(super) unsafe fn wait_for_shared_tile(
         let n_tiles = (*plan).n.div_ceil(TILE_N);
         let expected = parts_per_m_tile(n_tiles, (tokens - tile * TILE_M).min(TILE_M));
         let counter = stored.add(tile as usize);
-        if let Err(seen) = wait_until(counter, false, downstream_deadline(timeout_ns, 2), error, |v| v >= expected) {
+        if let Err(seen) = wait_until(counter, false, deadline_ns, error, |v| v >= expected) {
             error::record(error, [ERROR_TIMEOUT, code, rank, tile, expected, seen, rank, 0]);
         }
     }
@@ -326,7 +327,7 @@ pub unsafe fn combine(f: &ForwardParams, pass: &PassInputs, view: Option<&RankVi
                 wait_for_shared_tile(
                     shared,
                     (token, pass.tokens),
-                    (f.timeout_ns, error, f.rank),
+                    (downstream_deadline(f.timeout_ns, 2), error, f.rank),
                     WAIT_SHARED_TILE_OUTPUT,
                 );
             }
