@@ -760,8 +760,8 @@ fn main_grads_start(c: &MoeConfig, seed: u64) -> Vec<Vec<f32>> {
 
 #[test]
 fn backward_megakernel_is_bitwise_the_engine_path() {
-    // One persistent launch for the routed backward (gather with d_topk_weights, the down dgrad
-    // with the SwiGLU backward fused, the gate/up dgrad, three weight gradients, the dx combine)
+    // One persistent launch for the routed backward (gather with d_topk_weights, the down dgrad,
+    // the SwiGLU backward, the gate/up dgrad, three weight gradients, the dx combine)
     // must give the engine path's bits for every comm-block split and grid size, with fresh
     // bf16 and accumulated f32 weight gradients, on ragged, empty and hot experts, T = 1, k = 1
     // and k = 10, dropped slots, the shared expert and the SwiGLU limit; after either forward.

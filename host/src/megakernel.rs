@@ -1338,7 +1338,10 @@ mod work_order_model {
             }
 
             fn pipelined(unit: Unit) -> bool {
-                !matches!(unit, Unit::Gather(..) | Unit::Swiglu(..) | Unit::Combine(_))
+                // A SwiGLU chunk runs on the consumers like a GEMM tile's epilogue, so the
+                // producer may already hold (and wait on) the next unit, a gate/up-dgrad tile
+                // after the last chunk, as in the kernel.
+                !matches!(unit, Unit::Gather(..) | Unit::Combine(_))
             }
         }
 
@@ -1593,7 +1596,7 @@ mod work_order_model {
             }
 
             fn pipelined(unit: Unit) -> bool {
-                matches!(unit, Unit::DownDgrad(..) | Unit::GateUpDgrad(..) | Unit::Wgrad(..))
+                matches!(unit, Unit::DownDgrad(..) | Unit::Swiglu(..) | Unit::GateUpDgrad(..) | Unit::Wgrad(..))
             }
         }
 

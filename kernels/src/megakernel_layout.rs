@@ -230,9 +230,9 @@ pub struct BackwardParams {
     /// (`weight_gradient_walk`). Each tile is still computed whole by one block, so the bits
     /// do not depend on it.
     pub wgrad_ranks: u32,
-    /// The shared expert's down data-gradient plan with the SwiGLU backward (A = `shared_dy`,
-    /// one group of the pass's T tokens; out = its d_gate and d_up), or 0 when the pass has no
-    /// shared expert (then every `shared_*` field is unused).
+    /// The shared expert's down data-gradient plan (A = `shared_dy`, one group of the pass's T
+    /// tokens; out = the f32 `d_hidden` of [`BackwardParams::shared_swiglu`]), or 0 when the pass
+    /// has no shared expert (then every `shared_*` field is unused).
     pub shared_down_dgrad: u64,
     /// Its gate/up data-gradient plan (out = its f32 dx rows: `PassInputs::shared_rows`, the
     /// first term of each token's dx sum).

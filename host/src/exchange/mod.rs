@@ -778,10 +778,12 @@ pub(crate) fn decode_timeout(rank: Option<usize>, words: &[u32]) -> MokError {
         codes::WAIT_BULK_COPY => format!("ring row {index}"),
         codes::WAIT_ENGINE_TILE_ROWS => format!("M tile {index}: expected epoch {expected}, the flag held {seen}"),
         codes::WAIT_ENGINE_TILE_DOWN_DGRAD => {
-            format!("M tile {index}: expected {expected} stored tile parts and SwiGLU chunks, {seen} counted")
+            format!(
+                "M tile {index}: expected {expected} counted (its stored tile parts, then its SwiGLU chunks), {seen} counted"
+            )
         }
         codes::WAIT_SHARED_TILE_DOWN_DGRAD => format!(
-            "shared-expert M tile {index} (tokens {}..): expected {expected} stored tile parts and SwiGLU chunks, {seen} counted",
+            "shared-expert M tile {index} (tokens {}..): expected {expected} counted (its stored tile parts, then its SwiGLU chunks), {seen} counted",
             index * mok_kernels::gemm_layout::TILE_M
         ),
         codes::WAIT_ENGINE_TILE_HIDDEN | codes::WAIT_ENGINE_TILE_OUTPUT | codes::WAIT_ENGINE_TILE_GATE_UP_DGRAD => {

@@ -558,7 +558,7 @@ pub(crate) struct SharedEnginePlans {
 }
 
 /// The shared expert's five plans inside the backward megakernel (`BackwardParams` order: the
-/// down dgrad with the SwiGLU backward, the gate/up dgrad, the down, gate and up weight
+/// down dgrad, the gate/up dgrad, the down, gate and up weight
 /// gradients), the dy rows they read (copied by the megakernel's gather), and the input rows
 /// and gradient targets they were built for.
 struct SharedBackwardPlans {

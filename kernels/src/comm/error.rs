@@ -103,9 +103,10 @@ pub const WAIT_SHARED_TILE_OUTPUT: u32 = 17;
 /// `BackwardParams::shared_gathered`).
 pub const WAIT_SHARED_TILE_GATHERED: u32 = 18;
 
-/// The backward megakernel's shared-expert gate/up dgrad tile (or its gate or up weight-gradient
-/// tile) waited for the shared d_gate and d_up rows of an M tile (index = the shared M tile,
-/// expected and seen = stored parts; `BackwardParams::shared_down_dgrad_stored`).
+/// As [`WAIT_ENGINE_TILE_DOWN_DGRAD`] for the shared expert: its SwiGLU chunk waited for the
+/// down-dgrad parts of an M tile, or its gate/up dgrad tile (or its gate or up weight-gradient
+/// tile) for the parts and then the chunks (index = the shared M tile, expected and seen = parts
+/// and chunks counted; `BackwardParams::shared_down_dgrad_stored`).
 pub const WAIT_SHARED_TILE_DOWN_DGRAD: u32 = 19;
 
 /// The backward megakernel's dx combine waited for the shared expert's dx rows of its token's

@@ -166,8 +166,8 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_forward_ranks(
 }
 
 /// The backward megakernel on one GPU: the whole backward pass of the routed experts (gather,
-/// slot-weight gradients, both data gradients with the SwiGLU backward, the three weight
-/// gradients, the dx combine) in one launch. The pass's inputs are arguments, as in
+/// slot-weight gradients, both data gradients with the SwiGLU backward between them, the three
+/// weight gradients, the dx combine) in one launch. The pass's inputs are arguments, as in
 /// [`mok_sm90_forward`]: dy, the slot weights, the shared expert's f32 dx rows (null for none)
 /// and T.
 ///

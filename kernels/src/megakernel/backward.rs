@@ -6,12 +6,12 @@
 //! weight, M tile by M tile from one queue, each tile published; the same warp also reduces the
 //! slot-weight gradient `⟨dy[t], out[row]⟩` of each row it gathers). Blocks `0 .. comm_blocks`
 //! then only run the [`combine_dx`]; the blocks from the next whole pair on are the compute
-//! role, in 2-block clusters: the down projection's data gradient with the SwiGLU backward in its
-//! epilogue (d_gate, d_up), the gate/up data gradient (dx rows) and the three weight gradients,
-//! each tile as soon as what it reads is there (the engine's phases with [`BackwardHandover`]
-//! hooks), then their consumer warps join the combine. Work is taken in the order gather, down
-//! dgrad, gate/up dgrad, weight gradients, combine, so a wait is always on work a running block
-//! already holds (docs/ARCHITECTURE.md). Every result is the engine path's bits: the same
+//! role, in 2-block clusters: the down projection's data gradient (d_hidden), the SwiGLU
+//! backward ([`swiglu_backward_chunks`]: d_gate, d_up), the gate/up data gradient (dx rows) and
+//! the three weight gradients, each as soon as what it reads is there (the engine's phases with
+//! [`BackwardHandover`] hooks), then their consumer warps join the combine. Work is taken in the
+//! order gather, down dgrad, SwiGLU chunks, gate/up dgrad, weight gradients, combine, so a wait
+//! is always on work a running block already holds (docs/ARCHITECTURE.md). Every result is the engine path's bits: the same
 //! scaled copies, the same dot products in the same order, each GEMM tile the same K loop and
 //! the same epilogue arithmetic, each token's sum the same order.
 
@@ -140,10 +140,11 @@ pub unsafe fn gather<const RANKS: bool>(b: &BackwardParams, pass: &PassInputs, v
 /// warp writes the chunk's d_gate and d_up from d_hidden and the saved pre-activations
 /// ([`swiglu_backward_octets`]: the bits of `mok_swiglu_backward`), then lane 0 adds 1 to the
 /// tile's `down_dgrad_stored` with a release, so the tile is complete for the gate/up data and
-/// weight gradients at `down_dgrad_complete`. A chunk past a short tile's rows does nothing. The down data gradient runs as a plain GEMM with a TMA-store epilogue, whose
-/// stores drain under the next tile's MMAs; the SwiGLU backward in its epilogue (loads, math and
-/// 4-byte stores in both consumer warpgroups, no MMA meanwhile) cost ~4 ms of kimi 8192's
-/// backward (docs/PERF.md).
+/// weight gradients at `down_dgrad_complete`. A chunk past a short tile's rows does nothing.
+/// The down data gradient runs as a plain GEMM with a TMA-store epilogue, whose stores drain
+/// under the next tile's MMAs; the SwiGLU backward in its epilogue (loads, math and 4-byte
+/// stores in both consumer warpgroups, no MMA meanwhile) cost ~4 ms of kimi 8192's backward
+/// (docs/PERF.md).
 ///
 /// # Safety
 /// As [`gather`]; all 32 lanes call it; `b.swiglu` (and `b.shared_swiglu` with a shared expert)
