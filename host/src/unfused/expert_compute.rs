@@ -532,7 +532,7 @@ pub(crate) fn backward_pass_plans<'a>(
     shared: Option<&'a SharedEnginePlans>,
 ) -> Vec<&'a crate::gemm::EnginePlan> {
     let mut plans = routed.to_vec();
-    plans.extend(shared.and_then(SharedEnginePlans::backward_plans).map(|(plans, _)| plans).into_iter().flatten());
+    plans.extend(shared.and_then(SharedEnginePlans::backward_plans).into_iter().flatten());
     plans
 }
 
@@ -676,9 +676,9 @@ impl SharedEnginePlans {
         Ok(())
     }
 
-    /// The backward plans ([`Self::prepare_backward`]) and the dy rows they read.
-    pub(crate) fn backward_plans(&self) -> Option<([&crate::gemm::EnginePlan; 5], u64)> {
-        self.backward.as_ref().map(|b| (b.plans.each_ref(), b.dy_rows.device_ptr()))
+    /// The backward plans ([`Self::prepare_backward`]).
+    pub(crate) fn backward_plans(&self) -> Option<[&crate::gemm::EnginePlan; 5]> {
+        self.backward.as_ref().map(|b| b.plans.each_ref())
     }
 
     /// The backward megakernel's view of this shared expert ([`Self::prepare_backward`] built

@@ -296,8 +296,9 @@ pub unsafe fn run_forward_phases<H: TileHooks>(
 /// `between_dgrads` (the SwiGLU backward: d_gate and d_up from d_hidden), the shared expert's
 /// and then the routed experts' gate/up data gradient (all four [`Variant::ROWS_NN`]), the
 /// routed experts' three weight gradients (down, gate, up), then the shared expert's three
-/// ([`Variant::WGRAD_IN_PAIR`], each block walking its own share of the tiles) — phase `i` running the tiles of the plan `plan(i, own)` returns (null:
-/// the phase is left out; only the shared expert's are) with the hooks `hooks(i, own)`. Each
+/// ([`Variant::WGRAD_IN_PAIR`], each block walking its own share of the tiles) — phase `i`
+/// running the tiles of the plan `plan(i, own)` returns (null: the phase is left out; only the
+/// shared expert's are) with the hooks `hooks(i, own)`. Each
 /// routed weight gradient runs for rank `own` of the launch only (`wgrad_ranks` 1) or for each
 /// of its `wgrad_ranks` ranks in turn, `plan(i, q)` and `hooks(i, q)` for q = 0, 1, … (the
 /// hooks' walk then takes this block's share of every rank's tiles). A block moves on
@@ -311,7 +312,8 @@ pub unsafe fn run_forward_phases<H: TileHooks>(
 /// tile counter zeroed before the launch; the routed experts' phases are never null, and the
 /// shared expert's (`BackwardHandover::SHARED_*`) all null or none; each expert set's plans are
 /// over the same row groups; every consumer warp calling `between_dgrads` is safe, and it waits
-/// only for down-dgrad tiles; `plan` returns the same for every block of the cluster; the hooks' contracts hold;
+/// only for down-dgrad tiles; `plan` returns the same for every block of the cluster; the
+/// hooks' contracts hold;
 /// with `wgrad_ranks` > 1 the same holds for every q < `wgrad_ranks`, and every block of the
 /// launch runs these phases with the same `wgrad_ranks`.
 #[inline(always)]
@@ -334,10 +336,10 @@ pub unsafe fn run_backward_phases<H: TileHooks>(
     let warpgroup = thread / 128;
     // The four data gradients run as one loop (a runtime trip count: one inlined copy of the
     // variant, where a call per phase spilled the consumers' registers), the consumers leaving
-    // it once for the SwiGLU backward after the down dgrads; the routed weight gradients are three loops over the ranks whose tiles this
-    // block walks, one call each with a constant phase in its hooks (short tiles, where a
-    // per-tile choice between expert sets cost 2–4 % of the backward), the shared expert's a
-    // loop after them.
+    // it once for the SwiGLU backward after the down dgrads; the routed weight gradients are
+    // three loops over the ranks whose tiles this block walks, one call each with a constant
+    // phase in its hooks (short tiles, where a per-tile choice between expert sets cost 2–4 % of
+    // the backward), the shared expert's a loop after them.
     // The phases are numbered as `BackwardHandover`'s; each routed data gradient follows the
     // shared expert's of the same product.
     type B = BackwardHandover<false>;

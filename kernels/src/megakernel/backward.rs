@@ -11,9 +11,10 @@
 //! the three weight gradients, each as soon as what it reads is there (the engine's phases with
 //! [`BackwardHandover`] hooks), then their consumer warps join the combine. Work is taken in the
 //! order gather, down dgrad, SwiGLU chunks, gate/up dgrad, weight gradients, combine, so a wait
-//! is always on work a running block already holds (docs/ARCHITECTURE.md). Every result is the engine path's bits: the same
-//! scaled copies, the same dot products in the same order, each GEMM tile the same K loop and
-//! the same epilogue arithmetic, each token's sum the same order.
+//! is always on work a running block already holds (docs/ARCHITECTURE.md). Every result is the
+//! engine path's bits: the same scaled copies, the same dot products in the same order, each
+//! GEMM tile the same K loop and the same epilogue arithmetic, the SwiGLU backward the same
+//! function of the same f32 values, each token's sum the same order.
 
 use crate::comm::RankView;
 use crate::comm::error::{
