@@ -893,10 +893,11 @@ mod work_order_model {
     }
 
     mod forward {
-        //! The forward: each rank's blocks take dispatch tiles (the shared expert's copies
-        //! first), the shared expert's gate/up tiles, the routed gate/up tiles, the shared down
-        //! tiles, the routed down tiles, across ranks push rows, and combine tokens from the
-        //! rank's queues in that order. A pushed row waits on its rank's down tile; a token's
+        //! The forward: each rank's comm blocks and the spare producer warps of its compute
+        //! blocks (agents of their own) take dispatch tiles (the shared expert's copies first);
+        //! its compute pairs take the shared expert's gate/up tiles, the routed gate/up tiles,
+        //! the shared down tiles, the routed down tiles, across ranks push rows, and combine
+        //! tokens from the rank's queues in that order (comm blocks: push and combine). A pushed row waits on its rank's down tile; a token's
         //! combine on its shared-expert tile and, across ranks on the rows its owners push, on
         //! one GPU on the down tiles.
 
@@ -925,9 +926,10 @@ mod work_order_model {
         const SHARED_DISPATCH: usize = 5;
         const SHARED_GATE_UP: usize = 6;
         const SHARED_DOWN: usize = 7;
-        /// Every queue a compute pair takes, in the kernel's order.
-        const COMPUTE_ORDER: [usize; 8] =
-            [SHARED_DISPATCH, DISPATCH, SHARED_GATE_UP, GATE_UP, SHARED_DOWN, DOWN, PUSH, COMBINE];
+        /// Every queue a compute pair's producer and consumers take, in the kernel's order.
+        const COMPUTE_ORDER: [usize; 6] = [SHARED_GATE_UP, GATE_UP, SHARED_DOWN, DOWN, PUSH, COMBINE];
+        /// What a compute block's spare producer warps take, alongside.
+        const SPARE_ORDER: [usize; 2] = [SHARED_DISPATCH, DISPATCH];
 
         /// One rank's counters and queues.
         #[derive(Default)]
@@ -1103,6 +1105,8 @@ mod work_order_model {
                         (0..comm_blocks).map(|_| Agent::new(rank(r), vec![SHARED_DISPATCH, DISPATCH, PUSH, COMBINE])),
                     );
                     agents.extend((0..pairs).map(|_| Agent::new(rank(r), COMPUTE_ORDER.to_vec())));
+                    // Each block of a pair has its spare warps: the dispatch, on their own.
+                    agents.extend((0..2 * pairs).map(|_| Agent::new(rank(r), SPARE_ORDER.to_vec())));
                 }
                 let what = format!("case {case}: {ranks} ranks, {comm_blocks} comm blocks and {pairs} pairs each");
                 run_to_completion(&mut world, &mut agents, &mut rng, &what);
@@ -1165,7 +1169,8 @@ mod work_order_model {
 
     mod backward {
         //! The backward (one GPU): blocks take gather tiles, down-dgrad tiles, SwiGLU-backward
-        //! chunks, gate/up-dgrad tiles, then their own fixed-stride share of each of the three
+        //! chunks (which their producer warpgroup's spare warps also take, from the start, as
+        //! an agent of their own), gate/up-dgrad tiles, then their own fixed-stride share of each of the three
         //! weight gradients' tiles, then combine tokens. A down-dgrad tile waits on its M
         //! tile's gather, a SwiGLU chunk on its M tile's down-dgrad parts, a gate/up-dgrad tile
         //! on its M tile's SwiGLU chunks, the down weight gradient of expert g on every gather of
@@ -1395,9 +1400,14 @@ mod work_order_model {
                 let mut agents: Vec<Agent<Unit>> = (0..comm_blocks)
                     .map(|_| Agent::new(Who::default(), vec![gather(SHARED), gather(ROUTED), COMBINE]))
                     .collect();
-                // Each block of a pair walks its own weight-gradient share: one agent per block.
+                // Each block of a pair walks its own weight-gradient share: one agent per block;
+                // its producer warpgroup's spare warps take SwiGLU chunks on their own: one more.
                 agents.extend(
                     (0..compute_blocks).map(|b| Agent::new(compute_block(b, compute_blocks), compute_queues())),
+                );
+                agents.extend(
+                    (0..compute_blocks)
+                        .map(|b| Agent::new(compute_block(b, compute_blocks), vec![swiglu(SHARED), swiglu(ROUTED)])),
                 );
                 let what =
                     format!("case {case}: {comm_blocks} comm blocks and {pairs} pairs, {shared_tiles} shared tiles");
@@ -1464,7 +1474,8 @@ mod work_order_model {
 
     mod backward_ranks {
         //! The backward across ranks in one launch: each rank's blocks take its gather tiles,
-        //! down-dgrad tiles, SwiGLU chunks and gate/up-dgrad tiles from its own queues; then every compute block of
+        //! down-dgrad tiles, SwiGLU chunks (their spare producer warps too, as agents of their
+        //! own) and gate/up-dgrad tiles from its own queues; then every compute block of
         //! the launch walks the routed weight-gradient tiles of every rank, product by product,
         //! rank after rank (`weight_gradient_walk`, the kernel's own function); then it pushes its
         //! rank's finished rows and combines its rank's tokens. A weight-gradient tile of rank q
@@ -1666,6 +1677,8 @@ mod work_order_model {
                     for _ in 0..2 * p {
                         let who = Who { rank, compute: (index, launch_compute), ..Who::default() };
                         agents.push(Agent::new(who, compute_queues.clone()));
+                        // The block's spare producer warps, on the rank's chunks alone.
+                        agents.push(Agent::new(who, vec![SWIGLU]));
                         index += 1;
                     }
                 }

@@ -37,6 +37,11 @@ pub const CONSUMER_REGISTERS: u32 = 224;
 pub const PAIRED_PRODUCER_REGISTERS: u32 = 64;
 /// See [`PAIRED_PRODUCER_REGISTERS`].
 pub const PAIRED_CONSUMER_REGISTERS: u32 = 216;
+/// The producer warpgroup's registers in the megakernels' GEMM phases (with
+/// [`PAIRED_CONSUMER_REGISTERS`] for the consumers: the whole pool): besides the producer
+/// thread, its three spare warps move rows there (the forward's dispatch, the backward's
+/// SwiGLU chunks), whose loads in flight need the registers.
+pub const MEGAKERNEL_PRODUCER_REGISTERS: u32 = 72;
 /// Which product an engine instance computes (the kernels' const generic).
 pub struct Variant;
 
@@ -379,6 +384,7 @@ const fn fits(producer: u32, consumer: u32) -> bool {
 }
 const _: () = assert!(fits(PRODUCER_REGISTERS, CONSUMER_REGISTERS));
 const _: () = assert!(fits(PAIRED_PRODUCER_REGISTERS, PAIRED_CONSUMER_REGISTERS));
+const _: () = assert!(fits(MEGAKERNEL_PRODUCER_REGISTERS, PAIRED_CONSUMER_REGISTERS));
 
 #[cfg(test)]
 mod tests {

@@ -36,8 +36,9 @@ pub struct ForwardParams {
     pub down_rows: u64,
     /// `[T][H]` bf16: the layer output.
     pub y: u64,
-    /// `[M tiles]` u32: 1 once this pass's rows of that M tile are all in `rows` (set by the
-    /// dispatching block with a release); cleared in stream order before the pass.
+    /// `[M tiles]` u32: the dispatch chunks of that M tile copied into `rows` this pass (each
+    /// counted by its warp with a release; all there at [`dispatch_complete`]); cleared in
+    /// stream order before the pass.
     pub rows_dispatched: u64,
     /// `[M tiles]` u32: the gate/up tile parts stored per M tile (one per N tile and consumer
     /// warpgroup with rows); cleared in stream order before the pass.
@@ -46,7 +47,8 @@ pub struct ForwardParams {
     pub down_stored: u64,
     /// One u32: the next token of the combine to hand out; cleared before the pass.
     pub combine_next: u64,
-    /// One u32: the next M tile of the dispatch to hand out; cleared before the pass.
+    /// One u32: the next dispatch chunk to hand out ([`DISPATCH_CHUNKS_PER_M_TILE`] per M tile,
+    /// the shared expert's first); cleared before the pass.
     pub dispatch_next: u64,
     /// `comm::params::ERROR_WORDS` u32: the pass's first failure (`comm::error` format); with
     /// ranks, the rank's record in the symmetric heap.
@@ -72,8 +74,8 @@ pub struct ForwardParams {
     /// `[cap][H]` bf16: the token rows copied for the shared gate/up (x is a per-pass input and
     /// its tensor map needs a fixed address).
     pub shared_x: u64,
-    /// `[shared M tiles]` u32: 1 once that tile's token rows are in `shared_x`; cleared before
-    /// the pass.
+    /// `[shared M tiles]` u32: the dispatch chunks of that tile's token rows copied into
+    /// `shared_x` (complete at [`dispatch_complete`]); cleared before the pass.
     pub shared_dispatched: u64,
     /// `[shared M tiles]` u32: the shared gate/up parts stored per M tile; cleared before the
     /// pass.
@@ -355,6 +357,19 @@ pub const fn rank_of_pair(pair: u32, pairs: u32, ranks: u32) -> u32 {
 pub const fn weight_gradient_walk(block: u32, compute_blocks: u32, list: u32, tiles: u32) -> (u32, u32) {
     let offset = ((list as u64 * tiles as u64) % compute_blocks as u64) as u32;
     ((block + compute_blocks - offset) % compute_blocks, compute_blocks)
+}
+
+/// Rows of one dispatch chunk of the forward megakernel: a warp's unit of work. The hand-out
+/// numbers [`DISPATCH_CHUNKS_PER_M_TILE`] per M tile; a chunk past a short tile's rows does
+/// nothing.
+pub const DISPATCH_CHUNK_ROWS: u32 = 16;
+/// Chunk numbers per 128-row M tile.
+pub const DISPATCH_CHUNKS_PER_M_TILE: u32 = 128 / DISPATCH_CHUNK_ROWS;
+
+/// The `rows_dispatched` (or `shared_dispatched`) count at which an M tile of `rows` rows is
+/// dispatched: one per chunk with rows.
+pub const fn dispatch_complete(rows: u32) -> u32 {
+    rows.div_ceil(DISPATCH_CHUNK_ROWS)
 }
 
 /// Stored parts that complete an M tile of `rows` rows in a GEMM of `n_tiles` N tiles: each N

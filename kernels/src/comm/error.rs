@@ -58,7 +58,8 @@ pub const WAIT_ENGINE_TILE_HIDDEN: u32 = 8;
 pub const WAIT_ENGINE_TILE_OUTPUT: u32 = 9;
 
 /// The forward megakernel's gate/up tile waited for the dispatch of its M tile's rows (index =
-/// the M tile, expected 1 = set; `ForwardParams::rows_dispatched`).
+/// the M tile, expected and seen = dispatch chunks copied, `dispatch_complete`;
+/// `ForwardParams::rows_dispatched`).
 pub const WAIT_ENGINE_TILE_DISPATCHED: u32 = 10;
 
 /// A megakernel's combine, across ranks, waited for the row of one of the token's slots to be
@@ -84,8 +85,8 @@ pub const WAIT_ENGINE_TILE_DOWN_DGRAD: u32 = 13;
 pub const WAIT_ENGINE_TILE_GATE_UP_DGRAD: u32 = 14;
 
 /// The forward megakernel's shared-expert gate/up tile waited for the copy of its token rows
-/// (index = the shared expert's M tile, tokens 128·index.., expected 1 = set;
-/// `ForwardParams::shared_dispatched`).
+/// (index = the shared expert's M tile, tokens 128·index.., expected and seen = dispatch chunks
+/// copied; `ForwardParams::shared_dispatched`).
 pub const WAIT_SHARED_TILE_DISPATCHED: u32 = 15;
 
 /// The forward megakernel's shared-expert down tile waited for the shared hidden rows of its M

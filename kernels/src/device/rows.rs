@@ -268,14 +268,20 @@ pub unsafe fn dot_row(dy: *const u16, out: *const f32, width: u32, lane: u32) ->
 /// warp (`rows`: `[..][width]` each, `begin` and `end` multiples of 8): `d_gate`, `d_up` =
 /// `bf16(math::swiglu_backward(gate, up, d_hidden, limit))` element by element, the bits of
 /// `mok_swiglu_backward`. Each lane takes 8 consecutive elements (two 16-byte loads from each
-/// f32 input, one 16-byte store to each output), and two such groups are loaded before either
-/// is computed, so a lane keeps 12 loads in flight.
+/// f32 input, one 16-byte store to each output), and `IN_FLIGHT` (1 or 2) such groups are
+/// loaded before any is computed, so a lane keeps 6 · `IN_FLIGHT` loads in flight: 2 where the
+/// registers allow, 1 for warps with few (24 registers a group).
 ///
 /// # Safety
 /// `rows` holds valid `[..][width]` tensors covering `end` elements, 32-byte aligned (f32) and
 /// 16-byte aligned (bf16); their inputs are written and visible to every lane.
 #[inline(always)]
-pub unsafe fn swiglu_backward_octets(rows: &SwigluBackwardRows, (begin, end): (usize, usize), lane: u32) {
+pub unsafe fn swiglu_backward_octets<const IN_FLIGHT: usize>(
+    rows: &SwigluBackwardRows,
+    (begin, end): (usize, usize),
+    lane: u32,
+) {
+    const { assert!(IN_FLIGHT == 1 || IN_FLIGHT == 2) };
     const STEP: usize = 8 * 32;
     let (gate, up, d_hidden) = (rows.gate as *const u32, rows.up as *const u32, rows.d_hidden as *const u32);
     let (d_gate, d_up) = (rows.d_gate as *mut u32, rows.d_up as *mut u32);
@@ -304,6 +310,13 @@ pub unsafe fn swiglu_backward_octets(rows: &SwigluBackwardRows, (begin, end): (u
         }
     };
     let mut e = begin + 8 * lane as usize;
+    if IN_FLIGHT == 1 {
+        while e < end {
+            store(e, load(e));
+            e += STEP;
+        }
+        return;
+    }
     while e < end {
         let second = e + STEP < end;
         let first_octets = load(e);

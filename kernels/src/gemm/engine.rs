@@ -37,7 +37,8 @@
 //!   `WGRAD_IN_PAIR` the same on a persistent kernel's paired ring.
 
 use crate::gemm_layout::{
-    CONSUMER_REGISTERS, ENGINE_THREADS, GemmParams, NO_TILE, PAIRED_CONSUMER_REGISTERS, PAIRED_PRODUCER_REGISTERS,
+    CONSUMER_REGISTERS, ENGINE_THREADS, GemmParams, MEGAKERNEL_PRODUCER_REGISTERS, NO_TILE, PAIRED_CONSUMER_REGISTERS,
+    PAIRED_PRODUCER_REGISTERS,
     PRODUCER_REGISTERS, STAGES, cluster_blocks, is_wgrad,
 };
 use crate::ptx::memory::ld_shared_u32;
@@ -215,9 +216,11 @@ pub unsafe fn run<const V: u32, H: TileHooks>(params: *const GemmParams, hooks: 
 /// phase `i` running the tiles of the plan `plan(i)` returns (null: the phase is left out) with
 /// the hooks `hooks(i)`. A block moves to a phase when the previous phase's tile counter is spent,
 /// i.e. once every tile of it is held by a running block — so a down tile only ever waits for
-/// work that is already being done. Ends with the pair's final cluster barrier. Returns
-/// `Some(())` for the threads of the consumer warpgroups, free for further work, and `None` for
-/// the producer warpgroup, which holds too few registers for more.
+/// work that is already being done. The producer warpgroup's three spare warps (its first
+/// warp's thread 0 is the producer) run `spare_warps` (the dispatch) meanwhile. Ends with the
+/// pair's final cluster barrier. Returns `Some(())` for the threads of the consumer warpgroups,
+/// free for further work, and `None` for the producer warpgroup, which holds too few registers
+/// for more.
 ///
 /// `plan` is called where each phase starts (a load from the caller's parameter block), so no
 /// plan address is held across phases or across the register hand-over: the consumers'
@@ -228,11 +231,14 @@ pub unsafe fn run<const V: u32, H: TileHooks>(params: *const GemmParams, hooks: 
 /// tile counter zeroed before the launch; the routed experts' phases (`ForwardHandover::GATE_UP`,
 /// `DOWN`) are never null;
 /// each down phase runs over the row groups of the gate/up phase of the same experts; `plan`
-/// returns the same for every block of the cluster; the hooks' contracts hold.
+/// returns the same for every block of the cluster; the hooks' contracts hold; every spare
+/// producer warp (with [`MEGAKERNEL_PRODUCER_REGISTERS`] registers) calling `spare_warps` is safe,
+/// and it waits for nothing.
 #[inline(always)]
 pub unsafe fn run_forward_phases<H: TileHooks>(
     plan: impl Fn(u32) -> *const GemmParams + Copy,
     hooks: impl Fn(u32) -> H + Copy,
+    spare_warps: impl Fn(),
 ) -> Option<()> {
     const { assert!(cluster_blocks(Variant::GATE_UP) == 2 && cluster_blocks(Variant::ROWS_NT) == 2) };
     const G: u32 = Variant::GATE_UP;
@@ -248,7 +254,7 @@ pub unsafe fn run_forward_phases<H: TileHooks>(
     cluster::cluster_sync();
     let warpgroup = thread / 128;
     let role = if warpgroup == 0 {
-        sync::release_registers::<PAIRED_PRODUCER_REGISTERS>();
+        sync::release_registers::<MEGAKERNEL_PRODUCER_REGISTERS>();
         if thread == 0 {
             // SAFETY: one producer thread; the phases share the ring walk (a phase left out is
             // left out by the consumers too: `plan` is the same for the whole cluster).
@@ -263,6 +269,10 @@ pub unsafe fn run_forward_phases<H: TileHooks>(
                 }
                 produce::<D, H>(&*plan(F::DOWN), ring, hooks(F::DOWN), walk);
             }
+        } else if thread >= 32 {
+            // The spare warps: the dispatch, under the gate/up MMAs. It waits for nothing, so
+            // no tile ever waits on these warps for work they have not started.
+            spare_warps();
         }
         None
     } else {
@@ -293,8 +303,8 @@ pub unsafe fn run_forward_phases<H: TileHooks>(
 /// The compute role of the backward megakernel, in a 2-block cluster as
 /// [`run_forward_phases`]: on one ring, ten phases — the shared expert's and then the routed
 /// experts' down data gradient (d_hidden), then, after the consumer warps have run
-/// `between_dgrads` (the SwiGLU backward: d_gate and d_up from d_hidden), the shared expert's
-/// and then the routed experts' gate/up data gradient (all four [`Variant::ROWS_NN`]), the
+/// `between_dgrads(false)` (the SwiGLU backward: d_gate and d_up from d_hidden), the shared
+/// expert's and then the routed experts' gate/up data gradient (all four [`Variant::ROWS_NN`]), the
 /// routed experts' three weight gradients (down, gate, up), then the shared expert's three
 /// ([`Variant::WGRAD_IN_PAIR`], each block walking its own share of the tiles) — phase `i`
 /// running the tiles of the plan `plan(i, own)` returns (null: the phase is left out; only the
@@ -304,14 +314,17 @@ pub unsafe fn run_forward_phases<H: TileHooks>(
 /// hooks' walk then takes this block's share of every rank's tiles). A block moves on
 /// to a phase only when it has no more tiles of the previous one (the data gradients: their
 /// counter is spent), and a tile waits only for earlier phases, so it only ever waits for work
-/// a running block already holds (docs/ARCHITECTURE.md). Returns `Some(())` for the consumer
-/// warpgroups' threads, `None` for the producer warpgroup's.
+/// a running block already holds (docs/ARCHITECTURE.md). The producer warpgroup's three spare
+/// warps (its first warp's thread 0 is the producer) run `between_dgrads(true)` from the start,
+/// alongside the consumers' down-dgrad MMAs. Returns `Some(())` for the consumer warpgroups'
+/// threads, `None` for the producer warpgroup's.
 ///
 /// # Safety
 /// Every non-null plan `plan` returns is a valid parameter block of its phase's variant, its
 /// tile counter zeroed before the launch; the routed experts' phases are never null, and the
 /// shared expert's (`BackwardHandover::SHARED_*`) all null or none; each expert set's plans are
-/// over the same row groups; every consumer warp calling `between_dgrads` is safe, and it waits
+/// over the same row groups; every consumer warp and every spare producer warp (with
+/// [`MEGAKERNEL_PRODUCER_REGISTERS`] registers) calling `between_dgrads` is safe, and it waits
 /// only for down-dgrad tiles; `plan` returns the same for every block of the cluster; the
 /// hooks' contracts hold;
 /// with `wgrad_ranks` > 1 the same holds for every q < `wgrad_ranks`, and every block of the
@@ -320,7 +333,7 @@ pub unsafe fn run_forward_phases<H: TileHooks>(
 pub unsafe fn run_backward_phases<H: TileHooks>(
     plan: impl Fn(u32, u32) -> *const GemmParams + Copy,
     hooks: impl Fn(u32, u32) -> H + Copy,
-    between_dgrads: impl Fn(),
+    between_dgrads: impl Fn(bool),
     own: u32,
     wgrad_ranks: u32,
 ) -> Option<()> {
@@ -351,7 +364,7 @@ pub unsafe fn run_backward_phases<H: TileHooks>(
     let first = |shared_phase: u32| if shared { shared_phase } else { shared_phase + 1 };
     let end = if shared { B::PHASES } else { B::SHARED_WGRAD_DOWN };
     let role = if warpgroup == 0 {
-        sync::release_registers::<PAIRED_PRODUCER_REGISTERS>();
+        sync::release_registers::<MEGAKERNEL_PRODUCER_REGISTERS>();
         if thread == 0 {
             // SAFETY: one producer thread; the phases share the ring walk (a phase left out is
             // left out by the consumers too). Each plan is read where its phase starts.
@@ -385,6 +398,11 @@ pub unsafe fn run_backward_phases<H: TileHooks>(
                     phase += 1;
                 }
             }
+        } else if thread >= 32 {
+            // The spare warps: the SwiGLU backward runs under the down dgrad's MMAs instead of
+            // only between the two data gradients, where no MMA runs. Its waits are on
+            // down-dgrad tiles alone, which no block's progress makes wait for these warps.
+            between_dgrads(true);
         }
         None
     } else {
@@ -398,7 +416,7 @@ pub unsafe fn run_backward_phases<H: TileHooks>(
                 walk = consume::<N, H>(&*plan(phase), ring, wg, t, hooks(phase), walk);
                 walk = next_phase::<N>(ring, walk, t);
                 if phase == B::DOWN_DGRAD {
-                    between_dgrads();
+                    between_dgrads(false);
                 }
                 phase += if phase == B::DOWN_DGRAD && !shared { 2 } else { 1 };
             }

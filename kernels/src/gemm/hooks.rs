@@ -19,7 +19,7 @@ use crate::comm::schedule::epoch_reached;
 use crate::comm::wait::{signal, wait_until};
 use crate::gemm_layout::{GemmParams, TILE_M, TILE_N, TileCounters, Variant};
 use crate::megakernel_layout::{
-    BackwardParams, ForwardParams, NO_FAULT, WORK_GEMMS, WORK_WEIGHT_GRADS, down_dgrad_complete, downstream_deadline,
+    BackwardParams, ForwardParams, NO_FAULT, WORK_GEMMS, WORK_WEIGHT_GRADS, dispatch_complete, down_dgrad_complete, downstream_deadline,
     first_compute_block, parts_per_m_tile, rank_of_pair, weight_gradient_walk,
 };
 use crate::ptx::bulk;
@@ -119,7 +119,8 @@ impl TileHooks for Counters {
 }
 
 /// What a tile's rows are ready by: an epoch flag per M tile (rows placed by the comm side; the
-/// standalone hooked kernels), a flag set this pass (the megakernel's dispatch), or the
+/// standalone hooked kernels), a flag set this pass (the backward megakernel's gather), a chunk
+/// count (the forward megakernel's dispatch, complete at [`dispatch_complete`]), or the
 /// stored-part count per M tile of the GEMM phase that wrote them, complete at
 /// [`parts_per_m_tile`]`(n_tiles, rows)` (or, for the backward's d_gate and d_up rows, at
 /// [`down_dgrad_complete`]: after the SwiGLU backward's chunks too).
@@ -134,6 +135,9 @@ enum Ready {
     Stored { counts: *const u32, n_tiles: u32, code: u32 },
     /// `counts[m tile]` (the backward's `down_dgrad_stored`) reaches [`down_dgrad_complete`].
     SwigluDone { counts: *const u32, n_tiles: u32, code: u32 },
+    /// `counts[m tile]` (the forward's `rows_dispatched`, `shared_dispatched`) reaches
+    /// [`dispatch_complete`]: every dispatch chunk of the tile copied.
+    Dispatched { counts: *const u32, code: u32 },
 }
 
 /// Bounded wait of the producer thread until the rows of `work`'s M tile are ready, then the
@@ -158,10 +162,11 @@ unsafe fn wait_for_rows(p: &GemmParams, work: &Work, ready: Ready, error: *mut u
             Ready::SwigluDone { counts, n_tiles, code } => {
                 (counts.add(tile as usize), down_dgrad_complete(n_tiles, work.rows), code)
             }
+            Ready::Dispatched { counts, code } => (counts.add(tile as usize), dispatch_complete(work.rows), code),
         };
         let waited = match ready {
             Ready::Epoch { .. } => wait_until(counter, false, timeout_ns, error, |v| epoch_reached(v, expected)),
-            Ready::Flag { .. } | Ready::Stored { .. } | Ready::SwigluDone { .. } => {
+            Ready::Flag { .. } | Ready::Stored { .. } | Ready::SwigluDone { .. } | Ready::Dispatched { .. } => {
                 wait_until(counter, false, timeout_ns, error, |v| v >= expected)
             }
         };
@@ -196,7 +201,8 @@ unsafe fn count_stored(p: &GemmParams, work: &Work, counts: *mut u32, silent_til
 
 /// The forward megakernel's hand-over around its GEMM phases, read from the pass's
 /// [`ForwardParams`] where used (a pointer, so the producer keeps no counter addresses in its few
-/// registers). [`ForwardHandover::GATE_UP`]: a tile waits for its rows' `rows_dispatched` flag and
+/// registers). [`ForwardHandover::GATE_UP`]: a tile waits until its rows' `rows_dispatched`
+/// count says every dispatch chunk of its M tile is copied ([`dispatch_complete`]) and
 /// counts its parts in `gate_up_stored` (except `silent_hidden_tile`, fault injection);
 /// [`ForwardHandover::DOWN`]: a tile waits until `gate_up_stored` says every gate/up part of its
 /// rows is stored and counts its parts in `down_stored`. The shared expert's two phases
@@ -240,10 +246,10 @@ impl TileHooks for ForwardHandover {
             let hidden_n = |plan: u64| (*(plan as *const GemmParams)).n.div_ceil(TILE_N / 2);
             let ready = match self.phase {
                 ForwardHandover::GATE_UP => {
-                    Ready::Flag { flags: f.rows_dispatched as *const u32, code: WAIT_ENGINE_TILE_DISPATCHED }
+                    Ready::Dispatched { counts: f.rows_dispatched as *const u32, code: WAIT_ENGINE_TILE_DISPATCHED }
                 }
                 ForwardHandover::SHARED_GATE_UP => {
-                    Ready::Flag { flags: f.shared_dispatched as *const u32, code: WAIT_SHARED_TILE_DISPATCHED }
+                    Ready::Dispatched { counts: f.shared_dispatched as *const u32, code: WAIT_SHARED_TILE_DISPATCHED }
                 }
                 ForwardHandover::DOWN => Ready::Stored {
                     counts: f.gate_up_stored as *const u32,

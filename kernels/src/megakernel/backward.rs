@@ -133,8 +133,10 @@ pub unsafe fn gather<const RANKS: bool>(b: &BackwardParams, pass: &PassInputs, v
     }
 }
 
-/// The SwiGLU backward between the two data gradients, by a whole warp of a compute block's
-/// consumer warpgroups (after their down-dgrad tiles, before their gate/up-dgrad tiles):
+/// The SwiGLU backward between the two data gradients, by a whole warp of a compute block: the
+/// producer warpgroup's spare warps from the start of the engine phases (`spare_warp`: few
+/// registers, one group of loads in flight), under the down dgrad's MMAs, and the consumer
+/// warps after their down-dgrad tiles, before their gate/up-dgrad tiles (two in flight);
 /// chunks of [`SWIGLU_CHUNK_ROWS`] rows taken one at a time from `swiglu_next` — the shared
 /// expert's M tiles first, then the routed ones, [`SWIGLU_CHUNKS_PER_M_TILE`] per M tile. Lane
 /// 0 waits (bounded, acquire) until every down-dgrad part of the chunk's M tile is stored, the
@@ -151,7 +153,7 @@ pub unsafe fn gather<const RANKS: bool>(b: &BackwardParams, pass: &PassInputs, v
 /// As [`gather`]; all 32 lanes call it; `b.swiglu` (and `b.shared_swiglu` with a shared expert)
 /// are the pass's rows.
 #[inline(always)]
-pub unsafe fn swiglu_backward_chunks(b: &BackwardParams, pass: &PassInputs) {
+pub unsafe fn swiglu_backward_chunks(b: &BackwardParams, pass: &PassInputs, spare_warp: bool) {
     if b.work & WORK_GEMMS == 0 {
         return;
     }
@@ -199,7 +201,12 @@ pub unsafe fn swiglu_backward_chunks(b: &BackwardParams, pass: &PassInputs) {
                 // Lane 0 acquired the tile's d_hidden; the warp barrier passes that on to every lane.
                 warp::warp_sync();
                 let width = rows.width as usize;
-                swiglu_backward_octets(rows, (chunk_first as usize * width, chunk_end as usize * width), lane);
+                let elements = (chunk_first as usize * width, chunk_end as usize * width);
+                if spare_warp {
+                    swiglu_backward_octets::<1>(rows, elements, lane);
+                } else {
+                    swiglu_backward_octets::<2>(rows, elements, lane);
+                }
                 // Every lane's stores before lane 0's release.
                 warp::warp_sync();
                 if lane == 0 {
@@ -461,7 +468,7 @@ pub unsafe fn backward<const RANKS: bool>(params: *const BackwardParams, pass: P
             };
             let hooks = move |phase, q: u32| BackwardHandover::<RANKS>::new(first_params.add(q as usize), phase);
             let wgrad_ranks = if RANKS { b.wgrad_ranks } else { 1 };
-            let swiglu = || swiglu_backward_chunks(b, &pass);
+            let swiglu = |spare_warp| swiglu_backward_chunks(b, &pass, spare_warp);
             let phases = run_backward_phases(plan, hooks, swiglu, b.launch_index, wgrad_ranks);
             if phases.is_some() {
                 push_and_combine::<RANKS>(b, &pass, view.as_ref());

@@ -1,5 +1,5 @@
 //! The row-moving work of the forward megakernel: the dispatch (token rows into expert order,
-//! one engine M tile at a time from a shared queue, each published with a release), across
+//! 16-row chunks of the engine M tiles from a shared queue, each counted with a release), across
 //! ranks the push (each finished down-projection row into its token owner's slot buffer, with
 //! a release of the slot's flag), and the combine (each token's slots summed in fixed order once
 //! they are all there).
@@ -19,10 +19,11 @@ use crate::device::rows::{combine_quads, copy_row};
 use crate::gemm_layout::{GemmParams, TILE_M, TILE_N};
 use crate::layout::NO_ROW;
 use crate::megakernel_layout::{
-    ForwardParams, NO_FAULT, PassInputs, WORK_COPY_ROWS, WORK_GEMMS, downstream_deadline, parts_per_m_tile,
+    DISPATCH_CHUNK_ROWS, DISPATCH_CHUNKS_PER_M_TILE, ForwardParams, NO_FAULT, PassInputs, WORK_COPY_ROWS, WORK_GEMMS,
+    downstream_deadline, parts_per_m_tile,
 };
-use crate::ptx::memory::{atom_add_relaxed_gpu_u32, ld_shared_u32, st_release_gpu_u32, st_shared_u32};
-use crate::ptx::{signal as warp, smem, sreg, sync};
+use crate::ptx::memory::{atom_add_relaxed_gpu_u32, st_release_gpu_u32};
+use crate::ptx::{signal as warp, sreg, sync};
 use crate::tiles::group_of_tile;
 
 /// The rank's view of the symmetric heap, when the pass has ranks.
@@ -55,20 +56,24 @@ pub(super) unsafe fn stored_tile_of_row(p: &GemmParams, row: u32, n_tiles: u32) 
     (tile, parts_per_m_tile(n_tiles, rows_in_tile(row_offsets, tile_offsets, tile, TILE_M).unwrap_or(0)))
 }
 
-/// Dispatch, by every thread of a block: engine M tiles taken one at a time from
-/// `dispatch_next` (shared by every block of the rank that dispatches, so the tiles go out in
-/// increasing order); each tile's rows are copied in expert order (a warp per row) from x — on
-/// one GPU the pass's, across ranks the token owner's through the peer mapping — then, after a
-/// block barrier, thread 0 sets the tile's `rows_dispatched` flag with a release. Across ranks a
-/// rank whose error record is set (its schedule failed) copies nothing: the waits on its tiles
-/// then stop at once.
-/// Waits for nothing, so whatever waits on a dispatched tile waits on work a running block is
-/// already doing. Returns once the tiles are all handed out (the block has finished its own).
+/// Dispatch, by a whole warp: chunks of [`DISPATCH_CHUNK_ROWS`] rows taken one at a time from
+/// `dispatch_next` — the shared expert's M tiles first (its gate/up phase runs first), then the
+/// routed ones, [`DISPATCH_CHUNKS_PER_M_TILE`] chunk numbers per M tile in increasing order.
+/// The warp copies each of the chunk's rows (in expert order) from x — on one GPU the pass's,
+/// across ranks the token owner's through the peer mapping — then, after a warp barrier, lane 0
+/// adds 1 to the tile's `rows_dispatched` count with a release; the tile's rows are there at
+/// [`dispatch_complete`](crate::megakernel_layout::dispatch_complete). A chunk past a short tile's rows neither copies nor counts. Across
+/// ranks a rank whose error record is set (its schedule failed) copies nothing: the waits on
+/// its tiles then stop at once. Waits for nothing, so whatever waits on a dispatched tile waits
+/// on work a running warp is already doing. Returns once the chunks are all handed out.
+///
+/// Comm blocks run it on every warp; compute blocks on their producer warpgroup's spare warps,
+/// alongside the GEMM phases, so the first gate/up tiles wait for their own rows only, not for
+/// the whole dispatch.
 ///
 /// # Safety
 /// `f` and `pass` are the pass's; the schedule (routing layout, tile offsets) was written before
-/// the launch; the block's first 4 bytes of dynamic shared memory are free (the hand-out);
-/// `view` is [`rank_view`]`(f)`.
+/// the launch; `view` is [`rank_view`]`(f)`; all 32 lanes call it.
 #[inline(always)]
 pub unsafe fn dispatch(f: &ForwardParams, pass: &PassInputs, view: Option<&RankView>) {
     // SAFETY: caller contract: the gate/up parameter block and the offsets it points at.
@@ -78,33 +83,46 @@ pub unsafe fn dispatch(f: &ForwardParams, pass: &PassInputs, view: Option<&RankV
         let tile_offsets = core::slice::from_raw_parts(p.tile_offsets as *const u32, groups);
         let row_offsets = core::slice::from_raw_parts(p.row_offsets as *const u32, groups);
         let m_tiles = tile_offsets[groups - 1];
-        let (warp, warps, lane) = (sreg::thread_idx_x() / 32, sreg::block_dim_x() / 32, sreg::lane_id());
+        let lane = sreg::lane_id();
         let (x, rows, row_source) = (pass.x as *const u16, f.rows as *mut u16, f.row_source as *const u32);
         let source_rank: *const u32 = view.map_or(core::ptr::null(), |v| v.local(v.params.regions.ring_source_rank));
         let copy = f.work & WORK_COPY_ROWS != 0 && !view.is_some_and(|_| error::has_error(f.error as *const u32));
-        let handout = smem::dynamic_smem_base();
-        // With a shared expert the queue starts with its M tiles (its gate/up phase runs first).
+        // A rank that copies nothing because of its error publishes nothing either.
+        let publish = copy == (f.work & WORK_COPY_ROWS != 0);
         let shared_tiles = if f.shared_gate_up != 0 { pass.tokens.div_ceil(TILE_M) } else { 0 };
+        let vectors = f.hidden / 8;
         loop {
-            if sreg::thread_idx_x() == 0 {
-                st_shared_u32(handout, atom_add_relaxed_gpu_u32(f.dispatch_next as *mut u32, 1));
-            }
-            sync::block_barrier();
-            let claimed = ld_shared_u32(handout);
-            if claimed >= shared_tiles + m_tiles {
+            let claimed = if lane == 0 { atom_add_relaxed_gpu_u32(f.dispatch_next as *mut u32, 1) } else { 0 };
+            let claimed = sync::shfl_idx_u32(claimed, 0);
+            let (tile, chunk) = (claimed / DISPATCH_CHUNKS_PER_M_TILE, claimed % DISPATCH_CHUNKS_PER_M_TILE);
+            if tile >= shared_tiles + m_tiles {
                 return;
             }
-            if claimed < shared_tiles {
-                let flags = f.shared_dispatched as *mut u32;
-                copy_token_tile(pass, f.shared_x as *mut u16, f.hidden, claimed, f.work & WORK_COPY_ROWS != 0, flags);
+            if tile < shared_tiles {
+                // The shared expert's rows are the pass's own tokens, in order.
+                let first = tile * TILE_M + chunk * DISPATCH_CHUNK_ROWS;
+                let end = (first + DISPATCH_CHUNK_ROWS).min((tile + 1) * TILE_M).min(pass.tokens);
+                if first < end {
+                    let mut token = if copy { first } else { end };
+                    while token < end {
+                        let offset = (token * f.hidden) as usize;
+                        copy_row(x.add(offset) as *const u32, (f.shared_x as *mut u16).add(offset) as *mut u32, vectors, lane);
+                        token += 1;
+                    }
+                    publish_chunk(f.shared_dispatched as *mut u32, tile, publish, lane);
+                }
                 continue;
             }
-            let tile = claimed - shared_tiles;
+            let tile = tile - shared_tiles;
             // tile < m_tiles: a group holds it.
             let g = group_of_tile(tile_offsets, tile).unwrap_or(0);
-            let first = row_offsets[g] + (tile - tile_offsets[g]) * TILE_M;
-            let end = (first + TILE_M).min(row_offsets[g + 1]);
-            let mut row = if copy { first + warp } else { end };
+            let tile_first = row_offsets[g] + (tile - tile_offsets[g]) * TILE_M;
+            let first = tile_first + chunk * DISPATCH_CHUNK_ROWS;
+            let end = (first + DISPATCH_CHUNK_ROWS).min(tile_first + TILE_M).min(row_offsets[g + 1]);
+            if first >= end {
+                continue;
+            }
+            let mut row = if copy { first } else { end };
             while row < end {
                 // The slot this row holds: on its token owner (`row_source` is the ring map's
                 // source slots across ranks, the routing layout's slots on one GPU).
@@ -114,17 +132,26 @@ pub unsafe fn dispatch(f: &ForwardParams, pass: &PassInputs, view: Option<&RankV
                     Some(v) => v.peer::<u16>(v.params.regions.x, *source_rank.add(row as usize)),
                 };
                 let (src, dst) = (owner_x.add((token * f.hidden) as usize), rows.add((row * f.hidden) as usize));
-                copy_row(src as *const u32, dst as *mut u32, f.hidden / 8, lane);
-                row += warps;
+                copy_row(src as *const u32, dst as *mut u32, vectors, lane);
+                row += 1;
             }
-            // Every thread's rows of the tile are written (and the hand-out read) before thread 0
-            // publishes them and takes the next tile; the release orders the rows (barrier, then
-            // release at GPU scope) for the acquiring producer.
-            sync::block_barrier();
-            if sreg::thread_idx_x() == 0 && tile != f.silent_rows_tile && copy == (f.work & WORK_COPY_ROWS != 0) {
-                st_release_gpu_u32((f.rows_dispatched as *mut u32).add(tile as usize), 1);
-            }
+            publish_chunk(f.rows_dispatched as *mut u32, tile, publish && tile != f.silent_rows_tile, lane);
         }
+    }
+}
+
+/// After a warp copied a dispatch chunk of M tile `tile`: a warp barrier (every lane's stores
+/// before lane 0's release), then lane 0 adds 1 to `counts[tile]` with a release at GPU scope
+/// when `publish`.
+///
+/// # Safety
+/// `counts` holds an entry per M tile of the pass; all 32 lanes call it.
+#[inline(always)]
+unsafe fn publish_chunk(counts: *mut u32, tile: u32, publish: bool, lane: u32) {
+    warp::warp_sync();
+    if lane == 0 && publish {
+        // SAFETY: caller contract.
+        unsafe { signal(counts.add(tile as usize), 1, false) };
     }
 }
 

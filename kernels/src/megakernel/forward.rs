@@ -4,14 +4,15 @@
 //!
 //! A launch hosts one rank (`mok_sm90_forward`, a single GPU) or P ranks (`mok_sm90_forward_ranks`:
 //! virtual ranks on one GPU, each holding a contiguous run of the launch's 2-block clusters, or
-//! one rank per GPU). Within its rank every block takes part in the [`dispatch`] (token rows
-//! into expert order, M tile by M tile from the rank's queue, each tile published). Blocks
-//! `0 .. comm_blocks` of the rank (the comm role, 0 or more) then, across ranks, [`push`] the
-//! rank's finished rows to their token owners, and [`combine`] the rank's tokens. The rank's
-//! blocks from the next whole pair on are the compute role, in 2-block clusters: once the
-//! dispatch queue is empty they run every gate/up + SwiGLU tile as soon as its rows have
-//! landed and every down tile as soon as all gate/up tiles of its rows are stored (the engine's
-//! phases with [`ForwardHandover`] hooks), then their consumer warps push and combine. With a
+//! one rank per GPU). Within its rank warps take part in the [`dispatch`] (token rows into
+//! expert order, 16-row chunks of the M tiles from the rank's queue, each chunk counted): every
+//! warp of blocks `0 .. comm_blocks` of the rank (the comm role, 0 or more), which then, across
+//! ranks, [`push`] the rank's finished rows to their token owners, and [`combine`] the rank's
+//! tokens; and the three spare warps of each compute block's producer warpgroup. The rank's
+//! blocks from the next whole pair on are the compute role, in 2-block clusters: from the start
+//! of the launch they run every gate/up + SwiGLU tile as soon as its rows have landed and every
+//! down tile as soon as all gate/up tiles of its rows are stored (the engine's phases with
+//! [`ForwardHandover`] hooks), then their consumer warps push and combine. With a
 //! shared expert the dispatch also copies the rank's token rows for it, and the compute blocks
 //! run its gate/up tiles before the routed ones and its down tiles before the routed downs.
 //! Work is taken in the order dispatch, shared gate/up, gate/up, shared down, down, push,
@@ -69,18 +70,16 @@ pub unsafe fn forward(params: *const ForwardParams, pass: PassInputs, block: u32
     // SAFETY: caller contract.
     let view = unsafe { rank_view(f) };
     if block < f.comm_blocks {
-        // SAFETY: caller contract.
+        // SAFETY: caller contract; every warp is whole.
         unsafe {
             dispatch(f, &pass, view.as_ref());
             push_and_combine(f, &pass);
         }
     } else if block >= first_compute_block(f.comm_blocks) {
-        // SAFETY: caller contract; the consumer warps are whole warps; the dispatch's shared word
-        // is free before the engine carves the ring, and read by every thread before dispatch
-        // returns.
+        // SAFETY: caller contract; every warp is whole.
         unsafe {
-            dispatch(f, &pass, view.as_ref());
             if f.work & WORK_GEMMS == 0 {
+                dispatch(f, &pass, view.as_ref());
                 push_and_combine(f, &pass);
                 return;
             }
@@ -97,7 +96,8 @@ pub unsafe fn forward(params: *const ForwardParams, pass: PassInputs, block: u32
                     _ => f.down,
                 }) as *const GemmParams
             };
-            if run_forward_phases(plan, move |phase| ForwardHandover::new(params, phase)).is_some() {
+            let spare_warps = || dispatch(f, &pass, view.as_ref());
+            if run_forward_phases(plan, move |phase| ForwardHandover::new(params, phase), spare_warps).is_some() {
                 push_and_combine(f, &pass);
             }
         }
