@@ -1168,9 +1168,10 @@ mod work_order_model {
     }
 
     mod backward {
-        //! The backward (one GPU): blocks take gather tiles, down-dgrad tiles, SwiGLU-backward
-        //! chunks (which their producer warpgroup's spare warps also take, from the start, as
-        //! an agent of their own), gate/up-dgrad tiles, then their own fixed-stride share of each of the three
+        //! The backward (one GPU): comm blocks and the compute blocks' spare producer warps (an
+        //! agent of their own per block) take gather tiles, the spare warps then SwiGLU-backward
+        //! chunks; compute blocks take down-dgrad tiles, SwiGLU-backward chunks, gate/up-dgrad
+        //! tiles, then their own fixed-stride share of each of the three
         //! weight gradients' tiles, then combine tokens. A down-dgrad tile waits on its M
         //! tile's gather, a SwiGLU chunk on its M tile's down-dgrad parts, a gate/up-dgrad tile
         //! on its M tile's SwiGLU chunks, the down weight gradient of expert g on every gather of
@@ -1354,9 +1355,9 @@ mod work_order_model {
             Who { compute: (index, blocks), ..Who::default() }
         }
 
-        /// The queues of a compute block, in the kernel's order.
+        /// The queues of a compute block's producer and consumers, in the kernel's order.
         fn compute_queues() -> Vec<usize> {
-            let mut queues = vec![gather(SHARED), gather(ROUTED), down_dgrad(SHARED), down_dgrad(ROUTED)];
+            let mut queues = vec![down_dgrad(SHARED), down_dgrad(ROUTED)];
             queues.extend([swiglu(SHARED), swiglu(ROUTED), gate_up_dgrad(SHARED), gate_up_dgrad(ROUTED)]);
             queues.extend((0..3).map(|w| wgrad(ROUTED, w)).chain((0..3).map(|w| wgrad(SHARED, w))));
             queues.push(COMBINE);
@@ -1401,13 +1402,14 @@ mod work_order_model {
                     .map(|_| Agent::new(Who::default(), vec![gather(SHARED), gather(ROUTED), COMBINE]))
                     .collect();
                 // Each block of a pair walks its own weight-gradient share: one agent per block;
-                // its producer warpgroup's spare warps take SwiGLU chunks on their own: one more.
+                // its producer warpgroup's spare warps gather, then take SwiGLU chunks, on their
+                // own: one more.
                 agents.extend(
                     (0..compute_blocks).map(|b| Agent::new(compute_block(b, compute_blocks), compute_queues())),
                 );
+                let spare_queues = vec![gather(SHARED), gather(ROUTED), swiglu(SHARED), swiglu(ROUTED)];
                 agents.extend(
-                    (0..compute_blocks)
-                        .map(|b| Agent::new(compute_block(b, compute_blocks), vec![swiglu(SHARED), swiglu(ROUTED)])),
+                    (0..compute_blocks).map(|b| Agent::new(compute_block(b, compute_blocks), spare_queues.clone())),
                 );
                 let what =
                     format!("case {case}: {comm_blocks} comm blocks and {pairs} pairs, {shared_tiles} shared tiles");
@@ -1473,9 +1475,10 @@ mod work_order_model {
     }
 
     mod backward_ranks {
-        //! The backward across ranks in one launch: each rank's blocks take its gather tiles,
-        //! down-dgrad tiles, SwiGLU chunks (their spare producer warps too, as agents of their
-        //! own) and gate/up-dgrad tiles from its own queues; then every compute block of
+        //! The backward across ranks in one launch: each rank's comm blocks and its compute
+        //! blocks' spare producer warps (agents of their own) take its gather tiles, the spare
+        //! warps then its SwiGLU chunks; its compute blocks take down-dgrad tiles, SwiGLU chunks
+        //! and gate/up-dgrad tiles from its own queues; then every compute block of
         //! the launch walks the routed weight-gradient tiles of every rank, product by product,
         //! rank after rank (`weight_gradient_walk`, the kernel's own function); then it pushes its
         //! rank's finished rows and combines its rank's tokens. A weight-gradient tile of rank q
@@ -1664,7 +1667,7 @@ mod work_order_model {
                 let comm_blocks = rng.below(3);
                 let pairs: Vec<usize> = (0..ranks).map(|_| 1 + rng.below(3)).collect();
                 let launch_compute: usize = pairs.iter().map(|p| 2 * p).sum();
-                let mut compute_queues = vec![GATHER, DOWN_DGRAD, SWIGLU, GATE_UP_DGRAD];
+                let mut compute_queues = vec![DOWN_DGRAD, SWIGLU, GATE_UP_DGRAD];
                 for w in 0..3 {
                     compute_queues.extend((0..ranks).map(|q| wgrad(w, q, ranks)));
                 }
@@ -1677,8 +1680,9 @@ mod work_order_model {
                     for _ in 0..2 * p {
                         let who = Who { rank, compute: (index, launch_compute), ..Who::default() };
                         agents.push(Agent::new(who, compute_queues.clone()));
-                        // The block's spare producer warps, on the rank's chunks alone.
-                        agents.push(Agent::new(who, vec![SWIGLU]));
+                        // The block's spare producer warps: the rank's gather, then its SwiGLU
+                        // chunks.
+                        agents.push(Agent::new(who, vec![GATHER, SWIGLU]));
                         index += 1;
                     }
                 }

@@ -37,7 +37,7 @@ pub struct ForwardParams {
     /// `[T][H]` bf16: the layer output.
     pub y: u64,
     /// `[M tiles]` u32: the dispatch chunks of that M tile copied into `rows` this pass (each
-    /// counted by its warp with a release; all there at [`dispatch_complete`]); cleared in
+    /// counted by its warp with a release; all there at [`row_chunks_complete`]); cleared in
     /// stream order before the pass.
     pub rows_dispatched: u64,
     /// `[M tiles]` u32: the gate/up tile parts stored per M tile (one per N tile and consumer
@@ -47,7 +47,7 @@ pub struct ForwardParams {
     pub down_stored: u64,
     /// One u32: the next token of the combine to hand out; cleared before the pass.
     pub combine_next: u64,
-    /// One u32: the next dispatch chunk to hand out ([`DISPATCH_CHUNKS_PER_M_TILE`] per M tile,
+    /// One u32: the next dispatch chunk to hand out ([`ROW_CHUNKS_PER_M_TILE`] per M tile,
     /// the shared expert's first); cleared before the pass.
     pub dispatch_next: u64,
     /// `comm::params::ERROR_WORDS` u32: the pass's first failure (`comm::error` format); with
@@ -75,7 +75,7 @@ pub struct ForwardParams {
     /// its tensor map needs a fixed address).
     pub shared_x: u64,
     /// `[shared M tiles]` u32: the dispatch chunks of that tile's token rows copied into
-    /// `shared_x` (complete at [`dispatch_complete`]); cleared before the pass.
+    /// `shared_x` (complete at [`row_chunks_complete`]); cleared before the pass.
     pub shared_dispatched: u64,
     /// `[shared M tiles]` u32: the shared gate/up parts stored per M tile; cleared before the
     /// pass.
@@ -171,15 +171,17 @@ pub struct BackwardParams {
     pub dx: u64,
     /// `[T·k]` f32: d_topk_weights (0 for a dropped slot).
     pub d_topk_weights: u64,
-    /// `[M tiles]` u32: 1 once this pass's dy rows of that M tile are in `d_rows` (and their
-    /// d_topk_weights written).
+    /// `[M tiles]` u32: the gather's row chunks of that M tile written into `d_rows` this pass
+    /// (their d_topk_weights too), each counted by its warp with a release; all there at
+    /// [`row_chunks_complete`].
     pub rows_gathered: u64,
     /// `[M tiles]` u32: per M tile, the down-dgrad tile parts stored (d_hidden), then one more
     /// per SwiGLU-backward chunk written (d_gate and d_up): complete at [`down_dgrad_complete`].
     pub down_dgrad_stored: u64,
     /// `[M tiles]` u32: the gate/up dgrad tile parts stored per M tile (`d_in_rows`).
     pub gate_up_dgrad_stored: u64,
-    /// One u32: the next M tile of the gather to hand out.
+    /// One u32: the next row chunk of the gather to hand out ([`ROW_CHUNKS_PER_M_TILE`] per M
+    /// tile, the shared expert's first).
     pub gather_next: u64,
     /// One u32: the next token of the dx combine to hand out.
     pub combine_next: u64,
@@ -245,7 +247,8 @@ pub struct BackwardParams {
     /// `[cap][H]` bf16: dy copied for the shared expert (dy is a per-pass input, and a plan's
     /// tensor maps need a fixed address).
     pub shared_dy: u64,
-    /// `[shared M tiles]` u32: 1 once that tile's dy rows are in `shared_dy`.
+    /// `[shared M tiles]` u32: the row chunks of that tile's dy rows copied into `shared_dy`
+    /// (complete at [`row_chunks_complete`]).
     pub shared_gathered: u64,
     /// `[shared M tiles]` u32: the shared down-dgrad parts stored per M tile.
     pub shared_down_dgrad_stored: u64,
@@ -359,17 +362,18 @@ pub const fn weight_gradient_walk(block: u32, compute_blocks: u32, list: u32, ti
     ((block + compute_blocks - offset) % compute_blocks, compute_blocks)
 }
 
-/// Rows of one dispatch chunk of the forward megakernel: a warp's unit of work. The hand-out
-/// numbers [`DISPATCH_CHUNKS_PER_M_TILE`] per M tile; a chunk past a short tile's rows does
-/// nothing.
-pub const DISPATCH_CHUNK_ROWS: u32 = 16;
+/// Rows of one row chunk: a warp's unit of the megakernels' row moving — the forward's
+/// dispatch, the backward's gather. The hand-out numbers [`ROW_CHUNKS_PER_M_TILE`] per M tile;
+/// a chunk past a short tile's rows does nothing.
+pub const ROW_CHUNK_ROWS: u32 = 16;
 /// Chunk numbers per 128-row M tile.
-pub const DISPATCH_CHUNKS_PER_M_TILE: u32 = 128 / DISPATCH_CHUNK_ROWS;
+pub const ROW_CHUNKS_PER_M_TILE: u32 = 128 / ROW_CHUNK_ROWS;
 
-/// The `rows_dispatched` (or `shared_dispatched`) count at which an M tile of `rows` rows is
-/// dispatched: one per chunk with rows.
-pub const fn dispatch_complete(rows: u32) -> u32 {
-    rows.div_ceil(DISPATCH_CHUNK_ROWS)
+/// The count (`rows_dispatched`, `shared_dispatched` forward; `rows_gathered`,
+/// `shared_gathered` backward) at which an M tile of `rows` rows has every row moved: one per
+/// row chunk with rows.
+pub const fn row_chunks_complete(rows: u32) -> u32 {
+    rows.div_ceil(ROW_CHUNK_ROWS)
 }
 
 /// Stored parts that complete an M tile of `rows` rows in a GEMM of `n_tiles` N tiles: each N

@@ -796,14 +796,14 @@ pub(crate) fn decode_timeout(rank: Option<usize>, words: &[u32]) -> MokError {
             )
         }
         codes::WAIT_SHARED_TILE_DISPATCHED | codes::WAIT_SHARED_TILE_GATHERED => format!(
-            "shared-expert M tile {index} (tokens {}..): expected its copied flag {expected}, it held {seen}",
-            index * mok_kernels::gemm_layout::TILE_M
+            "shared-expert M tile {index} (tokens {}..): expected {expected} row chunks copied ({} rows each), {seen} counted",
+            index * mok_kernels::gemm_layout::TILE_M,
+            mok_kernels::megakernel_layout::ROW_CHUNK_ROWS
         ),
-        codes::WAIT_ENGINE_TILE_DISPATCHED => {
-            format!("M tile {index}: expected its dispatched flag {expected}, it held {seen}")
-        }
-        codes::WAIT_ENGINE_TILE_GATHERED => {
-            format!("M tile {index}: expected its gathered flag {expected}, it held {seen}")
+        codes::WAIT_ENGINE_TILE_DISPATCHED | codes::WAIT_ENGINE_TILE_GATHERED => {
+            let what = if waited == codes::WAIT_ENGINE_TILE_DISPATCHED { "dispatched" } else { "gathered" };
+            let rows = mok_kernels::megakernel_layout::ROW_CHUNK_ROWS;
+            format!("M tile {index}: expected {expected} row chunks {what} ({rows} rows each), {seen} counted")
         }
         codes::WAIT_SLOT_READY => {
             format!(

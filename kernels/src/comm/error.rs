@@ -58,7 +58,7 @@ pub const WAIT_ENGINE_TILE_HIDDEN: u32 = 8;
 pub const WAIT_ENGINE_TILE_OUTPUT: u32 = 9;
 
 /// The forward megakernel's gate/up tile waited for the dispatch of its M tile's rows (index =
-/// the M tile, expected and seen = dispatch chunks copied, `dispatch_complete`;
+/// the M tile, expected and seen = dispatch chunks copied, `row_chunks_complete`;
 /// `ForwardParams::rows_dispatched`).
 pub const WAIT_ENGINE_TILE_DISPATCHED: u32 = 10;
 
@@ -69,8 +69,8 @@ pub const WAIT_ENGINE_TILE_DISPATCHED: u32 = 10;
 pub const WAIT_SLOT_READY: u32 = 11;
 
 /// The backward megakernel's down-dgrad tile (or a down weight-gradient tile) waited for the
-/// gathered dy rows of an M tile (index = the M tile, expected 1 = set;
-/// `BackwardParams::rows_gathered`).
+/// gathered dy rows of an M tile (index = the M tile, expected and seen = row chunks gathered,
+/// `row_chunks_complete`; `BackwardParams::rows_gathered`).
 pub const WAIT_ENGINE_TILE_GATHERED: u32 = 12;
 
 /// The backward megakernel's SwiGLU-backward chunk waited for every down-dgrad part (d_hidden)
@@ -100,8 +100,8 @@ pub const WAIT_SHARED_TILE_HIDDEN: u32 = 16;
 pub const WAIT_SHARED_TILE_OUTPUT: u32 = 17;
 
 /// The backward megakernel's shared-expert down-dgrad tile (or its down weight-gradient tile)
-/// waited for the copy of its dy rows (index = the shared M tile, expected 1 = set;
-/// `BackwardParams::shared_gathered`).
+/// waited for the copy of its dy rows (index = the shared M tile, expected and seen = row
+/// chunks copied; `BackwardParams::shared_gathered`).
 pub const WAIT_SHARED_TILE_GATHERED: u32 = 18;
 
 /// As [`WAIT_ENGINE_TILE_DOWN_DGRAD`] for the shared expert: its SwiGLU chunk waited for the

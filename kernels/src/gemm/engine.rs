@@ -303,7 +303,7 @@ pub unsafe fn run_forward_phases<H: TileHooks>(
 /// The compute role of the backward megakernel, in a 2-block cluster as
 /// [`run_forward_phases`]: on one ring, ten phases — the shared expert's and then the routed
 /// experts' down data gradient (d_hidden), then, after the consumer warps have run
-/// `between_dgrads(false)` (the SwiGLU backward: d_gate and d_up from d_hidden), the shared
+/// `between_dgrads` (the SwiGLU backward: d_gate and d_up from d_hidden), the shared
 /// expert's and then the routed experts' gate/up data gradient (all four [`Variant::ROWS_NN`]), the
 /// routed experts' three weight gradients (down, gate, up), then the shared expert's three
 /// ([`Variant::WGRAD_IN_PAIR`], each block walking its own share of the tiles) — phase `i`
@@ -315,17 +315,19 @@ pub unsafe fn run_forward_phases<H: TileHooks>(
 /// to a phase only when it has no more tiles of the previous one (the data gradients: their
 /// counter is spent), and a tile waits only for earlier phases, so it only ever waits for work
 /// a running block already holds (docs/ARCHITECTURE.md). The producer warpgroup's three spare
-/// warps (its first warp's thread 0 is the producer) run `between_dgrads(true)` from the start,
-/// alongside the consumers' down-dgrad MMAs. Returns `Some(())` for the consumer warpgroups'
-/// threads, `None` for the producer warpgroup's.
+/// warps (its first warp's thread 0 is the producer) run `spare_warps` from the start, under
+/// the consumers' MMAs (the gather, then the SwiGLU backward). Returns `Some(())` for the
+/// consumer warpgroups' threads, `None` for the producer warpgroup's.
 ///
 /// # Safety
 /// Every non-null plan `plan` returns is a valid parameter block of its phase's variant, its
 /// tile counter zeroed before the launch; the routed experts' phases are never null, and the
 /// shared expert's (`BackwardHandover::SHARED_*`) all null or none; each expert set's plans are
-/// over the same row groups; every consumer warp and every spare producer warp (with
-/// [`MEGAKERNEL_PRODUCER_REGISTERS`] registers) calling `between_dgrads` is safe, and it waits
-/// only for down-dgrad tiles; `plan` returns the same for every block of the cluster; the
+/// over the same row groups; every consumer warp calling `between_dgrads` is safe, and it
+/// waits only for down-dgrad tiles; every spare producer warp (with
+/// [`MEGAKERNEL_PRODUCER_REGISTERS`] registers) calling `spare_warps` is safe, and it waits only
+/// for down-dgrad tiles, after every gather unit it waits on has been taken by a warp that
+/// waits for nothing; `plan` returns the same for every block of the cluster; the
 /// hooks' contracts hold;
 /// with `wgrad_ranks` > 1 the same holds for every q < `wgrad_ranks`, and every block of the
 /// launch runs these phases with the same `wgrad_ranks`.
@@ -333,7 +335,7 @@ pub unsafe fn run_forward_phases<H: TileHooks>(
 pub unsafe fn run_backward_phases<H: TileHooks>(
     plan: impl Fn(u32, u32) -> *const GemmParams + Copy,
     hooks: impl Fn(u32, u32) -> H + Copy,
-    between_dgrads: impl Fn(bool),
+    (spare_warps, between_dgrads): (impl Fn(), impl Fn()),
     own: u32,
     wgrad_ranks: u32,
 ) -> Option<()> {
@@ -399,10 +401,11 @@ pub unsafe fn run_backward_phases<H: TileHooks>(
                 }
             }
         } else if thread >= 32 {
-            // The spare warps: the SwiGLU backward runs under the down dgrad's MMAs instead of
-            // only between the two data gradients, where no MMA runs. Its waits are on
-            // down-dgrad tiles alone, which no block's progress makes wait for these warps.
-            between_dgrads(true);
+            // The spare warps: the gather and then the SwiGLU backward, under the MMAs. The
+            // gather waits for nothing; the SwiGLU chunks wait on down-dgrad tiles alone, and
+            // every gather chunk a down-dgrad tile waits on is held by a warp that finishes it
+            // without waiting.
+            spare_warps();
         }
         None
     } else {
@@ -416,7 +419,7 @@ pub unsafe fn run_backward_phases<H: TileHooks>(
                 walk = consume::<N, H>(&*plan(phase), ring, wg, t, hooks(phase), walk);
                 walk = next_phase::<N>(ring, walk, t);
                 if phase == B::DOWN_DGRAD {
-                    between_dgrads(false);
+                    between_dgrads();
                 }
                 phase += if phase == B::DOWN_DGRAD && !shared { 2 } else { 1 };
             }

@@ -19,7 +19,7 @@ use crate::comm::schedule::epoch_reached;
 use crate::comm::wait::{signal, wait_until};
 use crate::gemm_layout::{GemmParams, TILE_M, TILE_N, TileCounters, Variant};
 use crate::megakernel_layout::{
-    BackwardParams, ForwardParams, NO_FAULT, WORK_GEMMS, WORK_WEIGHT_GRADS, dispatch_complete, down_dgrad_complete, downstream_deadline,
+    BackwardParams, ForwardParams, NO_FAULT, WORK_GEMMS, WORK_WEIGHT_GRADS, row_chunks_complete, down_dgrad_complete, downstream_deadline,
     first_compute_block, parts_per_m_tile, rank_of_pair, weight_gradient_walk,
 };
 use crate::ptx::bulk;
@@ -119,8 +119,8 @@ impl TileHooks for Counters {
 }
 
 /// What a tile's rows are ready by: an epoch flag per M tile (rows placed by the comm side; the
-/// standalone hooked kernels), a flag set this pass (the backward megakernel's gather), a chunk
-/// count (the forward megakernel's dispatch, complete at [`dispatch_complete`]), or the
+/// standalone hooked kernels), a row-chunk count (the megakernels' dispatch and gather,
+/// complete at [`row_chunks_complete`]), or the
 /// stored-part count per M tile of the GEMM phase that wrote them, complete at
 /// [`parts_per_m_tile`]`(n_tiles, rows)` (or, for the backward's d_gate and d_up rows, at
 /// [`down_dgrad_complete`]: after the SwiGLU backward's chunks too).
@@ -128,16 +128,15 @@ impl TileHooks for Counters {
 enum Ready {
     /// `flags[m tile]` reaches `epoch` (wrapping).
     Epoch { flags: *const u32, epoch: u32 },
-    /// `flags[m tile]` is set (cleared before the pass); `code` names the flag in a record.
-    Flag { flags: *const u32, code: u32 },
     /// `counts[m tile]` reaches the parts of a GEMM with `n_tiles` N tiles; `code` names the
     /// count in a record.
     Stored { counts: *const u32, n_tiles: u32, code: u32 },
     /// `counts[m tile]` (the backward's `down_dgrad_stored`) reaches [`down_dgrad_complete`].
     SwigluDone { counts: *const u32, n_tiles: u32, code: u32 },
-    /// `counts[m tile]` (the forward's `rows_dispatched`, `shared_dispatched`) reaches
-    /// [`dispatch_complete`]: every dispatch chunk of the tile copied.
-    Dispatched { counts: *const u32, code: u32 },
+    /// `counts[m tile]` (the forward's `rows_dispatched`, `shared_dispatched`, the backward's
+    /// `rows_gathered`, `shared_gathered`) reaches [`row_chunks_complete`]: every row chunk of
+    /// the tile moved.
+    RowChunks { counts: *const u32, code: u32 },
 }
 
 /// Bounded wait of the producer thread until the rows of `work`'s M tile are ready, then the
@@ -155,18 +154,17 @@ unsafe fn wait_for_rows(p: &GemmParams, work: &Work, ready: Ready, error: *mut u
         let tile = m_tile(p, work);
         let (counter, expected, code) = match ready {
             Ready::Epoch { flags, epoch } => (flags.add(tile as usize), epoch, WAIT_ENGINE_TILE_ROWS),
-            Ready::Flag { flags, code } => (flags.add(tile as usize), 1, code),
             Ready::Stored { counts, n_tiles, code } => {
                 (counts.add(tile as usize), parts_per_m_tile(n_tiles, work.rows), code)
             }
             Ready::SwigluDone { counts, n_tiles, code } => {
                 (counts.add(tile as usize), down_dgrad_complete(n_tiles, work.rows), code)
             }
-            Ready::Dispatched { counts, code } => (counts.add(tile as usize), dispatch_complete(work.rows), code),
+            Ready::RowChunks { counts, code } => (counts.add(tile as usize), row_chunks_complete(work.rows), code),
         };
         let waited = match ready {
             Ready::Epoch { .. } => wait_until(counter, false, timeout_ns, error, |v| epoch_reached(v, expected)),
-            Ready::Flag { .. } | Ready::Stored { .. } | Ready::SwigluDone { .. } | Ready::Dispatched { .. } => {
+            Ready::Stored { .. } | Ready::SwigluDone { .. } | Ready::RowChunks { .. } => {
                 wait_until(counter, false, timeout_ns, error, |v| v >= expected)
             }
         };
@@ -202,7 +200,7 @@ unsafe fn count_stored(p: &GemmParams, work: &Work, counts: *mut u32, silent_til
 /// The forward megakernel's hand-over around its GEMM phases, read from the pass's
 /// [`ForwardParams`] where used (a pointer, so the producer keeps no counter addresses in its few
 /// registers). [`ForwardHandover::GATE_UP`]: a tile waits until its rows' `rows_dispatched`
-/// count says every dispatch chunk of its M tile is copied ([`dispatch_complete`]) and
+/// count says every dispatch chunk of its M tile is copied ([`row_chunks_complete`]) and
 /// counts its parts in `gate_up_stored` (except `silent_hidden_tile`, fault injection);
 /// [`ForwardHandover::DOWN`]: a tile waits until `gate_up_stored` says every gate/up part of its
 /// rows is stored and counts its parts in `down_stored`. The shared expert's two phases
@@ -246,10 +244,10 @@ impl TileHooks for ForwardHandover {
             let hidden_n = |plan: u64| (*(plan as *const GemmParams)).n.div_ceil(TILE_N / 2);
             let ready = match self.phase {
                 ForwardHandover::GATE_UP => {
-                    Ready::Dispatched { counts: f.rows_dispatched as *const u32, code: WAIT_ENGINE_TILE_DISPATCHED }
+                    Ready::RowChunks { counts: f.rows_dispatched as *const u32, code: WAIT_ENGINE_TILE_DISPATCHED }
                 }
                 ForwardHandover::SHARED_GATE_UP => {
-                    Ready::Dispatched { counts: f.shared_dispatched as *const u32, code: WAIT_SHARED_TILE_DISPATCHED }
+                    Ready::RowChunks { counts: f.shared_dispatched as *const u32, code: WAIT_SHARED_TILE_DISPATCHED }
                 }
                 ForwardHandover::DOWN => Ready::Stored {
                     counts: f.gate_up_stored as *const u32,
@@ -288,7 +286,8 @@ impl TileHooks for ForwardHandover {
 /// The backward megakernel's hand-over around its GEMM phases, read from the pass's
 /// [`BackwardParams`] where used:
 /// - [`BackwardHandover::DOWN_DGRAD`] (the down projection's data gradient, d_hidden): a tile
-///   waits for its M tile's `rows_gathered` flag and counts its parts in `down_dgrad_stored`
+///   waits until its M tile's `rows_gathered` count is complete ([`row_chunks_complete`]) and
+///   counts its parts in `down_dgrad_stored`
 ///   (except `silent_hidden_tile`, fault injection); the SwiGLU backward's chunks of the M
 ///   tile wait for those parts and count in the same word (`megakernel::backward`);
 /// - [`BackwardHandover::GATE_UP_DGRAD`]: a tile waits until `down_dgrad_stored` says its rows'
@@ -365,7 +364,7 @@ impl<const RANKS: bool> BackwardHandover<RANKS> {
 }
 
 /// The counters of one expert set's backward (the routed experts', or the shared expert's): its
-/// down-dgrad plan (whose offsets and N tiles describe the M tiles), its gathered flags and its
+/// down-dgrad plan (whose offsets and N tiles describe the M tiles), its gathered counts and its
 /// two stored counts, with the codes a failed wait records.
 #[derive(Clone, Copy)]
 struct BackwardCounters {
@@ -422,7 +421,7 @@ impl<const RANKS: bool> TileHooks for BackwardHandover<RANKS> {
             let c = BackwardCounters::of(b, self.shared());
             match self.phase {
                 BackwardHandover::SHARED_DOWN_DGRAD | BackwardHandover::DOWN_DGRAD => {
-                    let ready = Ready::Flag { flags: c.gathered, code: c.gathered_code };
+                    let ready = Ready::RowChunks { counts: c.gathered, code: c.gathered_code };
                     wait_for_rows(p, work, ready, error, b.timeout_ns, 0);
                 }
                 BackwardHandover::SHARED_GATE_UP_DGRAD | BackwardHandover::GATE_UP_DGRAD => {
@@ -529,7 +528,7 @@ unsafe fn wait_for_group(b: &BackwardParams, c: &BackwardCounters, group: u32, g
         for tile in first_tile..end_tile {
             let rows = (row_end - (row_begin + (tile - first_tile) * TILE_M)).min(TILE_M);
             let (counter, expected, code, timeout_ns) = if gathered {
-                (c.gathered.add(tile as usize), 1, c.gathered_code, b.timeout_ns)
+                (c.gathered.add(tile as usize), row_chunks_complete(rows), c.gathered_code, b.timeout_ns)
             } else {
                 (
                     (c.down_dgrad_stored as *const u32).add(tile as usize),

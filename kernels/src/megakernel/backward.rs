@@ -31,28 +31,34 @@ use crate::gemm::hooks::BackwardHandover;
 use crate::gemm_layout::{ENGINE_THREADS, GemmParams, TILE_M, TILE_N};
 use crate::layout::NO_ROW;
 use crate::megakernel_layout::{
-    BackwardParams, NO_FAULT, PassInputs, SWIGLU_CHUNK_ROWS, SWIGLU_CHUNKS_PER_M_TILE, WORK_COMBINE, WORK_COPY_ROWS,
-    WORK_GEMMS, WORK_WEIGHT_GRADS, downstream_deadline, first_compute_block, parts_per_m_tile,
+    BackwardParams, NO_FAULT, PassInputs, ROW_CHUNK_ROWS, ROW_CHUNKS_PER_M_TILE, SWIGLU_CHUNK_ROWS,
+    SWIGLU_CHUNKS_PER_M_TILE, WORK_COMBINE, WORK_COPY_ROWS, WORK_GEMMS, WORK_WEIGHT_GRADS, downstream_deadline,
+    first_compute_block, parts_per_m_tile,
 };
-use crate::ptx::memory::{atom_add_relaxed_gpu_u32, ld_shared_u32, st_release_gpu_u32, st_shared_u32};
-use crate::ptx::{signal as warp, smem, sreg, sync};
+use crate::ptx::memory::atom_add_relaxed_gpu_u32;
+use crate::ptx::{signal as warp, sreg, sync};
 use crate::tiles::group_of_tile;
 
-use super::comm::{copy_token_tile, stored_tile_of_row, wait_for_shared_tile};
+use super::comm::{publish_chunk, stored_tile_of_row, wait_for_shared_tile};
 
-/// The gather, by every thread of a block: engine M tiles taken one at a time from
-/// `gather_next`; each tile's rows are written in expert order (a warp per row) as
-/// `bf16(w[t,j] · dy[t])`, and the warp's sum of `dy[t] · out[row]` (the forward's f32
-/// down-projection row) is the slot's d_topk_weight; then, after a block barrier, thread 0
-/// sets the tile's `rows_gathered` flag with a release. Across ranks (`view`) each row pulls
-/// its token owner's dy and slot weight through the peer mapping and is only scaled (the owner
-/// computes the slot-weight gradient in its combine). Waits for nothing. Returns once the tiles
-/// are all handed out.
+/// The gather, by a whole warp: row chunks of [`ROW_CHUNK_ROWS`] rows taken one at a time from
+/// `gather_next` — the shared expert's M tiles first (its dy copy), then the routed ones,
+/// [`ROW_CHUNKS_PER_M_TILE`] chunk numbers per M tile. Each of the chunk's rows is written in
+/// expert order as `bf16(w[t,j] · dy[t])`, and the warp's sum of `dy[t] · out[row]` (the
+/// forward's f32 down-projection row) is the slot's d_topk_weight; then, after a warp barrier,
+/// lane 0 adds 1 to the tile's `rows_gathered` count with a release (complete at
+/// [`row_chunks_complete`](crate::megakernel_layout::row_chunks_complete)). Across ranks
+/// (`view`) each row pulls its token owner's dy and slot weight through the peer mapping and is
+/// only scaled (the owner computes the slot-weight gradient in its combine). A chunk past a short
+/// tile's rows neither writes nor counts. Waits for nothing. Returns once the chunks are all
+/// handed out.
+///
+/// Comm blocks run it on every warp; compute blocks on their producer warpgroup's spare warps,
+/// alongside the GEMM phases, so the first down-dgrad tiles wait for their own rows only.
 ///
 /// # Safety
-/// `b` and `pass` are the pass's; the schedule was written before the launch; the block's first
-/// 4 bytes of dynamic shared memory are free; `view` is the rank's view across ranks (`RANKS`),
-/// else `None`.
+/// `b` and `pass` are the pass's; the schedule was written before the launch; `view` is the
+/// rank's view across ranks (`RANKS`), else `None`; all 32 lanes call it.
 #[inline(always)]
 pub unsafe fn gather<const RANKS: bool>(b: &BackwardParams, pass: &PassInputs, view: Option<&RankView>) {
     // SAFETY: caller contract: the down-dgrad parameter block and the offsets it points at.
@@ -62,36 +68,49 @@ pub unsafe fn gather<const RANKS: bool>(b: &BackwardParams, pass: &PassInputs, v
         let tile_offsets = core::slice::from_raw_parts(p.tile_offsets as *const u32, groups);
         let row_offsets = core::slice::from_raw_parts(p.row_offsets as *const u32, groups);
         let m_tiles = tile_offsets[groups - 1];
-        let (warp, warps, lane) = (sreg::thread_idx_x() / 32, sreg::block_dim_x() / 32, sreg::lane_id());
+        let lane = sreg::lane_id();
         let (dy, weights) = (pass.x as *const u16, pass.topk_weights as *const f32);
         let (row_source, out, d_rows) = (b.row_source as *const u32, b.down_rows as *const f32, b.d_rows as *mut u16);
         let h = b.hidden as usize;
         // Across ranks a rank whose error record is set (its schedule failed) copies nothing:
         // the waits on its tiles then stop at once.
         let copy = b.work & WORK_COPY_ROWS != 0 && !(RANKS && error::has_error(b.error as *const u32));
+        // A rank that copies nothing because of its error publishes nothing either.
+        let publish = copy == (b.work & WORK_COPY_ROWS != 0);
         let source_rank: *const u32 = view.map_or(core::ptr::null(), |v| v.local(v.params.regions.ring_source_rank));
-        let handout = smem::dynamic_smem_base();
         // With a shared expert the queue starts with its M tiles (its phases run first).
         let shared_tiles = if b.shared_down_dgrad != 0 { pass.tokens.div_ceil(TILE_M) } else { 0 };
         loop {
-            if sreg::thread_idx_x() == 0 {
-                st_shared_u32(handout, atom_add_relaxed_gpu_u32(b.gather_next as *mut u32, 1));
-            }
-            sync::block_barrier();
-            let claimed = ld_shared_u32(handout);
-            if claimed >= shared_tiles + m_tiles {
+            let claimed = if lane == 0 { atom_add_relaxed_gpu_u32(b.gather_next as *mut u32, 1) } else { 0 };
+            let claimed = sync::shfl_idx_u32(claimed, 0);
+            let (tile, chunk) = (claimed / ROW_CHUNKS_PER_M_TILE, claimed % ROW_CHUNKS_PER_M_TILE);
+            if tile >= shared_tiles + m_tiles {
                 return;
             }
-            if claimed < shared_tiles {
-                let flags = b.shared_gathered as *mut u32;
-                copy_token_tile(pass, b.shared_dy as *mut u16, b.hidden, claimed, b.work & WORK_COPY_ROWS != 0, flags);
+            if tile < shared_tiles {
+                // The shared expert's rows are the pass's own dy rows, in order.
+                let first = tile * TILE_M + chunk * ROW_CHUNK_ROWS;
+                let end = (first + ROW_CHUNK_ROWS).min((tile + 1) * TILE_M).min(pass.tokens);
+                if first < end {
+                    let mut token = if b.work & WORK_COPY_ROWS != 0 { first } else { end };
+                    while token < end {
+                        let offset = token as usize * h;
+                        copy_row(dy.add(offset) as *const u32, (b.shared_dy as *mut u16).add(offset) as *mut u32, b.hidden / 8, lane);
+                        token += 1;
+                    }
+                    publish_chunk(b.shared_gathered as *mut u32, tile, true, lane);
+                }
                 continue;
             }
-            let tile = claimed - shared_tiles;
+            let tile = tile - shared_tiles;
             let g = group_of_tile(tile_offsets, tile).unwrap_or(0);
-            let first = row_offsets[g] + (tile - tile_offsets[g]) * TILE_M;
-            let end = (first + TILE_M).min(row_offsets[g + 1]);
-            let mut row = if copy { first + warp } else { end };
+            let tile_first = row_offsets[g] + (tile - tile_offsets[g]) * TILE_M;
+            let first = tile_first + chunk * ROW_CHUNK_ROWS;
+            let end = (first + ROW_CHUNK_ROWS).min(tile_first + TILE_M).min(row_offsets[g + 1]);
+            if first >= end {
+                continue;
+            }
+            let mut row = if copy { first } else { end };
             while row < end {
                 let slot = *row_source.add(row as usize);
                 let token = (slot / b.top_k) as usize;
@@ -121,14 +140,9 @@ pub unsafe fn gather<const RANKS: bool>(b: &BackwardParams, pass: &PassInputs, v
                         }
                     }
                 }
-                row += warps;
+                row += 1;
             }
-            // Every thread's rows of the tile are written (and the hand-out read) before thread 0
-            // publishes them (barrier, then release at GPU scope) and takes the next tile.
-            sync::block_barrier();
-            if sreg::thread_idx_x() == 0 && tile != b.silent_rows_tile && copy == (b.work & WORK_COPY_ROWS != 0) {
-                st_release_gpu_u32((b.rows_gathered as *mut u32).add(tile as usize), 1);
-            }
+            publish_chunk(b.rows_gathered as *mut u32, tile, publish && tile != b.silent_rows_tile, lane);
         }
     }
 }
@@ -431,17 +445,16 @@ pub unsafe fn backward<const RANKS: bool>(params: *const BackwardParams, pass: P
     // SAFETY: caller contract: `exchange` is the rank's valid parameter block across ranks.
     let view = if RANKS { unsafe { backward_rank_view(b) } } else { None };
     if block < b.comm_blocks {
-        // SAFETY: caller contract.
+        // SAFETY: caller contract; every warp is whole.
         unsafe {
             gather::<RANKS>(b, &pass, view.as_ref());
             push_and_combine::<RANKS>(b, &pass, view.as_ref());
         }
     } else if block >= first_compute_block(b.comm_blocks) {
-        // SAFETY: caller contract; the gather's shared word is free before the engine carves
-        // the ring, and read by every thread before the gather returns.
+        // SAFETY: caller contract; every warp is whole.
         unsafe {
-            gather::<RANKS>(b, &pass, view.as_ref());
             if b.work & (WORK_GEMMS | WORK_WEIGHT_GRADS) == 0 {
+                gather::<RANKS>(b, &pass, view.as_ref());
                 push_and_combine::<RANKS>(b, &pass, view.as_ref());
                 return;
             }
@@ -468,8 +481,14 @@ pub unsafe fn backward<const RANKS: bool>(params: *const BackwardParams, pass: P
             };
             let hooks = move |phase, q: u32| BackwardHandover::<RANKS>::new(first_params.add(q as usize), phase);
             let wgrad_ranks = if RANKS { b.wgrad_ranks } else { 1 };
-            let swiglu = |spare_warp| swiglu_backward_chunks(b, &pass, spare_warp);
-            let phases = run_backward_phases(plan, hooks, swiglu, b.launch_index, wgrad_ranks);
+            // The spare producer warps gather, then take SwiGLU chunks; the consumer warps take
+            // SwiGLU chunks between their two data gradients.
+            let spare_warps = || {
+                gather::<RANKS>(b, &pass, view.as_ref());
+                swiglu_backward_chunks(b, &pass, true);
+            };
+            let between_dgrads = || swiglu_backward_chunks(b, &pass, false);
+            let phases = run_backward_phases(plan, hooks, (spare_warps, between_dgrads), b.launch_index, wgrad_ranks);
             if phases.is_some() {
                 push_and_combine::<RANKS>(b, &pass, view.as_ref());
             }

@@ -19,10 +19,10 @@ use crate::device::rows::{combine_quads, copy_row};
 use crate::gemm_layout::{GemmParams, TILE_M, TILE_N};
 use crate::layout::NO_ROW;
 use crate::megakernel_layout::{
-    DISPATCH_CHUNK_ROWS, DISPATCH_CHUNKS_PER_M_TILE, ForwardParams, NO_FAULT, PassInputs, WORK_COPY_ROWS, WORK_GEMMS,
+    ROW_CHUNK_ROWS, ROW_CHUNKS_PER_M_TILE, ForwardParams, NO_FAULT, PassInputs, WORK_COPY_ROWS, WORK_GEMMS,
     downstream_deadline, parts_per_m_tile,
 };
-use crate::ptx::memory::{atom_add_relaxed_gpu_u32, st_release_gpu_u32};
+use crate::ptx::memory::atom_add_relaxed_gpu_u32;
 use crate::ptx::{signal as warp, sreg, sync};
 use crate::tiles::group_of_tile;
 
@@ -56,13 +56,13 @@ pub(super) unsafe fn stored_tile_of_row(p: &GemmParams, row: u32, n_tiles: u32) 
     (tile, parts_per_m_tile(n_tiles, rows_in_tile(row_offsets, tile_offsets, tile, TILE_M).unwrap_or(0)))
 }
 
-/// Dispatch, by a whole warp: chunks of [`DISPATCH_CHUNK_ROWS`] rows taken one at a time from
+/// Dispatch, by a whole warp: chunks of [`ROW_CHUNK_ROWS`] rows taken one at a time from
 /// `dispatch_next` — the shared expert's M tiles first (its gate/up phase runs first), then the
-/// routed ones, [`DISPATCH_CHUNKS_PER_M_TILE`] chunk numbers per M tile in increasing order.
+/// routed ones, [`ROW_CHUNKS_PER_M_TILE`] chunk numbers per M tile in increasing order.
 /// The warp copies each of the chunk's rows (in expert order) from x — on one GPU the pass's,
 /// across ranks the token owner's through the peer mapping — then, after a warp barrier, lane 0
 /// adds 1 to the tile's `rows_dispatched` count with a release; the tile's rows are there at
-/// [`dispatch_complete`](crate::megakernel_layout::dispatch_complete). A chunk past a short tile's rows neither copies nor counts. Across
+/// [`row_chunks_complete`](crate::megakernel_layout::row_chunks_complete). A chunk past a short tile's rows neither copies nor counts. Across
 /// ranks a rank whose error record is set (its schedule failed) copies nothing: the waits on
 /// its tiles then stop at once. Waits for nothing, so whatever waits on a dispatched tile waits
 /// on work a running warp is already doing. Returns once the chunks are all handed out.
@@ -94,14 +94,14 @@ pub unsafe fn dispatch(f: &ForwardParams, pass: &PassInputs, view: Option<&RankV
         loop {
             let claimed = if lane == 0 { atom_add_relaxed_gpu_u32(f.dispatch_next as *mut u32, 1) } else { 0 };
             let claimed = sync::shfl_idx_u32(claimed, 0);
-            let (tile, chunk) = (claimed / DISPATCH_CHUNKS_PER_M_TILE, claimed % DISPATCH_CHUNKS_PER_M_TILE);
+            let (tile, chunk) = (claimed / ROW_CHUNKS_PER_M_TILE, claimed % ROW_CHUNKS_PER_M_TILE);
             if tile >= shared_tiles + m_tiles {
                 return;
             }
             if tile < shared_tiles {
                 // The shared expert's rows are the pass's own tokens, in order.
-                let first = tile * TILE_M + chunk * DISPATCH_CHUNK_ROWS;
-                let end = (first + DISPATCH_CHUNK_ROWS).min((tile + 1) * TILE_M).min(pass.tokens);
+                let first = tile * TILE_M + chunk * ROW_CHUNK_ROWS;
+                let end = (first + ROW_CHUNK_ROWS).min((tile + 1) * TILE_M).min(pass.tokens);
                 if first < end {
                     let mut token = if copy { first } else { end };
                     while token < end {
@@ -117,8 +117,8 @@ pub unsafe fn dispatch(f: &ForwardParams, pass: &PassInputs, view: Option<&RankV
             // tile < m_tiles: a group holds it.
             let g = group_of_tile(tile_offsets, tile).unwrap_or(0);
             let tile_first = row_offsets[g] + (tile - tile_offsets[g]) * TILE_M;
-            let first = tile_first + chunk * DISPATCH_CHUNK_ROWS;
-            let end = (first + DISPATCH_CHUNK_ROWS).min(tile_first + TILE_M).min(row_offsets[g + 1]);
+            let first = tile_first + chunk * ROW_CHUNK_ROWS;
+            let end = (first + ROW_CHUNK_ROWS).min(tile_first + TILE_M).min(row_offsets[g + 1]);
             if first >= end {
                 continue;
             }
@@ -140,14 +140,14 @@ pub unsafe fn dispatch(f: &ForwardParams, pass: &PassInputs, view: Option<&RankV
     }
 }
 
-/// After a warp copied a dispatch chunk of M tile `tile`: a warp barrier (every lane's stores
+/// After a warp moved a row chunk of M tile `tile` (dispatch, or the backward's gather): a warp barrier (every lane's stores
 /// before lane 0's release), then lane 0 adds 1 to `counts[tile]` with a release at GPU scope
 /// when `publish`.
 ///
 /// # Safety
 /// `counts` holds an entry per M tile of the pass; all 32 lanes call it.
 #[inline(always)]
-unsafe fn publish_chunk(counts: *mut u32, tile: u32, publish: bool, lane: u32) {
+pub(super) unsafe fn publish_chunk(counts: *mut u32, tile: u32, publish: bool, lane: u32) {
     warp::warp_sync();
     if lane == 0 && publish {
         // SAFETY: caller contract.
@@ -180,43 +180,6 @@ pub(super) unsafe fn wait_for_shared_tile(
         if let Err(seen) = wait_until(counter, false, deadline_ns, error, |v| v >= expected) {
             error::record(error, [ERROR_TIMEOUT, code, rank, tile, expected, seen, rank, 0]);
         }
-    }
-}
-
-/// One M tile of the pass's token rows for the shared expert, by every thread of a block:
-/// tokens `128·tile ..` copied from the pass's rows (x forward, dy backward: this rank's own
-/// tokens) into `dst` (a warp per row) when `copy`, then, after a block barrier, thread 0 sets
-/// `flags[tile]` with a release (the routed tiles' pattern).
-///
-/// # Safety
-/// As [`dispatch`], with a shared expert: `dst` holds T rows of H bf16, `flags` the shared
-/// expert's M tiles; `tile` < ⌈T / 128⌉.
-#[inline(always)]
-pub(super) unsafe fn copy_token_tile(
-    pass: &PassInputs,
-    dst: *mut u16,
-    hidden: u32,
-    tile: u32,
-    copy: bool,
-    flags: *mut u32,
-) {
-    let (warp, warps, lane) = (sreg::thread_idx_x() / 32, sreg::block_dim_x() / 32, sreg::lane_id());
-    let end = ((tile + 1) * TILE_M).min(pass.tokens);
-    let mut token = if copy { tile * TILE_M + warp } else { end };
-    while token < end {
-        let offset = (token * hidden) as usize;
-        // SAFETY: token < T rows of H bf16 in the pass's rows and in `dst` (caller contract).
-        unsafe {
-            copy_row((pass.x as *const u16).add(offset) as *const u32, dst.add(offset) as *mut u32, hidden / 8, lane)
-        };
-        token += warps;
-    }
-    // Every row of the tile written (and the hand-out read) before the release and the next
-    // hand-out.
-    sync::block_barrier();
-    if sreg::thread_idx_x() == 0 {
-        // SAFETY: the tile's flag (caller contract).
-        unsafe { st_release_gpu_u32(flags.add(tile as usize), 1) };
     }
 }
 
