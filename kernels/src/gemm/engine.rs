@@ -38,8 +38,7 @@
 
 use crate::gemm_layout::{
     CONSUMER_REGISTERS, ENGINE_THREADS, GemmParams, MEGAKERNEL_PRODUCER_REGISTERS, NO_TILE, PAIRED_CONSUMER_REGISTERS,
-    PAIRED_PRODUCER_REGISTERS,
-    PRODUCER_REGISTERS, STAGES, cluster_blocks, is_wgrad,
+    PAIRED_PRODUCER_REGISTERS, PRODUCER_REGISTERS, STAGES, cluster_blocks, is_wgrad,
 };
 use crate::ptx::memory::ld_shared_u32;
 use crate::ptx::{bulk, cluster, mbarrier, sreg, sync};

@@ -19,8 +19,8 @@ use crate::comm::schedule::epoch_reached;
 use crate::comm::wait::{signal, wait_until};
 use crate::gemm_layout::{GemmParams, TILE_M, TILE_N, TileCounters, Variant};
 use crate::megakernel_layout::{
-    BackwardParams, ForwardParams, NO_FAULT, WORK_GEMMS, WORK_WEIGHT_GRADS, row_chunks_complete, down_dgrad_complete, downstream_deadline,
-    first_compute_block, parts_per_m_tile, rank_of_pair, weight_gradient_walk,
+    BackwardParams, ForwardParams, NO_FAULT, WORK_GEMMS, WORK_WEIGHT_GRADS, down_dgrad_complete, downstream_deadline,
+    first_compute_block, parts_per_m_tile, rank_of_pair, row_chunks_complete, weight_gradient_walk,
 };
 use crate::ptx::bulk;
 use crate::ptx::memory::fence_proxy_async_global;

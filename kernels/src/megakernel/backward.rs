@@ -2,11 +2,13 @@
 //! after the device-side schedule (the engine tile offsets of the forward's routing, every
 //! plan's group maps, one memset of the pass counters).
 //!
-//! Every block takes part in the [`gather`] (dy rows into expert order, scaled by the slot
-//! weight, M tile by M tile from one queue, each tile published; the same warp also reduces the
-//! slot-weight gradient `⟨dy[t], out[row]⟩` of each row it gathers). Blocks `0 .. comm_blocks`
-//! then only run the [`combine_dx`]; the blocks from the next whole pair on are the compute
-//! role, in 2-block clusters: the down projection's data gradient (d_hidden), the SwiGLU
+//! Warps take part in the [`gather`] (dy rows into expert order, scaled by the slot weight,
+//! 16-row chunks of the M tiles from one queue, each chunk counted; the same warp also reduces
+//! the slot-weight gradient `⟨dy[t], out[row]⟩` of each row it gathers): every warp of blocks
+//! `0 .. comm_blocks`, which then only run the [`combine_dx`], and the three spare warps of
+//! each compute block's producer warpgroup, which then take SwiGLU chunks. The blocks from the
+//! next whole pair on are the compute role, in 2-block clusters: from the start of the launch,
+//! the down projection's data gradient (d_hidden), the SwiGLU
 //! backward ([`swiglu_backward_chunks`]: d_gate, d_up), the gate/up data gradient (dx rows) and
 //! the three weight gradients, each as soon as what it reads is there (the engine's phases with
 //! [`BackwardHandover`] hooks), then their consumer warps join the combine. Work is taken in the
@@ -95,7 +97,12 @@ pub unsafe fn gather<const RANKS: bool>(b: &BackwardParams, pass: &PassInputs, v
                     let mut token = if b.work & WORK_COPY_ROWS != 0 { first } else { end };
                     while token < end {
                         let offset = token as usize * h;
-                        copy_row(dy.add(offset) as *const u32, (b.shared_dy as *mut u16).add(offset) as *mut u32, b.hidden / 8, lane);
+                        copy_row(
+                            dy.add(offset) as *const u32,
+                            (b.shared_dy as *mut u16).add(offset) as *mut u32,
+                            b.hidden / 8,
+                            lane,
+                        );
                         token += 1;
                     }
                     publish_chunk(b.shared_gathered as *mut u32, tile, true, lane);

@@ -19,7 +19,7 @@ use crate::device::rows::{combine_quads, copy_row};
 use crate::gemm_layout::{GemmParams, TILE_M, TILE_N};
 use crate::layout::NO_ROW;
 use crate::megakernel_layout::{
-    ROW_CHUNK_ROWS, ROW_CHUNKS_PER_M_TILE, ForwardParams, NO_FAULT, PassInputs, WORK_COPY_ROWS, WORK_GEMMS,
+    ForwardParams, NO_FAULT, PassInputs, ROW_CHUNK_ROWS, ROW_CHUNKS_PER_M_TILE, WORK_COPY_ROWS, WORK_GEMMS,
     downstream_deadline, parts_per_m_tile,
 };
 use crate::ptx::memory::atom_add_relaxed_gpu_u32;
@@ -106,7 +106,12 @@ pub unsafe fn dispatch(f: &ForwardParams, pass: &PassInputs, view: Option<&RankV
                     let mut token = if copy { first } else { end };
                     while token < end {
                         let offset = (token * f.hidden) as usize;
-                        copy_row(x.add(offset) as *const u32, (f.shared_x as *mut u16).add(offset) as *mut u32, vectors, lane);
+                        copy_row(
+                            x.add(offset) as *const u32,
+                            (f.shared_x as *mut u16).add(offset) as *mut u32,
+                            vectors,
+                            lane,
+                        );
                         token += 1;
                     }
                     publish_chunk(f.shared_dispatched as *mut u32, tile, publish, lane);
