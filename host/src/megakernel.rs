@@ -894,12 +894,13 @@ mod work_order_model {
 
     mod forward {
         //! The forward: each rank's comm blocks and the spare producer warps of its compute
-        //! blocks (agents of their own) take dispatch tiles (the shared expert's copies first);
-        //! its compute pairs take the shared expert's gate/up tiles, the routed gate/up tiles,
-        //! the shared down tiles, the routed down tiles, across ranks push rows, and combine
-        //! tokens from the rank's queues in that order (comm blocks: push and combine). A pushed row waits on its rank's down tile; a token's
-        //! combine on its shared-expert tile and, across ranks on the rows its owners push, on
-        //! one GPU on the down tiles.
+        //! blocks (an agent each, three per block) take dispatch tiles (the shared expert's
+        //! copies first); its compute pairs take the shared expert's gate/up tiles, the routed
+        //! gate/up tiles, the shared down tiles, the routed down tiles, across ranks push rows,
+        //! and combine tokens from the rank's queues in that order (comm blocks: push and
+        //! combine). A pushed row waits on its rank's down tile; a token's combine on its
+        //! shared-expert tile and, across ranks on the rows its owners push, on one GPU on the
+        //! down tiles.
 
         use super::*;
 
@@ -1105,8 +1106,8 @@ mod work_order_model {
                         (0..comm_blocks).map(|_| Agent::new(rank(r), vec![SHARED_DISPATCH, DISPATCH, PUSH, COMBINE])),
                     );
                     agents.extend((0..pairs).map(|_| Agent::new(rank(r), COMPUTE_ORDER.to_vec())));
-                    // Each block of a pair has its spare warps: the dispatch, on their own.
-                    agents.extend((0..2 * pairs).map(|_| Agent::new(rank(r), SPARE_ORDER.to_vec())));
+                    // Each block of a pair has three spare warps: the dispatch, on their own.
+                    agents.extend((0..3 * 2 * pairs).map(|_| Agent::new(rank(r), SPARE_ORDER.to_vec())));
                 }
                 let what = format!("case {case}: {ranks} ranks, {comm_blocks} comm blocks and {pairs} pairs each");
                 run_to_completion(&mut world, &mut agents, &mut rng, &what);
@@ -1169,7 +1170,7 @@ mod work_order_model {
 
     mod backward {
         //! The backward (one GPU): comm blocks and the compute blocks' spare producer warps (an
-        //! agent of their own per block) take gather tiles, the spare warps then SwiGLU-backward
+        //! agent each, three per block) take gather tiles, the spare warps then SwiGLU-backward
         //! chunks; compute blocks take down-dgrad tiles, SwiGLU-backward chunks, gate/up-dgrad
         //! tiles, then their own fixed-stride share of each of the three
         //! weight gradients' tiles, then combine tokens. A down-dgrad tile waits on its M
@@ -1402,14 +1403,15 @@ mod work_order_model {
                     .map(|_| Agent::new(Who::default(), vec![gather(SHARED), gather(ROUTED), COMBINE]))
                     .collect();
                 // Each block of a pair walks its own weight-gradient share: one agent per block;
-                // its producer warpgroup's spare warps gather, then take SwiGLU chunks, on their
-                // own: one more.
+                // its producer warpgroup's three spare warps gather, then take SwiGLU chunks, on
+                // their own: three more.
                 agents.extend(
                     (0..compute_blocks).map(|b| Agent::new(compute_block(b, compute_blocks), compute_queues())),
                 );
                 let spare_queues = vec![gather(SHARED), gather(ROUTED), swiglu(SHARED), swiglu(ROUTED)];
                 agents.extend(
-                    (0..compute_blocks).map(|b| Agent::new(compute_block(b, compute_blocks), spare_queues.clone())),
+                    (0..3 * compute_blocks)
+                        .map(|w| Agent::new(compute_block(w / 3, compute_blocks), spare_queues.clone())),
                 );
                 let what =
                     format!("case {case}: {comm_blocks} comm blocks and {pairs} pairs, {shared_tiles} shared tiles");
@@ -1476,7 +1478,7 @@ mod work_order_model {
 
     mod backward_ranks {
         //! The backward across ranks in one launch: each rank's comm blocks and its compute
-        //! blocks' spare producer warps (agents of their own) take its gather tiles, the spare
+        //! blocks' spare producer warps (an agent each) take its gather tiles, the spare
         //! warps then its SwiGLU chunks; its compute blocks take down-dgrad tiles, SwiGLU chunks
         //! and gate/up-dgrad tiles from its own queues; then every compute block of
         //! the launch walks the routed weight-gradient tiles of every rank, product by product,
@@ -1680,9 +1682,9 @@ mod work_order_model {
                     for _ in 0..2 * p {
                         let who = Who { rank, compute: (index, launch_compute), ..Who::default() };
                         agents.push(Agent::new(who, compute_queues.clone()));
-                        // The block's spare producer warps: the rank's gather, then its SwiGLU
-                        // chunks.
-                        agents.push(Agent::new(who, vec![GATHER, SWIGLU]));
+                        // The block's three spare producer warps: the rank's gather, then its
+                        // SwiGLU chunks.
+                        agents.extend((0..3).map(|_| Agent::new(who, vec![GATHER, SWIGLU])));
                         index += 1;
                     }
                 }

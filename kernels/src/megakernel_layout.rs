@@ -2,6 +2,9 @@
 //! `mok_sm90_forward_ranks` across ranks; see `kernels/src/megakernel/`), shared by host and
 //! device, and the arithmetic both sides use to size and check its counters.
 
+use crate::gemm_layout::TILE_M;
+use crate::tiles::group_of_tile;
+
 /// A `silent_*` field's value that injects no fault.
 pub const NO_FAULT: u32 = u32::MAX;
 
@@ -376,6 +379,56 @@ pub const fn row_chunks_complete(rows: u32) -> u32 {
     rows.div_ceil(ROW_CHUNK_ROWS)
 }
 
+/// What row chunk number `claimed` of a dispatch or gather queue covers: the queue holds
+/// [`ROW_CHUNKS_PER_M_TILE`] numbers per M tile, the shared expert's `shared_tiles` M tiles
+/// first (its rows are the pass's `tokens` token rows in order), then the routed experts' M
+/// tiles (`tile_offsets` and `row_offsets`: a plan's `G + 1` engine tile offsets and row offsets).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum RowChunk {
+    /// Past the queue's end: every chunk is handed out.
+    Spent,
+    /// Token rows of the shared expert's M tile.
+    Shared {
+        /// The shared expert's M tile.
+        tile: u32,
+        /// The chunk's first token row.
+        first: u32,
+        /// One past its last (`first` or less past the tile's rows: an empty chunk).
+        end: u32,
+    },
+    /// Rows of the routed experts' M tile.
+    Routed {
+        /// The M tile, numbered over all groups by the engine's tile offsets.
+        tile: u32,
+        /// The chunk's first row (of the plan's rows, expert order).
+        first: u32,
+        /// One past its last (`first` or less past the tile's rows: an empty chunk).
+        end: u32,
+    },
+}
+
+/// See [`RowChunk`].
+#[inline(always)]
+pub fn row_chunk(claimed: u32, shared_tiles: u32, tokens: u32, tile_offsets: &[u32], row_offsets: &[u32]) -> RowChunk {
+    let (tile, chunk) = (claimed / ROW_CHUNKS_PER_M_TILE, claimed % ROW_CHUNKS_PER_M_TILE);
+    let m_tiles = tile_offsets[tile_offsets.len() - 1];
+    if tile < shared_tiles {
+        let first = tile * TILE_M + chunk * ROW_CHUNK_ROWS;
+        let end = (first + ROW_CHUNK_ROWS).min((tile + 1) * TILE_M).min(tokens);
+        return RowChunk::Shared { tile, first, end };
+    }
+    if tile - shared_tiles >= m_tiles {
+        return RowChunk::Spent;
+    }
+    let tile = tile - shared_tiles;
+    // tile < m_tiles: a group holds it.
+    let g = group_of_tile(tile_offsets, tile).unwrap_or(0);
+    let tile_first = row_offsets[g] + (tile - tile_offsets[g]) * TILE_M;
+    let first = tile_first + chunk * ROW_CHUNK_ROWS;
+    let end = (first + ROW_CHUNK_ROWS).min(tile_first + TILE_M).min(row_offsets[g + 1]);
+    RowChunk::Routed { tile, first, end }
+}
+
 /// Stored parts that complete an M tile of `rows` rows in a GEMM of `n_tiles` N tiles: each N
 /// tile's consumer warpgroups with rows (64 each) count once.
 pub const fn parts_per_m_tile(n_tiles: u32, rows: u32) -> u32 {
@@ -394,6 +447,71 @@ pub const fn downstream_deadline(timeout_ns: u64, depth: u32) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_row_chunks_cover_every_row_once_and_complete_each_tile() {
+        // Ragged groups (empty ones too), with and without a shared expert: every row of every
+        // M tile lies in exactly one chunk of that tile, and the chunks with rows of a tile
+        // number row_chunks_complete(its rows), what its waiters expect.
+        let cases: [&[u32]; 4] = [&[0, 0, 5, 5, 300, 301], &[0, 128, 256], &[0, 1], &[0, 0, 0]];
+        for row_offsets in cases {
+            let groups = row_offsets.len() - 1;
+            let mut tile_offsets = [0u32; 16];
+            crate::tiles::engine_tile_offsets(row_offsets, TILE_M, &mut tile_offsets[..2 * (groups + 1)]);
+            let tile_offsets = &tile_offsets[..groups + 1];
+            let m_tiles = tile_offsets[groups];
+            for (shared_tiles, tokens) in [(0, 0), (3, 300), (1, 1)] {
+                let rows = row_offsets[groups] as usize;
+                let (mut routed_seen, mut shared_seen) = (vec![0u32; rows], vec![0u32; tokens as usize]);
+                let (mut routed_counts, mut shared_counts) =
+                    (vec![0u32; m_tiles as usize], vec![0u32; shared_tiles as usize]);
+                let mut claimed = 0;
+                loop {
+                    match row_chunk(claimed, shared_tiles, tokens, tile_offsets, row_offsets) {
+                        RowChunk::Spent => break,
+                        RowChunk::Shared { tile, first, end } => {
+                            if first < end {
+                                shared_counts[tile as usize] += 1;
+                            }
+                            (first..end).for_each(|t| shared_seen[t as usize] += 1);
+                        }
+                        RowChunk::Routed { tile, first, end } => {
+                            if first < end {
+                                routed_counts[tile as usize] += 1;
+                            }
+                            for r in first..end {
+                                routed_seen[r as usize] += 1;
+                                let g = crate::tiles::group_of_tile(tile_offsets, tile).unwrap();
+                                assert_eq!(
+                                    (r - row_offsets[g]) / TILE_M,
+                                    tile - tile_offsets[g],
+                                    "row {r} in tile {tile}"
+                                );
+                            }
+                        }
+                    }
+                    claimed += 1;
+                }
+                assert_eq!(claimed, (shared_tiles + m_tiles) * ROW_CHUNKS_PER_M_TILE);
+                assert!(routed_seen.iter().all(|&n| n == 1) && shared_seen.iter().all(|&n| n == 1));
+                for g in 0..groups {
+                    for t in tile_offsets[g]..tile_offsets[g + 1] {
+                        let first = row_offsets[g] + (t - tile_offsets[g]) * TILE_M;
+                        let tile_rows = (row_offsets[g + 1] - first).min(TILE_M);
+                        assert_eq!(
+                            routed_counts[t as usize],
+                            row_chunks_complete(tile_rows),
+                            "{row_offsets:?} tile {t}"
+                        );
+                    }
+                }
+                for t in 0..shared_tiles {
+                    let tile_rows = (tokens - t * TILE_M).min(TILE_M);
+                    assert_eq!(shared_counts[t as usize], row_chunks_complete(tile_rows));
+                }
+            }
+        }
+    }
 
     #[test]
     fn the_shared_weight_gradient_walk_takes_every_tile_of_every_list_once() {

@@ -33,9 +33,9 @@ use crate::gemm::hooks::BackwardHandover;
 use crate::gemm_layout::{ENGINE_THREADS, GemmParams, TILE_M, TILE_N};
 use crate::layout::NO_ROW;
 use crate::megakernel_layout::{
-    BackwardParams, NO_FAULT, PassInputs, ROW_CHUNK_ROWS, ROW_CHUNKS_PER_M_TILE, SWIGLU_CHUNK_ROWS,
-    SWIGLU_CHUNKS_PER_M_TILE, WORK_COMBINE, WORK_COPY_ROWS, WORK_GEMMS, WORK_WEIGHT_GRADS, downstream_deadline,
-    first_compute_block, parts_per_m_tile,
+    BackwardParams, NO_FAULT, PassInputs, RowChunk, SWIGLU_CHUNK_ROWS, SWIGLU_CHUNKS_PER_M_TILE, WORK_COMBINE,
+    WORK_COPY_ROWS, WORK_GEMMS, WORK_WEIGHT_GRADS, downstream_deadline, first_compute_block, parts_per_m_tile,
+    row_chunk,
 };
 use crate::ptx::memory::atom_add_relaxed_gpu_u32;
 use crate::ptx::{signal as warp, sreg, sync};
@@ -43,9 +43,9 @@ use crate::tiles::group_of_tile;
 
 use super::comm::{publish_chunk, stored_tile_of_row, wait_for_shared_tile};
 
-/// The gather, by a whole warp: row chunks of [`ROW_CHUNK_ROWS`] rows taken one at a time from
-/// `gather_next` — the shared expert's M tiles first (its dy copy), then the routed ones,
-/// [`ROW_CHUNKS_PER_M_TILE`] chunk numbers per M tile. Each of the chunk's rows is written in
+/// The gather, by a whole warp: row chunks ([`row_chunk`]: 16 rows) taken one at a time from
+/// `gather_next` — the shared expert's M tiles first (its dy copy), then the routed ones, 8
+/// chunk numbers per M tile. Each of the chunk's rows is written in
 /// expert order as `bf16(w[t,j] · dy[t])`, and the warp's sum of `dy[t] · out[row]` (the
 /// forward's f32 down-projection row) is the slot's d_topk_weight; then, after a warp barrier,
 /// lane 0 adds 1 to the tile's `rows_gathered` count with a release (complete at
@@ -69,7 +69,6 @@ pub unsafe fn gather<const RANKS: bool>(b: &BackwardParams, pass: &PassInputs, v
         let groups = p.groups as usize + 1;
         let tile_offsets = core::slice::from_raw_parts(p.tile_offsets as *const u32, groups);
         let row_offsets = core::slice::from_raw_parts(p.row_offsets as *const u32, groups);
-        let m_tiles = tile_offsets[groups - 1];
         let lane = sreg::lane_id();
         let (dy, weights) = (pass.x as *const u16, pass.topk_weights as *const f32);
         let (row_source, out, d_rows) = (b.row_source as *const u32, b.down_rows as *const f32, b.d_rows as *mut u16);
@@ -85,35 +84,24 @@ pub unsafe fn gather<const RANKS: bool>(b: &BackwardParams, pass: &PassInputs, v
         loop {
             let claimed = if lane == 0 { atom_add_relaxed_gpu_u32(b.gather_next as *mut u32, 1) } else { 0 };
             let claimed = sync::shfl_idx_u32(claimed, 0);
-            let (tile, chunk) = (claimed / ROW_CHUNKS_PER_M_TILE, claimed % ROW_CHUNKS_PER_M_TILE);
-            if tile >= shared_tiles + m_tiles {
-                return;
-            }
-            if tile < shared_tiles {
-                // The shared expert's rows are the pass's own dy rows, in order.
-                let first = tile * TILE_M + chunk * ROW_CHUNK_ROWS;
-                let end = (first + ROW_CHUNK_ROWS).min((tile + 1) * TILE_M).min(pass.tokens);
-                if first < end {
-                    let mut token = if b.work & WORK_COPY_ROWS != 0 { first } else { end };
-                    while token < end {
-                        let offset = token as usize * h;
-                        copy_row(
-                            dy.add(offset) as *const u32,
-                            (b.shared_dy as *mut u16).add(offset) as *mut u32,
-                            b.hidden / 8,
-                            lane,
-                        );
-                        token += 1;
+            let (tile, first, end) = match row_chunk(claimed, shared_tiles, pass.tokens, tile_offsets, row_offsets) {
+                RowChunk::Spent => return,
+                RowChunk::Shared { tile, first, end } => {
+                    // The shared expert's rows are the pass's own dy rows, in order.
+                    if first < end {
+                        let mut token = if copy { first } else { end };
+                        while token < end {
+                            let offset = token as usize * h;
+                            let dst = (b.shared_dy as *mut u16).add(offset);
+                            copy_row(dy.add(offset) as *const u32, dst as *mut u32, b.hidden / 8, lane);
+                            token += 1;
+                        }
+                        publish_chunk(b.shared_gathered as *mut u32, tile, publish, lane);
                     }
-                    publish_chunk(b.shared_gathered as *mut u32, tile, true, lane);
+                    continue;
                 }
-                continue;
-            }
-            let tile = tile - shared_tiles;
-            let g = group_of_tile(tile_offsets, tile).unwrap_or(0);
-            let tile_first = row_offsets[g] + (tile - tile_offsets[g]) * TILE_M;
-            let first = tile_first + chunk * ROW_CHUNK_ROWS;
-            let end = (first + ROW_CHUNK_ROWS).min(tile_first + TILE_M).min(row_offsets[g + 1]);
+                RowChunk::Routed { tile, first, end } => (tile, first, end),
+            };
             if first >= end {
                 continue;
             }

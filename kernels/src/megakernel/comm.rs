@@ -19,12 +19,11 @@ use crate::device::rows::{combine_quads, copy_row};
 use crate::gemm_layout::{GemmParams, TILE_M, TILE_N};
 use crate::layout::NO_ROW;
 use crate::megakernel_layout::{
-    ForwardParams, NO_FAULT, PassInputs, ROW_CHUNK_ROWS, ROW_CHUNKS_PER_M_TILE, WORK_COPY_ROWS, WORK_GEMMS,
-    downstream_deadline, parts_per_m_tile,
+    ForwardParams, NO_FAULT, PassInputs, RowChunk, WORK_COPY_ROWS, WORK_GEMMS, downstream_deadline, parts_per_m_tile,
+    row_chunk,
 };
 use crate::ptx::memory::atom_add_relaxed_gpu_u32;
 use crate::ptx::{signal as warp, sreg, sync};
-use crate::tiles::group_of_tile;
 
 /// The rank's view of the symmetric heap, when the pass has ranks.
 ///
@@ -56,9 +55,9 @@ pub(super) unsafe fn stored_tile_of_row(p: &GemmParams, row: u32, n_tiles: u32) 
     (tile, parts_per_m_tile(n_tiles, rows_in_tile(row_offsets, tile_offsets, tile, TILE_M).unwrap_or(0)))
 }
 
-/// Dispatch, by a whole warp: chunks of [`ROW_CHUNK_ROWS`] rows taken one at a time from
+/// Dispatch, by a whole warp: row chunks ([`row_chunk`]: 16 rows) taken one at a time from
 /// `dispatch_next` — the shared expert's M tiles first (its gate/up phase runs first), then the
-/// routed ones, [`ROW_CHUNKS_PER_M_TILE`] chunk numbers per M tile in increasing order.
+/// routed ones, 8 chunk numbers per M tile in increasing order.
 /// The warp copies each of the chunk's rows (in expert order) from x — on one GPU the pass's,
 /// across ranks the token owner's through the peer mapping — then, after a warp barrier, lane 0
 /// adds 1 to the tile's `rows_dispatched` count with a release; the tile's rows are there at
@@ -82,7 +81,6 @@ pub unsafe fn dispatch(f: &ForwardParams, pass: &PassInputs, view: Option<&RankV
         let groups = p.groups as usize + 1;
         let tile_offsets = core::slice::from_raw_parts(p.tile_offsets as *const u32, groups);
         let row_offsets = core::slice::from_raw_parts(p.row_offsets as *const u32, groups);
-        let m_tiles = tile_offsets[groups - 1];
         let lane = sreg::lane_id();
         let (x, rows, row_source) = (pass.x as *const u16, f.rows as *mut u16, f.row_source as *const u32);
         let source_rank: *const u32 = view.map_or(core::ptr::null(), |v| v.local(v.params.regions.ring_source_rank));
@@ -94,36 +92,24 @@ pub unsafe fn dispatch(f: &ForwardParams, pass: &PassInputs, view: Option<&RankV
         loop {
             let claimed = if lane == 0 { atom_add_relaxed_gpu_u32(f.dispatch_next as *mut u32, 1) } else { 0 };
             let claimed = sync::shfl_idx_u32(claimed, 0);
-            let (tile, chunk) = (claimed / ROW_CHUNKS_PER_M_TILE, claimed % ROW_CHUNKS_PER_M_TILE);
-            if tile >= shared_tiles + m_tiles {
-                return;
-            }
-            if tile < shared_tiles {
-                // The shared expert's rows are the pass's own tokens, in order.
-                let first = tile * TILE_M + chunk * ROW_CHUNK_ROWS;
-                let end = (first + ROW_CHUNK_ROWS).min((tile + 1) * TILE_M).min(pass.tokens);
-                if first < end {
-                    let mut token = if copy { first } else { end };
-                    while token < end {
-                        let offset = (token * f.hidden) as usize;
-                        copy_row(
-                            x.add(offset) as *const u32,
-                            (f.shared_x as *mut u16).add(offset) as *mut u32,
-                            vectors,
-                            lane,
-                        );
-                        token += 1;
+            let (tile, first, end) = match row_chunk(claimed, shared_tiles, pass.tokens, tile_offsets, row_offsets) {
+                RowChunk::Spent => return,
+                RowChunk::Shared { tile, first, end } => {
+                    // The shared expert's rows are the pass's own tokens, in order.
+                    if first < end {
+                        let mut token = if copy { first } else { end };
+                        while token < end {
+                            let offset = (token * f.hidden) as usize;
+                            let dst = (f.shared_x as *mut u16).add(offset);
+                            copy_row(x.add(offset) as *const u32, dst as *mut u32, vectors, lane);
+                            token += 1;
+                        }
+                        publish_chunk(f.shared_dispatched as *mut u32, tile, publish, lane);
                     }
-                    publish_chunk(f.shared_dispatched as *mut u32, tile, publish, lane);
+                    continue;
                 }
-                continue;
-            }
-            let tile = tile - shared_tiles;
-            // tile < m_tiles: a group holds it.
-            let g = group_of_tile(tile_offsets, tile).unwrap_or(0);
-            let tile_first = row_offsets[g] + (tile - tile_offsets[g]) * TILE_M;
-            let first = tile_first + chunk * ROW_CHUNK_ROWS;
-            let end = (first + ROW_CHUNK_ROWS).min(tile_first + TILE_M).min(row_offsets[g + 1]);
+                RowChunk::Routed { tile, first, end } => (tile, first, end),
+            };
             if first >= end {
                 continue;
             }
