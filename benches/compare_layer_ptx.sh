@@ -3,7 +3,8 @@
 # layer once, then mok's layer benchmark once per PTX file given (loaded through MOK_PTX), each
 # with the backends of $GEMM (default engine,megakernel). Run from the bundle's benches/ folder:
 #   CASES=kimi:8192 GEMM=engine,megakernel:0 ./compare_layer_ptx.sh a.ptx b.ptx
-# Logs go to $OUT (or ./bench-logs); the last lines are the tables, each row prefixed with its PTX.
+# Logs go to $OUT (or ./bench-logs); the last lines are the tables, each row prefixed with its PTX
+# (and its run number from the second run of the same PTX on).
 set -euo pipefail
 [ $# -ge 1 ] || { echo "usage: $0 PTX_FILE..." >&2; exit 2; }
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -16,12 +17,24 @@ layer_bin="${LAYER_BIN:-$here/layer}"
 read -r _ _ matmul _ copy < <(grep CEILING "$out/ceilings.log")
 [ -f "$out/baseline.txt" ] || PYTHONUNBUFFERED=1 python3 "$here/torch_moe.py" --cases "$cases" \
     --out "$out/baseline.txt" > "$out/torch.log" 2>&1
+# A PTX given more than once (alternating runs: a.ptx b.ptx a.ptx b.ptx) gets one log per run:
+# NAME, NAME.2, NAME.3, ...
+names=()
 for ptx in "$@"; do
-    name="$(basename "$ptx" .ptx)"
+    base="$(basename "$ptx" .ptx)" name="$(basename "$ptx" .ptx)" n=1
+    while printf '%s\n' ${names[@]+"${names[@]}"} | grep -qx -- "$name"; do
+        n=$((n + 1))
+        name="$base.$n"
+    done
+    names+=("$name")
+done
+i=0
+for ptx in "$@"; do
+    name="${names[$i]}"
+    i=$((i + 1))
     MOK_PTX="$ptx" "$layer_bin" --cases "$cases" --gemm "$backends" --baseline "$out/baseline.txt" \
         --matmul-tflops "$matmul" --copy-tbps "$copy" > "$out/layer-$name.log" 2>&1 || echo "$name: FAILED (see layer-$name.log)"
 done
-for ptx in "$@"; do
-    name="$(basename "$ptx" .ptx)"
+for name in "${names[@]}"; do
     grep "^|" "$out/layer-$name.log" | grep -v "^|---\|^| shape" | sed "s/^/$name /" || true
 done
