@@ -21,7 +21,8 @@ read -r _ _ matmul _ copy < <(grep CEILING "$out/ceilings.log")
 # NAME, NAME.2, NAME.3, ...
 names=()
 for ptx in "$@"; do
-    base="$(basename "$ptx" .ptx)" name="$(basename "$ptx" .ptx)" n=1
+    base="$(basename "$ptx" .ptx)"
+    name="$base" n=1
     while printf '%s\n' ${names[@]+"${names[@]}"} | grep -qx -- "$name"; do
         n=$((n + 1))
         name="$base.$n"

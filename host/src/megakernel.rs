@@ -1427,22 +1427,29 @@ mod work_order_model {
             }
         }
 
-        #[test]
-        fn a_weight_gradient_taken_before_the_data_gradients_can_deadlock() {
-            // A lone block that takes a gate weight-gradient tile before the down-dgrad queue
-            // waits for down-dgrad parts that only it would compute.
+        /// One routed M tile of one expert and one token, gathered (its gather queue spent),
+        /// with `n_chunks` SwiGLU chunks; a lone block's wrong order is then tried on it.
+        fn one_gathered_tile_world(n_chunks: usize) -> Backward {
             let mut routed = Set::new(vec![0], 1, 1);
             routed.gathered[0] = true;
             let mut world = Backward {
                 sets: [routed, Set::default()],
                 n_down_dgrad: 1,
-                n_chunks: 1,
+                n_chunks,
                 n_gate_up_dgrad: 1,
                 tokens: vec![(vec![0], 0)],
                 combined: 0,
                 next: [0; 15],
             };
             world.next[gather(ROUTED)] = 1;
+            world
+        }
+
+        #[test]
+        fn a_weight_gradient_taken_before_the_data_gradients_can_deadlock() {
+            // A lone block that takes a gate weight-gradient tile before the down-dgrad queue
+            // waits for down-dgrad parts that only it would compute.
+            let mut world = one_gathered_tile_world(1);
             let queues = vec![wgrad(ROUTED, 1), down_dgrad(ROUTED), swiglu(ROUTED), gate_up_dgrad(ROUTED), COMBINE];
             let mut wrong = Agent::new(compute_block(0, 1), queues);
             let progress = lone_progress(&mut world, &mut wrong, &mut Rng(11));
@@ -1454,19 +1461,8 @@ mod work_order_model {
         fn a_gate_up_tile_taken_before_the_swiglu_chunks_can_deadlock() {
             // A lone block whose consumers took a gate/up-dgrad tile before running the SwiGLU
             // chunks waits for chunks that only it would write.
-            let mut routed = Set::new(vec![0], 1, 1);
-            routed.gathered[0] = true;
-            routed.down_dgrad[0] = 1;
-            let mut world = Backward {
-                sets: [routed, Set::default()],
-                n_down_dgrad: 1,
-                n_chunks: 2,
-                n_gate_up_dgrad: 1,
-                tokens: vec![(vec![0], 0)],
-                combined: 0,
-                next: [0; 15],
-            };
-            world.next[gather(ROUTED)] = 1;
+            let mut world = one_gathered_tile_world(2);
+            world.sets[ROUTED].down_dgrad[0] = 1;
             world.next[down_dgrad(ROUTED)] = 1;
             let queues = vec![gate_up_dgrad(ROUTED), swiglu(ROUTED), COMBINE];
             let mut wrong = Agent::new(compute_block(0, 1), queues);
