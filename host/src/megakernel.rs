@@ -368,8 +368,8 @@ impl ForwardMegakernel {
         let kernels = [FORWARD_KERNEL, FORWARD_RANKS_KERNEL];
         build_pass(gpu, kernels, plans, &ranks_of, options, forward_counter_words, |r, at, comm_blocks, timeout_ns| {
             let (set, b, counters, tile_words) = (plans[r], &buffers[r], at.counters, at.tile_words);
-            // After the routed counters and the three queue words: the shared expert's three.
-            let shared_counters = counters + 3 * tile_words + 12;
+            // After the routed counters and the two queue words: the shared expert's three.
+            let shared_counters = counters + 3 * tile_words + 8;
             let shared = |i: usize| if b.shared.is_some() { set[i].params_ptr() } else { 0 };
             let shared_counter = |i: u64| if b.shared.is_some() { shared_counters + i * tile_words } else { 0 };
             ForwardParams {
@@ -388,7 +388,6 @@ impl ForwardMegakernel {
                 error: at.error,
                 timeout_ns,
                 exchange: at.exchange,
-                push_next: counters + 3 * tile_words + 8,
                 shared_gate_up: shared(2),
                 shared_down: shared(3),
                 shared_x: b.shared.as_ref().map_or(0, |s| s.x_rows),
@@ -681,8 +680,8 @@ impl BackwardMegakernel {
         let words = backward_counter_words;
         build_pass(gpu, kernels, plans, &ranks_of, options, words, |r, at, comm_blocks, timeout_ns| {
             let (p, b, counters, tile_words) = (plans[r], &buffers[r], at.counters, at.tile_words);
-            // After the routed counters and the four queue words: the shared expert's three.
-            let shared_counters = counters + 3 * tile_words + 16;
+            // After the routed counters and the three queue words: the shared expert's three.
+            let shared_counters = counters + 3 * tile_words + 12;
             let with_shared = b.shared.is_some();
             let shared = |i: usize| if with_shared { p[5 + i].params_ptr() } else { 0 };
             let shared_counter = |i: u64| if with_shared { shared_counters + i * tile_words } else { 0 };
@@ -713,7 +712,6 @@ impl BackwardMegakernel {
                 rank: at.rank,
                 launch_index: r as u32,
                 exchange: at.exchange,
-                push_next: counters + 3 * tile_words + 8,
                 silent_push: NO_FAULT,
                 // On one GPU the kernel walks the whole grid (its own sreg reads).
                 rank_first_block: if with_ranks { at.first_block } else { 0 },
@@ -728,7 +726,7 @@ impl BackwardMegakernel {
                 shared_gate_up_dgrad_stored: shared_counter(2),
                 swiglu: b.swiglu,
                 shared_swiglu: b.shared.map(|s| s.swiglu).unwrap_or_default(),
-                swiglu_next: counters + 3 * tile_words + 12,
+                swiglu_next: counters + 3 * tile_words + 8,
             }
         })
     }
@@ -896,11 +894,11 @@ mod work_order_model {
         //! The forward: each rank's comm blocks and the spare producer warps of its compute
         //! blocks (an agent each, three per block) take dispatch tiles (the shared expert's
         //! copies first); its compute pairs take the shared expert's gate/up tiles, the routed
-        //! gate/up tiles, the shared down tiles, the routed down tiles, across ranks push rows,
-        //! and combine tokens from the rank's queues in that order (comm blocks: push and
-        //! combine). A pushed row waits on its rank's down tile; a token's combine on its
-        //! shared-expert tile and, across ranks on the rows its owners push, on one GPU on the
-        //! down tiles.
+        //! gate/up tiles, the shared down tiles, the routed down tiles, and combine tokens from
+        //! the rank's queues in that order (comm blocks: the combine). A token's combine waits
+        //! on its shared-expert tile and on the down tiles of its slots' rows on their owners
+        //! (across ranks those tiles push the rows and raise their flags from the epilogue, so
+        //! the wait is the same on one GPU and across ranks).
 
         use super::*;
 
@@ -913,22 +911,20 @@ mod work_order_model {
             Dispatch(usize, usize),
             GateUp(usize, usize),
             Down(usize, usize),
-            Push(usize, usize),
             Combine(usize, usize),
         }
 
         const DISPATCH: usize = 0;
         const GATE_UP: usize = 1;
         const DOWN: usize = 2;
-        const PUSH: usize = 3;
-        const COMBINE: usize = 4;
+        const COMBINE: usize = 3;
         /// The shared expert's: its row copies (the head of the dispatch queue in the kernel),
         /// its gate/up and its down tiles.
-        const SHARED_DISPATCH: usize = 5;
-        const SHARED_GATE_UP: usize = 6;
-        const SHARED_DOWN: usize = 7;
+        const SHARED_DISPATCH: usize = 4;
+        const SHARED_GATE_UP: usize = 5;
+        const SHARED_DOWN: usize = 6;
         /// Every queue a compute pair's producer and consumers take, in the kernel's order.
-        const COMPUTE_ORDER: [usize; 6] = [SHARED_GATE_UP, GATE_UP, SHARED_DOWN, DOWN, PUSH, COMBINE];
+        const COMPUTE_ORDER: [usize; 5] = [SHARED_GATE_UP, GATE_UP, SHARED_DOWN, DOWN, COMBINE];
         /// What a compute block's spare producer warps take, alongside.
         const SPARE_ORDER: [usize; 2] = [SHARED_DISPATCH, DISPATCH];
 
@@ -941,7 +937,6 @@ mod work_order_model {
             down_done: Vec<usize>,
             /// Per ring row: its M tile, its token owner and token.
             rows: Vec<(usize, usize, usize)>,
-            pushed: Vec<bool>,
             /// Per token of the rank: the (owner, ring row) of each of its slots.
             slots: Vec<Vec<(usize, usize)>>,
             /// Per M tile of the shared expert (empty without one): copied, gate/up and down
@@ -949,7 +944,7 @@ mod work_order_model {
             shared_dispatched: Vec<bool>,
             shared_gate_up_done: Vec<usize>,
             shared_down_done: Vec<usize>,
-            next: [usize; 8],
+            next: [usize; 7],
             combined: usize,
         }
 
@@ -964,16 +959,13 @@ mod work_order_model {
             /// N tiles per M tile of each GEMM.
             n_gate_up: usize,
             n_down: usize,
-            /// Across ranks (push, then the combine waits on pushed rows) or one GPU (no push; the
-            /// combine waits on down tiles).
-            with_push: bool,
         }
 
         impl World for Forward {
             type Unit = Unit;
 
             fn take(&mut self, who: &mut Who, q: usize) -> Option<Unit> {
-                let (n_gate_up, n_down, with_push, rank) = (self.n_gate_up, self.n_down, self.with_push, who.rank);
+                let (n_gate_up, n_down, rank) = (self.n_gate_up, self.n_down, who.rank);
                 let r = &mut self.ranks[rank];
                 let m_tiles = r.dispatched.len();
                 let shared_tiles = r.shared_dispatched.len();
@@ -981,7 +973,6 @@ mod work_order_model {
                     m_tiles,
                     m_tiles * n_gate_up,
                     m_tiles * n_down,
-                    if with_push { r.rows.len() } else { 0 },
                     r.slots.len(),
                     shared_tiles,
                     shared_tiles * n_gate_up,
@@ -996,7 +987,6 @@ mod work_order_model {
                     DISPATCH => Unit::Dispatch(rank, i),
                     GATE_UP => Unit::GateUp(rank, i / n_gate_up),
                     DOWN => Unit::Down(rank, i / n_down),
-                    PUSH => Unit::Push(rank, i),
                     COMBINE => Unit::Combine(rank, i),
                     SHARED_DISPATCH => Unit::SharedDispatch(rank, i),
                     SHARED_GATE_UP => Unit::SharedGateUp(rank, i / n_gate_up),
@@ -1011,7 +1001,6 @@ mod work_order_model {
                     Unit::SharedDown(r, m) => self.ranks[r].shared_gate_up_done[m] == self.n_gate_up,
                     Unit::GateUp(r, m) => self.ranks[r].dispatched[m],
                     Unit::Down(r, m) => self.ranks[r].gate_up_done[m] == self.n_gate_up,
-                    Unit::Push(r, row) => self.ranks[r].down_done[self.ranks[r].rows[row].0] == self.n_down,
                     Unit::Combine(r, t) => {
                         let rank = &self.ranks[r];
                         let shared_ready = rank.shared_dispatched.is_empty()
@@ -1019,7 +1008,7 @@ mod work_order_model {
                         shared_ready
                             && rank.slots[t].iter().all(|&(owner, row)| {
                                 let o = &self.ranks[owner];
-                                if self.with_push { o.pushed[row] } else { o.down_done[o.rows[row].0] == self.n_down }
+                                o.down_done[o.rows[row].0] == self.n_down
                             })
                     }
                 }
@@ -1030,7 +1019,6 @@ mod work_order_model {
                     Unit::Dispatch(r, m) => self.ranks[r].dispatched[m] = true,
                     Unit::GateUp(r, m) => self.ranks[r].gate_up_done[m] += 1,
                     Unit::Down(r, m) => self.ranks[r].down_done[m] += 1,
-                    Unit::Push(r, row) => self.ranks[r].pushed[row] = true,
                     Unit::Combine(r, _) => self.ranks[r].combined += 1,
                     Unit::SharedDispatch(r, m) => self.ranks[r].shared_dispatched[m] = true,
                     Unit::SharedGateUp(r, m) => self.ranks[r].shared_gate_up_done[m] += 1,
@@ -1046,12 +1034,11 @@ mod work_order_model {
         /// A random pass: `ranks` ranks, each with its own M tiles and tokens; every slot of a
         /// token lands in a row of a random owner's ring; with a shared expert (or not) of a
         /// random number of M tiles per rank.
-        fn random_world(rng: &mut Rng, ranks: usize, with_push: bool) -> Forward {
+        fn random_world(rng: &mut Rng, ranks: usize) -> Forward {
             let mut world = Forward {
                 ranks: (0..ranks).map(|_| Rank::default()).collect(),
                 n_gate_up: 1 + rng.below(4),
                 n_down: 1 + rng.below(4),
-                with_push,
             };
             let m_tiles: Vec<usize> = (0..ranks).map(|_| 1 + rng.below(12)).collect();
             for (r, &m) in m_tiles.iter().enumerate() {
@@ -1070,7 +1057,6 @@ mod work_order_model {
                             let tile = rng.below(m_tiles[owner]);
                             let o = &mut world.ranks[owner];
                             o.rows.push((tile, s, t));
-                            o.pushed.push(false);
                             (owner, o.rows.len() - 1)
                         })
                         .collect();
@@ -1095,15 +1081,14 @@ mod work_order_model {
         fn every_geometry_and_interleaving_completes() {
             let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
             for case in 0..600 {
-                // One GPU (no push) or 1–8 ranks in one launch.
-                let with_push = case % 3 != 0;
-                let ranks = if with_push { 1 + rng.below(8) } else { 1 };
-                let mut world = random_world(&mut rng, ranks, with_push);
+                // One GPU or 1–8 ranks in one launch.
+                let ranks = if case % 3 != 0 { 1 + rng.below(8) } else { 1 };
+                let mut world = random_world(&mut rng, ranks);
                 let (comm_blocks, pairs) = (rng.below(4), 1 + rng.below(4));
                 let mut agents = Vec::new();
                 for r in 0..ranks {
                     agents.extend(
-                        (0..comm_blocks).map(|_| Agent::new(rank(r), vec![SHARED_DISPATCH, DISPATCH, PUSH, COMBINE])),
+                        (0..comm_blocks).map(|_| Agent::new(rank(r), vec![SHARED_DISPATCH, DISPATCH, COMBINE])),
                     );
                     agents.extend((0..pairs).map(|_| Agent::new(rank(r), COMPUTE_ORDER.to_vec())));
                     // Each block of a pair has three spare warps: the dispatch, on their own.
@@ -1115,7 +1100,6 @@ mod work_order_model {
                     assert!(rank.dispatched.iter().all(|&d| d), "case {case} rank {r}: a tile never dispatched");
                     assert!(rank.gate_up_done.iter().all(|&n| n == world.n_gate_up), "case {case} rank {r}");
                     assert!(rank.down_done.iter().all(|&n| n == world.n_down), "case {case} rank {r}");
-                    assert!(!with_push || rank.pushed.iter().all(|&p| p), "case {case} rank {r}: a row never pushed");
                     assert!(rank.shared_down_done.iter().all(|&n| n == world.n_down), "case {case} rank {r}");
                     assert_eq!(rank.combined, rank.slots.len(), "case {case} rank {r}");
                 }
@@ -1124,14 +1108,13 @@ mod work_order_model {
 
         /// One rank with one M tile, one row and one token, the counters and queue positions
         /// given.
-        fn one_tile_world(gate_up_done: usize, down_done: usize, next: [usize; 8], with_push: bool) -> Forward {
+        fn one_tile_world(gate_up_done: usize, down_done: usize, next: [usize; 7]) -> Forward {
             Forward {
                 ranks: vec![Rank {
                     dispatched: vec![true],
                     gate_up_done: vec![gate_up_done],
                     down_done: vec![down_done],
                     rows: vec![(0, 0, 0)],
-                    pushed: vec![false],
                     slots: vec![vec![(0, 0)]],
                     next,
                     combined: 0,
@@ -1139,7 +1122,6 @@ mod work_order_model {
                 }],
                 n_gate_up: 1,
                 n_down: 1,
-                with_push,
             }
         }
 
@@ -1149,7 +1131,7 @@ mod work_order_model {
             // spent could wait on gate/up work nobody holds. One pair whose producer takes the
             // down tile of an M tile first waits forever: the only agent, and its wait is on work
             // not yet taken.
-            let mut world = one_tile_world(0, 0, [1, 0, 0, 0, 0, 0, 0, 0], false);
+            let mut world = one_tile_world(0, 0, [1, 0, 0, 0, 0, 0, 0]);
             let mut wrong = Agent::new(rank(0), vec![DOWN, GATE_UP, COMBINE]);
             let progress = lone_progress(&mut world, &mut wrong, &mut Rng(7));
             assert_eq!(progress, 1, "only the take of the down tile happens; then it waits forever");
@@ -1157,11 +1139,12 @@ mod work_order_model {
         }
 
         #[test]
-        fn a_combine_before_the_push_queue_is_spent_can_deadlock() {
-            // Across ranks the push must come before the combine: a rank's only agent that
-            // combines first waits for its own row, which only it would push.
-            let mut world = one_tile_world(1, 1, [1, 1, 1, 0, 0, 0, 0, 0], true);
-            let mut wrong = Agent::new(rank(0), vec![COMBINE, PUSH]);
+        fn a_combine_before_the_down_queue_is_spent_can_deadlock() {
+            // The combine must come after the down tiles: a rank's only agent that combines
+            // first waits for the down tile of its own row (across ranks: the tile whose
+            // epilogue pushes the row), which only it would run.
+            let mut world = one_tile_world(1, 0, [1, 1, 0, 0, 0, 0, 0]);
+            let mut wrong = Agent::new(rank(0), vec![COMBINE, DOWN]);
             let progress = lone_progress(&mut world, &mut wrong, &mut Rng(9));
             assert_eq!(progress, 1, "only the take of the combine token happens; then it waits forever");
             assert!(!wrong.done() && world.ranks[0].combined == 0);
@@ -1478,11 +1461,11 @@ mod work_order_model {
         //! warps then its SwiGLU chunks; its compute blocks take down-dgrad tiles, SwiGLU chunks
         //! and gate/up-dgrad tiles from its own queues; then every compute block of
         //! the launch walks the routed weight-gradient tiles of every rank, product by product,
-        //! rank after rank (`weight_gradient_walk`, the kernel's own function); then it pushes its
-        //! rank's finished rows and combines its rank's tokens. A weight-gradient tile of rank q
-        //! waits on rank q's counters; a pushed row on its rank's gate/up-dgrad parts of its M
-        //! tile; a combine token on the rows its slots' owners push. (The shared expert stays on
-        //! its rank's blocks, as `backward` models it.)
+        //! rank after rank (`weight_gradient_walk`, the kernel's own function); then it combines
+        //! its rank's tokens. A weight-gradient tile of rank q waits on rank q's counters; a
+        //! combine token on the gate/up-dgrad parts of its slots' M tiles on their owners (whose
+        //! epilogues push the rows). (The shared expert stays on its rank's blocks, as
+        //! `backward` models it.)
 
         use super::*;
         use mok_kernels::megakernel_layout::weight_gradient_walk;
@@ -1491,11 +1474,10 @@ mod work_order_model {
         const DOWN_DGRAD: usize = 1;
         const SWIGLU: usize = 2;
         const GATE_UP_DGRAD: usize = 3;
-        const PUSH: usize = 4;
-        const COMBINE: usize = 5;
+        const COMBINE: usize = 4;
         /// Queue of product `w`'s tiles of rank `q` (P ≤ 8).
         const fn wgrad(w: usize, q: usize, ranks: usize) -> usize {
-            6 + w * ranks + q
+            5 + w * ranks + q
         }
 
         #[derive(Clone, Copy, Debug)]
@@ -1507,25 +1489,23 @@ mod work_order_model {
             GateUpDgrad(usize, usize),
             /// (rank, product, expert)
             Wgrad(usize, usize, usize),
-            Push(usize, usize),
             /// (rank, token)
             Combine(usize, usize),
         }
 
         struct Rank {
-            /// Per M tile: its expert; gathered; parts stored, SwiGLU chunks written; pushed.
+            /// Per M tile: its expert; gathered; parts stored, SwiGLU chunks written.
             expert_of_tile: Vec<usize>,
             gathered: Vec<bool>,
             down_dgrad: Vec<usize>,
             swiglu: Vec<usize>,
             gate_up_dgrad: Vec<usize>,
-            pushed: Vec<bool>,
             /// Per token: its slots' (owner rank, M tile on the owner).
             tokens: Vec<Vec<(usize, usize)>>,
             wgrad_done: [usize; 3],
             combined: usize,
             /// Its own queues: next index.
-            next: [usize; 6],
+            next: [usize; 5],
         }
 
         struct BackwardRanks {
@@ -1543,8 +1523,8 @@ mod work_order_model {
 
             fn take(&mut self, who: &mut Who, q: usize) -> Option<Unit> {
                 let p = self.ranks.len();
-                if q >= 6 {
-                    let (w, list) = ((q - 6) / p, (q - 6) % p);
+                if q >= 5 {
+                    let (w, list) = ((q - 5) / p, (q - 5) % p);
                     let (block, blocks) = who.compute;
                     let tiles = (self.experts * self.wgrad_tiles) as u32;
                     let (first, stride) = weight_gradient_walk(block as u32, blocks as u32, list as u32, tiles);
@@ -1558,7 +1538,7 @@ mod work_order_model {
                 let (n_down, n_chunks, n_gate_up) = (self.n_down_dgrad, self.n_chunks, self.n_gate_up_dgrad);
                 let rank = &mut self.ranks[who.rank];
                 let m = rank.expert_of_tile.len();
-                let len = [m, m * n_down, m * n_chunks, m * n_gate_up, m, rank.tokens.len()][q];
+                let len = [m, m * n_down, m * n_chunks, m * n_gate_up, rank.tokens.len()][q];
                 let i = rank.next[q];
                 if i >= len {
                     return None;
@@ -1570,7 +1550,6 @@ mod work_order_model {
                     DOWN_DGRAD => Unit::DownDgrad(r, i / n_down),
                     SWIGLU => Unit::Swiglu(r, i / n_chunks),
                     GATE_UP_DGRAD => Unit::GateUpDgrad(r, i / n_gate_up),
-                    PUSH => Unit::Push(r, i),
                     _ => Unit::Combine(r, i),
                 })
             }
@@ -1588,9 +1567,8 @@ mod work_order_model {
                             .filter(|&m| rank.expert_of_tile[m] == g)
                             .all(|m| if w == 0 { rank.gathered[m] } else { rank.swiglu[m] == nc })
                     }
-                    Unit::Push(r, m) => self.ranks[r].gate_up_dgrad[m] == ng,
                     Unit::Combine(r, t) => {
-                        self.ranks[r].tokens[t].iter().all(|&(owner, m)| self.ranks[owner].pushed[m])
+                        self.ranks[r].tokens[t].iter().all(|&(owner, m)| self.ranks[owner].gate_up_dgrad[m] == ng)
                     }
                 }
             }
@@ -1602,7 +1580,6 @@ mod work_order_model {
                     Unit::Swiglu(r, m) => self.ranks[r].swiglu[m] += 1,
                     Unit::GateUpDgrad(r, m) => self.ranks[r].gate_up_dgrad[m] += 1,
                     Unit::Wgrad(r, w, _) => self.ranks[r].wgrad_done[w] += 1,
-                    Unit::Push(r, m) => self.ranks[r].pushed[m] = true,
                     Unit::Combine(r, _) => self.ranks[r].combined += 1,
                 }
             }
@@ -1647,11 +1624,10 @@ mod work_order_model {
                             down_dgrad: vec![0; ring.len()],
                             swiglu: vec![0; ring.len()],
                             gate_up_dgrad: vec![0; ring.len()],
-                            pushed: vec![false; ring.len()],
                             tokens,
                             wgrad_done: [0; 3],
                             combined: 0,
-                            next: [0; 6],
+                            next: [0; 5],
                         })
                         .collect(),
                     experts,
@@ -1669,12 +1645,12 @@ mod work_order_model {
                 for w in 0..3 {
                     compute_queues.extend((0..ranks).map(|q| wgrad(w, q, ranks)));
                 }
-                compute_queues.extend([PUSH, COMBINE]);
+                compute_queues.push(COMBINE);
                 let mut agents = Vec::new();
                 let mut index = 0;
                 for (rank, &p) in pairs.iter().enumerate() {
                     let comm = Who { rank, ..Who::default() };
-                    agents.extend((0..comm_blocks).map(|_| Agent::new(comm, vec![GATHER, PUSH, COMBINE])));
+                    agents.extend((0..comm_blocks).map(|_| Agent::new(comm, vec![GATHER, COMBINE])));
                     for _ in 0..2 * p {
                         let who = Who { rank, compute: (index, launch_compute), ..Who::default() };
                         agents.push(Agent::new(who, compute_queues.clone()));
@@ -1687,7 +1663,7 @@ mod work_order_model {
                 let what = format!("case {case}: {ranks} ranks, {comm_blocks} comm blocks, pairs {pairs:?}");
                 run_to_completion(&mut world, &mut agents, &mut rng, &what);
                 for (r, rank) in world.ranks.iter().enumerate() {
-                    assert!(rank.pushed.iter().all(|&p| p), "{what}: rank {r}");
+                    assert!(rank.gate_up_dgrad.iter().all(|&n| n == world.n_gate_up_dgrad), "{what}: rank {r}");
                     assert_eq!(rank.wgrad_done, [experts * wgrad_tiles; 3], "{what}: rank {r}: every tile once");
                     assert_eq!(rank.combined, rank.tokens.len(), "{what}: rank {r}");
                 }

@@ -46,7 +46,8 @@ pub struct ForwardParams {
     /// `[M tiles]` u32: the gate/up tile parts stored per M tile (one per N tile and consumer
     /// warpgroup with rows); cleared in stream order before the pass.
     pub gate_up_stored: u64,
-    /// `[M tiles]` u32: the same for the down tiles; cleared before the pass.
+    /// `[M tiles]` u32: the same for the down tiles (on one GPU the combine waits on it);
+    /// cleared before the pass.
     pub down_stored: u64,
     /// One u32: the next token of the combine to hand out; cleared before the pass.
     pub combine_next: u64,
@@ -57,13 +58,11 @@ pub struct ForwardParams {
     /// ranks, the rank's record in the symmetric heap.
     pub error: u64,
     /// With expert-parallel ranks, this rank's `comm::params::ExchangeParams` (the symmetric heap:
-    /// where the dispatch reads the token owners' rows and where the push sends them back);
-    /// 0 on a single GPU, where the rows come from the pass's x and the combine reads
-    /// `down_rows` in place.
+    /// where the dispatch reads the token owners' rows and where the down tiles' epilogues push
+    /// the finished rows: the owners' `combine_slots`, flagged in their `slot_ready`; `down_rows`
+    /// is then not written); 0 on a single GPU, where the rows come from the pass's x and the
+    /// combine reads `down_rows` in place.
     pub exchange: u64,
-    /// With ranks, one u32: the next ring row to push to its token owner; cleared before the
-    /// pass.
-    pub push_next: u64,
     /// How long a wait on the dispatch may take, in `%globaltimer` nanoseconds (waits further
     /// downstream get longer: [`downstream_deadline`]).
     pub timeout_ns: u64,
@@ -89,9 +88,10 @@ pub struct ForwardParams {
     pub top_k: u32,
     /// Hidden width H (a multiple of 8).
     pub hidden: u32,
-    /// Blocks `0 .. comm_blocks` of the rank only move rows (dispatch, across ranks the push,
-    /// then the combine); the others (from the next whole pair on) dispatch, run the GEMM tiles,
-    /// then push and combine. 0: every block computes.
+    /// Blocks `0 .. comm_blocks` of the rank only move rows (dispatch, then the combine); the
+    /// others (from the next whole pair on) dispatch on their spare producer warps, run the
+    /// GEMM tiles (across ranks the down tiles push their rows), then combine. 0: every block
+    /// computes.
     pub comm_blocks: u32,
     /// Fault injection (tests): an M tile whose rows are gathered but never published, or
     /// [`NO_FAULT`].
@@ -105,19 +105,19 @@ pub struct ForwardParams {
     pub work: u32,
     /// The rank these parameters act as (0 on a single GPU).
     pub rank: u32,
-    /// Fault injection across ranks (tests): anything but [`NO_FAULT`] makes this rank push its
-    /// rows but never set their `slot_ready` flags.
+    /// Fault injection across ranks (tests): anything but [`NO_FAULT`] makes this rank's down
+    /// tiles push their rows but never raise their `slot_ready` flags.
     pub silent_push: u32,
 }
 
-// The host writes this block byte for byte: twenty-two 8-byte fields, then eight u32.
-const _: () = assert!(size_of::<ForwardParams>() == 208);
+// The host writes this block byte for byte: twenty-one 8-byte fields, then eight u32.
+const _: () = assert!(size_of::<ForwardParams>() == 200);
 
 /// Words of one rank's forward pass counters for plans of at most `m_tiles` M tiles: three per
-/// M tile for the routed experts (dispatched, gate/up parts, down parts), the three queues
-/// (combine, dispatch, across ranks the push), then three per M tile for the shared expert.
+/// M tile for the routed experts (dispatched, gate/up parts, down parts), the two queues
+/// (combine, dispatch), then three per M tile for the shared expert.
 pub const fn forward_counter_words(m_tiles: usize) -> usize {
-    6 * m_tiles + 3
+    6 * m_tiles + 2
 }
 
 /// The per-pass inputs of a megakernel (the backward's are the same four: dy in `x`, the shared
@@ -168,7 +168,8 @@ pub struct BackwardParams {
     pub down_rows: u64,
     /// `[cap][H]` bf16: dy gathered into expert order and scaled by the slot weight (written).
     pub d_rows: u64,
-    /// `[cap][H]` f32: the gate/up data gradient's rows (the dx combine's slot terms).
+    /// `[cap][H]` f32: the gate/up data gradient's rows (the dx combine's slot terms; one GPU
+    /// only).
     pub d_in_rows: u64,
     /// `[T][H]` bf16: dx.
     pub dx: u64,
@@ -215,14 +216,13 @@ pub struct BackwardParams {
     /// blocks are an array in this order).
     pub launch_index: u32,
     /// Across ranks (`mok_sm90_backward_ranks`), this rank's `comm::params::ExchangeParams`:
-    /// where the gather pulls the token owners' dy and slot weights, where the push sends the
-    /// dx rows (the owners' `dx_slots`, flagged in their `slot_ready`) and where the owner's
+    /// where the gather pulls the token owners' dy and slot weights, where the gate/up dgrad
+    /// tiles' epilogues push the dx rows (the owners' `dx_slots`, flagged in their
+    /// `slot_ready`; `d_in_rows` is then not written) and where the owner's
     /// combine finds its forward slot rows (`combine_slots`, for d_topk_weights); 0 on one GPU.
     pub exchange: u64,
-    /// Across ranks, one u32: the next ring row to push to its token owner.
-    pub push_next: u64,
-    /// Fault injection across ranks (tests): anything but [`NO_FAULT`] makes this rank push its
-    /// dx rows but never flag them.
+    /// Fault injection across ranks (tests): anything but [`NO_FAULT`] makes this rank's gate/up
+    /// dgrad tiles push their dx rows but never flag them.
     pub silent_push: u32,
     /// Across ranks: the first block of the launch that this rank holds, and how many it
     /// holds (its shared expert's weight-gradient tiles, and with `wgrad_ranks` 1 its routed
@@ -305,16 +305,16 @@ pub const fn down_dgrad_complete(n_tiles: u32, rows: u32) -> u32 {
     parts_per_m_tile(n_tiles, rows) + rows.div_ceil(SWIGLU_CHUNK_ROWS)
 }
 
-// The host writes this block byte for byte: nineteen 8-byte words, eight u32, two 8-byte words,
+// The host writes this block byte for byte: nineteen 8-byte words, eight u32, one 8-byte word,
 // four u32, nine 8-byte words, two 48-byte `SwigluBackwardRows`, one 8-byte word.
-const _: () = assert!(size_of::<BackwardParams>() == 392);
+const _: () = assert!(size_of::<BackwardParams>() == 384);
 
 /// Words of one rank's backward pass counters for plans of at most `m_tiles` M tiles: three
 /// per M tile for the routed experts (gathered, down-dgrad parts, gate/up-dgrad parts), the
-/// four queues (gather, combine, across ranks the push, the SwiGLU backward), then three per M
-/// tile for the shared expert.
+/// three queues (gather, combine, the SwiGLU backward), then three per M tile for the shared
+/// expert.
 pub const fn backward_counter_words(m_tiles: usize) -> usize {
-    6 * m_tiles + 4
+    6 * m_tiles + 3
 }
 
 /// [`ForwardParams::work`]: the dispatch copies the rows (without it, it only publishes them:

@@ -807,7 +807,8 @@ pub(crate) fn decode_timeout(rank: Option<usize>, words: &[u32]) -> MokError {
         }
         codes::WAIT_SLOT_READY => {
             format!(
-                "slot t·k + j = {index}: expected its row pushed by rank {peer} (flag {expected}), the flag held {seen}"
+                "slot t·k + j = {index}: expected its row pushed by rank {peer} (flag {expected}: one raise per N tile \
+                 of the row), the flag held {seen}"
             )
         }
         _ => format!("record {words:?}"),

@@ -63,9 +63,9 @@ pub const WAIT_ENGINE_TILE_OUTPUT: u32 = 9;
 pub const WAIT_ENGINE_TILE_DISPATCHED: u32 = 10;
 
 /// A megakernel's combine, across ranks, waited for the row of one of the token's slots to be
-/// pushed by its expert owner — the down-projection row in the forward, the dx row in the
-/// backward (index = the slot `t·k + j`, peer = the owner, expected 1 = pushed;
-/// `HeapRegions::slot_ready`).
+/// pushed by its expert owner's epilogues — the down-projection row in the forward, the dx row
+/// in the backward (index = the slot `t·k + j`, peer = the owner, expected = the row's N tiles,
+/// one flag raise each, `gemm::hooks::slot_row_complete`; `HeapRegions::slot_ready`).
 pub const WAIT_SLOT_READY: u32 = 11;
 
 /// The backward megakernel's down-dgrad tile (or a down weight-gradient tile) waited for the

@@ -143,7 +143,7 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_forward(
         reserved: 0,
     };
     // SAFETY: caller contract.
-    unsafe { crate::megakernel::forward::forward(params, pass, crate::ptx::sreg::block_idx_x()) }
+    unsafe { crate::megakernel::forward::forward::<false>(params, pass, crate::ptx::sreg::block_idx_x()) }
 }
 
 /// The forward megakernel hosting `ranks` expert-parallel ranks in one launch: `params` and
@@ -162,7 +162,7 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_forward_ranks(
 ) {
     let (rank, block) = crate::megakernel::forward::rank_of_block(ranks);
     // SAFETY: caller contract: rank < ranks.
-    unsafe { crate::megakernel::forward::forward(params.add(rank as usize), *inputs.add(rank as usize), block) }
+    unsafe { crate::megakernel::forward::forward::<true>(params.add(rank as usize), *inputs.add(rank as usize), block) }
 }
 
 /// The backward megakernel on one GPU: the whole backward pass of the routed experts (gather,

@@ -109,8 +109,11 @@ pub(super) unsafe fn consume<const V: u32, H: TileHooks>(
             // serialises every wgmma of the kernel (C7515).
             mainloop::<V>(&mut acc, ring, (&mut stage, &mut phase), w.k_blocks, wg, thread_in_wg);
         }
-        // SAFETY: outputs sized by the host contract.
-        unsafe { epilogue::<V>(p, &w, &acc, ring.staging(wg), wg, thread_in_wg) };
+        // SAFETY: outputs sized by the host contract; the hooks' contract.
+        unsafe {
+            let scatter = if hooked(V) && !is_wgrad(V) { hooks.row_scatter() } else { None };
+            epilogue::<V>(p, &w, &acc, ring.staging(wg), (wg, thread_in_wg), scatter)
+        };
         if hooked(V) && thread_in_wg == 0 {
             // SAFETY: this warpgroup's leader, which issued the tile's stores.
             unsafe { hooks.after_store(p, &w, wg) };
@@ -243,7 +246,7 @@ pub unsafe fn run_forward_phases<H: TileHooks>(
     const G: u32 = Variant::GATE_UP;
     const D: u32 = Variant::ROWS_NT;
     // The phases are numbered as `ForwardHandover`'s.
-    type F = ForwardHandover;
+    type F = ForwardHandover<false>;
     let ring = Ring::new();
     let thread = sreg::thread_idx_x();
     if thread == 0 {

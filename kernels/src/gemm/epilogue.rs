@@ -2,15 +2,18 @@
 //! stores (or reduce-adds), one staged pass at a time, with SwiGLU or the output conversion
 //! applied in registers.
 
+use crate::comm::error;
+use crate::comm::wait::signal;
 use crate::device::math;
 use crate::gemm_layout::{
     BLOCK_64_BYTES, GemmParams, STAGE_BYTES, STAGES, STAGING_BOXES, STAGING_BYTES_PER_WARPGROUP, TILE_M, Variant,
     is_wgrad, staged_pair_address, staged_pair_base, swizzled_chunk_offset,
 };
 use crate::ptx::convert::f32x2_to_bf16x2;
-use crate::ptx::memory::{fence_proxy_async_shared_cta, st_shared_u32, st_shared_v2};
-use crate::ptx::{bulk, sync, tensormap, tma};
+use crate::ptx::memory::{fence_proxy_async_shared_cta, st_global_v2, st_shared_u32, st_shared_v2};
+use crate::ptx::{bulk, signal as warp, sreg, sync, tensormap, tma};
 
+use super::hooks::RowScatter;
 use super::mainloop::*;
 use super::source::*;
 
@@ -70,17 +73,30 @@ pub(super) struct OutputBox {
 /// 64 bf16 or 32 f32 columns; a pass fills the staging (the SwiGLU pass its 128 hidden columns). Row tiles that end inside their group store through the output map cut at the
 /// group's end, so no row of the next group is written.
 ///
+/// An f32 row tile with a `scatter` ([`RowScatter`]: across ranks, the push combine) leaves
+/// by [`scatter_rows`] instead.
+///
 /// # Safety
-/// `staging` is this warpgroup's staging; the maps and outputs match the variant (host contract).
+/// `staging` is this warpgroup's staging; the maps and outputs match the variant (host contract);
+/// a `scatter` is valid for `p` ([`RowScatter`]'s regions hold every row's slot).
 #[inline(always)]
 pub(super) unsafe fn epilogue<const V: u32>(
     p: &GemmParams,
     w: &Work,
     acc: &[f32; ACCUMULATORS],
     staging: u32,
-    wg: u32,
-    thread_in_wg: u32,
+    (wg, thread_in_wg): (u32, u32),
+    scatter: Option<RowScatter>,
 ) {
+    if !is_wgrad(V)
+        && V != Variant::GATE_UP
+        && V != Variant::ROWS_NT_BF16
+        && let Some(s) = scatter
+    {
+        // SAFETY: caller contract.
+        unsafe { scatter_rows(p, w, acc, (wg, thread_in_wg), s) };
+        return;
+    }
     let out = if is_wgrad(V) {
         OutputBox { map: p.map_out, col0: w.n0, row0: w.m0 + wg * 64, group: Some(w.group) }
     } else if w.rows < TILE_M {
@@ -144,6 +160,86 @@ pub(super) unsafe fn epilogue<const V: u32>(
                 false,
                 |index| [acc[index].to_bits(), acc[index + 1].to_bits()],
             );
+        }
+    }
+}
+
+/// An f32 row tile stored by its consumer threads straight from their accumulators into each
+/// row's [`RowScatter`] destination (the token owner's slot buffer at the row's slot; rows past
+/// `w.rows` and columns past `p.n` are not stored), then, after a warp barrier (every lane's
+/// stores before the release), the first lane of each quad — the four lanes holding a row —
+/// raises the row's `slot_ready` flag on its owner by 1 with a release at the heap's scope,
+/// unless the fault injection or this rank's error record says otherwise. The quads' 8-byte
+/// stores fill whole 32-byte sectors. Nothing goes through the staging, so the next tile's
+/// epilogue never waits for these stores.
+///
+/// # Safety
+/// `s` is valid for `p` (its regions hold every row's owner and slot, the slot buffers `p.n`
+/// f32 per slot); the whole warpgroup calls it.
+#[inline(always)]
+unsafe fn scatter_rows(
+    p: &GemmParams,
+    w: &Work,
+    acc: &[f32; ACCUMULATORS],
+    (wg, thread_in_wg): (u32, u32),
+    s: RowScatter,
+) {
+    // `%laneid` read here rather than derived from the thread index: fewer values held across
+    // the phases (the backward's spills 60 → 48 bytes).
+    let lane = sreg::lane_id();
+    // This thread's two rows of the tile ([`for_each_pair`]: the upper one and 8 below).
+    let first_row = wg * 64 + (thread_in_wg / 32) * 16 + lane / 4;
+    // Where a row of the tile goes: its owner and slot (the owner's and slot's words are read
+    // again for the flags, not held across the stores: the accumulators leave no registers).
+    // SAFETY: caller contract: the rows below `w.rows` are plan rows with an owner and a slot.
+    let place = |r: u32| unsafe {
+        (r < w.rows).then(|| {
+            let row = (w.m0 + r) as usize;
+            (*s.owners.add(row), *s.slots.add(row))
+        })
+    };
+    // SAFETY: caller contract.
+    let e = unsafe { &*s.exchange };
+    let destination = |r: u32| {
+        place(r).map_or(core::ptr::null_mut(), |(owner, slot)| {
+            // SAFETY: the owner's slot buffer holds `p.n` f32 per slot (caller contract).
+            unsafe { (e.map(s.rows_region, owner) as *mut f32).add(slot as usize * p.n as usize + w.n0 as usize) }
+        })
+    };
+    // One row at a time (one destination register pair live), its n8 blocks inside the row (a
+    // row's length is a multiple of 8: whole blocks). `half` is a constant after inlining, so
+    // the accumulator indices are too.
+    let column_blocks = (p.n - w.n0) / 8;
+    let quad_column = 2 * (lane % 4);
+    let store_row = |half: u32| {
+        let row = destination(first_row + 8 * half);
+        if row.is_null() {
+            return;
+        }
+        for_each_n8_block!(J => {
+            if J < column_blocks {
+                let index = (4 * J + 2 * half) as usize;
+                // SAFETY: inside the slot's row; 8-byte aligned (even column, even row length).
+                unsafe {
+                    let at = row.add((8 * J + quad_column) as usize) as *mut u32;
+                    st_global_v2(at, [acc[index].to_bits(), acc[index + 1].to_bits()]);
+                }
+            }
+        });
+    };
+    store_row(0);
+    store_row(1);
+    warp::warp_sync();
+    // SAFETY: the record is valid (caller contract).
+    if lane % 4 == 0 && s.raise_flags && !unsafe { error::has_error(s.error) } {
+        for r in [first_row, first_row + 8] {
+            if let Some((owner, slot)) = place(r) {
+                // SAFETY: the owner's `slot_ready` holds a flag per slot.
+                unsafe {
+                    let flag = (e.map(e.regions.slot_ready, owner) as *mut u32).add(slot as usize);
+                    signal(flag, 1, e.sys_scope != 0);
+                }
+            }
         }
     }
 }

@@ -15,6 +15,7 @@ use crate::comm::error::{
     WAIT_ENGINE_TILE_HIDDEN, WAIT_ENGINE_TILE_ROWS, WAIT_SHARED_TILE_DISPATCHED, WAIT_SHARED_TILE_DOWN_DGRAD,
     WAIT_SHARED_TILE_GATHERED, WAIT_SHARED_TILE_HIDDEN,
 };
+use crate::comm::params::ExchangeParams;
 use crate::comm::schedule::epoch_reached;
 use crate::comm::wait::{signal, wait_until};
 use crate::gemm_layout::{GemmParams, TILE_M, TILE_N, TileCounters, Variant};
@@ -53,6 +54,17 @@ pub trait TileHooks: Copy {
         (crate::ptx::sreg::block_idx_x(), crate::ptx::sreg::grid_dim_x())
     }
 
+    /// Where the consumers store a row-grouped f32 tile's rows themselves instead of through
+    /// the output map ([`RowScatter`]: across ranks, straight into the token owners' slot
+    /// buffers). By default `None`: through the map.
+    ///
+    /// # Safety
+    /// As [`Self::before_rows`], for every consumer thread.
+    #[inline(always)]
+    unsafe fn row_scatter(&self) -> Option<RowScatter> {
+        None
+    }
+
     /// Whether the producer hands out none of the phase's tiles (it names [`NO_TILE`] at once:
     /// a benchmark's phase left out). By default it hands out every tile.
     ///
@@ -72,6 +84,35 @@ impl TileHooks for Standalone {
     unsafe fn before_rows(&self, _: &GemmParams, _: &Work) {}
     #[inline(always)]
     unsafe fn after_store(&self, _: &GemmParams, _: &Work, _: u32) {}
+}
+
+/// The push combine fused into an f32 epilogue, across ranks: each row of the tile goes straight
+/// from the consumers' registers into its token owner's slot buffer (`rows_region` of the
+/// symmetric heap: the forward's `combine_slots`, the backward's `dx_slots`) at the row's slot,
+/// and once a warp's rows of the tile are stored each row's `slot_ready` flag on its owner gets
+/// 1 with a release. A slot's row is whole when its flag reaches the plan's N tiles
+/// ([`slot_row_complete`]). No copy of the f32 rows is left on the expert owner.
+#[derive(Clone, Copy)]
+pub struct RowScatter {
+    /// The rank's exchange parameter block (peer bases, regions, the signals' scope).
+    pub exchange: *const ExchangeParams,
+    /// Per plan row, its token owner (the ring map's `ring_source_rank`).
+    pub owners: *const u32,
+    /// Per plan row, the slot it holds on its owner (`row_source`: the ring map's slots).
+    pub slots: *const u32,
+    /// The slot buffer region the rows go to.
+    pub rows_region: u64,
+    /// This rank's error record: once it is set the flags stay down (its rows may be stale).
+    pub error: *const u32,
+    /// False for fault injection: this rank stores its rows but never raises their flags.
+    pub raise_flags: bool,
+}
+
+/// The `slot_ready` value at which a slot's row, pushed by a [`RowScatter`] epilogue of a plan
+/// with `n` output columns, is whole: one raise per N tile.
+#[inline(always)]
+pub const fn slot_row_complete(n: u32) -> u32 {
+    n.div_ceil(TILE_N)
 }
 
 /// Readiness counters per engine M tile (see the module docs), from a [`TileCounters`] block in
@@ -206,14 +247,17 @@ unsafe fn count_stored(p: &GemmParams, work: &Work, counts: *mut u32, silent_til
 /// rows is stored and counts its parts in `down_stored`. The shared expert's two phases
 /// ([`ForwardHandover::SHARED_GATE_UP`], [`ForwardHandover::SHARED_DOWN`]) do the same with
 /// `shared_dispatched`, `shared_gate_up_stored` and `shared_down_stored`.
+///
+/// `RANKS`: the launch hosts ranks (`mok_sm90_forward_ranks`); there the down phase's rows leave
+/// through [`RowScatter`] into their token owners' `combine_slots`.
 #[derive(Clone, Copy)]
-pub struct ForwardHandover {
+pub struct ForwardHandover<const RANKS: bool> {
     params: *const ForwardParams,
     /// Which of the phases below (a runtime value: the phases share one inlined engine loop).
     phase: u32,
 }
 
-impl ForwardHandover {
+impl ForwardHandover<false> {
     /// The shared expert's gate/up phase (the phases are numbered in the order the megakernel
     /// runs them, `engine::run_forward_phases`).
     pub const SHARED_GATE_UP: u32 = 0;
@@ -223,18 +267,21 @@ impl ForwardHandover {
     pub const SHARED_DOWN: u32 = 2;
     /// The down phase.
     pub const DOWN: u32 = 3;
+}
 
+impl<const RANKS: bool> ForwardHandover<RANKS> {
     /// The hand-over of `phase` (one of the constants above).
     ///
     /// # Safety
-    /// `params` points at the pass's valid [`ForwardParams`] for the whole launch.
+    /// `params` points at the pass's valid [`ForwardParams`] for the whole launch; with `RANKS`
+    /// its `exchange` is the rank's valid parameter block.
     #[inline(always)]
     pub unsafe fn new(params: *const ForwardParams, phase: u32) -> Self {
         Self { params, phase }
     }
 }
 
-impl TileHooks for ForwardHandover {
+impl<const RANKS: bool> TileHooks for ForwardHandover<RANKS> {
     #[inline(always)]
     unsafe fn before_rows(&self, p: &GemmParams, work: &Work) {
         // SAFETY: the pass's counters (constructor's contract) and the hook's.
@@ -265,6 +312,28 @@ impl TileHooks for ForwardHandover {
             let first = self.phase == ForwardHandover::GATE_UP || self.phase == ForwardHandover::SHARED_GATE_UP;
             let timeout_ns = if first { f.timeout_ns } else { downstream_deadline(f.timeout_ns, 1) };
             wait_for_rows(p, work, ready, f.error as *mut u32, timeout_ns, 0);
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn row_scatter(&self) -> Option<RowScatter> {
+        if !RANKS || self.phase != ForwardHandover::DOWN {
+            return None;
+        }
+        // SAFETY: the pass's parameter block and, with ranks, its exchange's (constructor's
+        // contract).
+        unsafe {
+            let f = &*self.params;
+            let exchange = f.exchange as *const ExchangeParams;
+            let e = &*exchange;
+            Some(RowScatter {
+                exchange,
+                owners: e.map(e.regions.ring_source_rank, f.rank) as *const u32,
+                slots: f.row_source as *const u32,
+                rows_region: e.regions.combine_slots,
+                error: f.error as *const u32,
+                raise_flags: f.silent_push == NO_FAULT,
+            })
         }
     }
 
@@ -487,6 +556,28 @@ impl<const RANKS: bool> TileHooks for BackwardHandover<RANKS> {
                     | BackwardHandover::SHARED_GATE_UP_DGRAD
                     | BackwardHandover::GATE_UP_DGRAD
             )
+    }
+
+    #[inline(always)]
+    unsafe fn row_scatter(&self) -> Option<RowScatter> {
+        if !RANKS || self.phase != BackwardHandover::GATE_UP_DGRAD {
+            return None;
+        }
+        // SAFETY: the pass's parameter block and, across ranks, its exchange's (constructor's
+        // contract).
+        unsafe {
+            let b = &*self.params;
+            let exchange = b.exchange as *const ExchangeParams;
+            let e = &*exchange;
+            Some(RowScatter {
+                exchange,
+                owners: e.map(e.regions.ring_source_rank, b.rank) as *const u32,
+                slots: b.row_source as *const u32,
+                rows_region: e.regions.dx_slots,
+                error: b.error as *const u32,
+                raise_flags: b.silent_push == NO_FAULT,
+            })
+        }
     }
 
     #[inline(always)]

@@ -29,13 +29,12 @@ use crate::device::rows::{
     combine_quads, copy_row, dot_row, gather_scaled_row, gather_scaled_row_and_dot, swiglu_backward_octets,
 };
 use crate::gemm::engine::run_backward_phases;
-use crate::gemm::hooks::BackwardHandover;
+use crate::gemm::hooks::{BackwardHandover, slot_row_complete};
 use crate::gemm_layout::{ENGINE_THREADS, GemmParams, TILE_M, TILE_N};
 use crate::layout::NO_ROW;
 use crate::megakernel_layout::{
-    BackwardParams, NO_FAULT, PassInputs, RowChunk, SWIGLU_CHUNK_ROWS, SWIGLU_CHUNKS_PER_M_TILE, WORK_COMBINE,
-    WORK_COPY_ROWS, WORK_GEMMS, WORK_WEIGHT_GRADS, downstream_deadline, first_compute_block, parts_per_m_tile,
-    row_chunk,
+    BackwardParams, PassInputs, RowChunk, SWIGLU_CHUNK_ROWS, SWIGLU_CHUNKS_PER_M_TILE, WORK_COMBINE, WORK_COPY_ROWS,
+    WORK_GEMMS, WORK_WEIGHT_GRADS, downstream_deadline, first_compute_block, parts_per_m_tile, row_chunk,
 };
 use crate::ptx::memory::atom_add_relaxed_gpu_u32;
 use crate::ptx::{signal as warp, sreg, sync};
@@ -227,10 +226,11 @@ pub unsafe fn swiglu_backward_chunks(b: &BackwardParams, pass: &PassInputs, spar
 }
 
 /// The dx combine, by a whole warp (comm blocks after their gather, compute blocks' consumer
-/// warps after their GEMM phases; across ranks after the rank's push): tokens taken one at a time
-/// from `combine_next`; each lane waits (bounded, acquire) until each routed slot's row is there
-/// — on one GPU until the gate/up dgrad tile holding it is stored, across ranks until its expert
-/// owner's push has flagged it in `slot_ready` — then the warp sums `dx[t] = bf16(shared_dx[t] +
+/// warps after their GEMM phases): tokens taken one at a time from `combine_next`; each lane
+/// waits (bounded, acquire) until each routed slot's row is there — on one GPU until the gate/up
+/// dgrad tile holding it is stored, across ranks until its `slot_ready` flag says every gate/up
+/// dgrad tile of its row has pushed its part from its epilogue
+/// ([`slot_row_complete`]) — then the warp sums `dx[t] = bf16(shared_dx[t] +
 /// Σ_j d_in[row(t,j)])` with [`combine_quads`] (the shared term first, slots in order: the bits
 /// of `mok_combine_slots`). A dropped slot's d_topk_weight is written here, as 0; across ranks
 /// every routed slot's too, `⟨dy[t], combine_slots[t·k+j]⟩` (the forward's slot row, the bits of
@@ -278,17 +278,19 @@ pub unsafe fn combine_dx<const RANKS: bool>(b: &BackwardParams, pass: &PassInput
                         if lane == 0 {
                             *(b.d_topk_weights as *mut f32).add(slot as usize) = total;
                         }
-                        if error::has_error(error) {
+                        // Without GEMMs (the comm side timed alone) no tile pushes: sum the
+                        // slots as they are.
+                        if error::has_error(error) || b.work & WORK_GEMMS == 0 {
                             continue;
                         }
                         let owner = *v.local::<u32>(regions.topk_ids).add(slot as usize) / v.params.local_experts;
                         let owner_error = v.peer::<u32>(regions.error, owner);
                         let flag = v.local::<u32>(regions.slot_ready).add(slot as usize);
-                        let timeout_ns = downstream_deadline(b.timeout_ns, 4);
-                        if let Err(seen) = wait_until(flag, v.sys(), timeout_ns, owner_error, |x| x != 0)
+                        let (timeout_ns, whole) = (downstream_deadline(b.timeout_ns, 3), slot_row_complete(p.n));
+                        if let Err(seen) = wait_until(flag, v.sys(), timeout_ns, owner_error, |x| x >= whole)
                             && !error::has_error(owner_error)
                         {
-                            error::record(error, [ERROR_TIMEOUT, WAIT_SLOT_READY, owner, slot, 1, seen, b.rank, 0]);
+                            error::record(error, [ERROR_TIMEOUT, WAIT_SLOT_READY, owner, slot, whole, seen, b.rank, 0]);
                         }
                     }
                     _ => {
@@ -339,84 +341,6 @@ pub unsafe fn combine_dx<const RANKS: bool>(b: &BackwardParams, pass: &PassInput
     }
 }
 
-/// The push across ranks, by a whole warp (comm blocks after their gather, compute blocks'
-/// consumer warps after their GEMM phases): ring rows taken one at a time from `push_next`;
-/// lane 0 waits (bounded, acquire) until the gate/up dgrad tile holding the row is stored, the
-/// warp copies the f32 dx row into its token owner's `dx_slots` at the row's slot, then (after a
-/// warp barrier) lane 0 adds 1 to the owner's `slot_ready` flag of that slot with a release at
-/// the heap's scope (the flags are cleared before the pass). A rank whose error record is set
-/// pushes nothing more.
-///
-/// # Safety
-/// As [`gather`], with ranks (`view` is the rank's); all 32 lanes call it.
-#[inline(always)]
-pub unsafe fn push_dx(b: &BackwardParams, view: &RankView) {
-    // SAFETY: caller contract.
-    unsafe {
-        let p = &*(b.gate_up_dgrad as *const GemmParams);
-        let total = *(p.row_offsets as *const u32).add(p.groups as usize);
-        let n_tiles = p.n.div_ceil(TILE_N);
-        let lane = sreg::lane_id();
-        let regions = &view.params.regions;
-        let (source_rank, source_slot): (*const u32, *const u32) =
-            (view.local(regions.ring_source_rank), b.row_source as *const u32);
-        let error = b.error as *mut u32;
-        loop {
-            let claimed = if lane == 0 { atom_add_relaxed_gpu_u32(b.push_next as *mut u32, 1) } else { 0 };
-            let row = sync::shfl_idx_u32(claimed, 0);
-            if row >= total {
-                return;
-            }
-            let mut ok = 1;
-            if lane == 0 {
-                if b.work & WORK_GEMMS != 0 {
-                    let (tile, expected) = stored_tile_of_row(p, row, n_tiles);
-                    let counter = (b.gate_up_dgrad_stored as *const u32).add(tile as usize);
-                    let timeout_ns = downstream_deadline(b.timeout_ns, 3);
-                    if let Err(seen) = wait_until(counter, false, timeout_ns, error, |v| v >= expected) {
-                        error::record(
-                            error,
-                            [ERROR_TIMEOUT, WAIT_ENGINE_TILE_GATE_UP_DGRAD, b.rank, tile, expected, seen, b.rank, 0],
-                        );
-                    }
-                }
-                ok = !error::has_error(error) as u32;
-            }
-            // Lane 0 acquired the tile's stores; the warp barrier passes that on to every lane.
-            if sync::shfl_idx_u32(ok, 0) == 0 {
-                continue;
-            }
-            warp::warp_sync();
-            let (owner, slot) = (*source_rank.add(row as usize), *source_slot.add(row as usize));
-            let src = (b.d_in_rows as *const f32).add(row as usize * b.hidden as usize);
-            let dst = view.peer::<f32>(regions.dx_slots, owner).add(slot as usize * b.hidden as usize);
-            copy_row(src as *const u32, dst as *mut u32, b.hidden / 4, lane);
-            warp::warp_sync();
-            if lane == 0 && b.silent_push == NO_FAULT {
-                signal(view.peer::<u32>(regions.slot_ready, owner).add(slot as usize), 1, view.sys());
-            }
-        }
-    }
-}
-
-/// The rows' journey after the GEMMs, by a whole warp: across ranks the push, then the combine.
-///
-/// # Safety
-/// As [`backward`]; all 32 lanes call it.
-#[inline(always)]
-unsafe fn push_and_combine<const RANKS: bool>(b: &BackwardParams, pass: &PassInputs, view: Option<&RankView>) {
-    // SAFETY: caller contract.
-    unsafe {
-        if RANKS
-            && b.work & WORK_COMBINE != 0
-            && let Some(v) = view
-        {
-            push_dx(b, v);
-        }
-        combine_dx::<RANKS>(b, pass, view);
-    }
-}
-
 /// The whole backward pass of one rank by every thread of its `block`-th block (see the module
 /// docs).
 ///
@@ -443,14 +367,14 @@ pub unsafe fn backward<const RANKS: bool>(params: *const BackwardParams, pass: P
         // SAFETY: caller contract; every warp is whole.
         unsafe {
             gather::<RANKS>(b, &pass, view.as_ref());
-            push_and_combine::<RANKS>(b, &pass, view.as_ref());
+            combine_dx::<RANKS>(b, &pass, view.as_ref());
         }
     } else if block >= first_compute_block(b.comm_blocks) {
         // SAFETY: caller contract; every warp is whole.
         unsafe {
             if b.work & (WORK_GEMMS | WORK_WEIGHT_GRADS) == 0 {
                 gather::<RANKS>(b, &pass, view.as_ref());
-                push_and_combine::<RANKS>(b, &pass, view.as_ref());
+                combine_dx::<RANKS>(b, &pass, view.as_ref());
                 return;
             }
             // The phases in `run_backward_phases`' order (numbered as `BackwardHandover`'s);
@@ -485,7 +409,7 @@ pub unsafe fn backward<const RANKS: bool>(params: *const BackwardParams, pass: P
             let between_dgrads = || swiglu_backward_chunks(b, &pass, false);
             let phases = run_backward_phases(plan, hooks, (spare_warps, between_dgrads), b.launch_index, wgrad_ranks);
             if phases.is_some() {
-                push_and_combine::<RANKS>(b, &pass, view.as_ref());
+                combine_dx::<RANKS>(b, &pass, view.as_ref());
             }
         }
     }

@@ -1,14 +1,13 @@
 //! The row-moving work of the forward megakernel: the dispatch (token rows into expert order,
-//! 16-row chunks of the engine M tiles from a shared queue, each counted with a release), across
-//! ranks the push (each finished down-projection row into its token owner's slot buffer, with
-//! a release of the slot's flag), and the combine (each token's slots summed in fixed order once
-//! they are all there).
+//! 16-row chunks of the engine M tiles from a shared queue, each counted with a release) and the
+//! combine (each token's slots summed in fixed order once they are all there).
 //!
 //! On one GPU ([`ForwardParams::exchange`] = 0) the dispatch reads the pass's x and the combine
 //! reads the down rows in place. Across ranks the dispatch pulls from the token owners' x
 //! through the symmetric heap's peer mapping (the ring map says which rank and slot each ring
-//! row holds) and the combine reads the slot buffer the expert owners pushed into: the same rows
-//! summed in the same order, so the bits do not depend on P.
+//! row holds) and the combine reads the slot buffer the expert owners' down tiles pushed into
+//! from their epilogues (`gemm::hooks::RowScatter`): the same rows summed in the same order, so
+//! the bits do not depend on P.
 
 use crate::comm::RankView;
 use crate::comm::error::{self, ERROR_TIMEOUT, WAIT_ENGINE_TILE_OUTPUT, WAIT_SHARED_TILE_OUTPUT, WAIT_SLOT_READY};
@@ -16,11 +15,11 @@ use crate::comm::params::ExchangeParams;
 use crate::comm::schedule::{rows_in_tile, tile_of_row};
 use crate::comm::wait::{signal, wait_until};
 use crate::device::rows::{combine_quads, copy_row};
+use crate::gemm::hooks::slot_row_complete;
 use crate::gemm_layout::{GemmParams, TILE_M, TILE_N};
 use crate::layout::NO_ROW;
 use crate::megakernel_layout::{
-    ForwardParams, NO_FAULT, PassInputs, RowChunk, WORK_COPY_ROWS, WORK_GEMMS, downstream_deadline, parts_per_m_tile,
-    row_chunk,
+    ForwardParams, PassInputs, RowChunk, WORK_COPY_ROWS, WORK_GEMMS, downstream_deadline, parts_per_m_tile, row_chunk,
 };
 use crate::ptx::memory::atom_add_relaxed_gpu_u32;
 use crate::ptx::{signal as warp, sreg, sync};
@@ -174,75 +173,13 @@ pub(super) unsafe fn wait_for_shared_tile(
     }
 }
 
-/// The push across ranks, by a whole warp (comm blocks after their dispatch, compute blocks'
-/// consumer warps after their GEMM phases): ring rows taken one at a time from `push_next`;
-/// lane 0 waits (bounded, acquire) until the down tile holding the row is stored, the warp
-/// copies the f32 row into its token owner's `combine_slots` at the row's slot, then (after a
-/// warp barrier, which orders every lane's stores before it) lane 0 sets the owner's
-/// `slot_ready` flag of that slot with a release at the heap's scope. Returns once every row is
-/// handed out. A rank whose error record is set pushes nothing more (its rows may be stale),
-/// so no owner sums a row of another pass; the owners' waits on it then stop (they watch this
-/// rank's record).
-///
-/// # Safety
-/// As [`dispatch`], with ranks (`view` is the rank's); all 32 lanes call it.
-#[inline(always)]
-pub unsafe fn push(f: &ForwardParams, view: &RankView) {
-    // SAFETY: caller contract.
-    unsafe {
-        let down = &*(f.down as *const GemmParams);
-        let total = *(down.row_offsets as *const u32).add(down.groups as usize);
-        let n_tiles = down.n.div_ceil(TILE_N);
-        let lane = sreg::lane_id();
-        let regions = &view.params.regions;
-        let (source_rank, source_slot): (*const u32, *const u32) =
-            (view.local(regions.ring_source_rank), f.row_source as *const u32);
-        let error = f.error as *mut u32;
-        loop {
-            let claimed = if lane == 0 { atom_add_relaxed_gpu_u32(f.push_next as *mut u32, 1) } else { 0 };
-            let row = sync::shfl_idx_u32(claimed, 0);
-            if row >= total {
-                return;
-            }
-            let mut ok = 1;
-            if lane == 0 {
-                if f.work & WORK_GEMMS != 0 {
-                    let (tile, expected) = stored_tile_of_row(down, row, n_tiles);
-                    let counter = (f.down_stored as *const u32).add(tile as usize);
-                    let timeout_ns = downstream_deadline(f.timeout_ns, 2);
-                    if let Err(seen) = wait_until(counter, false, timeout_ns, error, |v| v >= expected) {
-                        error::record(
-                            error,
-                            [ERROR_TIMEOUT, WAIT_ENGINE_TILE_OUTPUT, f.rank, tile, expected, seen, f.rank, 0],
-                        );
-                    }
-                }
-                ok = !error::has_error(error) as u32;
-            }
-            // Lane 0 acquired the tile's stores; the warp barrier passes that on to every lane.
-            if sync::shfl_idx_u32(ok, 0) == 0 {
-                continue;
-            }
-            warp::warp_sync();
-            let (owner, slot) = (*source_rank.add(row as usize), *source_slot.add(row as usize));
-            let src = (f.down_rows as *const f32).add((row * f.hidden) as usize);
-            let dst = view.peer::<f32>(regions.combine_slots, owner).add((slot * f.hidden) as usize);
-            copy_row(src as *const u32, dst as *mut u32, f.hidden / 4, lane);
-            warp::warp_sync();
-            if lane == 0 && f.silent_push == NO_FAULT {
-                signal(view.peer::<u32>(regions.slot_ready, owner).add(slot as usize), 1, view.sys());
-            }
-        }
-    }
-}
-
 /// The combine, by a whole warp (comm blocks after their dispatch, compute blocks' consumer
-/// warps after their GEMM phases, each after its push across ranks): tokens taken one at a time
-/// from `combine_next`; each lane waits (bounded, acquire) until every slot of the token is
-/// there — on one GPU until the down tile holding it is stored, across ranks until its expert
-/// owner's push has set its `slot_ready` flag — then the warp sums the token's row 4 columns per
-/// lane with [`combine_quads`] — the shared term first, slots in order — the same arithmetic, and
-/// so the same bits, as `mok_combine_slots`.
+/// warps after their GEMM phases): tokens taken one at a time from `combine_next`; each lane
+/// waits (bounded, acquire) until every slot of the token is there — on one GPU until the down
+/// tile holding it is stored, across ranks until its `slot_ready` flag says every down tile of
+/// its row has pushed its part ([`slot_row_complete`]) — then the warp sums the token's row 4
+/// columns per lane with [`combine_quads`] — the shared term first, slots in order — the same
+/// arithmetic, and so the same bits, as `mok_combine_slots`.
 ///
 /// Across ranks a wait stops early when the owner's error record is set (it will not push); it
 /// then records nothing itself, so the owner's record names the cause. Once this rank's own
@@ -265,9 +202,9 @@ pub unsafe fn combine(f: &ForwardParams, pass: &PassInputs, view: Option<&RankVi
             if token >= pass.tokens {
                 return;
             }
-            // Without GEMMs (the comm side timed alone) one GPU's combine sums the down rows as
-            // they are; across ranks it still waits for the pushes, which are comm work.
-            for j in 0..if f.work & WORK_GEMMS != 0 || view.is_some() { f.top_k } else { 0 } {
+            // Without GEMMs (the comm side timed alone) the combine sums the rows as they are:
+            // the pushes are the down tiles' epilogues.
+            for j in 0..if f.work & WORK_GEMMS != 0 { f.top_k } else { 0 } {
                 let slot = token * f.top_k + j;
                 let row = *slot_row.add(slot as usize);
                 if row == NO_ROW {
@@ -294,11 +231,11 @@ pub unsafe fn combine(f: &ForwardParams, pass: &PassInputs, view: Option<&RankVi
                         let owner = *v.local::<u32>(regions.topk_ids).add(slot as usize) / v.params.local_experts;
                         let owner_error = v.peer::<u32>(regions.error, owner);
                         let flag = v.local::<u32>(regions.slot_ready).add(slot as usize);
-                        let timeout_ns = downstream_deadline(f.timeout_ns, 3);
-                        if let Err(seen) = wait_until(flag, v.sys(), timeout_ns, owner_error, |x| x != 0)
+                        let (timeout_ns, whole) = (downstream_deadline(f.timeout_ns, 2), slot_row_complete(down.n));
+                        if let Err(seen) = wait_until(flag, v.sys(), timeout_ns, owner_error, |x| x >= whole)
                             && !error::has_error(owner_error)
                         {
-                            error::record(error, [ERROR_TIMEOUT, WAIT_SLOT_READY, owner, slot, 1, seen, f.rank, 0]);
+                            error::record(error, [ERROR_TIMEOUT, WAIT_SLOT_READY, owner, slot, whole, seen, f.rank, 0]);
                         }
                     }
                 }

@@ -6,21 +6,23 @@
 //! virtual ranks on one GPU, each holding a contiguous run of the launch's 2-block clusters, or
 //! one rank per GPU). Within its rank warps take part in the [`dispatch`] (token rows into
 //! expert order, 16-row chunks of the M tiles from the rank's queue, each chunk counted): every
-//! warp of blocks `0 .. comm_blocks` of the rank (the comm role, 0 or more), which then, across
-//! ranks, [`push`] the rank's finished rows to their token owners, and [`combine`] the rank's
-//! tokens; and the three spare warps of each compute block's producer warpgroup. The rank's
-//! blocks from the next whole pair on are the compute role, in 2-block clusters: from the start
-//! of the launch they run every gate/up + SwiGLU tile as soon as its rows have landed and every
-//! down tile as soon as all gate/up tiles of its rows are stored (the engine's phases with
-//! [`ForwardHandover`] hooks), then their consumer warps push and combine. With a
-//! shared expert the dispatch also copies the rank's token rows for it, and the compute blocks
+//! warp of blocks `0 .. comm_blocks` of the rank (the comm role, 0 or more), which then
+//! [`combine`] the rank's tokens; and the three spare warps of each compute block's producer
+//! warpgroup. The rank's blocks from the next whole pair on are the compute role, in 2-block
+//! clusters: from the start of the launch they run every gate/up + SwiGLU tile as soon as its
+//! rows have landed and every down tile as soon as all gate/up tiles of its rows are stored
+//! (the engine's phases with [`ForwardHandover`] hooks), then their consumer warps combine.
+//! Across ranks each down tile's epilogue pushes its rows straight into their token owners'
+//! slot buffers and raises each row's flag (`gemm::hooks::RowScatter`: the push combine). With
+//! a shared expert the dispatch also copies the rank's token rows for it, and the compute blocks
 //! run its gate/up tiles before the routed ones and its down tiles before the routed downs.
-//! Work is taken in the order dispatch, shared gate/up, gate/up, shared down, down, push,
-//! combine from counters, so a wait is always on work a running block already holds
+//! Work is taken in the order dispatch, shared gate/up, gate/up, shared down, down, combine
+//! from counters, so a wait is always on work a running block already holds
 //! (docs/ARCHITECTURE.md). Every result is the
 //! standalone path's bits: the rows are the same copies, each GEMM tile the same K loop, each
 //! token's sum the same order.
 
+use crate::comm::RankView;
 use crate::gemm::engine::run_forward_phases;
 use crate::gemm::hooks::ForwardHandover;
 use crate::gemm_layout::{ENGINE_THREADS, GemmParams};
@@ -29,24 +31,17 @@ use crate::megakernel_layout::{
 };
 use crate::ptx::sreg;
 
-use super::comm::{combine, dispatch, push, rank_view};
+use super::comm::{combine, dispatch, rank_view};
 
-/// The rows' journey after the GEMMs, by a whole warp: across ranks the push, then the combine.
+/// The combine, by a whole warp, unless the pass leaves it out (a benchmark's compute side).
 ///
 /// # Safety
-/// As [`forward`]; all 32 lanes call it.
+/// As [`forward`]; `view` is the rank's; all 32 lanes call it.
 #[inline(always)]
-unsafe fn push_and_combine(f: &ForwardParams, pass: &PassInputs) {
-    if f.work & WORK_COMBINE == 0 {
-        return;
-    }
-    // SAFETY: caller contract.
-    unsafe {
-        let view = rank_view(f);
-        if let Some(v) = &view {
-            push(f, v);
-        }
-        combine(f, pass, view.as_ref());
+unsafe fn combine_if_asked(f: &ForwardParams, pass: &PassInputs, view: Option<&RankView>) {
+    if f.work & WORK_COMBINE != 0 {
+        // SAFETY: caller contract.
+        unsafe { combine(f, pass, view) };
     }
 }
 
@@ -56,31 +51,32 @@ unsafe fn push_and_combine(f: &ForwardParams, pass: &PassInputs) {
 /// # Safety
 /// `params` points at the rank's valid [`ForwardParams`] and `pass` holds its inputs; the
 /// counters hold an entry per engine M tile the plans' groups can have; `rows_dispatched`,
-/// `gate_up_stored`, `down_stored`, `combine_next`, `dispatch_next`, `push_next` (and across
+/// `gate_up_stored`, `down_stored`, `combine_next`, `dispatch_next` (and across
 /// ranks every rank's `slot_ready`) zeroed and both plans' group maps cut (tile counters zeroed)
 /// on the stream before the launch; the grid is co-resident (at most the clusters that fit at
 /// once); the rank holds more than `first_compute_block` blocks, [`ENGINE_THREADS`] threads
-/// each, pair-aligned.
+/// each, pair-aligned. `RANKS` (the launch hosts ranks) exactly when `exchange` is the rank's
+/// valid exchange parameter block.
 #[inline(always)]
-pub unsafe fn forward(params: *const ForwardParams, pass: PassInputs, block: u32) {
+pub unsafe fn forward<const RANKS: bool>(params: *const ForwardParams, pass: PassInputs, block: u32) {
     crate::ptx::declare_block_threads::<ENGINE_THREADS>();
     crate::ptx::declare_cluster_blocks::<2>();
     // SAFETY: caller contract; read-only for the whole launch (fields read where used).
     let f = unsafe { &*params };
     // SAFETY: caller contract.
-    let view = unsafe { rank_view(f) };
+    let view = if RANKS { unsafe { rank_view(f) } } else { None };
     if block < f.comm_blocks {
         // SAFETY: caller contract; every warp is whole.
         unsafe {
             dispatch(f, &pass, view.as_ref());
-            push_and_combine(f, &pass);
+            combine_if_asked(f, &pass, view.as_ref());
         }
     } else if block >= first_compute_block(f.comm_blocks) {
         // SAFETY: caller contract; every warp is whole.
         unsafe {
             if f.work & WORK_GEMMS == 0 {
                 dispatch(f, &pass, view.as_ref());
-                push_and_combine(f, &pass);
+                combine_if_asked(f, &pass, view.as_ref());
                 return;
             }
             // Phases: the shared expert's gate/up, the routed gate/up, the shared down, the
@@ -97,8 +93,9 @@ pub unsafe fn forward(params: *const ForwardParams, pass: PassInputs, block: u32
                 }) as *const GemmParams
             };
             let spare_warps = || dispatch(f, &pass, view.as_ref());
-            if run_forward_phases(plan, move |phase| ForwardHandover::new(params, phase), spare_warps).is_some() {
-                push_and_combine(f, &pass);
+            let hooks = move |phase| ForwardHandover::<RANKS>::new(params, phase);
+            if run_forward_phases(plan, hooks, spare_warps).is_some() {
+                combine_if_asked(f, &pass, view.as_ref());
             }
         }
     }

@@ -284,6 +284,19 @@ pub unsafe fn st_global_v4(ptr: *mut u32, value: [u32; 4]) {
     }
 }
 
+/// 8-byte global store (`st.global.v2.u32`).
+///
+/// # Safety
+/// `ptr` must be a valid, 8-byte aligned global address.
+#[inline(always)]
+pub unsafe fn st_global_v2(ptr: *mut u32, value: [u32; 2]) {
+    // SAFETY: caller guarantees a valid aligned global address.
+    unsafe {
+        asm!("st.global.v2.u32 [{p}], {{{a}, {b}}};",
+             p = in(reg64) ptr, a = in(reg32) value[0], b = in(reg32) value[1], options(nostack));
+    }
+}
+
 /// 32-bit shared-memory load at a 32-bit shared address (`ld.shared.u32`).
 ///
 /// # Safety
