@@ -15,7 +15,7 @@ use crate::comm::error::{
     WAIT_ENGINE_TILE_HIDDEN, WAIT_ENGINE_TILE_ROWS, WAIT_SHARED_TILE_DISPATCHED, WAIT_SHARED_TILE_DOWN_DGRAD,
     WAIT_SHARED_TILE_GATHERED, WAIT_SHARED_TILE_HIDDEN,
 };
-use crate::comm::params::ExchangeParams;
+use crate::comm::params::{ExchangeParams, HeapRegions};
 use crate::comm::schedule::epoch_reached;
 use crate::comm::wait::{signal, wait_until};
 use crate::gemm_layout::{GemmParams, TILE_M, TILE_N, TileCounters, Variant};
@@ -106,6 +106,33 @@ pub struct RowScatter {
     pub error: *const u32,
     /// False for fault injection: this rank stores its rows but never raises their flags.
     pub raise_flags: bool,
+}
+
+impl RowScatter {
+    /// The scatter of rank `rank` of a pass (`exchange`: its `ExchangeParams`; `row_source`:
+    /// the ring map's slot of each plan row) into the owners' `rows_region` (picked from the
+    /// heap's regions), flags raised unless `silent_push` is set; `error`: the rank's record.
+    ///
+    /// # Safety
+    /// `exchange` points at the rank's valid `ExchangeParams` for the whole launch.
+    #[inline(always)]
+    unsafe fn of_rank(
+        (exchange, rank, row_source): (u64, u32, u64),
+        rows_region: impl Fn(&HeapRegions) -> u64,
+        (error, silent_push): (u64, u32),
+    ) -> Self {
+        let exchange = exchange as *const ExchangeParams;
+        // SAFETY: caller contract.
+        let e = unsafe { &*exchange };
+        RowScatter {
+            exchange,
+            owners: e.map(e.regions.ring_source_rank, rank) as *const u32,
+            slots: row_source as *const u32,
+            rows_region: rows_region(&e.regions),
+            error: error as *const u32,
+            raise_flags: silent_push == NO_FAULT,
+        }
+    }
 }
 
 /// The `slot_ready` value at which a slot's row, pushed by a [`RowScatter`] epilogue of a plan
@@ -324,16 +351,8 @@ impl<const RANKS: bool> TileHooks for ForwardHandover<RANKS> {
         // contract).
         unsafe {
             let f = &*self.params;
-            let exchange = f.exchange as *const ExchangeParams;
-            let e = &*exchange;
-            Some(RowScatter {
-                exchange,
-                owners: e.map(e.regions.ring_source_rank, f.rank) as *const u32,
-                slots: f.row_source as *const u32,
-                rows_region: e.regions.combine_slots,
-                error: f.error as *const u32,
-                raise_flags: f.silent_push == NO_FAULT,
-            })
+            let place = (f.exchange, f.rank, f.row_source);
+            Some(RowScatter::of_rank(place, |r| r.combine_slots, (f.error, f.silent_push)))
         }
     }
 
@@ -567,16 +586,8 @@ impl<const RANKS: bool> TileHooks for BackwardHandover<RANKS> {
         // contract).
         unsafe {
             let b = &*self.params;
-            let exchange = b.exchange as *const ExchangeParams;
-            let e = &*exchange;
-            Some(RowScatter {
-                exchange,
-                owners: e.map(e.regions.ring_source_rank, b.rank) as *const u32,
-                slots: b.row_source as *const u32,
-                rows_region: e.regions.dx_slots,
-                error: b.error as *const u32,
-                raise_flags: b.silent_push == NO_FAULT,
-            })
+            let place = (b.exchange, b.rank, b.row_source);
+            Some(RowScatter::of_rank(place, |r| r.dx_slots, (b.error, b.silent_push)))
         }
     }
 
