@@ -168,34 +168,53 @@ struct Measured {
     launches: u64,
     /// ... and per backward (after a forward).
     bwd_launches: u64,
-    /// Megakernel backends: the same launch with only the row moving, with only the GEMMs (rows
-    /// in place), and with no work at all (the schedule and an empty launch), ms.
-    sides: Option<(f64, f64, f64)>,
+    /// Megakernel backends: the launch's sides timed alone ([`Sides`]).
+    sides: Option<Sides>,
     /// With the backward megakernel: its own timings.
     backward: Option<BackwardTimes>,
 }
 
 /// The backward megakernel timed on its own, ms.
 struct BackwardTimes {
-    /// The backward alone.
-    pass: f64,
-    /// Its sides, as [`Measured::sides`].
-    sides: (f64, f64, f64),
+    /// Its sides, as [`Measured::sides`] (`whole`: the backward alone).
+    sides: Sides,
     /// Without its weight-gradient tiles.
     without_weight_grads: f64,
     /// Its weight-gradient tiles alone.
     weight_grads: f64,
 }
 
-/// The megakernel's sides timed alone, `(comm, compute, none)` ms: with only the row moving, with
-/// only the GEMMs (rows left in place by the pass before), and with nothing (the schedule and an
-/// empty launch). `layer(Some(work))` sets the work of the following passes, `layer(None)` runs
-/// a forward. Leaves the work at [`MegakernelWork::ALL`], with one real pass after.
+/// A megakernel pass and its sides, each timed the same way (`reps` passes of that work back to
+/// back, the median; ms), so that the overlap efficiency compares like with like: every term
+/// ran after passes of its own kind, not the whole pass after a backward (under the power limit
+/// what ran before changes a pass's time, docs/PERF.md).
+#[derive(Clone, Copy)]
+struct Sides {
+    /// Only the row moving.
+    comm: f64,
+    /// Only the GEMMs (rows left in place by the pass before).
+    compute: f64,
+    /// Nothing: the schedule and an empty launch.
+    none: f64,
+    /// All the work: the pass itself.
+    whole: f64,
+}
+
+impl Sides {
+    /// How much of the shorter side the whole pass hides: (comm + compute − whole) / min.
+    fn overlap(&self) -> f64 {
+        (self.comm + self.compute - self.whole) / self.comm.min(self.compute)
+    }
+}
+
+/// The megakernel's pass and sides timed alone ([`Sides`]). `layer(Some(work))` sets the work of
+/// the following passes, `layer(None)` runs a pass. Leaves the work at [`MegakernelWork::ALL`],
+/// with one real pass after.
 fn time_sides(
     timer: &mok::driver::GpuTimer,
     reps: usize,
     mut layer: impl FnMut(Option<MegakernelWork>) -> Result<()>,
-) -> Result<(f64, f64, f64)> {
+) -> Result<Sides> {
     let mut time = |work: MegakernelWork| -> Result<f64> {
         layer(Some(work))?;
         let mut times = Vec::new();
@@ -206,8 +225,12 @@ fn time_sides(
         }
         Ok(median(times))
     };
-    let sides = (time(MegakernelWork::COMM_ONLY)?, time(MegakernelWork::COMPUTE_ONLY)?, time(MegakernelWork::NONE)?);
-    layer(Some(MegakernelWork::ALL))?;
+    let sides = Sides {
+        comm: time(MegakernelWork::COMM_ONLY)?,
+        compute: time(MegakernelWork::COMPUTE_ONLY)?,
+        none: time(MegakernelWork::NONE)?,
+        whole: time(MegakernelWork::ALL)?,
+    };
     layer(None)?;
     Ok(sides)
 }
@@ -347,7 +370,6 @@ fn bench_case_ep(
             }
             Ok(median(times))
         };
-        let alone = time_backward(&mut layer)?;
         let sides = time_sides(&timer, reps, |work| {
             match work {
                 Some(work) => layer.set_backward_megakernel_work(work)?,
@@ -362,7 +384,7 @@ fn bench_case_ep(
         layer.set_backward_megakernel_work(MegakernelWork::ALL)?;
         layer.backward(gpu, &experts, None)?;
         layer.check_errors(gpu)?;
-        backward = Some(BackwardTimes { pass: alone, sides, without_weight_grads: without, weight_grads });
+        backward = Some(BackwardTimes { sides, without_weight_grads: without, weight_grads });
     }
     Ok(Measured { fwd: median(fwd), step: median(step), launches, bwd_launches, sides, backward })
 }
@@ -415,12 +437,6 @@ fn bench_case(gpu: &Gpu, shape: FrontierShape, tokens: usize, reps: usize, backe
     }
     let mut backward = None;
     if matches!(backend, Backend::Megakernels(_)) {
-        let mut times = Vec::new();
-        for _ in 0..reps {
-            timer.start()?;
-            layer.backward(gpu, &device_tokens, &experts, None, &dy)?;
-            times.push(timer.stop_ms()?);
-        }
         let sides = time_sides(&timer, reps, |work| {
             match work {
                 Some(work) => layer.set_backward_megakernel_work(work)?,
@@ -443,7 +459,7 @@ fn bench_case(gpu: &Gpu, shape: FrontierShape, tokens: usize, reps: usize, backe
         layer.set_backward_megakernel_work(MegakernelWork::ALL)?;
         layer.backward(gpu, &device_tokens, &experts, None, &dy)?;
         layer.check_device_errors()?;
-        backward = Some(BackwardTimes { pass: median(times), sides, without_weight_grads: without, weight_grads });
+        backward = Some(BackwardTimes { sides, without_weight_grads: without, weight_grads });
     }
     Ok(Measured { fwd: median(fwd), step: median(step), launches, bwd_launches, sides, backward })
 }
@@ -581,16 +597,16 @@ fn main() -> Result<()> {
         };
         let backend_name = name(backend);
         let (fwd, step) = (measured.fwd, measured.step);
-        if let Some((comm, compute, none)) = measured.sides {
-            // Overlap efficiency: how much of the shorter side the full pass hides.
-            let overlap = (comm + compute - fwd) / comm.min(compute);
+        if let Some(sides) = measured.sides {
+            let Sides { comm, compute, none, whole } = sides;
+            let overlap = sides.overlap();
             details.push(format!(
-                "| {} | {tokens} | {} | {} | {} | {none:.2} ({:.1} %) | {comm:.2} | {compute:.2} | {fwd:.2} | {:.0} % |",
+                "| {} | {tokens} | {} | {} | {} | {none:.2} ({:.1} %) | {comm:.2} | {compute:.2} | {whole:.2} | {:.0} % |",
                 shape.name,
                 backend_name.clone(),
                 measured.launches,
                 measured.bwd_launches,
-                100.0 * none / fwd,
+                100.0 * none / whole,
                 100.0 * overlap
             ));
         } else {
@@ -603,9 +619,9 @@ fn main() -> Result<()> {
             ));
         }
         if let Some(times) = &measured.backward {
-            let (bwd, (comm, compute, none)) = (times.pass, times.sides);
+            let Sides { comm, compute, none, whole: bwd } = times.sides;
             let (without_wgrad, wgrad_alone) = (times.without_weight_grads, times.weight_grads);
-            let overlap = (comm + compute - bwd) / comm.min(compute);
+            let overlap = times.sides.overlap();
             println!(
                 "{} {tokens} {}: backward {bwd:.2} ms, without its weight-gradient tiles {without_wgrad:.2} ms (weight gradients {:.1} % of the backward), the weight-gradient tiles alone {wgrad_alone:.2} ms",
                 shape.name,
@@ -672,7 +688,7 @@ fn main() -> Result<()> {
     }
     println!();
     println!(
-        "| shape | T | backend | kernels per forward | kernels per backward | schedule + empty launch ms (share) | comm side alone ms | compute side alone ms | pass ms | overlap efficiency |"
+        "| shape | T | backend | kernels per forward | kernels per backward | schedule + empty launch ms (share) | comm side alone ms | compute side alone ms | pass alone ms | overlap efficiency |"
     );
     println!("|---|---|---|---|---|---|---|---|---|---|");
     for line in details {
