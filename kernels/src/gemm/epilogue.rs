@@ -189,17 +189,23 @@ unsafe fn scatter_rows(
     let lane = sreg::lane_id();
     // This thread's two rows of the tile ([`for_each_pair`]: the upper one and 8 below).
     let first_row = wg * 64 + (thread_in_wg / 32) * 16 + lane / 4;
-    // Where a row of the tile goes: its owner and slot (the owner's and slot's words are read
-    // again for the flags, not held across the stores: the accumulators leave no registers).
-    // SAFETY: caller contract: the rows below `w.rows` are plan rows with an owner and a slot.
-    let place = |r: u32| unsafe {
-        (r < w.rows).then(|| {
-            let row = (w.m0 + r) as usize;
-            (*s.owners.add(row), *s.slots.add(row))
-        })
-    };
     // SAFETY: caller contract.
     let e = unsafe { &*s.exchange };
+    // Where a row of the tile goes: its owner and slot (the owner's and slot's words are read
+    // again for the flags, not held across the stores: the accumulators leave no registers).
+    // A place outside the heap is never stored to: a pass whose schedule failed runs its tiles
+    // on the ring map of an earlier pass (its record is set; the flags stay down), and no
+    // stale word may turn into a write outside the owners' slot buffers.
+    let slots = e.tokens * e.top_k;
+    // SAFETY: caller contract: the rows below `w.rows` are plan rows with an owner and a slot.
+    let place = |r: u32| unsafe {
+        if r >= w.rows {
+            return None;
+        }
+        let row = (w.m0 + r) as usize;
+        let (owner, slot) = (*s.owners.add(row), *s.slots.add(row));
+        (owner < e.world && slot < slots).then_some((owner, slot))
+    };
     let destination = |r: u32| {
         place(r).map_or(core::ptr::null_mut(), |(owner, slot)| {
             // SAFETY: the owner's slot buffer holds `p.n` f32 per slot (caller contract).
