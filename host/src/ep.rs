@@ -16,13 +16,14 @@
 //! The forward can instead run as the forward megakernel ([`EpLayer::set_forward_megakernel`]):
 //! after the schedule, ONE persistent launch hosts every rank — each rank on its own run of the
 //! grid's 2-block clusters — pulling its ring's rows from the token owners, running its experts'
-//! gate/up and down tiles on the tensor-core engine as their rows land, pushing each finished
-//! row back to its token owner's slot buffer and combining its own tokens. It writes what the
-//! separate path writes (the ring rows, the pre-activations, the hidden and down rows, the slot
-//! buffer, y), so either backward reads what it needs. The backward can run as the backward
+//! gate/up and down tiles on the tensor-core engine as their rows land, each down tile's
+//! epilogue pushing its rows straight into their token owners' slot buffers, and combining its
+//! own tokens. It writes what the separate path writes and either backward reads (the ring
+//! rows, the pre-activations, the hidden rows, the slot buffer, y); the ring's f32 down rows
+//! are not written (both backwards read the slot buffer). The backward can run as the backward
 //! megakernel ([`EpLayer::set_backward_megakernel`], virtual ranks):
-//! one launch pulls dy from the token owners, runs each ring's data- and weight-gradient tiles,
-//! pushes the dx rows back and combines them on their owners.
+//! one launch pulls dy from the token owners, runs each ring's data- and weight-gradient tiles
+//! (the gate/up dgrad's epilogue pushing the dx rows to their owners) and combines them there.
 
 use half::bf16;
 

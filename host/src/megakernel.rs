@@ -31,7 +31,7 @@ pub const FORWARD_RANKS_KERNEL: &str = "mok_sm90_forward_ranks";
 #[derive(Clone, Debug, PartialEq)]
 pub struct MegakernelOptions {
     /// Blocks, of each rank's share of the launch, that only move rows (the dispatch or the dy
-    /// gather, across ranks the push, and the combine; every other block also computes); `None`:
+    /// gather, and the combine; every other block also computes); `None`:
     /// [`DEFAULT_COMM_BLOCKS`].
     pub comm_blocks: Option<u32>,
     /// Blocks of the whole launch; `None`: as many 2-block clusters as can be resident at once.
@@ -109,8 +109,9 @@ pub(crate) struct MegakernelPass<P> {
     params: DeviceBuffer<u8>,
     /// With ranks, every rank's [`PassInputs`] (fixed heap addresses), written once.
     inputs: Option<DeviceBuffer<u8>>,
-    /// Per rank: three `[M tiles]` counters and three queue words (see each pass's parameter
-    /// block), cleared together (one memset) before each pass.
+    /// Per rank: three `[M tiles]` counters, the queue words (two forward, three backward) and
+    /// the shared expert's counters (see each pass's parameter block), cleared together (one
+    /// memset) before each pass.
     pass_counters: DeviceBuffer<u32>,
     /// On one GPU, the pass's error record (with ranks, each rank's record in the heap).
     error: Option<DeviceBuffer<u32>>,
@@ -187,7 +188,8 @@ pub(crate) struct PassBuffers {
     pub slot_row: u64,
     /// `[cap][H]` bf16 dispatched rows (the gate/up plan's A).
     pub rows: u64,
-    /// `[cap][H]` f32 down rows (the down plan's output).
+    /// `[cap][H]` f32 down rows (the down plan's output on one GPU; across ranks the down tiles
+    /// push into the owners' slot buffers instead and this is not written).
     pub down_rows: u64,
     /// `[T][H]` bf16 output.
     pub y: u64,

@@ -35,7 +35,8 @@ pub struct ForwardParams {
     pub slot_row: u64,
     /// `[cap][H]` bf16: the dispatched rows in expert order (the gate/up GEMM's A).
     pub rows: u64,
-    /// `[cap][H]` f32: the down projection's rows (the down GEMM's output).
+    /// `[cap][H]` f32: the down projection's rows (the down GEMM's output on one GPU; across
+    /// ranks not written, see `exchange`).
     pub down_rows: u64,
     /// `[T][H]` bf16: the layer output.
     pub y: u64,

@@ -109,11 +109,12 @@ pub struct HeapRegions {
     pub combine_slots: u64,
     /// `[T·k][H]` f32: backward reverse-dispatch lands here.
     pub dx_slots: u64,
-    /// `[T·k]` u32: 1 once the forward megakernel's expert owner has pushed the slot's row into
-    /// `combine_slots` (a release by the pusher); cleared by this rank before it publishes a
-    /// pass, so no peer can push into a pass whose flags are still being cleared. The backward
-    /// megakernel (virtual ranks, one launch) clears them again before its launch and flags its
-    /// dx rows in `dx_slots` the same way.
+    /// `[T·k]` u32: raised by 1 (a release) each time one of the forward megakernel's down
+    /// tiles on the expert owner has pushed its columns of the slot's row into `combine_slots`:
+    /// the row is whole at ⌈H / 256⌉ (`gemm::hooks::slot_row_complete`); cleared by this rank
+    /// before it publishes a pass, so no peer can push into a pass whose flags are still being
+    /// cleared. The backward megakernel (virtual ranks, one launch) clears them again before
+    /// its launch and its gate/up-dgrad tiles flag the dx rows in `dx_slots` the same way.
     pub slot_ready: u64,
     /// `[4]` u32: word 0 = the last epoch this rank published (its inputs and layout are ready).
     pub published: u64,

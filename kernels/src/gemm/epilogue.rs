@@ -191,15 +191,19 @@ unsafe fn scatter_rows(
     let first_row = wg * 64 + (thread_in_wg / 32) * 16 + lane / 4;
     // SAFETY: caller contract.
     let e = unsafe { &*s.exchange };
+    // A rank whose record is set stores nothing more (its rows may be stale, and a peer may
+    // still be reading its slot buffer of another pass), as the flags below: read once here,
+    // beside the row words, so the loads overlap.
+    // SAFETY: the record is valid (caller contract).
+    let failed = unsafe { error::has_error(s.error) };
     // Where a row of the tile goes: its owner and slot (the owner's and slot's words are read
     // again for the flags, not held across the stores: the accumulators leave no registers).
-    // A place outside the heap is never stored to: a pass whose schedule failed runs its tiles
-    // on the ring map of an earlier pass (its record is set; the flags stay down), and no
-    // stale word may turn into a write outside the owners' slot buffers.
-    let slots = e.tokens * e.top_k;
+    // A place outside the heap is never stored to, whatever the ring map holds: the owner a
+    // rank, the slot one of its T·k, the row as wide as the heap's.
+    let (slots, width_fits) = (e.tokens * e.top_k, p.n == e.hidden);
     // SAFETY: caller contract: the rows below `w.rows` are plan rows with an owner and a slot.
     let place = |r: u32| unsafe {
-        if r >= w.rows {
+        if r >= w.rows || failed || !width_fits {
             return None;
         }
         let row = (w.m0 + r) as usize;
@@ -208,7 +212,7 @@ unsafe fn scatter_rows(
     };
     let destination = |r: u32| {
         place(r).map_or(core::ptr::null_mut(), |(owner, slot)| {
-            // SAFETY: the owner's slot buffer holds `p.n` f32 per slot (caller contract).
+            // SAFETY: the owner's slot buffer holds `p.n` f32 per slot (checked above).
             unsafe { (e.map(s.rows_region, owner) as *mut f32).add(slot as usize * p.n as usize + w.n0 as usize) }
         })
     };
@@ -236,17 +240,21 @@ unsafe fn scatter_rows(
     store_row(0);
     store_row(1);
     warp::warp_sync();
-    // SAFETY: the record is valid (caller contract).
-    if lane % 4 == 0 && s.raise_flags && !unsafe { error::has_error(s.error) } {
-        for r in [first_row, first_row + 8] {
-            if let Some((owner, slot)) = place(r) {
-                // SAFETY: the owner's `slot_ready` holds a flag per slot.
-                unsafe {
-                    let flag = (e.map(e.regions.slot_ready, owner) as *mut u32).add(slot as usize);
-                    signal(flag, 1, e.sys_scope != 0);
-                }
+    // The row's flag, once per N tile; not once this rank's record is set (read again: it may
+    // have been set during the tile).
+    let raise = |r: u32| {
+        if let Some((owner, slot)) = place(r) {
+            // SAFETY: the owner's `slot_ready` holds a flag per slot.
+            unsafe {
+                let flag = (e.map(e.regions.slot_ready, owner) as *mut u32).add(slot as usize);
+                signal(flag, 1, e.sys_scope != 0);
             }
         }
+    };
+    // SAFETY: the record is valid (caller contract).
+    if lane % 4 == 0 && s.raise_flags && !unsafe { error::has_error(s.error) } {
+        raise(first_row);
+        raise(first_row + 8);
     }
 }
 

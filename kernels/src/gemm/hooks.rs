@@ -363,6 +363,8 @@ impl<const RANKS: bool> TileHooks for ForwardHandover<RANKS> {
             let f = &*self.params;
             match self.phase {
                 ForwardHandover::GATE_UP => count_stored(p, work, f.gate_up_stored as *mut u32, f.silent_hidden_tile),
+                // Across ranks the rows went out through `RowScatter` (flagged per row); this
+                // count then says nothing about their visibility, and nothing waits on it.
                 ForwardHandover::DOWN => count_stored(p, work, f.down_stored as *mut u32, NO_FAULT),
                 ForwardHandover::SHARED_GATE_UP => count_stored(p, work, f.shared_gate_up_stored as *mut u32, NO_FAULT),
                 _ => count_stored(p, work, f.shared_down_stored as *mut u32, NO_FAULT),
