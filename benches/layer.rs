@@ -14,7 +14,9 @@
 //! separate launches, `mma.sync` expert compute), `megakernel[:N]` (`epP:megakernel`: the
 //! forward as one launch hosting every rank, N comm blocks per rank) or `megakernels[:N]`
 //! (`epP:megakernels`: the backward as one such launch too); `--ring-factor F` sizes each rank's
-//! receive ring at F times an even split's rows (default: the worst case). Launched by torchrun or srun with more
+//! receive ring at F times an even split's rows (default: the worst case), and
+//! `--own-rank-tiles` runs each rank's GEMM tiles on its own blocks (`epP:…/own-tiles`; by default
+//! every compute block takes every rank's tiles). Launched by torchrun or srun with more
 //! than one process (and built with the `nccl` feature, as the GPU bundle is), it runs the layer
 //! across the processes instead, one rank per GPU (`procsP:mma`, `procsP:megakernel`; rank 0
 //! prints the results; built, not yet run: no multi-GPU machine has been lent). Every
@@ -46,6 +48,9 @@ struct Args {
     /// (T/P tokens · k slots); `None`: the exchange's default, the worst case (every slot of
     /// every rank on one rank), which at P = 8 does not fit the largest cases in one GPU.
     ring_factor: Option<f64>,
+    /// With ranks: each rank's GEMM tiles on its own blocks (`MegakernelOptions::share_rank_tiles`
+    /// false) instead of every compute block taking every rank's tiles.
+    own_rank_tiles: bool,
 }
 
 /// How the layer runs (see the module docs).
@@ -111,6 +116,7 @@ fn parse_args() -> Result<Args> {
         backends: vec![Backend::Mma],
         ranks: 1,
         ring_factor: None,
+        own_rank_tiles: false,
     };
     let mut cases = "kimi:8192,glm:8192,qwen:8192,deepseek:8192".to_string();
     let mut it = std::env::args().skip(1).filter(|a| a != "--bench");
@@ -129,6 +135,7 @@ fn parse_args() -> Result<Args> {
                 }
                 args.ring_factor = Some(factor);
             }
+            "--own-rank-tiles" => args.own_rank_tiles = true,
             "--gemm" => args.backends = value()?.split(',').map(Backend::parse).collect::<Result<_>>()?,
             "--baseline" => {
                 let path = value()?;
@@ -291,7 +298,7 @@ fn bench_case_ep(
     shape: FrontierShape,
     tokens: usize,
     reps: usize,
-    (ranks, ring_factor): (usize, Option<f64>),
+    (ranks, ring_factor, own_rank_tiles): (usize, Option<f64>, bool),
     backend: Backend,
 ) -> Result<Measured> {
     if !tokens.is_multiple_of(ranks) || !shape.experts.is_multiple_of(ranks) {
@@ -304,13 +311,15 @@ fn bench_case_ep(
     let capacity_rows = ring_factor.map(|f| (f * (config.tokens_per_rank * config.top_k) as f64).ceil() as usize);
     let exchange = ExchangeOptions { capacity_rows, ..ExchangeOptions::default() };
     let mut layer = EpLayer::new_virtual(gpu, config.clone(), exchange)?;
+    let share_rank_tiles = !own_rank_tiles;
     match backend {
         Backend::Mma => {}
-        Backend::Megakernel(comm_blocks) => {
-            layer.set_forward_megakernel(gpu, Some(MegakernelOptions { comm_blocks, ..Default::default() }))?
-        }
+        Backend::Megakernel(comm_blocks) => layer.set_forward_megakernel(
+            gpu,
+            Some(MegakernelOptions { comm_blocks, share_rank_tiles, ..Default::default() }),
+        )?,
         Backend::Megakernels(comm_blocks) => {
-            let options = MegakernelOptions { comm_blocks, ..Default::default() };
+            let options = MegakernelOptions { comm_blocks, share_rank_tiles, ..Default::default() };
             layer.set_forward_megakernel(gpu, Some(options.clone()))?;
             layer.set_backward_megakernel(gpu, Some(options))?;
         }
@@ -575,7 +584,8 @@ fn main() -> Result<()> {
         }
     };
     let name = |backend: Backend| {
-        if args.ranks > 1 { format!("ep{}:{}", args.ranks, backend.name()) } else { backend.name() }
+        let own = if args.own_rank_tiles { "/own-tiles" } else { "" };
+        if args.ranks > 1 { format!("ep{}:{}{own}", args.ranks, backend.name()) } else { backend.name() }
     };
     let backends: Vec<String> = args.backends.iter().map(|&b| name(b)).collect();
     println!(
@@ -591,7 +601,7 @@ fn main() -> Result<()> {
         args.cases.iter().flat_map(|&(shape, tokens)| args.backends.iter().map(move |&b| (shape, tokens, b))).collect();
     for (shape, tokens, backend) in runs {
         let measured = if args.ranks > 1 {
-            bench_case_ep(&gpu, shape, tokens, args.reps, (args.ranks, args.ring_factor), backend)?
+            bench_case_ep(&gpu, shape, tokens, args.reps, (args.ranks, args.ring_factor, args.own_rank_tiles), backend)?
         } else {
             bench_case(&gpu, shape, tokens, args.reps, backend)?
         };

@@ -6,7 +6,9 @@
 # with ONE_GPU=1 the same cases on one GPU (GEMM_ONE_GPU, default megakernels) in the same call,
 # for the P = 8 against P = 1 comparison, and with VARIANT_PTX=name=file.ptx the rank cases once
 # more on that PTX (MOK_PTX; e.g. an earlier commit's kernels against the current ones, same
-# call: the PTX must have every kernel this host launches and the same heap layout). Run from
+# call: the PTX must have every kernel this host launches and the same heap layout), and with
+# VARIANT_ARGS=name="--flag ..." the rank cases once more with those benchmark flags (e.g.
+# own="--own-rank-tiles": each rank's GEMM tiles on its own blocks). Run from
 # the bundle's benches/ folder; logs and tables go to $OUT (or ./bench-logs):
 #   CASES=kimi:8192,deepseek:8192 GEMM=megakernel:0,megakernel:4,megakernels ./run_rank_bench.sh
 set -uo pipefail
@@ -20,20 +22,25 @@ layer_bin="${LAYER_BIN:-$here/layer}"
 python3 "$here/ceilings.py" > "$out/ceilings.log" 2>&1
 read -r _ _ matmul _ copy < <(grep CEILING "$out/ceilings.log")
 PYTHONUNBUFFERED=1 python3 "$here/torch_moe.py" --cases "$cases" --out "$out/baseline.txt" > "$out/torch.log" 2>&1
-# rank_cases LOG_PREFIX [ENV=VALUE...]: every case over the ranks, each in its own process.
+# rank_cases LOG_PREFIX EXTRA_FLAGS [ENV=VALUE...]: every case over the ranks, each in its own
+# process.
 rank_cases() {
-    local prefix=$1 case log
-    shift
+    local prefix=$1 flags=$2 case log
+    shift 2
     for case in ${cases//,/ }; do
         log="$prefix${case/:/-}.log"
+        # shellcheck disable=SC2086 # the extra flags split into words
         env "$@" "$layer_bin" --ranks "$ranks" --ring-factor "${RING_FACTOR:-1.25}" --cases "$case" \
             --gemm "$backends" --baseline "$out/baseline.txt" --matmul-tflops "$matmul" --copy-tbps "$copy" \
-            > "$out/$log" 2>&1 || echo "$case: failed (see $log)"
+            $flags > "$out/$log" 2>&1 || echo "$case: failed (see $log)"
     done
 }
-rank_cases ranks-
+rank_cases ranks- ""
 if [ -n "${VARIANT_PTX:-}" ]; then
-    rank_cases "ranks-${VARIANT_PTX%%=*}-" MOK_PTX="${VARIANT_PTX#*=}"
+    rank_cases "ranks-${VARIANT_PTX%%=*}-" "" MOK_PTX="${VARIANT_PTX#*=}"
+fi
+if [ -n "${VARIANT_ARGS:-}" ]; then
+    rank_cases "ranks-${VARIANT_ARGS%%=*}-" "${VARIANT_ARGS#*=}"
 fi
 if [ "${ONE_GPU:-0}" = 1 ]; then
     for case in ${cases//,/ }; do

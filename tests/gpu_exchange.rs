@@ -642,12 +642,19 @@ fn ep_forward_megakernel_is_bitwise_the_single_rank_path() {
             let (resident, _) = layer.forward_megakernel_geometry().unwrap();
             let geometries = ep_geometries(resident, p as u32);
             let geometries = if common::sanitizing() { &geometries[..2] } else { &geometries[..] };
-            for &(comm, blocks) in geometries {
-                let options = MegakernelOptions { comm_blocks: Some(comm), blocks, ..Default::default() };
+            for (i, &(comm, blocks)) in geometries.iter().enumerate() {
+                // Every other geometry with each rank's tiles on its own blocks.
+                let share_rank_tiles = i % 2 == 0;
+                let options =
+                    MegakernelOptions { comm_blocks: Some(comm), blocks, share_rank_tiles, ..Default::default() };
                 layer.set_forward_megakernel(&gpu, Some(options)).unwrap();
                 let y = ep_forward_y(&gpu, &mut layer, &weights);
                 assert_eq!(layer.forward_megakernel_geometry(), Some((blocks.unwrap_or(resident), comm)));
-                assert!(same_bf16(&y, &want.y), "{what}: y differs with {comm} comm blocks per rank of {blocks:?}");
+                assert!(
+                    same_bf16(&y, &want.y),
+                    "{what}: y differs with {comm} comm blocks per rank of {blocks:?} (tiles shared across ranks: \
+                     {share_rank_tiles})"
+                );
                 runs += 1;
             }
             println!(
@@ -816,12 +823,17 @@ fn ep_backward_megakernel_is_bitwise_the_single_rank_path() {
             let (resident, _) = layer.backward_megakernel_geometry().unwrap();
             let geometries = ep_geometries(resident, p as u32);
             let geometries = if common::sanitizing() { &geometries[..2] } else { &geometries[..] };
-            for &(comm, blocks) in geometries {
-                let options = MegakernelOptions { comm_blocks: Some(comm), blocks, ..Default::default() };
+            for (i, &(comm, blocks)) in geometries.iter().enumerate() {
+                // Every other geometry with each rank's tiles on its own blocks.
+                let share_rank_tiles = i % 2 == 0;
+                let options =
+                    MegakernelOptions { comm_blocks: Some(comm), blocks, share_rank_tiles, ..Default::default() };
                 layer.set_backward_megakernel(&gpu, Some(options)).unwrap();
                 let got = ep_bits(&gpu, &mut layer, &weights);
                 assert_eq!(layer.backward_megakernel_geometry(), Some((blocks.unwrap_or(resident), comm)));
-                assert_same_bits(&format!("{what}, {comm} comm blocks per rank of {blocks:?}"), &got, &want);
+                let how =
+                    format!("{comm} comm blocks per rank of {blocks:?}, tiles shared across ranks: {share_rank_tiles}");
+                assert_same_bits(&format!("{what}, {how}"), &got, &want);
                 runs += 1;
             }
             // After the separate forward (mma.sync expert compute, the exchange's movers).

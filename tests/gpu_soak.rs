@@ -320,7 +320,12 @@ fn new_subject(gpu: &Gpu, block: &Block, deadline: Duration) -> Subject {
                 assert_ne!(gpu.compute_capability().0, 9, "an sm_90 GPU must run the engine: {e}");
             }
             if let (Some(comm_blocks), true) = (block.megakernel, layer.uses_gemm_engine()) {
-                let options = MegakernelOptions { comm_blocks: Some(comm_blocks), blocks: None, timeout: deadline };
+                let options = MegakernelOptions {
+                    comm_blocks: Some(comm_blocks),
+                    blocks: None,
+                    timeout: deadline,
+                    ..Default::default()
+                };
                 layer.set_forward_megakernel(gpu, Some(options.clone())).unwrap();
                 layer.set_backward_megakernel(gpu, Some(options)).unwrap();
             }
@@ -331,7 +336,12 @@ fn new_subject(gpu: &Gpu, block: &Block, deadline: Duration) -> Subject {
         let mut layer = EpLayer::new_virtual(gpu, config, ep_options(block, deadline, None)).unwrap();
         if let (true, Some(comm_blocks)) = (block.engine, block.megakernel) {
             // The forward as one launch for every rank (sm_90a only; elsewhere the separate path).
-            let options = MegakernelOptions { comm_blocks: Some(comm_blocks), blocks: None, timeout: deadline };
+            let options = MegakernelOptions {
+                comm_blocks: Some(comm_blocks),
+                blocks: None,
+                timeout: deadline,
+                ..Default::default()
+            };
             if let Err(e) = layer.set_forward_megakernel(gpu, Some(options.clone())) {
                 assert_ne!(gpu.compute_capability().0, 9, "an sm_90 GPU must run the megakernel: {e}");
             }

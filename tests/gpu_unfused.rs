@@ -454,7 +454,7 @@ fn a_layer_on_the_callers_cudarc_stream_gives_the_same_bits() {
 
 /// The forward megakernel's options for a test: a short deadline, so a fault fails fast.
 fn megakernel_options(comm_blocks: Option<u32>, blocks: Option<u32>) -> MegakernelOptions {
-    MegakernelOptions { comm_blocks, blocks, timeout: std::time::Duration::from_secs(2) }
+    MegakernelOptions { comm_blocks, blocks, timeout: std::time::Duration::from_secs(2), ..Default::default() }
 }
 
 /// A layer whose forward is the megakernel, or `None` (printed) on a GPU without it.
@@ -595,7 +595,7 @@ fn forward_megakernel_faults_are_reported_timeouts_then_correct_passes() {
     // Under compute-sanitizer every kernel runs many times slower: a longer deadline keeps the
     // bound (twice the deadline) about the waits, not the tool.
     let deadline = std::time::Duration::from_millis(common::sized("fault deadline (ms)", 200, 2000));
-    let options = MegakernelOptions { comm_blocks: None, blocks: None, timeout: deadline };
+    let options = MegakernelOptions { comm_blocks: None, blocks: None, timeout: deadline, ..Default::default() };
     let Some(mut layer) = megakernel_layer(&gpu, &c, options) else { return };
     let case = random_case(&c, 500, Routing { drop_probability: 0.02, empty_experts: &[5] });
     let device = upload(&gpu, &case);
@@ -865,7 +865,7 @@ fn backward_megakernel_faults_are_reported_timeouts_then_correct_passes() {
     let gpu = gpu();
     let c = config(400, 512, 256, 32, 8, Some(256), Some(1.0));
     let deadline = std::time::Duration::from_millis(common::sized("fault deadline (ms)", 200, 2000));
-    let options = MegakernelOptions { comm_blocks: None, blocks: None, timeout: deadline };
+    let options = MegakernelOptions { comm_blocks: None, blocks: None, timeout: deadline, ..Default::default() };
     let Some(mut layer) = backward_megakernel_layer(&gpu, &c, options, false) else { return };
     let case = random_case(&c, 910, Routing { drop_probability: 0.02, empty_experts: &[5] });
     let device = upload(&gpu, &case);

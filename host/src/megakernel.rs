@@ -42,11 +42,20 @@ pub struct MegakernelOptions {
     /// (`megakernel_layout::downstream_deadline`), so the wait reported first is the one on the
     /// counter that never completed.
     pub timeout: Duration,
+    /// With several ranks in one launch (virtual ranks on one GPU): `true`, every compute block
+    /// takes every rank's GEMM tiles from their counters, rank after rank within each phase, so
+    /// the GPU works through one rank's tiles at a time as a GPU running one rank would (its L2
+    /// holds one rank's weights and rows, docs/PERF.md); `false`, a rank's tiles run on its own
+    /// run of the grid, the same SM share for its dispatch, GEMMs and combine. The routed weight
+    /// gradients are shared across ranks either way (when every rank has the same tile counts),
+    /// and the dispatch, gather, SwiGLU backward and combine always stay on the rank's own
+    /// blocks. The bits are the same either way. Ignored with one rank per launch.
+    pub share_rank_tiles: bool,
 }
 
 impl Default for MegakernelOptions {
     fn default() -> Self {
-        Self { comm_blocks: None, blocks: None, timeout: Duration::from_secs(5) }
+        Self { comm_blocks: None, blocks: None, timeout: Duration::from_secs(5), share_rank_tiles: true }
     }
 }
 
@@ -367,6 +376,7 @@ impl ForwardMegakernel {
             }
         }
         let ranks_of: Vec<Option<&RankPass>> = buffers.iter().map(|b| b.rank.as_ref()).collect();
+        let tile_ranks = shared_tile_ranks(&ranks_of, plans, options)?;
         let kernels = [FORWARD_KERNEL, FORWARD_RANKS_KERNEL];
         build_pass(gpu, kernels, plans, &ranks_of, options, forward_counter_words, |r, at, comm_blocks, timeout_ns| {
             let (set, b, counters, tile_words) = (plans[r], &buffers[r], at.counters, at.tile_words);
@@ -404,6 +414,8 @@ impl ForwardMegakernel {
                 work: WORK_ALL,
                 rank: at.rank,
                 silent_push: NO_FAULT,
+                launch_index: r as u32,
+                tile_ranks,
             }
         })
     }
@@ -678,6 +690,7 @@ impl BackwardMegakernel {
         } else {
             1
         };
+        let tile_ranks = shared_tile_ranks(&ranks_of, plans, options)?;
         let kernels = [BACKWARD_KERNEL, BACKWARD_RANKS_KERNEL];
         let words = backward_counter_words;
         build_pass(gpu, kernels, plans, &ranks_of, options, words, |r, at, comm_blocks, timeout_ns| {
@@ -719,6 +732,8 @@ impl BackwardMegakernel {
                 rank_first_block: if with_ranks { at.first_block } else { 0 },
                 rank_blocks: at.blocks,
                 wgrad_ranks,
+                tile_ranks,
+                reserved: 0,
                 shared_down_dgrad: shared(0),
                 shared_gate_up_dgrad: shared(1),
                 shared_wgrad: [shared(2), shared(3), shared(4)],
@@ -732,6 +747,29 @@ impl BackwardMegakernel {
             }
         })
     }
+}
+
+/// The ranks whose GEMM tiles a launch's compute blocks share (`tile_ranks` of the parameter
+/// blocks): every rank of a launch hosting several when the options ask for it, else 1. The
+/// kernel runs every rank's phases in one order, so the ranks must agree on the phases: a
+/// shared expert on all of them or on none.
+fn shared_tile_ranks(
+    ranks_of: &[Option<&RankPass>],
+    plans: &[&[&EnginePlan]],
+    options: &MegakernelOptions,
+) -> Result<u32> {
+    let with_ranks = ranks_of.first().is_some_and(Option::is_some);
+    if !with_ranks || ranks_of.len() < 2 || !options.share_rank_tiles {
+        return Ok(1);
+    }
+    if plans.iter().any(|set| set.len() != plans[0].len()) {
+        return Err(MokError::InvalidInput {
+            tensor: "megakernel",
+            problem: "ranks sharing their GEMM tiles need the same phases: a shared expert on every rank or on none"
+                .into(),
+        });
+    }
+    Ok(ranks_of.len() as u32)
 }
 
 /// `#[repr(C)]` blocks without padding (the parameter blocks, the pass inputs) as the bytes the
@@ -927,6 +965,21 @@ mod work_order_model {
         const SHARED_DOWN: usize = 6;
         /// Every queue a compute pair's producer and consumers take, in the kernel's order.
         const COMPUTE_ORDER: [usize; 5] = [SHARED_GATE_UP, GATE_UP, SHARED_DOWN, DOWN, COMBINE];
+
+        /// Queue `q` of rank `r` (`tile_ranks` > 1: a compute pair takes every rank's tiles);
+        /// a plain queue number is the taker's own rank's.
+        const fn of_rank(q: usize, r: usize) -> usize {
+            8 * (r + 1) + q
+        }
+
+        /// The compute order when the launch's compute pairs share every rank's GEMM tiles:
+        /// each phase rank after rank, then the own rank's combine.
+        fn shared_compute_order(ranks: usize) -> Vec<usize> {
+            let phases = [SHARED_GATE_UP, GATE_UP, SHARED_DOWN, DOWN];
+            let mut order: Vec<usize> = phases.iter().flat_map(|&q| (0..ranks).map(move |r| of_rank(q, r))).collect();
+            order.push(COMBINE);
+            order
+        }
         /// What a compute block's spare producer warps take, alongside.
         const SPARE_ORDER: [usize; 2] = [SHARED_DISPATCH, DISPATCH];
 
@@ -967,7 +1020,8 @@ mod work_order_model {
             type Unit = Unit;
 
             fn take(&mut self, who: &mut Who, q: usize) -> Option<Unit> {
-                let (n_gate_up, n_down, rank) = (self.n_gate_up, self.n_down, who.rank);
+                let (q, rank) = if q >= 8 { (q % 8, q / 8 - 1) } else { (q, who.rank) };
+                let (n_gate_up, n_down) = (self.n_gate_up, self.n_down);
                 let r = &mut self.ranks[rank];
                 let m_tiles = r.dispatched.len();
                 let shared_tiles = r.shared_dispatched.len();
@@ -1083,20 +1137,26 @@ mod work_order_model {
         fn every_geometry_and_interleaving_completes() {
             let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
             for case in 0..600 {
-                // One GPU or 1–8 ranks in one launch.
+                // One GPU or 1–8 ranks in one launch, half of those with the GEMM tiles shared
+                // across ranks.
                 let ranks = if case % 3 != 0 { 1 + rng.below(8) } else { 1 };
+                let share_tiles = case % 2 == 0;
                 let mut world = random_world(&mut rng, ranks);
                 let (comm_blocks, pairs) = (rng.below(4), 1 + rng.below(4));
+                let compute_order = if share_tiles { shared_compute_order(ranks) } else { COMPUTE_ORDER.to_vec() };
                 let mut agents = Vec::new();
                 for r in 0..ranks {
                     agents.extend(
                         (0..comm_blocks).map(|_| Agent::new(rank(r), vec![SHARED_DISPATCH, DISPATCH, COMBINE])),
                     );
-                    agents.extend((0..pairs).map(|_| Agent::new(rank(r), COMPUTE_ORDER.to_vec())));
+                    agents.extend((0..pairs).map(|_| Agent::new(rank(r), compute_order.clone())));
                     // Each block of a pair has three spare warps: the dispatch, on their own.
                     agents.extend((0..3 * 2 * pairs).map(|_| Agent::new(rank(r), SPARE_ORDER.to_vec())));
                 }
-                let what = format!("case {case}: {ranks} ranks, {comm_blocks} comm blocks and {pairs} pairs each");
+                let what = format!(
+                    "case {case}: {ranks} ranks, {comm_blocks} comm blocks and {pairs} pairs each, tiles shared \
+                     across ranks: {share_tiles}"
+                );
                 run_to_completion(&mut world, &mut agents, &mut rng, &what);
                 for (r, rank) in world.ranks.iter().enumerate() {
                     assert!(rank.dispatched.iter().all(|&d| d), "case {case} rank {r}: a tile never dispatched");
@@ -1461,7 +1521,9 @@ mod work_order_model {
         //! The backward across ranks in one launch: each rank's comm blocks and its compute
         //! blocks' spare producer warps (an agent each) take its gather tiles, the spare
         //! warps then its SwiGLU chunks; its compute blocks take down-dgrad tiles, SwiGLU chunks
-        //! and gate/up-dgrad tiles from its own queues; then every compute block of
+        //! and gate/up-dgrad tiles from its own queues (or, with the tiles shared across ranks,
+        //! every rank's down-dgrad tiles rank after rank, its own rank's SwiGLU chunks, then
+        //! every rank's gate/up-dgrad tiles); then every compute block of
         //! the launch walks the routed weight-gradient tiles of every rank, product by product,
         //! rank after rank (`weight_gradient_walk`, the kernel's own function); then it combines
         //! its rank's tokens. A weight-gradient tile of rank q waits on rank q's counters; a
@@ -1480,6 +1542,11 @@ mod work_order_model {
         /// Queue of product `w`'s tiles of rank `q` (P ≤ 8).
         const fn wgrad(w: usize, q: usize, ranks: usize) -> usize {
             5 + w * ranks + q
+        }
+        /// Data-gradient queue `q` of rank `r` (`tile_ranks` > 1: a compute block takes every
+        /// rank's tiles); a plain queue number is the taker's own rank's.
+        const fn of_rank(q: usize, r: usize) -> usize {
+            64 + 8 * r + q
         }
 
         #[derive(Clone, Copy, Debug)]
@@ -1525,7 +1592,7 @@ mod work_order_model {
 
             fn take(&mut self, who: &mut Who, q: usize) -> Option<Unit> {
                 let p = self.ranks.len();
-                if q >= 5 {
+                if (5..64).contains(&q) {
                     let (w, list) = ((q - 5) / p, (q - 5) % p);
                     let (block, blocks) = who.compute;
                     let tiles = (self.experts * self.wgrad_tiles) as u32;
@@ -1537,8 +1604,9 @@ mod work_order_model {
                     who.taken[q] += 1;
                     return Some(Unit::Wgrad(list, w, tile / self.wgrad_tiles));
                 }
+                let (q, r) = if q >= 64 { ((q - 64) % 8, (q - 64) / 8) } else { (q, who.rank) };
                 let (n_down, n_chunks, n_gate_up) = (self.n_down_dgrad, self.n_chunks, self.n_gate_up_dgrad);
-                let rank = &mut self.ranks[who.rank];
+                let rank = &mut self.ranks[r];
                 let m = rank.expert_of_tile.len();
                 let len = [m, m * n_down, m * n_chunks, m * n_gate_up, rank.tokens.len()][q];
                 let i = rank.next[q];
@@ -1546,7 +1614,6 @@ mod work_order_model {
                     return None;
                 }
                 rank.next[q] += 1;
-                let r = who.rank;
                 Some(match q {
                     GATHER => Unit::Gather(r, i),
                     DOWN_DGRAD => Unit::DownDgrad(r, i / n_down),
@@ -1595,6 +1662,8 @@ mod work_order_model {
         fn every_geometry_with_the_weight_gradients_walked_across_ranks_completes() {
             let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
             for case in 0..300 {
+                // Half the cases with the data-gradient tiles shared across ranks too.
+                let share_tiles = case % 2 == 0;
                 let ranks = 1 + rng.below(8);
                 let experts = 1 + rng.below(4);
                 let wgrad_tiles = 1 + rng.below(5);
@@ -1643,7 +1712,15 @@ mod work_order_model {
                 let comm_blocks = rng.below(3);
                 let pairs: Vec<usize> = (0..ranks).map(|_| 1 + rng.below(3)).collect();
                 let launch_compute: usize = pairs.iter().map(|p| 2 * p).sum();
-                let mut compute_queues = vec![DOWN_DGRAD, SWIGLU, GATE_UP_DGRAD];
+                let mut compute_queues = if share_tiles {
+                    let mut queues: Vec<usize> = (0..ranks).map(|r| of_rank(DOWN_DGRAD, r)).collect();
+                    // The consumers' SwiGLU chunks are their own rank's.
+                    queues.push(SWIGLU);
+                    queues.extend((0..ranks).map(|r| of_rank(GATE_UP_DGRAD, r)));
+                    queues
+                } else {
+                    vec![DOWN_DGRAD, SWIGLU, GATE_UP_DGRAD]
+                };
                 for w in 0..3 {
                     compute_queues.extend((0..ranks).map(|q| wgrad(w, q, ranks)));
                 }
@@ -1662,7 +1739,10 @@ mod work_order_model {
                         index += 1;
                     }
                 }
-                let what = format!("case {case}: {ranks} ranks, {comm_blocks} comm blocks, pairs {pairs:?}");
+                let what = format!(
+                    "case {case}: {ranks} ranks, {comm_blocks} comm blocks, pairs {pairs:?}, data-gradient tiles \
+                     shared across ranks: {share_tiles}"
+                );
                 run_to_completion(&mut world, &mut agents, &mut rng, &what);
                 for (r, rank) in world.ranks.iter().enumerate() {
                     assert!(rank.gate_up_dgrad.iter().all(|&n| n == world.n_gate_up_dgrad), "{what}: rank {r}");

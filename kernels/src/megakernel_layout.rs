@@ -109,10 +109,21 @@ pub struct ForwardParams {
     /// Fault injection across ranks (tests): anything but [`NO_FAULT`] makes this rank's down
     /// tiles push their rows but never raise their `slot_ready` flags.
     pub silent_push: u32,
+    /// Its place among the ranks the launch hosts (0 on a single GPU; the launch's parameter
+    /// blocks are an array in this order).
+    pub launch_index: u32,
+    /// Ranks whose GEMM tiles the launch's compute blocks share: 1, a rank's tiles run on its
+    /// own compute blocks; P (every rank hosted by one launch: virtual ranks on one GPU), every
+    /// compute block takes every rank's tiles from their counters, phase by phase, rank after
+    /// rank, so the launch works through one rank's tiles at a time — the walk, and the L2
+    /// working set, of one GPU running one rank. The dispatch and the combine stay on the
+    /// rank's own blocks. Each tile is still computed whole by one block, so the bits do not
+    /// depend on it.
+    pub tile_ranks: u32,
 }
 
-// The host writes this block byte for byte: twenty-one 8-byte fields, then eight u32.
-const _: () = assert!(size_of::<ForwardParams>() == 200);
+// The host writes this block byte for byte: twenty-one 8-byte fields, then ten u32.
+const _: () = assert!(size_of::<ForwardParams>() == 208);
 
 /// Words of one rank's forward pass counters for plans of at most `m_tiles` M tiles: three per
 /// M tile for the routed experts (dispatched, gate/up parts, down parts), the two queues
@@ -238,6 +249,12 @@ pub struct BackwardParams {
     /// (`weight_gradient_walk`). Each tile is still computed whole by one block, so the bits
     /// do not depend on it.
     pub wgrad_ranks: u32,
+    /// Ranks whose data-gradient tiles (the shared expert's and the routed ones) the launch's
+    /// compute blocks share, as [`ForwardParams::tile_ranks`]; the SwiGLU backward's chunks,
+    /// the gather and the combine stay on the rank's own blocks.
+    pub tile_ranks: u32,
+    /// Keeps the block a whole number of 8-byte words (no implicit padding); 0.
+    pub reserved: u32,
     /// The shared expert's down data-gradient plan (A = `shared_dy`, one group of the pass's T
     /// tokens; out = the f32 `d_hidden` of [`BackwardParams::shared_swiglu`]), or 0 when the pass
     /// has no shared expert (then every `shared_*` field is unused).
@@ -307,8 +324,8 @@ pub const fn down_dgrad_complete(n_tiles: u32, rows: u32) -> u32 {
 }
 
 // The host writes this block byte for byte: nineteen 8-byte words, eight u32, one 8-byte word,
-// four u32, nine 8-byte words, two 48-byte `SwigluBackwardRows`, one 8-byte word.
-const _: () = assert!(size_of::<BackwardParams>() == 384);
+// six u32, nine 8-byte words, two 48-byte `SwigluBackwardRows`, one 8-byte word.
+const _: () = assert!(size_of::<BackwardParams>() == 392);
 
 /// Words of one rank's backward pass counters for plans of at most `m_tiles` M tiles: three
 /// per M tile for the routed experts (gathered, down-dgrad parts, gate/up-dgrad parts), the

@@ -215,14 +215,17 @@ pub unsafe fn run<const V: u32, H: TileHooks>(params: *const GemmParams, hooks: 
 /// threads with [`ENGINE_SMEM_BYTES`](crate::gemm_layout::ENGINE_SMEM_BYTES) of dynamic shared
 /// memory: four phases on one ring — the shared expert's gate/up, the routed gate/up
 /// ([`Variant::GATE_UP`]), the shared expert's down, the routed down ([`Variant::ROWS_NT`]) —
-/// phase `i` running the tiles of the plan `plan(i)` returns (null: the phase is left out) with
-/// the hooks `hooks(i)`. A block moves to a phase when the previous phase's tile counter is spent,
-/// i.e. once every tile of it is held by a running block — so a down tile only ever waits for
-/// work that is already being done. The producer warpgroup's three spare warps (its first
-/// warp's thread 0 is the producer) run `spare_warps` (the dispatch) meanwhile. Ends with the
-/// pair's final cluster barrier. Returns `Some(())` for the threads of the consumer warpgroups,
-/// free for further work, and `None` for the producer warpgroup, which holds too few registers
-/// for more.
+/// each run for the ranks the walk `first_rank()`, `next_rank(q)`, … names (this block's rank
+/// alone, or every rank of the launch in turn): phase `i` of rank `q` runs the tiles of the plan
+/// `plan(i, q)` returns (null: the phase is left out) with the hooks `hooks(i, q)`. (A rank is
+/// named by whatever the caller reads its plans through, its parameter block: one value live
+/// across the phases.) A block moves on (to the next rank's
+/// tiles, or to the next phase) when the tile counter it drew from is spent, i.e. once every
+/// tile of it is held by a running block — so a down tile only ever waits for work that is
+/// already being done. The producer warpgroup's three spare warps (its first warp's thread 0
+/// is the producer) run `spare_warps` (the dispatch) meanwhile. Ends with the pair's final
+/// cluster barrier. Returns `Some(())` for the threads of the consumer warpgroups, free for
+/// further work, and `None` for the producer warpgroup, which holds too few registers for more.
 ///
 /// `plan` is called where each phase starts (a load from the caller's parameter block), so no
 /// plan address is held across phases or across the register hand-over: the consumers'
@@ -231,22 +234,26 @@ pub unsafe fn run<const V: u32, H: TileHooks>(params: *const GemmParams, hooks: 
 /// # Safety
 /// Every non-null plan `plan` returns is a valid parameter block of its phase's variant, its
 /// tile counter zeroed before the launch; the routed experts' phases (`ForwardHandover::GATE_UP`,
-/// `DOWN`) are never null;
+/// `DOWN`) are never null, and the shared expert's null for every rank or for none;
 /// each down phase runs over the row groups of the gate/up phase of the same experts; `plan`
-/// returns the same for every block of the cluster; the hooks' contracts hold; every spare
-/// producer warp (with [`MEGAKERNEL_PRODUCER_REGISTERS`] registers) calling `spare_warps` is safe,
-/// and it waits for nothing.
+/// and the rank walk are the same for every block of the cluster, and the walk ends; the hooks'
+/// contracts hold for every rank of the walk; every spare producer warp (with
+/// [`MEGAKERNEL_PRODUCER_REGISTERS`] registers) calling `spare_warps` is safe, and it waits for
+/// nothing; a walk over several ranks is the same for every block of the launch.
 #[inline(always)]
-pub unsafe fn run_forward_phases<H: TileHooks>(
-    plan: impl Fn(u32) -> *const GemmParams + Copy,
-    hooks: impl Fn(u32) -> H + Copy,
+pub unsafe fn run_forward_phases<H: TileHooks, R: Copy>(
+    plan: impl Fn(u32, R) -> *const GemmParams + Copy,
+    hooks: impl Fn(u32, R) -> H + Copy,
     spare_warps: impl Fn(),
+    (first_rank, next_rank): (impl Fn() -> R + Copy, impl Fn(R) -> Option<R> + Copy),
 ) -> Option<()> {
     const { assert!(cluster_blocks(Variant::GATE_UP) == 2 && cluster_blocks(Variant::ROWS_NT) == 2) };
     const G: u32 = Variant::GATE_UP;
     const D: u32 = Variant::ROWS_NT;
     // The phases are numbered as `ForwardHandover`'s.
     type F = ForwardHandover<false>;
+    // Whether the pass has a shared expert (read again where used: no register held for it).
+    let shared = move || !plan(F::SHARED_GATE_UP, first_rank()).is_null();
     let ring = Ring::new();
     let thread = sreg::thread_idx_x();
     if thread == 0 {
@@ -259,17 +266,30 @@ pub unsafe fn run_forward_phases<H: TileHooks>(
         sync::release_registers::<MEGAKERNEL_PRODUCER_REGISTERS>();
         if thread == 0 {
             // SAFETY: one producer thread; the phases share the ring walk (a phase left out is
-            // left out by the consumers too: `plan` is the same for the whole cluster).
+            // left out by the consumers too: `plan` is the same for the whole cluster). One loop
+            // per phase over the ranks, so each call's hooks keep a constant phase.
             unsafe {
                 let mut walk = Walk::START;
-                if !plan(F::SHARED_GATE_UP).is_null() {
-                    walk = produce::<G, H>(&*plan(F::SHARED_GATE_UP), ring, hooks(F::SHARED_GATE_UP), walk);
+                let mut rank = if shared() { Some(first_rank()) } else { None };
+                while let Some(q) = rank {
+                    walk = produce::<G, H>(&*plan(F::SHARED_GATE_UP, q), ring, hooks(F::SHARED_GATE_UP, q), walk);
+                    rank = next_rank(q);
                 }
-                walk = produce::<G, H>(&*plan(F::GATE_UP), ring, hooks(F::GATE_UP), walk);
-                if !plan(F::SHARED_DOWN).is_null() {
-                    walk = produce::<D, H>(&*plan(F::SHARED_DOWN), ring, hooks(F::SHARED_DOWN), walk);
+                rank = Some(first_rank());
+                while let Some(q) = rank {
+                    walk = produce::<G, H>(&*plan(F::GATE_UP, q), ring, hooks(F::GATE_UP, q), walk);
+                    rank = next_rank(q);
                 }
-                produce::<D, H>(&*plan(F::DOWN), ring, hooks(F::DOWN), walk);
+                rank = if shared() { Some(first_rank()) } else { None };
+                while let Some(q) = rank {
+                    walk = produce::<D, H>(&*plan(F::SHARED_DOWN, q), ring, hooks(F::SHARED_DOWN, q), walk);
+                    rank = next_rank(q);
+                }
+                rank = Some(first_rank());
+                while let Some(q) = rank {
+                    walk = produce::<D, H>(&*plan(F::DOWN, q), ring, hooks(F::DOWN, q), walk);
+                    rank = next_rank(q);
+                }
             }
         } else if thread >= 32 {
             // The spare warps: the dispatch, under the gate/up MMAs. It waits for nothing, so
@@ -283,17 +303,34 @@ pub unsafe fn run_forward_phases<H: TileHooks>(
         // SAFETY: a whole consumer warpgroup.
         unsafe {
             let mut walk = Walk::START;
-            if !plan(F::SHARED_GATE_UP).is_null() {
-                walk = consume::<G, H>(&*plan(F::SHARED_GATE_UP), ring, wg, t, hooks(F::SHARED_GATE_UP), walk);
+            let mut rank = if shared() { Some(first_rank()) } else { None };
+            while let Some(q) = rank {
+                walk = consume::<G, H>(&*plan(F::SHARED_GATE_UP, q), ring, wg, t, hooks(F::SHARED_GATE_UP, q), walk);
                 walk = next_phase::<G>(ring, walk, t);
+                rank = next_rank(q);
             }
-            walk = consume::<G, H>(&*plan(F::GATE_UP), ring, wg, t, hooks(F::GATE_UP), walk);
-            walk = next_phase::<G>(ring, walk, t);
-            if !plan(F::SHARED_DOWN).is_null() {
-                walk = consume::<D, H>(&*plan(F::SHARED_DOWN), ring, wg, t, hooks(F::SHARED_DOWN), walk);
+            rank = Some(first_rank());
+            while let Some(q) = rank {
+                walk = consume::<G, H>(&*plan(F::GATE_UP, q), ring, wg, t, hooks(F::GATE_UP, q), walk);
+                walk = next_phase::<G>(ring, walk, t);
+                rank = next_rank(q);
+            }
+            rank = if shared() { Some(first_rank()) } else { None };
+            while let Some(q) = rank {
+                walk = consume::<D, H>(&*plan(F::SHARED_DOWN, q), ring, wg, t, hooks(F::SHARED_DOWN, q), walk);
                 walk = next_phase::<D>(ring, walk, t);
+                rank = next_rank(q);
             }
-            consume::<D, H>(&*plan(F::DOWN), ring, wg, t, hooks(F::DOWN), walk);
+            // The last phase's final stage stays unreleased (as every kernel's last phase), so
+            // every routed down phase after the first rank's starts by releasing the one before.
+            rank = Some(first_rank());
+            while let Some(q) = rank {
+                walk = consume::<D, H>(&*plan(F::DOWN, q), ring, wg, t, hooks(F::DOWN, q), walk);
+                rank = next_rank(q);
+                if rank.is_some() {
+                    walk = next_phase::<D>(ring, walk, t);
+                }
+            }
         }
         Some(())
     };
@@ -311,15 +348,18 @@ pub unsafe fn run_forward_phases<H: TileHooks>(
 /// ([`Variant::WGRAD_IN_PAIR`], each block walking its own share of the tiles) — phase `i`
 /// running the tiles of the plan `plan(i, own)` returns (null: the phase is left out; only the
 /// shared expert's are) with the hooks `hooks(i, own)`. Each
-/// routed weight gradient runs for rank `own` of the launch only (`wgrad_ranks` 1) or for each
-/// of its `wgrad_ranks` ranks in turn, `plan(i, q)` and `hooks(i, q)` for q = 0, 1, … (the
-/// hooks' walk then takes this block's share of every rank's tiles). A block moves on
-/// to a phase only when it has no more tiles of the previous one (the data gradients: their
-/// counter is spent), and a tile waits only for earlier phases, so it only ever waits for work
-/// a running block already holds (docs/ARCHITECTURE.md). The producer warpgroup's three spare
-/// warps (its first warp's thread 0 is the producer) run `spare_warps` from the start, under
-/// the consumers' MMAs (the gather, then the SwiGLU backward). Returns `Some(())` for the
-/// consumer warpgroups' threads, `None` for the producer warpgroup's.
+/// data gradient runs for rank `own` of the launch only (`tile_ranks` 1) or for each of its
+/// `tile_ranks` ranks in turn, `plan(i, q)` and `hooks(i, q)` for q = 0, 1, … (taking tiles
+/// from each rank's counter); each routed weight gradient likewise over `wgrad_ranks` ranks
+/// (the hooks' walk then takes this block's share of every rank's tiles). A block moves on
+/// (to the next rank's tiles or the next phase) only when it has no more tiles where it is
+/// (the data gradients: the counter is spent), and a tile waits only for earlier phases of its
+/// own rank, so it only ever waits for work a running block already holds
+/// (docs/ARCHITECTURE.md); the consumers run `between_dgrads` after every rank's down dgrad.
+/// The producer warpgroup's three spare warps (its first warp's thread 0 is the producer) run
+/// `spare_warps` from the start, under the consumers' MMAs (the gather, then the SwiGLU
+/// backward). Returns `Some(())` for the consumer warpgroups' threads, `None` for the producer
+/// warpgroup's.
 ///
 /// # Safety
 /// Every non-null plan `plan` returns is a valid parameter block of its phase's variant, its
@@ -331,15 +371,15 @@ pub unsafe fn run_forward_phases<H: TileHooks>(
 /// for down-dgrad tiles, after every gather unit it waits on has been taken by a warp that
 /// waits for nothing; `plan` returns the same for every block of the cluster; the
 /// hooks' contracts hold;
-/// with `wgrad_ranks` > 1 the same holds for every q < `wgrad_ranks`, and every block of the
-/// launch runs these phases with the same `wgrad_ranks`.
+/// with `tile_ranks` or `wgrad_ranks` > 1 the same holds for every q below it, and every block
+/// of the launch runs these phases with the same `tile_ranks` and `wgrad_ranks`.
 #[inline(always)]
 pub unsafe fn run_backward_phases<H: TileHooks>(
     plan: impl Fn(u32, u32) -> *const GemmParams + Copy,
     hooks: impl Fn(u32, u32) -> H + Copy,
     (spare_warps, between_dgrads): (impl Fn(), impl Fn()),
     own: u32,
-    wgrad_ranks: u32,
+    (tile_ranks, wgrad_ranks): (u32, u32),
 ) -> Option<()> {
     const { assert!(cluster_blocks(Variant::ROWS_NN) == 2) };
     const N: u32 = Variant::ROWS_NN;
@@ -363,7 +403,8 @@ pub unsafe fn run_backward_phases<H: TileHooks>(
     let (plan_of, hooks_of) = (plan, hooks);
     let (plan, hooks) = (move |phase| plan_of(phase, own), move |phase| hooks_of(phase, own));
     let shared = !plan(B::SHARED_DOWN_DGRAD).is_null();
-    // The ranks whose routed weight gradients this block walks.
+    // The ranks whose data-gradient tiles and routed weight gradients this block walks.
+    let (tile_first, tile_end) = if tile_ranks > 1 { (0, tile_ranks) } else { (own, own + 1) };
     let (wgrad_first, wgrad_end) = if wgrad_ranks > 1 { (0, wgrad_ranks) } else { (own, own + 1) };
     let first = |shared_phase: u32| if shared { shared_phase } else { shared_phase + 1 };
     let end = if shared { B::PHASES } else { B::SHARED_WGRAD_DOWN };
@@ -376,7 +417,11 @@ pub unsafe fn run_backward_phases<H: TileHooks>(
                 let mut walk = Walk::START;
                 let mut phase = first(B::SHARED_DOWN_DGRAD);
                 while phase <= B::GATE_UP_DGRAD {
-                    walk = produce::<N, H>(&*plan(phase), ring, hooks(phase), walk);
+                    let mut q = tile_first;
+                    while q < tile_end {
+                        walk = produce::<N, H>(&*plan_of(phase, q), ring, hooks_of(phase, q), walk);
+                        q += 1;
+                    }
                     // Without a shared expert its gate/up dgrad is skipped too.
                     phase += if phase == B::DOWN_DGRAD && !shared { 2 } else { 1 };
                 }
@@ -418,8 +463,13 @@ pub unsafe fn run_backward_phases<H: TileHooks>(
             let mut walk = Walk::START;
             let mut phase = first(B::SHARED_DOWN_DGRAD);
             while phase <= B::GATE_UP_DGRAD {
-                walk = consume::<N, H>(&*plan(phase), ring, wg, t, hooks(phase), walk);
-                walk = next_phase::<N>(ring, walk, t);
+                let mut q = tile_first;
+                while q < tile_end {
+                    walk = consume::<N, H>(&*plan_of(phase, q), ring, wg, t, hooks_of(phase, q), walk);
+                    walk = next_phase::<N>(ring, walk, t);
+                    q += 1;
+                }
+                // After every rank's down dgrad: this rank's SwiGLU chunks.
                 if phase == B::DOWN_DGRAD {
                     between_dgrads();
                 }

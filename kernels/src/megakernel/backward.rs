@@ -380,7 +380,7 @@ pub unsafe fn backward<const RANKS: bool>(params: *const BackwardParams, pass: P
             // The phases in `run_backward_phases`' order (numbered as `BackwardHandover`'s);
             // each plan is read where its phase starts, from the parameter block of rank q of
             // the launch (the blocks are an array in launch order; q is this rank but in the
-            // weight gradients shared across ranks). Valid for the whole launch (caller
+            // data gradients and weight gradients shared across ranks). Valid for the whole launch (caller
             // contract; the closures run inside this unsafe block).
             let first_params = params.sub(b.launch_index as usize);
             let plan = move |phase: u32, q: u32| {
@@ -399,7 +399,7 @@ pub unsafe fn backward<const RANKS: bool>(params: *const BackwardParams, pass: P
                 }) as *const GemmParams
             };
             let hooks = move |phase, q: u32| BackwardHandover::<RANKS>::new(first_params.add(q as usize), phase);
-            let wgrad_ranks = if RANKS { b.wgrad_ranks } else { 1 };
+            let (tile_ranks, wgrad_ranks) = if RANKS { (b.tile_ranks, b.wgrad_ranks) } else { (1, 1) };
             // The spare producer warps gather, then take SwiGLU chunks; the consumer warps take
             // SwiGLU chunks between their two data gradients.
             let spare_warps = || {
@@ -407,7 +407,13 @@ pub unsafe fn backward<const RANKS: bool>(params: *const BackwardParams, pass: P
                 swiglu_backward_chunks(b, &pass, true);
             };
             let between_dgrads = || swiglu_backward_chunks(b, &pass, false);
-            let phases = run_backward_phases(plan, hooks, (spare_warps, between_dgrads), b.launch_index, wgrad_ranks);
+            let phases = run_backward_phases(
+                plan,
+                hooks,
+                (spare_warps, between_dgrads),
+                b.launch_index,
+                (tile_ranks, wgrad_ranks),
+            );
             if phases.is_some() {
                 combine_dx::<RANKS>(b, &pass, view.as_ref());
             }

@@ -12,6 +12,8 @@
 //! clusters: from the start of the launch they run every gate/up + SwiGLU tile as soon as its
 //! rows have landed and every down tile as soon as all gate/up tiles of its rows are stored
 //! (the engine's phases with [`ForwardHandover`] hooks), then their consumer warps combine.
+//! With virtual ranks (`ForwardParams::tile_ranks`) every compute block of the launch takes
+//! every rank's tiles, rank after rank within each phase, as one GPU running one rank would.
 //! Across ranks each down tile's epilogue pushes its rows straight into their token owners'
 //! slot buffers and raises each row's flag (`gemm::hooks::RowScatter`: the push combine). With
 //! a shared expert the dispatch also copies the rank's token rows for it, and the compute blocks
@@ -56,7 +58,10 @@ unsafe fn combine_if_asked(f: &ForwardParams, pass: &PassInputs, view: Option<&R
 /// on the stream before the launch; the grid is co-resident (at most the clusters that fit at
 /// once); the rank holds more than `first_compute_block` blocks, [`ENGINE_THREADS`] threads
 /// each, pair-aligned. `RANKS` (the launch hosts ranks) exactly when `exchange` is the rank's
-/// valid exchange parameter block.
+/// valid exchange parameter block. `params` is element `launch_index` of the launch's array of
+/// parameter blocks; with `tile_ranks` > 1 that array holds that many ranks, every one with
+/// the same `tile_ranks` and the same phases (a shared expert on all or none), and their blocks
+/// are the whole grid.
 #[inline(always)]
 pub unsafe fn forward<const RANKS: bool>(params: *const ForwardParams, pass: PassInputs, block: u32) {
     crate::ptx::declare_block_threads::<ENGINE_THREADS>();
@@ -81,10 +86,12 @@ pub unsafe fn forward<const RANKS: bool>(params: *const ForwardParams, pass: Pas
             }
             // Phases: the shared expert's gate/up, the routed gate/up, the shared down, the
             // routed down (`run_forward_phases`, numbered as `ForwardHandover`'s phases); each
-            // plan is read where its phase starts. `params` is valid for the whole launch
+            // plan is read where its phase starts, from the parameter block of rank q of the
+            // launch (the blocks are an array in launch order; q is this rank unless the
+            // launch's compute blocks share every rank's tiles). Valid for the whole launch
             // (caller contract; the closures run inside this unsafe block).
-            let plan = move |phase: u32| {
-                let f = &*params;
+            let plan = move |phase: u32, rank: *const ForwardParams| {
+                let f = &*rank;
                 (match phase {
                     ForwardHandover::SHARED_GATE_UP => f.shared_gate_up,
                     ForwardHandover::GATE_UP => f.gate_up,
@@ -93,8 +100,18 @@ pub unsafe fn forward<const RANKS: bool>(params: *const ForwardParams, pass: Pas
                 }) as *const GemmParams
             };
             let spare_warps = || dispatch(f, &pass, view.as_ref());
-            let hooks = move |phase| ForwardHandover::<RANKS>::new(params, phase);
-            if run_forward_phases(plan, hooks, spare_warps).is_some() {
+            let hooks = move |phase, rank| ForwardHandover::<RANKS>::new(rank, phase);
+            // The ranks whose tiles this block runs, as a walk over their parameter blocks (one
+            // pointer live across the phases): this rank's alone, or every rank of the launch.
+            let first_rank = move || {
+                let f = &*params;
+                if RANKS && f.tile_ranks > 1 { params.sub(f.launch_index as usize) } else { params }
+            };
+            let next_rank = move |rank: *const ForwardParams| {
+                let f = &*rank;
+                (RANKS && f.launch_index + 1 < f.tile_ranks).then(|| rank.add(1))
+            };
+            if run_forward_phases(plan, hooks, spare_warps, (first_rank, next_rank)).is_some() {
                 combine_if_asked(f, &pass, view.as_ref());
             }
         }
