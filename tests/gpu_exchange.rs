@@ -854,6 +854,41 @@ fn ep_backward_megakernel_is_bitwise_the_single_rank_path() {
 }
 
 #[test]
+fn ep_megakernels_at_odd_rank_counts_give_the_single_rank_bits() {
+    // Rank counts the other tests leave out (5 and 7, E = 35: uneven shares of the grid's pairs),
+    // both megakernels, a shared expert, a limit, dropped slots, an empty expert and H = 136 (a
+    // partial N tile): every output and gradient equal to the P = 1 unfused bits, with the GEMM
+    // tiles shared across ranks (the default) and on each rank's own blocks, at the default
+    // geometry and at one pair per rank.
+    let gpu = gpu();
+    let per_rank =
+        MoeConfig { shared_intermediate: Some(64), swiglu_limit: Some(2.5), ..MoeConfig::new(19, 136, 96, 35, 3) };
+    let routing = Routing { drop_probability: 0.05, empty_experts: &[11] };
+    let rank_counts = common::sized("odd rank counts", vec![5, 7], vec![5]);
+    for &p in &rank_counts {
+        let global = MoeConfig { tokens_per_rank: per_rank.tokens_per_rank * p, ..per_rank.clone() };
+        let case = random_case(&global, 2300 + p as u64, routing);
+        let want = unfused_bits(&gpu, &case);
+        let c = rank_config(&global, p);
+        let what = rank_case_name(&c, p);
+        let Some(mut layer) = megakernels_ep_layer(&gpu, &c, ExchangeOptions::default()) else { return };
+        upload_rank_inputs(&gpu, &layer, &case);
+        let weights = rank_weights(&gpu, &c, &case);
+        for share_rank_tiles in [true, false] {
+            for blocks in [None, Some(2 * p as u32)] {
+                let options =
+                    MegakernelOptions { comm_blocks: Some(0), blocks, share_rank_tiles, ..Default::default() };
+                layer.set_forward_megakernel(&gpu, Some(options.clone())).unwrap();
+                layer.set_backward_megakernel(&gpu, Some(options)).unwrap();
+                let how = format!("{what}, grid {blocks:?}, tiles shared across ranks: {share_rank_tiles}");
+                assert_same_bits(&how, &ep_bits(&gpu, &mut layer, &weights), &want);
+            }
+        }
+        println!("  {what}: both megakernels give the P = 1 unfused bits, both tile walks, two grids");
+    }
+}
+
+#[test]
 fn ep_backward_megakernel_faults_are_reported_timeouts_and_the_next_pass_is_right() {
     let gpu = gpu();
     let p = 4;
