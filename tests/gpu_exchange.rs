@@ -609,6 +609,39 @@ fn ep_megakernel_cases() -> [(MoeConfig, Routing<'static>); 5] {
     ]
 }
 
+/// One expert-parallel megakernel case: `per_rank`'s shape over `p` virtual ranks (global T =
+/// tokens per rank × p) with random inputs from `seed`, the P = 1 unfused bits it must give,
+/// its name, and a layer on the forward megakernel (`backward_too`: and the backward one) with
+/// the case's inputs and weights uploaded; `None` where this GPU has no megakernel (the layer
+/// constructor says so).
+struct RankCase {
+    want: LayerBits,
+    what: String,
+    layer: EpLayer,
+    weights: (Vec<DeviceExperts>, Option<DeviceSharedExpert>),
+}
+
+fn rank_case(
+    gpu: &Gpu,
+    (per_rank, p): (&MoeConfig, usize),
+    seed: u64,
+    routing: Routing,
+    backward_too: bool,
+) -> Option<RankCase> {
+    let global = MoeConfig { tokens_per_rank: per_rank.tokens_per_rank * p, ..per_rank.clone() };
+    let case = random_case(&global, seed, routing);
+    let want = unfused_bits(gpu, &case);
+    let c = rank_config(&global, p);
+    let layer = if backward_too {
+        megakernels_ep_layer(gpu, &c, ExchangeOptions::default())?
+    } else {
+        megakernel_ep_layer(gpu, &c, ExchangeOptions::default())?
+    };
+    upload_rank_inputs(gpu, &layer, &case);
+    let weights = rank_weights(gpu, &c, &case);
+    Some(RankCase { want, what: rank_case_name(&c, p), layer, weights })
+}
+
 /// How the megakernel tests name a case: P and the per-rank shape.
 fn rank_case_name(c: &MoeConfig, p: usize) -> String {
     format!("P={p} T={}·{p} H={} I={} E={} k={}", c.tokens_per_rank, c.hidden, c.intermediate, c.num_experts, c.top_k)
@@ -629,14 +662,12 @@ fn ep_forward_megakernel_is_bitwise_the_single_rank_path() {
     let mut runs = 0;
     for (seed, (per_rank, routing)) in cases.into_iter().take(shapes).enumerate() {
         for &p in &rank_counts {
-            let global = MoeConfig { tokens_per_rank: per_rank.tokens_per_rank * p, ..per_rank.clone() };
-            let case = random_case(&global, 700 + 10 * seed as u64 + p as u64, routing);
-            let want = unfused_bits(&gpu, &case);
-            let c = rank_config(&global, p);
-            let what = rank_case_name(&c, p);
-            let Some(mut layer) = megakernel_ep_layer(&gpu, &c, ExchangeOptions::default()) else { return };
-            upload_rank_inputs(&gpu, &layer, &case);
-            let weights = rank_weights(&gpu, &c, &case);
+            let seed = 700 + 10 * seed as u64 + p as u64;
+            let Some(RankCase { want, what, mut layer, weights }) =
+                rank_case(&gpu, (&per_rank, p), seed, routing, false)
+            else {
+                return;
+            };
             // The default geometry, then the backward on what it saved.
             assert_same_bits(&format!("{what}, default"), &ep_bits(&gpu, &mut layer, &weights), &want);
             let (resident, _) = layer.forward_megakernel_geometry().unwrap();
@@ -806,14 +837,12 @@ fn ep_backward_megakernel_is_bitwise_the_single_rank_path() {
     let mut runs = 0;
     for (seed, (per_rank, routing)) in cases.into_iter().take(shapes).enumerate() {
         for &p in &rank_counts {
-            let global = MoeConfig { tokens_per_rank: per_rank.tokens_per_rank * p, ..per_rank.clone() };
-            let case = random_case(&global, 1700 + 10 * seed as u64 + p as u64, routing);
-            let want = unfused_bits(&gpu, &case);
-            let c = rank_config(&global, p);
-            let what = rank_case_name(&c, p);
-            let Some(mut layer) = megakernels_ep_layer(&gpu, &c, ExchangeOptions::default()) else { return };
-            upload_rank_inputs(&gpu, &layer, &case);
-            let weights = rank_weights(&gpu, &c, &case);
+            let seed = 1700 + 10 * seed as u64 + p as u64;
+            let Some(RankCase { want, what, mut layer, weights }) =
+                rank_case(&gpu, (&per_rank, p), seed, routing, true)
+            else {
+                return;
+            };
             assert_same_bits(&format!("{what}, both megakernels"), &ep_bits(&gpu, &mut layer, &weights), &want);
             // The same pass object again: counters cleared between passes, flags cleared again.
             for repeat in 1..3 {
@@ -866,14 +895,11 @@ fn ep_megakernels_at_odd_rank_counts_give_the_single_rank_bits() {
     let routing = Routing { drop_probability: 0.05, empty_experts: &[11] };
     let rank_counts = common::sized("odd rank counts", vec![5, 7], vec![5]);
     for &p in &rank_counts {
-        let global = MoeConfig { tokens_per_rank: per_rank.tokens_per_rank * p, ..per_rank.clone() };
-        let case = random_case(&global, 2300 + p as u64, routing);
-        let want = unfused_bits(&gpu, &case);
-        let c = rank_config(&global, p);
-        let what = rank_case_name(&c, p);
-        let Some(mut layer) = megakernels_ep_layer(&gpu, &c, ExchangeOptions::default()) else { return };
-        upload_rank_inputs(&gpu, &layer, &case);
-        let weights = rank_weights(&gpu, &c, &case);
+        let Some(RankCase { want, what, mut layer, weights }) =
+            rank_case(&gpu, (&per_rank, p), 2300 + p as u64, routing, true)
+        else {
+            return;
+        };
         for share_rank_tiles in [true, false] {
             for blocks in [None, Some(2 * p as u32)] {
                 let options =
