@@ -376,7 +376,7 @@ impl ForwardMegakernel {
             }
         }
         let ranks_of: Vec<Option<&RankPass>> = buffers.iter().map(|b| b.rank.as_ref()).collect();
-        let tile_ranks = shared_tile_ranks(&ranks_of, plans, options)?;
+        let tile_ranks = shared_tile_ranks(&ranks_of, plans, options);
         let kernels = [FORWARD_KERNEL, FORWARD_RANKS_KERNEL];
         build_pass(gpu, kernels, plans, &ranks_of, options, forward_counter_words, |r, at, comm_blocks, timeout_ns| {
             let (set, b, counters, tile_words) = (plans[r], &buffers[r], at.counters, at.tile_words);
@@ -690,7 +690,7 @@ impl BackwardMegakernel {
         } else {
             1
         };
-        let tile_ranks = shared_tile_ranks(&ranks_of, plans, options)?;
+        let tile_ranks = shared_tile_ranks(&ranks_of, plans, options);
         let kernels = [BACKWARD_KERNEL, BACKWARD_RANKS_KERNEL];
         let words = backward_counter_words;
         build_pass(gpu, kernels, plans, &ranks_of, options, words, |r, at, comm_blocks, timeout_ns| {
@@ -750,26 +750,13 @@ impl BackwardMegakernel {
 }
 
 /// The ranks whose GEMM tiles a launch's compute blocks share (`tile_ranks` of the parameter
-/// blocks): every rank of a launch hosting several when the options ask for it, else 1. The
-/// kernel runs every rank's phases in one order, so the ranks must agree on the phases: a
-/// shared expert on all of them or on none.
-fn shared_tile_ranks(
-    ranks_of: &[Option<&RankPass>],
-    plans: &[&[&EnginePlan]],
-    options: &MegakernelOptions,
-) -> Result<u32> {
+/// blocks): every rank of a launch hosting several when the options ask for it and the ranks
+/// agree on the phases (a shared expert on all of them or on none: the kernel runs every rank's
+/// phases in one order), else 1, each rank's tiles on its own blocks.
+fn shared_tile_ranks(ranks_of: &[Option<&RankPass>], plans: &[&[&EnginePlan]], options: &MegakernelOptions) -> u32 {
     let with_ranks = ranks_of.first().is_some_and(Option::is_some);
-    if !with_ranks || ranks_of.len() < 2 || !options.share_rank_tiles {
-        return Ok(1);
-    }
-    if plans.iter().any(|set| set.len() != plans[0].len()) {
-        return Err(MokError::InvalidInput {
-            tensor: "megakernel",
-            problem: "ranks sharing their GEMM tiles need the same phases: a shared expert on every rank or on none"
-                .into(),
-        });
-    }
-    Ok(ranks_of.len() as u32)
+    let same_phases = plans.iter().all(|set| set.len() == plans[0].len());
+    if with_ranks && ranks_of.len() > 1 && options.share_rank_tiles && same_phases { ranks_of.len() as u32 } else { 1 }
 }
 
 /// `#[repr(C)]` blocks without padding (the parameter blocks, the pass inputs) as the bytes the
@@ -1519,17 +1506,18 @@ mod work_order_model {
 
     mod backward_ranks {
         //! The backward across ranks in one launch: each rank's comm blocks and its compute
-        //! blocks' spare producer warps (an agent each) take its gather tiles, the spare
-        //! warps then its SwiGLU chunks; its compute blocks take down-dgrad tiles, SwiGLU chunks
-        //! and gate/up-dgrad tiles from its own queues (or, with the tiles shared across ranks,
-        //! every rank's down-dgrad tiles rank after rank, its own rank's SwiGLU chunks, then
-        //! every rank's gate/up-dgrad tiles); then every compute block of
+        //! blocks' spare producer warps (an agent each) take its gather tiles (the shared
+        //! expert's first), the spare warps then its SwiGLU chunks (the shared expert's
+        //! first); its compute blocks take the shared expert's and then the routed down-dgrad
+        //! tiles, their own rank's SwiGLU chunks, then the shared and the routed gate/up-dgrad
+        //! tiles — from their own rank's queues, or, with the tiles shared across ranks, each
+        //! data gradient from every rank's queue, rank after rank; then every compute block of
         //! the launch walks the routed weight-gradient tiles of every rank, product by product,
         //! rank after rank (`weight_gradient_walk`, the kernel's own function); then it combines
-        //! its rank's tokens. A weight-gradient tile of rank q waits on rank q's counters; a
-        //! combine token on the gate/up-dgrad parts of its slots' M tiles on their owners (whose
-        //! epilogues push the rows). (The shared expert stays on its rank's blocks, as
-        //! `backward` models it.)
+        //! its rank's tokens. A tile of rank q waits on rank q's counters; a combine token on the
+        //! gate/up-dgrad parts of its slots' M tiles on their owners (whose epilogues push the
+        //! rows) and on its own rank's shared gate/up-dgrad tile. (The shared expert's weight
+        //! gradients, on the rank's own blocks after the routed ones, are `backward`'s.)
 
         use super::*;
         use mok_kernels::megakernel_layout::weight_gradient_walk;
@@ -1539,42 +1527,63 @@ mod work_order_model {
         const SWIGLU: usize = 2;
         const GATE_UP_DGRAD: usize = 3;
         const COMBINE: usize = 4;
+        /// The shared expert's queues: its gather, down dgrad, SwiGLU chunks, gate/up dgrad.
+        const SHARED: usize = 5;
         /// Queue of product `w`'s tiles of rank `q` (P ≤ 8).
         const fn wgrad(w: usize, q: usize, ranks: usize) -> usize {
-            5 + w * ranks + q
+            16 + w * ranks + q
         }
-        /// Data-gradient queue `q` of rank `r` (`tile_ranks` > 1: a compute block takes every
+        /// Queue `q` (below 16) of rank `r` (`tile_ranks` > 1: a compute block takes every
         /// rank's tiles); a plain queue number is the taker's own rank's.
         const fn of_rank(q: usize, r: usize) -> usize {
-            64 + 8 * r + q
+            64 * (r + 1) + q
         }
 
         #[derive(Clone, Copy, Debug)]
         enum Unit {
-            /// (rank, M tile)
-            Gather(usize, usize),
-            DownDgrad(usize, usize),
-            Swiglu(usize, usize),
-            GateUpDgrad(usize, usize),
+            /// (rank, expert set: 0 routed, 1 shared, M tile)
+            Gather(usize, usize, usize),
+            DownDgrad(usize, usize, usize),
+            Swiglu(usize, usize, usize),
+            GateUpDgrad(usize, usize, usize),
             /// (rank, product, expert)
             Wgrad(usize, usize, usize),
             /// (rank, token)
             Combine(usize, usize),
         }
 
-        struct Rank {
-            /// Per M tile: its expert; gathered; parts stored, SwiGLU chunks written.
-            expert_of_tile: Vec<usize>,
+        /// One expert set's counters on one rank, per M tile: gathered; parts stored, SwiGLU
+        /// chunks written.
+        #[derive(Clone, Default)]
+        struct Set {
             gathered: Vec<bool>,
             down_dgrad: Vec<usize>,
             swiglu: Vec<usize>,
             gate_up_dgrad: Vec<usize>,
+        }
+
+        impl Set {
+            fn new(m_tiles: usize) -> Self {
+                Set {
+                    gathered: vec![false; m_tiles],
+                    down_dgrad: vec![0; m_tiles],
+                    swiglu: vec![0; m_tiles],
+                    gate_up_dgrad: vec![0; m_tiles],
+                }
+            }
+        }
+
+        struct Rank {
+            /// The routed experts' M tiles (each of one expert), and the shared expert's (empty
+            /// without one; token t in tile t · tiles / tokens).
+            expert_of_tile: Vec<usize>,
+            sets: [Set; 2],
             /// Per token: its slots' (owner rank, M tile on the owner).
             tokens: Vec<Vec<(usize, usize)>>,
             wgrad_done: [usize; 3],
             combined: usize,
-            /// Its own queues: next index.
-            next: [usize; 5],
+            /// Its own queues: next index (the routed ones, the combine, the shared ones).
+            next: [usize; 9],
         }
 
         struct BackwardRanks {
@@ -1592,33 +1601,35 @@ mod work_order_model {
 
             fn take(&mut self, who: &mut Who, q: usize) -> Option<Unit> {
                 let p = self.ranks.len();
-                if (5..64).contains(&q) {
-                    let (w, list) = ((q - 5) / p, (q - 5) % p);
+                if (16..64).contains(&q) {
+                    let (w, list) = ((q - 16) / p, (q - 16) % p);
                     let (block, blocks) = who.compute;
                     let tiles = (self.experts * self.wgrad_tiles) as u32;
                     let (first, stride) = weight_gradient_walk(block as u32, blocks as u32, list as u32, tiles);
-                    let tile = first as usize + who.taken[q] * stride as usize;
+                    let taken = &mut who.taken[q - 16];
+                    let tile = first as usize + *taken * stride as usize;
                     if tile >= tiles as usize {
                         return None;
                     }
-                    who.taken[q] += 1;
+                    *taken += 1;
                     return Some(Unit::Wgrad(list, w, tile / self.wgrad_tiles));
                 }
-                let (q, r) = if q >= 64 { ((q - 64) % 8, (q - 64) / 8) } else { (q, who.rank) };
+                let (q, r) = if q >= 64 { (q % 64, q / 64 - 1) } else { (q, who.rank) };
                 let (n_down, n_chunks, n_gate_up) = (self.n_down_dgrad, self.n_chunks, self.n_gate_up_dgrad);
                 let rank = &mut self.ranks[r];
-                let m = rank.expert_of_tile.len();
-                let len = [m, m * n_down, m * n_chunks, m * n_gate_up, rank.tokens.len()][q];
+                let (set, kind) = if q >= SHARED { (1, q - SHARED) } else { (0, q) };
+                let m = rank.sets[set].gathered.len();
+                let len = if kind == COMBINE { rank.tokens.len() } else { m * [1, n_down, n_chunks, n_gate_up][kind] };
                 let i = rank.next[q];
                 if i >= len {
                     return None;
                 }
                 rank.next[q] += 1;
-                Some(match q {
-                    GATHER => Unit::Gather(r, i),
-                    DOWN_DGRAD => Unit::DownDgrad(r, i / n_down),
-                    SWIGLU => Unit::Swiglu(r, i / n_chunks),
-                    GATE_UP_DGRAD => Unit::GateUpDgrad(r, i / n_gate_up),
+                Some(match kind {
+                    GATHER => Unit::Gather(r, set, i),
+                    DOWN_DGRAD => Unit::DownDgrad(r, set, i / n_down),
+                    SWIGLU => Unit::Swiglu(r, set, i / n_chunks),
+                    GATE_UP_DGRAD => Unit::GateUpDgrad(r, set, i / n_gate_up),
                     _ => Unit::Combine(r, i),
                 })
             }
@@ -1627,27 +1638,33 @@ mod work_order_model {
                 let (nd, nc, ng) = (self.n_down_dgrad, self.n_chunks, self.n_gate_up_dgrad);
                 match unit {
                     Unit::Gather(..) => true,
-                    Unit::DownDgrad(r, m) => self.ranks[r].gathered[m],
-                    Unit::Swiglu(r, m) => self.ranks[r].down_dgrad[m] == nd,
-                    Unit::GateUpDgrad(r, m) => self.ranks[r].swiglu[m] == nc,
+                    Unit::DownDgrad(r, set, m) => self.ranks[r].sets[set].gathered[m],
+                    Unit::Swiglu(r, set, m) => self.ranks[r].sets[set].down_dgrad[m] == nd,
+                    Unit::GateUpDgrad(r, set, m) => self.ranks[r].sets[set].swiglu[m] == nc,
                     Unit::Wgrad(r, w, g) => {
                         let rank = &self.ranks[r];
+                        let routed = &rank.sets[0];
                         (0..rank.expert_of_tile.len())
                             .filter(|&m| rank.expert_of_tile[m] == g)
-                            .all(|m| if w == 0 { rank.gathered[m] } else { rank.swiglu[m] == nc })
+                            .all(|m| if w == 0 { routed.gathered[m] } else { routed.swiglu[m] == nc })
                     }
                     Unit::Combine(r, t) => {
-                        self.ranks[r].tokens[t].iter().all(|&(owner, m)| self.ranks[owner].gate_up_dgrad[m] == ng)
+                        let rank = &self.ranks[r];
+                        let shared = &rank.sets[1];
+                        let shared_ready = shared.gathered.is_empty()
+                            || shared.gate_up_dgrad[t * shared.gathered.len() / rank.tokens.len()] == ng;
+                        shared_ready
+                            && rank.tokens[t].iter().all(|&(owner, m)| self.ranks[owner].sets[0].gate_up_dgrad[m] == ng)
                     }
                 }
             }
 
             fn finish(&mut self, unit: Unit) {
                 match unit {
-                    Unit::Gather(r, m) => self.ranks[r].gathered[m] = true,
-                    Unit::DownDgrad(r, m) => self.ranks[r].down_dgrad[m] += 1,
-                    Unit::Swiglu(r, m) => self.ranks[r].swiglu[m] += 1,
-                    Unit::GateUpDgrad(r, m) => self.ranks[r].gate_up_dgrad[m] += 1,
+                    Unit::Gather(r, set, m) => self.ranks[r].sets[set].gathered[m] = true,
+                    Unit::DownDgrad(r, set, m) => self.ranks[r].sets[set].down_dgrad[m] += 1,
+                    Unit::Swiglu(r, set, m) => self.ranks[r].sets[set].swiglu[m] += 1,
+                    Unit::GateUpDgrad(r, set, m) => self.ranks[r].sets[set].gate_up_dgrad[m] += 1,
                     Unit::Wgrad(r, w, _) => self.ranks[r].wgrad_done[w] += 1,
                     Unit::Combine(r, _) => self.ranks[r].combined += 1,
                 }
@@ -1661,9 +1678,11 @@ mod work_order_model {
         #[test]
         fn every_geometry_with_the_weight_gradients_walked_across_ranks_completes() {
             let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
-            for case in 0..300 {
-                // Half the cases with the data-gradient tiles shared across ranks too.
+            for case in 0..400 {
+                // Half the cases with the data-gradient tiles shared across ranks too, and
+                // (crossed with that) half with a shared expert.
                 let share_tiles = case % 2 == 0;
+                let with_shared = case % 4 < 2;
                 let ranks = 1 + rng.below(8);
                 let experts = 1 + rng.below(4);
                 let wgrad_tiles = 1 + rng.below(5);
@@ -1689,16 +1708,17 @@ mod work_order_model {
                     ranks: rings
                         .iter()
                         .zip(world_ranks)
-                        .map(|(ring, tokens)| Rank {
-                            expert_of_tile: ring.clone(),
-                            gathered: vec![false; ring.len()],
-                            down_dgrad: vec![0; ring.len()],
-                            swiglu: vec![0; ring.len()],
-                            gate_up_dgrad: vec![0; ring.len()],
-                            tokens,
-                            wgrad_done: [0; 3],
-                            combined: 0,
-                            next: [0; 5],
+                        .map(|(ring, tokens)| {
+                            // The shared expert: 1 to T M tiles over the rank's own tokens.
+                            let shared_tiles = if with_shared { 1 + rng.below(tokens.len()) } else { 0 };
+                            Rank {
+                                expert_of_tile: ring.clone(),
+                                sets: [Set::new(ring.len()), Set::new(shared_tiles)],
+                                tokens,
+                                wgrad_done: [0; 3],
+                                combined: 0,
+                                next: [0; 9],
+                            }
                         })
                         .collect(),
                     experts,
@@ -1712,15 +1732,14 @@ mod work_order_model {
                 let comm_blocks = rng.below(3);
                 let pairs: Vec<usize> = (0..ranks).map(|_| 1 + rng.below(3)).collect();
                 let launch_compute: usize = pairs.iter().map(|p| 2 * p).sum();
-                let mut compute_queues = if share_tiles {
-                    let mut queues: Vec<usize> = (0..ranks).map(|r| of_rank(DOWN_DGRAD, r)).collect();
-                    // The consumers' SwiGLU chunks are their own rank's.
-                    queues.push(SWIGLU);
-                    queues.extend((0..ranks).map(|r| of_rank(GATE_UP_DGRAD, r)));
-                    queues
-                } else {
-                    vec![DOWN_DGRAD, SWIGLU, GATE_UP_DGRAD]
-                };
+                // A data gradient's queues: the own rank's, or every rank's in turn.
+                let walk = |q: usize| if share_tiles { (0..ranks).map(|r| of_rank(q, r)).collect() } else { vec![q] };
+                let mut compute_queues = walk(SHARED + DOWN_DGRAD);
+                compute_queues.extend(walk(DOWN_DGRAD));
+                // The consumers' SwiGLU chunks are their own rank's.
+                compute_queues.extend([SHARED + SWIGLU, SWIGLU]);
+                compute_queues.extend(walk(SHARED + GATE_UP_DGRAD));
+                compute_queues.extend(walk(GATE_UP_DGRAD));
                 for w in 0..3 {
                     compute_queues.extend((0..ranks).map(|q| wgrad(w, q, ranks)));
                 }
@@ -1729,23 +1748,26 @@ mod work_order_model {
                 let mut index = 0;
                 for (rank, &p) in pairs.iter().enumerate() {
                     let comm = Who { rank, ..Who::default() };
-                    agents.extend((0..comm_blocks).map(|_| Agent::new(comm, vec![GATHER, COMBINE])));
+                    agents.extend((0..comm_blocks).map(|_| Agent::new(comm, vec![SHARED + GATHER, GATHER, COMBINE])));
                     for _ in 0..2 * p {
                         let who = Who { rank, compute: (index, launch_compute), ..Who::default() };
                         agents.push(Agent::new(who, compute_queues.clone()));
                         // The block's three spare producer warps: the rank's gather, then its
-                        // SwiGLU chunks.
-                        agents.extend((0..3).map(|_| Agent::new(who, vec![GATHER, SWIGLU])));
+                        // SwiGLU chunks (the shared expert's first).
+                        let spare = vec![SHARED + GATHER, GATHER, SHARED + SWIGLU, SWIGLU];
+                        agents.extend((0..3).map(|_| Agent::new(who, spare.clone())));
                         index += 1;
                     }
                 }
                 let what = format!(
                     "case {case}: {ranks} ranks, {comm_blocks} comm blocks, pairs {pairs:?}, data-gradient tiles \
-                     shared across ranks: {share_tiles}"
+                     shared across ranks: {share_tiles}, shared expert: {with_shared}"
                 );
                 run_to_completion(&mut world, &mut agents, &mut rng, &what);
                 for (r, rank) in world.ranks.iter().enumerate() {
-                    assert!(rank.gate_up_dgrad.iter().all(|&n| n == world.n_gate_up_dgrad), "{what}: rank {r}");
+                    for set in &rank.sets {
+                        assert!(set.gate_up_dgrad.iter().all(|&n| n == world.n_gate_up_dgrad), "{what}: rank {r}");
+                    }
                     assert_eq!(rank.wgrad_done, [experts * wgrad_tiles; 3], "{what}: rank {r}: every tile once");
                     assert_eq!(rank.combined, rank.tokens.len(), "{what}: rank {r}");
                 }

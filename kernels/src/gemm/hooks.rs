@@ -276,7 +276,8 @@ unsafe fn count_stored(p: &GemmParams, work: &Work, counts: *mut u32, silent_til
 /// `shared_dispatched`, `shared_gate_up_stored` and `shared_down_stored`.
 ///
 /// `RANKS`: the launch hosts ranks (`mok_sm90_forward_ranks`); there the down phase's rows leave
-/// through [`RowScatter`] into their token owners' `combine_slots`.
+/// through [`RowScatter`] into their token owners' `combine_slots`. The hooks are those of the
+/// tile's rank, whichever block of the launch runs the tile (`ForwardParams::tile_ranks`).
 #[derive(Clone, Copy)]
 pub struct ForwardHandover<const RANKS: bool> {
     params: *const ForwardParams,
@@ -392,10 +393,13 @@ impl<const RANKS: bool> TileHooks for ForwardHandover<RANKS> {
 /// The shared expert's phases (`SHARED_*`) do the same over its one group with its counters
 /// (`shared_gathered`, `shared_down_dgrad_stored`, `shared_gate_up_dgrad_stored`).
 ///
-/// `RANKS`: the launch hosts several ranks (`mok_sm90_backward_ranks`), so a rank's compute
-/// blocks are its own run of the grid (`BackwardParams::rank_first_block`, `rank_blocks`),
-/// except in the routed weight gradients when `BackwardParams::wgrad_ranks` > 1: there every
-/// compute block of the launch walks every rank's tiles ([`weight_gradient_walk`]).
+/// `RANKS`: the launch hosts several ranks (`mok_sm90_backward_ranks`). The hooks are those of
+/// the tile's rank (its parameter block), whichever block runs the tile: with
+/// `BackwardParams::tile_ranks` > 1 every compute block of the launch takes every rank's
+/// data-gradient tiles, and with `BackwardParams::wgrad_ranks` > 1 it walks every rank's routed
+/// weight-gradient tiles ([`weight_gradient_walk`]); otherwise a rank's tiles run on its own run
+/// of the grid (`BackwardParams::rank_first_block`, `rank_blocks`). The shared expert's weight
+/// gradients always walk the rank's own compute blocks.
 #[derive(Clone, Copy)]
 pub struct BackwardHandover<const RANKS: bool> {
     params: *const BackwardParams,
