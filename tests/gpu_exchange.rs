@@ -747,7 +747,6 @@ fn ep_forward_megakernel_faults_are_reported_timeouts_and_the_next_pass_is_right
     let deadline = Duration::from_millis(common::sized("fault deadline (ms)", 200, 2000));
     let options = ExchangeOptions { timeout: deadline, ..Default::default() };
     let Some(mut layer) = megakernel_ep_layer(&gpu, &c, options) else { return };
-    layer.set_forward_megakernel(&gpu, Some(MegakernelOptions { timeout: deadline, ..Default::default() })).unwrap();
     upload_rank_inputs(&gpu, &layer, &case);
     let weights = rank_weights(&gpu, &c, &case);
     let want = ep_forward_y(&gpu, &mut layer, &weights);
@@ -776,14 +775,23 @@ fn ep_forward_megakernel_faults_are_reported_timeouts_and_the_next_pass_is_right
         // The schedule's own wait (before the megakernel): rank 1 never publishes its pass.
         fault(1, MegakernelFaults::default(), Some(Silence::Publish), "publish flag", Some(0)),
     ];
-    for Fault { rank, megakernel, exchange, waited_for: waited, reporter } in faults {
+    // Both tile walks: every rank's tiles on every compute block, and each rank's on its own.
+    for (i, Fault { rank, megakernel, exchange, waited_for: waited, reporter }) in
+        faults.iter().cycle().take(2 * faults.len()).enumerate()
+    {
+        let (rank, megakernel, exchange, reporter) = (*rank, *megakernel, *exchange, *reporter);
+        let share_rank_tiles = i < faults.len();
+        let options = MegakernelOptions { timeout: deadline, share_rank_tiles, ..Default::default() };
+        layer.set_forward_megakernel(&gpu, Some(options)).unwrap();
         layer.set_forward_megakernel_faults(rank, megakernel).unwrap();
         layer.exchange_mut().set_silent_rank(exchange.map(|s| (rank, s)));
         let start = Instant::now();
         layer.forward(&gpu, &weights.0, weights.1.as_ref()).unwrap();
         let error = layer.check_errors(&gpu).unwrap_err();
         let took = start.elapsed();
-        println!("  rank {rank} {megakernel:?} {exchange:?}: {error} (after {took:?})");
+        println!(
+            "  rank {rank} {megakernel:?} {exchange:?} (tiles shared: {share_rank_tiles}): {error} (after {took:?})"
+        );
         match &error {
             MokError::Timeout { rank: r, waited_for, .. } => {
                 assert!(waited_for.contains(waited), "{waited_for}");
@@ -924,19 +932,24 @@ fn ep_backward_megakernel_faults_are_reported_timeouts_and_the_next_pass_is_righ
     let deadline = Duration::from_millis(common::sized("fault deadline (ms)", 200, 2000));
     let options = ExchangeOptions { timeout: deadline, ..Default::default() };
     let Some(mut layer) = megakernels_ep_layer(&gpu, &c, options) else { return };
-    let megakernel = MegakernelOptions { timeout: deadline, ..Default::default() };
-    layer.set_forward_megakernel(&gpu, Some(megakernel.clone())).unwrap();
-    layer.set_backward_megakernel(&gpu, Some(megakernel)).unwrap();
     upload_rank_inputs(&gpu, &layer, &case);
     let weights = rank_weights(&gpu, &c, &case);
     let want = unfused_bits(&gpu, &case);
-    assert_same_bits("before the faults", &ep_bits(&gpu, &mut layer, &weights), &want);
     let faults: [(usize, MegakernelFaults, Option<Silence>, &str); 3] = [
         (2, MegakernelFaults { silent_rows_tile: Some(0), ..Default::default() }, None, "gathered"),
         (3, MegakernelFaults { silent_hidden_tile: Some(1), ..Default::default() }, None, "down_dgrad_stored"),
         (1, MegakernelFaults::default(), Some(Silence::Push), "pushed by the expert owner"),
     ];
-    for (rank, fault, silence, waited) in faults {
+    // Both tile walks: every rank's tiles on every compute block, and each rank's on its own.
+    for (i, &(rank, fault, silence, waited)) in faults.iter().cycle().take(2 * faults.len()).enumerate() {
+        if i % faults.len() == 0 {
+            let share_rank_tiles = i == 0;
+            let megakernel = MegakernelOptions { timeout: deadline, share_rank_tiles, ..Default::default() };
+            layer.set_forward_megakernel(&gpu, Some(megakernel.clone())).unwrap();
+            layer.set_backward_megakernel(&gpu, Some(megakernel)).unwrap();
+            let what = format!("before the faults (tiles shared: {share_rank_tiles})");
+            assert_same_bits(&what, &ep_bits(&gpu, &mut layer, &weights), &want);
+        }
         ep_forward_y(&gpu, &mut layer, &weights);
         layer.set_backward_megakernel_faults(rank, fault).unwrap();
         layer.exchange_mut().set_silent_rank(silence.map(|s| (rank, s)));

@@ -154,16 +154,18 @@ pub fn waited_for_name(code: u32) -> &'static str {
     }
 }
 
-/// Writes `words` into the record at `record` unless an earlier problem is already there.
+/// Writes `words` into the record at `record` unless an earlier problem is already there. The
+/// code word is claimed at system scope, so a peer GPU that polls this record ([`has_error_at`]
+/// with `sys`) may see it (an error path: its cost does not matter).
 ///
 /// # Safety
 /// `record` must point at this rank's `ERROR_WORDS` u32 in global memory.
 #[cfg(target_arch = "nvptx64")]
 pub unsafe fn record(record: *mut u32, words: [u32; super::params::ERROR_WORDS]) {
-    use crate::ptx::memory::atom_cas_acq_rel_gpu_u32;
+    use crate::ptx::memory::atom_cas_acq_rel_sys_u32;
     // SAFETY: caller contract; the CAS makes the first reporter the only writer of words 1..
     unsafe {
-        if atom_cas_acq_rel_gpu_u32(record.add(WORD_CODE), ERROR_NONE, words[WORD_CODE]) == ERROR_NONE {
+        if atom_cas_acq_rel_sys_u32(record.add(WORD_CODE), ERROR_NONE, words[WORD_CODE]) == ERROR_NONE {
             for (i, &word) in words.iter().enumerate().skip(1) {
                 *record.add(i) = word;
             }
@@ -180,5 +182,18 @@ pub unsafe fn record(record: *mut u32, words: [u32; super::params::ERROR_WORDS])
 #[inline(always)]
 pub unsafe fn has_error(record: *const u32) -> bool {
     // SAFETY: caller contract.
-    unsafe { crate::ptx::memory::ld_relaxed_gpu_u32(record) != ERROR_NONE }
+    unsafe { has_error_at(record, false) }
+}
+
+/// Whether the record at `record` holds a problem, read at system scope when `sys` (the record
+/// may be a peer GPU's: an expert owner's, read by the token owner's combine) or at GPU scope.
+///
+/// # Safety
+/// `record` must point at a rank's `ERROR_WORDS` u32 in global memory (local or peer-mapped).
+#[cfg(target_arch = "nvptx64")]
+#[inline(always)]
+pub unsafe fn has_error_at(record: *const u32, sys: bool) -> bool {
+    use crate::ptx::memory::{ld_relaxed_gpu_u32, ld_relaxed_sys_u32};
+    // SAFETY: caller contract.
+    unsafe { (if sys { ld_relaxed_sys_u32(record) } else { ld_relaxed_gpu_u32(record) }) != ERROR_NONE }
 }

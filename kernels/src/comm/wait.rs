@@ -19,13 +19,12 @@
 //!   publishes the pass, and a peer pushes only after its schedule has acquired that publish, so
 //!   no push of the pass can land before the clearing;
 //! - a wait may also stop early when an error record becomes non-zero (the waiter's own, or, in
-//!   the megakernel's combine, the expert owner's). Those records are read at GPU scope: enough
-//!   for virtual ranks; across GPUs the early stop would need system-scope reads (not built),
-//!   and without them the wait still ends at its deadline.
+//!   the megakernel's combine, the expert owner's). A record is read at the wait's scope (a
+//!   wait at `.sys` may depend on a peer GPU's record), and written with a system-scope
+//!   compare-and-swap ([`super::error::record`]), so the early stop also works across GPUs.
 
-use crate::ptx::memory::{
-    ld_acquire_gpu_u32, ld_acquire_sys_u32, ld_relaxed_gpu_u32, red_add_release_gpu_u32, red_add_release_sys_u32,
-};
+use super::error::has_error_at;
+use crate::ptx::memory::{ld_acquire_gpu_u32, ld_acquire_sys_u32, red_add_release_gpu_u32, red_add_release_sys_u32};
 use crate::ptx::{signal, sreg};
 
 /// Polls without sleeping this many times before backing off (a signal that is about to land
@@ -58,7 +57,7 @@ pub unsafe fn signal(counter: *mut u32, value: u32, sys: bool) {
 
 /// Polls `counter` until `ready(value)` holds, `timeout_ns` passes, or the error record `abort`
 /// becomes non-zero (a wait it depends on already failed: stop early) — this rank's own, or the
-/// record of the rank that would signal. `Ok(value)` when ready,
+/// record of the rank that would signal (read at the same scope as `counter`). `Ok(value)` when ready,
 /// `Err(value last seen)` otherwise. Called by one thread; the value it acquired is visible to
 /// its block after a block barrier.
 ///
@@ -81,7 +80,7 @@ pub unsafe fn wait_until(
             return Ok(value);
         }
         // SAFETY: caller contract.
-        if sreg::global_timer_ns() >= deadline || unsafe { ld_relaxed_gpu_u32(abort) } != 0 {
+        if sreg::global_timer_ns() >= deadline || unsafe { has_error_at(abort, sys) } {
             return Err(value);
         }
         polls += 1;

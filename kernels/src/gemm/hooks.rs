@@ -271,7 +271,7 @@ unsafe fn count_stored(p: &GemmParams, work: &Work, counts: *mut u32, silent_til
 /// count says every dispatch chunk of its M tile is copied ([`row_chunks_complete`]) and
 /// counts its parts in `gate_up_stored` (except `silent_hidden_tile`, fault injection);
 /// [`ForwardHandover::DOWN`]: a tile waits until `gate_up_stored` says every gate/up part of its
-/// rows is stored and counts its parts in `down_stored`. The shared expert's two phases
+/// rows is stored and, on one GPU, counts its parts in `down_stored`. The shared expert's two phases
 /// ([`ForwardHandover::SHARED_GATE_UP`], [`ForwardHandover::SHARED_DOWN`]) do the same with
 /// `shared_dispatched`, `shared_gate_up_stored` and `shared_down_stored`.
 ///
@@ -364,8 +364,9 @@ impl<const RANKS: bool> TileHooks for ForwardHandover<RANKS> {
             let f = &*self.params;
             match self.phase {
                 ForwardHandover::GATE_UP => count_stored(p, work, f.gate_up_stored as *mut u32, f.silent_hidden_tile),
-                // Across ranks the rows went out through `RowScatter` (flagged per row); this
-                // count then says nothing about their visibility, and nothing waits on it.
+                // Across ranks the rows went out through `RowScatter`, flagged per row, and
+                // nothing waits on `down_stored`: no count.
+                ForwardHandover::DOWN if RANKS => {}
                 ForwardHandover::DOWN => count_stored(p, work, f.down_stored as *mut u32, NO_FAULT),
                 ForwardHandover::SHARED_GATE_UP => count_stored(p, work, f.shared_gate_up_stored as *mut u32, NO_FAULT),
                 _ => count_stored(p, work, f.shared_down_stored as *mut u32, NO_FAULT),

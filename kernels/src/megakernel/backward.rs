@@ -288,7 +288,7 @@ pub unsafe fn combine_dx<const RANKS: bool>(b: &BackwardParams, pass: &PassInput
                         let flag = v.local::<u32>(regions.slot_ready).add(slot as usize);
                         let (timeout_ns, whole) = (downstream_deadline(b.timeout_ns, 3), slot_row_complete(p.n));
                         if let Err(seen) = wait_until(flag, v.sys(), timeout_ns, owner_error, |x| x >= whole)
-                            && !error::has_error(owner_error)
+                            && !error::has_error_at(owner_error, v.sys())
                         {
                             error::record(error, [ERROR_TIMEOUT, WAIT_SLOT_READY, owner, slot, whole, seen, b.rank, 0]);
                         }

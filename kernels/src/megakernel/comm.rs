@@ -233,7 +233,7 @@ pub unsafe fn combine(f: &ForwardParams, pass: &PassInputs, view: Option<&RankVi
                         let flag = v.local::<u32>(regions.slot_ready).add(slot as usize);
                         let (timeout_ns, whole) = (downstream_deadline(f.timeout_ns, 2), slot_row_complete(down.n));
                         if let Err(seen) = wait_until(flag, v.sys(), timeout_ns, owner_error, |x| x >= whole)
-                            && !error::has_error(owner_error)
+                            && !error::has_error_at(owner_error, v.sys())
                         {
                             error::record(error, [ERROR_TIMEOUT, WAIT_SLOT_READY, owner, slot, whole, seen, f.rank, 0]);
                         }
