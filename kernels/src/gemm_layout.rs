@@ -82,7 +82,8 @@ pub const fn own_empty_arrivals(variant: u32) -> u32 {
     if variant == Variant::WGRAD_IN_PAIR { 2 } else { 1 }
 }
 
-/// Pipeline stages in shared memory.
+/// Pipeline stages in shared memory (every engine kernel but the standalone weight gradient:
+/// [`ring_stages`]).
 pub const STAGES: u32 = 4;
 
 /// Blocks per cluster. The row-grouped variants run in pairs that share one operand by TMA
@@ -97,17 +98,44 @@ pub const fn cluster_blocks(variant: u32) -> u32 {
 /// Boxes of output staging per consumer warpgroup (TMA-store epilogue), each 64 rows × 128
 /// bytes: a pass stages this many boxes of 64 bf16 or 32 f32 columns of its 64 rows. It must
 /// divide a tile's 4 bf16 and 8 f32 boxes and be at least the SwiGLU pass's 2, i.e. 2 or 4; 4
-/// fits in shared memory only with 3 stages (measured slower, docs/PERF.md v11).
+/// fits in shared memory only with 3 stages (measured slower for the row-grouped variants,
+/// docs/PERF.md v11, faster for the standalone weight gradient: [`staging_boxes`]).
 pub const STAGING_BOXES: u32 = 2;
 
 /// Bytes of output staging per consumer warpgroup.
 pub const STAGING_BYTES_PER_WARPGROUP: u32 = STAGING_BOXES * BLOCK_64_BYTES;
 
-/// Dynamic shared memory of an engine block: the stages, the two consumers' output staging, then
-/// per stage a `full` and an `empty` mbarrier, an 8-byte tile slot and a mailbox mbarrier (a
-/// pair's second block learns its tiles through it); plus 1 KiB so the stages can start on a
-/// 1024-byte boundary whatever the window's base.
-pub const ENGINE_SMEM_BYTES: u32 = STAGES * STAGE_BYTES + 2 * STAGING_BYTES_PER_WARPGROUP + 4 * STAGES * 8 + 1024;
+/// The ring's stages in `variant`'s standalone kernel: [`STAGES`], except 3 for the weight
+/// gradient, whose tiles are a few K blocks (a group's rows) and whose epilogue writes a whole
+/// 64 × 256 bf16 output per warpgroup: with the 48 KiB of a fourth stage as staging
+/// ([`staging_boxes`]) it stages that output in one pass, where two passes waited for the
+/// first pass's bulk stores to read the staging (a fifth of the consumers' samples, docs/PERF.md
+/// "v21"). The megakernels run every phase on one ring of [`STAGES`] and [`STAGING_BOXES`].
+pub const fn ring_stages(variant: u32) -> u32 {
+    if variant == Variant::WGRAD { 3 } else { STAGES }
+}
+
+/// Staging boxes per consumer warpgroup in `variant`'s standalone kernel (see [`ring_stages`]).
+pub const fn staging_boxes(variant: u32) -> u32 {
+    if variant == Variant::WGRAD { 4 } else { STAGING_BOXES }
+}
+
+/// Shared memory a ring of `stages` stages and `boxes` staging boxes per consumer warpgroup
+/// uses: the stages, the two consumers' output staging, then per stage a `full` and an `empty`
+/// mbarrier, an 8-byte tile slot and a mailbox mbarrier (a pair's second block learns its tiles
+/// through it); plus 1 KiB so the stages can start on a 1024-byte boundary whatever the
+/// window's base.
+pub const fn ring_smem_bytes(stages: u32, boxes: u32) -> u32 {
+    stages * STAGE_BYTES + 2 * boxes * BLOCK_64_BYTES + 4 * stages * 8 + 1024
+}
+
+/// Dynamic shared memory of an engine block: the default ring's ([`STAGES`],
+/// [`STAGING_BOXES`]), which is at least every variant's.
+pub const ENGINE_SMEM_BYTES: u32 = ring_smem_bytes(STAGES, STAGING_BOXES);
+const _: () = assert!(
+    ring_smem_bytes(ring_stages(Variant::WGRAD), staging_boxes(Variant::WGRAD)) <= ENGINE_SMEM_BYTES
+        && (ring_stages(Variant::WGRAD) * STAGE_BYTES).is_multiple_of(1024)
+);
 
 /// The tile slot value that tells the consumers there is no further tile.
 pub const NO_TILE: u32 = u32::MAX;

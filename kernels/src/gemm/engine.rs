@@ -38,7 +38,7 @@
 
 use crate::gemm_layout::{
     CONSUMER_REGISTERS, ENGINE_THREADS, GemmParams, MEGAKERNEL_PRODUCER_REGISTERS, NO_TILE, PAIRED_CONSUMER_REGISTERS,
-    PAIRED_PRODUCER_REGISTERS, PRODUCER_REGISTERS, STAGES, cluster_blocks, is_wgrad,
+    PAIRED_PRODUCER_REGISTERS, PRODUCER_REGISTERS, cluster_blocks, is_wgrad,
 };
 use crate::ptx::memory::ld_shared_u32;
 use crate::ptx::{bulk, cluster, mbarrier, sreg, sync};
@@ -142,7 +142,7 @@ pub(super) fn next_phase<const V: u32>(ring: Ring, walk: Walk, thread_in_wg: u32
 /// makes the initialisation visible to the cluster.
 #[inline(always)]
 fn init_barriers(ring: Ring, empty_arrivals: u32) {
-    for s in 0..STAGES {
+    for s in 0..ring.stages {
         // SAFETY: this block's barrier slots, initialised once before any use.
         unsafe {
             mbarrier::init(ring.full(s), 1);
@@ -170,7 +170,7 @@ pub unsafe fn run<const V: u32, H: TileHooks>(params: *const GemmParams, hooks: 
     // SAFETY: caller contract; the parameter block is read-only for the whole launch. Fields are
     // read where used (not copied up front) so they do not hold registers across the main loop.
     let p = unsafe { *params };
-    let ring = Ring::new();
+    let ring = Ring::of_variant::<V>();
     let thread = sreg::thread_idx_x();
     if thread == 0 {
         init_barriers(ring, 8 * cluster_blocks(V));

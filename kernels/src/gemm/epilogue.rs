@@ -6,7 +6,7 @@ use crate::comm::error;
 use crate::comm::wait::signal;
 use crate::device::math;
 use crate::gemm_layout::{
-    BLOCK_64_BYTES, GemmParams, STAGE_BYTES, STAGES, STAGING_BOXES, STAGING_BYTES_PER_WARPGROUP, TILE_M, Variant,
+    BLOCK_64_BYTES, GemmParams, STAGE_BYTES, STAGES, STAGING_BYTES_PER_WARPGROUP, TILE_M, Variant, staging_boxes,
     is_wgrad, staged_pair_address, staged_pair_base, swizzled_chunk_offset,
 };
 use crate::ptx::convert::f32x2_to_bf16x2;
@@ -67,7 +67,7 @@ pub(super) struct OutputBox {
 }
 
 /// The epilogue: every variant's outputs go through this warpgroup's staging area
-/// ([`STAGING_BOXES`] boxes) in the 128B-swizzled layout (conflict-free shared stores from the
+/// (`staging_boxes(V)` boxes) in the 128B-swizzled layout (conflict-free shared stores from the
 /// accumulator fragment) and leave as TMA stores — full lines, clipped by the map at the
 /// tensor's edges, and in flight while the next tile's MMAs run. A box is 64 rows × 128 bytes:
 /// 64 bf16 or 32 f32 columns; a pass fills the staging (the SwiGLU pass its 128 hidden columns). Row tiles that end inside their group store through the output map cut at the
@@ -125,16 +125,16 @@ pub(super) unsafe fn epilogue<const V: u32>(
         }
     } else if (is_wgrad(V) && p.out1 == 0) || V == Variant::ROWS_NT_BF16 {
         // bf16 (weight gradient, or rows): 256 columns, 64 per box.
-        const PASSES: u32 = 4 / STAGING_BOXES;
+        let passes = const { 4 / staging_boxes(V) };
         let xor_addresses = V == Variant::WGRAD_IN_PAIR;
-        for pass in 0..PASSES {
-            let first = pass * N8_BLOCKS / PASSES;
+        for pass in 0..passes {
+            let first = pass * N8_BLOCKS / passes;
             staged_pass(
                 staging,
                 wg,
                 thread_in_wg,
                 first,
-                first + N8_BLOCKS / PASSES,
+                first + N8_BLOCKS / passes,
                 out,
                 true,
                 false,
@@ -145,15 +145,15 @@ pub(super) unsafe fn epilogue<const V: u32>(
     } else {
         // f32: 256 columns, 32 per box; the f32 weight gradient adds into its output.
         let add = is_wgrad(V);
-        const PASSES: u32 = 8 / STAGING_BOXES;
-        for pass in 0..PASSES {
-            let first = pass * N8_BLOCKS / PASSES;
+        let passes = const { 8 / staging_boxes(V) };
+        for pass in 0..passes {
+            let first = pass * N8_BLOCKS / passes;
             staged_pass(
                 staging,
                 wg,
                 thread_in_wg,
                 first,
-                first + N8_BLOCKS / PASSES,
+                first + N8_BLOCKS / passes,
                 out,
                 false,
                 add,
