@@ -38,7 +38,7 @@
 
 use crate::gemm_layout::{
     CONSUMER_REGISTERS, ENGINE_THREADS, GemmParams, MEGAKERNEL_PRODUCER_REGISTERS, NO_TILE, PAIRED_CONSUMER_REGISTERS,
-    PAIRED_PRODUCER_REGISTERS, PRODUCER_REGISTERS, cluster_blocks, is_wgrad,
+    PAIRED_PRODUCER_REGISTERS, PRODUCER_REGISTERS, cluster_blocks, is_wgrad, ring_stages, staging_boxes,
 };
 use crate::ptx::memory::ld_shared_u32;
 use crate::ptx::{bulk, cluster, mbarrier, sreg, sync};
@@ -76,7 +76,7 @@ pub(super) unsafe fn consume<const V: u32, H: TileHooks>(
         // SAFETY: initialised barrier of this block; the slot is published by the arrival.
         let tile = unsafe {
             mbarrier::wait_parity(ring.full(stage), phase);
-            let slot = if thread_in_wg % 32 == 0 { ld_shared_u32(ring.tile_slot(stage)) } else { 0 };
+            let slot = if thread_in_wg % 32 == 0 { ld_shared_u32(ring.tile_slot::<V>(stage)) } else { 0 };
             sync::shfl_idx_u32(slot, 0)
         };
         if tile == NO_TILE {
@@ -94,7 +94,7 @@ pub(super) unsafe fn consume<const V: u32, H: TileHooks>(
                 // SAFETY: initialised barrier of this block.
                 unsafe { mbarrier::wait_parity(ring.full(stage), phase) };
                 release::<V>(ring, stage, thread_in_wg);
-                ring.advance(&mut stage, &mut phase);
+                ring.advance::<V>(&mut stage, &mut phase);
             }
             continue;
         }
@@ -102,7 +102,7 @@ pub(super) unsafe fn consume<const V: u32, H: TileHooks>(
         if w.k_blocks == 0 {
             // An empty group's weight gradient: the tile's stage carried only its name.
             release::<V>(ring, stage, thread_in_wg);
-            ring.advance(&mut stage, &mut phase);
+            ring.advance::<V>(&mut stage, &mut phase);
         } else {
             // Only the path that issued MMAs waits for them: a zero-trip path reaching the wait
             // lets LLVM place the zeroing of `acc` inside the wgmma pipeline, and ptxas then
@@ -112,7 +112,7 @@ pub(super) unsafe fn consume<const V: u32, H: TileHooks>(
         // SAFETY: outputs sized by the host contract; the hooks' contract.
         unsafe {
             let scatter = if hooked(V) && !is_wgrad(V) { hooks.row_scatter() } else { None };
-            epilogue::<V>(p, &w, &acc, ring.staging(wg), (wg, thread_in_wg), scatter)
+            epilogue::<V>(p, &w, &acc, ring.staging::<V>(wg), (wg, thread_in_wg), scatter)
         };
         if hooked(V) && thread_in_wg == 0 {
             // SAFETY: this warpgroup's leader, which issued the tile's stores.
@@ -132,7 +132,7 @@ pub(super) unsafe fn consume<const V: u32, H: TileHooks>(
 pub(super) fn next_phase<const V: u32>(ring: Ring, walk: Walk, thread_in_wg: u32) -> Walk {
     let Walk { mut stage, mut phase, mail_phases } = walk;
     release::<V>(ring, stage, thread_in_wg);
-    ring.advance(&mut stage, &mut phase);
+    ring.advance::<V>(&mut stage, &mut phase);
     Walk { stage, phase, mail_phases }
 }
 
@@ -141,13 +141,13 @@ pub(super) fn next_phase<const V: u32>(ring: Ring, walk: Walk, thread_in_wg: u32
 /// per block sharing the stage: 16 in a pair), the mailbox on one arrival; then the fence that
 /// makes the initialisation visible to the cluster.
 #[inline(always)]
-fn init_barriers(ring: Ring, empty_arrivals: u32) {
-    for s in 0..ring.stages {
+fn init_barriers<const V: u32>(ring: Ring, empty_arrivals: u32) {
+    for s in 0..ring_stages(V) {
         // SAFETY: this block's barrier slots, initialised once before any use.
         unsafe {
             mbarrier::init(ring.full(s), 1);
-            mbarrier::init(ring.empty(s), empty_arrivals);
-            mbarrier::init(ring.mail(s), 1);
+            mbarrier::init(ring.empty::<V>(s), empty_arrivals);
+            mbarrier::init(ring.mail::<V>(s), 1);
         }
     }
     mbarrier::fence_mbarrier_init();
@@ -170,10 +170,10 @@ pub unsafe fn run<const V: u32, H: TileHooks>(params: *const GemmParams, hooks: 
     // SAFETY: caller contract; the parameter block is read-only for the whole launch. Fields are
     // read where used (not copied up front) so they do not hold registers across the main loop.
     let p = unsafe { *params };
-    let ring = Ring::of_variant::<V>();
+    let ring = Ring::new::<V>();
     let thread = sreg::thread_idx_x();
     if thread == 0 {
-        init_barriers(ring, 8 * cluster_blocks(V));
+        init_barriers::<V>(ring, 8 * cluster_blocks(V));
     }
     // The partner multicasts into this block's stages and arrives on its barriers: both blocks'
     // barriers must be initialised before either starts.
@@ -250,14 +250,16 @@ pub unsafe fn run_forward_phases<H: TileHooks, R: Copy>(
     const { assert!(cluster_blocks(Variant::GATE_UP) == 2 && cluster_blocks(Variant::ROWS_NT) == 2) };
     const G: u32 = Variant::GATE_UP;
     const D: u32 = Variant::ROWS_NT;
+    // Every phase walks one ring: the variants' ring shapes must agree.
+    const { assert!(ring_stages(G) == ring_stages(D) && staging_boxes(G) == staging_boxes(D)) };
     // The phases are numbered as `ForwardHandover`'s.
     type F = ForwardHandover<false>;
     // Whether the pass has a shared expert (read again where used: no register held for it).
     let shared = move || !plan(F::SHARED_GATE_UP, first_rank()).is_null();
-    let ring = Ring::new();
+    let ring = Ring::new::<G>();
     let thread = sreg::thread_idx_x();
     if thread == 0 {
-        init_barriers(ring, 16);
+        init_barriers::<G>(ring, 16);
     }
     // Both blocks' barriers initialised before either multicasts into the other.
     cluster::cluster_sync();
@@ -384,10 +386,12 @@ pub unsafe fn run_backward_phases<H: TileHooks>(
     const { assert!(cluster_blocks(Variant::ROWS_NN) == 2) };
     const N: u32 = Variant::ROWS_NN;
     const W: u32 = Variant::WGRAD_IN_PAIR;
-    let ring = Ring::new();
+    // Every phase walks one ring: the variants' ring shapes must agree.
+    const { assert!(ring_stages(N) == ring_stages(W) && staging_boxes(N) == staging_boxes(W)) };
+    let ring = Ring::new::<N>();
     let thread = sreg::thread_idx_x();
     if thread == 0 {
-        init_barriers(ring, 16);
+        init_barriers::<N>(ring, 16);
     }
     cluster::cluster_sync();
     let warpgroup = thread / 128;

@@ -6,8 +6,8 @@ use crate::comm::error;
 use crate::comm::wait::signal;
 use crate::device::math;
 use crate::gemm_layout::{
-    BLOCK_64_BYTES, GemmParams, STAGE_BYTES, STAGES, STAGING_BYTES_PER_WARPGROUP, TILE_M, Variant, staging_boxes,
-    is_wgrad, staged_pair_address, staged_pair_base, swizzled_chunk_offset,
+    BLOCK_64_BYTES, GemmParams, STAGE_BYTES, STAGES, STAGING_BYTES_PER_WARPGROUP, TILE_M, Variant, is_wgrad,
+    staged_pair_address, staged_pair_base, staging_boxes, swizzled_chunk_offset,
 };
 use crate::ptx::convert::f32x2_to_bf16x2;
 use crate::ptx::memory::{fence_proxy_async_shared_cta, st_global_v2, st_shared_u32, st_shared_v2};

@@ -49,12 +49,12 @@ pub(super) fn release<const V: u32>(ring: Ring, stage: u32, thread_in_wg: u32) {
         // SAFETY: initialised barriers of this block and of the partner, which stays until the
         // final cluster barrier.
         unsafe {
-            mbarrier::arrive(ring.empty(stage));
+            mbarrier::arrive(ring.empty::<V>(stage));
             if own_empty_arrivals(V) > 1 {
-                mbarrier::arrive(ring.empty(stage));
+                mbarrier::arrive(ring.empty::<V>(stage));
             }
             if cluster_blocks(V) > 1 {
-                cluster::arrive_remote(cluster::map_to_rank(ring.empty(stage), pair_rank::<V>() ^ 1));
+                cluster::arrive_remote(cluster::map_to_rank(ring.empty::<V>(stage), pair_rank::<V>() ^ 1));
             }
         }
     }
@@ -95,7 +95,7 @@ pub(super) fn mainloop<const V: u32>(
             release::<V>(ring, done, thread_in_wg);
         }
         in_flight = Some(*stage);
-        ring.advance(stage, phase);
+        ring.advance::<V>(stage, phase);
     }
     wgmma::wait_all_n256(acc);
     if let Some(done) = in_flight {

@@ -61,13 +61,13 @@ pub(super) unsafe fn produce<const V: u32, H: TileHooks>(p: &GemmParams, ring: R
             unsafe { atom_add_relaxed_gpu_u32(counter, 1) }
         } else {
             // SAFETY: initialised barrier of this block; the partner names every tile.
-            unsafe { receive_tile(ring, stage, &mut mail_phases) }
+            unsafe { receive_tile::<V>(ring, stage, &mut mail_phases) }
         };
         taken += 1;
         if tile >= total {
             // Tell the consumers (and the partner) through the next stage.
             name_in_copyless_stage::<V>(ring, stage, phase, NO_TILE);
-            ring.advance(&mut stage, &mut phase);
+            ring.advance::<V>(&mut stage, &mut phase);
             return Walk { stage, phase, mail_phases };
         }
         // SAFETY: tile < total.
@@ -77,7 +77,7 @@ pub(super) unsafe fn produce<const V: u32, H: TileHooks>(p: &GemmParams, ring: R
             // A weight gradient of an empty group: no copies, but the consumers still learn the
             // tile (they store its zeros).
             name_in_copyless_stage::<V>(ring, stage, phase, tile);
-            ring.advance(&mut stage, &mut phase);
+            ring.advance::<V>(&mut stage, &mut phase);
             continue;
         }
         // Maps cut at this group's end: for a ragged row tile (A, and the second A), for the
@@ -114,7 +114,7 @@ pub(super) unsafe fn produce<const V: u32, H: TileHooks>(p: &GemmParams, ring: R
         for kb in 0..w.k_blocks {
             // Wait until the consumers released this stage (a fresh barrier passes parity 1).
             // SAFETY: initialised barrier of this block.
-            unsafe { mbarrier::wait_parity(ring.empty(stage), phase ^ 1) };
+            unsafe { mbarrier::wait_parity(ring.empty::<V>(stage), phase ^ 1) };
             let (a_tile, b_tile, full) = (ring.a_tile(stage), ring.b_tile(stage), ring.full(stage));
             // SAFETY: maps and tiles valid; the barrier expects what lands in this block.
             unsafe {
@@ -163,7 +163,7 @@ pub(super) unsafe fn produce<const V: u32, H: TileHooks>(p: &GemmParams, ring: R
                     }
                 }
             }
-            ring.advance(&mut stage, &mut phase);
+            ring.advance::<V>(&mut stage, &mut phase);
         }
     }
 }
@@ -232,10 +232,10 @@ pub(super) unsafe fn name_tile<const V: u32>(ring: Ring, stage: u32, value: u32)
     // SAFETY: caller contract; the partner's barriers and slots live until the final cluster
     // barrier.
     unsafe {
-        st_shared_u32(ring.tile_slot(stage), value);
+        st_shared_u32(ring.tile_slot::<V>(stage), value);
         if cluster_blocks(V) > 1 {
             let (slot, mail) =
-                (cluster::map_to_rank(ring.tile_slot(stage), 1), cluster::map_to_rank(ring.mail(stage), 1));
+                (cluster::map_to_rank(ring.tile_slot::<V>(stage), 1), cluster::map_to_rank(ring.mail::<V>(stage), 1));
             cluster::st_async_u32(slot, value, mail);
         }
     }
@@ -247,8 +247,8 @@ pub(super) unsafe fn name_tile<const V: u32>(ring: Ring, stage: u32, value: u32)
 /// # Safety
 /// The block is a pair's second block, and `stage` is where the next tile starts.
 #[inline(always)]
-pub(super) unsafe fn receive_tile(ring: Ring, stage: u32, mail_phases: &mut u32) -> u32 {
-    let mail = ring.mail(stage);
+pub(super) unsafe fn receive_tile<const V: u32>(ring: Ring, stage: u32, mail_phases: &mut u32) -> u32 {
+    let mail = ring.mail::<V>(stage);
     // SAFETY: initialised barrier of this block; the partner's remote store completes its bytes.
     unsafe {
         mbarrier::arrive_expect_tx(mail, 4);
@@ -256,7 +256,7 @@ pub(super) unsafe fn receive_tile(ring: Ring, stage: u32, mail_phases: &mut u32)
     }
     *mail_phases ^= 1 << stage;
     // SAFETY: the slot was written before the mailbox completed.
-    unsafe { ld_shared_u32(ring.tile_slot(stage)) }
+    unsafe { ld_shared_u32(ring.tile_slot::<V>(stage)) }
 }
 
 /// Waits for `stage` to be free, names `value` (a tile, or [`NO_TILE`]) in its tile slot and
@@ -266,7 +266,7 @@ pub(super) fn name_in_copyless_stage<const V: u32>(ring: Ring, stage: u32, phase
     // SAFETY: initialised barriers of this block (the producer thread); the slot is free once the
     // stage is, and the arrival publishes it.
     unsafe {
-        mbarrier::wait_parity(ring.empty(stage), phase ^ 1);
+        mbarrier::wait_parity(ring.empty::<V>(stage), phase ^ 1);
         name_tile::<V>(ring, stage, value);
         mbarrier::arrive(ring.full(stage));
     }
