@@ -107,7 +107,7 @@ pub const STAGING_BYTES_PER_WARPGROUP: u32 = STAGING_BOXES * BLOCK_64_BYTES;
 
 /// The ring's stages in `variant`'s standalone kernel: [`STAGES`], except 3 for the weight
 /// gradient, whose tiles are a few K blocks (a group's rows) and whose epilogue writes a whole
-/// 64 × 256 bf16 output per warpgroup: with the 48 KiB of a fourth stage as staging
+/// 64 × 256 bf16 output per warpgroup: with 32 of a fourth stage's 48 KiB as more staging
 /// ([`staging_boxes`]) it stages that output in one pass, where two passes waited for the
 /// first pass's bulk stores to read the staging (a fifth of the consumers' samples, docs/PERF.md
 /// "v21"). The megakernels run every phase on one ring of [`STAGES`] and [`STAGING_BOXES`].
