@@ -272,26 +272,22 @@ pub unsafe fn run_forward_phases<H: TileHooks, R: Copy>(
             // per phase over the ranks, so each call's hooks keep a constant phase.
             unsafe {
                 let mut walk = Walk::START;
-                let mut rank = if shared() { Some(first_rank()) } else { None };
-                while let Some(q) = rank {
-                    walk = produce::<G, H>(&*plan(F::SHARED_GATE_UP, q), ring, hooks(F::SHARED_GATE_UP, q), walk);
-                    rank = next_rank(q);
+                let mut rank;
+                // One phase's tiles over the ranks from `$first` (written out per phase: a
+                // function over the phases changed the kernels' code, a macro does not).
+                macro_rules! produce_ranks {
+                    ($v:ident, $phase:expr, $first:expr) => {
+                        rank = $first;
+                        while let Some(q) = rank {
+                            walk = produce::<$v, H>(&*plan($phase, q), ring, hooks($phase, q), walk);
+                            rank = next_rank(q);
+                        }
+                    };
                 }
-                rank = Some(first_rank());
-                while let Some(q) = rank {
-                    walk = produce::<G, H>(&*plan(F::GATE_UP, q), ring, hooks(F::GATE_UP, q), walk);
-                    rank = next_rank(q);
-                }
-                rank = if shared() { Some(first_rank()) } else { None };
-                while let Some(q) = rank {
-                    walk = produce::<D, H>(&*plan(F::SHARED_DOWN, q), ring, hooks(F::SHARED_DOWN, q), walk);
-                    rank = next_rank(q);
-                }
-                rank = Some(first_rank());
-                while let Some(q) = rank {
-                    walk = produce::<D, H>(&*plan(F::DOWN, q), ring, hooks(F::DOWN, q), walk);
-                    rank = next_rank(q);
-                }
+                produce_ranks!(G, F::SHARED_GATE_UP, if shared() { Some(first_rank()) } else { None });
+                produce_ranks!(G, F::GATE_UP, Some(first_rank()));
+                produce_ranks!(D, F::SHARED_DOWN, if shared() { Some(first_rank()) } else { None });
+                produce_ranks!(D, F::DOWN, Some(first_rank()));
             }
         } else if thread >= 32 {
             // The spare warps: the dispatch, under the gate/up MMAs. It waits for nothing, so
@@ -305,24 +301,21 @@ pub unsafe fn run_forward_phases<H: TileHooks, R: Copy>(
         // SAFETY: a whole consumer warpgroup.
         unsafe {
             let mut walk = Walk::START;
-            let mut rank = if shared() { Some(first_rank()) } else { None };
-            while let Some(q) = rank {
-                walk = consume::<G, H>(&*plan(F::SHARED_GATE_UP, q), ring, wg, t, hooks(F::SHARED_GATE_UP, q), walk);
-                walk = next_phase::<G>(ring, walk, t);
-                rank = next_rank(q);
+            let mut rank;
+            // As the producer's `produce_ranks`, each phase's tiles then its closing stage.
+            macro_rules! consume_ranks {
+                ($v:ident, $phase:expr, $first:expr) => {
+                    rank = $first;
+                    while let Some(q) = rank {
+                        walk = consume::<$v, H>(&*plan($phase, q), ring, wg, t, hooks($phase, q), walk);
+                        walk = next_phase::<$v>(ring, walk, t);
+                        rank = next_rank(q);
+                    }
+                };
             }
-            rank = Some(first_rank());
-            while let Some(q) = rank {
-                walk = consume::<G, H>(&*plan(F::GATE_UP, q), ring, wg, t, hooks(F::GATE_UP, q), walk);
-                walk = next_phase::<G>(ring, walk, t);
-                rank = next_rank(q);
-            }
-            rank = if shared() { Some(first_rank()) } else { None };
-            while let Some(q) = rank {
-                walk = consume::<D, H>(&*plan(F::SHARED_DOWN, q), ring, wg, t, hooks(F::SHARED_DOWN, q), walk);
-                walk = next_phase::<D>(ring, walk, t);
-                rank = next_rank(q);
-            }
+            consume_ranks!(G, F::SHARED_GATE_UP, if shared() { Some(first_rank()) } else { None });
+            consume_ranks!(G, F::GATE_UP, Some(first_rank()));
+            consume_ranks!(D, F::SHARED_DOWN, if shared() { Some(first_rank()) } else { None });
             // The last phase's final stage stays unreleased (as every kernel's last phase), so
             // every routed down phase after the first rank's starts by releasing the one before.
             rank = Some(first_rank());
