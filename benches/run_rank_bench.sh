@@ -3,9 +3,10 @@
 # virtual ranks (default 8) on both megakernels, every case in its own process (a case that
 # does not fit in memory fails alone), with each rank's ring sized RING_FACTOR times an even
 # split (default 1.25; the worst-case default does not fit the largest cases at P = 8), and
-# with ONE_GPU=1 the same cases on one GPU (GEMM_ONE_GPU, default megakernels) in the same call,
-# for the P = 8 against P = 1 comparison, and with VARIANT_PTX=name=file.ptx the rank cases once
-# more on that PTX (MOK_PTX; e.g. an earlier commit's kernels against the current ones, same
+# with ONE_GPU=1 the same cases on one GPU first (GEMM_ONE_GPU, default megakernels) in the same
+# call, for the P = 8 against P = 1 comparison (docs/PERF.md's "Current numbers": ONE_GPU=1
+# GEMM=megakernels GEMM_ONE_GPU=engine,megakernels), and with VARIANT_PTX=name=file.ptx the rank
+# cases once more on that PTX (MOK_PTX; e.g. an earlier commit's kernels against the current ones, same
 # call: the PTX must have every kernel this host launches and the same heap layout), and with
 # VARIANT_ARGS=name="--flag ..." the rank cases once more with those benchmark flags (e.g.
 # own="--own-rank-tiles": each rank's GEMM tiles on its own blocks). Run from
@@ -35,19 +36,20 @@ rank_cases() {
             $flags > "$out/$log" 2>&1 || echo "$case: failed (see $log)"
     done
 }
-rank_cases ranks- ""
-if [ -n "${VARIANT_PTX:-}" ]; then
-    rank_cases "ranks-${VARIANT_PTX%%=*}-" "" MOK_PTX="${VARIANT_PTX#*=}"
-fi
-if [ -n "${VARIANT_ARGS:-}" ]; then
-    rank_cases "ranks-${VARIANT_ARGS%%=*}-" "${VARIANT_ARGS#*=}"
-fi
+# The one-GPU cases first, so a call cut short still returns them.
 if [ "${ONE_GPU:-0}" = 1 ]; then
     for case in ${cases//,/ }; do
         "$layer_bin" --cases "$case" --gemm "${GEMM_ONE_GPU:-megakernels}" --baseline "$out/baseline.txt" \
             --matmul-tflops "$matmul" --copy-tbps "$copy" > "$out/one-gpu-${case/:/-}.log" 2>&1 \
             || echo "$case on one GPU: failed (see one-gpu-${case/:/-}.log)"
     done
+fi
+rank_cases ranks- ""
+if [ -n "${VARIANT_PTX:-}" ]; then
+    rank_cases "ranks-${VARIANT_PTX%%=*}-" "" MOK_PTX="${VARIANT_PTX#*=}"
+fi
+if [ -n "${VARIANT_ARGS:-}" ]; then
+    rank_cases "ranks-${VARIANT_ARGS%%=*}-" "${VARIANT_ARGS#*=}"
 fi
 for log in "$out"/ranks-*.log "$out"/one-gpu-*.log; do
     [ -f "$log" ] || continue

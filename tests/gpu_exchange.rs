@@ -776,49 +776,45 @@ fn ep_forward_megakernel_faults_are_reported_timeouts_and_the_next_pass_is_right
         fault(1, MegakernelFaults::default(), Some(Silence::Publish), "publish flag", Some(0)),
     ];
     // Both tile walks: every rank's tiles on every compute block, and each rank's on its own.
-    for (i, Fault { rank, megakernel, exchange, waited_for: waited, reporter }) in
-        faults.iter().cycle().take(2 * faults.len()).enumerate()
-    {
-        let (rank, megakernel, exchange, reporter) = (*rank, *megakernel, *exchange, *reporter);
-        let share_rank_tiles = i < faults.len();
-        if i % faults.len() == 0 {
-            // A new walk starts with a clean pass (faults are set on the pass it builds).
-            let options = MegakernelOptions { timeout: deadline, share_rank_tiles, ..Default::default() };
-            layer.set_forward_megakernel(&gpu, Some(options)).unwrap();
-            assert!(same_bf16(&ep_forward_y(&gpu, &mut layer, &weights), &want), "tiles shared: {share_rank_tiles}");
-        }
-        layer.set_forward_megakernel_faults(rank, megakernel).unwrap();
-        layer.exchange_mut().set_silent_rank(exchange.map(|s| (rank, s)));
-        let start = Instant::now();
-        layer.forward(&gpu, &weights.0, weights.1.as_ref()).unwrap();
-        let error = layer.check_errors(&gpu).unwrap_err();
-        let took = start.elapsed();
-        println!(
-            "  rank {rank} {megakernel:?} {exchange:?} (tiles shared: {share_rank_tiles}): {error} (after {took:?})"
-        );
-        match &error {
-            MokError::Timeout { rank: r, waited_for, .. } => {
-                assert!(waited_for.contains(waited), "{waited_for}");
-                assert!(reporter.is_none_or(|want| *r == Some(want)), "the record that names the cause: {r:?}");
+    for share_rank_tiles in [true, false] {
+        // A new walk starts with a clean pass (faults are set on the pass it builds).
+        let options = MegakernelOptions { timeout: deadline, share_rank_tiles, ..Default::default() };
+        layer.set_forward_megakernel(&gpu, Some(options)).unwrap();
+        assert!(same_bf16(&ep_forward_y(&gpu, &mut layer, &weights), &want), "tiles shared: {share_rank_tiles}");
+        for &Fault { rank, megakernel, exchange, waited_for: waited, reporter } in &faults {
+            layer.set_forward_megakernel_faults(rank, megakernel).unwrap();
+            layer.exchange_mut().set_silent_rank(exchange.map(|s| (rank, s)));
+            let start = Instant::now();
+            layer.forward(&gpu, &weights.0, weights.1.as_ref()).unwrap();
+            let error = layer.check_errors(&gpu).unwrap_err();
+            let took = start.elapsed();
+            println!(
+                "  rank {rank} {megakernel:?} {exchange:?} (tiles shared: {share_rank_tiles}): {error} (after {took:?})"
+            );
+            match &error {
+                MokError::Timeout { rank: r, waited_for, .. } => {
+                    assert!(waited_for.contains(waited), "{waited_for}");
+                    assert!(reporter.is_none_or(|want| *r == Some(want)), "the record that names the cause: {r:?}");
+                }
+                other => panic!("expected a timeout, got {other:?}"),
             }
-            other => panic!("expected a timeout, got {other:?}"),
+            if exchange == Some(Silence::Push) {
+                assert!(matches!(error, MokError::Timeout { peer: Some(1), .. }), "names the silent owner: {error}");
+            }
+            // Every fault is reported within twice the deadline: the megakernel's waits, and the
+            // schedule's waits on a silent publisher (every rank's in one launch, side by side).
+            // (Under compute-sanitizer the instrumented pass itself takes seconds: more slack.)
+            let slack = Duration::from_millis(common::sized("fault slack (ms)", 100, 4000));
+            assert!(took < 2 * deadline + slack, "reported after {took:?}");
+            // Back to a clean state: no faults, counters reset, and the next pass is right.
+            layer.set_forward_megakernel_faults(rank, MegakernelFaults::default()).unwrap();
+            layer.exchange_mut().set_silent_rank(None);
+            layer.exchange_mut().reset(&[&gpu]).unwrap();
+            assert!(
+                same_bf16(&ep_forward_y(&gpu, &mut layer, &weights), &want),
+                "the pass after {megakernel:?} {exchange:?}"
+            );
         }
-        if exchange == Some(Silence::Push) {
-            assert!(matches!(error, MokError::Timeout { peer: Some(1), .. }), "names the silent owner: {error}");
-        }
-        // Every fault is reported within twice the deadline: the megakernel's waits, and the
-        // schedule's waits on a silent publisher (every rank's in one launch, side by side).
-        // (Under compute-sanitizer the instrumented pass itself takes seconds: more slack.)
-        let slack = Duration::from_millis(common::sized("fault slack (ms)", 100, 4000));
-        assert!(took < 2 * deadline + slack, "reported after {took:?}");
-        // Back to a clean state: no faults, counters reset, and the next pass is right.
-        layer.set_forward_megakernel_faults(rank, MegakernelFaults::default()).unwrap();
-        layer.exchange_mut().set_silent_rank(None);
-        layer.exchange_mut().reset(&[&gpu]).unwrap();
-        assert!(
-            same_bf16(&ep_forward_y(&gpu, &mut layer, &weights), &want),
-            "the pass after {megakernel:?} {exchange:?}"
-        );
     }
 }
 
@@ -945,32 +941,35 @@ fn ep_backward_megakernel_faults_are_reported_timeouts_and_the_next_pass_is_righ
         (1, MegakernelFaults::default(), Some(Silence::Push), "pushed by the expert owner"),
     ];
     // Both tile walks: every rank's tiles on every compute block, and each rank's on its own.
-    for (i, &(rank, fault, silence, waited)) in faults.iter().cycle().take(2 * faults.len()).enumerate() {
-        if i % faults.len() == 0 {
-            let share_rank_tiles = i == 0;
-            let megakernel = MegakernelOptions { timeout: deadline, share_rank_tiles, ..Default::default() };
-            layer.set_forward_megakernel(&gpu, Some(megakernel.clone())).unwrap();
-            layer.set_backward_megakernel(&gpu, Some(megakernel)).unwrap();
-            let what = format!("before the faults (tiles shared: {share_rank_tiles})");
-            assert_same_bits(&what, &ep_bits(&gpu, &mut layer, &weights), &want);
+    for share_rank_tiles in [true, false] {
+        let megakernel = MegakernelOptions { timeout: deadline, share_rank_tiles, ..Default::default() };
+        layer.set_forward_megakernel(&gpu, Some(megakernel.clone())).unwrap();
+        layer.set_backward_megakernel(&gpu, Some(megakernel)).unwrap();
+        let what = format!("before the faults (tiles shared: {share_rank_tiles})");
+        assert_same_bits(&what, &ep_bits(&gpu, &mut layer, &weights), &want);
+        for &(rank, fault, silence, waited) in &faults {
+            ep_forward_y(&gpu, &mut layer, &weights);
+            layer.set_backward_megakernel_faults(rank, fault).unwrap();
+            layer.exchange_mut().set_silent_rank(silence.map(|s| (rank, s)));
+            let start = Instant::now();
+            layer.backward(&gpu, &weights.0, weights.1.as_ref()).unwrap();
+            let error = layer.check_errors(&gpu).unwrap_err();
+            let took = start.elapsed();
+            println!("  rank {rank} {fault:?} {silence:?}: {error} (after {took:?})");
+            match &error {
+                MokError::Timeout { waited_for, .. } => assert!(waited_for.contains(waited), "{waited_for}"),
+                other => panic!("expected a timeout, got {other:?}"),
+            }
+            let slack = Duration::from_millis(common::sized("fault slack (ms)", 100, 4000));
+            assert!(took < 2 * deadline + slack, "reported after {took:?}");
+            layer.set_backward_megakernel_faults(rank, MegakernelFaults::default()).unwrap();
+            layer.exchange_mut().set_silent_rank(None);
+            layer.exchange_mut().reset(&[&gpu]).unwrap();
+            assert_same_bits(
+                &format!("the pass after {fault:?} {silence:?}"),
+                &ep_bits(&gpu, &mut layer, &weights),
+                &want,
+            );
         }
-        ep_forward_y(&gpu, &mut layer, &weights);
-        layer.set_backward_megakernel_faults(rank, fault).unwrap();
-        layer.exchange_mut().set_silent_rank(silence.map(|s| (rank, s)));
-        let start = Instant::now();
-        layer.backward(&gpu, &weights.0, weights.1.as_ref()).unwrap();
-        let error = layer.check_errors(&gpu).unwrap_err();
-        let took = start.elapsed();
-        println!("  rank {rank} {fault:?} {silence:?}: {error} (after {took:?})");
-        match &error {
-            MokError::Timeout { waited_for, .. } => assert!(waited_for.contains(waited), "{waited_for}"),
-            other => panic!("expected a timeout, got {other:?}"),
-        }
-        let slack = Duration::from_millis(common::sized("fault slack (ms)", 100, 4000));
-        assert!(took < 2 * deadline + slack, "reported after {took:?}");
-        layer.set_backward_megakernel_faults(rank, MegakernelFaults::default()).unwrap();
-        layer.exchange_mut().set_silent_rank(None);
-        layer.exchange_mut().reset(&[&gpu]).unwrap();
-        assert_same_bits(&format!("the pass after {fault:?} {silence:?}"), &ep_bits(&gpu, &mut layer, &weights), &want);
     }
 }
