@@ -12,7 +12,7 @@
 //! use mok::unfused::{DeviceExperts, DeviceTokens, WeightGradTarget, WeightGradViews};
 //! use mok::{MoeConfig, MoeLayer, open_gpu, problem::{ExpertWeights, RoutedTokens}};
 //! # fn main() -> mok::Result<()> {
-//! let gpu = open_gpu(0)?;                         // or Gpu::on_stream(...) for a framework's stream
+//! let gpu = open_gpu(0)?;                         // or mok::open_gpu_on_stream(stream) for a framework's stream
 //! let config = MoeConfig::new(4096, 7168, 2048, 384, 8);
 //! config.validate()?;                             // errors name the field, the value and the rule
 //! let (t, h, i, e, k) = (4096, 7168, 2048, 384, 8);

@@ -175,7 +175,9 @@ fn a_captured_moe_layer_step_replays_the_eager_bits() {
         for b in caller.dw.iter_mut().chain([&mut caller.y, &mut caller.dx]) {
             b.fill_bytes(0xff).unwrap();
         }
-        graph.launch().unwrap();
+        // SAFETY: the layer and the caller's tensors, whose buffers the capture recorded,
+        // outlive the replays, and `check` waits for each.
+        unsafe { graph.launch() }.unwrap();
         layer.check().unwrap();
         assert_eq!(outputs(&caller), eager, "replay {replay}");
     }

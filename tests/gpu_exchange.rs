@@ -162,7 +162,9 @@ fn check_movers(gpu: &Gpu, global: &MoeConfig, p: usize, options: ExchangeOption
         let ptrs = |b: &[DeviceBuffer<f32>]| b.iter().map(|x| x.device_ptr()).collect::<Vec<_>>();
         let base_ptrs: Vec<u64> = base_buffers.iter().map(|b| b.as_ref().map_or(0, |x| x.device_ptr())).collect();
         let out_ptrs: Vec<u64> = outs.iter().map(|b| b.device_ptr()).collect();
-        exchange.combine(&gpus, &ptrs(&row_buffers), &base_ptrs, &out_ptrs).unwrap();
+        // SAFETY: ring-sized f32 rows, [T][H] f32 bases (or 0) and [T][H] bf16 outputs of this
+        // scope, alive past the check below, which waits for the stream.
+        unsafe { exchange.combine(&gpus, &ptrs(&row_buffers), &base_ptrs, &out_ptrs) }.unwrap();
         // Backward: dy, then the reverse movers with other random rows.
         let dys: Vec<Vec<bf16>> = (0..p).map(|s| random_bf16(t * h, seed ^ (0x3000 + s as u64), 1.0)).collect();
         for (rank, dy) in dys.iter().enumerate() {
@@ -175,7 +177,8 @@ fn check_movers(gpu: &Gpu, global: &MoeConfig, p: usize, options: ExchangeOption
             dx_rows.iter().map(|v| DeviceBuffer::from_slice(gpu, v).unwrap()).collect();
         let dx_outs: Vec<DeviceBuffer<bf16>> = (0..p).map(|_| DeviceBuffer::alloc(gpu, t * h).unwrap()).collect();
         let dx_ptrs: Vec<u64> = dx_outs.iter().map(|b| b.device_ptr()).collect();
-        exchange.reverse_dispatch(&gpus, &ptrs(&dx_buffers), &base_ptrs, &dx_ptrs).unwrap();
+        // SAFETY: as for the combine above.
+        unsafe { exchange.reverse_dispatch(&gpus, &ptrs(&dx_buffers), &base_ptrs, &dx_ptrs) }.unwrap();
         exchange.check_errors(&gpus).unwrap();
 
         // Dispatch and reverse-combine: the CPU permutation of x and of weight-scaled dy.
@@ -399,14 +402,17 @@ fn ring_overflow_reports_the_rows_needed() {
     let rows = DeviceBuffer::<f32>::alloc(&gpu, 20 * h).unwrap();
     let outs: Vec<DeviceBuffer<bf16>> =
         (0..p).map(|_| DeviceBuffer::alloc(&gpu, config.tokens_per_rank * h).unwrap()).collect();
-    exchange
-        .combine(
+    // SAFETY: ring-sized (20-row) f32 rows shared by the ranks and [T][H] bf16 outputs, alive to
+    // the end of the test.
+    unsafe {
+        exchange.combine(
             &[&gpu],
             &vec![rows.device_ptr(); p],
             &vec![0; p],
             &outs.iter().map(|o| o.device_ptr()).collect::<Vec<_>>(),
         )
-        .unwrap();
+    }
+    .unwrap();
     match exchange.check_errors(&[&gpu]) {
         Err(MokError::Capacity { rank, needed, capacity, .. }) => {
             assert_eq!((rank, needed, capacity), (first_overflow, schedule[first_overflow].ring_source.len(), 20));
@@ -439,7 +445,9 @@ fn a_silent_peer_is_a_reported_timeout_not_a_hang() {
     let forward = |exchange: &mut Exchange| {
         exchange.schedule(&[&gpu]).unwrap();
         exchange.dispatch(&[&gpu]).unwrap();
-        exchange.combine(&[&gpu], &row_ptrs, &[0, 0], &out_ptrs).unwrap();
+        // SAFETY: ring-sized f32 rows and [T][H] bf16 outputs of the test's scope, which
+        // outlives every pass.
+        unsafe { exchange.combine(&[&gpu], &row_ptrs, &[0, 0], &out_ptrs) }.unwrap();
         exchange.check_errors(&[&gpu])
     };
 

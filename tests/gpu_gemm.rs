@@ -63,7 +63,8 @@ fn primitive_tma_load_swizzles_and_zero_fills() {
     for (c0, c1) in [(64i32, 100i32), (0, 180)] {
         let mut out = DeviceBuffer::<u32>::alloc(&gpu, 64 * 32).unwrap();
         out.fill_bytes(0xff).unwrap();
-        mok::testing::probe_tma_load(&gpu, &map, (c0, c1), &out).unwrap();
+        // SAFETY: `map` covers `device`, alive to the end of the test.
+        unsafe { mok::testing::probe_tma_load(&gpu, &map, (c0, c1), &out) }.unwrap();
         let words = out.download().unwrap();
         let halves: &[u16] = bytemuck::cast_slice(&words);
         for r in 0..64usize {
@@ -92,7 +93,8 @@ fn primitive_tma_store_writes_its_box_into_fresh_memory() {
         TensorMap::bf16(&gpu, dst.device_ptr(), &[cols as u64, rows as u64], &[2 * cols as u64], &[64, 64]).unwrap();
     let values: Vec<u32> = (0..64 * 32u32).map(|w| w.wrapping_mul(2_654_435_761) ^ 0x1234_5678).collect();
     let device_values = DeviceBuffer::from_slice(&gpu, &values).unwrap();
-    mok::testing::probe_tma_store(&gpu, &map, (0, 0), &device_values).unwrap();
+    // SAFETY: `map` covers `dst`, alive to the end of the test and used by nothing else.
+    unsafe { mok::testing::probe_tma_store(&gpu, &map, (0, 0), &device_values) }.unwrap();
     let got = dst.download().unwrap();
     let staged: &[u16] = bytemuck::cast_slice(&values);
     for r in 0..rows {

@@ -659,7 +659,9 @@ fn a_captured_training_step_replays_the_eager_bits() {
             .unwrap();
         for replay in 0..replays {
             layer.poison().unwrap();
-            graph.launch().unwrap();
+            // SAFETY: the layer and `device`, whose buffers the capture recorded, outlive the
+            // replays, and the synchronisation below waits for each.
+            unsafe { graph.launch() }.unwrap();
             gpu.synchronize().unwrap();
             layer.check_device_errors().unwrap();
             assert_same_run(&collect(&layer), &eager, &format!("{name}: replay {replay}"));

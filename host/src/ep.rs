@@ -784,23 +784,33 @@ impl EpLayer {
         let mut bases = Vec::with_capacity(self.ranks.len());
         for (local, (state, &rank)) in self.ranks.iter().zip(self.local_ranks()).enumerate() {
             let w = &experts[local];
-            state.routed.forward(
-                gpu,
-                &self.groups(rank),
-                self.exchange.address(rank, r.ring_x),
-                [w.w_gate, w.w_up, w.w_down],
-            )?;
+            // SAFETY: the ring and the rank's group offsets are this layer's exchange buffers,
+            // sized for the ring's capacity, which the workspace was built for; they live as long
+            // as the layer.
+            unsafe {
+                state.routed.forward(
+                    gpu,
+                    &self.groups(rank),
+                    self.exchange.address(rank, r.ring_x),
+                    [w.w_gate, w.w_up, w.w_down],
+                )
+            }?;
             bases.push(self.shared_forward(gpu, local, shared)?);
         }
         let rows: Vec<u64> = self.ranks.iter().map(|s| s.routed.out_rows().device_ptr()).collect();
         let outs: Vec<u64> = self.ranks.iter().map(|s| s.y.device_ptr()).collect();
-        self.exchange.combine(&gpus, &rows, &bases, &outs)
+        // SAFETY: every rank's ring rows (its workspace's f32 output, sized for the ring), its
+        // shared expert's rows (or 0) and its y are this layer's buffers.
+        unsafe { self.exchange.combine(&gpus, &rows, &bases, &outs) }
     }
 
     /// The backward as the megakernel: each rank's shared expert backward (its dx rows are the
     /// first term of the rank's dx sums), the engine tile offsets of every ring, every rank's
     /// `slot_ready` cleared (the dx pushes flag them), then one launch for every rank.
-    fn backward_megakernel_pass(
+    ///
+    /// # Safety
+    /// As [`Self::backward_views`] for `target`.
+    unsafe fn backward_megakernel_pass(
         &mut self,
         gpu: &Gpu,
         experts: &[ExpertsView<'_>],
@@ -919,14 +929,19 @@ impl EpLayer {
         let rank = self.local_ranks()[local];
         let (Some(weights), Some(workspace)) = (shared, &self.ranks[local].shared) else { return Ok(0) };
         let x = self.exchange.address(rank, self.exchange.regions().x);
-        shared_expert_forward(gpu, workspace, self.config.tokens_per_rank, x, weights)
+        // SAFETY: `x` is the rank's token rows in this layer's exchange buffers (`[T][H]` bf16),
+        // which live as long as the layer.
+        unsafe { shared_expert_forward(gpu, workspace, self.config.tokens_per_rank, x, weights) }
     }
 
     /// The `local`-th local rank's shared expert backward over its own tokens (when the layer has
     /// one): its output gradient is dy (the shared term is added unscaled), its weight gradients
     /// go to the rank's own buffers or the caller's target. Returns the address of its `[T][H]`
     /// f32 dx rows, the first term of the rank's dx sums (0 without one).
-    fn shared_backward(
+    ///
+    /// # Safety
+    /// As [`Self::backward_views`] for `target`.
+    unsafe fn shared_backward(
         &self,
         gpu: &Gpu,
         local: usize,
@@ -940,17 +955,22 @@ impl EpLayer {
         let rank = self.local_ranks()[local];
         let r = self.exchange.regions();
         let own = [dws[0].device_ptr(), dws[1].device_ptr(), dws[2].device_ptr()];
-        compute.backward(
-            gpu,
-            &RowGroups::all_tokens(offsets, self.config.tokens_per_rank),
-            ExpertBackward {
-                input_rows: self.exchange.address(rank, r.x),
-                d_out_rows: self.exchange.address(rank, r.dy),
-                weights: [weights.ws_gate, weights.ws_up, weights.ws_down],
-                accumulate_f32: target.is_some_and(|t| t.accumulate_f32),
-                weight_grads: target.map_or(own, |t| t.shared[local]),
-            },
-        )?;
+        // SAFETY: the rank's token and dy rows are this layer's exchange buffers and the
+        // workspace's offsets its own; the gradients are the rank's own buffers or `target`'s,
+        // live as the caller guarantees.
+        unsafe {
+            compute.backward(
+                gpu,
+                &RowGroups::all_tokens(offsets, self.config.tokens_per_rank),
+                ExpertBackward {
+                    input_rows: self.exchange.address(rank, r.x),
+                    d_out_rows: self.exchange.address(rank, r.dy),
+                    weights: [weights.ws_gate, weights.ws_up, weights.ws_down],
+                    accumulate_f32: target.is_some_and(|t| t.accumulate_f32),
+                    weight_grads: target.map_or(own, |t| t.shared[local]),
+                },
+            )
+        }?;
         Ok(compute.d_in_rows().device_ptr())
     }
 
@@ -993,7 +1013,8 @@ impl EpLayer {
         shared: Option<&DeviceSharedExpert>,
     ) -> Result<()> {
         let experts: Vec<ExpertsView<'_>> = experts.iter().map(Into::into).collect();
-        self.backward_views(gpu, &experts, shared.map(Into::into), None)
+        // SAFETY: no target: the gradients go to the layer's own buffers.
+        unsafe { self.backward_views(gpu, &experts, shared.map(Into::into), None) }
     }
 
     /// [`Self::backward`] over borrowed views of the weights, with the weight gradients going to
@@ -1002,7 +1023,13 @@ impl EpLayer {
     /// added into f32 buffers (`+=`) or written fresh in bf16. A shared expert's target may be the
     /// same buffers for every rank only when they are added into (the ranks then add in local
     /// order).
-    pub(crate) fn backward_views(
+    ///
+    /// # Safety
+    /// The kernels write through `target`'s addresses, which nothing here can check: each must
+    /// be a live allocation of its gradient's layout (`[E/P, ...]` per rank, bf16, or f32 when
+    /// `accumulate_f32`), left allocated and unwritten by anything else until the stream has run
+    /// the pass.
+    pub(crate) unsafe fn backward_views(
         &mut self,
         gpu: &Gpu,
         experts: &[ExpertsView<'_>],
@@ -1019,7 +1046,8 @@ impl EpLayer {
             });
         }
         if self.backward_megakernel.is_some() {
-            return self.backward_megakernel_pass(gpu, experts, shared, target);
+            // SAFETY: `target` as the caller guarantees.
+            return unsafe { self.backward_megakernel_pass(gpu, experts, shared, target) };
         }
         let gpus = [gpu];
         self.exchange.begin_backward(&gpus)?;
@@ -1052,22 +1080,30 @@ impl EpLayer {
             let w = &experts[local];
             let accumulate_f32 = target.is_some_and(|t| t.accumulate_f32);
             let own = [state.dw[0].device_ptr(), state.dw[1].device_ptr(), state.dw[2].device_ptr()];
-            state.routed.backward(
-                gpu,
-                &self.groups(rank),
-                ExpertBackward {
-                    input_rows: at(r.ring_x),
-                    d_out_rows: at(r.ring_dy),
-                    weights: [w.w_gate, w.w_up, w.w_down],
-                    accumulate_f32,
-                    weight_grads: target.map_or(own, |t| t.routed[local]),
-                },
-            )?;
-            bases.push(self.shared_backward(gpu, local, shared, target)?);
+            // SAFETY: the ring's rows and the rank's group offsets are this layer's exchange
+            // buffers, sized for the ring the workspace was built for; the gradients are the
+            // rank's own buffers or `target`'s, live as the caller guarantees.
+            unsafe {
+                state.routed.backward(
+                    gpu,
+                    &self.groups(rank),
+                    ExpertBackward {
+                        input_rows: at(r.ring_x),
+                        d_out_rows: at(r.ring_dy),
+                        weights: [w.w_gate, w.w_up, w.w_down],
+                        accumulate_f32,
+                        weight_grads: target.map_or(own, |t| t.routed[local]),
+                    },
+                )
+            }?;
+            // SAFETY: `target` as the caller guarantees.
+            bases.push(unsafe { self.shared_backward(gpu, local, shared, target) }?);
         }
         let rows: Vec<u64> = self.ranks.iter().map(|s| s.routed.d_in_rows().device_ptr()).collect();
         let outs: Vec<u64> = self.ranks.iter().map(|s| s.dx.device_ptr()).collect();
-        self.exchange.reverse_dispatch(&gpus, &rows, &bases, &outs)
+        // SAFETY: every rank's f32 dx rows (its workspace's, sized for the ring), its shared
+        // expert's dx rows (or 0) and its dx are this layer's buffers.
+        unsafe { self.exchange.reverse_dispatch(&gpus, &rows, &bases, &outs) }
     }
 
     /// Waits for the GPU and reports any device-side problem of the last passes (a timeout

@@ -508,10 +508,14 @@ impl<P: PassParams> MegakernelPass<P> {
 
     /// Enqueues one pass on one GPU of `tokens` tokens (at most the layer's capacity): cuts
     /// every plan's group maps (zeroing their tile counters), clears the pass counters, then the
-    /// megakernel. `rows` `[T][H]` bf16 (x forward, dy backward), `topk_weights` `[T·k]` f32 and
-    /// `shared_rows` `[T][H]` f32 (the shared expert's output or dx rows; 0 for none) must stay
-    /// allocated until the stream has run it.
-    pub(crate) fn launch(
+    /// megakernel.
+    ///
+    /// # Safety
+    /// `rows` `[T][H]` bf16 (x forward, dy backward), `topk_weights` `[T·k]` f32 and
+    /// `shared_rows` `[T][H]` f32 (the shared expert's output or dx rows; 0 for none) must be
+    /// live allocations that stay allocated until the stream has run the pass: the kernel reads
+    /// them unchecked.
+    pub(crate) unsafe fn launch(
         &mut self,
         gpu: &Gpu,
         plans: &[&EnginePlan],

@@ -351,7 +351,10 @@ impl MoeLayer {
                     let (start, len) = shares.rows(part);
                     layer.copy_dy_from(gpu, rank, dy.sub(start, len).ok_or_else(|| too_short("dy"))?)?;
                 }
-                layer.backward_views(gpu, &experts, inputs.shared, targets.as_ref())?;
+                // SAFETY: the targets are sub-ranges of `grads.weights`, views whose lengths
+                // `grad_targets` checked against every rank's layout, borrowed from device
+                // buffers whose freeing waits for the work using them (driver/buffer.rs).
+                unsafe { layer.backward_views(gpu, &experts, inputs.shared, targets.as_ref()) }?;
                 for (part, &rank) in locals.iter().enumerate() {
                     let out = layer.outputs(rank)?;
                     out.dx.copy_to(&mut sub_mut(&mut grads.dx, "dx", shares.rows(part))?)?;

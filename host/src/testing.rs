@@ -42,7 +42,11 @@ fn box_rows_of(map: &TensorMap, (tensor, words): (&'static str, &DeviceBuffer<u3
 /// One TMA copy of `map`'s box at `(c0, c1)` into swizzled shared memory, copied word for word
 /// to `out` (`box_rows × 32` words): `mok_probe_tma_load`. The map must be a 2-D bf16 map with a
 /// 64-element inner box.
-pub fn probe_tma_load(gpu: &Gpu, map: &TensorMap, (c0, c1): (i32, i32), out: &DeviceBuffer<u32>) -> Result<()> {
+///
+/// # Safety
+/// The tensor `map` was encoded over must still be allocated with the dims the map names (a
+/// map borrows nothing, and the copy reads through it unchecked).
+pub unsafe fn probe_tma_load(gpu: &Gpu, map: &TensorMap, (c0, c1): (i32, i32), out: &DeviceBuffer<u32>) -> Result<()> {
     let box_rows = box_rows_of(map, ("out", out))?;
     let shape = LaunchShape { grid: (1, 1, 1), threads: 32, smem_bytes: box_rows * 128 + 1024 + 64 };
     let args = [
@@ -61,7 +65,17 @@ pub fn probe_tma_load(gpu: &Gpu, map: &TensorMap, (c0, c1): (i32, i32), out: &De
 /// `values` (`box_rows × 32` words) put in shared memory as they are, then one TMA store of the
 /// box to `map` at `(c0, c1)`: `mok_probe_tma_store`. The map must be a 2-D bf16 map with a
 /// 64-element inner box (128B swizzle: shared chunk `c ^ (r % 8)` of row `r` lands at chunk `c`).
-pub fn probe_tma_store(gpu: &Gpu, map: &TensorMap, (c0, c1): (i32, i32), values: &DeviceBuffer<u32>) -> Result<()> {
+///
+/// # Safety
+/// The tensor `map` was encoded over must still be allocated with the dims the map names, and
+/// nothing else may use the box's elements until the stream has run the store (the store
+/// writes through the map unchecked).
+pub unsafe fn probe_tma_store(
+    gpu: &Gpu,
+    map: &TensorMap,
+    (c0, c1): (i32, i32),
+    values: &DeviceBuffer<u32>,
+) -> Result<()> {
     let box_rows = box_rows_of(map, ("values", values))?;
     let shape = LaunchShape { grid: (1, 1, 1), threads: 32, smem_bytes: box_rows * 128 + 1024 };
     let args = [

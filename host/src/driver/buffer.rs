@@ -114,12 +114,21 @@ impl<T: Pod> DeviceBuffer<T> {
             .map_err(|e| cuda_error("cuMemsetD32Async", e))
     }
 
-    /// Enqueues a copy of the first `len` elements (at most the buffer's: the caller checks) to
-    /// device address `dst`, which holds that many, on the stream.
-    pub(crate) fn copy_into_address(&self, dst: u64, len: usize) -> Result<()> {
+    /// Enqueues a copy of the first `len` elements to device address `dst` on the stream.
+    ///
+    /// # Safety
+    /// `dst` holds `len` elements of `T` that stay allocated, and that nothing else writes,
+    /// until the stream has run the copy.
+    pub(crate) unsafe fn copy_into_address(&self, dst: u64, len: usize) -> Result<()> {
+        if len > self.len {
+            return Err(MokError::InvalidInput {
+                tensor: "device buffer",
+                problem: format!("a copy of {len} elements out of a buffer of {}", self.len),
+            });
+        }
         self.gpu.bind()?;
-        // SAFETY: `dst` holds `len` elements and this allocation at least as many (caller
-        // contract); the copy is ordered on the stream with every kernel that reads or writes either.
+        // SAFETY: `dst` holds `len` elements (caller contract) and this allocation at least as
+        // many (checked); the copy is ordered on the stream with every kernel that reads or writes either.
         unsafe { result::memcpy_dtod_async(dst, self.ptr, len * size_of::<T>(), self.gpu.stream) }
             .map_err(|e| cuda_error("cuMemcpyDtoDAsync", e))
     }

@@ -83,7 +83,13 @@ impl Gpu {
 
 impl CapturedGraph {
     /// Enqueues one replay of the graph on the stream it was captured on.
-    pub fn launch(&self) -> Result<()> {
+    ///
+    /// # Safety
+    /// A replay reruns the captured work on the device addresses it had when captured, and
+    /// nothing ties their buffers to the graph: every buffer the captured kernels and copies read
+    /// or write must still be allocated (and sized as captured) until the stream has run the
+    /// replay.
+    pub unsafe fn launch(&self) -> Result<()> {
         self.inner.bind()?;
         // SAFETY: an instantiated graph of this context, and its live stream.
         let launched = unsafe { sys::cuGraphLaunch(self.exec, self.stream) };

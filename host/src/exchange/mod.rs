@@ -571,7 +571,11 @@ impl Exchange {
     /// The push half of [`Self::combine`] (`backward == false`) or [`Self::reverse_dispatch`]:
     /// every local rank writes its ring's f32 rows `rows[i]` into the token owners' slot buffers
     /// and signals them. Separate so a benchmark can time the movers alone.
-    pub fn push(&self, gpus: &[&Gpu], backward: bool, rows: &[u64]) -> Result<()> {
+    ///
+    /// # Safety
+    /// Each `rows[i]` must be a live `[ring rows][H]` f32 allocation (the ring's capacity),
+    /// allocated until the stream has run the launches: the movers read it unchecked.
+    pub unsafe fn push(&self, gpus: &[&Gpu], backward: bool, rows: &[u64]) -> Result<()> {
         self.check_per_rank("rows", rows)?;
         let pass = backward as u32;
         for (i, rank) in self.local() {
@@ -612,7 +616,12 @@ impl Exchange {
     /// The token-owner half of [`Self::combine`] / [`Self::reverse_dispatch`]: every local rank
     /// waits (bounded) for each token tile's rows from every expert owner, then writes
     /// `outs[i]` from `bases[i]` and its slots in fixed order.
-    pub fn sum(&self, gpus: &[&Gpu], backward: bool, bases: &[u64], outs: &[u64]) -> Result<()> {
+    ///
+    /// # Safety
+    /// Each `bases[i]` must be 0 or a live `[T][H]` f32 allocation, each `outs[i]` a live `[T][H]`
+    /// bf16 allocation nothing else writes meanwhile, all allocated until the stream has run the
+    /// launches: the kernels read and write them unchecked.
+    pub unsafe fn sum(&self, gpus: &[&Gpu], backward: bool, bases: &[u64], outs: &[u64]) -> Result<()> {
         self.check_per_rank("bases", bases)?;
         self.check_per_rank("outs", outs)?;
         let pass = backward as u32;
@@ -647,15 +656,27 @@ impl Exchange {
     /// (`rows[i]`, `[ring rows][H]`) to the token owners; each local rank (as token owner) then
     /// waits for its tiles and writes `outs[i]` = `bf16(base + Σ_j w_j · slot_j)` (`[T][H]` bf16;
     /// `bases[i]` the shared expert's f32 output or 0).
-    pub fn combine(&self, gpus: &[&Gpu], rows: &[u64], bases: &[u64], outs: &[u64]) -> Result<()> {
-        self.push(gpus, false, rows)?;
-        self.sum(gpus, false, bases, outs)
+    ///
+    /// # Safety
+    /// As [`Self::push`] for `rows` and [`Self::sum`] for `bases` and `outs`.
+    pub unsafe fn combine(&self, gpus: &[&Gpu], rows: &[u64], bases: &[u64], outs: &[u64]) -> Result<()> {
+        // SAFETY: the caller's contract is theirs.
+        unsafe {
+            self.push(gpus, false, rows)?;
+            self.sum(gpus, false, bases, outs)
+        }
     }
 
     /// Backward reverse-dispatch: like [`Self::combine`] for the f32 dx rows, summed unweighted.
-    pub fn reverse_dispatch(&self, gpus: &[&Gpu], rows: &[u64], bases: &[u64], outs: &[u64]) -> Result<()> {
-        self.push(gpus, true, rows)?;
-        self.sum(gpus, true, bases, outs)
+    ///
+    /// # Safety
+    /// As [`Self::combine`].
+    pub unsafe fn reverse_dispatch(&self, gpus: &[&Gpu], rows: &[u64], bases: &[u64], outs: &[u64]) -> Result<()> {
+        // SAFETY: the caller's contract is theirs.
+        unsafe {
+            self.push(gpus, true, rows)?;
+            self.sum(gpus, true, bases, outs)
+        }
     }
 
     /// `rank`'s ring row offsets (`[L + 1]`, written by the schedule), as a view that lives as long

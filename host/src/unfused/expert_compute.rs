@@ -318,7 +318,14 @@ impl ExpertCompute {
     /// Enqueues gate/up with SwiGLU, then down, over `groups` of `input_rows` (`[R][H]` bf16)
     /// with `weights` = `(w_gate [G, I, H], w_up [G, I, H], w_down [G, H, I])`; the f32 output
     /// rows land in [`Self::out_rows`], the saved pre-activations in this workspace.
-    pub fn forward(
+    ///
+    /// # Safety
+    /// The kernels read and write through raw device addresses that nothing here can check:
+    /// `input_rows` must be a live `[R][H]` bf16 allocation and `groups`' offsets and row count
+    /// live u32 arrays as [`RowGroups`] documents, holding at most `rows_upper_bound` rows in
+    /// groups that fit the weights' G, and all of it must stay allocated until the stream has
+    /// run these launches.
+    pub unsafe fn forward(
         &self,
         gpu: &Gpu,
         groups: &RowGroups,
@@ -398,7 +405,14 @@ impl ExpertCompute {
     /// Enqueues the backward of [`Self::forward`] (same groups and inputs, the forward's saved
     /// rows): down dgrad, SwiGLU backward, gate/up dgrad into [`Self::d_in_rows`] (f32), then the
     /// three weight gradients (bf16), each reducing over a group's rows in order from its first.
-    pub fn backward(&self, gpu: &Gpu, groups: &RowGroups, args: ExpertBackward<'_>) -> Result<()> {
+    ///
+    /// # Safety
+    /// As [`Self::forward`] for `groups` and `args.input_rows`; besides, `args.d_out_rows` must
+    /// be a live `[R][H]` bf16 allocation and `args.weight_grads` live `[G, I, H]`, `[G, I, H]`
+    /// and `[G, H, I]` allocations (bf16, or f32 with `accumulate_f32`), all of it allocated
+    /// until the stream has run these launches, and nothing else may write the gradients
+    /// meanwhile.
+    pub unsafe fn backward(&self, gpu: &Gpu, groups: &RowGroups, args: ExpertBackward<'_>) -> Result<()> {
         groups.check(self.capacity)?;
         let rows = &self.rows;
         let (h, inter) = (self.hidden, self.inter);
@@ -480,19 +494,27 @@ impl ExpertCompute {
 /// The shared expert's forward over `tokens` rows at device address `x`, in its `workspace`
 /// (from [`shared_expert_workspace`]): returns the address of its `[T][H]` f32 output rows, the
 /// first term of every token's sum.
-pub(crate) fn shared_expert_forward(
+///
+/// # Safety
+/// `x` must be a live `[tokens][H]` bf16 allocation until the stream has run the forward
+/// ([`ExpertCompute::forward`]'s contract for its input rows).
+pub(crate) unsafe fn shared_expert_forward(
     gpu: &Gpu,
     (compute, offsets): &(ExpertCompute, DeviceBuffer<u32>),
     tokens: usize,
     x: u64,
     weights: super::SharedExpertView<'_>,
 ) -> Result<u64> {
-    compute.forward(
-        gpu,
-        &RowGroups::all_tokens(offsets, tokens),
-        x,
-        [weights.ws_gate, weights.ws_up, weights.ws_down],
-    )?;
+    // SAFETY: `x` as the caller guarantees; the offsets are the workspace's own `[0, T, 0,
+    // tiles]` buffer, which lives as long as `compute`.
+    unsafe {
+        compute.forward(
+            gpu,
+            &RowGroups::all_tokens(offsets, tokens),
+            x,
+            [weights.ws_gate, weights.ws_up, weights.ws_down],
+        )
+    }?;
     Ok(compute.out_rows().device_ptr())
 }
 

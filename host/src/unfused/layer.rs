@@ -823,12 +823,16 @@ impl UnfusedLayer {
                 unsafe { plan.launch(gpu) }?;
             }
         } else {
-            self.routed.forward(
-                gpu,
-                &groups,
-                self.gathered_x.device_ptr(),
-                [experts.w_gate, experts.w_up, experts.w_down],
-            )?;
+            // SAFETY: the gathered rows and `groups` are this layer's buffers, sized for its
+            // T · k rows, which the workspace was built for.
+            unsafe {
+                self.routed.forward(
+                    gpu,
+                    &groups,
+                    self.gathered_x.device_ptr(),
+                    [experts.w_gate, experts.w_up, experts.w_down],
+                )
+            }?;
         }
         let shared_out = self.shared_forward(gpu, tokens, shared)?;
         let r = &self.routing;
@@ -857,7 +861,9 @@ impl UnfusedLayer {
     /// token's sum (0 for none).
     fn shared_forward(&self, gpu: &Gpu, tokens: TokensView<'_>, shared: Option<SharedExpertView<'_>>) -> Result<u64> {
         let (Some(weights), Some(workspace)) = (shared, &self.shared) else { return Ok(0) };
-        shared_expert_forward(gpu, workspace, self.tokens, tokens.x.device_ptr(), weights)
+        // SAFETY: `tokens.x` is a checked `[T][H]` view that outlives the enqueued work (the
+        // layer's contract for the inputs of a pass).
+        unsafe { shared_expert_forward(gpu, workspace, self.tokens, tokens.x.device_ptr(), weights) }
     }
 
     /// The forward after routing, as the megakernel: the engine's tile offsets, the shared
@@ -882,7 +888,12 @@ impl UnfusedLayer {
         engine::tile_offsets_into(gpu, &self.routing.row_offsets, self.config.num_experts, &engine.tile_offsets)?;
         let shared_engine = self.shared_engine.as_ref().filter(|_| shared.is_some());
         let plans = forward_pass_plans([&engine.forward[0], &engine.forward[1]], shared_engine);
-        pass.launch(gpu, &plans, tokens.x.device_ptr(), tokens.topk_weights.device_ptr(), shared_out, t as u32)
+        // SAFETY: x and the slot weights are checked views of this pass (`[T][H]`, `[T·k]`), the
+        // shared rows the workspace's own; views are borrowed from buffers whose freeing waits
+        // for the work using them.
+        unsafe {
+            pass.launch(gpu, &plans, tokens.x.device_ptr(), tokens.topk_weights.device_ptr(), shared_out, t as u32)
+        }
     }
 
     /// Enqueues the backward pass of the last forward (same inputs) for output gradient `dy`;
@@ -993,17 +1004,22 @@ impl UnfusedLayer {
                 unsafe { plan.launch(gpu) }?;
             }
         } else {
-            self.routed.backward(
-                gpu,
-                &groups,
-                ExpertBackward {
-                    input_rows: self.gathered_x.device_ptr(),
-                    d_out_rows: self.routed.rows.d_rows.device_ptr(),
-                    weights: [experts.w_gate, experts.w_up, experts.w_down],
-                    weight_grads: target.routed,
-                    accumulate_f32: target.accumulate_f32,
-                },
-            )?;
+            // SAFETY: the gathered rows, the output-gradient rows and `groups` are this layer's
+            // buffers; the gradient addresses come from views checked against the config
+            // (`GradAddresses`) that outlive the enqueued work.
+            unsafe {
+                self.routed.backward(
+                    gpu,
+                    &groups,
+                    ExpertBackward {
+                        input_rows: self.gathered_x.device_ptr(),
+                        d_out_rows: self.routed.rows.d_rows.device_ptr(),
+                        weights: [experts.w_gate, experts.w_up, experts.w_down],
+                        weight_grads: target.routed,
+                        accumulate_f32: target.accumulate_f32,
+                    },
+                )
+            }?;
         }
         let shared_dx = self.shared_backward(gpu, (tokens, shared), dy, &target)?;
         let r = &self.routing;
@@ -1065,7 +1081,10 @@ impl UnfusedLayer {
         engine::tile_offsets_into(gpu, &self.routing.row_offsets, e, &engine.tile_offsets)?;
         let plans =
             backward_pass_plans(backward_plans(engine), self.shared_engine.as_ref().filter(|_| shared.is_some()));
-        pass.launch(gpu, &plans, dy.device_ptr(), tokens.topk_weights.device_ptr(), shared_dx, t as u32)
+        // SAFETY: dy and the slot weights are checked views of this pass (`[T][H]`, `[T·k]`),
+        // the shared dx rows the workspace's own; views are borrowed from buffers whose freeing
+        // waits for the work using them.
+        unsafe { pass.launch(gpu, &plans, dy.device_ptr(), tokens.topk_weights.device_ptr(), shared_dx, t as u32) }
     }
 
     /// The shared expert's backward (when the layer has one): its weight gradients into
@@ -1079,18 +1098,23 @@ impl UnfusedLayer {
     ) -> Result<u64> {
         let (Some(weights), Some((compute, offsets))) = (shared, &self.shared) else { return Ok(0) };
         let grads = target.shared.expect("checked against the config");
-        compute.backward(
-            gpu,
-            &RowGroups::all_tokens(offsets, self.tokens),
-            ExpertBackward {
-                input_rows: tokens.x.device_ptr(),
-                // The shared expert's output is added unscaled, so its output gradient is dy.
-                d_out_rows: dy.device_ptr(),
-                weights: [weights.ws_gate, weights.ws_up, weights.ws_down],
-                weight_grads: grads,
-                accumulate_f32: target.accumulate_f32,
-            },
-        )?;
+        // SAFETY: `tokens.x` and `dy` are checked `[T][H]` views and `grads` comes from checked
+        // views (`GradAddresses`), all outliving the enqueued work; the offsets are the
+        // workspace's own.
+        unsafe {
+            compute.backward(
+                gpu,
+                &RowGroups::all_tokens(offsets, self.tokens),
+                ExpertBackward {
+                    input_rows: tokens.x.device_ptr(),
+                    // The shared expert's output is added unscaled, so its output gradient is dy.
+                    d_out_rows: dy.device_ptr(),
+                    weights: [weights.ws_gate, weights.ws_up, weights.ws_down],
+                    weight_grads: grads,
+                    accumulate_f32: target.accumulate_f32,
+                },
+            )
+        }?;
         Ok(compute.d_in_rows().device_ptr())
     }
 
