@@ -35,8 +35,8 @@ use crate::tiles::GEMM_TILE_M;
 #[inline(always)]
 pub unsafe fn warp_copy(src: *const u32, dst: *mut u32, vectors: usize, lane: usize) {
     let mut v = lane;
-    // SAFETY (all accesses): v + 96 < vectors in the first loop, v < vectors in the second.
     while v + 96 < vectors {
+        // SAFETY: v + 96 < vectors, so all four vectors lie in `src` (caller contract).
         let (a, b, c, d) = unsafe {
             (
                 ld_global_v4(src.add(v * 4)),
@@ -45,6 +45,7 @@ pub unsafe fn warp_copy(src: *const u32, dst: *mut u32, vectors: usize, lane: us
                 ld_global_v4(src.add((v + 96) * 4)),
             )
         };
+        // SAFETY: v + 96 < vectors, so all four vectors lie in `dst` (caller contract).
         unsafe {
             st_global_v4(dst.add(v * 4), a);
             st_global_v4(dst.add((v + 32) * 4), b);
@@ -54,6 +55,7 @@ pub unsafe fn warp_copy(src: *const u32, dst: *mut u32, vectors: usize, lane: us
         v += 128;
     }
     while v < vectors {
+        // SAFETY: v < vectors, so the vector lies in both ranges (caller contract).
         unsafe { st_global_v4(dst.add(v * 4), ld_global_v4(src.add(v * 4))) };
         v += 32;
     }
@@ -73,9 +75,10 @@ pub unsafe fn warp_copy_scaled_bf16(src: *const u32, dst: *mut u32, vectors: usi
         vector
     };
     let mut v = lane;
-    // SAFETY (all accesses): as in `warp_copy`.
     while v + 32 < vectors {
+        // SAFETY: v + 32 < vectors, so both vectors lie in `src` (caller contract).
         let (a, b) = unsafe { (ld_global_v4(src.add(v * 4)), ld_global_v4(src.add((v + 32) * 4))) };
+        // SAFETY: v + 32 < vectors, so both vectors lie in `dst` (caller contract).
         unsafe {
             st_global_v4(dst.add(v * 4), scale(a));
             st_global_v4(dst.add((v + 32) * 4), scale(b));
@@ -83,6 +86,7 @@ pub unsafe fn warp_copy_scaled_bf16(src: *const u32, dst: *mut u32, vectors: usi
         v += 64;
     }
     while v < vectors {
+        // SAFETY: v < vectors, so the vector lies in both ranges (caller contract).
         unsafe { st_global_v4(dst.add(v * 4), scale(ld_global_v4(src.add(v * 4)))) };
         v += 32;
     }
@@ -238,8 +242,10 @@ pub unsafe fn push_rows(view: &RankView, pass: Pass, rows: *const f32, warp: u32
     let h = p.hidden as usize;
     let mut row = warp;
     while row < ring.total {
-        // SAFETY: row < total; the slot is below T·k on its owner; f32 rows are 16-byte aligned.
+        // SAFETY: row < total.
         let (source, slot) = unsafe { ring.source(row) };
+        // SAFETY: `rows` holds ring row `row` (caller contract); the slot is below T·k on its
+        // owner; f32 rows are 16-byte aligned (H % 8 == 0, regions 256-byte aligned).
         unsafe {
             let src = rows.add(row as usize * h) as *const u32;
             let dst = view.peer::<f32>(slot_region, source).add(slot as usize * h) as *mut u32;
@@ -410,8 +416,9 @@ pub unsafe fn push_rows_bulk(view: &RankView, pass: Pass, rows: *const f32, bloc
     let h = p.hidden as usize;
     let mut row = block;
     while row < ring.total {
-        // SAFETY: as in `push_rows`.
+        // SAFETY: row < total.
         let (source, slot) = unsafe { ring.source(row) };
+        // SAFETY: both ranges valid and 16-byte aligned, as for the row copy in `push_rows`.
         let copied = unsafe {
             let src = rows.add(row as usize * h) as *const u8;
             let dst = view.peer::<f32>(slot_region, source).add(slot as usize * h) as *mut u8;

@@ -96,8 +96,15 @@ fn store_stage(op: &TileOperand, stage: u32, staged: &[[u32; 4]; VECTORS_PER_THR
 }
 
 /// `acc += Σ_k A(m, k) B(n, k)` over one K segment. Block-collective.
+///
+/// # Safety
+/// All 128 threads of the block call it in uniform control flow, and the block has
+/// `GEMM_SMEM_BYTES` of dynamic shared memory that nothing else uses meanwhile. Each operand's
+/// `rows` (≤ 64) × `depth` elements at `origin` and `pitch` are readable global memory; `origin`
+/// is 16-byte aligned and `pitch` a multiple of 8; `depth` is a multiple of 8 for a K-contiguous
+/// operand, `rows` for a K-outer one.
 #[inline(always)]
-pub fn accumulate(acc: &mut Accumulators, segment: &KSegment) {
+pub unsafe fn accumulate(acc: &mut Accumulators, segment: &KSegment) {
     let thread = sreg::thread_idx_x();
     let lane = thread % 32;
     let warp = thread / 32;

@@ -16,11 +16,15 @@ pub fn grid_thread() -> (usize, usize) {
 
 /// Zeroes the `num_experts` u32 counters of a routing chunk at shared address `counters`, then
 /// a block barrier. Block-collective; the first step of both chunk-ranking kernels.
+///
+/// # Safety
+/// `counters` is a 4-byte aligned shared address of this block with `num_experts` u32 that
+/// nothing else uses meanwhile; every thread of the block calls it in uniform control flow.
 #[inline(always)]
-pub fn zero_chunk_counters(counters: u32, num_experts: u32) {
+pub unsafe fn zero_chunk_counters(counters: u32, num_experts: u32) {
     let mut e = sreg::thread_idx_x();
     while e < num_experts {
-        // SAFETY: the launch gives `num_experts` u32 of dynamic shared memory at `counters`.
+        // SAFETY: e < E, inside the caller's `num_experts` u32 at `counters`.
         unsafe { crate::ptx::memory::st_shared_u32(counters + 4 * e, 0) };
         e += sreg::block_dim_x();
     }

@@ -45,24 +45,34 @@ pub unsafe extern "ptx-kernel" fn mok_gemm_gate_up_swiglu(
     let (h, i) = (hidden as usize, inter as usize);
     let columns = tile_columns(n0, inter);
     let weight_offset = tile.group as usize * i * h + n0 as usize * h;
-    // SAFETY (origins): the tile's first row and first column lie inside the tensors.
     let a = TileOperand {
+        // SAFETY: first_row < R, inside `rows`.
         origin: unsafe { rows.add(tile.first_row as usize * h) },
         pitch: h,
         rows: tile.rows,
         k_contiguous: true,
     };
-    let gate_b =
-        TileOperand { origin: unsafe { w_gate.add(weight_offset) }, pitch: h, rows: columns, k_contiguous: true };
+    let gate_b = TileOperand {
+        // SAFETY: group < G and n0 < inter, inside `w_gate`.
+        origin: unsafe { w_gate.add(weight_offset) },
+        pitch: h,
+        rows: columns,
+        k_contiguous: true,
+    };
+    // SAFETY: as `gate_b`, inside `w_up`.
     let up_b = TileOperand { origin: unsafe { w_up.add(weight_offset) }, pitch: h, rows: columns, k_contiguous: true };
     // One accumulator set at a time keeps register pressure at the single-GEMM level: the
     // gate tile goes to `gate_out`, then the up tile is formed and the epilogue re-reads the
     // gate values this same thread just wrote (visible to it without a fence).
     let mut acc: Accumulators = [0.0; 32];
-    gemm::accumulate(&mut acc, &KSegment { a, b: gate_b, depth: hidden });
-    store_f32_tile(&acc, gate_out, tile.first_row, tile.rows, n0, columns, inter);
+    // SAFETY: the whole block with `GEMM_SMEM_BYTES` of shared memory (launch contract); the
+    // operands lie inside the tensors, origins and pitches multiples of 8 (hidden, inter).
+    unsafe { gemm::accumulate(&mut acc, &KSegment { a, b: gate_b, depth: hidden }) };
+    // SAFETY: the tile's rows and columns lie inside `gate_out` `[R][inter]`; `columns` is even.
+    unsafe { store_f32_tile(&acc, gate_out, tile.first_row, tile.rows, n0, columns, inter) };
     acc = [0.0; 32];
-    gemm::accumulate(&mut acc, &KSegment { a, b: up_b, depth: hidden });
+    // SAFETY: as for the gate tile.
+    unsafe { gemm::accumulate(&mut acc, &KSegment { a, b: up_b, depth: hidden }) };
     for_each_output_pair(|index, row, col| {
         if row >= tile.rows || col >= columns {
             return;
@@ -83,12 +93,24 @@ pub unsafe extern "ptx-kernel" fn mok_gemm_gate_up_swiglu(
 }
 
 /// Writes an f32 accumulator tile to `out[(first_row + row) * width + n0 + col]`.
+///
+/// # Safety
+/// Elements `(first_row + row) * width + n0 + col` of `out` are writable for every `row < rows`
+/// and `col < columns`; `columns` is even (a pair's second column is not checked).
 #[inline(always)]
-fn store_f32_tile(acc: &Accumulators, out: *mut f32, first_row: u32, rows: u32, n0: u32, columns: u32, width: u32) {
+unsafe fn store_f32_tile(
+    acc: &Accumulators,
+    out: *mut f32,
+    first_row: u32,
+    rows: u32,
+    n0: u32,
+    columns: u32,
+    width: u32,
+) {
     for_each_output_pair(|index, row, col| {
         if row < rows && col < columns {
             let at = (first_row + row) as usize * width as usize + (n0 + col) as usize;
-            // SAFETY: inside the valid region of the output (caller's tile bounds).
+            // SAFETY: row < rows and col + 1 < columns (even): inside the output (caller contract).
             unsafe {
                 *out.add(at) = acc[index];
                 *out.add(at + 1) = acc[index + 1];
@@ -121,22 +143,26 @@ pub unsafe extern "ptx-kernel" fn mok_gemm_rows_nt(
     let n0 = sreg::block_idx_y() * GEMM_TILE_N;
     let columns = tile_columns(n0, n);
     let (nn, kk) = (n as usize, k as usize);
-    // SAFETY (origins): inside the tensors.
     let a = TileOperand {
+        // SAFETY: first_row < R, inside `rows`.
         origin: unsafe { rows.add(tile.first_row as usize * kk) },
         pitch: kk,
         rows: tile.rows,
         k_contiguous: true,
     };
     let b = TileOperand {
+        // SAFETY: group < G and n0 < n, inside `b`.
         origin: unsafe { b.add(tile.group as usize * nn * kk + n0 as usize * kk) },
         pitch: kk,
         rows: columns,
         k_contiguous: true,
     };
     let mut acc: Accumulators = [0.0; 32];
-    gemm::accumulate(&mut acc, &KSegment { a, b, depth: k });
-    store_f32_tile(&acc, out, tile.first_row, tile.rows, n0, columns, n);
+    // SAFETY: the whole block with `GEMM_SMEM_BYTES` of shared memory (launch contract); the
+    // operands lie inside the tensors, origins and pitches multiples of 8 (n, k).
+    unsafe { gemm::accumulate(&mut acc, &KSegment { a, b, depth: k }) };
+    // SAFETY: the tile's rows and columns lie inside `out` `[R][n]`; `columns` is even.
+    unsafe { store_f32_tile(&acc, out, tile.first_row, tile.rows, n0, columns, n) };
 }
 
 /// Row-grouped data gradient, f32 out:
@@ -169,15 +195,16 @@ pub unsafe extern "ptx-kernel" fn mok_gemm_rows_nn(
     let mut acc: Accumulators = [0.0; 32];
     let segment = |a: *const u16, b: *const u16, k: u32| {
         let kk = k as usize;
-        // SAFETY (origins): inside the tensors.
         KSegment {
             a: TileOperand {
+                // SAFETY: first_row < R, inside `a` `[R][k]`.
                 origin: unsafe { a.add(tile.first_row as usize * kk) },
                 pitch: kk,
                 rows: tile.rows,
                 k_contiguous: true,
             },
             b: TileOperand {
+                // SAFETY: group < G and n0 < n, inside `b` `[G][k][n]`.
                 origin: unsafe { b.add(tile.group as usize * kk * n as usize + n0 as usize) },
                 pitch: n as usize,
                 rows: columns,
@@ -186,11 +213,15 @@ pub unsafe extern "ptx-kernel" fn mok_gemm_rows_nn(
             depth: k,
         }
     };
-    gemm::accumulate(&mut acc, &segment(a1, b1, k1));
+    // SAFETY: the whole block with `GEMM_SMEM_BYTES` of shared memory (launch contract); the
+    // operands lie inside the tensors, origins and pitches multiples of 8 (the layer's widths).
+    unsafe { gemm::accumulate(&mut acc, &segment(a1, b1, k1)) };
     if !a2.is_null() {
-        gemm::accumulate(&mut acc, &segment(a2, b2, k2));
+        // SAFETY: as for segment 1 (segment 2 is present).
+        unsafe { gemm::accumulate(&mut acc, &segment(a2, b2, k2)) };
     }
-    store_f32_tile(&acc, out, tile.first_row, tile.rows, n0, columns, n);
+    // SAFETY: the tile's rows and columns lie inside `out` `[R][n]`; `columns` is even.
+    unsafe { store_f32_tile(&acc, out, tile.first_row, tile.rows, n0, columns, n) };
 }
 
 /// Weight gradient per group, reducing over the group's rows in order:
@@ -219,16 +250,18 @@ pub unsafe extern "ptx-kernel" fn mok_gemm_wgrad(
     let (begin, end) = unsafe { (*row_offsets.add(group as usize), *row_offsets.add(group as usize + 1)) };
     let (mm, nn) = (m as usize, n as usize);
     let (m_rows, n_rows) = (tile_columns(m0, m), tile_columns(n0, n));
-    // SAFETY (origins): row `begin` and columns m0 / n0 are inside the tensors (when the group
-    // is empty the segment has depth 0 and nothing is read).
+    // The origins: row `begin` and columns m0 / n0 are inside the tensors (when the group is
+    // empty the segment has depth 0 and nothing is read).
     let segment = KSegment {
         a: TileOperand {
+            // SAFETY: row `begin`, column m0 < m of `a` (see above).
             origin: unsafe { a.add(begin as usize * mm + m0 as usize) },
             pitch: mm,
             rows: m_rows,
             k_contiguous: false,
         },
         b: TileOperand {
+            // SAFETY: row `begin`, column n0 < n of `b` (see above).
             origin: unsafe { b.add(begin as usize * nn + n0 as usize) },
             pitch: nn,
             rows: n_rows,
@@ -237,7 +270,9 @@ pub unsafe extern "ptx-kernel" fn mok_gemm_wgrad(
         depth: end - begin,
     };
     let mut acc: Accumulators = [0.0; 32];
-    gemm::accumulate(&mut acc, &segment);
+    // SAFETY: the whole block with `GEMM_SMEM_BYTES` of shared memory (launch contract); the
+    // group's rows of both operands lie inside them, origins and pitches multiples of 8 (m, n).
+    unsafe { gemm::accumulate(&mut acc, &segment) };
     let group_base = group as usize * mm * nn;
     for_each_output_pair(|index, row, col| {
         if row >= m_rows || col >= n_rows {

@@ -47,7 +47,9 @@ pub(crate) unsafe fn rank_chunks_block(
     let chunk = sreg::block_idx_x();
     let thread = sreg::thread_idx_x();
     let counters = smem::dynamic_smem_base();
-    zero_chunk_counters(counters, num_experts);
+    // SAFETY: the launch gives `num_experts` u32 of dynamic shared memory for the counters; the
+    // whole block calls it.
+    unsafe { zero_chunk_counters(counters, num_experts) };
     let first_token = chunk * layout::ROUTE_CHUNK_TOKENS;
     let chunk_tokens = (tokens - first_token).min(layout::ROUTE_CHUNK_TOKENS);
     let first_slot = first_token * top_k;

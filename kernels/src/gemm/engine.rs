@@ -55,6 +55,13 @@ pub use crate::gemm_layout::Variant;
 /// A consumer warpgroup: MMAs over the stages, then the epilogue, tile after tile, from `walk`
 /// until the stage that names [`NO_TILE`]. Returns the walk at that stage, which it has not
 /// released: the last phase of a kernel leaves it so; [`next_phase`] releases it before another.
+///
+/// # Safety
+/// The whole consumer warpgroup `wg` (`thread_in_wg` its thread's index) calls it in uniform
+/// control flow, in a block of [`ENGINE_THREADS`] threads with the engine's dynamic shared memory;
+/// the ring's barriers are initialised (`init_barriers`, in both blocks of a pair); `p` is a valid
+/// parameter block of variant `V` (outputs and maps as the host contract of [`run`] states) whose
+/// tiles the producer hands out with [`produce`] from the same `walk`; the hooks' contracts hold.
 #[inline(always)]
 pub(super) unsafe fn consume<const V: u32, H: TileHooks>(
     p: &GemmParams,
@@ -93,7 +100,9 @@ pub(super) unsafe fn consume<const V: u32, H: TileHooks>(
             for _ in 0..w.k_blocks.max(1) {
                 // SAFETY: initialised barrier of this block.
                 unsafe { mbarrier::wait_parity(ring.full(stage), phase) };
-                release::<V>(ring, stage, thread_in_wg);
+                // SAFETY: initialised barriers (caller contract); the stage's `full` phase passed
+                // and nothing reads it.
+                unsafe { release::<V>(ring, stage, thread_in_wg) };
                 ring.advance::<V>(&mut stage, &mut phase);
             }
             continue;
@@ -101,13 +110,17 @@ pub(super) unsafe fn consume<const V: u32, H: TileHooks>(
         let mut acc = [0.0f32; ACCUMULATORS];
         if w.k_blocks == 0 {
             // An empty group's weight gradient: the tile's stage carried only its name.
-            release::<V>(ring, stage, thread_in_wg);
+            // SAFETY: initialised barriers (caller contract); the name was read after the
+            // stage's `full` wait above.
+            unsafe { release::<V>(ring, stage, thread_in_wg) };
             ring.advance::<V>(&mut stage, &mut phase);
         } else {
             // Only the path that issued MMAs waits for them: a zero-trip path reaching the wait
             // lets LLVM place the zeroing of `acc` inside the wgmma pipeline, and ptxas then
             // serialises every wgmma of the kernel (C7515).
-            mainloop::<V>(&mut acc, ring, (&mut stage, &mut phase), w.k_blocks, wg, thread_in_wg);
+            // SAFETY: caller contract: initialised barriers, a whole warpgroup in uniform flow,
+            // and the producer fills this tile's `k_blocks` stages from here.
+            unsafe { mainloop::<V>(&mut acc, ring, (&mut stage, &mut phase), w.k_blocks, wg, thread_in_wg) };
         }
         // SAFETY: outputs sized by the host contract; the hooks' contract.
         unsafe {
@@ -128,10 +141,15 @@ pub(super) unsafe fn consume<const V: u32, H: TileHooks>(
 
 /// A consumer warpgroup between two engine phases of one kernel: releases the stage that named
 /// [`NO_TILE`] (the producers wait for it like for any other) and steps past it.
+///
+/// # Safety
+/// As [`release`]: the ring's barriers are initialised; every thread of the consumer warpgroup
+/// calls it with the walk [`consume`] returned.
 #[inline(always)]
-pub(super) fn next_phase<const V: u32>(ring: Ring, walk: Walk, thread_in_wg: u32) -> Walk {
+pub(super) unsafe fn next_phase<const V: u32>(ring: Ring, walk: Walk, thread_in_wg: u32) -> Walk {
     let Walk { mut stage, mut phase, mail_phases } = walk;
-    release::<V>(ring, stage, thread_in_wg);
+    // SAFETY: caller contract; `consume` waited for the stage's `full` phase and is done with it.
+    unsafe { release::<V>(ring, stage, thread_in_wg) };
     ring.advance::<V>(&mut stage, &mut phase);
     Walk { stage, phase, mail_phases }
 }
@@ -298,7 +316,7 @@ pub unsafe fn run_forward_phases<H: TileHooks, R: Copy>(
     } else {
         sync::claim_registers::<PAIRED_CONSUMER_REGISTERS>();
         let (wg, t) = (warpgroup - 1, thread % 128);
-        // SAFETY: a whole consumer warpgroup.
+        // SAFETY: a whole consumer warpgroup; both blocks' barriers initialised above.
         unsafe {
             let mut walk = Walk::START;
             let mut rank;
@@ -455,7 +473,7 @@ pub unsafe fn run_backward_phases<H: TileHooks>(
     } else {
         sync::claim_registers::<PAIRED_CONSUMER_REGISTERS>();
         let (wg, t) = (warpgroup - 1, thread % 128);
-        // SAFETY: a whole consumer warpgroup.
+        // SAFETY: a whole consumer warpgroup; both blocks' barriers initialised above.
         unsafe {
             let mut walk = Walk::START;
             let mut phase = first(B::SHARED_DOWN_DGRAD);

@@ -77,8 +77,9 @@ pub(super) struct OutputBox {
 /// by [`scatter_rows`] instead.
 ///
 /// # Safety
-/// `staging` is this warpgroup's staging; the maps and outputs match the variant (host contract);
-/// a `scatter` is valid for `p` ([`RowScatter`]'s regions hold every row's slot).
+/// The whole consumer warpgroup `wg` calls it; `staging` is this warpgroup's staging; the maps
+/// and outputs match the variant (host contract); a `scatter` is valid for `p` ([`RowScatter`]'s
+/// regions hold every row's slot).
 #[inline(always)]
 pub(super) unsafe fn epilogue<const V: u32>(
     p: &GemmParams,
@@ -114,11 +115,15 @@ pub(super) unsafe fn epilogue<const V: u32>(
         // hidden columns n0 + col: one pass of 128 bf16 columns.
         const UP: usize = ACCUMULATORS / 2;
         let limit = p.swiglu_limit;
-        staged_pass(staging, wg, thread_in_wg, 0, N8_BLOCKS / 2, out, true, false, false, |index| {
-            let (cg0, cu0) = math::clamp_gate_up(acc[index], acc[index + UP], limit);
-            let (cg1, cu1) = math::clamp_gate_up(acc[index + 1], acc[index + UP + 1], limit);
-            [f32x2_to_bf16x2(math::swiglu(cg0, cu0), math::swiglu(cg1, cu1)), 0]
-        });
+        // SAFETY: the whole warpgroup with its staging (caller contract); `out` is the variant's
+        // output map or the group's cut map, acquired above by the storing thread.
+        unsafe {
+            staged_pass(staging, wg, thread_in_wg, 0, N8_BLOCKS / 2, out, true, false, false, |index| {
+                let (cg0, cu0) = math::clamp_gate_up(acc[index], acc[index + UP], limit);
+                let (cg1, cu1) = math::clamp_gate_up(acc[index + 1], acc[index + UP + 1], limit);
+                [f32x2_to_bf16x2(math::swiglu(cg0, cu0), math::swiglu(cg1, cu1)), 0]
+            })
+        };
         if p.out1 != 0 {
             // SAFETY: as the caller's.
             unsafe { store_pre_activations(p, w, acc, wg, thread_in_wg) };
@@ -129,18 +134,21 @@ pub(super) unsafe fn epilogue<const V: u32>(
         let xor_addresses = V == Variant::WGRAD_IN_PAIR;
         for pass in 0..passes {
             let first = pass * N8_BLOCKS / passes;
-            staged_pass(
-                staging,
-                wg,
-                thread_in_wg,
-                first,
-                first + N8_BLOCKS / passes,
-                out,
-                true,
-                false,
-                xor_addresses,
-                |index| [f32x2_to_bf16x2(acc[index], acc[index + 1]), 0],
-            );
+            // SAFETY: as for the SwiGLU pass above.
+            unsafe {
+                staged_pass(
+                    staging,
+                    wg,
+                    thread_in_wg,
+                    first,
+                    first + N8_BLOCKS / passes,
+                    out,
+                    true,
+                    false,
+                    xor_addresses,
+                    |index| [f32x2_to_bf16x2(acc[index], acc[index + 1]), 0],
+                )
+            };
         }
     } else {
         // f32: 256 columns, 32 per box; the f32 weight gradient adds into its output.
@@ -148,18 +156,21 @@ pub(super) unsafe fn epilogue<const V: u32>(
         let passes = const { 8 / staging_boxes(V) };
         for pass in 0..passes {
             let first = pass * N8_BLOCKS / passes;
-            staged_pass(
-                staging,
-                wg,
-                thread_in_wg,
-                first,
-                first + N8_BLOCKS / passes,
-                out,
-                false,
-                add,
-                false,
-                |index| [acc[index].to_bits(), acc[index + 1].to_bits()],
-            );
+            // SAFETY: as for the SwiGLU pass above.
+            unsafe {
+                staged_pass(
+                    staging,
+                    wg,
+                    thread_in_wg,
+                    first,
+                    first + N8_BLOCKS / passes,
+                    out,
+                    false,
+                    add,
+                    false,
+                    |index| [acc[index].to_bits(), acc[index + 1].to_bits()],
+                )
+            };
         }
     }
 }
@@ -270,9 +281,15 @@ pub(super) const OUTPUT_SLOT: u32 = 2;
 /// megakernel, whose consumers have no registers to spare for them (its weight gradients alone
 /// 19.2 → 15.6 ms at kimi 8192), not the standalone kernels, which were slower with it (the
 /// standalone weight gradient 9–16 %, docs/PERF.md).
+///
+/// # Safety
+/// The whole consumer warpgroup `wg` calls it in uniform control flow; `staging` is its own
+/// staging area (1024-aligned, used by nothing else) and holds the pass's boxes; `out.map` is a
+/// valid (acquired) tensor map of the output with 64-row boxes of 128 bytes, 3-D with
+/// `out.group`, over memory the tile may write (add into, for `add`).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-pub(super) fn staged_pass(
+pub(super) unsafe fn staged_pass(
     staging: u32,
     wg: u32,
     thread_in_wg: u32,

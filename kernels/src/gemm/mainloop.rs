@@ -43,11 +43,17 @@ pub(super) fn stage_descriptors<const V: u32>(ring: Ring, stage: u32, wg: u32) -
 /// warp is done with the stage — its MMAs reading it have completed, or, on the paths without
 /// MMAs, at once (only lane 0, the arriving lane, read the tile slot: see `consume`). In a pair, the warp also arrives on the partner's
 /// barrier (its producer multicasts into this block's stage): 16 arrivals per phase there.
+///
+/// # Safety
+/// The ring's barriers are initialised (`init_barriers`, in both blocks of a pair, the partner
+/// staying until the final cluster barrier); each consumer warp calls it once per phase of
+/// `stage`, after that phase's `full` wait and once done reading the stage (`thread_in_wg`: the
+/// thread's index in its warpgroup).
 #[inline(always)]
-pub(super) fn release<const V: u32>(ring: Ring, stage: u32, thread_in_wg: u32) {
+pub(super) unsafe fn release<const V: u32>(ring: Ring, stage: u32, thread_in_wg: u32) {
     if thread_in_wg % 32 == 0 {
         // SAFETY: initialised barriers of this block and of the partner, which stays until the
-        // final cluster barrier.
+        // final cluster barrier (caller contract).
         unsafe {
             mbarrier::arrive(ring.empty::<V>(stage));
             if own_empty_arrivals(V) > 1 {
@@ -62,8 +68,14 @@ pub(super) fn release<const V: u32>(ring: Ring, stage: u32, thread_in_wg: u32) {
 
 /// The MMAs of one tile over its `k_blocks` (> 0) stages, each stage released once the MMAs
 /// reading it are done; leaves `stage` / `phase` at the tile's next stage.
+///
+/// # Safety
+/// The ring's barriers are initialised, as [`release`] requires; the whole consumer warpgroup
+/// `wg` calls it in uniform control flow (the `wgmma`s are warpgroup-collective); `(stage,
+/// phase)` is where the tile's first K block is, and the producer fills `k_blocks` stages from
+/// there with the variant's tiles.
 #[inline(always)]
-pub(super) fn mainloop<const V: u32>(
+pub(super) unsafe fn mainloop<const V: u32>(
     acc: &mut [f32; ACCUMULATORS],
     ring: Ring,
     (stage, phase): (&mut u32, &mut u32),
@@ -92,13 +104,15 @@ pub(super) fn mainloop<const V: u32>(
         }
         wgmma::wait_keep_one_n256(acc);
         if let Some(done) = in_flight {
-            release::<V>(ring, done, thread_in_wg);
+            // SAFETY: the MMAs reading `done` have completed (the wait above); caller contract.
+            unsafe { release::<V>(ring, done, thread_in_wg) };
         }
         in_flight = Some(*stage);
         ring.advance::<V>(stage, phase);
     }
     wgmma::wait_all_n256(acc);
     if let Some(done) = in_flight {
-        release::<V>(ring, done, thread_in_wg);
+        // SAFETY: every MMA has completed (the wait above); caller contract.
+        unsafe { release::<V>(ring, done, thread_in_wg) };
     }
 }

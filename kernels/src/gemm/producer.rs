@@ -31,6 +31,13 @@ pub(super) const B_HALF_BYTES: u32 = B_TILE_BYTES / 2;
 ///
 /// Starts at `walk` and returns where the walk stands after the stage that carried [`NO_TILE`]
 /// (the next phase of a persistent kernel starts there).
+///
+/// # Safety
+/// Called by one thread of the block (the producer), in a block set up as
+/// [`consume`](super::engine::consume) requires (ring barriers initialised, in both blocks of a
+/// pair); `p` is a valid parameter block of variant `V` (offsets, maps and group maps as the host
+/// contract of `run` states, its tile counter zeroed before the launch), whose consumers run
+/// `consume` from the same `walk`; the hooks' contracts hold.
 #[inline(always)]
 pub(super) unsafe fn produce<const V: u32, H: TileHooks>(p: &GemmParams, ring: Ring, hooks: H, walk: Walk) -> Walk {
     // SAFETY: the offsets in `p` hold groups + 1 (rows) and 2 · (groups + 1) (tiles) entries
@@ -66,7 +73,8 @@ pub(super) unsafe fn produce<const V: u32, H: TileHooks>(p: &GemmParams, ring: R
         taken += 1;
         if tile >= total {
             // Tell the consumers (and the partner) through the next stage.
-            name_in_copyless_stage::<V>(ring, stage, phase, NO_TILE);
+            // SAFETY: caller contract: initialised barriers, the producer thread at its walk.
+            unsafe { name_in_copyless_stage::<V>(ring, stage, phase, NO_TILE) };
             ring.advance::<V>(&mut stage, &mut phase);
             return Walk { stage, phase, mail_phases };
         }
@@ -76,7 +84,8 @@ pub(super) unsafe fn produce<const V: u32, H: TileHooks>(p: &GemmParams, ring: R
         if w.k_blocks == 0 {
             // A weight gradient of an empty group: no copies, but the consumers still learn the
             // tile (they store its zeros).
-            name_in_copyless_stage::<V>(ring, stage, phase, tile);
+            // SAFETY: as for the `NO_TILE` stage above.
+            unsafe { name_in_copyless_stage::<V>(ring, stage, phase, tile) };
             ring.advance::<V>(&mut stage, &mut phase);
             continue;
         }
@@ -261,10 +270,15 @@ pub(super) unsafe fn receive_tile<const V: u32>(ring: Ring, stage: u32, mail_pha
 
 /// Waits for `stage` to be free, names `value` (a tile, or [`NO_TILE`]) in its tile slot and
 /// completes its `full` phase with a plain arrival: a stage without copies that only names.
+///
+/// # Safety
+/// The ring's barriers are initialised (`init_barriers`, in both blocks of a pair, the partner
+/// staying until the final cluster barrier); called by the block's producer thread at its walk's
+/// `(stage, phase)`.
 #[inline(always)]
-pub(super) fn name_in_copyless_stage<const V: u32>(ring: Ring, stage: u32, phase: u32, value: u32) {
-    // SAFETY: initialised barriers of this block (the producer thread); the slot is free once the
-    // stage is, and the arrival publishes it.
+pub(super) unsafe fn name_in_copyless_stage<const V: u32>(ring: Ring, stage: u32, phase: u32, value: u32) {
+    // SAFETY: initialised barriers of this block (the producer thread, caller contract); the slot
+    // is free once the stage is, and the arrival publishes it.
     unsafe {
         mbarrier::wait_parity(ring.empty::<V>(stage), phase ^ 1);
         name_tile::<V>(ring, stage, value);

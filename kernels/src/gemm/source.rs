@@ -38,6 +38,10 @@ pub(super) fn n_tiles<const V: u32>(p: &GemmParams) -> u32 {
 }
 
 /// Number of tiles of the launch (from device-written offsets for row-grouped variants).
+///
+/// # Safety
+/// Row-grouped variants: `p.tile_offsets` holds `2 · (groups + 1)` u32 written by the layout
+/// (host contract of `run`); weight gradients read nothing.
 #[inline(always)]
 pub(super) unsafe fn tile_count<const V: u32>(p: &GemmParams) -> u32 {
     if is_wgrad(V) {
@@ -61,6 +65,11 @@ pub(super) unsafe fn tile_offset(p: &GemmParams, i: u32) -> u32 {
     unsafe { *(p.tile_offsets as *const u32).add(i as usize) }
 }
 
+/// What tile `tile` of the launch is: its group, rows, columns and K blocks.
+///
+/// # Safety
+/// `tile < tile_count::<V>(p)` (so its group is below `groups`); `p.row_offsets` holds
+/// `groups + 1` u32 and, row-grouped, `p.tile_offsets` as [`tile_count`] requires.
 #[inline(always)]
 pub(super) unsafe fn work_of<const V: u32>(p: &GemmParams, tile: u32) -> Work {
     let offsets = p.row_offsets as *const u32;
