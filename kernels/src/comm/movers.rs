@@ -197,7 +197,8 @@ pub unsafe fn pull_rows(view: &RankView, pass: Pass, warp: u32, warps: u32) {
                 }
             }
         }
-        warp::warp_sync();
+        // SAFETY: all 32 lanes, in uniform control flow (caller contract; `row` is uniform).
+        unsafe { warp::warp_sync() };
         if lane == 0 {
             // SAFETY: the tile index is below max_tiles for a ring within capacity.
             unsafe { signal(counters.add(ring.tile(row, p.local_experts as usize) as usize), 1, false) };
@@ -251,7 +252,8 @@ pub unsafe fn push_rows(view: &RankView, pass: Pass, rows: *const f32, warp: u32
             let dst = view.peer::<f32>(slot_region, source).add(slot as usize * h) as *mut u32;
             warp_copy(src, dst, h / 4, lane);
         }
-        warp::warp_sync();
+        // SAFETY: all 32 lanes, in uniform control flow (caller contract; `row` is uniform).
+        unsafe { warp::warp_sync() };
         if lane == 0 {
             let counter = view.peer::<u32>(counter_region, source);
             // SAFETY: the index is below chunks·P on the owner.

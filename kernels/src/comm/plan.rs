@@ -79,7 +79,8 @@ pub unsafe fn rank_chunk_warp(
                 }
             }
         }
-        let peers = match_any_u32(key);
+        // SAFETY: all 32 lanes, in uniform control flow (caller contract; `round` is uniform).
+        let peers = unsafe { match_any_u32(key) };
         let below = (peers & lanemask_lt()).count_ones();
         let mut base = 0;
         if key != NO_KEY {
@@ -92,12 +93,14 @@ pub unsafe fn rank_chunk_warp(
             unsafe { *ranks.add(i) = 0 };
         }
         // Every lane has read its expert's count before the highest peer moves it on.
-        signal::warp_sync();
+        // SAFETY: all 32 lanes, in uniform control flow (as above).
+        unsafe { signal::warp_sync() };
         if key != NO_KEY && peers >> lane == 1 {
             // SAFETY: as above.
             unsafe { st_shared_u32(counters + 4 * key, base + peers.count_ones()) };
         }
-        signal::warp_sync();
+        // SAFETY: as above.
+        unsafe { signal::warp_sync() };
         let bad = sync::ballot(problem.is_some());
         if bad != 0 && !reported {
             reported = true;
@@ -160,12 +163,14 @@ pub unsafe fn wait_all_published(view: &RankView, epoch: u32, flag: u32) -> bool
         // SAFETY: `flag` is this block's shared word; the record is this rank's.
         unsafe { st_shared_u32(flag, error::has_error(view.error()) as u32) };
     }
-    sync::block_barrier();
+    // SAFETY: every thread of the block, in uniform control flow (caller contract).
+    unsafe { sync::block_barrier() };
     // SAFETY: this block's shared word, written before the barrier.
     let mut peer = if unsafe { ld_shared_u32(flag) } == 0 { thread } else { p.world };
     // Every thread has read the flag before a timed-out wait below may set it (racecheck
     // reported that write-after-read when a peer was silent).
-    sync::block_barrier();
+    // SAFETY: as above.
+    unsafe { sync::block_barrier() };
     while peer < p.world {
         let published: *const u32 = view.peer(p.regions.published, peer);
         // SAFETY: the peer's flag and this rank's record are valid heap words.
@@ -180,11 +185,13 @@ pub unsafe fn wait_all_published(view: &RankView, epoch: u32, flag: u32) -> bool
         }
         peer += threads;
     }
-    sync::block_barrier();
+    // SAFETY: as above.
+    unsafe { sync::block_barrier() };
     // SAFETY: this block's shared word, written before the barrier.
     let ok = unsafe { ld_shared_u32(flag) } == 0;
     // Every thread has read the flag before any thread can reuse it.
-    sync::block_barrier();
+    // SAFETY: as above.
+    unsafe { sync::block_barrier() };
     ok
 }
 
@@ -213,7 +220,9 @@ pub unsafe fn schedule_block(view: &RankView, epoch: u32, flag: u32) {
         unsafe { *peer_counts.add(i) = *counts.add(view.rank as usize * local + expert) };
         i += threads;
     }
-    sync::block_barrier();
+    // SAFETY: every thread of the block, in uniform control flow (caller contract; the wait
+    // above answers alike in every thread).
+    unsafe { sync::block_barrier() };
     if thread == 0 {
         // SAFETY: the regions hold P·L, L+1, L+1, L·P+1 and 2·(L+1) words; only this thread
         // writes them.

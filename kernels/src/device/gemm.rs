@@ -53,8 +53,13 @@ pub struct KSegment {
 pub type Accumulators = [f32; 32];
 
 /// Loads the 16-byte vectors this thread stages for one operand at k offset `k0`.
+///
+/// # Safety
+/// `op`'s `rows` × `depth` elements at `origin` and `pitch` are readable global memory; `origin`
+/// is 16-byte aligned and `pitch` a multiple of 8; `depth` is a multiple of 8 for a K-contiguous
+/// operand, `rows` for a K-outer one (each vector lies inside the operand).
 #[inline(always)]
-fn load_stage(op: &TileOperand, k0: u32, depth: u32, thread: u32) -> [[u32; 4]; VECTORS_PER_THREAD as usize] {
+unsafe fn load_stage(op: &TileOperand, k0: u32, depth: u32, thread: u32) -> [[u32; 4]; VECTORS_PER_THREAD as usize] {
     let mut staged = [[0u32; 4]; VECTORS_PER_THREAD as usize];
     for (p, slot) in staged.iter_mut().enumerate() {
         let v = thread + 128 * p as u32;
@@ -67,8 +72,8 @@ fn load_stage(op: &TileOperand, k0: u32, depth: u32, thread: u32) -> [[u32; 4]; 
             } else {
                 (k0 + k) as usize * op.pitch + row as usize
             };
-            // SAFETY: (row, k) is inside the operand (checked above); rows of 8 elements are
-            // 16-byte aligned because every pitch and origin is a multiple of 8 elements.
+            // SAFETY: (row, k) is inside the operand (checked above), and so is its vector; it is
+            // 16-byte aligned (caller contract: `origin` aligned, `pitch` a multiple of 8).
             *slot = unsafe { ld_global_v4(op.origin.add(offset) as *const u32) };
         }
     }
@@ -76,19 +81,25 @@ fn load_stage(op: &TileOperand, k0: u32, depth: u32, thread: u32) -> [[u32; 4]; 
 }
 
 /// Stores staged vectors into the operand's shared stage as `[row][k]` bf16.
+///
+/// # Safety
+/// `thread` < 128; `stage` is a 16-byte aligned shared address of this block with
+/// `OPERAND_STAGE_BYTES` bytes that nothing else uses meanwhile (the block's other threads may
+/// store their own vectors of it).
 #[inline(always)]
-fn store_stage(op: &TileOperand, stage: u32, staged: &[[u32; 4]; VECTORS_PER_THREAD as usize], thread: u32) {
+unsafe fn store_stage(op: &TileOperand, stage: u32, staged: &[[u32; 4]; VECTORS_PER_THREAD as usize], thread: u32) {
     for (p, vector) in staged.iter().enumerate() {
         let v = thread + 128 * p as u32;
         if op.k_contiguous {
             let (row, k) = (v / 4, (v % 4) * 8);
-            // SAFETY: inside this block's shared stage; 16-byte aligned (pitch 80 bytes).
+            // SAFETY: row < 64, k < 32: inside the stage (caller contract); 16-byte aligned (pitch
+            // 80 bytes).
             unsafe { st_shared_v4(stage + (row * SMEM_PITCH + k) * 2, *vector) };
         } else {
             let (row, k) = ((v % 8) * 8, v / 8);
             for i in 0..8u32 {
                 let half = (vector[(i / 2) as usize] >> ((i % 2) * 16)) as u16;
-                // SAFETY: inside this block's shared stage.
+                // SAFETY: row + i < 64, k < 32: inside the stage (caller contract).
                 unsafe { st_shared_u16(stage + ((row + i) * SMEM_PITCH + k) * 2, half) };
             }
         }
@@ -117,18 +128,27 @@ pub unsafe fn accumulate(acc: &mut Accumulators, segment: &KSegment) {
         return;
     }
 
-    let mut a_regs = load_stage(&segment.a, 0, segment.depth, thread);
-    let mut b_regs = load_stage(&segment.b, 0, segment.depth, thread);
-    store_stage(&segment.a, a_stage, &a_regs, thread);
-    store_stage(&segment.b, b_stage, &b_regs, thread);
-    sync::block_barrier();
+    // SAFETY: the operand is readable as `load_stage` asks (caller contract).
+    let mut a_regs = unsafe { load_stage(&segment.a, 0, segment.depth, thread) };
+    // SAFETY: as above.
+    let mut b_regs = unsafe { load_stage(&segment.b, 0, segment.depth, thread) };
+    // SAFETY: `thread` < 128 (a block of 128); the stages are the block's `GEMM_SMEM_BYTES` of
+    // dynamic shared memory, which nothing else uses (caller contract).
+    unsafe {
+        store_stage(&segment.a, a_stage, &a_regs, thread);
+        store_stage(&segment.b, b_stage, &b_regs, thread);
+    }
+    // SAFETY: all 128 threads, in uniform control flow (caller contract).
+    unsafe { sync::block_barrier() };
 
     for step in 0..k_steps {
         let has_next = step + 1 < k_steps;
         if has_next {
             let k0 = (step + 1) * GEMM_TILE_K;
-            a_regs = load_stage(&segment.a, k0, segment.depth, thread);
-            b_regs = load_stage(&segment.b, k0, segment.depth, thread);
+            // SAFETY: as above.
+            a_regs = unsafe { load_stage(&segment.a, k0, segment.depth, thread) };
+            // SAFETY: as above.
+            b_regs = unsafe { load_stage(&segment.b, k0, segment.depth, thread) };
         }
         for kk in 0..(GEMM_TILE_K / 16) {
             let col = kk * 16 + quad * 2;
@@ -159,11 +179,16 @@ pub unsafe fn accumulate(acc: &mut Accumulators, segment: &KSegment) {
                 }
             }
         }
-        sync::block_barrier();
+        // SAFETY: as above; every thread takes the same number of steps.
+        unsafe { sync::block_barrier() };
         if has_next {
-            store_stage(&segment.a, a_stage, &a_regs, thread);
-            store_stage(&segment.b, b_stage, &b_regs, thread);
-            sync::block_barrier();
+            // SAFETY: as above; the barrier just passed ended every read of the stages.
+            unsafe {
+                store_stage(&segment.a, a_stage, &a_regs, thread);
+                store_stage(&segment.b, b_stage, &b_regs, thread);
+            }
+            // SAFETY: as above.
+            unsafe { sync::block_barrier() };
         }
     }
 }

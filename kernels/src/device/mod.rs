@@ -28,7 +28,8 @@ pub unsafe fn zero_chunk_counters(counters: u32, num_experts: u32) {
         unsafe { crate::ptx::memory::st_shared_u32(counters + 4 * e, 0) };
         e += sreg::block_dim_x();
     }
-    crate::ptx::sync::block_barrier();
+    // SAFETY: every thread of the block, in uniform control flow (caller contract).
+    unsafe { crate::ptx::sync::block_barrier() };
 }
 
 /// After the ranking: a block barrier, then the chunk's counters to row `chunk` of the
@@ -37,10 +38,11 @@ pub unsafe fn zero_chunk_counters(counters: u32, num_experts: u32) {
 ///
 /// # Safety
 /// `chunk_counts` holds `(chunk + 1) · num_experts` words; `counters` as in
-/// [`zero_chunk_counters`].
+/// [`zero_chunk_counters`]; every thread of the block calls it in uniform control flow.
 #[inline(always)]
 pub unsafe fn store_chunk_counters(counters: u32, num_experts: u32, chunk: u32, chunk_counts: *mut u32) {
-    crate::ptx::sync::block_barrier();
+    // SAFETY: every thread of the block, in uniform control flow (caller contract).
+    unsafe { crate::ptx::sync::block_barrier() };
     let mut e = sreg::thread_idx_x();
     while e < num_experts {
         // SAFETY: e < E inside this chunk's row (caller contract); shared counters as above.

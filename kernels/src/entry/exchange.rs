@@ -78,7 +78,8 @@ pub unsafe extern "ptx-kernel" fn mok_ep_route_chunks(params: *const ExchangePar
     // SAFETY: caller contract.
     let view = unsafe { view(params, first_rank) };
     let (p, r) = (view.params, &view.params.regions);
-    // SAFETY: the regions hold what the kernel documents for this shape (`HeapRegions::new`).
+    // SAFETY: the regions hold what the kernel documents for this shape (`HeapRegions::new`);
+    // every thread of the block runs this kernel to here.
     unsafe {
         super::route::rank_chunks_block(
             view.local(r.topk_ids),
@@ -102,7 +103,7 @@ pub unsafe extern "ptx-kernel" fn mok_ep_route_scan(params: *const ExchangeParam
     // SAFETY: caller contract.
     let view = unsafe { view(params, first_rank) };
     let (p, r) = (view.params, &view.params.regions);
-    // SAFETY: as in `mok_ep_route_chunks`.
+    // SAFETY: as in `mok_ep_route_chunks`; every thread of the block runs this kernel to here.
     unsafe {
         super::route::scan_block(
             view.local(r.chunk_counts),

@@ -33,7 +33,8 @@ pub unsafe extern "ptx-kernel" fn mok_probe_tma_load(map: u64, c0: i32, c1: i32,
         // SAFETY: initialised barrier; phase 0 completes when the box has landed.
         unsafe { mbarrier::wait_parity(bar, 0) };
     }
-    sync::block_barrier();
+    // SAFETY: every thread of the block reaches it (the lane-0 branches above rejoin).
+    unsafe { sync::block_barrier() };
     let mut word = lane;
     while word < box_rows * 32 {
         // SAFETY: inside the box and `out`.
@@ -61,7 +62,8 @@ pub unsafe extern "ptx-kernel" fn mok_probe_tma_store(map: u64, c0: i32, c1: i32
     }
     // The generic-proxy writes of every lane, then the async proxy that the store reads through.
     fence_proxy_async_shared_cta();
-    sync::block_barrier();
+    // SAFETY: every thread of the block reaches it (nothing above returns early).
+    unsafe { sync::block_barrier() };
     if lane == 0 {
         // SAFETY: the box was written and published above; the map's bounds clip the store.
         unsafe { tma::store_2d(map, c0, c1, base) };
@@ -92,7 +94,8 @@ pub unsafe extern "ptx-kernel" fn mok_probe_mbarrier_ring(stages: u32, rounds: u
         }
         mbarrier::fence_mbarrier_init();
     }
-    sync::block_barrier();
+    // SAFETY: every thread of the block reaches it (thread 0's branch above rejoins).
+    unsafe { sync::block_barrier() };
     let (mut stage, mut phase) = (0u32, 0u32);
     for round in 0..rounds {
         if thread == 0 {
@@ -165,7 +168,8 @@ pub unsafe extern "ptx-kernel" fn mok_probe_wgmma_tile(a: *const u16, b: *const 
         q += 128;
     }
     crate::ptx::memory::fence_proxy_async_shared_cta();
-    sync::block_barrier();
+    // SAFETY: every thread of the block reaches it (nothing above returns early).
+    unsafe { sync::block_barrier() };
     let mut da = [0u64; 4];
     let mut db = [0u64; 4];
     for k in 0..4u32 {

@@ -25,7 +25,7 @@ pub unsafe extern "ptx-kernel" fn mok_route_rank_chunks(
     slot_rank: *mut u32,
     error: *mut u32,
 ) {
-    // SAFETY: caller contract.
+    // SAFETY: caller contract; every thread of the block runs this kernel to here.
     unsafe { rank_chunks_block(topk_ids, tokens, top_k, num_experts, chunk_counts, slot_rank, error) };
 }
 
@@ -33,7 +33,7 @@ pub unsafe extern "ptx-kernel" fn mok_route_rank_chunks(
 /// per-rank launch runs it too).
 ///
 /// # Safety
-/// As [`mok_route_rank_chunks`].
+/// As [`mok_route_rank_chunks`]; every thread of the block calls it in uniform control flow.
 #[inline(always)]
 pub(crate) unsafe fn rank_chunks_block(
     topk_ids: *const i32,
@@ -48,7 +48,7 @@ pub(crate) unsafe fn rank_chunks_block(
     let thread = sreg::thread_idx_x();
     let counters = smem::dynamic_smem_base();
     // SAFETY: the launch gives `num_experts` u32 of dynamic shared memory for the counters; the
-    // whole block calls it.
+    // whole block calls it (caller contract).
     unsafe { zero_chunk_counters(counters, num_experts) };
     let first_token = chunk * layout::ROUTE_CHUNK_TOKENS;
     let chunk_tokens = (tokens - first_token).min(layout::ROUTE_CHUNK_TOKENS);
@@ -69,7 +69,8 @@ pub(crate) unsafe fn rank_chunks_block(
             )
         };
     }
-    // SAFETY: chunk < chunks, so its row of `chunk_counts` exists.
+    // SAFETY: chunk < chunks, so its row of `chunk_counts` exists; the whole block reaches it
+    // (caller contract; the first warp's branch above rejoins).
     unsafe { store_chunk_counters(counters, num_experts, chunk, chunk_counts) };
 }
 
@@ -88,14 +89,14 @@ pub unsafe extern "ptx-kernel" fn mok_route_scan(
     row_offsets: *mut u32,
     tile_offsets: *mut u32,
 ) {
-    // SAFETY: caller contract.
+    // SAFETY: caller contract; every thread of the block runs this kernel to here.
     unsafe { scan_block(chunk_counts, num_chunks, num_experts, expert_counts, row_offsets, tile_offsets) };
 }
 
 /// The body of [`mok_route_scan`] (one block).
 ///
 /// # Safety
-/// As [`mok_route_scan`].
+/// As [`mok_route_scan`]; every thread of the block calls it in uniform control flow.
 #[inline(always)]
 pub(crate) unsafe fn scan_block(
     chunk_counts: *mut u32,
@@ -115,7 +116,8 @@ pub(crate) unsafe fn scan_block(
         unsafe { *expert_counts.add(e) = total };
         e += sreg::block_dim_x() as usize;
     }
-    sync::block_barrier();
+    // SAFETY: every thread of the block, in uniform control flow (caller contract).
+    unsafe { sync::block_barrier() };
     if sreg::thread_idx_x() == 0 {
         // SAFETY: sizes from the caller contract; only thread 0 touches the offsets.
         unsafe {

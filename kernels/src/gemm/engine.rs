@@ -158,10 +158,15 @@ pub(super) unsafe fn next_phase<const V: u32>(ring: Ring, walk: Walk, thread_in_
 /// producer's arrival (and the bytes it expects), `empty` on `empty_arrivals` consumer warps (8
 /// per block sharing the stage: 16 in a pair), the mailbox on one arrival; then the fence that
 /// makes the initialisation visible to the cluster.
+///
+/// # Safety
+/// `ring` is `Ring::new::<V>()` in a block with the engine's dynamic shared memory; one thread of
+/// the block calls it, once, before any thread uses the ring's barriers.
 #[inline(always)]
-fn init_barriers<const V: u32>(ring: Ring, empty_arrivals: u32) {
+unsafe fn init_barriers<const V: u32>(ring: Ring, empty_arrivals: u32) {
     for s in 0..ring_stages(V) {
-        // SAFETY: this block's barrier slots, initialised once before any use.
+        // SAFETY: the ring's barrier slots: 8-byte aligned shared memory of this block that
+        // nothing uses yet (caller contract).
         unsafe {
             mbarrier::init(ring.full(s), 1);
             mbarrier::init(ring.empty::<V>(s), empty_arrivals);
@@ -191,23 +196,29 @@ pub unsafe fn run<const V: u32, H: TileHooks>(params: *const GemmParams, hooks: 
     let ring = Ring::new::<V>();
     let thread = sreg::thread_idx_x();
     if thread == 0 {
-        init_barriers::<V>(ring, 8 * cluster_blocks(V));
+        // SAFETY: one thread, before any use; the launch gives the engine's shared memory.
+        unsafe { init_barriers::<V>(ring, 8 * cluster_blocks(V)) };
     }
     // The partner multicasts into this block's stages and arrives on its barriers: both blocks'
     // barriers must be initialised before either starts.
     if paired {
         cluster::cluster_sync();
     } else {
-        sync::block_barrier();
+        // SAFETY: every thread of the block runs the engine body to here (`paired` is the
+        // variant's constant; thread 0's branch above rejoins).
+        unsafe { sync::block_barrier() };
     }
     let warpgroup = thread / 128;
     if warpgroup == 0 {
         // The producer needs a handful of registers; the consumers' m64n256 accumulators need
         // 128 each. Warpgroup-uniform, as setmaxnreg requires.
         if paired {
-            sync::release_registers::<PAIRED_PRODUCER_REGISTERS>();
+            // SAFETY: the whole producer warpgroup (`paired` is a constant), its one
+            // `setmaxnreg`, down from the launch's 168 per thread (`.maxntid 384`).
+            unsafe { sync::release_registers::<PAIRED_PRODUCER_REGISTERS>() };
         } else {
-            sync::release_registers::<PRODUCER_REGISTERS>();
+            // SAFETY: as above.
+            unsafe { sync::release_registers::<PRODUCER_REGISTERS>() };
         }
         if thread == 0 {
             // SAFETY: one producer thread.
@@ -215,9 +226,12 @@ pub unsafe fn run<const V: u32, H: TileHooks>(params: *const GemmParams, hooks: 
         }
     } else {
         if paired {
-            sync::claim_registers::<PAIRED_CONSUMER_REGISTERS>();
+            // SAFETY: a whole consumer warpgroup, its one `setmaxnreg`, up from the launch's 168
+            // per thread; the pool holds enough (gemm_layout's `fits`).
+            unsafe { sync::claim_registers::<PAIRED_CONSUMER_REGISTERS>() };
         } else {
-            sync::claim_registers::<CONSUMER_REGISTERS>();
+            // SAFETY: as above.
+            unsafe { sync::claim_registers::<CONSUMER_REGISTERS>() };
         }
         // SAFETY: a whole consumer warpgroup.
         unsafe { consume::<V, H>(&p, ring, warpgroup - 1, thread % 128, hooks, Walk::START) };
@@ -277,13 +291,16 @@ pub unsafe fn run_forward_phases<H: TileHooks, R: Copy>(
     let ring = Ring::new::<G>();
     let thread = sreg::thread_idx_x();
     if thread == 0 {
-        init_barriers::<G>(ring, 16);
+        // SAFETY: one thread, before any use; the launch gives the engine's shared memory.
+        unsafe { init_barriers::<G>(ring, 16) };
     }
     // Both blocks' barriers initialised before either multicasts into the other.
     cluster::cluster_sync();
     let warpgroup = thread / 128;
     let role = if warpgroup == 0 {
-        sync::release_registers::<MEGAKERNEL_PRODUCER_REGISTERS>();
+        // SAFETY: the whole producer warpgroup, its one `setmaxnreg`, down from the launch's 168
+        // per thread (`.maxntid 384`, declared by the megakernels).
+        unsafe { sync::release_registers::<MEGAKERNEL_PRODUCER_REGISTERS>() };
         if thread == 0 {
             // SAFETY: one producer thread; the phases share the ring walk (a phase left out is
             // left out by the consumers too: `plan` is the same for the whole cluster). One loop
@@ -314,7 +331,9 @@ pub unsafe fn run_forward_phases<H: TileHooks, R: Copy>(
         }
         None
     } else {
-        sync::claim_registers::<PAIRED_CONSUMER_REGISTERS>();
+        // SAFETY: a whole consumer warpgroup, its one `setmaxnreg`, up from the launch's 168 per
+        // thread; the pool holds enough (gemm_layout's `fits`).
+        unsafe { sync::claim_registers::<PAIRED_CONSUMER_REGISTERS>() };
         let (wg, t) = (warpgroup - 1, thread % 128);
         // SAFETY: a whole consumer warpgroup; both blocks' barriers initialised above.
         unsafe {
@@ -402,7 +421,8 @@ pub unsafe fn run_backward_phases<H: TileHooks>(
     let ring = Ring::new::<N>();
     let thread = sreg::thread_idx_x();
     if thread == 0 {
-        init_barriers::<N>(ring, 16);
+        // SAFETY: one thread, before any use; the launch gives the engine's shared memory.
+        unsafe { init_barriers::<N>(ring, 16) };
     }
     cluster::cluster_sync();
     let warpgroup = thread / 128;
@@ -424,7 +444,9 @@ pub unsafe fn run_backward_phases<H: TileHooks>(
     let first = |shared_phase: u32| if shared { shared_phase } else { shared_phase + 1 };
     let end = if shared { B::PHASES } else { B::SHARED_WGRAD_DOWN };
     let role = if warpgroup == 0 {
-        sync::release_registers::<MEGAKERNEL_PRODUCER_REGISTERS>();
+        // SAFETY: the whole producer warpgroup, its one `setmaxnreg`, down from the launch's 168
+        // per thread (`.maxntid 384`, declared by the megakernels).
+        unsafe { sync::release_registers::<MEGAKERNEL_PRODUCER_REGISTERS>() };
         if thread == 0 {
             // SAFETY: one producer thread; the phases share the ring walk (a phase left out is
             // left out by the consumers too). Each plan is read where its phase starts.
@@ -471,7 +493,9 @@ pub unsafe fn run_backward_phases<H: TileHooks>(
         }
         None
     } else {
-        sync::claim_registers::<PAIRED_CONSUMER_REGISTERS>();
+        // SAFETY: a whole consumer warpgroup, its one `setmaxnreg`, up from the launch's 168 per
+        // thread; the pool holds enough (gemm_layout's `fits`).
+        unsafe { sync::claim_registers::<PAIRED_CONSUMER_REGISTERS>() };
         let (wg, t) = (warpgroup - 1, thread % 128);
         // SAFETY: a whole consumer warpgroup; both blocks' barriers initialised above.
         unsafe {

@@ -250,7 +250,8 @@ unsafe fn scatter_rows(
     };
     store_row(0);
     store_row(1);
-    warp::warp_sync();
+    // SAFETY: all 32 lanes of the warp (the whole warpgroup calls this: caller contract).
+    unsafe { warp::warp_sync() };
     // The row's flag, once per N tile; not once this rank's record is set (read again: it may
     // have been set during the tile).
     let raise = |r: u32| {
@@ -301,7 +302,8 @@ pub(super) unsafe fn staged_pass(
     xor_addresses: bool,
     mut pair: impl FnMut(usize) -> [u32; 2],
 ) {
-    staging_free(wg, thread_in_wg);
+    // SAFETY: the whole consumer warpgroup `wg`, in uniform control flow (caller contract).
+    unsafe { staging_free(wg, thread_in_wg) };
     let first_col = 8 * first;
     if xor_addresses && bf16 {
         // One instruction per pair (`staged_pair_address`: the staging area is 1024-aligned),
@@ -357,12 +359,16 @@ pub(super) unsafe fn staged_pass(
 
 /// Waits until this warpgroup's staging is free again: its leader waits for the bulk stores that
 /// read it, then the warpgroup meets at its named barrier.
+///
+/// # Safety
+/// Every thread of consumer warpgroup `wg` (`thread_in_wg` its index there) calls it, in
+/// warp-uniform control flow, and no other thread uses named barrier `1 + wg` meanwhile.
 #[inline(always)]
-pub(super) fn staging_free(wg: u32, thread_in_wg: u32) {
+pub(super) unsafe fn staging_free(wg: u32, thread_in_wg: u32) {
     if thread_in_wg == 0 {
         bulk::wait_group_read_all();
     }
-    // SAFETY: the whole consumer warpgroup (128 threads) calls this with its own id.
+    // SAFETY: exactly the warpgroup's 128 threads reach barrier `1 + wg` (caller contract).
     unsafe { sync::named_barrier(1 + wg, 128) };
 }
 

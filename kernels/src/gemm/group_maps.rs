@@ -47,7 +47,8 @@ pub unsafe fn write_group_maps(params: *const GemmParams) {
             let staged = smem::dynamic_smem_base() + (warp * GROUP_MAP_SLOTS + slot) * TENSOR_MAP_BYTES;
             // SAFETY: 32 lanes × 4 bytes = the 128-byte map, inside this warp's staging slot.
             unsafe { st_shared_u32(staged + 4 * lane, *(base_map as *const u32).add(lane as usize)) };
-            warp_sync();
+            // SAFETY: all 32 lanes (the block is whole warps: caller contract), in warp-uniform flow.
+            unsafe { warp_sync() };
             if lane == 0 {
                 let pitch = p.cut_pitches[slot as usize] as u64;
                 // SAFETY: the staged map is complete (warp_sync above); the group's first row is
@@ -58,7 +59,8 @@ pub unsafe fn write_group_maps(params: *const GemmParams) {
                     tensormap::replace_rows(staged, (end - begin).max(1));
                 }
             }
-            warp_sync();
+            // SAFETY: as above.
+            unsafe { warp_sync() };
             // SAFETY: whole warp, uniform flow; the destination slot is inside group_maps.
             unsafe { tensormap::copy_to_global_release(p.group_map(group, slot), staged) };
         }

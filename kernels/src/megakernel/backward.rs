@@ -165,7 +165,8 @@ pub unsafe fn swiglu_backward_chunks(b: &BackwardParams, pass: &PassInputs, spar
     if b.work & WORK_GEMMS == 0 {
         return;
     }
-    // SAFETY: caller contract: the plans, their offsets and the rows.
+    // SAFETY: caller contract: the plans, their offsets and the rows; all 32 lanes, which run
+    // the loop in step (the claim is broadcast), so every lane reaches each `warp_sync`.
     unsafe {
         let p = &*(b.down_dgrad as *const GemmParams);
         let groups = p.groups as usize + 1;

@@ -138,7 +138,8 @@ pub unsafe fn dispatch(f: &ForwardParams, pass: &PassInputs, view: Option<&RankV
 /// `counts` holds an entry per M tile of the pass; all 32 lanes call it.
 #[inline(always)]
 pub(super) unsafe fn publish_chunk(counts: *mut u32, tile: u32, publish: bool, lane: u32) {
-    warp::warp_sync();
+    // SAFETY: all 32 lanes (caller contract).
+    unsafe { warp::warp_sync() };
     if lane == 0 && publish {
         // SAFETY: caller contract.
         unsafe { signal(counts.add(tile as usize), 1, false) };

@@ -8,10 +8,14 @@ use core::arch::asm;
 use super::sync::FULL_WARP;
 
 /// `match.any.sync.b32`: the mask of lanes whose `value` equals this lane's.
+///
+/// # Safety
+/// All 32 lanes of the warp (its member mask is [`FULL_WARP`]) execute this same call, in
+/// warp-uniform control flow; a lane of the mask that does not makes it undefined.
 #[inline(always)]
-pub fn match_any_u32(value: u32) -> u32 {
+pub unsafe fn match_any_u32(value: u32) -> u32 {
     let peers: u32;
-    // SAFETY: all lanes participate (FULL_WARP), uniform control flow (caller contract).
+    // SAFETY: caller contract: the whole warp, which `FULL_WARP` names.
     unsafe {
         asm!("match.any.sync.b32 {p}, {v}, {full};",
              p = out(reg32) peers, v = in(reg32) value, full = in(reg32) FULL_WARP, options(nomem, nostack));

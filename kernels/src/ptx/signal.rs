@@ -9,10 +9,12 @@ use core::arch::asm;
 /// "guarantees memory ordering among threads participating in the barrier"). A lane that then
 /// performs a release therefore publishes the whole warp's earlier writes (cumulativity).
 ///
-/// All 32 lanes must call it in uniform control flow.
+/// # Safety
+/// All 32 lanes of the warp (the member mask names them all) execute this same call, in
+/// warp-uniform control flow; a lane of the mask that does not makes it undefined.
 #[inline(always)]
-pub fn warp_sync() {
-    // SAFETY: no operands; the caller keeps the call warp-uniform.
+pub unsafe fn warp_sync() {
+    // SAFETY: caller contract.
     unsafe { asm!("bar.warp.sync 0xffffffff;", options(nostack)) };
 }
 

@@ -10,9 +10,13 @@ pub const FULL_WARP: u32 = 0xffff_ffff;
 
 /// `bar.sync 0`: block-wide barrier; also orders shared and global memory among the block's
 /// threads (a CTA-scope fence is implied).
+///
+/// # Safety
+/// Every thread of the block executes this same call, in block-uniform control flow: `bar.sync`
+/// is `.aligned`, so one reached divergently, or not by every thread, is undefined.
 #[inline(always)]
-pub fn block_barrier() {
-    // SAFETY: every thread of the block calls this in uniform control flow (caller contract).
+pub unsafe fn block_barrier() {
+    // SAFETY: caller contract.
     unsafe { asm!("bar.sync 0;", options(nostack)) };
 }
 
@@ -86,24 +90,28 @@ pub fn warp_sum_f32(mut value: f32) -> f32 {
 }
 
 /// `setmaxnreg.dec.sync.aligned.u32 N` (PTX ISA §9.7.19.5, sm_90a): this warpgroup gives
-/// registers back to the block's pool, keeping `N` per thread.
+/// registers back to the block's pool, keeping `N` per thread (ptxas allocates the code after it
+/// within `N`).
 ///
-/// Every warp of the warpgroup must call it, in uniform flow, and no live value may need more
-/// than `N` registers afterwards (ptxas allocates the code after it within `N`).
+/// # Safety
+/// Every warp of the warpgroup executes this same call, in warpgroup-uniform control flow; each
+/// holds at least `N` registers per thread before it; the warpgroup's warps synchronise between
+/// two `setmaxnreg`. PTX leaves any other use undefined.
 #[inline(always)]
-pub fn release_registers<const N: u32>() {
-    // SAFETY: register bookkeeping only; the caller keeps the call warpgroup-uniform.
+pub unsafe fn release_registers<const N: u32>() {
+    // SAFETY: caller contract.
     unsafe { asm!("setmaxnreg.dec.sync.aligned.u32 {n};", n = const N, options(nostack)) };
 }
 
 /// `setmaxnreg.inc.sync.aligned.u32 N`: this warpgroup takes registers from the block's pool,
-/// up to `N` per thread; it waits until another warpgroup has released enough.
+/// up to `N` per thread; it waits until another warpgroup has released enough (forever if the
+/// pool cannot supply them).
 ///
-/// Every warp of the warpgroup must call it, in uniform flow; the pool must be able to supply
-/// the registers (else it waits forever).
+/// # Safety
+/// As [`release_registers`], but each warp holds at most `N` registers per thread before it.
 #[inline(always)]
-pub fn claim_registers<const N: u32>() {
-    // SAFETY: as `release_registers`.
+pub unsafe fn claim_registers<const N: u32>() {
+    // SAFETY: caller contract.
     unsafe { asm!("setmaxnreg.inc.sync.aligned.u32 {n};", n = const N, options(nostack)) };
 }
 
