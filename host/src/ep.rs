@@ -1061,7 +1061,8 @@ impl EpLayer {
             // The slot-weight gradient on the token owner, from the f32 rows the forward combine
             // delivered to it: the same rows and order as the single-rank path.
             // SAFETY: the arguments are `mok_topk_weight_grad`'s parameters, in order and type (its entry point in
-            // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
+            // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents; blocks of
+            // `ROW_KERNEL_THREADS` (256) are whole warps, as its warp sums need.
             unsafe {
                 gpu.launch(
                     "mok_topk_weight_grad",

@@ -965,7 +965,8 @@ impl UnfusedLayer {
             )
         }?;
         // SAFETY: the arguments are `mok_topk_weight_grad`'s parameters, in order and type (its entry point in
-        // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
+        // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents; blocks of
+        // `ROW_KERNEL_THREADS` (256) are whole warps, as its warp sums need.
         unsafe {
             gpu.launch(
                 "mok_topk_weight_grad",

@@ -96,12 +96,14 @@ pub unsafe fn warp_copy_scaled_bf16(src: *const u32, dst: *mut u32, vectors: usi
 /// warp leaves or stays together.
 ///
 /// # Safety
-/// The view's error record is valid.
+/// The view's error record is valid; all 32 lanes call it, in warp-uniform control flow (a
+/// [`sync::shfl_idx_u32`]).
 #[inline(always)]
 unsafe fn warp_has_error(view: &RankView, lane: usize) -> bool {
     // SAFETY: caller contract.
     let mine = if lane == 0 { unsafe { error::has_error(view.error()) as u32 } } else { 0 };
-    sync::shfl_idx_u32(mine, 0) != 0
+    // SAFETY: all 32 lanes (caller contract; lane 0's branch above rejoins).
+    unsafe { sync::shfl_idx_u32(mine, 0) != 0 }
 }
 
 /// Ring rows of this rank and the source of a row.
@@ -165,7 +167,7 @@ impl Ring {
 /// All 32 lanes call it in uniform control flow.
 pub unsafe fn pull_rows(view: &RankView, pass: Pass, warp: u32, warps: u32) {
     let lane = sreg::lane_id() as usize;
-    // SAFETY: caller contract.
+    // SAFETY: caller contract: the record; all 32 lanes, at the function's start.
     if unsafe { warp_has_error(view, lane) } {
         return;
     }
@@ -232,7 +234,7 @@ fn push_regions(view: &RankView, pass: Pass) -> (u64, u64) {
 /// it in uniform control flow.
 pub unsafe fn push_rows(view: &RankView, pass: Pass, rows: *const f32, warp: u32, warps: u32) {
     let lane = sreg::lane_id() as usize;
-    // SAFETY: caller contract.
+    // SAFETY: caller contract: the record; all 32 lanes, at the function's start.
     if unsafe { warp_has_error(view, lane) } {
         return;
     }

@@ -101,7 +101,8 @@ pub unsafe fn rank_chunk_warp(
         }
         // SAFETY: as above.
         unsafe { signal::warp_sync() };
-        let bad = sync::ballot(problem.is_some());
+        // SAFETY: all 32 lanes, in uniform control flow (as for `match_any_u32`).
+        let bad = unsafe { sync::ballot(problem.is_some()) };
         if bad != 0 && !reported {
             reported = true;
             if lane == bad.trailing_zeros() as usize

@@ -14,7 +14,7 @@ use crate::gemm_layout::{GemmParams, TileCounters};
 /// on the same stream since the last engine launch with these params.
 #[unsafe(no_mangle)]
 pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_gate_up(params: *const GemmParams) {
-    // SAFETY: caller contract.
+    // SAFETY: caller contract; every thread of every block runs this kernel to here.
     unsafe { run::<{ Variant::GATE_UP }, _>(params, Standalone) }
 }
 
@@ -25,7 +25,7 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_gate_up(params: *const GemmParam
 /// on the same stream since the last engine launch with these params.
 #[unsafe(no_mangle)]
 pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_rows_nt(params: *const GemmParams) {
-    // SAFETY: caller contract.
+    // SAFETY: caller contract; every thread of every block runs this kernel to here.
     unsafe { run::<{ Variant::ROWS_NT }, _>(params, Standalone) }
 }
 
@@ -36,7 +36,7 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_rows_nt(params: *const GemmParam
 /// `mok_sm90_group_maps` on the same stream since the last engine launch with these params.
 #[unsafe(no_mangle)]
 pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_rows_nt_bf16(params: *const GemmParams) {
-    // SAFETY: caller contract.
+    // SAFETY: caller contract; every thread of every block runs this kernel to here.
     unsafe { run::<{ Variant::ROWS_NT_BF16 }, _>(params, Standalone) }
 }
 
@@ -47,7 +47,7 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_rows_nt_bf16(params: *const Gemm
 /// on the same stream since the last engine launch with these params.
 #[unsafe(no_mangle)]
 pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_rows_nn(params: *const GemmParams) {
-    // SAFETY: caller contract.
+    // SAFETY: caller contract; every thread of every block runs this kernel to here.
     unsafe { run::<{ Variant::ROWS_NN }, _>(params, Standalone) }
 }
 
@@ -58,7 +58,7 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_rows_nn(params: *const GemmParam
 /// on the same stream since the last engine launch with these params.
 #[unsafe(no_mangle)]
 pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_wgrad(params: *const GemmParams) {
-    // SAFETY: caller contract.
+    // SAFETY: caller contract; every thread of every block runs this kernel to here.
     unsafe { run::<{ Variant::WGRAD }, _>(params, Standalone) }
 }
 
@@ -75,7 +75,7 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_gate_up_counted(
     params: *const GemmParams,
     counters: *const TileCounters,
 ) {
-    // SAFETY: caller contract.
+    // SAFETY: caller contract; every thread of every block runs this kernel to here.
     unsafe { run::<{ Variant::GATE_UP }, _>(params, Counters::new(counters)) }
 }
 
@@ -89,7 +89,7 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_rows_nt_counted(
     params: *const GemmParams,
     counters: *const TileCounters,
 ) {
-    // SAFETY: caller contract.
+    // SAFETY: caller contract; every thread of every block runs this kernel to here.
     unsafe { run::<{ Variant::ROWS_NT }, _>(params, Counters::new(counters)) }
 }
 
@@ -142,7 +142,8 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_forward(
         tokens,
         reserved: 0,
     };
-    // SAFETY: caller contract.
+    // SAFETY: caller contract; every thread runs this kernel to here, a cluster's two blocks with
+    // indices 2q and 2q + 1.
     unsafe { crate::megakernel::forward::forward::<false>(params, pass, crate::ptx::sreg::block_idx_x()) }
 }
 
@@ -161,7 +162,8 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_forward_ranks(
     ranks: u32,
 ) {
     let (rank, block) = crate::megakernel::forward::rank_of_block(ranks);
-    // SAFETY: caller contract: rank < ranks.
+    // SAFETY: caller contract: rank < ranks. Every thread runs this kernel to here; a cluster's
+    // two blocks act as the same rank's 2q and 2q + 1 (ranks hold whole pairs).
     unsafe { crate::megakernel::forward::forward::<true>(params.add(rank as usize), *inputs.add(rank as usize), block) }
 }
 
@@ -188,7 +190,8 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_backward(
         tokens,
         reserved: 0,
     };
-    // SAFETY: caller contract.
+    // SAFETY: caller contract; every thread runs this kernel to here, a cluster's two blocks with
+    // indices 2q and 2q + 1.
     unsafe { crate::megakernel::backward::backward::<false>(params, pass, crate::ptx::sreg::block_idx_x()) }
 }
 
@@ -209,7 +212,8 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_backward_ranks(
     ranks: u32,
 ) {
     let (rank, block) = crate::megakernel::forward::rank_of_block(ranks);
-    // SAFETY: caller contract: rank < ranks.
+    // SAFETY: caller contract: rank < ranks. Every thread runs this kernel to here; a cluster's
+    // two blocks act as the same rank's 2q and 2q + 1 (ranks hold whole pairs).
     unsafe {
         crate::megakernel::backward::backward::<true>(params.add(rank as usize), *inputs.add(rank as usize), block)
     }

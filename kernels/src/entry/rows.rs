@@ -82,7 +82,7 @@ pub unsafe extern "ptx-kernel" fn mok_combine_slots(
 ///
 /// # Safety
 /// `dy` `[T][width]` bf16, `rows` `[R][width]` f32, `slot_row` and `out` `[T·k]`;
-/// `width % 8 == 0`.
+/// `width % 8 == 0`; blocks of whole warps (a multiple of 32 threads).
 #[unsafe(no_mangle)]
 pub unsafe extern "ptx-kernel" fn mok_topk_weight_grad(
     dy: *const u16,
@@ -119,7 +119,9 @@ pub unsafe extern "ptx-kernel" fn mok_topk_weight_grad(
                 column += 32 * 8;
             }
         }
-        let total = sync::warp_sum_f32(partial);
+        // SAFETY: all 32 lanes (blocks of whole warps: caller contract), in the same iteration
+        // (the slot is warp-uniform); the `row` branch above rejoins.
+        let total = unsafe { sync::warp_sum_f32(partial) };
         if lane == 0 {
             // SAFETY: slot < T·k.
             unsafe { *out.add(slot) = total };

@@ -80,7 +80,9 @@ pub(super) unsafe fn consume<const V: u32, H: TileHooks>(
         // its read is ordered before that by program order. (Reads by the other lanes would not
         // be: nothing between them and lane 0's arrival orders memory, and racecheck reports
         // that write-after-read; a `bar.warp.sync` there is dropped by ptxas.)
-        // SAFETY: initialised barrier of this block; the slot is published by the arrival.
+        // SAFETY: initialised barrier of this block; the slot is published by the arrival. All 32
+        // lanes reach the shuffle: the whole warpgroup calls this (caller contract) and every
+        // lane takes the same iterations (the loop ends only on the broadcast tile).
         let tile = unsafe {
             mbarrier::wait_parity(ring.full(stage), phase);
             let slot = if thread_in_wg % 32 == 0 { ld_shared_u32(ring.tile_slot::<V>(stage)) } else { 0 };
@@ -180,7 +182,8 @@ unsafe fn init_barriers<const V: u32>(ring: Ring, empty_arrivals: u32) {
 /// threads, [`ENGINE_SMEM_BYTES`](crate::gemm_layout::ENGINE_SMEM_BYTES) of dynamic shared memory.
 ///
 /// # Safety
-/// `params` points at a valid [`GemmParams`] whose tensors match the variant's contract.
+/// `params` points at a valid [`GemmParams`] whose tensors match the variant's contract; every
+/// thread of the block calls it (of both blocks of the cluster, for a paired variant).
 #[inline(always)]
 pub unsafe fn run<const V: u32, H: TileHooks>(params: *const GemmParams, hooks: H) {
     // Register budgets below assume exactly this block size (`.maxntid`); row-grouped variants
@@ -202,7 +205,9 @@ pub unsafe fn run<const V: u32, H: TileHooks>(params: *const GemmParams, hooks: 
     // The partner multicasts into this block's stages and arrives on its barriers: both blocks'
     // barriers must be initialised before either starts.
     if paired {
-        cluster::cluster_sync();
+        // SAFETY: every thread of both blocks of the pair (caller contract; `paired` is the
+        // variant's constant; thread 0's branch above rejoins).
+        unsafe { cluster::cluster_sync() };
     } else {
         // SAFETY: every thread of the block runs the engine body to here (`paired` is the
         // variant's constant; thread 0's branch above rejoins).
@@ -239,7 +244,8 @@ pub unsafe fn run<const V: u32, H: TileHooks>(params: *const GemmParams, hooks: 
     if paired {
         // No block may leave while its partner can still write into it or arrive on its
         // barriers.
-        cluster::cluster_sync();
+        // SAFETY: as at the start: every thread comes here once its role above is done.
+        unsafe { cluster::cluster_sync() };
     }
 }
 
@@ -271,7 +277,8 @@ pub unsafe fn run<const V: u32, H: TileHooks>(params: *const GemmParams, hooks: 
 /// and the rank walk are the same for every block of the cluster, and the walk ends; the hooks'
 /// contracts hold for every rank of the walk; every spare producer warp (with
 /// [`MEGAKERNEL_PRODUCER_REGISTERS`] registers) calling `spare_warps` is safe, and it waits for
-/// nothing; a walk over several ranks is the same for every block of the launch.
+/// nothing; a walk over several ranks is the same for every block of the launch; every thread
+/// of both blocks of the cluster calls it.
 #[inline(always)]
 pub unsafe fn run_forward_phases<H: TileHooks, R: Copy>(
     plan: impl Fn(u32, R) -> *const GemmParams + Copy,
@@ -295,7 +302,9 @@ pub unsafe fn run_forward_phases<H: TileHooks, R: Copy>(
         unsafe { init_barriers::<G>(ring, 16) };
     }
     // Both blocks' barriers initialised before either multicasts into the other.
-    cluster::cluster_sync();
+    // SAFETY: every thread of both blocks of the pair (caller contract; thread 0's branch above
+    // rejoins).
+    unsafe { cluster::cluster_sync() };
     let warpgroup = thread / 128;
     let role = if warpgroup == 0 {
         // SAFETY: the whole producer warpgroup, its one `setmaxnreg`, down from the launch's 168
@@ -367,7 +376,8 @@ pub unsafe fn run_forward_phases<H: TileHooks, R: Copy>(
         Some(())
     };
     // No block may leave its engine phases while its partner can still write into it.
-    cluster::cluster_sync();
+    // SAFETY: as at the start: every thread comes here once its role above is done.
+    unsafe { cluster::cluster_sync() };
     role
 }
 
@@ -404,7 +414,8 @@ pub unsafe fn run_forward_phases<H: TileHooks, R: Copy>(
 /// waits for nothing; `plan` returns the same for every block of the cluster; the
 /// hooks' contracts hold;
 /// with `tile_ranks` or `wgrad_ranks` > 1 the same holds for every q below it, and every block
-/// of the launch runs these phases with the same `tile_ranks` and `wgrad_ranks`.
+/// of the launch runs these phases with the same `tile_ranks` and `wgrad_ranks`; every thread of
+/// both blocks of the cluster calls it.
 #[inline(always)]
 pub unsafe fn run_backward_phases<H: TileHooks>(
     plan: impl Fn(u32, u32) -> *const GemmParams + Copy,
@@ -424,7 +435,9 @@ pub unsafe fn run_backward_phases<H: TileHooks>(
         // SAFETY: one thread, before any use; the launch gives the engine's shared memory.
         unsafe { init_barriers::<N>(ring, 16) };
     }
-    cluster::cluster_sync();
+    // SAFETY: every thread of both blocks of the pair (caller contract; thread 0's branch above
+    // rejoins).
+    unsafe { cluster::cluster_sync() };
     let warpgroup = thread / 128;
     // The four data gradients run as one loop (a runtime trip count: one inlined copy of the
     // variant, where a call per phase spilled the consumers' registers), the consumers leaving
@@ -546,6 +559,7 @@ pub unsafe fn run_backward_phases<H: TileHooks>(
         Some(())
     };
     // No block may leave its engine phases while its partner can still write into it.
-    cluster::cluster_sync();
+    // SAFETY: as at the start: every thread comes here once its role above is done.
+    unsafe { cluster::cluster_sync() };
     role
 }

@@ -62,7 +62,10 @@ use super::comm::{publish_chunk, stored_tile_of_row, wait_for_shared_tile};
 /// rank's view across ranks (`RANKS`), else `None`; all 32 lanes call it.
 #[inline(always)]
 pub unsafe fn gather<const RANKS: bool>(b: &BackwardParams, pass: &PassInputs, view: Option<&RankView>) {
-    // SAFETY: caller contract: the down-dgrad parameter block and the offsets it points at.
+    // SAFETY: caller contract: the down-dgrad parameter block and the offsets it points at; all
+    // 32 lanes, which take the same chunks (the claim is broadcast) and, where they sum (no
+    // `RANKS`, so `copy` is warp-uniform), the same rows: every lane reaches each
+    // `shfl_idx_u32`, `warp_sum_f32` and `publish_chunk`.
     unsafe {
         let p = &*(b.down_dgrad as *const GemmParams);
         let groups = p.groups as usize + 1;
@@ -166,7 +169,8 @@ pub unsafe fn swiglu_backward_chunks(b: &BackwardParams, pass: &PassInputs, spar
         return;
     }
     // SAFETY: caller contract: the plans, their offsets and the rows; all 32 lanes, which run
-    // the loop in step (the claim is broadcast), so every lane reaches each `warp_sync`.
+    // the loop in step (the claim is broadcast), so every lane reaches each `shfl_idx_u32` and
+    // `warp_sync`.
     unsafe {
         let p = &*(b.down_dgrad as *const GemmParams);
         let groups = p.groups as usize + 1;
@@ -247,7 +251,9 @@ pub unsafe fn combine_dx<const RANKS: bool>(b: &BackwardParams, pass: &PassInput
     if b.work & WORK_COMBINE == 0 {
         return;
     }
-    // SAFETY: caller contract.
+    // SAFETY: caller contract; all 32 lanes, which take the same tokens and slots (the claim is
+    // broadcast; the per-lane waits rejoin), so every lane reaches each `shfl_idx_u32` and
+    // `warp_sum_f32`.
     unsafe {
         let p = &*(b.gate_up_dgrad as *const GemmParams);
         let n_tiles = p.n.div_ceil(TILE_N);
@@ -355,7 +361,8 @@ pub unsafe fn combine_dx<const RANKS: bool>(b: &BackwardParams, pass: &PassInput
 /// blocks, [`ENGINE_THREADS`] threads each, pair-aligned. `params` is element
 /// `launch_index` of the launch's array of parameter blocks; with `wgrad_ranks` > 1 that array
 /// holds that many ranks, every one with the same comm blocks, weight-gradient tile counts and
-/// `wgrad_ranks`, and their blocks are the whole grid.
+/// `wgrad_ranks`, and their blocks are the whole grid. Every thread of every block calls it, a
+/// cluster's two blocks with the same `params` and `block` 2q and 2q + 1.
 #[inline(always)]
 pub unsafe fn backward<const RANKS: bool>(params: *const BackwardParams, pass: PassInputs, block: u32) {
     crate::ptx::declare_block_threads::<ENGINE_THREADS>();
@@ -371,7 +378,9 @@ pub unsafe fn backward<const RANKS: bool>(params: *const BackwardParams, pass: P
             combine_dx::<RANKS>(b, &pass, view.as_ref());
         }
     } else if block >= first_compute_block(b.comm_blocks) {
-        // SAFETY: caller contract; every warp is whole.
+        // SAFETY: caller contract; every warp is whole. Both blocks of this cluster come here
+        // with every thread (`first_compute_block` is even; `b` is the pair's), as
+        // `run_backward_phases` asks.
         unsafe {
             if b.work & (WORK_GEMMS | WORK_WEIGHT_GRADS) == 0 {
                 gather::<RANKS>(b, &pass, view.as_ref());

@@ -74,7 +74,9 @@ pub(super) unsafe fn stored_tile_of_row(p: &GemmParams, row: u32, n_tiles: u32) 
 /// the launch; `view` is [`rank_view`]`(f)`; all 32 lanes call it.
 #[inline(always)]
 pub unsafe fn dispatch(f: &ForwardParams, pass: &PassInputs, view: Option<&RankView>) {
-    // SAFETY: caller contract: the gate/up parameter block and the offsets it points at.
+    // SAFETY: caller contract: the gate/up parameter block and the offsets it points at; all 32
+    // lanes, which take the same chunks (the claim is broadcast), so every lane reaches each
+    // `shfl_idx_u32` and `publish_chunk`.
     unsafe {
         let p = &*(f.gate_up as *const GemmParams);
         let groups = p.groups as usize + 1;
@@ -191,7 +193,8 @@ pub(super) unsafe fn wait_for_shared_tile(
 /// As [`dispatch`]; the caller's warp is whole (all 32 lanes call this).
 #[inline(always)]
 pub unsafe fn combine(f: &ForwardParams, pass: &PassInputs, view: Option<&RankView>) {
-    // SAFETY: caller contract.
+    // SAFETY: caller contract; all 32 lanes, which take the same tokens (the claim is broadcast;
+    // the per-lane waits rejoin), so every lane reaches each `shfl_idx_u32`.
     unsafe {
         let down = &*(f.down as *const GemmParams);
         let n_tiles = down.n.div_ceil(TILE_N);

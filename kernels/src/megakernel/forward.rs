@@ -61,7 +61,8 @@ unsafe fn combine_if_asked(f: &ForwardParams, pass: &PassInputs, view: Option<&R
 /// valid exchange parameter block. `params` is element `launch_index` of the launch's array of
 /// parameter blocks; with `tile_ranks` > 1 that array holds that many ranks, every one with
 /// the same `tile_ranks` and the same phases (a shared expert on all or none), and their blocks
-/// are the whole grid.
+/// are the whole grid. Every thread of every block calls it, a cluster's two blocks with the
+/// same `params` and `block` 2q and 2q + 1.
 #[inline(always)]
 pub unsafe fn forward<const RANKS: bool>(params: *const ForwardParams, pass: PassInputs, block: u32) {
     crate::ptx::declare_block_threads::<ENGINE_THREADS>();
@@ -77,7 +78,9 @@ pub unsafe fn forward<const RANKS: bool>(params: *const ForwardParams, pass: Pas
             combine_if_asked(f, &pass, view.as_ref());
         }
     } else if block >= first_compute_block(f.comm_blocks) {
-        // SAFETY: caller contract; every warp is whole.
+        // SAFETY: caller contract; every warp is whole. Both blocks of this cluster come here
+        // with every thread (`first_compute_block` is even; `f` is the pair's), as
+        // `run_forward_phases` asks.
         unsafe {
             if f.work & WORK_GEMMS == 0 {
                 dispatch(f, &pass, view.as_ref());

@@ -7,9 +7,16 @@ use core::arch::asm;
 /// `barrier.cluster.arrive.release` + `barrier.cluster.wait.acquire`: every non-exited thread
 /// of every block of the cluster meets here; shared-memory writes before it (barrier
 /// initialisation included) are visible cluster-wide after it.
+///
+/// # Safety
+/// Every thread of every block of the cluster makes this call equally often, each thread's n-th
+/// meeting the others' n-th (a thread that has exited no longer counts). Not `.aligned`: a warp
+/// may reach it divergently. A running thread that skips it stalls the cluster for ever, and
+/// unmatched calls pair the wrong phases, voiding what callers rely on (the partner's barriers
+/// initialised, the partner not yet exited).
 #[inline(always)]
-pub fn cluster_sync() {
-    // SAFETY: no operands; threads that exited do not hold the barrier up.
+pub unsafe fn cluster_sync() {
+    // SAFETY: caller contract.
     unsafe { asm!("barrier.cluster.arrive.release;", "barrier.cluster.wait.acquire;", options(nostack)) };
 }
 

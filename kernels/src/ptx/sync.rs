@@ -21,10 +21,14 @@ pub unsafe fn block_barrier() {
 }
 
 /// `shfl.sync.bfly.b32`: value of lane `lane ^ lane_mask`.
+///
+/// # Safety
+/// All 32 lanes of the warp (its member mask is [`FULL_WARP`]) execute this same call, in
+/// warp-uniform control flow; a lane of the mask that does not makes it undefined.
 #[inline(always)]
-pub fn shfl_xor_u32(value: u32, lane_mask: u32) -> u32 {
+pub unsafe fn shfl_xor_u32(value: u32, lane_mask: u32) -> u32 {
     let out: u32;
-    // SAFETY: all lanes of the warp participate (FULL_WARP), uniform control flow.
+    // SAFETY: caller contract: the whole warp, which `FULL_WARP` names.
     unsafe {
         asm!("shfl.sync.bfly.b32 {o}, {v}, {m}, 31, {full};",
              o = out(reg32) out, v = in(reg32) value, m = in(reg32) lane_mask,
@@ -34,16 +38,23 @@ pub fn shfl_xor_u32(value: u32, lane_mask: u32) -> u32 {
 }
 
 /// [`shfl_xor_u32`] for f32.
+///
+/// # Safety
+/// As [`shfl_xor_u32`].
 #[inline(always)]
-pub fn shfl_xor_f32(value: f32, lane_mask: u32) -> f32 {
-    f32::from_bits(shfl_xor_u32(value.to_bits(), lane_mask))
+pub unsafe fn shfl_xor_f32(value: f32, lane_mask: u32) -> f32 {
+    // SAFETY: caller contract.
+    f32::from_bits(unsafe { shfl_xor_u32(value.to_bits(), lane_mask) })
 }
 
 /// `shfl.sync.idx.b32`: value of lane `src_lane`.
+///
+/// # Safety
+/// As [`shfl_xor_u32`]: all 32 lanes execute this same call, in warp-uniform control flow.
 #[inline(always)]
-pub fn shfl_idx_u32(value: u32, src_lane: u32) -> u32 {
+pub unsafe fn shfl_idx_u32(value: u32, src_lane: u32) -> u32 {
     let out: u32;
-    // SAFETY: all lanes participate, uniform control flow.
+    // SAFETY: caller contract: the whole warp, which `FULL_WARP` names.
     unsafe {
         asm!("shfl.sync.idx.b32 {o}, {v}, {l}, 31, {full};",
              o = out(reg32) out, v = in(reg32) value, l = in(reg32) src_lane,
@@ -53,10 +64,13 @@ pub fn shfl_idx_u32(value: u32, src_lane: u32) -> u32 {
 }
 
 /// `vote.sync.ballot.b32`: bit i set when lane i's `predicate` is true.
+///
+/// # Safety
+/// As [`shfl_xor_u32`]: all 32 lanes execute this same call, in warp-uniform control flow.
 #[inline(always)]
-pub fn ballot(predicate: bool) -> u32 {
+pub unsafe fn ballot(predicate: bool) -> u32 {
     let out: u32;
-    // SAFETY: all lanes participate, uniform control flow.
+    // SAFETY: caller contract: the whole warp, which `FULL_WARP` names.
     unsafe {
         asm!("{{ .reg .pred p; setp.ne.u32 p, {v}, 0; vote.sync.ballot.b32 {o}, p, {full}; }}",
              o = out(reg32) out, v = in(reg32) predicate as u32, full = in(reg32) FULL_WARP,
@@ -65,25 +79,37 @@ pub fn ballot(predicate: bool) -> u32 {
     out
 }
 
-/// `vote.sync.all.pred`.
+/// Whether `predicate` holds in all 32 lanes (one [`ballot`]).
+///
+/// # Safety
+/// As [`ballot`].
 #[inline(always)]
-pub fn all_lanes(predicate: bool) -> bool {
-    ballot(predicate) == FULL_WARP
+pub unsafe fn all_lanes(predicate: bool) -> bool {
+    // SAFETY: caller contract.
+    unsafe { ballot(predicate) == FULL_WARP }
 }
 
-/// `vote.sync.any.pred`.
+/// Whether `predicate` holds in any lane (one [`ballot`]).
+///
+/// # Safety
+/// As [`ballot`].
 #[inline(always)]
-pub fn any_lane(predicate: bool) -> bool {
-    ballot(predicate) != 0
+pub unsafe fn any_lane(predicate: bool) -> bool {
+    // SAFETY: caller contract.
+    unsafe { ballot(predicate) != 0 }
 }
 
 /// Sum over the 32 lanes by a fixed butterfly: every lane gets the same bits, and the order of
 /// additions depends only on lane ids, so the result is deterministic.
+///
+/// # Safety
+/// As [`shfl_xor_u32`]: all 32 lanes execute this same call, in warp-uniform control flow.
 #[inline(always)]
-pub fn warp_sum_f32(mut value: f32) -> f32 {
+pub unsafe fn warp_sum_f32(mut value: f32) -> f32 {
     let mut mask = 16;
     while mask > 0 {
-        value += shfl_xor_f32(value, mask);
+        // SAFETY: caller contract; every lane takes the same five steps.
+        value += unsafe { shfl_xor_f32(value, mask) };
         mask >>= 1;
     }
     value
