@@ -743,6 +743,19 @@ fn ep_forward_megakernel_repeats_bitwise_and_rejects_bad_geometry() {
     assert!(same_bf16(&ep_forward_y(&gpu, &mut layer, &weights), &first), "after the rejected geometries");
 }
 
+/// Every injected fault must be reported within twice the deadline (under compute-sanitizer
+/// the instrumented pass itself takes seconds: more slack).
+fn assert_reported_in_time(took: Duration, deadline: Duration) {
+    let slack = Duration::from_millis(common::sized("fault slack (ms)", 100, 4000));
+    assert!(took < 2 * deadline + slack, "reported after {took:?}");
+}
+
+/// After a fault: no rank silent, and the exchange's counters and error records reset.
+fn silence_off_and_reset(gpu: &Gpu, layer: &mut EpLayer) {
+    layer.exchange_mut().set_silent_rank(None);
+    layer.exchange_mut().reset(&[gpu]).unwrap();
+}
+
 #[test]
 fn ep_forward_megakernel_faults_are_reported_timeouts_and_the_next_pass_is_right() {
     let gpu = gpu();
@@ -809,15 +822,12 @@ fn ep_forward_megakernel_faults_are_reported_timeouts_and_the_next_pass_is_right
             if exchange == Some(Silence::Push) {
                 assert!(matches!(error, MokError::Timeout { peer: Some(1), .. }), "names the silent owner: {error}");
             }
-            // Every fault is reported within twice the deadline: the megakernel's waits, and the
-            // schedule's waits on a silent publisher (every rank's in one launch, side by side).
-            // (Under compute-sanitizer the instrumented pass itself takes seconds: more slack.)
-            let slack = Duration::from_millis(common::sized("fault slack (ms)", 100, 4000));
-            assert!(took < 2 * deadline + slack, "reported after {took:?}");
+            // The megakernel's waits, and the schedule's waits on a silent publisher (every
+            // rank's in one launch, side by side).
+            assert_reported_in_time(took, deadline);
             // Back to a clean state: no faults, counters reset, and the next pass is right.
             layer.set_forward_megakernel_faults(rank, MegakernelFaults::default()).unwrap();
-            layer.exchange_mut().set_silent_rank(None);
-            layer.exchange_mut().reset(&[&gpu]).unwrap();
+            silence_off_and_reset(&gpu, &mut layer);
             assert!(
                 same_bf16(&ep_forward_y(&gpu, &mut layer, &weights), &want),
                 "the pass after {megakernel:?} {exchange:?}"
@@ -968,11 +978,9 @@ fn ep_backward_megakernel_faults_are_reported_timeouts_and_the_next_pass_is_righ
                 MokError::Timeout { waited_for, .. } => assert!(waited_for.contains(waited), "{waited_for}"),
                 other => panic!("expected a timeout, got {other:?}"),
             }
-            let slack = Duration::from_millis(common::sized("fault slack (ms)", 100, 4000));
-            assert!(took < 2 * deadline + slack, "reported after {took:?}");
+            assert_reported_in_time(took, deadline);
             layer.set_backward_megakernel_faults(rank, MegakernelFaults::default()).unwrap();
-            layer.exchange_mut().set_silent_rank(None);
-            layer.exchange_mut().reset(&[&gpu]).unwrap();
+            silence_off_and_reset(&gpu, &mut layer);
             assert_same_bits(
                 &format!("the pass after {fault:?} {silence:?}"),
                 &ep_bits(&gpu, &mut layer, &weights),

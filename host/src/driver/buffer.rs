@@ -117,18 +117,13 @@ impl<T: Pod> DeviceBuffer<T> {
     /// Enqueues a copy of the first `len` elements to device address `dst` on the stream.
     ///
     /// # Safety
-    /// `dst` holds `len` elements of `T` that stay allocated, and that nothing else writes,
-    /// until the stream has run the copy.
+    /// `len` is at most the buffer's length (`DeviceBuffer::copy_to` checks it), and `dst` holds
+    /// `len` elements of `T` that stay allocated, and that nothing else writes, until the stream
+    /// has run the copy.
     pub(crate) unsafe fn copy_into_address(&self, dst: u64, len: usize) -> Result<()> {
-        if len > self.len {
-            return Err(MokError::InvalidInput {
-                tensor: "device buffer",
-                problem: format!("a copy of {len} elements out of a buffer of {}", self.len),
-            });
-        }
         self.gpu.bind()?;
-        // SAFETY: `dst` holds `len` elements (caller contract) and this allocation at least as
-        // many (checked); the copy is ordered on the stream with every kernel that reads or writes either.
+        // SAFETY: `dst` and this allocation hold at least `len` elements (caller contract); the
+        // copy is ordered on the stream with every kernel that reads or writes either.
         unsafe { result::memcpy_dtod_async(dst, self.ptr, len * size_of::<T>(), self.gpu.stream) }
             .map_err(|e| cuda_error("cuMemcpyDtoDAsync", e))
     }

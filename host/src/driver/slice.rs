@@ -148,8 +148,8 @@ impl<T: Pod> DeviceBuffer<T> {
                 problem: format!("{} elements, the source has {}", dst.len(), self.len()),
             });
         }
-        // SAFETY: `dst` is a mutable view of `dst.len()` elements, borrowed from a buffer whose
-        // freeing waits for the work using it.
+        // SAFETY: `dst.len()` ≤ this buffer's length (checked above); `dst` is a mutable view of
+        // that many elements, borrowed from a buffer whose freeing waits for the work using it.
         unsafe { self.copy_into_address(dst.device_ptr(), dst.len()) }
     }
 }

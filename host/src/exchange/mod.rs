@@ -660,7 +660,7 @@ impl Exchange {
     /// # Safety
     /// As [`Self::push`] for `rows` and [`Self::sum`] for `bases` and `outs`.
     pub unsafe fn combine(&self, gpus: &[&Gpu], rows: &[u64], bases: &[u64], outs: &[u64]) -> Result<()> {
-        // SAFETY: the caller's contract is theirs.
+        // SAFETY: this function's contract is `push`'s and `sum`'s, which the caller upholds.
         unsafe {
             self.push(gpus, false, rows)?;
             self.sum(gpus, false, bases, outs)
@@ -672,7 +672,7 @@ impl Exchange {
     /// # Safety
     /// As [`Self::combine`].
     pub unsafe fn reverse_dispatch(&self, gpus: &[&Gpu], rows: &[u64], bases: &[u64], outs: &[u64]) -> Result<()> {
-        // SAFETY: the caller's contract is theirs.
+        // SAFETY: this function's contract is `push`'s and `sum`'s, which the caller upholds.
         unsafe {
             self.push(gpus, true, rows)?;
             self.sum(gpus, true, bases, outs)
