@@ -36,12 +36,16 @@ pub struct PtxArch {
     pub ptx_feature: &'static str,
     /// File name of the PTX in the output folder.
     pub file_name: &'static str,
+    /// File name of ptxas's cubin of that PTX, beside it ([`assemble_cubin`]).
+    pub cubin_name: &'static str,
 }
 
 /// Hopper (H100, H200), with the `a` features (wgmma, setmaxnreg).
-pub const SM90A: PtxArch = PtxArch { sm: "sm_90a", ptx_feature: "+ptx83", file_name: "mok_sm90a.ptx" };
+pub const SM90A: PtxArch =
+    PtxArch { sm: "sm_90a", ptx_feature: "+ptx83", file_name: "mok_sm90a.ptx", cubin_name: "mok_sm90a.cubin" };
 /// Blackwell (B200, GB200, GB300).
-pub const SM100A: PtxArch = PtxArch { sm: "sm_100a", ptx_feature: "+ptx86", file_name: "mok_sm100a.ptx" };
+pub const SM100A: PtxArch =
+    PtxArch { sm: "sm_100a", ptx_feature: "+ptx86", file_name: "mok_sm100a.ptx", cubin_name: "mok_sm100a.cubin" };
 /// Every architecture mok ships.
 pub const ALL_ARCHS: [PtxArch; 2] = [SM90A, SM100A];
 
@@ -253,6 +257,36 @@ pub fn build_ptx(
     let ptx = apply_entry_markers(&ptx)?;
     fs::write(&dest, ptx).map_err(|e| format!("cannot write {}: {e}", dest.display()))?;
     Ok(dest)
+}
+
+/// The environment variable naming a ptxas: `cargo xtask` uses it instead of the one `setup`
+/// installs, and `build.rs`, when it builds the kernels (`MOK_BUILD_KERNELS=1`), assembles the
+/// cubins with it (`cargo xtask gpu-bundle` sets it to the pinned ptxas).
+pub const PTXAS_ENV: &str = "MOK_PTXAS";
+
+/// Assembles `ptx` (built for `arch`) into the cubin `cubin` with `ptxas`; returns ptxas's
+/// report (`-v`: registers, spills, stack per kernel), stdout then stderr.
+///
+/// The options are fixed here because ptxas records them in the cubin: the same ptxas and the
+/// same PTX give the same bytes only with the same options, and the cubin that ships must equal
+/// what `cargo xtask ptx` checks.
+pub fn assemble_cubin(ptxas: &Path, arch: PtxArch, ptx: &Path, cubin: &Path) -> Result<String, String> {
+    let mut command = Command::new(ptxas);
+    command.arg(format!("-arch={}", arch.sm)).arg("-v").arg(ptx).arg("-o").arg(cubin);
+    let output = command.output().map_err(|e| format!("cannot run {}: {e}", ptxas.display()))?;
+    let text = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+    if !output.status.success() {
+        return Err(format!(
+            "`{} -arch={} -v {} -o {}` failed ({}):\n{}",
+            ptxas.display(),
+            arch.sm,
+            ptx.display(),
+            cubin.display(),
+            output.status,
+            text.trim_end()
+        ));
+    }
+    Ok(text)
 }
 
 /// Markers the kernels leave in their bodies (`ptx::declare_block_threads::<N>()`,

@@ -3,8 +3,8 @@
 //! A deterministic mixture-of-experts layer for training, written entirely in Rust: kernels
 //! compiled to PTX by rustc's NVPTX backend (crate `mok-kernels`), driven by a host crate over
 //! the CUDA driver API (crate `mok-host`). This facade embeds the PTX for sm_90a (Hopper) and
-//! sm_100a (Blackwell) — shipped in `src/ptx/`, so a build needs stable Rust alone — and
-//! re-exports the host API.
+//! sm_100a (Blackwell) and ptxas's cubin of each — shipped in `src/ptx/`, so a build needs
+//! stable Rust alone — and re-exports the host API.
 //!
 //! ```no_run
 //! use mok::driver::DeviceBuffer;
@@ -56,14 +56,27 @@ pub const PTX_SM90A: &str = include_str!(concat!(env!("OUT_DIR"), "/mok_sm90a.pt
 /// PTX of every kernel for Blackwell (sm_100a), from the same place as [`PTX_SM90A`]. Assembled
 /// by ptxas in CI; not yet run on Blackwell hardware.
 pub const PTX_SM100A: &str = include_str!(concat!(env!("OUT_DIR"), "/mok_sm100a.ptx"));
+/// ptxas's cubin of [`PTX_SM90A`] (the pinned ptxas of `cargo xtask setup`): what an H100 or
+/// H200 loads, with no JIT. Empty in a kernel build without `MOK_PTXAS` (`build.rs`).
+pub const CUBIN_SM90A: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/mok_sm90a.cubin"));
+/// ptxas's cubin of [`PTX_SM100A`], as [`CUBIN_SM90A`]; not yet run on Blackwell hardware.
+pub const CUBIN_SM100A: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/mok_sm100a.cubin"));
 
-/// Opens GPU `ordinal` with mok's kernels loaded (the PTX matching its architecture).
+/// mok's kernels for every architecture it ships.
+pub const KERNEL_IMAGES: [driver::KernelImage<'static>; 2] = [
+    driver::KernelImage { compute_capability: (9, 0), ptx: PTX_SM90A, cubin: CUBIN_SM90A },
+    driver::KernelImage { compute_capability: (10, 0), ptx: PTX_SM100A, cubin: CUBIN_SM100A },
+];
+
+/// Opens GPU `ordinal` with mok's kernels loaded: the cubin for its architecture, or, where the
+/// driver refuses it (a driver older than CUDA 13.0, the ptxas that made it), the PTX through
+/// the driver's JIT ([`driver::Gpu::loaded_kernels`] says which).
 ///
 /// Fails with [`MokError::NoDriver`] on a machine without a CUDA driver and with
 /// [`MokError::UnsupportedGpu`] on a GPU that is neither Hopper nor Blackwell.
 ///
 /// With the feature `testing`, if the environment variable `MOK_PTX` names a file, that PTX is
-/// loaded instead of the built-in one (a note goes to stderr): it lets one device call time
+/// loaded instead of the built-in kernels (a note goes to stderr): it lets one device call time
 /// several builds of the kernels side by side. The file must target the GPU's architecture, or
 /// the driver's JIT refuses it.
 pub fn open_gpu(ordinal: usize) -> Result<driver::Gpu> {
@@ -73,17 +86,26 @@ pub fn open_gpu(ordinal: usize) -> Result<driver::Gpu> {
             tensor: "MOK_PTX",
             problem: format!("cannot read PTX file {}: {e}", path.to_string_lossy()),
         })?;
-        eprintln!("mok: MOK_PTX set: loading {} instead of the built-in PTX", path.to_string_lossy());
-        return driver::Gpu::new(ordinal, &[(9, &text), (10, &text)], unfused::KERNEL_NAMES);
+        eprintln!("mok: MOK_PTX set: loading {} instead of the built-in kernels", path.to_string_lossy());
+        let images = KERNEL_IMAGES.map(|image| driver::KernelImage { ptx: &text, cubin: &[], ..image });
+        return driver::Gpu::new(ordinal, &images, unfused::KERNEL_NAMES);
     }
-    driver::Gpu::new(ordinal, &[(9, PTX_SM90A), (10, PTX_SM100A)], unfused::KERNEL_NAMES)
+    driver::Gpu::new(ordinal, &KERNEL_IMAGES, unfused::KERNEL_NAMES)
+}
+
+/// As [`open_gpu`], with the built-in PTX alone, JIT-compiled by the driver (feature `testing`:
+/// the tests that compare the cubin's bits with the PTX's).
+#[cfg(feature = "testing")]
+pub fn open_gpu_jit(ordinal: usize) -> Result<driver::Gpu> {
+    let images = KERNEL_IMAGES.map(|image| driver::KernelImage { cubin: &[], ..image });
+    driver::Gpu::new(ordinal, &images, unfused::KERNEL_NAMES)
 }
 
 /// As [`open_gpu`], with every kernel, copy and synchronisation on the caller's cudarc stream
 /// (which must belong to its device's primary context, as `cudarc::driver::CudaContext::new`
 /// makes it), so mok's work is ordered with the caller's. The GPU is the stream's device.
 pub fn open_gpu_on_stream(stream: std::sync::Arc<cudarc::driver::CudaStream>) -> Result<driver::Gpu> {
-    driver::Gpu::on_stream(stream, &[(9, PTX_SM90A), (10, PTX_SM100A)], unfused::KERNEL_NAMES)
+    driver::Gpu::on_stream(stream, &KERNEL_IMAGES, unfused::KERNEL_NAMES)
 }
 
 #[cfg(all(test, feature = "testing"))]

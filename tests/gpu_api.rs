@@ -452,3 +452,48 @@ fn moe_layer_over_virtual_ranks_gives_the_one_gpu_bits() {
         layer.check().unwrap();
     }
 }
+
+#[test]
+fn the_shipped_cubin_loads_and_gives_the_ptx_jit_bits() {
+    // `open_gpu` loads ptxas's cubin (no JIT) where the driver takes it; the PTX through the
+    // driver's JIT must give the same bits on every backend, since a driver older than the
+    // cubin's ptxas falls back to it.
+    use mok::driver::LoadedKernels;
+    assert!(
+        !mok::CUBIN_SM90A.is_empty(),
+        "this build embeds no cubin (a kernel build without MOK_PTXAS): build from the shipped files or with ptxas"
+    );
+    let cubin_gpu = gpu();
+    let mut driver_version = 0;
+    // SAFETY: a plain query into a local; the driver was initialised by `open_gpu`.
+    let status = unsafe { mok::cudarc::driver::sys::cuDriverGetVersion(&mut driver_version) };
+    assert_eq!(status, mok::cudarc::driver::sys::CUresult::CUDA_SUCCESS);
+    let loaded = cubin_gpu.loaded_kernels().clone();
+    println!("  driver {driver_version}, {:?}: {loaded:?}", cubin_gpu.compute_capability());
+    let cubin_applies =
+        mok::KERNEL_IMAGES.iter().any(|image| image.compute_capability == cubin_gpu.compute_capability());
+    if cubin_applies && driver_version >= 13000 {
+        assert_eq!(loaded, LoadedKernels::Cubin, "a CUDA 13 driver must take the CUDA 13.0 ptxas's cubin");
+    }
+    let jit_gpu = mok::open_gpu_jit(0).unwrap();
+    assert_eq!(jit_gpu.loaded_kernels(), &LoadedKernels::Ptx { cubin_refused: None });
+    let c = config();
+    let case = random_case(&c, 720, Routing { drop_probability: 0.05, empty_experts: &[5] });
+    for backend in [Backend::MmaSync, Backend::Engine, Backend::Megakernel] {
+        let options = LayerOptions { backend: Some(backend), ..LayerOptions::default() };
+        let run = |gpu: &Gpu| -> Option<Vec<u64>> {
+            let mut layer = MoeLayer::new(gpu, c.clone(), options.clone()).ok()?;
+            let mut caller = Caller::new(gpu, &case);
+            step(gpu, &mut layer, &mut caller, false);
+            Some(outputs(&caller))
+        };
+        let Some(from_cubin) = run(&cubin_gpu) else {
+            assert_ne!(cubin_gpu.compute_capability().0, 9, "an sm_90 GPU must run {backend:?}");
+            println!("  NOT RUN on {backend:?}: not on this GPU");
+            continue;
+        };
+        let from_ptx = run(&jit_gpu).expect("the same backend over the JIT-compiled PTX");
+        assert_eq!(from_cubin, from_ptx, "{backend:?}: the cubin's bits differ from the PTX's");
+        println!("  {backend:?}: the cubin's bits are the PTX JIT's (y, dx, d_topk_weights, weight gradients)");
+    }
+}

@@ -62,6 +62,9 @@ fn build_executables_of(manifest: &Path, command: &mut Command) -> Result<Vec<Ar
     // The bundle tests the kernels of this tree, not the shipped PTX (the two are equal once
     // `cargo xtask ptx --ship` ran; `cargo xtask test` checks that).
     command.env("MOK_BUILD_KERNELS", "1");
+    // ... and with the cubins the pinned ptxas makes of them (as shipped), so the GPU runs load
+    // the cubin as a user's build does (`build.rs`; without ptxas it would embed none).
+    command.env(crate::ptx_builder::PTXAS_ENV, crate::setup::ptxas_path()?);
     // The driver bindings that every GPU run so far used, unless the caller picks others.
     if env::var_os("CUDARC_CUDA_VERSION").is_none() {
         command.env("CUDARC_CUDA_VERSION", "12080");

@@ -5,13 +5,11 @@ use std::env;
 use std::fmt::Write as _;
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
-use anyhow::{Context, Result, anyhow, bail, ensure};
+use anyhow::{Context, Result, anyhow, ensure};
 
 use crate::ptx_builder::{self, ALL_ARCHS, PtxArch};
 use crate::setup::{ptxas_path, ptxas_version};
-use crate::{capture, describe};
 
 /// Where the PTX, the cubins and the report go.
 pub fn out_dir(root: &Path) -> PathBuf {
@@ -41,29 +39,29 @@ pub fn ptx(root: &Path, check_reproducible: bool) -> Result<()> {
 
     let mut report = format!("ptxas: {} ({version})\n", ptxas.display());
     for (arch, ptx) in &built {
-        let cubin = ptx.with_extension("cubin");
-        let mut command = Command::new(&ptxas);
-        command.arg(format!("-arch={}", arch.sm)).arg("-v").arg(ptx).arg("-o").arg(&cubin);
-        let output = capture(&mut command)?;
-        let text = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+        let cubin = out_dir.join(arch.cubin_name);
+        let text = ptx_builder::assemble_cubin(&ptxas, *arch, ptx, &cubin).map_err(|message| anyhow!("{message}"))?;
         let errors: Vec<&str> = text.lines().filter(|line| is_diagnostic(line, &["error", "fatal"])).collect();
-        if !output.status.success() || !errors.is_empty() {
-            bail!("`{}` failed ({}):\n{}", describe(&command), output.status, text.trim_end());
-        }
+        ensure!(errors.is_empty(), "ptxas reported errors for {}:\n{}", relative(root, ptx), text.trim_end());
         // ptxas assembles a kernel whose wgmma pipeline it cannot prove safe, but serialises
         // every wgmma of it (C7515): correct results at ~10 % less speed, which only a profile
         // would reveal (PERF.md, v18). Such a build is refused.
         let losses = performance_losses(&text);
         ensure!(
             losses.is_empty(),
-            "`{}`: ptxas reports a performance loss (fix the kernel code, see docs/PERF.md v18):\n{}",
-            describe(&command),
+            "{}: ptxas reports a performance loss (fix the kernel code, see docs/PERF.md v18):\n{}",
+            relative(root, ptx),
             losses.join("\n")
         );
         let mut kernels = parse_ptxas_info(&text);
         // ptxas's order is the reverse of the PTX's; by name, reports diff well.
         kernels.sort_by(|a, b| a.name.cmp(&b.name));
-        ensure!(!kernels.is_empty(), "`{}` reported no entry function:\n{}", describe(&command), text.trim_end());
+        ensure!(
+            !kernels.is_empty(),
+            "ptxas reported no entry function for {}:\n{}",
+            relative(root, ptx),
+            text.trim_end()
+        );
 
         writeln!(
             report,
@@ -102,30 +100,31 @@ pub fn ptx(root: &Path, check_reproducible: bool) -> Result<()> {
     Ok(())
 }
 
-/// The PTX files shipped in the `mok` crate (`src/ptx/`), which `build.rs` embeds unless
-/// `MOK_BUILD_KERNELS=1`.
+/// The PTX files and their cubins shipped in the `mok` crate (`src/ptx/`), which `build.rs`
+/// embeds unless `MOK_BUILD_KERNELS=1`.
 fn shipped_dir(root: &Path) -> PathBuf {
     root.join("src").join("ptx")
 }
 
-/// Copies the fresh PTX of `cargo xtask ptx` into `src/ptx/`.
+/// Copies the fresh PTX and cubins of `cargo xtask ptx` into `src/ptx/`.
 pub fn ship(root: &Path) -> Result<()> {
     let shipped = shipped_dir(root);
     fs::create_dir_all(&shipped).with_context(|| format!("cannot create {}", shipped.display()))?;
-    for arch in ALL_ARCHS {
-        let fresh = out_dir(root).join(arch.file_name);
-        fs::copy(&fresh, shipped.join(arch.file_name))
+    for name in ALL_ARCHS.iter().flat_map(|arch| [arch.file_name, arch.cubin_name]) {
+        let fresh = out_dir(root).join(name);
+        fs::copy(&fresh, shipped.join(name))
             .with_context(|| format!("cannot copy {} into {}", fresh.display(), shipped.display()))?;
     }
-    println!("ptx: shipped: {} updated (commit it)", relative(root, &shipped));
+    println!("ptx: shipped: {} updated, PTX and cubins (commit them)", relative(root, &shipped));
     Ok(())
 }
 
-/// Fails unless every shipped PTX file is byte-identical to the fresh build in `target/ptx/`.
+/// Fails unless every shipped PTX file and cubin is byte-identical to the fresh build in
+/// `target/ptx/`.
 pub fn check_shipped(root: &Path) -> Result<()> {
-    for arch in ALL_ARCHS {
-        let fresh_path = out_dir(root).join(arch.file_name);
-        let shipped_path = shipped_dir(root).join(arch.file_name);
+    for name in ALL_ARCHS.iter().flat_map(|arch| [arch.file_name, arch.cubin_name]) {
+        let fresh_path = out_dir(root).join(name);
+        let shipped_path = shipped_dir(root).join(name);
         let fresh = fs::read(&fresh_path).with_context(|| format!("cannot read {}", fresh_path.display()))?;
         let shipped = fs::read(&shipped_path).with_context(|| format!("cannot read {}", shipped_path.display()))?;
         ensure!(
@@ -135,7 +134,7 @@ pub fn check_shipped(root: &Path) -> Result<()> {
             relative(root, &fresh_path)
         );
     }
-    println!("ptx: the shipped PTX in src/ptx/ is byte-identical to the fresh build");
+    println!("ptx: the shipped PTX and cubins in src/ptx/ are byte-identical to the fresh build");
     Ok(())
 }
 

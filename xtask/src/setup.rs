@@ -7,7 +7,7 @@ use std::process::Command;
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
 
-use crate::ptx_builder::{self, KERNEL_TOOLCHAIN};
+use crate::ptx_builder::{self, KERNEL_TOOLCHAIN, PTXAS_ENV};
 use crate::{capture, describe, run};
 
 /// The ptxas release: CUDA 13.0, which the GPU machine's driver supports.
@@ -16,8 +16,6 @@ pub const PTXAS_VERSION: &str = "13.0.88";
 const PTXAS_WHEEL: &str = "nvidia-cuda-nvcc";
 /// ptxas's path inside the wheel.
 const PTXAS_IN_WHEEL: &str = "nvidia/cu13/bin/ptxas";
-/// Overrides the ptxas that xtask uses.
-const PTXAS_ENV: &str = "MOK_PTXAS";
 /// Overrides the cache folder (default `~/.cache/mok`).
 const CACHE_ENV: &str = "MOK_CACHE_DIR";
 

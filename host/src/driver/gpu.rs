@@ -100,6 +100,8 @@ impl Drop for GpuInner {
 /// The loaded module and the functions resolved from it so far, by name.
 pub struct Kernels {
     module: sys::CUmodule,
+    /// The form the module was loaded from.
+    loaded: LoadedKernels,
     functions: Mutex<HashMap<&'static str, sys::CUfunction>>,
     /// Keeps the context the module lives in alive until the module is unloaded.
     context: Arc<GpuInner>,
@@ -156,11 +158,83 @@ impl LaunchShape {
     }
 }
 
+/// One architecture's kernels, in the two forms the driver loads.
+#[derive(Clone, Copy, Debug)]
+pub struct KernelImage<'a> {
+    /// The compute capability they were built for. "a" targets (sm_90a, sm_100a) run on that
+    /// one alone: the cubin is loaded only on a GPU of exactly this capability, the PTX on any
+    /// of the same major (where the driver's JIT refuses what it cannot run).
+    pub compute_capability: (i32, i32),
+    /// The PTX text, JIT-compiled by the driver at load: ~15 s for mok's kernels on the H200
+    /// unless the driver's JIT cache holds them (docs/PERF.md, "Loading the kernels").
+    pub ptx: &'a str,
+    /// ptxas's cubin of that PTX, loaded as it is (no JIT); empty when none was built.
+    pub cubin: &'a [u8],
+}
+
+/// Which form of its kernels a [`Gpu`] loaded ([`Gpu::loaded_kernels`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LoadedKernels {
+    /// The cubin: the machine code that `cargo xtask ptx` assembled and checked.
+    Cubin,
+    /// The PTX, JIT-compiled by the driver. `cubin_refused` holds the driver's error when there
+    /// was a cubin for this GPU and it did not load (a driver older than the ptxas that made
+    /// it); `None` when there was none to try.
+    Ptx {
+        /// The driver's error for the cubin, if one was tried.
+        cubin_refused: Option<String>,
+    },
+}
+
+/// The image for a GPU of compute capability `(major, minor)`, and whether its cubin applies
+/// (non-empty and built for exactly that capability).
+fn image_for<'i, 'a>(images: &'i [KernelImage<'a>], (major, minor): (i32, i32)) -> Option<(&'i KernelImage<'a>, bool)> {
+    let image = images.iter().find(|image| image.compute_capability.0 == major)?;
+    Some((image, !image.cubin.is_empty() && image.compute_capability == (major, minor)))
+}
+
+/// Loads `image` into the current context: its cubin when `try_cubin`, else (or if the driver
+/// refuses the cubin) its PTX.
+fn load_module(image: &KernelImage<'_>, try_cubin: bool) -> Result<(sys::CUmodule, LoadedKernels)> {
+    let mut cubin_refused = None;
+    if try_cubin {
+        // An ELF image read in place by the driver: copied into 8-byte-aligned memory, as
+        // `include_bytes!` promises no alignment.
+        let mut aligned = vec![0u64; image.cubin.len().div_ceil(8)];
+        bytemuck::cast_slice_mut::<u64, u8>(&mut aligned)[..image.cubin.len()].copy_from_slice(image.cubin);
+        // SAFETY: `aligned` holds a whole cubin image and outlives the call.
+        match unsafe { result::module::load_data(aligned.as_ptr() as *const c_void) } {
+            Ok(module) => return Ok((module, LoadedKernels::Cubin)),
+            Err(e) => cubin_refused = Some(format!("{e:?}")),
+        }
+    }
+    let source = CString::new(image.ptx)
+        .map_err(|_| MokError::Cuda { call: "PTX".into(), message: "PTX text contains a NUL byte".into() })?;
+    // SAFETY: `source` is a NUL-terminated PTX image that outlives the call.
+    let module = unsafe { result::module::load_data(source.as_ptr() as *const c_void) }.map_err(|e| {
+        let call = match &cubin_refused {
+            Some(refused) => {
+                format!("cuModuleLoadData (JIT of mok's PTX, after the driver refused the cubin: {refused})")
+            }
+            None => "cuModuleLoadData (JIT of mok's PTX)".to_string(),
+        };
+        cuda_error(call, e)
+    })?;
+    Ok((module, LoadedKernels::Ptx { cubin_refused }))
+}
+
 impl Gpu {
-    /// Opens GPU `ordinal`, picks the PTX for its architecture from `ptx_by_arch`
-    /// (`(compute capability major, PTX text)`), loads it and resolves `kernel_names` (others are resolved on first launch).
-    pub fn new(ordinal: usize, ptx_by_arch: &[(i32, &str)], kernel_names: &[&'static str]) -> Result<Self> {
-        Self::open(ordinal, ptx_by_arch, kernel_names, None)
+    /// Opens GPU `ordinal`, picks the kernels for its architecture from `images`, loads them
+    /// (the cubin where it applies and the driver takes it, else the PTX) and resolves
+    /// `kernel_names` (others are resolved on first launch).
+    pub fn new(ordinal: usize, images: &[KernelImage<'_>], kernel_names: &[&'static str]) -> Result<Self> {
+        Self::open(ordinal, images, kernel_names, None)
+    }
+
+    /// Which form of the kernels this GPU loaded: the cubin, or the PTX through the driver's
+    /// JIT (and why the cubin was not taken, when there was one).
+    pub fn loaded_kernels(&self) -> &LoadedKernels {
+        &self.kernels.loaded
     }
 
     /// As [`Gpu::new`] on the caller's cudarc stream instead of a stream of mok's own: every
@@ -170,16 +244,16 @@ impl Gpu {
     /// destroyed by mok.
     pub fn on_stream(
         stream: Arc<cudarc::driver::CudaStream>,
-        ptx_by_arch: &[(i32, &str)],
+        images: &[KernelImage<'_>],
         kernel_names: &[&'static str],
     ) -> Result<Self> {
         let ordinal = stream.context().ordinal();
-        Self::open(ordinal, ptx_by_arch, kernel_names, Some(stream))
+        Self::open(ordinal, images, kernel_names, Some(stream))
     }
 
     fn open(
         ordinal: usize,
-        ptx_by_arch: &[(i32, &str)],
+        images: &[KernelImage<'_>],
         kernel_names: &[&'static str],
         caller_stream: Option<Arc<cudarc::driver::CudaStream>>,
     ) -> Result<Self> {
@@ -232,16 +306,13 @@ impl Gpu {
             multiprocessors,
         });
 
-        // "a" PTX (sm_90a, sm_100a) runs only on its own major architecture.
-        let Some((_, ptx)) = ptx_by_arch.iter().find(|(arch_major, _)| *arch_major == major) else {
+        // "a" code (sm_90a, sm_100a) runs only on its own architecture.
+        let Some((image, try_cubin)) = image_for(images, (major, minor)) else {
             return Err(MokError::UnsupportedGpu { name, major, minor });
         };
-        let source = CString::new(*ptx)
-            .map_err(|_| MokError::Cuda { call: "PTX".into(), message: "PTX text contains a NUL byte".into() })?;
-        // SAFETY: `source` is a NUL-terminated PTX image that outlives the call.
-        let module = unsafe { result::module::load_data(source.as_ptr() as *const c_void) }
-            .map_err(|e| cuda_error("cuModuleLoadData (JIT of mok's PTX)", e))?;
-        let kernels = Arc::new(Kernels { module, functions: Mutex::new(HashMap::new()), context: inner.clone() });
+        let (module, loaded) = load_module(image, try_cubin)?;
+        let kernels =
+            Arc::new(Kernels { module, loaded, functions: Mutex::new(HashMap::new()), context: inner.clone() });
         let gpu = Self { kernels, inner, sync_launches: false, launches: Default::default() };
         // Resolve the expected kernels now, so a PTX that lacks one fails at open, not mid-pass.
         for &kernel in kernel_names {
@@ -498,5 +569,28 @@ impl Drop for GpuTimer {
                 let _ = result::event::destroy(self.stop);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{KernelImage, image_for};
+
+    #[test]
+    fn a_cubin_is_tried_only_on_its_exact_capability_and_only_when_built() {
+        let cubin = [1u8; 4];
+        let images = [
+            KernelImage { compute_capability: (9, 0), ptx: "hopper", cubin: &cubin },
+            KernelImage { compute_capability: (10, 0), ptx: "blackwell", cubin: &[] },
+        ];
+        let chosen = |cc| image_for(&images, cc).map(|(image, try_cubin)| (image.ptx, try_cubin));
+        assert_eq!(chosen((9, 0)), Some(("hopper", true)));
+        // Same major, other minor: the PTX (which the driver's JIT accepts or refuses), never
+        // an "a" cubin built for another chip.
+        assert_eq!(chosen((9, 1)), Some(("hopper", false)));
+        // No cubin built (a kernel build without ptxas): the PTX.
+        assert_eq!(chosen((10, 0)), Some(("blackwell", false)));
+        assert_eq!(chosen((8, 0)), None);
+        assert_eq!(chosen((12, 0)), None);
     }
 }

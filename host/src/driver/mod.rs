@@ -21,7 +21,7 @@ mod slice;
 pub mod vmm;
 
 pub use buffer::{DeviceBuffer, live_device_buffers};
-pub use gpu::{Gpu, GpuTimer, KernelArg, Kernels, LaunchShape};
+pub use gpu::{Gpu, GpuTimer, KernelArg, KernelImage, Kernels, LaunchShape, LoadedKernels};
 pub use graph::CapturedGraph;
 pub use slice::{DeviceSlice, DeviceSliceMut};
 
