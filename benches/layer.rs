@@ -16,7 +16,9 @@
 //! (`epP:megakernels`: the backward as one such launch too); `--ring-factor F` sizes each rank's
 //! receive ring at F times an even split's rows (default: the worst case), and
 //! `--own-rank-tiles` runs each rank's GEMM tiles on its own blocks (`epP:…/own-tiles`; by default
-//! every compute block takes every rank's tiles). Launched by torchrun or srun with more
+//! every compute block takes every rank's tiles). `--swap-weights` (one GPU) also times steps
+//! whose weights alternate between two copies (`MOKSWAP` lines), as under an optimizer that hands
+//! the layer new buffers every step. Launched by torchrun or srun with more
 //! than one process (and built with the `nccl` feature, as the GPU bundle is), it runs the layer
 //! across the processes instead, one rank per GPU (`procsP:mma`, `procsP:megakernel`; rank 0
 //! prints the results; built, not yet run: no multi-GPU machine has been lent). Every
@@ -51,6 +53,10 @@ struct Args {
     /// With ranks: each rank's GEMM tiles on its own blocks (`MegakernelOptions::share_rank_tiles`
     /// false) instead of every compute block taking every rank's tiles.
     own_rank_tiles: bool,
+    /// One GPU: also time steps whose weights alternate between two copies (a training
+    /// framework whose optimizer hands the layer new buffers), so the layer builds its plans
+    /// again every step.
+    swap_weights: bool,
 }
 
 /// How the layer runs (see the module docs).
@@ -117,6 +123,7 @@ fn parse_args() -> Result<Args> {
         ranks: 1,
         ring_factor: None,
         own_rank_tiles: false,
+        swap_weights: false,
     };
     let mut cases = "kimi:8192,glm:8192,qwen:8192,deepseek:8192".to_string();
     let mut it = std::env::args().skip(1).filter(|a| a != "--bench");
@@ -136,6 +143,7 @@ fn parse_args() -> Result<Args> {
                 args.ring_factor = Some(factor);
             }
             "--own-rank-tiles" => args.own_rank_tiles = true,
+            "--swap-weights" => args.swap_weights = true,
             "--gemm" => args.backends = value()?.split(',').map(Backend::parse).collect::<Result<_>>()?,
             "--baseline" => {
                 let path = value()?;
@@ -398,17 +406,26 @@ fn bench_case_ep(
     Ok(Measured { fwd: median(fwd), step: median(step), launches, bwd_launches, sides, backward })
 }
 
-fn bench_case(gpu: &Gpu, shape: FrontierShape, tokens: usize, reps: usize, backend: Backend) -> Result<Measured> {
+fn bench_case(
+    gpu: &Gpu,
+    shape: FrontierShape,
+    tokens: usize,
+    (reps, swap_weights): (usize, bool),
+    backend: Backend,
+) -> Result<Measured> {
     let config = shape.config(tokens);
     let (h, i, e) = (config.hidden, config.intermediate, config.num_experts);
     let host_tokens = random_tokens(&config, 7);
     let device_tokens = DeviceTokens::upload(gpu, &config, &host_tokens)?;
     let scale_in = 3.0 / (h as f32).sqrt();
-    let experts = DeviceExperts {
-        w_gate: random_bf16(gpu, e * i * h, 1, scale_in)?,
-        w_up: random_bf16(gpu, e * i * h, 2, scale_in)?,
-        w_down: random_bf16(gpu, e * h * i, 3, 3.0 / (i as f32).sqrt())?,
+    let make_experts = || -> Result<DeviceExperts> {
+        Ok(DeviceExperts {
+            w_gate: random_bf16(gpu, e * i * h, 1, scale_in)?,
+            w_up: random_bf16(gpu, e * i * h, 2, scale_in)?,
+            w_down: random_bf16(gpu, e * h * i, 3, 3.0 / (i as f32).sqrt())?,
+        })
     };
+    let experts = make_experts()?;
     let dy = random_bf16(gpu, tokens * h, 4, 1.0)?;
     let mut layer = UnfusedLayer::new(gpu, config)?;
     backend.apply(gpu, &mut layer)?;
@@ -427,6 +444,26 @@ fn bench_case(gpu: &Gpu, shape: FrontierShape, tokens: usize, reps: usize, backe
         step.push(timer.stop_ms()?);
     }
     layer.check_device_errors()?;
+    if swap_weights {
+        // The same values in other buffers: every step's forward sees new weight addresses.
+        let other = make_experts()?;
+        let mut swapped = Vec::new();
+        for rep in 0..reps {
+            let weights = if rep % 2 == 0 { &other } else { &experts };
+            timer.start()?;
+            layer.forward(gpu, &device_tokens, weights, None)?;
+            layer.backward(gpu, &device_tokens, weights, None, &dy)?;
+            swapped.push(timer.stop_ms()?);
+        }
+        layer.check_device_errors()?;
+        println!(
+            "MOKSWAP {} {tokens} {}: forward + backward {:.2} ms with the same weight buffers every step, {:.2} ms with the weights alternating between two copies",
+            shape.name,
+            backend.name(),
+            median(step.clone()),
+            median(swapped)
+        );
+    }
     let before = gpu.kernel_launches();
     layer.forward(gpu, &device_tokens, &experts, None)?;
     let launches = gpu.kernel_launches() - before;
@@ -603,7 +640,7 @@ fn main() -> Result<()> {
         let measured = if args.ranks > 1 {
             bench_case_ep(&gpu, shape, tokens, args.reps, (args.ranks, args.ring_factor, args.own_rank_tiles), backend)?
         } else {
-            bench_case(&gpu, shape, tokens, args.reps, backend)?
+            bench_case(&gpu, shape, tokens, (args.reps, args.swap_weights), backend)?
         };
         let backend_name = name(backend);
         let (fwd, step) = (measured.fwd, measured.step);

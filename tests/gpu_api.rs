@@ -62,6 +62,16 @@ impl Caller {
     }
 }
 
+impl Caller {
+    /// Poisons every output and fresh gradient again (NaN bytes), as before a step.
+    fn poison(&mut self) {
+        for buffer in [&mut self.y, &mut self.dx].into_iter().chain(self.dw.iter_mut()) {
+            buffer.fill_bytes(0xff).unwrap();
+        }
+        self.d_topk_weights.fill_bytes(0xff).unwrap();
+    }
+}
+
 /// The forward's inputs: views of the caller's tokens, experts and shared expert.
 fn inputs_of<'a>(
     tokens: &'a DeviceTokens,
@@ -272,22 +282,26 @@ fn moe_layer_takes_any_token_count_up_to_its_capacity() {
 
 #[test]
 fn workspace_bytes_is_what_a_layer_allocates() {
-    // `moe::workspace_bytes` against mok's own count of live device bytes around a layer's
-    // creation and its first steps (fresh, then accumulating: the engine rebuilds its
-    // weight-gradient plans for the new target, in place of the old).
+    // `moe::workspace_bytes`, the most a layer holds, against mok's own count of live device
+    // bytes around a layer's creation and steps that reach that most: fresh gradients, then
+    // added into f32 (a second gradient target), then other weight and gradient buffers (a
+    // second weight set, a third target: the layer keeps the plans of the current buffers and
+    // of the ones before, no more).
     let gpu = gpu();
     let c = config();
     let case = random_case(&c, 703, Routing { drop_probability: 0.0, empty_experts: &[] });
     for backend in [Backend::MmaSync, Backend::Engine, Backend::Megakernel] {
-        let mut caller = Caller::new(&gpu, &case);
+        let mut callers = [Caller::new(&gpu, &case), Caller::new(&gpu, &case)];
         let (_, before) = mok::driver::live_device_buffers();
         let options = LayerOptions { backend: Some(backend), ..LayerOptions::default() };
         let Ok(mut layer) = MoeLayer::new(&gpu, c.clone(), options) else {
             println!("  NOT RUN on {backend:?}: not available here");
             continue;
         };
-        step(&gpu, &mut layer, &mut caller, false);
-        step(&gpu, &mut layer, &mut caller, true);
+        step(&gpu, &mut layer, &mut callers[0], false);
+        step(&gpu, &mut layer, &mut callers[0], true);
+        step(&gpu, &mut layer, &mut callers[1], false);
+        step(&gpu, &mut layer, &mut callers[0], true);
         let (_, after) = mok::driver::live_device_buffers();
         let predicted = mok::moe::workspace_bytes(&c, backend).unwrap() as u64;
         assert_eq!(after - before, predicted, "{backend:?}: allocated {} bytes, predicted {predicted}", after - before);
@@ -495,5 +509,44 @@ fn the_shipped_cubin_loads_and_gives_the_ptx_jit_bits() {
         let from_ptx = run(&jit_gpu).expect("the same backend over the JIT-compiled PTX");
         assert_eq!(from_cubin, from_ptx, "{backend:?}: the cubin's bits differ from the PTX's");
         println!("  {backend:?}: the cubin's bits are the PTX JIT's (y, dx, d_topk_weights, weight gradients)");
+    }
+}
+
+#[test]
+fn moe_layer_given_alternating_buffers_gives_each_step_its_own_bits() {
+    // An optimizer that hands the layer new weight and gradient buffers every step usually
+    // alternates between two sets; the layer keeps the plans of the set before the current one.
+    // Two problems with different weights, inputs and gradient buffers, run alternately on one
+    // layer (outputs poisoned before each step), must each give a fresh layer's bits every time.
+    let gpu = gpu();
+    let c = config();
+    let routing = Routing { drop_probability: 0.05, empty_experts: &[2] };
+    let cases = [random_case(&c, 730, routing), random_case(&c, 731, routing)];
+    for backend in [Backend::Engine, Backend::Megakernel, Backend::MmaSync] {
+        let options = LayerOptions { backend: Some(backend), ..LayerOptions::default() };
+        let Ok(mut layer) = MoeLayer::new(&gpu, c.clone(), options.clone()) else {
+            assert_ne!(gpu.compute_capability().0, 9, "an sm_90 GPU must run {backend:?}");
+            println!("  NOT RUN on {backend:?}: not on this GPU");
+            continue;
+        };
+        let expected: Vec<Vec<u64>> = cases
+            .iter()
+            .map(|case| {
+                let mut fresh = MoeLayer::new(&gpu, c.clone(), options.clone()).unwrap();
+                let mut caller = Caller::new(&gpu, case);
+                step(&gpu, &mut fresh, &mut caller, false);
+                outputs(&caller)
+            })
+            .collect();
+        assert_ne!(expected[0], expected[1], "the two problems must differ");
+        let mut callers = [Caller::new(&gpu, &cases[0]), Caller::new(&gpu, &cases[1])];
+        for round in 0..3 {
+            for (n, caller) in callers.iter_mut().enumerate() {
+                caller.poison();
+                step(&gpu, &mut layer, caller, false);
+                assert_eq!(outputs(caller), expected[n], "{backend:?}: round {round}, buffers {n}");
+            }
+        }
+        println!("  {backend:?}: two buffer sets alternated three times, each step a fresh layer's bits");
     }
 }

@@ -578,11 +578,13 @@ impl ForwardPass<'_> {
     }
 }
 
-/// Device bytes a [`MoeLayer`] for `config` on `backend` allocates, all of it — workspace,
-/// routing buffers, its own gradients, and (engine and megakernel) the plans' parameter blocks,
-/// tensor maps and counters, which the first forward and backward make — counted as mok
-/// requests them (each allocation at least 16 bytes; the driver rounds each up a little more).
-/// The caller's own buffers (inputs, outputs, gradient targets) are not included.
+/// Device bytes a [`MoeLayer`] for `config` on `backend` allocates at most, all of it —
+/// workspace, routing buffers, its own gradients, and (engine and megakernel) the plans'
+/// parameter blocks, tensor maps and counters, which the forwards and backwards make: the plans
+/// of the current weights and of the weights before them, and of the current weight-gradient
+/// target and the one before it — counted as mok requests them (each allocation at least 16
+/// bytes; the driver rounds each up a little more). The caller's own buffers (inputs, outputs,
+/// gradient targets) are not included.
 pub fn workspace_bytes(config: &MoeConfig, backend: Backend) -> Result<usize> {
     config.validate()?;
     if config.ep_ranks > 1 {
@@ -623,8 +625,9 @@ pub fn workspace_bytes(config: &MoeConfig, backend: Backend) -> Result<usize> {
         use mok_kernels::gemm_layout::{GROUP_MAP_SLOTS, TENSOR_MAP_BYTES};
         let params = size_of::<mok_kernels::gemm_layout::GemmParams>();
         // gate/up 4 maps, down 3, the two dgrads 3 and 5 (the backward megakernel runs them
-        // too), three weight gradients 3 each.
-        let plans = [4, 3, 3, 5, 3, 3, 3];
+        // too), three weight gradients 3 each; every one twice (the previous weights' and
+        // gradient target's plans are kept).
+        let plans = [4, 3, 3, 5, 3, 3, 3, 4, 3, 3, 5, 3, 3, 3];
         let plan_bytes = |maps: usize, groups: usize| {
             let group_maps = buffer(groups.max(1) * GROUP_MAP_SLOTS as usize * TENSOR_MAP_BYTES as usize);
             buffer(params) + maps * TENSOR_MAP_BYTES as usize + group_maps + 16

@@ -83,6 +83,11 @@ pub struct UnfusedLayer {
 /// The routed experts' GEMMs on the sm_90a tensor-core engine ([`crate::gemm`]) — the same
 /// products as the `mma.sync` kernels, bit for bit as measured: plans built once for the layer's
 /// own buffers and the expert weights of a call, built again when a call passes other weights.
+///
+/// The plans of the weights and of the gradient target before the current ones are kept
+/// (`previous_weights`, `previous_wgrad`): a framework whose optimizer hands the layer new
+/// buffers every step usually alternates between two, and building the plans again cost
+/// ~0.2–0.4 ms per step (docs/PERF.md, "Steps over new buffers").
 struct EngineExperts {
     /// `[2 · (E + 1)]` the engine's tile offsets, written on the device in each forward and
     /// backward before the engine's GEMMs.
@@ -98,6 +103,10 @@ struct EngineExperts {
     wgrad: Vec<EnginePlan>,
     /// (dw_gate, dw_up, dw_down addresses, accumulate into f32) of `wgrad`; zeros before the first.
     wgrad_for: ([u64; 3], bool),
+    /// The forward and data-gradient plans of the weights before `built_for`, with their key.
+    previous_weights: Option<([u64; 3], Vec<EnginePlan>, Vec<EnginePlan>)>,
+    /// The weight-gradient plans of the target before `wgrad_for`, with their key.
+    previous_wgrad: Option<(([u64; 3], bool), Vec<EnginePlan>)>,
 }
 
 /// Where a backward puts the weight gradients (every routed weight, and the shared expert's).
@@ -245,6 +254,8 @@ impl UnfusedLayer {
                 dgrad: Vec::new(),
                 wgrad: Vec::new(),
                 wgrad_for: ([0; 3], false),
+                previous_weights: None,
+                previous_wgrad: None,
             });
         }
         Ok(())
@@ -465,11 +476,27 @@ impl UnfusedLayer {
     }
 
     /// Builds the engine's plans for `experts` (when the engine is on): on first use, and again
-    /// for other weights.
+    /// for other weights, unless they are the weights before the current ones (their plans are
+    /// kept: swapped back in).
     fn prepare_engine_plans(&mut self, gpu: &Gpu, experts: ExpertsView<'_>) -> Result<()> {
         let Some(state) = self.engine.as_mut() else { return Ok(()) };
         let key = [experts.w_gate.device_ptr(), experts.w_up.device_ptr(), experts.w_down.device_ptr()];
         let experts: ExpertsView<'_> = experts;
+        if state.built_for != key {
+            let current = (
+                state.built_for,
+                std::mem::take(&mut state.forward),
+                std::mem::take(&mut state.dgrad),
+            );
+            // The weights' lengths were checked against the config for this call, so plans
+            // built for the same addresses read the same extents.
+            if let Some((previous, forward, dgrad)) = state.previous_weights.take_if(|(k, _, _)| *k == key) {
+                (state.built_for, state.forward, state.dgrad) = (previous, forward, dgrad);
+                state.previous_weights = (current.0 != [0; 3]).then_some(current);
+                return Ok(());
+            }
+            state.previous_weights = (current.0 != [0; 3]).then_some(current);
+        }
         if state.built_for != key {
             let c = &self.config;
             let (e, slots) = (c.num_experts, c.tokens_per_rank * c.top_k);
@@ -497,10 +524,21 @@ impl UnfusedLayer {
     }
 
     /// Builds the engine's weight-gradient plans for `target` (when the engine is on): on first
-    /// use, and again for another target.
+    /// use, and again for another target, unless it is the target before the current one (its
+    /// plans are kept: swapped back in).
     fn prepare_wgrad_plans(&mut self, gpu: &Gpu, target: &GradAddresses) -> Result<()> {
         let Some(state) = self.engine.as_mut() else { return Ok(()) };
         let key = (target.routed, target.accumulate_f32);
+        if !state.wgrad.is_empty() && state.wgrad_for != key {
+            let current = (state.wgrad_for, std::mem::take(&mut state.wgrad));
+            // `target` was checked against the config for this call: the same extents.
+            if let Some((previous, plans)) = state.previous_wgrad.take_if(|(k, _)| *k == key) {
+                (state.wgrad_for, state.wgrad) = (previous, plans);
+                state.previous_wgrad = Some(current);
+                return Ok(());
+            }
+            state.previous_wgrad = Some(current);
+        }
         if state.wgrad.is_empty() || state.wgrad_for != key {
             let c = &self.config;
             let groups = engine::RowGroups {
