@@ -483,11 +483,7 @@ impl UnfusedLayer {
         let key = [experts.w_gate.device_ptr(), experts.w_up.device_ptr(), experts.w_down.device_ptr()];
         let experts: ExpertsView<'_> = experts;
         if state.built_for != key {
-            let current = (
-                state.built_for,
-                std::mem::take(&mut state.forward),
-                std::mem::take(&mut state.dgrad),
-            );
+            let current = (state.built_for, std::mem::take(&mut state.forward), std::mem::take(&mut state.dgrad));
             // The weights' lengths were checked against the config for this call, so plans
             // built for the same addresses read the same extents.
             if let Some((previous, forward, dgrad)) = state.previous_weights.take_if(|(k, _, _)| *k == key) {
