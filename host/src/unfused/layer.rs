@@ -93,7 +93,7 @@ struct EngineExperts {
     /// backward before the engine's GEMMs.
     tile_offsets: DeviceBuffer<u32>,
     /// The weight addresses (gate, up, down) the plans were built for; 0 before the first call.
-    built_for: [u64; 3],
+    built_for: WeightsKey,
     /// Gate/up with SwiGLU (keeping the pre-activations for backward), down.
     forward: Vec<EnginePlan>,
     /// Down dgrad (into d_hidden); gate/up dgrad (two K segments). The backward megakernel runs
@@ -102,11 +102,25 @@ struct EngineExperts {
     /// The down, gate and up weight gradients, for the target they were built for.
     wgrad: Vec<EnginePlan>,
     /// (dw_gate, dw_up, dw_down addresses, accumulate into f32) of `wgrad`; zeros before the first.
-    wgrad_for: ([u64; 3], bool),
+    wgrad_for: WgradKey,
     /// The forward and data-gradient plans of the weights before `built_for`, with their key.
-    previous_weights: Option<([u64; 3], Vec<EnginePlan>, Vec<EnginePlan>)>,
+    previous_weights: Option<PlansFor<WeightsKey, ForwardAndDgradPlans>>,
     /// The weight-gradient plans of the target before `wgrad_for`, with their key.
-    previous_wgrad: Option<(([u64; 3], bool), Vec<EnginePlan>)>,
+    previous_wgrad: Option<PlansFor<WgradKey, Vec<EnginePlan>>>,
+}
+
+/// The (gate, up, down) weight addresses a plan set was built for.
+type WeightsKey = [u64; 3];
+/// The forward and the data-gradient plans of one set of weights.
+type ForwardAndDgradPlans = (Vec<EnginePlan>, Vec<EnginePlan>);
+/// The (dw_gate, dw_up, dw_down) addresses and the accumulate-into-f32 mode of a weight-gradient
+/// plan set.
+type WgradKey = ([u64; 3], bool);
+
+/// Plans and the key (buffer addresses) they were built for.
+struct PlansFor<K, P> {
+    key: K,
+    plans: P,
 }
 
 /// Where a backward puts the weight gradients (every routed weight, and the shared expert's).
@@ -483,15 +497,19 @@ impl UnfusedLayer {
         let key = [experts.w_gate.device_ptr(), experts.w_up.device_ptr(), experts.w_down.device_ptr()];
         let experts: ExpertsView<'_> = experts;
         if state.built_for != key {
-            let current = (state.built_for, std::mem::take(&mut state.forward), std::mem::take(&mut state.dgrad));
+            let current = PlansFor {
+                key: state.built_for,
+                plans: (std::mem::take(&mut state.forward), std::mem::take(&mut state.dgrad)),
+            };
+            let kept = (current.key != [0; 3]).then_some(current);
             // The weights' lengths were checked against the config for this call, so plans
             // built for the same addresses read the same extents.
-            if let Some((previous, forward, dgrad)) = state.previous_weights.take_if(|(k, _, _)| *k == key) {
-                (state.built_for, state.forward, state.dgrad) = (previous, forward, dgrad);
-                state.previous_weights = (current.0 != [0; 3]).then_some(current);
+            if let Some(previous) = state.previous_weights.take_if(|p| p.key == key) {
+                (state.built_for, (state.forward, state.dgrad)) = (previous.key, previous.plans);
+                state.previous_weights = kept;
                 return Ok(());
             }
-            state.previous_weights = (current.0 != [0; 3]).then_some(current);
+            state.previous_weights = kept;
         }
         if state.built_for != key {
             let c = &self.config;
@@ -526,10 +544,10 @@ impl UnfusedLayer {
         let Some(state) = self.engine.as_mut() else { return Ok(()) };
         let key = (target.routed, target.accumulate_f32);
         if !state.wgrad.is_empty() && state.wgrad_for != key {
-            let current = (state.wgrad_for, std::mem::take(&mut state.wgrad));
+            let current = PlansFor { key: state.wgrad_for, plans: std::mem::take(&mut state.wgrad) };
             // `target` was checked against the config for this call: the same extents.
-            if let Some((previous, plans)) = state.previous_wgrad.take_if(|(k, _)| *k == key) {
-                (state.wgrad_for, state.wgrad) = (previous, plans);
+            if let Some(previous) = state.previous_wgrad.take_if(|p| p.key == key) {
+                (state.wgrad_for, state.wgrad) = (previous.key, previous.plans);
                 state.previous_wgrad = Some(current);
                 return Ok(());
             }
