@@ -904,3 +904,53 @@ fn backward_megakernel_faults_are_reported_timeouts_then_correct_passes() {
         assert_same_backward(&run(&gpu, &mut layer, &device), &expected, &format!("the pass after {fault:?}"));
     }
 }
+
+#[test]
+fn forward_megakernel_past_2_to_the_32_row_elements_is_the_engine_path() {
+    // The dispatched rows hold T · k rows of H elements; here 1 120 000 rows of 4096, past 2³²
+    // elements, so every element offset must be computed in 64 bits. The forward megakernel
+    // against the engine path on the same layer (y bitwise), and sampled tokens of y against the
+    // f64 reference (y[t] depends on x[t], its slots and the experts alone).
+    if common::sanitizing() {
+        println!("  NOT RUN under compute-sanitizer: ~61 GB of rows and workspace");
+        return;
+    }
+    let gpu = gpu();
+    let c = config(140_000, 4096, 64, 8, 8, None, None);
+    assert!(c.slots_per_rank() * c.hidden > 1 << 32, "the case must pass 2^32 row elements");
+    let case = random_case(&c, 740, PLAIN_ROUTING);
+    let device = upload(&gpu, &case);
+    let Some(mut layer) = megakernel_layer(&gpu, &c, megakernel_options(None, None)) else { return };
+    layer.set_forward_megakernel(&gpu, None).unwrap();
+    layer.set_gemm_engine(&gpu, true).unwrap();
+    let y_of = |layer: &mut UnfusedLayer| {
+        layer.poison().unwrap();
+        layer.forward(&gpu, &device.tokens, &device.experts, None).unwrap();
+        gpu.synchronize().unwrap();
+        layer.check_device_errors().unwrap();
+        layer.y().download().unwrap()
+    };
+    let engine_y = y_of(&mut layer);
+    layer.set_forward_megakernel(&gpu, Some(megakernel_options(None, None))).unwrap();
+    let megakernel_y = y_of(&mut layer);
+    assert_eq!(fingerprint(&megakernel_y), fingerprint(&engine_y), "y: the megakernel differs from the engine path");
+    let (t, h, k) = (c.tokens_per_rank, c.hidden, c.top_k);
+    let sampled: Vec<usize> = (0..48).map(|j| j * (t - 1) / 47).collect();
+    let pick = |values: &[i32], width: usize| -> Vec<i32> {
+        sampled.iter().flat_map(|&s| values[s * width..(s + 1) * width].to_vec()).collect()
+    };
+    let tokens = mok::problem::RoutedTokens {
+        x: sampled.iter().flat_map(|&s| case.tokens.x[s * h..(s + 1) * h].to_vec()).collect(),
+        topk_ids: pick(&case.tokens.topk_ids, k),
+        topk_weights: sampled.iter().flat_map(|&s| case.tokens.topk_weights[s * k..(s + 1) * k].to_vec()).collect(),
+    };
+    let mini = MoeConfig { tokens_per_rank: sampled.len(), ..c.clone() };
+    let reference = reference::forward(&mini, &tokens, &case.experts, None, ReferenceOptions::MATCH_GPU).unwrap();
+    let got: Vec<bf16> = sampled.iter().flat_map(|&s| megakernel_y[s * h..(s + 1) * h].to_vec()).collect();
+    let error = rel_err(&got, &reference.y);
+    assert!(error < 5e-3, "y of the sampled tokens: relative L2 {error:e} against the f64 reference");
+    println!(
+        "  T·k·H = {} elements: megakernel y = engine y bitwise; 48 sampled tokens within {error:.1e} of the f64 reference",
+        c.slots_per_rank() * h
+    );
+}

@@ -100,7 +100,8 @@ pub unsafe fn dispatch(f: &ForwardParams, pass: &PassInputs, view: Option<&RankV
                     if first < end {
                         let mut token = if copy { first } else { end };
                         while token < end {
-                            let offset = (token * f.hidden) as usize;
+                            // In usize: T · H may pass 2³² elements.
+                            let offset = token as usize * f.hidden as usize;
                             let dst = (f.shared_x as *mut u16).add(offset);
                             copy_row(x.add(offset) as *const u32, dst as *mut u32, vectors, lane);
                             token += 1;
@@ -123,7 +124,10 @@ pub unsafe fn dispatch(f: &ForwardParams, pass: &PassInputs, view: Option<&RankV
                     None => x,
                     Some(v) => v.peer::<u16>(v.params.regions.x, *source_rank.add(row as usize)),
                 };
-                let (src, dst) = (owner_x.add((token * f.hidden) as usize), rows.add((row * f.hidden) as usize));
+                // Element offsets in usize: a ring of T · k rows of H passes 2³² elements at
+                // kimi's H with T · k above 599 186 rows.
+                let hidden = f.hidden as usize;
+                let (src, dst) = (owner_x.add(token as usize * hidden), rows.add(row as usize * hidden));
                 copy_row(src as *const u32, dst as *mut u32, vectors, lane);
                 row += 1;
             }
