@@ -906,11 +906,12 @@ fn backward_megakernel_faults_are_reported_timeouts_then_correct_passes() {
 }
 
 #[test]
-fn forward_megakernel_past_2_to_the_32_row_elements_is_the_engine_path() {
+fn megakernels_past_2_to_the_32_row_elements_are_the_engine_path() {
     // The dispatched rows hold T · k rows of H elements; here 1 120 000 rows of 4096, past 2³²
-    // elements, so every element offset must be computed in 64 bits. The forward megakernel
-    // against the engine path on the same layer (y bitwise), and sampled tokens of y against the
-    // f64 reference (y[t] depends on x[t], its slots and the experts alone).
+    // elements, so every element offset must be computed in 64 bits. Both megakernels against
+    // the engine path on the same layer (y, then dx, d_topk_weights and the weight gradients,
+    // bitwise), and sampled tokens of y against the f64 reference (y[t] depends on x[t], its
+    // slots and the experts alone).
     if common::sanitizing() {
         println!("  NOT RUN under compute-sanitizer: ~61 GB of rows and workspace");
         return;
@@ -920,37 +921,62 @@ fn forward_megakernel_past_2_to_the_32_row_elements_is_the_engine_path() {
     assert!(c.slots_per_rank() * c.hidden > 1 << 32, "the case must pass 2^32 row elements");
     let case = random_case(&c, 740, PLAIN_ROUTING);
     let device = upload(&gpu, &case);
-    let Some(mut layer) = megakernel_layer(&gpu, &c, megakernel_options(None, None)) else { return };
-    layer.set_forward_megakernel(&gpu, None).unwrap();
+    let Some(mut layer) = backward_megakernel_layer(&gpu, &c, megakernel_options(None, None), false) else { return };
+    layer.set_backward_megakernel(&gpu, None).unwrap();
     layer.set_gemm_engine(&gpu, true).unwrap();
-    let y_of = |layer: &mut UnfusedLayer| {
+    // y, then (fingerprints) dx, d_topk_weights and the three weight gradients.
+    let pass = |layer: &mut UnfusedLayer| {
         layer.poison().unwrap();
         layer.forward(&gpu, &device.tokens, &device.experts, None).unwrap();
         gpu.synchronize().unwrap();
         layer.check_device_errors().unwrap();
-        layer.y().download().unwrap()
+        let y = layer.y().download().unwrap();
+        layer.backward(&gpu, &device.tokens, &device.experts, None, &device.dy).unwrap();
+        gpu.synchronize().unwrap();
+        layer.check_device_errors().unwrap();
+        let g = layer.grads();
+        let (dx, d_topk_weights) = (g.dx.download().unwrap(), g.d_topk_weights.download().unwrap());
+        let grads = vec![
+            fingerprint(&dx),
+            fingerprint(&d_topk_weights),
+            fingerprint(&g.dw_gate.download().unwrap()),
+            fingerprint(&g.dw_up.download().unwrap()),
+            fingerprint(&g.dw_down.download().unwrap()),
+        ];
+        (y, grads, dx, d_topk_weights)
     };
-    let engine_y = y_of(&mut layer);
+    let (engine_y, engine_grads, _, _) = pass(&mut layer);
     layer.set_forward_megakernel(&gpu, Some(megakernel_options(None, None))).unwrap();
-    let megakernel_y = y_of(&mut layer);
+    layer.set_backward_megakernel(&gpu, Some(megakernel_options(None, None))).unwrap();
+    let (megakernel_y, megakernel_grads, dx, d_topk_weights) = pass(&mut layer);
     assert_eq!(fingerprint(&megakernel_y), fingerprint(&engine_y), "y: the megakernel differs from the engine path");
+    assert_eq!(megakernel_grads, engine_grads, "dx, d_topk_weights, dw: the megakernel differs from the engine path");
     let (t, h, k) = (c.tokens_per_rank, c.hidden, c.top_k);
     let sampled: Vec<usize> = (0..48).map(|j| j * (t - 1) / 47).collect();
-    let pick = |values: &[i32], width: usize| -> Vec<i32> {
+    // The sampled tokens' rows of a `[T, width]` tensor.
+    fn rows_of<T: Copy>(sampled: &[usize], values: &[T], width: usize) -> Vec<T> {
         sampled.iter().flat_map(|&s| values[s * width..(s + 1) * width].to_vec()).collect()
-    };
+    }
     let tokens = mok::problem::RoutedTokens {
-        x: sampled.iter().flat_map(|&s| case.tokens.x[s * h..(s + 1) * h].to_vec()).collect(),
-        topk_ids: pick(&case.tokens.topk_ids, k),
-        topk_weights: sampled.iter().flat_map(|&s| case.tokens.topk_weights[s * k..(s + 1) * k].to_vec()).collect(),
+        x: rows_of(&sampled, &case.tokens.x, h),
+        topk_ids: rows_of(&sampled, &case.tokens.topk_ids, k),
+        topk_weights: rows_of(&sampled, &case.tokens.topk_weights, k),
     };
     let mini = MoeConfig { tokens_per_rank: sampled.len(), ..c.clone() };
-    let reference = reference::forward(&mini, &tokens, &case.experts, None, ReferenceOptions::MATCH_GPU).unwrap();
-    let got: Vec<bf16> = sampled.iter().flat_map(|&s| megakernel_y[s * h..(s + 1) * h].to_vec()).collect();
-    let error = rel_err(&got, &reference.y);
-    assert!(error < 5e-3, "y of the sampled tokens: relative L2 {error:e} against the f64 reference");
+    let dy = rows_of(&sampled, &case.dy, h);
+    let (forward, grads) =
+        reference::backward(&mini, &tokens, &case.experts, None, &dy, ReferenceOptions::MATCH_GPU).unwrap();
+    let errors = [
+        ("y", rel_err(&rows_of(&sampled, &megakernel_y, h), &forward.y), 5e-3),
+        ("dx", rel_err(&rows_of(&sampled, &dx, h), &grads.dx), 5e-3),
+        ("d_topk_weights", rel_err(&rows_of(&sampled, &d_topk_weights, k), &grads.d_topk_weights), 2e-3),
+    ];
+    for (what, error, bound) in errors {
+        assert!(error < bound, "{what} of the sampled tokens: relative L2 {error:e} against the f64 reference");
+    }
+    let error = errors.iter().map(|e| e.1).fold(0.0, f64::max);
     println!(
-        "  T·k·H = {} elements: megakernel y = engine y bitwise; 48 sampled tokens within {error:.1e} of the f64 reference",
+        "  T·k·H = {} elements: both megakernels bitwise the engine path (y, dx, d_topk_weights, dw); y, dx and d_topk_weights of 48 sampled tokens within {error:.1e} of the f64 reference",
         c.slots_per_rank() * h
     );
 }

@@ -422,7 +422,10 @@ impl ForwardMegakernel {
 }
 
 impl<P: PassParams> MegakernelPass<P> {
-    /// Whether this pass was built for these plans (one set per rank).
+    /// Whether this pass was built for these plans (one set per rank), by their parameter
+    /// blocks' addresses. A plan set dropped and built again may land at the same addresses and
+    /// match; that is sound, as the pass reads every plan through those blocks at run time and
+    /// its other buffers are the layer's own (a new shared expert's plans drop the passes).
     pub(crate) fn built_for(&self, plans: &[&[&EnginePlan]]) -> bool {
         self.built_for.len() == plans.len()
             && self

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, anyhow, ensure};
 
 use crate::ptx_builder::{self, ALL_ARCHS, PtxArch};
-use crate::setup::{ptxas_path, ptxas_version};
+use crate::setup::{PTXAS_VERSION, ptxas_path, ptxas_version};
 
 /// Where the PTX, the cubins and the report go.
 pub fn out_dir(root: &Path) -> PathBuf {
@@ -108,6 +108,15 @@ fn shipped_dir(root: &Path) -> PathBuf {
 
 /// Copies the fresh PTX and cubins of `cargo xtask ptx` into `src/ptx/`.
 pub fn ship(root: &Path) -> Result<()> {
+    // The cubins that ship must come from the pinned ptxas: a newer one's cubins are refused by
+    // the drivers the pinned release runs on (which then JIT the PTX), and CI checks against it.
+    let ptxas = ptxas_path()?;
+    let version = ptxas_version(&ptxas)?;
+    ensure!(
+        version.contains(PTXAS_VERSION),
+        "the cubins ship from ptxas {PTXAS_VERSION}, but {} is `{version}` (unset MOK_PTXAS or point it at {PTXAS_VERSION})",
+        ptxas.display()
+    );
     let shipped = shipped_dir(root);
     fs::create_dir_all(&shipped).with_context(|| format!("cannot create {}", shipped.display()))?;
     for name in ALL_ARCHS.iter().flat_map(|arch| [arch.file_name, arch.cubin_name]) {
@@ -129,7 +138,8 @@ pub fn check_shipped(root: &Path) -> Result<()> {
         let shipped = fs::read(&shipped_path).with_context(|| format!("cannot read {}", shipped_path.display()))?;
         ensure!(
             fresh == shipped,
-            "{} differs from a fresh build of the kernels ({}): run `cargo xtask ptx --ship` and commit it",
+            "{} differs from a fresh build of the kernels ({}; cubins by ptxas {PTXAS_VERSION} unless MOK_PTXAS \
+             names another): run `cargo xtask ptx --ship` and commit it",
             relative(root, &shipped_path),
             relative(root, &fresh_path)
         );

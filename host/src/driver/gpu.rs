@@ -205,7 +205,13 @@ fn load_module(image: &KernelImage<'_>, try_cubin: bool) -> Result<(sys::CUmodul
         // SAFETY: `aligned` holds a whole cubin image and outlives the call.
         match unsafe { result::module::load_data(aligned.as_ptr() as *const c_void) } {
             Ok(module) => return Ok((module, LoadedKernels::Cubin)),
-            Err(e) => cubin_refused = Some(format!("{e:?}")),
+            Err(e) => {
+                let refused = cuda_error("cuModuleLoadData (mok's cubin)", e).to_string();
+                // The JIT that follows takes seconds (~15 s on an H200 without the driver's
+                // cache): say why, once per GPU opened.
+                eprintln!("mok: the driver refused the cubin ({refused}); JIT-compiling the PTX instead");
+                cubin_refused = Some(refused);
+            }
         }
     }
     let source = CString::new(image.ptx)

@@ -87,7 +87,7 @@ pub struct UnfusedLayer {
 /// The plans of the weights and of the gradient target before the current ones are kept
 /// (`previous_weights`, `previous_wgrad`): a framework whose optimizer hands the layer new
 /// buffers every step usually alternates between two, and building the plans again cost
-/// ~0.2–0.4 ms per step (docs/PERF.md, "Steps over new buffers").
+/// 0.2–0.7 ms per step (docs/PERF.md, "Steps over new buffers").
 struct EngineExperts {
     /// `[2 · (E + 1)]` the engine's tile offsets, written on the device in each forward and
     /// backward before the engine's GEMMs.
@@ -501,7 +501,10 @@ impl UnfusedLayer {
                 key: state.built_for,
                 plans: (std::mem::take(&mut state.forward), std::mem::take(&mut state.dgrad)),
             };
-            let kept = (current.key != [0; 3]).then_some(current);
+            // Nothing is built until a set is swapped in or built below: a failed build leaves
+            // no key that an empty set would answer for.
+            state.built_for = [0; 3];
+            let kept = (current.key != [0; 3] && !current.plans.0.is_empty()).then_some(current);
             // The weights' lengths were checked against the config for this call, so plans
             // built for the same addresses read the same extents.
             if let Some(previous) = state.previous_weights.take_if(|p| p.key == key) {
@@ -563,7 +566,8 @@ impl UnfusedLayer {
             };
             let rows = (self.routed.d_rows().into(), (&self.gathered_x).into());
             // SAFETY: `target` was checked against the gradients' lengths for this call and lives
-            // for it; the plans keep the addresses and are rebuilt for any other target.
+            // for it; the plans keep the addresses and run only for a call with this same target
+            // (kept as the previous target's otherwise, never launched for another).
             let plans =
                 unsafe { self.routed.engine_wgrad_plans(gpu, rows, &groups, (target.routed, target.accumulate_f32)) }?;
             state.wgrad = plans.into();
@@ -871,7 +875,8 @@ impl UnfusedLayer {
             engine::tile_offsets_into(gpu, &self.routing.row_offsets, e, &state.tile_offsets)?;
             for plan in &state.forward {
                 // SAFETY: the plans were built over this layer's buffers and this call's weight and gradient
-                // views (rebuilt whenever an address changes), all alive until the stream has run the pass.
+                // addresses (built, or swapped back, for exactly these addresses, whose lengths were
+                // checked for this call), all alive until the stream has run the pass.
                 unsafe { plan.launch(gpu) }?;
             }
         } else {
@@ -1045,15 +1050,18 @@ impl UnfusedLayer {
             // This routing's tile offsets again: the forward may have run with the engine off.
             engine::tile_offsets_into(gpu, &self.routing.row_offsets, e, &state.tile_offsets)?;
             // SAFETY: the plans were built over this layer's buffers and this call's weight and gradient
-            // views (rebuilt whenever an address changes), all alive until the stream has run the pass.
+            // addresses (built, or swapped back, for exactly these addresses, whose lengths were
+            // checked for this call), all alive until the stream has run the pass.
             unsafe { state.dgrad[0].launch(gpu) }?;
             self.routed.swiglu_backward(gpu, &groups)?;
             // SAFETY: the plans were built over this layer's buffers and this call's weight and gradient
-            // views (rebuilt whenever an address changes), all alive until the stream has run the pass.
+            // addresses (built, or swapped back, for exactly these addresses, whose lengths were
+            // checked for this call), all alive until the stream has run the pass.
             unsafe { state.dgrad[1].launch(gpu) }?;
             for plan in &state.wgrad {
                 // SAFETY: the plans were built over this layer's buffers and this call's weight and gradient
-                // views (rebuilt whenever an address changes), all alive until the stream has run the pass.
+                // addresses (built, or swapped back, for exactly these addresses, whose lengths were
+                // checked for this call), all alive until the stream has run the pass.
                 unsafe { plan.launch(gpu) }?;
             }
         } else {
