@@ -79,26 +79,6 @@ pub unsafe fn ballot(predicate: bool) -> u32 {
     out
 }
 
-/// Whether `predicate` holds in all 32 lanes (one [`ballot`]).
-///
-/// # Safety
-/// As [`ballot`].
-#[inline(always)]
-pub unsafe fn all_lanes(predicate: bool) -> bool {
-    // SAFETY: caller contract.
-    unsafe { ballot(predicate) == FULL_WARP }
-}
-
-/// Whether `predicate` holds in any lane (one [`ballot`]).
-///
-/// # Safety
-/// As [`ballot`].
-#[inline(always)]
-pub unsafe fn any_lane(predicate: bool) -> bool {
-    // SAFETY: caller contract.
-    unsafe { ballot(predicate) != 0 }
-}
-
 /// Sum over the 32 lanes by a fixed butterfly: every lane gets the same bits, and the order of
 /// additions depends only on lane ids, so the result is deterministic.
 ///
