@@ -69,7 +69,7 @@ pub const KERNEL_IMAGES: [driver::KernelImage<'static>; 2] = [
 ];
 
 /// Opens GPU `ordinal` with mok's kernels loaded: the cubin for its architecture, or, where the
-/// driver refuses it (a driver older than CUDA 13.0, the ptxas that made it), the PTX through
+/// driver refuses it (a driver older than the CUDA 13.0 ptxas that made it may), the PTX through
 /// the driver's JIT ([`driver::Gpu::loaded_kernels`] says which).
 ///
 /// Fails with [`MokError::NoDriver`] on a machine without a CUDA driver and with
