@@ -37,6 +37,10 @@ pub const MAX_EXPERTS: usize = 8192;
 
 /// Largest k accepted: the routing kernel checks a token's ids for duplicates in O(k²) steps.
 pub const MAX_TOP_K: usize = 64;
+/// The widest hidden, intermediate or shared-expert width: far above any model's, and low
+/// enough that a row's bytes, its bulk copies' byte counts (32-bit on the device) and the
+/// unfused GEMM's grid (64 columns per block in `grid.y` ≤ 65 535) never overflow.
+pub const MAX_WIDTH: usize = 1 << 20;
 
 impl MoeConfig {
     /// A config with no shared expert and no SwiGLU limit, on one rank.
@@ -125,6 +129,30 @@ impl MoeConfig {
         {
             return bad("shared_intermediate", is.to_string(), &row_rule);
         }
+        let width_rule = format!("must be at most {MAX_WIDTH} (row byte counts are 32-bit on the device)");
+        for (field, width) in [
+            ("hidden", self.hidden),
+            ("intermediate", self.intermediate),
+            ("shared_intermediate", self.shared_intermediate.unwrap_or(0)),
+        ] {
+            if width > MAX_WIDTH {
+                return bad(field, width.to_string(), &width_rule);
+            }
+        }
+        // The routing layout's per-chunk expert counts are indexed in 32 bits on the device.
+        let chunks = self.tokens_per_rank.div_ceil(mok_kernels::layout::ROUTE_CHUNK_TOKENS as usize);
+        if chunks.checked_mul(self.num_experts).is_none_or(|n| n > 1 << 32) {
+            return bad(
+                "tokens_per_rank",
+                self.tokens_per_rank.to_string(),
+                &format!(
+                    "its {chunks} routing chunks of {} tokens times num_experts = {} must be at most 2^32 (the \
+                     routing's per-chunk expert counts are indexed in 32 bits on the device)",
+                    mok_kernels::layout::ROUTE_CHUNK_TOKENS,
+                    self.num_experts
+                ),
+            );
+        }
         if let Some(limit) = self.swiglu_limit
             && !(limit.is_finite() && limit > 0.0)
         {
@@ -197,12 +225,28 @@ mod tests {
             (MoeConfig { shared_intermediate: Some(4), ..base.clone() }, "shared_intermediate"),
             (MoeConfig { swiglu_limit: Some(-1.0), ..base.clone() }, "swiglu_limit"),
             (MoeConfig { swiglu_limit: Some(f32::NAN), ..base.clone() }, "swiglu_limit"),
+            (MoeConfig { hidden: MAX_WIDTH + 8, ..base.clone() }, "hidden"),
+            (MoeConfig { intermediate: MAX_WIDTH + 8, ..base.clone() }, "intermediate"),
+            (MoeConfig { shared_intermediate: Some(MAX_WIDTH + 8), ..base.clone() }, "shared_intermediate"),
+            // 524 289 routing chunks of 8192 experts: past 2^32 per-chunk counts.
+            (MoeConfig { tokens_per_rank: 64 * 524_289, ..MoeConfig::new(1, 64, 32, 8192, 1) }, "tokens_per_rank"),
         ];
         for (config, field) in cases {
-            let err = config.validate().unwrap_err();
+            let err = config.validate().expect_err(field);
             let text = err.to_string();
             assert_eq!(field_of(err), field, "{text}");
         }
+    }
+
+    #[test]
+    fn the_limits_themselves_pass() {
+        MoeConfig::new(1, MAX_WIDTH, MAX_WIDTH, 8, 2).validate().unwrap();
+        // 524 288 routing chunks of 8192 experts: exactly 2^32 per-chunk counts, the last index
+        // 2^32 - 1.
+        let mut most = MoeConfig::new(64 * 524_288, 64, 32, 8192, 1);
+        most.validate().unwrap_or_else(|e| panic!("{e}"));
+        most.tokens_per_rank += 1;
+        assert_eq!(field_of(most.validate().unwrap_err()), "tokens_per_rank");
     }
 
     #[test]
