@@ -14,6 +14,7 @@ pub const KERNEL_NAMES: &[&str] = &[
     "mok_gemm_wgrad",
     "mok_combine_slots",
     "mok_topk_weight_grad",
+    "mok_gather_dy_and_topk_weight_grad",
     "mok_swiglu_backward",
     "mok_fill_u32",
     "mok_fill_random_bf16",

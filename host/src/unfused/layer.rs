@@ -1004,41 +1004,66 @@ impl UnfusedLayer {
         let slots = t * k;
         let count = self.row_count_ptr();
         let r = &self.routing;
-        // SAFETY: the arguments are `mok_gather_rows`'s parameters, in order and type (its entry point in
-        // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
-        unsafe {
-            gpu.launch(
-                "mok_gather_rows",
-                LaunchShape::linear(grid_stride_blocks(gpu, slots * h / 8), ROW_KERNEL_THREADS),
-                &[
-                    Ptr(dy.device_ptr()),
-                    Ptr(r.row_source.device_ptr()),
-                    U32(k as u32),
-                    Ptr(tokens.topk_weights.device_ptr()),
-                    Ptr(count),
-                    U32(h as u32),
-                    Ptr(self.routed.rows.d_rows.device_ptr()),
-                ],
-            )
-        }?;
-        // SAFETY: the arguments are `mok_topk_weight_grad`'s parameters, in order and type (its entry point in
-        // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents; blocks of
-        // `ROW_KERNEL_THREADS` (256) are whole warps, as its warp sums need.
-        unsafe {
-            gpu.launch(
-                "mok_topk_weight_grad",
-                LaunchShape::linear(grid_stride_blocks(gpu, slots * 32), ROW_KERNEL_THREADS),
-                &[
-                    Ptr(dy.device_ptr()),
-                    Ptr(self.routed.rows.out.device_ptr()),
-                    Ptr(r.slot_row.device_ptr()),
-                    U32(t as u32),
-                    U32(k as u32),
-                    U32(h as u32),
-                    Ptr(self.grads.d_topk_weights.device_ptr()),
-                ],
-            )
-        }?;
+        if self.engine.is_some() {
+            // SAFETY: the arguments are `mok_gather_dy_and_topk_weight_grad`'s parameters, in order
+            // and type (its entry point in kernels/src/entry/), and every pointer is a live
+            // allocation of the sizes it documents; blocks of `ROW_KERNEL_THREADS` (256) are whole
+            // warps, as its warp sums need.
+            unsafe {
+                gpu.launch(
+                    "mok_gather_dy_and_topk_weight_grad",
+                    LaunchShape::linear(grid_stride_blocks(gpu, slots * 32), ROW_KERNEL_THREADS),
+                    &[
+                        Ptr(dy.device_ptr()),
+                        Ptr(self.routed.rows.out.device_ptr()),
+                        Ptr(r.slot_row.device_ptr()),
+                        Ptr(tokens.topk_weights.device_ptr()),
+                        U32(t as u32),
+                        U32(k as u32),
+                        U32(h as u32),
+                        Ptr(self.routed.rows.d_rows.device_ptr()),
+                        Ptr(self.grads.d_topk_weights.device_ptr()),
+                    ],
+                )
+            }?;
+        } else {
+            // The mma.sync path, the oracle: the gather and the slot-weight gradients apart.
+            // SAFETY: the arguments are `mok_gather_rows`'s parameters, in order and type (its entry point in
+            // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
+            unsafe {
+                gpu.launch(
+                    "mok_gather_rows",
+                    LaunchShape::linear(grid_stride_blocks(gpu, slots * h / 8), ROW_KERNEL_THREADS),
+                    &[
+                        Ptr(dy.device_ptr()),
+                        Ptr(r.row_source.device_ptr()),
+                        U32(k as u32),
+                        Ptr(tokens.topk_weights.device_ptr()),
+                        Ptr(count),
+                        U32(h as u32),
+                        Ptr(self.routed.rows.d_rows.device_ptr()),
+                    ],
+                )
+            }?;
+            // SAFETY: the arguments are `mok_topk_weight_grad`'s parameters, in order and type (its entry point in
+            // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents; blocks of
+            // `ROW_KERNEL_THREADS` (256) are whole warps, as its warp sums need.
+            unsafe {
+                gpu.launch(
+                    "mok_topk_weight_grad",
+                    LaunchShape::linear(grid_stride_blocks(gpu, slots * 32), ROW_KERNEL_THREADS),
+                    &[
+                        Ptr(dy.device_ptr()),
+                        Ptr(self.routed.rows.out.device_ptr()),
+                        Ptr(r.slot_row.device_ptr()),
+                        U32(t as u32),
+                        U32(k as u32),
+                        U32(h as u32),
+                        Ptr(self.grads.d_topk_weights.device_ptr()),
+                    ],
+                )
+            }?;
+        }
         let groups = RowGroups {
             row_offsets: r.row_offsets.device_ptr(),
             tile_offsets: r.tile_offsets.device_ptr(),

@@ -1,10 +1,10 @@
 //! Row-wise kernels of the unfused path: gather into expert order, combine back in slot order,
-//! the slot-weight gradient and the SwiGLU backward. All are grid-stride loops over a count the
+//! the slot-weight gradient (alone, or with the backward's gather) and the SwiGLU backward. All are grid-stride loops over a count the
 //! device holds (`row_count`, written by the routing kernels), so the host never needs it.
 
 use crate::device::grid_thread;
 use crate::device::math;
-use crate::device::rows::{combine_quads, dot8, scale_bf16x8};
+use crate::device::rows::{combine_quads, dot8, gather_scaled_row_and_dot, scale_bf16x8};
 use crate::layout::NO_ROW;
 use crate::ptx::convert::f32_to_bf16;
 use crate::ptx::memory::{ld_global_v4, st_global_v4};
@@ -119,6 +119,66 @@ pub unsafe extern "ptx-kernel" fn mok_topk_weight_grad(
                 column += 32 * 8;
             }
         }
+        // SAFETY: all 32 lanes (blocks of whole warps: caller contract), in the same iteration
+        // (the slot is warp-uniform); the `row` branch above rejoins.
+        let total = unsafe { sync::warp_sum_f32(partial) };
+        if lane == 0 {
+            // SAFETY: slot < T·k.
+            unsafe { *out.add(slot) = total };
+        }
+        slot += warps;
+    }
+}
+
+/// The backward's dy gather and slot-weight gradients in one pass, one warp per slot (the
+/// engine path's; the `mma.sync` path keeps the two kernels, its oracle): for a routed slot
+/// `t·k + j` in row r, `d_rows[r] = bf16(topk_weights[slot] · dy[t])` — the bits of
+/// [`mok_gather_rows`] — and `out[slot] = ⟨dy[t], rows[r]⟩` — the bits of
+/// [`mok_topk_weight_grad`] (the same lane partials in the same order, then the same butterfly);
+/// a dropped slot's gradient is 0. Each slot's dy row is read once instead of twice.
+///
+/// # Safety
+/// `dy` `[T][width]` bf16, `rows` `[R][width]` f32, `slot_row`, `topk_weights` and `out` `[T·k]`,
+/// `d_rows` `[R][width]` bf16; `width % 8 == 0`; blocks of whole warps (a multiple of 32
+/// threads).
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "ptx-kernel" fn mok_gather_dy_and_topk_weight_grad(
+    dy: *const u16,
+    rows: *const f32,
+    slot_row: *const u32,
+    topk_weights: *const f32,
+    tokens: u32,
+    top_k: u32,
+    width: u32,
+    d_rows: *mut u16,
+    out: *mut f32,
+) {
+    let (thread, threads) = grid_thread();
+    let lane = thread % 32;
+    let (mut slot, warps) = (thread / 32, threads / 32);
+    let slots = tokens as usize * top_k as usize;
+    let w = width as usize;
+    // Every lane of a warp runs the same number of iterations (the slot is warp-uniform).
+    while slot < slots {
+        let token = slot / top_k as usize;
+        // SAFETY: slot < T·k.
+        let row = unsafe { *slot_row.add(slot) };
+        let partial = if row == NO_ROW {
+            0.0
+        } else {
+            // SAFETY: token < T, row < R, every row 16-byte aligned (width % 8 == 0); slot < T·k.
+            unsafe {
+                gather_scaled_row_and_dot(
+                    dy.add(token * w),
+                    rows.add(row as usize * w),
+                    d_rows.add(row as usize * w),
+                    *topk_weights.add(slot),
+                    width,
+                    lane as u32,
+                )
+            }
+        };
         // SAFETY: all 32 lanes (blocks of whole warps: caller contract), in the same iteration
         // (the slot is warp-uniform); the `row` branch above rejoins.
         let total = unsafe { sync::warp_sum_f32(partial) };
