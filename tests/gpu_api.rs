@@ -518,11 +518,22 @@ fn moe_layer_given_alternating_buffers_gives_each_step_its_own_bits() {
     // alternates between two sets; the layer keeps the plans of the set before the current one.
     // Two problems with different weights, inputs and gradient buffers, run alternately on one
     // layer (outputs poisoned before each step), must each give a fresh layer's bits every time.
+    // Also over P = 2 virtual ranks (no shared expert there: its fresh bf16 gradient is refused
+    // across ranks), where the layer builds its plans and passes again for other buffers.
     let gpu = gpu();
-    let c = config();
     let routing = Routing { drop_probability: 0.05, empty_experts: &[2] };
-    let cases = [random_case(&c, 730, routing), random_case(&c, 731, routing)];
-    for backend in [Backend::Engine, Backend::Megakernel, Backend::MmaSync] {
+    let one_gpu = config();
+    let two_ranks = MoeConfig { ep_ranks: 2, tokens_per_rank: 200, shared_intermediate: None, ..config() };
+    let runs = [
+        (one_gpu.clone(), Backend::Engine),
+        (one_gpu.clone(), Backend::Megakernel),
+        (one_gpu, Backend::MmaSync),
+        (two_ranks.clone(), Backend::Megakernel),
+        (two_ranks, Backend::MmaSync),
+    ];
+    for (c, backend) in runs {
+        let whole = MoeConfig { ep_ranks: 1, tokens_per_rank: c.tokens_per_rank * c.ep_ranks, ..c.clone() };
+        let cases = [random_case(&whole, 730, routing), random_case(&whole, 731, routing)];
         let options = LayerOptions { backend: Some(backend), ..LayerOptions::default() };
         let Ok(mut layer) = MoeLayer::new(&gpu, c.clone(), options.clone()) else {
             assert_ne!(gpu.compute_capability().0, 9, "an sm_90 GPU must run {backend:?}");
@@ -544,9 +555,12 @@ fn moe_layer_given_alternating_buffers_gives_each_step_its_own_bits() {
             for (n, caller) in callers.iter_mut().enumerate() {
                 caller.poison();
                 step(&gpu, &mut layer, caller, false);
-                assert_eq!(outputs(caller), expected[n], "{backend:?}: round {round}, buffers {n}");
+                assert_eq!(outputs(caller), expected[n], "P = {}, {backend:?}: round {round}, buffers {n}", c.ep_ranks);
             }
         }
-        println!("  {backend:?}: two buffer sets alternated three times, each step a fresh layer's bits");
+        println!(
+            "  P = {}, {backend:?}: two buffer sets alternated three times, each step a fresh layer's bits",
+            c.ep_ranks
+        );
     }
 }
