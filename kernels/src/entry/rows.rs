@@ -93,35 +93,56 @@ pub unsafe extern "ptx-kernel" fn mok_topk_weight_grad(
     width: u32,
     out: *mut f32,
 ) {
+    let w = width as usize;
+    let dot = |_, token: usize, row: u32, lane: usize| {
+        let mut partial = 0.0f32;
+        let mut column = lane * 8;
+        while column < w {
+            // SAFETY: token < T, row < R, column + 8 ≤ width, 16-byte aligned.
+            let (g, lo, hi) = unsafe {
+                (
+                    ld_global_v4(dy.add(token * w + column) as *const u32),
+                    ld_global_v4(rows.add(row as usize * w + column) as *const u32),
+                    ld_global_v4(rows.add(row as usize * w + column + 4) as *const u32),
+                )
+            };
+            partial = dot8(partial, g, lo, hi);
+            column += 32 * 8;
+        }
+        partial
+    };
+    // SAFETY: caller contract (`slot_row` and `out` `[T·k]`, blocks of whole warps).
+    unsafe { for_each_slot_by_warp(slot_row, (tokens, top_k), out, dot) }
+}
+
+/// The slot loop of the kernels that give each slot `t·k + j` its own warp: for every slot of
+/// this warp (grid-stride over T·k), `partial(slot, token, row, lane)` for a routed slot (row `row`),
+/// 0 for a dropped one; then the lanes' partials summed by the fixed butterfly and the sum stored
+/// in `out[slot]` by lane 0. Every result is the same whichever warp takes a slot.
+///
+/// # Safety
+/// `slot_row` and `out` are `[T·k]`; the launch's blocks are whole warps (a multiple of 32
+/// threads); `partial` is sound for every routed slot's token and row.
+#[inline(always)]
+unsafe fn for_each_slot_by_warp(
+    slot_row: *const u32,
+    (tokens, top_k): (u32, u32),
+    out: *mut f32,
+    mut partial: impl FnMut(usize, usize, u32, usize) -> f32,
+) {
     let (thread, threads) = grid_thread();
     let lane = thread % 32;
     let (mut slot, warps) = (thread / 32, threads / 32);
     let slots = tokens as usize * top_k as usize;
-    let w = width as usize;
     // Every lane of a warp runs the same number of iterations (the slot is warp-uniform).
     while slot < slots {
         let token = slot / top_k as usize;
         // SAFETY: slot < T·k.
         let row = unsafe { *slot_row.add(slot) };
-        let mut partial = 0.0f32;
-        if row != NO_ROW {
-            let mut column = lane * 8;
-            while column < w {
-                // SAFETY: token < T, row < R, column + 8 ≤ width, 16-byte aligned.
-                let (g, lo, hi) = unsafe {
-                    (
-                        ld_global_v4(dy.add(token * w + column) as *const u32),
-                        ld_global_v4(rows.add(row as usize * w + column) as *const u32),
-                        ld_global_v4(rows.add(row as usize * w + column + 4) as *const u32),
-                    )
-                };
-                partial = dot8(partial, g, lo, hi);
-                column += 32 * 8;
-            }
-        }
+        let value = if row == NO_ROW { 0.0 } else { partial(slot, token, row, lane) };
         // SAFETY: all 32 lanes (blocks of whole warps: caller contract), in the same iteration
         // (the slot is warp-uniform); the `row` branch above rejoins.
-        let total = unsafe { sync::warp_sum_f32(partial) };
+        let total = unsafe { sync::warp_sum_f32(value) };
         if lane == 0 {
             // SAFETY: slot < T·k.
             unsafe { *out.add(slot) = total };
@@ -154,40 +175,23 @@ pub unsafe extern "ptx-kernel" fn mok_gather_dy_and_topk_weight_grad(
     d_rows: *mut u16,
     out: *mut f32,
 ) {
-    let (thread, threads) = grid_thread();
-    let lane = thread % 32;
-    let (mut slot, warps) = (thread / 32, threads / 32);
-    let slots = tokens as usize * top_k as usize;
     let w = width as usize;
-    // Every lane of a warp runs the same number of iterations (the slot is warp-uniform).
-    while slot < slots {
-        let token = slot / top_k as usize;
-        // SAFETY: slot < T·k.
-        let row = unsafe { *slot_row.add(slot) };
-        let partial = if row == NO_ROW {
-            0.0
-        } else {
-            // SAFETY: token < T, row < R, every row 16-byte aligned (width % 8 == 0); slot < T·k.
-            unsafe {
-                gather_scaled_row_and_dot(
-                    dy.add(token * w),
-                    rows.add(row as usize * w),
-                    d_rows.add(row as usize * w),
-                    *topk_weights.add(slot),
-                    width,
-                    lane as u32,
-                )
-            }
-        };
-        // SAFETY: all 32 lanes (blocks of whole warps: caller contract), in the same iteration
-        // (the slot is warp-uniform); the `row` branch above rejoins.
-        let total = unsafe { sync::warp_sum_f32(partial) };
-        if lane == 0 {
-            // SAFETY: slot < T·k.
-            unsafe { *out.add(slot) = total };
+    let gather_and_dot = |slot: usize, token: usize, row: u32, lane: usize| {
+        // SAFETY: slot < T·k, token < T, row < R, every row 16-byte aligned (width % 8 == 0).
+        unsafe {
+            gather_scaled_row_and_dot(
+                dy.add(token * w),
+                rows.add(row as usize * w),
+                d_rows.add(row as usize * w),
+                *topk_weights.add(slot),
+                width,
+                lane as u32,
+            )
         }
-        slot += warps;
-    }
+    };
+    // SAFETY: caller contract (`slot_row`, `topk_weights` and `out` `[T·k]`, blocks of whole
+    // warps).
+    unsafe { for_each_slot_by_warp(slot_row, (tokens, top_k), out, gather_and_dot) }
 }
 
 /// SwiGLU backward over `[*row_count][width]`: from the f32 pre-activations and the f32 hidden
