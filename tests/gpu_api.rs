@@ -535,10 +535,14 @@ fn moe_layer_given_alternating_buffers_gives_each_step_its_own_bits() {
         let whole = MoeConfig { ep_ranks: 1, tokens_per_rank: c.tokens_per_rank * c.ep_ranks, ..c.clone() };
         let cases = [random_case(&whole, 730, routing), random_case(&whole, 731, routing)];
         let options = LayerOptions { backend: Some(backend), ..LayerOptions::default() };
-        let Ok(mut layer) = MoeLayer::new(&gpu, c.clone(), options.clone()) else {
-            assert_ne!(gpu.compute_capability().0, 9, "an sm_90 GPU must run {backend:?}");
-            println!("  NOT RUN on {backend:?}: not on this GPU");
-            continue;
+        let mut layer = match MoeLayer::new(&gpu, c.clone(), options.clone()) {
+            Ok(layer) => layer,
+            Err(e) => {
+                // mma.sync runs on every GPU mok supports; the others need sm_90a.
+                assert!(backend != Backend::MmaSync && gpu.compute_capability().0 != 9, "{backend:?}: {e}");
+                println!("  NOT RUN at P = {} on {backend:?}: not on this GPU ({e})", c.ep_ranks);
+                continue;
+            }
         };
         let expected: Vec<Vec<u64>> = cases
             .iter()

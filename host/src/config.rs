@@ -39,7 +39,7 @@ pub const MAX_EXPERTS: usize = 8192;
 pub const MAX_TOP_K: usize = 64;
 /// The widest hidden, intermediate or shared-expert width: far above any model's, and low
 /// enough that a row's bytes, its bulk copies' byte counts (32-bit on the device) and the
-/// unfused GEMM's grid (64 columns per block in `grid.y` ≤ 65 535) never overflow.
+/// unfused GEMMs' `grid.y` (64 columns per block, at most 65 535) never overflow.
 pub const MAX_WIDTH: usize = 1 << 20;
 
 impl MoeConfig {

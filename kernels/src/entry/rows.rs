@@ -1,6 +1,7 @@
 //! Row-wise kernels of the unfused path: gather into expert order, combine back in slot order,
-//! the slot-weight gradient (alone, or with the backward's gather) and the SwiGLU backward. All are grid-stride loops over a count the
-//! device holds (`row_count`, written by the routing kernels), so the host never needs it.
+//! the slot-weight gradient (alone, or with the backward's gather) and the SwiGLU backward. The
+//! row kernels loop over a count the device holds (`row_count`, written by the routing kernels),
+//! so the host never needs it; the slot kernels over T · k slots, one warp each.
 
 use crate::device::grid_thread;
 use crate::device::math;
@@ -160,8 +161,9 @@ unsafe fn for_each_slot_by_warp(
 ///
 /// # Safety
 /// `dy` `[T][width]` bf16, `rows` `[R][width]` f32, `slot_row`, `topk_weights` and `out` `[T·k]`,
-/// `d_rows` `[R][width]` bf16; `width % 8 == 0`; blocks of whole warps (a multiple of 32
-/// threads).
+/// `d_rows` `[R][width]` bf16, each 16-byte aligned; `width % 8 == 0`; every routed slot's row
+/// is below R and no two slots share a row (the routing layout's `slot_row`: each row is written
+/// by one warp); blocks of whole warps (a multiple of 32 threads).
 #[unsafe(no_mangle)]
 #[allow(clippy::too_many_arguments)]
 pub unsafe extern "ptx-kernel" fn mok_gather_dy_and_topk_weight_grad(
@@ -177,7 +179,8 @@ pub unsafe extern "ptx-kernel" fn mok_gather_dy_and_topk_weight_grad(
 ) {
     let w = width as usize;
     let gather_and_dot = |slot: usize, token: usize, row: u32, lane: usize| {
-        // SAFETY: slot < T·k, token < T, row < R, every row 16-byte aligned (width % 8 == 0).
+        // SAFETY: slot < T·k, token < T, row < R and this slot's alone (caller contract); every
+        // row 16-byte aligned (aligned bases, width % 8 == 0).
         unsafe {
             gather_scaled_row_and_dot(
                 dy.add(token * w),
