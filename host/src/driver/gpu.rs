@@ -219,9 +219,7 @@ fn load_module(image: &KernelImage<'_>, try_cubin: bool) -> Result<(sys::CUmodul
     // SAFETY: `source` is a NUL-terminated PTX image that outlives the call.
     let module = unsafe { result::module::load_data(source.as_ptr() as *const c_void) }.map_err(|e| {
         let call = match &cubin_refused {
-            Some(refused) => {
-                format!("cuModuleLoadData (JIT of mok's PTX, after the driver refused the cubin: {refused})")
-            }
+            Some(refused) => format!("cuModuleLoadData (JIT of mok's PTX, after {refused})"),
             None => "cuModuleLoadData (JIT of mok's PTX)".to_string(),
         };
         cuda_error(call, e)

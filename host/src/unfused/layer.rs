@@ -81,46 +81,81 @@ pub struct UnfusedLayer {
 }
 
 /// The routed experts' GEMMs on the sm_90a tensor-core engine ([`crate::gemm`]) — the same
-/// products as the `mma.sync` kernels, bit for bit as measured: plans built once for the layer's
-/// own buffers and the expert weights of a call, built again when a call passes other weights.
-///
-/// The plans of the weights and of the gradient target before the current ones are kept
-/// (`previous_weights`, `previous_wgrad`): a framework whose optimizer hands the layer new
-/// buffers every step usually alternates between two, and building the plans again cost
-/// 0.2–0.7 ms per step (docs/PERF.md, "Steps over new buffers").
+/// products as the `mma.sync` kernels, bit for bit as measured: plans built for the layer's own
+/// buffers and the expert weights (and gradient target) of a call, built again when a call
+/// passes other ones, unless they are the ones before ([`KeptPlans`]).
 struct EngineExperts {
     /// `[2 · (E + 1)]` the engine's tile offsets, written on the device in each forward and
     /// backward before the engine's GEMMs.
     tile_offsets: DeviceBuffer<u32>,
-    /// The weight addresses (gate, up, down) the plans were built for; 0 before the first call.
-    built_for: WeightsKey,
+    /// The forward and data-gradient plans, by the (gate, up, down) weight addresses.
+    weights: KeptPlans<[u64; 3], WeightPlans>,
+    /// The down, gate and up weight gradients, by the (dw_gate, dw_up, dw_down) addresses and
+    /// whether they add into f32.
+    wgrad: KeptPlans<([u64; 3], bool), Vec<EnginePlan>>,
+}
+
+/// The plans that read one set of expert weights.
+struct WeightPlans {
     /// Gate/up with SwiGLU (keeping the pre-activations for backward), down.
     forward: Vec<EnginePlan>,
     /// Down dgrad (into d_hidden); gate/up dgrad (two K segments). The backward megakernel runs
     /// them too, with the SwiGLU backward between them.
     dgrad: Vec<EnginePlan>,
-    /// The down, gate and up weight gradients, for the target they were built for.
-    wgrad: Vec<EnginePlan>,
-    /// (dw_gate, dw_up, dw_down addresses, accumulate into f32) of `wgrad`; zeros before the first.
-    wgrad_for: WgradKey,
-    /// The forward and data-gradient plans of the weights before `built_for`, with their key.
-    previous_weights: Option<PlansFor<WeightsKey, ForwardAndDgradPlans>>,
-    /// The weight-gradient plans of the target before `wgrad_for`, with their key.
-    previous_wgrad: Option<PlansFor<WgradKey, Vec<EnginePlan>>>,
 }
 
-/// The (gate, up, down) weight addresses a plan set was built for.
-type WeightsKey = [u64; 3];
-/// The forward and the data-gradient plans of one set of weights.
-type ForwardAndDgradPlans = (Vec<EnginePlan>, Vec<EnginePlan>);
-/// The (dw_gate, dw_up, dw_down) addresses and the accumulate-into-f32 mode of a weight-gradient
-/// plan set.
-type WgradKey = ([u64; 3], bool);
+impl EngineExperts {
+    /// The current weights' forward plans (none before the first call).
+    fn forward(&self) -> &[EnginePlan] {
+        self.weights.current().map_or(&[], |p| &p.forward)
+    }
 
-/// Plans and the key (buffer addresses) they were built for.
-struct PlansFor<K, P> {
-    key: K,
-    plans: P,
+    /// The current weights' data-gradient plans.
+    fn dgrad(&self) -> &[EnginePlan] {
+        self.weights.current().map_or(&[], |p| &p.dgrad)
+    }
+
+    /// The current target's weight-gradient plans.
+    fn wgrad(&self) -> &[EnginePlan] {
+        self.wgrad.current().map_or(&[], Vec::as_slice)
+    }
+}
+
+/// Plans for the buffers of the current call and of the ones before, each set with its key
+/// (the buffer addresses it was built for). A framework whose optimizer hands the layer new
+/// buffers every step usually alternates between two, and building the plans again cost
+/// 0.2–0.7 ms per step (docs/PERF.md, "Steps over new buffers"); at most two sets are held.
+struct KeptPlans<K, P> {
+    current: Option<(K, P)>,
+    previous: Option<(K, P)>,
+}
+
+impl<K: PartialEq, P> KeptPlans<K, P> {
+    const fn new() -> Self {
+        Self { current: None, previous: None }
+    }
+
+    fn current(&self) -> Option<&P> {
+        self.current.as_ref().map(|(_, plans)| plans)
+    }
+
+    /// Makes `key`'s plans the current ones: they already are, or the previous set is swapped
+    /// back in, or `build` makes them (the current set becomes the previous one first, and a
+    /// failed build leaves no set current). The caller checked the buffers' lengths against the
+    /// config for this call, so plans built for the same addresses read the same extents.
+    fn select(&mut self, key: K, build: impl FnOnce() -> Result<P>) -> Result<()> {
+        if self.current.as_ref().is_some_and(|(k, _)| *k == key) {
+            return Ok(());
+        }
+        let displaced = self.current.take();
+        if let Some(previous) = self.previous.take_if(|(k, _)| *k == key) {
+            (self.current, self.previous) = (Some(previous), displaced);
+            return Ok(());
+        }
+        self.previous = displaced;
+        self.current = Some((key, build()?));
+        Ok(())
+    }
 }
 
 /// Where a backward puts the weight gradients (every routed weight, and the shared expert's).
@@ -263,13 +298,8 @@ impl UnfusedLayer {
             let e = self.config.num_experts;
             self.engine = Some(EngineExperts {
                 tile_offsets: DeviceBuffer::alloc(gpu, 2 * (e + 1))?,
-                built_for: [0; 3],
-                forward: Vec::new(),
-                dgrad: Vec::new(),
-                wgrad: Vec::new(),
-                wgrad_for: ([0; 3], false),
-                previous_weights: None,
-                previous_wgrad: None,
+                weights: KeptPlans::new(),
+                wgrad: KeptPlans::new(),
             });
         }
         Ok(())
@@ -464,7 +494,7 @@ impl UnfusedLayer {
             return Ok(());
         };
         let shared_engine = self.shared_engine.as_ref().filter(|_| shared.is_some());
-        let plans = forward_pass_plans([&engine.forward[0], &engine.forward[1]], shared_engine);
+        let plans = forward_pass_plans([&engine.forward()[0], &engine.forward()[1]], shared_engine);
         if pass.as_ref().is_some_and(|p| p.built_for(&[&plans])) {
             return Ok(());
         }
@@ -489,91 +519,53 @@ impl UnfusedLayer {
         self.engine.is_some()
     }
 
-    /// Builds the engine's plans for `experts` (when the engine is on): on first use, and again
-    /// for other weights, unless they are the weights before the current ones (their plans are
-    /// kept: swapped back in).
+    /// Makes the engine's plans for `experts` current (when the engine is on): built on first
+    /// use and for other weights, kept for the weights before ([`KeptPlans`]).
     fn prepare_engine_plans(&mut self, gpu: &Gpu, experts: ExpertsView<'_>) -> Result<()> {
-        let Some(state) = self.engine.as_mut() else { return Ok(()) };
+        let Some(EngineExperts { tile_offsets, weights, .. }) = self.engine.as_mut() else { return Ok(()) };
         let key = [experts.w_gate.device_ptr(), experts.w_up.device_ptr(), experts.w_down.device_ptr()];
-        let experts: ExpertsView<'_> = experts;
-        if state.built_for != key {
-            let current = PlansFor {
-                key: state.built_for,
-                plans: (std::mem::take(&mut state.forward), std::mem::take(&mut state.dgrad)),
-            };
-            // Nothing is built until a set is swapped in or built below: a failed build leaves
-            // no key that an empty set would answer for.
-            state.built_for = [0; 3];
-            let kept = (current.key != [0; 3] && !current.plans.0.is_empty()).then_some(current);
-            // The weights' lengths were checked against the config for this call, so plans
-            // built for the same addresses read the same extents.
-            if let Some(previous) = state.previous_weights.take_if(|p| p.key == key) {
-                (state.built_for, (state.forward, state.dgrad)) = (previous.key, previous.plans);
-                state.previous_weights = kept;
-                return Ok(());
-            }
-            state.previous_weights = kept;
-        }
-        if state.built_for != key {
-            let c = &self.config;
-            let (e, slots) = (c.num_experts, c.tokens_per_rank * c.top_k);
+        let (c, routing, routed, gathered_x) = (&self.config, &self.routing, &self.routed, &self.gathered_x);
+        weights.select(key, || {
             let groups = engine::RowGroups {
-                row_offsets: (&self.routing.row_offsets).into(),
-                tile_offsets: (&state.tile_offsets).into(),
-                groups: e,
-                capacity: slots,
-            };
-            let rows = &self.routed.rows;
-            let (gate_up, down) = self.routed.engine_forward_plans(
-                gpu,
-                (&self.gathered_x).into(),
-                &groups,
-                [experts.w_gate, experts.w_up, experts.w_down],
-            )?;
-            state.dgrad = vec![
-                self.routed.engine_down_dgrad_plan(gpu, (&rows.d_rows).into(), &groups, experts.w_down)?,
-                self.routed.engine_gate_up_dgrad_plan(gpu, &groups, [experts.w_gate, experts.w_up])?,
-            ];
-            state.forward = vec![gate_up, down];
-            state.built_for = key;
-        }
-        Ok(())
-    }
-
-    /// Builds the engine's weight-gradient plans for `target` (when the engine is on): on first
-    /// use, and again for another target, unless it is the target before the current one (its
-    /// plans are kept: swapped back in).
-    fn prepare_wgrad_plans(&mut self, gpu: &Gpu, target: &GradAddresses) -> Result<()> {
-        let Some(state) = self.engine.as_mut() else { return Ok(()) };
-        let key = (target.routed, target.accumulate_f32);
-        if !state.wgrad.is_empty() && state.wgrad_for != key {
-            let current = PlansFor { key: state.wgrad_for, plans: std::mem::take(&mut state.wgrad) };
-            // `target` was checked against the config for this call: the same extents.
-            if let Some(previous) = state.previous_wgrad.take_if(|p| p.key == key) {
-                (state.wgrad_for, state.wgrad) = (previous.key, previous.plans);
-                state.previous_wgrad = Some(current);
-                return Ok(());
-            }
-            state.previous_wgrad = Some(current);
-        }
-        if state.wgrad.is_empty() || state.wgrad_for != key {
-            let c = &self.config;
-            let groups = engine::RowGroups {
-                row_offsets: (&self.routing.row_offsets).into(),
-                tile_offsets: (&state.tile_offsets).into(),
+                row_offsets: (&routing.row_offsets).into(),
+                tile_offsets: (&*tile_offsets).into(),
                 groups: c.num_experts,
                 capacity: c.tokens_per_rank * c.top_k,
             };
-            let rows = (self.routed.d_rows().into(), (&self.gathered_x).into());
+            let (gate_up, down) = routed.engine_forward_plans(
+                gpu,
+                gathered_x.into(),
+                &groups,
+                [experts.w_gate, experts.w_up, experts.w_down],
+            )?;
+            let dgrad = vec![
+                routed.engine_down_dgrad_plan(gpu, (&routed.rows.d_rows).into(), &groups, experts.w_down)?,
+                routed.engine_gate_up_dgrad_plan(gpu, &groups, [experts.w_gate, experts.w_up])?,
+            ];
+            Ok(WeightPlans { forward: vec![gate_up, down], dgrad })
+        })
+    }
+
+    /// Makes the engine's weight-gradient plans for `target` current (when the engine is on):
+    /// built on first use and for another target, kept for the target before ([`KeptPlans`]).
+    fn prepare_wgrad_plans(&mut self, gpu: &Gpu, target: &GradAddresses) -> Result<()> {
+        let Some(EngineExperts { tile_offsets, wgrad, .. }) = self.engine.as_mut() else { return Ok(()) };
+        let (c, routing, routed, gathered_x) = (&self.config, &self.routing, &self.routed, &self.gathered_x);
+        wgrad.select((target.routed, target.accumulate_f32), || {
+            let groups = engine::RowGroups {
+                row_offsets: (&routing.row_offsets).into(),
+                tile_offsets: (&*tile_offsets).into(),
+                groups: c.num_experts,
+                capacity: c.tokens_per_rank * c.top_k,
+            };
+            let rows = (routed.d_rows().into(), gathered_x.into());
             // SAFETY: `target` was checked against the gradients' lengths for this call and lives
             // for it; the plans keep the addresses and run only for a call with this same target
             // (kept as the previous target's otherwise, never launched for another).
             let plans =
-                unsafe { self.routed.engine_wgrad_plans(gpu, rows, &groups, (target.routed, target.accumulate_f32)) }?;
-            state.wgrad = plans.into();
-            state.wgrad_for = key;
-        }
-        Ok(())
+                unsafe { routed.engine_wgrad_plans(gpu, rows, &groups, (target.routed, target.accumulate_f32)) }?;
+            Ok(plans.into())
+        })
     }
 
     /// Checks `target` against the config and resolves it to addresses.
@@ -873,7 +865,7 @@ impl UnfusedLayer {
         };
         if let Some(state) = &self.engine {
             engine::tile_offsets_into(gpu, &self.routing.row_offsets, e, &state.tile_offsets)?;
-            for plan in &state.forward {
+            for plan in state.forward() {
                 // SAFETY: the plans were built over this layer's buffers and this call's weight and gradient
                 // addresses (built, or swapped back, for exactly these addresses, whose lengths were
                 // checked for this call), all alive until the stream has run the pass.
@@ -944,7 +936,7 @@ impl UnfusedLayer {
         };
         engine::tile_offsets_into(gpu, &self.routing.row_offsets, self.config.num_experts, &engine.tile_offsets)?;
         let shared_engine = self.shared_engine.as_ref().filter(|_| shared.is_some());
-        let plans = forward_pass_plans([&engine.forward[0], &engine.forward[1]], shared_engine);
+        let plans = forward_pass_plans([&engine.forward()[0], &engine.forward()[1]], shared_engine);
         // SAFETY: x and the slot weights are checked views of this pass (`[T][H]`, `[T·k]`), the
         // shared rows the workspace's own; views are borrowed from buffers whose freeing waits
         // for the work using them.
@@ -1077,13 +1069,13 @@ impl UnfusedLayer {
             // SAFETY: the plans were built over this layer's buffers and this call's weight and gradient
             // addresses (built, or swapped back, for exactly these addresses, whose lengths were
             // checked for this call), all alive until the stream has run the pass.
-            unsafe { state.dgrad[0].launch(gpu) }?;
+            unsafe { state.dgrad()[0].launch(gpu) }?;
             self.routed.swiglu_backward(gpu, &groups)?;
             // SAFETY: the plans were built over this layer's buffers and this call's weight and gradient
             // addresses (built, or swapped back, for exactly these addresses, whose lengths were
             // checked for this call), all alive until the stream has run the pass.
-            unsafe { state.dgrad[1].launch(gpu) }?;
-            for plan in &state.wgrad {
+            unsafe { state.dgrad()[1].launch(gpu) }?;
+            for plan in state.wgrad() {
                 // SAFETY: the plans were built over this layer's buffers and this call's weight and gradient
                 // addresses (built, or swapped back, for exactly these addresses, whose lengths were
                 // checked for this call), all alive until the stream has run the pass.
@@ -1283,5 +1275,43 @@ pub struct RoutedBackward<'a> {
 /// The engine plans of a backward megakernel pass, in `BackwardParams` order: the down dgrad,
 /// the gate/up dgrad, the down, gate and up weight gradients.
 fn backward_plans(engine: &EngineExperts) -> [&EnginePlan; 5] {
-    [&engine.dgrad[0], &engine.dgrad[1], &engine.wgrad[0], &engine.wgrad[1], &engine.wgrad[2]]
+    [&engine.dgrad()[0], &engine.dgrad()[1], &engine.wgrad()[0], &engine.wgrad()[1], &engine.wgrad()[2]]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::KeptPlans;
+    use crate::error::MokError;
+
+    #[test]
+    fn kept_plans_build_each_key_once_while_two_alternate_and_keep_two_sets_at_most() {
+        let mut kept: KeptPlans<u32, String> = KeptPlans::new();
+        let builds = std::cell::RefCell::new(Vec::new());
+        let select = |kept: &mut KeptPlans<u32, String>, key: u32, fail: bool| {
+            let result = kept.select(key, || {
+                builds.borrow_mut().push(key);
+                if fail {
+                    Err(MokError::InvalidInput { tensor: "plans", problem: "build failed".into() })
+                } else {
+                    Ok(format!("plans {key}"))
+                }
+            });
+            (result.is_ok(), kept.current().cloned())
+        };
+        assert_eq!(select(&mut kept, 1, false), (true, Some("plans 1".into())));
+        assert_eq!(select(&mut kept, 1, false), (true, Some("plans 1".into())));
+        // Two sets alternating: each built once, then swapped back and forth.
+        for _ in 0..3 {
+            assert_eq!(select(&mut kept, 2, false), (true, Some("plans 2".into())));
+            assert_eq!(select(&mut kept, 1, false), (true, Some("plans 1".into())));
+        }
+        // A third key replaces the older set: 2 is built again after it.
+        assert_eq!(select(&mut kept, 3, false), (true, Some("plans 3".into())));
+        assert_eq!(select(&mut kept, 2, false), (true, Some("plans 2".into())));
+        assert_eq!(*builds.borrow(), [1, 2, 3, 2]);
+        // A failed build leaves no set current and keeps the one it displaced.
+        assert_eq!(select(&mut kept, 4, true), (false, None));
+        assert_eq!(select(&mut kept, 2, false), (true, Some("plans 2".into())));
+        assert_eq!(*builds.borrow(), [1, 2, 3, 2, 4]);
+    }
 }
