@@ -151,7 +151,7 @@ sanitize_tool() {
         log="$log_dir/sanitize-$tool-$name.log"
         # shellcheck disable=SC2046
         with_limit "${MOK_TEST_TIMEOUT:-600}" compute-sanitizer --tool "$tool" $(tool_options "$tool" "$name") \
-            --print-limit 200 "$bin" --test-threads=1 "$@" >"$log" 2>&1
+            --print-limit 200 --target-processes all "$bin" --test-threads=1 "$@" >"$log" 2>&1
         status=$?
         found=$(sanitizer_reports "$log")
         if [ -z "$found" ]; then
