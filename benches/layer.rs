@@ -445,24 +445,34 @@ fn bench_case(
     }
     layer.check_device_errors()?;
     if swap_weights {
-        // The same values in other buffers: every step's forward sees new weight addresses.
-        let other = make_experts()?;
-        let mut swapped = Vec::new();
-        for rep in 0..reps {
-            let weights = if rep % 2 == 0 { &other } else { &experts };
-            timer.start()?;
-            layer.forward(gpu, &device_tokens, weights, None)?;
-            layer.backward(gpu, &device_tokens, weights, None, &dy)?;
-            swapped.push(timer.stop_ms()?);
+        // The same values in other buffers: every step's forward sees new weight addresses. A GPU
+        // without room for a second copy (deepseek's 50.7 GB of weights twice, with the
+        // gradients) skips this comparison and says so; the case's other timings stand.
+        match make_experts() {
+            Err(e) => println!(
+                "MOKSWAP {} {tokens} {}: not measured, no room for a second weight copy: {e}",
+                shape.name,
+                backend.name()
+            ),
+            Ok(other) => {
+                let mut swapped = Vec::new();
+                for rep in 0..reps {
+                    let weights = if rep % 2 == 0 { &other } else { &experts };
+                    timer.start()?;
+                    layer.forward(gpu, &device_tokens, weights, None)?;
+                    layer.backward(gpu, &device_tokens, weights, None, &dy)?;
+                    swapped.push(timer.stop_ms()?);
+                }
+                layer.check_device_errors()?;
+                println!(
+                    "MOKSWAP {} {tokens} {}: forward + backward {:.2} ms with the same weight buffers every step, {:.2} ms with the weights alternating between two copies",
+                    shape.name,
+                    backend.name(),
+                    median(step.clone()),
+                    median(swapped)
+                );
+            }
         }
-        layer.check_device_errors()?;
-        println!(
-            "MOKSWAP {} {tokens} {}: forward + backward {:.2} ms with the same weight buffers every step, {:.2} ms with the weights alternating between two copies",
-            shape.name,
-            backend.name(),
-            median(step.clone()),
-            median(swapped)
-        );
     }
     let before = gpu.kernel_launches();
     layer.forward(gpu, &device_tokens, &experts, None)?;

@@ -11,7 +11,7 @@
 //!
 //! Runs the ranks a process drives on its GPU: every rank for virtual ranks (every rank's
 //! launches on that GPU's stream, tested), or one rank per process over a multi-process heap
-//! ([`EpLayer::with_heap`], built, not yet run on more than one GPU).
+//! ([`EpLayer::with_heap`]; run with processes sharing one GPU, not yet on several GPUs).
 //!
 //! The forward can instead run as the forward megakernel ([`EpLayer::set_forward_megakernel`]):
 //! after the schedule, ONE persistent launch hosts every rank — each rank on its own run of the
@@ -180,7 +180,7 @@ impl EpLayer {
     /// The layer over an existing symmetric heap whose local ranks all live on `gpu` (virtual
     /// ranks, or one process per GPU: `SymmetricHeap::multi_process`), with a workspace per local
     /// rank. A heap with local ranks on several GPUs (`vmm_peers`) is refused: a layer drives one
-    /// GPU. Built for one process per GPU; not yet run on more than one GPU.
+    /// GPU. Built for one process per GPU; run with processes sharing one GPU, not yet on several.
     pub fn with_heap(gpu: &Gpu, config: MoeConfig, options: ExchangeOptions, heap: SymmetricHeap) -> Result<Self> {
         if heap.local_ranks().len() > 1 && !heap.single_gpu() {
             return Err(MokError::InvalidInput {

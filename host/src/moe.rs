@@ -214,7 +214,8 @@ impl MoeLayer {
     /// shared expert's f32 gradient gets this rank's tokens' part (the data-parallel all-reduce
     /// sums the ranks). Backends as for virtual ranks. After [`Self::check`] reports an error,
     /// every rank's layer must be rebuilt (a reset across processes is collective). Built for
-    /// one process per GPU; **not yet run** there (no multi-GPU machine has been lent).
+    /// one process per GPU; run with two to four processes sharing one GPU
+    /// (`tests/gpu_processes.rs`), not yet on several GPUs (no multi-GPU machine has been lent).
     pub fn with_heap(gpu: &Gpu, config: MoeConfig, options: LayerOptions, heap: SymmetricHeap) -> Result<Self> {
         config.validate()?;
         let backend = options.backend.unwrap_or_else(|| Backend::fastest_hosting(gpu, heap.local_ranks().len()));

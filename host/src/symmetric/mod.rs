@@ -14,9 +14,10 @@
 //!   as NVL72), the records are all-gathered (through NCCL with the `nccl` feature, see
 //!   `bootstrap`, behind the `nccl` feature) and every process imports and maps its peers' slices.
 //!
-//! NVLink multicast is never used. Backends other than virtual ranks have not yet run on
-//! hardware (the machines so far have one GPU); their pure parts — environment, handle table —
-//! are unit-tested.
+//! NVLink multicast is never used. `multi_process` with POSIX-fd handles has run with two to four
+//! processes sharing one GPU (`tests/gpu_processes.rs`); nothing has run on several GPUs yet
+//! (`vmm_peers`, fabric handles, NCCL's all-gather); their pure parts — environment, handle
+//! table — are unit-tested.
 
 #[cfg(feature = "nccl")]
 pub mod bootstrap;
