@@ -2,7 +2,8 @@
 """Compares two PTX builds kernel by kernel: prints `same` or `DIFFERENT` per entry, and the
 entries only one build has. Basic-block labels (`$L__BB<function>_<block>`) are numbered by the
 function's position in the module, so they are renumbered per entry (and comments dropped) before
-comparing: a kernel added before another does not make that one differ.
+comparing, and so are the local-memory depots (`__local_depot<function>`): a kernel added before
+another does not make that one differ.
 
 usage: same_kernels.py OLD.ptx NEW.ptx   (exit 1 when an entry present in both differs)
 """
@@ -19,6 +20,8 @@ def entries(path):
         part = re.sub(r"//.*", "", part)  # llc's comments (loop nests) name blocks by number too
         numbers = {}
         part = re.sub(r"BB(\d+)_", lambda m: "BB%d_" % numbers.setdefault(m.group(1), len(numbers)), part)
+        # The local-memory depot is numbered by the function's position in the module too.
+        part = re.sub(r"__local_depot\d+", "__local_depot", part)
         found[name] = part
     return found
 

@@ -79,6 +79,8 @@ fn backend_name(backend: Backend) -> &'static str {
 struct Outputs {
     rows: [Vec<u8>; 3],
     grads: Vec<Vec<f32>>,
+    /// Kernels the forward and the backward launched.
+    launches: (u64, u64),
 }
 
 const ROW_NAMES: [&str; 3] = ["y", "dx", "d_topk_weights"];
@@ -109,18 +111,22 @@ fn step(
     let mut main: Vec<DeviceBuffer<f32>> =
         sizes.iter().map(|&n| DeviceBuffer::from_slice(gpu, &vec![0.0f32; n]).unwrap()).collect();
     let inputs = MoeInputs { tokens: tokens.into(), experts: experts.into(), shared: shared.map(Into::into) };
+    let before = gpu.kernel_launches();
     let pass = layer.forward(gpu, &inputs, (&mut y).into()).unwrap();
+    let forward_launches = gpu.kernel_launches() - before;
     let grads = MoeGradients {
         dx: (&mut dx).into(),
         d_topk_weights: (&mut d_topk).into(),
         weights: WeightGradTarget::AccumulateF32(grad_views(&mut main)),
     };
     pass.backward(gpu, &inputs, dy.into(), grads).unwrap();
+    let launches = (forward_launches, gpu.kernel_launches() - before - forward_launches);
     layer.check().unwrap();
     let bytes_of = |b: &DeviceBuffer<bf16>| bytemuck::cast_slice(&b.download().unwrap()).to_vec();
     Outputs {
         rows: [bytes_of(&y), bytes_of(&dx), bytemuck::cast_slice(&d_topk.download().unwrap()).to_vec()],
         grads: main.iter().map(|b| b.download().unwrap()).collect(),
+        launches,
     }
 }
 
@@ -225,7 +231,11 @@ fn one_rank_of_the_layer_across_processes() {
     // Neither process frees its slice while the other may still read it.
     gather.all_gather(&[1]).unwrap();
     drop(layer);
-    println!("rank {rank} of {world} ({backend:?}): two steps, the same bits; outputs written");
+    let (forward, backward) = first.launches;
+    println!(
+        "rank {rank} of {world} ({backend:?}): two steps, the same bits; {forward} kernels per forward, \
+         {backward} per backward; outputs written"
+    );
 }
 
 /// Waits for every child up to the deadline (killing them all past it); panics with the logs of

@@ -271,25 +271,16 @@ impl EpLayer {
     /// virtual rank — pull of dy from the token owners, the engine's data- and weight-gradient
     /// tiles on each rank's ring, push of the dx rows to the owners' slot buffers, the owners'
     /// dx combine and slot-weight gradients; sm_90a) or as the separate path (`None`, the
-    /// default). It follows either forward. Virtual ranks only (every rank on this GPU): with one
-    /// process per GPU it is refused, since its pull would need the peers' dy published first
-    /// (not built). Errors when this GPU, the loaded PTX or the geometry cannot run it; the layer
-    /// is then unchanged.
+    /// default). It follows either forward. One launch hosts the ranks this process drives: every
+    /// rank for virtual ranks, its one rank with one process per GPU (each backward then
+    /// publishes a new epoch and waits on the device for every rank's before the launch, so its
+    /// pull reads the owners' dy). Errors when this GPU, the loaded PTX or the geometry cannot
+    /// run it; the layer is then unchanged.
     pub fn set_backward_megakernel(&mut self, gpu: &Gpu, options: Option<MegakernelOptions>) -> Result<()> {
         let Some(options) = options else {
             self.backward_megakernel = None;
             return Ok(());
         };
-        let locals = self.ranks.len();
-        if locals != self.config.ep_ranks {
-            return Err(MokError::InvalidInput {
-                tensor: "megakernel",
-                problem: format!(
-                    "the backward megakernel hosts every rank in one launch (virtual ranks); this process drives {locals} of {}",
-                    self.config.ep_ranks
-                ),
-            });
-        }
         self.check_megakernel(gpu, BACKWARD_RANKS_KERNEL, &options)?;
         self.backward_megakernel = Some(EpBackwardMegakernel {
             options,
@@ -885,6 +876,14 @@ impl EpLayer {
             }
         }
         self.exchange.clear_slot_ready(&gpus)?;
+        // Across processes each rank's launch pulls the owners' dy and pushes into their slot
+        // flags, so every owner's dy upload and clearing must be published first: a new epoch,
+        // then a bounded wait on the device for every rank's. (Virtual ranks need neither: every
+        // rank's uploads and clearing precede the one launch on the one stream.)
+        if !self.exchange.heap().single_gpu() {
+            self.exchange.begin_backward(&gpus)?;
+            self.exchange.wait_published(&gpus)?;
+        }
         let sets = backward_plan_sets(&m.plans, &m.shared);
         let sets: Vec<&[&EnginePlan]> = sets.iter().map(Vec::as_slice).collect();
         if summed_into.is_some()

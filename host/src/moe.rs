@@ -26,9 +26,8 @@ use crate::unfused::{ExpertsView, SharedExpertView, TokensView, UnfusedLayer, We
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Backend {
     /// The megakernels over the tensor-core engine (sm_90a): the forward and the backward each
-    /// as one persistent launch — on one GPU, and over virtual ranks one launch hosting every
-    /// rank (with one process per GPU the forward; the backward there on the exchange's separate
-    /// launches).
+    /// as one persistent launch — on one GPU, over virtual ranks one launch hosting every rank,
+    /// and with one process per rank one launch hosting that rank.
     Megakernel,
     /// The routed experts' GEMMs on the tensor-core engine (sm_90a), as separate launches.
     Engine,
@@ -54,7 +53,7 @@ impl Backend {
     /// The fastest correct backend of a layer over ranks whose launch hosts `hosted` of them on
     /// `gpu` (every rank for virtual ranks, one per process per GPU).
     fn fastest_hosting(gpu: &Gpu, hosted: usize) -> Backend {
-        // Over virtual ranks both megakernels run (with one process per GPU the forward's).
+        // Both megakernels must fit the ranks the launch hosts.
         let fits = |kernel| {
             gpu.has_kernel(kernel)
                 && resident_blocks(gpu, kernel)
@@ -229,7 +228,8 @@ impl MoeLayer {
         let exchange = ExchangeOptions { timeout: options.megakernel.timeout, ..Default::default() };
         let mut layer = EpLayer::with_heap(gpu, config, exchange, heap)?;
         if backend == Backend::Megakernel {
-            layer.set_forward_megakernel(gpu, Some(options.megakernel))?;
+            layer.set_forward_megakernel(gpu, Some(options.megakernel.clone()))?;
+            layer.set_backward_megakernel(gpu, Some(options.megakernel))?;
         }
         Ok(Self { layer: Layer::Ranks(Box::new(layer), gpu.handle()), backend, passes: 0 })
     }

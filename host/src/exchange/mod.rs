@@ -551,6 +551,16 @@ impl Exchange {
         self.publish_all(gpus)
     }
 
+    /// Waits on the device (bounded) until every rank has published the current epoch: before a
+    /// launch that reads the peers' inputs without waiting itself, when the ranks run in
+    /// separate processes (the backward megakernel after [`Self::begin_backward`]). A rank that
+    /// never publishes is a timeout in the error record, naming it.
+    pub(crate) fn wait_published(&self, gpus: &[&Gpu]) -> Result<()> {
+        // SAFETY: `mok_ep_wait_published`'s parameters after (params, first_rank): the epoch,
+        // with 4 bytes of shared memory.
+        unsafe { self.launch_step(gpus, "mok_ep_wait_published", |_| 1, 32, 4, None, &[U32(self.epoch)]) }
+    }
+
     /// Backward reverse-combine: every local rank pulls dy rows of its experts' slots, scaled by
     /// the slot weight, into `regions().ring_dy`.
     pub fn reverse_combine(&self, gpus: &[&Gpu]) -> Result<()> {
@@ -851,6 +861,7 @@ pub const KERNEL_NAMES: &[&str] = &[
     "mok_ep_route_place",
     "mok_ep_prepare_tokens",
     "mok_ep_publish",
+    "mok_ep_wait_published",
     "mok_ep_schedule",
     "mok_ep_ring_map",
     "mok_ep_pull",

@@ -166,6 +166,21 @@ pub unsafe extern "ptx-kernel" fn mok_ep_publish(params: *const ExchangeParams, 
     }
 }
 
+/// Waits (one block per rank, 4 bytes of dynamic shared memory, bounded) until every rank has
+/// published `epoch`. With the ranks in separate processes, a launch that reads the peers'
+/// inputs without waiting itself needs this first on its stream: the backward megakernel, whose
+/// pull reads the owners' dy and whose pushes need the owners' flags cleared, both done before
+/// their publish. A timeout is recorded in the rank's error record, naming the silent rank.
+///
+/// # Safety
+/// As [`mok_ep_prepare_tokens`].
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn mok_ep_wait_published(params: *const ExchangeParams, first_rank: u32, epoch: u32) {
+    // SAFETY: caller contract; every thread of the block calls it (uniform); the launch gives 4
+    // bytes of shared memory. A failed wait is in the error record, which the host reads.
+    unsafe { plan::wait_all_published(&view(params, first_rank), epoch, smem::dynamic_smem_base()) };
+}
+
 /// Step 4 (one block, 4 bytes of dynamic shared memory): the exchange of counts and the ring
 /// offsets of `rank`'s experts, with the capacity check.
 ///
