@@ -9,9 +9,10 @@
 //! across GPUs. What this cannot show: NVLink, several GPUs, and the NCCL all-gather of the
 //! handle records (NCCL refuses two ranks on one GPU), which here goes through files instead.
 //!
-//! The parent test starts the ranks as child processes of this binary (the ignored test
-//! [`one_rank_of_the_layer_across_processes`], with torchrun's variables), and compares what they
-//! wrote with the one-GPU layer's bits.
+//! The parent tests start the ranks as child processes of this binary (the ignored test
+//! [`one_rank_of_the_layer_across_processes`], with torchrun's variables), and compare what they
+//! wrote with the one-GPU layer's bits. One of them first has a peer that never runs its pass:
+//! the others must report a timeout naming it, then rebuilt layers must give the right bits.
 #![cfg(feature = "gpu-tests")]
 
 mod common;
@@ -41,6 +42,7 @@ const CHILD_TEST: &str = "one_rank_of_the_layer_across_processes";
 const DIR_VAR: &str = "MOK_PROCESS_TEST_DIR";
 const CASE_VAR: &str = "MOK_PROCESS_TEST_CASE";
 const BACKEND_VAR: &str = "MOK_PROCESS_TEST_BACKEND";
+const ABSENT_VAR: &str = "MOK_PROCESS_TEST_ABSENT_PEER";
 /// How long the parent waits for both ranks, and a rank for the other's handle records.
 const CHILDREN_DEADLINE: Duration = Duration::from_secs(300);
 const GATHER_DEADLINE: Duration = Duration::from_secs(120);
@@ -174,59 +176,155 @@ fn output_path(dir: &Path, rank: usize, name: &str) -> PathBuf {
     dir.join(format!("rank{rank}-{name}.bin"))
 }
 
-#[test]
-#[ignore = "one rank of moe_layer_across_processes_gives_the_one_gpu_bits, which runs it in child processes"]
-fn one_rank_of_the_layer_across_processes() {
-    let var = |name: &str| {
-        std::env::var(name).unwrap_or_else(|_| panic!("{name} unset: this test is one rank, run by the parent test"))
-    };
-    let dir = PathBuf::from(var(DIR_VAR));
-    let case = &cases()[var(CASE_VAR).parse::<usize>().unwrap()];
-    let backend = match var(BACKEND_VAR).as_str() {
-        "megakernel" => Backend::Megakernel,
-        "mma" => Backend::MmaSync,
-        other => panic!("{BACKEND_VAR}={other}"),
-    };
-    let env = LaunchEnv::from_env().unwrap();
-    let (rank, world) = (env.rank, env.world);
-    let gpu = gpu();
-    let config = rank_config(&case.config, world);
-    let (h, k) = (config.hidden, config.top_k);
+/// What the parent tells a rank: where to write, which case and backend, and whether the last
+/// rank plays the absent peer first.
+struct RankTask {
+    dir: PathBuf,
+    case: usize,
+    backend: Backend,
+    absent_peer_first: bool,
+}
 
-    let mut gather = FileGather { dir: dir.clone(), rank, world, round: 0 };
-    let bytes = Exchange::heap_bytes_per_rank(&config, &ExchangeOptions::default()).unwrap();
+impl RankTask {
+    fn from_env() -> Self {
+        let var = |name: &str| {
+            std::env::var(name).unwrap_or_else(|_| panic!("{name} unset: this test is one rank, run by a parent test"))
+        };
+        let backend = match var(BACKEND_VAR).as_str() {
+            "megakernel" => Backend::Megakernel,
+            "mma" => Backend::MmaSync,
+            other => panic!("{BACKEND_VAR}={other}"),
+        };
+        RankTask {
+            dir: PathBuf::from(var(DIR_VAR)),
+            case: var(CASE_VAR).parse().unwrap(),
+            backend,
+            absent_peer_first: std::env::var_os(ABSENT_VAR).is_some(),
+        }
+    }
+}
+
+/// A rank's layer over a fresh multi-process heap (its slice exported, the peers' imported).
+fn rank_layer(
+    gpu: &Gpu,
+    env: &LaunchEnv,
+    config: &MoeConfig,
+    backend: Backend,
+    deadline: Duration,
+    gather: &mut FileGather,
+) -> MoeLayer {
+    let bytes = Exchange::heap_bytes_per_rank(config, &ExchangeOptions::default()).unwrap();
     let heap =
-        SymmetricHeap::multi_process(&gpu, &env, 0, bytes, ShareableKind::PosixFd, &mut |mine| gather.all_gather(mine))
+        SymmetricHeap::multi_process(gpu, env, 0, bytes, ShareableKind::PosixFd, &mut |mine| gather.all_gather(mine))
             .unwrap();
-    assert_eq!(heap.local_ranks(), [rank]);
+    assert_eq!(heap.local_ranks(), [env.rank]);
     let options = LayerOptions {
         backend: Some(backend),
-        megakernel: MegakernelOptions { timeout: WAIT_DEADLINE, ..MegakernelOptions::default() },
+        megakernel: MegakernelOptions { timeout: deadline, ..MegakernelOptions::default() },
     };
-    let mut layer = MoeLayer::with_heap(&gpu, config.clone(), options, heap).unwrap();
+    MoeLayer::with_heap(gpu, config.clone(), options, heap).unwrap()
+}
 
-    // This rank's share: its T tokens and their dy, its E/P experts, the whole shared expert.
-    let tokens = RoutedTokens {
-        x: share(&case.tokens.x, world, rank, h),
-        topk_ids: share(&case.tokens.topk_ids, world, rank, k),
-        topk_weights: share(&case.tokens.topk_weights, world, rank, k),
-    };
-    let tokens = DeviceTokens::upload(&gpu, &config, &tokens).unwrap();
-    let dy = DeviceBuffer::from_slice(&gpu, &share(&case.dy, world, rank, h)).unwrap();
-    let experts = DeviceExperts::upload(&gpu, &config, &split_weights(&case.experts, world)[rank]).unwrap();
-    let shared = case.shared.as_ref().map(|s| DeviceSharedExpert::upload(&gpu, &config, s).unwrap());
+/// A rank's share of a case on the device: its T tokens and their dy, its E/P experts, the
+/// whole shared expert.
+struct RankInputs {
+    tokens: DeviceTokens,
+    dy: DeviceBuffer<bf16>,
+    experts: DeviceExperts,
+    shared: Option<DeviceSharedExpert>,
+}
 
-    let first = step(&gpu, &mut layer, &config, (&tokens, &dy), &experts, shared.as_ref());
-    let second = step(&gpu, &mut layer, &config, (&tokens, &dy), &experts, shared.as_ref());
+impl RankInputs {
+    fn upload(gpu: &Gpu, config: &MoeConfig, case: &Case, (rank, world): (usize, usize)) -> Self {
+        let (h, k) = (config.hidden, config.top_k);
+        let tokens = RoutedTokens {
+            x: share(&case.tokens.x, world, rank, h),
+            topk_ids: share(&case.tokens.topk_ids, world, rank, k),
+            topk_weights: share(&case.tokens.topk_weights, world, rank, k),
+        };
+        RankInputs {
+            tokens: DeviceTokens::upload(gpu, config, &tokens).unwrap(),
+            dy: DeviceBuffer::from_slice(gpu, &share(&case.dy, world, rank, h)).unwrap(),
+            experts: DeviceExperts::upload(gpu, config, &split_weights(&case.experts, world)[rank]).unwrap(),
+            shared: case.shared.as_ref().map(|s| DeviceSharedExpert::upload(gpu, config, s).unwrap()),
+        }
+    }
+
+    fn step(&self, gpu: &Gpu, layer: &mut MoeLayer, config: &MoeConfig) -> Outputs {
+        step(gpu, layer, config, (&self.tokens, &self.dy), &self.experts, self.shared.as_ref())
+    }
+}
+
+/// The fault: the last rank builds its heap and layer like the others but never runs its pass
+/// (a peer process that stalled or died). Every other rank's forward must come back from
+/// `check` as a timeout naming it, within twice the deadline.
+fn absent_peer(
+    gpu: &Gpu,
+    env: &LaunchEnv,
+    config: &MoeConfig,
+    inputs: &RankInputs,
+    task: &RankTask,
+    gather: &mut FileGather,
+) {
+    let deadline = Duration::from_millis(common::sized("fault deadline (ms)", 500, 5000));
+    let mut layer = rank_layer(gpu, env, config, task.backend, deadline, gather);
+    let absent = env.world - 1;
+    if env.rank != absent {
+        let tokens = &inputs.tokens;
+        let mut y = DeviceBuffer::<bf16>::alloc(gpu, tokens.x.len()).unwrap();
+        let start = Instant::now();
+        let view = MoeInputs {
+            tokens: tokens.into(),
+            experts: (&inputs.experts).into(),
+            shared: inputs.shared.as_ref().map(Into::into),
+        };
+        drop(layer.forward(gpu, &view, (&mut y).into()).unwrap());
+        let error = layer.check().unwrap_err();
+        let took = start.elapsed();
+        match &error {
+            MokError::Timeout { peer, waited_for, .. } => {
+                assert_eq!(*peer, Some(absent), "the timeout must name the absent rank: {error}");
+                assert!(waited_for.contains("publish"), "{error}");
+            }
+            other => panic!("rank {}: expected a timeout naming rank {absent}, got {other:?}", env.rank),
+        }
+        let slack = Duration::from_millis(common::sized("fault slack (ms)", 100, 4000));
+        assert!(took < 2 * deadline + slack, "rank {}: reported after {took:?}", env.rank);
+        println!("rank {}: rank {absent} never ran its pass: {error} (after {took:?}); layers rebuilt", env.rank);
+    }
+    // Every rank is done with the faulted layers before any frees its slice; after an error
+    // every rank's layer is rebuilt (a reset across processes is collective).
+    gather.all_gather(&[1]).unwrap();
+    drop(layer);
+}
+
+#[test]
+#[ignore = "one rank of the tests across processes, which run it in child processes"]
+fn one_rank_of_the_layer_across_processes() {
+    let task = RankTask::from_env();
+    let case = &cases()[task.case];
+    let env = LaunchEnv::from_env().unwrap();
+    let (rank, world, backend, dir) = (env.rank, env.world, task.backend, &task.dir);
+    let gpu = gpu();
+    let config = rank_config(&case.config, world);
+    let inputs = RankInputs::upload(&gpu, &config, case, (rank, world));
+    let mut gather = FileGather { dir: dir.clone(), rank, world, round: 0 };
+    if task.absent_peer_first {
+        absent_peer(&gpu, &env, &config, &inputs, &task, &mut gather);
+    }
+
+    let mut layer = rank_layer(&gpu, &env, &config, backend, WAIT_DEADLINE, &mut gather);
+    let first = inputs.step(&gpu, &mut layer, &config);
+    let second = inputs.step(&gpu, &mut layer, &config);
     assert!(first.rows == second.rows, "rank {rank}: y, dx or d_topk_weights differ between two steps");
     let bits = |g: &[Vec<f32>]| g.iter().flatten().map(|v| v.to_bits()).collect::<Vec<u32>>();
     assert!(bits(&first.grads) == bits(&second.grads), "rank {rank}: weight gradients differ between two steps");
 
     for (name, bytes) in ROW_NAMES.iter().zip(&first.rows) {
-        std::fs::write(output_path(&dir, rank, name), bytes).unwrap();
+        std::fs::write(output_path(dir, rank, name), bytes).unwrap();
     }
     for (n, grad) in first.grads.iter().enumerate() {
-        std::fs::write(output_path(&dir, rank, &format!("grad{n}")), bytemuck::cast_slice(grad)).unwrap();
+        std::fs::write(output_path(dir, rank, &format!("grad{n}")), bytemuck::cast_slice(grad)).unwrap();
     }
     // Neither process frees its slice while the other may still read it.
     gather.all_gather(&[1]).unwrap();
@@ -274,104 +372,131 @@ fn wait_for(children: Vec<Child>, logs: &[PathBuf], what: &str) {
         // purpose was reported there). Written straight to stdout, past the harness's capture.
         let kept: String = output
             .lines()
-            .filter(|l| l.starts_with("=========") || l.contains("outputs written"))
+            .filter(|l| l.starts_with("=========") || l.contains("outputs written") || l.contains("never ran its pass"))
             .map(|l| format!("    rank {rank}: {l}\n"))
             .collect();
         std::io::stdout().write_all(kept.as_bytes()).unwrap();
     }
 }
 
-#[test]
-fn moe_layer_across_processes_gives_the_one_gpu_bits() {
-    // y, dx, d_topk_weights and the routed weight gradients (added into f32) of the ranks
-    // together are the one-GPU layer's bits; the shared expert's f32 gradient, which each rank
-    // holds for its own tokens (the data-parallel all-reduce sums them), summed over the ranks
-    // is close to the one-GPU one. Both backends that run over ranks.
-    let gpu = gpu();
+/// The backends that run over ranks on this GPU (the megakernel needs sm_90a: said if not).
+fn rank_backends(gpu: &Gpu) -> Vec<Backend> {
     let mut backends = vec![Backend::MmaSync];
-    if Backend::fastest_for(&gpu, 2) == Backend::Megakernel {
+    if Backend::fastest_for(gpu, 2) == Backend::Megakernel {
         backends.insert(0, Backend::Megakernel);
     } else {
         println!("  the megakernel needs sm_90a: mma.sync only on this GPU");
     }
-    let exe = std::env::current_exe().unwrap();
-    for (n, case) in cases().iter().enumerate() {
-        let c = &case.config;
-        let want = {
-            let mut one =
-                MoeLayer::new(&gpu, c.clone(), LayerOptions { backend: Some(Backend::MmaSync), ..Default::default() })
-                    .unwrap();
-            let tokens = DeviceTokens::upload(&gpu, c, &case.tokens).unwrap();
-            let dy = DeviceBuffer::from_slice(&gpu, &case.dy).unwrap();
-            let experts = DeviceExperts::upload(&gpu, c, &case.experts).unwrap();
-            let shared = case.shared.as_ref().map(|s| DeviceSharedExpert::upload(&gpu, c, s).unwrap());
-            step(&gpu, &mut one, c, (&tokens, &dy), &experts, shared.as_ref())
-        };
-        for (&backend, &world) in backends.iter().flat_map(|b| WORLDS.iter().map(move |w| (b, w))) {
-            let what = format!("case {n} (T = {} over {world} processes), {backend:?}", c.tokens_per_rank);
-            let dir = std::env::temp_dir().join(format!(
-                "mok-processes-{}-{n}-{}-{world}",
-                std::process::id(),
-                backend_name(backend)
-            ));
-            let _ = std::fs::remove_dir_all(&dir);
-            std::fs::create_dir_all(&dir).unwrap();
-            let logs: Vec<PathBuf> = (0..world).map(|rank| dir.join(format!("rank{rank}.log"))).collect();
-            let children: Vec<Child> = (0..world)
-                .map(|rank| {
-                    let log = File::create(&logs[rank]).unwrap();
-                    Command::new(&exe)
-                        .args(["--exact", CHILD_TEST, "--ignored", "--nocapture", "--test-threads=1"])
-                        .env(DIR_VAR, &dir)
-                        .env(CASE_VAR, n.to_string())
-                        .env(BACKEND_VAR, backend_name(backend))
-                        .env("RANK", rank.to_string())
-                        .env("WORLD_SIZE", world.to_string())
-                        .env("LOCAL_RANK", rank.to_string())
-                        .stdout(log.try_clone().unwrap())
-                        .stderr(log)
-                        .spawn()
-                        .unwrap()
-                })
-                .collect();
-            wait_for(children, &logs, &what);
+    backends
+}
 
-            let read = |rank: usize, name: &str| std::fs::read(output_path(&dir, rank, name)).unwrap();
-            for (i, name) in ROW_NAMES.iter().enumerate() {
-                let got: Vec<u8> = (0..world).flat_map(|rank| read(rank, name)).collect();
-                assert!(got == want.rows[i], "{what}: {name} differs from the one-GPU bits");
+/// The one-GPU `mma.sync` layer's outputs over the whole case.
+fn one_gpu_outputs(gpu: &Gpu, case: &Case) -> Outputs {
+    let c = &case.config;
+    let mut one =
+        MoeLayer::new(gpu, c.clone(), LayerOptions { backend: Some(Backend::MmaSync), ..Default::default() }).unwrap();
+    let tokens = DeviceTokens::upload(gpu, c, &case.tokens).unwrap();
+    let dy = DeviceBuffer::from_slice(gpu, &case.dy).unwrap();
+    let experts = DeviceExperts::upload(gpu, c, &case.experts).unwrap();
+    let shared = case.shared.as_ref().map(|s| DeviceSharedExpert::upload(gpu, c, s).unwrap());
+    step(gpu, &mut one, c, (&tokens, &dy), &experts, shared.as_ref())
+}
+
+/// Runs case `n` over `world` child processes on `backend` (the last rank first playing the
+/// absent peer when `absent_peer_first`), and holds what the ranks wrote to `want`: y, dx,
+/// d_topk_weights and the routed f32 weight gradients bitwise; the shared expert's f32
+/// gradient, which each rank holds for its own tokens (the data-parallel all-reduce sums them),
+/// summed over the ranks within 1e-2.
+fn run_ranks(n: usize, case: &Case, want: &Outputs, (backend, world): (Backend, usize), absent_peer_first: bool) {
+    let what = format!("case {n} (T = {} over {world} processes), {backend:?}", case.config.tokens_per_rank);
+    let dir = std::env::temp_dir().join(format!(
+        "mok-processes-{}-{n}-{}-{world}-{}",
+        std::process::id(),
+        backend_name(backend),
+        absent_peer_first as u8
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let logs: Vec<PathBuf> = (0..world).map(|rank| dir.join(format!("rank{rank}.log"))).collect();
+    let exe = std::env::current_exe().unwrap();
+    let children: Vec<Child> = (0..world)
+        .map(|rank| {
+            let log = File::create(&logs[rank]).unwrap();
+            let mut command = Command::new(&exe);
+            command
+                .args(["--exact", CHILD_TEST, "--ignored", "--nocapture", "--test-threads=1"])
+                .env(DIR_VAR, &dir)
+                .env(CASE_VAR, n.to_string())
+                .env(BACKEND_VAR, backend_name(backend))
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", world.to_string())
+                .env("LOCAL_RANK", rank.to_string())
+                .env_remove(ABSENT_VAR)
+                .stdout(log.try_clone().unwrap())
+                .stderr(log);
+            if absent_peer_first {
+                command.env(ABSENT_VAR, "1");
             }
-            let grad = |rank: usize, g: usize| -> Vec<f32> {
-                let bytes = read(rank, &format!("grad{g}"));
-                bytes.chunks_exact(4).map(|b| f32::from_ne_bytes(b.try_into().unwrap())).collect()
-            };
-            for g in 0..3 {
-                // Rank r holds experts r·E/P ..: its gradients are that slice of the whole.
-                let got: Vec<f32> = (0..world).flat_map(|rank| grad(rank, g)).collect();
-                assert!(
-                    got.iter().map(|v| v.to_bits()).eq(want.grads[g].iter().map(|v| v.to_bits())),
-                    "{what}: routed f32 weight gradient {g} differs from the one-GPU bits"
-                );
+            command.spawn().unwrap()
+        })
+        .collect();
+    wait_for(children, &logs, &what);
+
+    let read = |rank: usize, name: &str| std::fs::read(output_path(&dir, rank, name)).unwrap();
+    for (i, name) in ROW_NAMES.iter().enumerate() {
+        let got: Vec<u8> = (0..world).flat_map(|rank| read(rank, name)).collect();
+        assert!(got == want.rows[i], "{what}: {name} differs from the one-GPU bits");
+    }
+    let grad = |rank: usize, g: usize| -> Vec<f32> {
+        let bytes = read(rank, &format!("grad{g}"));
+        bytes.chunks_exact(4).map(|b| f32::from_ne_bytes(b.try_into().unwrap())).collect()
+    };
+    for g in 0..3 {
+        // Rank r holds experts r·E/P ..: its gradients are that slice of the whole.
+        let got: Vec<f32> = (0..world).flat_map(|rank| grad(rank, g)).collect();
+        assert!(
+            got.iter().map(|v| v.to_bits()).eq(want.grads[g].iter().map(|v| v.to_bits())),
+            "{what}: routed f32 weight gradient {g} differs from the one-GPU bits"
+        );
+    }
+    for g in 3..want.grads.len() {
+        let parts: Vec<Vec<f32>> = (0..world).map(|rank| grad(rank, g)).collect();
+        let summed: Vec<f32> = (0..parts[0].len()).map(|i| parts.iter().map(|p| p[i]).sum()).collect();
+        let expected: Vec<f64> = want.grads[g].iter().map(|&v| v as f64).collect();
+        let error = common::rel_err(&summed, &expected);
+        assert!(error < 1e-2, "{what}: the shared expert's f32 gradient {g} summed over the ranks: rel err {error:e}");
+    }
+    println!(
+        "  {what}: the one-GPU bits (y, dx, d_topk_weights, routed f32 gradients{})",
+        if want.grads.len() > 3 { "; the shared expert's gradient summed over the ranks within 1e-2" } else { "" }
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn moe_layer_across_processes_gives_the_one_gpu_bits() {
+    // Every case over 2, 3 and 4 processes, on both backends that run over ranks.
+    let gpu = gpu();
+    let backends = rank_backends(&gpu);
+    for (n, case) in cases().iter().enumerate() {
+        let want = one_gpu_outputs(&gpu, case);
+        for &backend in &backends {
+            for &world in &WORLDS {
+                run_ranks(n, case, &want, (backend, world), false);
             }
-            for g in 3..want.grads.len() {
-                let parts: Vec<Vec<f32>> = (0..world).map(|rank| grad(rank, g)).collect();
-                let summed: Vec<f32> = (0..parts[0].len()).map(|i| parts.iter().map(|p| p[i]).sum()).collect();
-                let expected: Vec<f64> = want.grads[g].iter().map(|&v| v as f64).collect();
-                let error = common::rel_err(&summed, &expected);
-                assert!(
-                    error < 1e-2,
-                    "{what}: the shared expert's f32 gradient {g} summed over the ranks: rel err {error:e}"
-                );
-            }
-            println!(
-                "  {what}: the one-GPU bits (y, dx, d_topk_weights, routed f32 gradients{})",
-                if want.grads.len() > 3 {
-                    "; the shared expert's gradient summed over the ranks within 1e-2"
-                } else {
-                    ""
-                }
-            );
-            std::fs::remove_dir_all(&dir).unwrap();
         }
+    }
+}
+
+#[test]
+fn a_peer_process_that_never_runs_its_pass_is_a_reported_timeout() {
+    // Two processes; the second builds its heap and layer but never runs its pass. The first's
+    // forward comes back as a timeout naming it within twice the deadline (checked in the
+    // rank); then both build their layers again and the step gives the one-GPU bits.
+    let gpu = gpu();
+    let (n, case) = (0, &cases()[0]);
+    let want = one_gpu_outputs(&gpu, case);
+    for backend in rank_backends(&gpu) {
+        run_ranks(n, case, &want, (backend, 2), true);
     }
 }
