@@ -20,8 +20,10 @@
 //! whose weights alternate between two copies (`MOKSWAP` lines), as under an optimizer that hands
 //! the layer new buffers every step. Launched by torchrun or srun with more
 //! than one process (and built with the `nccl` feature, as the GPU bundle is), it runs the layer
-//! across the processes instead, one rank per GPU (`procsP:mma`, `procsP:megakernel`; rank 0
-//! prints the results; built, not yet run: no multi-GPU machine has been lent). Every
+//! across the processes instead, one rank per GPU (`procsP:mma`, `procsP:megakernel` or
+//! `procsP:megakernels`, both passes as megakernels hosting the process's rank; rank 0 prints
+//! the results; it all-gathers through NCCL, which refuses two ranks on one GPU, so it has not
+//! run: no multi-GPU machine has been lent). Every
 //! run also prints one `RESULT` line of name–value pairs (what `cargo xtask bench` reads). Without a GPU it says so and exits 0 (a benchmark is not a test).
 
 use std::collections::HashMap;
@@ -554,13 +556,12 @@ fn bench_case_processes(
     };
     let options = match backend {
         Backend::Mma => LayerOptions { backend: Some(LayerBackend::MmaSync), ..Default::default() },
-        Backend::Megakernel(comm_blocks) => LayerOptions {
+        // `MoeLayer::with_heap` runs both passes as megakernels hosting the process's rank.
+        Backend::Megakernel(comm_blocks) | Backend::Megakernels(comm_blocks) => LayerOptions {
             backend: Some(LayerBackend::Megakernel),
             megakernel: MegakernelOptions { comm_blocks, ..Default::default() },
         },
-        Backend::Engine | Backend::Megakernels(_) => {
-            bail!("across ranks the layer runs mma or megakernel[:N], not {}", backend.name())
-        }
+        Backend::Engine => bail!("across ranks the layer runs mma or the megakernels, not engine"),
     };
     let bytes = Exchange::heap_bytes_per_rank(&config, &ExchangeOptions::default())?;
     let heap =
