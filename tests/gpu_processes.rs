@@ -43,10 +43,10 @@ const DIR_VAR: &str = "MOK_PROCESS_TEST_DIR";
 const CASE_VAR: &str = "MOK_PROCESS_TEST_CASE";
 const BACKEND_VAR: &str = "MOK_PROCESS_TEST_BACKEND";
 const ABSENT_VAR: &str = "MOK_PROCESS_TEST_ABSENT_PEER";
-/// How long the parent waits for both ranks, and a rank for the other's handle records.
+/// How long the parent waits for all its ranks, and a rank for the others' handle records.
 const CHILDREN_DEADLINE: Duration = Duration::from_secs(300);
 const GATHER_DEADLINE: Duration = Duration::from_secs(120);
-/// The megakernel's and the exchange's wait deadline in the ranks: the other process's kernels
+/// The megakernel's and the exchange's wait deadline in the ranks: the other processes' kernels
 /// run only in their time slices, and the processes start their passes up to seconds apart.
 const WAIT_DEADLINE: Duration = Duration::from_secs(60);
 
@@ -56,7 +56,7 @@ fn gpu() -> Gpu {
     })
 }
 
-/// The whole problems, over both ranks: a ragged one with a shared expert, the SwiGLU limit,
+/// The whole problems, over all the ranks: a ragged one with a shared expert, the SwiGLU limit,
 /// dropped slots and an empty expert; and one whose groups span several 128-row tiles.
 fn cases() -> [Case; 2] {
     let ragged =
@@ -326,7 +326,7 @@ fn one_rank_of_the_layer_across_processes() {
     for (n, grad) in first.grads.iter().enumerate() {
         std::fs::write(output_path(dir, rank, &format!("grad{n}")), bytemuck::cast_slice(grad)).unwrap();
     }
-    // Neither process frees its slice while the other may still read it.
+    // No process frees its slice while another may still read it.
     gather.all_gather(&[1]).unwrap();
     drop(layer);
     let (forward, backward) = first.launches;
@@ -367,9 +367,9 @@ fn wait_for(children: Vec<Child>, logs: &[PathBuf], what: &str) {
         let output = std::fs::read_to_string(log).unwrap_or_default();
         assert!(status.is_some_and(|s| s.success()), "{what}: rank {rank} failed ({status:?}); its output:\n{output}");
         // The rank's summary line, and anything compute-sanitizer printed into its output: under
-        // `run.sh --sanitize` the tool follows the children (`--target-processes all`; their
-        // reports reach the parent's log, where run.sh counts them — a child leaking a buffer on
-        // purpose was reported there). Written straight to stdout, past the harness's capture.
+        // `run.sh --sanitize` the tool follows the children (`--target-processes all`) and their
+        // reports reach the parent's log, where run.sh counts them (docs/TESTING.md). Written
+        // straight to stdout, past the harness's capture.
         let kept: String = output
             .lines()
             .filter(|l| l.starts_with("=========") || l.contains("outputs written") || l.contains("never ran its pass"))
@@ -385,7 +385,7 @@ fn rank_backends(gpu: &Gpu) -> Vec<Backend> {
     if Backend::fastest_for(gpu, 2) == Backend::Megakernel {
         backends.insert(0, Backend::Megakernel);
     } else {
-        println!("  the megakernel needs sm_90a: mma.sync only on this GPU");
+        println!("  NOT RUN on the megakernels: they need sm_90a; mma.sync only on this GPU");
     }
     backends
 }

@@ -21,8 +21,8 @@
 //! own tokens. It writes what the separate path writes and either backward reads (the ring
 //! rows, the pre-activations, the hidden rows, the slot buffer, y); the ring's f32 down rows
 //! are not written (both backwards read the slot buffer). The backward can run as the backward
-//! megakernel ([`EpLayer::set_backward_megakernel`], virtual ranks):
-//! one launch pulls dy from the token owners, runs each ring's data- and weight-gradient tiles
+//! megakernel ([`EpLayer::set_backward_megakernel`]; across processes after an on-device wait
+//! for every rank's published dy): one launch pulls dy from the token owners, runs each ring's data- and weight-gradient tiles
 //! (the gate/up dgrad's epilogue pushing the dx rows to their owners) and combines them there.
 
 use half::bf16;

@@ -586,7 +586,8 @@ impl<P: PassParams> MegakernelPass<P> {
 
 /// The backward megakernel's entry point on one GPU.
 pub const BACKWARD_KERNEL: &str = "mok_sm90_backward";
-/// Its entry point hosting every expert-parallel rank of a pass (virtual ranks on one GPU).
+/// Its entry point hosting the expert-parallel ranks a process drives (every virtual rank on one
+/// GPU, or its one rank across processes).
 pub const BACKWARD_RANKS_KERNEL: &str = "mok_sm90_backward_ranks";
 
 /// The kernels of a backward pass's plans, in [`BackwardParams`] order: the down dgrad (into

@@ -211,8 +211,11 @@ impl MoeLayer {
     /// per GPU, `symmetric::SymmetricHeap::multi_process`: its one rank). The views are then that
     /// rank's share: T tokens and its E/P experts (`[E/P, ...]` weights and gradients); the
     /// shared expert's f32 gradient gets this rank's tokens' part (the data-parallel all-reduce
-    /// sums the ranks). Backends as for virtual ranks. After [`Self::check`] reports an error,
-    /// every rank's layer must be rebuilt (a reset across processes is collective). Built for
+    /// sums the ranks). Backends as for virtual ranks; every process must run the same one (pass
+    /// it in `options`: the default is chosen per GPU, and ranks on different backends wait on
+    /// each other until their deadlines). [`Self::check`] reports this rank's errors and its
+    /// peers' (a peer's failure voids the pass on every rank); after it reports one, every
+    /// rank's layer must be rebuilt (a reset across processes is collective). Built for
     /// one process per GPU; run with two to four processes sharing one GPU
     /// (`tests/gpu_processes.rs`), not yet on several GPUs (no multi-GPU machine has been lent).
     pub fn with_heap(gpu: &Gpu, config: MoeConfig, options: LayerOptions, heap: SymmetricHeap) -> Result<Self> {

@@ -68,7 +68,8 @@ impl Default for ExchangeOptions {
 /// A rank made silent on purpose, to test that waits on it are bounded and reported.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Silence {
-    /// The rank never publishes its epoch (schedule and reverse-combine wait on it).
+    /// The rank never publishes its epoch (the schedule, the reverse-combine and, across
+    /// processes, the wait before the backward megakernel wait on it).
     Publish,
     /// The rank never pushes its rows (its token owners' combines wait on it).
     Push,
@@ -198,7 +199,8 @@ impl Exchange {
         &self.heap
     }
 
-    /// The epoch of the last publish (forward passes and backward passes each take one).
+    /// The epoch of the last publish (each forward takes one, and each backward except the
+    /// backward megakernel's over virtual ranks, which one stream orders without a publish).
     pub fn epoch(&self) -> u32 {
         self.epoch
     }
@@ -314,7 +316,8 @@ impl Exchange {
     /// Clears every local rank's `slot_ready` flags (the megakernels' push signals), in stream
     /// order: before the next [`Self::schedule`]'s publish in the forward — no peer can push into
     /// a pass before its owner has published it, so no push can race the clearing — and before
-    /// the backward megakernel's launch (virtual ranks: every pusher is in that later launch).
+    /// the backward megakernel's launch (virtual ranks: every pusher is in that later launch;
+    /// across processes: before the backward's publish, which every pusher waits for).
     pub(crate) fn clear_slot_ready(&self, gpus: &[&Gpu]) -> Result<()> {
         self.clear_signals(gpus, CLEAR_SLOT_READY)
     }
@@ -715,6 +718,12 @@ impl Exchange {
     /// Waits for every local rank's stream and turns the kernels' error records into an error:
     /// a capacity problem first (the cause), then the first timeout in rank order, then a bad id
     /// found by the routing kernels.
+    ///
+    /// Across processes the other ranks' records are read too, after the local ones. A wait on a
+    /// peer stops early, recording nothing, once that peer's record holds an error (the cause is
+    /// there, and a second record would hide it), so a pass whose local records are clean can
+    /// still be void through a peer; the wait saw the peer's record set, and records are only
+    /// cleared by a collective reset, so this read finds it.
     pub fn check_errors(&self, gpus: &[&Gpu]) -> Result<()> {
         let mut records = Vec::new();
         for (i, rank) in self.local() {
@@ -728,6 +737,20 @@ impl Exchange {
                 )
             };
             records.push((rank, words, route));
+        }
+        if !self.heap.single_gpu() {
+            let gpu = gpu_of(gpus, 0);
+            for peer in (0..self.shape.world as usize).filter(|r| !self.heap.local_ranks().contains(r)) {
+                // SAFETY: both records are regions of `peer`'s slice, mapped into this process
+                // for this device by the multi-process heap.
+                let (words, route) = unsafe {
+                    (
+                        self.download_region::<u32>(gpu, peer, self.regions().error, ERROR_WORDS)?,
+                        self.download_region::<u32>(gpu, peer, self.regions().route_error, 4)?,
+                    )
+                };
+                records.push((peer, words, route));
+            }
         }
         if let Some((rank, words, _)) = records.iter().find(|(_, w, _)| w[codes::WORD_CODE] == codes::ERROR_CAPACITY) {
             return Err(MokError::Capacity {

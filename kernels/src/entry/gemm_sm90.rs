@@ -195,8 +195,8 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_backward(
     unsafe { crate::megakernel::backward::backward::<false>(params, pass, crate::ptx::sreg::block_idx_x()) }
 }
 
-/// The backward megakernel hosting `ranks` expert-parallel ranks in one launch (virtual ranks on
-/// one GPU): `params` and `inputs` hold one block per rank (dy, the slot weights, the shared
+/// The backward megakernel hosting `ranks` expert-parallel ranks in one launch (every virtual
+/// rank on one GPU, or a process's one rank): `params` and `inputs` hold one block per rank (dy, the slot weights, the shared
 /// expert's dx rows, T); each rank runs on its own contiguous run of the grid's 2-block clusters,
 /// as in [`mok_sm90_forward_ranks`].
 ///
@@ -204,7 +204,8 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_backward(
 /// As [`crate::megakernel::backward::backward`] for every rank; `ranks` ≥ 1 blocks at `params`
 /// and at `inputs`; the grid holds at least `ranks` pairs and every rank's share is large enough
 /// for its comm blocks and a compute pair; every rank's `slot_ready` flags cleared before the
-/// launch.
+/// launch, and, with ranks in other processes, every rank's dy and clearing published and that
+/// publish waited for on this stream before the launch (`mok_ep_wait_published`).
 #[unsafe(no_mangle)]
 pub unsafe extern "ptx-kernel" fn mok_sm90_backward_ranks(
     params: *const crate::megakernel_layout::BackwardParams,
