@@ -11,8 +11,9 @@
 //!
 //! The parent tests start the ranks as child processes of this binary (the ignored test
 //! [`one_rank_of_the_layer_across_processes`], with torchrun's variables), and compare what they
-//! wrote with the one-GPU layer's bits. One of them first has a peer that never runs its pass:
-//! the others must report a timeout naming it, then rebuilt layers must give the right bits.
+//! wrote with the one-GPU layer's bits. One of them first has a peer that stalls (before its pass,
+//! or between its forward and its backward): the others must report a timeout naming it, then
+//! rebuilt layers must give the right bits.
 #![cfg(feature = "gpu-tests")]
 
 mod common;
@@ -42,7 +43,7 @@ const CHILD_TEST: &str = "one_rank_of_the_layer_across_processes";
 const DIR_VAR: &str = "MOK_PROCESS_TEST_DIR";
 const CASE_VAR: &str = "MOK_PROCESS_TEST_CASE";
 const BACKEND_VAR: &str = "MOK_PROCESS_TEST_BACKEND";
-const ABSENT_VAR: &str = "MOK_PROCESS_TEST_ABSENT_PEER";
+const FAULT_VAR: &str = "MOK_PROCESS_TEST_FAULT";
 /// How long the parent waits for all its ranks, and a rank for the others' handle records.
 const CHILDREN_DEADLINE: Duration = Duration::from_secs(300);
 const GATHER_DEADLINE: Duration = Duration::from_secs(120);
@@ -176,13 +177,32 @@ fn output_path(dir: &Path, rank: usize, name: &str) -> PathBuf {
     dir.join(format!("rank{rank}-{name}.bin"))
 }
 
-/// What the parent tells a rank: where to write, which case and backend, and whether the last
-/// rank plays the absent peer first.
+/// A fault the last rank plays before the ranks run the case: it builds its heap and layer like
+/// the others, then stalls (a peer process that hung or died).
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Fault {
+    /// It never runs its pass: the others' forward waits on its publish.
+    NoPass,
+    /// It runs its forward but never its backward: the others' backward waits on its publish.
+    NoBackward,
+}
+
+impl Fault {
+    fn name(self) -> &'static str {
+        match self {
+            Fault::NoPass => "no-pass",
+            Fault::NoBackward => "no-backward",
+        }
+    }
+}
+
+/// What the parent tells a rank: where to write, which case and backend, and the fault the last
+/// rank plays first, if any.
 struct RankTask {
     dir: PathBuf,
     case: usize,
     backend: Backend,
-    absent_peer_first: bool,
+    fault: Option<Fault>,
 }
 
 impl RankTask {
@@ -195,12 +215,12 @@ impl RankTask {
             "mma" => Backend::MmaSync,
             other => panic!("{BACKEND_VAR}={other}"),
         };
-        RankTask {
-            dir: PathBuf::from(var(DIR_VAR)),
-            case: var(CASE_VAR).parse().unwrap(),
-            backend,
-            absent_peer_first: std::env::var_os(ABSENT_VAR).is_some(),
-        }
+        let fault = std::env::var(FAULT_VAR).ok().map(|f| match f.as_str() {
+            "no-pass" => Fault::NoPass,
+            "no-backward" => Fault::NoBackward,
+            other => panic!("{FAULT_VAR}={other}"),
+        });
+        RankTask { dir: PathBuf::from(var(DIR_VAR)), case: var(CASE_VAR).parse().unwrap(), backend, fault }
     }
 }
 
@@ -255,42 +275,68 @@ impl RankInputs {
     }
 }
 
-/// The fault: the last rank builds its heap and layer like the others but never runs its pass
-/// (a peer process that stalled or died). Every other rank's forward must come back from
-/// `check` as a timeout naming it, within twice the deadline.
-fn absent_peer(
+/// The fault: the last rank stalls where `fault` says. Every other rank's pass must come back
+/// from `check` as a timeout naming it, waiting for its publish, within twice the deadline.
+fn stalled_peer(
     gpu: &Gpu,
     env: &LaunchEnv,
-    config: &MoeConfig,
-    inputs: &RankInputs,
-    task: &RankTask,
+    (config, inputs): (&MoeConfig, &RankInputs),
+    (backend, fault): (Backend, Fault),
     gather: &mut FileGather,
 ) {
     let deadline = Duration::from_millis(common::sized("fault deadline (ms)", 500, 5000));
-    let mut layer = rank_layer(gpu, env, config, task.backend, deadline, gather);
-    let absent = env.world - 1;
-    if env.rank != absent {
-        let tokens = &inputs.tokens;
-        let mut y = DeviceBuffer::<bf16>::alloc(gpu, tokens.x.len()).unwrap();
+    let mut layer = rank_layer(gpu, env, config, backend, deadline, gather);
+    let stalled = env.world - 1;
+    let view = MoeInputs {
+        tokens: (&inputs.tokens).into(),
+        experts: (&inputs.experts).into(),
+        shared: inputs.shared.as_ref().map(Into::into),
+    };
+    let mut y = DeviceBuffer::<bf16>::alloc(gpu, inputs.dy.len()).unwrap();
+    // With `NoBackward` every rank's forward is whole first; then the stalled rank stops.
+    let token = (fault == Fault::NoBackward).then(|| {
+        let token = layer.forward_token(gpu, &view, (&mut y).into()).unwrap();
+        layer.check().unwrap();
+        token
+    });
+    if env.rank != stalled {
         let start = Instant::now();
-        let view = MoeInputs {
-            tokens: tokens.into(),
-            experts: (&inputs.experts).into(),
-            shared: inputs.shared.as_ref().map(Into::into),
-        };
-        drop(layer.forward(gpu, &view, (&mut y).into()).unwrap());
+        match token {
+            None => drop(layer.forward(gpu, &view, (&mut y).into()).unwrap()),
+            Some(token) => {
+                let t = inputs.dy.len() / config.hidden;
+                let mut dx = DeviceBuffer::<bf16>::alloc(gpu, t * config.hidden).unwrap();
+                let mut d_topk = DeviceBuffer::<f32>::alloc(gpu, t * config.top_k).unwrap();
+                let mut sizes = vec![inputs.experts.w_gate.len(); 3];
+                if let Some(s) = &inputs.shared {
+                    sizes.extend([s.ws_gate.len(); 3]);
+                }
+                let mut main: Vec<DeviceBuffer<f32>> =
+                    sizes.iter().map(|&n| DeviceBuffer::from_slice(gpu, &vec![0.0f32; n]).unwrap()).collect();
+                let grads = MoeGradients {
+                    dx: (&mut dx).into(),
+                    d_topk_weights: (&mut d_topk).into(),
+                    weights: WeightGradTarget::AccumulateF32(grad_views(&mut main)),
+                };
+                layer.backward(gpu, token, &view, (&inputs.dy).into(), grads).unwrap();
+            }
+        }
         let error = layer.check().unwrap_err();
         let took = start.elapsed();
         match &error {
             MokError::Timeout { peer, waited_for, .. } => {
-                assert_eq!(*peer, Some(absent), "the timeout must name the absent rank: {error}");
+                assert_eq!(*peer, Some(stalled), "the timeout must name the stalled rank: {error}");
                 assert!(waited_for.contains("publish"), "{error}");
             }
-            other => panic!("rank {}: expected a timeout naming rank {absent}, got {other:?}", env.rank),
+            other => panic!("rank {}: expected a timeout naming rank {stalled}, got {other:?}", env.rank),
         }
         let slack = Duration::from_millis(common::sized("fault slack (ms)", 100, 4000));
         assert!(took < 2 * deadline + slack, "rank {}: reported after {took:?}", env.rank);
-        println!("rank {}: rank {absent} never ran its pass: {error} (after {took:?}); layers rebuilt", env.rank);
+        println!(
+            "rank {}: rank {stalled} stalled ({}): {error} (after {took:?}); layers rebuilt",
+            env.rank,
+            fault.name()
+        );
     }
     // Every rank is done with the faulted layers before any frees its slice; after an error
     // every rank's layer is rebuilt (a reset across processes is collective).
@@ -309,8 +355,8 @@ fn one_rank_of_the_layer_across_processes() {
     let config = rank_config(&case.config, world);
     let inputs = RankInputs::upload(&gpu, &config, case, (rank, world));
     let mut gather = FileGather { dir: dir.clone(), rank, world, round: 0 };
-    if task.absent_peer_first {
-        absent_peer(&gpu, &env, &config, &inputs, &task, &mut gather);
+    if let Some(fault) = task.fault {
+        stalled_peer(&gpu, &env, (&config, &inputs), (backend, fault), &mut gather);
     }
 
     let mut layer = rank_layer(&gpu, &env, &config, backend, WAIT_DEADLINE, &mut gather);
@@ -372,7 +418,7 @@ fn wait_for(children: Vec<Child>, logs: &[PathBuf], what: &str) {
         // straight to stdout, past the harness's capture.
         let kept: String = output
             .lines()
-            .filter(|l| l.starts_with("=========") || l.contains("outputs written") || l.contains("never ran its pass"))
+            .filter(|l| l.starts_with("=========") || l.contains("outputs written") || l.contains(" stalled ("))
             .map(|l| format!("    rank {rank}: {l}\n"))
             .collect();
         std::io::stdout().write_all(kept.as_bytes()).unwrap();
@@ -403,17 +449,18 @@ fn one_gpu_outputs(gpu: &Gpu, case: &Case) -> Outputs {
 }
 
 /// Runs case `n` over `world` child processes on `backend` (the last rank first playing the
-/// absent peer when `absent_peer_first`), and holds what the ranks wrote to `want`: y, dx,
+/// stalled peer of `fault` first), and holds what the ranks wrote to `want`: y, dx,
 /// d_topk_weights and the routed f32 weight gradients bitwise; the shared expert's f32
 /// gradient, which each rank holds for its own tokens (the data-parallel all-reduce sums them),
 /// summed over the ranks within 1e-2.
-fn run_ranks(n: usize, case: &Case, want: &Outputs, (backend, world): (Backend, usize), absent_peer_first: bool) {
-    let what = format!("case {n} (T = {} over {world} processes), {backend:?}", case.config.tokens_per_rank);
+fn run_ranks(n: usize, case: &Case, want: &Outputs, (backend, world): (Backend, usize), fault: Option<Fault>) {
+    let faulted = fault.map_or(String::new(), |f| format!(" after a stalled peer ({})", f.name()));
+    let what = format!("case {n} (T = {} over {world} processes), {backend:?}{faulted}", case.config.tokens_per_rank);
     let dir = std::env::temp_dir().join(format!(
         "mok-processes-{}-{n}-{}-{world}-{}",
         std::process::id(),
         backend_name(backend),
-        absent_peer_first as u8
+        fault.map_or("none", Fault::name)
     ));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
@@ -431,11 +478,11 @@ fn run_ranks(n: usize, case: &Case, want: &Outputs, (backend, world): (Backend, 
                 .env("RANK", rank.to_string())
                 .env("WORLD_SIZE", world.to_string())
                 .env("LOCAL_RANK", rank.to_string())
-                .env_remove(ABSENT_VAR)
+                .env_remove(FAULT_VAR)
                 .stdout(log.try_clone().unwrap())
                 .stderr(log);
-            if absent_peer_first {
-                command.env(ABSENT_VAR, "1");
+            if let Some(fault) = fault {
+                command.env(FAULT_VAR, fault.name());
             }
             command.spawn().unwrap()
         })
@@ -482,21 +529,26 @@ fn moe_layer_across_processes_gives_the_one_gpu_bits() {
         let want = one_gpu_outputs(&gpu, case);
         for &backend in &backends {
             for &world in &WORLDS {
-                run_ranks(n, case, &want, (backend, world), false);
+                run_ranks(n, case, &want, (backend, world), None);
             }
         }
     }
 }
 
 #[test]
-fn a_peer_process_that_never_runs_its_pass_is_a_reported_timeout() {
-    // Two processes; the second builds its heap and layer but never runs its pass. The first's
-    // forward comes back as a timeout naming it within twice the deadline (checked in the
-    // rank); then both build their layers again and the step gives the one-GPU bits.
+fn a_stalled_peer_process_is_a_reported_timeout_then_rebuilt_layers_are_right() {
+    // The last process builds its heap and layer but never runs its pass, or runs its forward
+    // but never its backward. The others' pass comes back as a timeout naming it within twice
+    // the deadline (checked in each rank); then every process builds its layer again and the
+    // step gives the one-GPU bits. Over 2 and 3 processes, on both backends.
     let gpu = gpu();
     let (n, case) = (0, &cases()[0]);
     let want = one_gpu_outputs(&gpu, case);
     for backend in rank_backends(&gpu) {
-        run_ranks(n, case, &want, (backend, 2), true);
+        for fault in [Fault::NoPass, Fault::NoBackward] {
+            for world in [2, 3] {
+                run_ranks(n, case, &want, (backend, world), Some(fault));
+            }
+        }
     }
 }
