@@ -68,7 +68,8 @@ enum Backend {
     Engine,
     /// The forward megakernel with this many comm blocks (`None`: its default).
     Megakernel(Option<u32>),
-    /// The forward and the backward megakernels (one GPU, or every virtual rank in one launch),
+    /// The forward and the backward megakernels (one GPU, every virtual rank in one launch, or
+    /// across processes the process's rank),
     /// with this many comm blocks each (per rank over ranks).
     Megakernels(Option<u32>),
 }

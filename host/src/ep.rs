@@ -14,7 +14,8 @@
 //! ([`EpLayer::with_heap`]; run with processes sharing one GPU, not yet on several GPUs).
 //!
 //! The forward can instead run as the forward megakernel ([`EpLayer::set_forward_megakernel`]):
-//! after the schedule, ONE persistent launch hosts every rank — each rank on its own run of the
+//! after the schedule, ONE persistent launch hosts every rank this process drives (every virtual
+//! rank, or the process's one rank) — each rank on its own run of the
 //! grid's 2-block clusters — pulling its ring's rows from the token owners, running its experts'
 //! gate/up and down tiles on the tensor-core engine as their rows land, each down tile's
 //! epilogue pushing its rows straight into their token owners' slot buffers, and combining its
@@ -222,7 +223,7 @@ impl EpLayer {
     }
 
     /// Runs the forward as the forward megakernel (`Some(options)`: one launch for every rank
-    /// after the schedule; sm_90a, the tensor-core engine) or as separate launches per rank and
+    /// this process drives, after the schedule; sm_90a, the tensor-core engine) or as separate launches per rank and
     /// step (`None`, the default). Both give the same bits, and the backward reads what either
     /// saved. `options.comm_blocks` counts each rank's comm blocks; the grid (all resident at
     /// once) is split into contiguous runs of pairs, one per rank, each needing its comm blocks
@@ -267,8 +268,8 @@ impl EpLayer {
         self.megakernel.is_some()
     }
 
-    /// Runs the backward as the backward megakernel (`Some(options)`: one launch for every
-    /// virtual rank — pull of dy from the token owners, the engine's data- and weight-gradient
+    /// Runs the backward as the backward megakernel (`Some(options)`: one launch for every rank
+    /// this process drives — pull of dy from the token owners, the engine's data- and weight-gradient
     /// tiles on each rank's ring, push of the dx rows to the owners' slot buffers, the owners'
     /// dx combine and slot-weight gradients; sm_90a) or as the separate path (`None`, the
     /// default). It follows either forward. One launch hosts the ranks this process drives: every
@@ -1107,7 +1108,8 @@ impl EpLayer {
     }
 
     /// Waits for the GPU and reports any device-side problem of the last passes (a timeout
-    /// naming the counter and the silent rank, a ring too small with the size needed, a bad id).
+    /// naming the counter and the silent rank, a ring too small with the size needed, a bad id);
+    /// across processes from the peers' records too.
     pub fn check_errors(&self, gpu: &Gpu) -> Result<()> {
         self.exchange.check_errors(&[gpu])
     }

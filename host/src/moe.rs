@@ -1,8 +1,9 @@
 //! [`MoeLayer`]: the layer a training framework calls — borrowed device views in and out, the
 //! caller's stream (open the [`Gpu`] with `Gpu::on_stream`), the fastest correct backend this GPU
 //! has, a forward that returns the pass its backward consumes, and weight gradients written
-//! fresh or added into the caller's f32 main gradients; one GPU holding every expert, or P
-//! expert-parallel virtual ranks on it. Nothing in a forward or a backward
+//! fresh or added into the caller's f32 main gradients; one GPU holding every expert, P
+//! expert-parallel virtual ranks on it, or one rank per process over a multi-process heap
+//! ([`MoeLayer::with_heap`]). Nothing in a forward or a backward
 //! synchronises with the host: device-side problems (a bad id found on the device, a wait that
 //! timed out) are recorded and reported by [`MoeLayer::check`], which does synchronise — call it
 //! where the training loop synchronises anyway (once per step, or before reading the loss).
@@ -372,8 +373,10 @@ impl MoeLayer {
 
     /// Waits for the stream and reports the first device-side problem of the passes since the
     /// last check (an id out of range or repeated, found on the device; a megakernel wait that
-    /// timed out; across ranks also a ring too small or a rank that never signalled), clearing
-    /// it.
+    /// timed out; across ranks also a ring too small or a rank that never signalled). One GPU
+    /// and virtual ranks: the problem is cleared, and the next pass starts clean. Across
+    /// processes the peers' records are read too, nothing is cleared, and every process must
+    /// rebuild its layer.
     pub fn check(&mut self) -> Result<()> {
         match &mut self.layer {
             Layer::Single(layer) => layer.check_device_errors(),

@@ -4,7 +4,7 @@
 //!
 //! Backends:
 //! - [`SymmetricHeap::virtual_ranks`]: all P slices in one allocation on one GPU, one process —
-//!   what the tests and benchmarks on one GPU use;
+//!   what the benchmarks and every one-GPU test except `tests/gpu_processes.rs` use;
 //! - [`SymmetricHeap::vmm_peers`]: one process driving several GPUs; rank r's slice is physical
 //!   memory on GPU r (`cuMemCreate`), mapped once into the process's address space and made
 //!   readable and writable by every GPU (`cuMemSetAccess`), so each GPU reaches its peers' slices
