@@ -19,11 +19,13 @@
 //! every compute block takes every rank's tiles). `--swap-weights` (one GPU) also times steps
 //! whose weights alternate between two copies (`MOKSWAP` lines), as under an optimizer that hands
 //! the layer new buffers every step. Launched by torchrun or srun with more
-//! than one process (and built with the `nccl` feature, as the GPU bundle is), it runs the layer
-//! across the processes instead, one rank per GPU (`procsP:mma`, `procsP:megakernel` or
-//! `procsP:megakernels`, both passes as megakernels hosting the process's rank; rank 0 prints
-//! the results; it all-gathers through NCCL, which refuses two ranks on one GPU, so it has not
-//! run: no multi-GPU machine has been lent). Every
+//! than one process, it runs the layer across the processes instead, one rank per GPU
+//! (`procsP:mma`, `procsP:megakernel` or `procsP:megakernels`, both passes as megakernels hosting
+//! the process's rank; rank 0 prints the results). The processes all-gather through NCCL (the
+//! `nccl` feature, as the GPU bundle is built), or through files in `MOK_RENDEZVOUS_DIR` when it
+//! is set, which also lets processes share one GPU (NCCL refuses that; their timings then mean
+//! nothing, as the processes take turns on it). Neither has run yet (no multi-GPU machine has
+//! been lent). Every
 //! run also prints one `RESULT` line of name–value pairs (what `cargo xtask bench` reads). Without a GPU it says so and exits 0 (a benchmark is not a test).
 
 use std::collections::HashMap;
@@ -256,43 +258,61 @@ fn time_sides(
 /// The layer bench across processes ([`bench_case_processes`]): rank 0 prints the `RESULT`
 /// lines (the other ranks measure in step with it and print nothing).
 fn main_processes(args: &Args, env: &mok::symmetric::LaunchEnv) -> Result<()> {
-    #[cfg(feature = "nccl")]
-    {
-        // One visible GPU (the launcher bound one per task): that one; else the local rank's.
-        let one_visible = std::env::var("CUDA_VISIBLE_DEVICES").is_ok_and(|v| !v.is_empty() && !v.contains(','));
-        let ordinal = if one_visible { 0 } else { env.local_rank };
-        let gpu = mok::open_gpu(ordinal)?;
-        let boot = mok::symmetric::bootstrap::NcclBootstrap::new(&gpu, env, std::time::Duration::from_secs(120))?;
-        for &(shape, tokens) in &args.cases {
-            for &backend in &args.backends {
-                let m = bench_case_processes((&gpu, ordinal as i32), env, &boot, (shape, tokens), args.reps, backend)?;
-                if env.rank == 0 {
-                    let config = shape.config(tokens);
-                    let flops = forward_flops(&config);
-                    // Backend `procsP:NAME`: P processes, one rank each.
-                    println!(
-                        "RESULT {} {tokens} procs{}:{} fwd_ms {:.3} step_ms {:.3} fwd_tflops {:.1} step_tflops {:.1} \
-                         torch_fwd_ms NaN torch_step_ms NaN flops {flops:.0} launches {}",
-                        shape.name,
-                        env.world,
-                        backend.name(),
-                        m.fwd,
-                        m.step,
-                        flops / m.fwd / 1e9,
-                        3.0 * flops / m.step / 1e9,
-                        m.launches
-                    );
-                }
+    // One visible GPU (the launcher bound one per task, or every process shares it): that one;
+    // else the local rank's.
+    let one_visible = std::env::var("CUDA_VISIBLE_DEVICES").is_ok_and(|v| !v.is_empty() && !v.contains(','));
+    let ordinal = if one_visible { 0 } else { env.local_rank };
+    let gpu = mok::open_gpu(ordinal)?;
+    let mut gather = process_gather(&gpu, env)?;
+    for &(shape, tokens) in &args.cases {
+        for &backend in &args.backends {
+            let m =
+                bench_case_processes((&gpu, ordinal as i32), env, &mut *gather, (shape, tokens), args.reps, backend)?;
+            if env.rank == 0 {
+                let config = shape.config(tokens);
+                let flops = forward_flops(&config);
+                // Backend `procsP:NAME`: P processes, one rank each.
+                println!(
+                    "RESULT {} {tokens} procs{}:{} fwd_ms {:.3} step_ms {:.3} fwd_tflops {:.1} step_tflops {:.1} \
+                     torch_fwd_ms NaN torch_step_ms NaN flops {flops:.0} launches {}",
+                    shape.name,
+                    env.world,
+                    backend.name(),
+                    m.fwd,
+                    m.step,
+                    flops / m.fwd / 1e9,
+                    3.0 * flops / m.step / 1e9,
+                    m.launches
+                );
             }
         }
-        Ok(())
+    }
+    Ok(())
+}
+
+/// How a process all-gathers with the others: an all-gather of equal-length byte strings.
+type ProcessGather<'g> = Box<dyn FnMut(&[u8]) -> mok::Result<Vec<u8>> + 'g>;
+
+/// Through files in the directory `MOK_RENDEZVOUS_DIR` names, when it is set (any build; the
+/// processes may share a GPU, which NCCL refuses), else through NCCL (feature `nccl`, as the GPU
+/// bundle is built).
+fn process_gather<'g>(gpu: &'g Gpu, env: &mok::symmetric::LaunchEnv) -> Result<ProcessGather<'g>> {
+    let timeout = std::time::Duration::from_secs(120);
+    if let Some(dir) = std::env::var_os("MOK_RENDEZVOUS_DIR") {
+        let mut rendezvous = mok::symmetric::rendezvous::FileRendezvous::new(dir, env, timeout)?;
+        return Ok(Box::new(move |mine| rendezvous.all_gather(mine)));
+    }
+    #[cfg(feature = "nccl")]
+    {
+        let boot = mok::symmetric::bootstrap::NcclBootstrap::new(gpu, env, timeout)?;
+        Ok(Box::new(move |mine| boot.all_gather_bytes(gpu, mine)))
     }
     #[cfg(not(feature = "nccl"))]
     {
-        let _ = args;
+        let _ = gpu;
         bail!(
-            "launched as rank {} of {}: the layer across processes needs the bench built with the `nccl` feature \
-             (cargo xtask gpu-bundle does)",
+            "launched as rank {} of {}: the layer across processes all-gathers through NCCL (build with the `nccl` \
+             feature, as cargo xtask gpu-bundle does) or through files (set MOK_RENDEZVOUS_DIR)",
             env.rank,
             env.world
         )
@@ -525,14 +545,14 @@ fn bench_case(
 
 /// The layer across processes, one rank per GPU (launched by torchrun or srun: `env`): this
 /// process's rank of `tokens` global tokens split over the world, its E/P experts, through
-/// `MoeLayer::with_heap` over a multi-process symmetric heap (handles exchanged with NCCL;
-/// `MOK_HEAP_HANDLE=fabric` across the nodes of an NVLink domain, POSIX fds within a node by
-/// default). Every rank runs the same cases in the same order; the exchange keeps them in step.
-#[cfg(feature = "nccl")]
+/// `MoeLayer::with_heap` over a multi-process symmetric heap (handles exchanged through
+/// `gather`; `MOK_HEAP_HANDLE=fabric` across the nodes of an NVLink domain, POSIX fds within a
+/// node by default). Every rank runs the same cases in the same order; the exchange keeps them in
+/// step.
 fn bench_case_processes(
     (gpu, ordinal): (&Gpu, i32),
     env: &mok::symmetric::LaunchEnv,
-    boot: &mok::symmetric::bootstrap::NcclBootstrap,
+    gather: &mut dyn FnMut(&[u8]) -> mok::Result<Vec<u8>>,
     (shape, tokens): (FrontierShape, usize),
     reps: usize,
     backend: Backend,
@@ -565,8 +585,7 @@ fn bench_case_processes(
         Backend::Engine => bail!("across ranks the layer runs mma or the megakernels, not engine"),
     };
     let bytes = Exchange::heap_bytes_per_rank(&config, &ExchangeOptions::default())?;
-    let heap =
-        SymmetricHeap::multi_process(gpu, env, ordinal, bytes, kind, &mut |mine| boot.all_gather_bytes(gpu, mine))?;
+    let heap = SymmetricHeap::multi_process(gpu, env, ordinal, bytes, kind, &mut |mine| gather(mine))?;
     let mut layer = mok::MoeLayer::with_heap(gpu, config.clone(), options, heap)?;
     let host = random_tokens(&config, 7 + env.rank as u64);
     let x = DeviceBuffer::from_slice(gpu, &host.x)?;
@@ -613,7 +632,7 @@ fn bench_case_processes(
     let bwd_launches = gpu.kernel_launches() - before - launches;
     layer.check()?;
     // Every rank is done with every slice before any rank frees its own.
-    boot.all_gather_bytes(gpu, &[1])?;
+    gather(&[1])?;
     drop(layer);
     Ok(Measured { fwd: median(fwd), step: median(steps), launches, bwd_launches, sides: None, backward: None })
 }

@@ -7,7 +7,8 @@
 //! others' slices and wait on their signals at system scope. The processes' contexts
 //! share the GPU by time slicing, so every wait across ranks is a wait across contexts, as it is
 //! across GPUs. What this cannot show: NVLink, several GPUs, and the NCCL all-gather of the
-//! handle records (NCCL refuses two ranks on one GPU), which here goes through files instead.
+//! handle records (NCCL refuses two ranks on one GPU), which here goes through files
+//! (`symmetric::rendezvous::FileRendezvous`).
 //!
 //! The parent tests start the ranks as child processes of this binary (the ignored test
 //! [`one_rank_of_the_layer_across_processes`], with torchrun's variables), and compare what they
@@ -32,6 +33,7 @@ use mok::exchange::{Exchange, ExchangeOptions};
 use mok::megakernel::MegakernelOptions;
 use mok::moe::{Backend, LayerOptions, MoeGradients, MoeInputs};
 use mok::problem::RoutedTokens;
+use mok::symmetric::rendezvous::FileRendezvous;
 use mok::symmetric::{LaunchEnv, SymmetricHeap};
 use mok::unfused::{DeviceExperts, DeviceSharedExpert, DeviceTokens, WeightGradTarget};
 use mok::{MoeConfig, MoeLayer, MokError};
@@ -133,46 +135,6 @@ fn step(
     }
 }
 
-/// The handle records' all-gather through files in `dir` (each rank writes its bytes under a
-/// temporary name and renames it, so a file that exists is whole), in rounds.
-struct FileGather {
-    dir: PathBuf,
-    rank: usize,
-    world: usize,
-    round: usize,
-}
-
-impl FileGather {
-    fn all_gather(&mut self, mine: &[u8]) -> mok::Result<Vec<u8>> {
-        let path = |rank: usize| self.dir.join(format!("gather-{}-{rank}", self.round));
-        let io = |what: String, e: std::io::Error| MokError::Cuda { call: what, message: e.to_string() };
-        let temporary = path(self.rank).with_extension("partial");
-        std::fs::write(&temporary, mine).map_err(|e| io(format!("write {}", temporary.display()), e))?;
-        std::fs::rename(&temporary, path(self.rank)).map_err(|e| io(format!("rename {}", temporary.display()), e))?;
-        let start = Instant::now();
-        let mut all = Vec::with_capacity(mine.len() * self.world);
-        for rank in 0..self.world {
-            loop {
-                if let Ok(bytes) = std::fs::read(path(rank)) {
-                    all.extend(bytes);
-                    break;
-                }
-                if start.elapsed() > GATHER_DEADLINE {
-                    return Err(MokError::Timeout {
-                        rank: Some(self.rank),
-                        peer: Some(rank),
-                        waited_for: format!("{} (all-gather round {})", path(rank).display(), self.round),
-                        detail: format!("not written after {GATHER_DEADLINE:?}"),
-                    });
-                }
-                std::thread::sleep(Duration::from_millis(5));
-            }
-        }
-        self.round += 1;
-        Ok(all)
-    }
-}
-
 fn output_path(dir: &Path, rank: usize, name: &str) -> PathBuf {
     dir.join(format!("rank{rank}-{name}.bin"))
 }
@@ -231,7 +193,7 @@ fn rank_layer(
     config: &MoeConfig,
     backend: Backend,
     deadline: Duration,
-    gather: &mut FileGather,
+    gather: &mut FileRendezvous,
 ) -> MoeLayer {
     let bytes = Exchange::heap_bytes_per_rank(config, &ExchangeOptions::default()).unwrap();
     let heap =
@@ -282,7 +244,7 @@ fn stalled_peer(
     env: &LaunchEnv,
     (config, inputs): (&MoeConfig, &RankInputs),
     (backend, fault): (Backend, Fault),
-    gather: &mut FileGather,
+    gather: &mut FileRendezvous,
 ) {
     let deadline = Duration::from_millis(common::sized("fault deadline (ms)", 500, 5000));
     let mut layer = rank_layer(gpu, env, config, backend, deadline, gather);
@@ -354,7 +316,7 @@ fn one_rank_of_the_layer_across_processes() {
     let gpu = gpu();
     let config = rank_config(&case.config, world);
     let inputs = RankInputs::upload(&gpu, &config, case, (rank, world));
-    let mut gather = FileGather { dir: dir.clone(), rank, world, round: 0 };
+    let mut gather = FileRendezvous::new(dir, &env, GATHER_DEADLINE).unwrap();
     if let Some(fault) = task.fault {
         stalled_peer(&gpu, &env, (&config, &inputs), (backend, fault), &mut gather);
     }

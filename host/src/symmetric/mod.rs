@@ -12,7 +12,8 @@
 //! - [`SymmetricHeap::multi_process`]: one process per GPU; each exports its slice as a shareable
 //!   handle (a POSIX fd within a node, a fabric handle across the nodes of an NVLink domain such
 //!   as NVL72), the records are all-gathered (through NCCL with the `nccl` feature, see
-//!   `bootstrap`, behind the `nccl` feature) and every process imports and maps its peers' slices.
+//!   `bootstrap`, or through files, [`rendezvous::FileRendezvous`]) and every process imports
+//!   and maps its peers' slices.
 //!
 //! NVLink multicast is never used. `multi_process` with POSIX-fd handles has run with two to four
 //! processes sharing one GPU (`tests/gpu_processes.rs`); nothing has run on several GPUs yet
@@ -22,10 +23,11 @@
 #[cfg(feature = "nccl")]
 pub mod bootstrap;
 pub mod handles;
-// Used by the `nccl` bootstrap; compiled (and tested) without it too.
+// The launch's nonce and the NCCL id file (the `nccl` bootstrap); compiled and tested without it.
 #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
 pub(crate) mod id_file;
 pub mod launch_env;
+pub mod rendezvous;
 
 pub use launch_env::{LaunchEnv, Launcher};
 
