@@ -39,6 +39,34 @@
 //! layer.check()?;                                 // the one synchronising call: device-side errors
 //! # Ok(()) }
 //! ```
+//!
+//! One process per GPU (launched by torchrun or srun), each holding one expert-parallel rank:
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use mok::driver::vmm::ShareableKind;
+//! use mok::exchange::{Exchange, ExchangeOptions};
+//! use mok::moe::{Backend, LayerOptions};
+//! use mok::symmetric::{LaunchEnv, SymmetricHeap, rendezvous::FileRendezvous};
+//! use mok::{MoeConfig, MoeLayer, open_gpu};
+//! # fn main() -> mok::Result<()> {
+//! let env = LaunchEnv::from_env()?;               // rank, world, local rank from the launcher
+//! let gpu = open_gpu(env.local_rank)?;
+//! let config = MoeConfig { ep_ranks: env.world, ..MoeConfig::new(4096, 7168, 2048, 384, 8) };
+//! // Each rank's slice of the symmetric heap, exported and mapped by every other rank; the
+//! // handle records go round through files here (NCCL: `symmetric::bootstrap`, feature `nccl`).
+//! let bytes = Exchange::heap_bytes_per_rank(&config, &ExchangeOptions::default())?;
+//! let mut rendezvous = FileRendezvous::new("/tmp/mok-rendezvous", &env, Duration::from_secs(120))?;
+//! let heap = SymmetricHeap::multi_process(&gpu, &env, env.local_rank as i32, bytes, ShareableKind::PosixFd,
+//!     &mut |mine| rendezvous.all_gather(mine))?;
+//! // Every process on the same backend (the default is chosen per GPU).
+//! let options = LayerOptions { backend: Some(Backend::Megakernel), ..LayerOptions::default() };
+//! let mut layer = MoeLayer::with_heap(&gpu, config, options, heap)?;
+//! // Then forward and backward as above, over this rank's share: its T tokens, its E/P experts;
+//! // after `check()` reports an error, every process builds its layer again.
+//! # let _ = &mut layer;
+//! # Ok(()) }
+//! ```
 #![warn(missing_docs)]
 
 #[cfg(feature = "testing")]
