@@ -90,6 +90,15 @@ struct Outputs {
 
 const ROW_NAMES: [&str; 3] = ["y", "dx", "d_topk_weights"];
 
+/// Zeroed f32 main gradients for `experts` (gate, up, down) and `shared`'s three.
+fn zeroed_grads(gpu: &Gpu, experts: &DeviceExperts, shared: Option<&DeviceSharedExpert>) -> Vec<DeviceBuffer<f32>> {
+    let mut sizes = vec![experts.w_gate.len(); 3];
+    if let Some(s) = shared {
+        sizes.extend([s.ws_gate.len(); 3]);
+    }
+    sizes.iter().map(|&n| DeviceBuffer::from_slice(gpu, &vec![0.0f32; n]).unwrap()).collect()
+}
+
 /// One forward + backward of `layer` over the inputs in `tokens` (tokens, dy), `experts` and
 /// `shared`, into poisoned outputs and zeroed f32 gradients.
 fn step(
@@ -108,13 +117,7 @@ fn step(
     };
     let (mut y, mut dx) = (poisoned(t * h), poisoned(t * h));
     let mut d_topk = DeviceBuffer::from_slice(gpu, &vec![f32::NAN; t * k]).unwrap();
-    let routed = experts.w_gate.len();
-    let mut sizes = vec![routed, routed, routed];
-    if let Some(s) = shared {
-        sizes.extend([s.ws_gate.len(); 3]);
-    }
-    let mut main: Vec<DeviceBuffer<f32>> =
-        sizes.iter().map(|&n| DeviceBuffer::from_slice(gpu, &vec![0.0f32; n]).unwrap()).collect();
+    let mut main = zeroed_grads(gpu, experts, shared);
     let inputs = MoeInputs { tokens: tokens.into(), experts: experts.into(), shared: shared.map(Into::into) };
     let before = gpu.kernel_launches();
     let pass = layer.forward(gpu, &inputs, (&mut y).into()).unwrap();
@@ -269,12 +272,7 @@ fn stalled_peer(
                 let t = inputs.dy.len() / config.hidden;
                 let mut dx = DeviceBuffer::<bf16>::alloc(gpu, t * config.hidden).unwrap();
                 let mut d_topk = DeviceBuffer::<f32>::alloc(gpu, t * config.top_k).unwrap();
-                let mut sizes = vec![inputs.experts.w_gate.len(); 3];
-                if let Some(s) = &inputs.shared {
-                    sizes.extend([s.ws_gate.len(); 3]);
-                }
-                let mut main: Vec<DeviceBuffer<f32>> =
-                    sizes.iter().map(|&n| DeviceBuffer::from_slice(gpu, &vec![0.0f32; n]).unwrap()).collect();
+                let mut main = zeroed_grads(gpu, &inputs.experts, inputs.shared.as_ref());
                 let grads = MoeGradients {
                     dx: (&mut dx).into(),
                     d_topk_weights: (&mut d_topk).into(),

@@ -725,11 +725,22 @@ impl Exchange {
     /// still be void through a peer; the wait saw the peer's record set, and records are only
     /// cleared by a collective reset, so this read finds it.
     pub fn check_errors(&self, gpus: &[&Gpu]) -> Result<()> {
-        let mut records = Vec::new();
+        // Each local rank's records read through its GPU once that GPU is idle; across processes
+        // every peer's after them, through the first GPU.
+        let mut sources = Vec::new();
         for (i, rank) in self.local() {
             let gpu = gpu_of(gpus, i);
             gpu.synchronize()?;
-            // SAFETY: both records are regions of `rank`'s slice.
+            sources.push((gpu, rank));
+        }
+        if !self.heap.single_gpu() {
+            let peers = (0..self.shape.world as usize).filter(|r| !self.heap.local_ranks().contains(r));
+            sources.extend(peers.map(|peer| (gpu_of(gpus, 0), peer)));
+        }
+        let mut records = Vec::with_capacity(sources.len());
+        for (gpu, rank) in sources {
+            // SAFETY: both records are regions of `rank`'s slice (a peer's mapped into this
+            // process for this device by the multi-process heap).
             let (words, route) = unsafe {
                 (
                     self.download_region::<u32>(gpu, rank, self.regions().error, ERROR_WORDS)?,
@@ -737,20 +748,6 @@ impl Exchange {
                 )
             };
             records.push((rank, words, route));
-        }
-        if !self.heap.single_gpu() {
-            let gpu = gpu_of(gpus, 0);
-            for peer in (0..self.shape.world as usize).filter(|r| !self.heap.local_ranks().contains(r)) {
-                // SAFETY: both records are regions of `peer`'s slice, mapped into this process
-                // for this device by the multi-process heap.
-                let (words, route) = unsafe {
-                    (
-                        self.download_region::<u32>(gpu, peer, self.regions().error, ERROR_WORDS)?,
-                        self.download_region::<u32>(gpu, peer, self.regions().route_error, 4)?,
-                    )
-                };
-                records.push((peer, words, route));
-            }
         }
         if let Some((rank, words, _)) = records.iter().find(|(_, w, _)| w[codes::WORD_CODE] == codes::ERROR_CAPACITY) {
             return Err(MokError::Capacity {

@@ -53,7 +53,7 @@ impl NcclBootstrap {
         let id = if env.rank == 0 {
             let id = nccl::get_uniqueid().map_err(|e| nccl_error("ncclGetUniqueId", e))?;
             let bytes: Vec<u8> = id.internal.iter().map(|&c| c as u8).collect();
-            write_atomically(&path, &format!("{nonce}\n{}", to_hex(&bytes)))?;
+            write_atomically(&path, format!("{nonce}\n{}", to_hex(&bytes)))?;
             id
         } else {
             let bytes = read_when_present(&path, &nonce, timeout)?;

@@ -1,7 +1,8 @@
 //! The out-of-band file through which rank 0 hands the NCCL unique id to the other ranks
 //! (`bootstrap`): written atomically (a temporary name, then a rename, so a reader never sees half
 //! an id), with the launch's nonce on its first line, so a file an earlier run left at the same
-//! path is not read as this run's. Plain file handling, tested on the CPU whatever the features.
+//! path is not read as this run's. Plain file handling, tested on the CPU whatever the features;
+//! the launch's nonce and the atomic write serve the file rendezvous too (`rendezvous`).
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -9,14 +10,16 @@ use std::time::{Duration, Instant};
 use super::handles::from_hex;
 use crate::error::{MokError, Result};
 
-fn io_error(what: String, error: std::io::Error) -> MokError {
+/// A filesystem error as mok's error, naming what was attempted.
+pub(crate) fn io_error(what: String, error: std::io::Error) -> MokError {
     MokError::Cuda { call: what, message: error.to_string() }
 }
 
-/// Writes `text` to `path` through a temporary file and a rename.
-pub(crate) fn write_atomically(path: &Path, text: &str) -> Result<()> {
+/// Writes `contents` to `path` through a temporary file and a rename, so a reader finds the
+/// whole file or none.
+pub(crate) fn write_atomically(path: &Path, contents: impl AsRef<[u8]>) -> Result<()> {
     let temporary = path.with_extension(format!("tmp{}", std::process::id()));
-    std::fs::write(&temporary, text).map_err(|e| io_error(format!("write {}", temporary.display()), e))?;
+    std::fs::write(&temporary, contents).map_err(|e| io_error(format!("write {}", temporary.display()), e))?;
     std::fs::rename(&temporary, path).map_err(|e| io_error(format!("rename to {}", path.display()), e))
 }
 
@@ -68,11 +71,11 @@ mod tests {
         let (this_run, last_run) = (run_nonce(vars("b")), run_nonce(vars("a")));
         assert_ne!(this_run, last_run);
         // A file an earlier run left: not read as this run's, the wait times out.
-        write_atomically(&path, &format!("{last_run}\n{}", to_hex(&[1, 2, 3]))).unwrap();
+        write_atomically(&path, format!("{last_run}\n{}", to_hex(&[1, 2, 3]))).unwrap();
         let stale = read_when_present(&path, &this_run, Duration::from_millis(60));
         assert!(matches!(stale, Err(MokError::Timeout { peer: Some(0), .. })), "{stale:?}");
         // This run's file: read.
-        write_atomically(&path, &format!("{this_run}\n{}", to_hex(&[7, 8, 9]))).unwrap();
+        write_atomically(&path, format!("{this_run}\n{}", to_hex(&[7, 8, 9]))).unwrap();
         assert_eq!(read_when_present(&path, &this_run, Duration::from_millis(60)).unwrap(), vec![7, 8, 9]);
         std::fs::remove_dir_all(&dir).unwrap();
     }

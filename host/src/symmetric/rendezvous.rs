@@ -14,7 +14,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use super::id_file::run_nonce;
+use super::id_file::{io_error, run_nonce, write_atomically};
 use super::launch_env::LaunchEnv;
 use crate::error::{MokError, Result};
 
@@ -27,10 +27,6 @@ pub struct FileRendezvous {
     world: usize,
     round: u32,
     timeout: Duration,
-}
-
-fn io_error(what: String, error: std::io::Error) -> MokError {
-    MokError::Cuda { call: what, message: error.to_string() }
 }
 
 /// FNV-1a, 64 bits: a file-name-safe digest of the nonce (not a security measure).
@@ -65,10 +61,7 @@ impl FileRendezvous {
 
     /// Every rank's `mine` (the same length on every rank), in rank order.
     pub fn all_gather(&mut self, mine: &[u8]) -> Result<Vec<u8>> {
-        let own = self.path(self.round, self.rank);
-        let temporary = own.with_extension("partial");
-        std::fs::write(&temporary, mine).map_err(|e| io_error(format!("write {}", temporary.display()), e))?;
-        std::fs::rename(&temporary, &own).map_err(|e| io_error(format!("rename to {}", own.display()), e))?;
+        write_atomically(&self.path(self.round, self.rank), mine)?;
         let start = Instant::now();
         let mut all = Vec::with_capacity(mine.len() * self.world);
         for rank in 0..self.world {
