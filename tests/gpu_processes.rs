@@ -59,17 +59,37 @@ fn gpu() -> Gpu {
     })
 }
 
-/// The whole problems, over all the ranks: a ragged one with a shared expert, the SwiGLU limit,
-/// dropped slots and an empty expert; and one whose groups span several 128-row tiles.
-fn cases() -> [Case; 2] {
-    let ragged =
-        MoeConfig { shared_intermediate: Some(64), swiglu_limit: Some(2.0), ..MoeConfig::new(240, 136, 96, 24, 4) };
-    let tiled = MoeConfig::new(1200, 256, 128, 12, 2);
-    [
-        random_case(&ragged, 740, Routing { drop_probability: 0.1, empty_experts: &[7] }),
-        random_case(&tiled, 741, Routing { drop_probability: 0.0, empty_experts: &[] }),
-    ]
+/// Cases the tests run ([`case`]).
+const CASES: usize = 2;
+
+/// Whole problem `n` over all the ranks: 0 a ragged one with a shared expert, the SwiGLU limit,
+/// dropped slots and an empty expert; 1 one whose groups span several 128-row tiles. Its
+/// `alternate` has the same shapes and other values (tokens, routing, weights, dy): the ranks
+/// run it between two steps of the case, so a step that read anything a previous step left
+/// behind (a counter, a ring row, a flag) would give other bits, which identical steps hide.
+fn case(n: usize, alternate: bool) -> Case {
+    let seed = 740 + n as u64 + if alternate { 100 } else { 0 };
+    match n {
+        0 => random_case(
+            &MoeConfig {
+                shared_intermediate: Some(64),
+                swiglu_limit: Some(2.0),
+                ..MoeConfig::new(240, 136, 96, 24, 4)
+            },
+            seed,
+            Routing { drop_probability: 0.1, empty_experts: if alternate { &[2, 19] } else { &[7] } },
+        ),
+        1 => random_case(
+            &MoeConfig::new(1200, 256, 128, 12, 2),
+            seed,
+            Routing { drop_probability: 0.0, empty_experts: &[] },
+        ),
+        _ => panic!("case {n}: there are {CASES}"),
+    }
 }
+
+/// The names a rank writes the outputs of a case's step (`""`) or of its alternate's under.
+const STEP_PREFIXES: [&str; 2] = ["", "alternate-"];
 
 fn backend_name(backend: Backend) -> &'static str {
     match backend {
@@ -308,37 +328,42 @@ fn stalled_peer(
 #[ignore = "one rank of the tests across processes, which run it in child processes"]
 fn one_rank_of_the_layer_across_processes() {
     let task = RankTask::from_env();
-    let case = &cases()[task.case];
     let env = LaunchEnv::from_env().unwrap();
     let (rank, world, backend, dir) = (env.rank, env.world, task.backend, &task.dir);
     let gpu = gpu();
-    let config = rank_config(&case.config, world);
-    let inputs = RankInputs::upload(&gpu, &config, case, (rank, world));
+    let config = rank_config(&case(task.case, false).config, world);
+    let [inputs, alternate] =
+        [false, true].map(|alternate| RankInputs::upload(&gpu, &config, &case(task.case, alternate), (rank, world)));
     let mut gather = FileRendezvous::new(dir, &env, GATHER_DEADLINE).unwrap();
     if let Some(fault) = task.fault {
         stalled_peer(&gpu, &env, (&config, &inputs), (backend, fault), &mut gather);
     }
 
+    // The case, its alternate, the case again on one layer: the third step must give the
+    // first's bits.
     let mut layer = rank_layer(&gpu, &env, &config, backend, WAIT_DEADLINE, &mut gather);
     let first = inputs.step(&gpu, &mut layer, &config);
-    let second = inputs.step(&gpu, &mut layer, &config);
-    assert!(first.rows == second.rows, "rank {rank}: y, dx or d_topk_weights differ between two steps");
+    let between = alternate.step(&gpu, &mut layer, &config);
+    let again = inputs.step(&gpu, &mut layer, &config);
+    assert!(first.rows == again.rows, "rank {rank}: y, dx or d_topk_weights differ between two steps of one case");
     let bits = |g: &[Vec<f32>]| g.iter().flatten().map(|v| v.to_bits()).collect::<Vec<u32>>();
-    assert!(bits(&first.grads) == bits(&second.grads), "rank {rank}: weight gradients differ between two steps");
+    assert!(bits(&first.grads) == bits(&again.grads), "rank {rank}: weight gradients differ between two steps");
 
-    for (name, bytes) in ROW_NAMES.iter().zip(&first.rows) {
-        std::fs::write(output_path(dir, rank, name), bytes).unwrap();
-    }
-    for (n, grad) in first.grads.iter().enumerate() {
-        std::fs::write(output_path(dir, rank, &format!("grad{n}")), bytemuck::cast_slice(grad)).unwrap();
+    for (prefix, outputs) in STEP_PREFIXES.iter().zip([&first, &between]) {
+        for (name, bytes) in ROW_NAMES.iter().zip(&outputs.rows) {
+            std::fs::write(output_path(dir, rank, &format!("{prefix}{name}")), bytes).unwrap();
+        }
+        for (n, grad) in outputs.grads.iter().enumerate() {
+            std::fs::write(output_path(dir, rank, &format!("{prefix}grad{n}")), bytemuck::cast_slice(grad)).unwrap();
+        }
     }
     // No process frees its slice while another may still read it.
     gather.all_gather(&[1]).unwrap();
     drop(layer);
     let (forward, backward) = first.launches;
     println!(
-        "rank {rank} of {world} ({backend:?}): two steps, the same bits; {forward} kernels per forward, \
-         {backward} per backward; outputs written"
+        "rank {rank} of {world} ({backend:?}): the case, its alternate, the case: the same bits twice; \
+         {forward} kernels per forward, {backward} per backward; outputs written"
     );
 }
 
@@ -409,13 +434,14 @@ fn one_gpu_outputs(gpu: &Gpu, case: &Case) -> Outputs {
 }
 
 /// Runs case `n` over `world` child processes on `backend` (the last rank first playing the
-/// stalled peer of `fault` first), and holds what the ranks wrote to `want`: y, dx,
-/// d_topk_weights and the routed f32 weight gradients bitwise; the shared expert's f32
-/// gradient, which each rank holds for its own tokens (the data-parallel all-reduce sums them),
-/// summed over the ranks within 1e-2.
-fn run_ranks(n: usize, case: &Case, want: &Outputs, (backend, world): (Backend, usize), fault: Option<Fault>) {
+/// stalled peer of `fault` first), and holds what the ranks wrote for the case and for its
+/// alternate to `want` (the one-GPU outputs of each): y, dx, d_topk_weights and the routed f32
+/// weight gradients bitwise; the shared expert's f32 gradient, which each rank holds for its own
+/// tokens (the data-parallel all-reduce sums them), summed over the ranks within 1e-2.
+fn run_ranks(n: usize, want: &[Outputs; 2], (backend, world): (Backend, usize), fault: Option<Fault>) {
     let faulted = fault.map_or(String::new(), |f| format!(" after a stalled peer ({})", f.name()));
-    let what = format!("case {n} (T = {} over {world} processes), {backend:?}{faulted}", case.config.tokens_per_rank);
+    let tokens = case(n, false).config.tokens_per_rank;
+    let what = format!("case {n} (T = {tokens} over {world} processes), {backend:?}{faulted}");
     let dir = std::env::temp_dir().join(format!(
         "mok-processes-{}-{n}-{}-{world}-{}",
         std::process::id(),
@@ -450,32 +476,38 @@ fn run_ranks(n: usize, case: &Case, want: &Outputs, (backend, world): (Backend, 
     wait_for(children, &logs, &what);
 
     let read = |rank: usize, name: &str| std::fs::read(output_path(&dir, rank, name)).unwrap();
-    for (i, name) in ROW_NAMES.iter().enumerate() {
-        let got: Vec<u8> = (0..world).flat_map(|rank| read(rank, name)).collect();
-        assert!(got == want.rows[i], "{what}: {name} differs from the one-GPU bits");
-    }
-    let grad = |rank: usize, g: usize| -> Vec<f32> {
-        let bytes = read(rank, &format!("grad{g}"));
-        bytes.chunks_exact(4).map(|b| f32::from_ne_bytes(b.try_into().unwrap())).collect()
-    };
-    for g in 0..3 {
-        // Rank r holds experts r·E/P ..: its gradients are that slice of the whole.
-        let got: Vec<f32> = (0..world).flat_map(|rank| grad(rank, g)).collect();
-        assert!(
-            got.iter().map(|v| v.to_bits()).eq(want.grads[g].iter().map(|v| v.to_bits())),
-            "{what}: routed f32 weight gradient {g} differs from the one-GPU bits"
-        );
-    }
-    for g in 3..want.grads.len() {
-        let parts: Vec<Vec<f32>> = (0..world).map(|rank| grad(rank, g)).collect();
-        let summed: Vec<f32> = (0..parts[0].len()).map(|i| parts.iter().map(|p| p[i]).sum()).collect();
-        let expected: Vec<f64> = want.grads[g].iter().map(|&v| v as f64).collect();
-        let error = common::rel_err(&summed, &expected);
-        assert!(error < 1e-2, "{what}: the shared expert's f32 gradient {g} summed over the ranks: rel err {error:e}");
+    for (prefix, want) in STEP_PREFIXES.iter().zip(want) {
+        let step = if prefix.is_empty() { "the case" } else { "its alternate" };
+        for (i, name) in ROW_NAMES.iter().enumerate() {
+            let got: Vec<u8> = (0..world).flat_map(|rank| read(rank, &format!("{prefix}{name}"))).collect();
+            assert!(got == want.rows[i], "{what}, {step}: {name} differs from the one-GPU bits");
+        }
+        let grad = |rank: usize, g: usize| -> Vec<f32> {
+            let bytes = read(rank, &format!("{prefix}grad{g}"));
+            bytes.chunks_exact(4).map(|b| f32::from_ne_bytes(b.try_into().unwrap())).collect()
+        };
+        for g in 0..3 {
+            // Rank r holds experts r·E/P ..: its gradients are that slice of the whole.
+            let got: Vec<f32> = (0..world).flat_map(|rank| grad(rank, g)).collect();
+            assert!(
+                got.iter().map(|v| v.to_bits()).eq(want.grads[g].iter().map(|v| v.to_bits())),
+                "{what}, {step}: routed f32 weight gradient {g} differs from the one-GPU bits"
+            );
+        }
+        for g in 3..want.grads.len() {
+            let parts: Vec<Vec<f32>> = (0..world).map(|rank| grad(rank, g)).collect();
+            let summed: Vec<f32> = (0..parts[0].len()).map(|i| parts.iter().map(|p| p[i]).sum()).collect();
+            let expected: Vec<f64> = want.grads[g].iter().map(|&v| v as f64).collect();
+            let error = common::rel_err(&summed, &expected);
+            assert!(
+                error < 1e-2,
+                "{what}, {step}: the shared expert's f32 gradient {g} summed over the ranks: rel err {error:e}"
+            );
+        }
     }
     println!(
-        "  {what}: the one-GPU bits (y, dx, d_topk_weights, routed f32 gradients{})",
-        if want.grads.len() > 3 { "; the shared expert's gradient summed over the ranks within 1e-2" } else { "" }
+        "  {what}: the one-GPU bits for the case and its alternate (y, dx, d_topk_weights, routed f32 gradients{})",
+        if want[0].grads.len() > 3 { "; the shared expert's gradient summed over the ranks within 1e-2" } else { "" }
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -485,11 +517,11 @@ fn moe_layer_across_processes_gives_the_one_gpu_bits() {
     // Every case over 2, 3 and 4 processes, on both backends that run over ranks.
     let gpu = gpu();
     let backends = rank_backends(&gpu);
-    for (n, case) in cases().iter().enumerate() {
-        let want = one_gpu_outputs(&gpu, case);
+    for n in 0..CASES {
+        let want = [false, true].map(|alternate| one_gpu_outputs(&gpu, &case(n, alternate)));
         for &backend in &backends {
             for &world in &WORLDS {
-                run_ranks(n, case, &want, (backend, world), None);
+                run_ranks(n, &want, (backend, world), None);
             }
         }
     }
@@ -502,12 +534,12 @@ fn a_stalled_peer_process_is_a_reported_timeout_then_rebuilt_layers_are_right() 
     // the deadline (checked in each rank); then every process builds its layer again and the
     // step gives the one-GPU bits. Over 2 and 3 processes, on both backends.
     let gpu = gpu();
-    let (n, case) = (0, &cases()[0]);
-    let want = one_gpu_outputs(&gpu, case);
+    let n = 0;
+    let want = [false, true].map(|alternate| one_gpu_outputs(&gpu, &case(n, alternate)));
     for backend in rank_backends(&gpu) {
         for fault in [Fault::NoPass, Fault::NoBackward] {
             for world in [2, 3] {
-                run_ranks(n, case, &want, (backend, world), Some(fault));
+                run_ranks(n, &want, (backend, world), Some(fault));
             }
         }
     }
