@@ -4,7 +4,7 @@
 
 use crate::gemm::engine::{Variant, run};
 use crate::gemm::group_maps::write_group_maps;
-use crate::gemm::hooks::{Counters, Standalone};
+use crate::gemm::hooks::{Counters, Gathered, RowGather, Standalone};
 use crate::gemm_layout::{GemmParams, TileCounters};
 
 /// Forward gate/up projection with SwiGLU fused.
@@ -16,6 +16,28 @@ use crate::gemm_layout::{GemmParams, TileCounters};
 pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_gate_up(params: *const GemmParams) {
     // SAFETY: caller contract; every thread of every block runs this kernel to here.
     unsafe { run::<{ Variant::GATE_UP }, _>(params, Standalone) }
+}
+
+/// [`mok_sm90_gemm_gate_up`] with the rows read through the routing layout instead of a
+/// gathered copy: row `r` of the plan is row `row_source[r] / top_k` of `x` (`[T][H]` bf16 rows
+/// `pitch_bytes` apart), gathered by the producer warp into each stage (`gemm::gather`). The
+/// plan's A map is unused.
+///
+/// # Safety
+/// As [`mok_sm90_gemm_gate_up`]; `x` a live `[T][H]` bf16 tensor with 16-byte aligned rows
+/// `pitch_bytes` apart (H the plan's `k`), `row_source` a live `[rows]` u32 array with, for
+/// every row of the plan's groups, an entry below `T · top_k`.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_gate_up_gathered(
+    params: *const GemmParams,
+    x: u64,
+    row_source: *const u32,
+    top_k: u32,
+    pitch_bytes: u32,
+) {
+    let rows = RowGather { x, row_source, top_k, pitch_bytes };
+    // SAFETY: caller contract; every thread of every block runs this kernel to here.
+    unsafe { run::<{ Variant::GATE_UP }, _>(params, Gathered(rows)) }
 }
 
 /// Row-grouped `A · Bᵀ`, f32 out (down projection).

@@ -45,6 +45,7 @@ use crate::ptx::{bulk, cluster, mbarrier, sreg, sync};
 
 pub(crate) use super::epilogue::for_each_pair;
 use super::epilogue::*;
+use super::gather::{GATHER_LANES, produce_gathered};
 use super::hooks::{BackwardHandover, ForwardHandover, TileHooks, hooked};
 use super::mainloop::*;
 use super::producer::*;
@@ -122,7 +123,10 @@ pub(super) unsafe fn consume<const V: u32, H: TileHooks>(
             // serialises every wgmma of the kernel (C7515).
             // SAFETY: caller contract: initialised barriers, a whole warpgroup in uniform flow,
             // and the producer fills this tile's `k_blocks` stages from here.
-            unsafe { mainloop::<V>(&mut acc, ring, (&mut stage, &mut phase), w.k_blocks, wg, thread_in_wg) };
+            unsafe {
+                let fence_rows = hooks.row_gather().is_some();
+                mainloop::<V>(&mut acc, ring, (&mut stage, &mut phase), (w.k_blocks, fence_rows), wg, thread_in_wg)
+            };
         }
         // SAFETY: outputs sized by the host contract; the hooks' contract.
         unsafe {
@@ -156,8 +160,9 @@ pub(super) unsafe fn next_phase<const V: u32>(ring: Ring, walk: Walk, thread_in_
     Walk { stage, phase, mail_phases }
 }
 
-/// One thread per block initialises the ring's barriers before any use: `full` completes on the
-/// producer's arrival (and the bytes it expects), `empty` on `empty_arrivals` consumer warps (8
+/// One thread per block initialises the ring's barriers before any use: `full` completes on
+/// `full_arrivals` (the producer's arrival, with the bytes it expects; a gathering producer's
+/// lanes arrive too, once their copies landed), `empty` on `empty_arrivals` consumer warps (8
 /// per block sharing the stage: 16 in a pair), the mailbox on one arrival; then the fence that
 /// makes the initialisation visible to the cluster.
 ///
@@ -165,12 +170,12 @@ pub(super) unsafe fn next_phase<const V: u32>(ring: Ring, walk: Walk, thread_in_
 /// `ring` is `Ring::new::<V>()` in a block with the engine's dynamic shared memory; one thread of
 /// the block calls it, once, before any thread uses the ring's barriers.
 #[inline(always)]
-unsafe fn init_barriers<const V: u32>(ring: Ring, empty_arrivals: u32) {
+unsafe fn init_barriers<const V: u32>(ring: Ring, (full_arrivals, empty_arrivals): (u32, u32)) {
     for s in 0..ring_stages(V) {
         // SAFETY: the ring's barrier slots: 8-byte aligned shared memory of this block that
         // nothing uses yet (caller contract).
         unsafe {
-            mbarrier::init(ring.full(s), 1);
+            mbarrier::init(ring.full(s), full_arrivals);
             mbarrier::init(ring.empty::<V>(s), empty_arrivals);
             mbarrier::init(ring.mail::<V>(s), 1);
         }
@@ -183,7 +188,9 @@ unsafe fn init_barriers<const V: u32>(ring: Ring, empty_arrivals: u32) {
 ///
 /// # Safety
 /// `params` points at a valid [`GemmParams`] whose tensors match the variant's contract; every
-/// thread of the block calls it (of both blocks of the cluster, for a paired variant).
+/// thread of the block calls it (of both blocks of the cluster, for a paired variant). When
+/// `hooks.row_gather()` names rows, the variant is one [`produce_gathered`] takes and the rows
+/// are as it requires (its A map is then unused).
 #[inline(always)]
 pub unsafe fn run<const V: u32, H: TileHooks>(params: *const GemmParams, hooks: H) {
     // Register budgets below assume exactly this block size (`.maxntid`); row-grouped variants
@@ -199,8 +206,9 @@ pub unsafe fn run<const V: u32, H: TileHooks>(params: *const GemmParams, hooks: 
     let ring = Ring::new::<V>();
     let thread = sreg::thread_idx_x();
     if thread == 0 {
+        let full_arrivals = if hooks.row_gather().is_some() { 1 + GATHER_LANES } else { 1 };
         // SAFETY: one thread, before any use; the launch gives the engine's shared memory.
-        unsafe { init_barriers::<V>(ring, 8 * cluster_blocks(V)) };
+        unsafe { init_barriers::<V>(ring, (full_arrivals, 8 * cluster_blocks(V))) };
     }
     // The partner multicasts into this block's stages and arrives on its barriers: both blocks'
     // barriers must be initialised before either starts.
@@ -225,7 +233,13 @@ pub unsafe fn run<const V: u32, H: TileHooks>(params: *const GemmParams, hooks: 
             // SAFETY: as above.
             unsafe { sync::release_registers::<PRODUCER_REGISTERS>() };
         }
-        if thread == 0 {
+        if let Some(rows) = hooks.row_gather() {
+            if thread < GATHER_LANES {
+                // SAFETY: the producer warpgroup's first warp, every lane; the `full` barriers
+                // expect its lanes' arrivals (above); `rows` valid (caller contract).
+                unsafe { produce_gathered::<V>(&p, ring, rows, thread) };
+            }
+        } else if thread == 0 {
             // SAFETY: one producer thread.
             unsafe { produce::<V, H>(&p, ring, hooks, Walk::START) };
         }
@@ -299,7 +313,7 @@ pub unsafe fn run_forward_phases<H: TileHooks, R: Copy>(
     let thread = sreg::thread_idx_x();
     if thread == 0 {
         // SAFETY: one thread, before any use; the launch gives the engine's shared memory.
-        unsafe { init_barriers::<G>(ring, 16) };
+        unsafe { init_barriers::<G>(ring, (1, 16)) };
     }
     // Both blocks' barriers initialised before either multicasts into the other.
     // SAFETY: every thread of both blocks of the pair (caller contract; thread 0's branch above
@@ -433,7 +447,7 @@ pub unsafe fn run_backward_phases<H: TileHooks>(
     let thread = sreg::thread_idx_x();
     if thread == 0 {
         // SAFETY: one thread, before any use; the launch gives the engine's shared memory.
-        unsafe { init_barriers::<N>(ring, 16) };
+        unsafe { init_barriers::<N>(ring, (1, 16)) };
     }
     // SAFETY: every thread of both blocks of the pair (caller contract; thread 0's branch above
     // rejoins).

@@ -73,6 +73,45 @@ pub trait TileHooks: Copy {
     fn takes_no_tiles(&self) -> bool {
         false
     }
+
+    /// Where the producer warp gathers each tile's A rows from (standalone row-grouped kernels
+    /// whose A is K-major rows: gate/up and the downs), with per-thread copies instead of TMA
+    /// boxes of `map_a` ([`super::gather`]). By default `None`: TMA boxes.
+    #[inline(always)]
+    fn row_gather(&self) -> Option<RowGather> {
+        None
+    }
+}
+
+/// The rows a tile's A operand is gathered from: row `r` of the plan is row
+/// `row_source[r] / top_k` of `x` (the routing layout's slot `t · k + j` of the row names its
+/// token `t`).
+#[derive(Clone, Copy)]
+pub struct RowGather {
+    /// `[T][K]` bf16 rows, `pitch_bytes` apart (16-byte aligned; K is the plan's `k`).
+    pub x: u64,
+    /// `[rows]` u32: each plan row's slot `t · k + j` (`row_source` of the routing layout).
+    pub row_source: *const u32,
+    /// k of the routing (slots per token).
+    pub top_k: u32,
+    /// Bytes between two rows of `x`.
+    pub pitch_bytes: u32,
+}
+
+/// The standalone kernels whose producer gathers A's rows ([`TileHooks::row_gather`]); no
+/// other hook.
+#[derive(Clone, Copy)]
+pub struct Gathered(pub RowGather);
+
+impl TileHooks for Gathered {
+    #[inline(always)]
+    unsafe fn before_rows(&self, _: &GemmParams, _: &Work) {}
+    #[inline(always)]
+    unsafe fn after_store(&self, _: &GemmParams, _: &Work, _: u32) {}
+    #[inline(always)]
+    fn row_gather(&self) -> Option<RowGather> {
+        Some(self.0)
+    }
 }
 
 /// No hooks: the standalone GEMM kernels.

@@ -4,6 +4,7 @@
 use crate::gemm_layout::{
     BLOCK_64_BYTES, TILE_N, Variant, cluster_blocks, is_wgrad, own_empty_arrivals, smem_descriptor,
 };
+use crate::ptx::memory::fence_proxy_async_shared_cta;
 use crate::ptx::{cluster, mbarrier, wgmma};
 
 use super::ring::Ring;
@@ -67,7 +68,9 @@ pub(super) unsafe fn release<const V: u32>(ring: Ring, stage: u32, thread_in_wg:
 }
 
 /// The MMAs of one tile over its `k_blocks` (> 0) stages, each stage released once the MMAs
-/// reading it are done; leaves `stage` / `phase` at the tile's next stage.
+/// reading it are done; leaves `stage` / `phase` at the tile's next stage. `fence_rows`: the
+/// stages' rows were written by threads (a gathering producer's `cp.async`, the generic proxy),
+/// so each `full` wait is followed by an async-proxy fence before the MMAs read them.
 ///
 /// # Safety
 /// The ring's barriers are initialised, as [`release`] requires; the whole consumer warpgroup
@@ -79,7 +82,7 @@ pub(super) unsafe fn mainloop<const V: u32>(
     acc: &mut [f32; ACCUMULATORS],
     ring: Ring,
     (stage, phase): (&mut u32, &mut u32),
-    k_blocks: u32,
+    (k_blocks, fence_rows): (u32, bool),
     wg: u32,
     thread_in_wg: u32,
 ) {
@@ -89,6 +92,9 @@ pub(super) unsafe fn mainloop<const V: u32>(
     for kb in 0..k_blocks {
         // SAFETY: initialised barrier of this block.
         unsafe { mbarrier::wait_parity(ring.full(*stage), *phase) };
+        if fence_rows {
+            fence_proxy_async_shared_cta();
+        }
         let (a, b) = stage_descriptors::<V>(ring, *stage, wg);
         let accumulate = kb > 0;
         // SAFETY: the stage is full; warpgroup-collective in uniform flow; `acc` is not read

@@ -2,6 +2,7 @@
 //! + wgmma. See [`engine`].
 
 mod epilogue;
+mod gather;
 pub mod hooks;
 mod mainloop;
 mod producer;

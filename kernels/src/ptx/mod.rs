@@ -5,7 +5,8 @@
 //! stores, atomics and fences, [`smem`] the dynamic shared-memory window, [`mbarrier`]
 //! transaction barriers, [`cluster`] thread-block clusters, [`bulk`] bulk async copies,
 //! [`signal`] the warp barrier and back-off of the exchange's counter waits, [`collective`] lane
-//! grouping for the exchange's slot ranking, [`convert`] number conversions, [`mma`] warp-level
+//! grouping for the exchange's slot ranking, [`convert`] number conversions, [`cp_async`]
+//! per-thread copies into shared memory, [`mma`] warp-level
 //! tensor-core instructions, [`tma`] tensor copies, [`tensormap`] device-side tensor-map edits,
 //! [`wgmma`] warpgroup tensor-core instructions. Every memory-ordering decision of the kernels is
 //! made by choosing one of the functions in [`memory`], so it is visible here.
@@ -16,6 +17,7 @@ pub mod bulk;
 pub mod cluster;
 pub mod collective;
 pub mod convert;
+pub mod cp_async;
 pub mod mbarrier;
 pub mod memory;
 pub mod mma;

@@ -1,0 +1,39 @@
+//! Per-thread asynchronous copies into shared memory (PTX ISA §9.7.9.25 `cp.async`), sm_80+:
+//! each thread copies up to 16 bytes, and an mbarrier can count the completion of a thread's
+//! copies as one arrival. What the engine uses where a tile's rows are not one TMA box: rows
+//! chosen through an index (a gather), each 16-byte chunk placed by the thread itself.
+//!
+//! The copies write shared memory through the generic proxy: a reader through the async proxy
+//! (`wgmma`, TMA stores) must see them ordered by `fence.proxy.async.shared::cta` after it has
+//! observed their completion.
+
+use core::arch::asm;
+
+/// `cp.async.cg.shared::cta.global [dst], [src], 16, src_bytes`: copies `src_bytes` (0 or 16)
+/// bytes from global `src` to shared `dst` and fills the rest of the 16 with zeros; `.cg` caches
+/// in L2 only (the rows are read once per tile by this block, from L2 by the others).
+///
+/// # Safety
+/// `dst` a 16-byte aligned shared address of this block with 16 bytes of room that nothing
+/// reads or writes until the copy is known complete; `src` a 16-byte aligned global address
+/// with `src_bytes` readable (any mapped address when `src_bytes` is 0); `src_bytes` ≤ 16.
+#[inline(always)]
+pub unsafe fn copy_16_zero_filled(dst: u32, src: u64, src_bytes: u32) {
+    // SAFETY: caller contract.
+    unsafe {
+        asm!("cp.async.cg.shared::cta.global [{d}], [{s}], 16, {n};",
+             d = in(reg32) dst, s = in(reg64) src, n = in(reg32) src_bytes, options(nostack));
+    }
+}
+
+/// `cp.async.mbarrier.arrive.noinc.shared::cta.b64 [bar]`: one arrival on `bar` once every
+/// `cp.async` this thread issued before it has completed. `.noinc`: the arrival counts toward
+/// the barrier's expected arrivals (its `init` count includes this thread), as a plain arrive.
+///
+/// # Safety
+/// `bar` an initialised barrier of this block whose current phase expects this arrival.
+#[inline(always)]
+pub unsafe fn arrive_on_completion(bar: u32) {
+    // SAFETY: caller contract.
+    unsafe { asm!("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [{b}];", b = in(reg32) bar, options(nostack)) };
+}
