@@ -6,9 +6,10 @@
 //! `layer [--cases kimi:8192,qwen:32768] [--reps N] [--baseline FILE] [--matmul-tflops R]
 //! [--copy-tbps B] [--gemm BACKEND,...]`. Backends, each case run on each in turn: `mma` (the
 //! routed experts' GEMMs on the `mma.sync` kernels, the layer's default), `engine` (on the
-//! tensor-core engine, sm_90 only), `megakernel` (the forward as one persistent launch over the
-//! engine, with its default comm blocks), `megakernel:N` (N comm blocks) and `megakernels[:N]`
-//! (the forward and the backward megakernels). Each table row names
+//! tensor-core engine, sm_90 only), `engine-gathered` (the engine with its gate/up gathering
+//! the rows in its producer: no gathered copy in the forward), `megakernel` (the forward as one
+//! persistent launch over the engine, with its default comm blocks), `megakernel:N` (N comm
+//! blocks) and `megakernels[:N]` (the forward and the backward megakernels). Each table row names
 //! its backend. `--ranks P` (P > 1) runs the expert-parallel layer over P virtual ranks on this GPU
 //! instead (the tokens of a case split over the ranks), on `mma` (`epP:mma`: the exchange's
 //! separate launches, `mma.sync` expert compute), `megakernel[:N]` (`epP:megakernel`: the
@@ -68,6 +69,9 @@ struct Args {
 enum Backend {
     Mma,
     Engine,
+    /// The engine with its gate/up gathering the rows in its producer
+    /// (`UnfusedLayer::set_gather_in_producer`).
+    EngineGathered,
     /// The forward megakernel with this many comm blocks (`None`: its default).
     Megakernel(Option<u32>),
     /// The forward and the backward megakernels (one GPU, every virtual rank in one launch, or
@@ -81,6 +85,7 @@ impl Backend {
         Ok(match text {
             "mma" => Backend::Mma,
             "engine" => Backend::Engine,
+            "engine-gathered" => Backend::EngineGathered,
             "megakernel" => Backend::Megakernel(None),
             "megakernels" => Backend::Megakernels(None),
             other => match (other.strip_prefix("megakernel:"), other.strip_prefix("megakernels:")) {
@@ -88,7 +93,7 @@ impl Backend {
                 (_, Some(n)) => {
                     Backend::Megakernels(Some(n.parse().context("megakernels:N takes a comm block count")?))
                 }
-                _ => bail!("--gemm takes mma, engine, megakernel[:N] or megakernels[:N], not {other}"),
+                _ => bail!("--gemm takes mma, engine, engine-gathered, megakernel[:N] or megakernels[:N], not {other}"),
             },
         })
     }
@@ -97,6 +102,7 @@ impl Backend {
         match self {
             Backend::Mma => "mma".into(),
             Backend::Engine => "engine".into(),
+            Backend::EngineGathered => "engine-gathered".into(),
             Backend::Megakernel(None) => "megakernel".into(),
             Backend::Megakernel(Some(n)) => format!("megakernel:{n}"),
             Backend::Megakernels(None) => "megakernels".into(),
@@ -106,6 +112,7 @@ impl Backend {
 
     fn apply(self, gpu: &Gpu, layer: &mut UnfusedLayer) -> Result<()> {
         layer.set_gemm_engine(gpu, self != Backend::Mma)?;
+        layer.set_gather_in_producer(gpu, self == Backend::EngineGathered)?;
         if let Backend::Megakernel(comm_blocks) | Backend::Megakernels(comm_blocks) = self {
             let options = MegakernelOptions { comm_blocks, ..MegakernelOptions::default() };
             layer.set_forward_megakernel(gpu, Some(options.clone()))?;
@@ -354,8 +361,8 @@ fn bench_case_ep(
             layer.set_forward_megakernel(gpu, Some(options.clone()))?;
             layer.set_backward_megakernel(gpu, Some(options))?;
         }
-        Backend::Engine => {
-            bail!("--ranks {ranks} runs mma (separate launches), megakernel[:N] or megakernels[:N], not engine")
+        Backend::Engine | Backend::EngineGathered => {
+            bail!("--ranks {ranks} runs mma (separate launches), megakernel[:N] or megakernels[:N], not the engine")
         }
     }
     let experts: Vec<DeviceExperts> = (0..ranks)
@@ -582,7 +589,9 @@ fn bench_case_processes(
             backend: Some(LayerBackend::Megakernel),
             megakernel: MegakernelOptions { comm_blocks, ..Default::default() },
         },
-        Backend::Engine => bail!("across ranks the layer runs mma or the megakernels, not engine"),
+        Backend::Engine | Backend::EngineGathered => {
+            bail!("across ranks the layer runs mma or the megakernels, not the engine")
+        }
     };
     let bytes = Exchange::heap_bytes_per_rank(&config, &ExchangeOptions::default())?;
     let heap = SymmetricHeap::multi_process(gpu, env, ordinal, bytes, kind, &mut |mine| gather(mine))?;

@@ -360,6 +360,51 @@ fn gemm_engine_path_is_bitwise_the_mma_sync_path() {
 }
 
 #[test]
+fn gate_up_gathering_its_rows_in_the_producer_is_bitwise_the_engine_path() {
+    // The engine path's gate/up reading each row of x through the routing layout in its
+    // producer (`set_gather_in_producer`, no gathered copy in the forward; the backward writes
+    // it for the weight gradients) gives the engine path's bits: the megakernel shapes (ragged
+    // widths, dropped slots, empty and hot experts, T = 1, k = 1 and k = 10, the shared expert,
+    // the limit: N-paired tiles), and H = 4096 with ~150-row groups (M-paired tiles, a second M
+    // tile of a few rows). Then again on the same layer, with the backward megakernel after it,
+    // and switched off.
+    let gpu = gpu();
+    let mut cases = megakernel_cases().to_vec();
+    cases.push((config(600, 4096, 128, 4, 1, None, None), PLAIN_ROUTING));
+    // Under compute-sanitizer: the first three shapes and the M-paired one.
+    let shapes = common::sized("gathering shapes", cases.len(), 3);
+    let m_paired = cases.len() - 1;
+    for (seed, (c, routing)) in cases.into_iter().enumerate().filter(|&(n, _)| n < shapes || n == m_paired) {
+        let case = random_case(&c, 900 + seed as u64, routing);
+        let device = upload(&gpu, &case);
+        let mut engine = UnfusedLayer::new(&gpu, c.clone()).unwrap();
+        if let Err(e) = engine.set_gemm_engine(&gpu, true) {
+            println!("  NOT RUN: the GEMM engine is not available on this GPU: {e}");
+            assert_ne!(gpu.compute_capability().0, 9, "an sm_90 GPU must run the engine: {e}");
+            return;
+        }
+        let expected = run(&gpu, &mut engine, &device);
+        let what =
+            format!("T={} H={} I={} E={} k={}", c.tokens_per_rank, c.hidden, c.intermediate, c.num_experts, c.top_k);
+        let mut layer = UnfusedLayer::new(&gpu, c.clone()).unwrap();
+        // Refused without the engine, and the layer unchanged.
+        assert!(matches!(layer.set_gather_in_producer(&gpu, true), Err(MokError::InvalidInput { .. })));
+        assert!(!layer.gathers_in_producer());
+        layer.set_gemm_engine(&gpu, true).unwrap();
+        layer.set_gather_in_producer(&gpu, true).unwrap();
+        assert!(layer.gathers_in_producer());
+        assert_same_run(&run(&gpu, &mut layer, &device), &expected, &format!("{what}, gathered in the producer"));
+        assert_same_run(&run(&gpu, &mut layer, &device), &expected, &format!("{what}, gathered, rerun"));
+        layer.set_backward_megakernel(&gpu, Some(megakernel_options(None, None))).unwrap();
+        assert_same_run(&run(&gpu, &mut layer, &device), &expected, &format!("{what}, gathered, backward megakernel"));
+        layer.set_backward_megakernel(&gpu, None).unwrap();
+        layer.set_gather_in_producer(&gpu, false).unwrap();
+        assert_same_run(&run(&gpu, &mut layer, &device), &expected, &format!("{what}, gathering off again"));
+        println!("  {what}: gate/up gathering in its producer bitwise equal to the engine path");
+    }
+}
+
+#[test]
 fn device_reports_bad_ids_instead_of_corrupting() {
     let gpu = gpu();
     let case = random_case(&config(70, 64, 64, 8, 2, None, None), 6, PLAIN_ROUTING);

@@ -28,6 +28,10 @@ pub const ENGINE_KERNELS: [&str; 6] = [
     GROUP_MAPS_KERNEL,
 ];
 
+/// The gate/up kernel whose producer gathers its rows through the routing layout
+/// ([`EnginePlan::gate_up_gathered`]).
+pub const GATE_UP_GATHERED_KERNEL: &str = "mok_sm90_gemm_gate_up_gathered";
+
 /// Writes the per-group tensor maps (`GemmParams::group_maps`) before each engine launch.
 const GROUP_MAPS_KERNEL: &str = "mok_sm90_group_maps";
 /// The same for several plans in one launch (a megakernel pass's plans).
@@ -189,6 +193,11 @@ pub struct EnginePlan {
     /// Row-grouped plans: the most engine M tiles their groups can hold (row capacity / 128 +
     /// groups), the size a [`TileReadiness`] must have for [`Self::launch_counted`].
     max_m_tiles: usize,
+    /// Row-grouped plans: the rows their groups can hold (`RowGroups::capacity`).
+    row_capacity: usize,
+    /// The plan's rows are gathered by its producer from tokens given at each launch
+    /// ([`Self::launch_gathered`]) rather than read from a rows buffer.
+    gathers_rows: bool,
     _maps: Vec<TensorMap>,
     _group_maps: DeviceBuffer<u64>,
     _tile_counter: DeviceBuffer<u32>,
@@ -242,6 +251,8 @@ impl EnginePlan {
             params: DeviceBuffer::from_slice(gpu, params_bytes(&params))?,
             groups,
             max_m_tiles: 0,
+            row_capacity: 0,
+            gathers_rows: false,
             _maps: maps,
             _group_maps: group_maps,
             _tile_counter: tile_counter,
@@ -333,12 +344,72 @@ impl EnginePlan {
     /// # Safety
     /// As [`Self::launch`].
     pub unsafe fn launch_with_blocks(&self, gpu: &Gpu, blocks: u32) -> Result<()> {
+        if self.gathers_rows {
+            return Err(MokError::InvalidInput {
+                tensor: "plan",
+                problem: format!("{} gathers its rows from tokens: launch it with launch_gathered", self.kernel),
+            });
+        }
         let blocks = blocks.max(1).next_multiple_of(self.cluster_blocks);
         self.cut_group_maps(gpu)?;
         let shape = LaunchShape { grid: (blocks, 1, 1), threads: ENGINE_THREADS, smem_bytes: ENGINE_SMEM_BYTES };
         // SAFETY: the kernel's one parameter, this plan's parameter block, whose every address is a
         // live allocation of the size it documents (caller contract).
         unsafe { gpu.launch(self.kernel, shape, &[KernelArg::Ptr(self.params.device_ptr())]) }
+    }
+
+    /// Enqueues a plan built by [`EnginePlan::gate_up_gathered`] with the persistent grid: its
+    /// producers read row `r` of the groups as row `row_source[r] / top_k` of `x` (`[T][h]`
+    /// bf16 tokens; `row_source` the routing layout's slot `t · top_k + j` of each row).
+    ///
+    /// # Safety
+    /// As [`Self::launch`]; `row_source` holds, for every row of the groups' device-written
+    /// offsets, a slot below `T · top_k` (as the routing layout writes it, on the same stream
+    /// before the launch), and `x` stays allocated until the stream has run the launch.
+    pub unsafe fn launch_gathered(
+        &self,
+        gpu: &Gpu,
+        x: DeviceSlice<'_, bf16>,
+        row_source: DeviceSlice<'_, u32>,
+        top_k: usize,
+    ) -> Result<()> {
+        let h = self.host_params.k as usize;
+        if !self.gathers_rows {
+            return Err(MokError::InvalidInput {
+                tensor: "plan",
+                problem: format!("{} reads a rows buffer: launch it with launch", self.kernel),
+            });
+        }
+        if x.is_empty() || !x.len().is_multiple_of(h) || !x.device_ptr().is_multiple_of(16) {
+            return Err(MokError::InvalidInput {
+                tensor: "x",
+                problem: format!(
+                    "{} elements at {:#x}: needs whole rows of {h} and a 16-byte aligned start",
+                    x.len(),
+                    x.device_ptr()
+                ),
+            });
+        }
+        check_len("row_source", row_source.len(), self.row_capacity)?;
+        let top_k = u32::try_from(top_k).ok().filter(|&k| k > 0).ok_or_else(|| MokError::InvalidInput {
+            tensor: "top_k",
+            problem: format!("{top_k}: must be in 1..=u32::MAX"),
+        })?;
+        self.cut_group_maps(gpu)?;
+        let blocks = self.resident_blocks.next_multiple_of(self.cluster_blocks);
+        let shape = LaunchShape { grid: (blocks, 1, 1), threads: ENGINE_THREADS, smem_bytes: ENGINE_SMEM_BYTES };
+        let args = [
+            KernelArg::Ptr(self.params.device_ptr()),
+            KernelArg::Ptr(x.device_ptr()),
+            KernelArg::Ptr(row_source.device_ptr()),
+            KernelArg::U32(top_k),
+            KernelArg::U32((2 * h) as u32),
+        ];
+        // SAFETY: the gathering kernel's parameters in order and type (kernels/src/entry/gemm_sm90.rs):
+        // the plan's live block (caller contract), x checked above (whole 16-byte aligned rows
+        // of h, alive by the caller's contract), row_source as long as the plan's row capacity
+        // with slots below T · top_k (caller contract).
+        unsafe { gpu.launch(self.kernel, shape, &args) }
     }
 
     /// As [`Self::launch`], through the hooked kernel of the plan's variant (gate/up and the
@@ -398,22 +469,60 @@ impl EnginePlan {
         hidden_out: &DeviceBuffer<bf16>,
         pre_activations: Option<(&DeviceBuffer<f32>, &DeviceBuffer<f32>)>,
     ) -> Result<Self> {
+        let weights = (w_gate.into(), w_up.into());
+        Self::gate_up_from(gpu, Some(rows.into()), groups, weights, (h, i), swiglu_limit, hidden_out, pre_activations)
+    }
+
+    /// [`EnginePlan::gate_up`] without a rows buffer: each launch
+    /// ([`EnginePlan::launch_gathered`]) names the tokens, and the kernel's producers gather
+    /// row `r` of the groups as row `row_source[r] / top_k` of them into each stage (no
+    /// gathered copy is written). The same bits as [`EnginePlan::gate_up`] over the gathered
+    /// rows. `groups.capacity` bounds the rows, as for the outputs.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gate_up_gathered<'w>(
+        gpu: &Gpu,
+        groups: &RowGroups<'_>,
+        w_gate: impl Into<DeviceSlice<'w, bf16>>,
+        w_up: impl Into<DeviceSlice<'w, bf16>>,
+        (h, i): (usize, usize),
+        swiglu_limit: Option<f32>,
+        hidden_out: &DeviceBuffer<bf16>,
+        pre_activations: Option<(&DeviceBuffer<f32>, &DeviceBuffer<f32>)>,
+    ) -> Result<Self> {
+        let weights = (w_gate.into(), w_up.into());
+        Self::gate_up_from(gpu, None, groups, weights, (h, i), swiglu_limit, hidden_out, pre_activations)
+    }
+
+    /// [`EnginePlan::gate_up`] over `rows`, or gathering them (`None`).
+    #[allow(clippy::too_many_arguments)]
+    fn gate_up_from(
+        gpu: &Gpu,
+        rows: Option<DeviceSlice<'_, bf16>>,
+        groups: &RowGroups<'_>,
+        (w_gate, w_up): (DeviceSlice<'_, bf16>, DeviceSlice<'_, bf16>),
+        (h, i): (usize, usize),
+        swiglu_limit: Option<f32>,
+        hidden_out: &DeviceBuffer<bf16>,
+        pre_activations: Option<(&DeviceBuffer<f32>, &DeviceBuffer<f32>)>,
+    ) -> Result<Self> {
         check_width("hidden", h)?;
         check_width("intermediate", i)?;
         groups.check()?;
         let g = groups.groups;
-        let rows = rows.into();
-        check_len("rows", rows.len(), groups.capacity * h)?;
-        let (w_gate, w_up) = (w_gate.into(), w_up.into());
+        if let Some(rows) = rows {
+            check_len("rows", rows.len(), groups.capacity * h)?;
+        }
         check_len("w_gate", w_gate.len(), g * i * h)?;
         check_len("w_up", w_up.len(), g * i * h)?;
         check_len("hidden_out", hidden_out.len(), groups.capacity * i)?;
-        let maps = vec![
-            rows_map(gpu, rows, h, groups.capacity)?,
+        let mut maps = vec![
             weight_map_k_major(gpu, w_gate, h, i, g, TILE_N / 2)?,
             weight_map_k_major(gpu, w_up, h, i, g, TILE_N / 2)?,
             store_map_bf16(gpu, hidden_out, i, groups.capacity)?,
         ];
+        if let Some(rows) = rows {
+            maps.push(rows_map(gpu, rows, h, groups.capacity)?);
+        }
         let (out1, out2) = match pre_activations {
             Some((gate, up)) => {
                 check_len("gate_out", gate.len(), groups.capacity * i)?;
@@ -423,10 +532,10 @@ impl EnginePlan {
             None => (0, 0),
         };
         let params = GemmParams {
-            map_a: maps[0].device_ptr(),
-            map_b: maps[1].device_ptr(),
-            map_b2: maps[2].device_ptr(),
-            map_out: maps[3].device_ptr(),
+            map_a: maps.get(3).map_or(0, TensorMap::device_ptr),
+            map_b: maps[0].device_ptr(),
+            map_b2: maps[1].device_ptr(),
+            map_out: maps[2].device_ptr(),
             row_offsets: groups.row_offsets.device_ptr(),
             tile_offsets: groups.tile_offsets.device_ptr(),
             m_pairs: Pairing::default_for(Variant::GATE_UP, h).m_pairs(),
@@ -439,13 +548,18 @@ impl EnginePlan {
             swiglu_limit: swiglu_limit.unwrap_or(f32::INFINITY),
             ..GemmParams::default()
         };
-        let cut = [Some((0, rows.device_ptr(), 2 * h)), None, Some((3, hidden_out.device_ptr(), 2 * i))];
-        Ok(Self::new(gpu, "mok_sm90_gemm_gate_up", Variant::GATE_UP, params, maps, cut)?.with_row_capacity(groups))
+        // A gathering producer reads no rows map: nothing to cut for A.
+        let cut = [rows.map(|rows| (3, rows.device_ptr(), 2 * h)), None, Some((2, hidden_out.device_ptr(), 2 * i))];
+        let kernel = if rows.is_some() { "mok_sm90_gemm_gate_up" } else { GATE_UP_GATHERED_KERNEL };
+        let mut plan = Self::new(gpu, kernel, Variant::GATE_UP, params, maps, cut)?.with_row_capacity(groups);
+        plan.gathers_rows = rows.is_none();
+        Ok(plan)
     }
 
     /// Records the most M tiles `groups` can hold (see `max_m_tiles`).
     fn with_row_capacity(mut self, groups: &RowGroups<'_>) -> Self {
         self.max_m_tiles = groups.capacity.div_ceil(TILE_M as usize) + groups.groups;
+        self.row_capacity = groups.capacity;
         self
     }
 

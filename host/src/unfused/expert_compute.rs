@@ -181,6 +181,29 @@ impl ExpertCompute {
         ))
     }
 
+    /// [`Self::engine_forward_plans`]' gate/up without a rows buffer: its producers gather
+    /// each row from the tokens given at launch ([`crate::gemm::EnginePlan::gate_up_gathered`]),
+    /// into the same outputs, bit for bit.
+    pub(crate) fn engine_gate_up_gathered_plan(
+        &self,
+        gpu: &Gpu,
+        groups: &crate::gemm::RowGroups<'_>,
+        [w_gate, w_up]: [DeviceSlice<'_, bf16>; 2],
+    ) -> Result<crate::gemm::EnginePlan> {
+        let (h, i, r) = (self.hidden, self.inter, &self.rows);
+        let limit = self.limit.is_finite().then_some(self.limit);
+        crate::gemm::EnginePlan::gate_up_gathered(
+            gpu,
+            groups,
+            w_gate,
+            w_up,
+            (h, i),
+            limit,
+            &r.hidden,
+            Some((&r.gate, &r.up)),
+        )
+    }
+
     /// The backward megakernel's five engine plans over `groups` of `d_rows` (`[R][H]` bf16, the
     /// gathered dy rows scaled by their slot weights), `input_rows` (`[R][H]` bf16, the forward's
     /// rows) and this workspace: [`Self::engine_down_dgrad_plan`],

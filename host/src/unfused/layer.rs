@@ -78,6 +78,12 @@ pub struct UnfusedLayer {
     /// Whether the shared expert's copy of the token rows holds the last forward's x (its
     /// megakernel copied it), so a backward megakernel need not copy it again.
     shared_x_from_forward: bool,
+    /// The engine path's gate/up gathers its rows from x in its producer
+    /// ([`UnfusedLayer::set_gather_in_producer`]) instead of reading `gathered_x`.
+    gather_in_producer: bool,
+    /// Whether `gathered_x` holds the last forward's rows (a forward whose gate/up gathered
+    /// them itself left it stale: the backward fills it before its weight gradients read it).
+    x_rows_gathered: bool,
 }
 
 /// The routed experts' GEMMs on the sm_90a tensor-core engine ([`crate::gemm`]) — the same
@@ -99,6 +105,10 @@ struct EngineExperts {
 struct WeightPlans {
     /// Gate/up with SwiGLU (keeping the pre-activations for backward), down.
     forward: Vec<EnginePlan>,
+    /// With [`UnfusedLayer::set_gather_in_producer`]: the same gate/up gathering its rows from
+    /// x in its producer, which the engine path then runs in place of `forward[0]` (the
+    /// megakernels keep `forward[0]`).
+    gate_up_gathered: Option<EnginePlan>,
     /// Down dgrad (into d_hidden); gate/up dgrad (two K segments). The backward megakernel runs
     /// them too, with the SwiGLU backward between them.
     dgrad: Vec<EnginePlan>,
@@ -233,6 +243,8 @@ impl UnfusedLayer {
             shared_offsets_tokens: t,
             shared_engine: None,
             shared_x_from_forward: false,
+            gather_in_producer: false,
+            x_rows_gathered: false,
             grads: DeviceGrads {
                 dx: DeviceBuffer::alloc(gpu, t * h)?,
                 d_topk_weights: DeviceBuffer::alloc(gpu, slots)?,
@@ -519,12 +531,53 @@ impl UnfusedLayer {
         self.engine.is_some()
     }
 
+    /// Makes the engine path's gate/up gather its rows from x in its producer (`on`,
+    /// `mok_sm90_gemm_gate_up_gathered`) or read them from the gathered rows (the default).
+    /// With it the forward writes no gathered copy of its rows; the backward writes it before
+    /// its weight gradients read it, so a forward + backward moves the same bytes and the
+    /// forward alone fewer. Every output and gradient is the same bits either way. It applies
+    /// while the routed GEMMs run on the engine as separate launches (the megakernels move
+    /// their rows themselves); it needs the engine on and the kernel in the loaded PTX
+    /// (otherwise an error, and the layer is unchanged). **Not yet run on a GPU.**
+    pub fn set_gather_in_producer(&mut self, gpu: &Gpu, on: bool) -> Result<()> {
+        if on == self.gather_in_producer {
+            return Ok(());
+        }
+        if on {
+            if self.engine.is_none() {
+                return Err(MokError::InvalidInput {
+                    tensor: "gather_in_producer",
+                    problem: "gathering in the producer is the tensor-core engine's: switch the engine on first".into(),
+                });
+            }
+            if !gpu.has_kernel(engine::GATE_UP_GATHERED_KERNEL) {
+                return Err(MokError::InvalidInput {
+                    tensor: "gather_in_producer",
+                    problem: format!("the loaded PTX has no {}", engine::GATE_UP_GATHERED_KERNEL),
+                });
+            }
+        }
+        self.gather_in_producer = on;
+        // The weights' plans are built again, with or without the gathering gate/up.
+        if let Some(engine) = self.engine.as_mut() {
+            engine.weights = KeptPlans::new();
+        }
+        Ok(())
+    }
+
+    /// Whether the engine path's gate/up gathers its rows in its producer
+    /// ([`Self::set_gather_in_producer`]).
+    pub fn gathers_in_producer(&self) -> bool {
+        self.gather_in_producer
+    }
+
     /// Makes the engine's plans for `experts` current (when the engine is on): built on first
     /// use and for other weights, kept for the weights before ([`KeptPlans`]).
     fn prepare_engine_plans(&mut self, gpu: &Gpu, experts: ExpertsView<'_>) -> Result<()> {
         let Some(EngineExperts { tile_offsets, weights, .. }) = self.engine.as_mut() else { return Ok(()) };
         let key = [experts.w_gate.device_ptr(), experts.w_up.device_ptr(), experts.w_down.device_ptr()];
         let (c, routing, routed, gathered_x) = (&self.config, &self.routing, &self.routed, &self.gathered_x);
+        let gather_in_producer = self.gather_in_producer;
         weights.select(key, || {
             let groups = engine::RowGroups {
                 row_offsets: (&routing.row_offsets).into(),
@@ -542,7 +595,12 @@ impl UnfusedLayer {
                 routed.engine_down_dgrad_plan(gpu, (&routed.rows.d_rows).into(), &groups, experts.w_down)?,
                 routed.engine_gate_up_dgrad_plan(gpu, &groups, [experts.w_gate, experts.w_up])?,
             ];
-            Ok(WeightPlans { forward: vec![gate_up, down], dgrad })
+            let gate_up_gathered = if gather_in_producer {
+                Some(routed.engine_gate_up_gathered_plan(gpu, &groups, [experts.w_gate, experts.w_up])?)
+            } else {
+                None
+            };
+            Ok(WeightPlans { forward: vec![gate_up, down], gate_up_gathered, dgrad })
         })
     }
 
@@ -823,6 +881,8 @@ impl UnfusedLayer {
         self.set_shared_offsets(t)?;
         self.route(gpu, tokens.topk_ids)?;
         if self.megakernel.is_some() {
+            // The pass dispatches the rows into `gathered_x` itself.
+            self.x_rows_gathered = true;
             self.forward_megakernel(gpu, tokens, shared)?;
             // The pass copied x for the shared expert (unless a test's work mask left the row
             // copies out).
@@ -838,24 +898,16 @@ impl UnfusedLayer {
         let (h, e, k) = (c.hidden, c.num_experts, c.top_k);
         let slots = t * k;
         let count = self.row_count_ptr();
+        // The engine's gate/up that gathers its own rows, when it is on: no gathered copy.
+        let gathers_in_producer = self
+            .engine
+            .as_ref()
+            .is_some_and(|state| state.weights.current().is_some_and(|p| p.gate_up_gathered.is_some()));
+        self.x_rows_gathered = !gathers_in_producer;
+        if !gathers_in_producer {
+            self.gather_x_rows(gpu, tokens.x)?;
+        }
         let r = &self.routing;
-        // SAFETY: the arguments are `mok_gather_rows`'s parameters, in order and type (its entry point in
-        // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
-        unsafe {
-            gpu.launch(
-                "mok_gather_rows",
-                LaunchShape::linear(grid_stride_blocks(gpu, slots * h / 8), ROW_KERNEL_THREADS),
-                &[
-                    Ptr(tokens.x.device_ptr()),
-                    Ptr(r.row_source.device_ptr()),
-                    U32(k as u32),
-                    Ptr(0),
-                    Ptr(count),
-                    U32(h as u32),
-                    Ptr(self.gathered_x.device_ptr()),
-                ],
-            )
-        }?;
         let groups = RowGroups {
             row_offsets: r.row_offsets.device_ptr(),
             tile_offsets: r.tile_offsets.device_ptr(),
@@ -865,11 +917,20 @@ impl UnfusedLayer {
         };
         if let Some(state) = &self.engine {
             engine::tile_offsets_into(gpu, &self.routing.row_offsets, e, &state.tile_offsets)?;
-            for plan in state.forward() {
-                // SAFETY: the plans were built over this layer's buffers and this call's weight and gradient
-                // addresses (built, or swapped back, for exactly these addresses, whose lengths were
-                // checked for this call), all alive until the stream has run the pass.
-                unsafe { plan.launch(gpu) }?;
+            let gathered = state.weights.current().and_then(|p| p.gate_up_gathered.as_ref());
+            for (n, plan) in state.forward().iter().enumerate() {
+                match gathered.filter(|_| n == 0) {
+                    // SAFETY: as below; x is this pass's checked `[T][H]` view and the routing
+                    // layout's `row_source` was written by this forward's routing, on the stream,
+                    // with a slot below T · k for every row of the groups.
+                    Some(gathering) => {
+                        unsafe { gathering.launch_gathered(gpu, tokens.x, (&self.routing.row_source).into(), k) }?
+                    }
+                    // SAFETY: the plans were built over this layer's buffers and this call's weight and
+                    // gradient addresses (built, or swapped back, for exactly these addresses, whose
+                    // lengths were checked for this call), all alive until the stream has run the pass.
+                    None => unsafe { plan.launch(gpu) }?,
+                }
             }
         } else {
             // SAFETY: the gathered rows and `groups` are this layer's buffers, sized for its
@@ -900,6 +961,32 @@ impl UnfusedLayer {
                     U32(k as u32),
                     U32(h as u32),
                     Ptr(self.y.device_ptr()),
+                ],
+            )
+        }
+    }
+
+    /// Enqueues `mok_gather_rows` of the pass's tokens into `gathered_x`: each routed slot's
+    /// token row at the slot's row of the routing layout (the rows the routed experts' gate/up
+    /// and weight gradients read).
+    fn gather_x_rows(&self, gpu: &Gpu, x: DeviceSlice<'_, bf16>) -> Result<()> {
+        let (h, k) = (self.config.hidden, self.config.top_k);
+        let slots = self.tokens * k;
+        // SAFETY: the arguments are `mok_gather_rows`'s parameters, in order and type (its entry point in
+        // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents
+        // (x a checked `[T][H]` view of the pass, the routing layout written by its forward).
+        unsafe {
+            gpu.launch(
+                "mok_gather_rows",
+                LaunchShape::linear(grid_stride_blocks(gpu, slots * h / 8), ROW_KERNEL_THREADS),
+                &[
+                    Ptr(x.device_ptr()),
+                    Ptr(self.routing.row_source.device_ptr()),
+                    U32(k as u32),
+                    Ptr(0),
+                    Ptr(self.row_count_ptr()),
+                    U32(h as u32),
+                    Ptr(self.gathered_x.device_ptr()),
                 ],
             )
         }
@@ -990,6 +1077,11 @@ impl UnfusedLayer {
         }
         self.prepare_engine_plans(gpu, experts)?;
         self.prepare_wgrad_plans(gpu, &target)?;
+        if !self.x_rows_gathered {
+            // The forward's gate/up gathered its rows itself; the weight gradients read them.
+            self.gather_x_rows(gpu, tokens.x)?;
+            self.x_rows_gathered = true;
+        }
         if self.backward_megakernel.is_some() && self.engine.is_some() {
             return self.backward_megakernel_pass(gpu, (tokens, shared), dy, &target);
         }
