@@ -84,6 +84,28 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_wgrad(params: *const GemmParams)
     unsafe { run::<{ Variant::WGRAD }, _>(params, Standalone) }
 }
 
+/// [`mok_sm90_gemm_wgrad`] with B's rows read through the routing layout instead of a gathered
+/// copy: K row `r` of a group is row `row_source[r] / top_k` of `x` (`[T][N]` bf16 rows
+/// `pitch_bytes` apart), gathered by the producer warp into each stage (`gemm::gather`): the
+/// gate and up weight gradients over the tokens. The plan's B map is unused.
+///
+/// # Safety
+/// As [`mok_sm90_gemm_wgrad`]; `x` a live `[T][N]` bf16 tensor with 16-byte aligned rows
+/// `pitch_bytes` apart (N the plan's `n`), `row_source` a live `[rows]` u32 array with, for
+/// every row of the plan's groups, an entry below `T · top_k`.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_wgrad_gathered(
+    params: *const GemmParams,
+    x: u64,
+    row_source: *const u32,
+    top_k: u32,
+    pitch_bytes: u32,
+) {
+    let rows = RowGather { x, row_source, top_k, pitch_bytes };
+    // SAFETY: caller contract; every thread of every block runs this kernel to here.
+    unsafe { run::<{ Variant::WGRAD }, _>(params, Gathered(rows)) }
+}
+
 /// [`mok_sm90_gemm_gate_up`] inside a persistent pass: before loading a tile's rows the producer
 /// waits (bounded) until `counters.rows_landed` of its M tile reaches the pass's epoch, and each
 /// consumer warpgroup bumps `counters.tiles_stored` once its part of the output is visible. Not

@@ -1,21 +1,28 @@
-//! The gathering producer: the producer warpgroup's first warp fills each stage's A tile with
-//! rows read through an index — row `r` of the plan is row `row_source[r] / top_k` of `x`, the
-//! token of the routing layout's slot — so no gathered copy of the rows is written first. The
-//! lanes place the 16-byte chunks themselves in the 128B-swizzle layout a TMA box would have
-//! (`cp.async`, zero-filled past the group's rows and past K), and the stage's `full` barrier
-//! counts each lane's copies as one arrival; lane 0 takes the tiles and loads the weight tiles
-//! by TMA as [`produce`](super::producer::produce) does. The consumers fence the async proxy
-//! after each `full` wait (the chunks arrive through the generic proxy; `wgmma` reads through the
-//! async one).
+//! The gathering producer: the producer warpgroup's first warp fills each stage with rows read
+//! through an index — row `r` of the plan is row `row_source[r] / top_k` of `x`, the token of
+//! the routing layout's slot — so no gathered copy of the rows is written first. The lanes
+//! place the 16-byte chunks themselves in the 128B-swizzle layout a TMA box would have
+//! (`cp.async`, zero-filled past the group's rows and past the row width), and the stage's
+//! `full` barrier counts each lane's copies as one arrival; lane 0 takes the tiles and loads the
+//! other operand by TMA as [`produce`](super::producer::produce) does. The consumers fence the
+//! async proxy after each `full` wait (the chunks arrive through the generic proxy; `wgmma`
+//! reads through the async one).
 //!
-//! In a pair nothing of A is shared: an M-pair's blocks gather their own rows (as they load them
-//! without a gather), an N-pair's block with columns gathers all of the tile's rows, and one
-//! without columns (an odd N tile count; its consumers skip the tile) gathers none. The weight
-//! tile is loaded as without a gather, half by each block into both for an M-pair.
+//! Row-grouped variants (gate/up, the downs) gather A, K-major: a tile's 128 rows of 64 K
+//! values per stage. In a pair nothing of A is shared: an M-pair's blocks gather their own rows
+//! (as they load them without a gather), an N-pair's block with columns gathers all of the
+//! tile's rows, and one without columns (an odd N tile count; its consumers skip the tile)
+//! gathers none; the weight tile is loaded as without a gather, half by each block into both
+//! for an M-pair. The weight gradient gathers B, N-major: per stage 64 rows (its K) of the
+//! tile's 256 columns, four 64-wide blocks; A (the output gradient's rows) stays a TMA copy, cut
+//! at the group's end for its last K block.
 
-use crate::gemm_layout::{B_TILE_BYTES, GemmParams, NO_TILE, TILE_K, TILE_M, Variant, swizzled_chunk_offset};
+use crate::gemm_layout::{
+    A_TILE_BYTES, B_TILE_BYTES, BLOCK_64_BYTES, GemmParams, NO_TILE, TILE_K, TILE_M, TILE_N, Variant, is_wgrad,
+    swizzled_chunk_offset,
+};
 use crate::ptx::memory::atom_add_relaxed_gpu_u32;
-use crate::ptx::{cp_async, mbarrier, sync};
+use crate::ptx::{cp_async, mbarrier, sreg, sync, tensormap, tma};
 
 use super::hooks::RowGather;
 use super::producer::{load_weights, name_tile, receive_tile};
@@ -23,26 +30,42 @@ use super::ring::{Ring, Walk};
 use super::source::*;
 
 /// Lanes of the gathering warp: each stage's `full` barrier expects one arrival from each (its
-/// copies have landed) besides the first lane's arrival with the weight tile's bytes.
+/// copies have landed) besides the first lane's arrival with the TMA copies' bytes.
 pub(super) const GATHER_LANES: u32 = 32;
 
-/// Rows of an A tile each lane gathers: rows `lane + 32 · j`.
-const ROWS_PER_LANE: usize = (TILE_M / GATHER_LANES) as usize;
+/// Rows of a row-grouped A tile each lane gathers: rows `lane + 32 · j`.
+const A_ROWS_PER_LANE: usize = (TILE_M / GATHER_LANES) as usize;
+
+/// K rows of a weight gradient's B stage each lane gathers: rows `lane + 32 · j`.
+const B_ROWS_PER_LANE: usize = (TILE_K / GATHER_LANES) as usize;
+
+impl RowGather {
+    /// The first byte in `x` of plan row `row`'s token.
+    ///
+    /// # Safety
+    /// `row` has a `row_source` entry below `T · top_k` (the gathering kernels' contract).
+    #[inline(always)]
+    unsafe fn source(&self, row: u32) -> u64 {
+        // SAFETY: caller contract.
+        let slot = unsafe { *self.row_source.add(row as usize) };
+        self.x + (slot / self.top_k) as u64 * self.pitch_bytes as u64
+    }
+}
 
 /// The gathering producer's walk over the launch's tiles, from a fresh ring; the whole first warp
 /// of the producer warpgroup calls it (`lane` its lane), in uniform control flow.
 ///
 /// # Safety
-/// As [`produce`](super::producer::produce) for a standalone row-grouped kernel of a variant
-/// whose A is K-major rows in one K segment (gate/up, the downs), whose `full` barriers were
-/// initialised for `1 + GATHER_LANES` arrivals; `rows` describes a live `[T][p.k]` bf16 tensor and
-/// a `row_source` entry, below `T · top_k`, for every row of the launch's groups; every lane of
-/// the warp calls it with the same arguments.
+/// As [`produce`](super::producer::produce) for a standalone kernel of a variant with a gathered
+/// operand (gate/up and the downs: A, `[T][p.k]`; the standalone weight gradient: B, `[T][p.n]`),
+/// whose `full` barriers were initialised for `1 + GATHER_LANES` arrivals; `rows` describes a
+/// live bf16 tensor of that width and a `row_source` entry, below `T · top_k`, for every row of
+/// the launch's groups; every lane of the warp calls it with the same arguments.
 #[inline(always)]
 pub(super) unsafe fn produce_gathered<const V: u32>(p: &GemmParams, ring: Ring, rows: RowGather, lane: u32) {
     // Not a `const` assertion: `run` instantiates this for every variant, behind a `row_gather`
     // that only the gathering kernels' hooks return.
-    if !(V == Variant::GATE_UP || V == Variant::ROWS_NT || V == Variant::ROWS_NT_BF16) {
+    if !(V == Variant::GATE_UP || V == Variant::ROWS_NT || V == Variant::ROWS_NT_BF16 || V == Variant::WGRAD) {
         crate::ptx::trap();
     }
     // SAFETY: the offsets in `p` hold groups + 1 (rows) and 2 · (groups + 1) (tiles) entries
@@ -50,87 +73,214 @@ pub(super) unsafe fn produce_gathered<const V: u32>(p: &GemmParams, ring: Ring, 
     let total = unsafe { tile_count::<V>(p) };
     let rank = pair_rank::<V>();
     let Walk { mut stage, mut phase, mut mail_phases } = Walk::START;
+    let mut taken = 0u32;
     loop {
-        // Lane 0 takes the tile (the pair's first block from the counter, the second from its
-        // mailbox) and hands it to the warp.
-        let mut taken = 0;
-        if lane == 0 {
-            taken = if rank == 0 {
-                // SAFETY: the plan's counter, zeroed before the launch (caller contract).
-                unsafe { atom_add_relaxed_gpu_u32(p.tile_counter as *mut u32, 1) }
-            } else {
-                // SAFETY: initialised barrier of this block; the partner names every tile.
-                unsafe { receive_tile::<V>(ring, stage, &mut mail_phases) }
-            };
-        }
-        // SAFETY: the whole warp is here (caller contract; every lane takes the same iterations,
-        // the loop ending only on the broadcast tile).
-        let tile = unsafe { sync::shfl_idx_u32(taken, 0) };
+        let tile = if is_wgrad(V) {
+            // The standalone weight gradient's fixed stride (see `produce`).
+            sreg::block_idx_x() + taken * sreg::grid_dim_x()
+        } else {
+            // Lane 0 takes the tile (the pair's first block from the counter, the second from
+            // its mailbox) and hands it to the warp.
+            let mut named = 0;
+            if lane == 0 {
+                named = if rank == 0 {
+                    // SAFETY: the plan's counter, zeroed before the launch (caller contract).
+                    unsafe { atom_add_relaxed_gpu_u32(p.tile_counter as *mut u32, 1) }
+                } else {
+                    // SAFETY: initialised barrier of this block; the partner names every tile.
+                    unsafe { receive_tile::<V>(ring, stage, &mut mail_phases) }
+                };
+            }
+            // SAFETY: the whole warp is here (caller contract; every lane takes the same
+            // iterations, the loop ending only on the broadcast tile).
+            unsafe { sync::shfl_idx_u32(named, 0) }
+        };
+        taken += 1;
         if tile >= total {
             // SAFETY: as below for a stage, without copies.
             unsafe { copyless_stage::<V>(ring, (stage, phase), NO_TILE, lane) };
+            ring.advance::<V>(&mut stage, &mut phase);
             return;
         }
         // SAFETY: tile < total.
         let w = unsafe { work_of::<V>(p, tile) };
-        // The rows this block gathers: none without columns (the consumers skip the tile), else
-        // the tile's rows in whole 64-row halves (a half wholly past the group's end is read by
-        // no warpgroup).
-        let gathered = if w.has_columns { w.rows.div_ceil(64) * 64 } else { 0 };
-        // Each lane's rows' first bytes in `x`; 0 for a row past the group's end (zeros).
-        let mut sources = [0u64; ROWS_PER_LANE];
-        for (j, source) in sources.iter_mut().enumerate() {
-            let r = lane + GATHER_LANES * j as u32;
-            if r < gathered && r < w.rows {
-                // SAFETY: row m0 + r is a row of the launch's groups (r < rows), which has a
-                // `row_source` entry (caller contract).
-                let slot = unsafe { *rows.row_source.add((w.m0 + r) as usize) };
-                *source = rows.x + (slot / rows.top_k) as u64 * rows.pitch_bytes as u64;
-            }
-        }
-        let b_bytes = if w.has_columns { B_TILE_BYTES } else { 0 };
-        for kb in 0..w.k_blocks {
-            // Every lane writes into the stage: each waits until the consumers released it (a
-            // fresh barrier passes parity 1).
-            // SAFETY: initialised barrier of this block.
-            unsafe { mbarrier::wait_parity(ring.empty::<V>(stage), phase ^ 1) };
-            let (a_tile, full) = (ring.a_tile(stage), ring.full(stage));
-            let k0 = kb * TILE_K;
-            if lane == 0 {
-                // SAFETY: the stage is free; the barrier expects the weight tile's bytes in this
-                // block (an M-pair's partner loads the other half into it); maps valid.
-                unsafe {
-                    if kb == 0 {
-                        name_tile::<V>(ring, stage, tile);
-                    }
-                    mbarrier::arrive_expect_tx(full, b_bytes);
-                    let maps = (p.map_b, p.map_b2);
-                    if w.shares_weights {
-                        load_weights::<V>(ring.b_tile(stage), maps, k0 as i32, w.n0, w.group as i32, full, Some(rank));
-                    } else if w.has_columns {
-                        load_weights::<V>(ring.b_tile(stage), maps, k0 as i32, w.n0, w.group as i32, full, None);
-                    }
-                }
-            }
-            for (j, &source) in sources.iter().enumerate() {
-                let r = lane + GATHER_LANES * j as u32;
-                if r >= gathered {
-                    continue;
-                }
-                for chunk in 0..8 {
-                    let column = k0 + 8 * chunk;
-                    let present = source != 0 && column < p.k;
-                    let (src, bytes) = if present { (source + 2 * column as u64, 16) } else { (rows.x, 0) };
-                    // SAFETY: the chunk's place in this stage's A tile (row r < 128), free since
-                    // the `empty` wait; a present chunk is inside row `source` of `x` (column < K,
-                    // K a multiple of 8), an absent one reads nothing.
-                    unsafe { cp_async::copy_16_zero_filled(a_tile + swizzled_chunk_offset(r, chunk), src, bytes) };
-                }
-            }
-            // SAFETY: the stage's current phase expects this lane's arrival (caller contract).
-            unsafe { cp_async::arrive_on_completion(full) };
+        if is_wgrad(V) && w.k_blocks == 0 {
+            // An empty group's weight gradient: its consumers store the tile's zeros.
+            // SAFETY: as below for a stage, without copies.
+            unsafe { copyless_stage::<V>(ring, (stage, phase), tile, lane) };
             ring.advance::<V>(&mut stage, &mut phase);
+            continue;
         }
+        // SAFETY: caller contract (maps, rows, barriers); `w` a tile of the launch.
+        unsafe {
+            if is_wgrad(V) {
+                gather_weight_gradient_tile::<V>(p, ring, rows, (tile, &w), (&mut stage, &mut phase), lane)
+            } else {
+                gather_row_tile::<V>(p, ring, rows, (tile, &w), (&mut stage, &mut phase), lane)
+            }
+        }
+    }
+}
+
+/// A row-grouped tile's stages: A gathered by every lane, the weight tile by lane 0's TMA.
+///
+/// # Safety
+/// As [`produce_gathered`], for its tile `tile` (`w`) at its walk's `(stage, phase)`.
+#[inline(always)]
+unsafe fn gather_row_tile<const V: u32>(
+    p: &GemmParams,
+    ring: Ring,
+    rows: RowGather,
+    (tile, w): (u32, &Work),
+    (stage, phase): (&mut u32, &mut u32),
+    lane: u32,
+) {
+    let rank = pair_rank::<V>();
+    // The rows this block gathers: none without columns (the consumers skip the tile), else
+    // the tile's rows in whole 64-row halves (a half wholly past the group's end is read by no
+    // warpgroup).
+    let gathered = if w.has_columns { w.rows.div_ceil(64) * 64 } else { 0 };
+    // Each lane's rows' first bytes in `x`; 0 for a row past the group's end (zeros).
+    let mut sources = [0u64; A_ROWS_PER_LANE];
+    for (j, source) in sources.iter_mut().enumerate() {
+        let r = lane + GATHER_LANES * j as u32;
+        if r < gathered && r < w.rows {
+            // SAFETY: row m0 + r is a row of the launch's groups (r < rows) (caller contract).
+            *source = unsafe { rows.source(w.m0 + r) };
+        }
+    }
+    let b_bytes = if w.has_columns { B_TILE_BYTES } else { 0 };
+    for kb in 0..w.k_blocks {
+        // Every lane writes into the stage: each waits until the consumers released it (a
+        // fresh barrier passes parity 1).
+        // SAFETY: initialised barrier of this block.
+        unsafe { mbarrier::wait_parity(ring.empty::<V>(*stage), *phase ^ 1) };
+        let (a_tile, full) = (ring.a_tile(*stage), ring.full(*stage));
+        let k0 = kb * TILE_K;
+        if lane == 0 {
+            // SAFETY: the stage is free; the barrier expects the weight tile's bytes in this
+            // block (an M-pair's partner loads the other half into it); maps valid.
+            unsafe {
+                if kb == 0 {
+                    name_tile::<V>(ring, *stage, tile);
+                }
+                mbarrier::arrive_expect_tx(full, b_bytes);
+                let (maps, b_tile, g) = ((p.map_b, p.map_b2), ring.b_tile(*stage), w.group as i32);
+                if w.shares_weights {
+                    load_weights::<V>(b_tile, maps, k0 as i32, w.n0, g, full, Some(rank));
+                } else if w.has_columns {
+                    load_weights::<V>(b_tile, maps, k0 as i32, w.n0, g, full, None);
+                }
+            }
+        }
+        for (j, &source) in sources.iter().enumerate() {
+            let r = lane + GATHER_LANES * j as u32;
+            if r >= gathered {
+                continue;
+            }
+            // The stage's 64 K values of the row are 8 consecutive chunks in `x`.
+            let present = if source == 0 { 0 } else { p.k.saturating_sub(k0).div_ceil(8).min(8) };
+            // SAFETY: the places of the row's chunks in this stage's A tile (row r < 128), free
+            // since the `empty` wait; a present chunk lies inside row `source` of `x` (its K
+            // values below K, a multiple of 8).
+            unsafe {
+                copy_swizzled_row(a_tile + swizzled_chunk_offset(r, 0), r, (source + 2 * k0 as u64, 0, present), rows.x)
+            };
+        }
+        // SAFETY: the stage's current phase expects this lane's arrival (caller contract).
+        unsafe { cp_async::arrive_on_completion(full) };
+        ring.advance::<V>(stage, phase);
+    }
+}
+
+/// A weight-gradient tile's stages (its group's rows, 64 per stage): B gathered by every lane,
+/// A by lane 0's TMA (through the map cut at the group's end for a last K block that ends
+/// inside the group).
+///
+/// # Safety
+/// As [`produce_gathered`], for its tile `tile` (`w`, with K blocks) at its walk's
+/// `(stage, phase)`.
+#[inline(always)]
+unsafe fn gather_weight_gradient_tile<const V: u32>(
+    p: &GemmParams,
+    ring: Ring,
+    rows: RowGather,
+    (tile, w): (u32, &Work),
+    (stage, phase): (&mut u32, &mut u32),
+    lane: u32,
+) {
+    let cut_a = p.group_map(w.group, 0);
+    if !(w.row_end - w.row_begin).is_multiple_of(TILE_K) {
+        // The A map cut at this group's end, written by the group-map kernel through the
+        // tensor-map proxy: acquire it before the first copy.
+        // SAFETY: group < groups; the group-map kernel ran before this launch (caller contract).
+        unsafe { tensormap::acquire(cut_a) };
+    }
+    for kb in 0..w.k_blocks {
+        // SAFETY: initialised barrier of this block.
+        unsafe { mbarrier::wait_parity(ring.empty::<V>(*stage), *phase ^ 1) };
+        let (a_tile, b_tile, full) = (ring.a_tile(*stage), ring.b_tile(*stage), ring.full(*stage));
+        let row = w.row_begin + kb * TILE_K;
+        if lane == 0 {
+            // SAFETY: the stage is free; the barrier expects A's bytes; maps valid (the cut
+            // one acquired above when this block is a group's partial last one).
+            unsafe {
+                if kb == 0 {
+                    name_tile::<V>(ring, *stage, tile);
+                }
+                mbarrier::arrive_expect_tx(full, A_TILE_BYTES);
+                let tail = row + TILE_K > w.row_end;
+                let (map_a, r) = if tail { (cut_a, row - w.row_begin) } else { (p.map_a, row) };
+                // M-major A: two 64-wide blocks.
+                for block in 0..TILE_M / 64 {
+                    tma::load_2d(a_tile + block * BLOCK_64_BYTES, map_a, (w.m0 + 64 * block) as i32, r as i32, full);
+                }
+            }
+        }
+        for j in 0..B_ROWS_PER_LANE as u32 {
+            let k_row = lane + GATHER_LANES * j;
+            // SAFETY: a row below the group's end is a row of the launch's groups.
+            let source = if row + k_row < w.row_end { unsafe { rows.source(row + k_row) } } else { 0 };
+            // The row's 256 columns from n0 are 32 consecutive chunks in `x`; N-major B puts
+            // chunk q in 64-wide column block q / 8, as chunk q % 8 of the block's K row.
+            let present = if source == 0 { 0 } else { p.n.saturating_sub(w.n0).div_ceil(8).min(TILE_N / 8) };
+            let row_dst = b_tile + swizzled_chunk_offset(k_row, 0);
+            for block in 0..TILE_N / 64 {
+                // SAFETY: the places of the K row's chunks in column block `block` of this
+                // stage's B tile (K row < 64), free since the `empty` wait; a present chunk
+                // lies inside row `source` of `x` (its columns below N, a multiple of 8).
+                unsafe {
+                    copy_swizzled_row(
+                        row_dst + block * BLOCK_64_BYTES,
+                        k_row,
+                        (source + 2 * w.n0 as u64, 8 * block, present),
+                        rows.x,
+                    )
+                };
+            }
+        }
+        // SAFETY: the stage's current phase expects this lane's arrival (caller contract).
+        unsafe { cp_async::arrive_on_completion(full) };
+        ring.advance::<V>(stage, phase);
+    }
+}
+
+/// Copies chunks `first_chunk .. first_chunk + 8` of a run of chunks that starts at global
+/// `run` (only the first `present` of the run exist; the others, and all without a run, are
+/// zeros) into the 128-byte swizzled row `row` whose unswizzled start is shared `row_dst`.
+/// Walked in destination order — chunk `d` of the row holds source chunk `d ^ (row % 8)` — so
+/// each destination is `row_dst` plus a constant and nothing per chunk is held across stages.
+///
+/// # Safety
+/// `row_dst` is row `row`'s start in a 1024-byte aligned tile this warp may write; a present
+/// chunk's 16 bytes are readable global memory, 16-byte aligned.
+#[inline(always)]
+unsafe fn copy_swizzled_row(row_dst: u32, row: u32, (run, first_chunk, present): (u64, u32, u32), any: u64) {
+    for d in 0..8 {
+        let chunk = first_chunk + (d ^ (row % 8));
+        let (src, bytes) = if chunk < present { (run + 16 * chunk as u64, 16) } else { (any, 0) };
+        // SAFETY: caller contract; chunk d of the row is 16 bytes at `row_dst + 16 · d`.
+        unsafe { cp_async::copy_16_zero_filled(row_dst + 16 * d, src, bytes) };
     }
 }
 
