@@ -361,13 +361,14 @@ fn gemm_engine_path_is_bitwise_the_mma_sync_path() {
 
 #[test]
 fn gate_up_gathering_its_rows_in_the_producer_is_bitwise_the_engine_path() {
-    // The engine path's gate/up reading each row of x through the routing layout in its
-    // producer (`set_gather_in_producer`, no gathered copy in the forward; the backward writes
-    // it for the weight gradients) gives the engine path's bits: the megakernel shapes (ragged
-    // widths, dropped slots, empty and hot experts, T = 1, k = 1 and k = 10, the shared expert,
-    // the limit: N-paired tiles), and H = 4096 with ~150-row groups (M-paired tiles, a second M
-    // tile of a few rows). Then again on the same layer, with the backward megakernel after it,
-    // and switched off.
+    // The engine path's gate/up and its gate and up weight gradients reading each row of x
+    // through the routing layout in their producers (`set_gather_in_producer`: no gathered copy
+    // is written, which the poisoned copy shows) give the engine path's bits: the megakernel
+    // shapes (ragged widths, dropped slots, empty and hot experts, T = 1, k = 1 and k = 10, the
+    // shared expert, the limit: N-paired tiles, weight-gradient K tails), and H = 4096 with
+    // ~150-row groups (M-paired tiles, a second M tile of a few rows). Then again on the same
+    // layer, with the backward megakernel after it (which reads the gathered copy: the backward
+    // writes it), and switched off.
     let gpu = gpu();
     let mut cases = megakernel_cases().to_vec();
     cases.push((config(600, 4096, 128, 4, 1, None, None), PLAIN_ROUTING));
@@ -393,8 +394,16 @@ fn gate_up_gathering_its_rows_in_the_producer_is_bitwise_the_engine_path() {
         layer.set_gemm_engine(&gpu, true).unwrap();
         layer.set_gather_in_producer(&gpu, true).unwrap();
         assert!(layer.gathers_in_producer());
-        assert_same_run(&run(&gpu, &mut layer, &device), &expected, &format!("{what}, gathered in the producer"));
-        assert_same_run(&run(&gpu, &mut layer, &device), &expected, &format!("{what}, gathered, rerun"));
+        for attempt in ["gathered in the producers", "gathered, rerun"] {
+            let mut got = run(&gpu, &mut layer, &device);
+            // `run` poisons the layer first: the gathered copy must still be all poison.
+            assert!(
+                got.gathered_x.iter().all(|v| v.to_bits() == 0xffff),
+                "{what}, {attempt}: a gathered copy was written"
+            );
+            got.gathered_x.clone_from(&expected.gathered_x);
+            assert_same_run(&got, &expected, &format!("{what}, {attempt}"));
+        }
         layer.set_backward_megakernel(&gpu, Some(megakernel_options(None, None))).unwrap();
         assert_same_run(&run(&gpu, &mut layer, &device), &expected, &format!("{what}, gathered, backward megakernel"));
         layer.set_backward_megakernel(&gpu, None).unwrap();

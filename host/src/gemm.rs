@@ -32,6 +32,10 @@ pub const ENGINE_KERNELS: [&str; 6] = [
 /// ([`EnginePlan::gate_up_gathered`]).
 pub const GATE_UP_GATHERED_KERNEL: &str = "mok_sm90_gemm_gate_up_gathered";
 
+/// The weight gradient whose producer gathers B's rows through the routing layout
+/// ([`EnginePlan::wgrad_gathered`]).
+pub const WGRAD_GATHERED_KERNEL: &str = "mok_sm90_gemm_wgrad_gathered";
+
 /// Writes the per-group tensor maps (`GemmParams::group_maps`) before each engine launch.
 const GROUP_MAPS_KERNEL: &str = "mok_sm90_group_maps";
 /// The same for several plans in one launch (a megakernel pass's plans).
@@ -195,9 +199,10 @@ pub struct EnginePlan {
     max_m_tiles: usize,
     /// Row-grouped plans: the rows their groups can hold (`RowGroups::capacity`).
     row_capacity: usize,
-    /// The plan's rows are gathered by its producer from tokens given at each launch
-    /// ([`Self::launch_gathered`]) rather than read from a rows buffer.
-    gathers_rows: bool,
+    /// The width of the rows the plan's producer gathers from tokens given at each launch
+    /// ([`Self::launch_gathered`]) rather than reading a rows buffer (gate/up: H, its K; the
+    /// gate and up weight gradients: H, their N); `None` for a plan that reads its buffers.
+    gathered_width: Option<usize>,
     _maps: Vec<TensorMap>,
     _group_maps: DeviceBuffer<u64>,
     _tile_counter: DeviceBuffer<u32>,
@@ -252,7 +257,7 @@ impl EnginePlan {
             groups,
             max_m_tiles: 0,
             row_capacity: 0,
-            gathers_rows: false,
+            gathered_width: None,
             _maps: maps,
             _group_maps: group_maps,
             _tile_counter: tile_counter,
@@ -344,7 +349,7 @@ impl EnginePlan {
     /// # Safety
     /// As [`Self::launch`].
     pub unsafe fn launch_with_blocks(&self, gpu: &Gpu, blocks: u32) -> Result<()> {
-        if self.gathers_rows {
+        if self.gathered_width.is_some() {
             return Err(MokError::InvalidInput {
                 tensor: "plan",
                 problem: format!("{} gathers its rows from tokens: launch it with launch_gathered", self.kernel),
@@ -358,9 +363,10 @@ impl EnginePlan {
         unsafe { gpu.launch(self.kernel, shape, &[KernelArg::Ptr(self.params.device_ptr())]) }
     }
 
-    /// Enqueues a plan built by [`EnginePlan::gate_up_gathered`] with the persistent grid: its
-    /// producers read row `r` of the groups as row `row_source[r] / top_k` of `x` (`[T][h]`
-    /// bf16 tokens; `row_source` the routing layout's slot `t · top_k + j` of each row).
+    /// Enqueues a plan built by [`EnginePlan::gate_up_gathered`] or
+    /// [`EnginePlan::wgrad_gathered`] with the persistent grid: its producers read row `r` of
+    /// the groups as row `row_source[r] / top_k` of `x` (`[T][h]` bf16 tokens; `row_source` the
+    /// routing layout's slot `t · top_k + j` of each row).
     ///
     /// # Safety
     /// As [`Self::launch`]; `row_source` holds, for every row of the groups' device-written
@@ -373,13 +379,12 @@ impl EnginePlan {
         row_source: DeviceSlice<'_, u32>,
         top_k: usize,
     ) -> Result<()> {
-        let h = self.host_params.k as usize;
-        if !self.gathers_rows {
+        let Some(h) = self.gathered_width else {
             return Err(MokError::InvalidInput {
                 tensor: "plan",
                 problem: format!("{} reads a rows buffer: launch it with launch", self.kernel),
             });
-        }
+        };
         if x.is_empty() || !x.len().is_multiple_of(h) || !x.device_ptr().is_multiple_of(16) {
             return Err(MokError::InvalidInput {
                 tensor: "x",
@@ -552,7 +557,7 @@ impl EnginePlan {
         let cut = [rows.map(|rows| (3, rows.device_ptr(), 2 * h)), None, Some((2, hidden_out.device_ptr(), 2 * i))];
         let kernel = if rows.is_some() { "mok_sm90_gemm_gate_up" } else { GATE_UP_GATHERED_KERNEL };
         let mut plan = Self::new(gpu, kernel, Variant::GATE_UP, params, maps, cut)?.with_row_capacity(groups);
-        plan.gathers_rows = rows.is_none();
+        plan.gathered_width = rows.is_none().then_some(h);
         Ok(plan)
     }
 
@@ -686,17 +691,43 @@ impl EnginePlan {
         (m, n): (usize, usize),
         out: WgradOut<'_>,
     ) -> Result<Self> {
-        let (a, b, row_offsets) = (a.into(), b.into(), row_offsets.into());
+        Self::wgrad_from(gpu, (a.into(), Some(b.into())), row_offsets.into(), (groups, capacity), (m, n), out)
+    }
+
+    /// [`EnginePlan::wgrad`] without a `b` buffer: each launch ([`EnginePlan::launch_gathered`])
+    /// names the tokens, and the kernel's producers gather K row `r` of a group (b's row `r`) as
+    /// row `row_source[r] / top_k` of them (`[T][n]`) into each stage — the gate and up weight
+    /// gradients over the tokens, with no gathered copy. The same bits as
+    /// [`EnginePlan::wgrad`] over the gathered rows.
+    pub fn wgrad_gathered<'a>(
+        gpu: &Gpu,
+        a: impl Into<DeviceSlice<'a, bf16>>,
+        row_offsets: impl Into<DeviceSlice<'a, u32>>,
+        (groups, capacity): (usize, usize),
+        (m, n): (usize, usize),
+        out: WgradOut<'_>,
+    ) -> Result<Self> {
+        Self::wgrad_from(gpu, (a.into(), None), row_offsets.into(), (groups, capacity), (m, n), out)
+    }
+
+    /// [`EnginePlan::wgrad`] over `b`, or gathering it (`None`).
+    fn wgrad_from(
+        gpu: &Gpu,
+        (a, b): (DeviceSlice<'_, bf16>, Option<DeviceSlice<'_, bf16>>),
+        row_offsets: DeviceSlice<'_, u32>,
+        (groups, capacity): (usize, usize),
+        (m, n): (usize, usize),
+        out: WgradOut<'_>,
+    ) -> Result<Self> {
         check_width("m", m)?;
         check_width("n", n)?;
         check_len("a", a.len(), capacity * m)?;
-        check_len("b", b.len(), capacity * n)?;
+        if let Some(b) = b {
+            check_len("b", b.len(), capacity * n)?;
+        }
         check_len("row_offsets", row_offsets.len(), groups + 1)?;
         let rows = capacity.max(1) as u64;
-        let mut maps = vec![
-            TensorMap::bf16(gpu, a.device_ptr(), &[m as u64, rows], &[2 * m as u64], &[64, 64])?,
-            TensorMap::bf16(gpu, b.device_ptr(), &[n as u64, rows], &[2 * n as u64], &[64, 64])?,
-        ];
+        let mut maps = vec![TensorMap::bf16(gpu, a.device_ptr(), &[m as u64, rows], &[2 * m as u64], &[64, 64])?];
         // The epilogue's TMA stores: `[G][M][N]` in boxes of 64 rows × 128 bytes.
         let out_dims = [n as u64, m as u64, groups.max(1) as u64];
         let (out0, out1, out_map) = match out {
@@ -712,10 +743,13 @@ impl EnginePlan {
             }
         };
         maps.push(out_map);
+        if let Some(b) = b {
+            maps.push(TensorMap::bf16(gpu, b.device_ptr(), &[n as u64, rows], &[2 * n as u64], &[64, 64])?);
+        }
         let params = GemmParams {
             map_a: maps[0].device_ptr(),
-            map_b: maps[1].device_ptr(),
-            map_out: maps[2].device_ptr(),
+            map_b: maps.get(2).map_or(0, TensorMap::device_ptr),
+            map_out: maps[1].device_ptr(),
             row_offsets: row_offsets.device_ptr(),
             out0,
             out1,
@@ -724,9 +758,20 @@ impl EnginePlan {
             m: m as u32,
             ..GemmParams::default()
         };
-        // A group's last K block reads its rows through maps cut at the group's end.
-        let cut = [Some((0, a.device_ptr(), 2 * m)), Some((1, b.device_ptr(), 2 * n)), None];
-        Self::new(gpu, "mok_sm90_gemm_wgrad", Variant::WGRAD, params, maps, cut)
+        // A group's last K block reads its rows through maps cut at the group's end (a gathering
+        // producer zero-fills b's rows past the end itself).
+        let cut = [Some((0, a.device_ptr(), 2 * m)), b.map(|b| (2, b.device_ptr(), 2 * n)), None];
+        let kernel = if b.is_some() { "mok_sm90_gemm_wgrad" } else { WGRAD_GATHERED_KERNEL };
+        let mut plan = Self::new(gpu, kernel, Variant::WGRAD, params, maps, cut)?;
+        plan.row_capacity = capacity;
+        plan.gathered_width = b.is_none().then_some(n);
+        Ok(plan)
+    }
+
+    /// Whether the plan gathers its rows from tokens given at launch
+    /// ([`EnginePlan::launch_gathered`]).
+    pub fn gathers_rows(&self) -> bool {
+        self.gathered_width.is_some()
     }
 }
 

@@ -322,6 +322,37 @@ impl ExpertCompute {
         ])
     }
 
+    /// [`Self::engine_wgrad_plans`]' gate and up weight gradients without the input rows: their
+    /// producers gather each K row from the tokens given at launch
+    /// ([`crate::gemm::EnginePlan::wgrad_gathered`]), into the same gradients, bit for bit.
+    ///
+    /// # Safety
+    /// As [`Self::engine_wgrad_plans`].
+    pub(crate) unsafe fn engine_wgrad_gathered_plans(
+        &self,
+        gpu: &Gpu,
+        groups: &crate::gemm::RowGroups<'_>,
+        (dw, accumulate_f32): ([u64; 3], bool),
+    ) -> Result<[crate::gemm::EnginePlan; 2]> {
+        use crate::gemm::{EnginePlan, WgradOut};
+        let (h, i, r) = (self.hidden, self.inter, &self.rows);
+        let g = groups.groups;
+        let out = |address: u64| {
+            // SAFETY: caller contract (each gradient holds G · I · H elements).
+            unsafe {
+                if accumulate_f32 {
+                    WgradOut::AccumulateF32(DeviceSlice::from_raw_parts(address, g * i * h))
+                } else {
+                    WgradOut::Bf16(DeviceSlice::from_raw_parts(address, g * i * h))
+                }
+            }
+        };
+        let wgrad = |a: &DeviceBuffer<bf16>, dw| {
+            EnginePlan::wgrad_gathered(gpu, a, groups.row_offsets, (g, groups.capacity), (i, h), out(dw))
+        };
+        Ok([wgrad(&r.d_gate, dw[0])?, wgrad(&r.d_up, dw[1])?])
+    }
+
     /// `[R][H]` f32 input-row gradients of the last backward.
     pub fn d_in_rows(&self) -> &DeviceBuffer<f32> {
         &self.rows.d_in

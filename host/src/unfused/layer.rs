@@ -98,7 +98,16 @@ struct EngineExperts {
     weights: KeptPlans<[u64; 3], WeightPlans>,
     /// The down, gate and up weight gradients, by the (dw_gate, dw_up, dw_down) addresses and
     /// whether they add into f32.
-    wgrad: KeptPlans<([u64; 3], bool), Vec<EnginePlan>>,
+    wgrad: KeptPlans<([u64; 3], bool), WgradPlans>,
+}
+
+/// The weight-gradient plans of one gradient target.
+struct WgradPlans {
+    /// Down, gate, up over the layer's gathered rows (the backward megakernel runs these).
+    plans: Vec<EnginePlan>,
+    /// With [`UnfusedLayer::set_gather_in_producer`]: gate and up gathering their token rows in
+    /// their producers, which the engine path then runs in place of `plans[1..]`.
+    gathered: Vec<EnginePlan>,
 }
 
 /// The plans that read one set of expert weights.
@@ -127,7 +136,13 @@ impl EngineExperts {
 
     /// The current target's weight-gradient plans.
     fn wgrad(&self) -> &[EnginePlan] {
-        self.wgrad.current().map_or(&[], Vec::as_slice)
+        self.wgrad.current().map_or(&[], |p| p.plans.as_slice())
+    }
+
+    /// The current target's gate and up weight gradients that gather their rows (empty unless
+    /// the layer gathers in the producer).
+    fn wgrad_gathered(&self) -> &[EnginePlan] {
+        self.wgrad.current().map_or(&[], |p| p.gathered.as_slice())
     }
 }
 
@@ -293,7 +308,9 @@ impl UnfusedLayer {
     /// (`routing`, `gathered_x`, `grads`) while it is on.
     pub fn set_gemm_engine(&mut self, gpu: &Gpu, on: bool) -> Result<()> {
         if !on {
-            // Both megakernels run on the engine's plans.
+            // Both megakernels run on the engine's plans, and the producers' gathers are the
+            // engine's.
+            self.gather_in_producer = false;
             self.engine = None;
             self.megakernel = None;
             self.backward_megakernel = None;
@@ -531,14 +548,15 @@ impl UnfusedLayer {
         self.engine.is_some()
     }
 
-    /// Makes the engine path's gate/up gather its rows from x in its producer (`on`,
-    /// `mok_sm90_gemm_gate_up_gathered`) or read them from the gathered rows (the default).
-    /// With it the forward writes no gathered copy of its rows; the backward writes it before
-    /// its weight gradients read it, so a forward + backward moves the same bytes and the
-    /// forward alone fewer. Every output and gradient is the same bits either way. It applies
+    /// Makes the engine path's gate/up and its gate and up weight gradients gather their rows
+    /// from x in their producers (`on`: `mok_sm90_gemm_gate_up_gathered`,
+    /// `mok_sm90_gemm_wgrad_gathered`) or read them from the gathered rows (the default). With
+    /// it no gathered copy of the rows is written (T · k · H bf16 less to write and read; the
+    /// backward megakernel, which reads the copy, still gets it written by its backward). Every output and gradient is the same bits either way. It applies
     /// while the routed GEMMs run on the engine as separate launches (the megakernels move
     /// their rows themselves); it needs the engine on and the kernel in the loaded PTX
-    /// (otherwise an error, and the layer is unchanged). **Not yet run on a GPU.**
+    /// (otherwise an error, and the layer is unchanged), and switching the engine off switches
+    /// it off. **Not yet run on a GPU.**
     pub fn set_gather_in_producer(&mut self, gpu: &Gpu, on: bool) -> Result<()> {
         if on == self.gather_in_producer {
             return Ok(());
@@ -550,17 +568,20 @@ impl UnfusedLayer {
                     problem: "gathering in the producer is the tensor-core engine's: switch the engine on first".into(),
                 });
             }
-            if !gpu.has_kernel(engine::GATE_UP_GATHERED_KERNEL) {
-                return Err(MokError::InvalidInput {
-                    tensor: "gather_in_producer",
-                    problem: format!("the loaded PTX has no {}", engine::GATE_UP_GATHERED_KERNEL),
-                });
+            for kernel in [engine::GATE_UP_GATHERED_KERNEL, engine::WGRAD_GATHERED_KERNEL] {
+                if !gpu.has_kernel(kernel) {
+                    return Err(MokError::InvalidInput {
+                        tensor: "gather_in_producer",
+                        problem: format!("the loaded PTX has no {kernel}"),
+                    });
+                }
             }
         }
         self.gather_in_producer = on;
-        // The weights' plans are built again, with or without the gathering gate/up.
+        // The plans are built again, with or without the gathering gate/up and weight gradients.
         if let Some(engine) = self.engine.as_mut() {
             engine.weights = KeptPlans::new();
+            engine.wgrad = KeptPlans::new();
         }
         Ok(())
     }
@@ -609,6 +630,7 @@ impl UnfusedLayer {
     fn prepare_wgrad_plans(&mut self, gpu: &Gpu, target: &GradAddresses) -> Result<()> {
         let Some(EngineExperts { tile_offsets, wgrad, .. }) = self.engine.as_mut() else { return Ok(()) };
         let (c, routing, routed, gathered_x) = (&self.config, &self.routing, &self.routed, &self.gathered_x);
+        let gather_in_producer = self.gather_in_producer;
         wgrad.select((target.routed, target.accumulate_f32), || {
             let groups = engine::RowGroups {
                 row_offsets: (&routing.row_offsets).into(),
@@ -620,9 +642,15 @@ impl UnfusedLayer {
             // SAFETY: `target` was checked against the gradients' lengths for this call and lives
             // for it; the plans keep the addresses and run only for a call with this same target
             // (kept as the previous target's otherwise, never launched for another).
-            let plans =
-                unsafe { routed.engine_wgrad_plans(gpu, rows, &groups, (target.routed, target.accumulate_f32)) }?;
-            Ok(plans.into())
+            let target = (target.routed, target.accumulate_f32);
+            let plans = unsafe { routed.engine_wgrad_plans(gpu, rows, &groups, target) }?;
+            let gathered = if gather_in_producer {
+                // SAFETY: as above.
+                unsafe { routed.engine_wgrad_gathered_plans(gpu, &groups, target) }?.into()
+            } else {
+                Vec::new()
+            };
+            Ok(WgradPlans { plans: plans.into(), gathered })
         })
     }
 
@@ -1077,8 +1105,11 @@ impl UnfusedLayer {
         }
         self.prepare_engine_plans(gpu, experts)?;
         self.prepare_wgrad_plans(gpu, &target)?;
-        if !self.x_rows_gathered {
-            // The forward's gate/up gathered its rows itself; the weight gradients read them.
+        // The forward's gate/up gathered its rows itself: the backward megakernel and weight
+        // gradients that do not gather read the gathered copy, written here.
+        let megakernel_backward = self.backward_megakernel.is_some() && self.engine.is_some();
+        let wgrad_gathers = self.engine.as_ref().is_some_and(|state| !state.wgrad_gathered().is_empty());
+        if !self.x_rows_gathered && (megakernel_backward || !wgrad_gathers) {
             self.gather_x_rows(gpu, tokens.x)?;
             self.x_rows_gathered = true;
         }
@@ -1167,11 +1198,20 @@ impl UnfusedLayer {
             // addresses (built, or swapped back, for exactly these addresses, whose lengths were
             // checked for this call), all alive until the stream has run the pass.
             unsafe { state.dgrad()[1].launch(gpu) }?;
-            for plan in state.wgrad() {
-                // SAFETY: the plans were built over this layer's buffers and this call's weight and gradient
-                // addresses (built, or swapped back, for exactly these addresses, whose lengths were
-                // checked for this call), all alive until the stream has run the pass.
-                unsafe { plan.launch(gpu) }?;
+            let gathered = state.wgrad_gathered();
+            for (n, plan) in state.wgrad().iter().enumerate() {
+                match n.checked_sub(1).and_then(|g| gathered.get(g)) {
+                    // SAFETY: as below; x is this pass's checked `[T][H]` view (the forward's) and
+                    // the routing layout's `row_source` holds its forward's slots, a slot below
+                    // T · k for every row of the groups.
+                    Some(gathering) => {
+                        unsafe { gathering.launch_gathered(gpu, tokens.x, (&self.routing.row_source).into(), k) }?
+                    }
+                    // SAFETY: the plans were built over this layer's buffers and this call's weight and
+                    // gradient addresses (built, or swapped back, for exactly these addresses, whose
+                    // lengths were checked for this call), all alive until the stream has run the pass.
+                    None => unsafe { plan.launch(gpu) }?,
+                }
             }
         } else {
             // SAFETY: the gathered rows, the output-gradient rows and `groups` are this layer's
