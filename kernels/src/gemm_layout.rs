@@ -170,6 +170,21 @@ pub const fn swizzled_chunk_offset(row: u32, chunk: u32) -> u32 {
     row * 128 + ((chunk ^ (row % 8)) * 16)
 }
 
+/// The source chunk that chunk `d` (0..8) of row `row` of a 128B-swizzled tile holds: a
+/// producer that copies a row's chunks itself (a gather) walks the destination in order, so
+/// every destination ([`swizzled_destination`]) is the row's start plus a constant.
+#[inline(always)]
+pub const fn swizzled_source_chunk(row: u32, d: u32) -> u32 {
+    d ^ (row % 8)
+}
+
+/// The byte offset of chunk `d` (0..8) of row `row` in a 128B-swizzled tile: the row's start
+/// (its unswizzled place) plus `16 · d`; it holds [`swizzled_source_chunk`]`(row, d)`.
+#[inline(always)]
+pub const fn swizzled_destination(row: u32, d: u32) -> u32 {
+    row * 128 + 16 * d
+}
+
 /// A consumer thread's staging offset of its bf16 pair in n8 block 0 of a staged pass (row
 /// `16 · warp + lane / 4`, byte `4 · (lane % 4)` of chunk 0); see [`staged_pair_address`].
 #[inline(always)]
@@ -592,6 +607,23 @@ mod tests {
         assert_eq!(p.group_map(1, 0), 0x7f00_0000_0000 + 128 * GROUP_MAP_SLOTS as u64);
         // 8192 groups (MAX_EXPERTS) stay exact: the offset is computed in 64 bits.
         assert_eq!(p.group_map(8191, 2) - p.group_map(0, 0), (8191 * GROUP_MAP_SLOTS as u64 + 2) * 128);
+    }
+
+    #[test]
+    fn destination_order_copies_fill_the_swizzled_layout() {
+        // What a gathering producer writes (source chunk `swizzled_source_chunk(row, d)` at
+        // `swizzled_destination(row, d)`) is the layout TMA writes, `swizzled_chunk_offset`; the
+        // 8 destinations of a row stay inside it, and take every source chunk once.
+        for row in 0..64 {
+            let mut taken = [false; 8];
+            for d in 0..8 {
+                let (chunk, place) = (swizzled_source_chunk(row, d), swizzled_destination(row, d));
+                assert_eq!(place, swizzled_chunk_offset(row, chunk), "row {row} d {d}");
+                assert!(place >= row * 128 && place + 16 <= (row + 1) * 128, "row {row} d {d}: outside the row");
+                taken[chunk as usize] = true;
+            }
+            assert!(taken.iter().all(|&t| t), "row {row}");
+        }
     }
 
     #[test]

@@ -19,7 +19,7 @@
 
 use crate::gemm_layout::{
     A_TILE_BYTES, B_TILE_BYTES, BLOCK_64_BYTES, GemmParams, NO_TILE, TILE_K, TILE_M, TILE_N, Variant, is_wgrad,
-    swizzled_chunk_offset,
+    swizzled_destination, swizzled_source_chunk,
 };
 use crate::ptx::memory::atom_add_relaxed_gpu_u32;
 use crate::ptx::{cp_async, mbarrier, sreg, sync, tensormap, tma};
@@ -65,7 +65,9 @@ impl RowGather {
 pub(super) unsafe fn produce_gathered<const V: u32>(p: &GemmParams, ring: Ring, rows: RowGather, lane: u32) {
     // Not a `const` assertion: `run` instantiates this for every variant, behind a `row_gather`
     // that only the gathering kernels' hooks return.
-    if !(V == Variant::GATE_UP || V == Variant::ROWS_NT || V == Variant::ROWS_NT_BF16 || V == Variant::WGRAD) {
+    // Gate/up (one K segment) and the standalone weight gradient only: the downs' kernels
+    // have no gathering entry, and a second K segment would need its own rows and maps.
+    if !(V == Variant::GATE_UP || V == Variant::WGRAD) {
         crate::ptx::trap();
     }
     // SAFETY: the offsets in `p` hold groups + 1 (rows) and 2 · (groups + 1) (tiles) entries
@@ -173,20 +175,27 @@ unsafe fn gather_row_tile<const V: u32>(
                 }
             }
         }
-        for (j, &source) in sources.iter().enumerate() {
-            let r = lane + GATHER_LANES * j as u32;
-            if r >= gathered {
-                continue;
+        // Row lane + 32 · j of the tile (called with constant j, so `sources` stays in
+        // registers: a loop over it put the array in local memory).
+        let copy_row = |j: u32, source: u64| {
+            let r = lane + GATHER_LANES * j;
+            if r < gathered {
+                // The stage's 64 K values of the row are 8 consecutive chunks in `x`.
+                let present = if source == 0 { 0 } else { p.k.saturating_sub(k0).div_ceil(8).min(8) };
+                // The A tile is two 64-row blocks (one per consumer warpgroup).
+                let block = a_tile + r / 64 * BLOCK_64_BYTES;
+                // SAFETY: the places of the row's chunks in this stage's A tile (row r < 128),
+                // free since the `empty` wait; a present chunk lies inside row `source` of `x`
+                // (its K values below K, a multiple of 8).
+                unsafe { copy_swizzled_row(block, r % 64, (source + 2 * k0 as u64, 0, present), rows.x) };
             }
-            // The stage's 64 K values of the row are 8 consecutive chunks in `x`.
-            let present = if source == 0 { 0 } else { p.k.saturating_sub(k0).div_ceil(8).min(8) };
-            // SAFETY: the places of the row's chunks in this stage's A tile (row r < 128), free
-            // since the `empty` wait; a present chunk lies inside row `source` of `x` (its K
-            // values below K, a multiple of 8).
-            unsafe {
-                copy_swizzled_row(a_tile + swizzled_chunk_offset(r, 0), r, (source + 2 * k0 as u64, 0, present), rows.x)
-            };
-        }
+        };
+        const { assert!(A_ROWS_PER_LANE == 4) };
+        let [s0, s1, s2, s3] = sources;
+        copy_row(0, s0);
+        copy_row(1, s1);
+        copy_row(2, s2);
+        copy_row(3, s3);
         // SAFETY: the stage's current phase expects this lane's arrival (caller contract).
         unsafe { cp_async::arrive_on_completion(full) };
         ring.advance::<V>(stage, phase);
@@ -210,9 +219,9 @@ unsafe fn gather_weight_gradient_tile<const V: u32>(
     lane: u32,
 ) {
     let cut_a = p.group_map(w.group, 0);
-    if !(w.row_end - w.row_begin).is_multiple_of(TILE_K) {
+    if lane == 0 && !(w.row_end - w.row_begin).is_multiple_of(TILE_K) {
         // The A map cut at this group's end, written by the group-map kernel through the
-        // tensor-map proxy: acquire it before the first copy.
+        // tensor-map proxy: lane 0, which copies through it, acquires it before the first copy.
         // SAFETY: group < groups; the group-map kernel ran before this launch (caller contract).
         unsafe { tensormap::acquire(cut_a) };
     }
@@ -244,14 +253,13 @@ unsafe fn gather_weight_gradient_tile<const V: u32>(
             // The row's 256 columns from n0 are 32 consecutive chunks in `x`; N-major B puts
             // chunk q in 64-wide column block q / 8, as chunk q % 8 of the block's K row.
             let present = if source == 0 { 0 } else { p.n.saturating_sub(w.n0).div_ceil(8).min(TILE_N / 8) };
-            let row_dst = b_tile + swizzled_chunk_offset(k_row, 0);
             for block in 0..TILE_N / 64 {
                 // SAFETY: the places of the K row's chunks in column block `block` of this
                 // stage's B tile (K row < 64), free since the `empty` wait; a present chunk
                 // lies inside row `source` of `x` (its columns below N, a multiple of 8).
                 unsafe {
                     copy_swizzled_row(
-                        row_dst + block * BLOCK_64_BYTES,
+                        b_tile + block * BLOCK_64_BYTES,
                         k_row,
                         (source + 2 * w.n0 as u64, 8 * block, present),
                         rows.x,
@@ -267,20 +275,21 @@ unsafe fn gather_weight_gradient_tile<const V: u32>(
 
 /// Copies chunks `first_chunk .. first_chunk + 8` of a run of chunks that starts at global
 /// `run` (only the first `present` of the run exist; the others, and all without a run, are
-/// zeros) into the 128-byte swizzled row `row` whose unswizzled start is shared `row_dst`.
-/// Walked in destination order — chunk `d` of the row holds source chunk `d ^ (row % 8)` — so
-/// each destination is `row_dst` plus a constant and nothing per chunk is held across stages.
+/// zeros) into row `row` of the 128B-swizzled 64-row block at shared `block`. Walked in
+/// destination order ([`swizzled_destination`]: chunk `d` of the row holds source chunk
+/// [`swizzled_source_chunk`]`(row, d)`), so each destination is the row's start plus a
+/// constant and nothing per chunk is held across stages.
 ///
 /// # Safety
-/// `row_dst` is row `row`'s start in a 1024-byte aligned tile this warp may write; a present
-/// chunk's 16 bytes are readable global memory, 16-byte aligned.
+/// `block` is a 1024-byte aligned block of 64 rows × 128 bytes this warp may write, `row <
+/// 64`; a present chunk's 16 bytes are readable global memory, 16-byte aligned.
 #[inline(always)]
-unsafe fn copy_swizzled_row(row_dst: u32, row: u32, (run, first_chunk, present): (u64, u32, u32), any: u64) {
+unsafe fn copy_swizzled_row(block: u32, row: u32, (run, first_chunk, present): (u64, u32, u32), any: u64) {
     for d in 0..8 {
-        let chunk = first_chunk + (d ^ (row % 8));
+        let chunk = first_chunk + swizzled_source_chunk(row, d);
         let (src, bytes) = if chunk < present { (run + 16 * chunk as u64, 16) } else { (any, 0) };
-        // SAFETY: caller contract; chunk d of the row is 16 bytes at `row_dst + 16 · d`.
-        unsafe { cp_async::copy_16_zero_filled(row_dst + 16 * d, src, bytes) };
+        // SAFETY: caller contract; the destination is chunk d of row `row`, inside the block.
+        unsafe { cp_async::copy_16_zero_filled(block + swizzled_destination(row, d), src, bytes) };
     }
 }
 

@@ -74,21 +74,22 @@ pub trait TileHooks: Copy {
         false
     }
 
-    /// Where the producer warp gathers each tile's A rows from (standalone row-grouped kernels
-    /// whose A is K-major rows: gate/up and the downs), with per-thread copies instead of TMA
-    /// boxes of `map_a` ([`super::gather`]). By default `None`: TMA boxes.
+    /// Where the producer warp gathers the token rows from (the standalone gate/up's A, the
+    /// standalone weight gradient's B), with per-thread copies instead of TMA boxes of the
+    /// operand's map ([`super::gather`]). By default `None`: TMA boxes.
     #[inline(always)]
     fn row_gather(&self) -> Option<RowGather> {
         None
     }
 }
 
-/// The rows a tile's A operand is gathered from: row `r` of the plan is row
+/// The rows a gathered operand is read from: row `r` of the plan is row
 /// `row_source[r] / top_k` of `x` (the routing layout's slot `t · k + j` of the row names its
 /// token `t`).
 #[derive(Clone, Copy)]
 pub struct RowGather {
-    /// `[T][K]` bf16 rows, `pitch_bytes` apart (16-byte aligned; K is the plan's `k`).
+    /// `[T][W]` bf16 rows, `pitch_bytes` apart (16-byte aligned; W is the plan's `k` for the
+    /// gate/up's A, its `n` for the weight gradient's B).
     pub x: u64,
     /// `[rows]` u32: each plan row's slot `t · k + j` (`row_source` of the routing layout).
     pub row_source: *const u32,
