@@ -8,7 +8,7 @@
 //! async proxy after each `full` wait (the chunks arrive through the generic proxy; `wgmma`
 //! reads through the async one).
 //!
-//! Row-grouped variants (gate/up, the downs) gather A, K-major: a tile's 128 rows of 64 K
+//! Gate/up (one K segment) gathers A, K-major: a tile's 128 rows of 64 K
 //! values per stage. In a pair nothing of A is shared: an M-pair's blocks gather their own rows
 //! (as they load them without a gather), an N-pair's block with columns gathers all of the
 //! tile's rows, and one without columns (an odd N tile count; its consumers skip the tile)
