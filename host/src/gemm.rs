@@ -379,6 +379,21 @@ impl EnginePlan {
         row_source: DeviceSlice<'_, u32>,
         top_k: usize,
     ) -> Result<()> {
+        // SAFETY: caller contract.
+        unsafe { self.launch_gathered_with_blocks(gpu, (x, row_source, top_k), self.resident_blocks) }
+    }
+
+    /// As [`Self::launch_gathered`] with `blocks` persistent blocks, rounded up to whole
+    /// clusters; results do not depend on it.
+    ///
+    /// # Safety
+    /// As [`Self::launch_gathered`].
+    pub unsafe fn launch_gathered_with_blocks(
+        &self,
+        gpu: &Gpu,
+        (x, row_source, top_k): (DeviceSlice<'_, bf16>, DeviceSlice<'_, u32>, usize),
+        blocks: u32,
+    ) -> Result<()> {
         let Some(h) = self.gathered_width else {
             return Err(MokError::InvalidInput {
                 tensor: "plan",
@@ -401,7 +416,7 @@ impl EnginePlan {
             problem: format!("{top_k}: must be in 1..=u32::MAX"),
         })?;
         self.cut_group_maps(gpu)?;
-        let blocks = self.resident_blocks.next_multiple_of(self.cluster_blocks);
+        let blocks = blocks.max(1).next_multiple_of(self.cluster_blocks);
         let shape = LaunchShape { grid: (blocks, 1, 1), threads: ENGINE_THREADS, smem_bytes: ENGINE_SMEM_BYTES };
         let args = [
             KernelArg::Ptr(self.params.device_ptr()),
