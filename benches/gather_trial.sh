@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One device call for the gathering producers (`UnfusedLayer::set_gather_in_producer`): their
 # bitwise tests (the layer's, and gpu_gemm's engine_matches_unfused_* with the gathering plans),
-# the layer's under memcheck, racecheck and synccheck, then the layer benchmark
-# with the engine path and the gathering engine path alternating (engine, engine-gathered,
-# engine, engine-gathered) beside the ceilings and PyTorch. Run from a bundle folder that holds
-# run.sh, tests/gpu_unfused(.gz), tests/gpu_gemm(.gz) and benches/layer with the scripts (cargo
-# xtask gpu-subset --tests gpu_unfused,gpu_gemm --benches layer). Logs under $OUT (or
+# the layer's under memcheck, racecheck and synccheck, then the GEMM benchmark with the gathering
+# plans each timed right after its plain one (`gemm --gathered`), then the layer benchmark with
+# the engine path and the gathering engine path alternating (engine, engine-gathered, engine,
+# engine-gathered) beside the ceilings and PyTorch. Run from a bundle folder that holds run.sh,
+# tests/gpu_unfused(.gz), tests/gpu_gemm(.gz), benches/layer and benches/gemm with the scripts
+# (cargo xtask gpu-subset --tests gpu_unfused,gpu_gemm --benches layer,gemm). Logs under $OUT (or
 # ./bench-logs); a short table last.
 #   CASES=deepseek:8192,kimi:8192 ./benches/gather_trial.sh
 set -uo pipefail
@@ -18,9 +19,12 @@ test_name=gate_up_gathering_its_rows_in_the_producer_is_bitwise_the_engine_path
 (cd "$bundle" && OUT="$out" ./run.sh engine_matches_unfused) > "$out/gather-plans.txt" 2>&1
 (cd "$bundle" && OUT="$out" MOK_SANITIZE_TOOLS="memcheck racecheck synccheck" ./run.sh --sanitize "$test_name") \
     > "$out/gather-sanitize.txt" 2>&1
-OUT="$out" CASES="${CASES:-deepseek:8192,kimi:8192}" GEMM=engine,engine-gathered,engine,engine-gathered \
+cases="${CASES:-deepseek:8192,kimi:8192}"
+"$here/gemm" --cases "$cases" --gathered > "$out/gather-gemm.txt" 2>&1
+OUT="$out" CASES="$cases" GEMM=engine,engine-gathered,engine,engine-gathered \
     "$here/run_layer_bench.sh" > "$out/gather-bench.txt" 2>&1
 echo "== test";     tail -2 "$out/gather-test.txt"
 echo "== plans";    tail -2 "$out/gather-plans.txt"
 echo "== sanitize"; grep -h "^sanitize:\|passed" "$out/gather-sanitize.txt" | tail -2
-echo "== bench";    grep -h "^RESULT\|^|" "$out/layer.log" | tail -12
+echo "== gemm";     grep -h "gate_up" "$out/gather-gemm.txt" | grep "^|"
+echo "== layer";    grep -h "^|" "$out/layer.log" | tail -10

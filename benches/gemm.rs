@@ -5,8 +5,11 @@
 //! matmul ceiling, bytes at the copy ceiling).
 //!
 //! `gemm [--cases kimi:8192,...|""] [--baseline FILE] [--matmul-tflops R] [--copy-tbps B]
-//! [--pairing m|n]` (`--pairing`: every row-grouped plan with M-pairs where possible, or N-pairs
-//! only, instead of each plan's default; `mok::gemm::Pairing`).
+//! [--pairing m|n] [--gathered]` (`--pairing`: every row-grouped plan with M-pairs where
+//! possible, or N-pairs only, instead of each plan's default; `mok::gemm::Pairing`.
+//! `--gathered`: also the gate/up and the gate and up weight gradients whose producers gather the
+//! token rows through the routing layout, `…:gathered`, each timed right after its plain
+//! counterpart, which reads a gathered copy).
 
 use std::collections::HashMap;
 
@@ -94,14 +97,16 @@ fn paired(gpu: &Gpu, mut plan: EnginePlan, pairing: Option<Pairing>) -> Result<E
     Ok(plan)
 }
 
-fn random_offsets(tokens: usize, experts: usize, k: usize, seed: u64) -> Vec<u32> {
+/// A random routing's layout: its group offsets and each row's slot `t · k + j`.
+fn random_layout(tokens: usize, experts: usize, k: usize, seed: u64) -> RoutingLayout {
     let (ids, _) = mok::random::topk_routing(tokens, k, experts, seed);
-    RoutingLayout::compute(&ids, k, experts).expect("whole tokens of k ids").row_offsets
+    RoutingLayout::compute(&ids, k, experts).expect("whole tokens of k ids")
 }
 
 fn main() -> Result<()> {
     let mut cases = "kimi:8192,glm:8192,qwen:8192,deepseek:8192".to_string();
     let (mut baseline_file, mut matmul, mut copy, mut pairing) = (None, 783.0, 4.23, None);
+    let mut gathered = false;
     let mut args = std::env::args().skip(1).filter(|a| a != "--bench");
     while let Some(arg) = args.next() {
         let mut value = || args.next().with_context(|| format!("{arg} needs a value"));
@@ -117,6 +122,7 @@ fn main() -> Result<()> {
                     other => anyhow::bail!("--pairing is m or n, not {other}"),
                 })
             }
+            "--gathered" => gathered = true,
             other => anyhow::bail!("unknown argument {other}"),
         }
     }
@@ -150,7 +156,8 @@ fn main() -> Result<()> {
         let tokens: usize = tokens.parse()?;
         let (e, h, i, k) = (shape.experts, shape.hidden, shape.intermediate, shape.top_k);
         let cap = tokens * k;
-        let offsets = random_offsets(tokens, e, k, 9);
+        let layout = random_layout(tokens, e, k, 9);
+        let offsets = layout.row_offsets.clone();
         let rows = offsets[e] as usize;
         let row_offsets = DeviceBuffer::from_slice(&gpu, &offsets)?;
         let tiles = tile_offsets(&gpu, &row_offsets, e)?;
@@ -228,9 +235,27 @@ fn main() -> Result<()> {
                 EnginePlan::wgrad(&gpu, &dy, &hidden, &row_offsets, (e, cap), (h, i), WgradOut::Bf16((&dw).into()))?,
             ),
         ];
+        // The gathering plans read the tokens (`[T][h]`) through each row's slot.
+        let gathering = if gathered {
+            let mut row_source = layout.row_source.clone();
+            row_source.resize(cap, 0);
+            let row_source = DeviceBuffer::from_slice(&gpu, &row_source)?;
+            let tokens_x = random_bf16(&gpu, tokens * h, 11, 1.0)?;
+            let gate_up = EnginePlan::gate_up_gathered(&gpu, &groups, &w_gate, &w_up, (h, i), None, &hidden, None)?;
+            Some((row_source, tokens_x, paired(&gpu, gate_up, pairing)?))
+        } else {
+            None
+        };
         for (what, flop, bytes, plan) in &single {
             // SAFETY: the plans' buffers live in this scope, past the timed launches.
             rows_out.push(timed_row(&gpu, tag(what), *flop, *bytes, || unsafe { plan.launch(&gpu) })?);
+            if let (Some((row_source, tokens_x, plan)), &"gate_up") = (&gathering, what) {
+                let name = tag("gate_up:gathered");
+                rows_out.push(timed_row(&gpu, name, *flop, *bytes, || {
+                    // SAFETY: as above; the slots are this routing's, below T · k.
+                    unsafe { plan.launch_gathered(&gpu, tokens_x.into(), row_source.into(), k) }
+                })?);
+            }
         }
         let plan_g =
             EnginePlan::wgrad(&gpu, &d_gate, &x, &row_offsets, (e, cap), (i, h), WgradOut::Bf16((&dw).into()))?;
@@ -243,6 +268,18 @@ fn main() -> Result<()> {
                 plan_u.launch(&gpu)
             }
         })?);
+        if let Some((row_source, tokens_x, _)) = &gathering {
+            let (out_g, out_u) = (WgradOut::Bf16((&dw).into()), WgradOut::Bf16((&dw2).into()));
+            let plan_g = EnginePlan::wgrad_gathered(&gpu, &d_gate, &row_offsets, (e, cap), (i, h), out_g)?;
+            let plan_u = EnginePlan::wgrad_gathered(&gpu, &d_up, &row_offsets, (e, cap), (i, h), out_u)?;
+            rows_out.push(timed_row(&gpu, tag("wgrad_gate_up:gathered"), flop, bytes, || {
+                // SAFETY: as above; the slots are this routing's, below T · k.
+                unsafe {
+                    plan_g.launch_gathered(&gpu, tokens_x.into(), row_source.into(), k)?;
+                    plan_u.launch_gathered(&gpu, tokens_x.into(), row_source.into(), k)
+                }
+            })?);
+        }
     }
 
     if gpu.has_kernel("mok_sm90_gemm_rows_nt_bf16") {
