@@ -300,19 +300,11 @@ impl ExpertCompute {
         groups: &crate::gemm::RowGroups<'_>,
         (dw, accumulate_f32): ([u64; 3], bool),
     ) -> Result<[crate::gemm::EnginePlan; 3]> {
-        use crate::gemm::{EnginePlan, WgradOut};
+        use crate::gemm::EnginePlan;
         let (h, i, r) = (self.hidden, self.inter, &self.rows);
         let g = groups.groups;
-        let out = |address: u64| {
-            // SAFETY: caller contract (each gradient holds G · I · H elements).
-            unsafe {
-                if accumulate_f32 {
-                    WgradOut::AccumulateF32(DeviceSlice::from_raw_parts(address, g * i * h))
-                } else {
-                    WgradOut::Bf16(DeviceSlice::from_raw_parts(address, g * i * h))
-                }
-            }
-        };
+        // SAFETY: caller contract (each gradient holds G · I · H elements).
+        let out = |address| unsafe { wgrad_target(address, g * i * h, accumulate_f32) };
         let wgrad =
             |a, b, (m, n), dw| EnginePlan::wgrad(gpu, a, b, groups.row_offsets, (g, groups.capacity), (m, n), out(dw));
         Ok([
@@ -334,19 +326,11 @@ impl ExpertCompute {
         groups: &crate::gemm::RowGroups<'_>,
         (dw, accumulate_f32): ([u64; 3], bool),
     ) -> Result<[crate::gemm::EnginePlan; 2]> {
-        use crate::gemm::{EnginePlan, WgradOut};
+        use crate::gemm::EnginePlan;
         let (h, i, r) = (self.hidden, self.inter, &self.rows);
         let g = groups.groups;
-        let out = |address: u64| {
-            // SAFETY: caller contract (each gradient holds G · I · H elements).
-            unsafe {
-                if accumulate_f32 {
-                    WgradOut::AccumulateF32(DeviceSlice::from_raw_parts(address, g * i * h))
-                } else {
-                    WgradOut::Bf16(DeviceSlice::from_raw_parts(address, g * i * h))
-                }
-            }
-        };
+        // SAFETY: caller contract (each gradient holds G · I · H elements).
+        let out = |address| unsafe { wgrad_target(address, g * i * h, accumulate_f32) };
         let wgrad = |a: &DeviceBuffer<bf16>, dw| {
             EnginePlan::wgrad_gathered(gpu, a, groups.row_offsets, (g, groups.capacity), (i, h), out(dw))
         };
@@ -784,5 +768,22 @@ impl SharedEnginePlans {
             self.tile_offsets_tokens = tokens;
         }
         Ok(())
+    }
+}
+
+/// A weight gradient's output at device address `address` of `len` elements: added into f32
+/// (`accumulate_f32`) or fresh bf16.
+///
+/// # Safety
+/// `address` is a live allocation of `len` elements of that type for as long as a plan built on
+/// it is launched.
+unsafe fn wgrad_target(address: u64, len: usize, accumulate_f32: bool) -> crate::gemm::WgradOut<'static> {
+    // SAFETY: caller contract.
+    unsafe {
+        if accumulate_f32 {
+            crate::gemm::WgradOut::AccumulateF32(DeviceSlice::from_raw_parts(address, len))
+        } else {
+            crate::gemm::WgradOut::Bf16(DeviceSlice::from_raw_parts(address, len))
+        }
     }
 }
