@@ -101,7 +101,9 @@ pub const KERNEL_IMAGES: [driver::KernelImage<'static>; 2] = [
 /// the driver's JIT ([`driver::Gpu::loaded_kernels`] says which).
 ///
 /// Fails with [`MokError::NoDriver`] on a machine without a CUDA driver and with
-/// [`MokError::UnsupportedGpu`] on a GPU that is neither Hopper nor Blackwell.
+/// [`MokError::UnsupportedGpu`] on a GPU of any compute capability but 9.0 (H100, H200) and 10.0
+/// (B200, GB200): the kernels are sm_90a and sm_100a code, which run on their own architecture
+/// only.
 ///
 /// With the feature `testing`, if the environment variable `MOK_PTX` names a file, that PTX is
 /// loaded instead of the built-in kernels (a note goes to stderr): it lets one device call time

@@ -28,7 +28,7 @@ pub enum MokError {
     NoDriver(String),
     /// The GPU is not one the embedded PTX targets.
     #[error(
-        "unsupported GPU {name} (compute capability {major}.{minor}): mok ships PTX for sm_90a (Hopper) and sm_100a (Blackwell)"
+        "unsupported GPU {name} (compute capability {major}.{minor}): mok ships PTX for sm_90a (compute capability 9.0) and sm_100a (10.0)"
     )]
     UnsupportedGpu {
         /// Device name.

@@ -187,10 +187,12 @@ pub enum LoadedKernels {
 }
 
 /// The image for a GPU of compute capability `(major, minor)`, and whether its cubin applies
-/// (non-empty and built for exactly that capability).
-fn image_for<'i, 'a>(images: &'i [KernelImage<'a>], (major, minor): (i32, i32)) -> Option<(&'i KernelImage<'a>, bool)> {
-    let image = images.iter().find(|image| image.compute_capability.0 == major)?;
-    Some((image, !image.cubin.is_empty() && image.compute_capability == (major, minor)))
+/// (non-empty). Only an image built for exactly that capability: mok's PTX is "a" code
+/// (sm_90a, sm_100a), which the driver runs on its own architecture alone — on 10.3, say,
+/// sm_100a's JIT fails — so another minor gets no image ([`MokError::UnsupportedGpu`]).
+fn image_for<'i, 'a>(images: &'i [KernelImage<'a>], capability: (i32, i32)) -> Option<(&'i KernelImage<'a>, bool)> {
+    let image = images.iter().find(|image| image.compute_capability == capability)?;
+    Some((image, !image.cubin.is_empty()))
 }
 
 /// Loads `image` into the current context: its cubin when `try_cubin`, else (or if the driver
@@ -589,9 +591,9 @@ mod tests {
         ];
         let chosen = |cc| image_for(&images, cc).map(|(image, try_cubin)| (image.ptx, try_cubin));
         assert_eq!(chosen((9, 0)), Some(("hopper", true)));
-        // Same major, other minor: the PTX (which the driver's JIT accepts or refuses), never
-        // an "a" cubin built for another chip.
-        assert_eq!(chosen((9, 1)), Some(("hopper", false)));
+        // Same major, other minor: nothing ("a" code runs on its own architecture only).
+        assert_eq!(chosen((9, 1)), None);
+        assert_eq!(chosen((10, 3)), None);
         // No cubin built (a kernel build without ptxas): the PTX.
         assert_eq!(chosen((10, 0)), Some(("blackwell", false)));
         assert_eq!(chosen((8, 0)), None);
