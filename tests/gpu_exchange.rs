@@ -368,6 +368,51 @@ fn ep_layer_matches_the_single_rank_path_bitwise_for_every_p() {
 }
 
 #[test]
+fn a_backward_without_a_whole_forward_is_refused() {
+    // Before any forward a layer's routing and rows are uninitialised memory: its backward must
+    // be an error, not kernels indexing with garbage. Then a forward makes it allowed; a forward
+    // refused for bad input makes it refused again (the last forward did not run).
+    let gpu = gpu();
+    let case = ep_case();
+    let global = &case.config;
+    let tokens = DeviceTokens::upload(&gpu, global, &case.tokens).unwrap();
+    let weights = DeviceExperts::upload(&gpu, global, &case.experts).unwrap();
+    let shared_weights = case.shared.as_ref().map(|s| DeviceSharedExpert::upload(&gpu, global, s).unwrap());
+    let dy = DeviceBuffer::from_slice(&gpu, &case.dy).unwrap();
+    let mut one = UnfusedLayer::new(&gpu, global.clone()).unwrap();
+    let backward = |layer: &mut UnfusedLayer| layer.backward(&gpu, &tokens, &weights, shared_weights.as_ref(), &dy);
+    let refused = |result: mok::Result<()>, what: &str| match result {
+        Err(MokError::InvalidInput { tensor: "backward", problem }) => {
+            assert!(problem.contains("forward"), "{what}: {problem}")
+        }
+        other => panic!("{what}: expected the backward refused, got {other:?}"),
+    };
+    refused(backward(&mut one), "UnfusedLayer before any forward");
+    one.forward(&gpu, &tokens, &weights, shared_weights.as_ref()).unwrap();
+    backward(&mut one).unwrap();
+    let short = DeviceBuffer::<bf16>::alloc(&gpu, global.hidden - 8).unwrap();
+    let bad = mok::unfused::TokensView { x: (&short).into(), ..(&tokens).into() };
+    let shared_view = shared_weights.as_ref().map(Into::into);
+    assert!(one.forward_views(&gpu, bad, (&weights).into(), shared_view).is_err());
+    refused(backward(&mut one), "UnfusedLayer after a refused forward");
+    gpu.synchronize().unwrap();
+    one.check_device_errors().unwrap();
+
+    let p = 2;
+    let config = rank_config(global, p);
+    let mut ep = EpLayer::new_virtual(&gpu, config.clone(), ExchangeOptions::default()).unwrap();
+    let experts: Vec<DeviceExperts> =
+        split_weights(&case.experts, p).iter().map(|w| DeviceExperts::upload(&gpu, &config, w).unwrap()).collect();
+    let shared = case.shared.as_ref().map(|s| DeviceSharedExpert::upload(&gpu, &config, s).unwrap());
+    upload_rank_inputs(&gpu, &ep, &case);
+    refused(ep.backward(&gpu, &experts, shared.as_ref()), "EpLayer before any forward");
+    ep.forward(&gpu, &experts, shared.as_ref()).unwrap();
+    ep.backward(&gpu, &experts, shared.as_ref()).unwrap();
+    ep.check_errors(&gpu).unwrap();
+    println!("  a backward before any whole forward: refused on both layers; allowed after one");
+}
+
+#[test]
 fn bulk_ep_layer_matches_the_single_rank_path_bitwise() {
     let gpu = gpu();
     let case = ep_case();

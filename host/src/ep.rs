@@ -167,6 +167,9 @@ pub struct EpLayer {
     ranks: Vec<RankState>,
     megakernel: Option<EpMegakernel>,
     backward_megakernel: Option<EpBackwardMegakernel>,
+    /// Whether a forward has been enqueued whole since the layer was built: a backward reads its
+    /// routing and rows, which exist only then.
+    forward_ran: bool,
 }
 
 impl EpLayer {
@@ -219,7 +222,7 @@ impl EpLayer {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Self { config, exchange, ranks, megakernel: None, backward_megakernel: None })
+        Ok(Self { config, exchange, ranks, megakernel: None, backward_megakernel: None, forward_ran: false })
     }
 
     /// Runs the forward as the forward megakernel (`Some(options)`: one launch for every rank
@@ -766,8 +769,12 @@ impl EpLayer {
         shared: Option<SharedExpertView<'_>>,
     ) -> Result<()> {
         self.check_weights(experts, shared)?;
+        // A forward that fails part way leaves no pass a backward could read.
+        self.forward_ran = false;
         if self.megakernel.is_some() {
-            return self.forward_megakernel(gpu, experts, shared);
+            self.forward_megakernel(gpu, experts, shared)?;
+            self.forward_ran = true;
+            return Ok(());
         }
         let gpus = [gpu];
         self.exchange.schedule(&gpus)?;
@@ -793,7 +800,9 @@ impl EpLayer {
         let outs: Vec<u64> = self.ranks.iter().map(|s| s.y.device_ptr()).collect();
         // SAFETY: every rank's ring rows (its workspace's f32 output, sized for the ring), its
         // shared expert's rows (or 0) and its y are this layer's buffers.
-        unsafe { self.exchange.combine(&gpus, &rows, &bases, &outs) }
+        unsafe { self.exchange.combine(&gpus, &rows, &bases, &outs) }?;
+        self.forward_ran = true;
+        Ok(())
     }
 
     /// The backward as the megakernel: each rank's shared expert backward (its dx rows are the
@@ -1036,6 +1045,12 @@ impl EpLayer {
         shared: Option<SharedExpertView<'_>>,
         target: Option<&EpGradTargets>,
     ) -> Result<()> {
+        if !self.forward_ran {
+            return Err(MokError::InvalidInput {
+                tensor: "backward",
+                problem: "no whole forward has run on this layer: a backward differentiates the last forward".into(),
+            });
+        }
         self.check_weights(experts, shared)?;
         if let Some(t) = target
             && (t.routed.len() != self.ranks.len() || (shared.is_some() && t.shared.len() != self.ranks.len()))

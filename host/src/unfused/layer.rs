@@ -84,6 +84,9 @@ pub struct UnfusedLayer {
     /// Whether `gathered_x` holds the last forward's rows (a forward whose gate/up gathered
     /// them itself left it stale: the backward fills it before its weight gradients read it).
     x_rows_gathered: bool,
+    /// Whether a forward has been enqueued whole since the layer was built: a backward reads its
+    /// routing layout and rows, which exist only then.
+    forward_ran: bool,
 }
 
 /// The routed experts' GEMMs on the sm_90a tensor-core engine ([`crate::gemm`]) — the same
@@ -260,6 +263,7 @@ impl UnfusedLayer {
             shared_x_from_forward: false,
             gather_in_producer: false,
             x_rows_gathered: false,
+            forward_ran: false,
             grads: DeviceGrads {
                 dx: DeviceBuffer::alloc(gpu, t * h)?,
                 d_topk_weights: DeviceBuffer::alloc(gpu, slots)?,
@@ -899,6 +903,21 @@ impl UnfusedLayer {
         experts: ExpertsView<'_>,
         shared: Option<SharedExpertView<'_>>,
     ) -> Result<()> {
+        // A forward that fails part way (or not at all) leaves no pass a backward could read.
+        self.forward_ran = false;
+        self.enqueue_forward(gpu, tokens, experts, shared)?;
+        self.forward_ran = true;
+        Ok(())
+    }
+
+    /// The body of [`Self::forward_views`].
+    fn enqueue_forward(
+        &mut self,
+        gpu: &Gpu,
+        tokens: TokensView<'_>,
+        experts: ExpertsView<'_>,
+        shared: Option<SharedExpertView<'_>>,
+    ) -> Result<()> {
         let t = self.check_inputs(tokens, experts, shared)?;
         // Before any launch: building plans uploads their parameter blocks.
         self.prepare_engine_plans(gpu, experts)?;
@@ -1084,6 +1103,12 @@ impl UnfusedLayer {
         dy: DeviceSlice<'_, bf16>,
         target: WeightGradTarget<'_>,
     ) -> Result<()> {
+        if !self.forward_ran {
+            return Err(MokError::InvalidInput {
+                tensor: "backward",
+                problem: "no whole forward has run on this layer: a backward differentiates the last forward".into(),
+            });
+        }
         let t = self.check_inputs(tokens, experts, shared)?;
         if t != self.tokens {
             return Err(MokError::InvalidInput {
