@@ -29,8 +29,7 @@ use bytemuck::Pod;
 use half::bf16;
 use mok_kernels::comm::error as codes;
 use mok_kernels::comm::params::{
-    BULK_SMEM_BYTES, BULK_THREADS, CLEAR_ROUTE_ERROR, CLEAR_SLOT_READY, ERROR_WORDS, ExchangeParams, ExchangeShape,
-    HeapRegions,
+    BULK_SMEM_BYTES, BULK_THREADS, CLEAR_SLOT_READY, ERROR_WORDS, ExchangeParams, ExchangeShape, HeapRegions,
 };
 use mok_kernels::layout;
 
@@ -401,8 +400,8 @@ impl Exchange {
         self.place(gpus)
     }
 
-    /// [`Self::schedule`] after clearing the megakernels' `slot_ready` flags in the same launch as
-    /// the routing error records ([`Self::clear_slot_ready`] says why that is in time).
+    /// [`Self::schedule`] after clearing the megakernels' `slot_ready` flags
+    /// ([`Self::clear_slot_ready`] says why that is in time).
     pub(crate) fn schedule_clearing_slot_ready(&mut self, gpus: &[&Gpu]) -> Result<()> {
         self.route_and_publish_clearing(gpus, CLEAR_SLOT_READY)?;
         self.place(gpus)
@@ -418,7 +417,11 @@ impl Exchange {
         self.epoch = self.epoch.wrapping_add(1).max(1);
         let s = self.shape;
         let (t, k, e) = (s.tokens, s.top_k, s.num_experts);
-        self.clear_signals(gpus, CLEAR_ROUTE_ERROR | also_clear)?;
+        // The routing error records are not cleared here: a bad id of an unchecked pass stays
+        // recorded (the first one) until `check_errors` has reported it and `reset` cleared it.
+        if also_clear != 0 {
+            self.clear_signals(gpus, also_clear)?;
+        }
         // SAFETY (all four): each kernel's parameters after (params, first_rank) are the ones
         // given (none), with the block shapes they document; the regions they touch are the
         // heap's, sized for this shape.

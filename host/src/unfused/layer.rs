@@ -241,7 +241,12 @@ impl UnfusedLayer {
             tile_offsets: DeviceBuffer::alloc(gpu, e + 1)?,
             slot_row: DeviceBuffer::alloc(gpu, slots)?,
             row_source: DeviceBuffer::alloc(gpu, slots)?,
-            error: DeviceBuffer::alloc(gpu, 4)?,
+            // Zeroed once: the routing keeps the first bad id until a check reports it.
+            error: {
+                let mut record = DeviceBuffer::alloc(gpu, 4)?;
+                record.fill_bytes(0)?;
+                record
+            },
         };
         // The shared expert is one group holding every token.
         let (shared, shared_grads) = shared_expert_workspace(gpu, &config)?.unzip();
@@ -826,8 +831,9 @@ impl UnfusedLayer {
         }
         let t = t as u32;
         let chunks = mok_kernels::layout::chunk_count(t);
+        // The routing error record is not cleared here: a bad id of an unchecked pass stays
+        // recorded (the first one) until `check_device_errors` reports and clears it.
         let r = &mut self.routing;
-        r.error.fill_bytes(0)?;
         // SAFETY: the arguments are `mok_route_rank_chunks`'s parameters, in order and type (its entry point in
         // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
         unsafe {
@@ -1353,24 +1359,27 @@ impl UnfusedLayer {
         Ok(compute.d_in_rows().device_ptr())
     }
 
-    /// Waits for the stream and reports a routing problem the kernels found in `topk_ids`
-    /// (an id out of range or repeated in a token: that slot was dropped), or else, with the
-    /// megakernels, the first wait of their last passes that timed out (`MokError::Timeout`, the
-    /// forward's first; both records cleared by the report, so the next pass starts clean).
+    /// Waits for the stream and reports the first problem of the passes since the last check: a
+    /// routing problem the kernels found in `topk_ids` (the first id out of range or repeated in
+    /// a token: that slot was dropped), or else, with the megakernels, the first wait of their
+    /// last passes that timed out (`MokError::Timeout`, the forward's first). Every record is
+    /// cleared by the check, so the next one reports only later passes.
     pub fn check_device_errors(&mut self) -> Result<()> {
         let words = self.routing.error.download()?;
+        // Every record is read and cleared, so the next check reports only later passes; the
+        // routing's is reported first, then the forward megakernel's, then the backward's.
+        let forward = match &mut self.megakernel {
+            Some((_, Some(pass))) => pass.check(),
+            _ => Ok(()),
+        };
+        let backward = match &mut self.backward_megakernel {
+            Some((_, Some(pass))) => pass.check(),
+            _ => Ok(()),
+        };
         if words[0] == 0 {
-            // Both passes' records are read (and cleared), the forward's reported first.
-            let forward = match &mut self.megakernel {
-                Some((_, Some(pass))) => pass.check(),
-                _ => Ok(()),
-            };
-            let backward = match &mut self.backward_megakernel {
-                Some((_, Some(pass))) => pass.check(),
-                _ => Ok(()),
-            };
             return forward.and(backward);
         }
+        self.routing.error.fill_bytes(0)?;
         let k = self.config.top_k as u32;
         let describe = |what: &str| {
             format!(
