@@ -1,30 +1,43 @@
 #!/usr/bin/env bash
-# One device call for the gathering producers (`UnfusedLayer::set_gather_in_producer`): their
-# bitwise tests (the layer's, and gpu_gemm's engine_matches_unfused_* with the gathering plans),
-# the layer's under memcheck, racecheck and synccheck, then the GEMM benchmark with the gathering
-# plans each timed right after its plain one (`gemm --gathered`), then the layer benchmark with
-# the engine path and the gathering engine path alternating (engine, engine-gathered, engine,
+# The gathering producers (`UnfusedLayer::set_gather_in_producer`), one step per device call
+# (each fits the 10-minute limit of a call): `tests` runs their bitwise tests (the layer's in
+# gpu_unfused, and gpu_gemm's engine_matches_unfused_* with the gathering plans), `sanitize` the
+# layer's under memcheck, racecheck and synccheck, `bench` the GEMM benchmark with the gathering
+# plans each timed right after its plain one (`gemm --gathered`) and the layer benchmark with the
+# engine path and the gathering one alternating (engine, engine-gathered, engine,
 # engine-gathered) beside the ceilings and PyTorch. Run from a bundle folder that holds run.sh,
 # tests/gpu_unfused(.gz), tests/gpu_gemm(.gz), benches/layer and benches/gemm with the scripts
 # (cargo xtask gpu-subset --tests gpu_unfused,gpu_gemm --benches layer,gemm). Logs under $OUT (or
 # ./bench-logs); a short table last.
-#   CASES=deepseek:8192,kimi:8192 ./benches/gather_trial.sh
+#   ./benches/gather_trial.sh tests      (then: sanitize, bench; CASES=deepseek:8192,kimi:8192)
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 bundle="$(cd "$here/.." && pwd)"
-out="${OUT:-./bench-logs}"
-mkdir -p "$out"
+mkdir -p "${OUT:-./bench-logs}"
+out="$(cd "${OUT:-./bench-logs}" && pwd)"
 test_name=gate_up_gathering_its_rows_in_the_producer_is_bitwise_the_engine_path
-(cd "$bundle" && OUT="$out" ./run.sh "$test_name") > "$out/gather-test.txt" 2>&1
-(cd "$bundle" && OUT="$out" ./run.sh engine_matches_unfused) > "$out/gather-plans.txt" 2>&1
-(cd "$bundle" && OUT="$out" MOK_SANITIZE_TOOLS="memcheck racecheck synccheck" ./run.sh --sanitize "$test_name") \
-    > "$out/gather-sanitize.txt" 2>&1
-cases="${CASES:-deepseek:8192,kimi:8192}"
-"$here/gemm" --cases "$cases" --gathered > "$out/gather-gemm.txt" 2>&1
-OUT="$out" CASES="$cases" GEMM=engine,engine-gathered,engine,engine-gathered \
-    "$here/run_layer_bench.sh" > "$out/gather-bench.txt" 2>&1
-echo "== test";     tail -2 "$out/gather-test.txt"
-echo "== plans";    tail -2 "$out/gather-plans.txt"
-echo "== sanitize"; grep -h "^sanitize:\|passed" "$out/gather-sanitize.txt" | tail -2
-echo "== gemm";     grep -h "gate_up" "$out/gather-gemm.txt" | grep "^|"
-echo "== layer";    grep -h "^|" "$out/layer.log" | tail -10
+case "${1:-}" in
+    tests)
+        (cd "$bundle" && OUT="$out" ./run.sh "$test_name") > "$out/gather-test.txt" 2>&1
+        (cd "$bundle" && OUT="$out" ./run.sh engine_matches_unfused) > "$out/gather-plans.txt" 2>&1
+        echo "== layer test"; tail -2 "$out/gather-test.txt"
+        echo "== plans";      tail -2 "$out/gather-plans.txt"
+        ;;
+    sanitize)
+        (cd "$bundle" && OUT="$out" MOK_TEST_TIMEOUT=560 MOK_SANITIZE_TOOLS="memcheck racecheck synccheck" \
+            ./run.sh --sanitize "$test_name") > "$out/gather-sanitize.txt" 2>&1
+        grep -h "^sanitize:\|passed" "$out/gather-sanitize.txt" | tail -2
+        ;;
+    bench)
+        cases="${CASES:-deepseek:8192,kimi:8192}"
+        "$here/gemm" --cases "$cases" --gathered > "$out/gather-gemm.txt" 2>&1
+        OUT="$out" CASES="$cases" GEMM=engine,engine-gathered,engine,engine-gathered \
+            "$here/run_layer_bench.sh" > "$out/gather-bench.txt" 2>&1
+        echo "== gemm";  grep -h "gate_up" "$out/gather-gemm.txt" | grep "^|"
+        echo "== layer"; grep -h "^|" "$out/layer.log" | tail -10
+        ;;
+    *)
+        echo "usage: gather_trial.sh tests|sanitize|bench (one device call each)" >&2
+        exit 2
+        ;;
+esac

@@ -269,7 +269,12 @@ fn stalled_peer(
     (backend, fault): (Backend, Fault),
     gather: &mut FileRendezvous,
 ) {
-    let deadline = Duration::from_millis(common::sized("fault deadline (ms)", 500, 5000));
+    // `NoBackward` needs its forward whole on every rank first: the first pass of fresh
+    // processes taking turns on the GPU, so a longer deadline than a wait that must fail alone.
+    let deadline = match fault {
+        Fault::NoPass => Duration::from_millis(common::sized("fault deadline (ms)", 500, 5000)),
+        Fault::NoBackward => Duration::from_millis(common::sized("fault deadline (ms)", 2000, 10000)),
+    };
     let mut layer = rank_layer(gpu, env, config, backend, deadline, gather);
     let stalled = env.world - 1;
     let view = MoeInputs {
@@ -278,10 +283,15 @@ fn stalled_peer(
         shared: inputs.shared.as_ref().map(Into::into),
     };
     let mut y = DeviceBuffer::<bf16>::alloc(gpu, inputs.dy.len()).unwrap();
-    // With `NoBackward` every rank's forward is whole first; then the stalled rank stops.
+    // With `NoBackward` every rank's forward is whole first; then the stalled rank stops. The
+    // ranks start the forward together, and no backward starts before every rank has checked
+    // its forward (a check reads the peers' records: a backward's timeout recorded by then
+    // would void the forward's check).
     let token = (fault == Fault::NoBackward).then(|| {
+        gather.all_gather(&[1]).unwrap();
         let token = layer.forward_token(gpu, &view, (&mut y).into()).unwrap();
         layer.check().unwrap();
+        gather.all_gather(&[1]).unwrap();
         token
     });
     if env.rank != stalled {
