@@ -235,6 +235,28 @@ fn moe_layer_rejects_what_it_cannot_run() {
         Err(MokError::InvalidInput { tensor, problem }) => println!("  {tensor}: {problem}"),
         other => panic!("expected InvalidInput, got {other:?}"),
     }
+    // The same device opened again: another stream, which would not order the layer's work.
+    let again = mok::open_gpu(0).unwrap();
+    match layer.forward(&again, &inputs, y.into()) {
+        Err(MokError::InvalidInput { tensor: "gpu", problem }) => println!("  gpu: {problem}"),
+        Err(other) => panic!("expected the other Gpu refused, got {other:?}"),
+        Ok(_) => panic!("expected the other Gpu refused, got a pass"),
+    }
+    // A token of another layer's forward at the same pass count.
+    let mut twin = MoeLayer::new(&gpu, c.clone(), LayerOptions::default()).unwrap();
+    let token = layer.forward_token(&gpu, &inputs, y.into()).unwrap();
+    let twin_token = twin.forward_token(&gpu, &inputs, y.into()).unwrap();
+    let grads = MoeGradients {
+        dx: dx.into(),
+        d_topk_weights: d_topk_weights.into(),
+        weights: WeightGradTarget::Bf16(grad_views(dw)),
+    };
+    match layer.backward(&gpu, twin_token, &inputs, (&*dy).into(), grads) {
+        Err(MokError::InvalidInput { tensor: "pass token", problem }) => println!("  another layer's token: {problem}"),
+        other => panic!("expected another layer's token refused, got {other:?}"),
+    }
+    drop(token);
+    twin.check().unwrap();
     layer.check().unwrap();
 }
 

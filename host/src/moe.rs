@@ -1,9 +1,9 @@
 //! [`MoeLayer`]: the layer a training framework calls — borrowed device views in and out, the
-//! caller's stream (open the [`Gpu`] with `Gpu::on_stream`), the fastest correct backend this GPU
-//! has, a forward that returns the pass its backward consumes, and weight gradients written
-//! fresh or added into the caller's f32 main gradients; one GPU holding every expert, P
-//! expert-parallel virtual ranks on it, or one rank per process over a multi-process heap
-//! ([`MoeLayer::with_heap`]). Nothing in a forward or a backward
+//! caller's stream (open the [`Gpu`] with the facade's `mok::open_gpu_on_stream`), the fastest
+//! correct backend this GPU has, a forward that returns the pass its backward consumes, and
+//! weight gradients written fresh or added into the caller's f32 main gradients; one GPU
+//! holding every expert, P expert-parallel virtual ranks on it, or one rank per process over a
+//! multi-process heap ([`MoeLayer::with_heap`]). Nothing in a forward or a backward
 //! synchronises with the host: device-side problems (a bad id found on the device, a wait that
 //! timed out) are recorded and reported by [`MoeLayer::check`], which does synchronise — call it
 //! where the training loop synchronises anyway (once per step, or before reading the loss).
@@ -144,13 +144,23 @@ pub struct MoeLayer {
     backend: Backend,
     /// Forwards enqueued so far: a [`PassToken`] names the forward it came from.
     passes: u64,
+    /// A handle of the GPU the layer was built on: every call must come with it (its stream
+    /// orders the layer's work), and [`MoeLayer::check`] waits on it.
+    gpu: Gpu,
+    /// This layer among every `MoeLayer` of the process: a [`PassToken`] names it.
+    id: u64,
+    /// A check reported a failed pass across processes: the layer must be rebuilt.
+    failed: bool,
 }
+
+/// Source of [`MoeLayer`]'s ids.
+static NEXT_LAYER_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// What runs a [`MoeLayer`].
 enum Layer {
     Single(Box<UnfusedLayer>),
-    /// Virtual ranks, with a handle of their GPU for [`MoeLayer::check`].
-    Ranks(Box<EpLayer>, Gpu),
+    /// Ranks: virtual ranks on one GPU, or this process's rank of several.
+    Ranks(Box<EpLayer>),
 }
 
 /// A forward that has been enqueued, holding the layer until its backward: only
@@ -172,10 +182,13 @@ pub struct ForwardPass<'l> {
 pub struct PassToken {
     inputs: [u64; 9],
     pass: u64,
+    /// The layer whose forward it is ([`MoeLayer`]'s id).
+    layer: u64,
 }
 
 impl MoeLayer {
-    /// Validates `config` and allocates the workspace on `gpu` (its stream is the layer's).
+    /// Validates `config` and allocates the workspace on `gpu` (its stream is the layer's: every
+    /// later call takes this same `Gpu`, and refuses another).
     pub fn new(gpu: &Gpu, config: MoeConfig, options: LayerOptions) -> Result<Self> {
         config.validate()?;
         let backend = options.backend.unwrap_or_else(|| Backend::fastest_for(gpu, config.ep_ranks));
@@ -194,7 +207,7 @@ impl MoeLayer {
                 layer.set_forward_megakernel(gpu, Some(options.megakernel.clone()))?;
                 layer.set_backward_megakernel(gpu, Some(options.megakernel))?;
             }
-            return Ok(Self { layer: Layer::Ranks(Box::new(layer), gpu.handle()), backend, passes: 0 });
+            return Ok(Self::around(Layer::Ranks(Box::new(layer)), backend, gpu));
         }
         let mut layer = UnfusedLayer::new(gpu, config)?;
         match backend {
@@ -205,7 +218,7 @@ impl MoeLayer {
                 layer.set_backward_megakernel(gpu, Some(options.megakernel))?;
             }
         }
-        Ok(Self { layer: Layer::Single(Box::new(layer)), backend, passes: 0 })
+        Ok(Self::around(Layer::Single(Box::new(layer)), backend, gpu))
     }
 
     /// The layer for the ranks of `heap` that this process drives, all on `gpu` (with one process
@@ -235,7 +248,34 @@ impl MoeLayer {
             layer.set_forward_megakernel(gpu, Some(options.megakernel.clone()))?;
             layer.set_backward_megakernel(gpu, Some(options.megakernel))?;
         }
-        Ok(Self { layer: Layer::Ranks(Box::new(layer), gpu.handle()), backend, passes: 0 })
+        Ok(Self::around(Layer::Ranks(Box::new(layer)), backend, gpu))
+    }
+
+    /// The layer over `layer`, built on `gpu`.
+    fn around(layer: Layer, backend: Backend, gpu: &Gpu) -> Self {
+        let id = NEXT_LAYER_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Self { layer, backend, passes: 0, gpu: gpu.handle(), id, failed: false }
+    }
+
+    /// `gpu` is the layer's own (or a copy of that handle), and the layer may run a pass.
+    fn check_call(&self, gpu: &Gpu) -> Result<()> {
+        if !gpu.is_same_stream(&self.gpu) {
+            return Err(MokError::InvalidInput {
+                tensor: "gpu",
+                problem: "not the Gpu the layer was built with (a GPU opened again has another stream, which \
+                          would not order the layer's work): pass that handle"
+                    .into(),
+            });
+        }
+        if self.failed {
+            return Err(MokError::InvalidInput {
+                tensor: "layer",
+                problem: "a pass across processes failed (MoeLayer::check reported it): rebuild the layer, on every \
+                          process"
+                    .into(),
+            });
+        }
+        Ok(())
     }
 
     /// The backend this layer runs.
@@ -247,7 +287,7 @@ impl MoeLayer {
     pub fn config(&self) -> &MoeConfig {
         match &self.layer {
             Layer::Single(layer) => layer.config(),
-            Layer::Ranks(layer, _) => layer.config(),
+            Layer::Ranks(layer) => layer.config(),
         }
     }
 
@@ -271,6 +311,7 @@ impl MoeLayer {
         inputs: &MoeInputs<'_>,
         mut y: DeviceSliceMut<'_, bf16>,
     ) -> Result<PassToken> {
+        self.check_call(gpu)?;
         if y.len() != inputs.tokens.x.len() {
             return Err(MokError::InvalidInput {
                 tensor: "y",
@@ -286,7 +327,7 @@ impl MoeLayer {
                 layer.forward_views(gpu, inputs.tokens, inputs.experts, inputs.shared)?;
                 layer.y().copy_to(&mut y)?;
             }
-            Layer::Ranks(layer, _) => {
+            Layer::Ranks(layer) => {
                 let locals = layer.local_ranks().to_vec();
                 let shares = RankShares::of(layer.config(), locals.len());
                 shares.check_tokens(&inputs.tokens)?;
@@ -300,12 +341,13 @@ impl MoeLayer {
                 }
             }
         }
-        Ok(PassToken { inputs: inputs.addresses(), pass: self.passes })
+        Ok(PassToken { inputs: inputs.addresses(), pass: self.passes, layer: self.id })
     }
 
     /// Enqueues the backward of the forward that gave `token` (the layer's last), for output
     /// gradient `dy` `[T, H]` bf16: `inputs` must be the forward's views; the gradients go to
-    /// `grads`.
+    /// `grads`. The token is consumed whatever the outcome: after an error (a view of the wrong
+    /// length, say) the forward must run again before a backward.
     pub fn backward(
         &mut self,
         gpu: &Gpu,
@@ -314,6 +356,14 @@ impl MoeLayer {
         dy: DeviceSlice<'_, bf16>,
         mut grads: MoeGradients<'_>,
     ) -> Result<()> {
+        self.check_call(gpu)?;
+        if token.layer != self.id {
+            return Err(MokError::InvalidInput {
+                tensor: "pass token",
+                problem: "from another layer's forward: a backward runs on the layer whose forward gave the token"
+                    .into(),
+            });
+        }
         if token.pass != self.passes {
             return Err(MokError::InvalidInput {
                 tensor: "pass token",
@@ -347,7 +397,7 @@ impl MoeLayer {
                 layer.grads().dx.copy_to(&mut grads.dx)?;
                 layer.grads().d_topk_weights.copy_to(&mut grads.d_topk_weights)
             }
-            Layer::Ranks(layer, _) => {
+            Layer::Ranks(layer) => {
                 let locals = layer.local_ranks().to_vec();
                 let shares = RankShares::of(layer.config(), locals.len());
                 let experts = shares.experts(&inputs.experts)?;
@@ -376,11 +426,12 @@ impl MoeLayer {
     /// timed out; across ranks also a ring too small or a rank that never signalled). One GPU
     /// and virtual ranks: the problem is cleared, and the next pass starts clean. Across
     /// processes the peers' records are read too, nothing is cleared, and every process must
-    /// rebuild its layer.
+    /// rebuild its layer (until then this one refuses its passes).
     pub fn check(&mut self) -> Result<()> {
         match &mut self.layer {
             Layer::Single(layer) => layer.check_device_errors(),
-            Layer::Ranks(layer, gpu) => {
+            Layer::Ranks(layer) => {
+                let gpu = &self.gpu;
                 let checked = layer.check_errors(gpu);
                 if checked.is_err() {
                     // The failed pass's state is void: its token goes.
@@ -391,7 +442,9 @@ impl MoeLayer {
                     // Across processes a reset is collective (every rank, between barriers):
                     // the layer cannot do it alone, so the ranks rebuild their layers.
                     if layer.exchange().heap().single_gpu() {
-                        let _ = layer.exchange_mut().reset(&[&*gpu]);
+                        let _ = layer.exchange_mut().reset(&[gpu]);
+                    } else {
+                        self.failed = true;
                     }
                 }
                 checked

@@ -511,6 +511,12 @@ impl Gpu {
         }
     }
 
+    /// Whether `other` is this GPU handle or one of its copies (the same context and stream),
+    /// not merely the same device opened again.
+    pub fn is_same_stream(&self, other: &Gpu) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+
     /// Waits for all work on the stream; an execution fault is reported here.
     pub fn synchronize(&self) -> Result<()> {
         self.synchronize_named("stream")
