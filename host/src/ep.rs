@@ -70,7 +70,8 @@ pub struct EpRankOutputs<'a> {
     pub dx: &'a DeviceBuffer<bf16>,
     /// `[T, k]` f32.
     pub d_topk_weights: &'a DeviceBuffer<f32>,
-    /// `(dw_gate [L, I, H], dw_up [L, I, H], dw_down [L, H, I])` of this rank's experts, bf16.
+    /// `(dw_gate [L, I, H], dw_up [L, I, H], dw_down [L, H, I])` of this rank's experts, bf16:
+    /// empty until a backward has left its gradients in the layer (no target).
     pub dw: [&'a DeviceBuffer<bf16>; 3],
     /// Shared expert weight gradients over this rank's tokens only, bf16.
     pub dws: Option<[&'a DeviceBuffer<bf16>; 3]>,
@@ -202,8 +203,7 @@ impl EpLayer {
     /// The workspaces of the exchange's local ranks.
     fn over(gpu: &Gpu, config: MoeConfig, exchange: Exchange) -> Result<Self> {
         let capacity = exchange.shape().capacity as usize;
-        let (t, h, i, l, k) =
-            (config.tokens_per_rank, config.hidden, config.intermediate, config.local_experts(), config.top_k);
+        let (t, h, i, k) = (config.tokens_per_rank, config.hidden, config.intermediate, config.top_k);
         let ranks = (0..exchange.heap().local_ranks().len())
             .map(|_| {
                 let (shared, dws) = shared_expert_workspace(gpu, &config)?.unzip();
@@ -213,11 +213,9 @@ impl EpLayer {
                     y: DeviceBuffer::alloc(gpu, t * h)?,
                     dx: DeviceBuffer::alloc(gpu, t * h)?,
                     d_topk_weights: DeviceBuffer::alloc(gpu, t * k)?,
-                    dw: [
-                        DeviceBuffer::alloc(gpu, l * i * h)?,
-                        DeviceBuffer::alloc(gpu, l * i * h)?,
-                        DeviceBuffer::alloc(gpu, l * h * i)?,
-                    ],
+                    // Empty until a backward leaves its gradients in the layer (`backward_views`
+                    // without a target allocates them).
+                    dw: [DeviceBuffer::alloc(gpu, 0)?, DeviceBuffer::alloc(gpu, 0)?, DeviceBuffer::alloc(gpu, 0)?],
                     dws,
                 })
             })
@@ -1052,6 +1050,17 @@ impl EpLayer {
             });
         }
         self.check_weights(experts, shared)?;
+        if target.is_none() && self.ranks.iter().any(|state| state.dw[0].is_empty()) {
+            // The first backward into the ranks' own gradients allocates them.
+            let (h, i, l) = (self.config.hidden, self.config.intermediate, self.config.local_experts());
+            for state in &mut self.ranks {
+                state.dw = [
+                    DeviceBuffer::alloc(gpu, l * i * h)?,
+                    DeviceBuffer::alloc(gpu, l * i * h)?,
+                    DeviceBuffer::alloc(gpu, l * h * i)?,
+                ];
+            }
+        }
         if let Some(t) = target
             && (t.routed.len() != self.ranks.len() || (shared.is_some() && t.shared.len() != self.ranks.len()))
         {

@@ -138,7 +138,9 @@ pub struct MoeGradients<'a> {
 ///   y, dx, d_topk_weights and the routed weight gradients are the one-GPU layer's bits. The
 ///   shared expert's weight gradient is a sum over ranks, so at P > 1 it must be added into f32
 ///   ([`WeightGradTarget::AccumulateF32`]: each rank adds its tokens' part, in rank order —
-///   deterministic, but not the one-GPU bits) or left in the layer ([`WeightGradTarget::Layer`]).
+///   deterministic, but not the one-GPU bits) or left in the layer ([`WeightGradTarget::Layer`]:
+///   the layer's own buffers, which `MoeLayer` does not hand out — a backward whose weight
+///   gradients are not wanted, such as frozen experts).
 pub struct MoeLayer {
     layer: Layer,
     backend: Backend,
@@ -639,12 +641,15 @@ impl ForwardPass<'_> {
 }
 
 /// Device bytes a [`MoeLayer`] for `config` on `backend` allocates at most, all of it —
-/// workspace, routing buffers, its own gradients, and (engine and megakernel) the plans'
-/// parameter blocks, tensor maps and counters, which the forwards and backwards make: the plans
-/// of the current weights and of the weights before them, and of the current weight-gradient
-/// target and the one before it — counted as mok requests them (each allocation at least 16
-/// bytes; the driver rounds each up a little more). The caller's own buffers (inputs, outputs,
-/// gradient targets) are not included.
+/// workspace, routing buffers, its own dx, d_topk_weights and shared-expert gradients, and
+/// (engine and megakernel) the plans' parameter blocks, tensor maps and counters, which the
+/// forwards and backwards make: the plans of the current weights and of the weights before them,
+/// and of the current weight-gradient target and the one before it — counted as mok requests
+/// them (each allocation at least 16 bytes; the driver rounds each up a little more). The
+/// caller's own buffers (inputs, outputs, gradient targets) are not included, nor the routed
+/// weight gradients a backward allocates in the layer the first time it is given
+/// [`WeightGradTarget::Layer`] (3 · E · I · H bf16 more); a caller that passes its own gradient
+/// buffers never holds those.
 pub fn workspace_bytes(config: &MoeConfig, backend: Backend) -> Result<usize> {
     config.validate()?;
     if config.ep_ranks > 1 {
@@ -679,8 +684,9 @@ pub fn workspace_bytes(config: &MoeConfig, backend: Backend) -> Result<usize> {
     if let Some(is) = c.shared_intermediate {
         total += expert_rows(t, is, false) + buffer(16) + 3 * buffer(2 * is * h);
     }
-    // y and dx (bf16), d_topk_weights (f32), the three routed weight gradients (bf16).
-    total += 2 * buffer(2 * t * h) + buffer(4 * slots) + 3 * buffer(2 * e * i * h);
+    // y and dx (bf16), d_topk_weights (f32), the three routed weight gradients' empty buffers
+    // (allocated only for `WeightGradTarget::Layer`).
+    total += 2 * buffer(2 * t * h) + buffer(4 * slots) + 3 * buffer(0);
     if backend != Backend::MmaSync {
         use mok_kernels::gemm_layout::{GROUP_MAP_SLOTS, TENSOR_MAP_BYTES};
         let params = size_of::<mok_kernels::gemm_layout::GemmParams>();

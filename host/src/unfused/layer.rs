@@ -41,11 +41,13 @@ pub struct DeviceGrads {
     pub dx: DeviceBuffer<bf16>,
     /// `[T, k]` f32 (0 for dropped slots).
     pub d_topk_weights: DeviceBuffer<f32>,
-    /// `[E/P, I, H]` bf16.
+    /// `[E/P, I, H]` bf16. The three routed weight gradients are allocated by the first backward
+    /// that leaves its gradients in the layer ([`WeightGradTarget::Layer`]); empty until then
+    /// (a caller that passes its own buffers never pays for them: 3 · E · I · H bf16).
     pub dw_gate: DeviceBuffer<bf16>,
-    /// `[E/P, I, H]` bf16.
+    /// `[E/P, I, H]` bf16 (allocated as `dw_gate`).
     pub dw_up: DeviceBuffer<bf16>,
-    /// `[E/P, H, I]` bf16.
+    /// `[E/P, H, I]` bf16 (allocated as `dw_gate`).
     pub dw_down: DeviceBuffer<bf16>,
     /// Shared expert `(dws_gate [Is,H], dws_up [Is,H], dws_down [H,Is])`, bf16.
     pub shared: Option<[DeviceBuffer<bf16>; 3]>,
@@ -188,7 +190,8 @@ impl<K: PartialEq, P> KeptPlans<K, P> {
 
 /// Where a backward puts the weight gradients (every routed weight, and the shared expert's).
 pub enum WeightGradTarget<'a> {
-    /// Fresh bf16 gradients in the layer's own [`DeviceGrads`].
+    /// Fresh bf16 gradients in the layer's own [`DeviceGrads`] (its routed weight gradients are
+    /// allocated by the first backward given this target).
     Layer,
     /// Fresh bf16 gradients in the caller's buffers.
     Bf16(WeightGradViews<'a, bf16>),
@@ -272,9 +275,10 @@ impl UnfusedLayer {
             grads: DeviceGrads {
                 dx: DeviceBuffer::alloc(gpu, t * h)?,
                 d_topk_weights: DeviceBuffer::alloc(gpu, slots)?,
-                dw_gate: DeviceBuffer::alloc(gpu, e * i * h)?,
-                dw_up: DeviceBuffer::alloc(gpu, e * i * h)?,
-                dw_down: DeviceBuffer::alloc(gpu, e * h * i)?,
+                // Empty until a backward leaves its gradients in the layer (`grad_addresses`).
+                dw_gate: DeviceBuffer::alloc(gpu, 0)?,
+                dw_up: DeviceBuffer::alloc(gpu, 0)?,
+                dw_down: DeviceBuffer::alloc(gpu, 0)?,
                 shared: shared_grads,
             },
             config,
@@ -664,7 +668,7 @@ impl UnfusedLayer {
     }
 
     /// Checks `target` against the config and resolves it to addresses.
-    fn grad_addresses(&self, target: WeightGradTarget<'_>) -> Result<GradAddresses> {
+    fn grad_addresses(&mut self, gpu: &Gpu, target: WeightGradTarget<'_>) -> Result<GradAddresses> {
         let c = &self.config;
         let (h, i, e) = (c.hidden, c.intermediate, c.local_experts());
         let shared_len = c.shared_intermediate.map(|is| is * h);
@@ -711,6 +715,13 @@ impl UnfusedLayer {
         let sizes = (e * i * h, shared_len);
         match target {
             WeightGradTarget::Layer => {
+                if self.grads.dw_gate.is_empty() {
+                    // The first backward into the layer's own gradients allocates them.
+                    let g = &mut self.grads;
+                    g.dw_gate = DeviceBuffer::alloc(gpu, e * i * h)?;
+                    g.dw_up = DeviceBuffer::alloc(gpu, e * i * h)?;
+                    g.dw_down = DeviceBuffer::alloc(gpu, e * h * i)?;
+                }
                 let g = &self.grads;
                 Ok(GradAddresses {
                     routed: [g.dw_gate.device_ptr(), g.dw_up.device_ptr(), g.dw_down.device_ptr()],
@@ -1125,7 +1136,7 @@ impl UnfusedLayer {
                 ),
             });
         }
-        let target = self.grad_addresses(target)?;
+        let target = self.grad_addresses(gpu, target)?;
         let c = self.config.clone();
         let (h, e, k) = (c.hidden, c.num_experts, c.top_k);
         if dy.len() != t * h {
