@@ -588,6 +588,7 @@ fn bench_case_processes(
         Backend::Megakernel(comm_blocks) | Backend::Megakernels(comm_blocks) => LayerOptions {
             backend: Some(LayerBackend::Megakernel),
             megakernel: MegakernelOptions { comm_blocks, ..Default::default() },
+            ..Default::default()
         },
         Backend::Engine | Backend::EngineGathered => {
             bail!("across ranks the layer runs mma or the megakernels, not the engine")

@@ -402,6 +402,51 @@ fn a_pass_token_gives_the_borrowed_pass_bits_and_only_for_the_last_forward() {
 }
 
 #[test]
+fn a_moe_layer_ring_too_small_is_a_reported_capacity_error_then_a_right_step() {
+    // `LayerOptions::ring_rows` sizes the receive rings of a layer over ranks: a routing that
+    // overflows one is `MokError::Capacity` from `check` (the rows needed, above the ring's),
+    // the layer's next step with a routing that fits is right, on every backend over ranks.
+    let gpu = gpu();
+    // The whole problem (the views), one GPU; the layer over 2 ranks takes T / 2 per rank.
+    let global = MoeConfig { shared_intermediate: None, ..config() };
+    let c = MoeConfig { ep_ranks: 2, tokens_per_rank: global.tokens_per_rank / 2, ..global.clone() };
+    // Every token's slots on experts 0..k (rank 0's): rank 0's ring needs all T · k slots.
+    let mut hot = random_case(&global, 706, Routing { drop_probability: 0.0, empty_experts: &[] });
+    assert!(global.top_k <= global.num_experts / 2);
+    for token in hot.tokens.topk_ids.chunks_mut(global.top_k) {
+        token.iter_mut().enumerate().for_each(|(j, id)| *id = j as i32);
+    }
+    let fitting = random_case(&global, 707, Routing { drop_probability: 0.0, empty_experts: &[] });
+    // Room for a random routing's share (about T · k / 2 rows), not for every slot.
+    let ring = global.tokens_per_rank * global.top_k * 3 / 4;
+    let mut backends = vec![Backend::MmaSync];
+    if Backend::fastest_for(&gpu, 2) == Backend::Megakernel {
+        backends.insert(0, Backend::Megakernel);
+    }
+    for backend in backends {
+        let options = LayerOptions { backend: Some(backend), ring_rows: Some(ring), ..Default::default() };
+        let mut layer = MoeLayer::new(&gpu, c.clone(), options).unwrap();
+        let mut caller = Caller::new(&gpu, &hot);
+        let Caller { tokens, experts, shared, y, .. } = &mut caller;
+        drop(layer.forward(&gpu, &inputs_of(tokens, experts, shared), y.into()).unwrap());
+        match layer.check() {
+            Err(MokError::Capacity { needed, capacity, .. }) => {
+                assert!(needed > capacity && capacity == ring, "{backend:?}: needed {needed}, capacity {capacity}");
+                println!("  {backend:?}: ring of {ring} rows: Capacity, {needed} needed");
+            }
+            other => panic!("{backend:?}: expected a capacity error, got {other:?}"),
+        }
+        // A routing that fits: the one-GPU layer's bits.
+        let mut one = MoeLayer::new(&gpu, global.clone(), LayerOptions::default()).unwrap();
+        let mut reference = Caller::new(&gpu, &fitting);
+        step(&gpu, &mut one, &mut reference, false);
+        let mut again = Caller::new(&gpu, &fitting);
+        step(&gpu, &mut layer, &mut again, false);
+        assert_eq!(outputs(&again)[..3], outputs(&reference)[..3], "{backend:?}: y, dx, d_topk_weights after");
+    }
+}
+
+#[test]
 fn moe_layer_over_virtual_ranks_gives_the_one_gpu_bits() {
     // The same views (the whole problem) through a layer over P virtual ranks, on the
     // megakernel and on mma.sync: y, dx, d_topk_weights and the routed weight gradients (fresh

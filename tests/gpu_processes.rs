@@ -226,6 +226,7 @@ fn rank_layer(
     let options = LayerOptions {
         backend: Some(backend),
         megakernel: MegakernelOptions { timeout: deadline, ..MegakernelOptions::default() },
+        ..LayerOptions::default()
     };
     MoeLayer::with_heap(gpu, config.clone(), options, heap).unwrap()
 }

@@ -97,7 +97,8 @@ fn out_of_memory_hint(error: MokError, ranks: usize, capacity_rows: Option<usize
             MokError::Cuda {
                 call: format!(
                     "{call} (for {ranks} virtual ranks on one GPU, each rank's ring and expert workspace are sized for the \
-                     worst case, every slot on one rank; ExchangeOptions::capacity_rows sets a smaller ring)"
+                     worst case, every slot on one rank; ExchangeOptions::capacity_rows, or LayerOptions::ring_rows \
+                     through MoeLayer, sets a smaller ring)"
                 ),
                 message,
             }

@@ -78,6 +78,11 @@ pub struct LayerOptions {
     /// The megakernel's geometry and wait deadline ([`Backend::Megakernel`]); over ranks its
     /// `timeout` also bounds the exchange's waits, whatever the backend.
     pub megakernel: MegakernelOptions,
+    /// Over ranks: the rows each rank's receive ring holds (`ExchangeOptions::capacity_rows`).
+    /// `None`: the worst case, every slot of every rank routed to one rank, which does not fit
+    /// the largest shapes; a smaller ring that a pass overflows is reported by
+    /// [`MoeLayer::check`] as `MokError::Capacity` with the rows needed. Ignored on one GPU.
+    pub ring_rows: Option<usize>,
 }
 
 /// What a forward reads: the tokens (one GPU: T of them; over P ranks all P · T), every routed
@@ -203,7 +208,11 @@ impl MoeLayer {
                         .into(),
                 });
             }
-            let exchange = ExchangeOptions { timeout: options.megakernel.timeout, ..Default::default() };
+            let exchange = ExchangeOptions {
+                timeout: options.megakernel.timeout,
+                capacity_rows: options.ring_rows,
+                ..Default::default()
+            };
             let mut layer = EpLayer::new_virtual(gpu, config, exchange)?;
             if backend == Backend::Megakernel {
                 layer.set_forward_megakernel(gpu, Some(options.megakernel.clone()))?;
@@ -244,7 +253,11 @@ impl MoeLayer {
                 rule: "over ranks the layer runs the megakernel or mma.sync, not the engine's separate launches".into(),
             });
         }
-        let exchange = ExchangeOptions { timeout: options.megakernel.timeout, ..Default::default() };
+        let exchange = ExchangeOptions {
+            timeout: options.megakernel.timeout,
+            capacity_rows: options.ring_rows,
+            ..Default::default()
+        };
         let mut layer = EpLayer::with_heap(gpu, config, exchange, heap)?;
         if backend == Backend::Megakernel {
             layer.set_forward_megakernel(gpu, Some(options.megakernel.clone()))?;
