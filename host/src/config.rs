@@ -191,9 +191,31 @@ impl MoeConfig {
     }
 }
 
+/// The longest wait the kernels are given, in nanoseconds (2^60: about 36 years). A longer
+/// timeout is this one: the device adds a wait's deadline, up to twice it, to `%globaltimer`, and
+/// that sum must not wrap.
+pub const MAX_WAIT_NS: u64 = 1 << 60;
+
+/// `timeout` as the kernels' wait deadline in nanoseconds, at most [`MAX_WAIT_NS`].
+pub fn wait_ns(timeout: std::time::Duration) -> u64 {
+    timeout.as_nanos().min(MAX_WAIT_NS as u128) as u64
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn wait_deadlines_are_capped_so_the_device_sums_do_not_wrap() {
+        use std::time::Duration;
+        assert_eq!(wait_ns(Duration::from_secs(5)), 5_000_000_000);
+        assert_eq!(wait_ns(Duration::MAX), MAX_WAIT_NS);
+        assert_eq!(wait_ns(Duration::from_secs(400 * 365 * 86_400)), MAX_WAIT_NS);
+        // The longest downstream deadline plus a %globaltimer of the year 2400 still fits.
+        let longest = mok_kernels::megakernel_layout::downstream_deadline(MAX_WAIT_NS, 31);
+        let year_2400_ns = 430 * 365 * 86_400 * 1_000_000_000u64;
+        assert!(longest.checked_add(year_2400_ns).is_some());
+    }
 
     fn field_of(err: MokError) -> &'static str {
         match err {

@@ -914,7 +914,7 @@ impl TileReadiness {
             rows_landed: rows_landed.device_ptr(),
             tiles_stored: tiles_stored.device_ptr(),
             error: error.device_ptr(),
-            timeout_ns: timeout.as_nanos().min(u64::MAX as u128) as u64,
+            timeout_ns: crate::config::wait_ns(timeout),
             epoch,
             reserved: 0,
         };

@@ -40,7 +40,8 @@ pub struct MegakernelOptions {
     /// How long a wait on the dispatched (or, backward, gathered) rows may take before it is
     /// reported as [`MokError::Timeout`]; the waits downstream of it get up to 1.875× that
     /// (`megakernel_layout::downstream_deadline`), so the wait reported first is the one on the
-    /// counter that never completed.
+    /// counter that never completed. At most [`crate::config::MAX_WAIT_NS`] (about 36 years; a
+    /// longer one is that).
     pub timeout: Duration,
     /// With several ranks in one launch (virtual ranks on one GPU): `true`, every compute block
     /// takes every rank's GEMM tiles from their counters, rank after rank within each phase, so
@@ -304,7 +305,7 @@ fn build_pass<P: PassParams>(
     let words = words_per_m_tiles(m_tiles);
     let pass_counters = DeviceBuffer::from_slice(gpu, &vec![0u32; words * ranks as usize])?;
     let error = if with_ranks { None } else { Some(DeviceBuffer::from_slice(gpu, &[0u32; ERROR_WORDS])?) };
-    let timeout_ns = options.timeout.as_nanos().min(u64::MAX as u128) as u64;
+    let timeout_ns = crate::config::wait_ns(options.timeout);
     let host: Vec<P> = ranks_of
         .iter()
         .enumerate()

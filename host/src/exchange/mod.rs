@@ -51,7 +51,8 @@ pub struct ExchangeOptions {
     /// Rows each expert owner's receive ring holds; `None` sizes it for the worst case
     /// (`P · T · min(k, E/P)`: every slot of every rank routed to one owner).
     pub capacity_rows: Option<usize>,
-    /// How long any device-side wait may take before the pass reports it.
+    /// How long any device-side wait may take before the pass reports it (at most
+    /// [`crate::config::MAX_WAIT_NS`], about 36 years; a longer one is that).
     pub timeout: Duration,
     /// Move unscaled rows (forward dispatch, both pushes) with bulk copies through shared memory
     /// instead of 16-byte vector loads and stores.
@@ -176,7 +177,7 @@ impl Exchange {
                 problem: format!("{} GPUs for {} local ranks", gpus.len(), heap.local_ranks().len()),
             });
         }
-        let timeout_ns = options.timeout.as_nanos().min(u64::MAX as u128) as u64;
+        let timeout_ns = crate::config::wait_ns(options.timeout);
         let params = ExchangeParams::new(&shape, heap.bases(), timeout_ns, !heap.single_gpu());
         let params_on_gpu =
             gpus.iter().map(|gpu| DeviceBuffer::from_slice(gpu, params.as_bytes())).collect::<Result<Vec<_>>>()?;
