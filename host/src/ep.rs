@@ -720,13 +720,21 @@ impl EpLayer {
         }
         let per_rank = c.local_experts() * c.intermediate * c.hidden;
         for (weights, rank) in experts.iter().zip(self.local_ranks()) {
-            for (name, len) in
-                [("w_gate", weights.w_gate.len()), ("w_up", weights.w_up.len()), ("w_down", weights.w_down.len())]
-            {
+            for (name, view) in [("w_gate", weights.w_gate), ("w_up", weights.w_up), ("w_down", weights.w_down)] {
+                let len = view.len();
                 if len != per_rank {
                     return Err(MokError::InvalidInput {
                         tensor: name,
                         problem: format!("rank {rank}'s buffer has {len} elements, expected {per_rank} ([E/P, ...])"),
+                    });
+                }
+                if !view.device_ptr().is_multiple_of(16) {
+                    return Err(MokError::InvalidInput {
+                        tensor: name,
+                        problem: format!(
+                            "rank {rank}'s view starts at {:#x}, not 16-byte aligned (the kernels read it in 16-byte units)",
+                            view.device_ptr()
+                        ),
                     });
                 }
             }

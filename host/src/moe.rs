@@ -422,8 +422,9 @@ impl MoeLayer {
                     layer.copy_dy_from(gpu, rank, dy.sub(start, len).ok_or_else(|| too_short("dy"))?)?;
                 }
                 // SAFETY: the targets are sub-ranges of `grads.weights`, views whose lengths
-                // `grad_targets` checked against every rank's layout, borrowed from device
-                // buffers whose freeing waits for the work using them (driver/buffer.rs).
+                // `grad_targets` checked against every rank's layout; a view's memory stays
+                // allocated until the stream has run the work using it (mok's buffers wait for it
+                // when freed, driver/buffer.rs; other memory by its view constructor's contract).
                 unsafe { layer.backward_views(gpu, &experts, inputs.shared, targets.as_ref()) }?;
                 for (part, &rank) in locals.iter().enumerate() {
                     let out = layer.outputs(rank)?;

@@ -45,9 +45,15 @@ impl<'a, T> DeviceSlice<'a, T> {
         Self { ptr, len, _borrow: PhantomData }
     }
 
-    /// A view of a cudarc slice. `stream` must be the stream mok runs on (`Gpu::on_stream`), so
-    /// stream order covers every use; cudarc's cross-stream events are not relied on.
-    pub fn from_cudarc(slice: &'a CudaSlice<T>, stream: &CudaStream) -> Self {
+    /// A view of a cudarc slice, for mok's kernels on `stream`. Stream order is what keeps the
+    /// slice's memory valid for them: cudarc's events are not relied on.
+    ///
+    /// # Safety
+    /// `stream` is the stream mok runs on (the `Gpu` opened on it with
+    /// `mok::open_gpu_on_stream`), and the slice is freed on that stream too (cudarc frees a
+    /// slice with `cuMemFreeAsync` on the stream it was allocated on: a free on another stream
+    /// may run before mok's work on the memory has). Nothing writes the slice for `'a` but mok.
+    pub unsafe fn from_cudarc(slice: &'a CudaSlice<T>, stream: &CudaStream) -> Self {
         let (ptr, _record) = slice.device_ptr(stream);
         Self { ptr, len: slice.len(), _borrow: PhantomData }
     }
@@ -89,7 +95,10 @@ impl<'a, T> DeviceSliceMut<'a, T> {
 
     /// A writable view of a cudarc slice, on the stream mok runs on (see
     /// [`DeviceSlice::from_cudarc`]).
-    pub fn from_cudarc(slice: &'a mut CudaSlice<T>, stream: &CudaStream) -> Self {
+    ///
+    /// # Safety
+    /// As [`DeviceSlice::from_cudarc`], and nothing reads or writes the slice for `'a` but mok.
+    pub unsafe fn from_cudarc(slice: &'a mut CudaSlice<T>, stream: &CudaStream) -> Self {
         let len = slice.len();
         let (ptr, _record) = slice.device_ptr_mut(stream);
         Self { ptr, len, _borrow: PhantomData }

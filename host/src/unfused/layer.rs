@@ -792,11 +792,26 @@ impl UnfusedLayer {
         expect("w_gate", experts.w_gate.len(), e * i * h)?;
         expect("w_up", experts.w_up.len(), e * i * h)?;
         expect("w_down", experts.w_down.len(), e * h * i)?;
+        // Rows are read as 16-byte vectors and through TMA: a view cut at an odd element (a
+        // `sub` of a caller's buffer) would fault on the device instead.
+        for (tensor, ptr) in [
+            ("x", tokens.x.device_ptr()),
+            ("w_gate", experts.w_gate.device_ptr()),
+            ("w_up", experts.w_up.device_ptr()),
+            ("w_down", experts.w_down.device_ptr()),
+        ] {
+            aligned_16(tensor, ptr)?;
+        }
+        aligned_4("topk_ids", tokens.topk_ids.device_ptr())?;
+        aligned_4("topk_weights", tokens.topk_weights.device_ptr())?;
         match (c.shared_intermediate, shared) {
             (Some(is), Some(s)) => {
                 expect("ws_gate", s.ws_gate.len(), is * h)?;
                 expect("ws_up", s.ws_up.len(), is * h)?;
                 expect("ws_down", s.ws_down.len(), h * is)?;
+                aligned_16("ws_gate", s.ws_gate.device_ptr())?;
+                aligned_16("ws_up", s.ws_up.device_ptr())?;
+                aligned_16("ws_down", s.ws_down.device_ptr())?;
                 Ok(t)
             }
             (None, None) => Ok(t),
@@ -1089,8 +1104,9 @@ impl UnfusedLayer {
         let shared_engine = self.shared_engine.as_ref().filter(|_| shared.is_some());
         let plans = forward_pass_plans([&engine.forward()[0], &engine.forward()[1]], shared_engine);
         // SAFETY: x and the slot weights are checked views of this pass (`[T][H]`, `[T·k]`), the
-        // shared rows the workspace's own; views are borrowed from buffers whose freeing waits
-        // for the work using them.
+        // shared rows the workspace's own; a view's memory stays allocated until the stream has
+        // run the work using it (mok's buffers wait for it when freed; other memory by its view
+        // constructor's contract).
         unsafe {
             pass.launch(gpu, &plans, tokens.x.device_ptr(), tokens.topk_weights.device_ptr(), shared_out, t as u32)
         }
@@ -1145,6 +1161,7 @@ impl UnfusedLayer {
                 problem: format!("device buffer has {} elements, expected {}", dy.len(), t * h),
             });
         }
+        aligned_16("dy", dy.device_ptr())?;
         self.prepare_engine_plans(gpu, experts)?;
         self.prepare_wgrad_plans(gpu, &target)?;
         // The forward's gate/up gathered its rows itself: the backward megakernel and weight
@@ -1455,9 +1472,46 @@ fn backward_plans(engine: &EngineExperts) -> [&EnginePlan; 5] {
     [&engine.dgrad()[0], &engine.dgrad()[1], &engine.wgrad()[0], &engine.wgrad()[1], &engine.wgrad()[2]]
 }
 
+/// `ptr` (the start of view `tensor`) is 16-byte aligned, as the kernels' vector loads and TMA
+/// need.
+fn aligned_16(tensor: &'static str, ptr: u64) -> Result<()> {
+    aligned(tensor, ptr, 16)
+}
+
+/// `ptr` (the start of view `tensor` of 4-byte elements) is 4-byte aligned.
+fn aligned_4(tensor: &'static str, ptr: u64) -> Result<()> {
+    aligned(tensor, ptr, 4)
+}
+
+fn aligned(tensor: &'static str, ptr: u64, bytes: u64) -> Result<()> {
+    if ptr.is_multiple_of(bytes) {
+        Ok(())
+    } else {
+        Err(MokError::InvalidInput {
+            tensor,
+            problem: format!(
+                "device address {ptr:#x} is not {bytes}-byte aligned (the kernels read it in {bytes}-byte units)"
+            ),
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::KeptPlans;
+
+    #[test]
+    fn misaligned_views_are_named_errors() {
+        assert!(super::aligned_16("x", 0x7f00_0000_0100).is_ok());
+        match super::aligned_16("x", 0x7f00_0000_0102) {
+            Err(crate::error::MokError::InvalidInput { tensor: "x", problem }) => {
+                assert!(problem.contains("16-byte"), "{problem}")
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(super::aligned_4("topk_ids", 0x1004).is_ok());
+        assert!(super::aligned_4("topk_ids", 0x1006).is_err());
+    }
     use crate::error::MokError;
 
     #[test]
