@@ -439,13 +439,21 @@ impl MoeLayer {
 
     /// Waits for the stream and reports the first device-side problem of the passes since the
     /// last check (an id out of range or repeated, found on the device; a megakernel wait that
-    /// timed out; across ranks also a ring too small or a rank that never signalled). One GPU
-    /// and virtual ranks: the problem is cleared, and the next pass starts clean. Across
+    /// timed out; across ranks also a ring too small or a rank that never signalled). A problem
+    /// voids the last forward: its pass token is refused, and the next forward starts anew. One
+    /// GPU and virtual ranks: the problem is cleared, and the next pass starts clean. Across
     /// processes the peers' records are read too, nothing is cleared, and every process must
     /// rebuild its layer (until then this one refuses its passes).
     pub fn check(&mut self) -> Result<()> {
         match &mut self.layer {
-            Layer::Single(layer) => layer.check_device_errors(),
+            Layer::Single(layer) => {
+                let checked = layer.check_device_errors();
+                if checked.is_err() {
+                    // As over ranks: a pass with a problem is not one to differentiate.
+                    self.passes += 1;
+                }
+                checked
+            }
             Layer::Ranks(layer) => {
                 let gpu = &self.gpu;
                 let checked = layer.check_errors(gpu);
