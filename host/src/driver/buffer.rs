@@ -149,6 +149,10 @@ impl<T: Pod> DeviceBuffer<T> {
 
     /// Sets every byte to `byte`, ordered on the stream (0xff poisons f32 and bf16 as NaN).
     pub fn fill_bytes(&mut self, byte: u8) -> Result<()> {
+        if self.len == 0 {
+            // An empty buffer (a layer's own weight gradients before their first use).
+            return Ok(());
+        }
         self.gpu.bind()?;
         // SAFETY: the range is this allocation.
         unsafe { result::memset_d8_async(self.ptr, byte, self.len * size_of::<T>(), self.gpu.stream) }
