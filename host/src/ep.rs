@@ -45,7 +45,7 @@ use crate::symmetric::SymmetricHeap;
 use crate::unfused::{
     DeviceExperts, DeviceSharedExpert, ExpertBackward, ExpertCompute, ExpertsView, ROW_KERNEL_THREADS, RowGroups,
     SharedEnginePlans, SharedExpertView, TokensView, backward_pass_plans, forward_pass_plans, grid_stride_blocks,
-    shared_expert_forward, shared_expert_workspace,
+    nan_filled, shared_expert_forward, shared_expert_workspace,
 };
 use mok_kernels::megakernel_layout::PassInputs;
 
@@ -745,6 +745,16 @@ impl EpLayer {
                 problem: "shared weights must be given exactly when config.shared_intermediate is set".into(),
             });
         }
+        if let Some(s) = shared {
+            for (name, view) in [("ws_gate", s.ws_gate), ("ws_up", s.ws_up), ("ws_down", s.ws_down)] {
+                if !view.device_ptr().is_multiple_of(16) {
+                    return Err(MokError::InvalidInput {
+                        tensor: name,
+                        problem: format!("view starts at {:#x}, not 16-byte aligned", view.device_ptr()),
+                    });
+                }
+            }
+        }
         Ok(())
     }
 
@@ -775,9 +785,9 @@ impl EpLayer {
         experts: &[ExpertsView<'_>],
         shared: Option<SharedExpertView<'_>>,
     ) -> Result<()> {
-        self.check_weights(experts, shared)?;
-        // A forward that fails part way leaves no pass a backward could read.
+        // A forward refused or failing part way leaves no pass a backward could read.
         self.forward_ran = false;
+        self.check_weights(experts, shared)?;
         if self.megakernel.is_some() {
             self.forward_megakernel(gpu, experts, shared)?;
             self.forward_ran = true;
@@ -1063,11 +1073,7 @@ impl EpLayer {
             // The first backward into the ranks' own gradients allocates them.
             let (h, i, l) = (self.config.hidden, self.config.intermediate, self.config.local_experts());
             for state in &mut self.ranks {
-                state.dw = [
-                    DeviceBuffer::alloc(gpu, l * i * h)?,
-                    DeviceBuffer::alloc(gpu, l * i * h)?,
-                    DeviceBuffer::alloc(gpu, l * h * i)?,
-                ];
+                state.dw = [nan_filled(gpu, l * i * h)?, nan_filled(gpu, l * i * h)?, nan_filled(gpu, l * h * i)?];
             }
         }
         if let Some(t) = target
@@ -1142,7 +1148,9 @@ impl EpLayer {
 
     /// Waits for the GPU and reports any device-side problem of the last passes (a timeout
     /// naming the counter and the silent rank, a ring too small with the size needed, a bad id);
-    /// across processes from the peers' records too.
+    /// across processes from the peers' records too. The records stay set (a bad id too) until
+    /// `exchange_mut().reset`, which a layer over virtual ranks makes after an error before its
+    /// next pass; across processes every rank rebuilds its layer.
     pub fn check_errors(&self, gpu: &Gpu) -> Result<()> {
         self.exchange.check_errors(&[gpu])
     }

@@ -580,9 +580,8 @@ impl RankShares {
     fn grad_targets(&self, target: &WeightGradTarget<'_>, with_shared: bool) -> Result<Option<EpGradTargets>> {
         fn routed<T>(views: &WeightGradViews<'_, T>, shares: &RankShares) -> Result<Vec<[u64; 3]>> {
             let n = shares.expert_block;
-            for (tensor, len) in
-                [("dw_gate", views.dw_gate.len()), ("dw_up", views.dw_up.len()), ("dw_down", views.dw_down.len())]
-            {
+            for (tensor, view) in [("dw_gate", &views.dw_gate), ("dw_up", &views.dw_up), ("dw_down", &views.dw_down)] {
+                let len = view.len();
                 if len != shares.ranks * n {
                     return Err(MokError::InvalidInput {
                         tensor,
@@ -592,6 +591,7 @@ impl RankShares {
                         ),
                     });
                 }
+                aligned_16(tensor, view.device_ptr())?;
             }
             let bytes = (n * size_of::<T>()) as u64;
             Ok((0..shares.ranks as u64)
@@ -609,6 +609,9 @@ impl RankShares {
                             tensor: "shared expert gradients",
                             problem: format!("each view must have {n} elements"),
                         });
+                    }
+                    for view in views {
+                        aligned_16("shared expert gradients", view.device_ptr())?;
                     }
                     let addresses = [views[0].device_ptr(), views[1].device_ptr(), views[2].device_ptr()];
                     Ok(vec![addresses; self.ranks])
@@ -670,8 +673,8 @@ impl ForwardPass<'_> {
 /// them (each allocation at least 16 bytes; the driver rounds each up a little more). The
 /// caller's own buffers (inputs, outputs, gradient targets) are not included, nor the routed
 /// weight gradients a backward allocates in the layer the first time it is given
-/// [`WeightGradTarget::Layer`] (3 · E · I · H bf16 more); a caller that passes its own gradient
-/// buffers never holds those.
+/// [`WeightGradTarget::Layer`] (3 · E · I · H bf16, 6 · E · I · H bytes, more); a caller that
+/// passes its own gradient buffers never holds those.
 pub fn workspace_bytes(config: &MoeConfig, backend: Backend) -> Result<usize> {
     config.validate()?;
     if config.ep_ranks > 1 {
@@ -756,6 +759,18 @@ pub fn workspace_bytes(config: &MoeConfig, backend: Backend) -> Result<usize> {
         }
     }
     Ok(total)
+}
+
+/// A gradient view written by TMA stores or reduce-adds starts 16-byte aligned.
+fn aligned_16(tensor: &'static str, ptr: u64) -> Result<()> {
+    if ptr.is_multiple_of(16) {
+        Ok(())
+    } else {
+        Err(MokError::InvalidInput {
+            tensor,
+            problem: format!("device address {ptr:#x} is not 16-byte aligned (written in 16-byte units)"),
+        })
+    }
 }
 
 #[cfg(test)]

@@ -511,10 +511,10 @@ impl Gpu {
         }
     }
 
-    /// Whether `other` is this GPU handle or one of its copies (the same context and stream),
-    /// not merely the same device opened again.
+    /// Whether `other` runs on this handle's context and stream (this handle, one of its copies,
+    /// or another opened on the same caller stream), not merely on the same device opened again.
     pub fn is_same_stream(&self, other: &Gpu) -> bool {
-        Arc::ptr_eq(&self.inner, &other.inner)
+        self.inner.context == other.inner.context && self.inner.stream == other.inner.stream
     }
 
     /// Waits for all work on the stream; an execution fault is reported here.

@@ -34,7 +34,9 @@ impl Gpu {
     /// `check_device_errors`): mok refuses each of those while the stream captures (before the
     /// driver would invalidate the capture), and this returns that error.
     /// Run the work once eagerly first, so that plans and parameter blocks (uploaded when first
-    /// built) already exist. Capture is thread-local: other threads' CUDA calls are unaffected.
+    /// built) and a layer's own weight gradients (allocated by the first backward that leaves
+    /// them in the layer) already exist. Capture is thread-local: other threads' CUDA calls are
+    /// unaffected.
     pub fn capture(&self, record: impl FnOnce() -> Result<()>) -> Result<CapturedGraph> {
         let inner = self.inner().clone();
         inner.bind()?;

@@ -673,14 +673,15 @@ impl UnfusedLayer {
         let (h, i, e) = (c.hidden, c.intermediate, c.local_experts());
         let shared_len = c.shared_intermediate.map(|is| is * h);
         fn check<T>(tensor: &'static str, view: &DeviceSliceMut<'_, T>, expected: usize) -> Result<u64> {
-            if view.len() == expected {
-                Ok(view.device_ptr())
-            } else {
-                Err(MokError::InvalidInput {
+            if view.len() != expected {
+                return Err(MokError::InvalidInput {
                     tensor,
                     problem: format!("gradient view has {} elements, expected {expected}", view.len()),
-                })
+                });
             }
+            // Written by TMA stores (or reduce-adds).
+            aligned_16(tensor, view.device_ptr())?;
+            Ok(view.device_ptr())
         }
         fn resolve<T>(
             views: &WeightGradViews<'_, T>,
@@ -716,11 +717,12 @@ impl UnfusedLayer {
         match target {
             WeightGradTarget::Layer => {
                 if self.grads.dw_gate.is_empty() {
-                    // The first backward into the layer's own gradients allocates them.
+                    // The first backward into the layer's own gradients allocates them, filled
+                    // with NaN bytes as `poison` would have (the kernels write every element).
                     let g = &mut self.grads;
-                    g.dw_gate = DeviceBuffer::alloc(gpu, e * i * h)?;
-                    g.dw_up = DeviceBuffer::alloc(gpu, e * i * h)?;
-                    g.dw_down = DeviceBuffer::alloc(gpu, e * h * i)?;
+                    g.dw_gate = nan_filled(gpu, e * i * h)?;
+                    g.dw_up = nan_filled(gpu, e * i * h)?;
+                    g.dw_down = nan_filled(gpu, e * h * i)?;
                 }
                 let g = &self.grads;
                 Ok(GradAddresses {
@@ -1152,7 +1154,6 @@ impl UnfusedLayer {
                 ),
             });
         }
-        let target = self.grad_addresses(gpu, target)?;
         let c = self.config.clone();
         let (h, e, k) = (c.hidden, c.num_experts, c.top_k);
         if dy.len() != t * h {
@@ -1162,6 +1163,7 @@ impl UnfusedLayer {
             });
         }
         aligned_16("dy", dy.device_ptr())?;
+        let target = self.grad_addresses(gpu, target)?;
         self.prepare_engine_plans(gpu, experts)?;
         self.prepare_wgrad_plans(gpu, &target)?;
         // The forward's gate/up gathered its rows itself: the backward megakernel and weight
@@ -1390,21 +1392,23 @@ impl UnfusedLayer {
     /// Waits for the stream and reports the first problem of the passes since the last check: a
     /// routing problem the kernels found in `topk_ids` (the first id out of range or repeated in
     /// a token: that slot was dropped), or else, with the megakernels, the first wait of their
-    /// last passes that timed out (`MokError::Timeout`, the forward's first). Every record is
-    /// cleared by the check, so the next one reports only later passes.
+    /// last passes that timed out (`MokError::Timeout`, the forward's first). A record is cleared
+    /// once reported; a timeout behind a routing problem is reported by the next check.
     pub fn check_device_errors(&mut self) -> Result<()> {
         let words = self.routing.error.download()?;
-        // Every record is read and cleared, so the next check reports only later passes; the
-        // routing's is reported first, then the forward megakernel's, then the backward's.
-        let forward = match &mut self.megakernel {
-            Some((_, Some(pass))) => pass.check(),
-            _ => Ok(()),
-        };
-        let backward = match &mut self.backward_megakernel {
-            Some((_, Some(pass))) => pass.check(),
-            _ => Ok(()),
-        };
+        // One problem per check, each record cleared once reported: the routing's first, then
+        // the forward megakernel's, then the backward's (a timeout behind a bad id is reported
+        // by the next check).
         if words[0] == 0 {
+            // Both megakernel records are read (and cleared), the forward's reported first.
+            let forward = match &mut self.megakernel {
+                Some((_, Some(pass))) => pass.check(),
+                _ => Ok(()),
+            };
+            let backward = match &mut self.backward_megakernel {
+                Some((_, Some(pass))) => pass.check(),
+                _ => Ok(()),
+            };
             return forward.and(backward);
         }
         self.routing.error.fill_bytes(0)?;
@@ -1470,6 +1474,14 @@ pub struct RoutedBackward<'a> {
 /// the gate/up dgrad, the down, gate and up weight gradients.
 fn backward_plans(engine: &EngineExperts) -> [&EnginePlan; 5] {
     [&engine.dgrad()[0], &engine.dgrad()[1], &engine.wgrad()[0], &engine.wgrad()[1], &engine.wgrad()[2]]
+}
+
+/// A new bf16 buffer of `len` elements filled with NaN bytes: a layer's own weight gradients,
+/// allocated by their first backward (an element the kernels failed to write shows).
+pub(crate) fn nan_filled(gpu: &Gpu, len: usize) -> Result<DeviceBuffer<bf16>> {
+    let mut buffer = DeviceBuffer::alloc(gpu, len)?;
+    buffer.fill_bytes(0xff)?;
+    Ok(buffer)
 }
 
 /// `ptr` (the start of view `tensor`) is 16-byte aligned, as the kernels' vector loads and TMA

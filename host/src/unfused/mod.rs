@@ -24,6 +24,7 @@ pub(crate) use expert_compute::{
 };
 pub use kernels::KERNEL_NAMES;
 pub(crate) use kernels::{RANK_CHUNK_THREADS, ROW_KERNEL_THREADS, grid_stride_blocks};
+pub(crate) use layer::nan_filled;
 pub use layer::{DeviceGrads, RoutedBackward, RoutingBuffers, UnfusedLayer, WeightGradTarget, WeightGradViews};
 #[cfg(feature = "testing")]
 pub use tensors::random_bf16;
