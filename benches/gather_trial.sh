@@ -3,9 +3,10 @@
 # (each fits the 10-minute limit of a call): `tests` runs their bitwise tests (the layer's in
 # gpu_unfused, and gpu_gemm's engine_matches_unfused_* with the gathering plans), `sanitize` the
 # layer's under memcheck, racecheck and synccheck, `bench` the GEMM benchmark with the gathering
-# plans each timed right after its plain one (`gemm --gathered`) and the layer benchmark with the
-# engine path and the gathering one alternating (engine, engine-gathered, engine,
-# engine-gathered) beside the ceilings and PyTorch. Run from a bundle folder that holds run.sh,
+# plans each timed right after its plain one (`gemm --gathering`) and the layer benchmark with the
+# engine path with and without the gathering producers alternating (engine, engine-gathering,
+# engine, engine-gathering) beside the ceilings and PyTorch. Run from a bundle folder that holds
+# run.sh,
 # tests/gpu_unfused(.gz), tests/gpu_gemm(.gz), benches/layer and benches/gemm with the scripts
 # (cargo xtask gpu-subset --tests gpu_unfused,gpu_gemm --benches layer,gemm). Logs under $OUT (or
 # ./bench-logs); a short table last.
@@ -30,8 +31,8 @@ case "${1:-}" in
         ;;
     bench)
         cases="${CASES:-deepseek:8192,kimi:8192}"
-        "$here/gemm" --cases "$cases" --gathered > "$out/gather-gemm.txt" 2>&1
-        OUT="$out" CASES="$cases" GEMM=engine,engine-gathered,engine,engine-gathered \
+        "$here/gemm" --cases "$cases" --gathering > "$out/gather-gemm.txt" 2>&1
+        OUT="$out" CASES="$cases" GEMM=engine,engine-gathering,engine,engine-gathering \
             "$here/run_layer_bench.sh" > "$out/gather-bench.txt" 2>&1
         echo "== gemm";  grep -h "gate_up" "$out/gather-gemm.txt" | grep "^|"
         echo "== layer"; grep -h "^|" "$out/layer.log" | tail -10

@@ -5,9 +5,9 @@
 //! matmul ceiling, bytes at the copy ceiling).
 //!
 //! `gemm [--cases kimi:8192,...|""] [--baseline FILE] [--matmul-tflops R] [--copy-tbps B]
-//! [--pairing m|n] [--gathered]` (`--pairing`: every row-grouped plan with M-pairs where
+//! [--pairing m|n] [--gathering]` (`--pairing`: every row-grouped plan with M-pairs where
 //! possible, or N-pairs only, instead of each plan's default; `mok::gemm::Pairing`.
-//! `--gathered`: also the gate/up and the gate and up weight gradients whose producers gather the
+//! `--gathering`: also the gate/up and the gate and up weight gradients whose producers gather the
 //! token rows through the routing layout, `…:gathered`, each timed right after its plain
 //! counterpart, which reads a gathered copy).
 
@@ -106,7 +106,7 @@ fn random_layout(tokens: usize, experts: usize, k: usize, seed: u64) -> RoutingL
 fn main() -> Result<()> {
     let mut cases = "kimi:8192,glm:8192,qwen:8192,deepseek:8192".to_string();
     let (mut baseline_file, mut matmul, mut copy, mut pairing) = (None, 783.0, 4.23, None);
-    let mut gathered = false;
+    let mut gathering = false;
     let mut args = std::env::args().skip(1).filter(|a| a != "--bench");
     while let Some(arg) = args.next() {
         let mut value = || args.next().with_context(|| format!("{arg} needs a value"));
@@ -122,7 +122,7 @@ fn main() -> Result<()> {
                     other => anyhow::bail!("--pairing is m or n, not {other}"),
                 })
             }
-            "--gathered" => gathered = true,
+            "--gathering" => gathering = true,
             other => anyhow::bail!("unknown argument {other}"),
         }
     }
@@ -236,12 +236,12 @@ fn main() -> Result<()> {
             ),
         ];
         // The gathering plans read the tokens (`[T][h]`) through each row's slot.
-        let gathering = if gathered {
+        let gathering_plans = if gathering {
             let mut row_source = layout.row_source.clone();
             row_source.resize(cap, 0);
             let row_source = DeviceBuffer::from_slice(&gpu, &row_source)?;
             let tokens_x = random_bf16(&gpu, tokens * h, 11, 1.0)?;
-            let gate_up = EnginePlan::gate_up_gathered(&gpu, &groups, &w_gate, &w_up, (h, i), None, &hidden, None)?;
+            let gate_up = EnginePlan::gate_up_gathering(&gpu, &groups, &w_gate, &w_up, (h, i), None, &hidden, None)?;
             Some((row_source, tokens_x, paired(&gpu, gate_up, pairing)?))
         } else {
             None
@@ -249,11 +249,11 @@ fn main() -> Result<()> {
         for (what, flop, bytes, plan) in &single {
             // SAFETY: the plans' buffers live in this scope, past the timed launches.
             rows_out.push(timed_row(&gpu, tag(what), *flop, *bytes, || unsafe { plan.launch(&gpu) })?);
-            if let (Some((row_source, tokens_x, plan)), &"gate_up") = (&gathering, what) {
-                let name = tag("gate_up:gathered");
+            if let (Some((row_source, tokens_x, plan)), &"gate_up") = (&gathering_plans, what) {
+                let name = tag("gate_up:gathering");
                 rows_out.push(timed_row(&gpu, name, *flop, *bytes, || {
                     // SAFETY: as above; the slots are this routing's, below T · k.
-                    unsafe { plan.launch_gathered(&gpu, tokens_x.into(), row_source.into(), k) }
+                    unsafe { plan.launch_gathering(&gpu, tokens_x.into(), row_source.into(), k) }
                 })?);
             }
         }
@@ -268,15 +268,15 @@ fn main() -> Result<()> {
                 plan_u.launch(&gpu)
             }
         })?);
-        if let Some((row_source, tokens_x, _)) = &gathering {
+        if let Some((row_source, tokens_x, _)) = &gathering_plans {
             let (out_g, out_u) = (WgradOut::Bf16((&dw).into()), WgradOut::Bf16((&dw2).into()));
-            let plan_g = EnginePlan::wgrad_gathered(&gpu, &d_gate, &row_offsets, (e, cap), (i, h), out_g)?;
-            let plan_u = EnginePlan::wgrad_gathered(&gpu, &d_up, &row_offsets, (e, cap), (i, h), out_u)?;
-            rows_out.push(timed_row(&gpu, tag("wgrad_gate_up:gathered"), flop, bytes, || {
+            let plan_g = EnginePlan::wgrad_gathering(&gpu, &d_gate, &row_offsets, (e, cap), (i, h), out_g)?;
+            let plan_u = EnginePlan::wgrad_gathering(&gpu, &d_up, &row_offsets, (e, cap), (i, h), out_u)?;
+            rows_out.push(timed_row(&gpu, tag("wgrad_gate_up:gathering"), flop, bytes, || {
                 // SAFETY: as above; the slots are this routing's, below T · k.
                 unsafe {
-                    plan_g.launch_gathered(&gpu, tokens_x.into(), row_source.into(), k)?;
-                    plan_u.launch_gathered(&gpu, tokens_x.into(), row_source.into(), k)
+                    plan_g.launch_gathering(&gpu, tokens_x.into(), row_source.into(), k)?;
+                    plan_u.launch_gathering(&gpu, tokens_x.into(), row_source.into(), k)
                 }
             })?);
         }

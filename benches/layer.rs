@@ -6,8 +6,9 @@
 //! `layer [--cases kimi:8192,qwen:32768] [--reps N] [--baseline FILE] [--matmul-tflops R]
 //! [--copy-tbps B] [--gemm BACKEND,...]`. Backends, each case run on each in turn: `mma` (the
 //! routed experts' GEMMs on the `mma.sync` kernels, the layer's default), `engine` (on the
-//! tensor-core engine, sm_90 only), `engine-gathered` (the engine with its gate/up gathering
-//! the rows in its producer: no gathered copy in the forward), `megakernel` (the forward as one
+//! tensor-core engine, sm_90 only), `engine-gathering` (the engine with its gate/up and its gate
+//! and up weight gradients gathering the token rows in their producers: no gathered copy of the
+//! rows is written), `megakernel` (the forward as one
 //! persistent launch over the engine, with its default comm blocks), `megakernel:N` (N comm
 //! blocks) and `megakernels[:N]` (the forward and the backward megakernels). Each table row names
 //! its backend. `--ranks P` (P > 1) runs the expert-parallel layer over P virtual ranks on this GPU
@@ -69,9 +70,9 @@ struct Args {
 enum Backend {
     Mma,
     Engine,
-    /// The engine with its gate/up gathering the rows in its producer
-    /// (`UnfusedLayer::set_gather_in_producer`).
-    EngineGathered,
+    /// The engine with its gate/up and its gate and up weight gradients gathering the token rows
+    /// in their producers (`UnfusedLayer::set_gather_in_producer`).
+    EngineGathering,
     /// The forward megakernel with this many comm blocks (`None`: its default).
     Megakernel(Option<u32>),
     /// The forward and the backward megakernels (one GPU, every virtual rank in one launch, or
@@ -85,7 +86,7 @@ impl Backend {
         Ok(match text {
             "mma" => Backend::Mma,
             "engine" => Backend::Engine,
-            "engine-gathered" => Backend::EngineGathered,
+            "engine-gathering" => Backend::EngineGathering,
             "megakernel" => Backend::Megakernel(None),
             "megakernels" => Backend::Megakernels(None),
             other => match (other.strip_prefix("megakernel:"), other.strip_prefix("megakernels:")) {
@@ -93,7 +94,9 @@ impl Backend {
                 (_, Some(n)) => {
                     Backend::Megakernels(Some(n.parse().context("megakernels:N takes a comm block count")?))
                 }
-                _ => bail!("--gemm takes mma, engine, engine-gathered, megakernel[:N] or megakernels[:N], not {other}"),
+                _ => {
+                    bail!("--gemm takes mma, engine, engine-gathering, megakernel[:N] or megakernels[:N], not {other}")
+                }
             },
         })
     }
@@ -102,7 +105,7 @@ impl Backend {
         match self {
             Backend::Mma => "mma".into(),
             Backend::Engine => "engine".into(),
-            Backend::EngineGathered => "engine-gathered".into(),
+            Backend::EngineGathering => "engine-gathering".into(),
             Backend::Megakernel(None) => "megakernel".into(),
             Backend::Megakernel(Some(n)) => format!("megakernel:{n}"),
             Backend::Megakernels(None) => "megakernels".into(),
@@ -112,7 +115,7 @@ impl Backend {
 
     fn apply(self, gpu: &Gpu, layer: &mut UnfusedLayer) -> Result<()> {
         layer.set_gemm_engine(gpu, self != Backend::Mma)?;
-        layer.set_gather_in_producer(gpu, self == Backend::EngineGathered)?;
+        layer.set_gather_in_producer(gpu, self == Backend::EngineGathering)?;
         if let Backend::Megakernel(comm_blocks) | Backend::Megakernels(comm_blocks) = self {
             let options = MegakernelOptions { comm_blocks, ..MegakernelOptions::default() };
             layer.set_forward_megakernel(gpu, Some(options.clone()))?;
@@ -361,7 +364,7 @@ fn bench_case_ep(
             layer.set_forward_megakernel(gpu, Some(options.clone()))?;
             layer.set_backward_megakernel(gpu, Some(options))?;
         }
-        Backend::Engine | Backend::EngineGathered => {
+        Backend::Engine | Backend::EngineGathering => {
             bail!("--ranks {ranks} runs mma (separate launches), megakernel[:N] or megakernels[:N], not the engine")
         }
     }
@@ -590,7 +593,7 @@ fn bench_case_processes(
             megakernel: MegakernelOptions { comm_blocks, ..Default::default() },
             ..Default::default()
         },
-        Backend::Engine | Backend::EngineGathered => {
+        Backend::Engine | Backend::EngineGathering => {
             bail!("across ranks the layer runs mma or the megakernels, not the engine")
         }
     };

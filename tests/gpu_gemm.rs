@@ -265,52 +265,52 @@ fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
     );
     // The gathering gate/up (rows read from the tokens through the routing layout in its
     // producer): the same bits, with either pairing and any grid; it refuses a plain launch.
-    let (mut gathered_hidden, mut gathered_gate, mut gathered_up) =
+    let (mut gathering_hidden, mut gathering_gate, mut gathering_up) =
         (poisoned::<bf16>(gpu, cap * i), poisoned::<f32>(gpu, cap * i), poisoned::<f32>(gpu, cap * i));
-    let mut plan = EnginePlan::gate_up_gathered(
+    let mut plan = EnginePlan::gate_up_gathering(
         gpu,
         &groups,
         &s.experts.w_gate,
         &s.experts.w_up,
         (h, i),
         c.swiglu_limit,
-        &gathered_hidden,
-        Some((&gathered_gate, &gathered_up)),
+        &gathering_hidden,
+        Some((&gathering_gate, &gathering_up)),
     )
     .unwrap();
     assert!(plan.gathers_rows());
     // SAFETY: as above (a refused launch enqueues nothing).
     let refused = unsafe { plan.launch(gpu) }.unwrap_err().to_string();
-    assert!(refused.contains("launch_gathered"), "{refused}");
+    assert!(refused.contains("launch_gathering"), "{refused}");
     let (x, row_source, k) = ((&s.tokens.x).into(), (&layer.routing().row_source).into(), c.top_k);
     for (pairing, blocks) in [(Pairing::MAndN, None), (Pairing::NOnly, Some(5)), (Pairing::MAndN, Some(2))] {
         plan.set_pairing(gpu, pairing).unwrap();
-        for buffer in [&mut gathered_gate, &mut gathered_up] {
+        for buffer in [&mut gathering_gate, &mut gathering_up] {
             buffer.fill_bytes(0xff).unwrap();
         }
-        gathered_hidden.fill_bytes(0xff).unwrap();
+        gathering_hidden.fill_bytes(0xff).unwrap();
         // SAFETY: the plan's buffers and the tokens live in this scope, past the stream's work on
         // them; the layer's routing layout holds this problem's slots.
         unsafe {
             match blocks {
-                None => plan.launch_gathered(gpu, x, row_source, k),
-                Some(blocks) => plan.launch_gathered_with_blocks(gpu, (x, row_source, k), blocks),
+                None => plan.launch_gathering(gpu, x, row_source, k),
+                Some(blocks) => plan.launch_gathering_with_blocks(gpu, (x, row_source, k), blocks),
             }
         }
         .unwrap();
         let what = format!("gathering gate_up, {pairing:?}, {blocks:?} blocks");
         assert_eq!(
-            fingerprint(&gathered_hidden.download().unwrap()[..valid]),
+            fingerprint(&gathering_hidden.download().unwrap()[..valid]),
             fingerprint(&got_hidden[..valid]),
             "{what}: hidden"
         );
         assert_eq!(
-            fingerprint(&gathered_gate.download().unwrap()[..valid]),
+            fingerprint(&gathering_gate.download().unwrap()[..valid]),
             fingerprint(&gate_out.download().unwrap()[..valid]),
             "{what}: gate pre-activations"
         );
         assert_eq!(
-            fingerprint(&gathered_up.download().unwrap()[..valid]),
+            fingerprint(&gathering_up.download().unwrap()[..valid]),
             fingerprint(&up_out.download().unwrap()[..valid]),
             "{what}: up pre-activations"
         );
@@ -461,22 +461,22 @@ fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
     );
     // The gathering weight gradient (B's rows read from the tokens in its producer): the same
     // bits, added into f32 and fresh bf16, with any grid.
-    let mut gathered_f32 = DeviceBuffer::<f32>::alloc(gpu, e * i * h).unwrap();
-    gathered_f32.fill_bytes(0).unwrap();
-    let plan = EnginePlan::wgrad_gathered(
+    let mut gathering_f32 = DeviceBuffer::<f32>::alloc(gpu, e * i * h).unwrap();
+    gathering_f32.fill_bytes(0).unwrap();
+    let plan = EnginePlan::wgrad_gathering(
         gpu,
         back.d_gate,
         &layer.routing().row_offsets,
         (e, cap),
         (i, h),
-        WgradOut::AccumulateF32((&gathered_f32).into()),
+        WgradOut::AccumulateF32((&gathering_f32).into()),
     )
     .unwrap();
     let (x, row_source, k) = ((&s.tokens.x).into(), (&layer.routing().row_source).into(), c.top_k);
     // SAFETY: as for the gathering gate/up above.
-    unsafe { plan.launch_gathered(gpu, x, row_source, k) }.unwrap();
+    unsafe { plan.launch_gathering(gpu, x, row_source, k) }.unwrap();
     assert_eq!(
-        fingerprint(&gathered_f32.download().unwrap()),
+        fingerprint(&gathering_f32.download().unwrap()),
         fingerprint(&dw_gate.download().unwrap()),
         "gathering wgrad: f32 accumulate"
     );
@@ -493,20 +493,20 @@ fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
     .unwrap();
     // SAFETY: the plan's buffers live in this scope, past the stream's work on them.
     unsafe { plan.launch(gpu) }.unwrap();
-    let gathered_bf16 = poisoned::<bf16>(gpu, e * i * h);
-    let plan = EnginePlan::wgrad_gathered(
+    let gathering_bf16 = poisoned::<bf16>(gpu, e * i * h);
+    let plan = EnginePlan::wgrad_gathering(
         gpu,
         back.d_up,
         &layer.routing().row_offsets,
         (e, cap),
         (i, h),
-        WgradOut::Bf16((&gathered_bf16).into()),
+        WgradOut::Bf16((&gathering_bf16).into()),
     )
     .unwrap();
     // SAFETY: as for the gathering gate/up above.
-    unsafe { plan.launch_gathered_with_blocks(gpu, (x, row_source, k), 3) }.unwrap();
+    unsafe { plan.launch_gathering_with_blocks(gpu, (x, row_source, k), 3) }.unwrap();
     assert_eq!(
-        fingerprint(&gathered_bf16.download().unwrap()),
+        fingerprint(&gathering_bf16.download().unwrap()),
         fingerprint(&plain_bf16.download().unwrap()),
         "gathering wgrad: bf16, 3 blocks"
     );

@@ -1149,8 +1149,8 @@ impl EpLayer {
     /// Waits for the GPU and reports any device-side problem of the last passes (a timeout
     /// naming the counter and the silent rank, a ring too small with the size needed, a bad id);
     /// across processes from the peers' records too. The records stay set (a bad id too) until
-    /// `exchange_mut().reset`, which a layer over virtual ranks makes after an error before its
-    /// next pass; across processes every rank rebuilds its layer.
+    /// `exchange_mut().reset` (which `MoeLayer::check` makes after an error over virtual ranks);
+    /// across processes every rank rebuilds its layer.
     pub fn check_errors(&self, gpu: &Gpu) -> Result<()> {
         self.exchange.check_errors(&[gpu])
     }

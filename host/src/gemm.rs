@@ -29,12 +29,12 @@ pub const ENGINE_KERNELS: [&str; 6] = [
 ];
 
 /// The gate/up kernel whose producer gathers its rows through the routing layout
-/// ([`EnginePlan::gate_up_gathered`]).
-pub const GATE_UP_GATHERED_KERNEL: &str = "mok_sm90_gemm_gate_up_gathered";
+/// ([`EnginePlan::gate_up_gathering`]).
+pub const GATE_UP_GATHERING_KERNEL: &str = "mok_sm90_gemm_gate_up_gathering";
 
 /// The weight gradient whose producer gathers B's rows through the routing layout
-/// ([`EnginePlan::wgrad_gathered`]).
-pub const WGRAD_GATHERED_KERNEL: &str = "mok_sm90_gemm_wgrad_gathered";
+/// ([`EnginePlan::wgrad_gathering`]).
+pub const WGRAD_GATHERING_KERNEL: &str = "mok_sm90_gemm_wgrad_gathering";
 
 /// Writes the per-group tensor maps (`GemmParams::group_maps`) before each engine launch.
 const GROUP_MAPS_KERNEL: &str = "mok_sm90_group_maps";
@@ -200,9 +200,9 @@ pub struct EnginePlan {
     /// Row-grouped plans: the rows their groups can hold (`RowGroups::capacity`).
     row_capacity: usize,
     /// The width of the rows the plan's producer gathers from tokens given at each launch
-    /// ([`Self::launch_gathered`]) rather than reading a rows buffer (gate/up: H, its K; the
+    /// ([`Self::launch_gathering`]) rather than reading a rows buffer (gate/up: H, its K; the
     /// gate and up weight gradients: H, their N); `None` for a plan that reads its buffers.
-    gathered_width: Option<usize>,
+    gather_width: Option<usize>,
     _maps: Vec<TensorMap>,
     _group_maps: DeviceBuffer<u64>,
     _tile_counter: DeviceBuffer<u32>,
@@ -257,7 +257,7 @@ impl EnginePlan {
             groups,
             max_m_tiles: 0,
             row_capacity: 0,
-            gathered_width: None,
+            gather_width: None,
             _maps: maps,
             _group_maps: group_maps,
             _tile_counter: tile_counter,
@@ -349,10 +349,10 @@ impl EnginePlan {
     /// # Safety
     /// As [`Self::launch`].
     pub unsafe fn launch_with_blocks(&self, gpu: &Gpu, blocks: u32) -> Result<()> {
-        if self.gathered_width.is_some() {
+        if self.gather_width.is_some() {
             return Err(MokError::InvalidInput {
                 tensor: "plan",
-                problem: format!("{} gathers its rows from tokens: launch it with launch_gathered", self.kernel),
+                problem: format!("{} gathers its rows from tokens: launch it with launch_gathering", self.kernel),
             });
         }
         let blocks = blocks.max(1).next_multiple_of(self.cluster_blocks);
@@ -363,8 +363,8 @@ impl EnginePlan {
         unsafe { gpu.launch(self.kernel, shape, &[KernelArg::Ptr(self.params.device_ptr())]) }
     }
 
-    /// Enqueues a plan built by [`EnginePlan::gate_up_gathered`] or
-    /// [`EnginePlan::wgrad_gathered`] with the persistent grid: its producers read row `r` of
+    /// Enqueues a plan built by [`EnginePlan::gate_up_gathering`] or
+    /// [`EnginePlan::wgrad_gathering`] with the persistent grid: its producers read row `r` of
     /// the groups as row `row_source[r] / top_k` of `x` (`[T][h]` bf16 tokens; `row_source` the
     /// routing layout's slot `t · top_k + j` of each row).
     ///
@@ -372,7 +372,7 @@ impl EnginePlan {
     /// As [`Self::launch`]; `row_source` holds, for every row of the groups' device-written
     /// offsets, a slot below `T · top_k` (as the routing layout writes it, on the same stream
     /// before the launch), and `x` stays allocated until the stream has run the launch.
-    pub unsafe fn launch_gathered(
+    pub unsafe fn launch_gathering(
         &self,
         gpu: &Gpu,
         x: DeviceSlice<'_, bf16>,
@@ -380,21 +380,21 @@ impl EnginePlan {
         top_k: usize,
     ) -> Result<()> {
         // SAFETY: caller contract.
-        unsafe { self.launch_gathered_with_blocks(gpu, (x, row_source, top_k), self.resident_blocks) }
+        unsafe { self.launch_gathering_with_blocks(gpu, (x, row_source, top_k), self.resident_blocks) }
     }
 
-    /// As [`Self::launch_gathered`] with `blocks` persistent blocks, rounded up to whole
+    /// As [`Self::launch_gathering`] with `blocks` persistent blocks, rounded up to whole
     /// clusters; results do not depend on it.
     ///
     /// # Safety
-    /// As [`Self::launch_gathered`].
-    pub unsafe fn launch_gathered_with_blocks(
+    /// As [`Self::launch_gathering`].
+    pub unsafe fn launch_gathering_with_blocks(
         &self,
         gpu: &Gpu,
         (x, row_source, top_k): (DeviceSlice<'_, bf16>, DeviceSlice<'_, u32>, usize),
         blocks: u32,
     ) -> Result<()> {
-        let Some(h) = self.gathered_width else {
+        let Some(h) = self.gather_width else {
             return Err(MokError::InvalidInput {
                 tensor: "plan",
                 problem: format!("{} reads a rows buffer: launch it with launch", self.kernel),
@@ -494,12 +494,12 @@ impl EnginePlan {
     }
 
     /// [`EnginePlan::gate_up`] without a rows buffer: each launch
-    /// ([`EnginePlan::launch_gathered`]) names the tokens, and the kernel's producers gather
+    /// ([`EnginePlan::launch_gathering`]) names the tokens, and the kernel's producers gather
     /// row `r` of the groups as row `row_source[r] / top_k` of them into each stage (no
     /// gathered copy is written). The same bits as [`EnginePlan::gate_up`] over the gathered
     /// rows. `groups.capacity` bounds the rows, as for the outputs.
     #[allow(clippy::too_many_arguments)]
-    pub fn gate_up_gathered<'w>(
+    pub fn gate_up_gathering<'w>(
         gpu: &Gpu,
         groups: &RowGroups<'_>,
         w_gate: impl Into<DeviceSlice<'w, bf16>>,
@@ -570,9 +570,9 @@ impl EnginePlan {
         };
         // A gathering producer reads no rows map: nothing to cut for A.
         let cut = [rows.map(|rows| (3, rows.device_ptr(), 2 * h)), None, Some((2, hidden_out.device_ptr(), 2 * i))];
-        let kernel = if rows.is_some() { "mok_sm90_gemm_gate_up" } else { GATE_UP_GATHERED_KERNEL };
+        let kernel = if rows.is_some() { "mok_sm90_gemm_gate_up" } else { GATE_UP_GATHERING_KERNEL };
         let mut plan = Self::new(gpu, kernel, Variant::GATE_UP, params, maps, cut)?.with_row_capacity(groups);
-        plan.gathered_width = rows.is_none().then_some(h);
+        plan.gather_width = rows.is_none().then_some(h);
         Ok(plan)
     }
 
@@ -709,12 +709,12 @@ impl EnginePlan {
         Self::wgrad_from(gpu, (a.into(), Some(b.into())), row_offsets.into(), (groups, capacity), (m, n), out)
     }
 
-    /// [`EnginePlan::wgrad`] without a `b` buffer: each launch ([`EnginePlan::launch_gathered`])
+    /// [`EnginePlan::wgrad`] without a `b` buffer: each launch ([`EnginePlan::launch_gathering`])
     /// names the tokens, and the kernel's producers gather K row `r` of a group (b's row `r`) as
     /// row `row_source[r] / top_k` of them (`[T][n]`) into each stage — the gate and up weight
     /// gradients over the tokens, with no gathered copy. The same bits as
     /// [`EnginePlan::wgrad`] over the gathered rows.
-    pub fn wgrad_gathered<'a>(
+    pub fn wgrad_gathering<'a>(
         gpu: &Gpu,
         a: impl Into<DeviceSlice<'a, bf16>>,
         row_offsets: impl Into<DeviceSlice<'a, u32>>,
@@ -776,17 +776,17 @@ impl EnginePlan {
         // A group's last K block reads its rows through maps cut at the group's end (a gathering
         // producer zero-fills b's rows past the end itself).
         let cut = [Some((0, a.device_ptr(), 2 * m)), b.map(|b| (2, b.device_ptr(), 2 * n)), None];
-        let kernel = if b.is_some() { "mok_sm90_gemm_wgrad" } else { WGRAD_GATHERED_KERNEL };
+        let kernel = if b.is_some() { "mok_sm90_gemm_wgrad" } else { WGRAD_GATHERING_KERNEL };
         let mut plan = Self::new(gpu, kernel, Variant::WGRAD, params, maps, cut)?;
         plan.row_capacity = capacity;
-        plan.gathered_width = b.is_none().then_some(n);
+        plan.gather_width = b.is_none().then_some(n);
         Ok(plan)
     }
 
     /// Whether the plan gathers its rows from tokens given at launch
-    /// ([`EnginePlan::launch_gathered`]).
+    /// ([`EnginePlan::launch_gathering`]).
     pub fn gathers_rows(&self) -> bool {
-        self.gathered_width.is_some()
+        self.gather_width.is_some()
     }
 }
 

@@ -441,7 +441,9 @@ impl MoeLayer {
     /// last check (an id out of range or repeated, found on the device; a megakernel wait that
     /// timed out; across ranks also a ring too small or a rank that never signalled). A problem
     /// voids the last forward: its pass token is refused, and the next forward starts anew. One
-    /// GPU and virtual ranks: the problem is cleared, and the next pass starts clean. Across
+    /// GPU: the reported problem's record is cleared (a timeout behind a bad id is reported by
+    /// the next check). Virtual ranks: every record and counter is cleared, and the next pass
+    /// starts clean. Across
     /// processes the peers' records are read too, nothing is cleared, and every process must
     /// rebuild its layer (until then this one refuses its passes).
     pub fn check(&mut self) -> Result<()> {

@@ -41,9 +41,9 @@ pub struct BenchArgs {
 const SHAPES: [&str; 4] = ["kimi", "glm", "qwen", "deepseek"];
 /// The backends the layer bench knows (`megakernel:N` and `megakernels:N` too; `megakernels`:
 /// the forward and the backward megakernels, on one GPU, over virtual ranks or across processes,
-/// where `megakernel` runs both too; `engine-gathered`: the engine with its gate/up and weight
+/// where `megakernel` runs both too; `engine-gathering`: the engine with its gate/up and weight
 /// gradients gathering the token rows in their producers, one GPU only).
-const BACKENDS: [&str; 5] = ["mma", "engine", "engine-gathered", "megakernel", "megakernels"];
+const BACKENDS: [&str; 5] = ["mma", "engine", "engine-gathering", "megakernel", "megakernels"];
 
 impl BenchArgs {
     /// Checks the options and returns the bench's `--cases` value.
@@ -65,7 +65,7 @@ impl BenchArgs {
             };
             if !BACKENDS.contains(&base) || !count_ok {
                 bail!(
-                    "--backends: unknown backend {backend:?} (known: mma, engine, engine-gathered, megakernel[:N], \
+                    "--backends: unknown backend {backend:?} (known: mma, engine, engine-gathering, megakernel[:N], \
                      megakernels[:N])"
                 );
             }
@@ -420,7 +420,7 @@ fn stream(command: &mut Command, mut show: impl FnMut(&str) -> Option<String>) -
 
 /// Whether the bench runs across processes (launched as `rank` of `world` > 1), after checking
 /// that the options fit that launch: `--ranks` only inside one process, tokens that split over
-/// the processes, and no `engine` or `engine-gathered` backend over ranks.
+/// the processes, and no `engine` or `engine-gathering` backend over ranks.
 fn check_launch(args: &BenchArgs, (rank, world): (usize, usize)) -> Result<bool> {
     let across = world > 1;
     if across && args.ranks > 1 {
@@ -656,10 +656,10 @@ mod tests {
         assert!(check_launch(&engine, (0, 1)).unwrap_err().to_string().contains("not engine"));
         engine.ranks = 1;
         assert!(!check_launch(&engine, (0, 1)).unwrap(), "engine on one GPU");
-        engine.backends = vec!["engine-gathered".into()];
-        assert!(!check_launch(&engine, (0, 1)).unwrap(), "engine-gathered on one GPU");
-        assert!(engine.cases().is_ok(), "engine-gathered is a known backend");
-        assert!(check_launch(&engine, (1, 4)).unwrap_err().to_string().contains("not engine-gathered"));
+        engine.backends = vec!["engine-gathering".into()];
+        assert!(!check_launch(&engine, (0, 1)).unwrap(), "engine-gathering on one GPU");
+        assert!(engine.cases().is_ok(), "engine-gathering is a known backend");
+        assert!(check_launch(&engine, (1, 4)).unwrap_err().to_string().contains("not engine-gathering"));
         let mut both = a.clone();
         both.backends = vec!["megakernels".into()];
         assert!(check_launch(&both, (0, 4)).unwrap(), "both megakernels across processes (one rank each)");

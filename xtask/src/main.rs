@@ -83,7 +83,7 @@ enum Task {
         /// Token counts T per case (global over the ranks).
         #[arg(long, value_delimiter = ',', default_value = "8192")]
         tokens: Vec<usize>,
-        /// Backends: mma, engine, engine-gathered (the engine with the token rows gathered in its
+        /// Backends: mma, engine, engine-gathering (the engine with the token rows gathered in its
         /// producers; one GPU), megakernel, megakernel:N (N comm blocks), megakernels[:N] (the
         /// forward and the backward megakernels, on one GPU or over virtual ranks).
         #[arg(long, value_delimiter = ',', default_value = "engine,megakernel")]

@@ -182,9 +182,9 @@ impl ExpertCompute {
     }
 
     /// [`Self::engine_forward_plans`]' gate/up without a rows buffer: its producers gather
-    /// each row from the tokens given at launch ([`crate::gemm::EnginePlan::gate_up_gathered`]),
+    /// each row from the tokens given at launch ([`crate::gemm::EnginePlan::gate_up_gathering`]),
     /// into the same outputs, bit for bit.
-    pub(crate) fn engine_gate_up_gathered_plan(
+    pub(crate) fn engine_gate_up_gathering_plan(
         &self,
         gpu: &Gpu,
         groups: &crate::gemm::RowGroups<'_>,
@@ -192,7 +192,7 @@ impl ExpertCompute {
     ) -> Result<crate::gemm::EnginePlan> {
         let (h, i, r) = (self.hidden, self.inter, &self.rows);
         let limit = self.limit.is_finite().then_some(self.limit);
-        crate::gemm::EnginePlan::gate_up_gathered(
+        crate::gemm::EnginePlan::gate_up_gathering(
             gpu,
             groups,
             w_gate,
@@ -316,11 +316,11 @@ impl ExpertCompute {
 
     /// [`Self::engine_wgrad_plans`]' gate and up weight gradients without the input rows: their
     /// producers gather each K row from the tokens given at launch
-    /// ([`crate::gemm::EnginePlan::wgrad_gathered`]), into the same gradients, bit for bit.
+    /// ([`crate::gemm::EnginePlan::wgrad_gathering`]), into the same gradients, bit for bit.
     ///
     /// # Safety
     /// As [`Self::engine_wgrad_plans`].
-    pub(crate) unsafe fn engine_wgrad_gathered_plans(
+    pub(crate) unsafe fn engine_wgrad_gathering_plans(
         &self,
         gpu: &Gpu,
         groups: &crate::gemm::RowGroups<'_>,
@@ -332,7 +332,7 @@ impl ExpertCompute {
         // SAFETY: caller contract (each gradient holds G · I · H elements).
         let out = |address| unsafe { wgrad_target(address, g * i * h, accumulate_f32) };
         let wgrad = |a: &DeviceBuffer<bf16>, dw| {
-            EnginePlan::wgrad_gathered(gpu, a, groups.row_offsets, (g, groups.capacity), (i, h), out(dw))
+            EnginePlan::wgrad_gathering(gpu, a, groups.row_offsets, (g, groups.capacity), (i, h), out(dw))
         };
         Ok([wgrad(&r.d_gate, dw[0])?, wgrad(&r.d_up, dw[1])?])
     }

@@ -80,8 +80,9 @@ pub struct UnfusedLayer {
     /// Whether the shared expert's copy of the token rows holds the last forward's x (its
     /// megakernel copied it), so a backward megakernel need not copy it again.
     shared_x_from_forward: bool,
-    /// The engine path's gate/up gathers its rows from x in its producer
-    /// ([`UnfusedLayer::set_gather_in_producer`]) instead of reading `gathered_x`.
+    /// The engine path's gate/up and gate and up weight gradients gather their rows from x in
+    /// their producers ([`UnfusedLayer::set_gather_in_producer`]) instead of reading
+    /// `gathered_x`.
     gather_in_producer: bool,
     /// Whether `gathered_x` holds the last forward's rows (a forward whose gate/up gathered
     /// them itself left it stale: the backward fills it before its weight gradients read it).
@@ -122,7 +123,7 @@ struct WeightPlans {
     /// With [`UnfusedLayer::set_gather_in_producer`]: the same gate/up gathering its rows from
     /// x in its producer, which the engine path then runs in place of `forward[0]` (the
     /// megakernels keep `forward[0]`).
-    gate_up_gathered: Option<EnginePlan>,
+    gate_up_gathering: Option<EnginePlan>,
     /// Down dgrad (into d_hidden); gate/up dgrad (two K segments). The backward megakernel runs
     /// them too, with the SwiGLU backward between them.
     dgrad: Vec<EnginePlan>,
@@ -146,7 +147,7 @@ impl EngineExperts {
 
     /// The current target's gate and up weight gradients that gather their rows (empty unless
     /// the layer gathers in the producer).
-    fn wgrad_gathered(&self) -> &[EnginePlan] {
+    fn wgrad_gathering(&self) -> &[EnginePlan] {
         self.wgrad.current().map_or(&[], |p| p.gathered.as_slice())
     }
 }
@@ -562,8 +563,8 @@ impl UnfusedLayer {
     }
 
     /// Makes the engine path's gate/up and its gate and up weight gradients gather their rows
-    /// from x in their producers (`on`: `mok_sm90_gemm_gate_up_gathered`,
-    /// `mok_sm90_gemm_wgrad_gathered`) or read them from the gathered rows (the default). With
+    /// from x in their producers (`on`: `mok_sm90_gemm_gate_up_gathering`,
+    /// `mok_sm90_gemm_wgrad_gathering`) or read them from the gathered rows (the default). With
     /// it no gathered copy of the rows is written (T · k · H bf16 less to write and read; the
     /// backward megakernel, which reads the copy, still gets it written by its backward). Every output and gradient is the same bits either way. It applies
     /// while the routed GEMMs run on the engine as separate launches (the megakernels move
@@ -581,7 +582,7 @@ impl UnfusedLayer {
                     problem: "gathering in the producer is the tensor-core engine's: switch the engine on first".into(),
                 });
             }
-            for kernel in [engine::GATE_UP_GATHERED_KERNEL, engine::WGRAD_GATHERED_KERNEL] {
+            for kernel in [engine::GATE_UP_GATHERING_KERNEL, engine::WGRAD_GATHERING_KERNEL] {
                 if !gpu.has_kernel(kernel) {
                     return Err(MokError::InvalidInput {
                         tensor: "gather_in_producer",
@@ -629,12 +630,12 @@ impl UnfusedLayer {
                 routed.engine_down_dgrad_plan(gpu, (&routed.rows.d_rows).into(), &groups, experts.w_down)?,
                 routed.engine_gate_up_dgrad_plan(gpu, &groups, [experts.w_gate, experts.w_up])?,
             ];
-            let gate_up_gathered = if gather_in_producer {
-                Some(routed.engine_gate_up_gathered_plan(gpu, &groups, [experts.w_gate, experts.w_up])?)
+            let gate_up_gathering = if gather_in_producer {
+                Some(routed.engine_gate_up_gathering_plan(gpu, &groups, [experts.w_gate, experts.w_up])?)
             } else {
                 None
             };
-            Ok(WeightPlans { forward: vec![gate_up, down], gate_up_gathered, dgrad })
+            Ok(WeightPlans { forward: vec![gate_up, down], gate_up_gathering, dgrad })
         })
     }
 
@@ -659,7 +660,7 @@ impl UnfusedLayer {
             let plans = unsafe { routed.engine_wgrad_plans(gpu, rows, &groups, target) }?;
             let gathered = if gather_in_producer {
                 // SAFETY: as above.
-                unsafe { routed.engine_wgrad_gathered_plans(gpu, &groups, target) }?.into()
+                unsafe { routed.engine_wgrad_gathering_plans(gpu, &groups, target) }?.into()
             } else {
                 Vec::new()
             };
@@ -983,7 +984,7 @@ impl UnfusedLayer {
         let gathers_in_producer = self
             .engine
             .as_ref()
-            .is_some_and(|state| state.weights.current().is_some_and(|p| p.gate_up_gathered.is_some()));
+            .is_some_and(|state| state.weights.current().is_some_and(|p| p.gate_up_gathering.is_some()));
         self.x_rows_gathered = !gathers_in_producer;
         if !gathers_in_producer {
             self.gather_x_rows(gpu, tokens.x)?;
@@ -998,14 +999,14 @@ impl UnfusedLayer {
         };
         if let Some(state) = &self.engine {
             engine::tile_offsets_into(gpu, &self.routing.row_offsets, e, &state.tile_offsets)?;
-            let gathered = state.weights.current().and_then(|p| p.gate_up_gathered.as_ref());
+            let gathered = state.weights.current().and_then(|p| p.gate_up_gathering.as_ref());
             for (n, plan) in state.forward().iter().enumerate() {
                 match gathered.filter(|_| n == 0) {
                     // SAFETY: as below; x is this pass's checked `[T][H]` view and the routing
                     // layout's `row_source` was written by this forward's routing, on the stream,
                     // with a slot below T · k for every row of the groups.
                     Some(gathering) => {
-                        unsafe { gathering.launch_gathered(gpu, tokens.x, (&self.routing.row_source).into(), k) }?
+                        unsafe { gathering.launch_gathering(gpu, tokens.x, (&self.routing.row_source).into(), k) }?
                     }
                     // SAFETY: the plans were built over this layer's buffers and this call's weight and
                     // gradient addresses (built, or swapped back, for exactly these addresses, whose
@@ -1169,7 +1170,7 @@ impl UnfusedLayer {
         // The forward's gate/up gathered its rows itself: the backward megakernel and weight
         // gradients that do not gather read the gathered copy, written here.
         let megakernel_backward = self.backward_megakernel.is_some() && self.engine.is_some();
-        let wgrad_gathers = self.engine.as_ref().is_some_and(|state| !state.wgrad_gathered().is_empty());
+        let wgrad_gathers = self.engine.as_ref().is_some_and(|state| !state.wgrad_gathering().is_empty());
         if !self.x_rows_gathered && (megakernel_backward || !wgrad_gathers) {
             self.gather_x_rows(gpu, tokens.x)?;
             self.x_rows_gathered = true;
@@ -1259,14 +1260,14 @@ impl UnfusedLayer {
             // addresses (built, or swapped back, for exactly these addresses, whose lengths were
             // checked for this call), all alive until the stream has run the pass.
             unsafe { state.dgrad()[1].launch(gpu) }?;
-            let gathered = state.wgrad_gathered();
+            let gathered = state.wgrad_gathering();
             for (n, plan) in state.wgrad().iter().enumerate() {
                 match n.checked_sub(1).and_then(|g| gathered.get(g)) {
                     // SAFETY: as below; x is this pass's checked `[T][H]` view (the forward's) and
                     // the routing layout's `row_source` holds its forward's slots, a slot below
                     // T · k for every row of the groups.
                     Some(gathering) => {
-                        unsafe { gathering.launch_gathered(gpu, tokens.x, (&self.routing.row_source).into(), k) }?
+                        unsafe { gathering.launch_gathering(gpu, tokens.x, (&self.routing.row_source).into(), k) }?
                     }
                     // SAFETY: the plans were built over this layer's buffers and this call's weight and
                     // gradient addresses (built, or swapped back, for exactly these addresses, whose

@@ -4,7 +4,7 @@
 
 use crate::gemm::engine::{Variant, run};
 use crate::gemm::group_maps::write_group_maps;
-use crate::gemm::hooks::{Counters, Gathered, RowGather, Standalone};
+use crate::gemm::hooks::{Counters, Gathering, RowGather, Standalone};
 use crate::gemm_layout::{GemmParams, TileCounters};
 
 /// Forward gate/up projection with SwiGLU fused.
@@ -28,7 +28,7 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_gate_up(params: *const GemmParam
 /// `pitch_bytes` apart (H the plan's `k`), `row_source` a live `[rows]` u32 array with, for
 /// every row of the plan's groups, an entry below `T · top_k`.
 #[unsafe(no_mangle)]
-pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_gate_up_gathered(
+pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_gate_up_gathering(
     params: *const GemmParams,
     x: u64,
     row_source: *const u32,
@@ -37,7 +37,7 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_gate_up_gathered(
 ) {
     let rows = RowGather { x, row_source, top_k, pitch_bytes };
     // SAFETY: caller contract; every thread of every block runs this kernel to here.
-    unsafe { run::<{ Variant::GATE_UP }, _>(params, Gathered(rows)) }
+    unsafe { run::<{ Variant::GATE_UP }, _>(params, Gathering(rows)) }
 }
 
 /// Row-grouped `A · Bᵀ`, f32 out (down projection).
@@ -94,7 +94,7 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_wgrad(params: *const GemmParams)
 /// `pitch_bytes` apart (N the plan's `n`), `row_source` a live `[rows]` u32 array with, for
 /// every row of the plan's groups, an entry below `T · top_k`.
 #[unsafe(no_mangle)]
-pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_wgrad_gathered(
+pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_wgrad_gathering(
     params: *const GemmParams,
     x: u64,
     row_source: *const u32,
@@ -103,7 +103,7 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_gemm_wgrad_gathered(
 ) {
     let rows = RowGather { x, row_source, top_k, pitch_bytes };
     // SAFETY: caller contract; every thread of every block runs this kernel to here.
-    unsafe { run::<{ Variant::WGRAD }, _>(params, Gathered(rows)) }
+    unsafe { run::<{ Variant::WGRAD }, _>(params, Gathering(rows)) }
 }
 
 /// [`mok_sm90_gemm_gate_up`] inside a persistent pass: before loading a tile's rows the producer

@@ -45,7 +45,7 @@ use crate::ptx::{bulk, cluster, mbarrier, sreg, sync};
 
 pub(crate) use super::epilogue::for_each_pair;
 use super::epilogue::*;
-use super::gather::{GATHER_LANES, produce_gathered};
+use super::gather::{GATHER_LANES, produce_gathering};
 use super::hooks::{BackwardHandover, ForwardHandover, TileHooks, hooked};
 use super::mainloop::*;
 use super::producer::*;
@@ -189,8 +189,8 @@ unsafe fn init_barriers<const V: u32>(ring: Ring, (full_arrivals, empty_arrivals
 /// # Safety
 /// `params` points at a valid [`GemmParams`] whose tensors match the variant's contract; every
 /// thread of the block calls it (of both blocks of the cluster, for a paired variant). When
-/// `hooks.row_gather()` names rows, the variant is one [`produce_gathered`] takes and the rows
-/// are as it requires (its A map is then unused).
+/// `hooks.row_gather()` names rows, the variant is one [`produce_gathering`] takes and the rows
+/// are as it requires (the map of the operand it gathers is then unused).
 #[inline(always)]
 pub unsafe fn run<const V: u32, H: TileHooks>(params: *const GemmParams, hooks: H) {
     // Register budgets below assume exactly this block size (`.maxntid`); row-grouped variants
@@ -237,7 +237,7 @@ pub unsafe fn run<const V: u32, H: TileHooks>(params: *const GemmParams, hooks: 
             if thread < GATHER_LANES {
                 // SAFETY: the producer warpgroup's first warp, every lane; the `full` barriers
                 // expect its lanes' arrivals (above); `rows` valid (caller contract).
-                unsafe { produce_gathered::<V>(&p, ring, rows, thread) };
+                unsafe { produce_gathering::<V>(&p, ring, rows, thread) };
             }
         } else if thread == 0 {
             // SAFETY: one producer thread.

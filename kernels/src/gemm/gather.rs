@@ -57,12 +57,12 @@ impl RowGather {
 ///
 /// # Safety
 /// As [`produce`](super::producer::produce) for a standalone kernel of a variant with a gathered
-/// operand (gate/up and the downs: A, `[T][p.k]`; the standalone weight gradient: B, `[T][p.n]`),
+/// operand (gate/up: A, `[T][p.k]`; the standalone weight gradient: B, `[T][p.n]`),
 /// whose `full` barriers were initialised for `1 + GATHER_LANES` arrivals; `rows` describes a
 /// live bf16 tensor of that width and a `row_source` entry, below `T · top_k`, for every row of
 /// the launch's groups; every lane of the warp calls it with the same arguments.
 #[inline(always)]
-pub(super) unsafe fn produce_gathered<const V: u32>(p: &GemmParams, ring: Ring, rows: RowGather, lane: u32) {
+pub(super) unsafe fn produce_gathering<const V: u32>(p: &GemmParams, ring: Ring, rows: RowGather, lane: u32) {
     // Not a `const` assertion: `run` instantiates this for every variant, behind a `row_gather`
     // that only the gathering kernels' hooks return.
     // Gate/up (one K segment) and the standalone weight gradient only: the downs' kernels
@@ -127,7 +127,7 @@ pub(super) unsafe fn produce_gathered<const V: u32>(p: &GemmParams, ring: Ring, 
 /// A row-grouped tile's stages: A gathered by every lane, the weight tile by lane 0's TMA.
 ///
 /// # Safety
-/// As [`produce_gathered`], for its tile `tile` (`w`) at its walk's `(stage, phase)`.
+/// As [`produce_gathering`], for its tile `tile` (`w`) at its walk's `(stage, phase)`.
 #[inline(always)]
 unsafe fn gather_row_tile<const V: u32>(
     p: &GemmParams,
@@ -207,7 +207,7 @@ unsafe fn gather_row_tile<const V: u32>(
 /// inside the group).
 ///
 /// # Safety
-/// As [`produce_gathered`], for its tile `tile` (`w`, with K blocks) at its walk's
+/// As [`produce_gathering`], for its tile `tile` (`w`, with K blocks) at its walk's
 /// `(stage, phase)`.
 #[inline(always)]
 unsafe fn gather_weight_gradient_tile<const V: u32>(
@@ -297,7 +297,7 @@ unsafe fn copy_swizzled_row(block: u32, row: u32, (run, first_chunk, present): (
 /// names `value` in its slot and arrives, every lane arrives as after its copies.
 ///
 /// # Safety
-/// As [`produce_gathered`], at its walk's `(stage, phase)`.
+/// As [`produce_gathering`], at its walk's `(stage, phase)`.
 #[inline(always)]
 unsafe fn copyless_stage<const V: u32>(ring: Ring, (stage, phase): (u32, u32), value: u32, lane: u32) {
     // SAFETY: initialised barriers of this block (caller contract); the slot is free once the

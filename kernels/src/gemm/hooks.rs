@@ -99,12 +99,12 @@ pub struct RowGather {
     pub pitch_bytes: u32,
 }
 
-/// The standalone kernels whose producer gathers A's rows ([`TileHooks::row_gather`]); no
-/// other hook.
+/// The standalone kernels whose producer gathers the token rows ([`TileHooks::row_gather`]: the
+/// gate/up's A, the weight gradient's B); no other hook.
 #[derive(Clone, Copy)]
-pub struct Gathered(pub RowGather);
+pub struct Gathering(pub RowGather);
 
-impl TileHooks for Gathered {
+impl TileHooks for Gathering {
     #[inline(always)]
     unsafe fn before_rows(&self, _: &GemmParams, _: &Work) {}
     #[inline(always)]
