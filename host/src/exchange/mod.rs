@@ -743,14 +743,25 @@ impl Exchange {
         }
         let mut records = Vec::with_capacity(sources.len());
         for (gpu, rank) in sources {
-            // SAFETY: both records are regions of `rank`'s slice (a peer's mapped into this
-            // process for this device by the multi-process heap).
-            let (words, route) = unsafe {
-                (
-                    self.download_region::<u32>(gpu, rank, self.regions().error, ERROR_WORDS)?,
-                    self.download_region::<u32>(gpu, rank, self.regions().route_error, 4)?,
-                )
+            let read = || {
+                // SAFETY: both records are regions of `rank`'s slice (a peer's mapped into this
+                // process for this device by the multi-process heap).
+                unsafe {
+                    Ok::<_, MokError>((
+                        self.download_region::<u32>(gpu, rank, self.regions().error, ERROR_WORDS)?,
+                        self.download_region::<u32>(gpu, rank, self.regions().route_error, 4)?,
+                    ))
+                }
             };
+            let (mut words, mut route) = read()?;
+            if !self.heap.local_ranks().contains(&rank)
+                && (words[codes::WORD_CODE] != codes::ERROR_NONE || route[0] != 0)
+            {
+                // A peer's kernel may still be writing its record (it claims the code word first,
+                // then stores the rest): read it again once those stores have surely landed.
+                std::thread::sleep(std::time::Duration::from_millis(1));
+                (words, route) = read()?;
+            }
             records.push((rank, words, route));
         }
         if let Some((rank, words, _)) = records.iter().find(|(_, w, _)| w[codes::WORD_CODE] == codes::ERROR_CAPACITY) {
