@@ -7,7 +7,8 @@
 //!   is checked against the f64 reference here too.
 //! - Subjects: for P = 1 the same layer with the routed GEMMs on the tensor-core engine (where the
 //!   GPU has it), in half the blocks with the forward and the backward as the megakernels (0–8
-//!   comm blocks); for
+//!   comm blocks), in half the others with the gathering producers (`set_gather_in_producer`);
+//!   for
 //!   P > 1 the expert-parallel layer over P virtual ranks (`EpLayer`), with vector or bulk
 //!   movers, in the same share of blocks with the forward and the backward as the megakernels
 //!   hosting every rank in one launch (0–8 comm blocks per rank). y, dx, d_topk_weights and every routed weight gradient must equal the oracle's
@@ -125,6 +126,9 @@ struct Block {
     engine: bool,
     /// P = 1 with the engine: the forward as the megakernel with this many comm blocks.
     megakernel: Option<u32>,
+    /// P = 1 with the engine as separate launches: the gathering producers
+    /// (`UnfusedLayer::set_gather_in_producer`).
+    gathering: bool,
     kind: RoutingKind,
     drop: f32,
 }
@@ -158,7 +162,8 @@ fn random_block(c: &mut Choices) -> Block {
     let drop = if c.chance(0.5) { 0.0 } else { 0.3 * c.unit() };
     let (bulk_copies, engine) = (c.chance(0.5), c.chance(0.8));
     let megakernel = if c.chance(0.5) { Some(c.range(0, 8) as u32) } else { None };
-    Block { global, ranks, bulk_copies, engine, megakernel, kind, drop }
+    let gathering = c.chance(0.5);
+    Block { global, ranks, bulk_copies, engine, megakernel, gathering, kind, drop }
 }
 
 /// The block's weights (global, all experts), generated once per block.
@@ -335,6 +340,8 @@ fn new_subject(gpu: &Gpu, block: &Block, deadline: Duration) -> Subject {
                 };
                 layer.set_forward_megakernel(gpu, Some(options.clone())).unwrap();
                 layer.set_backward_megakernel(gpu, Some(options)).unwrap();
+            } else if block.gathering && layer.uses_gemm_engine() {
+                layer.set_gather_in_producer(gpu, true).unwrap();
             }
         }
         Subject::Engine(Box::new(layer))
