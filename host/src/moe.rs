@@ -780,6 +780,31 @@ mod tests {
     use super::*;
 
     #[test]
+    fn rank_shares_refuse_misaligned_gradient_views() {
+        let c = MoeConfig { ep_ranks: 2, ..MoeConfig::new(10, 64, 32, 8, 2) };
+        let shares = RankShares::of(&c, c.ep_ranks);
+        let n = 2 * shares.expert_block;
+        // SAFETY: views of made-up addresses that nothing dereferences (only checked).
+        let view = |ptr, len| unsafe { DeviceSliceMut::<f32>::from_raw_parts(ptr, len) };
+        let views = |gate| WeightGradViews {
+            dw_gate: view(gate, n),
+            dw_up: view(0x10_0000, n),
+            dw_down: view(0x20_0000, n),
+            shared: None,
+        };
+        let aligned = WeightGradTarget::AccumulateF32(views(0x1000));
+        let targets = shares.grad_targets(&aligned, false).unwrap().expect("the caller's buffers");
+        assert_eq!(targets.routed[1][0], 0x1000 + (4 * shares.expert_block) as u64);
+        let misaligned = WeightGradTarget::AccumulateF32(views(0x1004));
+        match shares.grad_targets(&misaligned, false) {
+            Err(MokError::InvalidInput { tensor: "dw_gate", problem }) => {
+                assert!(problem.contains("16-byte"), "{problem}")
+            }
+            other => panic!("expected the misaligned view refused, got {:?}", other.map(|t| t.is_some())),
+        }
+    }
+
+    #[test]
     fn rank_shares_split_the_views_and_check_them() {
         let c = MoeConfig { ep_ranks: 4, shared_intermediate: Some(16), ..MoeConfig::new(10, 64, 32, 8, 2) };
         let shares = RankShares::of(&c, c.ep_ranks);
