@@ -23,14 +23,15 @@
 //! rows, the pre-activations, the hidden rows, the slot buffer, y); the ring's f32 down rows
 //! are not written (both backwards read the slot buffer). The backward can run as the backward
 //! megakernel ([`EpLayer::set_backward_megakernel`]; across processes after an on-device wait
-//! for every rank's published dy): one launch pulls dy from the token owners, runs each ring's data- and weight-gradient tiles
-//! (the gate/up dgrad's epilogue pushing the dx rows to their owners) and combines them there.
+//! for every rank's published dy): one launch pulls dy from the token owners, runs each ring's
+//! data- and weight-gradient tiles (the gate/up dgrad's epilogue pushing the dx rows to their
+//! owners) and combines them there.
 
 use half::bf16;
 
 use crate::config::MoeConfig;
 use crate::driver::DeviceSlice;
-use crate::driver::{DeviceBuffer, Gpu, KernelArg, LaunchShape};
+use crate::driver::{DeviceBuffer, Gpu, KernelArg, LaunchShape, check_aligned};
 use crate::error::{MokError, Result};
 use crate::exchange::{Exchange, ExchangeOptions, Silence};
 use crate::gemm::{self as engine, EnginePlan};
@@ -225,9 +226,10 @@ impl EpLayer {
     }
 
     /// Runs the forward as the forward megakernel (`Some(options)`: one launch for every rank
-    /// this process drives, after the schedule; sm_90a, the tensor-core engine) or as separate launches per rank and
-    /// step (`None`, the default). Both give the same bits, and the backward reads what either
-    /// saved. `options.comm_blocks` counts each rank's comm blocks; the grid (all resident at
+    /// this process drives, after the schedule; sm_90a, the tensor-core engine) or as separate
+    /// launches per rank and step (`None`, the default). Both give the same bits, and the
+    /// backward reads what either saved. `options.comm_blocks` counts each rank's comm blocks;
+    /// the grid (all resident at
     /// once) is split into contiguous runs of pairs, one per rank, each needing its comm blocks
     /// and a compute pair. Errors when this GPU or the loaded PTX cannot run it, or the geometry
     /// cannot hold every rank; the layer is then unchanged.
@@ -271,9 +273,10 @@ impl EpLayer {
     }
 
     /// Runs the backward as the backward megakernel (`Some(options)`: one launch for every rank
-    /// this process drives — pull of dy from the token owners, the engine's data- and weight-gradient
-    /// tiles on each rank's ring, push of the dx rows to the owners' slot buffers, the owners'
-    /// dx combine and slot-weight gradients; sm_90a) or as the separate path (`None`, the
+    /// this process drives — pull of dy from the token owners, the engine's data- and
+    /// weight-gradient tiles on each rank's ring, push of the dx rows to the owners' slot
+    /// buffers, the owners' dx combine and slot-weight gradients; sm_90a) or as the separate path
+    /// (`None`, the
     /// default). It follows either forward. One launch hosts the ranks this process drives: every
     /// rank for virtual ranks, its one rank with one process per GPU (each backward then
     /// publishes a new epoch and waits on the device for every rank's before the launch, so its
@@ -728,15 +731,7 @@ impl EpLayer {
                         problem: format!("rank {rank}'s buffer has {len} elements, expected {per_rank} ([E/P, ...])"),
                     });
                 }
-                if !view.device_ptr().is_multiple_of(16) {
-                    return Err(MokError::InvalidInput {
-                        tensor: name,
-                        problem: format!(
-                            "rank {rank}'s view starts at {:#x}, not 16-byte aligned (the kernels read it in 16-byte units)",
-                            view.device_ptr()
-                        ),
-                    });
-                }
+                check_aligned(name, view.device_ptr(), 16)?;
             }
         }
         if shared.is_some() != c.shared_intermediate.is_some() {
@@ -747,12 +742,7 @@ impl EpLayer {
         }
         if let Some(s) = shared {
             for (name, view) in [("ws_gate", s.ws_gate), ("ws_up", s.ws_up), ("ws_down", s.ws_down)] {
-                if !view.device_ptr().is_multiple_of(16) {
-                    return Err(MokError::InvalidInput {
-                        tensor: name,
-                        problem: format!("view starts at {:#x}, not 16-byte aligned", view.device_ptr()),
-                    });
-                }
+                check_aligned(name, view.device_ptr(), 16)?;
             }
         }
         Ok(())

@@ -14,7 +14,7 @@ use mok_kernels::gemm_layout::{
     TENSOR_MAP_BYTES, TILE_M, TILE_N, Variant, cluster_blocks,
 };
 
-use crate::driver::{DeviceBuffer, DeviceSlice, Gpu, KernelArg, LaunchShape};
+use crate::driver::{DeviceBuffer, DeviceSlice, Gpu, KernelArg, LaunchShape, check_aligned};
 use crate::error::{MokError, Result};
 use crate::tensor_map::TensorMap;
 
@@ -355,12 +355,22 @@ impl EnginePlan {
                 problem: format!("{} gathers its rows from tokens: launch it with launch_gathering", self.kernel),
             });
         }
+        // SAFETY: the kernel's one parameter, this plan's parameter block, whose every address is a
+        // live allocation of the size it documents (caller contract).
+        unsafe { self.enqueue(gpu, blocks, &[KernelArg::Ptr(self.params.device_ptr())]) }
+    }
+
+    /// Cuts the group maps, then launches the plan's kernel with `args` on `blocks` persistent
+    /// blocks, rounded up to whole clusters.
+    ///
+    /// # Safety
+    /// `args` are the plan's kernel's parameters, in order and type, and valid for it.
+    unsafe fn enqueue(&self, gpu: &Gpu, blocks: u32, args: &[KernelArg]) -> Result<()> {
         let blocks = blocks.max(1).next_multiple_of(self.cluster_blocks);
         self.cut_group_maps(gpu)?;
         let shape = LaunchShape { grid: (blocks, 1, 1), threads: ENGINE_THREADS, smem_bytes: ENGINE_SMEM_BYTES };
-        // SAFETY: the kernel's one parameter, this plan's parameter block, whose every address is a
-        // live allocation of the size it documents (caller contract).
-        unsafe { gpu.launch(self.kernel, shape, &[KernelArg::Ptr(self.params.device_ptr())]) }
+        // SAFETY: caller contract.
+        unsafe { gpu.launch(self.kernel, shape, args) }
     }
 
     /// Enqueues a plan built by [`EnginePlan::gate_up_gathering`] or
@@ -400,24 +410,18 @@ impl EnginePlan {
                 problem: format!("{} reads a rows buffer: launch it with launch", self.kernel),
             });
         };
-        if x.is_empty() || !x.len().is_multiple_of(h) || !x.device_ptr().is_multiple_of(16) {
+        if x.is_empty() || !x.len().is_multiple_of(h) {
             return Err(MokError::InvalidInput {
                 tensor: "x",
-                problem: format!(
-                    "{} elements at {:#x}: needs whole rows of {h} and a 16-byte aligned start",
-                    x.len(),
-                    x.device_ptr()
-                ),
+                problem: format!("{} elements: needs whole rows of {h}", x.len()),
             });
         }
+        check_aligned("x", x.device_ptr(), 16)?;
         check_len("row_source", row_source.len(), self.row_capacity)?;
         let top_k = u32::try_from(top_k).ok().filter(|&k| k > 0).ok_or_else(|| MokError::InvalidInput {
             tensor: "top_k",
             problem: format!("{top_k}: must be in 1..=u32::MAX"),
         })?;
-        self.cut_group_maps(gpu)?;
-        let blocks = blocks.max(1).next_multiple_of(self.cluster_blocks);
-        let shape = LaunchShape { grid: (blocks, 1, 1), threads: ENGINE_THREADS, smem_bytes: ENGINE_SMEM_BYTES };
         let args = [
             KernelArg::Ptr(self.params.device_ptr()),
             KernelArg::Ptr(x.device_ptr()),
@@ -429,7 +433,7 @@ impl EnginePlan {
         // the plan's live block (caller contract), x checked above (whole 16-byte aligned rows
         // of h, alive by the caller's contract), row_source as long as the plan's row capacity
         // with slots below T · top_k (caller contract).
-        unsafe { gpu.launch(self.kernel, shape, &args) }
+        unsafe { self.enqueue(gpu, blocks, &args) }
     }
 
     /// As [`Self::launch`], through the hooked kernel of the plan's variant (gate/up and the

@@ -11,7 +11,7 @@
 use half::bf16;
 
 use crate::config::MoeConfig;
-use crate::driver::{DeviceSlice, DeviceSliceMut, Gpu};
+use crate::driver::{DeviceSlice, DeviceSliceMut, Gpu, check_aligned};
 use crate::ep::{EpGradTargets, EpLayer};
 use crate::error::{MokError, Result};
 use crate::exchange::ExchangeOptions;
@@ -593,7 +593,7 @@ impl RankShares {
                         ),
                     });
                 }
-                aligned_16(tensor, view.device_ptr())?;
+                check_aligned(tensor, view.device_ptr(), 16)?;
             }
             let bytes = (n * size_of::<T>()) as u64;
             Ok((0..shares.ranks as u64)
@@ -613,7 +613,7 @@ impl RankShares {
                         });
                     }
                     for view in views {
-                        aligned_16("shared expert gradients", view.device_ptr())?;
+                        check_aligned("shared expert gradients", view.device_ptr(), 16)?;
                     }
                     let addresses = [views[0].device_ptr(), views[1].device_ptr(), views[2].device_ptr()];
                     Ok(vec![addresses; self.ranks])
@@ -761,18 +761,6 @@ pub fn workspace_bytes(config: &MoeConfig, backend: Backend) -> Result<usize> {
         }
     }
     Ok(total)
-}
-
-/// A gradient view written by TMA stores or reduce-adds starts 16-byte aligned.
-fn aligned_16(tensor: &'static str, ptr: u64) -> Result<()> {
-    if ptr.is_multiple_of(16) {
-        Ok(())
-    } else {
-        Err(MokError::InvalidInput {
-            tensor,
-            problem: format!("device address {ptr:#x} is not 16-byte aligned (written in 16-byte units)"),
-        })
-    }
 }
 
 #[cfg(test)]

@@ -23,6 +23,7 @@ pub mod vmm;
 pub use buffer::{DeviceBuffer, live_device_buffers};
 pub use gpu::{Gpu, GpuTimer, KernelArg, KernelImage, Kernels, LaunchShape, LoadedKernels};
 pub use graph::CapturedGraph;
+pub(crate) use slice::check_aligned;
 pub use slice::{DeviceSlice, DeviceSliceMut};
 
 use cudarc::driver::result::DriverError;

@@ -8,6 +8,23 @@ use bytemuck::Pod;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
 use super::DeviceBuffer;
+use crate::error::{MokError, Result};
+
+/// A view `tensor` starting at device address `ptr` is `bytes`-aligned, as the kernels that read
+/// or write it in `bytes`-byte units (vector loads, TMA) need; a view cut at an odd element
+/// would fault on the device instead.
+pub(crate) fn check_aligned(tensor: &'static str, ptr: u64, bytes: u64) -> Result<()> {
+    if ptr.is_multiple_of(bytes) {
+        Ok(())
+    } else {
+        Err(MokError::InvalidInput {
+            tensor,
+            problem: format!(
+                "device address {ptr:#x} is not {bytes}-byte aligned (the kernels access it in {bytes}-byte units)"
+            ),
+        })
+    }
+}
 
 /// `len` elements of `T` in device memory that someone else owns, borrowed for `'a` (read).
 #[derive(Debug)]
@@ -160,5 +177,22 @@ impl<T: Pod> DeviceBuffer<T> {
         // SAFETY: `dst.len()` ≤ this buffer's length (checked above); `dst` is a mutable view of
         // that many elements, borrowed from a buffer whose freeing waits for the work using it.
         unsafe { self.copy_into_address(dst.device_ptr(), dst.len()) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_aligned;
+    use crate::error::MokError;
+
+    #[test]
+    fn misaligned_views_are_named_errors() {
+        assert!(check_aligned("x", 0x7f00_0000_0100, 16).is_ok());
+        match check_aligned("x", 0x7f00_0000_0102, 16) {
+            Err(MokError::InvalidInput { tensor: "x", problem }) => assert!(problem.contains("16-byte"), "{problem}"),
+            other => panic!("{other:?}"),
+        }
+        assert!(check_aligned("topk_ids", 0x1004, 4).is_ok());
+        assert!(check_aligned("topk_ids", 0x1006, 4).is_err());
     }
 }

@@ -404,24 +404,24 @@ impl Exchange {
     /// [`Self::schedule`] after clearing the megakernels' `slot_ready` flags
     /// ([`Self::clear_slot_ready`] says why that is in time).
     pub(crate) fn schedule_clearing_slot_ready(&mut self, gpus: &[&Gpu]) -> Result<()> {
-        self.route_and_publish_clearing(gpus, CLEAR_SLOT_READY)?;
+        self.route_and_publish_clearing(gpus, true)?;
         self.place(gpus)
     }
 
     /// The first half of [`Self::schedule`]: every local rank lays out its own slots (the
     /// single-rank routing steps over its heap regions) and publishes a new epoch.
     pub fn route_and_publish(&mut self, gpus: &[&Gpu]) -> Result<()> {
-        self.route_and_publish_clearing(gpus, 0)
+        self.route_and_publish_clearing(gpus, false)
     }
 
-    fn route_and_publish_clearing(&mut self, gpus: &[&Gpu], also_clear: u32) -> Result<()> {
+    fn route_and_publish_clearing(&mut self, gpus: &[&Gpu], clear_slot_ready: bool) -> Result<()> {
         self.epoch = self.epoch.wrapping_add(1).max(1);
         let s = self.shape;
         let (t, k, e) = (s.tokens, s.top_k, s.num_experts);
         // The routing error records are not cleared here: a bad id of an unchecked pass stays
         // recorded (the first one) until `check_errors` has reported it and `reset` cleared it.
-        if also_clear != 0 {
-            self.clear_signals(gpus, also_clear)?;
+        if clear_slot_ready {
+            self.clear_slot_ready(gpus)?;
         }
         // SAFETY (all four): each kernel's parameters after (params, first_rank) are the ones
         // given (none), with the block shapes they document; the regions they touch are the

@@ -4,7 +4,7 @@
 use half::bf16;
 
 use crate::config::MoeConfig;
-use crate::driver::{DeviceBuffer, DeviceSlice, DeviceSliceMut, Gpu, KernelArg, LaunchShape};
+use crate::driver::{DeviceBuffer, DeviceSlice, DeviceSliceMut, Gpu, KernelArg, LaunchShape, check_aligned};
 use crate::error::{MokError, Result};
 use crate::gemm::{self as engine, EnginePlan};
 use crate::megakernel::{
@@ -113,7 +113,7 @@ struct WgradPlans {
     plans: Vec<EnginePlan>,
     /// With [`UnfusedLayer::set_gather_in_producer`]: gate and up gathering their token rows in
     /// their producers, which the engine path then runs in place of `plans[1..]`.
-    gathered: Vec<EnginePlan>,
+    gathering: Vec<EnginePlan>,
 }
 
 /// The plans that read one set of expert weights.
@@ -148,7 +148,7 @@ impl EngineExperts {
     /// The current target's gate and up weight gradients that gather their rows (empty unless
     /// the layer gathers in the producer).
     fn wgrad_gathering(&self) -> &[EnginePlan] {
-        self.wgrad.current().map_or(&[], |p| p.gathered.as_slice())
+        self.wgrad.current().map_or(&[], |p| p.gathering.as_slice())
     }
 }
 
@@ -614,12 +614,7 @@ impl UnfusedLayer {
         let (c, routing, routed, gathered_x) = (&self.config, &self.routing, &self.routed, &self.gathered_x);
         let gather_in_producer = self.gather_in_producer;
         weights.select(key, || {
-            let groups = engine::RowGroups {
-                row_offsets: (&routing.row_offsets).into(),
-                tile_offsets: (&*tile_offsets).into(),
-                groups: c.num_experts,
-                capacity: c.tokens_per_rank * c.top_k,
-            };
+            let groups = engine_row_groups(c, routing, tile_offsets);
             let (gate_up, down) = routed.engine_forward_plans(
                 gpu,
                 gathered_x.into(),
@@ -646,25 +641,20 @@ impl UnfusedLayer {
         let (c, routing, routed, gathered_x) = (&self.config, &self.routing, &self.routed, &self.gathered_x);
         let gather_in_producer = self.gather_in_producer;
         wgrad.select((target.routed, target.accumulate_f32), || {
-            let groups = engine::RowGroups {
-                row_offsets: (&routing.row_offsets).into(),
-                tile_offsets: (&*tile_offsets).into(),
-                groups: c.num_experts,
-                capacity: c.tokens_per_rank * c.top_k,
-            };
+            let groups = engine_row_groups(c, routing, tile_offsets);
             let rows = (routed.d_rows().into(), gathered_x.into());
             // SAFETY: `target` was checked against the gradients' lengths for this call and lives
             // for it; the plans keep the addresses and run only for a call with this same target
             // (kept as the previous target's otherwise, never launched for another).
             let target = (target.routed, target.accumulate_f32);
             let plans = unsafe { routed.engine_wgrad_plans(gpu, rows, &groups, target) }?;
-            let gathered = if gather_in_producer {
+            let gathering = if gather_in_producer {
                 // SAFETY: as above.
                 unsafe { routed.engine_wgrad_gathering_plans(gpu, &groups, target) }?.into()
             } else {
                 Vec::new()
             };
-            Ok(WgradPlans { plans: plans.into(), gathered })
+            Ok(WgradPlans { plans: plans.into(), gathering })
         })
     }
 
@@ -681,7 +671,7 @@ impl UnfusedLayer {
                 });
             }
             // Written by TMA stores (or reduce-adds).
-            aligned_16(tensor, view.device_ptr())?;
+            check_aligned(tensor, view.device_ptr(), 16)?;
             Ok(view.device_ptr())
         }
         fn resolve<T>(
@@ -803,18 +793,18 @@ impl UnfusedLayer {
             ("w_up", experts.w_up.device_ptr()),
             ("w_down", experts.w_down.device_ptr()),
         ] {
-            aligned_16(tensor, ptr)?;
+            check_aligned(tensor, ptr, 16)?;
         }
-        aligned_4("topk_ids", tokens.topk_ids.device_ptr())?;
-        aligned_4("topk_weights", tokens.topk_weights.device_ptr())?;
+        check_aligned("topk_ids", tokens.topk_ids.device_ptr(), 4)?;
+        check_aligned("topk_weights", tokens.topk_weights.device_ptr(), 4)?;
         match (c.shared_intermediate, shared) {
             (Some(is), Some(s)) => {
                 expect("ws_gate", s.ws_gate.len(), is * h)?;
                 expect("ws_up", s.ws_up.len(), is * h)?;
                 expect("ws_down", s.ws_down.len(), h * is)?;
-                aligned_16("ws_gate", s.ws_gate.device_ptr())?;
-                aligned_16("ws_up", s.ws_up.device_ptr())?;
-                aligned_16("ws_down", s.ws_down.device_ptr())?;
+                check_aligned("ws_gate", s.ws_gate.device_ptr(), 16)?;
+                check_aligned("ws_up", s.ws_up.device_ptr(), 16)?;
+                check_aligned("ws_down", s.ws_down.device_ptr(), 16)?;
                 Ok(t)
             }
             (None, None) => Ok(t),
@@ -999,9 +989,9 @@ impl UnfusedLayer {
         };
         if let Some(state) = &self.engine {
             engine::tile_offsets_into(gpu, &self.routing.row_offsets, e, &state.tile_offsets)?;
-            let gathered = state.weights.current().and_then(|p| p.gate_up_gathering.as_ref());
+            let gate_up_gathering = state.weights.current().and_then(|p| p.gate_up_gathering.as_ref());
             for (n, plan) in state.forward().iter().enumerate() {
-                match gathered.filter(|_| n == 0) {
+                match gate_up_gathering.filter(|_| n == 0) {
                     // SAFETY: as below; x is this pass's checked `[T][H]` view and the routing
                     // layout's `row_source` was written by this forward's routing, on the stream,
                     // with a slot below T · k for every row of the groups.
@@ -1163,7 +1153,7 @@ impl UnfusedLayer {
                 problem: format!("device buffer has {} elements, expected {}", dy.len(), t * h),
             });
         }
-        aligned_16("dy", dy.device_ptr())?;
+        check_aligned("dy", dy.device_ptr(), 16)?;
         let target = self.grad_addresses(gpu, target)?;
         self.prepare_engine_plans(gpu, experts)?;
         self.prepare_wgrad_plans(gpu, &target)?;
@@ -1175,7 +1165,7 @@ impl UnfusedLayer {
             self.gather_x_rows(gpu, tokens.x)?;
             self.x_rows_gathered = true;
         }
-        if self.backward_megakernel.is_some() && self.engine.is_some() {
+        if megakernel_backward {
             return self.backward_megakernel_pass(gpu, (tokens, shared), dy, &target);
         }
         let slots = t * k;
@@ -1260,9 +1250,9 @@ impl UnfusedLayer {
             // addresses (built, or swapped back, for exactly these addresses, whose lengths were
             // checked for this call), all alive until the stream has run the pass.
             unsafe { state.dgrad()[1].launch(gpu) }?;
-            let gathered = state.wgrad_gathering();
+            let wgrad_gathering = state.wgrad_gathering();
             for (n, plan) in state.wgrad().iter().enumerate() {
-                match n.checked_sub(1).and_then(|g| gathered.get(g)) {
+                match n.checked_sub(1).and_then(|g| wgrad_gathering.get(g)) {
                     // SAFETY: as below; x is this pass's checked `[T][H]` view (the forward's) and
                     // the routing layout's `row_source` holds its forward's slots, a slot below
                     // T · k for every row of the groups.
@@ -1471,6 +1461,21 @@ pub struct RoutedBackward<'a> {
     pub d_in: &'a DeviceBuffer<f32>,
 }
 
+/// The routed experts' row groups as the engine's plans read them: the routing layout's row
+/// offsets and the engine's tile offsets, every slot of `config` as the capacity.
+fn engine_row_groups<'a>(
+    config: &MoeConfig,
+    routing: &'a RoutingBuffers,
+    tile_offsets: &'a DeviceBuffer<u32>,
+) -> engine::RowGroups<'a> {
+    engine::RowGroups {
+        row_offsets: (&routing.row_offsets).into(),
+        tile_offsets: tile_offsets.into(),
+        groups: config.num_experts,
+        capacity: config.tokens_per_rank * config.top_k,
+    }
+}
+
 /// The engine plans of a backward megakernel pass, in `BackwardParams` order: the down dgrad,
 /// the gate/up dgrad, the down, gate and up weight gradients.
 fn backward_plans(engine: &EngineExperts) -> [&EnginePlan; 5] {
@@ -1485,46 +1490,9 @@ pub(crate) fn nan_filled(gpu: &Gpu, len: usize) -> Result<DeviceBuffer<bf16>> {
     Ok(buffer)
 }
 
-/// `ptr` (the start of view `tensor`) is 16-byte aligned, as the kernels' vector loads and TMA
-/// need.
-fn aligned_16(tensor: &'static str, ptr: u64) -> Result<()> {
-    aligned(tensor, ptr, 16)
-}
-
-/// `ptr` (the start of view `tensor` of 4-byte elements) is 4-byte aligned.
-fn aligned_4(tensor: &'static str, ptr: u64) -> Result<()> {
-    aligned(tensor, ptr, 4)
-}
-
-fn aligned(tensor: &'static str, ptr: u64, bytes: u64) -> Result<()> {
-    if ptr.is_multiple_of(bytes) {
-        Ok(())
-    } else {
-        Err(MokError::InvalidInput {
-            tensor,
-            problem: format!(
-                "device address {ptr:#x} is not {bytes}-byte aligned (the kernels read it in {bytes}-byte units)"
-            ),
-        })
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::KeptPlans;
-
-    #[test]
-    fn misaligned_views_are_named_errors() {
-        assert!(super::aligned_16("x", 0x7f00_0000_0100).is_ok());
-        match super::aligned_16("x", 0x7f00_0000_0102) {
-            Err(crate::error::MokError::InvalidInput { tensor: "x", problem }) => {
-                assert!(problem.contains("16-byte"), "{problem}")
-            }
-            other => panic!("{other:?}"),
-        }
-        assert!(super::aligned_4("topk_ids", 0x1004).is_ok());
-        assert!(super::aligned_4("topk_ids", 0x1006).is_err());
-    }
     use crate::error::MokError;
 
     #[test]

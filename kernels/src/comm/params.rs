@@ -226,9 +226,9 @@ impl HeapRegions {
     }
 }
 
-/// What `mok_ep_clear_signals` clears (bits of its `what`): the routing kernels' error record ...
-pub const CLEAR_ROUTE_ERROR: u32 = 1;
-/// ... and the megakernels' `slot_ready` flags.
+/// What `mok_ep_clear_signals` clears (a bit of its `what`): the megakernels' `slot_ready`
+/// flags. (The routing kernels' error record is cleared by the host's `reset` only: it keeps
+/// the first bad id until a check has reported it.)
 pub const CLEAR_SLOT_READY: u32 = 2;
 
 /// What every exchange kernel reads: the shape, the layout, the timeout and the peer table.

@@ -11,7 +11,7 @@
 //! resident. Within a step no rank reads what another rank writes in the same step. The waits
 //! are still real and bounded: a rank that never signals is reported, not waited on forever.
 
-use crate::comm::params::{CLEAR_ROUTE_ERROR, CLEAR_SLOT_READY, ExchangeParams};
+use crate::comm::params::{CLEAR_SLOT_READY, ExchangeParams};
 use crate::comm::{Pass, RankView, combine, movers, plan};
 use crate::device::grid_thread;
 use crate::ptx::{smem, sreg};
@@ -40,8 +40,7 @@ fn grid_warp() -> (u32, u32) {
 }
 
 /// Before a pass (grid-stride over T·k slots): zeroes the acting rank's signals named in `what`
-/// ([`CLEAR_ROUTE_ERROR`], [`CLEAR_SLOT_READY`]; see `HeapRegions::slot_ready` for when its
-/// flags may be cleared).
+/// ([`CLEAR_SLOT_READY`]; see `HeapRegions::slot_ready` for when its flags may be cleared).
 ///
 /// # Safety
 /// As [`mok_ep_prepare_tokens`].
@@ -51,10 +50,6 @@ pub unsafe extern "ptx-kernel" fn mok_ep_clear_signals(params: *const ExchangePa
     let view = unsafe { view(params, first_rank) };
     let r = &view.params.regions;
     let (first, stride) = grid_thread();
-    if what & CLEAR_ROUTE_ERROR != 0 && first < 4 {
-        // SAFETY: the record has 4 words.
-        unsafe { *view.local::<u32>(r.route_error).add(first) = 0 };
-    }
     if what & CLEAR_SLOT_READY != 0 {
         let slots = (view.params.tokens * view.params.top_k) as usize;
         let flags: *mut u32 = view.local(r.slot_ready);

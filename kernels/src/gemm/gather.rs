@@ -25,7 +25,7 @@ use crate::ptx::memory::atom_add_relaxed_gpu_u32;
 use crate::ptx::{cp_async, mbarrier, sreg, sync, tensormap, tma};
 
 use super::hooks::RowGather;
-use super::producer::{load_weights, name_tile, receive_tile};
+use super::producer::{load_weights, name_in_copyless_stage, name_tile, receive_tile};
 use super::ring::{Ring, Walk};
 use super::source::*;
 
@@ -101,7 +101,6 @@ pub(super) unsafe fn produce_gathering<const V: u32>(p: &GemmParams, ring: Ring,
         if tile >= total {
             // SAFETY: as below for a stage, without copies.
             unsafe { copyless_stage::<V>(ring, (stage, phase), NO_TILE, lane) };
-            ring.advance::<V>(&mut stage, &mut phase);
             return;
         }
         // SAFETY: tile < total.
@@ -300,13 +299,14 @@ unsafe fn copy_swizzled_row(block: u32, row: u32, (run, first_chunk, present): (
 /// As [`produce_gathering`], at its walk's `(stage, phase)`.
 #[inline(always)]
 unsafe fn copyless_stage<const V: u32>(ring: Ring, (stage, phase): (u32, u32), value: u32, lane: u32) {
-    // SAFETY: initialised barriers of this block (caller contract); the slot is free once the
-    // stage is, and lane 0's arrival publishes it.
+    // SAFETY: initialised barriers of this block (caller contract); lane 0 names the tile as the
+    // single-thread producer does; every other lane's arrival may only count once the stage is
+    // free, as lane 0's wait there ensures for its own.
     unsafe {
-        mbarrier::wait_parity(ring.empty::<V>(stage), phase ^ 1);
         if lane == 0 {
-            name_tile::<V>(ring, stage, value);
-            mbarrier::arrive(ring.full(stage));
+            name_in_copyless_stage::<V>(ring, stage, phase, value);
+        } else {
+            mbarrier::wait_parity(ring.empty::<V>(stage), phase ^ 1);
         }
         cp_async::arrive_on_completion(ring.full(stage));
     }
