@@ -1,22 +1,25 @@
 #!/usr/bin/env bash
 # The gathering producers (`UnfusedLayer::set_gather_in_producer`), one step per device call
-# (each fits the 10-minute limit of a call): `tests` runs their bitwise tests (the layer's in
-# gpu_unfused, and gpu_gemm's engine_matches_unfused_* with the gathering plans), `sanitize` the
-# layer's under memcheck, racecheck and synccheck, `bench` the GEMM benchmark with the gathering
-# plans each timed right after its plain one (`gemm --gathering`) and the layer benchmark with the
-# engine path with and without the gathering producers alternating (engine, engine-gathering,
-# engine, engine-gathering) beside the ceilings and PyTorch. Run from a bundle folder that holds
+# (each fits the 10-minute limit of a call): `tests` runs their bitwise tests (the engine path's
+# and the forward megakernel's in gpu_unfused, and gpu_gemm's engine_matches_unfused_* with the
+# gathering plans), `sanitize` the layer's under memcheck, racecheck and synccheck, `bench` the
+# GEMM benchmark with the gathering plans each timed right after its plain one (`gemm
+# --gathering`) and the layer benchmark with the engine path with and without the gathering
+# producers alternating (engine, engine-gathering, engine, engine-gathering) beside the ceilings
+# and PyTorch, `bench-megakernel` the same with the forward megakernel gathering against the
+# engine path gathering (engine-gathering, megakernel-gathering, twice). Run from a bundle folder that holds
 # run.sh,
 # tests/gpu_unfused(.gz), tests/gpu_gemm(.gz), benches/layer and benches/gemm with the scripts
 # (cargo xtask gpu-subset --tests gpu_unfused,gpu_gemm --benches layer,gemm). Logs under $OUT (or
 # ./bench-logs); a short table last.
-#   ./benches/gather_trial.sh tests      (then: sanitize, bench; CASES=deepseek:8192,kimi:8192)
+#   ./benches/gather_trial.sh tests      (then: sanitize, bench, bench-megakernel; CASES=deepseek:8192,kimi:8192)
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 bundle="$(cd "$here/.." && pwd)"
 mkdir -p "${OUT:-./bench-logs}"
 out="$(cd "${OUT:-./bench-logs}" && pwd)"
-test_name=gate_up_gathering_its_rows_in_the_producer_is_bitwise_the_engine_path
+# Both layer tests (the engine path's and the forward megakernel's): a libtest substring.
+test_name=gathering_its_rows_in_the_producer_is_bitwise_the_engine_path
 case "${1:-}" in
     tests)
         (cd "$bundle" && OUT="$out" ./run.sh "$test_name") > "$out/gather-test.txt" 2>&1
@@ -37,8 +40,14 @@ case "${1:-}" in
         echo "== gemm";  grep -h "gate_up" "$out/gather-gemm.txt" | grep "^|"
         echo "== layer"; grep -h "^|" "$out/layer.log" | tail -10
         ;;
+    bench-megakernel)
+        cases="${CASES:-deepseek:8192,kimi:8192}"
+        OUT="$out" CASES="$cases" GEMM=engine-gathering,megakernel-gathering,engine-gathering,megakernel-gathering \
+            "$here/run_layer_bench.sh" > "$out/gather-megakernel-bench.txt" 2>&1
+        echo "== layer"; grep -h "^|" "$out/layer.log" | tail -10
+        ;;
     *)
-        echo "usage: gather_trial.sh tests|sanitize|bench (one device call each)" >&2
+        echo "usage: gather_trial.sh tests|sanitize|bench|bench-megakernel (one device call each)" >&2
         exit 2
         ;;
 esac

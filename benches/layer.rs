@@ -10,8 +10,9 @@
 //! and up weight gradients gathering the token rows in their producers: no gathered copy of the
 //! rows is written), `megakernel` (the forward as one
 //! persistent launch over the engine, with its default comm blocks), `megakernel:N` (N comm
-//! blocks) and `megakernels[:N]` (the forward and the backward megakernels). Each table row names
-//! its backend. `--ranks P` (P > 1) runs the expert-parallel layer over P virtual ranks on this GPU
+//! blocks) and `megakernels[:N]` (the forward and the backward megakernels); `megakernel[s][:N]-gathering`
+//! has the forward megakernel's gate/up gather its rows in its producers too (one GPU). Each
+//! table row names its backend. `--ranks P` (P > 1) runs the expert-parallel layer over P virtual ranks on this GPU
 //! instead (the tokens of a case split over the ranks), on `mma` (`epP:mma`: the exchange's
 //! separate launches, `mma.sync` expert compute), `megakernel[:N]` (`epP:megakernel`: the
 //! forward as one launch hosting every rank, N comm blocks per rank) or `megakernels[:N]`
@@ -73,30 +74,39 @@ enum Backend {
     /// The engine with its gate/up and its gate and up weight gradients gathering the token rows
     /// in their producers (`UnfusedLayer::set_gather_in_producer`).
     EngineGathering,
-    /// The forward megakernel with this many comm blocks (`None`: its default).
-    Megakernel(Option<u32>),
+    /// The forward megakernel with this many comm blocks (`None`: its default); `true`: its
+    /// gate/up gathering the token rows in its producers (one GPU).
+    Megakernel(Option<u32>, bool),
     /// The forward and the backward megakernels (one GPU, every virtual rank in one launch, or
     /// across processes the process's rank),
-    /// with this many comm blocks each (per rank over ranks).
-    Megakernels(Option<u32>),
+    /// with this many comm blocks each (per rank over ranks); `true` as for `Megakernel`.
+    Megakernels(Option<u32>, bool),
 }
 
 impl Backend {
     fn parse(text: &str) -> Result<Self> {
-        Ok(match text {
-            "mma" => Backend::Mma,
+        // A `-gathering` suffix: the engine's or the forward megakernel's gate/up gathers its rows.
+        let (base, gathering) = match text.strip_suffix("-gathering") {
+            Some(base) => (base, true),
+            None => (text, false),
+        };
+        Ok(match base {
+            "mma" if !gathering => Backend::Mma,
+            "engine" if gathering => Backend::EngineGathering,
             "engine" => Backend::Engine,
-            "engine-gathering" => Backend::EngineGathering,
-            "megakernel" => Backend::Megakernel(None),
-            "megakernels" => Backend::Megakernels(None),
+            "megakernel" => Backend::Megakernel(None, gathering),
+            "megakernels" => Backend::Megakernels(None, gathering),
             other => match (other.strip_prefix("megakernel:"), other.strip_prefix("megakernels:")) {
-                (Some(n), _) => Backend::Megakernel(Some(n.parse().context("megakernel:N takes a comm block count")?)),
+                (Some(n), _) => {
+                    Backend::Megakernel(Some(n.parse().context("megakernel:N takes a comm block count")?), gathering)
+                }
                 (_, Some(n)) => {
-                    Backend::Megakernels(Some(n.parse().context("megakernels:N takes a comm block count")?))
+                    Backend::Megakernels(Some(n.parse().context("megakernels:N takes a comm block count")?), gathering)
                 }
-                _ => {
-                    bail!("--gemm takes mma, engine, engine-gathering, megakernel[:N] or megakernels[:N], not {other}")
-                }
+                _ => bail!(
+                    "--gemm takes mma, engine, megakernel[:N] or megakernels[:N], the last three also with \
+                     -gathering, not {text}"
+                ),
             },
         })
     }
@@ -106,25 +116,34 @@ impl Backend {
             Backend::Mma => "mma".into(),
             Backend::Engine => "engine".into(),
             Backend::EngineGathering => "engine-gathering".into(),
-            Backend::Megakernel(None) => "megakernel".into(),
-            Backend::Megakernel(Some(n)) => format!("megakernel:{n}"),
-            Backend::Megakernels(None) => "megakernels".into(),
-            Backend::Megakernels(Some(n)) => format!("megakernels:{n}"),
+            Backend::Megakernel(comm_blocks, gathering) => mega_name("megakernel", comm_blocks, gathering),
+            Backend::Megakernels(comm_blocks, gathering) => mega_name("megakernels", comm_blocks, gathering),
         }
     }
 
     fn apply(self, gpu: &Gpu, layer: &mut UnfusedLayer) -> Result<()> {
         layer.set_gemm_engine(gpu, self != Backend::Mma)?;
-        layer.set_gather_in_producer(gpu, self == Backend::EngineGathering)?;
-        if let Backend::Megakernel(comm_blocks) | Backend::Megakernels(comm_blocks) = self {
+        if let Backend::Megakernel(comm_blocks, _) | Backend::Megakernels(comm_blocks, _) = self {
             let options = MegakernelOptions { comm_blocks, ..MegakernelOptions::default() };
             layer.set_forward_megakernel(gpu, Some(options.clone()))?;
-            if matches!(self, Backend::Megakernels(_)) {
+            if matches!(self, Backend::Megakernels(..)) {
                 layer.set_backward_megakernel(gpu, Some(options))?;
             }
         }
+        layer.set_gather_in_producer(gpu, self.gathers())?;
         Ok(())
     }
+
+    /// Whether the gate/up gathers its rows in its producers.
+    fn gathers(self) -> bool {
+        matches!(self, Backend::EngineGathering | Backend::Megakernel(_, true) | Backend::Megakernels(_, true))
+    }
+}
+
+/// `base[:N][-gathering]`.
+fn mega_name(base: &str, comm_blocks: Option<u32>, gathering: bool) -> String {
+    let blocks = comm_blocks.map_or(String::new(), |n| format!(":{n}"));
+    format!("{base}{blocks}{}", if gathering { "-gathering" } else { "" })
 }
 
 fn parse_args() -> Result<Args> {
@@ -355,11 +374,12 @@ fn bench_case_ep(
     let share_rank_tiles = !own_rank_tiles;
     match backend {
         Backend::Mma => {}
-        Backend::Megakernel(comm_blocks) => layer.set_forward_megakernel(
+        _ if backend.gathers() => bail!("--ranks {ranks}: the rows are pulled across ranks, not gathered"),
+        Backend::Megakernel(comm_blocks, _) => layer.set_forward_megakernel(
             gpu,
             Some(MegakernelOptions { comm_blocks, share_rank_tiles, ..Default::default() }),
         )?,
-        Backend::Megakernels(comm_blocks) => {
+        Backend::Megakernels(comm_blocks, _) => {
             let options = MegakernelOptions { comm_blocks, share_rank_tiles, ..Default::default() };
             layer.set_forward_megakernel(gpu, Some(options.clone()))?;
             layer.set_backward_megakernel(gpu, Some(options))?;
@@ -397,7 +417,7 @@ fn bench_case_ep(
     layer.backward(gpu, &experts, None)?;
     let bwd_launches = gpu.kernel_launches() - before;
     let mut sides = None;
-    if matches!(backend, Backend::Megakernel(_)) {
+    if matches!(backend, Backend::Megakernel(..)) {
         sides = Some(time_sides(&timer, reps, |work| {
             match work {
                 Some(work) => layer.set_forward_megakernel_work(work)?,
@@ -408,7 +428,7 @@ fn bench_case_ep(
         layer.check_errors(gpu)?;
     }
     let mut backward = None;
-    if matches!(backend, Backend::Megakernels(_)) {
+    if matches!(backend, Backend::Megakernels(..)) {
         // The backward alone, its two sides, and without its weight-gradient tiles (as on one
         // GPU, `bench_case`).
         let time_backward = |layer: &mut EpLayer| -> Result<f64> {
@@ -514,7 +534,7 @@ fn bench_case(
     layer.backward(gpu, &device_tokens, &experts, None, &dy)?;
     let bwd_launches = gpu.kernel_launches() - before;
     let mut sides = None;
-    if matches!(backend, Backend::Megakernel(_)) {
+    if matches!(backend, Backend::Megakernel(..)) {
         sides = Some(time_sides(&timer, reps, |work| {
             match work {
                 Some(work) => layer.set_forward_megakernel_work(work)?,
@@ -525,7 +545,7 @@ fn bench_case(
         layer.check_device_errors()?;
     }
     let mut backward = None;
-    if matches!(backend, Backend::Megakernels(_)) {
+    if matches!(backend, Backend::Megakernels(..)) {
         let sides = time_sides(&timer, reps, |work| {
             match work {
                 Some(work) => layer.set_backward_megakernel_work(work)?,
@@ -588,7 +608,8 @@ fn bench_case_processes(
     let options = match backend {
         Backend::Mma => LayerOptions { backend: Some(LayerBackend::MmaSync), ..Default::default() },
         // `MoeLayer::with_heap` runs both passes as megakernels hosting the process's rank.
-        Backend::Megakernel(comm_blocks) | Backend::Megakernels(comm_blocks) => LayerOptions {
+        _ if backend.gathers() => bail!("across ranks the rows are pulled, not gathered"),
+        Backend::Megakernel(comm_blocks, _) | Backend::Megakernels(comm_blocks, _) => LayerOptions {
             backend: Some(LayerBackend::Megakernel),
             megakernel: MegakernelOptions { comm_blocks, ..Default::default() },
             ..Default::default()

@@ -7,8 +7,9 @@
 //!   is checked against the f64 reference here too.
 //! - Subjects: for P = 1 the same layer with the routed GEMMs on the tensor-core engine (where the
 //!   GPU has it), in half the blocks with the forward and the backward as the megakernels (0–8
-//!   comm blocks), in half the others with the gathering producers (`set_gather_in_producer`);
-//!   for
+//!   comm blocks), and independently in half the blocks with the gathering producers
+//!   (`set_gather_in_producer`: the engine path's gate/up and weight gradients, or the forward
+//!   megakernel's gate/up); for
 //!   P > 1 the expert-parallel layer over P virtual ranks (`EpLayer`), with vector or bulk
 //!   movers, in the same share of blocks with the forward and the backward as the megakernels
 //!   hosting every rank in one launch (0–8 comm blocks per rank). y, dx, d_topk_weights and every routed weight gradient must equal the oracle's
@@ -126,8 +127,7 @@ struct Block {
     engine: bool,
     /// P = 1 with the engine: the forward as the megakernel with this many comm blocks.
     megakernel: Option<u32>,
-    /// P = 1 with the engine as separate launches: the gathering producers
-    /// (`UnfusedLayer::set_gather_in_producer`).
+    /// P = 1 with the engine: the gathering producers (`UnfusedLayer::set_gather_in_producer`).
     gathering: bool,
     kind: RoutingKind,
     drop: f32,
@@ -340,7 +340,8 @@ fn new_subject(gpu: &Gpu, block: &Block, deadline: Duration) -> Subject {
                 };
                 layer.set_forward_megakernel(gpu, Some(options.clone())).unwrap();
                 layer.set_backward_megakernel(gpu, Some(options)).unwrap();
-            } else if block.gathering && layer.uses_gemm_engine() {
+            }
+            if block.gathering && layer.uses_gemm_engine() {
                 layer.set_gather_in_producer(gpu, true).unwrap();
             }
         }

@@ -405,7 +405,8 @@ fn gate_up_gathering_its_rows_in_the_producer_is_bitwise_the_engine_path() {
             assert_same_run(&got, &expected, &format!("{what}, {attempt}"));
         }
         layer.set_backward_megakernel(&gpu, Some(megakernel_options(None, None))).unwrap();
-        assert_same_run(&run(&gpu, &mut layer, &device), &expected, &format!("{what}, gathered, backward megakernel"));
+        let got = run(&gpu, &mut layer, &device);
+        assert_gathered_then_backward_megakernel(&got, &expected, &format!("{what}, gathered, backward megakernel"));
         layer.set_backward_megakernel(&gpu, None).unwrap();
         layer.set_gather_in_producer(&gpu, false).unwrap();
         assert_same_run(&run(&gpu, &mut layer, &device), &expected, &format!("{what}, gathering off again"));
@@ -606,6 +607,79 @@ fn forward_megakernel_is_bitwise_the_engine_path() {
         );
         assert_eq!(tried, splits.len() + grids.len());
     }
+}
+
+#[test]
+fn forward_megakernel_gathering_its_rows_in_the_producer_is_bitwise_the_engine_path() {
+    // The forward megakernel with `set_gather_in_producer`: its gate/up tiles read each row of
+    // x through the routing layout in their producer warp and its dispatch copies only the
+    // shared expert's rows, so no gathered copy is written (the poisoned copy shows it, with
+    // the engine path's backward, whose weight gradients gather too). The bits must be the
+    // engine path's for several splits and grids (one compute pair alone, one comm block beside
+    // one pair), then with the backward megakernel (which reads the copy: its backward writes
+    // it), then with gathering off again.
+    let gpu = gpu();
+    let cases = megakernel_cases();
+    let Some(probe) = megakernel_layer(&gpu, &cases[0].0, megakernel_options(None, None)) else { return };
+    drop(probe);
+    let shapes = common::sized("gathering megakernel shapes", cases.len(), 3);
+    for (seed, (c, routing)) in cases.into_iter().take(shapes).enumerate() {
+        let case = random_case(&c, 1300 + seed as u64, routing);
+        let device = upload(&gpu, &case);
+        let mut engine = UnfusedLayer::new(&gpu, c.clone()).unwrap();
+        engine.set_gemm_engine(&gpu, true).unwrap();
+        let expected = run(&gpu, &mut engine, &device);
+        let what =
+            format!("T={} H={} I={} E={} k={}", c.tokens_per_rank, c.hidden, c.intermediate, c.num_experts, c.top_k);
+        let mut layer = megakernel_layer(&gpu, &c, megakernel_options(None, None)).unwrap();
+        layer.set_gather_in_producer(&gpu, true).unwrap();
+        let (resident, _) = {
+            let got = run(&gpu, &mut layer, &device);
+            check_gathering_run(got, &expected, &format!("{what}, gathering, default split"));
+            layer.forward_megakernel_geometry().unwrap()
+        };
+        let geometries = [(Some(1), None), (Some(0), Some(2)), (Some(1), Some(4)), (Some(3), Some(8)), (Some(5), None)];
+        let geometries = if common::sanitizing() { &geometries[..2] } else { &geometries[..] };
+        for &(comm, blocks) in geometries {
+            layer.set_forward_megakernel(&gpu, Some(megakernel_options(comm, blocks))).unwrap();
+            let got = run(&gpu, &mut layer, &device);
+            let geometry = layer.forward_megakernel_geometry().unwrap();
+            assert_eq!(geometry.1, comm.unwrap());
+            assert_eq!(geometry.0, blocks.unwrap_or(resident));
+            check_gathering_run(got, &expected, &format!("{what}, gathering, {comm:?} comm of {blocks:?} blocks"));
+        }
+        layer.set_backward_megakernel(&gpu, Some(megakernel_options(None, None))).unwrap();
+        let got = run(&gpu, &mut layer, &device);
+        assert_gathered_then_backward_megakernel(&got, &expected, &format!("{what}, gathering, backward megakernel"));
+        layer.set_backward_megakernel(&gpu, None).unwrap();
+        layer.set_gather_in_producer(&gpu, false).unwrap();
+        assert_same_run(&run(&gpu, &mut layer, &device), &expected, &format!("{what}, gathering off again"));
+        println!(
+            "  {what}: the forward megakernel gathering in its producers bitwise equal to the engine path \
+             ({} geometries + the default)",
+            geometries.len()
+        );
+    }
+}
+
+/// A run whose forward gathered its rows in the producers and whose backward ran as the
+/// megakernel: that backward wrote the gathered copy (it reads it), which must be the engine
+/// path's; the rest as the backward megakernel's tests compare it (`assert_same_backward`).
+fn assert_gathered_then_backward_megakernel(got: &GpuRun, expected: &GpuRun, what: &str) {
+    assert_eq!(fingerprint(&got.gathered_x), fingerprint(&expected.gathered_x), "{what}: gathered rows");
+    assert_eq!(fingerprint(&got.gate), fingerprint(&expected.gate), "{what}: gate pre-activations");
+    assert_eq!(fingerprint(&got.up), fingerprint(&expected.up), "{what}: up pre-activations");
+    assert_eq!(fingerprint(&got.y), fingerprint(&expected.y), "{what}: y");
+    assert_same_backward(got, expected, what);
+}
+
+/// A run whose forward gathered its rows in the producers and whose backward's weight
+/// gradients did too: the gathered copy, poisoned by `run`, must be untouched; everything else
+/// must be `expected`'s bits.
+fn check_gathering_run(mut got: GpuRun, expected: &GpuRun, what: &str) {
+    assert!(got.gathered_x.iter().all(|v| v.to_bits() == 0xffff), "{what}: a gathered copy was written");
+    got.gathered_x.clone_from(&expected.gathered_x);
+    assert_same_run(&got, expected, what);
 }
 
 /// Geometries both megakernels must refuse on a GPU where `resident` blocks fit at once:

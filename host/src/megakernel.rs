@@ -417,8 +417,35 @@ impl ForwardMegakernel {
                 silent_push: NO_FAULT,
                 launch_index: r as u32,
                 tile_ranks,
+                gather_in_producer: 0,
+                reserved: 0,
             }
         })
+    }
+
+    /// Makes the following passes' routed gate/up gather its token rows from x in its
+    /// producers (`on`; one GPU only) instead of reading the rows the dispatch copied into
+    /// `PassBuffers::rows`, which is then not written. The parameter block is uploaded again
+    /// only when this changes.
+    pub(crate) fn set_gather_in_producer(&mut self, on: bool) -> Result<()> {
+        let value = u32::from(on);
+        let [params] = self.host.as_mut_slice() else {
+            return Err(MokError::InvalidInput {
+                tensor: "gather_in_producer",
+                problem: "the forward megakernel gathers in its producers on one GPU only".into(),
+            });
+        };
+        if params.exchange != 0 && on {
+            return Err(MokError::InvalidInput {
+                tensor: "gather_in_producer",
+                problem: "the forward megakernel gathers in its producers on one GPU only".into(),
+            });
+        }
+        if params.gather_in_producer == value {
+            return Ok(());
+        }
+        params.gather_in_producer = value;
+        self.upload_params()
     }
 }
 
@@ -1010,6 +1037,9 @@ mod work_order_model {
             /// N tiles per M tile of each GEMM.
             n_gate_up: usize,
             n_down: usize,
+            /// One GPU: the gate/up gathers its rows in its producers (`gather_in_producer`),
+            /// so nothing routed is dispatched and its tiles wait for nothing.
+            gathering: bool,
         }
 
         impl World for Forward {
@@ -1022,7 +1052,7 @@ mod work_order_model {
                 let m_tiles = r.dispatched.len();
                 let shared_tiles = r.shared_dispatched.len();
                 let len = [
-                    m_tiles,
+                    if self.gathering { 0 } else { m_tiles },
                     m_tiles * n_gate_up,
                     m_tiles * n_down,
                     r.slots.len(),
@@ -1051,7 +1081,7 @@ mod work_order_model {
                     Unit::Dispatch(..) | Unit::SharedDispatch(..) => true,
                     Unit::SharedGateUp(r, m) => self.ranks[r].shared_dispatched[m],
                     Unit::SharedDown(r, m) => self.ranks[r].shared_gate_up_done[m] == self.n_gate_up,
-                    Unit::GateUp(r, m) => self.ranks[r].dispatched[m],
+                    Unit::GateUp(r, m) => self.gathering || self.ranks[r].dispatched[m],
                     Unit::Down(r, m) => self.ranks[r].gate_up_done[m] == self.n_gate_up,
                     Unit::Combine(r, t) => {
                         let rank = &self.ranks[r];
@@ -1091,6 +1121,7 @@ mod work_order_model {
                 ranks: (0..ranks).map(|_| Rank::default()).collect(),
                 n_gate_up: 1 + rng.below(4),
                 n_down: 1 + rng.below(4),
+                gathering: false,
             };
             let m_tiles: Vec<usize> = (0..ranks).map(|_| 1 + rng.below(12)).collect();
             for (r, &m) in m_tiles.iter().enumerate() {
@@ -1138,6 +1169,8 @@ mod work_order_model {
                 let ranks = if case % 3 != 0 { 1 + rng.below(8) } else { 1 };
                 let share_tiles = case % 2 == 0;
                 let mut world = random_world(&mut rng, ranks);
+                // On one GPU, every other case with the gate/up gathering its rows.
+                world.gathering = ranks == 1 && case % 4 == 0;
                 let (comm_blocks, pairs) = (rng.below(4), 1 + rng.below(4));
                 let compute_order = if share_tiles { shared_compute_order(ranks) } else { COMPUTE_ORDER.to_vec() };
                 let mut agents = Vec::new();
@@ -1151,11 +1184,15 @@ mod work_order_model {
                 }
                 let what = format!(
                     "case {case}: {ranks} ranks, {comm_blocks} comm blocks and {pairs} pairs each, tiles shared \
-                     across ranks: {share_tiles}"
+                     across ranks: {share_tiles}, gathering: {}",
+                    world.gathering
                 );
                 run_to_completion(&mut world, &mut agents, &mut rng, &what);
                 for (r, rank) in world.ranks.iter().enumerate() {
-                    assert!(rank.dispatched.iter().all(|&d| d), "case {case} rank {r}: a tile never dispatched");
+                    assert!(
+                        world.gathering || rank.dispatched.iter().all(|&d| d),
+                        "case {case} rank {r}: a tile never dispatched"
+                    );
                     assert!(rank.gate_up_done.iter().all(|&n| n == world.n_gate_up), "case {case} rank {r}");
                     assert!(rank.down_done.iter().all(|&n| n == world.n_down), "case {case} rank {r}");
                     assert!(rank.shared_down_done.iter().all(|&n| n == world.n_down), "case {case} rank {r}");
@@ -1180,6 +1217,7 @@ mod work_order_model {
                 }],
                 n_gate_up: 1,
                 n_down: 1,
+                gathering: false,
             }
         }
 

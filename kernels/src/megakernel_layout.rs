@@ -120,10 +120,17 @@ pub struct ForwardParams {
     /// rank's own blocks. Each tile is still computed whole by one block, so the bits do not
     /// depend on it.
     pub tile_ranks: u32,
+    /// One GPU only, nonzero: the routed gate/up tiles' producers gather their rows from the
+    /// pass's x through `row_source` (`gemm::gather`), so the dispatch copies no routed row
+    /// (only the shared expert's) and `rows` is not written; 0: the rows are dispatched into
+    /// `rows` (always across ranks).
+    pub gather_in_producer: u32,
+    /// Unused (keeps the block free of padding).
+    pub reserved: u32,
 }
 
-// The host writes this block byte for byte: twenty-one 8-byte fields, then ten u32.
-const _: () = assert!(size_of::<ForwardParams>() == 208);
+// The host writes this block byte for byte: twenty-one 8-byte fields, then twelve u32.
+const _: () = assert!(size_of::<ForwardParams>() == 216);
 
 /// Words of one rank's forward pass counters for plans of at most `m_tiles` M tiles: three per
 /// M tile for the routed experts (dispatched, gate/up parts, down parts), the two queues

@@ -83,9 +83,10 @@ enum Task {
         /// Token counts T per case (global over the ranks).
         #[arg(long, value_delimiter = ',', default_value = "8192")]
         tokens: Vec<usize>,
-        /// Backends: mma, engine, engine-gathering (the engine with the token rows gathered in its
-        /// producers; one GPU), megakernel, megakernel:N (N comm blocks), megakernels[:N] (the
-        /// forward and the backward megakernels, on one GPU or over virtual ranks).
+        /// Backends: mma, engine, megakernel, megakernel:N (N comm blocks), megakernels[:N] (the
+        /// forward and the backward megakernels, on one GPU or over virtual ranks); engine,
+        /// megakernel[:N] and megakernels[:N] also with a `-gathering` suffix (the token rows
+        /// gathered in the gate/up's producers, one GPU).
         #[arg(long, value_delimiter = ',', default_value = "engine,megakernel")]
         backends: Vec<String>,
         /// P > 1: the expert-parallel layer over P virtual ranks on one GPU instead.

@@ -562,15 +562,15 @@ impl UnfusedLayer {
         self.engine.is_some()
     }
 
-    /// Makes the engine path's gate/up and its gate and up weight gradients gather their rows
-    /// from x in their producers (`on`: `mok_sm90_gemm_gate_up_gathering`,
-    /// `mok_sm90_gemm_wgrad_gathering`) or read them from the gathered rows (the default). With
-    /// it no gathered copy of the rows is written (T · k · H bf16 less to write and read; the
-    /// backward megakernel, which reads the copy, still gets it written by its backward). Every output and gradient is the same bits either way. It applies
-    /// while the routed GEMMs run on the engine as separate launches (the megakernels move
-    /// their rows themselves); it needs the engine on and the kernel in the loaded PTX
-    /// (otherwise an error, and the layer is unchanged), and switching the engine off switches
-    /// it off. **Not yet run on a GPU.**
+    /// Makes the routed gate/up and the gate and up weight gradients gather their token rows
+    /// from x in their producers (`on`) or read them from a gathered copy (the default): on the
+    /// engine path `mok_sm90_gemm_gate_up_gathering` and `mok_sm90_gemm_wgrad_gathering`, and in
+    /// the forward megakernel its gate/up tiles, whose dispatch then copies no routed row. With
+    /// it no gathered copy of the rows is written in the forward (T · k · H bf16 less to write
+    /// and read); the backward megakernel, which reads the copy, gets it written by its
+    /// backward. Every output and gradient is the same bits either way. It needs the engine on
+    /// and the kernels in the loaded PTX (otherwise an error, and the layer is unchanged), and
+    /// switching the engine off switches it off. **Not yet run on a GPU.**
     pub fn set_gather_in_producer(&mut self, gpu: &Gpu, on: bool) -> Result<()> {
         if on == self.gather_in_producer {
             return Ok(());
@@ -953,8 +953,9 @@ impl UnfusedLayer {
         self.set_shared_offsets(t)?;
         self.route(gpu, tokens.topk_ids)?;
         if self.megakernel.is_some() {
-            // The pass dispatches the rows into `gathered_x` itself.
-            self.x_rows_gathered = true;
+            // The pass dispatches the rows into `gathered_x` itself, unless its gate/up gathers
+            // them in its producers.
+            self.x_rows_gathered = !self.gather_in_producer;
             self.forward_megakernel(gpu, tokens, shared)?;
             // The pass copied x for the shared expert (unless a test's work mask left the row
             // copies out).
@@ -1093,6 +1094,7 @@ impl UnfusedLayer {
         let (Some(engine), Some((_, Some(pass)))) = (&self.engine, &mut self.megakernel) else {
             return Err(MokError::InvalidInput { tensor: "megakernel", problem: "not prepared".into() });
         };
+        pass.set_gather_in_producer(self.gather_in_producer)?;
         engine::tile_offsets_into(gpu, &self.routing.row_offsets, self.config.num_experts, &engine.tile_offsets)?;
         let shared_engine = self.shared_engine.as_ref().filter(|_| shared.is_some());
         let plans = forward_pass_plans([&engine.forward()[0], &engine.forward()[1]], shared_engine);

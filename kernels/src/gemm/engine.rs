@@ -160,22 +160,22 @@ pub(super) unsafe fn next_phase<const V: u32>(ring: Ring, walk: Walk, thread_in_
     Walk { stage, phase, mail_phases }
 }
 
-/// One thread per block initialises the ring's barriers before any use: `full` completes on
-/// `full_arrivals` (the producer's arrival, with the bytes it expects; a gathering producer's
-/// lanes arrive too, once their copies landed), `empty` on `empty_arrivals` consumer warps (8
-/// per block sharing the stage: 16 in a pair), the mailbox on one arrival; then the fence that
-/// makes the initialisation visible to the cluster.
+/// One thread per block initialises the ring's barriers before any use: `full` completes on one
+/// arrival (the producer's, with the bytes it expects; a gathering producer's copies hold the
+/// phase open until they land, [`super::gather`]), `empty` on `empty_arrivals` consumer warps
+/// (8 per block sharing the stage: 16 in a pair), the mailbox on one arrival; then the fence
+/// that makes the initialisation visible to the cluster.
 ///
 /// # Safety
 /// `ring` is `Ring::new::<V>()` in a block with the engine's dynamic shared memory; one thread of
 /// the block calls it, once, before any thread uses the ring's barriers.
 #[inline(always)]
-unsafe fn init_barriers<const V: u32>(ring: Ring, (full_arrivals, empty_arrivals): (u32, u32)) {
+unsafe fn init_barriers<const V: u32>(ring: Ring, empty_arrivals: u32) {
     for s in 0..ring_stages(V) {
         // SAFETY: the ring's barrier slots: 8-byte aligned shared memory of this block that
         // nothing uses yet (caller contract).
         unsafe {
-            mbarrier::init(ring.full(s), full_arrivals);
+            mbarrier::init(ring.full(s), 1);
             mbarrier::init(ring.empty::<V>(s), empty_arrivals);
             mbarrier::init(ring.mail::<V>(s), 1);
         }
@@ -206,9 +206,8 @@ pub unsafe fn run<const V: u32, H: TileHooks>(params: *const GemmParams, hooks: 
     let ring = Ring::new::<V>();
     let thread = sreg::thread_idx_x();
     if thread == 0 {
-        let full_arrivals = if hooks.row_gather().is_some() { 1 + GATHER_LANES } else { 1 };
         // SAFETY: one thread, before any use; the launch gives the engine's shared memory.
-        unsafe { init_barriers::<V>(ring, (full_arrivals, 8 * cluster_blocks(V))) };
+        unsafe { init_barriers::<V>(ring, 8 * cluster_blocks(V)) };
     }
     // The partner multicasts into this block's stages and arrives on its barriers: both blocks'
     // barriers must be initialised before either starts.
@@ -235,9 +234,9 @@ pub unsafe fn run<const V: u32, H: TileHooks>(params: *const GemmParams, hooks: 
         }
         if let Some(rows) = hooks.row_gather() {
             if thread < GATHER_LANES {
-                // SAFETY: the producer warpgroup's first warp, every lane; the `full` barriers
-                // expect its lanes' arrivals (above); `rows` valid (caller contract).
-                unsafe { produce_gathering::<V>(&p, ring, rows, thread) };
+                // SAFETY: the producer warpgroup's first warp, every lane, on a fresh ring;
+                // `rows` valid (caller contract).
+                unsafe { produce_gathering::<V>(&p, ring, rows, thread, Walk::START) };
             }
         } else if thread == 0 {
             // SAFETY: one producer thread.
@@ -263,6 +262,22 @@ pub unsafe fn run<const V: u32, H: TileHooks>(params: *const GemmParams, hooks: 
     }
 }
 
+/// Lane 0's walk, in every lane of the warp.
+///
+/// # Safety
+/// Every lane of the warp calls it, in uniform control flow.
+#[inline(always)]
+unsafe fn broadcast_walk(walk: Walk) -> Walk {
+    // SAFETY: caller contract.
+    unsafe {
+        Walk {
+            stage: sync::shfl_idx_u32(walk.stage, 0),
+            phase: sync::shfl_idx_u32(walk.phase, 0),
+            mail_phases: sync::shfl_idx_u32(walk.mail_phases, 0),
+        }
+    }
+}
+
 /// The compute role of the forward megakernel, in a 2-block cluster of [`ENGINE_THREADS`]
 /// threads with [`ENGINE_SMEM_BYTES`](crate::gemm_layout::ENGINE_SMEM_BYTES) of dynamic shared
 /// memory: four phases on one ring — the shared expert's gate/up, the routed gate/up
@@ -275,7 +290,8 @@ pub unsafe fn run<const V: u32, H: TileHooks>(params: *const GemmParams, hooks: 
 /// tiles, or to the next phase) when the tile counter it drew from is spent, i.e. once every
 /// tile of it is held by a running block — so a down tile only ever waits for work that is
 /// already being done. The producer warpgroup's three spare warps (its first warp's thread 0
-/// is the producer) run `spare_warps` (the dispatch) meanwhile. Ends with the pair's final
+/// is the producer; the whole first warp in a phase whose hooks gather the rows,
+/// [`TileHooks::row_gather`]) run `spare_warps` (the dispatch) meanwhile. Ends with the pair's final
 /// cluster barrier. Returns `Some(())` for the threads of the consumer warpgroups, free for
 /// further work, and `None` for the producer warpgroup, which holds too few registers for more.
 ///
@@ -313,7 +329,7 @@ pub unsafe fn run_forward_phases<H: TileHooks, R: Copy>(
     let thread = sreg::thread_idx_x();
     if thread == 0 {
         // SAFETY: one thread, before any use; the launch gives the engine's shared memory.
-        unsafe { init_barriers::<G>(ring, (1, 16)) };
+        unsafe { init_barriers::<G>(ring, 16) };
     }
     // Both blocks' barriers initialised before either multicasts into the other.
     // SAFETY: every thread of both blocks of the pair (caller contract; thread 0's branch above
@@ -324,15 +340,22 @@ pub unsafe fn run_forward_phases<H: TileHooks, R: Copy>(
         // SAFETY: the whole producer warpgroup, its one `setmaxnreg`, down from the launch's 168
         // per thread (`.maxntid 384`, declared by the megakernels).
         unsafe { sync::release_registers::<MEGAKERNEL_PRODUCER_REGISTERS>() };
-        if thread == 0 {
-            // SAFETY: one producer thread; the phases share the ring walk (a phase left out is
+        // The producer: thread 0, which produces every phase, or, where the hooks may gather
+        // the token rows, the whole first warp: the routed gate/up of a rank whose hooks
+        // gather (`TileHooks::row_gather`: one GPU, `ForwardParams::gather_in_producer`) is
+        // produced by all of it (`produce_gathering`), its other lanes waiting for lane 0
+        // until then.
+        let producer_lanes = if H::MAY_GATHER_ROWS { GATHER_LANES } else { 1 };
+        if thread < producer_lanes {
+            let lane = thread;
+            // SAFETY: the producer warp; the phases share the ring walk (a phase left out is
             // left out by the consumers too: `plan` is the same for the whole cluster). One loop
             // per phase over the ranks, so each call's hooks keep a constant phase.
             unsafe {
                 let mut walk = Walk::START;
                 let mut rank;
-                // One phase's tiles over the ranks from `$first` (written out per phase: a
-                // function over the phases changed the kernels' code, a macro does not).
+                // One phase's tiles over the ranks from `$first`, by lane 0 (written out per
+                // phase: a function over the phases changed the kernels' code, a macro does not).
                 macro_rules! produce_ranks {
                     ($v:ident, $phase:expr, $first:expr) => {
                         rank = $first;
@@ -342,12 +365,30 @@ pub unsafe fn run_forward_phases<H: TileHooks, R: Copy>(
                         }
                     };
                 }
-                produce_ranks!(G, F::SHARED_GATE_UP, if shared() { Some(first_rank()) } else { None });
-                produce_ranks!(G, F::GATE_UP, Some(first_rank()));
-                produce_ranks!(D, F::SHARED_DOWN, if shared() { Some(first_rank()) } else { None });
-                produce_ranks!(D, F::DOWN, Some(first_rank()));
+                if lane == 0 {
+                    produce_ranks!(G, F::SHARED_GATE_UP, if shared() { Some(first_rank()) } else { None });
+                }
+                rank = Some(first_rank());
+                while let Some(q) = rank {
+                    if H::MAY_GATHER_ROWS {
+                        // Every lane learns where lane 0's walk stands (the whole warp is here:
+                        // the branches above rejoin, and the trip count is the cluster's).
+                        walk = broadcast_walk(walk);
+                    }
+                    let (p, phase_hooks) = (&*plan(F::GATE_UP, q), hooks(F::GATE_UP, q));
+                    if let Some(rows) = phase_hooks.row_gather() {
+                        walk = produce_gathering::<G>(p, ring, rows, lane, walk);
+                    } else if lane == 0 {
+                        walk = produce::<G, H>(p, ring, phase_hooks, walk);
+                    }
+                    rank = next_rank(q);
+                }
+                if lane == 0 {
+                    produce_ranks!(D, F::SHARED_DOWN, if shared() { Some(first_rank()) } else { None });
+                    produce_ranks!(D, F::DOWN, Some(first_rank()));
+                }
             }
-        } else if thread >= 32 {
+        } else if thread >= GATHER_LANES {
             // The spare warps: the dispatch, under the gate/up MMAs. It waits for nothing, so
             // no tile ever waits on these warps for work they have not started.
             spare_warps();
@@ -447,7 +488,7 @@ pub unsafe fn run_backward_phases<H: TileHooks>(
     let thread = sreg::thread_idx_x();
     if thread == 0 {
         // SAFETY: one thread, before any use; the launch gives the engine's shared memory.
-        unsafe { init_barriers::<N>(ring, (1, 16)) };
+        unsafe { init_barriers::<N>(ring, 16) };
     }
     // SAFETY: every thread of both blocks of the pair (caller contract; thread 0's branch above
     // rejoins).

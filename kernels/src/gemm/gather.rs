@@ -8,6 +8,13 @@
 //! async proxy after each `full` wait (the chunks arrive through the generic proxy; `wgmma`
 //! reads through the async one).
 //!
+//! A stage's `full` barrier expects one arrival, as for a TMA-only producer, so a persistent
+//! kernel's ring serves gathering and TMA-only phases alike: lane 0 adds the TMA bytes
+//! (`expect_tx`) and issues the copies, every lane adds its `cp.async` copies to the phase's
+//! pending arrivals ([`cp_async::track_completion`]: the phase cannot complete while they are in
+//! flight), and after a warp barrier, which orders every lane's tracking before it, lane 0
+//! arrives.
+//!
 //! Gate/up (one K segment) gathers A, K-major: a tile's 128 rows of 64 K
 //! values per stage. In a pair nothing of A is shared: an M-pair's blocks gather their own rows
 //! (as they load them without a gather), an N-pair's block with columns gathers all of the
@@ -22,15 +29,14 @@ use crate::gemm_layout::{
     swizzled_destination, swizzled_source_chunk,
 };
 use crate::ptx::memory::atom_add_relaxed_gpu_u32;
-use crate::ptx::{cp_async, mbarrier, sreg, sync, tensormap, tma};
+use crate::ptx::{cp_async, mbarrier, signal as warp, sreg, sync, tensormap, tma};
 
 use super::hooks::RowGather;
 use super::producer::{load_weights, name_in_copyless_stage, name_tile, receive_tile};
 use super::ring::{Ring, Walk};
 use super::source::*;
 
-/// Lanes of the gathering warp: each stage's `full` barrier expects one arrival from each (its
-/// copies have landed) besides the first lane's arrival with the TMA copies' bytes.
+/// Lanes of the gathering warp (the producer warpgroup's first warp).
 pub(super) const GATHER_LANES: u32 = 32;
 
 /// Rows of a row-grouped A tile each lane gathers: rows `lane + 32 · j`.
@@ -52,17 +58,26 @@ impl RowGather {
     }
 }
 
-/// The gathering producer's walk over the launch's tiles, from a fresh ring; the whole first warp
-/// of the producer warpgroup calls it (`lane` its lane), in uniform control flow.
+/// The gathering producer's walk over the launch's tiles from `walk` (a fresh ring in a
+/// standalone kernel, where the previous phase left it in a persistent one); the whole first warp
+/// of the producer warpgroup calls it (`lane` its lane), in uniform control flow. Returns, as
+/// [`produce`](super::producer::produce) does, where the walk stands after the stage that
+/// carried [`NO_TILE`]; lane 0's is the walk (only it tracks the mailboxes).
 ///
 /// # Safety
-/// As [`produce`](super::producer::produce) for a standalone kernel of a variant with a gathered
-/// operand (gate/up: A, `[T][p.k]`; the standalone weight gradient: B, `[T][p.n]`),
-/// whose `full` barriers were initialised for `1 + GATHER_LANES` arrivals; `rows` describes a
-/// live bf16 tensor of that width and a `row_source` entry, below `T · top_k`, for every row of
-/// the launch's groups; every lane of the warp calls it with the same arguments.
+/// As [`produce`](super::producer::produce) from `walk` for a variant with a gathered operand
+/// (gate/up: A, `[T][p.k]`; the standalone weight gradient: B, `[T][p.n]`), whose `full`
+/// barriers were initialised for one arrival; `rows` describes a live bf16 tensor of that width
+/// and a `row_source` entry, below `T · top_k`, for every row of the launch's groups; every lane
+/// of the warp calls it with the same arguments.
 #[inline(always)]
-pub(super) unsafe fn produce_gathering<const V: u32>(p: &GemmParams, ring: Ring, rows: RowGather, lane: u32) {
+pub(super) unsafe fn produce_gathering<const V: u32>(
+    p: &GemmParams,
+    ring: Ring,
+    rows: RowGather,
+    lane: u32,
+    walk: Walk,
+) -> Walk {
     // Not a `const` assertion: `run` instantiates this for every variant, behind a `row_gather`
     // that only the gathering kernels' hooks return.
     // Gate/up (one K segment) and the standalone weight gradient only: the downs' kernels
@@ -74,7 +89,7 @@ pub(super) unsafe fn produce_gathering<const V: u32>(p: &GemmParams, ring: Ring,
     // (caller contract).
     let total = unsafe { tile_count::<V>(p) };
     let rank = pair_rank::<V>();
-    let Walk { mut stage, mut phase, mut mail_phases } = Walk::START;
+    let Walk { mut stage, mut phase, mut mail_phases } = walk;
     let mut taken = 0u32;
     loop {
         let tile = if is_wgrad(V) {
@@ -101,7 +116,8 @@ pub(super) unsafe fn produce_gathering<const V: u32>(p: &GemmParams, ring: Ring,
         if tile >= total {
             // SAFETY: as below for a stage, without copies.
             unsafe { copyless_stage::<V>(ring, (stage, phase), NO_TILE, lane) };
-            return;
+            ring.advance::<V>(&mut stage, &mut phase);
+            return Walk { stage, phase, mail_phases };
         }
         // SAFETY: tile < total.
         let w = unsafe { work_of::<V>(p, tile) };
@@ -159,13 +175,14 @@ unsafe fn gather_row_tile<const V: u32>(
         let (a_tile, full) = (ring.a_tile(*stage), ring.full(*stage));
         let k0 = kb * TILE_K;
         if lane == 0 {
-            // SAFETY: the stage is free; the barrier expects the weight tile's bytes in this
-            // block (an M-pair's partner loads the other half into it); maps valid.
+            // SAFETY: the stage is free; the barrier is told the weight tile's bytes in this
+            // block (an M-pair's partner loads the other half into it) before any lands; lane
+            // 0's arrival, outstanding until `finish_stage`, keeps the phase open; maps valid.
             unsafe {
                 if kb == 0 {
                     name_tile::<V>(ring, *stage, tile);
                 }
-                mbarrier::arrive_expect_tx(full, b_bytes);
+                mbarrier::expect_tx(full, b_bytes);
                 let (maps, b_tile, g) = ((p.map_b, p.map_b2), ring.b_tile(*stage), w.group as i32);
                 if w.shares_weights {
                     load_weights::<V>(b_tile, maps, k0 as i32, w.n0, g, full, Some(rank));
@@ -195,8 +212,8 @@ unsafe fn gather_row_tile<const V: u32>(
         copy_row(1, s1);
         copy_row(2, s2);
         copy_row(3, s3);
-        // SAFETY: the stage's current phase expects this lane's arrival (caller contract).
-        unsafe { cp_async::arrive_on_completion(full) };
+        // SAFETY: the whole warp, at this stage of its walk.
+        unsafe { finish_stage(full, lane) };
         ring.advance::<V>(stage, phase);
     }
 }
@@ -230,13 +247,14 @@ unsafe fn gather_weight_gradient_tile<const V: u32>(
         let (a_tile, b_tile, full) = (ring.a_tile(*stage), ring.b_tile(*stage), ring.full(*stage));
         let row = w.row_begin + kb * TILE_K;
         if lane == 0 {
-            // SAFETY: the stage is free; the barrier expects A's bytes; maps valid (the cut
-            // one acquired above when this block is a group's partial last one).
+            // SAFETY: the stage is free; the barrier is told A's bytes before any lands, and
+            // lane 0's arrival, outstanding until `finish_stage`, keeps the phase open; maps
+            // valid (the cut one acquired above when this block is a group's partial last one).
             unsafe {
                 if kb == 0 {
                     name_tile::<V>(ring, *stage, tile);
                 }
-                mbarrier::arrive_expect_tx(full, A_TILE_BYTES);
+                mbarrier::expect_tx(full, A_TILE_BYTES);
                 let tail = row + TILE_K > w.row_end;
                 let (map_a, r) = if tail { (cut_a, row - w.row_begin) } else { (p.map_a, row) };
                 // M-major A: two 64-wide blocks.
@@ -266,9 +284,30 @@ unsafe fn gather_weight_gradient_tile<const V: u32>(
                 };
             }
         }
-        // SAFETY: the stage's current phase expects this lane's arrival (caller contract).
-        unsafe { cp_async::arrive_on_completion(full) };
+        // SAFETY: the whole warp, at this stage of its walk.
+        unsafe { finish_stage(full, lane) };
         ring.advance::<V>(stage, phase);
+    }
+}
+
+/// The end of a stage with copies, by the whole gathering warp: every lane adds its `cp.async`
+/// copies to the `full` phase's pending arrivals, a warp barrier orders every lane's tracking
+/// before lane 0's arrival (the one the phase expects; otherwise the phase could complete,
+/// its TMA bytes landed, before a late lane's copies are tracked), then lane 0 arrives.
+///
+/// # Safety
+/// `full` is the stage's initialised barrier, its current phase still awaiting lane 0's
+/// arrival; every lane of the warp calls it, in uniform control flow.
+#[inline(always)]
+unsafe fn finish_stage(full: u32, lane: u32) {
+    // SAFETY: caller contract: lane 0's arrival is outstanding, so the phase is open while the
+    // lanes track their copies; the warp barrier has every lane.
+    unsafe {
+        cp_async::track_completion(full);
+        warp::warp_sync();
+        if lane == 0 {
+            mbarrier::arrive(full);
+        }
     }
 }
 
@@ -292,22 +331,17 @@ unsafe fn copy_swizzled_row(block: u32, row: u32, (run, first_chunk, present): (
     }
 }
 
-/// A stage without copies (the final [`NO_TILE`]): every lane waits until it is free, lane 0
-/// names `value` in its slot and arrives, every lane arrives as after its copies.
+/// A stage without copies (the final [`NO_TILE`], an empty group's weight gradient): lane 0
+/// waits until it is free, names `value` in its slot and arrives, as the single-thread producer
+/// does; the other lanes have nothing to add (they wait for each stage's `empty` phase
+/// themselves before writing into it).
 ///
 /// # Safety
 /// As [`produce_gathering`], at its walk's `(stage, phase)`.
 #[inline(always)]
 unsafe fn copyless_stage<const V: u32>(ring: Ring, (stage, phase): (u32, u32), value: u32, lane: u32) {
-    // SAFETY: initialised barriers of this block (caller contract); lane 0 names the tile as the
-    // single-thread producer does; every other lane's arrival may only count once the stage is
-    // free, as lane 0's wait there ensures for its own.
-    unsafe {
-        if lane == 0 {
-            name_in_copyless_stage::<V>(ring, stage, phase, value);
-        } else {
-            mbarrier::wait_parity(ring.empty::<V>(stage), phase ^ 1);
-        }
-        cp_async::arrive_on_completion(ring.full(stage));
+    if lane == 0 {
+        // SAFETY: initialised barriers of this block (caller contract), lane 0 at its walk.
+        unsafe { name_in_copyless_stage::<V>(ring, stage, phase, value) };
     }
 }

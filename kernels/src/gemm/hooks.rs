@@ -74,13 +74,17 @@ pub trait TileHooks: Copy {
         false
     }
 
-    /// Where the producer warp gathers the token rows from (the standalone gate/up's A, the
-    /// standalone weight gradient's B), with per-thread copies instead of TMA boxes of the
-    /// operand's map ([`super::gather`]). By default `None`: TMA boxes.
+    /// Where the producer warp gathers the token rows from (the gate/up's A, the standalone
+    /// weight gradient's B), with per-thread copies instead of TMA boxes of the operand's map
+    /// ([`super::gather`]). By default `None`: TMA boxes.
     #[inline(always)]
     fn row_gather(&self) -> Option<RowGather> {
         None
     }
+
+    /// Whether [`Self::row_gather`] can name rows for some phase (a persistent kernel's whole
+    /// producer warp then takes part; otherwise its first thread alone produces).
+    const MAY_GATHER_ROWS: bool = false;
 }
 
 /// The rows a gathered operand is read from: row `r` of the plan is row
@@ -105,6 +109,7 @@ pub struct RowGather {
 pub struct Gathering(pub RowGather);
 
 impl TileHooks for Gathering {
+    const MAY_GATHER_ROWS: bool = true;
     #[inline(always)]
     unsafe fn before_rows(&self, _: &GemmParams, _: &Work) {}
     #[inline(always)]
@@ -318,11 +323,17 @@ unsafe fn count_stored(p: &GemmParams, work: &Work, counts: *mut u32, silent_til
 /// `RANKS`: the launch hosts ranks (`mok_sm90_forward_ranks`); there the down phase's rows leave
 /// through [`RowScatter`] into their token owners' `combine_slots`. The hooks are those of the
 /// tile's rank, whichever block of the launch runs the tile (`ForwardParams::tile_ranks`).
+///
+/// On one GPU with [`ForwardParams::gather_in_producer`] the routed gate/up's producers gather
+/// their rows from the pass's x ([`TileHooks::row_gather`]) and wait for nothing: nothing is
+/// dispatched for them.
 #[derive(Clone, Copy)]
 pub struct ForwardHandover<const RANKS: bool> {
     params: *const ForwardParams,
     /// Which of the phases below (a runtime value: the phases share one inlined engine loop).
     phase: u32,
+    /// The pass's token rows x (`PassInputs::x`; one GPU), where a gathering gate/up reads.
+    x: u64,
 }
 
 impl ForwardHandover<false> {
@@ -338,18 +349,39 @@ impl ForwardHandover<false> {
 }
 
 impl<const RANKS: bool> ForwardHandover<RANKS> {
-    /// The hand-over of `phase` (one of the constants above).
+    /// The hand-over of `phase` (one of the constants above), for a pass over the token rows
+    /// `x` (read only by a gathering gate/up, on one GPU).
     ///
     /// # Safety
     /// `params` points at the pass's valid [`ForwardParams`] for the whole launch; with `RANKS`
-    /// its `exchange` is the rank's valid parameter block.
+    /// its `exchange` is the rank's valid parameter block; without, and with its
+    /// `gather_in_producer` set, `x` is the pass's live `[T][H]` bf16 rows, T the tokens its
+    /// routing layout was written for.
     #[inline(always)]
-    pub unsafe fn new(params: *const ForwardParams, phase: u32) -> Self {
-        Self { params, phase }
+    pub unsafe fn new(params: *const ForwardParams, phase: u32, x: u64) -> Self {
+        Self { params, phase, x }
     }
 }
 
 impl<const RANKS: bool> TileHooks for ForwardHandover<RANKS> {
+    // Only on one GPU (across ranks the dispatch pulls every row).
+    const MAY_GATHER_ROWS: bool = !RANKS;
+    #[inline(always)]
+    fn row_gather(&self) -> Option<RowGather> {
+        if RANKS || self.phase != ForwardHandover::GATE_UP {
+            return None;
+        }
+        // SAFETY: the pass's parameter block (constructor's contract).
+        let f = unsafe { &*self.params };
+        // One GPU: the routing layout's `row_source` names each row's slot `t · k + j` of x.
+        (f.gather_in_producer != 0).then_some(RowGather {
+            x: self.x,
+            row_source: f.row_source as *const u32,
+            top_k: f.top_k,
+            pitch_bytes: 2 * f.hidden,
+        })
+    }
+
     #[inline(always)]
     unsafe fn before_rows(&self, p: &GemmParams, work: &Work) {
         // SAFETY: the pass's counters (constructor's contract) and the hook's.

@@ -67,7 +67,8 @@ pub(super) unsafe fn stored_tile_of_row(p: &GemmParams, row: u32, n_tiles: u32) 
 ///
 /// Comm blocks run it on every warp; compute blocks on their producer warpgroup's spare warps,
 /// alongside the GEMM phases, so the first gate/up tiles wait for their own rows only, not for
-/// the whole dispatch.
+/// the whole dispatch. With [`ForwardParams::gather_in_producer`] (one GPU) only the shared
+/// expert's rows are copied: the routed gate/up reads x itself.
 ///
 /// # Safety
 /// `f` and `pass` are the pass's; the schedule (routing layout, tile offsets) was written before
@@ -110,6 +111,9 @@ pub unsafe fn dispatch(f: &ForwardParams, pass: &PassInputs, view: Option<&RankV
                     }
                     continue;
                 }
+                // The routed chunks follow the shared ones: with the gate/up gathering its own
+                // rows there is nothing more to copy.
+                RowChunk::Routed { .. } if f.gather_in_producer != 0 => return,
                 RowChunk::Routed { tile, first, end } => (tile, first, end),
             };
             if first >= end {

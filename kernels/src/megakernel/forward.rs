@@ -18,6 +18,9 @@
 //! slot buffers and raises each row's flag (`gemm::hooks::RowScatter`: the push combine). With
 //! a shared expert the dispatch also copies the rank's token rows for it, and the compute blocks
 //! run its gate/up tiles before the routed ones and its down tiles before the routed downs.
+//! On one GPU with `ForwardParams::gather_in_producer` the routed gate/up tiles gather their
+//! rows from x in their producer warp instead (`gemm::gather`), and the dispatch copies only the
+//! shared expert's rows.
 //! Work is taken in the order dispatch, shared gate/up, gate/up, shared down, down, combine
 //! from counters, so a wait is always on work a running block already holds
 //! (docs/ARCHITECTURE.md). Every result is the
@@ -103,7 +106,10 @@ pub unsafe fn forward<const RANKS: bool>(params: *const ForwardParams, pass: Pas
                 }) as *const GemmParams
             };
             let spare_warps = || dispatch(f, &pass, view.as_ref());
-            let hooks = move |phase, rank| ForwardHandover::<RANKS>::new(rank, phase);
+            // x only where a gathering gate/up reads it (one GPU); across ranks the dispatch
+            // pulls the rows.
+            let x = if RANKS { 0 } else { pass.x };
+            let hooks = move |phase, rank| ForwardHandover::<RANKS>::new(rank, phase, x);
             // The ranks whose tiles this block runs, as a walk over their parameter blocks (one
             // pointer live across the phases): this rank's alone, or every rank of the launch.
             let first_rank = move || {

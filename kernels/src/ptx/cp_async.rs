@@ -26,14 +26,18 @@ pub unsafe fn copy_16_zero_filled(dst: u32, src: u64, src_bytes: u32) {
     }
 }
 
-/// `cp.async.mbarrier.arrive.noinc.shared::cta.b64 [bar]`: one arrival on `bar` once every
-/// `cp.async` this thread issued before it has completed. `.noinc`: the arrival counts toward
-/// the barrier's expected arrivals (its `init` count includes this thread), as a plain arrive.
+/// `cp.async.mbarrier.arrive.shared::cta.b64 [bar]`: adds one to the pending arrivals of `bar`'s
+/// current phase now, and arrives once every `cp.async` this thread issued before it has
+/// completed: no net change to the arrivals the phase expects, but the phase cannot complete
+/// while this thread's copies are in flight. The barrier's `init` count need not know the
+/// copying threads; an arrival it does count must come after this instruction (a warp barrier
+/// orders the copying lanes before the lane that arrives).
 ///
 /// # Safety
-/// `bar` an initialised barrier of this block whose current phase expects this arrival.
+/// `bar` an initialised barrier of this block whose current phase has not completed and will
+/// not complete before this instruction (an expected arrival is still outstanding).
 #[inline(always)]
-pub unsafe fn arrive_on_completion(bar: u32) {
+pub unsafe fn track_completion(bar: u32) {
     // SAFETY: caller contract.
-    unsafe { asm!("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [{b}];", b = in(reg32) bar, options(nostack)) };
+    unsafe { asm!("cp.async.mbarrier.arrive.shared::cta.b64 [{b}];", b = in(reg32) bar, options(nostack)) };
 }
