@@ -11,7 +11,7 @@
 # run.sh,
 # tests/gpu_unfused(.gz), tests/gpu_gemm(.gz), benches/layer and benches/gemm with the scripts
 # (cargo xtask gpu-subset --tests gpu_unfused,gpu_gemm --benches layer,gemm). Logs under $OUT (or
-# ./bench-logs); a short table last.
+# ./bench-logs); a short table last; exits non-zero when the step failed.
 #   ./benches/gather_trial.sh tests      (then: sanitize, bench, bench-megakernel; CASES=deepseek:8192,kimi:8192)
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -23,20 +23,27 @@ test_name=gathering_its_rows_in_the_producer_is_bitwise_the_engine_path
 case "${1:-}" in
     tests)
         (cd "$bundle" && OUT="$out" ./run.sh "$test_name") > "$out/gather-test.txt" 2>&1
+        rc=$?
         (cd "$bundle" && OUT="$out" ./run.sh engine_matches_unfused) > "$out/gather-plans.txt" 2>&1
+        plans=$?
+        [ "$rc" = 0 ] && rc=$plans
         echo "== layer test"; tail -2 "$out/gather-test.txt"
         echo "== plans";      tail -2 "$out/gather-plans.txt"
         ;;
     sanitize)
         (cd "$bundle" && OUT="$out" MOK_TEST_TIMEOUT=560 MOK_SANITIZE_TOOLS="memcheck racecheck synccheck" \
             ./run.sh --sanitize "$test_name") > "$out/gather-sanitize.txt" 2>&1
+        rc=$?
         grep -h "^sanitize:\|passed" "$out/gather-sanitize.txt" | tail -2
         ;;
     bench)
         cases="${CASES:-deepseek:8192,kimi:8192}"
         "$here/gemm" --cases "$cases" --gathering > "$out/gather-gemm.txt" 2>&1
+        rc=$?
         OUT="$out" CASES="$cases" GEMM=engine,engine-gathering,engine,engine-gathering \
             "$here/run_layer_bench.sh" > "$out/gather-bench.txt" 2>&1
+        layer=$?
+        [ "$rc" = 0 ] && rc=$layer
         echo "== gemm";  grep -h "gate_up" "$out/gather-gemm.txt" | grep "^|"
         echo "== layer"; grep -h "^|" "$out/layer.log" | tail -10
         ;;
@@ -44,6 +51,7 @@ case "${1:-}" in
         cases="${CASES:-deepseek:8192,kimi:8192}"
         OUT="$out" CASES="$cases" GEMM=engine-gathering,megakernel-gathering,engine-gathering,megakernel-gathering \
             "$here/run_layer_bench.sh" > "$out/gather-megakernel-bench.txt" 2>&1
+        rc=$?
         echo "== layer"; grep -h "^|" "$out/layer.log" | tail -10
         ;;
     *)
@@ -51,3 +59,4 @@ case "${1:-}" in
         exit 2
         ;;
 esac
+exit $rc

@@ -27,7 +27,8 @@
 //! the process's rank; rank 0 prints the results). The processes all-gather through NCCL (the
 //! `nccl` feature, as the GPU bundle is built), or through files in `MOK_RENDEZVOUS_DIR` when it
 //! is set, which also lets processes share one GPU (NCCL refuses that; their timings then mean
-//! nothing, as the processes take turns on it). Neither has run yet (no multi-GPU machine has
+//! nothing, as the processes take turns on it; `MOK_BENCH_WAIT_S` then lengthens the waits'
+//! deadline, as `run_process_bench.sh` does). Neither has run yet (no multi-GPU machine has
 //! been lent). Every
 //! run also prints one `RESULT` line of name–value pairs (what `cargo xtask bench` reads). Without a GPU it says so and exits 0 (a benchmark is not a test).
 
@@ -605,13 +606,23 @@ fn bench_case_processes(
         Ok("fd") | Err(_) => ShareableKind::PosixFd,
         Ok(other) => bail!("MOK_HEAP_HANDLE={other:?}: fd (processes of one node, the default) or fabric"),
     };
+    // The waits' deadline: `MOK_BENCH_WAIT_S` seconds where set (processes sharing one GPU take
+    // turns on it, and a peer's publish can take seconds), else the default.
+    let timeout = match std::env::var("MOK_BENCH_WAIT_S") {
+        Ok(seconds) => std::time::Duration::from_secs(seconds.parse().context("MOK_BENCH_WAIT_S takes seconds")?),
+        Err(_) => MegakernelOptions::default().timeout,
+    };
     let options = match backend {
-        Backend::Mma => LayerOptions { backend: Some(LayerBackend::MmaSync), ..Default::default() },
+        Backend::Mma => LayerOptions {
+            backend: Some(LayerBackend::MmaSync),
+            megakernel: MegakernelOptions { timeout, ..Default::default() },
+            ..Default::default()
+        },
         // `MoeLayer::with_heap` runs both passes as megakernels hosting the process's rank.
         _ if backend.gathers() => bail!("across ranks the rows are pulled, not gathered"),
         Backend::Megakernel(comm_blocks, _) | Backend::Megakernels(comm_blocks, _) => LayerOptions {
             backend: Some(LayerBackend::Megakernel),
-            megakernel: MegakernelOptions { comm_blocks, ..Default::default() },
+            megakernel: MegakernelOptions { comm_blocks, timeout, ..Default::default() },
             ..Default::default()
         },
         Backend::Engine | Backend::EngineGathering => {

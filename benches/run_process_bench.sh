@@ -18,8 +18,10 @@ rendezvous=$(mktemp -d)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 pids=()
 for ((rank = 0; rank < processes; rank++)); do
-    if [ "${SHARE_GPU:-1}" = 1 ]; then visible=0; else visible=$rank; fi
-    CUDA_VISIBLE_DEVICES=$visible MOK_RENDEZVOUS_DIR="$rendezvous" RANK=$rank WORLD_SIZE=$processes \
+    # Processes sharing one GPU take turns on it: waits of a minute, as the process tests use.
+    if [ "${SHARE_GPU:-1}" = 1 ]; then visible=0; wait_s=60; else visible=$rank; wait_s=""; fi
+    env ${wait_s:+MOK_BENCH_WAIT_S=$wait_s} \
+        CUDA_VISIBLE_DEVICES=$visible MOK_RENDEZVOUS_DIR="$rendezvous" RANK=$rank WORLD_SIZE=$processes \
         LOCAL_RANK=$rank LOCAL_WORLD_SIZE=$processes timeout "${TIMEOUT:-600}" "$layer_bin" \
         --cases "${CASES:-qwen:2048}" --gemm "${GEMM:-megakernels}" --reps "${REPS:-3}" \
         > "$out/process-bench-rank$rank.log" 2>&1 &

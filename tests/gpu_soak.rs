@@ -386,6 +386,8 @@ struct Tally {
     engine_passes: usize,
     megakernel_passes: usize,
     backward_megakernel_passes: usize,
+    /// P = 1 passes whose gate/up gathered its rows in its producers.
+    gathering_passes: usize,
     ep_passes: usize,
     reference_checks: usize,
     silent_publish: usize,
@@ -488,6 +490,7 @@ fn soak_thousand_passes_bitwise_against_the_oracle_with_faults() {
                     tally.engine_passes += 1;
                     tally.megakernel_passes += layer.uses_forward_megakernel() as usize;
                     tally.backward_megakernel_passes += layer.uses_backward_megakernel() as usize;
+                    tally.gathering_passes += layer.gathers_in_producer() as usize;
                     (run_unfused(&gpu, layer, &device, &oracle_experts, oracle_shared.as_ref()), true)
                 }
                 Subject::Ep(layer) => {
@@ -536,7 +539,7 @@ fn soak_thousand_passes_bitwise_against_the_oracle_with_faults() {
     let (buffers_after, bytes_after) = live_device_buffers();
     let (free_after, _) = gpu.memory_info().unwrap();
     println!(
-        "  {} passes in {:.1} s over {block_index} blocks: {} engine / mma.sync (P = 1), {} expert-parallel; {} with the megakernel forward, {} with the megakernel backward; {} on \
+        "  {} passes in {:.1} s over {block_index} blocks: {} engine / mma.sync (P = 1), {} expert-parallel; {} with the megakernel forward, {} with the megakernel backward; {} gathering in the producers (P = 1); {} on \
          fresh layer objects; P seen (blocks) {:?}; routings uniform / all-to-one / empty experts {:?} passes; \
          {} blocks with groups of more than 128 rows on average; {} f64 reference checks",
         tally.passes,
@@ -545,6 +548,7 @@ fn soak_thousand_passes_bitwise_against_the_oracle_with_faults() {
         tally.ep_passes,
         tally.megakernel_passes,
         tally.backward_megakernel_passes,
+        tally.gathering_passes,
         tally.fresh_layers,
         tally.ranks_seen.iter().enumerate().filter(|(_, n)| **n > 0).map(|(p, n)| (p, *n)).collect::<Vec<_>>(),
         tally.routings,
