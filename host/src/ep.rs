@@ -172,7 +172,7 @@ pub struct EpLayer {
     backward_megakernel: Option<EpBackwardMegakernel>,
     /// Whether a forward has been enqueued whole since the layer was built: a backward reads its
     /// routing and rows, which exist only then.
-    forward_ran: bool,
+    forward_ran: std::cell::Cell<bool>,
 }
 
 impl EpLayer {
@@ -222,7 +222,14 @@ impl EpLayer {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Self { config, exchange, ranks, megakernel: None, backward_megakernel: None, forward_ran: false })
+        Ok(Self {
+            config,
+            exchange,
+            ranks,
+            megakernel: None,
+            backward_megakernel: None,
+            forward_ran: Default::default(),
+        })
     }
 
     /// Runs the forward as the forward megakernel (`Some(options)`: one launch for every rank
@@ -581,7 +588,8 @@ impl EpLayer {
         &self.exchange
     }
 
-    /// The exchange, mutably (fault injection in tests, reset after an error).
+    /// The exchange, mutably (fault injection in tests, reset after an error). A backward after
+    /// a reset differentiates nothing the exchange still holds: run a forward first.
     pub fn exchange_mut(&mut self) -> &mut Exchange {
         &mut self.exchange
     }
@@ -600,9 +608,11 @@ impl EpLayer {
         })
     }
 
-    /// Uploads `rank`'s tokens.
+    /// Uploads `rank`'s tokens (the next forward's: the last forward no longer counts as one a
+    /// backward could differentiate).
     pub fn upload_tokens(&self, gpu: &Gpu, rank: usize, tokens: &RoutedTokens) -> Result<()> {
         self.local_index(rank)?;
+        self.forward_ran.set(false);
         self.exchange.upload_tokens(gpu, rank, &self.config, tokens)
     }
 
@@ -618,6 +628,8 @@ impl EpLayer {
     /// [`Self::check_errors`]).
     pub fn copy_tokens_from(&self, gpu: &Gpu, rank: usize, tokens: TokensView<'_>) -> Result<()> {
         self.local_index(rank)?;
+        // The next forward's tokens: the last forward no longer counts as one to differentiate.
+        self.forward_ran.set(false);
         let c = &self.config;
         let (t, h, k) = (c.tokens_per_rank, c.hidden, c.top_k);
         let r = *self.exchange.regions();
@@ -776,11 +788,11 @@ impl EpLayer {
         shared: Option<SharedExpertView<'_>>,
     ) -> Result<()> {
         // A forward refused or failing part way leaves no pass a backward could read.
-        self.forward_ran = false;
+        self.forward_ran.set(false);
         self.check_weights(experts, shared)?;
         if self.megakernel.is_some() {
             self.forward_megakernel(gpu, experts, shared)?;
-            self.forward_ran = true;
+            self.forward_ran.set(true);
             return Ok(());
         }
         let gpus = [gpu];
@@ -808,7 +820,7 @@ impl EpLayer {
         // SAFETY: every rank's ring rows (its workspace's f32 output, sized for the ring), its
         // shared expert's rows (or 0) and its y are this layer's buffers.
         unsafe { self.exchange.combine(&gpus, &rows, &bases, &outs) }?;
-        self.forward_ran = true;
+        self.forward_ran.set(true);
         Ok(())
     }
 
@@ -1052,7 +1064,7 @@ impl EpLayer {
         shared: Option<SharedExpertView<'_>>,
         target: Option<&EpGradTargets>,
     ) -> Result<()> {
-        if !self.forward_ran {
+        if !self.forward_ran.get() {
             return Err(MokError::InvalidInput {
                 tensor: "backward",
                 problem: "no whole forward has run on this layer: a backward differentiates the last forward".into(),

@@ -274,11 +274,11 @@ impl MoeLayer {
 
     /// `gpu` is the layer's own (or a copy of that handle), and the layer may run a pass.
     fn check_call(&self, gpu: &Gpu) -> Result<()> {
-        if !gpu.is_same_stream(&self.gpu) {
+        if !gpu.is_same_handle(&self.gpu) {
             return Err(MokError::InvalidInput {
                 tensor: "gpu",
-                problem: "not the Gpu the layer was built with (a GPU opened again has another stream, which \
-                          would not order the layer's work): pass that handle"
+                problem: "not the Gpu the layer was built with or a copy of it (a GPU opened again has another \
+                          stream, which would not order the layer's work, or its own kernels): pass that handle"
                     .into(),
             });
         }
@@ -441,9 +441,9 @@ impl MoeLayer {
     /// last check (an id out of range or repeated, found on the device; a megakernel wait that
     /// timed out; across ranks also a ring too small or a rank that never signalled). A problem
     /// voids the last forward: its pass token is refused, and the next forward starts anew. One
-    /// GPU: the reported problem's record is cleared (a timeout behind a bad id is reported by
-    /// the next check). Virtual ranks: every record and counter is cleared, and the next pass
-    /// starts clean. Across
+    /// GPU: every record is cleared and the first problem reported (a timeout behind a bad id is
+    /// usually its consequence), and the next pass starts clean. Virtual ranks: every record and
+    /// counter is cleared, and the next pass starts clean. Across
     /// processes the peers' records are read too, nothing is cleared, and every process must
     /// rebuild its layer (until then this one refuses its passes).
     pub fn check(&mut self) -> Result<()> {

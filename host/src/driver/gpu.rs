@@ -162,8 +162,8 @@ impl LaunchShape {
 #[derive(Clone, Copy, Debug)]
 pub struct KernelImage<'a> {
     /// The compute capability they were built for. "a" targets (sm_90a, sm_100a) run on that
-    /// one alone: the cubin is loaded only on a GPU of exactly this capability, the PTX on any
-    /// of the same major (where the driver's JIT refuses what it cannot run).
+    /// one alone: the image (its cubin, or its PTX where the driver refuses the cubin) is
+    /// loaded only on a GPU of exactly this capability.
     pub compute_capability: (i32, i32),
     /// The PTX text, JIT-compiled by the driver at load: ~15 s for mok's kernels on the H200
     /// unless the driver's JIT cache holds them (docs/PERF.md, "Loading the kernels").
@@ -511,10 +511,14 @@ impl Gpu {
         }
     }
 
-    /// Whether `other` runs on this handle's context and stream (this handle, one of its copies,
-    /// or another opened on the same caller stream), not merely on the same device opened again.
-    pub fn is_same_stream(&self, other: &Gpu) -> bool {
-        self.inner.context == other.inner.context && self.inner.stream == other.inner.stream
+    /// Whether `other` is this handle or one of its copies: the same context and stream, and
+    /// the same loaded kernels. Another handle opened on the same caller stream is not: it
+    /// loaded its own module, whose functions have not had the launch attributes (dynamic
+    /// shared memory) that plans built on this handle set on this one's.
+    pub fn is_same_handle(&self, other: &Gpu) -> bool {
+        self.inner.context == other.inner.context
+            && self.inner.stream == other.inner.stream
+            && Arc::ptr_eq(&self.kernels, &other.kernels)
     }
 
     /// Waits for all work on the stream; an execution fault is reported here.

@@ -69,7 +69,10 @@ impl<'a, T> DeviceSlice<'a, T> {
     /// `stream` is the stream mok runs on (the `Gpu` opened on it with
     /// `mok::open_gpu_on_stream`), and the slice is freed on that stream too (cudarc frees a
     /// slice with `cuMemFreeAsync` on the stream it was allocated on: a free on another stream
-    /// may run before mok's work on the memory has). Nothing writes the slice for `'a` but mok.
+    /// may run before mok's work on the memory has). Nothing but mok writes the slice from the
+    /// view's creation until the stream has run mok's work that uses it (for a `MoeLayer` pass's
+    /// inputs, until its backward has run): cudarc's read and write events, recorded when the
+    /// view is made, do not cover work mok enqueues later.
     pub unsafe fn from_cudarc(slice: &'a CudaSlice<T>, stream: &CudaStream) -> Self {
         let (ptr, _record) = slice.device_ptr(stream);
         Self { ptr, len: slice.len(), _borrow: PhantomData }
@@ -114,7 +117,8 @@ impl<'a, T> DeviceSliceMut<'a, T> {
     /// [`DeviceSlice::from_cudarc`]).
     ///
     /// # Safety
-    /// As [`DeviceSlice::from_cudarc`], and nothing reads or writes the slice for `'a` but mok.
+    /// As [`DeviceSlice::from_cudarc`], and nothing but mok reads or writes the slice until the
+    /// stream has run mok's work that uses it.
     pub unsafe fn from_cudarc(slice: &'a mut CudaSlice<T>, stream: &CudaStream) -> Self {
         let len = slice.len();
         let (ptr, _record) = slice.device_ptr_mut(stream);

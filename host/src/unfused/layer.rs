@@ -707,13 +707,14 @@ impl UnfusedLayer {
         let sizes = (e * i * h, shared_len);
         match target {
             WeightGradTarget::Layer => {
-                if self.grads.dw_gate.is_empty() {
+                let g = &mut self.grads;
+                if [&g.dw_gate, &g.dw_up, &g.dw_down].iter().any(|b| b.is_empty()) {
                     // The first backward into the layer's own gradients allocates them, filled
                     // with NaN bytes as `poison` would have (the kernels write every element).
-                    let g = &mut self.grads;
-                    g.dw_gate = nan_filled(gpu, e * i * h)?;
-                    g.dw_up = nan_filled(gpu, e * i * h)?;
-                    g.dw_down = nan_filled(gpu, e * h * i)?;
+                    // All three or none: a failed allocation leaves every one of them empty.
+                    let (gate, up, down) =
+                        (nan_filled(gpu, e * i * h)?, nan_filled(gpu, e * i * h)?, nan_filled(gpu, e * h * i)?);
+                    (g.dw_gate, g.dw_up, g.dw_down) = (gate, up, down);
                 }
                 let g = &self.grads;
                 Ok(GradAddresses {
@@ -839,6 +840,8 @@ impl UnfusedLayer {
 
     /// Enqueues the routing kernels: layout of `topk_ids` into the routing buffers.
     pub fn route(&mut self, gpu: &Gpu, topk_ids: DeviceSlice<'_, i32>) -> Result<()> {
+        // The routing layout a backward reads is rewritten: the last forward no longer counts.
+        self.forward_ran = false;
         let c = &self.config;
         let (k, e) = (c.top_k as u32, c.num_experts as u32);
         let t = topk_ids.len() / c.top_k;
@@ -1385,23 +1388,22 @@ impl UnfusedLayer {
     /// Waits for the stream and reports the first problem of the passes since the last check: a
     /// routing problem the kernels found in `topk_ids` (the first id out of range or repeated in
     /// a token: that slot was dropped), or else, with the megakernels, the first wait of their
-    /// last passes that timed out (`MokError::Timeout`, the forward's first). A record is cleared
-    /// once reported; a timeout behind a routing problem is reported by the next check.
+    /// last passes that timed out (`MokError::Timeout`, the forward's first). Every record is
+    /// read and cleared by the check, so the next pass starts clean (a megakernel record left
+    /// set would stop the next pass's waits at once); only the first problem is reported (a
+    /// timeout behind a routing problem is usually its consequence).
     pub fn check_device_errors(&mut self) -> Result<()> {
         let words = self.routing.error.download()?;
-        // One problem per check, each record cleared once reported: the routing's first, then
-        // the forward megakernel's, then the backward's (a timeout behind a bad id is reported
-        // by the next check).
+        // Both megakernel records are read (and cleared), the forward's reported first.
+        let forward = match &mut self.megakernel {
+            Some((_, Some(pass))) => pass.check(),
+            _ => Ok(()),
+        };
+        let backward = match &mut self.backward_megakernel {
+            Some((_, Some(pass))) => pass.check(),
+            _ => Ok(()),
+        };
         if words[0] == 0 {
-            // Both megakernel records are read (and cleared), the forward's reported first.
-            let forward = match &mut self.megakernel {
-                Some((_, Some(pass))) => pass.check(),
-                _ => Ok(()),
-            };
-            let backward = match &mut self.backward_megakernel {
-                Some((_, Some(pass))) => pass.check(),
-                _ => Ok(()),
-            };
             return forward.and(backward);
         }
         self.routing.error.fill_bytes(0)?;
