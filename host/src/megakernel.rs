@@ -429,6 +429,9 @@ impl ForwardMegakernel {
     /// only when this changes.
     pub(crate) fn set_gather_in_producer(&mut self, on: bool) -> Result<()> {
         let value = u32::from(on);
+        if self.host.iter().all(|p| p.gather_in_producer == value) {
+            return Ok(());
+        }
         let [params] = self.host.as_mut_slice() else {
             return Err(MokError::InvalidInput {
                 tensor: "gather_in_producer",
@@ -440,9 +443,6 @@ impl ForwardMegakernel {
                 tensor: "gather_in_producer",
                 problem: "the forward megakernel gathers in its producers on one GPU only".into(),
             });
-        }
-        if params.gather_in_producer == value {
-            return Ok(());
         }
         params.gather_in_producer = value;
         self.upload_params()

@@ -483,9 +483,18 @@ impl UnfusedLayer {
     }
 
     /// Faults for the following megakernel passes (feature `testing`; the pass must exist: run
-    /// a forward first).
+    /// a forward first). A tile whose rows are never published is refused while the gate/up
+    /// gathers its rows ([`Self::set_gather_in_producer`]): no routed row is published then.
     #[cfg(feature = "testing")]
     pub fn set_forward_megakernel_faults(&mut self, faults: MegakernelFaults) -> Result<()> {
+        if self.gather_in_producer && faults.silent_rows_tile.is_some() {
+            return Err(MokError::InvalidInput {
+                tensor: "faults",
+                problem: "no routed row is published while the gate/up gathers its rows: a silent rows tile \
+                          would inject nothing"
+                    .into(),
+            });
+        }
         self.built_megakernel()?.set_faults(0, faults)
     }
 

@@ -113,7 +113,8 @@ pub unsafe fn dispatch(f: &ForwardParams, pass: &PassInputs, view: Option<&RankV
                 }
                 // The routed chunks follow the shared ones: with the gate/up gathering its own
                 // rows there is nothing more to copy.
-                RowChunk::Routed { .. } if f.gather_in_producer != 0 => return,
+                // (One GPU only: across ranks nothing gathers, whatever the flag holds.)
+                RowChunk::Routed { .. } if f.gather_in_producer != 0 && view.is_none() => return,
                 RowChunk::Routed { tile, first, end } => (tile, first, end),
             };
             if first >= end {
