@@ -120,9 +120,26 @@ fn moe_layer_gives_every_backend_the_same_bits_over_caller_memory() {
     let auto = MoeLayer::new(&gpu, c.clone(), LayerOptions::default()).unwrap();
     println!("  fastest backend here: {:?}", auto.backend());
     assert_eq!(auto.backend(), Backend::fastest_on(&gpu));
+    // Gathering in the producers: refused on mma.sync and over ranks, before anything runs.
+    for (backend, ranks) in [(Backend::MmaSync, 1), (Backend::Megakernel, 2)] {
+        let options = LayerOptions { backend: Some(backend), gather_in_producer: true, ..LayerOptions::default() };
+        let config = MoeConfig { ep_ranks: ranks, tokens_per_rank: c.tokens_per_rank / ranks, ..c.clone() };
+        match MoeLayer::new(&gpu, config, options) {
+            Err(MokError::InvalidInput { tensor: "gather_in_producer", problem }) => println!("  {problem}"),
+            Err(other) => panic!("{backend:?} over {ranks}: expected gathering refused, got {other:?}"),
+            Ok(_) => panic!("{backend:?} over {ranks}: expected gathering refused, got a layer"),
+        }
+    }
     let mut expected = None;
-    for backend in [Backend::MmaSync, Backend::Engine, Backend::Megakernel] {
-        let options = LayerOptions { backend: Some(backend), ..LayerOptions::default() };
+    let runs = [
+        (Backend::MmaSync, false),
+        (Backend::Engine, false),
+        (Backend::Megakernel, false),
+        (Backend::Engine, true),
+        (Backend::Megakernel, true),
+    ];
+    for (backend, gather_in_producer) in runs {
+        let options = LayerOptions { backend: Some(backend), gather_in_producer, ..LayerOptions::default() };
         let mut layer = match MoeLayer::new(&gpu, c.clone(), options) {
             Ok(layer) => layer,
             Err(e) => {
@@ -136,7 +153,7 @@ fn moe_layer_gives_every_backend_the_same_bits_over_caller_memory() {
         let got = outputs(&caller);
         match &expected {
             None => expected = Some(got),
-            Some(e) => assert_eq!(&got, e, "{backend:?} differs from mma.sync"),
+            Some(e) => assert_eq!(&got, e, "{backend:?} (gathering: {gather_in_producer}) differs from mma.sync"),
         }
         // f32 accumulation: from zero, one step's f32 sums round to the fresh bf16 bits; a second
         // step adds the same sums again, doubling every element exactly.
@@ -155,7 +172,10 @@ fn moe_layer_gives_every_backend_the_same_bits_over_caller_memory() {
                 "{backend:?}: gradient {n} twice"
             );
         }
-        println!("  {backend:?}: same bits as mma.sync; f32 accumulation = fresh sums, twice = doubled");
+        println!(
+            "  {backend:?} (gathering in the producers: {gather_in_producer}): same bits as mma.sync; f32 accumulation \
+             = fresh sums, twice = doubled"
+        );
     }
 }
 

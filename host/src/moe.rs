@@ -83,6 +83,13 @@ pub struct LayerOptions {
     /// the largest shapes; a smaller ring that a pass overflows is reported by
     /// [`MoeLayer::check`] as `MokError::Capacity` with the rows needed. Ignored on one GPU.
     pub ring_rows: Option<usize>,
+    /// One GPU, on [`Backend::Engine`] or [`Backend::Megakernel`]: the routed gate/up (and on
+    /// the engine the gate and up weight gradients) read the token rows from x in their
+    /// producers instead of from a gathered copy
+    /// ([`UnfusedLayer::set_gather_in_producer`](crate::unfused::UnfusedLayer::set_gather_in_producer)):
+    /// the same bits, T · k · H bf16 less written and read per forward. **Not yet run on a
+    /// GPU.** Refused over ranks (the rows are pulled from their owners) and on `mma.sync`.
+    pub gather_in_producer: bool,
 }
 
 /// What a forward reads: the tokens (one GPU: T of them; over P ranks all P · T), every routed
@@ -199,6 +206,16 @@ impl MoeLayer {
     pub fn new(gpu: &Gpu, config: MoeConfig, options: LayerOptions) -> Result<Self> {
         config.validate()?;
         let backend = options.backend.unwrap_or_else(|| Backend::fastest_for(gpu, config.ep_ranks));
+        if options.gather_in_producer && (config.ep_ranks > 1 || backend == Backend::MmaSync) {
+            return Err(MokError::InvalidInput {
+                tensor: "gather_in_producer",
+                problem: format!(
+                    "the gate/up gathers its rows in its producers on one GPU with the engine or the megakernel, \
+                     not on {backend:?} with {} ranks",
+                    config.ep_ranks
+                ),
+            });
+        }
         if config.ep_ranks > 1 {
             if backend == Backend::Engine {
                 return Err(MokError::InvalidConfig {
@@ -229,6 +246,9 @@ impl MoeLayer {
                 layer.set_backward_megakernel(gpu, Some(options.megakernel))?;
             }
         }
+        if options.gather_in_producer {
+            layer.set_gather_in_producer(gpu, true)?;
+        }
         Ok(Self::around(Layer::Single(Box::new(layer)), backend, gpu))
     }
 
@@ -245,6 +265,12 @@ impl MoeLayer {
     /// (`tests/gpu_processes.rs`), not yet on several GPUs (no multi-GPU machine has been lent).
     pub fn with_heap(gpu: &Gpu, config: MoeConfig, options: LayerOptions, heap: SymmetricHeap) -> Result<Self> {
         config.validate()?;
+        if options.gather_in_producer {
+            return Err(MokError::InvalidInput {
+                tensor: "gather_in_producer",
+                problem: "over ranks the rows are pulled from their owners, not gathered in the producers".into(),
+            });
+        }
         let backend = options.backend.unwrap_or_else(|| Backend::fastest_hosting(gpu, heap.local_ranks().len()));
         if backend == Backend::Engine {
             return Err(MokError::InvalidConfig {
