@@ -557,6 +557,27 @@ fn megakernel_cases() -> [(MoeConfig, Routing<'static>); 6] {
     ]
 }
 
+/// The forward megakernel tests' walk over `megakernel_cases` (the first three under
+/// compute-sanitizer), random inputs from `seed` on: for each shape its name, config, device
+/// case and the engine path's run of it (the bits expected). Nothing runs where the GPU has no
+/// megakernel (`megakernel_layer` says so).
+fn each_megakernel_case(gpu: &Gpu, seed: u64, mut body: impl FnMut(&str, &MoeConfig, &DeviceCase, &GpuRun)) {
+    let cases = megakernel_cases();
+    let Some(probe) = megakernel_layer(gpu, &cases[0].0, megakernel_options(None, None)) else { return };
+    drop(probe);
+    let shapes = common::sized("megakernel shapes", cases.len(), 3);
+    for (n, (c, routing)) in cases.into_iter().take(shapes).enumerate() {
+        let case = random_case(&c, seed + n as u64, routing);
+        let device = upload(gpu, &case);
+        let mut engine = UnfusedLayer::new(gpu, c.clone()).unwrap();
+        engine.set_gemm_engine(gpu, true).unwrap();
+        let expected = run(gpu, &mut engine, &device);
+        let what =
+            format!("T={} H={} I={} E={} k={}", c.tokens_per_rank, c.hidden, c.intermediate, c.num_experts, c.top_k);
+        body(&what, &c, &device, &expected);
+    }
+}
+
 #[test]
 fn forward_megakernel_is_bitwise_the_engine_path() {
     // One persistent launch (dispatch, gate/up + SwiGLU, down, combine) must give the engine
@@ -564,22 +585,10 @@ fn forward_megakernel_is_bitwise_the_engine_path() {
     // on ragged, empty and hot experts, T = 1, k = 1 and k = 10, dropped slots, the shared
     // expert and the SwiGLU limit.
     let gpu = gpu();
-    let cases = megakernel_cases();
-    let Some(probe) = megakernel_layer(&gpu, &cases[0].0, megakernel_options(None, None)) else { return };
-    drop(probe);
-    // Under compute-sanitizer: the first three shapes.
-    let shapes = common::sized("megakernel shapes", cases.len(), 3);
-    for (seed, (c, routing)) in cases.into_iter().take(shapes).enumerate() {
-        let case = random_case(&c, 300 + seed as u64, routing);
-        let device = upload(&gpu, &case);
-        let mut engine = UnfusedLayer::new(&gpu, c.clone()).unwrap();
-        engine.set_gemm_engine(&gpu, true).unwrap();
-        let expected = run(&gpu, &mut engine, &device);
-        let what =
-            format!("T={} H={} I={} E={} k={}", c.tokens_per_rank, c.hidden, c.intermediate, c.num_experts, c.top_k);
+    each_megakernel_case(&gpu, 300, |what, c, device, expected| {
         // The default geometry first (it also tells the resident grid).
-        let mut layer = megakernel_layer(&gpu, &c, megakernel_options(None, None)).unwrap();
-        assert_same_run(&run(&gpu, &mut layer, &device), &expected, &format!("{what}, default split"));
+        let mut layer = megakernel_layer(&gpu, c, megakernel_options(None, None)).unwrap();
+        assert_same_run(&run(&gpu, &mut layer, device), expected, &format!("{what}, default split"));
         let (resident, default_comm) = layer.forward_megakernel_geometry().unwrap();
         // Comm blocks from none to half the grid (odd counts leave a block idle), and smaller
         // grids down to one compute pair alone, and one comm block beside one compute pair.
@@ -590,14 +599,14 @@ fn forward_megakernel_is_bitwise_the_engine_path() {
         let mut tried = 0;
         for &comm in splits {
             layer.set_forward_megakernel(&gpu, Some(megakernel_options(Some(comm), None))).unwrap();
-            assert_same_run(&run(&gpu, &mut layer, &device), &expected, &format!("{what}, {comm} comm blocks"));
+            assert_same_run(&run(&gpu, &mut layer, device), expected, &format!("{what}, {comm} comm blocks"));
             tried += 1;
         }
         for &(comm, blocks) in grids {
             layer.set_forward_megakernel(&gpu, Some(megakernel_options(Some(comm), Some(blocks)))).unwrap();
-            let got = run(&gpu, &mut layer, &device);
+            let got = run(&gpu, &mut layer, device);
             assert_eq!(layer.forward_megakernel_geometry(), Some((blocks, comm)));
-            assert_same_run(&got, &expected, &format!("{what}, {comm} comm of {blocks} blocks"));
+            assert_same_run(&got, expected, &format!("{what}, {comm} comm of {blocks} blocks"));
             tried += 1;
         }
         println!(
@@ -606,7 +615,7 @@ fn forward_megakernel_is_bitwise_the_engine_path() {
             grids.len()
         );
         assert_eq!(tried, splits.len() + grids.len());
-    }
+    });
 }
 
 #[test]
@@ -619,47 +628,36 @@ fn forward_megakernel_gathering_its_rows_in_the_producer_is_bitwise_the_engine_p
     // one pair), then with the backward megakernel (which reads the copy: its backward writes
     // it), then with gathering off again.
     let gpu = gpu();
-    let cases = megakernel_cases();
-    let Some(probe) = megakernel_layer(&gpu, &cases[0].0, megakernel_options(None, None)) else { return };
-    drop(probe);
-    let shapes = common::sized("gathering megakernel shapes", cases.len(), 3);
-    for (seed, (c, routing)) in cases.into_iter().take(shapes).enumerate() {
-        let case = random_case(&c, 1300 + seed as u64, routing);
-        let device = upload(&gpu, &case);
-        let mut engine = UnfusedLayer::new(&gpu, c.clone()).unwrap();
-        engine.set_gemm_engine(&gpu, true).unwrap();
-        let expected = run(&gpu, &mut engine, &device);
-        let what =
-            format!("T={} H={} I={} E={} k={}", c.tokens_per_rank, c.hidden, c.intermediate, c.num_experts, c.top_k);
-        let mut layer = megakernel_layer(&gpu, &c, megakernel_options(None, None)).unwrap();
+    each_megakernel_case(&gpu, 1300, |what, c, device, expected| {
+        let mut layer = megakernel_layer(&gpu, c, megakernel_options(None, None)).unwrap();
         layer.set_gather_in_producer(&gpu, true).unwrap();
         let (resident, _) = {
-            let got = run(&gpu, &mut layer, &device);
-            check_gathering_run(got, &expected, &format!("{what}, gathering, default split"));
+            let got = run(&gpu, &mut layer, device);
+            check_gathering_run(got, expected, &format!("{what}, gathering, default split"));
             layer.forward_megakernel_geometry().unwrap()
         };
         let geometries = [(Some(1), None), (Some(0), Some(2)), (Some(1), Some(4)), (Some(3), Some(8)), (Some(5), None)];
         let geometries = if common::sanitizing() { &geometries[..2] } else { &geometries[..] };
         for &(comm, blocks) in geometries {
             layer.set_forward_megakernel(&gpu, Some(megakernel_options(comm, blocks))).unwrap();
-            let got = run(&gpu, &mut layer, &device);
+            let got = run(&gpu, &mut layer, device);
             let geometry = layer.forward_megakernel_geometry().unwrap();
             assert_eq!(geometry.1, comm.unwrap());
             assert_eq!(geometry.0, blocks.unwrap_or(resident));
-            check_gathering_run(got, &expected, &format!("{what}, gathering, {comm:?} comm of {blocks:?} blocks"));
+            check_gathering_run(got, expected, &format!("{what}, gathering, {comm:?} comm of {blocks:?} blocks"));
         }
         layer.set_backward_megakernel(&gpu, Some(megakernel_options(None, None))).unwrap();
-        let got = run(&gpu, &mut layer, &device);
-        assert_gathered_then_backward_megakernel(&got, &expected, &format!("{what}, gathering, backward megakernel"));
+        let got = run(&gpu, &mut layer, device);
+        assert_gathered_then_backward_megakernel(&got, expected, &format!("{what}, gathering, backward megakernel"));
         layer.set_backward_megakernel(&gpu, None).unwrap();
         layer.set_gather_in_producer(&gpu, false).unwrap();
-        assert_same_run(&run(&gpu, &mut layer, &device), &expected, &format!("{what}, gathering off again"));
+        assert_same_run(&run(&gpu, &mut layer, device), expected, &format!("{what}, gathering off again"));
         println!(
             "  {what}: the forward megakernel gathering in its producers bitwise equal to the engine path \
              ({} geometries + the default)",
             geometries.len()
         );
-    }
+    });
 }
 
 /// A run whose forward gathered its rows in the producers and whose backward ran as the
