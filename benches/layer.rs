@@ -12,7 +12,7 @@
 //! persistent launch over the engine, with its default comm blocks), `megakernel:N` (N comm
 //! blocks) and `megakernels[:N]` (the forward and the backward megakernels); `megakernel[s][:N]-gathering`
 //! has the forward megakernel's gate/up gather its rows in its producers too (one GPU; its
-//! comm side alone then copies no routed row, only the shared expert's, and combines). Each
+//! dispatch, by comm blocks and spare warps, then copies only the shared expert's rows). Each
 //! table row names its backend. `--ranks P` (P > 1) runs the expert-parallel layer over P virtual ranks on this GPU
 //! instead (the tokens of a case split over the ranks), on `mma` (`epP:mma`: the exchange's
 //! separate launches, `mma.sync` expert compute), `megakernel[:N]` (`epP:megakernel`: the

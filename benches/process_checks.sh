@@ -10,7 +10,8 @@
 # and benches/layer with the scripts (cargo xtask gpu-subset --tests
 # gpu_processes,gpu_api,gpu_exchange --benches layer). Logs under $OUT (or ./bench-logs); a
 # short summary last; exits non-zero when the step failed.
-#   ./benches/process_checks.sh processes      (then: api, sanitize, bench)
+#   ./benches/process_checks.sh processes      (then: api, sanitize, bench; TOOL=racecheck and
+#                                              TOOL=synccheck sanitize: a call each)
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 bundle="$(cd "$here/.." && pwd)"

@@ -3,7 +3,8 @@
 # them (RANK, WORLD_SIZE, LOCAL_RANK), all-gathering their heap records through files in a fresh
 # MOK_RENDEZVOUS_DIR (no NCCL needed). With SHARE_GPU=1 (the default) every process runs on
 # GPU 0 (CUDA_VISIBLE_DEVICES=0): a check that the path runs end to end on a one-GPU machine;
-# the processes take turns on the GPU, so the times mean nothing. With SHARE_GPU=0 each
+# the processes take turns on the GPU, so the times mean nothing, and the waits' deadline is a
+# minute (MOK_BENCH_WAIT_S=60). With SHARE_GPU=0 each
 # process takes the GPU of its local rank (a machine with that many GPUs: the real numbers).
 # Rank 0 prints the RESULT lines; every rank's log goes to $OUT (or ./bench-logs). Run from the
 # bundle's benches/ folder:

@@ -262,6 +262,27 @@ fn moe_layer_rejects_what_it_cannot_run() {
         Err(other) => panic!("expected the other Gpu refused, got {other:?}"),
         Ok(_) => panic!("expected the other Gpu refused, got a pass"),
     }
+    // Two Gpus opened on one caller stream: a layer built on the first refuses the second (it
+    // loaded its own kernels, whose launch attributes the layer's plans never set), and runs on
+    // the first.
+    {
+        gpu.synchronize().unwrap();
+        let context = mok::cudarc::driver::CudaContext::new(0).unwrap();
+        let stream = context.new_stream().unwrap();
+        let first = mok::open_gpu_on_stream(stream.clone()).unwrap();
+        let second = mok::open_gpu_on_stream(stream.clone()).unwrap();
+        let mut on_stream = MoeLayer::new(&first, c.clone(), LayerOptions::default()).unwrap();
+        match on_stream.forward(&second, &inputs, y.into()) {
+            Err(MokError::InvalidInput { tensor: "gpu", problem }) => {
+                println!("  a second Gpu on one stream: {problem}")
+            }
+            Err(other) => panic!("expected a second Gpu on the same stream refused, got {other:?}"),
+            Ok(_) => panic!("expected a second Gpu on the same stream refused, got a pass"),
+        }
+        drop(on_stream.forward(&first, &inputs, y.into()).unwrap());
+        first.synchronize().unwrap();
+        on_stream.check().unwrap();
+    }
     // A token of another layer's forward (refused as another layer's, not as a stale pass: the
     // pass counts of the two layers differ, so the message must name the layer).
     let mut twin = MoeLayer::new(&gpu, c.clone(), LayerOptions::default()).unwrap();

@@ -371,7 +371,8 @@ fn ep_layer_matches_the_single_rank_path_bitwise_for_every_p() {
 fn a_backward_without_a_whole_forward_is_refused() {
     // Before any forward a layer's routing and rows are uninitialised memory: its backward must
     // be an error, not kernels indexing with garbage. Then a forward makes it allowed; a forward
-    // refused for bad input makes it refused again (the last forward did not run).
+    // refused for bad input makes it refused again (the last forward did not run), and so do a
+    // routing enqueued on its own (`UnfusedLayer::route`) and new tokens (`upload_tokens`).
     let gpu = gpu();
     let case = ep_case();
     let global = &case.config;
@@ -395,6 +396,10 @@ fn a_backward_without_a_whole_forward_is_refused() {
     let shared_view = shared_weights.as_ref().map(Into::into);
     assert!(one.forward_views(&gpu, bad, (&weights).into(), shared_view).is_err());
     refused(backward(&mut one), "UnfusedLayer after a refused forward");
+    // A routing enqueued on its own replaces the layout the backward would read.
+    one.forward(&gpu, &tokens, &weights, shared_weights.as_ref()).unwrap();
+    one.route(&gpu, (&tokens.topk_ids).into()).unwrap();
+    refused(backward(&mut one), "UnfusedLayer after a routing of its own");
     gpu.synchronize().unwrap();
     one.check_device_errors().unwrap();
 
@@ -408,8 +413,16 @@ fn a_backward_without_a_whole_forward_is_refused() {
     refused(ep.backward(&gpu, &experts, shared.as_ref()), "EpLayer before any forward");
     ep.forward(&gpu, &experts, shared.as_ref()).unwrap();
     ep.backward(&gpu, &experts, shared.as_ref()).unwrap();
+    // New tokens for the next forward replace what the backward would read.
+    upload_rank_inputs(&gpu, &ep, &case);
+    refused(ep.backward(&gpu, &experts, shared.as_ref()), "EpLayer after new tokens");
+    ep.forward(&gpu, &experts, shared.as_ref()).unwrap();
+    ep.backward(&gpu, &experts, shared.as_ref()).unwrap();
     ep.check_errors(&gpu).unwrap();
-    println!("  a backward before any whole forward: refused on both layers; allowed after one");
+    println!(
+        "  a backward before any whole forward, or after new routing or tokens: refused on both layers; allowed after \
+         a forward"
+    );
 }
 
 #[test]

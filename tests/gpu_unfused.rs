@@ -757,6 +757,26 @@ fn forward_megakernel_faults_are_reported_timeouts_then_correct_passes() {
         layer.set_forward_megakernel_faults(MegakernelFaults::default()).unwrap();
         assert_same_run(&run(&gpu, &mut layer, &device), &expected, &format!("the pass after {fault:?}"));
     }
+    // A bad id and a timeout in one pass: the check reports the id (the routing's record comes
+    // first) and clears the megakernel's record too, so the next pass is clean and right (`run`
+    // checks it).
+    let mut ids = case.tokens.topk_ids.clone();
+    ids[2 * c.top_k + 1] = ids[2 * c.top_k];
+    let bad = DeviceTokens {
+        x: DeviceBuffer::from_slice(&gpu, &case.tokens.x).unwrap(),
+        topk_ids: DeviceBuffer::from_slice(&gpu, &ids).unwrap(),
+        topk_weights: DeviceBuffer::from_slice(&gpu, &case.tokens.topk_weights).unwrap(),
+    };
+    layer
+        .set_forward_megakernel_faults(MegakernelFaults { silent_hidden_tile: Some(5), ..Default::default() })
+        .unwrap();
+    layer.forward(&gpu, &bad, &device.experts, device.shared.as_ref()).unwrap();
+    match layer.check_device_errors() {
+        Err(MokError::Device { message, .. }) => println!("  a bad id and a timeout in one pass: {message}"),
+        other => panic!("expected the bad id reported first, got {other:?}"),
+    }
+    layer.set_forward_megakernel_faults(MegakernelFaults::default()).unwrap();
+    assert_same_run(&run(&gpu, &mut layer, &device), &expected, "the pass after a bad id and a timeout");
 }
 
 #[test]

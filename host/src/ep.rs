@@ -170,8 +170,9 @@ pub struct EpLayer {
     ranks: Vec<RankState>,
     megakernel: Option<EpMegakernel>,
     backward_megakernel: Option<EpBackwardMegakernel>,
-    /// Whether a forward has been enqueued whole since the layer was built: a backward reads its
-    /// routing and rows, which exist only then.
+    /// Whether a forward has been enqueued whole since the layer was built and since its tokens
+    /// were last replaced (`upload_tokens`, `copy_tokens_from`): a backward reads the forward's
+    /// routing and rows.
     forward_ran: std::cell::Cell<bool>,
 }
 

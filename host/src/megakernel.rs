@@ -1169,7 +1169,7 @@ mod work_order_model {
                 let ranks = if case % 3 != 0 { 1 + rng.below(8) } else { 1 };
                 let share_tiles = case % 2 == 0;
                 let mut world = random_world(&mut rng, ranks);
-                // On one GPU, every other case with the gate/up gathering its rows.
+                // On one GPU, the cases numbered a multiple of 4 with the gate/up gathering its rows.
                 world.gathering = ranks == 1 && case % 4 == 0;
                 let (comm_blocks, pairs) = (rng.below(4), 1 + rng.below(4));
                 let compute_order = if share_tiles { shared_compute_order(ranks) } else { COMPUTE_ORDER.to_vec() };

@@ -298,13 +298,13 @@ impl MoeLayer {
         Self { layer, backend, passes: 0, gpu: gpu.handle(), id, failed: false }
     }
 
-    /// `gpu` is the layer's own (or a copy of that handle), and the layer may run a pass.
+    /// `gpu` is the handle the layer was built with, and the layer may run a pass.
     fn check_call(&self, gpu: &Gpu) -> Result<()> {
         if !gpu.is_same_handle(&self.gpu) {
             return Err(MokError::InvalidInput {
                 tensor: "gpu",
-                problem: "not the Gpu the layer was built with or a copy of it (a GPU opened again has another \
-                          stream, which would not order the layer's work, or its own kernels): pass that handle"
+                problem: "not the Gpu the layer was built with (a GPU opened again has another stream, which \
+                          would not order the layer's work, or its own kernels): pass that handle"
                     .into(),
             });
         }

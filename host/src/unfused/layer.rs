@@ -80,15 +80,15 @@ pub struct UnfusedLayer {
     /// Whether the shared expert's copy of the token rows holds the last forward's x (its
     /// megakernel copied it), so a backward megakernel need not copy it again.
     shared_x_from_forward: bool,
-    /// The engine path's gate/up and gate and up weight gradients gather their rows from x in
-    /// their producers ([`UnfusedLayer::set_gather_in_producer`]) instead of reading
-    /// `gathered_x`.
+    /// The routed gate/up (engine path or forward megakernel) and the engine path's gate and up
+    /// weight gradients gather their rows from x in their producers
+    /// ([`UnfusedLayer::set_gather_in_producer`]) instead of reading `gathered_x`.
     gather_in_producer: bool,
     /// Whether `gathered_x` holds the last forward's rows (a forward whose gate/up gathered
     /// them itself left it stale: the backward fills it before its weight gradients read it).
     x_rows_gathered: bool,
-    /// Whether a forward has been enqueued whole since the layer was built: a backward reads its
-    /// routing layout and rows, which exist only then.
+    /// Whether a forward has been enqueued whole since the layer was built and since its routing
+    /// was last replaced (`route`): a backward reads the forward's routing layout and rows.
     forward_ran: bool,
 }
 
@@ -609,8 +609,8 @@ impl UnfusedLayer {
         Ok(())
     }
 
-    /// Whether the engine path's gate/up gathers its rows in its producer
-    /// ([`Self::set_gather_in_producer`]).
+    /// Whether the routed gate/up (engine path or forward megakernel) gathers its rows in its
+    /// producers ([`Self::set_gather_in_producer`]).
     pub fn gathers_in_producer(&self) -> bool {
         self.gather_in_producer
     }

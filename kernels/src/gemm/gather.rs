@@ -2,8 +2,8 @@
 //! through an index — row `r` of the plan is row `row_source[r] / top_k` of `x`, the token of
 //! the routing layout's slot — so no gathered copy of the rows is written first. The lanes
 //! place the 16-byte chunks themselves in the 128B-swizzle layout a TMA box would have
-//! (`cp.async`, zero-filled past the group's rows and past the row width), and the stage's
-//! `full` barrier counts each lane's copies as one arrival; lane 0 takes the tiles and loads the
+//! (`cp.async`, zero-filled past the group's rows and past the row width), and each lane's
+//! copies hold the stage's `full` phase open until they land; lane 0 takes the tiles and loads the
 //! other operand by TMA as [`produce`](super::producer::produce) does. The consumers fence the
 //! async proxy after each `full` wait (the chunks arrive through the generic proxy; `wgmma`
 //! reads through the async one).
