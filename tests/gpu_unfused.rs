@@ -367,8 +367,8 @@ fn gate_up_gathering_its_rows_in_the_producer_is_bitwise_the_engine_path() {
     // shapes (ragged widths, dropped slots, empty and hot experts, T = 1, k = 1 and k = 10, the
     // shared expert, the limit: N-paired tiles, weight-gradient K tails), and H = 4096 with
     // ~150-row groups (M-paired tiles, a second M tile of a few rows). Then again on the same
-    // layer, with the backward megakernel after it (which reads the gathered copy: the backward
-    // writes it), and switched off.
+    // layer, with the backward megakernel after it (whose gate and up weight gradients gather
+    // too: still no copy), and switched off.
     let gpu = gpu();
     let mut cases = megakernel_cases().to_vec();
     cases.push((config(600, 4096, 128, 4, 1, None, None), PLAIN_ROUTING));
@@ -625,8 +625,8 @@ fn forward_megakernel_gathering_its_rows_in_the_producer_is_bitwise_the_engine_p
     // shared expert's rows, so no gathered copy is written (the poisoned copy shows it, with
     // the engine path's backward, whose weight gradients gather too). The bits must be the
     // engine path's for several splits and grids (one compute pair alone, one comm block beside
-    // one pair), then with the backward megakernel (which reads the copy: its backward writes
-    // it), then with gathering off again.
+    // one pair), then with the backward megakernel (whose gate and up weight gradients gather
+    // too: still no copy), then with gathering off again.
     let gpu = gpu();
     each_megakernel_case(&gpu, 1300, |what, c, device, expected| {
         let mut layer = megakernel_layer(&gpu, c, megakernel_options(None, None)).unwrap();
@@ -661,10 +661,11 @@ fn forward_megakernel_gathering_its_rows_in_the_producer_is_bitwise_the_engine_p
 }
 
 /// A run whose forward gathered its rows in the producers and whose backward ran as the
-/// megakernel: that backward wrote the gathered copy (it reads it), which must be the engine
-/// path's; the rest as the backward megakernel's tests compare it (`assert_same_backward`).
+/// megakernel, its gate and up weight gradients gathering too: the gathered copy, poisoned by
+/// `run`, must be untouched; the rest as the backward megakernel's tests compare it
+/// (`assert_same_backward`).
 fn assert_gathered_then_backward_megakernel(got: &GpuRun, expected: &GpuRun, what: &str) {
-    assert_eq!(fingerprint(&got.gathered_x), fingerprint(&expected.gathered_x), "{what}: gathered rows");
+    assert!(got.gathered_x.iter().all(|v| v.to_bits() == 0xffff), "{what}: a gathered copy was written");
     assert_eq!(fingerprint(&got.gate), fingerprint(&expected.gate), "{what}: gate pre-activations");
     assert_eq!(fingerprint(&got.up), fingerprint(&expected.up), "{what}: up pre-activations");
     assert_eq!(fingerprint(&got.y), fingerprint(&expected.y), "{what}: y");

@@ -149,11 +149,18 @@ pub(crate) trait PassParams: Copy {
     #[cfg_attr(not(feature = "testing"), allow(dead_code))]
     fn set_silent_tiles(&mut self, rows_tile: u32, hidden_tile: u32);
     fn silent_push(&mut self) -> &mut u32;
+    /// Whether the pass's producers gather the token rows (`gather_in_producer`).
+    fn gather_in_producer(&mut self) -> &mut u32;
+    /// The rank's `ExchangeParams` (0 on one GPU).
+    fn exchange(&self) -> u64;
+    /// Whether the one-GPU entry point takes the forward's token rows after the pass inputs
+    /// (the backward's: its weight gradients may gather them).
+    const TAKES_TOKEN_ROWS: bool;
 }
 
 /// Both parameter blocks name these fields alike.
 macro_rules! pass_params {
-    ($($params:ty),*) => {$(
+    ($(($params:ty, $rows:expr)),*) => {$(
         impl PassParams for $params {
             fn comm_blocks(&self) -> u32 {
                 self.comm_blocks
@@ -170,10 +177,17 @@ macro_rules! pass_params {
             fn silent_push(&mut self) -> &mut u32 {
                 &mut self.silent_push
             }
+            fn gather_in_producer(&mut self) -> &mut u32 {
+                &mut self.gather_in_producer
+            }
+            fn exchange(&self) -> u64 {
+                self.exchange
+            }
+            const TAKES_TOKEN_ROWS: bool = $rows;
         }
     )*};
 }
-pass_params!(ForwardParams, BackwardParams);
+pass_params!((ForwardParams, false), (BackwardParams, true));
 
 /// Where one rank's parameter block points, from the shared pass set-up.
 struct RankSlot {
@@ -422,31 +436,6 @@ impl ForwardMegakernel {
             }
         })
     }
-
-    /// Makes the following passes' routed gate/up gather its token rows from x in its
-    /// producers (`on`; one GPU only) instead of reading the rows the dispatch copied into
-    /// `PassBuffers::rows`, which is then not written. The parameter block is uploaded again
-    /// only when this changes.
-    pub(crate) fn set_gather_in_producer(&mut self, on: bool) -> Result<()> {
-        let value = u32::from(on);
-        if self.host.iter().all(|p| p.gather_in_producer == value) {
-            return Ok(());
-        }
-        let [params] = self.host.as_mut_slice() else {
-            return Err(MokError::InvalidInput {
-                tensor: "gather_in_producer",
-                problem: "the forward megakernel gathers in its producers on one GPU only".into(),
-            });
-        };
-        if params.exchange != 0 && on {
-            return Err(MokError::InvalidInput {
-                tensor: "gather_in_producer",
-                problem: "the forward megakernel gathers in its producers on one GPU only".into(),
-            });
-        }
-        params.gather_in_producer = value;
-        self.upload_params()
-    }
 }
 
 impl<P: PassParams> MegakernelPass<P> {
@@ -519,6 +508,31 @@ impl<P: PassParams> MegakernelPass<P> {
         if changed { self.upload_params() } else { Ok(()) }
     }
 
+    /// Makes the following passes' producers gather the token rows from x (`on`; one GPU only):
+    /// the forward's routed gate/up, whose dispatch then copies no routed row into
+    /// `PassBuffers::rows`, and the backward's gate and up weight gradients, which then do not
+    /// read that copy. The parameter blocks are uploaded again only when this changes.
+    pub(crate) fn set_gather_in_producer(&mut self, on: bool) -> Result<()> {
+        let value = u32::from(on);
+        if self.host.iter_mut().all(|p| *p.gather_in_producer() == value) {
+            return Ok(());
+        }
+        let [params] = self.host.as_mut_slice() else {
+            return Err(MokError::InvalidInput {
+                tensor: "gather_in_producer",
+                problem: "the megakernels gather in their producers on one GPU only".into(),
+            });
+        };
+        if params.exchange() != 0 {
+            return Err(MokError::InvalidInput {
+                tensor: "gather_in_producer",
+                problem: "the megakernels gather in their producers on one GPU only".into(),
+            });
+        }
+        *params.gather_in_producer() = value;
+        self.upload_params()
+    }
+
     /// Checks the plans and enqueues what precedes every pass: cuts every plan's group maps
     /// (zeroing their tile counters), all in one launch, and clears the pass counters.
     fn prepare_pass(&mut self, gpu: &Gpu, plans: &[&[&EnginePlan]]) -> Result<()> {
@@ -545,27 +559,29 @@ impl<P: PassParams> MegakernelPass<P> {
     /// `rows` `[T][H]` bf16 (x forward, dy backward), `topk_weights` `[T·k]` f32 and
     /// `shared_rows` `[T][H]` f32 (the shared expert's output or dx rows; 0 for none) must be
     /// live allocations that stay allocated until the stream has run the pass: the kernel reads
-    /// them unchecked.
+    /// them unchecked; so must `token_rows`, the forward's x `[T][H]` bf16, for a backward
+    /// whose weight gradients gather (otherwise unread, and a forward ignores it).
     pub(crate) unsafe fn launch(
         &mut self,
         gpu: &Gpu,
         plans: &[&EnginePlan],
-        rows: u64,
-        topk_weights: u64,
-        shared_rows: u64,
-        tokens: u32,
+        (rows, topk_weights, shared_rows, tokens): (u64, u64, u64, u32),
+        token_rows: u64,
     ) -> Result<()> {
         if self.inputs.is_some() {
             return Err(MokError::InvalidInput { tensor: "megakernel", problem: "built for ranks".into() });
         }
         self.prepare_pass(gpu, &[plans])?;
-        let args = [
+        let mut args = vec![
             KernelArg::Ptr(self.params.device_ptr()),
             KernelArg::Ptr(rows),
             KernelArg::Ptr(topk_weights),
             KernelArg::Ptr(shared_rows),
             KernelArg::U32(tokens),
         ];
+        if P::TAKES_TOKEN_ROWS {
+            args.push(KernelArg::Ptr(token_rows));
+        }
         // SAFETY: `mok_sm90_forward`'s and `mok_sm90_backward`'s parameters in order and type;
         // the parameter block points at the layer's live buffers and the plans' parameter blocks
         // (checked above), its counters hold an entry per M tile the plans' groups can have,
@@ -769,7 +785,7 @@ impl BackwardMegakernel {
                 rank_blocks: at.blocks,
                 wgrad_ranks,
                 tile_ranks,
-                reserved: 0,
+                gather_in_producer: 0,
                 shared_down_dgrad: shared(0),
                 shared_gate_up_dgrad: shared(1),
                 shared_wgrad: [shared(2), shared(3), shared(4)],

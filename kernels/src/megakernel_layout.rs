@@ -260,8 +260,11 @@ pub struct BackwardParams {
     /// compute blocks share, as [`ForwardParams::tile_ranks`]; the SwiGLU backward's chunks,
     /// the gather and the combine stay on the rank's own blocks.
     pub tile_ranks: u32,
-    /// Keeps the block a whole number of 8-byte words (no implicit padding); 0.
-    pub reserved: u32,
+    /// One GPU only, nonzero: the routed gate and up weight gradients' producers gather B, the
+    /// token rows, from the forward's x through `row_source` (`gemm::gather`; x is a kernel
+    /// argument), so the gathered copy the plans' maps name is not read; 0: they read it
+    /// (always across ranks).
+    pub gather_in_producer: u32,
     /// The shared expert's down data-gradient plan (A = `shared_dy`, one group of the pass's T
     /// tokens; out = the f32 `d_hidden` of [`BackwardParams::shared_swiglu`]), or 0 when the pass
     /// has no shared expert (then every `shared_*` field is unused).

@@ -573,11 +573,11 @@ impl UnfusedLayer {
 
     /// Makes the routed gate/up and the gate and up weight gradients gather their token rows
     /// from x in their producers (`on`) or read them from a gathered copy (the default): on the
-    /// engine path `mok_sm90_gemm_gate_up_gathering` and `mok_sm90_gemm_wgrad_gathering`, and in
-    /// the forward megakernel its gate/up tiles, whose dispatch then copies no routed row. With
-    /// it no gathered copy of the rows is written in the forward (T · k · H bf16 less to write
-    /// and read); the backward megakernel, which reads the copy, gets it written by its
-    /// backward. Every output and gradient is the same bits either way. It needs the engine on
+    /// engine path `mok_sm90_gemm_gate_up_gathering` and `mok_sm90_gemm_wgrad_gathering`, in
+    /// the forward megakernel its gate/up tiles, whose dispatch then copies no routed row, and
+    /// in the backward megakernel its gate and up weight-gradient tiles. With it no gathered
+    /// copy of the rows is written (T · k · H bf16 less to write and read per forward). Every
+    /// output and gradient is the same bits either way. It needs the engine on
     /// and the kernels in the loaded PTX (otherwise an error, and the layer is unchanged), and
     /// switching the engine off switches it off. **Not yet run on a GPU.**
     pub fn set_gather_in_producer(&mut self, gpu: &Gpu, on: bool) -> Result<()> {
@@ -1115,7 +1115,8 @@ impl UnfusedLayer {
         // run the work using it (mok's buffers wait for it when freed; other memory by its view
         // constructor's contract).
         unsafe {
-            pass.launch(gpu, &plans, tokens.x.device_ptr(), tokens.topk_weights.device_ptr(), shared_out, t as u32)
+            let inputs = (tokens.x.device_ptr(), tokens.topk_weights.device_ptr(), shared_out, t as u32);
+            pass.launch(gpu, &plans, inputs, 0)
         }
     }
 
@@ -1171,11 +1172,16 @@ impl UnfusedLayer {
         let target = self.grad_addresses(gpu, target)?;
         self.prepare_engine_plans(gpu, experts)?;
         self.prepare_wgrad_plans(gpu, &target)?;
-        // The forward's gate/up gathered its rows itself: the backward megakernel and weight
-        // gradients that do not gather read the gathered copy, written here.
+        // The forward's gate/up gathered its rows itself: weight gradients that do not gather
+        // read the gathered copy, written here (the backward megakernel's gather when the layer
+        // gathers, the engine path's with their gathering plans).
         let megakernel_backward = self.backward_megakernel.is_some() && self.engine.is_some();
-        let wgrad_gathers = self.engine.as_ref().is_some_and(|state| !state.wgrad_gathering().is_empty());
-        if !self.x_rows_gathered && (megakernel_backward || !wgrad_gathers) {
+        let wgrad_gathers = if megakernel_backward {
+            self.gather_in_producer
+        } else {
+            self.engine.as_ref().is_some_and(|state| !state.wgrad_gathering().is_empty())
+        };
+        if !self.x_rows_gathered && !wgrad_gathers {
             self.gather_x_rows(gpu, tokens.x)?;
             self.x_rows_gathered = true;
         }
@@ -1354,13 +1360,18 @@ impl UnfusedLayer {
         let (Some(engine), Some((_, Some(pass)))) = (&self.engine, &mut self.backward_megakernel) else {
             unreachable!("prepared above");
         };
+        // Its gate and up weight gradients gather the token rows from x when the layer gathers.
+        pass.set_gather_in_producer(self.gather_in_producer)?;
         engine::tile_offsets_into(gpu, &self.routing.row_offsets, e, &engine.tile_offsets)?;
         let plans =
             backward_pass_plans(backward_plans(engine), self.shared_engine.as_ref().filter(|_| shared.is_some()));
-        // SAFETY: dy and the slot weights are checked views of this pass (`[T][H]`, `[T·k]`),
-        // the shared dx rows the workspace's own; views are borrowed from buffers whose freeing
-        // waits for the work using them.
-        unsafe { pass.launch(gpu, &plans, dy.device_ptr(), tokens.topk_weights.device_ptr(), shared_dx, t as u32) }
+        // SAFETY: dy, x and the slot weights are checked views of this pass (`[T][H]`, `[T][H]`,
+        // `[T·k]`; x the forward's, checked the same), the shared dx rows the workspace's own;
+        // views are borrowed from buffers whose freeing waits for the work using them.
+        unsafe {
+            let inputs = (dy.device_ptr(), tokens.topk_weights.device_ptr(), shared_dx, t as u32);
+            pass.launch(gpu, &plans, inputs, tokens.x.device_ptr())
+        }
     }
 
     /// The shared expert's backward (when the layer has one): its weight gradients into

@@ -215,7 +215,8 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_forward_ranks(
 /// slot-weight gradients, both data gradients with the SwiGLU backward between them, the three
 /// weight gradients, the dx combine) in one launch. The pass's inputs are arguments, as in
 /// [`mok_sm90_forward`]: dy, the slot weights, the shared expert's f32 dx rows (null for none)
-/// and T.
+/// and T; then the forward's token rows x, which the gate and up weight gradients read when
+/// they gather B in their producers (`BackwardParams::gather_in_producer`; null otherwise).
 ///
 /// # Safety
 /// As [`crate::megakernel::backward::backward`].
@@ -226,6 +227,7 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_backward(
     topk_weights: *const f32,
     shared_dx: *const f32,
     tokens: u32,
+    x: *const u16,
 ) {
     let pass = crate::megakernel_layout::PassInputs {
         x: dy as u64,
@@ -236,7 +238,7 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_backward(
     };
     // SAFETY: caller contract; every thread runs this kernel to here, a cluster's two blocks with
     // indices 2q and 2q + 1.
-    unsafe { crate::megakernel::backward::backward::<false>(params, pass, crate::ptx::sreg::block_idx_x()) }
+    unsafe { crate::megakernel::backward::backward::<false>(params, pass, crate::ptx::sreg::block_idx_x(), x as u64) }
 }
 
 /// The backward megakernel hosting `ranks` expert-parallel ranks in one launch (every virtual
@@ -260,6 +262,6 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_backward_ranks(
     // SAFETY: caller contract: rank < ranks. Every thread runs this kernel to here; a cluster's
     // two blocks act as the same rank's 2q and 2q + 1 (ranks hold whole pairs).
     unsafe {
-        crate::megakernel::backward::backward::<true>(params.add(rank as usize), *inputs.add(rank as usize), block)
+        crate::megakernel::backward::backward::<true>(params.add(rank as usize), *inputs.add(rank as usize), block, 0)
     }
 }

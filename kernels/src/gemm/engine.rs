@@ -236,7 +236,7 @@ pub unsafe fn run<const V: u32, H: TileHooks>(params: *const GemmParams, hooks: 
             if thread < GATHER_LANES {
                 // SAFETY: the producer warpgroup's first warp, every lane, on a fresh ring;
                 // `rows` valid (caller contract).
-                unsafe { produce_gathering::<V>(&p, ring, rows, thread, Walk::START) };
+                unsafe { produce_gathering::<V, H>(&p, ring, (rows, hooks), thread, Walk::START) };
             }
         } else if thread == 0 {
             // SAFETY: one producer thread.
@@ -377,7 +377,7 @@ pub unsafe fn run_forward_phases<H: TileHooks, R: Copy>(
                     }
                     let (p, phase_hooks) = (&*plan(F::GATE_UP, q), hooks(F::GATE_UP, q));
                     if let Some(rows) = phase_hooks.row_gather() {
-                        walk = produce_gathering::<G>(p, ring, rows, lane, walk);
+                        walk = produce_gathering::<G, H>(p, ring, (rows, phase_hooks), lane, walk);
                     } else if lane == 0 {
                         walk = produce::<G, H>(p, ring, phase_hooks, walk);
                     }
@@ -515,44 +515,68 @@ pub unsafe fn run_backward_phases<H: TileHooks>(
         // SAFETY: the whole producer warpgroup, its one `setmaxnreg`, down from the launch's 168
         // per thread (`.maxntid 384`, declared by the megakernels).
         unsafe { sync::release_registers::<MEGAKERNEL_PRODUCER_REGISTERS>() };
-        if thread == 0 {
-            // SAFETY: one producer thread; the phases share the ring walk (a phase left out is
+        // The producer: thread 0, or where the hooks may gather the token rows the whole first
+        // warp, which produces the routed gate and up weight gradients of a rank whose hooks
+        // gather B (`TileHooks::row_gather`: one GPU, `BackwardParams::gather_in_producer`),
+        // its other lanes waiting for lane 0 until then.
+        let producer_lanes = if H::MAY_GATHER_ROWS { GATHER_LANES } else { 1 };
+        if thread < producer_lanes {
+            let lane = thread;
+            // SAFETY: the producer warp; the phases share the ring walk (a phase left out is
             // left out by the consumers too). Each plan is read where its phase starts.
             unsafe {
                 let mut walk = Walk::START;
-                let mut phase = first(B::SHARED_DOWN_DGRAD);
-                while phase <= B::GATE_UP_DGRAD {
-                    let mut q = tile_first;
-                    while q < tile_end {
-                        walk = produce::<N, H>(&*plan_of(phase, q), ring, hooks_of(phase, q), walk);
+                if lane == 0 {
+                    let mut phase = first(B::SHARED_DOWN_DGRAD);
+                    while phase <= B::GATE_UP_DGRAD {
+                        let mut q = tile_first;
+                        while q < tile_end {
+                            walk = produce::<N, H>(&*plan_of(phase, q), ring, hooks_of(phase, q), walk);
+                            q += 1;
+                        }
+                        // Without a shared expert its gate/up dgrad is skipped too.
+                        phase += if phase == B::DOWN_DGRAD && !shared { 2 } else { 1 };
+                    }
+                    // One loop per product, so each call's hooks keep a constant phase.
+                    let mut q = wgrad_first;
+                    while q < wgrad_end {
+                        walk = produce::<W, H>(&*plan_of(B::WGRAD_DOWN, q), ring, hooks_of(B::WGRAD_DOWN, q), walk);
                         q += 1;
                     }
-                    // Without a shared expert its gate/up dgrad is skipped too.
-                    phase += if phase == B::DOWN_DGRAD && !shared { 2 } else { 1 };
                 }
-                // One loop per product, so each call's hooks keep a constant phase.
-                let mut q = wgrad_first;
-                while q < wgrad_end {
-                    walk = produce::<W, H>(&*plan_of(B::WGRAD_DOWN, q), ring, hooks_of(B::WGRAD_DOWN, q), walk);
-                    q += 1;
+                // The gate and up weight gradients, B gathered by the whole warp or loaded by
+                // lane 0 (written out per product: the hooks keep a constant phase).
+                macro_rules! produce_gathered_b {
+                    ($phase:expr) => {
+                        let mut q = wgrad_first;
+                        while q < wgrad_end {
+                            if H::MAY_GATHER_ROWS {
+                                // Every lane learns where lane 0's walk stands (the whole warp
+                                // is here: the branches above rejoin, the trip count is the
+                                // launch's).
+                                walk = broadcast_walk(walk);
+                            }
+                            let (p, phase_hooks) = (&*plan_of($phase, q), hooks_of($phase, q));
+                            if let Some(rows) = phase_hooks.row_gather() {
+                                walk = produce_gathering::<W, H>(p, ring, (rows, phase_hooks), lane, walk);
+                            } else if lane == 0 {
+                                walk = produce::<W, H>(p, ring, phase_hooks, walk);
+                            }
+                            q += 1;
+                        }
+                    };
                 }
-                q = wgrad_first;
-                while q < wgrad_end {
-                    walk = produce::<W, H>(&*plan_of(B::WGRAD_GATE, q), ring, hooks_of(B::WGRAD_GATE, q), walk);
-                    q += 1;
-                }
-                q = wgrad_first;
-                while q < wgrad_end {
-                    walk = produce::<W, H>(&*plan_of(B::WGRAD_UP, q), ring, hooks_of(B::WGRAD_UP, q), walk);
-                    q += 1;
-                }
-                phase = B::SHARED_WGRAD_DOWN;
-                while phase < end {
-                    walk = produce::<W, H>(&*plan(phase), ring, hooks(phase), walk);
-                    phase += 1;
+                produce_gathered_b!(B::WGRAD_GATE);
+                produce_gathered_b!(B::WGRAD_UP);
+                if lane == 0 {
+                    let mut phase = B::SHARED_WGRAD_DOWN;
+                    while phase < end {
+                        walk = produce::<W, H>(&*plan(phase), ring, hooks(phase), walk);
+                        phase += 1;
+                    }
                 }
             }
-        } else if thread >= 32 {
+        } else if thread >= GATHER_LANES {
             // The spare warps: the gather and then the SwiGLU backward, under the MMAs. The
             // gather waits for nothing; the SwiGLU chunks wait on down-dgrad tiles alone, and
             // every gather chunk a down-dgrad tile waits on is held by a warp that finishes it

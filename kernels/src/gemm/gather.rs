@@ -31,7 +31,7 @@ use crate::gemm_layout::{
 use crate::ptx::memory::atom_add_relaxed_gpu_u32;
 use crate::ptx::{cp_async, mbarrier, signal as warp, sreg, sync, tensormap, tma};
 
-use super::hooks::RowGather;
+use super::hooks::{RowGather, TileHooks};
 use super::producer::{load_weights, name_in_copyless_stage, name_tile, receive_tile};
 use super::ring::{Ring, Walk};
 use super::source::*;
@@ -62,39 +62,49 @@ impl RowGather {
 /// standalone kernel, where the previous phase left it in a persistent one); the whole first warp
 /// of the producer warpgroup calls it (`lane` its lane), in uniform control flow. Returns, as
 /// [`produce`](super::producer::produce) does, where the walk stands after the stage that
-/// carried [`NO_TILE`]; lane 0's is the walk (only it tracks the mailboxes).
+/// carried [`NO_TILE`]; lane 0's is the walk (only it tracks the mailboxes). Of the hooks it
+/// uses what a weight gradient on a persistent kernel's ring needs (`Variant::WGRAD_IN_PAIR`:
+/// its tile walk, and lane 0's bounded wait for a group's A rows at the group's first tile,
+/// [`TileHooks::before_rows`]) and whether the phase takes tiles; a gate/up's gathered rows are
+/// the pass's input, so it waits for nothing.
 ///
 /// # Safety
 /// As [`produce`](super::producer::produce) from `walk` for a variant with a gathered operand
-/// (gate/up: A, `[T][p.k]`; the standalone weight gradient: B, `[T][p.n]`), whose `full`
-/// barriers were initialised for one arrival; `rows` describes a live bf16 tensor of that width
-/// and a `row_source` entry, below `T · top_k`, for every row of the launch's groups; every lane
-/// of the warp calls it with the same arguments.
+/// (gate/up: A, `[T][p.k]`; a weight gradient: B, `[T][p.n]`), whose `full` barriers were
+/// initialised for one arrival; `rows` describes a live bf16 tensor of that width and a
+/// `row_source` entry, below `T · top_k`, for every row of the launch's groups; every lane of
+/// the warp calls it with the same arguments.
 #[inline(always)]
-pub(super) unsafe fn produce_gathering<const V: u32>(
+pub(super) unsafe fn produce_gathering<const V: u32, H: TileHooks>(
     p: &GemmParams,
     ring: Ring,
-    rows: RowGather,
+    (rows, hooks): (RowGather, H),
     lane: u32,
     walk: Walk,
 ) -> Walk {
     // Not a `const` assertion: `run` instantiates this for every variant, behind a `row_gather`
-    // that only the gathering kernels' hooks return.
-    // Gate/up (one K segment) and the standalone weight gradient only: the downs' kernels
-    // have no gathering entry, and a second K segment would need its own rows and maps.
-    if !(V == Variant::GATE_UP || V == Variant::WGRAD) {
+    // that only the gathering hooks return.
+    // Gate/up (one K segment) and the weight gradients only: the downs have no gathered
+    // operand, and a second K segment would need its own rows and maps.
+    if !(V == Variant::GATE_UP || is_wgrad(V)) {
         crate::ptx::trap();
     }
     // SAFETY: the offsets in `p` hold groups + 1 (rows) and 2 · (groups + 1) (tiles) entries
     // (caller contract).
-    let total = unsafe { tile_count::<V>(p) };
+    let total = if hooks.takes_no_tiles() { 0 } else { unsafe { tile_count::<V>(p) } };
     let rank = pair_rank::<V>();
     let Walk { mut stage, mut phase, mut mail_phases } = walk;
     let mut taken = 0u32;
+    // As in `produce`: a persistent kernel's weight gradient walks a fixed stride, and waits for
+    // a group's rows at its first tile of the group.
+    let (walk_first, walk_stride) = if V == Variant::WGRAD_IN_PAIR { hooks.weight_tile_walk(total) } else { (0, 0) };
+    let mut ready_group = u32::MAX;
     loop {
-        let tile = if is_wgrad(V) {
+        let tile = if V == Variant::WGRAD {
             // The standalone weight gradient's fixed stride (see `produce`).
             sreg::block_idx_x() + taken * sreg::grid_dim_x()
+        } else if V == Variant::WGRAD_IN_PAIR {
+            walk_first + taken * walk_stride
         } else {
             // Lane 0 takes the tile (the pair's first block from the counter, the second from
             // its mailbox) and hands it to the warp.
@@ -127,6 +137,15 @@ pub(super) unsafe fn produce_gathering<const V: u32>(
             unsafe { copyless_stage::<V>(ring, (stage, phase), tile, lane) };
             ring.advance::<V>(&mut stage, &mut phase);
             continue;
+        }
+        if V == Variant::WGRAD_IN_PAIR && w.group != ready_group {
+            if lane == 0 {
+                // A's rows (the data gradient's) may still be on their way: lane 0, which
+                // copies them, waits (bounded) and fences; B, the token rows, is an input.
+                // SAFETY: `w` is a tile of this launch (the hooks' contract).
+                unsafe { hooks.before_rows(p, &w) };
+            }
+            ready_group = w.group;
         }
         // SAFETY: caller contract (maps, rows, barriers); `w` a tile of the launch.
         unsafe {

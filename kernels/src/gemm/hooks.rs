@@ -74,8 +74,8 @@ pub trait TileHooks: Copy {
         false
     }
 
-    /// Where the producer warp gathers the token rows from (the gate/up's A, the standalone
-    /// weight gradient's B), with per-thread copies instead of TMA boxes of the operand's map
+    /// Where the producer warp gathers the token rows from (the gate/up's A, the gate and up
+    /// weight gradients' B), with per-thread copies instead of TMA boxes of the operand's map
     /// ([`super::gather`]). By default `None`: TMA boxes.
     #[inline(always)]
     fn row_gather(&self) -> Option<RowGather> {
@@ -473,11 +473,17 @@ impl<const RANKS: bool> TileHooks for ForwardHandover<RANKS> {
 /// weight-gradient tiles ([`weight_gradient_walk`]); otherwise a rank's tiles run on its own run
 /// of the grid (`BackwardParams::rank_first_block`, `rank_blocks`). The shared expert's weight
 /// gradients always walk the rank's own compute blocks.
+///
+/// On one GPU with [`BackwardParams::gather_in_producer`] the routed gate and up weight
+/// gradients' producers gather B, the token rows, from the forward's x
+/// ([`TileHooks::row_gather`]) instead of reading the gathered copy.
 #[derive(Clone, Copy)]
 pub struct BackwardHandover<const RANKS: bool> {
     params: *const BackwardParams,
     /// Which of the phases below (a runtime value, constant where each phase is called).
     phase: u32,
+    /// The forward's token rows x (one GPU), where a gathering weight gradient reads B.
+    x: u64,
 }
 
 impl BackwardHandover<false> {
@@ -507,13 +513,16 @@ impl BackwardHandover<false> {
 }
 
 impl<const RANKS: bool> BackwardHandover<RANKS> {
-    /// The hand-over of `phase` (one of the constants above).
+    /// The hand-over of `phase` (one of the constants above), for a pass whose forward read
+    /// the token rows `x` (read only by a gathering weight gradient, on one GPU).
     ///
     /// # Safety
-    /// `params` points at the pass's valid [`BackwardParams`] for the whole launch.
+    /// `params` points at the pass's valid [`BackwardParams`] for the whole launch; without
+    /// `RANKS`, and with its `gather_in_producer` set, `x` is the forward's live `[T][H]` bf16
+    /// rows, T the tokens its routing layout was written for.
     #[inline(always)]
-    pub unsafe fn new(params: *const BackwardParams, phase: u32) -> Self {
-        Self { params, phase }
+    pub unsafe fn new(params: *const BackwardParams, phase: u32, x: u64) -> Self {
+        Self { params, phase, x }
     }
 
     /// Whether this is one of the shared expert's phases.
@@ -579,6 +588,25 @@ impl BackwardCounters {
 }
 
 impl<const RANKS: bool> TileHooks for BackwardHandover<RANKS> {
+    // Only on one GPU (across ranks the rows are the ring's).
+    const MAY_GATHER_ROWS: bool = !RANKS;
+
+    #[inline(always)]
+    fn row_gather(&self) -> Option<RowGather> {
+        if RANKS || !(self.phase == BackwardHandover::WGRAD_GATE || self.phase == BackwardHandover::WGRAD_UP) {
+            return None;
+        }
+        // SAFETY: the pass's parameter block (constructor's contract).
+        let b = unsafe { &*self.params };
+        // One GPU: the routing layout's `row_source` names each row's slot `t · k + j` of x.
+        (b.gather_in_producer != 0).then_some(RowGather {
+            x: self.x,
+            row_source: b.row_source as *const u32,
+            top_k: b.top_k,
+            pitch_bytes: 2 * b.hidden,
+        })
+    }
+
     #[inline(always)]
     unsafe fn before_rows(&self, p: &GemmParams, work: &Work) {
         // SAFETY: the pass's counters (constructor's contract) and the hook's.

@@ -362,9 +362,11 @@ pub unsafe fn combine_dx<const RANKS: bool>(b: &BackwardParams, pass: &PassInput
 /// `launch_index` of the launch's array of parameter blocks; with `wgrad_ranks` > 1 that array
 /// holds that many ranks, every one with the same comm blocks, weight-gradient tile counts and
 /// `wgrad_ranks`, and their blocks are the whole grid. Every thread of every block calls it, a
-/// cluster's two blocks with the same `params` and `block` 2q and 2q + 1.
+/// cluster's two blocks with the same `params` and `block` 2q and 2q + 1. `x`: on one GPU with
+/// `gather_in_producer` set, the forward's live `[T][H]` bf16 token rows (the gate and up
+/// weight gradients gather B from them); otherwise unused (0 across ranks).
 #[inline(always)]
-pub unsafe fn backward<const RANKS: bool>(params: *const BackwardParams, pass: PassInputs, block: u32) {
+pub unsafe fn backward<const RANKS: bool>(params: *const BackwardParams, pass: PassInputs, block: u32, x: u64) {
     crate::ptx::declare_block_threads::<ENGINE_THREADS>();
     crate::ptx::declare_cluster_blocks::<2>();
     // SAFETY: caller contract; read-only for the whole launch.
@@ -408,7 +410,9 @@ pub unsafe fn backward<const RANKS: bool>(params: *const BackwardParams, pass: P
                     _ => b.shared_wgrad[2],
                 }) as *const GemmParams
             };
-            let hooks = move |phase, q: u32| BackwardHandover::<RANKS>::new(first_params.add(q as usize), phase);
+            // x only where a gathering weight gradient reads it (one GPU).
+            let x = if RANKS { 0 } else { x };
+            let hooks = move |phase, q: u32| BackwardHandover::<RANKS>::new(first_params.add(q as usize), phase, x);
             let (tile_ranks, wgrad_ranks) = if RANKS { (b.tile_ranks, b.wgrad_ranks) } else { (1, 1) };
             // The spare producer warps gather, then take SwiGLU chunks; the consumer warps take
             // SwiGLU chunks between their two data gradients.
