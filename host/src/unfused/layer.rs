@@ -1366,7 +1366,8 @@ impl UnfusedLayer {
         let plans =
             backward_pass_plans(backward_plans(engine), self.shared_engine.as_ref().filter(|_| shared.is_some()));
         // SAFETY: dy, x and the slot weights are checked views of this pass (`[T][H]`, `[T][H]`,
-        // `[T·k]`; x the forward's, checked the same), the shared dx rows the workspace's own;
+        // `[T·k]`; x, as every input of a backward, the forward's by the layer's contract), the
+        // shared dx rows the workspace's own;
         // views are borrowed from buffers whose freeing waits for the work using them.
         unsafe {
             let inputs = (dy.device_ptr(), tokens.topk_weights.device_ptr(), shared_dx, t as u32);

@@ -350,17 +350,22 @@ unsafe fn copy_swizzled_row(block: u32, row: u32, (run, first_chunk, present): (
     }
 }
 
-/// A stage without copies (the final [`NO_TILE`], an empty group's weight gradient): lane 0
-/// waits until it is free, names `value` in its slot and arrives, as the single-thread producer
-/// does; the other lanes have nothing to add (they wait for each stage's `empty` phase
-/// themselves before writing into it).
+/// A stage without copies (the final [`NO_TILE`], an empty group's weight gradient): every
+/// lane waits until it is free, then lane 0 names `value` in its slot and arrives, as the
+/// single-thread producer does. The other lanes add nothing, but they must not walk past the
+/// stage before it is free: a lane that skipped the wait could run a whole ring ahead through
+/// copy-less stages, where the `empty` parity it waits for next is that of a phase two rounds
+/// back, and pass at once into a stage the consumers still read.
 ///
 /// # Safety
 /// As [`produce_gathering`], at its walk's `(stage, phase)`.
 #[inline(always)]
 unsafe fn copyless_stage<const V: u32>(ring: Ring, (stage, phase): (u32, u32), value: u32, lane: u32) {
-    if lane == 0 {
-        // SAFETY: initialised barriers of this block (caller contract), lane 0 at its walk.
-        unsafe { name_in_copyless_stage::<V>(ring, stage, phase, value) };
+    // SAFETY: initialised barriers of this block (caller contract), every lane at its walk.
+    unsafe {
+        mbarrier::wait_parity(ring.empty::<V>(stage), phase ^ 1);
+        if lane == 0 {
+            name_in_copyless_stage::<V>(ring, stage, phase, value);
+        }
     }
 }
