@@ -103,6 +103,21 @@ pub struct RowGather {
     pub pitch_bytes: u32,
 }
 
+impl RowGather {
+    /// A one-GPU megakernel pass's rows when its `gather_in_producer` flag is set: the token
+    /// rows `x` (`[T][hidden]` bf16, rows packed), in the order of the routing layout's
+    /// `row_source` (each row's slot `t · k + j`).
+    #[inline(always)]
+    fn of_routing(gather_in_producer: u32, x: u64, row_source: u64, (top_k, hidden): (u32, u32)) -> Option<Self> {
+        (gather_in_producer != 0).then_some(RowGather {
+            x,
+            row_source: row_source as *const u32,
+            top_k,
+            pitch_bytes: 2 * hidden,
+        })
+    }
+}
+
 /// The standalone kernels whose producer gathers the token rows ([`TileHooks::row_gather`]: the
 /// gate/up's A, the weight gradient's B); no other hook.
 #[derive(Clone, Copy)]
@@ -373,13 +388,7 @@ impl<const RANKS: bool> TileHooks for ForwardHandover<RANKS> {
         }
         // SAFETY: the pass's parameter block (constructor's contract).
         let f = unsafe { &*self.params };
-        // One GPU: the routing layout's `row_source` names each row's slot `t · k + j` of x.
-        (f.gather_in_producer != 0).then_some(RowGather {
-            x: self.x,
-            row_source: f.row_source as *const u32,
-            top_k: f.top_k,
-            pitch_bytes: 2 * f.hidden,
-        })
+        RowGather::of_routing(f.gather_in_producer, self.x, f.row_source, (f.top_k, f.hidden))
     }
 
     #[inline(always)]
@@ -598,13 +607,7 @@ impl<const RANKS: bool> TileHooks for BackwardHandover<RANKS> {
         }
         // SAFETY: the pass's parameter block (constructor's contract).
         let b = unsafe { &*self.params };
-        // One GPU: the routing layout's `row_source` names each row's slot `t · k + j` of x.
-        (b.gather_in_producer != 0).then_some(RowGather {
-            x: self.x,
-            row_source: b.row_source as *const u32,
-            top_k: b.top_k,
-            pitch_bytes: 2 * b.hidden,
-        })
+        RowGather::of_routing(b.gather_in_producer, self.x, b.row_source, (b.top_k, b.hidden))
     }
 
     #[inline(always)]
