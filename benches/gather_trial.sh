@@ -6,8 +6,8 @@
 # GEMM benchmark with the gathering plans each timed right after its plain one (`gemm
 # --gathering`) and the layer benchmark with the engine path with and without the gathering
 # producers alternating (engine, engine-gathering, engine, engine-gathering) beside the ceilings
-# and PyTorch, `bench-megakernel` the same with the forward megakernel gathering against the
-# engine path gathering (engine-gathering, megakernel-gathering, twice). Run from a bundle folder that holds
+# and PyTorch, `bench-megakernel` the same with both megakernels gathering against the engine
+# path gathering (engine-gathering, megakernels-gathering, twice). Run from a bundle folder that holds
 # run.sh,
 # tests/gpu_unfused(.gz), tests/gpu_gemm(.gz), benches/layer and benches/gemm with the scripts
 # (cargo xtask gpu-subset --tests gpu_unfused,gpu_gemm --benches layer,gemm). Logs under $OUT (or
@@ -49,7 +49,7 @@ case "${1:-}" in
         ;;
     bench-megakernel)
         cases="${CASES:-deepseek:8192,kimi:8192}"
-        OUT="$out" CASES="$cases" GEMM=engine-gathering,megakernel-gathering,engine-gathering,megakernel-gathering \
+        OUT="$out" CASES="$cases" GEMM=engine-gathering,megakernels-gathering,engine-gathering,megakernels-gathering \
             "$here/run_layer_bench.sh" > "$out/gather-megakernel-bench.txt" 2>&1
         rc=$?
         echo "== layer"; grep -h "^|" "$out/layer.log" | tail -10
