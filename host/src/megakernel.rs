@@ -41,7 +41,8 @@ pub struct MegakernelOptions {
     /// reported as [`MokError::Timeout`]; the waits downstream of it get up to 1.875× that
     /// (`megakernel_layout::downstream_deadline`), so the wait reported first is the one on the
     /// counter that never completed. At most [`crate::config::MAX_WAIT_NS`] (about 36 years; a
-    /// longer one is that).
+    /// longer one is that). It is a deadline, not a switch: zero does not turn the waits off but
+    /// makes every wait that is not met at its first poll a reported timeout.
     pub timeout: Duration,
     /// With several ranks in one launch (virtual ranks on one GPU): `true`, every compute block
     /// takes every rank's GEMM tiles from their counters, rank after rank within each phase, so
