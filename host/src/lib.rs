@@ -17,6 +17,8 @@ pub mod driver;
 pub mod ep;
 pub mod error;
 pub mod exchange;
+#[cfg(test)]
+mod gather_ring_model;
 pub mod gemm;
 pub mod layout;
 pub mod megakernel;

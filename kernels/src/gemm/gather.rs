@@ -351,19 +351,24 @@ unsafe fn copy_swizzled_row(block: u32, row: u32, (run, first_chunk, present): (
 }
 
 /// A stage without copies (the final [`NO_TILE`], an empty group's weight gradient): every
-/// lane waits until it is free, then lane 0 names `value` in its slot and arrives, as the
-/// single-thread producer does. The other lanes add nothing, but they must not walk past the
-/// stage before it is free: a lane that skipped the wait could run a whole ring ahead through
+/// lane waits until it is free, the warp meets, then lane 0 names `value` in its slot and
+/// arrives, as the single-thread producer does. The other lanes add nothing, but the warp must
+/// walk each stage together: a lane that skipped the wait could run a whole ring ahead through
 /// copy-less stages, where the `empty` parity it waits for next is that of a phase two rounds
-/// back, and pass at once into a stage the consumers still read.
+/// back, and pass at once into a stage the consumers still read; and without the meeting lane 0
+/// could run two rounds ahead of a slow lane, whose wait would then never pass (both shown by
+/// the CPU model in `host/src/gather_ring_model.rs`).
 ///
 /// # Safety
-/// As [`produce_gathering`], at its walk's `(stage, phase)`.
+/// As [`produce_gathering`], at its walk's `(stage, phase)`: every lane of the warp calls it, in
+/// uniform control flow.
 #[inline(always)]
 unsafe fn copyless_stage<const V: u32>(ring: Ring, (stage, phase): (u32, u32), value: u32, lane: u32) {
-    // SAFETY: initialised barriers of this block (caller contract), every lane at its walk.
+    // SAFETY: initialised barriers of this block (caller contract), every lane at its walk; the
+    // warp barrier has every lane (caller contract).
     unsafe {
         mbarrier::wait_parity(ring.empty::<V>(stage), phase ^ 1);
+        warp::warp_sync();
         if lane == 0 {
             name_in_copyless_stage::<V>(ring, stage, phase, value);
         }
