@@ -41,9 +41,12 @@ pub struct BenchArgs {
 const SHAPES: [&str; 4] = ["kimi", "glm", "qwen", "deepseek"];
 /// The backends the layer bench knows (`megakernel:N` and `megakernels:N` too; `megakernels`:
 /// the forward and the backward megakernels, on one GPU, over virtual ranks or across processes,
-/// where `megakernel` runs both too; `engine-gathering`: the engine with its gate/up and weight
-/// gradients gathering the token rows in their producers, one GPU only).
-const BACKENDS: [&str; 5] = ["mma", "engine", "engine-gathering", "megakernel", "megakernels"];
+/// where `megakernel` runs both too). All but `mma` also take a `-gathering` suffix: the token
+/// rows gathered in the GEMMs' producers (one GPU only).
+const BACKENDS: [&str; 4] = ["mma", "engine", "megakernel", "megakernels"];
+
+/// The suffix of a backend whose GEMM producers gather the token rows.
+const GATHERING: &str = "-gathering";
 
 impl BenchArgs {
     /// Checks the options and returns the bench's `--cases` value.
@@ -57,16 +60,20 @@ impl BenchArgs {
             }
         }
         for backend in &self.backends {
-            let base = backend.split(':').next().unwrap_or_default();
-            let count_ok = match backend.split_once(':') {
+            let (name, gathering) = match backend.strip_suffix(GATHERING) {
+                Some(name) => (name, true),
+                None => (backend.as_str(), false),
+            };
+            let base = name.split(':').next().unwrap_or_default();
+            let count_ok = match name.split_once(':') {
                 None => true,
                 Some(("megakernel" | "megakernels", n)) => n.parse::<u32>().is_ok(),
                 Some(_) => false,
             };
-            if !BACKENDS.contains(&base) || !count_ok {
+            if !BACKENDS.contains(&base) || !count_ok || (gathering && base == "mma") {
                 bail!(
-                    "--backends: unknown backend {backend:?} (known: mma, engine, engine-gathering, megakernel[:N], \
-                     megakernels[:N])"
+                    "--backends: unknown backend {backend:?} (known: mma, engine, megakernel[:N], megakernels[:N]; \
+                     the last three also with {GATHERING})"
                 );
             }
         }
@@ -436,8 +443,11 @@ fn check_launch(args: &BenchArgs, (rank, world): (usize, usize)) -> Result<bool>
             }
         }
     }
-    if let Some(engine) = args.backends.iter().find(|b| b.starts_with("engine")).filter(|_| across || args.ranks > 1) {
-        bail!("--backends: over ranks the layer runs mma, megakernel[:N] or megakernels[:N], not {engine}");
+    let one_gpu_only = |b: &&String| b.starts_with("engine") || b.ends_with(GATHERING);
+    if let Some(engine) = args.backends.iter().find(one_gpu_only).filter(|_| across || args.ranks > 1) {
+        bail!(
+            "--backends: over ranks the layer runs mma, megakernel[:N] or megakernels[:N] (no engine, no gathering), not {engine}"
+        );
     }
     Ok(across)
 }
@@ -660,6 +670,18 @@ mod tests {
         assert!(!check_launch(&engine, (0, 1)).unwrap(), "engine-gathering on one GPU");
         assert!(engine.cases().is_ok(), "engine-gathering is a known backend");
         assert!(check_launch(&engine, (1, 4)).unwrap_err().to_string().contains("not engine-gathering"));
+        let mut gathering = a.clone();
+        gathering.backends = vec!["megakernel-gathering".into(), "megakernels:4-gathering".into()];
+        assert!(gathering.cases().is_ok(), "the megakernels gathering are known backends");
+        assert!(!check_launch(&gathering, (0, 1)).unwrap(), "gathering on one GPU");
+        assert!(check_launch(&gathering, (1, 4)).unwrap_err().to_string().contains("not megakernel-gathering"));
+        gathering.ranks = 8;
+        assert!(check_launch(&gathering, (0, 1)).unwrap_err().to_string().contains("not megakernel-gathering"));
+        gathering.ranks = 1;
+        for unknown in ["mma-gathering", "megakernel:x-gathering", "gathering"] {
+            gathering.backends = vec![unknown.into()];
+            assert!(gathering.cases().unwrap_err().to_string().contains("unknown backend"), "{unknown}");
+        }
         let mut both = a.clone();
         both.backends = vec!["megakernels".into()];
         assert!(check_launch(&both, (0, 4)).unwrap(), "both megakernels across processes (one rank each)");
