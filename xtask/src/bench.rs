@@ -446,7 +446,8 @@ fn check_launch(args: &BenchArgs, (rank, world): (usize, usize)) -> Result<bool>
     let one_gpu_only = |b: &&String| b.starts_with("engine") || b.ends_with(GATHERING);
     if let Some(engine) = args.backends.iter().find(one_gpu_only).filter(|_| across || args.ranks > 1) {
         bail!(
-            "--backends: over ranks the layer runs mma, megakernel[:N] or megakernels[:N] (no engine, no gathering), not {engine}"
+            "--backends: over ranks the layer runs mma, megakernel[:N] or megakernels[:N] (no engine, no gathering), \
+             not {engine}"
         );
     }
     Ok(across)
