@@ -1,14 +1,21 @@
 //! A CPU model of the gathering producer's stage ring (`kernels/src/gemm/gather.rs`), run over
-//! random tile lists and interleavings: the producer warp's lanes, the consumer warps, the
-//! mbarriers with their phase parities, and the asynchronous copies as events that land at any
-//! later moment. It checks what the kernel relies on and cannot be run here: no copy is issued
-//! into a stage before the consumers released its previous use, no consumer passes a `full`
-//! wait before every copy of that use has landed, and the walk completes. It also shows the
-//! model can fail: a walk in which only lane 0 waits at copy-less stages (empty-group weight
-//! gradients, the final `NO_TILE`) lets the other lanes run a ring ahead, where an `empty` wait
-//! passes on a parity two phases back; and a walk whose lanes all wait there but do not meet
-//! lets lane 0 run two rounds ahead of a slow lane, whose wait then never passes (the model
-//! found that one: the kernel's copy-less stages end with a warp barrier).
+//! random walks and interleavings: the producer warp's lanes, the consumer warps, the mbarriers
+//! with their phase parities, and the asynchronous copies as events that land at any later
+//! moment. A walk is a persistent kernel's: phases that lane 0 produces alone with TMA (the
+//! data gradients, the downs, the shared expert's) while the other lanes wait to be told where
+//! the walk stands (`broadcast_walk`: the warp meets), and gathering phases the whole warp
+//! produces, with runs of copy-less stages (empty-group weight gradients) and each phase's
+//! final `NO_TILE`. It checks what the kernel relies on and cannot be run here: no copy is
+//! issued into a stage before the consumers released its previous use, no consumer passes a
+//! `full` wait before every copy of that use has landed, and the walk completes.
+//!
+//! It also shows the model can fail, on three weaker walks:
+//! - only lane 0 waits at copy-less stages: the other lanes run a ring ahead, where an `empty`
+//!   wait passes on a parity two phases back;
+//! - every lane waits there but the warp does not meet: lane 0 runs two rounds ahead of a slow
+//!   lane, whose wait then never passes (the model found this one; the kernel's copy-less
+//!   stages end with a warp barrier);
+//! - the warp does not meet where a gathering phase starts.
 
 /// Deterministic xorshift for the walks and the interleavings.
 struct Rng(u64);
@@ -73,6 +80,8 @@ enum Landing {
 /// Where a producer lane stands in a use (a stage of the walk).
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Step {
+    /// The warp meets at the start of a gathering phase (lane 0's walk broadcast).
+    Meet,
     WaitEmpty,
     Issue,
     WarpSync,
@@ -84,8 +93,12 @@ struct Model {
     stages: usize,
     lanes: usize,
     consumers: usize,
-    /// Per use of the walk: whether it carries copies.
+    /// Per use of the walk: whether it carries copies (a tile's K block, not a copy-less stage).
     copies: Vec<bool>,
+    /// Per use: whether the whole warp produces it (a gathering phase) or lane 0 alone (TMA).
+    gathered: Vec<bool>,
+    /// Per use: whether a gathering phase starts there (the warp meets).
+    meets: Vec<bool>,
     full: Vec<Barrier>,
     empty: Vec<Barrier>,
     /// Per lane: the use it is at and its step in it.
@@ -95,40 +108,65 @@ struct Model {
     in_flight: Vec<Landing>,
     /// Per use: copies landed (lanes plus the TMA).
     landed: Vec<usize>,
-    /// What the lanes do at a copy-less stage.
-    copyless: Copyless,
+    /// How the warp walks the ring together.
+    walking: Walking,
 }
 
-/// The lanes at a copy-less stage (lane 0 names the tile and arrives in each).
+/// How the producer warp walks the ring together (lane 0 names the tile and arrives in each
+/// copy-less stage).
 #[derive(Clone, Copy, Debug, PartialEq)]
-enum Copyless {
-    /// Every lane waits for the stage, then the warp meets (the kernel).
-    WaitThenMeet,
-    /// Every lane waits, without meeting (faulty: lane 0 can run two rounds ahead of a lane).
-    Wait,
-    /// Lane 0 alone waits (faulty: the others can run a ring ahead).
-    Lane0Only,
+enum Walking {
+    /// The kernel's: every lane waits for a copy-less stage, then the warp meets; the warp meets
+    /// where a gathering phase starts.
+    Kernel,
+    /// Faulty: every lane waits for a copy-less stage without meeting (lane 0 can run two
+    /// rounds ahead of a lane).
+    CopylessWithoutMeeting,
+    /// Faulty: lane 0 alone waits for a copy-less stage (the others can run a ring ahead).
+    CopylessLane0Alone,
+    /// Faulty: no meeting where a gathering phase starts (the other lanes start it while lane 0
+    /// still produces the phases before).
+    PhaseWithoutMeeting,
 }
 
 /// A broken property, named.
 type Broken = String;
 
 impl Model {
-    fn new(copies: Vec<bool>, (stages, lanes, consumers): (usize, usize, usize), copyless: Copyless) -> Self {
+    fn new(
+        Walk { copies, gathered, meets }: Walk,
+        (stages, lanes, consumers): (usize, usize, usize),
+        walking: Walking,
+    ) -> Self {
         let uses = copies.len();
-        Model {
+        let mut model = Model {
             stages,
             lanes,
             consumers,
             copies,
+            gathered,
+            meets,
             full: vec![Barrier::new(1); stages],
             empty: vec![Barrier::new(consumers as i32); stages],
             lane_at: vec![(0, Step::WaitEmpty); lanes],
             consumer_at: vec![(0, false); consumers],
             in_flight: Vec::new(),
             landed: vec![0; uses],
-            copyless,
+            walking,
+        };
+        for l in 0..lanes {
+            model.lane_at[l] = model.entry(l, 0);
         }
+        model
+    }
+
+    /// Where lane `l` enters the walk at use `u`: lane 0 everywhere; the others only in
+    /// gathering phases (from a lane-0 phase they go to the next gathering use, or the end),
+    /// meeting the warp at a gathering phase's first use.
+    fn entry(&self, l: usize, u: usize) -> (usize, Step) {
+        let uses = self.copies.len();
+        let v = if l == 0 { u } else { (u..uses).find(|&v| self.gathered[v]).unwrap_or(uses) };
+        (v, if v < uses && self.meets[v] { Step::Meet } else { Step::WaitEmpty })
     }
 
     fn stage_round(&self, u: usize) -> (usize, u32) {
@@ -142,22 +180,44 @@ impl Model {
             return Ok(false);
         }
         let (s, round) = self.stage_round(u);
-        let copies = self.copies[u];
+        let (copies, gathered) = (self.copies[u], self.gathered[u]);
         let next = |step| (u, step);
         match step {
+            Step::Meet => {
+                // Every lane of the warp at this use (a shuffle with the full mask).
+                if self.walking != Walking::PhaseWithoutMeeting && !self.lane_at.iter().all(|&(v, _)| v >= u) {
+                    return Ok(false);
+                }
+                self.lane_at[l] = next(Step::WaitEmpty);
+            }
+            Step::WaitEmpty if !gathered => {
+                // Lane 0 alone (a TMA phase): the stage, then its copy or its naming arrival.
+                if !self.empty[s].passed((round & 1) ^ 1) {
+                    return Ok(false);
+                }
+                self.lane_at[l] = next(if copies { Step::Issue } else { Step::Arrive });
+            }
+            Step::Issue if !gathered => {
+                if self.empty[s].completed < round {
+                    return Err(format!("lane 0 loads use {u} into stage {s} before its earlier uses were released"));
+                }
+                self.full[s].tx += 1;
+                self.in_flight.push(Landing::Tma { u });
+                self.lane_at[l] = next(Step::Arrive);
+            }
             Step::WaitEmpty => {
-                if !copies && l != 0 && self.copyless == Copyless::Lane0Only {
-                    self.lane_at[l] = (u + 1, Step::WaitEmpty);
+                if !copies && l != 0 && self.walking == Walking::CopylessLane0Alone {
+                    self.lane_at[l] = self.entry(l, u + 1);
                     return Ok(true);
                 }
                 // The producer's phase is the round's parity; it waits for parity phase ^ 1.
                 if !self.empty[s].passed((round & 1) ^ 1) {
                     return Ok(false);
                 }
-                self.lane_at[l] = next(match (copies, self.copyless) {
+                self.lane_at[l] = next(match (copies, self.walking) {
                     (true, _) => Step::Issue,
                     // The kernel: the warp meets after the wait, then lane 0 names and arrives.
-                    (false, Copyless::WaitThenMeet) => Step::WarpSync,
+                    (false, Walking::Kernel | Walking::PhaseWithoutMeeting) => Step::WarpSync,
                     // Faulty: straight on (lane 0 to its arrival).
                     (false, _) if l == 0 => Step::Arrive,
                     (false, _) => Step::Done,
@@ -183,8 +243,10 @@ impl Model {
             Step::WarpSync => {
                 // `bar.warp.sync`: every lane at this use's barrier (or past it: a faulty walk's
                 // lanes may be).
-                let all_here =
-                    self.lane_at.iter().all(|&(v, st)| v > u || (v == u && st != Step::WaitEmpty && st != Step::Issue));
+                let all_here = self
+                    .lane_at
+                    .iter()
+                    .all(|&(v, st)| v > u || (v == u && !matches!(st, Step::Meet | Step::WaitEmpty | Step::Issue)));
                 if !all_here {
                     return Ok(false);
                 }
@@ -195,7 +257,7 @@ impl Model {
                 self.full[s].arrive();
                 self.lane_at[l] = next(Step::Done);
             }
-            Step::Done => self.lane_at[l] = (u + 1, Step::WaitEmpty),
+            Step::Done => self.lane_at[l] = self.entry(l, u + 1),
         }
         Ok(true)
     }
@@ -216,7 +278,11 @@ impl Model {
         if !self.full[s].passed(round & 1) {
             return Ok(false);
         }
-        let want = if self.copies[u] { self.lanes + 1 } else { 0 };
+        let want = match (self.copies[u], self.gathered[u]) {
+            (false, _) => 0,
+            (true, true) => self.lanes + 1,
+            (true, false) => 1,
+        };
         if self.landed[u] != want {
             return Err(format!("consumer {c} reads use {u} with {} of its {want} copies landed", self.landed[u]));
         }
@@ -274,45 +340,65 @@ impl Model {
     }
 }
 
-/// A random walk: tiles of 1–4 K blocks and runs of empty-group tiles (copy-less stages), then
-/// the final `NO_TILE`.
-fn random_walk(rng: &mut Rng) -> Vec<bool> {
-    let mut copies = Vec::new();
-    for _ in 0..1 + rng.below(12) {
-        if rng.below(3) == 0 {
-            copies.extend(std::iter::repeat_n(false, 1 + rng.below(9)));
-        } else {
-            copies.extend(std::iter::repeat_n(true, 1 + rng.below(4)));
+/// A random walk of 1–4 phases, each gathering or lane 0's alone: tiles of 1–4 K blocks and
+/// runs of empty-group tiles (copy-less stages), then the phase's final `NO_TILE`.
+fn random_walk(rng: &mut Rng) -> Walk {
+    let (mut copies, mut gathered, mut meets) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..1 + rng.below(4) {
+        let gathering = rng.below(2) == 0;
+        let start = copies.len();
+        for _ in 0..1 + rng.below(8) {
+            if rng.below(3) == 0 {
+                copies.extend(std::iter::repeat_n(false, 1 + rng.below(9)));
+            } else {
+                copies.extend(std::iter::repeat_n(true, 1 + rng.below(4)));
+            }
         }
+        copies.push(false);
+        gathered.extend(std::iter::repeat_n(gathering, copies.len() - start));
+        meets.extend((start..copies.len()).map(|u| gathering && u == start));
     }
-    copies.push(false);
-    copies
+    Walk { copies, gathered, meets }
+}
+
+/// A producer's walk over its phases, per use (a stage of the ring in walk order).
+#[derive(Clone, Debug)]
+struct Walk {
+    /// Whether the use carries copies (a tile's K block) or none (an empty group, `NO_TILE`).
+    copies: Vec<bool>,
+    /// Whether the whole warp produces it (a gathering phase) or lane 0 alone (TMA).
+    gathered: Vec<bool>,
+    /// Whether a gathering phase starts at it (the warp meets).
+    meets: Vec<bool>,
 }
 
 #[test]
 fn the_gathering_ring_keeps_every_stage_in_order() {
     let mut rng = Rng(0x2545_f491_4f6c_dd1d);
-    let mut faulty_broke = [0, 0];
+    let mut faulty_broke = [0, 0, 0];
     for case in 0..3000 {
         let walk = random_walk(&mut rng);
         // 3 or 4 stages (the standalone weight gradient's ring, the others'), 2–4 lanes (the
         // kernel's 32 behave alike), 1–3 consumer warps.
         let shape = (3 + rng.below(2), 2 + rng.below(3), 1 + rng.below(3));
         let seed = rng.0;
-        let mut kernel = Model::new(walk.clone(), shape, Copyless::WaitThenMeet);
+        let mut kernel = Model::new(walk.clone(), shape, Walking::Kernel);
         if let Err(broken) = kernel.run(&mut rng) {
             panic!("case {case} {shape:?} walk {walk:?}: {broken}");
         }
-        for (n, copyless) in [Copyless::Wait, Copyless::Lane0Only].into_iter().enumerate() {
-            let mut faulty = Model::new(walk.clone(), shape, copyless);
+        for (n, walking) in [Walking::CopylessWithoutMeeting, Walking::CopylessLane0Alone, Walking::PhaseWithoutMeeting]
+            .into_iter()
+            .enumerate()
+        {
+            let mut faulty = Model::new(walk.clone(), shape, walking);
             faulty_broke[n] += faulty.run(&mut Rng(seed | 1)).is_err() as usize;
         }
     }
-    // The model can fail: lanes that do not meet at copy-less stages, or skip their wait,
-    // break it.
+    // The model can fail: lanes that do not meet at copy-less stages, skip their wait there, or
+    // start a gathering phase without meeting lane 0, break it.
     println!(
-        "faulty walks broken (of 3000): lanes waiting without meeting {}, lane 0 alone {}",
-        faulty_broke[0], faulty_broke[1]
+        "faulty walks broken (of 3000): lanes waiting without meeting {}, lane 0 alone {}, no meeting at a phase {}",
+        faulty_broke[0], faulty_broke[1], faulty_broke[2]
     );
     assert!(faulty_broke.iter().all(|&n| n > 0), "a faulty walk never broke the model: {faulty_broke:?}");
 }
