@@ -518,19 +518,15 @@ impl<P: PassParams> MegakernelPass<P> {
         if self.host.iter_mut().all(|p| *p.gather_in_producer() == value) {
             return Ok(());
         }
-        let [params] = self.host.as_mut_slice() else {
-            return Err(MokError::InvalidInput {
-                tensor: "gather_in_producer",
-                problem: "the megakernels gather in their producers on one GPU only".into(),
-            });
-        };
-        if params.exchange() != 0 {
-            return Err(MokError::InvalidInput {
-                tensor: "gather_in_producer",
-                problem: "the megakernels gather in their producers on one GPU only".into(),
-            });
+        match self.host.as_mut_slice() {
+            [params] if params.exchange() == 0 => *params.gather_in_producer() = value,
+            _ => {
+                return Err(MokError::InvalidInput {
+                    tensor: "gather_in_producer",
+                    problem: "the megakernels gather in their producers on one GPU only".into(),
+                });
+            }
         }
-        *params.gather_in_producer() = value;
         self.upload_params()
     }
 
@@ -573,23 +569,23 @@ impl<P: PassParams> MegakernelPass<P> {
             return Err(MokError::InvalidInput { tensor: "megakernel", problem: "built for ranks".into() });
         }
         self.prepare_pass(gpu, &[plans])?;
-        let mut args = vec![
+        let args = [
             KernelArg::Ptr(self.params.device_ptr()),
             KernelArg::Ptr(rows),
             KernelArg::Ptr(topk_weights),
             KernelArg::Ptr(shared_rows),
             KernelArg::U32(tokens),
+            KernelArg::Ptr(token_rows),
         ];
-        if P::TAKES_TOKEN_ROWS {
-            args.push(KernelArg::Ptr(token_rows));
-        }
+        // The backward's entry point takes the token rows last; the forward's ends before them.
+        let args = if P::TAKES_TOKEN_ROWS { &args[..] } else { &args[..5] };
         // SAFETY: `mok_sm90_forward`'s and `mok_sm90_backward`'s parameters in order and type;
         // the parameter block points at the layer's live buffers and the plans' parameter blocks
         // (checked above), its counters hold an entry per M tile the plans' groups can have,
         // cleared above on the stream; the grid is co-resident (checked when built); the caller
         // keeps the rows, the weights and the shared rows alive until the stream has run the
         // pass.
-        unsafe { gpu.launch(self.kernels[0], self.shape(), &args) }
+        unsafe { gpu.launch(self.kernels[0], self.shape(), args) }
     }
 
     /// Enqueues one pass of every rank in one launch, after what the caller enqueued before it

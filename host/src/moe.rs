@@ -200,6 +200,12 @@ pub struct PassToken {
     layer: u64,
 }
 
+/// The exchange options a layer over ranks gets from `options`: the megakernel's deadline bounds
+/// the exchange's waits too, and `ring_rows` sizes the receive rings.
+fn exchange_options(options: &LayerOptions) -> ExchangeOptions {
+    ExchangeOptions { timeout: options.megakernel.timeout, capacity_rows: options.ring_rows, ..Default::default() }
+}
+
 impl MoeLayer {
     /// Validates `config` and allocates the workspace on `gpu` (its stream is the layer's: every
     /// later call takes this same `Gpu`, and refuses another).
@@ -225,11 +231,7 @@ impl MoeLayer {
                         .into(),
                 });
             }
-            let exchange = ExchangeOptions {
-                timeout: options.megakernel.timeout,
-                capacity_rows: options.ring_rows,
-                ..Default::default()
-            };
+            let exchange = exchange_options(&options);
             let mut layer = EpLayer::new_virtual(gpu, config, exchange)?;
             if backend == Backend::Megakernel {
                 layer.set_forward_megakernel(gpu, Some(options.megakernel.clone()))?;
@@ -279,11 +281,7 @@ impl MoeLayer {
                 rule: "over ranks the layer runs the megakernel or mma.sync, not the engine's separate launches".into(),
             });
         }
-        let exchange = ExchangeOptions {
-            timeout: options.megakernel.timeout,
-            capacity_rows: options.ring_rows,
-            ..Default::default()
-        };
+        let exchange = exchange_options(&options);
         let mut layer = EpLayer::with_heap(gpu, config, exchange, heap)?;
         if backend == Backend::Megakernel {
             layer.set_forward_megakernel(gpu, Some(options.megakernel.clone()))?;

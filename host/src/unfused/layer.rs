@@ -984,10 +984,7 @@ impl UnfusedLayer {
         let slots = t * k;
         let count = self.row_count_ptr();
         // The engine's gate/up that gathers its own rows, when it is on: no gathered copy.
-        let gathers_in_producer = self
-            .engine
-            .as_ref()
-            .is_some_and(|state| state.weights.current().is_some_and(|p| p.gate_up_gathering.is_some()));
+        let gathers_in_producer = self.gather_in_producer;
         self.x_rows_gathered = !gathers_in_producer;
         if !gathers_in_producer {
             self.gather_x_rows(gpu, tokens.x)?;
@@ -1173,15 +1170,11 @@ impl UnfusedLayer {
         self.prepare_engine_plans(gpu, experts)?;
         self.prepare_wgrad_plans(gpu, &target)?;
         // The forward's gate/up gathered its rows itself: weight gradients that do not gather
-        // read the gathered copy, written here (the backward megakernel's gather when the layer
-        // gathers, the engine path's with their gathering plans).
+        // read the gathered copy, written here. When the layer gathers, the gate and up weight
+        // gradients gather too (the backward megakernel's, or the engine path's gathering plans
+        // prepared above).
         let megakernel_backward = self.backward_megakernel.is_some() && self.engine.is_some();
-        let wgrad_gathers = if megakernel_backward {
-            self.gather_in_producer
-        } else {
-            self.engine.as_ref().is_some_and(|state| !state.wgrad_gathering().is_empty())
-        };
-        if !self.x_rows_gathered && !wgrad_gathers {
+        if !self.x_rows_gathered && !self.gather_in_producer {
             self.gather_x_rows(gpu, tokens.x)?;
             self.x_rows_gathered = true;
         }
