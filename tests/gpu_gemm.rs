@@ -458,8 +458,7 @@ fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
     check("dw_gate f32 accumulate (engine wgrad)", rel_err(&dw_gate_f32[..checked], &expected[..checked]), 1e-5);
     // At frontier sizes each of these is tens of GB, on the device and here: only the plain
     // plan's fingerprint is kept for what follows.
-    let plain_f32 = fingerprint(&dw_gate_f32);
-    drop((dw_gate_f32, expected, dg, xs, offsets, dw_gate, dw_down, got));
+    drop((expected, dg, xs, dw_gate, dw_down, got));
     // The gathering weight gradient (B's rows read from the tokens in its producer): the same
     // bits, added into f32 and fresh bf16, with any grid.
     let mut gathering_f32 = DeviceBuffer::<f32>::alloc(gpu, e * i * h).unwrap();
@@ -476,8 +475,9 @@ fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
     let (x, row_source, k) = ((&s.tokens.x).into(), (&layer.routing().row_source).into(), c.top_k);
     // SAFETY: as for the gathering gate/up above.
     unsafe { plan.launch_gathering(gpu, x, row_source, k) }.unwrap();
-    assert_eq!(fingerprint(&gathering_f32.download().unwrap()), plain_f32, "gathering wgrad: f32 accumulate");
-    drop(gathering_f32);
+    let first = gathering_f32.download().unwrap();
+    assert_same_wgrad_bits("gathering wgrad: f32 accumulate", &first, &dw_gate_f32, (i, h), &offsets);
+    drop((first, dw_gate_f32, offsets, gathering_f32));
     let plain_bf16 = poisoned::<bf16>(gpu, e * i * h);
     let plan = EnginePlan::wgrad(
         gpu,
@@ -509,6 +509,34 @@ fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
     unsafe { plan.launch_gathering_with_blocks(gpu, (x, row_source, k), 3) }.unwrap();
     assert_eq!(fingerprint(&gathering_bf16.download().unwrap()), plain_bf16_print, "gathering wgrad: bf16, 3 blocks");
     println!("  gathering gate_up (3 pairings × grids) and wgrad (f32, bf16): the plain plans' bits");
+}
+
+/// Asserts that two weight gradients (`[groups][m][n]`) hold the same bits; else names how many
+/// elements and which groups (with their rows) differ, and the first few elements, so a failure
+/// tells a tail, a group or a race apart.
+fn assert_same_wgrad_bits(what: &str, got: &[f32], expected: &[f32], (m, n): (usize, usize), row_offsets: &[u32]) {
+    assert_eq!(got.len(), expected.len(), "{what}: lengths");
+    let differing: Vec<usize> = (0..got.len()).filter(|&j| got[j].to_bits() != expected[j].to_bits()).collect();
+    if differing.is_empty() {
+        return;
+    }
+    let mut groups: Vec<usize> = differing.iter().map(|&j| j / (m * n)).collect();
+    groups.dedup();
+    let rows = |g: usize| row_offsets[g + 1] - row_offsets[g];
+    let group_list: Vec<String> = groups.iter().take(12).map(|&g| format!("{g} ({} rows)", rows(g))).collect();
+    let firsts: Vec<String> = differing
+        .iter()
+        .take(6)
+        .map(|&j| format!("[{}][{}][{}] {:e} vs {:e}", j / (m * n), j / n % m, j % n, got[j], expected[j]))
+        .collect();
+    panic!(
+        "{what}: {} of {} elements differ, in {} groups: {}; first: {}",
+        differing.len(),
+        got.len(),
+        groups.len(),
+        group_list.join(", "),
+        firsts.join("; ")
+    );
 }
 
 #[test]

@@ -170,19 +170,24 @@ pub const fn swizzled_chunk_offset(row: u32, chunk: u32) -> u32 {
     row * 128 + ((chunk ^ (row % 8)) * 16)
 }
 
-/// The source chunk that chunk `d` (0..8) of row `row` of a 128B-swizzled tile holds: a
-/// producer that copies a row's chunks itself (a gather) walks the destination in order, so
-/// every destination ([`swizzled_destination`]) is the row's start plus a constant.
+/// What lane `lane` of a gathering producer's warp copies in copy `copy` (0..32) of a gate/up
+/// stage: row `4 · copy + lane / 8` of the 128-row A tile, its chunk `lane % 8` (of the row's
+/// 64 K values). Eight lanes take a row, so each warp-wide copy reads 4 whole 128-byte lines
+/// and writes 4 whole rows of the swizzled tile (conflict-free); a lane per row would read 32
+/// lines and write one bank group of 32 rows. Copies `8j .. 8j + 8` cover rows `32j .. 32j +
+/// 32`, whose tokens lane `row % 32` looks up.
 #[inline(always)]
-pub const fn swizzled_source_chunk(row: u32, d: u32) -> u32 {
-    d ^ (row % 8)
+pub const fn gathered_a_chunk(copy: u32, lane: u32) -> (u32, u32) {
+    (4 * copy + lane / 8, lane % 8)
 }
 
-/// The byte offset of chunk `d` (0..8) of row `row` in a 128B-swizzled tile: the row's start
-/// (its unswizzled place) plus `16 · d`; it holds [`swizzled_source_chunk`]`(row, d)`.
+/// What lane `lane` copies in copy `copy` (0..64) of a weight gradient's gathered B stage: K
+/// row `copy`, chunk `lane` of its 256 columns, which N-major B puts in 64-wide column block
+/// `lane / 8` as chunk `lane % 8` of the block's K row; returns (K row, block, chunk). Each
+/// copy reads 512 bytes of one row of `x` and writes one whole row of each block.
 #[inline(always)]
-pub const fn swizzled_destination(row: u32, d: u32) -> u32 {
-    row * 128 + 16 * d
+pub const fn gathered_b_chunk(copy: u32, lane: u32) -> (u32, u32, u32) {
+    (copy, lane / 8, lane % 8)
 }
 
 /// A consumer thread's staging offset of its bf16 pair in n8 block 0 of a staged pass (row
@@ -610,20 +615,50 @@ mod tests {
     }
 
     #[test]
-    fn destination_order_copies_fill_the_swizzled_layout() {
-        // What a gathering producer writes (source chunk `swizzled_source_chunk(row, d)` at
-        // `swizzled_destination(row, d)`) is the layout TMA writes, `swizzled_chunk_offset`; the
-        // 8 destinations of a row stay inside it, and take every source chunk once.
-        for row in 0..64 {
-            let mut taken = [false; 8];
-            for d in 0..8 {
-                let (chunk, place) = (swizzled_source_chunk(row, d), swizzled_destination(row, d));
-                assert_eq!(place, swizzled_chunk_offset(row, chunk), "row {row} d {d}");
-                assert!(place >= row * 128 && place + 16 <= (row + 1) * 128, "row {row} d {d}: outside the row");
-                taken[chunk as usize] = true;
+    fn gathering_copies_fill_the_tiles_once_coalesced_and_conflict_free() {
+        // Gate/up A: 32 copies of a 128-row tile; weight-gradient B: 64 copies of 4 column
+        // blocks of 64 K rows. Every chunk of the tile is written once; each warp-wide copy
+        // reads whole 128-byte lines (8 lanes per line, chunks in order) and writes whole
+        // shared-memory rows (each 128-byte row's 8 chunk places taken once: one wavefront
+        // per row); the A copies 8j .. 8j + 8 stay in rows 32j .. 32j + 32.
+        let mut written = vec![0u32; 128 * 8];
+        for copy in 0..32 {
+            let mut places = std::collections::BTreeMap::<u32, Vec<u32>>::new();
+            for lane in 0..32 {
+                let (row, chunk) = gathered_a_chunk(copy, lane);
+                assert_eq!(row / 32, copy / 8, "copy {copy} lane {lane}: row {row} outside its token group");
+                written[(row * 8 + chunk) as usize] += 1;
+                // Source byte within the row's 128: lanes 8q .. 8q + 8 read one line in order.
+                assert_eq!(16 * chunk, 16 * (lane % 8));
+                let place = (row / 64) * BLOCK_64_BYTES + swizzled_chunk_offset(row % 64, chunk);
+                places.entry(place / 128).or_default().push(place % 128 / 16);
             }
-            assert!(taken.iter().all(|&t| t), "row {row}");
+            assert_eq!(places.len(), 4, "copy {copy}: rows written");
+            for (row, mut chunks) in places {
+                chunks.sort();
+                assert_eq!(chunks, (0..8).collect::<Vec<_>>(), "copy {copy} row {row}");
+            }
         }
+        assert!(written.iter().all(|&n| n == 1), "A chunks written other than once");
+        let mut written = vec![0u32; 4 * 64 * 8];
+        for copy in 0..64 {
+            let mut places = std::collections::BTreeMap::<u32, Vec<u32>>::new();
+            for lane in 0..32 {
+                let (k_row, block, chunk) = gathered_b_chunk(copy, lane);
+                assert_eq!(k_row, copy);
+                // Lane q reads chunk q of the row's 256 columns: 512 bytes in lane order.
+                assert_eq!(8 * block + chunk, lane);
+                written[((block * 64 + k_row) * 8 + chunk) as usize] += 1;
+                let place = block * BLOCK_64_BYTES + swizzled_chunk_offset(k_row, chunk);
+                places.entry(place / 128).or_default().push(place % 128 / 16);
+            }
+            assert_eq!(places.len(), 4, "copy {copy}: rows written");
+            for (row, mut chunks) in places {
+                chunks.sort();
+                assert_eq!(chunks, (0..8).collect::<Vec<_>>(), "copy {copy} row {row}");
+            }
+        }
+        assert!(written.iter().all(|&n| n == 1), "B chunks written other than once");
     }
 
     #[test]

@@ -25,8 +25,8 @@
 //! at the group's end for its last K block.
 
 use crate::gemm_layout::{
-    A_TILE_BYTES, B_TILE_BYTES, BLOCK_64_BYTES, GemmParams, NO_TILE, TILE_K, TILE_M, TILE_N, Variant, is_wgrad,
-    swizzled_destination, swizzled_source_chunk,
+    A_TILE_BYTES, B_TILE_BYTES, BLOCK_64_BYTES, GemmParams, NO_TILE, TILE_K, TILE_M, Variant, is_wgrad,
+    gathered_a_chunk, gathered_b_chunk, swizzled_chunk_offset,
 };
 use crate::ptx::memory::atom_add_relaxed_gpu_u32;
 use crate::ptx::{cp_async, mbarrier, signal as warp, sreg, sync, tensormap, tma};
@@ -39,22 +39,43 @@ use super::source::*;
 /// Lanes of the gathering warp (the producer warpgroup's first warp).
 pub(super) const GATHER_LANES: u32 = 32;
 
-/// Rows of a row-grouped A tile each lane gathers: rows `lane + 32 · j`.
+/// Rows of a row-grouped A tile whose token each lane looks up: rows `lane + 32 · j`.
 const A_ROWS_PER_LANE: usize = (TILE_M / GATHER_LANES) as usize;
 
-/// K rows of a weight gradient's B stage each lane gathers: rows `lane + 32 · j`.
+/// K rows of a weight gradient's B stage whose token each lane looks up: rows `lane + 32 · j`.
 const B_ROWS_PER_LANE: usize = (TILE_K / GATHER_LANES) as usize;
 
+/// Warp-wide copies per gate/up stage (a row's 8 chunks by 8 lanes: [`gathered_a_chunk`]).
+const A_COPIES: u32 = TILE_M * 8 / GATHER_LANES;
+
+/// Warp-wide copies per weight-gradient B stage (a K row's 32 chunks: [`gathered_b_chunk`]).
+const B_COPIES: u32 = TILE_K;
+
+/// A row slot without a token: past the group's end, its chunks are zeros.
+const NO_TOKEN: u32 = u32::MAX;
+
 impl RowGather {
-    /// The first byte in `x` of plan row `row`'s token.
+    /// The token of plan row `row` (its slot's token), read once per tile or stage and handed
+    /// between lanes by shuffles.
     ///
     /// # Safety
     /// `row` has a `row_source` entry below `T · top_k` (the gathering kernels' contract).
     #[inline(always)]
-    unsafe fn source(&self, row: u32) -> u64 {
+    unsafe fn token(&self, row: u32) -> u32 {
         // SAFETY: caller contract.
-        let slot = unsafe { *self.row_source.add(row as usize) };
-        self.x + (slot / self.top_k) as u64 * self.pitch_bytes as u64
+        unsafe { *self.row_source.add(row as usize) / self.top_k }
+    }
+
+    /// The global address of byte `byte` of token `token`'s row of `x`, and the bytes to copy
+    /// from it (16), or, for [`NO_TOKEN`] or `present == false`, any valid address and 0: a
+    /// zero-filled chunk.
+    #[inline(always)]
+    fn chunk_source(&self, token: u32, byte: u32, present: bool) -> (u64, u32) {
+        if token != NO_TOKEN && present {
+            (self.x + token as u64 * self.pitch_bytes as u64 + byte as u64, 16)
+        } else {
+            (self.x, 0)
+        }
     }
 }
 
@@ -176,13 +197,14 @@ unsafe fn gather_row_tile<const V: u32>(
     // the tile's rows in whole 64-row halves (a half wholly past the group's end is read by no
     // warpgroup).
     let gathered = if w.has_columns { w.rows.div_ceil(64) * 64 } else { 0 };
-    // Each lane's rows' first bytes in `x`; 0 for a row past the group's end (zeros).
-    let mut sources = [0u64; A_ROWS_PER_LANE];
-    for (j, source) in sources.iter_mut().enumerate() {
+    // The tokens of rows lane + 32 · j, NO_TOKEN past the group's end (zeros); each copy below
+    // takes its row's token from the lane holding it.
+    let mut tokens = [NO_TOKEN; A_ROWS_PER_LANE];
+    for (j, token) in tokens.iter_mut().enumerate() {
         let r = lane + GATHER_LANES * j as u32;
         if r < gathered && r < w.rows {
             // SAFETY: row m0 + r is a row of the launch's groups (r < rows) (caller contract).
-            *source = unsafe { rows.source(w.m0 + r) };
+            *token = unsafe { rows.token(w.m0 + r) };
         }
     }
     let b_bytes = if w.has_columns { B_TILE_BYTES } else { 0 };
@@ -210,27 +232,33 @@ unsafe fn gather_row_tile<const V: u32>(
                 }
             }
         }
-        // Row lane + 32 · j of the tile (called with constant j, so `sources` stays in
-        // registers: a loop over it put the array in local memory).
-        let copy_row = |j: u32, source: u64| {
-            let r = lane + GATHER_LANES * j;
-            if r < gathered {
-                // The stage's 64 K values of the row are 8 consecutive chunks in `x`.
-                let present = if source == 0 { 0 } else { p.k.saturating_sub(k0).div_ceil(8).min(8) };
-                // The A tile is two 64-row blocks (one per consumer warpgroup).
-                let block = a_tile + r / 64 * BLOCK_64_BYTES;
-                // SAFETY: the places of the row's chunks in this stage's A tile (row r < 128),
-                // free since the `empty` wait; a present chunk lies inside row `source` of `x`
-                // (its K values below K, a multiple of 8).
-                unsafe { copy_swizzled_row(block, r % 64, (source + 2 * k0 as u64, 0, present), rows.x) };
+        // The stage's 64 K values of a row are 8 consecutive chunks in `x`, those below K
+        // present (K a multiple of 8).
+        let present_chunks = p.k.saturating_sub(k0).div_ceil(8);
+        // Copies 8j .. 8j + 8, of rows 32j .. 32j + 32, whose tokens lane row % 32 holds in
+        // `tokens[j]` (called with constant j and its token, so `tokens` stays in registers:
+        // indexing it in a loop put the array in local memory).
+        let copy_rows = |j: u32, held: u32| {
+            for copy in j * A_COPIES / 4..(j + 1) * A_COPIES / 4 {
+                let (r, chunk) = gathered_a_chunk(copy, lane);
+                // SAFETY: the whole warp runs every copy (uniform control flow).
+                let token = unsafe { sync::shfl_idx_u32(held, r % GATHER_LANES) };
+                if r < gathered {
+                    let (src, bytes) = rows.chunk_source(token, 2 * k0 + 16 * chunk, chunk < present_chunks);
+                    // The A tile is two 64-row blocks (one per consumer warpgroup).
+                    let place = a_tile + r / 64 * BLOCK_64_BYTES + swizzled_chunk_offset(r % 64, chunk);
+                    // SAFETY: chunk `chunk` of row r < 128 of this stage's A tile, free since the
+                    // `empty` wait; a present chunk lies inside its token's row of `x`.
+                    unsafe { cp_async::copy_16_zero_filled(place, src, bytes) };
+                }
             }
         };
-        const { assert!(A_ROWS_PER_LANE == 4) };
-        let [s0, s1, s2, s3] = sources;
-        copy_row(0, s0);
-        copy_row(1, s1);
-        copy_row(2, s2);
-        copy_row(3, s3);
+        const { assert!(A_ROWS_PER_LANE == 4 && A_COPIES == 32) };
+        let [t0, t1, t2, t3] = tokens;
+        copy_rows(0, t0);
+        copy_rows(1, t1);
+        copy_rows(2, t2);
+        copy_rows(3, t3);
         // SAFETY: the whole warp, at this stage of its walk.
         unsafe { finish_stage(full, lane) };
         ring.advance::<V>(stage, phase);
@@ -282,27 +310,38 @@ unsafe fn gather_weight_gradient_tile<const V: u32>(
                 }
             }
         }
-        for j in 0..B_ROWS_PER_LANE as u32 {
-            let k_row = lane + GATHER_LANES * j;
-            // SAFETY: a row below the group's end is a row of the launch's groups.
-            let source = if row + k_row < w.row_end { unsafe { rows.source(row + k_row) } } else { 0 };
-            // The row's 256 columns from n0 are 32 consecutive chunks in `x`; N-major B puts
-            // chunk q in 64-wide column block q / 8, as chunk q % 8 of the block's K row.
-            let present = if source == 0 { 0 } else { p.n.saturating_sub(w.n0).div_ceil(8).min(TILE_N / 8) };
-            for block in 0..TILE_N / 64 {
-                // SAFETY: the places of the K row's chunks in column block `block` of this
-                // stage's B tile (K row < 64), free since the `empty` wait; a present chunk
-                // lies inside row `source` of `x` (its columns below N, a multiple of 8).
-                unsafe {
-                    copy_swizzled_row(
-                        b_tile + block * BLOCK_64_BYTES,
-                        k_row,
-                        (source + 2 * w.n0 as u64, 8 * block, present),
-                        rows.x,
-                    )
-                };
+        // The tokens of this stage's K rows lane + 32 · j, NO_TOKEN past the group's end.
+        let mut tokens = [NO_TOKEN; B_ROWS_PER_LANE];
+        for (j, token) in tokens.iter_mut().enumerate() {
+            let k_row = lane + GATHER_LANES * j as u32;
+            if row + k_row < w.row_end {
+                // SAFETY: a row below the group's end is a row of the launch's groups.
+                *token = unsafe { rows.token(row + k_row) };
             }
         }
+        // A K row's 256 columns from n0 are 32 consecutive chunks in `x`, one per lane
+        // ([`gathered_b_chunk`]); chunks at columns from N on are zeros (N a multiple of 8).
+        let present = lane < p.n.saturating_sub(w.n0).div_ceil(8);
+        let byte = 2 * w.n0 + 16 * lane;
+        // Copies of K rows 32j .. 32j + 32, whose tokens lane k_row % 32 holds in `tokens[j]`
+        // (constant j, as for the gate/up's rows).
+        let copy_rows = |j: u32, held: u32| {
+            for copy in j * GATHER_LANES..(j + 1) * GATHER_LANES {
+                let (k_row, block, chunk) = gathered_b_chunk(copy, lane);
+                // SAFETY: the whole warp runs every copy (uniform control flow).
+                let token = unsafe { sync::shfl_idx_u32(held, k_row % GATHER_LANES) };
+                let (src, bytes) = rows.chunk_source(token, byte, present);
+                let place = b_tile + block * BLOCK_64_BYTES + swizzled_chunk_offset(k_row, chunk);
+                // SAFETY: chunk `chunk` of K row k_row < 64 of column block `block` of this
+                // stage's B tile, free since the `empty` wait; a present chunk lies inside its
+                // token's row of `x`.
+                unsafe { cp_async::copy_16_zero_filled(place, src, bytes) };
+            }
+        };
+        const { assert!(B_ROWS_PER_LANE == 2 && B_COPIES == 64) };
+        let [t0, t1] = tokens;
+        copy_rows(0, t0);
+        copy_rows(1, t1);
         // SAFETY: the whole warp, at this stage of its walk.
         unsafe { finish_stage(full, lane) };
         ring.advance::<V>(stage, phase);
@@ -327,26 +366,6 @@ unsafe fn finish_stage(full: u32, lane: u32) {
         if lane == 0 {
             mbarrier::arrive(full);
         }
-    }
-}
-
-/// Copies chunks `first_chunk .. first_chunk + 8` of a run of chunks that starts at global
-/// `run` (only the first `present` of the run exist; the others, and all without a run, are
-/// zeros) into row `row` of the 128B-swizzled 64-row block at shared `block`. Walked in
-/// destination order ([`swizzled_destination`]: chunk `d` of the row holds source chunk
-/// [`swizzled_source_chunk`]`(row, d)`), so each destination is the row's start plus a
-/// constant and nothing per chunk is held across stages.
-///
-/// # Safety
-/// `block` is a 1024-byte aligned block of 64 rows × 128 bytes this warp may write, `row <
-/// 64`; a present chunk's 16 bytes are readable global memory, 16-byte aligned.
-#[inline(always)]
-unsafe fn copy_swizzled_row(block: u32, row: u32, (run, first_chunk, present): (u64, u32, u32), any: u64) {
-    for d in 0..8 {
-        let chunk = first_chunk + swizzled_source_chunk(row, d);
-        let (src, bytes) = if chunk < present { (run + 16 * chunk as u64, 16) } else { (any, 0) };
-        // SAFETY: caller contract; the destination is chunk d of row `row`, inside the block.
-        unsafe { cp_async::copy_16_zero_filled(block + swizzled_destination(row, d), src, bytes) };
     }
 }
 
