@@ -170,24 +170,58 @@ pub const fn swizzled_chunk_offset(row: u32, chunk: u32) -> u32 {
     row * 128 + ((chunk ^ (row % 8)) * 16)
 }
 
+/// Rows (gate/up) or K rows (weight gradient) of a gathering stage whose token each lane
+/// looks up: its copies touch only those.
+pub const GATHERED_ROWS_PER_LANE: u32 = 8;
+
 /// What lane `lane` of a gathering producer's warp copies in copy `copy` (0..32) of a gate/up
-/// stage: row `4 · copy + lane / 8` of the 128-row A tile, its chunk `lane % 8` (of the row's
-/// 64 K values). Eight lanes take a row, so each warp-wide copy reads 4 whole 128-byte lines
-/// and writes 4 whole rows of the swizzled tile (conflict-free); a lane per row would read 32
-/// lines and write one bank group of 32 rows. Copies `8j .. 8j + 8` cover rows `32j .. 32j +
-/// 32`, whose tokens lane `row % 32` looks up.
+/// stage: (row of the 128-row A tile, chunk of the row's 64 K values). Two lanes take a 32-byte
+/// sector (chunks `2s`, `2s + 1`), so a warp-wide copy reads 16 whole sectors of 16 rows and,
+/// the rows' swizzles differing, writes each of the 8 chunk places of a 128-byte shared row
+/// 4 times: 4 wavefronts for 512 bytes. Lane `lane` copies rows `lane / 2 + 16j` (copies `4j ..
+/// 4j + 4`, token `j` of [`GATHERED_ROWS_PER_LANE`]), so it holds 8 tokens and needs no shuffle.
+/// (A lane per row read half sectors of 32 lines per copy and wrote one bank group of 32 rows;
+/// 8 lanes per row needed a shuffle for each copy's token, which serialised the copies.)
 #[inline(always)]
 pub const fn gathered_a_chunk(copy: u32, lane: u32) -> (u32, u32) {
-    (4 * copy + lane / 8, lane % 8)
+    (lane / 2 + 16 * (copy / 4), 2 * (copy % 4) + lane % 2)
 }
 
-/// What lane `lane` copies in copy `copy` (0..64) of a weight gradient's gathered B stage: K
-/// row `copy`, chunk `lane` of its 256 columns, which N-major B puts in 64-wide column block
-/// `lane / 8` as chunk `lane % 8` of the block's K row; returns (K row, block, chunk). Each
-/// copy reads 512 bytes of one row of `x` and writes one whole row of each block.
+/// What lane `lane` copies in copy `copy` (0..64) of a weight gradient's gathered B stage: (K
+/// row, 64-wide column block, chunk in the block's K row) of the stage's 64 K rows × 256
+/// columns (N-major: chunk `q` of a row's 256 columns is chunk `q % 8` of block `q / 8`). Two
+/// lanes take a sector; a copy covers 2 adjacent sectors of each of 8 K rows. Lane `lane`
+/// copies K rows `(lane / 2) % 8 + 8j` (copies `8j .. 8j + 8`, token `j`).
 #[inline(always)]
 pub const fn gathered_b_chunk(copy: u32, lane: u32) -> (u32, u32, u32) {
-    (copy, lane / 8, lane % 8)
+    let pair = lane / 2;
+    let q = 4 * (copy % 8) + 2 * (pair / 8) + lane % 2;
+    (pair % 8 + 8 * (copy / 8), q / 8, q % 8)
+}
+
+/// Lane `lane`'s copy `s` (0..4) of its row `j` (copy `4j + s` of [`gathered_a_chunk`]) in a
+/// gate/up stage: (the byte of the row's 128-byte stage span it reads, the offset in the
+/// stage's A tile it writes). Written with `j` and `s` apart from the lane's part, so with
+/// constant `j` and `s` a kernel computes a handful of per-lane values and adds constants.
+#[inline(always)]
+pub const fn gathered_a_copy(j: u32, s: u32, lane: u32) -> (u32, u32) {
+    let (pair, half) = (lane / 2, lane % 2);
+    // Row pair + 16j: 64-row block j / 4, row pair + 16 (j % 4) of it, swizzled by pair % 8.
+    let place = (j / 4) * BLOCK_64_BYTES + 16 * (j % 4) * 128 + pair * 128 + 16 * ((2 * s + half) ^ (pair % 8));
+    (32 * s + 16 * half, place)
+}
+
+/// Lane `lane`'s copy `i` (0..8) of its K row `j` (copy `8j + i` of [`gathered_b_chunk`]) in
+/// a weight gradient's B stage: (the byte of the K row's 512-byte stage span it reads, the
+/// offset in the stage's B tile it writes), split as [`gathered_a_copy`].
+#[inline(always)]
+pub const fn gathered_b_copy(j: u32, i: u32, lane: u32) -> (u32, u32) {
+    let (pair, half) = (lane / 2, lane % 2);
+    // K row pair % 8 + 8j, in column block i / 2, chunk 4 (i % 2) + 2 (pair / 8) + half of the
+    // block's row, swizzled by pair % 8.
+    let chunk = 4 * (i % 2) + 2 * (pair / 8) + half;
+    let place = (i / 2) * BLOCK_64_BYTES + 1024 * j + (pair % 8) * 128 + 16 * (chunk ^ (pair % 8));
+    (64 * i + 32 * (pair / 8) + 16 * half, place)
 }
 
 /// A consumer thread's staging offset of its bf16 pair in n8 block 0 of a staged pass (row
@@ -614,49 +648,57 @@ mod tests {
         assert_eq!(p.group_map(8191, 2) - p.group_map(0, 0), (8191 * GROUP_MAP_SLOTS as u64 + 2) * 128);
     }
 
+    /// One warp-wide copy of a gathering stage, as (lane, global row, byte in the row's
+    /// stage span, shared place): checks whole 32-byte sectors are read (pairs of lanes,
+    /// adjacent chunks) and the shared writes take 4 wavefronts (each of the 8 16-byte bank
+    /// groups written by 4 lanes).
+    fn check_gathering_copy(what: &str, copy: u32, lanes: &[(u32, u32, u32, u32)]) {
+        for pair in lanes.chunks(2) {
+            let ((_, row0, byte0, _), (_, row1, byte1, _)) = (pair[0], pair[1]);
+            assert!(row0 == row1 && byte0 % 32 == 0 && byte1 == byte0 + 16, "{what} copy {copy}: a sector split");
+        }
+        let mut per_bank_group = [0u32; 8];
+        for &(_, _, _, place) in lanes {
+            per_bank_group[(place % 128 / 16) as usize] += 1;
+        }
+        assert_eq!(per_bank_group, [4; 8], "{what} copy {copy}: shared-memory wavefronts");
+    }
+
     #[test]
     fn gathering_copies_fill_the_tiles_once_coalesced_and_conflict_free() {
         // Gate/up A: 32 copies of a 128-row tile; weight-gradient B: 64 copies of 4 column
-        // blocks of 64 K rows. Every chunk of the tile is written once; each warp-wide copy
-        // reads whole 128-byte lines (8 lanes per line, chunks in order) and writes whole
-        // shared-memory rows (each 128-byte row's 8 chunk places taken once: one wavefront
-        // per row); the A copies 8j .. 8j + 8 stay in rows 32j .. 32j + 32.
+        // blocks of 64 K rows. Every chunk of the tile is written once, each copy reads whole
+        // sectors and writes in 4 wavefronts, and a lane touches only the rows of its 8 tokens.
         let mut written = vec![0u32; 128 * 8];
         for copy in 0..32 {
-            let mut places = std::collections::BTreeMap::<u32, Vec<u32>>::new();
+            let mut lanes = Vec::new();
             for lane in 0..32 {
                 let (row, chunk) = gathered_a_chunk(copy, lane);
-                assert_eq!(row / 32, copy / 8, "copy {copy} lane {lane}: row {row} outside its token group");
+                let j = copy / 4;
+                assert!(j < GATHERED_ROWS_PER_LANE && row == lane / 2 + 16 * j, "A copy {copy} lane {lane}");
                 written[(row * 8 + chunk) as usize] += 1;
-                // Source byte within the row's 128: lanes 8q .. 8q + 8 read one line in order.
-                assert_eq!(16 * chunk, 16 * (lane % 8));
                 let place = (row / 64) * BLOCK_64_BYTES + swizzled_chunk_offset(row % 64, chunk);
-                places.entry(place / 128).or_default().push(place % 128 / 16);
+                assert_eq!(gathered_a_copy(j, copy % 4, lane), (16 * chunk, place), "A copy {copy} lane {lane}");
+                lanes.push((lane, row, 16 * chunk, place));
             }
-            assert_eq!(places.len(), 4, "copy {copy}: rows written");
-            for (row, mut chunks) in places {
-                chunks.sort();
-                assert_eq!(chunks, (0..8).collect::<Vec<_>>(), "copy {copy} row {row}");
-            }
+            check_gathering_copy("A", copy, &lanes);
         }
         assert!(written.iter().all(|&n| n == 1), "A chunks written other than once");
         let mut written = vec![0u32; 4 * 64 * 8];
         for copy in 0..64 {
-            let mut places = std::collections::BTreeMap::<u32, Vec<u32>>::new();
+            let mut lanes = Vec::new();
             for lane in 0..32 {
                 let (k_row, block, chunk) = gathered_b_chunk(copy, lane);
-                assert_eq!(k_row, copy);
-                // Lane q reads chunk q of the row's 256 columns: 512 bytes in lane order.
-                assert_eq!(8 * block + chunk, lane);
+                let j = copy / 8;
+                assert!(j < GATHERED_ROWS_PER_LANE && k_row == (lane / 2) % 8 + 8 * j, "B copy {copy} lane {lane}");
+                assert!(k_row < 64 && block < 4 && chunk < 8);
                 written[((block * 64 + k_row) * 8 + chunk) as usize] += 1;
                 let place = block * BLOCK_64_BYTES + swizzled_chunk_offset(k_row, chunk);
-                places.entry(place / 128).or_default().push(place % 128 / 16);
+                let byte = 16 * (8 * block + chunk);
+                assert_eq!(gathered_b_copy(j, copy % 8, lane), (byte, place), "B copy {copy} lane {lane}");
+                lanes.push((lane, k_row, byte, place));
             }
-            assert_eq!(places.len(), 4, "copy {copy}: rows written");
-            for (row, mut chunks) in places {
-                chunks.sort();
-                assert_eq!(chunks, (0..8).collect::<Vec<_>>(), "copy {copy} row {row}");
-            }
+            check_gathering_copy("B", copy, &lanes);
         }
         assert!(written.iter().all(|&n| n == 1), "B chunks written other than once");
     }

@@ -26,7 +26,7 @@
 
 use crate::gemm_layout::{
     A_TILE_BYTES, B_TILE_BYTES, BLOCK_64_BYTES, GemmParams, NO_TILE, TILE_K, TILE_M, Variant, is_wgrad,
-    gathered_a_chunk, gathered_b_chunk, swizzled_chunk_offset,
+    GATHERED_ROWS_PER_LANE, gathered_a_chunk, gathered_a_copy, gathered_b_chunk, gathered_b_copy,
 };
 use crate::ptx::memory::atom_add_relaxed_gpu_u32;
 use crate::ptx::{cp_async, mbarrier, signal as warp, sreg, sync, tensormap, tma};
@@ -39,17 +39,15 @@ use super::source::*;
 /// Lanes of the gathering warp (the producer warpgroup's first warp).
 pub(super) const GATHER_LANES: u32 = 32;
 
-/// Rows of a row-grouped A tile whose token each lane looks up: rows `lane + 32 · j`.
-const A_ROWS_PER_LANE: usize = (TILE_M / GATHER_LANES) as usize;
+/// Tokens each lane holds ([`GATHERED_ROWS_PER_LANE`]): for a gate/up tile, of rows
+/// `lane / 2 + 16j`; for a weight gradient's stage, of K rows `(lane / 2) % 8 + 8j`.
+const TOKENS_PER_LANE: usize = GATHERED_ROWS_PER_LANE as usize;
 
-/// K rows of a weight gradient's B stage whose token each lane looks up: rows `lane + 32 · j`.
-const B_ROWS_PER_LANE: usize = (TILE_K / GATHER_LANES) as usize;
+/// Warp-wide copies per gate/up stage per token ([`gathered_a_chunk`]): a row's 4 sectors.
+const A_COPIES_PER_TOKEN: u32 = TILE_M * 8 / GATHER_LANES / GATHERED_ROWS_PER_LANE;
 
-/// Warp-wide copies per gate/up stage (a row's 8 chunks by 8 lanes: [`gathered_a_chunk`]).
-const A_COPIES: u32 = TILE_M * 8 / GATHER_LANES;
-
-/// Warp-wide copies per weight-gradient B stage (a K row's 32 chunks: [`gathered_b_chunk`]).
-const B_COPIES: u32 = TILE_K;
+/// Warp-wide copies per weight-gradient B stage per token ([`gathered_b_chunk`]).
+const B_COPIES_PER_TOKEN: u32 = TILE_K * 32 / GATHER_LANES / GATHERED_ROWS_PER_LANE;
 
 /// A row slot without a token: past the group's end, its chunks are zeros.
 const NO_TOKEN: u32 = u32::MAX;
@@ -66,16 +64,10 @@ impl RowGather {
         unsafe { *self.row_source.add(row as usize) / self.top_k }
     }
 
-    /// The global address of byte `byte` of token `token`'s row of `x`, and the bytes to copy
-    /// from it (16), or, for [`NO_TOKEN`] or `present == false`, any valid address and 0: a
-    /// zero-filled chunk.
+    /// Where token `token`'s row of `x` starts (an address only for a token, not [`NO_TOKEN`]).
     #[inline(always)]
-    fn chunk_source(&self, token: u32, byte: u32, present: bool) -> (u64, u32) {
-        if token != NO_TOKEN && present {
-            (self.x + token as u64 * self.pitch_bytes as u64 + byte as u64, 16)
-        } else {
-            (self.x, 0)
-        }
+    fn row_start(&self, token: u32) -> u64 {
+        self.x + token as u64 * self.pitch_bytes as u64
     }
 }
 
@@ -197,11 +189,10 @@ unsafe fn gather_row_tile<const V: u32>(
     // the tile's rows in whole 64-row halves (a half wholly past the group's end is read by no
     // warpgroup).
     let gathered = if w.has_columns { w.rows.div_ceil(64) * 64 } else { 0 };
-    // The tokens of rows lane + 32 · j, NO_TOKEN past the group's end (zeros); each copy below
-    // takes its row's token from the lane holding it.
-    let mut tokens = [NO_TOKEN; A_ROWS_PER_LANE];
+    // The tokens of this lane's rows lane / 2 + 16j, NO_TOKEN past the group's end (zeros).
+    let mut tokens = [NO_TOKEN; TOKENS_PER_LANE];
     for (j, token) in tokens.iter_mut().enumerate() {
-        let r = lane + GATHER_LANES * j as u32;
+        let (r, _) = gathered_a_chunk(A_COPIES_PER_TOKEN * j as u32, lane);
         if r < gathered && r < w.rows {
             // SAFETY: row m0 + r is a row of the launch's groups (r < rows) (caller contract).
             *token = unsafe { rows.token(w.m0 + r) };
@@ -235,30 +226,35 @@ unsafe fn gather_row_tile<const V: u32>(
         // The stage's 64 K values of a row are 8 consecutive chunks in `x`, those below K
         // present (K a multiple of 8).
         let present_chunks = p.k.saturating_sub(k0).div_ceil(8);
-        // Copies 8j .. 8j + 8, of rows 32j .. 32j + 32, whose tokens lane row % 32 holds in
-        // `tokens[j]` (called with constant j and its token, so `tokens` stays in registers:
-        // indexing it in a loop put the array in local memory).
-        let copy_rows = |j: u32, held: u32| {
-            for copy in j * A_COPIES / 4..(j + 1) * A_COPIES / 4 {
-                let (r, chunk) = gathered_a_chunk(copy, lane);
-                // SAFETY: the whole warp runs every copy (uniform control flow).
-                let token = unsafe { sync::shfl_idx_u32(held, r % GATHER_LANES) };
-                if r < gathered {
-                    let (src, bytes) = rows.chunk_source(token, 2 * k0 + 16 * chunk, chunk < present_chunks);
-                    // The A tile is two 64-row blocks (one per consumer warpgroup).
-                    let place = a_tile + r / 64 * BLOCK_64_BYTES + swizzled_chunk_offset(r % 64, chunk);
-                    // SAFETY: chunk `chunk` of row r < 128 of this stage's A tile, free since the
-                    // `empty` wait; a present chunk lies inside its token's row of `x`.
-                    unsafe { cp_async::copy_16_zero_filled(place, src, bytes) };
-                }
+        // Each copy's addresses are computed again at each stage from an opaque lane and token:
+        // hoisted out of the K loop, the 32 copies' places and the rows' sources overflow the
+        // producer's registers and spill.
+        let lane = sync::opaque_u32(lane);
+        // Rows from `gathered` on (read by no warpgroup) get zeros like rows past the group's
+        // end, which spares a branch per row.
+        let copy_row = |j: u32, token: u32| {
+            let token = sync::opaque_u32(token);
+            let row_source = rows.row_start(token) + 2 * k0 as u64;
+            for s in 0..A_COPIES_PER_TOKEN {
+                let (byte, place) = gathered_a_copy(j, s, lane);
+                let present = token != NO_TOKEN && 2 * s + lane % 2 < present_chunks;
+                // A chunk not present is zeros, read from nowhere (any valid address).
+                let src = if present { row_source + byte as u64 } else { rows.x };
+                // SAFETY: chunk 2s + lane % 2 of row lane / 2 + 16j < 128 of this stage's A tile,
+                // free since the `empty` wait; a present chunk lies inside its token's row of `x`.
+                unsafe { cp_async::copy_16_or_zeros(a_tile + place, src, present) };
             }
         };
-        const { assert!(A_ROWS_PER_LANE == 4 && A_COPIES == 32) };
-        let [t0, t1, t2, t3] = tokens;
-        copy_rows(0, t0);
-        copy_rows(1, t1);
-        copy_rows(2, t2);
-        copy_rows(3, t3);
+        const { assert!(TOKENS_PER_LANE == 8 && A_COPIES_PER_TOKEN == 4) };
+        let [t0, t1, t2, t3, t4, t5, t6, t7] = tokens;
+        copy_row(0, t0);
+        copy_row(1, t1);
+        copy_row(2, t2);
+        copy_row(3, t3);
+        copy_row(4, t4);
+        copy_row(5, t5);
+        copy_row(6, t6);
+        copy_row(7, t7);
         // SAFETY: the whole warp, at this stage of its walk.
         unsafe { finish_stage(full, lane) };
         ring.advance::<V>(stage, phase);
@@ -288,11 +284,23 @@ unsafe fn gather_weight_gradient_tile<const V: u32>(
         // SAFETY: group < groups; the group-map kernel ran before this launch (caller contract).
         unsafe { tensormap::acquire(cut_a) };
     }
+    // The stage's chunks from column n0 on that exist (N a multiple of 8).
+    let present_chunks = p.n.saturating_sub(w.n0).div_ceil(8);
     for kb in 0..w.k_blocks {
+        let row = w.row_begin + kb * TILE_K;
+        // The tokens of this lane's K rows (lane / 2) % 8 + 8j of the stage, NO_TOKEN past the
+        // group's end; looked up before the wait, which hides their latency.
+        let mut tokens = [NO_TOKEN; TOKENS_PER_LANE];
+        for (j, token) in tokens.iter_mut().enumerate() {
+            let (k_row, _, _) = gathered_b_chunk(B_COPIES_PER_TOKEN * j as u32, lane);
+            if row + k_row < w.row_end {
+                // SAFETY: a row below the group's end is a row of the launch's groups.
+                *token = unsafe { rows.token(row + k_row) };
+            }
+        }
         // SAFETY: initialised barrier of this block.
         unsafe { mbarrier::wait_parity(ring.empty::<V>(*stage), *phase ^ 1) };
         let (a_tile, b_tile, full) = (ring.a_tile(*stage), ring.b_tile(*stage), ring.full(*stage));
-        let row = w.row_begin + kb * TILE_K;
         if lane == 0 {
             // SAFETY: the stage is free; the barrier is told A's bytes before any lands, and
             // lane 0's arrival, outstanding until `finish_stage`, keeps the phase open; maps
@@ -310,38 +318,31 @@ unsafe fn gather_weight_gradient_tile<const V: u32>(
                 }
             }
         }
-        // The tokens of this stage's K rows lane + 32 · j, NO_TOKEN past the group's end.
-        let mut tokens = [NO_TOKEN; B_ROWS_PER_LANE];
-        for (j, token) in tokens.iter_mut().enumerate() {
-            let k_row = lane + GATHER_LANES * j as u32;
-            if row + k_row < w.row_end {
-                // SAFETY: a row below the group's end is a row of the launch's groups.
-                *token = unsafe { rows.token(row + k_row) };
-            }
-        }
-        // A K row's 256 columns from n0 are 32 consecutive chunks in `x`, one per lane
-        // ([`gathered_b_chunk`]); chunks at columns from N on are zeros (N a multiple of 8).
-        let present = lane < p.n.saturating_sub(w.n0).div_ceil(8);
-        let byte = 2 * w.n0 + 16 * lane;
-        // Copies of K rows 32j .. 32j + 32, whose tokens lane k_row % 32 holds in `tokens[j]`
-        // (constant j, as for the gate/up's rows).
-        let copy_rows = |j: u32, held: u32| {
-            for copy in j * GATHER_LANES..(j + 1) * GATHER_LANES {
-                let (k_row, block, chunk) = gathered_b_chunk(copy, lane);
-                // SAFETY: the whole warp runs every copy (uniform control flow).
-                let token = unsafe { sync::shfl_idx_u32(held, k_row % GATHER_LANES) };
-                let (src, bytes) = rows.chunk_source(token, byte, present);
-                let place = b_tile + block * BLOCK_64_BYTES + swizzled_chunk_offset(k_row, chunk);
-                // SAFETY: chunk `chunk` of K row k_row < 64 of column block `block` of this
-                // stage's B tile, free since the `empty` wait; a present chunk lies inside its
-                // token's row of `x`.
-                unsafe { cp_async::copy_16_zero_filled(place, src, bytes) };
+        // The copies of token j's K row (constant j, as for the gate/up's rows), from an opaque
+        // lane (as for the gate/up's).
+        let lane = sync::opaque_u32(lane);
+        let copy_row = |j: u32, token: u32| {
+            let row_source = rows.row_start(token) + 2 * w.n0 as u64;
+            for i in 0..B_COPIES_PER_TOKEN {
+                let (byte, place) = gathered_b_copy(j, i, lane);
+                let present = token != NO_TOKEN && 4 * i + 2 * (lane / 16) + lane % 2 < present_chunks;
+                let src = if present { row_source + byte as u64 } else { rows.x };
+                // SAFETY: a chunk of K row (lane / 2) % 8 + 8j < 64 of this stage's B tile (one
+                // of its column blocks), free since the `empty` wait; a present chunk lies
+                // inside its token's row of `x`.
+                unsafe { cp_async::copy_16_or_zeros(b_tile + place, src, present) };
             }
         };
-        const { assert!(B_ROWS_PER_LANE == 2 && B_COPIES == 64) };
-        let [t0, t1] = tokens;
-        copy_rows(0, t0);
-        copy_rows(1, t1);
+        const { assert!(TOKENS_PER_LANE == 8 && B_COPIES_PER_TOKEN == 8) };
+        let [t0, t1, t2, t3, t4, t5, t6, t7] = tokens;
+        copy_row(0, t0);
+        copy_row(1, t1);
+        copy_row(2, t2);
+        copy_row(3, t3);
+        copy_row(4, t4);
+        copy_row(5, t5);
+        copy_row(6, t6);
+        copy_row(7, t7);
         // SAFETY: the whole warp, at this stage of its walk.
         unsafe { finish_stage(full, lane) };
         ring.advance::<V>(stage, phase);

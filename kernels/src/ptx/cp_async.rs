@@ -9,20 +9,22 @@
 
 use core::arch::asm;
 
-/// `cp.async.cg.shared::cta.global [dst], [src], 16, src_bytes`: copies `src_bytes` (0 or 16)
-/// bytes from global `src` to shared `dst` and fills the rest of the 16 with zeros; `.cg` caches
-/// in L2 only (the rows are read once per tile by this block, from L2 by the others).
+/// `cp.async.cg.shared::cta.global [dst], [src], 16, ignore_src`: copies 16 bytes from global
+/// `src` to shared `dst`, or, when `present` is false, writes 16 zeros there and reads nothing
+/// (the `ignore-src` predicate: a plain predicated `LDGSTS`, where a register source size
+/// costs a handful of instructions per copy); `.cg` caches in L2 only (the rows are read once
+/// per tile by this block, from L2 by the others).
 ///
 /// # Safety
 /// `dst` a 16-byte aligned shared address of this block with 16 bytes of room that nothing
-/// reads or writes until the copy is known complete; `src` a 16-byte aligned global address
-/// with `src_bytes` readable (any mapped address when `src_bytes` is 0); `src_bytes` ≤ 16.
+/// reads or writes until the copy is known complete; `src` a 16-byte aligned global address,
+/// 16 bytes readable when `present` (a mapped address otherwise).
 #[inline(always)]
-pub unsafe fn copy_16_zero_filled(dst: u32, src: u64, src_bytes: u32) {
+pub unsafe fn copy_16_or_zeros(dst: u32, src: u64, present: bool) {
     // SAFETY: caller contract.
     unsafe {
-        asm!("cp.async.cg.shared::cta.global [{d}], [{s}], 16, {n};",
-             d = in(reg32) dst, s = in(reg64) src, n = in(reg32) src_bytes, options(nostack));
+        asm!("{{ .reg .pred zeros; setp.eq.u32 zeros, {p}, 0; cp.async.cg.shared::cta.global [{d}], [{s}], 16, zeros; }}",
+             d = in(reg32) dst, s = in(reg64) src, p = in(reg32) present as u32, options(nostack));
     }
 }
 

@@ -47,6 +47,17 @@ pub unsafe fn shfl_xor_f32(value: f32, lane_mask: u32) -> f32 {
     f32::from_bits(unsafe { shfl_xor_u32(value.to_bits(), lane_mask) })
 }
 
+/// `value`, through an `asm` the compiler treats as having effects: what a loop computes from
+/// it is computed again in each iteration, not hoisted out and kept (for a warp whose register
+/// budget, after `setmaxnreg.dec`, cannot hold the hoisted values, which ptxas then spills).
+#[inline(always)]
+pub fn opaque_u32(value: u32) -> u32 {
+    let out: u32;
+    // SAFETY: a register move; no memory, no other effect.
+    unsafe { asm!("mov.b32 {o}, {v};", o = out(reg32) out, v = in(reg32) value, options(nomem, nostack)) };
+    out
+}
+
 /// `shfl.sync.idx.b32`: value of lane `src_lane`.
 ///
 /// # Safety
