@@ -576,10 +576,12 @@ impl UnfusedLayer {
     /// engine path `mok_sm90_gemm_gate_up_gathering` and `mok_sm90_gemm_wgrad_gathering`, in
     /// the forward megakernel its gate/up tiles, whose dispatch then copies no routed row, and
     /// in the backward megakernel its gate and up weight-gradient tiles. With it no gathered
-    /// copy of the rows is written (T · k · H bf16 less to write and read per forward). Every
-    /// output and gradient is the same bits either way. It needs the engine on
-    /// and the kernels in the loaded PTX (otherwise an error, and the layer is unchanged), and
-    /// switching the engine off switches it off. **Not yet run on a GPU.**
+    /// copy of the rows is written (T · k · H bf16 less to write and read per forward), though
+    /// the copy's buffer stays allocated (the plain plans are built over it). Every output and
+    /// gradient is the same bits either way; on the H200 it is slower (the gathering GEMMs take
+    /// 1.44–2.1× the plain ones' time: one warp's copies keep too few rows in flight,
+    /// docs/PERF.md). It needs the engine on and the kernels in the loaded PTX (otherwise an
+    /// error, and the layer is unchanged), and switching the engine off switches it off.
     pub fn set_gather_in_producer(&mut self, gpu: &Gpu, on: bool) -> Result<()> {
         if on == self.gather_in_producer {
             return Ok(());
