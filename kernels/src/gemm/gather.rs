@@ -53,8 +53,8 @@ const B_COPIES_PER_TOKEN: u32 = TILE_K * 32 / GATHER_LANES / GATHERED_ROWS_PER_L
 const NO_TOKEN: u32 = u32::MAX;
 
 impl RowGather {
-    /// The token of plan row `row` (its slot's token), read once per tile or stage and handed
-    /// between lanes by shuffles.
+    /// The token of plan row `row` (its slot's token), looked up once per tile (gate/up) or
+    /// stage (weight gradient) by the lane that copies the row.
     ///
     /// # Safety
     /// `row` has a `row_source` entry below `T · top_k` (the gathering kernels' contract).
