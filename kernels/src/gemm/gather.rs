@@ -25,8 +25,8 @@
 //! at the group's end for its last K block.
 
 use crate::gemm_layout::{
-    A_TILE_BYTES, B_TILE_BYTES, BLOCK_64_BYTES, GemmParams, NO_TILE, TILE_K, TILE_M, Variant, is_wgrad,
-    GATHERED_ROWS_PER_LANE, gathered_a_chunk, gathered_a_copy, gathered_b_chunk, gathered_b_copy,
+    A_TILE_BYTES, B_TILE_BYTES, BLOCK_64_BYTES, GATHERED_ROWS_PER_LANE, GemmParams, NO_TILE, TILE_K, TILE_M, Variant,
+    gathered_a_chunk, gathered_a_copy, gathered_b_chunk, gathered_b_copy, is_wgrad,
 };
 use crate::ptx::memory::atom_add_relaxed_gpu_u32;
 use crate::ptx::{cp_async, mbarrier, signal as warp, sreg, sync, tensormap, tma};
