@@ -1,5 +1,7 @@
 //! A CPU model of the gathering producer's stage ring (`kernels/src/gemm/gather.rs`), run over
-//! random walks and interleavings: the producer warp's lanes, the consumer warps, the mbarriers
+//! random walks and interleavings: the gathering threads (called lanes here: one warp's on a
+//! persistent kernel's ring, four warps' in the standalone gathering kernels, which meet at a
+//! named barrier where one warp meets at a warp barrier), the consumer warps, the mbarriers
 //! with their phase parities, and the asynchronous copies as events that land at any later
 //! moment. A walk is a persistent kernel's: phases that lane 0 produces alone with TMA (the
 //! data gradients, the downs, the shared expert's) while the other lanes wait to be told where

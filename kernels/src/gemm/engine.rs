@@ -233,9 +233,9 @@ pub unsafe fn run<const V: u32, H: TileHooks>(params: *const GemmParams, hooks: 
             unsafe { sync::release_registers::<PRODUCER_REGISTERS>() };
         }
         if let Some(rows) = hooks.row_gather() {
-            if thread < GATHER_LANES {
-                // SAFETY: the producer warpgroup's first warp, every lane, on a fresh ring;
-                // `rows` valid (caller contract).
+            if thread < GATHER_LANES * H::GATHER_WARPS {
+                // SAFETY: the producer warpgroup's first `GATHER_WARPS` warps, every lane, on a
+                // fresh ring; `rows` valid (caller contract).
                 unsafe { produce_gathering::<V, H>(&p, ring, (rows, hooks), thread, Walk::START) };
             }
         } else if thread == 0 {

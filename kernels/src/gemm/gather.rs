@@ -28,7 +28,7 @@ use crate::gemm_layout::{
     A_TILE_BYTES, B_TILE_BYTES, BLOCK_64_BYTES, GATHERED_ROWS_PER_LANE, GemmParams, NO_TILE, TILE_K, TILE_M, Variant,
     gathered_a_chunk, gathered_a_copy, gathered_b_chunk, gathered_b_copy, is_wgrad,
 };
-use crate::ptx::memory::atom_add_relaxed_gpu_u32;
+use crate::ptx::memory::{atom_add_relaxed_gpu_u32, ld_shared_u32, st_shared_u32};
 use crate::ptx::{cp_async, mbarrier, signal as warp, sreg, sync, tensormap, tma};
 
 use super::hooks::{RowGather, TileHooks};
@@ -36,8 +36,55 @@ use super::producer::{load_weights, name_in_copyless_stage, name_tile, receive_t
 use super::ring::{Ring, Walk};
 use super::source::*;
 
-/// Lanes of the gathering warp (the producer warpgroup's first warp).
+/// Lanes of a gathering warp.
 pub(super) const GATHER_LANES: u32 = 32;
+
+/// The named barrier at which several gathering warps meet (0 is the block's, 1 and 2 the
+/// consumer warpgroups' epilogues).
+const GATHER_BARRIER: u32 = 3;
+
+/// The threads that gather: the first `warps` warps of the producer warpgroup (1 on a
+/// persistent kernel's ring, whose other producer warps move rows; 4 in the standalone
+/// gathering kernels, [`TileHooks::GATHER_WARPS`]), and this thread's index among them. Thread
+/// 0 leads: it takes the tiles, issues the TMA copies and makes each stage's one `full`
+/// arrival.
+#[derive(Clone, Copy)]
+pub(super) struct Gatherers {
+    pub(super) thread: u32,
+    pub(super) warps: u32,
+}
+
+impl Gatherers {
+    #[inline(always)]
+    fn lane(self) -> u32 {
+        self.thread % GATHER_LANES
+    }
+    #[inline(always)]
+    fn warp(self) -> u32 {
+        self.thread / GATHER_LANES
+    }
+    #[inline(always)]
+    fn leads(self) -> bool {
+        self.thread == 0
+    }
+    /// Every gathering thread meets here (a warp barrier for one warp, a named barrier for
+    /// several), which also orders their shared-memory accesses and `cp.async` tracking
+    /// before whatever follows in any of them.
+    ///
+    /// # Safety
+    /// Every gathering thread calls it, in uniform control flow.
+    #[inline(always)]
+    unsafe fn meet(self) {
+        // SAFETY: caller contract.
+        unsafe {
+            if self.warps == 1 {
+                warp::warp_sync();
+            } else {
+                sync::named_barrier(GATHER_BARRIER, GATHER_LANES * self.warps);
+            }
+        }
+    }
+}
 
 /// Tokens each lane holds ([`GATHERED_ROWS_PER_LANE`]): for a gate/up tile, of rows
 /// `lane / 2 + 16j`; for a weight gradient's stage, of K rows `(lane / 2) % 8 + 8j`.
@@ -72,29 +119,31 @@ impl RowGather {
 }
 
 /// The gathering producer's walk over the launch's tiles from `walk` (a fresh ring in a
-/// standalone kernel, where the previous phase left it in a persistent one); the whole first warp
-/// of the producer warpgroup calls it (`lane` its lane), in uniform control flow. Returns, as
-/// [`produce`](super::producer::produce) does, where the walk stands after the stage that
-/// carried [`NO_TILE`]; lane 0's is the walk (only it tracks the mailboxes). Of the hooks it
-/// uses what a weight gradient on a persistent kernel's ring needs (`Variant::WGRAD_IN_PAIR`:
-/// its tile walk, and lane 0's bounded wait for a group's A rows at the group's first tile,
-/// [`TileHooks::before_rows`]) and whether the phase takes tiles; a gate/up's gathered rows are
-/// the pass's input, so it waits for nothing.
+/// standalone kernel, where the previous phase left it in a persistent one); the first
+/// [`TileHooks::GATHER_WARPS`] warps of the producer warpgroup call it (`thread` the index among
+/// them), in uniform control flow. Returns, as [`produce`](super::producer::produce) does, where
+/// the walk stands after the stage that carried [`NO_TILE`]; thread 0's is the walk (only it
+/// tracks the mailboxes). Of the hooks it uses what a weight gradient on a persistent kernel's
+/// ring needs (`Variant::WGRAD_IN_PAIR`: its tile walk, and thread 0's bounded wait for a
+/// group's A rows at the group's first tile, [`TileHooks::before_rows`]) and whether the phase
+/// takes tiles; a gate/up's gathered rows are the pass's input, so it waits for nothing.
 ///
 /// # Safety
 /// As [`produce`](super::producer::produce) from `walk` for a variant with a gathered operand
 /// (gate/up: A, `[T][p.k]`; a weight gradient: B, `[T][p.n]`), whose `full` barriers were
 /// initialised for one arrival; `rows` describes a live bf16 tensor of that width and a
-/// `row_source` entry, below `T · top_k`, for every row of the launch's groups; every lane of
-/// the warp calls it with the same arguments.
+/// `row_source` entry, below `T · top_k`, for every row of the launch's groups; every gathering
+/// thread calls it with the same arguments.
 #[inline(always)]
 pub(super) unsafe fn produce_gathering<const V: u32, H: TileHooks>(
     p: &GemmParams,
     ring: Ring,
     (rows, hooks): (RowGather, H),
-    lane: u32,
+    thread: u32,
     walk: Walk,
 ) -> Walk {
+    const { assert!(H::GATHER_WARPS == 1 || H::GATHER_WARPS == 4) };
+    let gatherers = Gatherers { thread, warps: H::GATHER_WARPS };
     // Not a `const` assertion: `run` instantiates this for every variant, behind a `row_gather`
     // that only the gathering hooks return.
     // Gate/up (one K segment) and the weight gradients only: the downs have no gathered
@@ -119,10 +168,10 @@ pub(super) unsafe fn produce_gathering<const V: u32, H: TileHooks>(
         } else if V == Variant::WGRAD_IN_PAIR {
             walk_first + taken * walk_stride
         } else {
-            // Lane 0 takes the tile (the pair's first block from the counter, the second from
-            // its mailbox) and hands it to the warp.
+            // Thread 0 takes the tile (the pair's first block from the counter, the second from
+            // its mailbox) and hands it to the other gathering threads.
             let mut named = 0;
-            if lane == 0 {
+            if gatherers.leads() {
                 named = if rank == 0 {
                     // SAFETY: the plan's counter, zeroed before the launch (caller contract).
                     unsafe { atom_add_relaxed_gpu_u32(p.tile_counter as *mut u32, 1) }
@@ -131,14 +180,27 @@ pub(super) unsafe fn produce_gathering<const V: u32, H: TileHooks>(
                     unsafe { receive_tile::<V>(ring, stage, &mut mail_phases) }
                 };
             }
-            // SAFETY: the whole warp is here (caller contract; every lane takes the same
-            // iterations, the loop ending only on the broadcast tile).
-            unsafe { sync::shfl_idx_u32(named, 0) }
+            // SAFETY: every gathering thread is here (caller contract; all take the same
+            // iterations, the loop ending only on the handed-out tile).
+            unsafe {
+                if gatherers.warps == 1 {
+                    sync::shfl_idx_u32(named, 0)
+                } else {
+                    // Through shared memory: written before the meeting, read after it; the next
+                    // write comes after the tile's first stage's meeting, which every reader
+                    // reaches after its read (or the walk has ended).
+                    if gatherers.leads() {
+                        st_shared_u32(ring.handout::<V>(), named);
+                    }
+                    gatherers.meet();
+                    ld_shared_u32(ring.handout::<V>())
+                }
+            }
         };
         taken += 1;
         if tile >= total {
             // SAFETY: as below for a stage, without copies.
-            unsafe { copyless_stage::<V>(ring, (stage, phase), NO_TILE, lane) };
+            unsafe { copyless_stage::<V>(ring, (stage, phase), NO_TILE, gatherers) };
             ring.advance::<V>(&mut stage, &mut phase);
             return Walk { stage, phase, mail_phases };
         }
@@ -147,52 +209,59 @@ pub(super) unsafe fn produce_gathering<const V: u32, H: TileHooks>(
         if is_wgrad(V) && w.k_blocks == 0 {
             // An empty group's weight gradient: its consumers store the tile's zeros.
             // SAFETY: as below for a stage, without copies.
-            unsafe { copyless_stage::<V>(ring, (stage, phase), tile, lane) };
+            unsafe { copyless_stage::<V>(ring, (stage, phase), tile, gatherers) };
             ring.advance::<V>(&mut stage, &mut phase);
             continue;
         }
         if V == Variant::WGRAD_IN_PAIR && w.group != ready_group {
-            if lane == 0 {
-                // A's rows (the data gradient's) may still be on their way: lane 0, which
+            if gatherers.leads() {
+                // A's rows (the data gradient's) may still be on their way: thread 0, which
                 // copies them, waits (bounded) and fences; B, the token rows, is an input.
                 // SAFETY: `w` is a tile of this launch (the hooks' contract).
                 unsafe { hooks.before_rows(p, &w) };
             }
             ready_group = w.group;
         }
+        // Each warp copies the rows of its share of a lane's 8 tokens (`TOKENS_PER_LANE`).
+        let walk = (&mut stage, &mut phase);
         // SAFETY: caller contract (maps, rows, barriers); `w` a tile of the launch.
         unsafe {
-            if is_wgrad(V) {
-                gather_weight_gradient_tile::<V>(p, ring, rows, (tile, &w), (&mut stage, &mut phase), lane)
-            } else {
-                gather_row_tile::<V>(p, ring, rows, (tile, &w), (&mut stage, &mut phase), lane)
+            match (is_wgrad(V), H::GATHER_WARPS) {
+                (true, 1) => gather_weight_gradient_tile::<V, 8>(p, ring, rows, (tile, &w), walk, gatherers),
+                (true, _) => gather_weight_gradient_tile::<V, 2>(p, ring, rows, (tile, &w), walk, gatherers),
+                (false, 1) => gather_row_tile::<V, 8>(p, ring, rows, (tile, &w), walk, gatherers),
+                (false, _) => gather_row_tile::<V, 2>(p, ring, rows, (tile, &w), walk, gatherers),
             }
         }
     }
 }
 
-/// A row-grouped tile's stages: A gathered by every lane, the weight tile by lane 0's TMA.
+/// A row-grouped tile's stages: A gathered by every gathering thread, each warp the rows of its
+/// `N` (of [`TOKENS_PER_LANE`]) tokens per lane, the weight tile by thread 0's TMA.
 ///
 /// # Safety
-/// As [`produce_gathering`], for its tile `tile` (`w`) at its walk's `(stage, phase)`.
+/// As [`produce_gathering`], for its tile `tile` (`w`) at its walk's `(stage, phase)`; `N ·
+/// gatherers.warps == TOKENS_PER_LANE`.
 #[inline(always)]
-unsafe fn gather_row_tile<const V: u32>(
+unsafe fn gather_row_tile<const V: u32, const N: usize>(
     p: &GemmParams,
     ring: Ring,
     rows: RowGather,
     (tile, w): (u32, &Work),
     (stage, phase): (&mut u32, &mut u32),
-    lane: u32,
+    gatherers: Gatherers,
 ) {
+    let (lane, first_token) = (gatherers.lane(), gatherers.warp() * N as u32);
     let rank = pair_rank::<V>();
     // The rows this block gathers: none without columns (the consumers skip the tile), else
     // the tile's rows in whole 64-row halves (a half wholly past the group's end is read by no
     // warpgroup).
     let gathered = if w.has_columns { w.rows.div_ceil(64) * 64 } else { 0 };
-    // The tokens of this lane's rows lane / 2 + 16j, NO_TOKEN past the group's end (zeros).
-    let mut tokens = [NO_TOKEN; TOKENS_PER_LANE];
-    for (j, token) in tokens.iter_mut().enumerate() {
-        let (r, _) = gathered_a_chunk(A_COPIES_PER_TOKEN * j as u32, lane);
+    // The tokens of this lane's rows lane / 2 + 16j (j from first_token), NO_TOKEN past the
+    // group's end (zeros).
+    let mut tokens = [NO_TOKEN; N];
+    for (jj, token) in tokens.iter_mut().enumerate() {
+        let (r, _) = gathered_a_chunk(A_COPIES_PER_TOKEN * (first_token + jj as u32), lane);
         if r < gathered && r < w.rows {
             // SAFETY: row m0 + r is a row of the launch's groups (r < rows) (caller contract).
             *token = unsafe { rows.token(w.m0 + r) };
@@ -200,15 +269,15 @@ unsafe fn gather_row_tile<const V: u32>(
     }
     let b_bytes = if w.has_columns { B_TILE_BYTES } else { 0 };
     for kb in 0..w.k_blocks {
-        // Every lane writes into the stage: each waits until the consumers released it (a
-        // fresh barrier passes parity 1).
+        // Every gathering thread writes into the stage: each waits until the consumers released
+        // it (a fresh barrier passes parity 1).
         // SAFETY: initialised barrier of this block.
         unsafe { mbarrier::wait_parity(ring.empty::<V>(*stage), *phase ^ 1) };
         let (a_tile, full) = (ring.a_tile(*stage), ring.full(*stage));
         let k0 = kb * TILE_K;
-        if lane == 0 {
+        if gatherers.leads() {
             // SAFETY: the stage is free; the barrier is told the weight tile's bytes in this
-            // block (an M-pair's partner loads the other half into it) before any lands; lane
+            // block (an M-pair's partner loads the other half into it) before any lands; thread
             // 0's arrival, outstanding until `finish_stage`, keeps the phase open; maps valid.
             unsafe {
                 if kb == 0 {
@@ -246,41 +315,34 @@ unsafe fn gather_row_tile<const V: u32>(
             }
         };
         const { assert!(TOKENS_PER_LANE == 8 && A_COPIES_PER_TOKEN == 4) };
-        let [t0, t1, t2, t3, t4, t5, t6, t7] = tokens;
-        copy_row(0, t0);
-        copy_row(1, t1);
-        copy_row(2, t2);
-        copy_row(3, t3);
-        copy_row(4, t4);
-        copy_row(5, t5);
-        copy_row(6, t6);
-        copy_row(7, t7);
-        // SAFETY: the whole warp, at this stage of its walk.
-        unsafe { finish_stage(full, lane) };
+        each_token(tokens, first_token, copy_row);
+        // SAFETY: every gathering thread, at this stage of its walk.
+        unsafe { finish_stage(full, gatherers) };
         ring.advance::<V>(stage, phase);
     }
 }
 
-/// A weight-gradient tile's stages (its group's rows, 64 per stage): B gathered by every lane,
-/// A by lane 0's TMA (through the map cut at the group's end for a last K block that ends
-/// inside the group).
+/// A weight-gradient tile's stages (its group's rows, 64 per stage): B gathered by every
+/// gathering thread, each warp the K rows of its `N` tokens per lane, A by thread 0's TMA
+/// (through the map cut at the group's end for a last K block that ends inside the group).
 ///
 /// # Safety
 /// As [`produce_gathering`], for its tile `tile` (`w`, with K blocks) at its walk's
-/// `(stage, phase)`.
+/// `(stage, phase)`; `N · gatherers.warps == TOKENS_PER_LANE`.
 #[inline(always)]
-unsafe fn gather_weight_gradient_tile<const V: u32>(
+unsafe fn gather_weight_gradient_tile<const V: u32, const N: usize>(
     p: &GemmParams,
     ring: Ring,
     rows: RowGather,
     (tile, w): (u32, &Work),
     (stage, phase): (&mut u32, &mut u32),
-    lane: u32,
+    gatherers: Gatherers,
 ) {
+    let (lane, first_token) = (gatherers.lane(), gatherers.warp() * N as u32);
     let cut_a = p.group_map(w.group, 0);
-    if lane == 0 && !(w.row_end - w.row_begin).is_multiple_of(TILE_K) {
+    if gatherers.leads() && !(w.row_end - w.row_begin).is_multiple_of(TILE_K) {
         // The A map cut at this group's end, written by the group-map kernel through the
-        // tensor-map proxy: lane 0, which copies through it, acquires it before the first copy.
+        // tensor-map proxy: thread 0, which copies through it, acquires it before the first copy.
         // SAFETY: group < groups; the group-map kernel ran before this launch (caller contract).
         unsafe { tensormap::acquire(cut_a) };
     }
@@ -288,11 +350,12 @@ unsafe fn gather_weight_gradient_tile<const V: u32>(
     let present_chunks = p.n.saturating_sub(w.n0).div_ceil(8);
     for kb in 0..w.k_blocks {
         let row = w.row_begin + kb * TILE_K;
-        // The tokens of this lane's K rows (lane / 2) % 8 + 8j of the stage, NO_TOKEN past the
-        // group's end; looked up before the wait, which hides their latency.
-        let mut tokens = [NO_TOKEN; TOKENS_PER_LANE];
-        for (j, token) in tokens.iter_mut().enumerate() {
-            let (k_row, _, _) = gathered_b_chunk(B_COPIES_PER_TOKEN * j as u32, lane);
+        // The tokens of this lane's K rows (lane / 2) % 8 + 8j of the stage (j from
+        // first_token), NO_TOKEN past the group's end; looked up before the wait, which hides
+        // their latency.
+        let mut tokens = [NO_TOKEN; N];
+        for (jj, token) in tokens.iter_mut().enumerate() {
+            let (k_row, _, _) = gathered_b_chunk(B_COPIES_PER_TOKEN * (first_token + jj as u32), lane);
             if row + k_row < w.row_end {
                 // SAFETY: a row below the group's end is a row of the launch's groups.
                 *token = unsafe { rows.token(row + k_row) };
@@ -301,9 +364,9 @@ unsafe fn gather_weight_gradient_tile<const V: u32>(
         // SAFETY: initialised barrier of this block.
         unsafe { mbarrier::wait_parity(ring.empty::<V>(*stage), *phase ^ 1) };
         let (a_tile, b_tile, full) = (ring.a_tile(*stage), ring.b_tile(*stage), ring.full(*stage));
-        if lane == 0 {
+        if gatherers.leads() {
             // SAFETY: the stage is free; the barrier is told A's bytes before any lands, and
-            // lane 0's arrival, outstanding until `finish_stage`, keeps the phase open; maps
+            // thread 0's arrival, outstanding until `finish_stage`, keeps the phase open; maps
             // valid (the cut one acquired above when this block is a group's partial last one).
             unsafe {
                 if kb == 0 {
@@ -334,62 +397,72 @@ unsafe fn gather_weight_gradient_tile<const V: u32>(
             }
         };
         const { assert!(TOKENS_PER_LANE == 8 && B_COPIES_PER_TOKEN == 8) };
-        let [t0, t1, t2, t3, t4, t5, t6, t7] = tokens;
-        copy_row(0, t0);
-        copy_row(1, t1);
-        copy_row(2, t2);
-        copy_row(3, t3);
-        copy_row(4, t4);
-        copy_row(5, t5);
-        copy_row(6, t6);
-        copy_row(7, t7);
-        // SAFETY: the whole warp, at this stage of its walk.
-        unsafe { finish_stage(full, lane) };
+        each_token(tokens, first_token, copy_row);
+        // SAFETY: every gathering thread, at this stage of its walk.
+        unsafe { finish_stage(full, gatherers) };
         ring.advance::<V>(stage, phase);
     }
 }
 
-/// The end of a stage with copies, by the whole gathering warp: every lane adds its `cp.async`
-/// copies to the `full` phase's pending arrivals, a warp barrier orders every lane's tracking
-/// before lane 0's arrival (the one the phase expects; otherwise the phase could complete,
-/// its TMA bytes landed, before a late lane's copies are tracked), then lane 0 arrives.
+/// `copy_row(first + jj, tokens[jj])` for each of a warp's `N` tokens (8 with one gathering
+/// warp, 2 with four), each call spelled out: a loop over the array, even with a constant trip
+/// count, put it in local memory in the megakernels.
+#[inline(always)]
+fn each_token<const N: usize>(tokens: [u32; N], first: u32, mut copy_row: impl FnMut(u32, u32)) {
+    const { assert!(N == 8 || N == 2) };
+    copy_row(first, tokens[0]);
+    copy_row(first + 1, tokens[1]);
+    if N == 8 {
+        copy_row(first + 2, tokens[2]);
+        copy_row(first + 3, tokens[3]);
+        copy_row(first + 4, tokens[4]);
+        copy_row(first + 5, tokens[5]);
+        copy_row(first + 6, tokens[6]);
+        copy_row(first + 7, tokens[7]);
+    }
+}
+
+/// The end of a stage with copies, by every gathering thread: each adds its `cp.async` copies
+/// to the `full` phase's pending arrivals, their meeting orders every thread's tracking before
+/// thread 0's arrival (the one the phase expects; otherwise the phase could complete, its TMA
+/// bytes landed, before a late thread's copies are tracked), then thread 0 arrives.
 ///
 /// # Safety
-/// `full` is the stage's initialised barrier, its current phase still awaiting lane 0's
-/// arrival; every lane of the warp calls it, in uniform control flow.
+/// `full` is the stage's initialised barrier, its current phase still awaiting thread 0's
+/// arrival; every gathering thread calls it, in uniform control flow.
 #[inline(always)]
-unsafe fn finish_stage(full: u32, lane: u32) {
-    // SAFETY: caller contract: lane 0's arrival is outstanding, so the phase is open while the
-    // lanes track their copies; the warp barrier has every lane.
+unsafe fn finish_stage(full: u32, gatherers: Gatherers) {
+    // SAFETY: caller contract: thread 0's arrival is outstanding, so the phase is open while
+    // the threads track their copies; the meeting has every gathering thread.
     unsafe {
         cp_async::track_completion(full);
-        warp::warp_sync();
-        if lane == 0 {
+        gatherers.meet();
+        if gatherers.leads() {
             mbarrier::arrive(full);
         }
     }
 }
 
 /// A stage without copies (the final [`NO_TILE`], an empty group's weight gradient): every
-/// lane waits until it is free, the warp meets, then lane 0 names `value` in its slot and
-/// arrives, as the single-thread producer does. The other lanes add nothing, but the warp must
-/// walk each stage together: a lane that skipped the wait could run a whole ring ahead through
+/// gathering thread waits until it is free, they meet, then thread 0 names `value` in its slot
+/// and arrives, as the single-thread producer does. The others add nothing, but they must walk
+/// each stage together: a thread that skipped the wait could run a whole ring ahead through
 /// copy-less stages, where the `empty` parity it waits for next is that of a phase two rounds
-/// back, and pass at once into a stage the consumers still read; and without the meeting lane 0
-/// could run two rounds ahead of a slow lane, whose wait would then never pass (both shown by
+/// back, and pass at once into a stage the consumers still read; and without the meeting thread
+/// 0 could run two rounds ahead of a slow thread, whose wait would then never pass (both shown by
 /// the CPU model in `host/src/gather_ring_model.rs`).
 ///
 /// # Safety
-/// As [`produce_gathering`], at its walk's `(stage, phase)`: every lane of the warp calls it, in
+/// As [`produce_gathering`], at its walk's `(stage, phase)`: every gathering thread calls it, in
 /// uniform control flow.
 #[inline(always)]
-unsafe fn copyless_stage<const V: u32>(ring: Ring, (stage, phase): (u32, u32), value: u32, lane: u32) {
-    // SAFETY: initialised barriers of this block (caller contract), every lane at its walk; the
-    // warp barrier has every lane (caller contract).
+unsafe fn copyless_stage<const V: u32>(ring: Ring, (stage, phase): (u32, u32), value: u32, gatherers: Gatherers) {
+    // SAFETY: initialised barriers of this block (caller contract), every thread at its walk;
+    // the meeting has every gathering thread (caller contract).
     unsafe {
         mbarrier::wait_parity(ring.empty::<V>(stage), phase ^ 1);
-        warp::warp_sync();
-        if lane == 0 {
+        gatherers.meet();
+        if gatherers.leads() {
             name_in_copyless_stage::<V>(ring, stage, phase, value);
         }
     }

@@ -85,6 +85,13 @@ pub trait TileHooks: Copy {
     /// Whether [`Self::row_gather`] can name rows for some phase (a persistent kernel's whole
     /// producer warp then takes part; otherwise its first thread alone produces).
     const MAY_GATHER_ROWS: bool = false;
+
+    /// How many warps of the producer warpgroup gather, from its first (1 or 4): one warp's
+    /// copies keep too few rows in flight to feed the MMAs (docs/PERF.md, "The token rows
+    /// gathered in the GEMM producers"), so the standalone gathering kernels, whose other
+    /// producer warps idle, gather with all four; a persistent kernel's other producer warps
+    /// move rows, so it gathers with one.
+    const GATHER_WARPS: u32 = 1;
 }
 
 /// The rows a gathered operand is read from: row `r` of the plan is row
@@ -125,6 +132,7 @@ pub struct Gathering(pub RowGather);
 
 impl TileHooks for Gathering {
     const MAY_GATHER_ROWS: bool = true;
+    const GATHER_WARPS: u32 = 4;
     #[inline(always)]
     unsafe fn before_rows(&self, _: &GemmParams, _: &Work) {}
     #[inline(always)]

@@ -1,6 +1,6 @@
 //! The engine's shared-memory carve and its stage ring: `ring_stages(V)` stages of an A and a B tile,
 //! each consumer warpgroup's output staging, and per stage a `full` and an `empty` barrier, a
-//! tile slot and a pair mailbox. The ring walk (stage, phase) is the same in every role.
+//! tile slot and a pair mailbox, then the gathering warps' tile hand-out word. The ring walk (stage, phase) is the same in every role.
 
 use crate::gemm_layout::{A_TILE_BYTES, BLOCK_64_BYTES, STAGE_BYTES, ring_stages, staging_boxes};
 use crate::ptx::smem;
@@ -46,6 +46,11 @@ impl Ring {
     /// completes its 4 bytes here.
     pub(super) fn mail<const V: u32>(self, stage: u32) -> u32 {
         self.bars + (const { 3 * ring_stages(V) } + stage) * 8
+    }
+    /// A word through which the leading gathering thread hands each tile to the other
+    /// gathering warps (standalone gathering kernels with several: [`Gatherers`](super::gather::Gatherers)).
+    pub(super) fn handout<const V: u32>(self) -> u32 {
+        self.bars + const { 4 * ring_stages(V) } * 8
     }
     /// Consumer warpgroup `wg`'s output staging (1024-byte aligned).
     pub(super) fn staging<const V: u32>(self, wg: u32) -> u32 {
