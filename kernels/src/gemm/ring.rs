@@ -1,6 +1,7 @@
-//! The engine's shared-memory carve and its stage ring: `ring_stages(V)` stages of an A and a B tile,
-//! each consumer warpgroup's output staging, and per stage a `full` and an `empty` barrier, a
-//! tile slot and a pair mailbox, then the gathering warps' tile hand-out word. The ring walk (stage, phase) is the same in every role.
+//! The engine's shared-memory carve and its stage ring: `ring_stages(V)` stages of an A and a B
+//! tile, each consumer warpgroup's output staging, and per stage a `full` and an `empty`
+//! barrier, a tile slot and a pair mailbox, then the gathering warps' tile hand-out word. The
+//! ring walk (stage, phase) is the same in every role.
 
 use crate::gemm_layout::{A_TILE_BYTES, BLOCK_64_BYTES, STAGE_BYTES, ring_stages, staging_boxes};
 use crate::ptx::smem;
