@@ -40,12 +40,12 @@ use crate::gemm_layout::{
     CONSUMER_REGISTERS, ENGINE_THREADS, GemmParams, MEGAKERNEL_PRODUCER_REGISTERS, NO_TILE, PAIRED_CONSUMER_REGISTERS,
     PAIRED_PRODUCER_REGISTERS, PRODUCER_REGISTERS, cluster_blocks, is_wgrad, ring_stages, staging_boxes,
 };
-use crate::ptx::memory::ld_shared_u32;
+use crate::ptx::memory::{ld_shared_u32, st_shared_u32};
 use crate::ptx::{bulk, cluster, mbarrier, sreg, sync};
 
 pub(crate) use super::epilogue::for_each_pair;
 use super::epilogue::*;
-use super::gather::{GATHER_LANES, produce_gathering};
+use super::gather::{GATHER_BARRIER, GATHER_LANES, produce_gathering};
 use super::hooks::{BackwardHandover, ForwardHandover, TileHooks, hooked};
 use super::mainloop::*;
 use super::producer::*;
@@ -262,6 +262,35 @@ pub unsafe fn run<const V: u32, H: TileHooks>(params: *const GemmParams, hooks: 
     }
 }
 
+/// Thread 0's walk, in every gathering thread of `H` (the lanes of the first producer warp, or
+/// the producer warpgroup's four warps through the ring's hand-out words and a named barrier):
+/// where a gathering phase starts, after phases thread 0 produced alone.
+///
+/// # Safety
+/// Every gathering thread calls it, in uniform control flow; with several warps, no gathering
+/// thread still reads the hand-out words from an earlier call or a tile hand-out (each
+/// gathering phase ends with the gathering threads meeting).
+#[inline(always)]
+unsafe fn share_walk<const V: u32, H: TileHooks>(ring: Ring, walk: Walk, thread: u32) -> Walk {
+    if H::GATHER_WARPS == 1 {
+        // SAFETY: caller contract.
+        return unsafe { broadcast_walk(walk) };
+    }
+    // Three words after the tile hand-out word (`ring_smem_bytes` leaves 16 bytes there).
+    let words = ring.handout::<V>() + 4;
+    // SAFETY: caller contract: written before the meeting, read after it, nothing else using
+    // these words meanwhile.
+    unsafe {
+        if thread == 0 {
+            st_shared_u32(words, walk.stage);
+            st_shared_u32(words + 4, walk.phase);
+            st_shared_u32(words + 8, walk.mail_phases);
+        }
+        sync::named_barrier(GATHER_BARRIER, GATHER_LANES * H::GATHER_WARPS);
+        Walk { stage: ld_shared_u32(words), phase: ld_shared_u32(words + 4), mail_phases: ld_shared_u32(words + 8) }
+    }
+}
+
 /// Lane 0's walk, in every lane of the warp.
 ///
 /// # Safety
@@ -370,13 +399,12 @@ pub unsafe fn run_forward_phases<H: TileHooks, R: Copy>(
                 }
                 rank = Some(first_rank());
                 while let Some(q) = rank {
-                    if H::MAY_GATHER_ROWS {
-                        // Every lane learns where lane 0's walk stands (the whole warp is here:
-                        // the branches above rejoin, and the trip count is the cluster's).
-                        walk = broadcast_walk(walk);
-                    }
                     let (p, phase_hooks) = (&*plan(F::GATE_UP, q), hooks(F::GATE_UP, q));
                     if let Some(rows) = phase_hooks.row_gather() {
+                        // Every gathering thread learns where lane 0's walk stands (this whole
+                        // warp is here: the branches above rejoin, and the trip count is the
+                        // cluster's; the spare warps, if they gather, after their dispatch).
+                        walk = share_walk::<G, H>(ring, walk, lane);
                         walk = produce_gathering::<G, H>(p, ring, (rows, phase_hooks), lane, walk);
                     } else if lane == 0 {
                         walk = produce::<G, H>(p, ring, phase_hooks, walk);
@@ -392,6 +420,26 @@ pub unsafe fn run_forward_phases<H: TileHooks, R: Copy>(
             // The spare warps: the dispatch, under the gate/up MMAs. It waits for nothing, so
             // no tile ever waits on these warps for work they have not started.
             spare_warps();
+            if H::GATHER_WARPS > 1 {
+                // Then the routed gate/up's gathering, with the first warp, on the ranks whose
+                // hooks gather (the first warp's loop above, step for step). The first warp
+                // meets them there after producing the shared expert's gate/up, whose rows the
+                // dispatch (which waits for nothing) writes, so no wait here is on work not
+                // started.
+                let mut rank = Some(first_rank());
+                while let Some(q) = rank {
+                    let phase_hooks = hooks(F::GATE_UP, q);
+                    if let Some(rows) = phase_hooks.row_gather() {
+                        // SAFETY: the gathering threads (this warpgroup's four warps), as the first
+                        // warp's loop; the plan of a rank of the walk (caller contract).
+                        unsafe {
+                            let walk = share_walk::<G, H>(ring, Walk::START, thread);
+                            produce_gathering::<G, H>(&*plan(F::GATE_UP, q), ring, (rows, phase_hooks), thread, walk);
+                        }
+                    }
+                    rank = next_rank(q);
+                }
+            }
         }
         None
     } else {

@@ -41,7 +41,7 @@ pub(super) const GATHER_LANES: u32 = 32;
 
 /// The named barrier at which several gathering warps meet (0 is the block's, 1 and 2 the
 /// consumer warpgroups' epilogues).
-const GATHER_BARRIER: u32 = 3;
+pub(super) const GATHER_BARRIER: u32 = 3;
 
 /// The threads that gather: the first `warps` warps of the producer warpgroup (1 on a
 /// persistent kernel's ring, whose other producer warps move rows; 4 in the standalone

@@ -89,8 +89,9 @@ pub trait TileHooks: Copy {
     /// How many warps of the producer warpgroup gather, from its first (1 or 4): one warp's
     /// copies keep too few rows in flight to feed the MMAs (docs/PERF.md, "The token rows
     /// gathered in the GEMM producers"), so the standalone gathering kernels, whose other
-    /// producer warps idle, gather with all four; a persistent kernel's other producer warps
-    /// move rows, so it gathers with one.
+    /// producer warps idle, gather with all four, and so does the one-GPU forward megakernel,
+    /// whose spare warps join once their dispatch is done; the backward megakernel's spare
+    /// warps move rows under its weight gradients, so it gathers with one.
     const GATHER_WARPS: u32 = 1;
 }
 
@@ -389,6 +390,9 @@ impl<const RANKS: bool> ForwardHandover<RANKS> {
 impl<const RANKS: bool> TileHooks for ForwardHandover<RANKS> {
     // Only on one GPU (across ranks the dispatch pulls every row).
     const MAY_GATHER_ROWS: bool = !RANKS;
+    // The spare producer warps join the routed gate/up's gathering once their dispatch, which
+    // then copies only the shared expert's rows, is done.
+    const GATHER_WARPS: u32 = if RANKS { 1 } else { 4 };
     #[inline(always)]
     fn row_gather(&self) -> Option<RowGather> {
         if RANKS || self.phase != ForwardHandover::GATE_UP {
