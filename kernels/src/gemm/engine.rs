@@ -319,8 +319,9 @@ unsafe fn broadcast_walk(walk: Walk) -> Walk {
 /// tiles, or to the next phase) when the tile counter it drew from is spent, i.e. once every
 /// tile of it is held by a running block — so a down tile only ever waits for work that is
 /// already being done. The producer warpgroup's three spare warps (its first warp's thread 0
-/// is the producer; the whole first warp in a phase whose hooks gather the rows,
-/// [`TileHooks::row_gather`]) run `spare_warps` (the dispatch) meanwhile. Ends with the pair's final
+/// is the producer) run `spare_warps` (the dispatch) meanwhile; in a routed gate/up whose hooks
+/// gather the rows ([`TileHooks::row_gather`]) the whole warpgroup produces, the first warp and,
+/// after their dispatch, the spare warps ([`TileHooks::GATHER_WARPS`]). Ends with the pair's final
 /// cluster barrier. Returns `Some(())` for the threads of the consumer warpgroups, free for
 /// further work, and `None` for the producer warpgroup, which holds too few registers for more.
 ///
@@ -372,8 +373,8 @@ pub unsafe fn run_forward_phases<H: TileHooks, R: Copy>(
         // The producer: thread 0, which produces every phase, or, where the hooks may gather
         // the token rows, the whole first warp: the routed gate/up of a rank whose hooks
         // gather (`TileHooks::row_gather`: one GPU, `ForwardParams::gather_in_producer`) is
-        // produced by all of it (`produce_gathering`), its other lanes waiting for lane 0
-        // until then.
+        // produced by all of it and the spare warps (`produce_gathering`), its other lanes
+        // waiting for lane 0 until then.
         let producer_lanes = if H::MAY_GATHER_ROWS { GATHER_LANES } else { 1 };
         if thread < producer_lanes {
             let lane = thread;

@@ -1,19 +1,20 @@
-//! The gathering producer: the producer warpgroup's first warp fills each stage with rows read
+//! The gathering producer: the producer warpgroup's gathering warps (its first, or all four:
+//! [`TileHooks::GATHER_WARPS`](super::hooks::TileHooks::GATHER_WARPS)) fill each stage with rows read
 //! through an index — row `r` of the plan is row `row_source[r] / top_k` of `x`, the token of
 //! the routing layout's slot — so no gathered copy of the rows is written first. The lanes
 //! place the 16-byte chunks themselves in the 128B-swizzle layout a TMA box would have
 //! (`cp.async`, zero-filled past the group's rows and past the row width), and each lane's
-//! copies hold the stage's `full` phase open until they land; lane 0 takes the tiles and loads the
+//! copies hold the stage's `full` phase open until they land; thread 0 takes the tiles and loads the
 //! other operand by TMA as [`produce`](super::producer::produce) does. The consumers fence the
 //! async proxy after each `full` wait (the chunks arrive through the generic proxy; `wgmma`
 //! reads through the async one).
 //!
 //! A stage's `full` barrier expects one arrival, as for a TMA-only producer, so a persistent
-//! kernel's ring serves gathering and TMA-only phases alike: lane 0 adds the TMA bytes
-//! (`expect_tx`) and issues the copies, every lane adds its `cp.async` copies to the phase's
-//! pending arrivals ([`cp_async::track_completion`]: the phase cannot complete while they are in
-//! flight), and after a warp barrier, which orders every lane's tracking before it, lane 0
-//! arrives.
+//! kernel's ring serves gathering and TMA-only phases alike: thread 0 adds the TMA bytes
+//! (`expect_tx`) and issues the copies, every gathering thread adds its `cp.async` copies to the
+//! phase's pending arrivals ([`cp_async::track_completion`]: the phase cannot complete while
+//! they are in flight), and after the threads meet (a warp barrier, or named barrier 3 for
+//! several warps), which orders every thread's tracking before it, thread 0 arrives.
 //!
 //! Gate/up (one K segment) gathers A, K-major: a tile's 128 rows of 64 K
 //! values per stage. In a pair nothing of A is shared: an M-pair's blocks gather their own rows
@@ -43,9 +44,10 @@ pub(super) const GATHER_LANES: u32 = 32;
 /// consumer warpgroups' epilogues).
 pub(super) const GATHER_BARRIER: u32 = 3;
 
-/// The threads that gather: the first `warps` warps of the producer warpgroup (1 on a
-/// persistent kernel's ring, whose other producer warps move rows; 4 in the standalone
-/// gathering kernels, [`TileHooks::GATHER_WARPS`]), and this thread's index among them. Thread
+/// The threads that gather: the first `warps` warps of the producer warpgroup (4 in the
+/// standalone gathering kernels and the forward megakernel, 1 in the backward megakernel, whose
+/// other producer warps move rows: [`TileHooks::GATHER_WARPS`]), and this thread's index among
+/// them. Thread
 /// 0 leads: it takes the tiles, issues the TMA copies and makes each stage's one `full`
 /// arrival.
 #[derive(Clone, Copy)]
