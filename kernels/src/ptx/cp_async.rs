@@ -23,7 +23,9 @@ use core::arch::asm;
 pub unsafe fn copy_16_or_zeros(dst: u32, src: u64, present: bool) {
     // SAFETY: caller contract.
     unsafe {
-        asm!("{{ .reg .pred zeros; setp.eq.u32 zeros, {p}, 0; cp.async.cg.shared::cta.global [{d}], [{s}], 16, zeros; }}",
+        asm!("{{ .reg .pred zeros;",
+             "setp.eq.u32 zeros, {p}, 0;",
+             "cp.async.cg.shared::cta.global [{d}], [{s}], 16, zeros; }}",
              d = in(reg32) dst, s = in(reg64) src, p = in(reg32) present as u32, options(nostack));
     }
 }
