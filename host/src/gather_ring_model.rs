@@ -11,13 +11,18 @@
 //! issued into a stage before the consumers released its previous use, no consumer passes a
 //! `full` wait before every copy of that use has landed, and the walk completes.
 //!
-//! It also shows the model can fail, on three weaker walks:
+//! With several gathering warps (half the walks) lane 0 also hands each tile to the others
+//! through a shared word and a named barrier: the model checks that no thread reads another
+//! tile than its use's and that lane 0 never overwrites the word before every thread read it.
+//!
+//! It also shows the model can fail, on four weaker walks:
 //! - only lane 0 waits at copy-less stages: the other lanes run a ring ahead, where an `empty`
 //!   wait passes on a parity two phases back;
 //! - every lane waits there but the warp does not meet: lane 0 runs two rounds ahead of a slow
 //!   lane, whose wait then never passes (the model found this one; the kernel's copy-less
 //!   stages end with a warp barrier);
-//! - the warp does not meet where a gathering phase starts.
+//! - the warp does not meet where a gathering phase starts;
+//! - the threads read the hand-out word without meeting after lane 0's write.
 
 /// Deterministic xorshift for the walks and the interleavings.
 struct Rng(u64);
@@ -84,6 +89,11 @@ enum Landing {
 enum Step {
     /// The warp meets at the start of a gathering phase (lane 0's walk broadcast).
     Meet,
+    /// Several gathering warps: lane 0 writes the tile it took into the shared hand-out word,
+    /// the lanes meet, each reads it (at every tile's first use; the tile is its first use).
+    HandOut,
+    HandOutMeet,
+    HandOutRead,
     WaitEmpty,
     Issue,
     WarpSync,
@@ -101,6 +111,14 @@ struct Model {
     gathered: Vec<bool>,
     /// Per use: whether a gathering phase starts there (the warp meets).
     meets: Vec<bool>,
+    /// Per use: whether a tile starts there (in a gathering phase with several warps, lane 0
+    /// hands it out).
+    tile_starts: Vec<bool>,
+    /// Whether tiles are handed out through the shared word (several gathering warps).
+    hand_out: bool,
+    /// The hand-out word (the use of the tile last written) and the lanes yet to read it.
+    handout_word: Option<usize>,
+    unread: usize,
     full: Vec<Barrier>,
     empty: Vec<Barrier>,
     /// Per lane: the use it is at and its step in it.
@@ -129,6 +147,8 @@ enum Walking {
     /// Faulty: no meeting where a gathering phase starts (the other lanes start it while lane 0
     /// still produces the phases before).
     PhaseWithoutMeeting,
+    /// Faulty: several warps read the hand-out word without meeting after lane 0's write.
+    HandOutWithoutMeeting,
 }
 
 /// A broken property, named.
@@ -136,8 +156,8 @@ type Broken = String;
 
 impl Model {
     fn new(
-        Walk { copies, gathered, meets }: Walk,
-        (stages, lanes, consumers): (usize, usize, usize),
+        Walk { copies, gathered, meets, tile_starts }: Walk,
+        (stages, lanes, consumers, hand_out): (usize, usize, usize, bool),
         walking: Walking,
     ) -> Self {
         let uses = copies.len();
@@ -148,6 +168,10 @@ impl Model {
             copies,
             gathered,
             meets,
+            tile_starts,
+            hand_out,
+            handout_word: None,
+            unread: 0,
             full: vec![Barrier::new(1); stages],
             empty: vec![Barrier::new(consumers as i32); stages],
             lane_at: vec![(0, Step::WaitEmpty); lanes],
@@ -168,7 +192,17 @@ impl Model {
     fn entry(&self, l: usize, u: usize) -> (usize, Step) {
         let uses = self.copies.len();
         let v = if l == 0 { u } else { (u..uses).find(|&v| self.gathered[v]).unwrap_or(uses) };
-        (v, if v < uses && self.meets[v] { Step::Meet } else { Step::WaitEmpty })
+        (v, if v < uses && self.meets[v] { Step::Meet } else { self.after_meet(v) })
+    }
+
+    /// A lane's first step in use `u` after any phase meeting: the tile hand-out where a tile
+    /// starts in a gathering phase with several warps, else the `empty` wait.
+    fn after_meet(&self, u: usize) -> Step {
+        if u < self.copies.len() && self.hand_out && self.gathered[u] && self.tile_starts[u] {
+            Step::HandOut
+        } else {
+            Step::WaitEmpty
+        }
     }
 
     fn stage_round(&self, u: usize) -> (usize, u32) {
@@ -190,6 +224,33 @@ impl Model {
                 if self.walking != Walking::PhaseWithoutMeeting && !self.lane_at.iter().all(|&(v, _)| v >= u) {
                     return Ok(false);
                 }
+                self.lane_at[l] = next(self.after_meet(u));
+            }
+            Step::HandOut => {
+                if l == 0 {
+                    // The write: every lane must have read the tile before it.
+                    if self.unread > 0 {
+                        return Err(format!("lane 0 hands out use {u}'s tile with {} lanes yet to read", self.unread));
+                    }
+                    self.handout_word = Some(u);
+                    self.unread = self.lanes;
+                }
+                self.lane_at[l] = next(Step::HandOutMeet);
+            }
+            Step::HandOutMeet => {
+                // `bar.sync`: every lane at this use's meeting or past it.
+                let all_here =
+                    self.lane_at.iter().all(|&(v, st)| v > u || (v == u && !matches!(st, Step::Meet | Step::HandOut)));
+                if self.walking != Walking::HandOutWithoutMeeting && !all_here {
+                    return Ok(false);
+                }
+                self.lane_at[l] = next(Step::HandOutRead);
+            }
+            Step::HandOutRead => {
+                if self.handout_word != Some(u) {
+                    return Err(format!("lane {l} reads tile {:?} for use {u}", self.handout_word));
+                }
+                self.unread -= 1;
                 self.lane_at[l] = next(Step::WaitEmpty);
             }
             Step::WaitEmpty if !gathered => {
@@ -245,10 +306,19 @@ impl Model {
             Step::WarpSync => {
                 // `bar.warp.sync`: every lane at this use's barrier (or past it: a faulty walk's
                 // lanes may be).
-                let all_here = self
-                    .lane_at
-                    .iter()
-                    .all(|&(v, st)| v > u || (v == u && !matches!(st, Step::Meet | Step::WaitEmpty | Step::Issue)));
+                let all_here = self.lane_at.iter().all(|&(v, st)| {
+                    v > u
+                        || (v == u
+                            && !matches!(
+                                st,
+                                Step::Meet
+                                    | Step::HandOut
+                                    | Step::HandOutMeet
+                                    | Step::HandOutRead
+                                    | Step::WaitEmpty
+                                    | Step::Issue
+                            ))
+                });
                 if !all_here {
                     return Ok(false);
                 }
@@ -345,22 +415,28 @@ impl Model {
 /// A random walk of 1–4 phases, each gathering or lane 0's alone: tiles of 1–4 K blocks and
 /// runs of empty-group tiles (copy-less stages), then the phase's final `NO_TILE`.
 fn random_walk(rng: &mut Rng) -> Walk {
-    let (mut copies, mut gathered, mut meets) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut copies, mut gathered, mut meets, mut tile_starts) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for _ in 0..1 + rng.below(4) {
         let gathering = rng.below(2) == 0;
         let start = copies.len();
         for _ in 0..1 + rng.below(8) {
             if rng.below(3) == 0 {
-                copies.extend(std::iter::repeat_n(false, 1 + rng.below(9)));
+                // Empty-group tiles: one copy-less use each.
+                let run = 1 + rng.below(9);
+                copies.extend(std::iter::repeat_n(false, run));
+                tile_starts.extend(std::iter::repeat_n(true, run));
             } else {
-                copies.extend(std::iter::repeat_n(true, 1 + rng.below(4)));
+                let k_blocks = 1 + rng.below(4);
+                copies.extend(std::iter::repeat_n(true, k_blocks));
+                tile_starts.extend((0..k_blocks).map(|k| k == 0));
             }
         }
         copies.push(false);
+        tile_starts.push(true);
         gathered.extend(std::iter::repeat_n(gathering, copies.len() - start));
         meets.extend((start..copies.len()).map(|u| gathering && u == start));
     }
-    Walk { copies, gathered, meets }
+    Walk { copies, gathered, meets, tile_starts }
 }
 
 /// A producer's walk over its phases, per use (a stage of the ring in walk order).
@@ -372,35 +448,48 @@ struct Walk {
     gathered: Vec<bool>,
     /// Whether a gathering phase starts at it (the warp meets).
     meets: Vec<bool>,
+    /// Whether a tile starts at it (its first K block, an empty group's one stage, `NO_TILE`).
+    tile_starts: Vec<bool>,
 }
 
 #[test]
 fn the_gathering_ring_keeps_every_stage_in_order() {
     let mut rng = Rng(0x2545_f491_4f6c_dd1d);
-    let mut faulty_broke = [0, 0, 0];
+    let mut faulty_broke = [0, 0, 0, 0];
     for case in 0..3000 {
         let walk = random_walk(&mut rng);
         // 3 or 4 stages (the standalone weight gradient's ring, the others'), 2–4 lanes (the
-        // kernel's 32 behave alike), 1–3 consumer warps.
-        let shape = (3 + rng.below(2), 2 + rng.below(3), 1 + rng.below(3));
+        // kernel's 32 or 128 behave alike), 1–3 consumer warps, tiles handed out through the
+        // shared word (several gathering warps) or not (one: a shuffle, which needs no model).
+        let shape = (3 + rng.below(2), 2 + rng.below(3), 1 + rng.below(3), rng.below(2) == 0);
         let seed = rng.0;
         let mut kernel = Model::new(walk.clone(), shape, Walking::Kernel);
         if let Err(broken) = kernel.run(&mut rng) {
             panic!("case {case} {shape:?} walk {walk:?}: {broken}");
         }
-        for (n, walking) in [Walking::CopylessWithoutMeeting, Walking::CopylessLane0Alone, Walking::PhaseWithoutMeeting]
-            .into_iter()
-            .enumerate()
+        for (n, walking) in [
+            Walking::CopylessWithoutMeeting,
+            Walking::CopylessLane0Alone,
+            Walking::PhaseWithoutMeeting,
+            Walking::HandOutWithoutMeeting,
+        ]
+        .into_iter()
+        .enumerate()
         {
+            // The hand-out's faulty walk needs the hand-out.
+            let shape =
+                if walking == Walking::HandOutWithoutMeeting { (shape.0, shape.1, shape.2, true) } else { shape };
             let mut faulty = Model::new(walk.clone(), shape, walking);
             faulty_broke[n] += faulty.run(&mut Rng(seed | 1)).is_err() as usize;
         }
     }
-    // The model can fail: lanes that do not meet at copy-less stages, skip their wait there, or
-    // start a gathering phase without meeting lane 0, break it.
+    // The model can fail: lanes that do not meet at copy-less stages, skip their wait there,
+    // start a gathering phase without meeting lane 0, or read the hand-out word without meeting
+    // after its write, break it.
     println!(
-        "faulty walks broken (of 3000): lanes waiting without meeting {}, lane 0 alone {}, no meeting at a phase {}",
-        faulty_broke[0], faulty_broke[1], faulty_broke[2]
+        "faulty walks broken (of 3000): lanes waiting without meeting {}, lane 0 alone {}, no meeting at a phase {}, \
+         hand-out read without meeting {}",
+        faulty_broke[0], faulty_broke[1], faulty_broke[2], faulty_broke[3]
     );
     assert!(faulty_broke.iter().all(|&n| n > 0), "a faulty walk never broke the model: {faulty_broke:?}");
 }
