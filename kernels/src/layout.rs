@@ -6,7 +6,7 @@
 //! is a pure function of `topk_ids` and every later reduction over rows has a fixed order.
 //!
 //! The computation is split in three data-parallel steps, each a function here that the device
-//! kernels call per block or thread and the host composes in [`mok-host`] for its reference:
+//! kernels call per block or thread and the host composes in `mok-host` for its reference:
 //! 1. [`rank_chunk`]: tokens are cut in chunks of [`ROUTE_CHUNK_TOKENS`]; inside a chunk, each
 //!    slot gets its rank among the chunk's slots of the same expert, and the chunk gets its
 //!    per-expert counts;

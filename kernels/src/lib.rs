@@ -2,7 +2,7 @@
 //!
 //! The crate builds for two kinds of target:
 //! - `nvptx64-nvidia-cuda` (by the `mok` facade's build script): every `extern "ptx-kernel"`
-//!   entry point in [`entry`], with the PTX wrappers of [`ptx`] underneath;
+//!   entry point in `entry`, with the PTX wrappers of `ptx` underneath (device-only modules);
 //! - the host (as a plain `no_std` rlib): only the pure logic — routing layout, tile and index
 //!   math, number formats — which `mok-host` reuses so that the CPU and the GPU agree by
 //!   construction, and which is unit-tested here on the CPU.

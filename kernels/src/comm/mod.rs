@@ -3,9 +3,9 @@
 //!
 //! Host and device: [`params`] (heap layout, parameter block), [`schedule`] (where every row
 //! lands; index math), [`error`] (the error record's words).
-//! Device only: [`wait`] (bounded waits, release signals), [`plan`] (publish, schedule and
-//! ring-map steps), [`movers`] (pull dispatch and reverse-combine, push combine and
-//! reverse-dispatch, with 16-byte vectors or bulk copies), [`combine`] (the token owner's fixed
+//! Device only: `wait` (bounded waits, release signals), `plan` (publish, schedule and
+//! ring-map steps), `movers` (pull dispatch and reverse-combine, push combine and
+//! reverse-dispatch, with 16-byte vectors or bulk copies), `combine` (the token owner's fixed
 //! order sum of its slots). Each is a block- or warp-level function a persistent kernel can call
 //! on the work it was given; `crate::entry::exchange` wraps them as standalone kernels.
 //!
