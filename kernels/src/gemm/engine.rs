@@ -599,14 +599,12 @@ pub unsafe fn run_backward_phases<H: TileHooks>(
                     ($phase:expr) => {
                         let mut q = wgrad_first;
                         while q < wgrad_end {
-                            if H::MAY_GATHER_ROWS {
-                                // Every lane learns where lane 0's walk stands (the whole warp
-                                // is here: the branches above rejoin, the trip count is the
-                                // launch's).
-                                walk = broadcast_walk(walk);
-                            }
                             let (p, phase_hooks) = (&*plan_of($phase, q), hooks_of($phase, q));
                             if let Some(rows) = phase_hooks.row_gather() {
+                                // Every lane learns where lane 0's walk stands (the whole warp
+                                // is here: the branches above rejoin, the trip count is the
+                                // launch's), as in the forward.
+                                walk = share_walk::<W, H>(ring, walk, lane);
                                 walk = produce_gathering::<W, H>(p, ring, (rows, phase_hooks), lane, walk);
                             } else if lane == 0 {
                                 walk = produce::<W, H>(p, ring, phase_hooks, walk);

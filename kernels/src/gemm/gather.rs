@@ -308,7 +308,7 @@ unsafe fn gather_row_tile<const V: u32, const N: usize>(
             let row_source = rows.row_start(token) + 2 * k0 as u64;
             for s in 0..A_COPIES_PER_TOKEN {
                 let (byte, place) = gathered_a_copy(j, s, lane);
-                let present = token != NO_TOKEN && 2 * s + lane % 2 < present_chunks;
+                let present = token != NO_TOKEN && byte / 16 < present_chunks;
                 // A chunk not present is zeros, read from nowhere (any valid address).
                 let src = if present { row_source + byte as u64 } else { rows.x };
                 // SAFETY: chunk 2s + lane % 2 of row lane / 2 + 16j < 128 of this stage's A tile,
@@ -390,7 +390,7 @@ unsafe fn gather_weight_gradient_tile<const V: u32, const N: usize>(
             let row_source = rows.row_start(token) + 2 * w.n0 as u64;
             for i in 0..B_COPIES_PER_TOKEN {
                 let (byte, place) = gathered_b_copy(j, i, lane);
-                let present = token != NO_TOKEN && 4 * i + 2 * (lane / 16) + lane % 2 < present_chunks;
+                let present = token != NO_TOKEN && byte / 16 < present_chunks;
                 let src = if present { row_source + byte as u64 } else { rows.x };
                 // SAFETY: a chunk of K row (lane / 2) % 8 + 8j < 64 of this stage's B tile (one
                 // of its column blocks), free since the `empty` wait; a present chunk lies
