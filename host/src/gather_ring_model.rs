@@ -24,17 +24,8 @@
 //! - the warp does not meet where a gathering phase starts;
 //! - the threads read the hand-out word without meeting after lane 0's write.
 
-/// Deterministic xorshift for the walks and the interleavings.
-struct Rng(u64);
-
-impl Rng {
-    fn below(&mut self, n: usize) -> usize {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        (self.0 % n as u64) as usize
-    }
-}
+// Deterministic xorshift for the walks and the interleavings (the work-order model's).
+use crate::megakernel::work_order_model::Rng;
 
 /// An mbarrier: completed phases, the arrivals still pending in the current one, the
 /// transaction count, and the arrivals each phase expects.

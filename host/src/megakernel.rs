@@ -840,7 +840,7 @@ mod geometry_tests {
 }
 
 #[cfg(test)]
-mod work_order_model {
+pub(crate) mod work_order_model {
     //! CPU models of the megakernels' work orders, run over many random geometries, routings,
     //! rank counts and interleavings. Agents stand for blocks: a comm block, or a compute pair
     //! whose producer holds the next GEMM tile (waiting on its inputs) while its consumers
@@ -850,10 +850,10 @@ mod work_order_model {
     //! where every unfinished agent waits); and the order matters (taking a later queue early
     //! can deadlock).
 
-    /// Deterministic xorshift for the interleavings.
-    pub(super) struct Rng(pub(super) u64);
+    /// Deterministic xorshift for the interleavings (the gathering ring model's too).
+    pub(crate) struct Rng(pub(crate) u64);
     impl Rng {
-        pub(super) fn below(&mut self, n: usize) -> usize {
+        pub(crate) fn below(&mut self, n: usize) -> usize {
             self.0 ^= self.0 << 13;
             self.0 ^= self.0 >> 7;
             self.0 ^= self.0 << 17;
