@@ -395,14 +395,8 @@ fn gate_up_gathering_its_rows_in_the_producer_is_bitwise_the_engine_path() {
         layer.set_gather_in_producer(&gpu, true).unwrap();
         assert!(layer.gathers_in_producer());
         for attempt in ["gathered in the producers", "gathered, rerun"] {
-            let mut got = run(&gpu, &mut layer, &device);
             // `run` poisons the layer first: the gathered copy must still be all poison.
-            assert!(
-                got.gathered_x.iter().all(|v| v.to_bits() == 0xffff),
-                "{what}, {attempt}: a gathered copy was written"
-            );
-            got.gathered_x.clone_from(&expected.gathered_x);
-            assert_same_run(&got, &expected, &format!("{what}, {attempt}"));
+            check_gathering_run(run(&gpu, &mut layer, &device), &expected, &format!("{what}, {attempt}"));
         }
         layer.set_backward_megakernel(&gpu, Some(megakernel_options(None, None))).unwrap();
         let got = run(&gpu, &mut layer, &device);
@@ -665,18 +659,23 @@ fn forward_megakernel_gathering_its_rows_in_the_producer_is_bitwise_the_engine_p
 /// `run`, must be untouched; the rest as the backward megakernel's tests compare it
 /// (`assert_same_backward`).
 fn assert_gathered_then_backward_megakernel(got: &GpuRun, expected: &GpuRun, what: &str) {
-    assert!(got.gathered_x.iter().all(|v| v.to_bits() == 0xffff), "{what}: a gathered copy was written");
+    assert_no_gathered_copy(got, what);
     assert_eq!(fingerprint(&got.gate), fingerprint(&expected.gate), "{what}: gate pre-activations");
     assert_eq!(fingerprint(&got.up), fingerprint(&expected.up), "{what}: up pre-activations");
     assert_eq!(fingerprint(&got.y), fingerprint(&expected.y), "{what}: y");
     assert_same_backward(got, expected, what);
 }
 
+/// The gathered copy, poisoned by `run`, is untouched: no pass wrote it.
+fn assert_no_gathered_copy(got: &GpuRun, what: &str) {
+    assert!(got.gathered_x.iter().all(|v| v.to_bits() == 0xffff), "{what}: a gathered copy was written");
+}
+
 /// A run whose forward gathered its rows in the producers and whose backward's weight
 /// gradients did too: the gathered copy, poisoned by `run`, must be untouched; everything else
 /// must be `expected`'s bits.
 fn check_gathering_run(mut got: GpuRun, expected: &GpuRun, what: &str) {
-    assert!(got.gathered_x.iter().all(|v| v.to_bits() == 0xffff), "{what}: a gathered copy was written");
+    assert_no_gathered_copy(&got, what);
     got.gathered_x.clone_from(&expected.gathered_x);
     assert_same_run(&got, expected, what);
 }
