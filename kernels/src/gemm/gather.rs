@@ -102,15 +102,24 @@ const B_COPIES_PER_TOKEN: u32 = TILE_K * 32 / GATHER_LANES / GATHERED_ROWS_PER_L
 const NO_TOKEN: u32 = u32::MAX;
 
 impl RowGather {
-    /// The token of plan row `row` (its slot's token), looked up once per tile (gate/up) or
-    /// stage (weight gradient) by the lane that copies the row.
+    /// The slot of plan row `row`, looked up once per tile (gate/up) or stage (weight
+    /// gradient) by the lane that copies the row. A lane loads all its rows' slots before it
+    /// uses any ([`token`](Self::token)): a use right after each load would wait out one load's
+    /// latency per row, in series, on the producer's path.
     ///
     /// # Safety
-    /// `row` has a `row_source` entry below `T · top_k` (the gathering kernels' contract).
+    /// `row` has a `row_source` entry (a row of the launch's groups).
     #[inline(always)]
-    unsafe fn token(&self, row: u32) -> u32 {
+    unsafe fn slot(&self, row: u32) -> u32 {
         // SAFETY: caller contract.
-        unsafe { *self.row_source.add(row as usize) / self.top_k }
+        unsafe { *self.row_source.add(row as usize) }
+    }
+
+    /// The token of a looked-up slot, or [`NO_TOKEN`] for a row the copies skip (`present`
+    /// false: past the group's end, or not gathered), whose slot was loaded from a stand-in row.
+    #[inline(always)]
+    fn token(&self, slot: u32, present: bool) -> u32 {
+        if present { slot / self.top_k } else { NO_TOKEN }
     }
 
     /// Where token `token`'s row of `x` starts (an address only for a token, not [`NO_TOKEN`]).
@@ -260,14 +269,19 @@ unsafe fn gather_row_tile<const V: u32, const N: usize>(
     // warpgroup).
     let gathered = if w.has_columns { w.rows.div_ceil(64) * 64 } else { 0 };
     // The tokens of this lane's rows lane / 2 + 16j (j from first_token), NO_TOKEN past the
-    // group's end (zeros).
+    // group's end (zeros). Every slot is loaded before any is used; a row without a token
+    // loads the tile's first row's slot (the tile has rows) and ignores it.
+    let row_of = |jj: usize| gathered_a_chunk(A_COPIES_PER_TOKEN * (first_token + jj as u32), lane).0;
+    let present = |r: u32| r < gathered && r < w.rows;
+    let mut slots = [0; N];
+    for (jj, slot) in slots.iter_mut().enumerate() {
+        let r = row_of(jj);
+        // SAFETY: row m0 + r (r < rows) or m0 is a row of the launch's groups (caller contract).
+        *slot = unsafe { rows.slot(w.m0 + if present(r) { r } else { 0 }) };
+    }
     let mut tokens = [NO_TOKEN; N];
     for (jj, token) in tokens.iter_mut().enumerate() {
-        let (r, _) = gathered_a_chunk(A_COPIES_PER_TOKEN * (first_token + jj as u32), lane);
-        if r < gathered && r < w.rows {
-            // SAFETY: row m0 + r is a row of the launch's groups (r < rows) (caller contract).
-            *token = unsafe { rows.token(w.m0 + r) };
-        }
+        *token = rows.token(slots[jj], present(row_of(jj)));
     }
     let b_bytes = if w.has_columns { B_TILE_BYTES } else { 0 };
     for kb in 0..w.k_blocks {
@@ -350,19 +364,37 @@ unsafe fn gather_weight_gradient_tile<const V: u32, const N: usize>(
     }
     // The stage's chunks from column n0 on that exist (N a multiple of 8).
     let present_chunks = p.n.saturating_sub(w.n0).div_ceil(8);
+    // This lane's K rows (lane / 2) % 8 + 8j of stage `kb` (j from first_token), present
+    // below the group's end (so none from stage `k_blocks` on).
+    let row_of = |kb: u32, jj: usize| {
+        w.row_begin + kb * TILE_K + gathered_b_chunk(B_COPIES_PER_TOKEN * (first_token + jj as u32), lane).0
+    };
+    // Their slots, loaded and not used: a row past the group's end loads the group's first
+    // row's slot (the group has rows: k_blocks > 0) and ignores it.
+    let stage_slots = |kb: u32| {
+        let mut slots = [0; N];
+        for (jj, slot) in slots.iter_mut().enumerate() {
+            let row = row_of(kb, jj);
+            // SAFETY: a row below the group's end, or its first, is a row of the launch's groups.
+            *slot = unsafe { rows.slot(if row < w.row_end { row } else { w.row_begin }) };
+        }
+        slots
+    };
+    // Each stage's slots are loads that its copies' addresses depend on. With four warps (2
+    // rows a lane) they are loaded two stages ahead, so their latency is not paid on the
+    // producer's path at each stage; one warp (8 rows a lane, the backward megakernel, whose
+    // producer registers are spent) loads them before the stage's `empty` wait only.
+    let prefetch = N == 2;
+    let mut ahead = if prefetch { [stage_slots(0), stage_slots(1)] } else { [[0; N]; 2] };
     for kb in 0..w.k_blocks {
         let row = w.row_begin + kb * TILE_K;
-        // The tokens of this lane's K rows (lane / 2) % 8 + 8j of the stage (j from
-        // first_token), NO_TOKEN past the group's end; looked up before the wait, which hides
-        // their latency.
-        let mut tokens = [NO_TOKEN; N];
-        for (jj, token) in tokens.iter_mut().enumerate() {
-            let (k_row, _, _) = gathered_b_chunk(B_COPIES_PER_TOKEN * (first_token + jj as u32), lane);
-            if row + k_row < w.row_end {
-                // SAFETY: a row below the group's end is a row of the launch's groups.
-                *token = unsafe { rows.token(row + k_row) };
-            }
-        }
+        let slots = if prefetch {
+            let slots = ahead[0];
+            ahead = [ahead[1], stage_slots(kb + 2)];
+            slots
+        } else {
+            stage_slots(kb)
+        };
         // SAFETY: initialised barrier of this block.
         unsafe { mbarrier::wait_parity(ring.empty::<V>(*stage), *phase ^ 1) };
         let (a_tile, b_tile, full) = (ring.a_tile(*stage), ring.b_tile(*stage), ring.full(*stage));
@@ -382,6 +414,12 @@ unsafe fn gather_weight_gradient_tile<const V: u32, const N: usize>(
                     tma::load_2d(a_tile + block * BLOCK_64_BYTES, map_a, (w.m0 + 64 * block) as i32, r as i32, full);
                 }
             }
+        }
+        // The slots' first use, after the wait, which hides their latency where they were
+        // loaded just before it.
+        let mut tokens = [NO_TOKEN; N];
+        for (jj, token) in tokens.iter_mut().enumerate() {
+            *token = rows.token(slots[jj], row_of(kb, jj) < w.row_end);
         }
         // The copies of token j's K row (constant j, as for the gate/up's rows), from an opaque
         // lane (as for the gate/up's).
