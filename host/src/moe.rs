@@ -87,10 +87,11 @@ pub struct LayerOptions {
     /// the engine the gate and up weight gradients) read the token rows from x in their
     /// producers instead of from a gathered copy
     /// ([`UnfusedLayer::set_gather_in_producer`](crate::unfused::UnfusedLayer::set_gather_in_producer)):
-    /// the same bits, T · k · H bf16 less written and read per forward, but slower on the
-    /// H200 (the gathering GEMMs take 1.44–2.1× the plain ones' time: docs/PERF.md), and the
-    /// gathered copy stays allocated. Refused over ranks (the rows are pulled from their
-    /// owners) and on `mma.sync`.
+    /// the same bits, T · k · H bf16 less written and read per forward; on the H200 the
+    /// engine path's forward is faster with it and its backward slower (the gathering weight
+    /// gradients take 1.26–1.39× the plain ones' time: docs/PERF.md), and the gathered copy
+    /// stays allocated. Refused over ranks (the rows are pulled from their owners) and on
+    /// `mma.sync`.
     pub gather_in_producer: bool,
 }
 

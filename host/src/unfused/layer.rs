@@ -578,10 +578,11 @@ impl UnfusedLayer {
     /// in the backward megakernel its gate and up weight-gradient tiles. With it no gathered
     /// copy of the rows is written (T · k · H bf16 less to write and read per forward), though
     /// the copy's buffer stays allocated (the plain plans are built over it). Every output and
-    /// gradient is the same bits either way; on the H200 it is slower (the gathering GEMMs take
-    /// 1.44–2.1× the plain ones' time: one warp's copies keep too few rows in flight,
-    /// docs/PERF.md). It needs the engine on and the kernels in the loaded PTX (otherwise an
-    /// error, and the layer is unchanged), and switching the engine off switches it off.
+    /// gradient is the same bits either way; on the H200 the forward is faster with it and the
+    /// backward slower (the gathering gate/up takes 1.05–1.10× the plain one's time, the
+    /// gathering weight gradients 1.26–1.39×: docs/PERF.md). It needs the engine on and the
+    /// kernels in the loaded PTX (otherwise an error, and the layer is unchanged), and switching
+    /// the engine off switches it off.
     pub fn set_gather_in_producer(&mut self, gpu: &Gpu, on: bool) -> Result<()> {
         if on == self.gather_in_producer {
             return Ok(());
