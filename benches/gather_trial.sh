@@ -13,6 +13,10 @@
 # (cargo xtask gpu-subset --tests gpu_unfused,gpu_gemm --benches layer,gemm). Logs under $OUT (or
 # ./bench-logs); a short table last; exits non-zero when the step failed.
 #   ./benches/gather_trial.sh tests      (then: sanitize, bench, bench-megakernel; CASES=deepseek:8192,kimi:8192)
+#   ./benches/gather_trial.sh all        (tests, bench, bench-megakernel, then sanitize with its
+#                                         tools cut at MOK_TEST_TIMEOUT, default 300 s: one call
+#                                         of at most ~9.5 minutes, where device starts are scarce;
+#                                         $OUT keeps the tables and gather-all-logs.tar.gz)
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 bundle="$(cd "$here/.." && pwd)"
@@ -31,7 +35,7 @@ case "${1:-}" in
         echo "== plans";      tail -2 "$out/gather-plans.txt"
         ;;
     sanitize)
-        (cd "$bundle" && OUT="$out" MOK_TEST_TIMEOUT=560 MOK_SANITIZE_TOOLS="memcheck racecheck synccheck" \
+        (cd "$bundle" && OUT="$out" MOK_TEST_TIMEOUT="${MOK_TEST_TIMEOUT:-560}" MOK_SANITIZE_TOOLS="memcheck racecheck synccheck" \
             ./run.sh --sanitize "$test_name") > "$out/gather-sanitize.txt" 2>&1
         rc=$?
         grep -h "^sanitize:\|passed" "$out/gather-sanitize.txt" | tail -2
@@ -54,8 +58,24 @@ case "${1:-}" in
         rc=$?
         echo "== layer"; grep -h "^|" "$out/layer.log" | tail -10
         ;;
+    all)
+        rc=0
+        for step in tests bench bench-megakernel; do
+            echo "==== $step"
+            "$0" "$step" || rc=1
+            # Each layer bench writes layer.log; keep the step's own.
+            [ -f "$out/layer.log" ] && mv "$out/layer.log" "$out/layer-$step.log"
+        done
+        echo "==== sanitize"
+        MOK_TEST_TIMEOUT="${MOK_TEST_TIMEOUT:-300}" "$0" sanitize || rc=1
+        # A device call returns a few files only: every log in one archive, beside the tables.
+        keep="gather-gemm.txt layer-bench.log layer-bench-megakernel.log gather-sanitize.txt"
+        (cd "$out" && tar czf ../gather-all-logs.tar.gz . && mv ../gather-all-logs.tar.gz . &&
+            find . -mindepth 1 -maxdepth 1 ! -name gather-all-logs.tar.gz \
+                $(for f in $keep; do printf -- "! -name %s " "$f"; done) -exec rm -rf {} +)
+        ;;
     *)
-        echo "usage: gather_trial.sh tests|sanitize|bench|bench-megakernel (one device call each)" >&2
+        echo "usage: gather_trial.sh tests|sanitize|bench|bench-megakernel|all (one device call each)" >&2
         exit 2
         ;;
 esac
