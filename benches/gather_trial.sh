@@ -6,15 +6,15 @@
 # GEMM benchmark with the gathering plans each timed right after its plain one (`gemm
 # --gathering`) and the layer benchmark with the engine path with and without the gathering
 # producers alternating (engine, engine-gathering, engine, engine-gathering) beside the ceilings
-# and PyTorch, `bench-megakernel` the same with both megakernels gathering against the engine
-# path gathering (engine-gathering, megakernels-gathering, twice). Run from a bundle folder that holds
-# run.sh,
+# and PyTorch, `bench-megakernel` the same with the plain engine path, the forward megakernel gathering (its backward the engine path's, gathering)
+# and both megakernels gathering (engine, megakernel-gathering, megakernels-gathering, twice): the
+# one-GPU default forward is whichever is fastest. Run from a bundle folder that holds run.sh,
 # tests/gpu_unfused(.gz), tests/gpu_gemm(.gz), benches/layer and benches/gemm with the scripts
 # (cargo xtask gpu-subset --tests gpu_unfused,gpu_gemm --benches layer,gemm). Logs under $OUT (or
 # ./bench-logs); a short table last; exits non-zero when the step failed.
 #   ./benches/gather_trial.sh tests      (then: sanitize, bench, bench-megakernel; CASES=deepseek:8192,kimi:8192)
 #   ./benches/gather_trial.sh all        (tests, bench, bench-megakernel, then sanitize with its
-#                                         tools cut at MOK_TEST_TIMEOUT, default 300 s: one call
+#                                         tools cut at MOK_TEST_TIMEOUT, default 270 s: one call
 #                                         of at most ~9.5 minutes, where device starts are scarce;
 #                                         $OUT keeps the tables and gather-all-logs.tar.gz)
 set -uo pipefail
@@ -53,7 +53,7 @@ case "${1:-}" in
         ;;
     bench-megakernel)
         cases="${CASES:-deepseek:8192,kimi:8192}"
-        OUT="$out" CASES="$cases" GEMM=engine-gathering,megakernels-gathering,engine-gathering,megakernels-gathering \
+        OUT="$out" CASES="$cases" GEMM=engine,megakernel-gathering,megakernels-gathering,engine,megakernel-gathering,megakernels-gathering \
             "$here/run_layer_bench.sh" > "$out/gather-megakernel-bench.txt" 2>&1
         rc=$?
         echo "== layer"; grep -h "^|" "$out/layer.log" | tail -10
@@ -67,7 +67,7 @@ case "${1:-}" in
             [ -f "$out/layer.log" ] && mv "$out/layer.log" "$out/layer-$step.log"
         done
         echo "==== sanitize"
-        MOK_TEST_TIMEOUT="${MOK_TEST_TIMEOUT:-300}" "$0" sanitize || rc=1
+        MOK_TEST_TIMEOUT="${MOK_TEST_TIMEOUT:-270}" "$0" sanitize || rc=1
         # A device call returns a few files only: every log in one archive, beside the tables.
         keep="gather-gemm.txt layer-bench.log layer-bench-megakernel.log gather-sanitize.txt"
         (cd "$out" && tar czf ../gather-all-logs.tar.gz . && mv ../gather-all-logs.tar.gz . &&
