@@ -140,8 +140,10 @@ fn moe_layer_gives_every_backend_the_same_bits_over_caller_memory() {
         (Backend::MmaSync, false),
         (Backend::Engine, false),
         (Backend::Megakernel, false),
+        (Backend::ForwardMegakernel, false),
         (Backend::Engine, true),
         (Backend::Megakernel, true),
+        (Backend::ForwardMegakernel, true),
     ];
     for (backend, gather_in_producer) in runs {
         let options = LayerOptions { backend: Some(backend), gather_in_producer, ..LayerOptions::default() };
@@ -224,10 +226,16 @@ fn moe_layer_rejects_what_it_cannot_run() {
     let gpu = gpu();
     let c = config();
     let case = random_case(&c, 702, Routing { drop_probability: 0.0, empty_experts: &[] });
-    // Over ranks there is no engine path of separate launches.
+    // Over ranks there is no engine path of separate launches, nor the forward megakernel
+    // before one.
     let p2 = MoeConfig { ep_ranks: 2, tokens_per_rank: c.tokens_per_rank / 2, ..c.clone() };
-    let engine = LayerOptions { backend: Some(Backend::Engine), ..Default::default() };
-    assert!(matches!(MoeLayer::new(&gpu, p2, engine), Err(MokError::InvalidConfig { field: "ep_ranks", .. })));
+    for one_gpu in [Backend::Engine, Backend::ForwardMegakernel] {
+        let options = LayerOptions { backend: Some(one_gpu), ..Default::default() };
+        assert!(matches!(
+            MoeLayer::new(&gpu, p2.clone(), options),
+            Err(MokError::InvalidConfig { field: "ep_ranks", .. })
+        ));
+    }
     let mut layer = MoeLayer::new(&gpu, c.clone(), LayerOptions::default()).unwrap();
     let mut caller = Caller::new(&gpu, &case);
     let other_x = DeviceBuffer::from_slice(&gpu, &case.tokens.x).unwrap();
@@ -361,7 +369,7 @@ fn workspace_bytes_is_what_a_layer_allocates() {
     let gpu = gpu();
     let c = config();
     let case = random_case(&c, 703, Routing { drop_probability: 0.0, empty_experts: &[] });
-    for backend in [Backend::MmaSync, Backend::Engine, Backend::Megakernel] {
+    for backend in [Backend::MmaSync, Backend::Engine, Backend::ForwardMegakernel, Backend::Megakernel] {
         let mut callers = [Caller::new(&gpu, &case), Caller::new(&gpu, &case)];
         let (_, before) = mok::driver::live_device_buffers();
         let options = LayerOptions { backend: Some(backend), ..LayerOptions::default() };

@@ -94,6 +94,7 @@ const STEP_PREFIXES: [&str; 2] = ["", "alternate-"];
 fn backend_name(backend: Backend) -> &'static str {
     match backend {
         Backend::Megakernel => "megakernel",
+        Backend::ForwardMegakernel => "forward-megakernel",
         Backend::Engine => "engine",
         Backend::MmaSync => "mma",
     }

@@ -30,6 +30,9 @@ pub enum Backend {
     /// as one persistent launch — on one GPU, over virtual ranks one launch hosting every rank,
     /// and with one process per rank one launch hosting that rank.
     Megakernel,
+    /// One GPU only: the forward megakernel, the backward on the engine's separate launches
+    /// (sm_90a). The forward saves what that backward reads.
+    ForwardMegakernel,
     /// The routed experts' GEMMs on the tensor-core engine (sm_90a), as separate launches.
     Engine,
     /// Portable `mma.sync` kernels (any supported GPU): the oracle.
@@ -75,7 +78,8 @@ pub struct LayerOptions {
     /// `None`: [`Backend::fastest_for`] the GPU and the config's ranks; `Some`: that backend, or
     /// an error where the GPU lacks it (tests compare backends this way).
     pub backend: Option<Backend>,
-    /// The megakernel's geometry and wait deadline ([`Backend::Megakernel`]); over ranks its
+    /// The megakernels' geometry and wait deadline ([`Backend::Megakernel`],
+    /// [`Backend::ForwardMegakernel`]); over ranks its
     /// `timeout` also bounds the exchange's waits, whatever the backend.
     pub megakernel: MegakernelOptions,
     /// Over ranks: the rows each rank's receive ring holds (`ExchangeOptions::capacity_rows`).
@@ -83,8 +87,9 @@ pub struct LayerOptions {
     /// the largest shapes; a smaller ring that a pass overflows is reported by
     /// [`MoeLayer::check`] as `MokError::Capacity` with the rows needed. Ignored on one GPU.
     pub ring_rows: Option<usize>,
-    /// One GPU, on [`Backend::Engine`] or [`Backend::Megakernel`]: the routed gate/up (and on
-    /// the engine the gate and up weight gradients) read the token rows from x in their
+    /// One GPU, on [`Backend::Engine`], [`Backend::ForwardMegakernel`] or
+    /// [`Backend::Megakernel`]: the routed gate/up and the gate and up weight gradients read
+    /// the token rows from x in their
     /// producers instead of from a gathered copy
     /// ([`UnfusedLayer::set_gather_in_producer`](crate::unfused::UnfusedLayer::set_gather_in_producer)):
     /// the same bits, T · k · H bf16 less written and read per forward; on the H200 the
@@ -203,6 +208,16 @@ pub struct PassToken {
     layer: u64,
 }
 
+/// The refusal of a one-GPU backend (the engine's separate launches, or the forward megakernel
+/// with them) for a layer over `ranks` ranks.
+fn over_ranks_refused(backend: Backend, ranks: usize) -> MokError {
+    MokError::InvalidConfig {
+        field: "ep_ranks",
+        value: ranks.to_string(),
+        rule: format!("over ranks the layer runs the megakernel or mma.sync, not {backend:?} (one GPU only)"),
+    }
+}
+
 /// The exchange options a layer over ranks gets from `options`: the megakernel's deadline bounds
 /// the exchange's waits too, and `ring_rows` sizes the receive rings.
 fn exchange_options(options: &LayerOptions) -> ExchangeOptions {
@@ -226,13 +241,8 @@ impl MoeLayer {
             });
         }
         if config.ep_ranks > 1 {
-            if backend == Backend::Engine {
-                return Err(MokError::InvalidConfig {
-                    field: "ep_ranks",
-                    value: config.ep_ranks.to_string(),
-                    rule: "over ranks the layer runs the megakernel or mma.sync, not the engine's separate launches"
-                        .into(),
-                });
+            if matches!(backend, Backend::Engine | Backend::ForwardMegakernel) {
+                return Err(over_ranks_refused(backend, config.ep_ranks));
             }
             let exchange = exchange_options(&options);
             let mut layer = EpLayer::new_virtual(gpu, config, exchange)?;
@@ -246,6 +256,7 @@ impl MoeLayer {
         match backend {
             Backend::MmaSync => {}
             Backend::Engine => layer.set_gemm_engine(gpu, true)?,
+            Backend::ForwardMegakernel => layer.set_forward_megakernel(gpu, Some(options.megakernel.clone()))?,
             Backend::Megakernel => {
                 layer.set_forward_megakernel(gpu, Some(options.megakernel.clone()))?;
                 layer.set_backward_megakernel(gpu, Some(options.megakernel))?;
@@ -277,12 +288,8 @@ impl MoeLayer {
             });
         }
         let backend = options.backend.unwrap_or_else(|| Backend::fastest_hosting(gpu, heap.local_ranks().len()));
-        if backend == Backend::Engine {
-            return Err(MokError::InvalidConfig {
-                field: "ep_ranks",
-                value: config.ep_ranks.to_string(),
-                rule: "over ranks the layer runs the megakernel or mma.sync, not the engine's separate launches".into(),
-            });
+        if matches!(backend, Backend::Engine | Backend::ForwardMegakernel) {
+            return Err(over_ranks_refused(backend, config.ep_ranks));
         }
         let exchange = exchange_options(&options);
         let mut layer = EpLayer::with_heap(gpu, config, exchange, heap)?;
@@ -754,10 +761,9 @@ pub fn workspace_bytes(config: &MoeConfig, backend: Backend) -> Result<usize> {
         };
         total += buffer(4 * 2 * (e + 1));
         total += plans.iter().map(|&maps| plan_bytes(maps, e)).sum::<usize>();
-        if backend == Backend::Megakernel {
+        if matches!(backend, Backend::Megakernel | Backend::ForwardMegakernel) {
             let m_tiles = slots.div_ceil(mok_kernels::gemm_layout::TILE_M as usize) + e;
             let forward = size_of::<mok_kernels::megakernel_layout::ForwardParams>();
-            let backward = size_of::<mok_kernels::megakernel_layout::BackwardParams>();
             // The forward runs the shared expert inside its launch: its copy of the token rows,
             // its group's tile offsets and its gate/up (4 maps) and down (3) plans, one group.
             let forward_plans = if c.shared_intermediate.is_some() {
@@ -772,6 +778,10 @@ pub fn workspace_bytes(config: &MoeConfig, backend: Backend) -> Result<usize> {
                 + buffer(4 * mok_kernels::megakernel_layout::forward_counter_words(m_tiles))
                 + buffer(4 * mok_kernels::comm::params::ERROR_WORDS)
                 + buffer(8 * forward_plans);
+        }
+        if backend == Backend::Megakernel {
+            let m_tiles = slots.div_ceil(mok_kernels::gemm_layout::TILE_M as usize) + e;
+            let backward = size_of::<mok_kernels::megakernel_layout::BackwardParams>();
             // The backward runs the shared expert inside its launch too: its copy of dy and its
             // five plans (the down dgrad 3 maps, the gate/up dgrad 5, three weight gradients 3
             // each), one group.
@@ -880,9 +890,10 @@ mod tests {
     #[test]
     fn workspace_bytes_follow_the_config_and_the_backend() {
         let config = MoeConfig { shared_intermediate: Some(256), ..MoeConfig::new(400, 512, 256, 32, 8) };
-        let [mma, engine, mega] =
-            [Backend::MmaSync, Backend::Engine, Backend::Megakernel].map(|b| workspace_bytes(&config, b).unwrap());
-        assert!(mma < engine && engine < mega, "{mma} {engine} {mega}");
+        let [mma, engine, forward, mega] =
+            [Backend::MmaSync, Backend::Engine, Backend::ForwardMegakernel, Backend::Megakernel]
+                .map(|b| workspace_bytes(&config, b).unwrap());
+        assert!(mma < engine && engine < forward && forward < mega, "{mma} {engine} {forward} {mega}");
         // The three routed weight gradients alone: 3 · E · I · H bf16.
         assert!(mma > 3 * 2 * 32 * 256 * 512);
         let more = MoeConfig { tokens_per_rank: 800, ..config.clone() };

@@ -269,19 +269,20 @@ unsafe fn gather_row_tile<const V: u32, const N: usize>(
     // warpgroup).
     let gathered = if w.has_columns { w.rows.div_ceil(64) * 64 } else { 0 };
     // The tokens of this lane's rows lane / 2 + 16j (j from first_token), NO_TOKEN past the
-    // group's end (zeros). Every slot is loaded before any is used; a row without a token
-    // loads the tile's first row's slot (the tile has rows) and ignores it.
+    // group's end or from `gathered` on (zeros). Every slot is loaded before any is used; a row
+    // without a token loads the tile's first row's slot (every tile has a row: `pair_tile`) and
+    // ignores it.
     let row_of = |jj: usize| gathered_a_chunk(A_COPIES_PER_TOKEN * (first_token + jj as u32), lane).0;
-    let present = |r: u32| r < gathered && r < w.rows;
+    let has_token = |r: u32| r < gathered && r < w.rows;
     let mut slots = [0; N];
     for (jj, slot) in slots.iter_mut().enumerate() {
         let r = row_of(jj);
         // SAFETY: row m0 + r (r < rows) or m0 is a row of the launch's groups (caller contract).
-        *slot = unsafe { rows.slot(w.m0 + if present(r) { r } else { 0 }) };
+        *slot = unsafe { rows.slot(w.m0 + if has_token(r) { r } else { 0 }) };
     }
     let mut tokens = [NO_TOKEN; N];
     for (jj, token) in tokens.iter_mut().enumerate() {
-        *token = rows.token(slots[jj], present(row_of(jj)));
+        *token = rows.token(slots[jj], has_token(row_of(jj)));
     }
     let b_bytes = if w.has_columns { B_TILE_BYTES } else { 0 };
     for kb in 0..w.k_blocks {
