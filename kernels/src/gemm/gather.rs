@@ -320,16 +320,14 @@ unsafe fn gather_row_tile<const V: u32, const N: usize>(
         // end, which spares a branch per row.
         let copy_row = |j: u32, token: u32| {
             let token = sync::opaque_u32(token);
-            let row_source = rows.row_start(token) + 2 * k0 as u64;
-            for s in 0..A_COPIES_PER_TOKEN {
-                let (byte, place) = gathered_a_copy(j, s, lane);
-                let present = token != NO_TOKEN && byte / 16 < present_chunks;
-                // A chunk not present is zeros, read from nowhere (any valid address).
-                let src = if present { row_source + byte as u64 } else { rows.x };
-                // SAFETY: chunk 2s + lane % 2 of row lane / 2 + 16j < 128 of this stage's A tile,
-                // free since the `empty` wait; a present chunk lies inside its token's row of `x`.
-                unsafe { cp_async::copy_16_or_zeros(a_tile + place, src, present) };
-            }
+            // SAFETY: copy s places chunk 2s + lane % 2 of row lane / 2 + 16j < 128 of this
+            // stage's A tile, free since the `empty` wait; its present chunks lie inside the
+            // token's row of `x` (`present_chunks` of the stage's span from column k0).
+            unsafe {
+                copy_token_chunks(&rows, (token, k0), (a_tile, present_chunks), A_COPIES_PER_TOKEN, |s| {
+                    gathered_a_copy(j, s, lane)
+                })
+            };
         };
         const { assert!(TOKENS_PER_LANE == 8 && A_COPIES_PER_TOKEN == 4) };
         each_token(tokens, first_token, copy_row);
@@ -426,22 +424,47 @@ unsafe fn gather_weight_gradient_tile<const V: u32, const N: usize>(
         // lane (as for the gate/up's).
         let lane = sync::opaque_u32(lane);
         let copy_row = |j: u32, token: u32| {
-            let row_source = rows.row_start(token) + 2 * w.n0 as u64;
-            for i in 0..B_COPIES_PER_TOKEN {
-                let (byte, place) = gathered_b_copy(j, i, lane);
-                let present = token != NO_TOKEN && byte / 16 < present_chunks;
-                let src = if present { row_source + byte as u64 } else { rows.x };
-                // SAFETY: a chunk of K row (lane / 2) % 8 + 8j < 64 of this stage's B tile (one
-                // of its column blocks), free since the `empty` wait; a present chunk lies
-                // inside its token's row of `x`.
-                unsafe { cp_async::copy_16_or_zeros(b_tile + place, src, present) };
-            }
+            // SAFETY: copy i places a chunk of K row (lane / 2) % 8 + 8j < 64 of this stage's B
+            // tile (one of its column blocks), free since the `empty` wait; its present chunks
+            // lie inside the token's row of `x` (`present_chunks` of the tile's columns from n0).
+            unsafe {
+                copy_token_chunks(&rows, (token, w.n0), (b_tile, present_chunks), B_COPIES_PER_TOKEN, |i| {
+                    gathered_b_copy(j, i, lane)
+                })
+            };
         };
         const { assert!(TOKENS_PER_LANE == 8 && B_COPIES_PER_TOKEN == 8) };
         each_token(tokens, first_token, copy_row);
         // SAFETY: every gathering thread, at this stage of its walk.
         unsafe { finish_stage(full, gatherers) };
         ring.advance::<V>(stage, phase);
+    }
+}
+
+/// A lane's `copies` chunk copies of one token's row into a stage's tile: copy `c` reads byte
+/// `byte` of the token's row of `x` from column `first_column` on and writes `tile + place`
+/// (`(byte, place) = chunk(c)`), zeros for a chunk not present (no token, or chunk
+/// `present_chunks` or later of the span).
+///
+/// # Safety
+/// Every `tile + place` lies in a stage tile this thread may write (free since its `empty`
+/// wait); for a token (not [`NO_TOKEN`]), every present chunk lies inside its row of `x`.
+#[inline(always)]
+unsafe fn copy_token_chunks(
+    rows: &RowGather,
+    (token, first_column): (u32, u32),
+    (tile, present_chunks): (u32, u32),
+    copies: u32,
+    chunk: impl Fn(u32) -> (u32, u32),
+) {
+    let row_source = rows.row_start(token) + 2 * first_column as u64;
+    for c in 0..copies {
+        let (byte, place) = chunk(c);
+        let present = token != NO_TOKEN && byte / 16 < present_chunks;
+        // A chunk not present is zeros, read from nowhere (any valid address).
+        let src = if present { row_source + byte as u64 } else { rows.x };
+        // SAFETY: caller contract.
+        unsafe { cp_async::copy_16_or_zeros(tile + place, src, present) };
     }
 }
 
