@@ -629,6 +629,31 @@ pub unsafe fn run_backward_phases<H: TileHooks>(
             // every gather chunk a down-dgrad tile waits on is held by a warp that finishes it
             // without waiting.
             spare_warps();
+            if H::GATHER_WARPS > 1 {
+                // Then the gate and up weight gradients' gathering, with the first warp, on the
+                // ranks whose hooks gather (the first warp's `produce_gathered_b!` loops, step
+                // for step). The first warp meets them there after producing every data
+                // gradient and the down weight gradient: by then every down-dgrad tile has been
+                // taken by a producer that finishes it without meeting anyone, so the SwiGLU
+                // chunks these warps finished first waited on nothing that waits for them, and
+                // once here they hold no chunk that any tile waits on.
+                for phase in [B::WGRAD_GATE, B::WGRAD_UP] {
+                    let mut q = wgrad_first;
+                    while q < wgrad_end {
+                        let phase_hooks = hooks_of(phase, q);
+                        if let Some(rows) = phase_hooks.row_gather() {
+                            // SAFETY: the gathering threads (this warpgroup's four warps), as
+                            // the first warp's loops; the plan of a rank of the walk (caller
+                            // contract).
+                            unsafe {
+                                let walk = share_walk::<W, H>(ring, Walk::START, thread);
+                                produce_gathering::<W, H>(&*plan_of(phase, q), ring, (rows, phase_hooks), thread, walk);
+                            }
+                        }
+                        q += 1;
+                    }
+                }
+            }
         }
         None
     } else {

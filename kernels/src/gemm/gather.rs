@@ -44,11 +44,9 @@ pub(super) const GATHER_LANES: u32 = 32;
 /// consumer warpgroups' epilogues).
 pub(super) const GATHER_BARRIER: u32 = 3;
 
-/// The threads that gather: the first `warps` warps of the producer warpgroup (4 in the
-/// standalone gathering kernels and the forward megakernel, 1 in the backward megakernel, whose
-/// other producer warps move rows: [`TileHooks::GATHER_WARPS`]), and this thread's index among
-/// them. Thread
-/// 0 leads: it takes the tiles, issues the TMA copies and makes each stage's one `full`
+/// The threads that gather: the first `warps` warps of the producer warpgroup (4 in every
+/// kernel that gathers: [`TileHooks::GATHER_WARPS`]; 1, the trait's default, is compiled for
+/// hooks that never gather), and this thread's index among them. Thread 0 leads: it takes the tiles, issues the TMA copies and makes each stage's one `full`
 /// arrival.
 #[derive(Clone, Copy)]
 pub(super) struct Gatherers {
@@ -381,8 +379,8 @@ unsafe fn gather_weight_gradient_tile<const V: u32, const N: usize>(
     };
     // Each stage's slots are loads that its copies' addresses depend on. With four warps (2
     // rows a lane) they are loaded two stages ahead, so their latency is not paid on the
-    // producer's path at each stage; one warp (8 rows a lane, the backward megakernel, whose
-    // producer registers are spent) loads them before the stage's `empty` wait only.
+    // producer's path at each stage; one warp (8 rows a lane) loads them before the stage's
+    // `empty` wait only, sparing registers.
     let prefetch = N == 2;
     let mut ahead = if prefetch { [stage_slots(0), stage_slots(1)] } else { [[0; N]; 2] };
     for kb in 0..w.k_blocks {

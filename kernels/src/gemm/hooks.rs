@@ -89,9 +89,9 @@ pub trait TileHooks: Copy {
     /// How many warps of the producer warpgroup gather, from its first (1 or 4): one warp's
     /// copies keep too few rows in flight to feed the MMAs (docs/PERF.md, "The token rows
     /// gathered in the GEMM producers"), so the standalone gathering kernels, whose other
-    /// producer warps idle, gather with all four, and so does the one-GPU forward megakernel,
-    /// whose spare warps join once their dispatch is done; the backward megakernel's spare
-    /// warps move rows under its weight gradients, so it gathers with one.
+    /// producer warps idle, gather with all four, and so do the one-GPU megakernels, whose
+    /// spare warps join once their row moving (the forward's dispatch, the backward's gather
+    /// and SwiGLU chunks) is done.
     const GATHER_WARPS: u32 = 1;
 }
 
@@ -611,6 +611,9 @@ impl BackwardCounters {
 impl<const RANKS: bool> TileHooks for BackwardHandover<RANKS> {
     // Only on one GPU (across ranks the rows are the ring's).
     const MAY_GATHER_ROWS: bool = !RANKS;
+    // The spare producer warps join the gate and up weight gradients' gathering once their
+    // gather and SwiGLU chunks are done.
+    const GATHER_WARPS: u32 = if RANKS { 1 } else { 4 };
 
     #[inline(always)]
     fn row_gather(&self) -> Option<RowGather> {
