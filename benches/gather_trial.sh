@@ -2,7 +2,7 @@
 # The gathering producers (`UnfusedLayer::set_gather_in_producer`), one step per device call
 # (each fits the 10-minute limit of a call): `tests` runs their bitwise tests (the engine path's
 # and the forward megakernel's in gpu_unfused, and gpu_gemm's engine_matches_unfused_* with the
-# gathering plans), `sanitize` the layer's under memcheck, racecheck and synccheck, `bench` the
+# gathering plans, then the backward megakernel's and gpu_api's MoeLayer tests), `sanitize` the layer's under memcheck, racecheck and synccheck, `bench` the
 # GEMM benchmark with the gathering plans each timed right after its plain one (`gemm
 # --gathering`) and the layer benchmark with the engine path with and without the gathering
 # producers alternating (engine, engine-gathering, engine, engine-gathering) beside the ceilings
@@ -31,8 +31,15 @@ case "${1:-}" in
         (cd "$bundle" && OUT="$out" ./run.sh engine_matches_unfused) > "$out/gather-plans.txt" 2>&1
         plans=$?
         [ "$rc" = 0 ] && rc=$plans
+        # The backward megakernel's own tests (its spare warps' join, its faults), and gpu_api's
+        # backends through `MoeLayer` (the gathering and the forward-megakernel backends).
+        (cd "$bundle" && OUT="$out" ./run.sh backward_megakernel moe_layer workspace_bytes) \
+            > "$out/gather-layers.txt" 2>&1
+        layers=$?
+        [ "$rc" = 0 ] && rc=$layers
         echo "== layer test"; tail -2 "$out/gather-test.txt"
         echo "== plans";      tail -2 "$out/gather-plans.txt"
+        echo "== backward megakernel, MoeLayer"; tail -2 "$out/gather-layers.txt"
         ;;
     sanitize)
         (cd "$bundle" && OUT="$out" MOK_TEST_TIMEOUT="${MOK_TEST_TIMEOUT:-560}" MOK_SANITIZE_TOOLS="memcheck racecheck synccheck" \
