@@ -504,8 +504,10 @@ pub unsafe fn run_forward_phases<H: TileHooks, R: Copy>(
 /// (docs/ARCHITECTURE.md); the consumers run `between_dgrads` after every rank's down dgrad.
 /// The producer warpgroup's three spare warps (its first warp's thread 0 is the producer) run
 /// `spare_warps` from the start, under the consumers' MMAs (the gather, then the SwiGLU
-/// backward). Returns `Some(())` for the consumer warpgroups' threads, `None` for the producer
-/// warpgroup's.
+/// backward); in the gate and up weight gradients whose hooks gather B
+/// ([`TileHooks::row_gather`]) the whole warpgroup produces, the first warp and, after
+/// `spare_warps` returns, the spare warps ([`TileHooks::GATHER_WARPS`]). Returns `Some(())` for
+/// the consumer warpgroups' threads, `None` for the producer warpgroup's.
 ///
 /// # Safety
 /// Every non-null plan `plan` returns is a valid parameter block of its phase's variant, its
@@ -515,7 +517,8 @@ pub unsafe fn run_forward_phases<H: TileHooks, R: Copy>(
 /// waits only for down-dgrad tiles; every spare producer warp (with
 /// [`MEGAKERNEL_PRODUCER_REGISTERS`] registers) calling `spare_warps` is safe, and it waits only
 /// for down-dgrad tiles, after every gather unit it waits on has been taken by a warp that
-/// waits for nothing; `plan` returns the same for every block of the cluster; the
+/// waits for nothing, every wait bounded, and it returns (the spare warps then meet the first
+/// warp at named barrier 3) without using that barrier or the ring's hand-out words; `plan` returns the same for every block of the cluster; the
 /// hooks' contracts hold;
 /// with `tile_ranks` or `wgrad_ranks` > 1 the same holds for every q below it, and every block
 /// of the launch runs these phases with the same `tile_ranks` and `wgrad_ranks`; every thread of
