@@ -1,11 +1,11 @@
 //! A CPU model of the gathering producer's stage ring (`kernels/src/gemm/gather.rs`), run over
-//! random walks and interleavings: the gathering threads (called lanes here: one warp's on a
-//! persistent kernel's ring, four warps' in the standalone gathering kernels, which meet at a
-//! named barrier where one warp meets at a warp barrier), the consumer warps, the mbarriers
+//! random walks and interleavings: the gathering threads (called lanes here: the producer
+//! warpgroup's four warps, which meet at a named barrier; half the walks model one warp meeting
+//! at a warp barrier, the same protocol with fewer threads), the consumer warps, the mbarriers
 //! with their phase parities, and the asynchronous copies as events that land at any later
 //! moment. A walk is a persistent kernel's: phases that lane 0 produces alone with TMA (the
 //! data gradients, the downs, the shared expert's) while the other lanes wait to be told where
-//! the walk stands (`broadcast_walk`: the warp meets), and gathering phases the whole warp
+//! the walk stands (`share_walk`: the threads meet), and gathering phases the whole warp
 //! produces, with runs of copy-less stages (empty-group weight gradients) and each phase's
 //! final `NO_TILE`. It checks what the kernel relies on and cannot be run here: no copy is
 //! issued into a stage before the consumers released its previous use, no consumer passes a

@@ -45,7 +45,7 @@ use crate::ptx::{bulk, cluster, mbarrier, sreg, sync};
 
 pub(crate) use super::epilogue::for_each_pair;
 use super::epilogue::*;
-use super::gather::{GATHER_BARRIER, GATHER_LANES, produce_gathering};
+use super::gather::{GATHER_BARRIER, GATHER_LANES, GATHER_WARPS, produce_gathering};
 use super::hooks::{BackwardHandover, ForwardHandover, TileHooks, hooked};
 use super::mainloop::*;
 use super::producer::*;
@@ -233,8 +233,8 @@ pub unsafe fn run<const V: u32, H: TileHooks>(params: *const GemmParams, hooks: 
             unsafe { sync::release_registers::<PRODUCER_REGISTERS>() };
         }
         if let Some(rows) = hooks.row_gather() {
-            if thread < GATHER_LANES * H::GATHER_WARPS {
-                // SAFETY: the producer warpgroup's first `GATHER_WARPS` warps, every lane, on a
+            if thread < GATHER_LANES * GATHER_WARPS {
+                // SAFETY: the producer warpgroup's `GATHER_WARPS` warps, every lane, on a
                 // fresh ring; `rows` valid (caller contract).
                 unsafe { produce_gathering::<V, H>(&p, ring, (rows, hooks), thread, Walk::START) };
             }
@@ -262,20 +262,16 @@ pub unsafe fn run<const V: u32, H: TileHooks>(params: *const GemmParams, hooks: 
     }
 }
 
-/// Thread 0's walk, in every gathering thread of `H` (the lanes of the first producer warp, or
-/// the producer warpgroup's four warps through the ring's hand-out words and a named barrier):
-/// where a gathering phase starts, after phases thread 0 produced alone.
+/// Thread 0's walk, in every gathering thread (the producer warpgroup's, through the ring's
+/// hand-out words and a named barrier): where a gathering phase starts, after phases thread 0
+/// produced alone.
 ///
 /// # Safety
-/// Every gathering thread calls it, in uniform control flow; with several warps, no gathering
-/// thread still reads the hand-out words from an earlier call or a tile hand-out (each
-/// gathering phase ends with the gathering threads meeting).
+/// Every gathering thread calls it, in uniform control flow; no gathering thread still reads
+/// the hand-out words from an earlier call or a tile hand-out (each gathering phase ends with
+/// the gathering threads meeting).
 #[inline(always)]
-unsafe fn share_walk<const V: u32, H: TileHooks>(ring: Ring, walk: Walk, thread: u32) -> Walk {
-    if H::GATHER_WARPS == 1 {
-        // SAFETY: caller contract.
-        return unsafe { broadcast_walk(walk) };
-    }
+unsafe fn share_walk<const V: u32>(ring: Ring, walk: Walk, thread: u32) -> Walk {
     // Three words after the tile hand-out word (`ring_smem_bytes` leaves 16 bytes there).
     let words = ring.handout::<V>() + 4;
     // SAFETY: caller contract: written before the meeting, read after it, nothing else using
@@ -286,24 +282,8 @@ unsafe fn share_walk<const V: u32, H: TileHooks>(ring: Ring, walk: Walk, thread:
             st_shared_u32(words + 4, walk.phase);
             st_shared_u32(words + 8, walk.mail_phases);
         }
-        sync::named_barrier(GATHER_BARRIER, GATHER_LANES * H::GATHER_WARPS);
+        sync::named_barrier(GATHER_BARRIER, GATHER_LANES * GATHER_WARPS);
         Walk { stage: ld_shared_u32(words), phase: ld_shared_u32(words + 4), mail_phases: ld_shared_u32(words + 8) }
-    }
-}
-
-/// Lane 0's walk, in every lane of the warp.
-///
-/// # Safety
-/// Every lane of the warp calls it, in uniform control flow.
-#[inline(always)]
-unsafe fn broadcast_walk(walk: Walk) -> Walk {
-    // SAFETY: caller contract.
-    unsafe {
-        Walk {
-            stage: sync::shfl_idx_u32(walk.stage, 0),
-            phase: sync::shfl_idx_u32(walk.phase, 0),
-            mail_phases: sync::shfl_idx_u32(walk.mail_phases, 0),
-        }
     }
 }
 
@@ -321,7 +301,7 @@ unsafe fn broadcast_walk(walk: Walk) -> Walk {
 /// already being done. The producer warpgroup's three spare warps (its first warp's thread 0
 /// is the producer) run `spare_warps` (the dispatch) meanwhile; in a routed gate/up whose hooks
 /// gather the rows ([`TileHooks::row_gather`]) the whole warpgroup produces, the first warp and,
-/// after their dispatch, the spare warps ([`TileHooks::GATHER_WARPS`]). Ends with the pair's final
+/// after their dispatch, the spare warps ([`GATHER_WARPS`]). Ends with the pair's final
 /// cluster barrier. Returns `Some(())` for the threads of the consumer warpgroups, free for
 /// further work, and `None` for the producer warpgroup, which holds too few registers for more.
 ///
@@ -405,7 +385,7 @@ pub unsafe fn run_forward_phases<H: TileHooks, R: Copy>(
                         // Every gathering thread learns where lane 0's walk stands (this whole
                         // warp is here: the branches above rejoin, and the trip count is the
                         // cluster's; the spare warps, if they gather, after their dispatch).
-                        walk = share_walk::<G, H>(ring, walk, lane);
+                        walk = share_walk::<G>(ring, walk, lane);
                         walk = produce_gathering::<G, H>(p, ring, (rows, phase_hooks), lane, walk);
                     } else if lane == 0 {
                         walk = produce::<G, H>(p, ring, phase_hooks, walk);
@@ -421,7 +401,7 @@ pub unsafe fn run_forward_phases<H: TileHooks, R: Copy>(
             // The spare warps: the dispatch, under the gate/up MMAs. It waits for nothing, so
             // no tile ever waits on these warps for work they have not started.
             spare_warps();
-            if H::GATHER_WARPS > 1 {
+            if H::MAY_GATHER_ROWS {
                 // Then the routed gate/up's gathering, with the first warp, on the ranks whose
                 // hooks gather (the first warp's loop above, step for step). The first warp
                 // meets them there after producing the shared expert's gate/up, whose rows the
@@ -434,7 +414,7 @@ pub unsafe fn run_forward_phases<H: TileHooks, R: Copy>(
                         // SAFETY: the gathering threads (this warpgroup's four warps), as the first
                         // warp's loop; the plan of a rank of the walk (caller contract).
                         unsafe {
-                            let walk = share_walk::<G, H>(ring, Walk::START, thread);
+                            let walk = share_walk::<G>(ring, Walk::START, thread);
                             produce_gathering::<G, H>(&*plan(F::GATE_UP, q), ring, (rows, phase_hooks), thread, walk);
                         }
                     }
@@ -506,7 +486,7 @@ pub unsafe fn run_forward_phases<H: TileHooks, R: Copy>(
 /// `spare_warps` from the start, under the consumers' MMAs (the gather, then the SwiGLU
 /// backward); in the gate and up weight gradients whose hooks gather B
 /// ([`TileHooks::row_gather`]) the whole warpgroup produces, the first warp and, after
-/// `spare_warps` returns, the spare warps ([`TileHooks::GATHER_WARPS`]). Returns `Some(())` for
+/// `spare_warps` returns, the spare warps ([`GATHER_WARPS`]). Returns `Some(())` for
 /// the consumer warpgroups' threads, `None` for the producer warpgroup's.
 ///
 /// # Safety
@@ -607,7 +587,7 @@ pub unsafe fn run_backward_phases<H: TileHooks>(
                                 // Every lane learns where lane 0's walk stands (the whole warp
                                 // is here: the branches above rejoin, the trip count is the
                                 // launch's), as in the forward.
-                                walk = share_walk::<W, H>(ring, walk, lane);
+                                walk = share_walk::<W>(ring, walk, lane);
                                 walk = produce_gathering::<W, H>(p, ring, (rows, phase_hooks), lane, walk);
                             } else if lane == 0 {
                                 walk = produce::<W, H>(p, ring, phase_hooks, walk);
@@ -632,7 +612,7 @@ pub unsafe fn run_backward_phases<H: TileHooks>(
             // every gather chunk a down-dgrad tile waits on is held by a warp that finishes it
             // without waiting.
             spare_warps();
-            if H::GATHER_WARPS > 1 {
+            if H::MAY_GATHER_ROWS {
                 // Then the gate and up weight gradients' gathering, with the first warp, on the
                 // ranks whose hooks gather (the first warp's `produce_gathered_b!` loops, step
                 // for step). The first warp meets them there after producing every data
@@ -649,7 +629,7 @@ pub unsafe fn run_backward_phases<H: TileHooks>(
                             // the first warp's loops; the plan of a rank of the walk (caller
                             // contract).
                             unsafe {
-                                let walk = share_walk::<W, H>(ring, Walk::START, thread);
+                                let walk = share_walk::<W>(ring, Walk::START, thread);
                                 produce_gathering::<W, H>(&*plan_of(phase, q), ring, (rows, phase_hooks), thread, walk);
                             }
                         }

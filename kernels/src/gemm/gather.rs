@@ -1,5 +1,5 @@
-//! The gathering producer: the producer warpgroup's gathering warps (its first, or all four:
-//! [`TileHooks::GATHER_WARPS`](super::hooks::TileHooks::GATHER_WARPS)) fill each stage with rows read
+//! The gathering producer: the producer warpgroup's four warps ([`GATHER_WARPS`]) fill each
+//! stage with rows read
 //! through an index — row `r` of the plan is row `row_source[r] / top_k` of `x`, the token of
 //! the routing layout's slot — so no gathered copy of the rows is written first. The lanes
 //! place the 16-byte chunks themselves in the 128B-swizzle layout a TMA box would have
@@ -13,8 +13,7 @@
 //! kernel's ring serves gathering and TMA-only phases alike: thread 0 adds the TMA bytes
 //! (`expect_tx`) and issues the copies, every gathering thread adds its `cp.async` copies to the
 //! phase's pending arrivals ([`cp_async::track_completion`]: the phase cannot complete while
-//! they are in flight), and after the threads meet (a warp barrier, or named barrier 3 for
-//! several warps), which orders every thread's tracking before it, thread 0 arrives.
+//! they are in flight), and after the threads meet (named barrier 3), which orders every thread's tracking before it, thread 0 arrives.
 //!
 //! Gate/up (one K segment) gathers A, K-major: a tile's 128 rows of 64 K
 //! values per stage. In a pair nothing of A is shared: an M-pair's blocks gather their own rows
@@ -30,7 +29,7 @@ use crate::gemm_layout::{
     gathered_a_chunk, gathered_a_copy, gathered_b_chunk, gathered_b_copy, is_wgrad,
 };
 use crate::ptx::memory::{atom_add_relaxed_gpu_u32, ld_shared_u32, st_shared_u32};
-use crate::ptx::{cp_async, mbarrier, signal as warp, sreg, sync, tensormap, tma};
+use crate::ptx::{cp_async, mbarrier, sreg, sync, tensormap, tma};
 
 use super::hooks::{RowGather, TileHooks};
 use super::producer::{load_weights, name_in_copyless_stage, name_tile, receive_tile};
@@ -44,14 +43,18 @@ pub(super) const GATHER_LANES: u32 = 32;
 /// consumer warpgroups' epilogues).
 pub(super) const GATHER_BARRIER: u32 = 3;
 
-/// The threads that gather: the first `warps` warps of the producer warpgroup (4 in every
-/// kernel that gathers: [`TileHooks::GATHER_WARPS`]; 1, the trait's default, is compiled for
-/// hooks that never gather), and this thread's index among them. Thread 0 leads: it takes the tiles, issues the TMA copies and makes each stage's one `full`
+/// Warps that gather: the whole producer warpgroup. One warp's copies keep too few rows in
+/// flight to feed the MMAs (docs/PERF.md, "The token rows gathered in the GEMM producers");
+/// the standalone gathering kernels' other producer warps are idle, and the one-GPU
+/// megakernels' spare warps join once their row moving is done.
+pub(super) const GATHER_WARPS: u32 = 4;
+
+/// The threads that gather: the producer warpgroup's ([`GATHER_WARPS`]), and this thread's
+/// index among them. Thread 0 leads: it takes the tiles, issues the TMA copies and makes each stage's one `full`
 /// arrival.
 #[derive(Clone, Copy)]
 pub(super) struct Gatherers {
     pub(super) thread: u32,
-    pub(super) warps: u32,
 }
 
 impl Gatherers {
@@ -67,28 +70,26 @@ impl Gatherers {
     fn leads(self) -> bool {
         self.thread == 0
     }
-    /// Every gathering thread meets here (a warp barrier for one warp, a named barrier for
-    /// several), which also orders their shared-memory accesses and `cp.async` tracking
-    /// before whatever follows in any of them.
+    /// Every gathering thread meets here (named barrier [`GATHER_BARRIER`]), which also orders
+    /// their shared-memory accesses and `cp.async` tracking before whatever follows in any of
+    /// them.
     ///
     /// # Safety
     /// Every gathering thread calls it, in uniform control flow.
     #[inline(always)]
     unsafe fn meet(self) {
         // SAFETY: caller contract.
-        unsafe {
-            if self.warps == 1 {
-                warp::warp_sync();
-            } else {
-                sync::named_barrier(GATHER_BARRIER, GATHER_LANES * self.warps);
-            }
-        }
+        unsafe { sync::named_barrier(GATHER_BARRIER, GATHER_LANES * GATHER_WARPS) }
     }
 }
 
-/// Tokens each lane holds ([`GATHERED_ROWS_PER_LANE`]): for a gate/up tile, of rows
+/// Tokens each lane position holds ([`GATHERED_ROWS_PER_LANE`]): for a gate/up tile, of rows
 /// `lane / 2 + 16j`; for a weight gradient's stage, of K rows `(lane / 2) % 8 + 8j`.
 const TOKENS_PER_LANE: usize = GATHERED_ROWS_PER_LANE as usize;
+
+/// Of those, the tokens each gathering warp's lane copies: warp `w`'s are `j` from `2w`.
+const TOKENS_PER_WARP: usize = TOKENS_PER_LANE / GATHER_WARPS as usize;
+const _: () = assert!(TOKENS_PER_WARP == 2, "each_token spells out two calls");
 
 /// Warp-wide copies per gate/up stage per token ([`gathered_a_chunk`]): a row's 4 sectors.
 const A_COPIES_PER_TOKEN: u32 = TILE_M * 8 / GATHER_LANES / GATHERED_ROWS_PER_LANE;
@@ -128,9 +129,9 @@ impl RowGather {
 }
 
 /// The gathering producer's walk over the launch's tiles from `walk` (a fresh ring in a
-/// standalone kernel, where the previous phase left it in a persistent one); the first
-/// [`TileHooks::GATHER_WARPS`] warps of the producer warpgroup call it (`thread` the index among
-/// them), in uniform control flow. Returns, as [`produce`](super::producer::produce) does, where
+/// standalone kernel, where the previous phase left it in a persistent one); the producer
+/// warpgroup's [`GATHER_WARPS`] warps call it (`thread` the index among them), in uniform
+/// control flow. Returns, as [`produce`](super::producer::produce) does, where
 /// the walk stands after the stage that carried [`NO_TILE`]; thread 0's is the walk (only it
 /// tracks the mailboxes). Of the hooks it uses what a weight gradient on a persistent kernel's
 /// ring needs (`Variant::WGRAD_IN_PAIR`: its tile walk, and thread 0's bounded wait for a
@@ -151,8 +152,7 @@ pub(super) unsafe fn produce_gathering<const V: u32, H: TileHooks>(
     thread: u32,
     walk: Walk,
 ) -> Walk {
-    const { assert!(H::GATHER_WARPS == 1 || H::GATHER_WARPS == 4) };
-    let gatherers = Gatherers { thread, warps: H::GATHER_WARPS };
+    let gatherers = Gatherers { thread };
     // Not a `const` assertion: `run` instantiates this for every variant, behind a `row_gather`
     // that only the gathering hooks return.
     // Gate/up (one K segment) and the weight gradients only: the downs have no gathered
@@ -189,21 +189,17 @@ pub(super) unsafe fn produce_gathering<const V: u32, H: TileHooks>(
                     unsafe { receive_tile::<V>(ring, stage, &mut mail_phases) }
                 };
             }
+            // Through shared memory: written before the meeting, read after it; the next write
+            // comes after the tile's first stage's meeting, which every reader reaches after its
+            // read (or the walk has ended).
             // SAFETY: every gathering thread is here (caller contract; all take the same
             // iterations, the loop ending only on the handed-out tile).
             unsafe {
-                if gatherers.warps == 1 {
-                    sync::shfl_idx_u32(named, 0)
-                } else {
-                    // Through shared memory: written before the meeting, read after it; the next
-                    // write comes after the tile's first stage's meeting, which every reader
-                    // reaches after its read (or the walk has ended).
-                    if gatherers.leads() {
-                        st_shared_u32(ring.handout::<V>(), named);
-                    }
-                    gatherers.meet();
-                    ld_shared_u32(ring.handout::<V>())
+                if gatherers.leads() {
+                    st_shared_u32(ring.handout::<V>(), named);
                 }
+                gatherers.meet();
+                ld_shared_u32(ring.handout::<V>())
             }
         };
         taken += 1;
@@ -231,28 +227,26 @@ pub(super) unsafe fn produce_gathering<const V: u32, H: TileHooks>(
             }
             ready_group = w.group;
         }
-        // Each warp copies the rows of its share of a lane's 8 tokens (`TOKENS_PER_LANE`).
+        // Each warp copies the rows of its share of a lane's 8 tokens (`TOKENS_PER_WARP`).
         let walk = (&mut stage, &mut phase);
         // SAFETY: caller contract (maps, rows, barriers); `w` a tile of the launch.
         unsafe {
-            match (is_wgrad(V), H::GATHER_WARPS) {
-                (true, 1) => gather_weight_gradient_tile::<V, 8>(p, ring, rows, (tile, &w), walk, gatherers),
-                (true, _) => gather_weight_gradient_tile::<V, 2>(p, ring, rows, (tile, &w), walk, gatherers),
-                (false, 1) => gather_row_tile::<V, 8>(p, ring, rows, (tile, &w), walk, gatherers),
-                (false, _) => gather_row_tile::<V, 2>(p, ring, rows, (tile, &w), walk, gatherers),
+            if is_wgrad(V) {
+                gather_weight_gradient_tile::<V>(p, ring, rows, (tile, &w), walk, gatherers)
+            } else {
+                gather_row_tile::<V>(p, ring, rows, (tile, &w), walk, gatherers)
             }
         }
     }
 }
 
 /// A row-grouped tile's stages: A gathered by every gathering thread, each warp the rows of its
-/// `N` (of [`TOKENS_PER_LANE`]) tokens per lane, the weight tile by thread 0's TMA.
+/// [`TOKENS_PER_WARP`] tokens per lane, the weight tile by thread 0's TMA.
 ///
 /// # Safety
-/// As [`produce_gathering`], for its tile `tile` (`w`) at its walk's `(stage, phase)`; `N ·
-/// gatherers.warps == TOKENS_PER_LANE`.
+/// As [`produce_gathering`], for its tile `tile` (`w`) at its walk's `(stage, phase)`.
 #[inline(always)]
-unsafe fn gather_row_tile<const V: u32, const N: usize>(
+unsafe fn gather_row_tile<const V: u32>(
     p: &GemmParams,
     ring: Ring,
     rows: RowGather,
@@ -260,7 +254,7 @@ unsafe fn gather_row_tile<const V: u32, const N: usize>(
     (stage, phase): (&mut u32, &mut u32),
     gatherers: Gatherers,
 ) {
-    let (lane, first_token) = (gatherers.lane(), gatherers.warp() * N as u32);
+    let (lane, first_token) = (gatherers.lane(), gatherers.warp() * TOKENS_PER_WARP as u32);
     let rank = pair_rank::<V>();
     // The rows this block gathers: none without columns (the consumers skip the tile), else
     // the tile's rows in whole 64-row halves (a half wholly past the group's end is read by no
@@ -272,13 +266,13 @@ unsafe fn gather_row_tile<const V: u32, const N: usize>(
     // ignores it.
     let row_of = |jj: usize| gathered_a_chunk(A_COPIES_PER_TOKEN * (first_token + jj as u32), lane).0;
     let has_token = |r: u32| r < gathered && r < w.rows;
-    let mut slots = [0; N];
+    let mut slots = [0; TOKENS_PER_WARP];
     for (jj, slot) in slots.iter_mut().enumerate() {
         let r = row_of(jj);
         // SAFETY: row m0 + r (r < rows) or m0 is a row of the launch's groups (caller contract).
         *slot = unsafe { rows.slot(w.m0 + if has_token(r) { r } else { 0 }) };
     }
-    let mut tokens = [NO_TOKEN; N];
+    let mut tokens = [NO_TOKEN; TOKENS_PER_WARP];
     for (jj, token) in tokens.iter_mut().enumerate() {
         *token = rows.token(slots[jj], has_token(row_of(jj)));
     }
@@ -336,14 +330,15 @@ unsafe fn gather_row_tile<const V: u32, const N: usize>(
 }
 
 /// A weight-gradient tile's stages (its group's rows, 64 per stage): B gathered by every
-/// gathering thread, each warp the K rows of its `N` tokens per lane, A by thread 0's TMA
-/// (through the map cut at the group's end for a last K block that ends inside the group).
+/// gathering thread, each warp the K rows of its [`TOKENS_PER_WARP`] tokens per lane, A by
+/// thread 0's TMA (through the map cut at the group's end for a last K block that ends inside
+/// the group).
 ///
 /// # Safety
 /// As [`produce_gathering`], for its tile `tile` (`w`, with K blocks) at its walk's
-/// `(stage, phase)`; `N · gatherers.warps == TOKENS_PER_LANE`.
+/// `(stage, phase)`.
 #[inline(always)]
-unsafe fn gather_weight_gradient_tile<const V: u32, const N: usize>(
+unsafe fn gather_weight_gradient_tile<const V: u32>(
     p: &GemmParams,
     ring: Ring,
     rows: RowGather,
@@ -351,7 +346,7 @@ unsafe fn gather_weight_gradient_tile<const V: u32, const N: usize>(
     (stage, phase): (&mut u32, &mut u32),
     gatherers: Gatherers,
 ) {
-    let (lane, first_token) = (gatherers.lane(), gatherers.warp() * N as u32);
+    let (lane, first_token) = (gatherers.lane(), gatherers.warp() * TOKENS_PER_WARP as u32);
     let cut_a = p.group_map(w.group, 0);
     if gatherers.leads() && !(w.row_end - w.row_begin).is_multiple_of(TILE_K) {
         // The A map cut at this group's end, written by the group-map kernel through the
@@ -369,7 +364,7 @@ unsafe fn gather_weight_gradient_tile<const V: u32, const N: usize>(
     // Their slots, loaded and not used: a row past the group's end loads the group's first
     // row's slot (the group has rows: k_blocks > 0) and ignores it.
     let stage_slots = |kb: u32| {
-        let mut slots = [0; N];
+        let mut slots = [0; TOKENS_PER_WARP];
         for (jj, slot) in slots.iter_mut().enumerate() {
             let row = row_of(kb, jj);
             // SAFETY: a row below the group's end, or its first, is a row of the launch's groups.
@@ -377,21 +372,13 @@ unsafe fn gather_weight_gradient_tile<const V: u32, const N: usize>(
         }
         slots
     };
-    // Each stage's slots are loads that its copies' addresses depend on. With four warps (2
-    // rows a lane) they are loaded two stages ahead, so their latency is not paid on the
-    // producer's path at each stage; one warp (8 rows a lane) loads them before the stage's
-    // `empty` wait only, sparing registers.
-    let prefetch = N == 2;
-    let mut ahead = if prefetch { [stage_slots(0), stage_slots(1)] } else { [[0; N]; 2] };
+    // Each stage's slots are loads that its copies' addresses depend on: they are loaded two
+    // stages ahead, so their latency is not paid on the producer's path at each stage.
+    let mut ahead = [stage_slots(0), stage_slots(1)];
     for kb in 0..w.k_blocks {
         let row = w.row_begin + kb * TILE_K;
-        let slots = if prefetch {
-            let slots = ahead[0];
-            ahead = [ahead[1], stage_slots(kb + 2)];
-            slots
-        } else {
-            stage_slots(kb)
-        };
+        let slots = ahead[0];
+        ahead = [ahead[1], stage_slots(kb + 2)];
         // SAFETY: initialised barrier of this block.
         unsafe { mbarrier::wait_parity(ring.empty::<V>(*stage), *phase ^ 1) };
         let (a_tile, b_tile, full) = (ring.a_tile(*stage), ring.b_tile(*stage), ring.full(*stage));
@@ -412,9 +399,8 @@ unsafe fn gather_weight_gradient_tile<const V: u32, const N: usize>(
                 }
             }
         }
-        // The slots' first use, after the wait, which hides their latency where they were
-        // loaded just before it.
-        let mut tokens = [NO_TOKEN; N];
+        // The slots' first use, after the wait.
+        let mut tokens = [NO_TOKEN; TOKENS_PER_WARP];
         for (jj, token) in tokens.iter_mut().enumerate() {
             *token = rows.token(slots[jj], row_of(kb, jj) < w.row_end);
         }
@@ -466,22 +452,13 @@ unsafe fn copy_token_chunks(
     }
 }
 
-/// `copy_row(first + jj, tokens[jj])` for each of a warp's `N` tokens (8 with one gathering
-/// warp, 2 with four), each call spelled out: a loop over the array, even with a constant trip
-/// count, put it in local memory in the megakernels.
+/// `copy_row(first + jj, tokens[jj])` for each of a warp's [`TOKENS_PER_WARP`] tokens, each
+/// call spelled out: a loop over the array, even with a constant trip count, put it in local
+/// memory in the megakernels.
 #[inline(always)]
-fn each_token<const N: usize>(tokens: [u32; N], first: u32, mut copy_row: impl FnMut(u32, u32)) {
-    const { assert!(N == 8 || N == 2) };
+fn each_token(tokens: [u32; TOKENS_PER_WARP], first: u32, mut copy_row: impl FnMut(u32, u32)) {
     copy_row(first, tokens[0]);
     copy_row(first + 1, tokens[1]);
-    if N == 8 {
-        copy_row(first + 2, tokens[2]);
-        copy_row(first + 3, tokens[3]);
-        copy_row(first + 4, tokens[4]);
-        copy_row(first + 5, tokens[5]);
-        copy_row(first + 6, tokens[6]);
-        copy_row(first + 7, tokens[7]);
-    }
 }
 
 /// The end of a stage with copies, by every gathering thread: each adds its `cp.async` copies

@@ -82,17 +82,11 @@ pub trait TileHooks: Copy {
         None
     }
 
-    /// Whether [`Self::row_gather`] can name rows for some phase (a persistent kernel's whole
-    /// producer warp then takes part; otherwise its first thread alone produces).
+    /// Whether [`Self::row_gather`] can name rows for some phase: a persistent kernel's whole
+    /// producer warpgroup then gathers in those phases (its first warp, and its spare warps
+    /// once their row moving is done: [`GATHER_WARPS`](super::gather::GATHER_WARPS)); otherwise
+    /// its first thread alone produces.
     const MAY_GATHER_ROWS: bool = false;
-
-    /// How many warps of the producer warpgroup gather, from its first (1 or 4): one warp's
-    /// copies keep too few rows in flight to feed the MMAs (docs/PERF.md, "The token rows
-    /// gathered in the GEMM producers"), so the standalone gathering kernels, whose other
-    /// producer warps idle, gather with all four, and so do the one-GPU megakernels, whose
-    /// spare warps join once their row moving (the forward's dispatch, the backward's gather
-    /// and SwiGLU chunks) is done.
-    const GATHER_WARPS: u32 = 1;
 }
 
 /// The rows a gathered operand is read from: row `r` of the plan is row
@@ -133,7 +127,6 @@ pub struct Gathering(pub RowGather);
 
 impl TileHooks for Gathering {
     const MAY_GATHER_ROWS: bool = true;
-    const GATHER_WARPS: u32 = 4;
     #[inline(always)]
     unsafe fn before_rows(&self, _: &GemmParams, _: &Work) {}
     #[inline(always)]
@@ -390,9 +383,6 @@ impl<const RANKS: bool> ForwardHandover<RANKS> {
 impl<const RANKS: bool> TileHooks for ForwardHandover<RANKS> {
     // Only on one GPU (across ranks the dispatch pulls every row).
     const MAY_GATHER_ROWS: bool = !RANKS;
-    // The spare producer warps join the routed gate/up's gathering once their dispatch, which
-    // then copies only the shared expert's rows, is done.
-    const GATHER_WARPS: u32 = if RANKS { 1 } else { 4 };
     #[inline(always)]
     fn row_gather(&self) -> Option<RowGather> {
         if RANKS || self.phase != ForwardHandover::GATE_UP {
@@ -611,9 +601,6 @@ impl BackwardCounters {
 impl<const RANKS: bool> TileHooks for BackwardHandover<RANKS> {
     // Only on one GPU (across ranks the rows are the ring's).
     const MAY_GATHER_ROWS: bool = !RANKS;
-    // The spare producer warps join the gate and up weight gradients' gathering once their
-    // gather and SwiGLU chunks are done.
-    const GATHER_WARPS: u32 = if RANKS { 1 } else { 4 };
 
     #[inline(always)]
     fn row_gather(&self) -> Option<RowGather> {
