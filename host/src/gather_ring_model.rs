@@ -1,12 +1,13 @@
 //! A CPU model of the gathering producer's stage ring (`kernels/src/gemm/gather.rs`), run over
 //! random walks and interleavings: the gathering threads (called lanes here: the producer
-//! warpgroup's four warps, which meet at a named barrier; half the walks model one warp meeting
-//! at a warp barrier, the same protocol with fewer threads), the consumer warps, the mbarriers
+//! warpgroup's four warps, which meet at named barrier 3; half the walks also leave out the
+//! tile hand-out word, a weaker protocol the kernel does not use, kept as a wider search of the
+//! stage walk), the consumer warps, the mbarriers
 //! with their phase parities, and the asynchronous copies as events that land at any later
 //! moment. A walk is a persistent kernel's: phases that lane 0 produces alone with TMA (the
 //! data gradients, the downs, the shared expert's) while the other lanes wait to be told where
-//! the walk stands (`share_walk`: the threads meet), and gathering phases the whole warp
-//! produces, with runs of copy-less stages (empty-group weight gradients) and each phase's
+//! the walk stands (`share_walk`: the threads meet), and gathering phases all of them
+//! produce, with runs of copy-less stages (empty-group weight gradients) and each phase's
 //! final `NO_TILE`. It checks what the kernel relies on and cannot be run here: no copy is
 //! issued into a stage before the consumers released its previous use, no consumer passes a
 //! `full` wait before every copy of that use has landed, and the walk completes.
@@ -20,8 +21,8 @@
 //!   wait passes on a parity two phases back;
 //! - every lane waits there but the warp does not meet: lane 0 runs two rounds ahead of a slow
 //!   lane, whose wait then never passes (the model found this one; the kernel's copy-less
-//!   stages end with a warp barrier);
-//! - the warp does not meet where a gathering phase starts;
+//!   stages end with the threads meeting);
+//! - the threads do not meet where a gathering phase starts;
 //! - the threads read the hand-out word without meeting after lane 0's write.
 
 // Deterministic xorshift for the walks and the interleavings (the work-order model's).
@@ -211,7 +212,7 @@ impl Model {
         let next = |step| (u, step);
         match step {
             Step::Meet => {
-                // Every lane of the warp at this use (a shuffle with the full mask).
+                // Every lane at this use (`share_walk`'s named barrier).
                 if self.walking != Walking::PhaseWithoutMeeting && !self.lane_at.iter().all(|&(v, _)| v >= u) {
                     return Ok(false);
                 }
@@ -295,7 +296,7 @@ impl Model {
                 self.lane_at[l] = next(Step::WarpSync);
             }
             Step::WarpSync => {
-                // `bar.warp.sync`: every lane at this use's barrier (or past it: a faulty walk's
+                // The threads' meeting (named barrier 3): every lane at this use's barrier (or past it: a faulty walk's
                 // lanes may be).
                 let all_here = self.lane_at.iter().all(|&(v, st)| {
                     v > u
@@ -451,7 +452,7 @@ fn the_gathering_ring_keeps_every_stage_in_order() {
         let walk = random_walk(&mut rng);
         // 3 or 4 stages (the standalone weight gradient's ring, the others'), 2–4 lanes (the
         // kernel's 32 or 128 behave alike), 1–3 consumer warps, tiles handed out through the
-        // shared word (several gathering warps) or not (one: a shuffle, which needs no model).
+        // shared word (the kernel's) or not (a wider search of the stage walk alone).
         let shape = (3 + rng.below(2), 2 + rng.below(3), 1 + rng.below(3), rng.below(2) == 0);
         let seed = rng.0;
         let mut kernel = Model::new(walk.clone(), shape, Walking::Kernel);

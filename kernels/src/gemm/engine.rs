@@ -301,7 +301,7 @@ unsafe fn share_walk<const V: u32>(ring: Ring, walk: Walk, thread: u32) -> Walk 
 /// already being done. The producer warpgroup's three spare warps (its first warp's thread 0
 /// is the producer) run `spare_warps` (the dispatch) meanwhile; in a routed gate/up whose hooks
 /// gather the rows ([`TileHooks::row_gather`]) the whole warpgroup produces, the first warp and,
-/// after their dispatch, the spare warps ([`GATHER_WARPS`]). Ends with the pair's final
+/// after their dispatch, the spare warps (`gather::GATHER_WARPS`). Ends with the pair's final
 /// cluster barrier. Returns `Some(())` for the threads of the consumer warpgroups, free for
 /// further work, and `None` for the producer warpgroup, which holds too few registers for more.
 ///
@@ -486,7 +486,7 @@ pub unsafe fn run_forward_phases<H: TileHooks, R: Copy>(
 /// `spare_warps` from the start, under the consumers' MMAs (the gather, then the SwiGLU
 /// backward); in the gate and up weight gradients whose hooks gather B
 /// ([`TileHooks::row_gather`]) the whole warpgroup produces, the first warp and, after
-/// `spare_warps` returns, the spare warps ([`GATHER_WARPS`]). Returns `Some(())` for
+/// `spare_warps` returns, the spare warps (`gather::GATHER_WARPS`). Returns `Some(())` for
 /// the consumer warpgroups' threads, `None` for the producer warpgroup's.
 ///
 /// # Safety
@@ -576,17 +576,19 @@ pub unsafe fn run_backward_phases<H: TileHooks>(
                         q += 1;
                     }
                 }
-                // The gate and up weight gradients, B gathered by the whole warp or loaded by
-                // lane 0 (written out per product: the hooks keep a constant phase).
+                // The gate and up weight gradients, B gathered by the whole warp with the spare
+                // warps (below) or loaded by lane 0 (written out per product: the hooks keep a
+                // constant phase).
                 macro_rules! produce_gathered_b {
                     ($phase:expr) => {
                         let mut q = wgrad_first;
                         while q < wgrad_end {
                             let (p, phase_hooks) = (&*plan_of($phase, q), hooks_of($phase, q));
                             if let Some(rows) = phase_hooks.row_gather() {
-                                // Every lane learns where lane 0's walk stands (the whole warp
-                                // is here: the branches above rejoin, the trip count is the
-                                // launch's), as in the forward.
+                                // Every gathering thread learns where lane 0's walk stands (this
+                                // whole warp is here: the branches above rejoin, the trip count
+                                // is the launch's; the spare warps after their chunks), as in
+                                // the forward.
                                 walk = share_walk::<W>(ring, walk, lane);
                                 walk = produce_gathering::<W, H>(p, ring, (rows, phase_hooks), lane, walk);
                             } else if lane == 0 {

@@ -1,7 +1,7 @@
 //! The gathering producer: the producer warpgroup's four warps ([`GATHER_WARPS`]) fill each
-//! stage with rows read
-//! through an index — row `r` of the plan is row `row_source[r] / top_k` of `x`, the token of
-//! the routing layout's slot — so no gathered copy of the rows is written first. The lanes
+//! stage with rows read through an index — row `r` of the plan is row `row_source[r] / top_k`
+//! of `x`, the token of the routing layout's slot — so no gathered copy of the rows is written
+//! first. The lanes
 //! place the 16-byte chunks themselves in the 128B-swizzle layout a TMA box would have
 //! (`cp.async`, zero-filled past the group's rows and past the row width), and each lane's
 //! copies hold the stage's `full` phase open until they land; thread 0 takes the tiles and loads the
@@ -13,7 +13,8 @@
 //! kernel's ring serves gathering and TMA-only phases alike: thread 0 adds the TMA bytes
 //! (`expect_tx`) and issues the copies, every gathering thread adds its `cp.async` copies to the
 //! phase's pending arrivals ([`cp_async::track_completion`]: the phase cannot complete while
-//! they are in flight), and after the threads meet (named barrier 3), which orders every thread's tracking before it, thread 0 arrives.
+//! they are in flight), and after the threads meet (named barrier 3), which orders every
+//! thread's tracking before it, thread 0 arrives.
 //!
 //! Gate/up (one K segment) gathers A, K-major: a tile's 128 rows of 64 K
 //! values per stage. In a pair nothing of A is shared: an M-pair's blocks gather their own rows

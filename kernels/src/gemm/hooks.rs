@@ -74,7 +74,7 @@ pub trait TileHooks: Copy {
         false
     }
 
-    /// Where the producer warp gathers the token rows from (the gate/up's A, the gate and up
+    /// Where the producer warpgroup gathers the token rows from (the gate/up's A, the gate and up
     /// weight gradients' B), with per-thread copies instead of TMA boxes of the operand's map
     /// ([`super::gather`]). By default `None`: TMA boxes.
     #[inline(always)]
@@ -84,7 +84,7 @@ pub trait TileHooks: Copy {
 
     /// Whether [`Self::row_gather`] can name rows for some phase: a persistent kernel's whole
     /// producer warpgroup then gathers in those phases (its first warp, and its spare warps
-    /// once their row moving is done: [`GATHER_WARPS`](super::gather::GATHER_WARPS)); otherwise
+    /// once their row moving is done: `gather::GATHER_WARPS`); otherwise
     /// its first thread alone produces.
     const MAY_GATHER_ROWS: bool = false;
 }

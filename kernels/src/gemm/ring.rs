@@ -49,7 +49,7 @@ impl Ring {
         self.bars + (const { 3 * ring_stages(V) } + stage) * 8
     }
     /// A word through which the leading gathering thread hands each tile to the other
-    /// gathering warps, when there are several ([`Gatherers`](super::gather::Gatherers)); the
+    /// gathering threads ([`Gatherers`](super::gather::Gatherers)); the
     /// three words after it carry the ring walk to them where a persistent kernel's gathering
     /// phase starts (`share_walk`).
     pub(super) fn handout<const V: u32>(self) -> u32 {
