@@ -14,7 +14,7 @@
 # ./bench-logs); a short table last; exits non-zero when the step failed.
 #   ./benches/gather_trial.sh tests      (then: sanitize, bench, bench-megakernel; CASES=deepseek:8192,kimi:8192)
 #   ./benches/gather_trial.sh all        (tests, bench, bench-megakernel, then sanitize with its
-#                                         tools cut at MOK_TEST_TIMEOUT, default 270 s: one call
+#                                         tools cut at MOK_TEST_TIMEOUT, default 240 s: one call
 #                                         of at most ~9.5 minutes, where device starts are scarce;
 #                                         $OUT keeps the tables and gather-all-logs.tar.gz)
 set -uo pipefail
@@ -74,7 +74,7 @@ case "${1:-}" in
             [ -f "$out/layer.log" ] && mv "$out/layer.log" "$out/layer-$step.log"
         done
         echo "==== sanitize"
-        MOK_TEST_TIMEOUT="${MOK_TEST_TIMEOUT:-270}" "$0" sanitize || rc=1
+        MOK_TEST_TIMEOUT="${MOK_TEST_TIMEOUT:-240}" "$0" sanitize || rc=1
         # A device call returns a few files only: every log in one archive, beside the tables.
         keep="gather-gemm.txt layer-bench.log layer-bench-megakernel.log gather-sanitize.txt"
         (cd "$out" && tar czf ../gather-all-logs.tar.gz . && mv ../gather-all-logs.tar.gz . &&
