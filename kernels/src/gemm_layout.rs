@@ -123,8 +123,8 @@ pub const fn staging_boxes(variant: u32) -> u32 {
 /// Shared memory a ring of `stages` stages and `boxes` staging boxes per consumer warpgroup
 /// uses: the stages, the two consumers' output staging, then per stage a `full` and an `empty`
 /// mbarrier, an 8-byte tile slot and a mailbox mbarrier (a pair's second block learns its tiles
-/// through it), then 16 bytes for the gathering warps' tile and walk hand-out; plus 1 KiB so the stages
-/// can start on a 1024-byte boundary whatever the window's base.
+/// through it), then 16 bytes for the gathering warps' tile and walk hand-out; plus 1 KiB so
+/// the stages can start on a 1024-byte boundary whatever the window's base.
 pub const fn ring_smem_bytes(stages: u32, boxes: u32) -> u32 {
     stages * STAGE_BYTES + 2 * boxes * BLOCK_64_BYTES + 4 * stages * 8 + 16 + 1024
 }

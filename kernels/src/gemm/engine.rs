@@ -498,8 +498,8 @@ pub unsafe fn run_forward_phases<H: TileHooks, R: Copy>(
 /// [`MEGAKERNEL_PRODUCER_REGISTERS`] registers) calling `spare_warps` is safe, and it waits only
 /// for down-dgrad tiles, after every gather unit it waits on has been taken by a warp that
 /// waits for nothing, every wait bounded, and it returns (the spare warps then meet the first
-/// warp at named barrier 3) without using that barrier or the ring's hand-out words; `plan` returns the same for every block of the cluster; the
-/// hooks' contracts hold;
+/// warp at named barrier 3) without using that barrier or the ring's hand-out words; `plan`
+/// returns the same for every block of the cluster; the hooks' contracts hold;
 /// with `tile_ranks` or `wgrad_ranks` > 1 the same holds for every q below it, and every block
 /// of the launch runs these phases with the same `tile_ranks` and `wgrad_ranks`; every thread of
 /// both blocks of the cluster calls it.

@@ -1,11 +1,10 @@
 //! The gathering producer: the producer warpgroup's four warps ([`GATHER_WARPS`]) fill each
 //! stage with rows read through an index — row `r` of the plan is row `row_source[r] / top_k`
 //! of `x`, the token of the routing layout's slot — so no gathered copy of the rows is written
-//! first. The lanes
-//! place the 16-byte chunks themselves in the 128B-swizzle layout a TMA box would have
-//! (`cp.async`, zero-filled past the group's rows and past the row width), and each lane's
-//! copies hold the stage's `full` phase open until they land; thread 0 takes the tiles and loads the
-//! other operand by TMA as [`produce`](super::producer::produce) does. The consumers fence the
+//! first. The lanes place the 16-byte chunks themselves in the 128B-swizzle layout a TMA box
+//! would have (`cp.async`, zero-filled past the group's rows and past the row width), and each
+//! lane's copies hold the stage's `full` phase open until they land; thread 0 takes the tiles
+//! and loads the other operand by TMA as [`produce`](super::producer::produce) does. The consumers fence the
 //! async proxy after each `full` wait (the chunks arrive through the generic proxy; `wgmma`
 //! reads through the async one).
 //!
@@ -40,7 +39,7 @@ use super::source::*;
 /// Lanes of a gathering warp.
 pub(super) const GATHER_LANES: u32 = 32;
 
-/// The named barrier at which several gathering warps meet (0 is the block's, 1 and 2 the
+/// The named barrier at which the gathering warps meet (0 is the block's, 1 and 2 the
 /// consumer warpgroups' epilogues).
 pub(super) const GATHER_BARRIER: u32 = 3;
 
@@ -51,8 +50,8 @@ pub(super) const GATHER_BARRIER: u32 = 3;
 pub(super) const GATHER_WARPS: u32 = 4;
 
 /// The threads that gather: the producer warpgroup's ([`GATHER_WARPS`]), and this thread's
-/// index among them. Thread 0 leads: it takes the tiles, issues the TMA copies and makes each stage's one `full`
-/// arrival.
+/// index among them. Thread 0 leads: it takes the tiles, issues the TMA copies and makes each
+/// stage's one `full` arrival.
 #[derive(Clone, Copy)]
 pub(super) struct Gatherers {
     pub(super) thread: u32,
@@ -115,11 +114,11 @@ impl RowGather {
         unsafe { *self.row_source.add(row as usize) }
     }
 
-    /// The token of a looked-up slot, or [`NO_TOKEN`] for a row the copies skip (`present`
+    /// The token of a looked-up slot, or [`NO_TOKEN`] for a row the copies skip (`has_token`
     /// false: past the group's end, or not gathered), whose slot was loaded from a stand-in row.
     #[inline(always)]
-    fn token(&self, slot: u32, present: bool) -> u32 {
-        if present { slot / self.top_k } else { NO_TOKEN }
+    fn token(&self, slot: u32, has_token: bool) -> u32 {
+        if has_token { slot / self.top_k } else { NO_TOKEN }
     }
 
     /// Where token `token`'s row of `x` starts (an address only for a token, not [`NO_TOKEN`]).
@@ -362,6 +361,7 @@ unsafe fn gather_weight_gradient_tile<const V: u32>(
     let row_of = |kb: u32, jj: usize| {
         w.row_begin + kb * TILE_K + gathered_b_chunk(B_COPIES_PER_TOKEN * (first_token + jj as u32), lane).0
     };
+    let has_token = |row: u32| row < w.row_end;
     // Their slots, loaded and not used: a row past the group's end loads the group's first
     // row's slot (the group has rows: k_blocks > 0) and ignores it.
     let stage_slots = |kb: u32| {
@@ -369,7 +369,7 @@ unsafe fn gather_weight_gradient_tile<const V: u32>(
         for (jj, slot) in slots.iter_mut().enumerate() {
             let row = row_of(kb, jj);
             // SAFETY: a row below the group's end, or its first, is a row of the launch's groups.
-            *slot = unsafe { rows.slot(if row < w.row_end { row } else { w.row_begin }) };
+            *slot = unsafe { rows.slot(if has_token(row) { row } else { w.row_begin }) };
         }
         slots
     };
@@ -403,7 +403,7 @@ unsafe fn gather_weight_gradient_tile<const V: u32>(
         // The slots' first use, after the wait.
         let mut tokens = [NO_TOKEN; TOKENS_PER_WARP];
         for (jj, token) in tokens.iter_mut().enumerate() {
-            *token = rows.token(slots[jj], row_of(kb, jj) < w.row_end);
+            *token = rows.token(slots[jj], has_token(row_of(kb, jj)));
         }
         // The copies of token j's K row (constant j, as for the gate/up's rows), from an opaque
         // lane (as for the gate/up's).
