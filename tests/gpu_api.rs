@@ -365,16 +365,20 @@ fn workspace_bytes_is_what_a_layer_allocates() {
     // bytes around a layer's creation and steps that reach that most: fresh gradients, then
     // added into f32 (a second gradient target), then other weight and gradient buffers (a
     // second weight set, a third target: the layer keeps the plans of the current buffers and
-    // of the ones before, no more).
+    // of the ones before, no more), on each backend, gathering the rows in the producers or not.
     let gpu = gpu();
     let c = config();
     let case = random_case(&c, 703, Routing { drop_probability: 0.0, empty_experts: &[] });
-    for backend in [Backend::MmaSync, Backend::Engine, Backend::ForwardMegakernel, Backend::Megakernel] {
+    let runs = [Backend::MmaSync, Backend::Engine, Backend::ForwardMegakernel, Backend::Megakernel]
+        .into_iter()
+        .flat_map(|backend| [(backend, false), (backend, true)])
+        .filter(|&(backend, gathering)| !(gathering && backend == Backend::MmaSync));
+    for (backend, gather_in_producer) in runs {
         let mut callers = [Caller::new(&gpu, &case), Caller::new(&gpu, &case)];
         let (_, before) = mok::driver::live_device_buffers();
-        let options = LayerOptions { backend: Some(backend), ..LayerOptions::default() };
+        let options = LayerOptions { backend: Some(backend), gather_in_producer, ..LayerOptions::default() };
         let Ok(mut layer) = MoeLayer::new(&gpu, c.clone(), options) else {
-            println!("  NOT RUN on {backend:?}: not available here");
+            println!("  NOT RUN on {backend:?} (gathering: {gather_in_producer}): not available here");
             continue;
         };
         step(&gpu, &mut layer, &mut callers[0], false);
@@ -382,9 +386,10 @@ fn workspace_bytes_is_what_a_layer_allocates() {
         step(&gpu, &mut layer, &mut callers[1], false);
         step(&gpu, &mut layer, &mut callers[0], true);
         let (_, after) = mok::driver::live_device_buffers();
-        let predicted = mok::moe::workspace_bytes(&c, backend).unwrap() as u64;
-        assert_eq!(after - before, predicted, "{backend:?}: allocated {} bytes, predicted {predicted}", after - before);
-        println!("  {backend:?}: {predicted} bytes, as predicted");
+        let predicted = mok::moe::workspace_bytes(&c, backend, gather_in_producer).unwrap() as u64;
+        let what = format!("{backend:?} (gathering: {gather_in_producer})");
+        assert_eq!(after - before, predicted, "{what}: allocated {} bytes, predicted {predicted}", after - before);
+        println!("  {what}: {predicted} bytes, as predicted");
     }
 }
 

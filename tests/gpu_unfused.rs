@@ -133,7 +133,11 @@ fn collect(layer: &UnfusedLayer) -> GpuRun {
     let g = &layer.grads();
     GpuRun {
         backward_rows,
-        gathered_x: layer.gathered_rows().download().unwrap()[..total * h].to_vec(),
+        // Empty while the layer's producers gather the rows: it then holds no copy.
+        gathered_x: match layer.gathered_rows() {
+            copy if copy.is_empty() => Vec::new(),
+            copy => copy.download().unwrap()[..total * h].to_vec(),
+        },
         gate: gate.download().unwrap()[..total * i].to_vec(),
         up: up.download().unwrap()[..total * i].to_vec(),
         hidden: hidden.download().unwrap()[..total * i].to_vec(),
@@ -362,13 +366,13 @@ fn gemm_engine_path_is_bitwise_the_mma_sync_path() {
 #[test]
 fn gate_up_gathering_its_rows_in_the_producer_is_bitwise_the_engine_path() {
     // The engine path's gate/up and its gate and up weight gradients reading each row of x
-    // through the routing layout in their producers (`set_gather_in_producer`: no gathered copy
-    // is written, which the poisoned copy shows) give the engine path's bits: the megakernel
+    // through the routing layout in their producers (`set_gather_in_producer`: the layer holds
+    // no gathered copy) give the engine path's bits: the megakernel
     // shapes (ragged widths, dropped slots, empty and hot experts, T = 1, k = 1 and k = 10, the
     // shared expert, the limit: N-paired tiles, weight-gradient K tails), and H = 4096 with
     // ~150-row groups (M-paired tiles, a second M tile of a few rows). Then again on the same
     // layer, with the backward megakernel after it (whose gate and up weight gradients gather
-    // too: still no copy), and switched off.
+    // too: still no copy), and switched off (the copy allocated again).
     let gpu = gpu();
     let mut cases = megakernel_cases().to_vec();
     cases.push((config(600, 4096, 128, 4, 1, None, None), PLAIN_ROUTING));
@@ -395,7 +399,6 @@ fn gate_up_gathering_its_rows_in_the_producer_is_bitwise_the_engine_path() {
         layer.set_gather_in_producer(&gpu, true).unwrap();
         assert!(layer.gathers_in_producer());
         for attempt in ["gathered in the producers", "gathered, rerun"] {
-            // `run` poisons the layer first: the gathered copy must still be all poison.
             check_gathering_run(run(&gpu, &mut layer, &device), &expected, &format!("{what}, {attempt}"));
         }
         layer.set_backward_megakernel(&gpu, Some(megakernel_options(None, None))).unwrap();
@@ -615,9 +618,9 @@ fn forward_megakernel_is_bitwise_the_engine_path() {
 #[test]
 fn forward_megakernel_gathering_its_rows_in_the_producer_is_bitwise_the_engine_path() {
     // The forward megakernel with `set_gather_in_producer`: its gate/up tiles read each row of
-    // x through the routing layout in their producer warp and its dispatch copies only the
-    // shared expert's rows, so no gathered copy is written (the poisoned copy shows it, with
-    // the engine path's backward, whose weight gradients gather too). The bits must be the
+    // x through the routing layout in their producer warps and its dispatch copies only the
+    // shared expert's rows, so the layer holds no gathered copy (with the engine path's
+    // backward, whose weight gradients gather too). The bits must be the
     // engine path's for several splits and grids (one compute pair alone, one comm block beside
     // one pair), then with the backward megakernel (whose gate and up weight gradients gather
     // too: still no copy), then with gathering off again.
@@ -655,9 +658,8 @@ fn forward_megakernel_gathering_its_rows_in_the_producer_is_bitwise_the_engine_p
 }
 
 /// A run whose forward gathered its rows in the producers and whose backward ran as the
-/// megakernel, its gate and up weight gradients gathering too: the gathered copy, poisoned by
-/// `run`, must be untouched; the rest as the backward megakernel's tests compare it
-/// (`assert_same_backward`).
+/// megakernel, its gate and up weight gradients gathering too: the layer must hold no gathered
+/// copy; the rest as the backward megakernel's tests compare it (`assert_same_backward`).
 fn assert_gathered_then_backward_megakernel(got: &GpuRun, expected: &GpuRun, what: &str) {
     assert_no_gathered_copy(got, what);
     assert_eq!(fingerprint(&got.gate), fingerprint(&expected.gate), "{what}: gate pre-activations");
@@ -666,14 +668,14 @@ fn assert_gathered_then_backward_megakernel(got: &GpuRun, expected: &GpuRun, wha
     assert_same_backward(got, expected, what);
 }
 
-/// The gathered copy, poisoned by `run`, is untouched: no pass wrote it.
+/// The layer holds no gathered copy (its producers gather the rows).
 fn assert_no_gathered_copy(got: &GpuRun, what: &str) {
-    assert!(got.gathered_x.iter().all(|v| v.to_bits() == 0xffff), "{what}: a gathered copy was written");
+    assert!(got.gathered_x.is_empty(), "{what}: the layer holds a gathered copy while its producers gather");
 }
 
 /// A run whose forward gathered its rows in the producers and whose backward's weight
-/// gradients did too: the gathered copy, poisoned by `run`, must be untouched; everything else
-/// must be `expected`'s bits.
+/// gradients did too: the layer must hold no gathered copy; everything else must be
+/// `expected`'s bits.
 fn check_gathering_run(mut got: GpuRun, expected: &GpuRun, what: &str) {
     assert_no_gathered_copy(&got, what);
     got.gathered_x.clone_from(&expected.gathered_x);

@@ -398,7 +398,7 @@ impl EpLayer {
         let mut plans = Vec::with_capacity(self.ranks.len());
         for (local, ((state, w), &rank)) in self.ranks.iter().zip(experts).zip(locals).enumerate() {
             let groups = self.ring_groups(rank);
-            let rows = (self.ring_rows(rank, r.ring_dy), self.ring_rows(rank, r.ring_x));
+            let rows = (self.ring_rows(rank, r.ring_dy), Some(self.ring_rows(rank, r.ring_x)));
             // SAFETY: caller contract for the targets.
             plans.push(unsafe {
                 state.routed.engine_backward_plans(gpu, rows, &groups, [w.w_gate, w.w_up, w.w_down], targets[local])
@@ -506,7 +506,7 @@ impl EpLayer {
         for ((state, w), &rank) in self.ranks.iter().zip(experts).zip(locals) {
             let groups = self.ring_groups(rank);
             let ring_x = self.ring_rows(rank, r.ring_x);
-            plans.push(state.routed.engine_forward_plans(gpu, ring_x, &groups, [w.w_gate, w.w_up, w.w_down])?);
+            plans.push(state.routed.engine_forward_plans(gpu, Some(ring_x), &groups, [w.w_gate, w.w_up, w.w_down])?);
             if let (Some(weights), Some(workspace)) = (shared, &state.shared) {
                 shared_plans.push(SharedEnginePlans::new(gpu, workspace, weights)?);
             }

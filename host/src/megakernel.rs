@@ -19,7 +19,10 @@ use mok_kernels::megakernel_layout::{
 
 use crate::driver::{DeviceBuffer, Gpu, KernelArg, LaunchShape};
 use crate::error::{MokError, Result};
-use crate::gemm::{EnginePlan, GROUP_MAPS_PLANS_KERNEL, PlanSet, engine_error, plain_bytes};
+use crate::gemm::{
+    EnginePlan, GATE_UP_GATHERING_KERNEL, GROUP_MAPS_PLANS_KERNEL, PlanSet, WGRAD_GATHERING_KERNEL, engine_error,
+    plain_bytes,
+};
 
 /// The forward megakernel's entry point on one GPU.
 pub const FORWARD_KERNEL: &str = "mok_sm90_forward";
@@ -150,10 +153,6 @@ pub(crate) trait PassParams: Copy {
     #[cfg_attr(not(feature = "testing"), allow(dead_code))]
     fn set_silent_tiles(&mut self, rows_tile: u32, hidden_tile: u32);
     fn silent_push(&mut self) -> &mut u32;
-    /// Whether the pass's producers gather the token rows (`gather_in_producer`).
-    fn gather_in_producer(&mut self) -> &mut u32;
-    /// The rank's `ExchangeParams` (0 on one GPU).
-    fn exchange(&self) -> u64;
     /// Whether the one-GPU entry point takes the forward's token rows after the pass inputs
     /// (the backward's: its weight gradients may gather them).
     const TAKES_TOKEN_ROWS: bool;
@@ -177,12 +176,6 @@ macro_rules! pass_params {
             }
             fn silent_push(&mut self) -> &mut u32 {
                 &mut self.silent_push
-            }
-            fn gather_in_producer(&mut self) -> &mut u32 {
-                &mut self.gather_in_producer
-            }
-            fn exchange(&self) -> u64 {
-                self.exchange
             }
             const TAKES_TOKEN_ROWS: bool = $rows;
         }
@@ -382,7 +375,11 @@ impl ForwardMegakernel {
         for (set, b) in plans.iter().zip(buffers) {
             let expected = if b.shared.is_some() { 4 } else { 2 };
             let kernels: Vec<&str> = set.iter().map(|p| p.kernel()).collect();
-            if set.len() != expected || kernels.chunks(2).any(|pair| pair != KERNELS) {
+            // The routed gate/up may gather its rows in its producers (one GPU only); the
+            // shared expert's reads its copy of x.
+            let gathers = set.first().is_some_and(|p| p.gathers_rows());
+            let pair = |n: usize| if n == 0 && gathers { [GATE_UP_GATHERING_KERNEL, KERNELS[1]] } else { KERNELS };
+            if set.len() != expected || kernels.chunks(2).enumerate().any(|(n, kernels)| kernels != pair(n)) {
                 return Err(MokError::InvalidInput {
                     tensor: "megakernel",
                     problem: format!(
@@ -390,6 +387,7 @@ impl ForwardMegakernel {
                     ),
                 });
             }
+            refuse_gathering_over_ranks(gathers, b.rank.is_some())?;
         }
         let ranks_of: Vec<Option<&RankPass>> = buffers.iter().map(|b| b.rank.as_ref()).collect();
         let tile_ranks = shared_tile_ranks(&ranks_of, plans, options);
@@ -432,7 +430,8 @@ impl ForwardMegakernel {
                 silent_push: NO_FAULT,
                 launch_index: r as u32,
                 tile_ranks,
-                gather_in_producer: 0,
+                // A gate/up plan without a rows map gathers them (one GPU, checked above).
+                gather_in_producer: u32::from(set[0].gathers_rows()),
                 reserved: 0,
             }
         })
@@ -507,27 +506,6 @@ impl<P: PassParams> MegakernelPass<P> {
             *params.silent_push() = value;
         }
         if changed { self.upload_params() } else { Ok(()) }
-    }
-
-    /// Makes the following passes' producers gather the token rows from x (`on`; one GPU only):
-    /// the forward's routed gate/up, whose dispatch then copies no routed row into
-    /// `PassBuffers::rows`, and the backward's gate and up weight gradients, which then do not
-    /// read that copy. The parameter blocks are uploaded again only when this changes.
-    pub(crate) fn set_gather_in_producer(&mut self, on: bool) -> Result<()> {
-        let value = u32::from(on);
-        if self.host.iter_mut().all(|p| *p.gather_in_producer() == value) {
-            return Ok(());
-        }
-        match self.host.as_mut_slice() {
-            [params] if params.exchange() == 0 => *params.gather_in_producer() = value,
-            _ => {
-                return Err(MokError::InvalidInput {
-                    tensor: "gather_in_producer",
-                    problem: "the megakernels gather in their producers on one GPU only".into(),
-                });
-            }
-        }
-        self.upload_params()
     }
 
     /// Checks the plans and enqueues what precedes every pass: cuts every plan's group maps
@@ -641,6 +619,18 @@ const BACKWARD_PLAN_KERNELS: [&str; 5] = [
     "mok_sm90_gemm_wgrad",
 ];
 
+/// Refuses plans that gather their token rows in their producers in a pass over ranks: there
+/// the rows are pulled from their owners into the ring, whose copy the plans read.
+fn refuse_gathering_over_ranks(gathers: bool, over_ranks: bool) -> Result<()> {
+    if gathers && over_ranks {
+        return Err(MokError::InvalidInput {
+            tensor: "gather_in_producer",
+            problem: "the megakernels gather in their producers on one GPU only".into(),
+        });
+    }
+    Ok(())
+}
+
 /// The layer buffers a backward pass reads and writes, besides its plans', for one rank.
 pub(crate) struct BackwardBuffers {
     /// `[R]` the slot each expert-ordered row holds (with ranks: the ring map's source slots).
@@ -697,8 +687,16 @@ impl BackwardMegakernel {
                     problem: format!("the backward runs {expected} plans here, not {}", set.len()),
                 });
             }
-            for experts in set.chunks(5) {
-                for (plan, expected) in experts.iter().zip(BACKWARD_PLAN_KERNELS) {
+            // The routed gate and up weight gradients may gather their rows in their producers
+            // (one GPU only, both or neither); the shared expert's read its copy of x.
+            let gathers = set.get(3).is_some_and(|p| p.gathers_rows());
+            refuse_gathering_over_ranks(gathers, b.rank.is_some())?;
+            for (n, experts) in set.chunks(5).enumerate() {
+                let mut kernels = BACKWARD_PLAN_KERNELS;
+                if n == 0 && gathers {
+                    kernels[3..].fill(WGRAD_GATHERING_KERNEL);
+                }
+                for (plan, expected) in experts.iter().zip(kernels) {
                     if plan.kernel() != expected {
                         return Err(MokError::InvalidInput {
                             tensor: "megakernel",
@@ -782,7 +780,9 @@ impl BackwardMegakernel {
                 rank_blocks: at.blocks,
                 wgrad_ranks,
                 tile_ranks,
-                gather_in_producer: 0,
+                // Gate and up weight-gradient plans without a rows map gather them (one GPU,
+                // checked above).
+                gather_in_producer: u32::from(p[3].gathers_rows()),
                 shared_down_dgrad: shared(0),
                 shared_gate_up_dgrad: shared(1),
                 shared_wgrad: [shared(2), shared(3), shared(4)],

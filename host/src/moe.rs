@@ -94,8 +94,8 @@ pub struct LayerOptions {
     /// ([`UnfusedLayer::set_gather_in_producer`](crate::unfused::UnfusedLayer::set_gather_in_producer)):
     /// the same bits, T · k · H bf16 less written and read per forward; on the H200 the
     /// engine path's forward is faster with it and its backward slower (the gathering weight
-    /// gradients take 1.26–1.39× the plain ones' time: docs/PERF.md), and the gathered copy
-    /// stays allocated. Refused over ranks (the rows are pulled from their owners) and on
+    /// gradients take 1.26–1.39× the plain ones' time: docs/PERF.md), and the layer holds no
+    /// gathered copy (T · k · H bf16 less). Refused over ranks (the rows are pulled from their owners) and on
     /// `mma.sync`.
     pub gather_in_producer: bool,
 }
@@ -701,7 +701,8 @@ impl ForwardPass<'_> {
     }
 }
 
-/// Device bytes a [`MoeLayer`] for `config` on `backend` allocates at most, all of it —
+/// Device bytes a [`MoeLayer`] for `config` on `backend` allocates at most (with
+/// [`LayerOptions::gather_in_producer`] as `gather_in_producer`), all of it —
 /// workspace, routing buffers, its own dx, d_topk_weights and shared-expert gradients, and
 /// (engine and megakernel) the plans' parameter blocks, tensor maps and counters, which the
 /// forwards and backwards make: the plans of the current weights and of the weights before them,
@@ -711,8 +712,14 @@ impl ForwardPass<'_> {
 /// weight gradients a backward allocates in the layer the first time it is given
 /// [`WeightGradTarget::Layer`] (3 · E · I · H bf16, 6 · E · I · H bytes, more); a caller that
 /// passes its own gradient buffers never holds those.
-pub fn workspace_bytes(config: &MoeConfig, backend: Backend) -> Result<usize> {
+pub fn workspace_bytes(config: &MoeConfig, backend: Backend, gather_in_producer: bool) -> Result<usize> {
     config.validate()?;
+    if gather_in_producer && backend == Backend::MmaSync {
+        return Err(MokError::InvalidInput {
+            tensor: "gather_in_producer",
+            problem: "the producers that gather the rows are the engine's and the megakernels', not mma.sync's".into(),
+        });
+    }
     if config.ep_ranks > 1 {
         return Err(MokError::InvalidConfig {
             field: "ep_ranks",
@@ -741,7 +748,10 @@ pub fn workspace_bytes(config: &MoeConfig, backend: Backend) -> Result<usize> {
         .map(buffer)
         .iter()
         .sum::<usize>();
-    let mut total = routing + buffer(2 * slots * h) + expert_rows(slots, i, true);
+    // The gathered copy of the token rows, which a layer whose producers gather them does not
+    // hold (an empty buffer).
+    let gathered_copy = if gather_in_producer { 0 } else { 2 * slots * h };
+    let mut total = routing + buffer(gathered_copy) + expert_rows(slots, i, true);
     if let Some(is) = c.shared_intermediate {
         total += expert_rows(t, is, false) + buffer(16) + 3 * buffer(2 * is * h);
     }
@@ -753,8 +763,10 @@ pub fn workspace_bytes(config: &MoeConfig, backend: Backend) -> Result<usize> {
         let params = size_of::<mok_kernels::gemm_layout::GemmParams>();
         // gate/up 4 maps, down 3, the two dgrads 3 and 5 (the backward megakernel runs them
         // too), three weight gradients 3 each; every one twice (the previous weights' and
-        // gradient target's plans are kept).
-        let plans = [4, 3, 3, 5, 3, 3, 3, 4, 3, 3, 5, 3, 3, 3];
+        // gradient target's plans are kept). Gathering, the gate/up and the gate and up weight
+        // gradients have no map of the copy.
+        let rows_map = usize::from(!gather_in_producer);
+        let plans = [3 + rows_map, 3, 3, 5, 3, 2 + rows_map, 2 + rows_map].repeat(2);
         let plan_bytes = |maps: usize, groups: usize| {
             let group_maps = buffer(groups.max(1) * GROUP_MAP_SLOTS as usize * TENSOR_MAP_BYTES as usize);
             buffer(params) + maps * TENSOR_MAP_BYTES as usize + group_maps + 16
@@ -892,18 +904,34 @@ mod tests {
         let config = MoeConfig { shared_intermediate: Some(256), ..MoeConfig::new(400, 512, 256, 32, 8) };
         let [mma, engine, forward, mega] =
             [Backend::MmaSync, Backend::Engine, Backend::ForwardMegakernel, Backend::Megakernel]
-                .map(|b| workspace_bytes(&config, b).unwrap());
+                .map(|b| workspace_bytes(&config, b, false).unwrap());
         assert!(mma < engine && engine < forward && forward < mega, "{mma} {engine} {forward} {mega}");
+        // Gathering in the producers: no gathered copy (T · k · H bf16, at least) and three maps
+        // fewer per kept plan set; refused on mma.sync.
+        let copy = 2 * 400 * 8 * 512;
+        for (backend, plain) in
+            [(Backend::Engine, engine), (Backend::ForwardMegakernel, forward), (Backend::Megakernel, mega)]
+        {
+            let gathering = workspace_bytes(&config, backend, true).unwrap();
+            assert!(gathering + copy <= plain && plain - gathering < copy + 4096, "{backend:?}: {gathering} {plain}");
+        }
+        assert!(matches!(
+            workspace_bytes(&config, Backend::MmaSync, true),
+            Err(MokError::InvalidInput { tensor: "gather_in_producer", .. })
+        ));
         // The three routed weight gradients alone: 3 · E · I · H bf16.
         assert!(mma > 3 * 2 * 32 * 256 * 512);
         let more = MoeConfig { tokens_per_rank: 800, ..config.clone() };
-        assert!(workspace_bytes(&more, Backend::Engine).unwrap() > engine);
+        assert!(workspace_bytes(&more, Backend::Engine, false).unwrap() > engine);
         let ranks = MoeConfig { ep_ranks: 2, tokens_per_rank: 200, ..config.clone() };
         assert!(matches!(
-            workspace_bytes(&ranks, Backend::Megakernel),
+            workspace_bytes(&ranks, Backend::Megakernel, false),
             Err(MokError::InvalidConfig { field: "ep_ranks", .. })
         ));
         let bad = MoeConfig { hidden: 60, ..config };
-        assert!(matches!(workspace_bytes(&bad, Backend::Engine), Err(MokError::InvalidConfig { field: "hidden", .. })));
+        assert!(matches!(
+            workspace_bytes(&bad, Backend::Engine, false),
+            Err(MokError::InvalidConfig { field: "hidden", .. })
+        ));
     }
 }

@@ -262,8 +262,8 @@ pub struct BackwardParams {
     pub tile_ranks: u32,
     /// One GPU only, nonzero: the routed gate and up weight gradients' producers gather B, the
     /// token rows, from the forward's x through `row_source` (`gemm::gather`; x is a kernel
-    /// argument), so the gathered copy the plans' maps name is not read; 0: they read it
-    /// (always across ranks).
+    /// argument): their plans have no map of a gathered copy; 0: they read the copy their maps
+    /// name (always across ranks).
     pub gather_in_producer: u32,
     /// The shared expert's down data-gradient plan (A = `shared_dy`, one group of the pass's T
     /// tokens; out = the f32 `d_hidden` of [`BackwardParams::shared_swiglu`]), or 0 when the pass

@@ -164,49 +164,30 @@ impl ExpertCompute {
     /// The tensor-core engine's forward plans over `rows` (`[capacity][H]` bf16 in group order)
     /// and this workspace: gate/up + SwiGLU into the hidden rows, keeping the f32
     /// pre-activations the backward reads, then the down projection into the f32 out rows —
-    /// what [`Self::forward`] computes, bit for bit.
+    /// what [`Self::forward`] computes, bit for bit. With `rows` `None` the gate/up has no rows
+    /// buffer: its producers gather each row from the tokens given at launch
+    /// ([`crate::gemm::EnginePlan::gate_up_gathering`]), into the same outputs, bit for bit.
     pub(crate) fn engine_forward_plans(
         &self,
         gpu: &Gpu,
-        rows: DeviceSlice<'_, bf16>,
+        rows: Option<DeviceSlice<'_, bf16>>,
         groups: &crate::gemm::RowGroups<'_>,
         [w_gate, w_up, w_down]: [DeviceSlice<'_, bf16>; 3],
     ) -> Result<(crate::gemm::EnginePlan, crate::gemm::EnginePlan)> {
         use crate::gemm::{EnginePlan, RowsOut};
         let (h, i, r) = (self.hidden, self.inter, &self.rows);
         let limit = self.limit.is_finite().then_some(self.limit);
-        Ok((
-            EnginePlan::gate_up(gpu, rows, groups, w_gate, w_up, (h, i), limit, &r.hidden, Some((&r.gate, &r.up)))?,
-            EnginePlan::rows_nt(gpu, &r.hidden, groups, w_down, (h, i), RowsOut::F32(&r.out))?,
-        ))
-    }
-
-    /// [`Self::engine_forward_plans`]' gate/up without a rows buffer: its producers gather
-    /// each row from the tokens given at launch ([`crate::gemm::EnginePlan::gate_up_gathering`]),
-    /// into the same outputs, bit for bit.
-    pub(crate) fn engine_gate_up_gathering_plan(
-        &self,
-        gpu: &Gpu,
-        groups: &crate::gemm::RowGroups<'_>,
-        [w_gate, w_up]: [DeviceSlice<'_, bf16>; 2],
-    ) -> Result<crate::gemm::EnginePlan> {
-        let (h, i, r) = (self.hidden, self.inter, &self.rows);
-        let limit = self.limit.is_finite().then_some(self.limit);
-        crate::gemm::EnginePlan::gate_up_gathering(
-            gpu,
-            groups,
-            w_gate,
-            w_up,
-            (h, i),
-            limit,
-            &r.hidden,
-            Some((&r.gate, &r.up)),
-        )
+        let saved = Some((&r.gate, &r.up));
+        let gate_up = match rows {
+            Some(rows) => EnginePlan::gate_up(gpu, rows, groups, w_gate, w_up, (h, i), limit, &r.hidden, saved)?,
+            None => EnginePlan::gate_up_gathering(gpu, groups, w_gate, w_up, (h, i), limit, &r.hidden, saved)?,
+        };
+        Ok((gate_up, EnginePlan::rows_nt(gpu, &r.hidden, groups, w_down, (h, i), RowsOut::F32(&r.out))?))
     }
 
     /// The backward megakernel's five engine plans over `groups` of `d_rows` (`[R][H]` bf16, the
     /// gathered dy rows scaled by their slot weights), `input_rows` (`[R][H]` bf16, the forward's
-    /// rows) and this workspace: [`Self::engine_down_dgrad_plan`],
+    /// rows, or `None` for weight gradients that gather them) and this workspace: [`Self::engine_down_dgrad_plan`],
     /// [`Self::engine_gate_up_dgrad_plan`], then [`Self::engine_wgrad_plans`] — in
     /// `BackwardParams` order (the megakernel runs the SwiGLU backward between the two data
     /// gradients, over [`Self::swiglu_backward_rows`]).
@@ -216,7 +197,7 @@ impl ExpertCompute {
     pub(crate) unsafe fn engine_backward_plans(
         &self,
         gpu: &Gpu,
-        (d_rows, input_rows): (DeviceSlice<'_, bf16>, DeviceSlice<'_, bf16>),
+        (d_rows, input_rows): (DeviceSlice<'_, bf16>, Option<DeviceSlice<'_, bf16>>),
         groups: &crate::gemm::RowGroups<'_>,
         [w_gate, w_up, w_down]: [DeviceSlice<'_, bf16>; 3],
         targets: ([u64; 3], bool),
@@ -289,6 +270,9 @@ impl ExpertCompute {
     /// The down, gate and up weight gradients over `groups` — `d_rowsᵀ·hidden`, `d_gateᵀ·input_rows`,
     /// `d_upᵀ·input_rows` — into `dw` = `[dw_gate, dw_up, dw_down]` (device addresses of
     /// `[G, I, H]`, `[G, I, H]`, `[G, H, I]`), bf16 or, with `accumulate_f32`, added into f32.
+    /// With `input_rows` `None` the gate and up weight gradients have no rows buffer: their
+    /// producers gather each K row from the tokens given at launch
+    /// ([`crate::gemm::EnginePlan::wgrad_gathering`]), into the same gradients, bit for bit.
     ///
     /// # Safety
     /// `dw` are live allocations of those lengths (of f32 with `accumulate_f32`, else bf16) for
@@ -296,7 +280,7 @@ impl ExpertCompute {
     pub(crate) unsafe fn engine_wgrad_plans(
         &self,
         gpu: &Gpu,
-        (d_rows, input_rows): (DeviceSlice<'_, bf16>, DeviceSlice<'_, bf16>),
+        (d_rows, input_rows): (DeviceSlice<'_, bf16>, Option<DeviceSlice<'_, bf16>>),
         groups: &crate::gemm::RowGroups<'_>,
         (dw, accumulate_f32): ([u64; 3], bool),
     ) -> Result<[crate::gemm::EnginePlan; 3]> {
@@ -305,36 +289,17 @@ impl ExpertCompute {
         let g = groups.groups;
         // SAFETY: caller contract (each gradient holds G · I · H elements).
         let out = |address| unsafe { wgrad_target(address, g * i * h, accumulate_f32) };
-        let wgrad =
-            |a, b, (m, n), dw| EnginePlan::wgrad(gpu, a, b, groups.row_offsets, (g, groups.capacity), (m, n), out(dw));
-        Ok([
-            wgrad(d_rows, (&r.hidden).into(), (h, i), dw[2])?,
-            wgrad((&r.d_gate).into(), input_rows, (i, h), dw[0])?,
-            wgrad((&r.d_up).into(), input_rows, (i, h), dw[1])?,
-        ])
-    }
-
-    /// [`Self::engine_wgrad_plans`]' gate and up weight gradients without the input rows: their
-    /// producers gather each K row from the tokens given at launch
-    /// ([`crate::gemm::EnginePlan::wgrad_gathering`]), into the same gradients, bit for bit.
-    ///
-    /// # Safety
-    /// As [`Self::engine_wgrad_plans`].
-    pub(crate) unsafe fn engine_wgrad_gathering_plans(
-        &self,
-        gpu: &Gpu,
-        groups: &crate::gemm::RowGroups<'_>,
-        (dw, accumulate_f32): ([u64; 3], bool),
-    ) -> Result<[crate::gemm::EnginePlan; 2]> {
-        use crate::gemm::EnginePlan;
-        let (h, i, r) = (self.hidden, self.inter, &self.rows);
-        let g = groups.groups;
-        // SAFETY: caller contract (each gradient holds G · I · H elements).
-        let out = |address| unsafe { wgrad_target(address, g * i * h, accumulate_f32) };
-        let wgrad = |a: &DeviceBuffer<bf16>, dw| {
-            EnginePlan::wgrad_gathering(gpu, a, groups.row_offsets, (g, groups.capacity), (i, h), out(dw))
+        let shape = (g, groups.capacity);
+        // The gate and up weight gradients: `a` against the input rows, or gathering them.
+        let input_wgrad = |a: &DeviceBuffer<bf16>, dw| match input_rows {
+            Some(rows) => EnginePlan::wgrad(gpu, a, rows, groups.row_offsets, shape, (i, h), out(dw)),
+            None => EnginePlan::wgrad_gathering(gpu, a, groups.row_offsets, shape, (i, h), out(dw)),
         };
-        Ok([wgrad(&r.d_gate, dw[0])?, wgrad(&r.d_up, dw[1])?])
+        Ok([
+            EnginePlan::wgrad(gpu, d_rows, &r.hidden, groups.row_offsets, shape, (h, i), out(dw[2]))?,
+            input_wgrad(&r.d_gate, dw[0])?,
+            input_wgrad(&r.d_up, dw[1])?,
+        ])
     }
 
     /// `[R][H]` f32 input-row gradients of the last backward.
@@ -651,7 +616,7 @@ impl SharedEnginePlans {
         };
         let (gate_up, down) = compute.engine_forward_plans(
             gpu,
-            (&x_rows).into(),
+            Some((&x_rows).into()),
             &groups,
             [weights.ws_gate, weights.ws_up, weights.ws_down],
         )?;
@@ -725,7 +690,7 @@ impl SharedEnginePlans {
         let plans = unsafe {
             compute.engine_backward_plans(
                 gpu,
-                ((&dy_rows).into(), DeviceSlice::from_raw_parts(input_rows, rows)),
+                ((&dy_rows).into(), Some(DeviceSlice::from_raw_parts(input_rows, rows))),
                 &groups,
                 [weights.ws_gate, weights.ws_up, weights.ws_down],
                 (grads, accumulate_f32),

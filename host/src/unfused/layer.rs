@@ -103,27 +103,18 @@ struct EngineExperts {
     /// The forward and data-gradient plans, by the (gate, up, down) weight addresses.
     weights: KeptPlans<[u64; 3], WeightPlans>,
     /// The down, gate and up weight gradients, by the (dw_gate, dw_up, dw_down) addresses and
-    /// whether they add into f32.
-    wgrad: KeptPlans<([u64; 3], bool), WgradPlans>,
-}
-
-/// The weight-gradient plans of one gradient target.
-struct WgradPlans {
-    /// Down, gate, up over the layer's gathered rows (the backward megakernel runs these).
-    plans: Vec<EnginePlan>,
-    /// With [`UnfusedLayer::set_gather_in_producer`]: gate and up gathering their token rows in
-    /// their producers, which the engine path then runs in place of `plans[1..]`.
-    gathering: Vec<EnginePlan>,
+    /// whether they add into f32: the gate and up over the layer's gathered rows, or, with
+    /// [`UnfusedLayer::set_gather_in_producer`], gathering the token rows in their producers.
+    /// The engine path and the backward megakernel run the same plans.
+    wgrad: KeptPlans<([u64; 3], bool), Vec<EnginePlan>>,
 }
 
 /// The plans that read one set of expert weights.
 struct WeightPlans {
-    /// Gate/up with SwiGLU (keeping the pre-activations for backward), down.
+    /// Gate/up with SwiGLU (keeping the pre-activations for backward) over the layer's gathered
+    /// rows or, with [`UnfusedLayer::set_gather_in_producer`], gathering its rows from x in its
+    /// producers; down. The engine path and the forward megakernel run the same plans.
     forward: Vec<EnginePlan>,
-    /// With [`UnfusedLayer::set_gather_in_producer`]: the same gate/up gathering its rows from
-    /// x in its producer, which the engine path then runs in place of `forward[0]` (the
-    /// megakernels keep `forward[0]`).
-    gate_up_gathering: Option<EnginePlan>,
     /// Down dgrad (into d_hidden); gate/up dgrad (two K segments). The backward megakernel runs
     /// them too, with the SwiGLU backward between them.
     dgrad: Vec<EnginePlan>,
@@ -142,13 +133,7 @@ impl EngineExperts {
 
     /// The current target's weight-gradient plans.
     fn wgrad(&self) -> &[EnginePlan] {
-        self.wgrad.current().map_or(&[], |p| p.plans.as_slice())
-    }
-
-    /// The current target's gate and up weight gradients that gather their rows (empty unless
-    /// the layer gathers in the producer).
-    fn wgrad_gathering(&self) -> &[EnginePlan] {
-        self.wgrad.current().map_or(&[], |p| p.gathering.as_slice())
+        self.wgrad.current().map_or(&[], Vec::as_slice)
     }
 }
 
@@ -254,12 +239,11 @@ impl UnfusedLayer {
         };
         // The shared expert is one group holding every token.
         let (shared, shared_grads) = shared_expert_workspace(gpu, &config)?.unzip();
-        // Zeroed once, like the expert rows (`ExpertCompute::new`).
-        let mut gathered_x = DeviceBuffer::alloc(gpu, slots * h)?;
-        gathered_x.fill_bytes(0)?;
         Ok(Self {
             routing,
-            gathered_x,
+            // Allocated by the first pass that reads it (`fit_gathered_copy`): a layer whose
+            // producers gather the rows never does.
+            gathered_x: DeviceBuffer::alloc(gpu, 0)?,
             routed: ExpertCompute::new(gpu, slots, h, i, config.swiglu_limit, true)?,
             shared,
             y: DeviceBuffer::alloc(gpu, t * h)?,
@@ -296,7 +280,8 @@ impl UnfusedLayer {
         &self.routing
     }
 
-    /// `[T·k][H]` bf16: the last forward's x rows in expert order (the first `total` rows valid).
+    /// `[T·k][H]` bf16: the last forward's x rows in expert order (the first `total` rows
+    /// valid); empty while the producers gather the rows ([`Self::set_gather_in_producer`]).
     pub fn gathered_rows(&self) -> &DeviceBuffer<bf16> {
         &self.gathered_x
     }
@@ -575,10 +560,10 @@ impl UnfusedLayer {
     /// from x in their producers (`on`) or read them from a gathered copy (the default): on the
     /// engine path `mok_sm90_gemm_gate_up_gathering` and `mok_sm90_gemm_wgrad_gathering`, in
     /// the forward megakernel its gate/up tiles, whose dispatch then copies no routed row, and
-    /// in the backward megakernel its gate and up weight-gradient tiles. With it no gathered
-    /// copy of the rows is written (T · k · H bf16 less to write and read per forward), though
-    /// the copy's buffer stays allocated (the plain plans are built over it). Every output and
-    /// gradient is the same bits either way; on the H200 the forward is faster with it and the
+    /// in the backward megakernel its gate and up weight-gradient tiles. With it the layer
+    /// holds no gathered copy of the rows (T · k · H bf16 less to hold, and to write and read
+    /// per forward; [`Self::gathered_rows`] is then empty), and switching it off allocates the
+    /// copy again. Every output and gradient is the same bits either way; on the H200 the forward is faster with it and the
     /// backward slower (the gathering gate/up takes 1.05–1.10× the plain one's time, the
     /// gathering weight gradients 1.26–1.39×: docs/PERF.md). It needs the engine on and the
     /// kernels in the loaded PTX (otherwise an error, and the layer is unchanged), and switching
@@ -604,10 +589,36 @@ impl UnfusedLayer {
             }
         }
         self.gather_in_producer = on;
-        // The plans are built again, with or without the gathering gate/up and weight gradients.
+        // The plans are built again, with or without the gathering gate/up and weight gradients,
+        // and so are the passes, whose producers gather or not and whose dispatch writes the copy
+        // (plans built again may land at the old addresses, which alone would keep a pass).
         if let Some(engine) = self.engine.as_mut() {
             engine.weights = KeptPlans::new();
             engine.wgrad = KeptPlans::new();
+        }
+        if let Some((_, pass)) = self.megakernel.as_mut() {
+            *pass = None;
+        }
+        if let Some((_, pass)) = self.backward_megakernel.as_mut() {
+            *pass = None;
+        }
+        // Gathering, the copy's memory goes back at once.
+        self.fit_gathered_copy(gpu)
+    }
+
+    /// Makes the gathered copy of the token rows (`[T·k][H]` bf16, zeroed once like the expert
+    /// rows) what the passes read: allocated unless the producers gather the rows, freed while
+    /// they do. Called before plans are built, so a plan never holds a freed copy's address: a
+    /// change of size follows [`Self::set_gather_in_producer`], which drops every plan and pass
+    /// built over the copy, or is the first pass's allocation, before any plan exists.
+    fn fit_gathered_copy(&mut self, gpu: &Gpu) -> Result<()> {
+        let c = &self.config;
+        let len = if self.gather_in_producer { 0 } else { c.tokens_per_rank * c.top_k * c.hidden };
+        if self.gathered_x.len() != len {
+            let mut copy = DeviceBuffer::alloc(gpu, len)?;
+            copy.fill_bytes(0)?;
+            self.gathered_x = copy;
+            self.x_rows_gathered = false;
         }
         Ok(())
     }
@@ -623,26 +634,18 @@ impl UnfusedLayer {
     fn prepare_engine_plans(&mut self, gpu: &Gpu, experts: ExpertsView<'_>) -> Result<()> {
         let Some(EngineExperts { tile_offsets, weights, .. }) = self.engine.as_mut() else { return Ok(()) };
         let key = [experts.w_gate.device_ptr(), experts.w_up.device_ptr(), experts.w_down.device_ptr()];
-        let (c, routing, routed, gathered_x) = (&self.config, &self.routing, &self.routed, &self.gathered_x);
-        let gather_in_producer = self.gather_in_producer;
+        let (c, routing, routed) = (&self.config, &self.routing, &self.routed);
+        // Gathering, the gate/up reads x itself: there is no gathered copy to build it over.
+        let rows = (!self.gather_in_producer).then(|| (&self.gathered_x).into());
         weights.select(key, || {
             let groups = engine_row_groups(c, routing, tile_offsets);
-            let (gate_up, down) = routed.engine_forward_plans(
-                gpu,
-                gathered_x.into(),
-                &groups,
-                [experts.w_gate, experts.w_up, experts.w_down],
-            )?;
+            let (gate_up, down) =
+                routed.engine_forward_plans(gpu, rows, &groups, [experts.w_gate, experts.w_up, experts.w_down])?;
             let dgrad = vec![
                 routed.engine_down_dgrad_plan(gpu, (&routed.rows.d_rows).into(), &groups, experts.w_down)?,
                 routed.engine_gate_up_dgrad_plan(gpu, &groups, [experts.w_gate, experts.w_up])?,
             ];
-            let gate_up_gathering = if gather_in_producer {
-                Some(routed.engine_gate_up_gathering_plan(gpu, &groups, [experts.w_gate, experts.w_up])?)
-            } else {
-                None
-            };
-            Ok(WeightPlans { forward: vec![gate_up, down], gate_up_gathering, dgrad })
+            Ok(WeightPlans { forward: vec![gate_up, down], dgrad })
         })
     }
 
@@ -650,23 +653,17 @@ impl UnfusedLayer {
     /// built on first use and for another target, kept for the target before ([`KeptPlans`]).
     fn prepare_wgrad_plans(&mut self, gpu: &Gpu, target: &GradAddresses) -> Result<()> {
         let Some(EngineExperts { tile_offsets, wgrad, .. }) = self.engine.as_mut() else { return Ok(()) };
-        let (c, routing, routed, gathered_x) = (&self.config, &self.routing, &self.routed, &self.gathered_x);
-        let gather_in_producer = self.gather_in_producer;
+        let (c, routing, routed) = (&self.config, &self.routing, &self.routed);
+        // Gathering, the gate and up weight gradients read x themselves.
+        let input_rows = (!self.gather_in_producer).then(|| (&self.gathered_x).into());
         wgrad.select((target.routed, target.accumulate_f32), || {
             let groups = engine_row_groups(c, routing, tile_offsets);
-            let rows = (routed.d_rows().into(), gathered_x.into());
+            let rows = (routed.d_rows().into(), input_rows);
             // SAFETY: `target` was checked against the gradients' lengths for this call and lives
             // for it; the plans keep the addresses and run only for a call with this same target
             // (kept as the previous target's otherwise, never launched for another).
             let target = (target.routed, target.accumulate_f32);
-            let plans = unsafe { routed.engine_wgrad_plans(gpu, rows, &groups, target) }?;
-            let gathering = if gather_in_producer {
-                // SAFETY: as above.
-                unsafe { routed.engine_wgrad_gathering_plans(gpu, &groups, target) }?.into()
-            } else {
-                Vec::new()
-            };
-            Ok(WgradPlans { plans: plans.into(), gathering })
+            Ok(unsafe { routed.engine_wgrad_plans(gpu, rows, &groups, target) }?.into())
         })
     }
 
@@ -959,7 +956,8 @@ impl UnfusedLayer {
         shared: Option<SharedExpertView<'_>>,
     ) -> Result<()> {
         let t = self.check_inputs(tokens, experts, shared)?;
-        // Before any launch: building plans uploads their parameter blocks.
+        // Before any launch: building plans uploads their parameter blocks (over the copy).
+        self.fit_gathered_copy(gpu)?;
         self.prepare_engine_plans(gpu, experts)?;
         self.prepare_megakernel(gpu, shared)?;
         self.tokens = t;
@@ -1002,19 +1000,17 @@ impl UnfusedLayer {
         };
         if let Some(state) = &self.engine {
             engine::tile_offsets_into(gpu, &self.routing.row_offsets, e, &state.tile_offsets)?;
-            let gate_up_gathering = state.weights.current().and_then(|p| p.gate_up_gathering.as_ref());
-            for (n, plan) in state.forward().iter().enumerate() {
-                match gate_up_gathering.filter(|_| n == 0) {
+            for plan in state.forward() {
+                if plan.gathers_rows() {
                     // SAFETY: as below; x is this pass's checked `[T][H]` view and the routing
                     // layout's `row_source` was written by this forward's routing, on the stream,
                     // with a slot below T · k for every row of the groups.
-                    Some(gathering) => {
-                        unsafe { gathering.launch_gathering(gpu, tokens.x, (&self.routing.row_source).into(), k) }?
-                    }
+                    unsafe { plan.launch_gathering(gpu, tokens.x, (&self.routing.row_source).into(), k) }?
+                } else {
                     // SAFETY: the plans were built over this layer's buffers and this call's weight and
                     // gradient addresses (built, or swapped back, for exactly these addresses, whose
                     // lengths were checked for this call), all alive until the stream has run the pass.
-                    None => unsafe { plan.launch(gpu) }?,
+                    unsafe { plan.launch(gpu) }?
                 }
             }
         } else {
@@ -1106,7 +1102,6 @@ impl UnfusedLayer {
         let (Some(engine), Some((_, Some(pass)))) = (&self.engine, &mut self.megakernel) else {
             return Err(MokError::InvalidInput { tensor: "megakernel", problem: "not prepared".into() });
         };
-        pass.set_gather_in_producer(self.gather_in_producer)?;
         engine::tile_offsets_into(gpu, &self.routing.row_offsets, self.config.num_experts, &engine.tile_offsets)?;
         let shared_engine = self.shared_engine.as_ref().filter(|_| shared.is_some());
         let plans = forward_pass_plans([&engine.forward()[0], &engine.forward()[1]], shared_engine);
@@ -1170,12 +1165,14 @@ impl UnfusedLayer {
         }
         check_aligned("dy", dy.device_ptr(), 16)?;
         let target = self.grad_addresses(gpu, target)?;
+        // Gathering switched off since the forward: the copy, which the backward then writes.
+        self.fit_gathered_copy(gpu)?;
         self.prepare_engine_plans(gpu, experts)?;
         self.prepare_wgrad_plans(gpu, &target)?;
-        // The forward's gate/up gathered its rows itself: weight gradients that do not gather
-        // read the gathered copy, written here. When the layer gathers, the gate and up weight
-        // gradients gather too (the backward megakernel's, or the engine path's gathering plans
-        // prepared above).
+        // A forward whose gate/up gathered its rows itself wrote no copy: weight gradients that
+        // do not gather (gathering switched off since) read it, written here. When the layer
+        // gathers, the gate and up weight gradients gather too (the plans prepared above, which
+        // the engine path and the backward megakernel run).
         let megakernel_backward = self.backward_megakernel.is_some() && self.engine.is_some();
         if !self.x_rows_gathered && !self.gather_in_producer {
             self.gather_x_rows(gpu, tokens.x)?;
@@ -1266,19 +1263,17 @@ impl UnfusedLayer {
             // addresses (built, or swapped back, for exactly these addresses, whose lengths were
             // checked for this call), all alive until the stream has run the pass.
             unsafe { state.dgrad()[1].launch(gpu) }?;
-            let wgrad_gathering = state.wgrad_gathering();
-            for (n, plan) in state.wgrad().iter().enumerate() {
-                match n.checked_sub(1).and_then(|g| wgrad_gathering.get(g)) {
+            for plan in state.wgrad() {
+                if plan.gathers_rows() {
                     // SAFETY: as below; x is this pass's checked `[T][H]` view (the forward's) and
                     // the routing layout's `row_source` holds its forward's slots, a slot below
                     // T · k for every row of the groups.
-                    Some(gathering) => {
-                        unsafe { gathering.launch_gathering(gpu, tokens.x, (&self.routing.row_source).into(), k) }?
-                    }
+                    unsafe { plan.launch_gathering(gpu, tokens.x, (&self.routing.row_source).into(), k) }?
+                } else {
                     // SAFETY: the plans were built over this layer's buffers and this call's weight and
                     // gradient addresses (built, or swapped back, for exactly these addresses, whose
                     // lengths were checked for this call), all alive until the stream has run the pass.
-                    None => unsafe { plan.launch(gpu) }?,
+                    unsafe { plan.launch(gpu) }?
                 }
             }
         } else {
@@ -1356,8 +1351,6 @@ impl UnfusedLayer {
         let (Some(engine), Some((_, Some(pass)))) = (&self.engine, &mut self.backward_megakernel) else {
             unreachable!("prepared above");
         };
-        // Its gate and up weight gradients gather the token rows from x when the layer gathers.
-        pass.set_gather_in_producer(self.gather_in_producer)?;
         engine::tile_offsets_into(gpu, &self.routing.row_offsets, e, &engine.tile_offsets)?;
         let plans =
             backward_pass_plans(backward_plans(engine), self.shared_engine.as_ref().filter(|_| shared.is_some()));
