@@ -130,8 +130,9 @@ pub(crate) struct MegakernelPass<P> {
     /// On one GPU, the pass's error record (with ranks, each rank's record in the heap).
     error: Option<DeviceBuffer<u32>>,
     blocks: u32,
-    /// The plans each rank's parameter block points at (their parameter blocks' addresses).
-    built_for: Vec<Vec<u64>>,
+    /// The plans each rank's parameter block points at (their parameter blocks' addresses, and
+    /// whether each gathers its rows).
+    built_for: Vec<Vec<(u64, bool)>>,
     /// Those plans, whose group maps one launch cuts before each pass.
     plan_set: PlanSet,
 }
@@ -204,7 +205,8 @@ pub(crate) struct PassBuffers {
     /// `[T·k]` the row of each slot (with ranks: the slot itself, `slot_self`, addressing the
     /// slot buffer).
     pub slot_row: u64,
-    /// `[cap][H]` bf16 dispatched rows (the gate/up plan's A).
+    /// `[cap][H]` bf16 dispatched rows (the gate/up plan's A); unread when the gate/up plan
+    /// gathers its rows (then the layer's empty copy).
     pub rows: u64,
     /// `[cap][H]` f32 down rows (the down plan's output on one GPU; across ranks the down tiles
     /// push into the owners' slot buffers instead and this is not written).
@@ -356,7 +358,10 @@ fn build_pass<P: PassParams>(
         pass_counters,
         error,
         blocks,
-        built_for: plans.iter().map(|p| p.iter().map(|plan| plan.params_ptr()).collect()).collect(),
+        built_for: plans
+            .iter()
+            .map(|p| p.iter().map(|plan| (plan.params_ptr(), plan.gathers_rows())).collect())
+            .collect(),
         plan_set: PlanSet::new(gpu, plans.iter().flat_map(|set| set.iter().copied()))?,
     })
 }
@@ -440,16 +445,19 @@ impl ForwardMegakernel {
 
 impl<P: PassParams> MegakernelPass<P> {
     /// Whether this pass was built for these plans (one set per rank), by their parameter
-    /// blocks' addresses. A plan set dropped and built again may land at the same addresses and
-    /// match; that is sound, as the pass reads every plan through those blocks at run time and
-    /// its other buffers are the layer's own (a new shared expert's plans drop the passes).
+    /// blocks' addresses and whether they gather their rows (the pass's `gather_in_producer`
+    /// comes from that when it is built). A plan set dropped and built again may land at the
+    /// same addresses and match; that is sound, as the pass reads every plan through those
+    /// blocks at run time and its other buffers are the layer's own, fixed while the pass
+    /// lives (a new shared expert's plans drop the passes; so does switching the gathering,
+    /// which allocates or frees the gathered copy the pass's `PassBuffers::rows` names).
     pub(crate) fn built_for(&self, plans: &[&[&EnginePlan]]) -> bool {
         self.built_for.len() == plans.len()
             && self
                 .built_for
                 .iter()
                 .zip(plans)
-                .all(|(b, p)| b.iter().copied().eq(p.iter().map(|plan| plan.params_ptr())))
+                .all(|(b, p)| b.iter().copied().eq(p.iter().map(|plan| (plan.params_ptr(), plan.gathers_rows()))))
     }
 
     /// Whether the passes copy the rows (a real pass; not when a benchmark's work mask leaves

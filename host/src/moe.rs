@@ -252,7 +252,8 @@ impl MoeLayer {
             }
             return Ok(Self::around(Layer::Ranks(Box::new(layer)), backend, gpu));
         }
-        let mut layer = UnfusedLayer::new(gpu, config)?;
+        // A layer whose producers will gather the token rows never holds their gathered copy.
+        let mut layer = UnfusedLayer::with_gathered_copy(gpu, config, !options.gather_in_producer)?;
         match backend {
             Backend::MmaSync => {}
             Backend::Engine => layer.set_gemm_engine(gpu, true)?,

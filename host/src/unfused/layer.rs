@@ -210,6 +210,13 @@ struct GradAddresses {
 impl UnfusedLayer {
     /// Validates `config` and allocates the workspace for it.
     pub fn new(gpu: &Gpu, config: MoeConfig) -> Result<Self> {
+        Self::with_gathered_copy(gpu, config, true)
+    }
+
+    /// [`Self::new`], with the gathered copy of the token rows or without it (`gathered_copy`:
+    /// for a layer whose producers will gather the rows, [`Self::set_gather_in_producer`],
+    /// which never holds it; a pass that reads the copy allocates it first).
+    pub(crate) fn with_gathered_copy(gpu: &Gpu, config: MoeConfig, gathered_copy: bool) -> Result<Self> {
         config.validate()?;
         if config.ep_ranks != 1 {
             return Err(MokError::InvalidConfig {
@@ -239,11 +246,11 @@ impl UnfusedLayer {
         };
         // The shared expert is one group holding every token.
         let (shared, shared_grads) = shared_expert_workspace(gpu, &config)?.unzip();
+        // NaN bytes, as `poison` leaves it: no pass reads a row it did not write.
+        let gathered_x = nan_filled(gpu, if gathered_copy { slots * h } else { 0 })?;
         Ok(Self {
             routing,
-            // Allocated by the first pass that reads it (`fit_gathered_copy`): a layer whose
-            // producers gather the rows never does.
-            gathered_x: DeviceBuffer::alloc(gpu, 0)?,
+            gathered_x,
             routed: ExpertCompute::new(gpu, slots, h, i, config.swiglu_limit, true)?,
             shared,
             y: DeviceBuffer::alloc(gpu, t * h)?,
@@ -281,7 +288,8 @@ impl UnfusedLayer {
     }
 
     /// `[T·k][H]` bf16: the last forward's x rows in expert order (the first `total` rows
-    /// valid); empty while the producers gather the rows ([`Self::set_gather_in_producer`]).
+    /// valid); empty while the producers gather the rows ([`Self::set_gather_in_producer`]) and
+    /// in a layer built without it before its first pass that reads it.
     pub fn gathered_rows(&self) -> &DeviceBuffer<bf16> {
         &self.gathered_x
     }
@@ -308,7 +316,8 @@ impl UnfusedLayer {
     pub fn set_gemm_engine(&mut self, gpu: &Gpu, on: bool) -> Result<()> {
         if !on {
             // Both megakernels run on the engine's plans, and the producers' gathers are the
-            // engine's.
+            // engine's: the `mma.sync` kernels read the gathered copy.
+            self.fit_gathered_copy(gpu, false)?;
             self.gather_in_producer = false;
             self.engine = None;
             self.megakernel = None;
@@ -562,8 +571,9 @@ impl UnfusedLayer {
     /// the forward megakernel its gate/up tiles, whose dispatch then copies no routed row, and
     /// in the backward megakernel its gate and up weight-gradient tiles. With it the layer
     /// holds no gathered copy of the rows (T · k · H bf16 less to hold, and to write and read
-    /// per forward; [`Self::gathered_rows`] is then empty), and switching it off allocates the
-    /// copy again. Every output and gradient is the same bits either way; on the H200 the forward is faster with it and the
+    /// per forward; [`Self::gathered_rows`] is then empty), and switching it off, or the
+    /// engine off, allocates the copy again (an error there, such as out of memory, leaves the
+    /// layer as it was). Every output and gradient is the same bits either way; on the H200 the forward is faster with it and the
     /// backward slower (the gathering gate/up takes 1.05–1.10× the plain one's time, the
     /// gathering weight gradients 1.26–1.39×: docs/PERF.md). It needs the engine on and the
     /// kernels in the loaded PTX (otherwise an error, and the layer is unchanged), and switching
@@ -588,6 +598,8 @@ impl UnfusedLayer {
                 }
             }
         }
+        // Before anything changes: allocating the copy may fail.
+        self.fit_gathered_copy(gpu, on)?;
         self.gather_in_producer = on;
         // The plans are built again, with or without the gathering gate/up and weight gradients,
         // and so are the passes, whose producers gather or not and whose dispatch writes the copy
@@ -602,22 +614,20 @@ impl UnfusedLayer {
         if let Some((_, pass)) = self.backward_megakernel.as_mut() {
             *pass = None;
         }
-        // Gathering, the copy's memory goes back at once.
-        self.fit_gathered_copy(gpu)
+        Ok(())
     }
 
-    /// Makes the gathered copy of the token rows (`[T·k][H]` bf16, zeroed once like the expert
-    /// rows) what the passes read: allocated unless the producers gather the rows, freed while
-    /// they do. Called before plans are built, so a plan never holds a freed copy's address: a
-    /// change of size follows [`Self::set_gather_in_producer`], which drops every plan and pass
-    /// built over the copy, or is the first pass's allocation, before any plan exists.
-    fn fit_gathered_copy(&mut self, gpu: &Gpu) -> Result<()> {
+    /// Makes the gathered copy of the token rows (`[T·k][H]` bf16, NaN bytes as `poison` leaves
+    /// it) what passes read with `gathering` in the producers or not: allocated unless they
+    /// gather, freed (an empty buffer) while they do. A change of size comes with a change of
+    /// `gathering` ([`Self::set_gather_in_producer`], [`Self::set_gemm_engine`], which then drop
+    /// every plan and pass built over the old copy) or is the first pass's allocation in a layer
+    /// built without it, before any plan over it exists; so no plan holds a freed copy.
+    fn fit_gathered_copy(&mut self, gpu: &Gpu, gathering: bool) -> Result<()> {
         let c = &self.config;
-        let len = if self.gather_in_producer { 0 } else { c.tokens_per_rank * c.top_k * c.hidden };
+        let len = if gathering { 0 } else { c.tokens_per_rank * c.top_k * c.hidden };
         if self.gathered_x.len() != len {
-            let mut copy = DeviceBuffer::alloc(gpu, len)?;
-            copy.fill_bytes(0)?;
-            self.gathered_x = copy;
+            self.gathered_x = nan_filled(gpu, len)?;
             self.x_rows_gathered = false;
         }
         Ok(())
@@ -957,7 +967,7 @@ impl UnfusedLayer {
     ) -> Result<()> {
         let t = self.check_inputs(tokens, experts, shared)?;
         // Before any launch: building plans uploads their parameter blocks (over the copy).
-        self.fit_gathered_copy(gpu)?;
+        self.fit_gathered_copy(gpu, self.gather_in_producer)?;
         self.prepare_engine_plans(gpu, experts)?;
         self.prepare_megakernel(gpu, shared)?;
         self.tokens = t;
@@ -1165,8 +1175,8 @@ impl UnfusedLayer {
         }
         check_aligned("dy", dy.device_ptr(), 16)?;
         let target = self.grad_addresses(gpu, target)?;
-        // Gathering switched off since the forward: the copy, which the backward then writes.
-        self.fit_gathered_copy(gpu)?;
+        // The copy the plans are built over (a layer built without it that does not gather).
+        self.fit_gathered_copy(gpu, self.gather_in_producer)?;
         self.prepare_engine_plans(gpu, experts)?;
         self.prepare_wgrad_plans(gpu, &target)?;
         // A forward whose gate/up gathered its rows itself wrote no copy: weight gradients that
