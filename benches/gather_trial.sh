@@ -9,8 +9,9 @@
 # and PyTorch, `bench-megakernel` the same with the plain engine path, the forward megakernel gathering (its backward the engine path's, gathering)
 # and both megakernels gathering (engine, megakernel-gathering, megakernels-gathering, twice): the
 # one-GPU default forward is whichever is fastest. Run from a bundle folder that holds run.sh,
-# tests/gpu_unfused(.gz), tests/gpu_gemm(.gz), benches/layer and benches/gemm with the scripts
-# (cargo xtask gpu-subset --tests gpu_unfused,gpu_gemm --benches layer,gemm). Logs under $OUT (or
+# tests/gpu_unfused(.gz), tests/gpu_gemm(.gz), tests/gpu_api(.gz), benches/layer and
+# benches/gemm with the scripts (cargo xtask gpu-subset --tests gpu_unfused,gpu_gemm,gpu_api
+# --benches layer,gemm). Logs under $OUT (or
 # ./bench-logs); a short table last; exits non-zero when the step failed.
 #   ./benches/gather_trial.sh tests      (then: sanitize, bench, bench-megakernel; CASES=deepseek:8192,kimi:8192)
 #   ./benches/gather_trial.sh all        (tests, bench, bench-megakernel, then sanitize with its
