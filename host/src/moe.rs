@@ -95,8 +95,8 @@ pub struct LayerOptions {
     /// the same bits, T · k · H bf16 less written and read per forward; on the H200 the
     /// engine path's forward is faster with it and its backward slower (the gathering weight
     /// gradients take 1.26–1.39× the plain ones' time: docs/PERF.md), and the layer holds no
-    /// gathered copy (T · k · H bf16 less). Refused over ranks (the rows are pulled from their owners) and on
-    /// `mma.sync`.
+    /// gathered copy (T · k · H bf16 less). Refused over ranks (the rows are pulled from their
+    /// owners) and on `mma.sync`.
     pub gather_in_producer: bool,
 }
 

@@ -573,9 +573,10 @@ impl UnfusedLayer {
     /// holds no gathered copy of the rows (T · k · H bf16 less to hold, and to write and read
     /// per forward; [`Self::gathered_rows`] is then empty), and switching it off, or the
     /// engine off, allocates the copy again (an error there, such as out of memory, leaves the
-    /// layer as it was). Every output and gradient is the same bits either way; on the H200 the forward is faster with it and the
-    /// backward slower (the gathering gate/up takes 1.05–1.10× the plain one's time, the
-    /// gathering weight gradients 1.26–1.39×: docs/PERF.md). It needs the engine on and the
+    /// layer as it was). Every output and gradient is the same bits either way; on the H200
+    /// the forward is faster with it and the backward slower (the gathering gate/up takes
+    /// 1.05–1.10× the plain one's time, the gathering weight gradients 1.26–1.39×:
+    /// docs/PERF.md). It needs the engine on and the
     /// kernels in the loaded PTX (otherwise an error, and the layer is unchanged), and switching
     /// the engine off switches it off.
     pub fn set_gather_in_producer(&mut self, gpu: &Gpu, on: bool) -> Result<()> {
