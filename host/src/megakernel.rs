@@ -1281,7 +1281,11 @@ pub(crate) mod work_order_model {
         //! shared expert (a second expert set: one expert over the tokens' own M tiles, its own
         //! counters) its gather tiles come first in the gather queue, each of its data gradients
         //! before the routed one, its weight gradients after the routed ones, and a combine token
-        //! also waits on its shared M tile.
+        //! also waits on its shared M tile. When the routed gate and up weight gradients gather
+        //! their rows in the producers (one GPU, `gather_in_producer`), all four producer warps
+        //! produce their stages: a block's spare warps join once their gather and SwiGLU queues
+        //! are spent (a last unit each), and its gate and up weight-gradient tiles also wait for
+        //! all three to have joined.
 
         use super::*;
 
@@ -1303,6 +1307,8 @@ pub(crate) mod work_order_model {
             7 * set + 4 + w
         }
         const COMBINE: usize = 14;
+        /// A spare warp's join of its block's gathering (one unit per warp).
+        const JOIN: usize = 15;
         const ROUTED: usize = 0;
         const SHARED: usize = 1;
 
@@ -1313,9 +1319,11 @@ pub(crate) mod work_order_model {
             DownDgrad(usize, usize),
             Swiglu(usize, usize),
             GateUpDgrad(usize, usize),
-            /// (expert set, which weight gradient, expert)
-            Wgrad(usize, usize, usize),
+            /// (expert set, which weight gradient, expert, the compute block that took it)
+            Wgrad(usize, usize, usize, usize),
             Combine(usize),
+            /// A spare warp of (compute block) joining its gathering.
+            Join(usize),
         }
 
         /// One expert set's counters.
@@ -1363,13 +1371,25 @@ pub(crate) mod work_order_model {
             combined: usize,
             /// The shared queues (every gather, data gradient and SwiGLU chunk, the combine):
             /// next index.
-            next: [usize; 15],
+            next: [usize; 16],
+            /// Whether the routed gate and up weight gradients gather their rows (then each
+            /// waits for its block's spare warps), and per compute block the spare warps joined.
+            gathering: bool,
+            joined: Vec<usize>,
         }
 
         impl World for Backward {
             type Unit = Unit;
 
             fn take(&mut self, who: &mut Who, q: usize) -> Option<Unit> {
+                if q == JOIN {
+                    // Once per spare warp, after its other queues.
+                    if who.taken[q] > 0 {
+                        return None;
+                    }
+                    who.taken[q] = 1;
+                    return Some(Unit::Join(who.compute.0));
+                }
                 if q == COMBINE {
                     let i = self.next[q];
                     if i >= self.tokens.len() {
@@ -1388,7 +1408,7 @@ pub(crate) mod work_order_model {
                         return None;
                     }
                     who.taken[q] += 1;
-                    return Some(Unit::Wgrad(set, kind - 4, tile / s.wgrad_tiles));
+                    return Some(Unit::Wgrad(set, kind - 4, tile / s.wgrad_tiles, index));
                 }
                 let per_tile = [1, self.n_down_dgrad, self.n_chunks, self.n_gate_up_dgrad][kind];
                 let i = self.next[q];
@@ -1412,17 +1432,19 @@ pub(crate) mod work_order_model {
                     (0..s.expert_of_tile.len()).filter(|&m| s.expert_of_tile[m] == g).all(done)
                 };
                 match unit {
-                    Unit::Gather(..) => true,
+                    Unit::Gather(..) | Unit::Join(_) => true,
                     Unit::DownDgrad(set, m) => self.sets[set].gathered[m],
                     Unit::Swiglu(set, m) => self.sets[set].down_dgrad[m] == nd,
                     Unit::GateUpDgrad(set, m) => self.sets[set].swiglu[m] == nc,
-                    Unit::Wgrad(set, 0, g) => {
+                    Unit::Wgrad(set, 0, g, _) => {
                         let s = &self.sets[set];
                         all_of_expert(s, g, &|m| s.gathered[m])
                     }
-                    Unit::Wgrad(set, _, g) => {
+                    Unit::Wgrad(set, _, g, block) => {
                         let s = &self.sets[set];
-                        all_of_expert(s, g, &|m| s.swiglu[m] == nc)
+                        // Gathering, the producer meets its three spare warps first.
+                        let joined = !(self.gathering && set == ROUTED) || self.joined[block] == 3;
+                        joined && all_of_expert(s, g, &|m| s.swiglu[m] == nc)
                     }
                     Unit::Combine(t) => {
                         let (slots, shared_tile) = &self.tokens[t];
@@ -1439,8 +1461,9 @@ pub(crate) mod work_order_model {
                     Unit::DownDgrad(set, m) => self.sets[set].down_dgrad[m] += 1,
                     Unit::Swiglu(set, m) => self.sets[set].swiglu[m] += 1,
                     Unit::GateUpDgrad(set, m) => self.sets[set].gate_up_dgrad[m] += 1,
-                    Unit::Wgrad(set, w, _) => self.sets[set].wgrad_done[w] += 1,
+                    Unit::Wgrad(set, w, ..) => self.sets[set].wgrad_done[w] += 1,
                     Unit::Combine(_) => self.combined += 1,
+                    Unit::Join(block) => self.joined[block] += 1,
                 }
             }
 
@@ -1448,7 +1471,7 @@ pub(crate) mod work_order_model {
                 // A SwiGLU chunk runs on the consumers like a GEMM tile's epilogue, so the
                 // producer may already hold (and wait on) the next unit, a gate/up-dgrad tile
                 // after the last chunk, as in the kernel.
-                !matches!(unit, Unit::Gather(..) | Unit::Combine(_))
+                !matches!(unit, Unit::Gather(..) | Unit::Combine(_) | Unit::Join(_))
             }
         }
 
@@ -1488,6 +1511,10 @@ pub(crate) mod work_order_model {
                 } else {
                     Set::default()
                 };
+                let (comm_blocks, pairs) = (rng.below(4), 1 + rng.below(4));
+                let compute_blocks = 2 * pairs;
+                // Half the cases gathering, with and without a shared expert.
+                let gathering = (case / 2) % 2 == 0;
                 let mut world = Backward {
                     sets: [Set::new(expert_of_tile, experts, 1 + rng.below(5)), shared],
                     n_down_dgrad: 1 + rng.below(4),
@@ -1495,10 +1522,10 @@ pub(crate) mod work_order_model {
                     n_gate_up_dgrad: 1 + rng.below(4),
                     tokens,
                     combined: 0,
-                    next: [0; 15],
+                    next: [0; 16],
+                    gathering,
+                    joined: vec![0; compute_blocks],
                 };
-                let (comm_blocks, pairs) = (rng.below(4), 1 + rng.below(4));
-                let compute_blocks = 2 * pairs;
                 let mut agents: Vec<Agent<Unit>> = (0..comm_blocks)
                     .map(|_| Agent::new(Who::default(), vec![gather(SHARED), gather(ROUTED), COMBINE]))
                     .collect();
@@ -1508,13 +1535,18 @@ pub(crate) mod work_order_model {
                 agents.extend(
                     (0..compute_blocks).map(|b| Agent::new(compute_block(b, compute_blocks), compute_queues())),
                 );
-                let spare_queues = vec![gather(SHARED), gather(ROUTED), swiglu(SHARED), swiglu(ROUTED)];
+                let mut spare_queues = vec![gather(SHARED), gather(ROUTED), swiglu(SHARED), swiglu(ROUTED)];
+                if gathering {
+                    spare_queues.push(JOIN);
+                }
                 agents.extend(
                     (0..3 * compute_blocks)
                         .map(|w| Agent::new(compute_block(w / 3, compute_blocks), spare_queues.clone())),
                 );
-                let what =
-                    format!("case {case}: {comm_blocks} comm blocks and {pairs} pairs, {shared_tiles} shared tiles");
+                let what = format!(
+                    "case {case}: {comm_blocks} comm blocks and {pairs} pairs, {shared_tiles} shared tiles, gathering: \
+                     {gathering}"
+                );
                 run_to_completion(&mut world, &mut agents, &mut rng, &what);
                 for s in &world.sets {
                     assert!(s.gathered.iter().all(|&g| g), "case {case}");
@@ -1524,6 +1556,12 @@ pub(crate) mod work_order_model {
                     assert_eq!(s.wgrad_done, [s.experts * s.wgrad_tiles; 3], "case {case}");
                 }
                 assert_eq!(world.combined, world.tokens.len(), "case {case}");
+                let joined = if gathering { 3 } else { 0 };
+                assert!(
+                    world.joined.iter().all(|&n| n == joined),
+                    "case {case}: spare warps joined {:?}",
+                    world.joined
+                );
             }
         }
 
@@ -1539,7 +1577,9 @@ pub(crate) mod work_order_model {
                 n_gate_up_dgrad: 1,
                 tokens: vec![(vec![0], 0)],
                 combined: 0,
-                next: [0; 15],
+                next: [0; 16],
+                gathering: false,
+                joined: vec![0; 1],
             };
             world.next[gather(ROUTED)] = 1;
             world
