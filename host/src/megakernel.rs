@@ -993,9 +993,12 @@ pub(crate) mod work_order_model {
             SharedGateUp(usize, usize),
             SharedDown(usize, usize),
             Dispatch(usize, usize),
-            GateUp(usize, usize),
+            /// (rank, M tile, the compute pair that took it)
+            GateUp(usize, usize, usize),
             Down(usize, usize),
             Combine(usize, usize),
+            /// A spare warp of (compute pair) joining its gate/up's gathering.
+            Join(usize),
         }
 
         const DISPATCH: usize = 0;
@@ -1007,6 +1010,8 @@ pub(crate) mod work_order_model {
         const SHARED_DISPATCH: usize = 4;
         const SHARED_GATE_UP: usize = 5;
         const SHARED_DOWN: usize = 6;
+        /// A spare warp's join of its pair's gathering (one unit per warp, after its dispatch).
+        const JOIN: usize = 7;
         /// Every queue a compute pair's producer and consumers take, in the kernel's order.
         const COMPUTE_ORDER: [usize; 5] = [SHARED_GATE_UP, GATE_UP, SHARED_DOWN, DOWN, COMBINE];
 
@@ -1059,14 +1064,24 @@ pub(crate) mod work_order_model {
             n_gate_up: usize,
             n_down: usize,
             /// One GPU: the gate/up gathers its rows in its producers (`gather_in_producer`),
-            /// so nothing routed is dispatched and its tiles wait for nothing.
+            /// so nothing routed is dispatched, and its tiles wait only for their pair's six
+            /// spare warps to join the gathering (once the shared expert's copies are handed
+            /// out); per compute pair, the spare warps joined.
             gathering: bool,
+            joined: Vec<usize>,
         }
 
         impl World for Forward {
             type Unit = Unit;
 
             fn take(&mut self, who: &mut Who, q: usize) -> Option<Unit> {
+                if q == JOIN {
+                    if who.taken[q] > 0 {
+                        return None;
+                    }
+                    who.taken[q] = 1;
+                    return Some(Unit::Join(who.compute.0));
+                }
                 let (q, rank) = if q >= 8 { (q % 8, q / 8 - 1) } else { (q, who.rank) };
                 let (n_gate_up, n_down) = (self.n_gate_up, self.n_down);
                 let r = &mut self.ranks[rank];
@@ -1088,7 +1103,7 @@ pub(crate) mod work_order_model {
                 r.next[q] += 1;
                 Some(match q {
                     DISPATCH => Unit::Dispatch(rank, i),
-                    GATE_UP => Unit::GateUp(rank, i / n_gate_up),
+                    GATE_UP => Unit::GateUp(rank, i / n_gate_up, who.compute.0),
                     DOWN => Unit::Down(rank, i / n_down),
                     COMBINE => Unit::Combine(rank, i),
                     SHARED_DISPATCH => Unit::SharedDispatch(rank, i),
@@ -1099,10 +1114,16 @@ pub(crate) mod work_order_model {
 
             fn ready(&self, unit: Unit) -> bool {
                 match unit {
-                    Unit::Dispatch(..) | Unit::SharedDispatch(..) => true,
+                    Unit::Dispatch(..) | Unit::SharedDispatch(..) | Unit::Join(_) => true,
                     Unit::SharedGateUp(r, m) => self.ranks[r].shared_dispatched[m],
                     Unit::SharedDown(r, m) => self.ranks[r].shared_gate_up_done[m] == self.n_gate_up,
-                    Unit::GateUp(r, m) => self.gathering || self.ranks[r].dispatched[m],
+                    Unit::GateUp(r, m, pair) => {
+                        if self.gathering {
+                            self.joined[pair] == 6
+                        } else {
+                            self.ranks[r].dispatched[m]
+                        }
+                    }
                     Unit::Down(r, m) => self.ranks[r].gate_up_done[m] == self.n_gate_up,
                     Unit::Combine(r, t) => {
                         let rank = &self.ranks[r];
@@ -1120,7 +1141,8 @@ pub(crate) mod work_order_model {
             fn finish(&mut self, unit: Unit) {
                 match unit {
                     Unit::Dispatch(r, m) => self.ranks[r].dispatched[m] = true,
-                    Unit::GateUp(r, m) => self.ranks[r].gate_up_done[m] += 1,
+                    Unit::GateUp(r, m, _) => self.ranks[r].gate_up_done[m] += 1,
+                    Unit::Join(pair) => self.joined[pair] += 1,
                     Unit::Down(r, m) => self.ranks[r].down_done[m] += 1,
                     Unit::Combine(r, _) => self.ranks[r].combined += 1,
                     Unit::SharedDispatch(r, m) => self.ranks[r].shared_dispatched[m] = true,
@@ -1143,6 +1165,7 @@ pub(crate) mod work_order_model {
                 n_gate_up: 1 + rng.below(4),
                 n_down: 1 + rng.below(4),
                 gathering: false,
+                joined: Vec::new(),
             };
             let m_tiles: Vec<usize> = (0..ranks).map(|_| 1 + rng.below(12)).collect();
             for (r, &m) in m_tiles.iter().enumerate() {
@@ -1195,13 +1218,17 @@ pub(crate) mod work_order_model {
                 let (comm_blocks, pairs) = (rng.below(4), 1 + rng.below(4));
                 let compute_order = if share_tiles { shared_compute_order(ranks) } else { COMPUTE_ORDER.to_vec() };
                 let mut agents = Vec::new();
+                world.joined = vec![0; ranks * pairs];
+                // Gathering, the spare warps join their pair's gate/up after the dispatch.
+                let spare_order = [&SPARE_ORDER[..], if world.gathering { &[JOIN] } else { &[] }].concat();
                 for r in 0..ranks {
                     agents.extend(
                         (0..comm_blocks).map(|_| Agent::new(rank(r), vec![SHARED_DISPATCH, DISPATCH, COMBINE])),
                     );
-                    agents.extend((0..pairs).map(|_| Agent::new(rank(r), compute_order.clone())));
+                    let pair = |p: usize| Who { rank: r, compute: (r * pairs + p, ranks * pairs), ..Who::default() };
+                    agents.extend((0..pairs).map(|p| Agent::new(pair(p), compute_order.clone())));
                     // Each block of a pair has three spare warps: the dispatch, on their own.
-                    agents.extend((0..3 * 2 * pairs).map(|_| Agent::new(rank(r), SPARE_ORDER.to_vec())));
+                    agents.extend((0..3 * 2 * pairs).map(|w| Agent::new(pair(w / 6), spare_order.clone())));
                 }
                 let what = format!(
                     "case {case}: {ranks} ranks, {comm_blocks} comm blocks and {pairs} pairs each, tiles shared \
@@ -1219,6 +1246,12 @@ pub(crate) mod work_order_model {
                     assert!(rank.shared_down_done.iter().all(|&n| n == world.n_down), "case {case} rank {r}");
                     assert_eq!(rank.combined, rank.slots.len(), "case {case} rank {r}");
                 }
+                let joined = if world.gathering { 6 } else { 0 };
+                assert!(
+                    world.joined.iter().all(|&n| n == joined),
+                    "case {case}: spare warps joined {:?}",
+                    world.joined
+                );
             }
         }
 
@@ -1239,6 +1272,7 @@ pub(crate) mod work_order_model {
                 n_gate_up: 1,
                 n_down: 1,
                 gathering: false,
+                joined: vec![0],
             }
         }
 
