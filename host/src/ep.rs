@@ -430,7 +430,7 @@ impl EpLayer {
             .collect::<Result<_>>()?;
         let sets = backward_plan_sets(&plans, &shared_plans);
         let sets: Vec<&[&EnginePlan]> = sets.iter().map(Vec::as_slice).collect();
-        let pass = BackwardMegakernel::new(gpu, &sets, &buffers, &m.options)?;
+        let pass = BackwardMegakernel::new(gpu, &sets, &buffers, &m.options, None)?;
         if let Some(m) = self.backward_megakernel.as_mut() {
             (m.plans, m.built_for, m.shared, m.pass) = (plans, keys, shared_plans, Some(pass));
         }
@@ -533,7 +533,7 @@ impl EpLayer {
             .collect::<Result<_>>()?;
         let sets = forward_plan_sets(&plans, &shared_plans);
         let sets: Vec<&[&EnginePlan]> = sets.iter().map(Vec::as_slice).collect();
-        let pass = ForwardMegakernel::new(gpu, &sets, &buffers, &m.options)?;
+        let pass = ForwardMegakernel::new(gpu, &sets, &buffers, &m.options, None)?;
         if let Some(m) = self.megakernel.as_mut() {
             (m.plans, m.weights_built_for, m.shared, m.pass) = (plans, keys, shared_plans, Some(pass));
         }
@@ -753,8 +753,18 @@ impl EpLayer {
                 problem: "shared weights must be given exactly when config.shared_intermediate is set".into(),
             });
         }
-        if let Some(s) = shared {
+        if let (Some(s), Some(is)) = (shared, c.shared_intermediate) {
+            // `[Is, H]`, `[Is, H]`, `[H, Is]`: the kernels read them whole, unchecked.
             for (name, view) in [("ws_gate", s.ws_gate), ("ws_up", s.ws_up), ("ws_down", s.ws_down)] {
+                let (len, expected) = (view.len(), is * c.hidden);
+                if len != expected {
+                    return Err(MokError::InvalidInput {
+                        tensor: name,
+                        problem: format!(
+                            "device buffer has {len} elements, expected {expected} (shared_intermediate · hidden)"
+                        ),
+                    });
+                }
                 check_aligned(name, view.device_ptr(), 16)?;
             }
         }

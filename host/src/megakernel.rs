@@ -127,8 +127,6 @@ pub(crate) struct MegakernelPass<P> {
     /// the shared expert's counters (see each pass's parameter block), cleared together (one
     /// memset) before each pass.
     pass_counters: DeviceBuffer<u32>,
-    /// On one GPU, the pass's error record (with ranks, each rank's record in the heap).
-    error: Option<DeviceBuffer<u32>>,
     blocks: u32,
     /// The plans each rank's parameter block points at (their parameter blocks' addresses, and
     /// whether each gathers its rows).
@@ -265,7 +263,8 @@ pub(crate) fn checked_geometry(resident: u32, options: &MegakernelOptions, ranks
     }
     // The smallest rank's share of the grid.
     let rank_blocks = 2 * (blocks / 2 / ranks.max(1));
-    if first_compute_block(comm_blocks) + 2 > rank_blocks {
+    // Compared before rounding, which would overflow near `u32::MAX`.
+    if comm_blocks >= rank_blocks || first_compute_block(comm_blocks) + 2 > rank_blocks {
         return Err(MokError::InvalidInput {
             tensor: "megakernel comm blocks",
             problem: format!(
@@ -288,10 +287,19 @@ fn build_pass<P: PassParams>(
     plans: &[&[&EnginePlan]],
     ranks_of: &[Option<&RankPass>],
     options: &MegakernelOptions,
+    error_record: Option<&ErrorRecord>,
     words_per_m_tiles: fn(usize) -> usize,
     make: impl Fn(usize, RankSlot, u32, u64) -> P,
 ) -> Result<MegakernelPass<P>> {
     let with_ranks = ranks_of.first().is_some_and(Option::is_some);
+    if with_ranks == error_record.is_some() {
+        return Err(MokError::InvalidInput {
+            tensor: "megakernel",
+            problem: "a pass on one GPU records its failures in the layer's error record, a pass over ranks in \
+                      the heap's"
+                .into(),
+        });
+    }
     let kernel = kernels[with_ranks as usize];
     if plans.len() != ranks_of.len()
         || ranks_of.is_empty()
@@ -314,16 +322,15 @@ fn build_pass<P: PassParams>(
     let m_tiles = plans.iter().flat_map(|set| set.iter()).map(|p| p.max_m_tiles()).max().unwrap_or(0).max(1);
     let words = words_per_m_tiles(m_tiles);
     let pass_counters = DeviceBuffer::from_slice(gpu, &vec![0u32; words * ranks as usize])?;
-    let error = if with_ranks { None } else { Some(DeviceBuffer::from_slice(gpu, &[0u32; ERROR_WORDS])?) };
     let timeout_ns = crate::config::wait_ns(options.timeout);
     let host: Vec<P> = ranks_of
         .iter()
         .enumerate()
         .map(|(r, place)| {
-            let (exchange, rank, error) = match (place, &error) {
+            let (exchange, rank, error) = match (place, error_record) {
                 (Some(rank), _) => (rank.exchange, rank.rank, rank.error),
-                (None, Some(record)) => (0, 0, record.device_ptr()),
-                (None, None) => unreachable!("a pass without ranks has its own record"),
+                (None, Some(record)) => (0, 0, record.address()),
+                (None, None) => unreachable!("checked above: a pass without ranks is given a record"),
             };
             // The rank's run of the grid (whole pairs, `rank_pairs`).
             let (first_pair, pairs) = rank_pairs(blocks / 2, ranks, r as u32);
@@ -356,7 +363,6 @@ fn build_pass<P: PassParams>(
         params,
         inputs,
         pass_counters,
-        error,
         blocks,
         built_for: plans
             .iter()
@@ -369,12 +375,14 @@ fn build_pass<P: PassParams>(
 impl ForwardMegakernel {
     /// The pass of one rank (`buffers.len() == 1`, a single GPU or one rank per GPU) or of
     /// every virtual rank in one launch; `plans[r]` are rank r's gate/up and down plans, then,
-    /// when `buffers[r].shared` is given, its shared expert's gate/up and down plans.
+    /// when `buffers[r].shared` is given, its shared expert's gate/up and down plans. On one
+    /// GPU the pass records its failures in `error_record` (over ranks: `None`, the heap's).
     pub(crate) fn new(
         gpu: &Gpu,
         plans: &[&[&EnginePlan]],
         buffers: &[PassBuffers],
         options: &MegakernelOptions,
+        error_record: Option<&ErrorRecord>,
     ) -> Result<Self> {
         const KERNELS: [&str; 2] = ["mok_sm90_gemm_gate_up", "mok_sm90_gemm_rows_nt"];
         for (set, b) in plans.iter().zip(buffers) {
@@ -397,7 +405,8 @@ impl ForwardMegakernel {
         let ranks_of: Vec<Option<&RankPass>> = buffers.iter().map(|b| b.rank.as_ref()).collect();
         let tile_ranks = shared_tile_ranks(&ranks_of, plans, options);
         let kernels = [FORWARD_KERNEL, FORWARD_RANKS_KERNEL];
-        build_pass(gpu, kernels, plans, &ranks_of, options, forward_counter_words, |r, at, comm_blocks, timeout_ns| {
+        let words = forward_counter_words;
+        build_pass(gpu, kernels, plans, &ranks_of, options, error_record, words, |r, at, comm_blocks, timeout_ns| {
             let (set, b, counters, tile_words) = (plans[r], &buffers[r], at.counters, at.tile_words);
             // After the routed counters and the two queue words: the shared expert's three.
             let shared_counters = counters + 3 * tile_words + 8;
@@ -594,17 +603,35 @@ impl<P: PassParams> MegakernelPass<P> {
         // built).
         unsafe { gpu.launch(self.kernels[1], self.shape(), &args) }
     }
+}
 
-    /// Waits for the stream (the download does) and reports the first failure of the last
-    /// pass on one GPU, clearing it so the next pass starts clean (across ranks the exchange
-    /// reads the heap's records).
+/// Where the passes of one GPU record their first failure (across ranks, each rank's record
+/// lies in the heap and the exchange reads it). A layer keeps one per pass kind for its life and
+/// gives it to every pass it builds, so a failure stays recorded until a check reads it, even
+/// when the pass that failed has since been replaced (other weights, another gradient target)
+/// or dropped; and a record left set stops the next pass's waits at once.
+pub(crate) struct ErrorRecord {
+    words: DeviceBuffer<u32>,
+}
+
+impl ErrorRecord {
+    /// A cleared record.
+    pub(crate) fn new(gpu: &Gpu) -> Result<Self> {
+        Ok(Self { words: DeviceBuffer::from_slice(gpu, &[0u32; ERROR_WORDS])? })
+    }
+
+    fn address(&self) -> u64 {
+        self.words.device_ptr()
+    }
+
+    /// Waits for the stream (the download does) and reports the first failure recorded since
+    /// the last check, clearing it so the next pass starts clean.
     pub(crate) fn check(&mut self) -> Result<()> {
-        let Some(record) = &mut self.error else { return Ok(()) };
-        let words = record.download()?;
+        let words = self.words.download()?;
         match engine_error(&words, None) {
             None => Ok(()),
             Some(error) => {
-                record.upload(&[0; ERROR_WORDS])?;
+                self.words.upload(&[0; ERROR_WORDS])?;
                 Err(error)
             }
         }
@@ -680,12 +707,14 @@ pub(crate) struct SharedBackwardRows {
 impl BackwardMegakernel {
     /// The pass of one rank (`buffers.len() == 1` without ranks: one GPU) or of every virtual
     /// rank in one launch; `plans[r]` are rank r's plans in [`BACKWARD_PLAN_KERNELS`] order, then,
-    /// when `buffers[r].shared` is given, its shared expert's five in the same order.
+    /// when `buffers[r].shared` is given, its shared expert's five in the same order. On one GPU
+    /// the pass records its failures in `error_record` (over ranks: `None`, the heap's).
     pub(crate) fn new(
         gpu: &Gpu,
         plans: &[&[&EnginePlan]],
         buffers: &[BackwardBuffers],
         options: &MegakernelOptions,
+        error_record: Option<&ErrorRecord>,
     ) -> Result<Self> {
         for (set, b) in plans.iter().zip(buffers) {
             let expected = if b.shared.is_some() { 10 } else { 5 };
@@ -748,7 +777,7 @@ impl BackwardMegakernel {
         let tile_ranks = shared_tile_ranks(&ranks_of, plans, options);
         let kernels = [BACKWARD_KERNEL, BACKWARD_RANKS_KERNEL];
         let words = backward_counter_words;
-        build_pass(gpu, kernels, plans, &ranks_of, options, words, |r, at, comm_blocks, timeout_ns| {
+        build_pass(gpu, kernels, plans, &ranks_of, options, error_record, words, |r, at, comm_blocks, timeout_ns| {
             let (p, b, counters, tile_words) = (plans[r], &buffers[r], at.counters, at.tile_words);
             // After the routed counters and the three queue words: the shared expert's three.
             let shared_counters = counters + 3 * tile_words + 12;
@@ -844,6 +873,10 @@ mod geometry_tests {
         // Resident and whole pairs only.
         assert!(checked_geometry(132, &options(None, Some(134)), 1).is_err());
         assert!(checked_geometry(132, &options(None, Some(9)), 1).is_err());
+        // Comm-block counts near `u32::MAX` are refused, not wrapped.
+        for comm in [u32::MAX, u32::MAX - 1, 1 << 31] {
+            assert!(checked_geometry(132, &options(Some(comm), None), 1).is_err(), "{comm}");
+        }
     }
 }
 

@@ -568,7 +568,8 @@ pub(crate) fn backward_pass_plans<'a>(
 /// its `mma.sync` forward writes, bit for bit, so its backward reads the same either way.
 pub(crate) struct SharedEnginePlans {
     x_rows: DeviceBuffer<bf16>,
-    /// `[4]` the engine tile offsets of the group `[0, T]`, written on the device when T changes.
+    /// `[4]` the engine tile offsets of the group `[0, T]`, written on the device in each pass (one
+    /// GPU) or when T changes (over ranks, where it never does).
     tile_offsets: DeviceBuffer<u32>,
     /// The T those offsets hold (0: not written yet).
     tile_offsets_tokens: usize,
@@ -726,13 +727,21 @@ impl SharedEnginePlans {
     }
 
     /// Enqueues the engine tile offsets of `offsets` = `[0, T, ..]` when `tokens` (T) differs
-    /// from the last call's, after whatever set those words on the stream.
+    /// from the last call's, after whatever set those words on the stream: for a layer whose T
+    /// never changes (over ranks), where a captured graph's replay leaves the same offsets.
     pub(crate) fn set_tokens(&mut self, gpu: &Gpu, offsets: &DeviceBuffer<u32>, tokens: usize) -> Result<()> {
         if self.tile_offsets_tokens != tokens {
-            crate::gemm::tile_offsets_into(gpu, offsets, 1, &self.tile_offsets)?;
+            self.write_tile_offsets(gpu, offsets)?;
             self.tile_offsets_tokens = tokens;
         }
         Ok(())
+    }
+
+    /// Enqueues the engine tile offsets of `offsets` = `[0, T, ..]`, after whatever set those
+    /// words on the stream: for a layer whose T changes from pass to pass, in every pass (a
+    /// captured graph replays its own T's offsets whatever ran in between).
+    pub(crate) fn write_tile_offsets(&mut self, gpu: &Gpu, offsets: &DeviceBuffer<u32>) -> Result<()> {
+        crate::gemm::tile_offsets_into(gpu, offsets, 1, &self.tile_offsets)
     }
 }
 

@@ -8,8 +8,8 @@ use crate::driver::{DeviceBuffer, DeviceSlice, DeviceSliceMut, Gpu, KernelArg, L
 use crate::error::{MokError, Result};
 use crate::gemm::{self as engine, EnginePlan};
 use crate::megakernel::{
-    BACKWARD_KERNEL, BackwardBuffers, BackwardMegakernel, FORWARD_KERNEL, ForwardMegakernel, MegakernelOptions,
-    PassBuffers, SharedPassBuffers, checked_geometry, resident_blocks,
+    BACKWARD_KERNEL, BackwardBuffers, BackwardMegakernel, ErrorRecord, FORWARD_KERNEL, ForwardMegakernel,
+    MegakernelOptions, PassBuffers, SharedPassBuffers, checked_geometry, resident_blocks,
 };
 #[cfg(feature = "testing")]
 use crate::megakernel::{MegakernelFaults, MegakernelWork};
@@ -71,10 +71,12 @@ pub struct UnfusedLayer {
     /// The backward as one persistent launch ([`UnfusedLayer::set_backward_megakernel`]): its
     /// options, and the pass once built for the engine's plans.
     backward_megakernel: Option<(MegakernelOptions, Option<BackwardMegakernel>)>,
+    /// Where every forward and every backward megakernel pass records its first failure, from
+    /// the first pass of each on (kept when passes are rebuilt or dropped, so a failure waits
+    /// for [`UnfusedLayer::check_device_errors`]).
+    megakernel_records: [Option<ErrorRecord>; 2],
     /// Tokens of the last forward (at most `config.tokens_per_rank`, the capacity).
     tokens: usize,
-    /// The token count the shared expert's group offsets hold.
-    shared_offsets_tokens: usize,
     /// The shared expert's engine plans inside the megakernels (built with their passes).
     shared_engine: Option<SharedEnginePlans>,
     /// Whether the shared expert's copy of the token rows holds the last forward's x (its
@@ -257,8 +259,8 @@ impl UnfusedLayer {
             engine: None,
             megakernel: None,
             backward_megakernel: None,
+            megakernel_records: [None, None],
             tokens: t,
-            shared_offsets_tokens: t,
             shared_engine: None,
             shared_x_from_forward: false,
             gather_in_producer: false,
@@ -462,7 +464,11 @@ impl UnfusedLayer {
             swiglu: self.routed.swiglu_backward_rows(),
             shared: shared_engine.and_then(SharedEnginePlans::backward_pass_rows),
         };
-        *pass = Some(BackwardMegakernel::new(gpu, &[&plans], &[buffers], options)?);
+        let record = match &mut self.megakernel_records[1] {
+            Some(record) => record,
+            empty => empty.insert(ErrorRecord::new(gpu)?),
+        };
+        *pass = Some(BackwardMegakernel::new(gpu, &[&plans], &[buffers], options, Some(record))?);
         Ok(())
     }
 
@@ -556,7 +562,11 @@ impl UnfusedLayer {
             rank: None,
             shared: shared_engine.map(|s| SharedPassBuffers { x_rows: s.x_rows() }),
         };
-        *pass = Some(ForwardMegakernel::new(gpu, &[&plans], &[buffers], options)?);
+        let record = match &mut self.megakernel_records[0] {
+            Some(record) => record,
+            empty => empty.insert(ErrorRecord::new(gpu)?),
+        };
+        *pass = Some(ForwardMegakernel::new(gpu, &[&plans], &[buffers], options, Some(record))?);
         Ok(())
     }
 
@@ -841,15 +851,14 @@ impl UnfusedLayer {
     }
 
     /// Points the shared expert's one group at the pass's `t` tokens: `[0, T, 0, tiles]`, its two
-    /// changing words set on the stream (no upload, so a captured graph keeps it).
+    /// changing words set on the stream (no upload, so a captured graph records them). Written in
+    /// every pass, even for the T of the last one: a captured graph replays its own T's words
+    /// whatever passes ran in between, so no host-side record of what the words hold is sound.
     fn set_shared_offsets(&mut self, t: usize) -> Result<()> {
-        if let Some((_, offsets)) = &mut self.shared
-            && self.shared_offsets_tokens != t
-        {
+        if let Some((_, offsets)) = &mut self.shared {
             let tiles = (t as u32).div_ceil(mok_kernels::tiles::GEMM_TILE_M);
             offsets.fill_u32_at(1, t as u32)?;
             offsets.fill_u32_at(3, tiles)?;
-            self.shared_offsets_tokens = t;
         }
         Ok(())
     }
@@ -1107,7 +1116,8 @@ impl UnfusedLayer {
         // output rows as the first term of each token's sum.
         let mut shared_out = 0;
         if let (Some(_), Some(engine), Some((compute, offsets))) = (shared, self.shared_engine.as_mut(), &self.shared) {
-            engine.set_tokens(gpu, offsets, t)?;
+            // Every pass, as the offsets they derive from (`set_shared_offsets`).
+            engine.write_tile_offsets(gpu, offsets)?;
             shared_out = compute.out_rows().device_ptr();
         }
         let (Some(engine), Some((_, Some(pass)))) = (&self.engine, &mut self.megakernel) else {
@@ -1349,7 +1359,7 @@ impl UnfusedLayer {
                 unsafe { engine.copy_x(tokens.x.device_ptr(), t) }?;
                 self.shared_x_from_forward = true;
             }
-            engine.set_tokens(gpu, &workspace.1, t)?;
+            engine.write_tile_offsets(gpu, &workspace.1)?;
             let grads = target.shared.expect("checked against the config");
             let x_rows = engine.x_rows();
             // SAFETY: the copy of x has the capacity's rows; `target` was checked against the
@@ -1416,14 +1426,8 @@ impl UnfusedLayer {
     pub fn check_device_errors(&mut self) -> Result<()> {
         let words = self.routing.error.download()?;
         // Both megakernel records are read (and cleared), the forward's reported first.
-        let forward = match &mut self.megakernel {
-            Some((_, Some(pass))) => pass.check(),
-            _ => Ok(()),
-        };
-        let backward = match &mut self.backward_megakernel {
-            Some((_, Some(pass))) => pass.check(),
-            _ => Ok(()),
-        };
+        let [forward, backward] =
+            self.megakernel_records.each_mut().map(|record| record.as_mut().map_or(Ok(()), ErrorRecord::check));
         if words[0] == 0 {
             return forward.and(backward);
         }
