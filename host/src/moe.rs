@@ -75,7 +75,8 @@ impl Backend {
 /// How a [`MoeLayer`] is built.
 #[derive(Clone, Debug, Default)]
 pub struct LayerOptions {
-    /// `None`: [`Backend::fastest_for`] the GPU and the config's ranks; `Some`: that backend, or
+    /// `None`: [`Backend::fastest_for`] the GPU and the config's ranks (for
+    /// [`MoeLayer::with_heap`], the fastest hosting the ranks this process drives); `Some`: that backend, or
     /// an error where the GPU lacks it (tests compare backends this way).
     pub backend: Option<Backend>,
     /// The megakernels' geometry and wait deadline ([`Backend::Megakernel`],
@@ -598,7 +599,11 @@ impl RankShares {
             if len != self.ranks * n {
                 return Err(MokError::InvalidInput {
                     tensor,
-                    problem: format!("{len} elements, expected {} (all E experts)", self.ranks * n),
+                    problem: format!(
+                        "{len} elements, expected {} (the E/P experts of each of the {} ranks these views hold)",
+                        self.ranks * n,
+                        self.ranks
+                    ),
                 });
             }
         }
@@ -623,8 +628,10 @@ impl RankShares {
                     return Err(MokError::InvalidInput {
                         tensor,
                         problem: format!(
-                            "gradient view has {len} elements, expected {} (all E experts)",
-                            shares.ranks * n
+                            "gradient view has {len} elements, expected {} (the E/P experts of each of the {} \
+                             ranks these views hold)",
+                            shares.ranks * n,
+                            shares.ranks
                         ),
                     });
                 }
@@ -920,7 +927,8 @@ mod tests {
             workspace_bytes(&config, Backend::MmaSync, true),
             Err(MokError::InvalidInput { tensor: "gather_in_producer", .. })
         ));
-        // The three routed weight gradients alone: 3 · E · I · H bf16.
+        // A sanity bound: more than the three routed weight gradients' 3 · E · I · H bf16, which
+        // it does not count (the rows of T · k = 3200 slots alone are larger here).
         assert!(mma > 3 * 2 * 32 * 256 * 512);
         let more = MoeConfig { tokens_per_rank: 800, ..config.clone() };
         assert!(workspace_bytes(&more, Backend::Engine, false).unwrap() > engine);
