@@ -76,8 +76,8 @@ impl Backend {
 #[derive(Clone, Debug, Default)]
 pub struct LayerOptions {
     /// `None`: [`Backend::fastest_for`] the GPU and the config's ranks (for
-    /// [`MoeLayer::with_heap`], the fastest hosting the ranks this process drives); `Some`: that backend, or
-    /// an error where the GPU lacks it (tests compare backends this way).
+    /// [`MoeLayer::with_heap`], the fastest hosting the ranks this process drives); `Some`:
+    /// that backend, or an error where the GPU lacks it (tests compare backends this way).
     pub backend: Option<Backend>,
     /// The megakernels' geometry and wait deadline ([`Backend::Megakernel`],
     /// [`Backend::ForwardMegakernel`]); over ranks its
