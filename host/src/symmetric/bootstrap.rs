@@ -1,10 +1,20 @@
 //! NCCL bootstrap of a multi-process symmetric heap (feature `nccl`): one communicator over the
 //! launcher's ranks, used once to all-gather the handle records.
 //!
-//! The NCCL unique id travels out of band: rank 0 creates it and writes it as hex to the file
-//! named by `MOK_NCCL_ID_FILE` (written to a temporary name, then renamed, so a reader never
-//! sees half an id); the other ranks poll for the file, up to a timeout. Any shared filesystem
-//! path works (a node-local `/tmp` path for one node). Not yet run: needs several GPUs.
+//! The NCCL unique id travels out of band: rank 0 creates it and writes it as hex to a file
+//! beside the path `MOK_NCCL_ID_FILE` names, its name ending in a digest of the launch's nonce
+//! (written to a temporary name, then renamed, so a reader never sees half an id; each launch
+//! its own file, so launches given one path do not meet); the other ranks poll for the file, up
+//! to a timeout. Any shared filesystem path works (a node-local `/tmp` path for one node). The
+//! launch must be named (`MOK_RUN_ID`, torchrun's `--rdzv-id` or `--standalone`, or Slurm's job),
+//! or a rank could read an earlier launch's id, and `NCCL_NVLS_ENABLE=0` must be set: mok never
+//! uses NVLink multicast, and NCCL would create multicast objects on NVSwitch systems.
+//!
+//! Only the wait for the id file has mok's deadline: `ncclCommInitRank` and the all-gather wait
+//! as long as NCCL does, so a rank that dies before joining leaves the others waiting until the
+//! launcher ends them (torchrun stops every worker when one fails; give `srun` `--kill-on-bad-exit`).
+//! The file rendezvous (`MOK_RENDEZVOUS_DIR`), whose every wait is bounded, has no such wait.
+//! Not yet run: needs several GPUs.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -12,7 +22,7 @@ use std::time::Duration;
 use cudarc::nccl::{result as nccl, sys as nccl_sys};
 
 use super::handles::to_hex;
-use super::id_file::{read_when_present, run_nonce, write_atomically};
+use super::id_file::{check_nvls_off, path_for_run, read_when_present, unique_run_nonce, write_atomically};
 use super::launch_env::LaunchEnv;
 use crate::driver::{DeviceBuffer, Gpu};
 use crate::error::{MokError, Result};
@@ -32,8 +42,13 @@ fn nccl_error(call: &str, error: nccl::NcclError) -> MokError {
 
 impl NcclBootstrap {
     /// Joins the communicator of `env`'s ranks on `gpu`, finding the unique id through the file
-    /// named by `MOK_NCCL_ID_FILE`, waiting at most `timeout` for rank 0 to write it.
+    /// beside `MOK_NCCL_ID_FILE`'s path, waiting at most `timeout` for rank 0 to write it (the
+    /// module documentation says what it needs and which waits have no deadline).
     pub fn new(gpu: &Gpu, env: &LaunchEnv, timeout: Duration) -> Result<Self> {
+        let get = |name: &str| std::env::var(name).ok();
+        check_nvls_off(get)?;
+        // The run's nonce keeps a file left by an earlier run from being read as this run's id.
+        let nonce = unique_run_nonce(get)?;
         let path = std::env::var_os(ID_FILE_VAR).map(PathBuf::from).ok_or_else(|| MokError::InvalidConfig {
             field: ID_FILE_VAR,
             value: "unset".into(),
@@ -48,8 +63,7 @@ impl NcclBootstrap {
                     .into(),
             });
         }
-        // The run's nonce keeps a file left by an earlier run from being read as this run's id.
-        let nonce = run_nonce(|name| std::env::var(name).ok());
+        let path = path_for_run(&path, &nonce);
         let id = if env.rank == 0 {
             let id = nccl::get_uniqueid().map_err(|e| nccl_error("ncclGetUniqueId", e))?;
             let bytes: Vec<u8> = id.internal.iter().map(|&c| c as u8).collect();

@@ -1,8 +1,9 @@
 //! The out-of-band file through which rank 0 hands the NCCL unique id to the other ranks
 //! (`bootstrap`): written atomically (a temporary name, then a rename, so a reader never sees half
-//! an id), with the launch's nonce on its first line, so a file an earlier run left at the same
-//! path is not read as this run's. Plain file handling, tested on the CPU whatever the features;
-//! the launch's nonce and the atomic write serve the file rendezvous too (`rendezvous`).
+//! an id), named and headed by the launch's nonce, so a file an earlier or another launch left is
+//! not read as this one's. Plain file handling and the bootstrap's environment checks, tested on
+//! the CPU whatever the features; the launch's nonce and the atomic write serve the file
+//! rendezvous too (`rendezvous`).
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -23,15 +24,58 @@ pub(crate) fn write_atomically(path: &Path, contents: impl AsRef<[u8]>) -> Resul
     std::fs::rename(&temporary, path).map_err(|e| io_error(format!("rename to {}", path.display()), e))
 }
 
-/// What names this launch on every rank: the launcher's run and rendezvous (torchrun) or job and
-/// step (Slurm) variables, read through `get`; empty parts when unset (with none set, a reused
-/// file is not detected).
+/// The variable a launch without a launcher's unique run name sets to one (any text every rank
+/// of the launch shares and no other launch does).
+pub const RUN_ID_VAR: &str = "MOK_RUN_ID";
+
+/// The variables whose values tell one launch from another on every rank: mok's own, torchrun's
+/// run id (`none` unless `--rdzv-id` or `--standalone` names the run) and Slurm's job.
+const UNIQUE_RUN_VARS: [&str; 3] = [RUN_ID_VAR, "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"];
+
+/// A value of one of [`UNIQUE_RUN_VARS`] that names a run (set, and not torchrun's `none`).
+fn names_a_run(value: &str) -> bool {
+    !value.is_empty() && value != "none"
+}
+
+/// What names this launch on every rank: `MOK_RUN_ID`, the launcher's run and rendezvous
+/// (torchrun) or job and step (Slurm) variables, read through `get`; empty parts when unset
+/// (without a part that names the run, [`unique_run_nonce`], a file an earlier launch left at
+/// the same path is read as this one's).
 pub(crate) fn run_nonce(get: impl Fn(&str) -> Option<String>) -> String {
-    ["TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT", "SLURM_JOB_ID", "SLURM_STEP_ID"]
+    [RUN_ID_VAR, "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT", "SLURM_JOB_ID", "SLURM_STEP_ID"]
         .iter()
         .map(|name| get(name).unwrap_or_default())
         .collect::<Vec<_>>()
         .join("/")
+}
+
+/// [`run_nonce`], refused when no part of it names the run: a plain torchrun launch (its run id
+/// `none`, the same address and port every time) would read an earlier launch's file.
+pub(crate) fn unique_run_nonce(get: impl Fn(&str) -> Option<String>) -> Result<String> {
+    if !UNIQUE_RUN_VARS.iter().any(|name| get(name).is_some_and(|value| names_a_run(&value))) {
+        return Err(MokError::InvalidConfig {
+            field: RUN_ID_VAR,
+            value: "unset".into(),
+            rule: "must name this launch on every rank when the launcher does not (torchrun without \
+                   --rdzv-id or --standalone names every run `none`; Slurm's SLURM_JOB_ID does): a file an \
+                   earlier launch left would otherwise be read as this one's"
+                .into(),
+        });
+    }
+    Ok(run_nonce(get))
+}
+
+/// `path` with the digest of `nonce` appended to its file name: each launch's own file, so two
+/// launches given the same path do not overwrite each other's.
+pub(crate) fn path_for_run(path: &Path, nonce: &str) -> std::path::PathBuf {
+    let mut name = path.file_name().map(|n| n.to_os_string()).unwrap_or_default();
+    name.push(format!(".{:016x}", digest(nonce)));
+    path.with_file_name(name)
+}
+
+/// FNV-1a, 64 bits: a file-name-safe digest of a nonce (not a security measure).
+pub(crate) fn digest(text: &str) -> u64 {
+    text.bytes().fold(0xcbf2_9ce4_8422_2325, |hash, byte| (hash ^ byte as u64).wrapping_mul(0x0100_0000_01b3))
 }
 
 /// Rank 0's id (hex after the nonce line) once the file at `path` holds it for this run's
@@ -57,6 +101,26 @@ pub(crate) fn read_when_present(path: &Path, nonce: &str, timeout: Duration) -> 
     }
 }
 
+/// The variable that keeps NCCL from using NVLink SHARP, whose multicast objects mok never
+/// creates nor lets a library create for it.
+pub(crate) const NVLS_VAR: &str = "NCCL_NVLS_ENABLE";
+
+/// Refuses to start NCCL (`bootstrap`, checked here whatever the features) unless `NCCL_NVLS_ENABLE=0` (read through `get`) is set in this
+/// process: NCCL enables NVLink SHARP by default on NVSwitch systems and creates multicast
+/// objects for it.
+pub(crate) fn check_nvls_off(get: impl Fn(&str) -> Option<String>) -> Result<()> {
+    match get(NVLS_VAR) {
+        Some(value) if value.trim() == "0" => Ok(()),
+        value => Err(MokError::InvalidConfig {
+            field: NVLS_VAR,
+            value: value.unwrap_or_else(|| "unset".into()),
+            rule: "must be 0 in every rank's environment: mok never uses NVLink multicast, which NCCL \
+                   would otherwise set up on NVSwitch systems"
+                .into(),
+        }),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -78,5 +142,43 @@ mod tests {
         write_atomically(&path, format!("{this_run}\n{}", to_hex(&[7, 8, 9]))).unwrap();
         assert_eq!(read_when_present(&path, &this_run, Duration::from_millis(60)).unwrap(), vec![7, 8, 9]);
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn nccl_starts_only_with_nvlink_sharp_off() {
+        let with = |value: Option<&'static str>| {
+            move |name: &str| (name == NVLS_VAR).then_some(value).flatten().map(String::from)
+        };
+        assert!(check_nvls_off(with(Some("0"))).is_ok());
+        for refused in [None, Some("1"), Some(""), Some("2")] {
+            assert!(
+                matches!(check_nvls_off(with(refused)), Err(MokError::InvalidConfig { field: NVLS_VAR, .. })),
+                "{refused:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_launch_must_be_named_and_gets_its_own_file() {
+        let vars = |pairs: &'static [(&'static str, &'static str)]| {
+            move |name: &str| pairs.iter().find(|(n, _)| *n == name).map(|(_, v)| v.to_string())
+        };
+        // A plain torchrun launch: run id `none`, the same address and port every time.
+        let plain = vars(&[("TORCHELASTIC_RUN_ID", "none"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")]);
+        assert!(matches!(unique_run_nonce(plain), Err(MokError::InvalidConfig { field: "MOK_RUN_ID", .. })));
+        assert!(unique_run_nonce(vars(&[])).is_err());
+        for named in [
+            vars(&[("TORCHELASTIC_RUN_ID", "none"), (RUN_ID_VAR, "job-17")]),
+            vars(&[("TORCHELASTIC_RUN_ID", "5f0c")]),
+            vars(&[("SLURM_JOB_ID", "4242"), ("SLURM_STEP_ID", "0")]),
+        ] {
+            assert!(unique_run_nonce(named).is_ok());
+        }
+        let (a, b) = (run_nonce(vars(&[(RUN_ID_VAR, "a")])), run_nonce(vars(&[(RUN_ID_VAR, "b")])));
+        let path = Path::new("/shared/nccl-id");
+        assert_ne!(path_for_run(path, &a), path_for_run(path, &b));
+        assert_eq!(path_for_run(path, &a), path_for_run(path, &a));
+        assert_eq!(path_for_run(path, &a).parent(), path.parent());
+        assert!(path_for_run(path, &a).file_name().unwrap().to_string_lossy().starts_with("nccl-id."));
     }
 }

@@ -7,14 +7,15 @@
 //! so a file that exists is whole, then reads every rank's file of the round, waiting up to a
 //! timeout. A rank writes round n + 1 only after reading every file of round n, so once it has
 //! read every file of round n + 1 nobody reads round n again and it removes its own; the last
-//! round's files stay. File names carry the launch's nonce (the launcher's run and rendezvous, or
-//! job and step, variables), so files an earlier launch left are not read as this one's; without
-//! a launcher's variables, give each launch a fresh directory.
+//! round's files stay. File names carry the launch's nonce (`MOK_RUN_ID`, the launcher's run and
+//! rendezvous, or job and step, variables), so files an earlier launch left are not read as this
+//! one's; without a variable that names the run (a plain torchrun launch names every run `none`),
+//! set `MOK_RUN_ID` or give each launch a fresh directory.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use super::id_file::{io_error, run_nonce, write_atomically};
+use super::id_file::{digest, io_error, run_nonce, write_atomically};
 use super::launch_env::LaunchEnv;
 use crate::error::{MokError, Result};
 
@@ -27,11 +28,6 @@ pub struct FileRendezvous {
     world: usize,
     round: u32,
     timeout: Duration,
-}
-
-/// FNV-1a, 64 bits: a file-name-safe digest of the nonce (not a security measure).
-fn digest(text: &str) -> u64 {
-    text.bytes().fold(0xcbf2_9ce4_8422_2325, |hash, byte| (hash ^ byte as u64).wrapping_mul(0x0100_0000_01b3))
 }
 
 impl FileRendezvous {
