@@ -124,6 +124,13 @@ impl VmmMapping {
     /// Imports an allocation another process exported (`handle` as this process may use it: a
     /// duplicated file descriptor, or the fabric handle) and maps it for `access`.
     pub fn import(handle: &ExportedHandle, bytes: usize, access: &[i32]) -> Result<Self> {
+        // The range aligned as the exporter's allocation was (its kind's granularity on the
+        // devices here), not left to the driver.
+        let kind = match handle {
+            ExportedHandle::PosixFd(_) => ShareableKind::PosixFd,
+            ExportedHandle::Fabric(_) => ShareableKind::Fabric,
+        };
+        let grain = access.first().map_or(Ok(1), |&ordinal| granularity(ordinal, kind))?;
         let mut generic = 0;
         match handle {
             ExportedHandle::PosixFd(fd) => {
@@ -148,7 +155,7 @@ impl VmmMapping {
                 })?;
             }
         }
-        Self::map(generic, bytes, 1, access)
+        Self::map(generic, bytes, grain, access)
     }
 
     fn map(handle: sys::CUmemGenericAllocationHandle, bytes: usize, alignment: usize, access: &[i32]) -> Result<Self> {

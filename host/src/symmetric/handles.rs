@@ -3,7 +3,7 @@
 //! peers' slices from them.
 //!
 //! Record layout (little-endian, [`RECORD_BYTES`] bytes): magic `b"MOKH"`, version u16, kind u16
-//! (1 POSIX fd, 2 fabric), rank u32, pid u32, fd i32, reserved u32, slice bytes u64, fabric
+//! (1 POSIX fd, 2 fabric), rank u32, pid u32, fd i32, process space u32, slice bytes u64, fabric
 //! handle 64 bytes (zero for POSIX).
 
 use crate::driver::vmm::ExportedHandle;
@@ -12,7 +12,7 @@ use crate::error::{MokError, Result};
 /// Bytes of one record.
 pub const RECORD_BYTES: usize = 96;
 const MAGIC: [u8; 4] = *b"MOKH";
-const VERSION: u16 = 1;
+const VERSION: u16 = 2;
 const KIND_POSIX_FD: u16 = 1;
 const KIND_FABRIC: u16 = 2;
 
@@ -23,6 +23,8 @@ pub struct HandleRecord {
     pub rank: u32,
     /// The exporting process (a POSIX fd is only meaningful together with it).
     pub pid: u32,
+    /// The exporter's [`process_space`]: a POSIX fd is only meaningful to processes of the same.
+    pub space: u32,
     /// Bytes of the slice as mapped by the exporter.
     pub bytes: u64,
     /// The handle as the exporter named it.
@@ -31,6 +33,26 @@ pub struct HandleRecord {
 
 fn bad(problem: String) -> MokError {
     MokError::InvalidInput { tensor: "symmetric heap handle table", problem }
+}
+
+/// Which processes this one can reach by process id: a digest of the host's boot (its
+/// `boot_id`) and of this process's PID namespace. Two ranks with different values are on
+/// different hosts or in different containers, where a peer's POSIX fd cannot be duplicated by
+/// its process id (or would name an unrelated process). 0 where the system does not say (then
+/// every rank's is 0 and nothing is told apart).
+pub fn process_space() -> u32 {
+    #[cfg(target_os = "linux")]
+    {
+        let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+        let namespace = std::fs::read_link("/proc/self/ns/pid").map(|p| p.display().to_string()).unwrap_or_default();
+        if boot.is_empty() && namespace.is_empty() {
+            return 0;
+        }
+        let digest = super::id_file::digest(&format!("{}|{namespace}", boot.trim()));
+        (digest ^ (digest >> 32)) as u32
+    }
+    #[cfg(not(target_os = "linux"))]
+    0
 }
 
 impl HandleRecord {
@@ -47,6 +69,7 @@ impl HandleRecord {
         out[8..12].copy_from_slice(&self.rank.to_le_bytes());
         out[12..16].copy_from_slice(&self.pid.to_le_bytes());
         out[16..20].copy_from_slice(&fd.to_le_bytes());
+        out[20..24].copy_from_slice(&self.space.to_le_bytes());
         out[24..32].copy_from_slice(&self.bytes.to_le_bytes());
         out[32..96].copy_from_slice(&fabric);
         out
@@ -74,13 +97,15 @@ impl HandleRecord {
         Ok(Self {
             rank: u32_at(8),
             pid: u32_at(12),
+            space: u32_at(20),
             bytes: u64::from_le_bytes(bytes[24..32].try_into().expect("8 bytes")),
             handle,
         })
     }
 
     /// Parses an all-gathered table (`world` records in rank order) and checks that record r
-    /// came from rank r and that every slice has the same size.
+    /// came from rank r, that every slice has the same size and handle kind, and that POSIX fds
+    /// come from processes of one [`process_space`].
     pub fn decode_table(table: &[u8], world: usize) -> Result<Vec<Self>> {
         if table.len() != world * RECORD_BYTES {
             return Err(bad(format!("{} bytes for {world} ranks, expected {}", table.len(), world * RECORD_BYTES)));
@@ -94,6 +119,22 @@ impl HandleRecord {
                 return Err(bad(format!(
                     "rank {rank}'s slice has {} bytes, rank 0's {}: every rank must lay out the same heap",
                     record.bytes, records[0].bytes
+                )));
+            }
+            let posix = |r: &Self| matches!(r.handle, ExportedHandle::PosixFd(_));
+            if posix(record) != posix(&records[0]) {
+                return Err(bad(format!(
+                    "rank {rank} exported a {} handle, rank 0 a {} one: every rank must use the same kind \
+                     (MOK_HEAP_HANDLE)",
+                    if posix(record) { "POSIX-fd" } else { "fabric" },
+                    if posix(&records[0]) { "POSIX-fd" } else { "fabric" }
+                )));
+            }
+            if posix(record) && record.space != records[0].space {
+                return Err(bad(format!(
+                    "rank {rank} runs on another host or in another PID namespace than rank 0: POSIX-fd \
+                     handles reach only the processes of one node's namespace (across nodes set \
+                     MOK_HEAP_HANDLE=fabric)"
                 )));
             }
         }
@@ -129,14 +170,15 @@ mod tests {
         let mut fabric = [0u8; 64];
         fabric.iter_mut().enumerate().for_each(|(i, b)| *b = i as u8 ^ 0xa5);
         for handle in [ExportedHandle::PosixFd(17), ExportedHandle::Fabric(fabric)] {
-            let record = HandleRecord { rank: 3, pid: 4242, bytes: 1 << 33, handle };
+            let record = HandleRecord { rank: 3, pid: 4242, space: 0x9e37_79b9, bytes: 1 << 33, handle };
             assert_eq!(HandleRecord::from_bytes(&record.to_bytes()).unwrap(), record);
         }
     }
 
     #[test]
     fn tables_check_order_and_sizes() {
-        let record = |rank, bytes| HandleRecord { rank, pid: 1, bytes, handle: ExportedHandle::PosixFd(3) }.to_bytes();
+        let record =
+            |rank, bytes| HandleRecord { rank, pid: 1, space: 7, bytes, handle: ExportedHandle::PosixFd(3) }.to_bytes();
         let table: Vec<u8> = [record(0, 4096), record(1, 4096)].concat();
         assert_eq!(HandleRecord::decode_table(&table, 2).unwrap().len(), 2);
         let swapped: Vec<u8> = [record(1, 4096), record(0, 4096)].concat();
@@ -150,6 +192,22 @@ mod tests {
         let mut kind = record(0, 16);
         kind[6] = 9;
         assert!(HandleRecord::from_bytes(&kind).unwrap_err().to_string().contains("kind 9"));
+        // POSIX fds from another host or namespace, and mixed kinds, are refused; fabric
+        // handles cross hosts.
+        let with = |rank, space, handle| HandleRecord { rank, pid: 1, space, bytes: 4096, handle }.to_bytes();
+        let (fd, fabric) = (ExportedHandle::PosixFd(3), ExportedHandle::Fabric([1; 64]));
+        let elsewhere: Vec<u8> = [with(0, 7, fd), with(1, 8, fd)].concat();
+        assert!(HandleRecord::decode_table(&elsewhere, 2).unwrap_err().to_string().contains("another host"));
+        let mixed: Vec<u8> = [with(0, 7, fd), with(1, 7, fabric)].concat();
+        assert!(HandleRecord::decode_table(&mixed, 2).unwrap_err().to_string().contains("same kind"));
+        let across_hosts: Vec<u8> = [with(0, 7, fabric), with(1, 8, fabric)].concat();
+        assert_eq!(HandleRecord::decode_table(&across_hosts, 2).unwrap().len(), 2);
+        // An older record version is refused by name.
+        let mut old = record(0, 16);
+        old[4] = 1;
+        assert!(HandleRecord::from_bytes(&old).unwrap_err().to_string().contains("version 1"));
+        // This process's space is the same each time it is asked.
+        assert_eq!(process_space(), process_space());
     }
 
     #[test]

@@ -140,11 +140,15 @@ impl SymmetricHeap {
         if kind == ShareableKind::PosixFd {
             allow_handle_duplication()?;
         }
+        // Closed when this returns, on every path: an exported descriptor left open would keep
+        // this rank's whole slice allocated for the process's life.
+        let exported = ExportedDescriptor(own.export(kind)?);
         let record = HandleRecord {
             rank: env.rank as u32,
             pid: std::process::id(),
+            space: handles::process_space(),
             bytes: own.bytes() as u64,
-            handle: own.export(kind)?,
+            handle: exported.0,
         };
         let table = HandleRecord::decode_table(&all_gather(&record.to_bytes())?, env.world)?;
         let mut mappings = Vec::with_capacity(env.world);
@@ -165,11 +169,12 @@ impl SymmetricHeap {
             mappings.push(imported?);
         }
         // Every peer has duplicated this process's descriptor once every process got here (a
-        // second all-gather as the barrier); then it can be closed, so dropping the heap frees the
-        // memory. Every process must also have imported before any frees: the caller keeps the
-        // heap for the job's lifetime and tears it down after a barrier.
+        // second all-gather as the barrier); then it can be closed (`exported`, dropped on
+        // return), so dropping the heap frees the memory. Every process must also have imported
+        // before any frees: the caller keeps the heap for the job's lifetime and tears it down
+        // after a barrier.
         all_gather(&[1])?;
-        close_descriptor(&record.handle);
+        drop(exported);
         Ok(Self {
             bytes_per_rank: table[0].bytes,
             bases: mappings.iter().map(VmmMapping::device_ptr).collect(),
@@ -239,6 +244,15 @@ fn allow_handle_duplication() -> Result<()> {
 /// Duplicates file descriptor `fd` of process `pid` into this process (`pidfd_open` +
 /// `pidfd_getfd`, Linux 5.6+).
 /// Closes a POSIX-fd handle's descriptor (a fabric handle has none).
+/// This process's exported handle, its descriptor closed when dropped.
+struct ExportedDescriptor(ExportedHandle);
+
+impl Drop for ExportedDescriptor {
+    fn drop(&mut self) {
+        close_descriptor(&self.0);
+    }
+}
+
 fn close_descriptor(handle: &ExportedHandle) {
     if let ExportedHandle::PosixFd(fd) = *handle {
         #[cfg(unix)]
