@@ -105,7 +105,9 @@ pub struct LayerOptions {
 /// expert's weights and, when the config has one, the shared expert's. All borrowed; they must
 /// stay allocated and unchanged until the backward has been enqueued (the backward reads them
 /// again; over ranks it reads the forward's copy of the tokens in the layer) and the stream has
-/// run it.
+/// run it. They must be memory of the layer's GPU, as must every output and gradient view:
+/// lengths and alignment are checked, the device a view's memory lies on is not (another
+/// device's memory faults, or with peer access runs slowly).
 #[derive(Clone, Copy)]
 pub struct MoeInputs<'a> {
     /// x `[T, H]`, top-k ids and weights `[T, k]`.
