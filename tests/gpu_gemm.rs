@@ -203,7 +203,7 @@ fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
     let back = layer.routed_backward_intermediates();
 
     // Forward gate/up + SwiGLU.
-    let (hidden_out, gate_out, up_out) =
+    let (mut hidden_out, mut gate_out, mut up_out) =
         (poisoned::<bf16>(gpu, cap * i), poisoned::<f32>(gpu, cap * i), poisoned::<f32>(gpu, cap * i));
     let mut plan = EnginePlan::gate_up(
         gpu,
@@ -246,7 +246,12 @@ fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
         rel_err(&bf(&got_hidden[..valid]), &bf(&hidden.download().unwrap()[..valid])),
         2e-3,
     );
-    // Grid size and repetition do not change a bit.
+    // Grid size and repetition do not change a bit (each launch after the first writes
+    // poisoned outputs again: one that wrote nothing could not match).
+    for buffer in [&mut gate_out, &mut up_out] {
+        buffer.fill_bytes(0xff).unwrap();
+    }
+    hidden_out.fill_bytes(0xff).unwrap();
     // SAFETY: the plan's buffers live in this scope, past the stream's work on them.
     unsafe { plan.launch_with_blocks(gpu, 7) }.unwrap();
     assert_eq!(
@@ -256,6 +261,10 @@ fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
     );
     // Nor does the way blocks pair up (default: M-pairs where possible; here N-pairs only).
     plan.set_pairing(gpu, Pairing::NOnly).unwrap();
+    for buffer in [&mut gate_out, &mut up_out] {
+        buffer.fill_bytes(0xff).unwrap();
+    }
+    hidden_out.fill_bytes(0xff).unwrap();
     // SAFETY: the plan's buffers live in this scope, past the stream's work on them.
     unsafe { plan.launch_with_blocks(gpu, 9) }.unwrap();
     assert_eq!(
@@ -317,7 +326,7 @@ fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
     }
 
     // Down projection on the unfused path's hidden.
-    let down_out = poisoned::<f32>(gpu, cap * h);
+    let mut down_out = poisoned::<f32>(gpu, cap * h);
     let mut plan =
         EnginePlan::rows_nt(gpu, hidden, &groups, &s.experts.w_down, (h, i), RowsOut::F32(&down_out)).unwrap();
     // SAFETY: the plan's buffers live in this scope, past the stream's work on them.
@@ -330,6 +339,7 @@ fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
     );
     // The other pairing (default for rows_nt: N-pairs only) gives the same bits.
     plan.set_pairing(gpu, Pairing::MAndN).unwrap();
+    down_out.fill_bytes(0xff).unwrap();
     // SAFETY: the plan's buffers live in this scope, past the stream's work on them.
     unsafe { plan.launch(gpu) }.unwrap();
     assert_eq!(
@@ -360,7 +370,7 @@ fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
         rel_err(&d_hidden.download().unwrap()[..valid], &f64s(&back.d_hidden.download().unwrap()[..valid])),
         1e-5,
     );
-    let d_in = poisoned::<f32>(gpu, cap * h);
+    let mut d_in = poisoned::<f32>(gpu, cap * h);
     let mut plan = EnginePlan::rows_nn(
         gpu,
         (back.d_gate.into(), (&s.experts.w_gate).into()),
@@ -379,6 +389,7 @@ fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
         1e-5,
     );
     plan.set_pairing(gpu, Pairing::NOnly).unwrap();
+    d_in.fill_bytes(0xff).unwrap();
     // SAFETY: the plan's buffers live in this scope, past the stream's work on them.
     unsafe { plan.launch_with_blocks(gpu, 3) }.unwrap();
     assert_eq!(
@@ -388,7 +399,7 @@ fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
     );
 
     // Weight gradients: bf16 against the unfused bf16; f32 accumulation against f64.
-    let dw_down = poisoned::<bf16>(gpu, e * h * i);
+    let mut dw_down = poisoned::<bf16>(gpu, e * h * i);
     let mut plan = EnginePlan::wgrad(
         gpu,
         back.d_rows,
@@ -405,6 +416,7 @@ fn check_engine_against_unfused(gpu: &Gpu, s: &Setup) {
     unsafe { plan.launch(gpu) }.unwrap();
     let got = dw_down.download().unwrap();
     check("dw_down bf16 (engine wgrad)", rel_err_bf16(&got, &layer.grads().dw_down.download().unwrap()), 3e-3);
+    dw_down.fill_bytes(0xff).unwrap();
     // SAFETY: the plan's buffers live in this scope, past the stream's work on them.
     unsafe { plan.launch_with_blocks(gpu, 5) }.unwrap();
     assert_eq!(fingerprint(&dw_down.download().unwrap()), fingerprint(&got), "wgrad differs with 5 blocks");

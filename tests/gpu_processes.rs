@@ -428,6 +428,7 @@ fn rank_backends(gpu: &Gpu) -> Vec<Backend> {
     if Backend::fastest_for(gpu, 2) == Backend::Megakernel {
         backends.insert(0, Backend::Megakernel);
     } else {
+        assert_ne!(gpu.compute_capability().0, 9, "an sm_90 GPU must run the megakernels over 2 ranks");
         println!("  NOT RUN on the megakernels: they need sm_90a; mma.sync only on this GPU");
     }
     backends

@@ -523,9 +523,20 @@ fn single_token_and_single_slot_match_naive() {
         let dy = Rng(109).vec(t * 16, 1.0);
         let (f, g) = backward_generic(&p.config, &p.view(), &dy, ReferenceOptions::MATCH_GPU).unwrap();
         let n = naive(&p, &dy, true);
-        assert!(relative_error(f.y.iter().copied(), &n.y) < 1e-13, "T={t} k={k} y");
-        assert!(relative_error(g.dx.iter().copied(), &n.dx) < 1e-13, "T={t} k={k} dx");
-        assert!(relative_error(g.dw_down.iter().copied(), &n.dw_down) < 1e-13, "T={t} k={k} dw_down");
+        let check = |name: &str, got: &[f64], want: &[f64]| {
+            let err = relative_error(got.iter().copied(), want);
+            assert!(err < 1e-13, "T={t} k={k} {name}: relative error {err:e}");
+        };
+        check("y", &f.y, &n.y);
+        check("dx", &g.dx, &n.dx);
+        check("d_topk_weights", &g.d_topk_weights, &n.d_topk_weights);
+        check("dw_gate", &g.dw_gate, &n.dw_gate);
+        check("dw_up", &g.dw_up, &n.dw_up);
+        check("dw_down", &g.dw_down, &n.dw_down);
+        let (sg, [nsg, nsu, nsd]) = (g.shared.as_ref().unwrap(), n.dws.as_ref().unwrap());
+        check("dws_gate", &sg.dws_gate, nsg);
+        check("dws_up", &sg.dws_up, nsu);
+        check("dws_down", &sg.dws_down, nsd);
     }
 }
 
