@@ -395,7 +395,10 @@ fn a_backward_without_a_whole_forward_is_refused() {
     let short = DeviceBuffer::<bf16>::alloc(&gpu, global.hidden - 8).unwrap();
     let bad = mok::unfused::TokensView { x: (&short).into(), ..(&tokens).into() };
     let shared_view = shared_weights.as_ref().map(Into::into);
-    assert!(one.forward_views(&gpu, bad, (&weights).into(), shared_view).is_err());
+    assert!(matches!(
+        one.forward_views(&gpu, bad, (&weights).into(), shared_view),
+        Err(MokError::InvalidInput { tensor: "x", .. })
+    ));
     refused(backward(&mut one), "UnfusedLayer after a refused forward");
     // A routing enqueued on its own replaces the layout the backward would read.
     one.forward(&gpu, &tokens, &weights, shared_weights.as_ref()).unwrap();

@@ -868,14 +868,14 @@ fn backward_megakernel_layer(
 }
 
 /// Asserts that `got` (a backward megakernel run) equals the engine path's run bit for bit:
-/// the forward's saved rows, y, the backward rows d_gate, d_up and d_in (d_hidden, which the
-/// megakernel now stores too, is left out: the run that passed compared without it) and every
-/// output and gradient.
+/// the forward's saved rows, y, the backward rows d_hidden (the down dgrad's f32 output, which
+/// the megakernel stores for its SwiGLU chunks), d_gate, d_up and d_in, and every output and
+/// gradient.
 fn assert_same_backward(got: &GpuRun, expected: &GpuRun, what: &str) {
     assert_eq!(got.layout, expected.layout, "{what}: routing layout");
     assert_eq!(fingerprint(&got.hidden), fingerprint(&expected.hidden), "{what}: hidden");
     assert_eq!(fingerprint(&got.down), fingerprint(&expected.down), "{what}: down rows");
-    assert_eq!(got.backward_rows[1..], expected.backward_rows[1..], "{what}: d_gate, d_up, d_in rows");
+    assert_eq!(got.backward_rows, expected.backward_rows, "{what}: d_hidden, d_gate, d_up, d_in rows");
     assert_eq!(fingerprint(&got.dx), fingerprint(&expected.dx), "{what}: dx");
     assert_eq!(fingerprint(&got.d_topk_weights), fingerprint(&expected.d_topk_weights), "{what}: d_topk_weights");
     assert_eq!(got.fingerprints(), expected.fingerprints(), "{what}: outputs and gradients");

@@ -166,7 +166,7 @@ mod tests {
         // A plain torchrun launch: run id `none`, the same address and port every time.
         let plain = vars(&[("TORCHELASTIC_RUN_ID", "none"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")]);
         assert!(matches!(unique_run_nonce(plain), Err(MokError::InvalidConfig { field: "MOK_RUN_ID", .. })));
-        assert!(unique_run_nonce(vars(&[])).is_err());
+        assert!(matches!(unique_run_nonce(vars(&[])), Err(MokError::InvalidConfig { field: "MOK_RUN_ID", .. })));
         for named in [
             vars(&[("TORCHELASTIC_RUN_ID", "none"), (RUN_ID_VAR, "job-17")]),
             vars(&[("TORCHELASTIC_RUN_ID", "5f0c")]),
