@@ -512,11 +512,14 @@ fn soak_thousand_passes_bitwise_against_the_oracle_with_faults() {
                 let fault = (block_index + step) % 3;
                 let experts = rank_experts.as_ref().expect("rank weights");
                 if fault < 2 {
-                    inject_silence(&gpu, layer, &case, experts, oracle_shared.as_ref(), fault, deadline, &mut c);
-                    if fault == 0 {
-                        tally.silent_publish += 1;
-                    } else {
-                        tally.silent_push += 1;
+                    // Counted only where the silence was noticed (a silent pusher that owns no
+                    // row is not).
+                    if inject_silence(&gpu, layer, &case, experts, oracle_shared.as_ref(), fault, deadline, &mut c) {
+                        if fault == 0 {
+                            tally.silent_publish += 1;
+                        } else {
+                            tally.silent_push += 1;
+                        }
                     }
                 } else if inject_overflow(&gpu, &block, &weights, oracle_shared.as_ref(), deadline, &mut c) {
                     tally.ring_overflow += 1;
@@ -610,7 +613,8 @@ fn run_block_pass(gpu: &Gpu, block: &Block, weights: &Weights, case: &Case, dead
 }
 
 /// A rank that never publishes (`fault` 0) or never pushes (1): the forward must fail with a
-/// timeout naming that rank as the peer, in bounded time; then the layer is reset.
+/// timeout naming that rank as the peer, in bounded time; then the layer is reset. False when the
+/// silent pusher owned no row, so nobody waited for it (no fault ran).
 #[allow(clippy::too_many_arguments)]
 fn inject_silence(
     gpu: &Gpu,
@@ -621,7 +625,7 @@ fn inject_silence(
     fault: usize,
     deadline: Duration,
     c: &mut Choices,
-) {
+) -> bool {
     let p = layer.config().ep_ranks;
     // Not rank 0: the error reported is the first in rank order, and rank 0's first failed wait
     // is then the one on the silent rank (a silent rank 0 would be reported through the ranks
@@ -635,23 +639,32 @@ fn inject_silence(
     let result = forward.and_then(|()| layer.check_errors(gpu));
     let took = start.elapsed();
     layer.exchange_mut().set_silent_rank(None);
-    match result {
+    let noticed = match result {
         Err(MokError::Timeout { peer, rank, .. }) => {
             // A silent pusher is only waited on when it owns rows for someone; a silent publisher
             // always is (every schedule reads every rank's flag).
             assert_eq!(peer, Some(silent), "{kind:?}: the timeout names rank {rank:?} waiting for {peer:?}");
+            true
         }
         Ok(()) if kind == Silence::Push => {
-            // Nothing was routed to the silent rank's experts from elsewhere and it pushed
-            // nothing anyone waits for: allowed, but then the pass must be complete and correct.
+            // Allowed only when no slot of any rank routes to the silent rank's experts: then it
+            // owns no row, and nobody waits for a push from it.
+            let loads = owner_loads(&case.tokens.topk_ids, layer.config().num_experts, p);
+            assert_eq!(
+                loads[silent], 0,
+                "rank {silent} owns {} rows but its silent push was not noticed",
+                loads[silent]
+            );
+            false
         }
         other => panic!("{kind:?} of rank {silent}: expected a timeout, got {other:?}"),
-    }
+    };
     // Virtual ranks' launches run one after another, so each rank's schedule, dispatch and
     // combine may each wait out the deadline once; all are bounded.
     let bound = deadline * (3 * p as u32 + 2) + Duration::from_secs(2);
     assert!(took < bound, "{kind:?}: the failed pass took {took:?} (bound {bound:?})");
     layer.exchange_mut().reset(&[gpu]).unwrap();
+    noticed
 }
 
 /// A ring too small for an all-to-one routing: `MokError::Capacity` naming the owner and the rows
