@@ -383,7 +383,9 @@ fn owner_loads(ids: &[i32], num_experts: usize, ranks: usize) -> Vec<usize> {
 struct Tally {
     passes: usize,
     fresh_layers: usize,
+    /// P = 1 passes on the tensor-core engine, and on the oracle's own `mma.sync` path.
     engine_passes: usize,
+    mma_sync_passes: usize,
     megakernel_passes: usize,
     backward_megakernel_passes: usize,
     /// P = 1 passes whose gate/up gathered its rows in its producers.
@@ -487,7 +489,10 @@ fn soak_thousand_passes_bitwise_against_the_oracle_with_faults() {
             let target = fresh_subject.as_mut().unwrap_or(&mut subject);
             let (got, with_shared) = match target {
                 Subject::Engine(layer) => {
-                    tally.engine_passes += 1;
+                    // A P = 1 block without the engine runs the oracle's own path: not counted
+                    // as an engine pass.
+                    tally.engine_passes += layer.uses_gemm_engine() as usize;
+                    tally.mma_sync_passes += !layer.uses_gemm_engine() as usize;
                     tally.megakernel_passes += layer.uses_forward_megakernel() as usize;
                     tally.backward_megakernel_passes += layer.uses_backward_megakernel() as usize;
                     tally.gathering_passes += layer.gathers_in_producer() as usize;
@@ -542,12 +547,13 @@ fn soak_thousand_passes_bitwise_against_the_oracle_with_faults() {
     let (buffers_after, bytes_after) = live_device_buffers();
     let (free_after, _) = gpu.memory_info().unwrap();
     println!(
-        "  {} passes in {:.1} s over {block_index} blocks: {} engine / mma.sync (P = 1), {} expert-parallel; {} with the megakernel forward, {} with the megakernel backward; {} gathering in the producers (P = 1); {} on \
+        "  {} passes in {:.1} s over {block_index} blocks: {} engine and {} mma.sync (P = 1), {} expert-parallel; {} with the megakernel forward, {} with the megakernel backward; {} gathering in the producers (P = 1); {} on \
          fresh layer objects; P seen (blocks) {:?}; routings uniform / all-to-one / empty experts {:?} passes; \
          {} blocks with groups of more than 128 rows on average; {} f64 reference checks",
         tally.passes,
         start.elapsed().as_secs_f64(),
         tally.engine_passes,
+        tally.mma_sync_passes,
         tally.ep_passes,
         tally.megakernel_passes,
         tally.backward_megakernel_passes,
@@ -583,6 +589,9 @@ fn soak_thousand_passes_bitwise_against_the_oracle_with_faults() {
     }
     if !common::sanitizing() {
         assert!(tally.silent_publish > 0 && tally.silent_push > 0 && tally.ring_overflow > 0, "every fault ran");
+        if gpu.compute_capability().0 == 9 {
+            assert!(tally.engine_passes > 0 && tally.megakernel_passes > 0, "the engine and the megakernels ran");
+        }
         assert!(tally.routings.iter().all(|&n| n > 0), "every routing kind ran");
         assert!(tally.ranks_seen[1..].iter().all(|&n| n > 0), "every P in 1..=8 ran: {:?}", tally.ranks_seen);
         assert!(tally.large_blocks > 0, "a block with multi-tile groups ran");
