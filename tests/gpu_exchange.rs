@@ -216,6 +216,10 @@ fn check_movers(gpu: &Gpu, global: &MoeConfig, p: usize, options: ExchangeOption
             let slots: Vec<f32> = read(&exchange, gpu, s, r.combine_slots, t * k * h);
             let dx_slots: Vec<f32> = read(&exchange, gpu, s, r.dx_slots, t * k * h);
             let slot_row: Vec<u32> = read(&exchange, gpu, s, r.slot_row, t * k);
+            // A slot has no row exactly when the CPU's ids drop it (-1): every live slot sums.
+            for (slot, (&row, &id)) in slot_row.iter().zip(&tokens[s].topk_ids).enumerate() {
+                assert_eq!(row == NO_ROW, id < 0, "P = {p}, rank {s}: slot {slot} (id {id}) has row {row}");
+            }
             let (mut y, mut dx) = (Vec::with_capacity(t * h), Vec::with_capacity(t * h));
             for token in 0..t {
                 for c in 0..h {
