@@ -522,22 +522,28 @@ fn single_token_and_single_slot_match_naive() {
         let p = Owned::random(config(t, 16, 8, 4, k, Some(8), Some(0.5)), 9 + t as u64, &[]);
         let dy = Rng(109).vec(t * 16, 1.0);
         let (f, g) = backward_generic(&p.config, &p.view(), &dy, ReferenceOptions::MATCH_GPU).unwrap();
-        let n = naive(&p, &dy, true);
-        let check = |name: &str, got: &[f64], want: &[f64]| {
-            let err = relative_error(got.iter().copied(), want);
-            assert!(err < 1e-13, "T={t} k={k} {name}: relative error {err:e}");
-        };
-        check("y", &f.y, &n.y);
-        check("dx", &g.dx, &n.dx);
-        check("d_topk_weights", &g.d_topk_weights, &n.d_topk_weights);
-        check("dw_gate", &g.dw_gate, &n.dw_gate);
-        check("dw_up", &g.dw_up, &n.dw_up);
-        check("dw_down", &g.dw_down, &n.dw_down);
-        let (sg, [nsg, nsu, nsd]) = (g.shared.as_ref().unwrap(), n.dws.as_ref().unwrap());
-        check("dws_gate", &sg.dws_gate, nsg);
-        check("dws_up", &sg.dws_up, nsu);
-        check("dws_down", &sg.dws_down, nsd);
+        assert_matches_naive(&format!("T={t} k={k}"), (&f, &g), &naive(&p, &dy, true), 1e-13);
     }
+}
+
+/// Every output and gradient of the reference (with a shared expert) within `tolerance`
+/// (relative) of the naive implementation's.
+fn assert_matches_naive(what: &str, (f, g): (&ReferenceForward, &ReferenceGrads), n: &Naive, tolerance: f64) {
+    let check = |name: &str, got: &[f64], want: &[f64]| {
+        let err = relative_error(got.iter().copied(), want);
+        assert!(err < tolerance, "{what} {name}: relative error {err:e}");
+    };
+    check("y", &f.y, &n.y);
+    check("slot_outputs", &f.slot_outputs, &n.slot_outputs);
+    check("dx", &g.dx, &n.dx);
+    check("d_topk_weights", &g.d_topk_weights, &n.d_topk_weights);
+    check("dw_gate", &g.dw_gate, &n.dw_gate);
+    check("dw_up", &g.dw_up, &n.dw_up);
+    check("dw_down", &g.dw_down, &n.dw_down);
+    let (sg, [nsg, nsu, nsd]) = (g.shared.as_ref().unwrap(), n.dws.as_ref().unwrap());
+    check("dws_gate", &sg.dws_gate, nsg);
+    check("dws_up", &sg.dws_up, nsu);
+    check("dws_down", &sg.dws_down, nsd);
 }
 
 // Section: validation
@@ -667,23 +673,7 @@ fn medium_shape_matches_naive_implementation() {
     let dy: Vec<f64> = dy_bf16.iter().map(|&v| f64::from(v)).collect();
     let (f, g) =
         backward(&p.config, &tokens, &experts, shared.as_ref(), &dy_bf16, ReferenceOptions::MATCH_GPU).unwrap();
-    let n = naive(&p, &dy, true);
-
-    let check = |name: &str, got: &[f64], want: &[f64]| {
-        let err = relative_error(got.iter().copied(), want);
-        assert!(err < 1e-12, "{name}: relative error {err:e}");
-    };
-    check("y", &f.y, &n.y);
-    check("slot_outputs", &f.slot_outputs, &n.slot_outputs);
-    check("dx", &g.dx, &n.dx);
-    check("d_topk_weights", &g.d_topk_weights, &n.d_topk_weights);
-    check("dw_gate", &g.dw_gate, &n.dw_gate);
-    check("dw_up", &g.dw_up, &n.dw_up);
-    check("dw_down", &g.dw_down, &n.dw_down);
-    let (sg, [nsg, nsu, nsd]) = (g.shared.as_ref().unwrap(), n.dws.as_ref().unwrap());
-    check("dws_gate", &sg.dws_gate, nsg);
-    check("dws_up", &sg.dws_up, nsu);
-    check("dws_down", &sg.dws_down, nsd);
+    assert_matches_naive("medium shape", (&f, &g), &naive(&p, &dy, true), 1e-12);
 
     // The hidden activation is bf16-valued, and the clamp is active somewhere.
     assert!(f.hidden.iter().all(|&v| round_to_bf16(v) == v));
