@@ -187,8 +187,9 @@ impl ExpertCompute {
 
     /// The backward megakernel's five engine plans over `groups` of `d_rows` (`[R][H]` bf16, the
     /// gathered dy rows scaled by their slot weights), `input_rows` (`[R][H]` bf16, the forward's
-    /// rows, or `None` for weight gradients that gather them) and this workspace: [`Self::engine_down_dgrad_plan`],
-    /// [`Self::engine_gate_up_dgrad_plan`], then [`Self::engine_wgrad_plans`] — in
+    /// rows, or `None` for weight gradients that gather them) and this workspace:
+    /// [`Self::engine_down_dgrad_plan`], [`Self::engine_gate_up_dgrad_plan`], then
+    /// [`Self::engine_wgrad_plans`] — in
     /// `BackwardParams` order (the megakernel runs the SwiGLU backward between the two data
     /// gradients, over [`Self::swiglu_backward_rows`]).
     ///
