@@ -1,7 +1,8 @@
 //! No public CPU-side function of mok panics, whatever it is given: 100 000 random
 //! configurations and inputs, mostly near the edges (zeros, one-off lengths, ids out of range,
 //! huge sizes, non-finite limits), go through config validation, input validation, the routing
-//! layout, the exchange schedule and shape, the cost model and the f64 reference. Each call must
+//! layout, the exchange schedule and shape, the cost model, the layer's workspace count and the
+//! f64 reference. Each call must
 //! return (`Ok` or `Err`); a valid input must also give results of the right size.
 
 use half::bf16;
@@ -9,6 +10,7 @@ use mok_host::MoeConfig;
 use mok_host::exchange::reference::reference_schedule;
 use mok_host::exchange::{Exchange, ExchangeOptions};
 use mok_host::layout::RoutingLayout;
+use mok_host::moe::{Backend, workspace_bytes};
 use mok_host::problem::{ExpertWeights, RoutedTokens, SharedExpertWeights, validate_topk_ids};
 use mok_host::reference::{self, ReferenceOptions};
 use mok_host::shapes;
@@ -100,6 +102,14 @@ fn check(input: &Inputs) {
     let heap = Exchange::heap_bytes_per_rank(c, &options);
     if !valid {
         assert!(shape.is_err() && heap.is_err(), "an invalid config passed the exchange: {c:?}");
+    }
+    for backend in [Backend::MmaSync, Backend::Engine, Backend::ForwardMegakernel, Backend::Megakernel] {
+        for gathering in [false, true] {
+            let bytes = workspace_bytes(c, backend, gathering);
+            // Counted for a valid one-GPU config on a backend that can gather when asked to.
+            let countable = valid && c.ep_ranks == 1 && !(gathering && backend == Backend::MmaSync);
+            assert_eq!(bytes.is_ok(), countable, "workspace_bytes({backend:?}, gathering {gathering}) of {c:?}");
+        }
     }
 
     let (t, h, i, k, e) = (c.tokens_per_rank, c.hidden, c.intermediate, c.top_k, c.num_experts);
