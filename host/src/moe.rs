@@ -106,8 +106,8 @@ pub struct LayerOptions {
 /// stay allocated and unchanged until the backward has been enqueued (the backward reads them
 /// again; over ranks it reads the forward's copy of the tokens in the layer) and the stream has
 /// run it. They must be memory of the layer's GPU, as must every output and gradient view:
-/// lengths and alignment are checked, the device a view's memory lies on is not (another
-/// device's memory faults, or with peer access runs slowly).
+/// lengths and alignment are checked, and so is the device the driver reports a view's memory
+/// on (the first time the layer sees each address), an `InvalidInput` naming the view.
 #[derive(Clone, Copy)]
 pub struct MoeInputs<'a> {
     /// x `[T, H]`, top-k ids and weights `[T, k]`.
@@ -136,6 +136,10 @@ impl MoeInputs<'_> {
         ]
     }
 }
+
+/// The names of [`MoeInputs::addresses`]' views, in its order.
+const INPUT_NAMES: [&str; 9] =
+    ["x", "topk_ids", "topk_weights", "w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down"];
 
 /// Where a backward writes: the input gradients, and the weight gradients' [`WeightGradTarget`].
 pub struct MoeGradients<'a> {
@@ -176,6 +180,9 @@ pub struct MoeLayer {
     id: u64,
     /// A check reported a failed pass across processes: the layer must be rebuilt.
     failed: bool,
+    /// View addresses the driver reported on this layer's GPU (or could not place), so steps
+    /// over the same buffers ask nothing ([`MoeLayer::check_views_on_device`]).
+    on_device: Vec<u64>,
 }
 
 /// Source of [`MoeLayer`]'s ids.
@@ -307,7 +314,33 @@ impl MoeLayer {
     /// The layer over `layer`, built on `gpu`.
     fn around(layer: Layer, backend: Backend, gpu: &Gpu) -> Self {
         let id = NEXT_LAYER_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Self { layer, backend, passes: 0, gpu: gpu.handle(), id, failed: false }
+        Self { layer, backend, passes: 0, gpu: gpu.handle(), id, failed: false, on_device: Vec::new() }
+    }
+
+    /// Refuses a view whose memory the driver reports on another device than the layer's GPU
+    /// (its kernels would fault on it, or with peer access read it slowly). Each address is asked
+    /// about once: the last few dozen answered are kept, so steps over the same buffers make no
+    /// driver call. An address the driver does not place is let through (the kernels' fault, if
+    /// any, is then the report).
+    fn check_views_on_device(&mut self, views: &[(&'static str, u64)]) -> Result<()> {
+        const KEPT: usize = 64;
+        let ordinal = self.gpu.ordinal();
+        for &(tensor, address) in views {
+            if address == 0 || self.on_device.contains(&address) {
+                continue;
+            }
+            if let Some(device) = self.gpu.device_of(address).filter(|&device| device != ordinal) {
+                return Err(MokError::InvalidInput {
+                    tensor,
+                    problem: format!("memory of GPU {device}; the layer runs on GPU {ordinal}"),
+                });
+            }
+            if self.on_device.len() == KEPT {
+                self.on_device.clear();
+            }
+            self.on_device.push(address);
+        }
+        Ok(())
     }
 
     /// `gpu` is the handle the layer was built with, and the layer may run a pass.
@@ -371,6 +404,9 @@ impl MoeLayer {
                 problem: format!("output view has {} elements, x has {}", y.len(), inputs.tokens.x.len()),
             });
         }
+        let views: Vec<(&'static str, u64)> =
+            INPUT_NAMES.into_iter().zip(inputs.addresses()).chain([("y", y.device_ptr())]).collect();
+        self.check_views_on_device(&views)?;
         // From here on the workspace (and over ranks the heap's copy of the tokens) may change,
         // so the token of the last forward no longer names what the layer holds, even if this
         // forward fails.
@@ -444,6 +480,11 @@ impl MoeLayer {
                 });
             }
         }
+        // The inputs were checked by the forward (the same addresses); the gradients' views here.
+        let mut views = vec![("dy", dy.device_ptr()), ("dx", grads.dx.device_ptr())];
+        views.push(("d_topk_weights", grads.d_topk_weights.device_ptr()));
+        views.extend(grads.weights.view_addresses());
+        self.check_views_on_device(&views)?;
         match &mut self.layer {
             Layer::Single(layer) => {
                 layer.backward_views(gpu, (inputs.tokens, inputs.experts, inputs.shared), dy, grads.weights)?;

@@ -31,6 +31,8 @@ pub(crate) struct GpuInner {
     /// Who owns `stream`: mok (created in `Gpu::new`, destroyed here) or the caller.
     stream_owner: StreamOwner,
     name: String,
+    /// The device's ordinal (what the driver reports a pointer's device as).
+    ordinal: usize,
     compute_capability: (i32, i32),
     multiprocessors: u32,
 }
@@ -308,6 +310,7 @@ impl Gpu {
             stream,
             stream_owner,
             name: name.clone(),
+            ordinal,
             compute_capability: (major, minor),
             multiprocessors,
         });
@@ -341,6 +344,29 @@ impl Gpu {
     /// Device name as the driver reports it.
     pub fn name(&self) -> &str {
         &self.inner.name
+    }
+
+    /// The device's ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.inner.ordinal
+    }
+
+    /// The ordinal of the device whose memory `address` lies in, as the driver reports it;
+    /// `None` where it does not say (an address it does not know as device memory). A host-side
+    /// query, no stream work.
+    pub fn device_of(&self, address: u64) -> Option<usize> {
+        self.inner.bind().ok()?;
+        let mut ordinal: i32 = -1;
+        // SAFETY: the attribute is a C int written to `ordinal`, which outlives the call; any
+        // address may be asked about (an unknown one is an error result, not a fault).
+        let queried = unsafe {
+            sys::cuPointerGetAttribute(
+                &mut ordinal as *mut i32 as *mut std::ffi::c_void,
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                address,
+            )
+        };
+        (queried == sys::CUresult::CUDA_SUCCESS && ordinal >= 0).then_some(ordinal as usize)
     }
 
     /// Compute capability (major, minor).

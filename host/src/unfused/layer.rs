@@ -188,6 +188,28 @@ pub enum WeightGradTarget<'a> {
     AccumulateF32(WeightGradViews<'a, f32>),
 }
 
+impl WeightGradTarget<'_> {
+    /// The caller's views, named (none for [`WeightGradTarget::Layer`]).
+    pub(crate) fn view_addresses(&self) -> Vec<(&'static str, u64)> {
+        fn of<T>(views: &WeightGradViews<'_, T>) -> Vec<(&'static str, u64)> {
+            let mut named = vec![
+                ("dw_gate", views.dw_gate.device_ptr()),
+                ("dw_up", views.dw_up.device_ptr()),
+                ("dw_down", views.dw_down.device_ptr()),
+            ];
+            if let Some([g, u, d]) = &views.shared {
+                named.extend([("dws_gate", g.device_ptr()), ("dws_up", u.device_ptr()), ("dws_down", d.device_ptr())]);
+            }
+            named
+        }
+        match self {
+            WeightGradTarget::Layer => Vec::new(),
+            WeightGradTarget::Bf16(views) => of(views),
+            WeightGradTarget::AccumulateF32(views) => of(views),
+        }
+    }
+}
+
 /// A caller's weight-gradient buffers, in the weights' layouts: the layer's own experts
 /// (`[E/P, ...]`; through `MoeLayer` over P virtual ranks all E experts, `[E, ...]`).
 pub struct WeightGradViews<'a, T> {
