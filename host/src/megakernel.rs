@@ -114,7 +114,8 @@ impl MegakernelWork {
 }
 
 /// A megakernel pass of a layer: the parameter blocks (one per rank, fixed for the layer's
-/// buffers and plans), the pass counters, the error record and the launch geometry, for the
+/// buffers and plans; on one GPU they name the layer's [`ErrorRecord`]), the pass counters and
+/// the launch geometry, for the
 /// forward ([`ForwardMegakernel`], `PLANS` = 2) or the backward ([`BackwardMegakernel`], 5).
 pub(crate) struct MegakernelPass<P> {
     /// The entry points: one GPU, and every rank in one launch.
@@ -278,8 +279,8 @@ pub(crate) fn checked_geometry(resident: u32, options: &MegakernelOptions, ranks
 
 /// The checks and the allocations shared by both passes' constructors: one rank without ranks
 /// (one GPU) or every rank's buffers with their heap places, the entry point loaded, the
-/// geometry resident; then the counters, the error record (one GPU) and, per rank, what its
-/// parameter block points at (`make`).
+/// geometry resident; then the counters and, per rank, what its parameter block points at
+/// (`make`; on one GPU with `error_record`'s address, without ranks' records in the heap).
 #[allow(clippy::too_many_arguments)]
 fn build_pass<P: PassParams>(
     gpu: &Gpu,
@@ -376,7 +377,8 @@ impl ForwardMegakernel {
     /// The pass of one rank (`buffers.len() == 1`, a single GPU or one rank per GPU) or of
     /// every virtual rank in one launch; `plans[r]` are rank r's gate/up and down plans, then,
     /// when `buffers[r].shared` is given, its shared expert's gate/up and down plans. On one
-    /// GPU the pass records its failures in `error_record` (over ranks: `None`, the heap's).
+    /// GPU the pass records its failures in `error_record` (over ranks: `None`, the heap's),
+    /// which must outlive every launch of the pass.
     pub(crate) fn new(
         gpu: &Gpu,
         plans: &[&[&EnginePlan]],
@@ -552,7 +554,8 @@ impl<P: PassParams> MegakernelPass<P> {
     /// `shared_rows` `[T][H]` f32 (the shared expert's output or dx rows; 0 for none) must be
     /// live allocations that stay allocated until the stream has run the pass: the kernel reads
     /// them unchecked; so must `token_rows`, the forward's x `[T][H]` bf16, for a backward
-    /// whose weight gradients gather (otherwise unread, and a forward ignores it).
+    /// whose weight gradients gather (otherwise unread, and a forward ignores it); and the
+    /// [`ErrorRecord`] the pass was built with, whose address its parameter block holds.
     pub(crate) unsafe fn launch(
         &mut self,
         gpu: &Gpu,
@@ -708,7 +711,8 @@ impl BackwardMegakernel {
     /// The pass of one rank (`buffers.len() == 1` without ranks: one GPU) or of every virtual
     /// rank in one launch; `plans[r]` are rank r's plans in [`BACKWARD_PLAN_KERNELS`] order, then,
     /// when `buffers[r].shared` is given, its shared expert's five in the same order. On one GPU
-    /// the pass records its failures in `error_record` (over ranks: `None`, the heap's).
+    /// the pass records its failures in `error_record` (over ranks: `None`, the heap's), which
+    /// must outlive every launch of the pass.
     pub(crate) fn new(
         gpu: &Gpu,
         plans: &[&[&EnginePlan]],

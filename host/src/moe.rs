@@ -319,9 +319,10 @@ impl MoeLayer {
 
     /// Refuses a view whose memory the driver reports on another device than the layer's GPU
     /// (its kernels would fault on it, or with peer access read it slowly). Each address is asked
-    /// about once: the last few dozen answered are kept, so steps over the same buffers make no
-    /// driver call. An address the driver does not place is let through (the kernels' fault, if
-    /// any, is then the report).
+    /// about once: up to 64 answered addresses are kept (all forgotten when that fills), so steps
+    /// over the same buffers make no driver call. An address the driver does not place is let
+    /// through (the kernels' fault, if any, is then the report); one freed and given to another
+    /// GPU's allocation is not asked about again while kept.
     fn check_views_on_device(&mut self, views: &[(&'static str, u64)]) -> Result<()> {
         const KEPT: usize = 64;
         let ordinal = self.gpu.ordinal();

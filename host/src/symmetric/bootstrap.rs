@@ -4,8 +4,8 @@
 //! The NCCL unique id travels out of band: rank 0 creates it and writes it as hex to a file
 //! beside the path `MOK_NCCL_ID_FILE` names, its name ending in a digest of the launch's nonce
 //! (written to a temporary name, then renamed, so a reader never sees half an id; each launch
-//! its own file, so launches given one path do not meet); the other ranks poll for the file, up
-//! to a timeout. Any shared filesystem path works (a node-local `/tmp` path for one node). The
+//! its own file, so launches given one path do not meet; removed once every rank has joined);
+//! the other ranks poll for the file, up to a timeout. Any shared filesystem path works (a node-local `/tmp` path for one node). The
 //! launch must be named (`MOK_RUN_ID`, torchrun's `--rdzv-id` or `--standalone`, or Slurm's job),
 //! or a rank could read an earlier launch's id, and `NCCL_NVLS_ENABLE=0` must be set: mok never
 //! uses NVLink multicast, and NCCL would create multicast objects on NVSwitch systems.
@@ -52,7 +52,9 @@ impl NcclBootstrap {
         let path = std::env::var_os(ID_FILE_VAR).map(PathBuf::from).ok_or_else(|| MokError::InvalidConfig {
             field: ID_FILE_VAR,
             value: "unset".into(),
-            rule: "must name a file every rank can read (rank 0 writes the NCCL unique id there)".into(),
+            rule: "must name a path every rank can read (rank 0 writes the NCCL unique id to a file beside it, \
+                   named by the launch)"
+                .into(),
         })?;
         // SAFETY: only asks whether the library can be loaded (cudarc's loader; no NCCL call).
         if !unsafe { nccl_sys::is_culib_present() } {
@@ -89,6 +91,11 @@ impl NcclBootstrap {
         // context is `gpu`'s (bound by `synchronize`).
         unsafe { nccl::comm_init_rank(&mut comm, env.world as i32, id, env.rank as i32) }
             .map_err(|e| nccl_error("ncclCommInitRank", e))?;
+        if env.rank == 0 {
+            // Every rank read the id before it joined, and the initialisation returns once all
+            // have: the launch's file is no longer needed (a failed removal leaves one small file).
+            let _ = std::fs::remove_file(&path);
+        }
         Ok(Self { comm, world: env.world })
     }
 

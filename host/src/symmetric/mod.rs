@@ -241,9 +241,6 @@ fn allow_handle_duplication() -> Result<()> {
     Err(MokError::NoDriver("POSIX-fd handles need Linux (pidfd_getfd)".into()))
 }
 
-/// Duplicates file descriptor `fd` of process `pid` into this process (`pidfd_open` +
-/// `pidfd_getfd`, Linux 5.6+).
-/// Closes a POSIX-fd handle's descriptor (a fabric handle has none).
 /// This process's exported handle, its descriptor closed when dropped.
 struct ExportedDescriptor(ExportedHandle);
 
@@ -253,6 +250,7 @@ impl Drop for ExportedDescriptor {
     }
 }
 
+/// Closes a POSIX-fd handle's descriptor (a fabric handle has none).
 fn close_descriptor(handle: &ExportedHandle) {
     if let ExportedHandle::PosixFd(fd) = *handle {
         #[cfg(unix)]
@@ -266,6 +264,8 @@ fn close_descriptor(handle: &ExportedHandle) {
     }
 }
 
+/// Duplicates file descriptor `fd` of process `pid` into this process (`pidfd_open` +
+/// `pidfd_getfd`, Linux 5.6+).
 fn duplicate_peer_fd(pid: u32, fd: i32) -> Result<i32> {
     #[cfg(target_os = "linux")]
     {

@@ -572,7 +572,8 @@ pub(crate) struct SharedEnginePlans {
     /// `[4]` the engine tile offsets of the group `[0, T]`, written on the device in each pass (one
     /// GPU) or when T changes (over ranks, where it never does).
     tile_offsets: DeviceBuffer<u32>,
-    /// The T those offsets hold (0: not written yet).
+    /// The T those offsets were last written for by [`Self::set_tokens`] (0: not yet; over ranks,
+    /// where T never changes; a one-GPU layer writes them in every pass instead).
     tile_offsets_tokens: usize,
     /// Gate/up with SwiGLU (keeping the pre-activations), down.
     plans: [crate::gemm::EnginePlan; 2],

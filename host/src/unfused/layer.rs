@@ -73,7 +73,8 @@ pub struct UnfusedLayer {
     backward_megakernel: Option<(MegakernelOptions, Option<BackwardMegakernel>)>,
     /// Where every forward and every backward megakernel pass records its first failure, from
     /// the first pass of each on (kept when passes are rebuilt or dropped, so a failure waits
-    /// for [`UnfusedLayer::check_device_errors`]).
+    /// for [`UnfusedLayer::check_device_errors`]). Never replaced, and declared after the passes,
+    /// which hold their addresses and so are dropped first.
     megakernel_records: [Option<ErrorRecord>; 2],
     /// Tokens of the last forward (at most `config.tokens_per_rank`, the capacity).
     tokens: usize,
