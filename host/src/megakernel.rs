@@ -386,23 +386,9 @@ impl ForwardMegakernel {
         options: &MegakernelOptions,
         error_record: Option<&ErrorRecord>,
     ) -> Result<Self> {
-        const KERNELS: [&str; 2] = ["mok_sm90_gemm_gate_up", "mok_sm90_gemm_rows_nt"];
         for (set, b) in plans.iter().zip(buffers) {
-            let expected = if b.shared.is_some() { 4 } else { 2 };
             let kernels: Vec<&str> = set.iter().map(|p| p.kernel()).collect();
-            // The routed gate/up may gather its rows in its producers (one GPU only); the
-            // shared expert's reads its copy of x.
-            let gathers = set.first().is_some_and(|p| p.gathers_rows());
-            let pair = |n: usize| if n == 0 && gathers { [GATE_UP_GATHERING_KERNEL, KERNELS[1]] } else { KERNELS };
-            if set.len() != expected || kernels.chunks(2).enumerate().any(|(n, kernels)| kernels != pair(n)) {
-                return Err(MokError::InvalidInput {
-                    tensor: "megakernel",
-                    problem: format!(
-                        "runs a gate/up and an f32 down plan (and the same for a shared expert), not {kernels:?}"
-                    ),
-                });
-            }
-            refuse_gathering_over_ranks(gathers, b.rank.is_some())?;
+            forward_plan_kernels(&kernels, b.shared.is_some(), b.rank.is_some())?;
         }
         let ranks_of: Vec<Option<&RankPass>> = buffers.iter().map(|b| b.rank.as_ref()).collect();
         let tile_ranks = shared_tile_ranks(&ranks_of, plans, options);
@@ -657,6 +643,53 @@ const BACKWARD_PLAN_KERNELS: [&str; 5] = [
     "mok_sm90_gemm_wgrad",
 ];
 
+/// Checks one rank's forward plans by kernel (the routed gate/up and down, then the shared
+/// expert's when `with_shared`) and says whether the routed gate/up gathers its token rows in
+/// its producers (one GPU only; the shared expert's reads its copy of x).
+fn forward_plan_kernels(kernels: &[&str], with_shared: bool, over_ranks: bool) -> Result<bool> {
+    const KERNELS: [&str; 2] = ["mok_sm90_gemm_gate_up", "mok_sm90_gemm_rows_nt"];
+    let expected = if with_shared { 4 } else { 2 };
+    let gathers = kernels.first() == Some(&GATE_UP_GATHERING_KERNEL);
+    let pair = |n: usize| if n == 0 && gathers { [GATE_UP_GATHERING_KERNEL, KERNELS[1]] } else { KERNELS };
+    if kernels.len() != expected || kernels.chunks(2).enumerate().any(|(n, kernels)| kernels != pair(n)) {
+        return Err(MokError::InvalidInput {
+            tensor: "megakernel",
+            problem: format!("runs a gate/up and an f32 down plan (and the same for a shared expert), not {kernels:?}"),
+        });
+    }
+    refuse_gathering_over_ranks(gathers, over_ranks)?;
+    Ok(gathers)
+}
+
+/// Checks one rank's backward plans by kernel ([`BACKWARD_PLAN_KERNELS`], then the shared
+/// expert's five when `with_shared`) and says whether the routed gate and up weight gradients
+/// gather their token rows in their producers (both or neither; one GPU only; the shared
+/// expert's read its copy of x).
+fn backward_plan_kernels(kernels: &[&str], with_shared: bool, over_ranks: bool) -> Result<bool> {
+    let expected = if with_shared { 10 } else { 5 };
+    if kernels.len() != expected {
+        return Err(MokError::InvalidInput {
+            tensor: "megakernel",
+            problem: format!("the backward runs {expected} plans here, not {}", kernels.len()),
+        });
+    }
+    let gathers = kernels[3] == WGRAD_GATHERING_KERNEL;
+    refuse_gathering_over_ranks(gathers, over_ranks)?;
+    for (n, given) in kernels.chunks(5).enumerate() {
+        let mut wanted = BACKWARD_PLAN_KERNELS;
+        if n == 0 && gathers {
+            wanted[3..].fill(WGRAD_GATHERING_KERNEL);
+        }
+        if let Some((expected, given)) = wanted.iter().zip(given).find(|(expected, given)| expected != given) {
+            return Err(MokError::InvalidInput {
+                tensor: "megakernel",
+                problem: format!("the backward runs a {expected} plan where it was given {given}"),
+            });
+        }
+    }
+    Ok(gathers)
+}
+
 /// Refuses plans that gather their token rows in their producers in a pass over ranks: there
 /// the rows are pulled from their owners into the ring, whose copy the plans read.
 fn refuse_gathering_over_ranks(gathers: bool, over_ranks: bool) -> Result<()> {
@@ -721,33 +754,9 @@ impl BackwardMegakernel {
         error_record: Option<&ErrorRecord>,
     ) -> Result<Self> {
         for (set, b) in plans.iter().zip(buffers) {
-            let expected = if b.shared.is_some() { 10 } else { 5 };
-            if set.len() != expected {
-                return Err(MokError::InvalidInput {
-                    tensor: "megakernel",
-                    problem: format!("the backward runs {expected} plans here, not {}", set.len()),
-                });
-            }
-            // The routed gate and up weight gradients may gather their rows in their producers
-            // (one GPU only, both or neither); the shared expert's read its copy of x.
-            let gathers = set.get(3).is_some_and(|p| p.gathers_rows());
-            refuse_gathering_over_ranks(gathers, b.rank.is_some())?;
-            for (n, experts) in set.chunks(5).enumerate() {
-                let mut kernels = BACKWARD_PLAN_KERNELS;
-                if n == 0 && gathers {
-                    kernels[3..].fill(WGRAD_GATHERING_KERNEL);
-                }
-                for (plan, expected) in experts.iter().zip(kernels) {
-                    if plan.kernel() != expected {
-                        return Err(MokError::InvalidInput {
-                            tensor: "megakernel",
-                            problem: format!(
-                                "the backward runs a {expected} plan where it was given {}",
-                                plan.kernel()
-                            ),
-                        });
-                    }
-                }
+            let kernels: Vec<&str> = set.iter().map(|p| p.kernel()).collect();
+            backward_plan_kernels(&kernels, b.shared.is_some(), b.rank.is_some())?;
+            for experts in set.chunks(5) {
                 // The down weight gradient (`[G][H][I]`) first, then gate and up (`[G][I][H]`):
                 // each phase waits on what its own product reads.
                 let dims = [2, 3, 4].map(|i| experts[i].output_dims());
@@ -857,6 +866,60 @@ fn shared_tile_ranks(ranks_of: &[Option<&RankPass>], plans: &[&[&EnginePlan]], o
 unsafe fn blocks_bytes<T: Copy>(blocks: &[T]) -> Vec<u8> {
     // SAFETY: caller contract.
     blocks.iter().flat_map(|b| unsafe { plain_bytes(b) }.to_vec()).collect()
+}
+
+#[cfg(test)]
+mod plan_kernel_tests {
+    use super::*;
+
+    const GATE_UP: &str = "mok_sm90_gemm_gate_up";
+    const DOWN: &str = "mok_sm90_gemm_rows_nt";
+    const NN: &str = "mok_sm90_gemm_rows_nn";
+    const WGRAD: &str = "mok_sm90_gemm_wgrad";
+
+    fn refused_on(result: Result<bool>, tensor: &str) -> bool {
+        matches!(result, Err(MokError::InvalidInput { tensor: t, .. }) if t == tensor)
+    }
+
+    #[test]
+    fn a_forward_pass_takes_plain_or_gathering_routed_gate_up_plans_on_one_gpu() {
+        assert!(!forward_plan_kernels(&[GATE_UP, DOWN], false, false).unwrap());
+        assert!(!forward_plan_kernels(&[GATE_UP, DOWN, GATE_UP, DOWN], true, true).unwrap());
+        assert!(forward_plan_kernels(&[GATE_UP_GATHERING_KERNEL, DOWN], false, false).unwrap());
+        assert!(forward_plan_kernels(&[GATE_UP_GATHERING_KERNEL, DOWN, GATE_UP, DOWN], true, false).unwrap());
+        // Gathering over ranks, a gathering shared expert, a missing or extra plan, plans out of order.
+        assert!(refused_on(forward_plan_kernels(&[GATE_UP_GATHERING_KERNEL, DOWN], false, true), "gather_in_producer"));
+        for wrong in [
+            &[GATE_UP, DOWN, GATE_UP_GATHERING_KERNEL, DOWN][..],
+            &[GATE_UP, DOWN, GATE_UP][..],
+            &[DOWN, GATE_UP][..],
+            &[GATE_UP][..],
+        ] {
+            assert!(refused_on(forward_plan_kernels(wrong, wrong.len() > 2, false), "megakernel"), "{wrong:?}");
+        }
+        assert!(refused_on(forward_plan_kernels(&[GATE_UP, DOWN], true, false), "megakernel"));
+    }
+
+    #[test]
+    fn a_backward_pass_takes_gathering_gate_and_up_weight_gradients_both_or_neither() {
+        let plain = [NN, NN, WGRAD, WGRAD, WGRAD];
+        let gathering = [NN, NN, WGRAD, WGRAD_GATHERING_KERNEL, WGRAD_GATHERING_KERNEL];
+        assert!(!backward_plan_kernels(&plain, false, false).unwrap());
+        assert!(backward_plan_kernels(&gathering, false, false).unwrap());
+        assert!(backward_plan_kernels(&[&gathering[..], &plain[..]].concat(), true, false).unwrap());
+        assert!(!backward_plan_kernels(&[&plain[..], &plain[..]].concat(), true, true).unwrap());
+        assert!(refused_on(backward_plan_kernels(&gathering, false, true), "gather_in_producer"));
+        for wrong in [
+            vec![NN, NN, WGRAD, WGRAD_GATHERING_KERNEL, WGRAD],
+            vec![NN, NN, WGRAD, WGRAD, WGRAD_GATHERING_KERNEL],
+            vec![NN, NN, WGRAD_GATHERING_KERNEL, WGRAD_GATHERING_KERNEL, WGRAD_GATHERING_KERNEL],
+            [&plain[..], &gathering[..]].concat(),
+            vec![NN, WGRAD, WGRAD, WGRAD, WGRAD],
+        ] {
+            assert!(refused_on(backward_plan_kernels(&wrong, wrong.len() > 5, false), "megakernel"), "{wrong:?}");
+        }
+        assert!(refused_on(backward_plan_kernels(&plain, true, false), "megakernel"));
+    }
 }
 
 #[cfg(test)]
