@@ -16,8 +16,9 @@ const VERSION: u16 = 2;
 const KIND_POSIX_FD: u16 = 1;
 const KIND_FABRIC: u16 = 2;
 
-/// One rank's exported slice.
+/// One rank's exported slice (made by the heap, read from a table: its fields may grow).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct HandleRecord {
     /// The exporting rank.
     pub rank: u32,
