@@ -1,4 +1,5 @@
-//! Benchmark of the whole MoE layer on one GPU (all experts local, random top-k routing):
+//! Benchmark of the whole MoE layer (on one GPU, all experts local, or across processes; random
+//! top-k routing):
 //! mok's unfused path, forward and forward + backward, next to the PyTorch baseline measured in
 //! the same device call (`benches/torch_moe.py`, passed with `--baseline FILE`) and the two
 //! floors (FLOPs at the measured bf16 matmul rate, minimum bytes at the measured copy rate).
@@ -29,9 +30,12 @@
 //! `nccl` feature, as the GPU bundle is built), or through files in `MOK_RENDEZVOUS_DIR` when it
 //! is set, which also lets processes share one GPU (NCCL refuses that; their timings then mean
 //! nothing, as the processes take turns on it; `MOK_BENCH_WAIT_S` then lengthens the waits'
-//! deadline, as `run_process_bench.sh` does). Neither has run yet (no multi-GPU machine has
-//! been lent). Every
-//! run also prints one `RESULT` line of name–value pairs (what `cargo xtask bench` reads). Without a GPU it says so and exits 0 (a benchmark is not a test).
+//! deadline, as `run_process_bench.sh` does: the all-gathers' and the layer's). NCCL's own waits
+//! have no deadline of mok's: a rank that dies leaves the others waiting until the launcher
+//! stops them. Neither has run with more than one GPU (no multi-GPU machine has been lent).
+//! Every run also prints one `RESULT` line of name–value pairs (what `cargo xtask bench` reads).
+//! On one GPU, without a driver or a device it says so and exits 0 (a benchmark is not a test);
+//! a GPU that will not open is an error, as is every failure across processes.
 
 use std::collections::HashMap;
 
@@ -167,7 +171,12 @@ fn parse_args() -> Result<Args> {
         let mut value = || it.next().with_context(|| format!("{arg} needs a value"));
         match arg.as_str() {
             "--cases" => cases = value()?,
-            "--reps" => args.reps = value()?.parse()?,
+            "--reps" => {
+                args.reps = value()?.parse()?;
+                if args.reps == 0 {
+                    bail!("--reps 0: at least one repetition is timed");
+                }
+            }
             "--matmul-tflops" => args.matmul_tflops = value()?.parse()?,
             "--copy-tbps" => args.copy_tbps = value()?.parse()?,
             "--ranks" => args.ranks = value()?.parse()?,
@@ -186,7 +195,10 @@ fn parse_args() -> Result<Args> {
                 let text = std::fs::read_to_string(&path).with_context(|| format!("reading {path}"))?;
                 for line in text.lines().filter(|l| l.starts_with("BASELINE")) {
                     let f: Vec<&str> = line.split_whitespace().collect();
-                    args.baseline.insert((f[1].to_string(), f[2].parse()?), (f[3].parse()?, f[4].parse()?));
+                    let [_, shape, tokens, forward, step] = f[..] else {
+                        bail!("{path}: {line:?} is not `BASELINE shape tokens forward_ms step_ms`");
+                    };
+                    args.baseline.insert((shape.to_string(), tokens.parse()?), (forward.parse()?, step.parse()?));
                 }
             }
             other => bail!("unknown argument {other}"),
@@ -293,6 +305,17 @@ fn main_processes(args: &Args, env: &mok::symmetric::LaunchEnv) -> Result<()> {
     // else the local rank's.
     let one_visible = std::env::var("CUDA_VISIBLE_DEVICES").is_ok_and(|v| !v.is_empty() && !v.contains(','));
     let ordinal = if one_visible { 0 } else { env.local_rank };
+    // Every case must split over the processes: refused before any rank joins or measures.
+    for &(shape, tokens) in &args.cases {
+        if !tokens.is_multiple_of(env.world) || !shape.experts.is_multiple_of(env.world) {
+            bail!(
+                "{} at T = {tokens}: T and E = {} must split evenly over the {} processes",
+                shape.name,
+                shape.experts,
+                env.world
+            );
+        }
+    }
     let gpu = mok::open_gpu(ordinal)?;
     let mut gather = process_gather(&gpu, env)?;
     for &(shape, tokens) in &args.cases {
@@ -328,7 +351,11 @@ type ProcessGather<'g> = Box<dyn FnMut(&[u8]) -> mok::Result<Vec<u8>> + 'g>;
 /// processes may share a GPU, which NCCL refuses), else through NCCL (feature `nccl`, as the GPU
 /// bundle is built).
 fn process_gather<'g>(gpu: &'g Gpu, env: &mok::symmetric::LaunchEnv) -> Result<ProcessGather<'g>> {
-    let timeout = std::time::Duration::from_secs(120);
+    // `MOK_BENCH_WAIT_S` where set (ranks that start far apart, or share one GPU), else 120 s.
+    let timeout = match std::env::var("MOK_BENCH_WAIT_S") {
+        Ok(seconds) => std::time::Duration::from_secs(seconds.parse().context("MOK_BENCH_WAIT_S takes seconds")?),
+        Err(_) => std::time::Duration::from_secs(120),
+    };
     if let Some(dir) = std::env::var_os("MOK_RENDEZVOUS_DIR") {
         let mut rendezvous = mok::symmetric::rendezvous::FileRendezvous::new(dir, env, timeout)?;
         return Ok(Box::new(move |mine| rendezvous.all_gather(mine)));
@@ -692,10 +719,18 @@ fn main() -> Result<()> {
     }
     let gpu = match mok::open_gpu(0) {
         Ok(gpu) => gpu,
-        Err(e) => {
+        // No driver, no device, or a GPU mok has no kernels for: said, and nothing to measure
+        // (a benchmark is not a test).
+        Err(e)
+            if matches!(&e, mok::MokError::NoDriver(_) | mok::MokError::UnsupportedGpu { .. })
+                || matches!(&e, mok::MokError::Cuda { call, .. } if call == "cuInit") =>
+        {
             println!("layer benchmark: no usable GPU ({e}); nothing measured.");
             return Ok(());
         }
+        // A GPU that is there but would not open (out of memory, a module the driver refused):
+        // a failure.
+        Err(e) => return Err(e).context("opening GPU 0"),
     };
     let name = |backend: Backend| {
         let own = if args.own_rank_tiles { "/own-tiles" } else { "" };

@@ -405,8 +405,22 @@ fn torch_available() -> bool {
 }
 
 /// Runs `command`, printing each line of its output that `show` maps to a message, and returns
-/// every line.
-fn stream(command: &mut Command, mut show: impl FnMut(&str) -> Option<String>) -> Result<Vec<String>> {
+/// every line; an error, with the output, when it fails.
+fn stream(command: &mut Command, show: impl FnMut(&str) -> Option<String>) -> Result<Vec<String>> {
+    let described = describe(command);
+    let (lines, status) = stream_status(command, show)?;
+    if !status.success() {
+        bail!("`{described}` failed ({status}); its output:\n{}", lines.join("\n"));
+    }
+    Ok(lines)
+}
+
+/// [`stream`], returning the lines and the exit status however it ended (the layer bench's
+/// results up to a failure are kept).
+fn stream_status(
+    command: &mut Command,
+    mut show: impl FnMut(&str) -> Option<String>,
+) -> Result<(Vec<String>, std::process::ExitStatus)> {
     let described = describe(command);
     let mut child = command.stdout(Stdio::piped()).spawn().with_context(|| format!("cannot start `{described}`"))?;
     let stdout = child.stdout.take().context("no stdout pipe")?;
@@ -419,10 +433,7 @@ fn stream(command: &mut Command, mut show: impl FnMut(&str) -> Option<String>) -
         lines.push(line);
     }
     let status = child.wait()?;
-    if !status.success() {
-        bail!("`{described}` failed ({status}); its output:\n{}", lines.join("\n"));
-    }
-    Ok(lines)
+    Ok((lines, status))
 }
 
 /// Whether the bench runs across processes (launched as `rank` of `world` > 1), after checking
@@ -460,6 +471,12 @@ pub fn bench(root: &Path, args: &BenchArgs) -> Result<()> {
     let across = check_launch(args, (rank, world))?;
     let cases = args.cases()?;
     fs::create_dir_all(&args.out).with_context(|| format!("cannot create {}", args.out.display()))?;
+    if rank == 0 {
+        // An earlier run's results must not pass for this one's, whatever happens below.
+        for stale in ["results.json", "chart.svg", "layer.log"] {
+            let _ = fs::remove_file(args.out.join(stale));
+        }
+    }
     let (layer, benches) = match &args.layer_bin {
         Some(bin) => {
             let folder = bin.parent().map_or_else(|| PathBuf::from("."), Path::to_path_buf);
@@ -489,7 +506,7 @@ pub fn bench(root: &Path, args: &BenchArgs) -> Result<()> {
         stream(
             Command::new("python3")
                 .arg(benches.join("torch_moe.py"))
-                .args(["--cases", &cases, "--out"])
+                .args(["--cases", &cases, "--reps", &args.reps.to_string(), "--out"])
                 .arg(&file)
                 .env("PYTHONUNBUFFERED", "1"),
             |l| Some(format!("  torch: {l}")),
@@ -537,7 +554,8 @@ pub fn bench(root: &Path, args: &BenchArgs) -> Result<()> {
     }
     let total = args.runs();
     let mut done = 0;
-    let lines = stream(&mut command, |line| {
+    let described = describe(&command);
+    let (lines, status) = stream_status(&mut command, |line| {
         if let Some(m) = parse_result(line) {
             done += 1;
             let torch = m.get("torch_fwd_ms");
@@ -560,11 +578,20 @@ pub fn bench(root: &Path, args: &BenchArgs) -> Result<()> {
     fs::write(args.out.join("layer.log"), lines.join("\n") + "\n")?;
     let results: Vec<Measurement> = lines.iter().filter_map(|l| parse_result(l)).collect();
     if results.is_empty() {
-        println!("bench: nothing measured (see {})", args.out.join("layer.log").display());
-        return Ok(());
+        let why = if status.success() { "no usable GPU?" } else { "the layer bench failed" };
+        bail!("nothing measured ({why}; `{described}` {status}): see {}", args.out.join("layer.log").display());
     }
+    // The cases measured before a failure are kept, and said to be partial.
     fs::write(args.out.join("results.json"), to_json(ceilings, &results))?;
     fs::write(args.out.join("chart.svg"), to_svg(&results))?;
+    if !status.success() {
+        bail!(
+            "`{described}` failed ({status}) after {} of {total} results, which {} holds; its output is in {}",
+            results.len(),
+            args.out.join("results.json").display(),
+            args.out.join("layer.log").display()
+        );
+    }
     for line in lines.iter().filter(|l| l.starts_with('|')) {
         println!("{line}");
     }
