@@ -226,9 +226,17 @@ pub fn to_svg(results: &[Measurement]) -> String {
             series.push(m.backend.clone());
         }
     }
-    series.push("PyTorch".into());
+    // PyTorch and the floors are drawn and named only where measured (across processes neither
+    // is).
+    let measured = |name: &str| results.iter().any(|m| m.get(name).is_finite());
+    let with_torch = measured("torch_fwd_ms") || measured("torch_step_ms");
+    let with_floors = ["fwd_flop_floor_ms", "fwd_byte_floor_ms", "step_floor_ms"].into_iter().any(measured);
+    if with_torch {
+        series.push("PyTorch".into());
+    }
+    let is_torch = |s: usize| with_torch && s + 1 == series.len();
     let colours = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#9c755f"];
-    let colour = |i: usize| if i + 1 == series.len() { "#7f7f7f" } else { colours[i % colours.len()] };
+    let colour = |i: usize| if is_torch(i) { "#7f7f7f" } else { colours[i % colours.len()] };
     // value(case, series, panel) in TFLOP/s; floors(case, panel) = (flop floor, byte floor) TFLOP/s.
     let find = |case: &(String, usize), backend: &str| {
         results.iter().find(|m| m.shape == case.0 && m.tokens == case.1 && m.backend == backend)
@@ -237,7 +245,7 @@ pub fn to_svg(results: &[Measurement]) -> String {
     let tflops = |flops: f64, ms: f64| if ms > 0.0 { flops / ms / 1e9 } else { f64::NAN };
     let value = |case: &(String, usize), s: usize, panel: usize| -> f64 {
         let work = |m: &Measurement| m.get("flops") * if panel == 0 { 1.0 } else { 3.0 };
-        if s + 1 == series.len() {
+        if is_torch(s) {
             any(case)
                 .map_or(f64::NAN, |m| tflops(work(m), m.get(if panel == 0 { "torch_fwd_ms" } else { "torch_step_ms" })))
         } else {
@@ -285,7 +293,7 @@ pub fn to_svg(results: &[Measurement]) -> String {
     let width = left + 2.0 * (panel_w + 30.0) + 10.0;
     // The legend: the series four to a row, then the floors' key on a row of its own (it is
     // as wide as three series).
-    let legend_rows = series.len().div_ceil(4) + 1;
+    let legend_rows = series.len().div_ceil(4) + usize::from(with_floors);
     let height = margin_top + panel_h + bottom + 22.0 * legend_rows as f64 + 20.0;
     let mut svg = String::new();
     let _ = writeln!(
@@ -370,7 +378,9 @@ pub fn to_svg(results: &[Measurement]) -> String {
     let legend_y = margin_top + panel_h + 50.0;
     let mut items: Vec<(String, String)> =
         series.iter().enumerate().map(|(i, s)| (s.clone(), colour(i).to_string())).collect();
-    items.push(("floors: FLOP (dashed), bytes (dotted); forward + backward: the larger".into(), "none".into()));
+    if with_floors {
+        items.push(("floors: FLOP (dashed), bytes (dotted); forward + backward: the larger".into(), "none".into()));
+    }
     for (n, (name, fill)) in items.iter().enumerate() {
         let (lx, ly) = if n < series.len() {
             (left + (n % 4) as f64 * 260.0, legend_y + (n / 4) as f64 * 22.0)
@@ -776,5 +786,19 @@ RESULT qwen 8192 engine fwd_ms 7.000 step_ms 18.690 fwd_tflops 357.0 step_tflops
         assert_eq!(svg.matches("<rect x=").count() - 3, 2 * 3 + 2, "{svg}");
         assert!(svg.contains("FLOP floor: ") && svg.contains("byte floor: "));
         assert!(svg.contains(">kimi<") && svg.contains(">T=8192<") && svg.contains(">megakernel:0<"));
+        // Across processes neither PyTorch nor the floors are measured: neither is drawn or named.
+        let bare: Vec<Measurement> = [
+            "RESULT kimi 8192 procs8:megakernels fwd_ms 15.1 step_ms 45.2 flops 5770000000000",
+            "RESULT qwen 8192 procs8:megakernels fwd_ms 7.1 step_ms 21.0 flops 2000000000000",
+        ]
+        .iter()
+        .filter_map(|l| parse_result(l))
+        .collect();
+        assert_eq!(bare.len(), 2);
+        let svg = to_svg(&bare);
+        assert!(svg.trim_end().ends_with("</svg>"));
+        assert!(!svg.contains("PyTorch") && !svg.contains("floors:") && !svg.contains("floor: "), "{svg}");
+        // Per panel one bar per case, then one legend swatch.
+        assert_eq!(svg.matches("<rect x=").count(), 2 * 2 + 1, "{svg}");
     }
 }
