@@ -81,14 +81,14 @@ enum Landing {
 enum Step {
     /// The warp meets at the start of a gathering phase (lane 0's walk broadcast).
     Meet,
-    /// Several gathering warps: lane 0 writes the tile it took into the shared hand-out word,
+    /// The gathering warps: lane 0 writes the tile it took into the shared hand-out word,
     /// the lanes meet, each reads it (at every tile's first use; the tile is its first use).
     HandOut,
     HandOutMeet,
     HandOutRead,
     WaitEmpty,
     Issue,
-    WarpSync,
+    StageMeet,
     Arrive,
     Done,
 }
@@ -101,7 +101,7 @@ struct Model {
     copies: Vec<bool>,
     /// Per use: whether the whole warp produces it (a gathering phase) or lane 0 alone (TMA).
     gathered: Vec<bool>,
-    /// Per use: whether a gathering phase starts there (the warp meets).
+    /// Per use: whether a gathering phase starts there (the threads meet).
     meets: Vec<bool>,
     /// Per use: whether a tile starts there (in a gathering phase with several warps, lane 0
     /// hands it out).
@@ -128,8 +128,8 @@ struct Model {
 /// copy-less stage).
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Walking {
-    /// The kernel's: every lane waits for a copy-less stage, then the warp meets; the warp meets
-    /// where a gathering phase starts.
+    /// The kernel's: every lane waits for a copy-less stage, then the threads meet; they meet
+    /// where a gathering phase starts too.
     Kernel,
     /// Faulty: every lane waits for a copy-less stage without meeting (lane 0 can run two
     /// rounds ahead of a lane).
@@ -139,7 +139,7 @@ enum Walking {
     /// Faulty: no meeting where a gathering phase starts (the other lanes start it while lane 0
     /// still produces the phases before).
     PhaseWithoutMeeting,
-    /// Faulty: several warps read the hand-out word without meeting after lane 0's write.
+    /// Faulty: the threads read the hand-out word without meeting after lane 0's write.
     HandOutWithoutMeeting,
 }
 
@@ -271,8 +271,8 @@ impl Model {
                 }
                 self.lane_at[l] = next(match (copies, self.walking) {
                     (true, _) => Step::Issue,
-                    // The kernel: the warp meets after the wait, then lane 0 names and arrives.
-                    (false, Walking::Kernel | Walking::PhaseWithoutMeeting) => Step::WarpSync,
+                    // The kernel: the threads meet after the wait, then lane 0 names and arrives.
+                    (false, Walking::Kernel | Walking::PhaseWithoutMeeting) => Step::StageMeet,
                     // Faulty: straight on (lane 0 to its arrival).
                     (false, _) if l == 0 => Step::Arrive,
                     (false, _) => Step::Done,
@@ -293,11 +293,11 @@ impl Model {
                 // `cp.async.mbarrier.arrive` (counted): one more pending arrival now.
                 self.full[s].pending += 1;
                 self.in_flight.push(Landing::Copies { u });
-                self.lane_at[l] = next(Step::WarpSync);
+                self.lane_at[l] = next(Step::StageMeet);
             }
-            Step::WarpSync => {
-                // The threads' meeting (named barrier 3): every lane at this use's barrier (or past it: a faulty walk's
-                // lanes may be).
+            Step::StageMeet => {
+                // The threads' meeting at the stage's end (named barrier 3): every lane at this
+                // use's barrier (or past it: a faulty walk's lanes may be).
                 let all_here = self.lane_at.iter().all(|&(v, st)| {
                     v > u
                         || (v == u
@@ -438,7 +438,7 @@ struct Walk {
     copies: Vec<bool>,
     /// Whether the whole warp produces it (a gathering phase) or lane 0 alone (TMA).
     gathered: Vec<bool>,
-    /// Whether a gathering phase starts at it (the warp meets).
+    /// Whether a gathering phase starts at it (the threads meet).
     meets: Vec<bool>,
     /// Whether a tile starts at it (its first K block, an empty group's one stage, `NO_TILE`).
     tile_starts: Vec<bool>,
