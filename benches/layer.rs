@@ -307,14 +307,7 @@ fn main_processes(args: &Args, env: &mok::symmetric::LaunchEnv) -> Result<()> {
     let ordinal = if one_visible { 0 } else { env.local_rank };
     // Every case must split over the processes: refused before any rank joins or measures.
     for &(shape, tokens) in &args.cases {
-        if !tokens.is_multiple_of(env.world) || !shape.experts.is_multiple_of(env.world) {
-            bail!(
-                "{} at T = {tokens}: T and E = {} must split evenly over the {} processes",
-                shape.name,
-                shape.experts,
-                env.world
-            );
-        }
+        check_split(shape, tokens, env.world)?;
     }
     let gpu = mok::open_gpu(ordinal)?;
     let mut gather = process_gather(&gpu, env)?;
@@ -344,6 +337,22 @@ fn main_processes(args: &Args, env: &mok::symmetric::LaunchEnv) -> Result<()> {
     Ok(())
 }
 
+/// Refuses a case whose tokens or experts do not split evenly over `ranks` ranks.
+fn check_split(shape: FrontierShape, tokens: usize, ranks: usize) -> Result<()> {
+    if !tokens.is_multiple_of(ranks) || !shape.experts.is_multiple_of(ranks) {
+        bail!("{} at T = {tokens}: T and E = {} must split evenly over {ranks} ranks", shape.name, shape.experts);
+    }
+    Ok(())
+}
+
+/// A wait's deadline: `MOK_BENCH_WAIT_S` seconds where set, else `default`.
+fn bench_wait(default: std::time::Duration) -> Result<std::time::Duration> {
+    match std::env::var("MOK_BENCH_WAIT_S") {
+        Ok(seconds) => Ok(std::time::Duration::from_secs(seconds.parse().context("MOK_BENCH_WAIT_S takes seconds")?)),
+        Err(_) => Ok(default),
+    }
+}
+
 /// How a process all-gathers with the others: an all-gather of equal-length byte strings.
 type ProcessGather<'g> = Box<dyn FnMut(&[u8]) -> mok::Result<Vec<u8>> + 'g>;
 
@@ -351,11 +360,8 @@ type ProcessGather<'g> = Box<dyn FnMut(&[u8]) -> mok::Result<Vec<u8>> + 'g>;
 /// processes may share a GPU, which NCCL refuses), else through NCCL (feature `nccl`, as the GPU
 /// bundle is built).
 fn process_gather<'g>(gpu: &'g Gpu, env: &mok::symmetric::LaunchEnv) -> Result<ProcessGather<'g>> {
-    // `MOK_BENCH_WAIT_S` where set (ranks that start far apart, or share one GPU), else 120 s.
-    let timeout = match std::env::var("MOK_BENCH_WAIT_S") {
-        Ok(seconds) => std::time::Duration::from_secs(seconds.parse().context("MOK_BENCH_WAIT_S takes seconds")?),
-        Err(_) => std::time::Duration::from_secs(120),
-    };
+    // Ranks that start far apart, or share one GPU, may need longer.
+    let timeout = bench_wait(std::time::Duration::from_secs(120))?;
     if let Some(dir) = std::env::var_os("MOK_RENDEZVOUS_DIR") {
         let mut rendezvous = mok::symmetric::rendezvous::FileRendezvous::new(dir, env, timeout)?;
         return Ok(Box::new(move |mine| rendezvous.all_gather(mine)));
@@ -390,9 +396,7 @@ fn bench_case_ep(
     (ranks, ring_factor, own_rank_tiles): (usize, Option<f64>, bool),
     backend: Backend,
 ) -> Result<Measured> {
-    if !tokens.is_multiple_of(ranks) || !shape.experts.is_multiple_of(ranks) {
-        bail!("{} at T = {tokens}: T and E = {} must split evenly over {ranks} ranks", shape.name, shape.experts);
-    }
+    check_split(shape, tokens, ranks)?;
     let config = mok::MoeConfig { ep_ranks: ranks, ..shape.config(tokens / ranks) };
     let h = config.hidden;
     // A ring sized from the even split (random routing lands close to it); a pass that needs
@@ -623,10 +627,8 @@ fn bench_case_processes(
     use mok::symmetric::SymmetricHeap;
     use mok::unfused::{TokensView, WeightGradTarget};
 
+    // The case's split over the processes was checked before any rank joined.
     let world = env.world;
-    if !tokens.is_multiple_of(world) || !shape.experts.is_multiple_of(world) {
-        bail!("{} at T = {tokens}: T and E = {} must split evenly over {world} ranks", shape.name, shape.experts);
-    }
     let config = mok::MoeConfig { ep_ranks: world, ..shape.config(tokens / world) };
     let (t, h, k) = (config.tokens_per_rank, config.hidden, config.top_k);
     let kind = match std::env::var("MOK_HEAP_HANDLE").as_deref() {
@@ -634,12 +636,9 @@ fn bench_case_processes(
         Ok("fd") | Err(_) => ShareableKind::PosixFd,
         Ok(other) => bail!("MOK_HEAP_HANDLE={other:?}: fd (processes of one node, the default) or fabric"),
     };
-    // The waits' deadline: `MOK_BENCH_WAIT_S` seconds where set (processes sharing one GPU take
-    // turns on it, and a peer's publish can take seconds), else the default.
-    let timeout = match std::env::var("MOK_BENCH_WAIT_S") {
-        Ok(seconds) => std::time::Duration::from_secs(seconds.parse().context("MOK_BENCH_WAIT_S takes seconds")?),
-        Err(_) => MegakernelOptions::default().timeout,
-    };
+    // The layer's waits (processes sharing one GPU take turns on it, and a peer's publish can
+    // take seconds).
+    let timeout = bench_wait(MegakernelOptions::default().timeout)?;
     let options = match backend {
         Backend::Mma => LayerOptions {
             backend: Some(LayerBackend::MmaSync),

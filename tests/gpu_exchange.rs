@@ -497,33 +497,24 @@ fn a_silent_peer_is_a_reported_timeout_not_a_hang() {
     let config = rank_config(&global, p);
     let (t, h) = (config.tokens_per_rank, config.hidden);
     let options = ExchangeOptions { timeout: Duration::from_millis(50), ..Default::default() };
-    let mut exchange = Exchange::new_virtual(&gpu, &config, options).unwrap();
     let tokens = rank_tokens(&global, p, 9);
-    for (rank, tok) in tokens.iter().enumerate() {
-        exchange.upload_tokens(&gpu, rank, &config, tok).unwrap();
-    }
+    let new_exchange = || {
+        let exchange = Exchange::new_virtual(&gpu, &config, options).unwrap();
+        for (rank, tok) in tokens.iter().enumerate() {
+            exchange.upload_tokens(&gpu, rank, &config, tok).unwrap();
+        }
+        exchange
+    };
+    let mut exchange = new_exchange();
     let capacity = exchange.shape().capacity as usize;
     let rows: Vec<DeviceBuffer<f32>> =
         (0..p).map(|o| DeviceBuffer::from_slice(&gpu, &random_f32(capacity * h, o as u64)).unwrap()).collect();
     let row_ptrs: Vec<u64> = rows.iter().map(|r| r.device_ptr()).collect();
-    let mut outs: Vec<DeviceBuffer<bf16>> = (0..p).map(|_| DeviceBuffer::alloc(&gpu, t * h).unwrap()).collect();
-    let out_ptrs: Vec<u64> = outs.iter().map(|o| o.device_ptr()).collect();
-    // What a fresh exchange, which never saw a fault, gives for the same tokens and rows.
-    let fresh: Vec<Vec<bf16>> = {
-        let mut clean = Exchange::new_virtual(&gpu, &config, options).unwrap();
-        for (rank, tok) in tokens.iter().enumerate() {
-            clean.upload_tokens(&gpu, rank, &config, tok).unwrap();
-        }
-        let clean_outs: Vec<DeviceBuffer<bf16>> = (0..p).map(|_| DeviceBuffer::alloc(&gpu, t * h).unwrap()).collect();
-        let clean_ptrs: Vec<u64> = clean_outs.iter().map(|o| o.device_ptr()).collect();
-        clean.schedule(&[&gpu]).unwrap();
-        clean.dispatch(&[&gpu]).unwrap();
-        // SAFETY: ring-sized f32 rows and [T][H] bf16 outputs of this scope, alive past the check.
-        unsafe { clean.combine(&[&gpu], &row_ptrs, &[0, 0], &clean_ptrs) }.unwrap();
-        clean.check_errors(&[&gpu]).unwrap();
-        clean_outs.iter().map(|o| o.download().unwrap()).collect()
-    };
-    let forward = |exchange: &mut Exchange| {
+    let new_outs =
+        || -> Vec<DeviceBuffer<bf16>> { (0..p).map(|_| DeviceBuffer::alloc(&gpu, t * h).unwrap()).collect() };
+    // One pass: schedule, dispatch, combine into `outs`, then the error records.
+    let pass = |exchange: &mut Exchange, outs: &[DeviceBuffer<bf16>]| {
+        let out_ptrs: Vec<u64> = outs.iter().map(|o| o.device_ptr()).collect();
         exchange.schedule(&[&gpu]).unwrap();
         exchange.dispatch(&[&gpu]).unwrap();
         // SAFETY: ring-sized f32 rows and [T][H] bf16 outputs of the test's scope, which
@@ -531,11 +522,18 @@ fn a_silent_peer_is_a_reported_timeout_not_a_hang() {
         unsafe { exchange.combine(&[&gpu], &row_ptrs, &[0, 0], &out_ptrs) }.unwrap();
         exchange.check_errors(&[&gpu])
     };
+    // What a fresh exchange, which never saw a fault, gives for the same tokens and rows.
+    let fresh: Vec<Vec<bf16>> = {
+        let clean_outs = new_outs();
+        pass(&mut new_exchange(), &clean_outs).unwrap();
+        clean_outs.iter().map(|o| o.download().unwrap()).collect()
+    };
+    let mut outs = new_outs();
 
     // 1. Rank 1 never publishes: rank 0's schedule waits for its flag.
     exchange.set_silent_rank(Some((1, Silence::Publish)));
     let start = Instant::now();
-    let error = forward(&mut exchange).unwrap_err();
+    let error = pass(&mut exchange, &outs).unwrap_err();
     println!("  silent publish ({:?}): {error}", start.elapsed());
     match &error {
         MokError::Timeout { rank: Some(0), peer: Some(1), waited_for, detail } => {
@@ -550,7 +548,7 @@ fn a_silent_peer_is_a_reported_timeout_not_a_hang() {
     exchange.reset(&[&gpu]).unwrap();
     exchange.set_silent_rank(Some((1, Silence::Push)));
     let start = Instant::now();
-    let error = forward(&mut exchange).unwrap_err();
+    let error = pass(&mut exchange, &outs).unwrap_err();
     println!("  silent push ({:?}): {error}", start.elapsed());
     match &error {
         MokError::Timeout { rank: Some(0), peer: Some(1), waited_for, detail } => {
@@ -568,7 +566,7 @@ fn a_silent_peer_is_a_reported_timeout_not_a_hang() {
     for out in &mut outs {
         out.fill_bytes(0xff).unwrap();
     }
-    forward(&mut exchange).unwrap();
+    pass(&mut exchange, &outs).unwrap();
     for (rank, (out, want)) in outs.iter().zip(&fresh).enumerate() {
         assert!(
             same_bf16(&out.download().unwrap(), want),

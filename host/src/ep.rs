@@ -754,19 +754,7 @@ impl EpLayer {
             });
         }
         if let (Some(s), Some(is)) = (shared, c.shared_intermediate) {
-            // `[Is, H]`, `[Is, H]`, `[H, Is]`: the kernels read them whole, unchecked.
-            for (name, view) in [("ws_gate", s.ws_gate), ("ws_up", s.ws_up), ("ws_down", s.ws_down)] {
-                let (len, expected) = (view.len(), is * c.hidden);
-                if len != expected {
-                    return Err(MokError::InvalidInput {
-                        tensor: name,
-                        problem: format!(
-                            "device buffer has {len} elements, expected {expected} (shared_intermediate · hidden)"
-                        ),
-                    });
-                }
-                check_aligned(name, view.device_ptr(), 16)?;
-            }
+            s.check(is, c.hidden)?;
         }
         Ok(())
     }

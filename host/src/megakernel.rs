@@ -129,9 +129,8 @@ pub(crate) struct MegakernelPass<P> {
     /// memset) before each pass.
     pass_counters: DeviceBuffer<u32>,
     blocks: u32,
-    /// The plans each rank's parameter block points at (their parameter blocks' addresses, and
-    /// whether each gathers its rows).
-    built_for: Vec<Vec<(u64, bool)>>,
+    /// The plans each rank's parameter block points at (their parameter blocks' addresses).
+    built_for: Vec<Vec<u64>>,
     /// Those plans, whose group maps one launch cuts before each pass.
     plan_set: PlanSet,
 }
@@ -365,10 +364,7 @@ fn build_pass<P: PassParams>(
         inputs,
         pass_counters,
         blocks,
-        built_for: plans
-            .iter()
-            .map(|p| p.iter().map(|plan| (plan.params_ptr(), plan.gathers_rows())).collect())
-            .collect(),
+        built_for: plans.iter().map(|p| p.iter().map(|plan| plan.params_ptr()).collect()).collect(),
         plan_set: PlanSet::new(gpu, plans.iter().flat_map(|set| set.iter().copied()))?,
     })
 }
@@ -386,10 +382,15 @@ impl ForwardMegakernel {
         options: &MegakernelOptions,
         error_record: Option<&ErrorRecord>,
     ) -> Result<Self> {
-        for (set, b) in plans.iter().zip(buffers) {
-            let kernels: Vec<&str> = set.iter().map(|p| p.kernel()).collect();
-            forward_plan_kernels(&kernels, b.shared.is_some(), b.rank.is_some())?;
-        }
+        // Per rank, whether its routed gate/up gathers its rows (its `gather_in_producer`).
+        let gathers: Vec<bool> = plans
+            .iter()
+            .zip(buffers)
+            .map(|(set, b)| {
+                let kernels: Vec<&str> = set.iter().map(|p| p.kernel()).collect();
+                forward_plan_kernels(&kernels, b.shared.is_some(), b.rank.is_some())
+            })
+            .collect::<Result<_>>()?;
         let ranks_of: Vec<Option<&RankPass>> = buffers.iter().map(|b| b.rank.as_ref()).collect();
         let tile_ranks = shared_tile_ranks(&ranks_of, plans, options);
         let kernels = [FORWARD_KERNEL, FORWARD_RANKS_KERNEL];
@@ -432,8 +433,8 @@ impl ForwardMegakernel {
                 silent_push: NO_FAULT,
                 launch_index: r as u32,
                 tile_ranks,
-                // A gate/up plan without a rows map gathers them (one GPU, checked above).
-                gather_in_producer: u32::from(set[0].gathers_rows()),
+                // One GPU only (checked above).
+                gather_in_producer: u32::from(gathers[r]),
                 reserved: 0,
             }
         })
@@ -442,19 +443,19 @@ impl ForwardMegakernel {
 
 impl<P: PassParams> MegakernelPass<P> {
     /// Whether this pass was built for these plans (one set per rank), by their parameter
-    /// blocks' addresses and whether they gather their rows (the pass's `gather_in_producer`
-    /// comes from that when it is built). A plan set dropped and built again may land at the
-    /// same addresses and match; that is sound, as the pass reads every plan through those
-    /// blocks at run time and its other buffers are the layer's own, fixed while the pass
-    /// lives (a new shared expert's plans drop the passes; so does switching the gathering,
-    /// which allocates or frees the gathered copy the pass's `PassBuffers::rows` names).
+    /// blocks' addresses. A plan set dropped and built again may land at the same addresses and
+    /// match; that is sound, as the pass reads every plan through those blocks at run time and
+    /// its other buffers are the layer's own, fixed while the pass lives (a new shared expert's
+    /// plans drop the passes; so does switching the gathering, which changes the plans' kind,
+    /// the pass's `gather_in_producer` taken from them, and the gathered copy `PassBuffers::rows`
+    /// names).
     pub(crate) fn built_for(&self, plans: &[&[&EnginePlan]]) -> bool {
         self.built_for.len() == plans.len()
             && self
                 .built_for
                 .iter()
                 .zip(plans)
-                .all(|(b, p)| b.iter().copied().eq(p.iter().map(|plan| (plan.params_ptr(), plan.gathers_rows()))))
+                .all(|(b, p)| b.iter().copied().eq(p.iter().map(|plan| plan.params_ptr())))
     }
 
     /// Whether the passes copy the rows (a real pass; not when a benchmark's work mask leaves
@@ -609,6 +610,14 @@ impl ErrorRecord {
         Ok(Self { words: DeviceBuffer::from_slice(gpu, &[0u32; ERROR_WORDS])? })
     }
 
+    /// The record `slot` keeps, made (cleared) the first time.
+    pub(crate) fn kept<'a>(slot: &'a mut Option<Self>, gpu: &Gpu) -> Result<&'a Self> {
+        match slot {
+            Some(record) => Ok(record),
+            empty => Ok(empty.insert(Self::new(gpu)?)),
+        }
+    }
+
     fn address(&self) -> u64 {
         self.words.device_ptr()
     }
@@ -753,9 +762,11 @@ impl BackwardMegakernel {
         options: &MegakernelOptions,
         error_record: Option<&ErrorRecord>,
     ) -> Result<Self> {
+        // Per rank, whether its gate and up weight gradients gather their rows.
+        let mut gathers = Vec::with_capacity(plans.len());
         for (set, b) in plans.iter().zip(buffers) {
             let kernels: Vec<&str> = set.iter().map(|p| p.kernel()).collect();
-            backward_plan_kernels(&kernels, b.shared.is_some(), b.rank.is_some())?;
+            gathers.push(backward_plan_kernels(&kernels, b.shared.is_some(), b.rank.is_some())?);
             for experts in set.chunks(5) {
                 // The down weight gradient (`[G][H][I]`) first, then gate and up (`[G][I][H]`):
                 // each phase waits on what its own product reads.
@@ -830,9 +841,8 @@ impl BackwardMegakernel {
                 rank_blocks: at.blocks,
                 wgrad_ranks,
                 tile_ranks,
-                // Gate and up weight-gradient plans without a rows map gather them (one GPU,
-                // checked above).
-                gather_in_producer: u32::from(p[3].gathers_rows()),
+                // One GPU only (checked above).
+                gather_in_producer: u32::from(gathers[r]),
                 shared_down_dgrad: shared(0),
                 shared_gate_up_dgrad: shared(1),
                 shared_wgrad: [shared(2), shared(3), shared(4)],

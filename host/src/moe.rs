@@ -120,26 +120,27 @@ pub struct MoeInputs<'a> {
 
 impl MoeInputs<'_> {
     fn addresses(&self) -> [u64; 9] {
+        self.named_addresses().map(|(_, address)| address)
+    }
+
+    /// Every view's address (0 for an absent shared expert's), with its name.
+    fn named_addresses(&self) -> [(&'static str, u64); 9] {
         let (t, e) = (&self.tokens, &self.experts);
         let [s0, s1, s2] =
             self.shared.map_or([0; 3], |s| [s.ws_gate.device_ptr(), s.ws_up.device_ptr(), s.ws_down.device_ptr()]);
         [
-            t.x.device_ptr(),
-            t.topk_ids.device_ptr(),
-            t.topk_weights.device_ptr(),
-            e.w_gate.device_ptr(),
-            e.w_up.device_ptr(),
-            e.w_down.device_ptr(),
-            s0,
-            s1,
-            s2,
+            ("x", t.x.device_ptr()),
+            ("topk_ids", t.topk_ids.device_ptr()),
+            ("topk_weights", t.topk_weights.device_ptr()),
+            ("w_gate", e.w_gate.device_ptr()),
+            ("w_up", e.w_up.device_ptr()),
+            ("w_down", e.w_down.device_ptr()),
+            ("ws_gate", s0),
+            ("ws_up", s1),
+            ("ws_down", s2),
         ]
     }
 }
-
-/// The names of [`MoeInputs::addresses`]' views, in its order.
-const INPUT_NAMES: [&str; 9] =
-    ["x", "topk_ids", "topk_weights", "w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down"];
 
 /// Where a backward writes: the input gradients, and the weight gradients' [`WeightGradTarget`].
 pub struct MoeGradients<'a> {
@@ -228,6 +229,21 @@ fn over_ranks_refused(backend: Backend, ranks: usize) -> MokError {
     }
 }
 
+/// Refuses gathering the rows in the producers where no producer gathers: on `mma.sync`, and
+/// over ranks (the rows are pulled from their owners).
+fn refuse_gathering(backend: Backend, ranks: usize) -> Result<()> {
+    if ranks > 1 || backend == Backend::MmaSync {
+        return Err(MokError::InvalidInput {
+            tensor: "gather_in_producer",
+            problem: format!(
+                "the gate/up and the weight gradients gather their rows in their producers on one GPU with the \
+                 engine or the megakernels, not on {backend:?} with {ranks} ranks"
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// The exchange options a layer over ranks gets from `options`: the megakernel's deadline bounds
 /// the exchange's waits too, and `ring_rows` sizes the receive rings.
 fn exchange_options(options: &LayerOptions) -> ExchangeOptions {
@@ -240,15 +256,8 @@ impl MoeLayer {
     pub fn new(gpu: &Gpu, config: MoeConfig, options: LayerOptions) -> Result<Self> {
         config.validate()?;
         let backend = options.backend.unwrap_or_else(|| Backend::fastest_for(gpu, config.ep_ranks));
-        if options.gather_in_producer && (config.ep_ranks > 1 || backend == Backend::MmaSync) {
-            return Err(MokError::InvalidInput {
-                tensor: "gather_in_producer",
-                problem: format!(
-                    "the gate/up gathers its rows in its producers on one GPU with the engine or the megakernel, \
-                     not on {backend:?} with {} ranks",
-                    config.ep_ranks
-                ),
-            });
+        if options.gather_in_producer {
+            refuse_gathering(backend, config.ep_ranks)?;
         }
         if config.ep_ranks > 1 {
             if matches!(backend, Backend::Engine | Backend::ForwardMegakernel) {
@@ -406,7 +415,7 @@ impl MoeLayer {
             });
         }
         let views: Vec<(&'static str, u64)> =
-            INPUT_NAMES.into_iter().zip(inputs.addresses()).chain([("y", y.device_ptr())]).collect();
+            inputs.named_addresses().into_iter().chain([("y", y.device_ptr())]).collect();
         self.check_views_on_device(&views)?;
         // From here on the workspace (and over ranks the heap's copy of the tokens) may change,
         // so the token of the last forward no longer names what the layer holds, even if this
@@ -766,11 +775,8 @@ impl ForwardPass<'_> {
 /// passes its own gradient buffers never holds those.
 pub fn workspace_bytes(config: &MoeConfig, backend: Backend, gather_in_producer: bool) -> Result<usize> {
     config.validate()?;
-    if gather_in_producer && backend == Backend::MmaSync {
-        return Err(MokError::InvalidInput {
-            tensor: "gather_in_producer",
-            problem: "the producers that gather the rows are the engine's and the megakernels', not mma.sync's".into(),
-        });
+    if gather_in_producer {
+        refuse_gathering(backend, config.ep_ranks)?;
     }
     if config.ep_ranks > 1 {
         return Err(MokError::InvalidConfig {
@@ -825,8 +831,9 @@ pub fn workspace_bytes(config: &MoeConfig, backend: Backend, gather_in_producer:
         };
         total += buffer(4 * 2 * (e + 1));
         total += plans.iter().map(|&maps| plan_bytes(maps, e)).sum::<usize>();
+        // The most engine M tiles the passes' counters cover.
+        let m_tiles = slots.div_ceil(mok_kernels::gemm_layout::TILE_M as usize) + e;
         if matches!(backend, Backend::Megakernel | Backend::ForwardMegakernel) {
-            let m_tiles = slots.div_ceil(mok_kernels::gemm_layout::TILE_M as usize) + e;
             let forward = size_of::<mok_kernels::megakernel_layout::ForwardParams>();
             // The forward runs the shared expert inside its launch: its copy of the token rows,
             // its group's tile offsets and its gate/up (4 maps) and down (3) plans, one group.
@@ -844,7 +851,6 @@ pub fn workspace_bytes(config: &MoeConfig, backend: Backend, gather_in_producer:
                 + buffer(8 * forward_plans);
         }
         if backend == Backend::Megakernel {
-            let m_tiles = slots.div_ceil(mok_kernels::gemm_layout::TILE_M as usize) + e;
             let backward = size_of::<mok_kernels::megakernel_layout::BackwardParams>();
             // The backward runs the shared expert inside its launch too: its copy of dy and its
             // five plans (the down dgrad 3 maps, the gate/up dgrad 5, three weight gradients 3

@@ -418,7 +418,7 @@ fn torch_available() -> bool {
 /// every line; an error, with the output, when it fails.
 fn stream(command: &mut Command, show: impl FnMut(&str) -> Option<String>) -> Result<Vec<String>> {
     let described = describe(command);
-    let (lines, status) = stream_status(command, show)?;
+    let (lines, status) = stream_status(command, &described, show)?;
     if !status.success() {
         bail!("`{described}` failed ({status}); its output:\n{}", lines.join("\n"));
     }
@@ -426,12 +426,12 @@ fn stream(command: &mut Command, show: impl FnMut(&str) -> Option<String>) -> Re
 }
 
 /// [`stream`], returning the lines and the exit status however it ended (the layer bench's
-/// results up to a failure are kept).
+/// results up to a failure are kept); `described` names the command in errors.
 fn stream_status(
     command: &mut Command,
+    described: &str,
     mut show: impl FnMut(&str) -> Option<String>,
 ) -> Result<(Vec<String>, std::process::ExitStatus)> {
-    let described = describe(command);
     let mut child = command.stdout(Stdio::piped()).spawn().with_context(|| format!("cannot start `{described}`"))?;
     let stdout = child.stdout.take().context("no stdout pipe")?;
     let mut lines = Vec::new();
@@ -565,7 +565,7 @@ pub fn bench(root: &Path, args: &BenchArgs) -> Result<()> {
     let total = args.runs();
     let mut done = 0;
     let described = describe(&command);
-    let (lines, status) = stream_status(&mut command, |line| {
+    let (lines, status) = stream_status(&mut command, &described, |line| {
         if let Some(m) = parse_result(line) {
             done += 1;
             let torch = m.get("torch_fwd_ms");

@@ -43,6 +43,16 @@ pub enum ExportedHandle {
     Fabric([u8; 64]),
 }
 
+impl ExportedHandle {
+    /// The kind of sharing the handle is for.
+    pub fn kind(&self) -> ShareableKind {
+        match self {
+            ExportedHandle::PosixFd(_) => ShareableKind::PosixFd,
+            ExportedHandle::Fabric(_) => ShareableKind::Fabric,
+        }
+    }
+}
+
 fn check(call: &str, result: sys::CUresult) -> Result<()> {
     result.result().map_err(|e| cuda_error(call, e))
 }
@@ -126,11 +136,7 @@ impl VmmMapping {
     pub fn import(handle: &ExportedHandle, bytes: usize, access: &[i32]) -> Result<Self> {
         // The range aligned as the exporter's allocation was (its kind's granularity on the
         // devices here), not left to the driver.
-        let kind = match handle {
-            ExportedHandle::PosixFd(_) => ShareableKind::PosixFd,
-            ExportedHandle::Fabric(_) => ShareableKind::Fabric,
-        };
-        let grain = access.first().map_or(Ok(1), |&ordinal| granularity(ordinal, kind))?;
+        let grain = access.first().map_or(Ok(1), |&ordinal| granularity(ordinal, handle.kind()))?;
         let mut generic = 0;
         match handle {
             ExportedHandle::PosixFd(fd) => {

@@ -6,7 +6,7 @@
 //! (1 POSIX fd, 2 fabric), rank u32, pid u32, fd i32, process space u32, slice bytes u64, fabric
 //! handle 64 bytes (zero for POSIX).
 
-use crate::driver::vmm::ExportedHandle;
+use crate::driver::vmm::{ExportedHandle, ShareableKind};
 use crate::error::{MokError, Result};
 
 /// Bytes of one record.
@@ -122,16 +122,15 @@ impl HandleRecord {
                     record.bytes, records[0].bytes
                 )));
             }
-            let posix = |r: &Self| matches!(r.handle, ExportedHandle::PosixFd(_));
-            if posix(record) != posix(&records[0]) {
+            let kind = record.handle.kind();
+            if kind != records[0].handle.kind() {
                 return Err(bad(format!(
-                    "rank {rank} exported a {} handle, rank 0 a {} one: every rank must use the same kind \
+                    "rank {rank} exported a {kind:?} handle, rank 0 a {:?} one: every rank must use the same kind \
                      (MOK_HEAP_HANDLE)",
-                    if posix(record) { "POSIX-fd" } else { "fabric" },
-                    if posix(&records[0]) { "POSIX-fd" } else { "fabric" }
+                    records[0].handle.kind()
                 )));
             }
-            if posix(record) && record.space != records[0].space {
+            if kind == ShareableKind::PosixFd && record.space != records[0].space {
                 return Err(bad(format!(
                     "rank {rank} runs on another host or in another PID namespace than rank 0: POSIX-fd \
                      handles reach only the processes of one node's namespace (across nodes set \

@@ -742,7 +742,7 @@ impl SharedEnginePlans {
     /// Enqueues the engine tile offsets of `offsets` = `[0, T, ..]`, after whatever set those
     /// words on the stream: for a layer whose T changes from pass to pass, in every pass (a
     /// captured graph replays its own T's offsets whatever ran in between).
-    pub(crate) fn write_tile_offsets(&mut self, gpu: &Gpu, offsets: &DeviceBuffer<u32>) -> Result<()> {
+    pub(crate) fn write_tile_offsets(&self, gpu: &Gpu, offsets: &DeviceBuffer<u32>) -> Result<()> {
         crate::gemm::tile_offsets_into(gpu, offsets, 1, &self.tile_offsets)
     }
 }

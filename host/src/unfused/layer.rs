@@ -487,10 +487,7 @@ impl UnfusedLayer {
             swiglu: self.routed.swiglu_backward_rows(),
             shared: shared_engine.and_then(SharedEnginePlans::backward_pass_rows),
         };
-        let record = match &mut self.megakernel_records[1] {
-            Some(record) => record,
-            empty => empty.insert(ErrorRecord::new(gpu)?),
-        };
+        let record = ErrorRecord::kept(&mut self.megakernel_records[1], gpu)?;
         *pass = Some(BackwardMegakernel::new(gpu, &[&plans], &[buffers], options, Some(record))?);
         Ok(())
     }
@@ -585,10 +582,7 @@ impl UnfusedLayer {
             rank: None,
             shared: shared_engine.map(|s| SharedPassBuffers { x_rows: s.x_rows() }),
         };
-        let record = match &mut self.megakernel_records[0] {
-            Some(record) => record,
-            empty => empty.insert(ErrorRecord::new(gpu)?),
-        };
+        let record = ErrorRecord::kept(&mut self.megakernel_records[0], gpu)?;
         *pass = Some(ForwardMegakernel::new(gpu, &[&plans], &[buffers], options, Some(record))?);
         Ok(())
     }
@@ -853,12 +847,7 @@ impl UnfusedLayer {
         check_aligned("topk_weights", tokens.topk_weights.device_ptr(), 4)?;
         match (c.shared_intermediate, shared) {
             (Some(is), Some(s)) => {
-                expect("ws_gate", s.ws_gate.len(), is * h)?;
-                expect("ws_up", s.ws_up.len(), is * h)?;
-                expect("ws_down", s.ws_down.len(), h * is)?;
-                check_aligned("ws_gate", s.ws_gate.device_ptr(), 16)?;
-                check_aligned("ws_up", s.ws_up.device_ptr(), 16)?;
-                check_aligned("ws_down", s.ws_down.device_ptr(), 16)?;
+                s.check(is, h)?;
                 Ok(t)
             }
             (None, None) => Ok(t),

@@ -4,8 +4,8 @@
 use half::bf16;
 
 use crate::config::MoeConfig;
-use crate::driver::{DeviceBuffer, DeviceSlice, Gpu};
-use crate::error::Result;
+use crate::driver::{DeviceBuffer, DeviceSlice, Gpu, check_aligned};
+use crate::error::{MokError, Result};
 use crate::problem::{ExpertWeights, RoutedTokens, SharedExpertWeights};
 
 /// One rank's routed tokens on the device.
@@ -166,6 +166,31 @@ pub struct SharedExpertView<'a> {
     pub ws_up: DeviceSlice<'a, bf16>,
     /// `[H, Is]`.
     pub ws_down: DeviceSlice<'a, bf16>,
+}
+
+impl SharedExpertView<'_> {
+    /// Checks the three views against a shared expert of `intermediate` (Is) columns of rows
+    /// of `hidden` (H): their lengths (the kernels read them whole, unchecked) and their 16-byte
+    /// alignment (TMA and vector loads).
+    pub(crate) fn check(&self, intermediate: usize, hidden: usize) -> Result<()> {
+        let views = [("ws_gate", self.ws_gate), ("ws_up", self.ws_up), ("ws_down", self.ws_down)];
+        for (tensor, view) in views {
+            if view.len() != intermediate * hidden {
+                return Err(MokError::InvalidInput {
+                    tensor,
+                    problem: format!(
+                        "device buffer has {} elements, expected {} (shared_intermediate · hidden)",
+                        view.len(),
+                        intermediate * hidden
+                    ),
+                });
+            }
+        }
+        for (tensor, view) in views {
+            check_aligned(tensor, view.device_ptr(), 16)?;
+        }
+        Ok(())
+    }
 }
 
 impl<'a> From<&'a DeviceSharedExpert> for SharedExpertView<'a> {
