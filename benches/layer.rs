@@ -30,9 +30,8 @@
 //! `nccl` feature, as the GPU bundle is built), or through files in `MOK_RENDEZVOUS_DIR` when it
 //! is set, which also lets processes share one GPU (NCCL refuses that; their timings then mean
 //! nothing, as the processes take turns on it; `MOK_BENCH_WAIT_S` then lengthens the waits'
-//! deadline, as `run_process_bench.sh` does: the all-gathers' and the layer's). NCCL's own waits
-//! have no deadline of mok's: a rank that dies leaves the others waiting until the launcher
-//! stops them. Neither has run with more than one GPU (no multi-GPU machine has been lent).
+//! deadline, as `run_process_bench.sh` does: the all-gathers' and the layer's; NCCL's too: its
+//! communicator is nonblocking and aborted when a wait expires). Neither has run with more than one GPU (no multi-GPU machine has been lent).
 //! Every run also prints one `RESULT` line of name–value pairs (what `cargo xtask bench` reads).
 //! On one GPU, without a driver or a device it says so and exits 0 (a benchmark is not a test);
 //! a GPU that will not open is an error, as is every failure across processes.

@@ -216,13 +216,15 @@ fn test(root: &Path) -> Result<()> {
     let burn_target = burn_target.to_string_lossy().into_owned();
     let cargo_steps: [&[&str]; 8] = [
         &["fmt", "--all", "--check"],
-        // The GPU tests too: they compile without a GPU (the bundle builds them).
-        &["clippy", "--workspace", "--all-targets", "--features", "gpu-tests", "--", "-D", "warnings"],
+        // The GPU tests too: they compile without a GPU (the bundle builds them), and the NCCL
+        // bootstrap (libnccl is loaded at run time).
+        &["clippy", "--workspace", "--all-targets", "--features", "gpu-tests nccl", "--", "-D", "warnings"],
         // Without any feature, as a downstream build compiles it (test hooks off).
         &["check", "--workspace", "--all-targets"],
         // With the shipped PTX (no kernel toolchain), as a downstream build does; doctests too;
-        // the test hooks on, so the tests of `MOK_PTX` and the probes' argument checks build.
-        &["test", "--workspace", "--features", "mok/testing"],
+        // the test hooks on, so the tests of `MOK_PTX` and the probes' argument checks build;
+        // NCCL's bootstrap for its config layout and deadline tests.
+        &["test", "--workspace", "--features", "mok/testing mok/nccl"],
         // A crate that depends on mok beside cudarc configured as candle-core does.
         &["build", "--manifest-path", &probe, "--target-dir", &probe_target],
         // The burn integration (its own workspace: burn 0.21 on CubeCL's CUDA runtime): format,

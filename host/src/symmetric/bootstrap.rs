@@ -10,15 +10,18 @@
 //! or a rank could read an earlier launch's id, and `NCCL_NVLS_ENABLE=0` must be set: mok never
 //! uses NVLink multicast, and NCCL would create multicast objects on NVSwitch systems.
 //!
-//! Only the wait for the id file has mok's deadline: `ncclCommInitRank` and the all-gather wait
-//! as long as NCCL does, so a rank that dies before joining leaves the others waiting until the
-//! launcher ends them (torchrun stops every worker when one fails; give `srun` `--kill-on-bad-exit`).
-//! The file rendezvous (`MOK_RENDEZVOUS_DIR`), whose every wait is bounded, has no such wait.
+//! Every wait has the deadline given to [`NcclBootstrap::new`]: the id file's, the communicator's
+//! initialisation and each all-gather. The communicator is nonblocking (`blocking = 0` in its
+//! config), so mok polls NCCL's state instead of sitting in a call: a rank that dies before
+//! joining, or never calls the all-gather, ends the others' waits with [`MokError::Timeout`] after
+//! `ncclCommAbort`, instead of leaving them to the launcher.
 //! Not yet run: needs several GPUs.
 
+use std::cell::Cell;
 use std::path::PathBuf;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use cudarc::driver::sys as cuda_sys;
 use cudarc::nccl::{result as nccl, sys as nccl_sys};
 
 use super::handles::to_hex;
@@ -30,20 +33,100 @@ use crate::error::{MokError, Result};
 /// Environment variable naming the unique-id file.
 pub const ID_FILE_VAR: &str = "MOK_NCCL_ID_FILE";
 
-/// An NCCL communicator over every rank, on one GPU's stream.
+/// An NCCL communicator over every rank, on one GPU's stream; nonblocking, every wait bounded.
 pub struct NcclBootstrap {
-    comm: nccl_sys::ncclComm_t,
+    /// Null once aborted (a wait expired): NCCL owns nothing of it then.
+    comm: Cell<nccl_sys::ncclComm_t>,
     world: usize,
+    rank: usize,
+    timeout: Duration,
 }
 
 fn nccl_error(call: &str, error: nccl::NcclError) -> MokError {
     MokError::Cuda { call: call.into(), message: format!("{error:?}") }
 }
 
+fn nccl_result(call: &str, result: nccl_sys::ncclResult_t) -> Result<()> {
+    match result {
+        nccl_sys::ncclResult_t::ncclSuccess | nccl_sys::ncclResult_t::ncclInProgress => Ok(()),
+        other => Err(MokError::Cuda { call: call.into(), message: format!("{other:?}") }),
+    }
+}
+
+/// `ncclConfig_t` as NCCL 2.17 laid it out, the first version with every field mok sets (NCCL
+/// reads a config by its `size` and `version`, so a later library takes this one and gives the
+/// fields it lacks their defaults). Only `blocking` is set; the rest are NCCL's "undefined".
+#[repr(C)]
+struct CommConfigV2_17 {
+    size: usize,
+    magic: core::ffi::c_uint,
+    version: core::ffi::c_uint,
+    blocking: core::ffi::c_int,
+    cga_cluster_size: core::ffi::c_int,
+    min_ctas: core::ffi::c_int,
+    max_ctas: core::ffi::c_int,
+    net_name: *const core::ffi::c_char,
+}
+
+impl CommConfigV2_17 {
+    /// `NCCL_CONFIG_INITIALIZER` of NCCL 2.17 with `blocking = 0`.
+    fn nonblocking() -> Self {
+        const UNDEFINED_INT: core::ffi::c_int = core::ffi::c_int::MIN;
+        Self {
+            size: core::mem::size_of::<Self>(),
+            magic: 0xcafe_beef,
+            // NCCL_VERSION(2, 17, 0).
+            version: 2 * 10_000 + 17 * 100,
+            blocking: 0,
+            cga_cluster_size: UNDEFINED_INT,
+            min_ctas: UNDEFINED_INT,
+            max_ctas: UNDEFINED_INT,
+            net_name: core::ptr::null(),
+        }
+    }
+}
+
+/// What one look at an awaited operation found.
+#[derive(Debug, PartialEq, Eq)]
+enum Polled {
+    Done,
+    Pending,
+}
+
+/// Polls `look` until it reports `Done` or fails, or `deadline` passes (then `Ok(false)`): a
+/// short sleep between looks, since the waits here are once per setup, not per pass.
+fn poll_until(deadline: Instant, mut look: impl FnMut() -> Result<Polled>) -> Result<bool> {
+    loop {
+        if look()? == Polled::Done {
+            return Ok(true);
+        }
+        if Instant::now() >= deadline {
+            return Ok(false);
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// The communicator's asynchronous state: `Done` once its last call finished, an error if it failed.
+///
+/// # Safety
+/// `comm` is a live communicator (not destroyed or aborted).
+unsafe fn comm_state(comm: nccl_sys::ncclComm_t, call: &str) -> Result<Polled> {
+    let mut state = nccl_sys::ncclResult_t::ncclSuccess;
+    // SAFETY: `comm` is live (the caller's promise); `state` outlives the call.
+    nccl_result("ncclCommGetAsyncError", unsafe { nccl_sys::ncclCommGetAsyncError(comm, &mut state) })?;
+    match state {
+        nccl_sys::ncclResult_t::ncclSuccess => Ok(Polled::Done),
+        nccl_sys::ncclResult_t::ncclInProgress => Ok(Polled::Pending),
+        other => Err(MokError::Cuda { call: call.into(), message: format!("{other:?}") }),
+    }
+}
+
 impl NcclBootstrap {
     /// Joins the communicator of `env`'s ranks on `gpu`, finding the unique id through the file
-    /// beside `MOK_NCCL_ID_FILE`'s path, waiting at most `timeout` for rank 0 to write it (the
-    /// module documentation says what it needs and which waits have no deadline).
+    /// beside `MOK_NCCL_ID_FILE`'s path, waiting at most `timeout` for rank 0 to write it and as long
+    /// again for every rank to join (the module documentation says what it needs). Needs NCCL
+    /// 2.14 or later (`ncclCommInitRankConfig`).
     pub fn new(gpu: &Gpu, env: &LaunchEnv, timeout: Duration) -> Result<Self> {
         let get = |name: &str| std::env::var(name).ok();
         check_nvls_off(get)?;
@@ -86,45 +169,197 @@ impl NcclBootstrap {
             nccl_sys::ncclUniqueId { internal }
         };
         gpu.synchronize()?;
+        let deadline = Instant::now() + timeout;
         let mut comm = std::ptr::null_mut();
-        // SAFETY: `comm` is an out-pointer; the id is the one rank 0 made; this thread's current
-        // context is `gpu`'s (bound by `synchronize`).
-        unsafe { nccl::comm_init_rank(&mut comm, env.world as i32, id, env.rank as i32) }
-            .map_err(|e| nccl_error("ncclCommInitRank", e))?;
+        let mut config = CommConfigV2_17::nonblocking();
+        // SAFETY: `comm` is an out-pointer; the id is the one rank 0 made; `config` is a complete
+        // config of the version it names, alive for the call (NCCL copies it); this thread's
+        // current context is `gpu`'s (bound by `synchronize`).
+        let started = unsafe {
+            nccl_sys::ncclCommInitRankConfig(
+                &mut comm,
+                env.world as i32,
+                id,
+                env.rank as i32,
+                (&mut config as *mut CommConfigV2_17).cast(),
+            )
+        };
+        nccl_result("ncclCommInitRankConfig", started)?;
+        let bootstrap = Self { comm: Cell::new(comm), world: env.world, rank: env.rank, timeout };
+        // SAFETY: the communicator was just created and is live until `abort` or `drop`.
+        bootstrap.wait(
+            "ncclCommInitRankConfig",
+            deadline,
+            || unsafe { comm_state(comm, "ncclCommInitRankConfig") },
+            || format!("every one of the {} ranks to join the NCCL communicator", env.world),
+        )?;
         if env.rank == 0 {
-            // Every rank read the id before it joined, and the initialisation returns once all
+            // Every rank read the id before it joined, and the initialisation finishes once all
             // have: the launch's file is no longer needed (a failed removal leaves one small file).
             let _ = std::fs::remove_file(&path);
         }
-        Ok(Self { comm, world: env.world })
+        Ok(bootstrap)
+    }
+
+    /// Waits on `look` until `deadline`; on expiry aborts the communicator (NCCL stops its
+    /// kernels and threads) and returns a timeout naming `waited_for()`. A failed look aborts too.
+    fn wait(
+        &self,
+        call: &str,
+        deadline: Instant,
+        look: impl FnMut() -> Result<Polled>,
+        waited_for: impl FnOnce() -> String,
+    ) -> Result<()> {
+        match poll_until(deadline, look) {
+            Ok(true) => Ok(()),
+            Ok(false) => {
+                self.abort();
+                Err(MokError::Timeout {
+                    rank: Some(self.rank),
+                    peer: None,
+                    waited_for: waited_for(),
+                    detail: format!("{call} had not finished after {:?}; the communicator was aborted", self.timeout),
+                })
+            }
+            Err(error) => {
+                self.abort();
+                Err(error)
+            }
+        }
+    }
+
+    fn abort(&self) {
+        let comm = self.comm.replace(std::ptr::null_mut());
+        if !comm.is_null() {
+            // SAFETY: a live communicator, never used again (the cell now holds null).
+            unsafe {
+                let _ = nccl::comm_abort(comm);
+            }
+        }
+    }
+
+    fn live_comm(&self) -> Result<nccl_sys::ncclComm_t> {
+        let comm = self.comm.get();
+        if comm.is_null() {
+            return Err(MokError::InvalidConfig {
+                field: "NcclBootstrap",
+                value: "aborted".into(),
+                rule: "a wait of this communicator expired and it was aborted; join a new one".into(),
+            });
+        }
+        Ok(comm)
     }
 
     /// All-gathers `mine` (the same length on every rank): every rank's bytes, in rank order.
+    /// Waits at most the timeout given to [`Self::new`] for every rank's part; on expiry the
+    /// communicator is aborted and this and every later call return an error.
     pub fn all_gather_bytes(&self, gpu: &Gpu, mine: &[u8]) -> Result<Vec<u8>> {
+        let comm = self.live_comm()?;
         let send = DeviceBuffer::from_slice(gpu, mine)?;
         let receive = DeviceBuffer::<u8>::alloc(gpu, mine.len() * self.world)?;
-        let stream = gpu.inner().stream as nccl_sys::cudaStream_t;
-        // SAFETY: both buffers live until the download below synchronises the stream.
-        unsafe {
-            nccl::all_gather(
+        let stream = gpu.inner().stream;
+        let deadline = Instant::now() + self.timeout;
+        // SAFETY: both buffers live until the stream has finished the all-gather (waited for
+        // below) or, when the wait expires, forever (leaked below); `comm` is live.
+        let enqueued = unsafe {
+            nccl_sys::ncclAllGather(
                 send.device_ptr() as *const core::ffi::c_void,
                 receive.device_ptr() as *mut core::ffi::c_void,
                 mine.len(),
                 nccl_sys::ncclDataType_t::ncclUint8,
-                self.comm,
-                stream,
+                comm,
+                stream as nccl_sys::cudaStream_t,
             )
+        };
+        let waited_for = || format!("every one of the {} ranks' part of the NCCL all-gather", self.world);
+        let finished = nccl_result("ncclAllGather", enqueued).and_then(|()| {
+            // Enqueued once the communicator is idle; done once the stream has run it.
+            // SAFETY (both looks): `comm` stays live until `wait` aborts it, after its last look;
+            // the stream lives as long as `gpu`.
+            self.wait("ncclAllGather", deadline, || unsafe { comm_state(comm, "ncclAllGather") }, waited_for)?;
+            self.wait(
+                "ncclAllGather",
+                deadline,
+                || unsafe {
+                    comm_state(comm, "ncclAllGather")?;
+                    match cuda_sys::cuStreamQuery(stream) {
+                        cuda_sys::CUresult::CUDA_SUCCESS => Ok(Polled::Done),
+                        cuda_sys::CUresult::CUDA_ERROR_NOT_READY => Ok(Polled::Pending),
+                        other => Err(MokError::Cuda { call: "cuStreamQuery".into(), message: format!("{other:?}") }),
+                    }
+                },
+                waited_for,
+            )
+        });
+        if let Err(error) = finished {
+            // The aborted all-gather may not have left the stream: its buffers must outlive it.
+            std::mem::forget(send);
+            std::mem::forget(receive);
+            return Err(error);
         }
-        .map_err(|e| nccl_error("ncclAllGather", e))?;
         receive.download()
     }
 }
 
 impl Drop for NcclBootstrap {
     fn drop(&mut self) {
-        // SAFETY: the communicator was created in `new` and is not used after this.
-        unsafe {
-            let _ = nccl::comm_destroy(self.comm);
+        let comm = self.comm.replace(std::ptr::null_mut());
+        if comm.is_null() {
+            return;
         }
+        // A nonblocking communicator finalises asynchronously; one that does not finish in time
+        // is aborted instead of destroyed.
+        let deadline = Instant::now() + self.timeout;
+        // SAFETY: the communicator is live and used by nothing after this.
+        unsafe {
+            let finalized = nccl::comm_finalize(comm).is_ok()
+                && matches!(poll_until(deadline, || comm_state(comm, "ncclCommFinalize")), Ok(true));
+            if finalized {
+                let _ = nccl::comm_destroy(comm);
+            } else {
+                let _ = nccl::comm_abort(comm);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_config_is_laid_out_as_nccl_2_17_reads_it() {
+        // NCCL copies `size` bytes and keeps its defaults past them: each field must sit where
+        // nccl.h 2.17 puts it (size_t, 3 × unsigned/int, 3 × int, then a pointer).
+        assert_eq!(core::mem::offset_of!(CommConfigV2_17, magic), 8);
+        assert_eq!(core::mem::offset_of!(CommConfigV2_17, version), 12);
+        assert_eq!(core::mem::offset_of!(CommConfigV2_17, blocking), 16);
+        assert_eq!(core::mem::offset_of!(CommConfigV2_17, max_ctas), 28);
+        assert_eq!(core::mem::offset_of!(CommConfigV2_17, net_name), 32);
+        let config = CommConfigV2_17::nonblocking();
+        assert_eq!(config.size, 40);
+        assert_eq!((config.magic, config.version, config.blocking), (0xcafe_beef, 21_700, 0));
+        // cudarc's own binding of a newer config starts the same way.
+        assert_eq!(core::mem::offset_of!(nccl_sys::ncclConfig_t, blocking), 16);
+        assert_eq!(core::mem::offset_of!(nccl_sys::ncclConfig_t, netName), 32);
+    }
+
+    #[test]
+    fn a_wait_ends_at_its_deadline_or_on_the_first_failure() {
+        let started = Instant::now();
+        let finished = poll_until(started + Duration::from_millis(30), || Ok(Polled::Pending)).unwrap();
+        assert!(!finished);
+        assert!(started.elapsed() >= Duration::from_millis(30));
+        let mut looks = 0;
+        let finished = poll_until(started + Duration::from_secs(60), || {
+            looks += 1;
+            Ok(if looks < 3 { Polled::Pending } else { Polled::Done })
+        });
+        assert!(matches!(finished, Ok(true)));
+        assert_eq!(looks, 3);
+        let failed = poll_until(Instant::now() + Duration::from_secs(60), || {
+            Err(MokError::Cuda { call: "ncclAllGather".into(), message: "ncclRemoteError".into() })
+        });
+        assert!(matches!(failed, Err(MokError::Cuda { .. })));
     }
 }
