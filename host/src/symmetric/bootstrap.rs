@@ -10,11 +10,14 @@
 //! or a rank could read an earlier launch's id, and `NCCL_NVLS_ENABLE=0` must be set: mok never
 //! uses NVLink multicast, and NCCL would create multicast objects on NVSwitch systems.
 //!
-//! Every wait has the deadline given to [`NcclBootstrap::new`]: the id file's, the communicator's
-//! initialisation and each all-gather. The communicator is nonblocking (`blocking = 0` in its
-//! config), so mok polls NCCL's state instead of sitting in a call: a rank that dies before
-//! joining, or never calls the all-gather, ends the others' waits with [`MokError::Timeout`] after
-//! `ncclCommAbort`, instead of leaving them to the launcher.
+//! Every wait for the other ranks has the deadline given to [`NcclBootstrap::new`]: the id file's,
+//! the communicator's initialisation and each all-gather. The communicator is nonblocking
+//! (`blocking = 0` in its config; `NCCL_COMM_BLOCKING` other than 0 is refused, since it would
+//! override that), so mok polls NCCL's state instead of sitting in a call: a rank that dies
+//! before joining, or never calls the all-gather, ends the others' waits with
+//! [`MokError::Timeout`] after `ncclCommAbort`, instead of leaving them to the launcher. The abort
+//! itself is NCCL's blocking call (it joins NCCL's threads and frees its memory) and has no
+//! deadline of mok's.
 //! Not yet run: needs several GPUs.
 
 use std::cell::Cell;
@@ -44,6 +47,20 @@ pub struct NcclBootstrap {
 
 fn nccl_error(call: &str, error: nccl::NcclError) -> MokError {
     MokError::Cuda { call: call.into(), message: format!("{error:?}") }
+}
+
+/// `NCCL_COMM_BLOCKING` unset or 0: a 1 would make the communicator blocking whatever its config
+/// says, and its initialisation wait without a deadline.
+fn check_nonblocking_allowed(get: impl Fn(&str) -> Option<String>) -> Result<()> {
+    match get("NCCL_COMM_BLOCKING") {
+        None => Ok(()),
+        Some(value) if value.trim() == "0" => Ok(()),
+        Some(value) => Err(MokError::InvalidConfig {
+            field: "NCCL_COMM_BLOCKING",
+            value,
+            rule: "must be unset or 0: mok's communicator is nonblocking so that its waits have a deadline".into(),
+        }),
+    }
 }
 
 fn nccl_result(call: &str, result: nccl_sys::ncclResult_t) -> Result<()> {
@@ -112,14 +129,30 @@ fn poll_until(deadline: Instant, mut look: impl FnMut() -> Result<Polled>) -> Re
 /// # Safety
 /// `comm` is a live communicator (not destroyed or aborted).
 unsafe fn comm_state(comm: nccl_sys::ncclComm_t, call: &str) -> Result<Polled> {
-    let mut state = nccl_sys::ncclResult_t::ncclSuccess;
-    // SAFETY: `comm` is live (the caller's promise); `state` outlives the call.
-    nccl_result("ncclCommGetAsyncError", unsafe { nccl_sys::ncclCommGetAsyncError(comm, &mut state) })?;
+    // Written as a plain integer, not cudarc's enum: a code a later NCCL adds must not become an
+    // invalid enum value.
+    const SUCCESS: u32 = nccl_sys::ncclResult_t::ncclSuccess as u32;
+    const IN_PROGRESS: u32 = nccl_sys::ncclResult_t::ncclInProgress as u32;
+    let mut state: u32 = SUCCESS;
+    // SAFETY: `comm` is live (the caller's promise); `state` is a 4-byte integer, as NCCL's C
+    // enum is, and outlives the call.
+    let asked = unsafe { nccl_sys::ncclCommGetAsyncError(comm, (&mut state as *mut u32).cast()) };
+    nccl_result("ncclCommGetAsyncError", asked)?;
     match state {
-        nccl_sys::ncclResult_t::ncclSuccess => Ok(Polled::Done),
-        nccl_sys::ncclResult_t::ncclInProgress => Ok(Polled::Pending),
-        other => Err(MokError::Cuda { call: call.into(), message: format!("{other:?}") }),
+        SUCCESS => Ok(Polled::Done),
+        IN_PROGRESS => Ok(Polled::Pending),
+        code => Err(MokError::Cuda { call: call.into(), message: format!("ncclResult_t {code}") }),
     }
+}
+
+/// Whether `stream` has no work left (or has failed), polled for at most `patience`.
+fn stream_drained(stream: cuda_sys::CUstream, patience: Duration) -> bool {
+    // SAFETY: a query of a live stream (the caller's GPU's).
+    let look = || match unsafe { cuda_sys::cuStreamQuery(stream) } {
+        cuda_sys::CUresult::CUDA_ERROR_NOT_READY => Ok(Polled::Pending),
+        _ => Ok(Polled::Done),
+    };
+    matches!(poll_until(Instant::now() + patience, look), Ok(true))
 }
 
 impl NcclBootstrap {
@@ -130,6 +163,7 @@ impl NcclBootstrap {
     pub fn new(gpu: &Gpu, env: &LaunchEnv, timeout: Duration) -> Result<Self> {
         let get = |name: &str| std::env::var(name).ok();
         check_nvls_off(get)?;
+        check_nonblocking_allowed(get)?;
         // The run's nonce keeps a file left by an earlier run from being read as this run's id.
         let nonce = unique_run_nonce(get)?;
         let path = std::env::var_os(ID_FILE_VAR).map(PathBuf::from).ok_or_else(|| MokError::InvalidConfig {
@@ -184,7 +218,16 @@ impl NcclBootstrap {
                 (&mut config as *mut CommConfigV2_17).cast(),
             )
         };
-        nccl_result("ncclCommInitRankConfig", started)?;
+        if let Err(error) = nccl_result("ncclCommInitRankConfig", started) {
+            // A failed initialisation may still have made the communicator: release it.
+            if !comm.is_null() {
+                // SAFETY: the communicator NCCL returned, never used after this.
+                unsafe {
+                    let _ = nccl::comm_abort(comm);
+                }
+            }
+            return Err(error);
+        }
         let bootstrap = Self { comm: Cell::new(comm), world: env.world, rank: env.rank, timeout };
         // SAFETY: the communicator was just created and is live until `abort` or `drop`.
         bootstrap.wait(
@@ -250,10 +293,31 @@ impl NcclBootstrap {
         Ok(comm)
     }
 
-    /// All-gathers `mine` (the same length on every rank): every rank's bytes, in rank order.
-    /// Waits at most the timeout given to [`Self::new`] for every rank's part; on expiry the
-    /// communicator is aborted and this and every later call return an error.
+    /// All-gathers `mine` (the same length on every rank, checked first by an all-gather of the
+    /// lengths): every rank's bytes, in rank order. Waits at most the timeout given to
+    /// [`Self::new`] for every rank's part; on expiry the communicator is aborted and this and
+    /// every later call return an error.
     pub fn all_gather_bytes(&self, gpu: &Gpu, mine: &[u8]) -> Result<Vec<u8>> {
+        let lengths = self.all_gather_equal_lengths(gpu, &(mine.len() as u64).to_le_bytes())?;
+        let lengths: Vec<u64> =
+            lengths.chunks_exact(8).map(|bytes| u64::from_le_bytes(bytes.try_into().expect("8 bytes"))).collect();
+        if let Some(rank) = lengths.iter().position(|&length| length != mine.len() as u64) {
+            return Err(MokError::InvalidInput {
+                tensor: "all_gather_bytes",
+                problem: format!(
+                    "rank {} gave {} bytes and rank {rank} {}: every rank must give the same length",
+                    self.rank,
+                    mine.len(),
+                    lengths[rank]
+                ),
+            });
+        }
+        self.all_gather_equal_lengths(gpu, mine)
+    }
+
+    /// The all-gather itself, for a length every rank gives (NCCL's precondition: unequal
+    /// counts would read or write past the buffers of the ranks with the shorter one).
+    fn all_gather_equal_lengths(&self, gpu: &Gpu, mine: &[u8]) -> Result<Vec<u8>> {
         let comm = self.live_comm()?;
         let send = DeviceBuffer::from_slice(gpu, mine)?;
         let receive = DeviceBuffer::<u8>::alloc(gpu, mine.len() * self.world)?;
@@ -273,7 +337,8 @@ impl NcclBootstrap {
         };
         let waited_for = || format!("every one of the {} ranks' part of the NCCL all-gather", self.world);
         let finished = nccl_result("ncclAllGather", enqueued).and_then(|()| {
-            // Enqueued once the communicator is idle; done once the stream has run it.
+            // Enqueued once the communicator is idle; done once the stream has run it (the
+            // second wait's first look finds the communicator idle: the first wait saw it so).
             // SAFETY (both looks): `comm` stays live until `wait` aborts it, after its last look;
             // the stream lives as long as `gpu`.
             self.wait("ncclAllGather", deadline, || unsafe { comm_state(comm, "ncclAllGather") }, waited_for)?;
@@ -292,9 +357,12 @@ impl NcclBootstrap {
             )
         });
         if let Err(error) = finished {
-            // The aborted all-gather may not have left the stream: its buffers must outlive it.
-            std::mem::forget(send);
-            std::mem::forget(receive);
+            // After the abort NCCL's kernels stop; one that has not left the stream in a while
+            // may still write the buffers, which then must outlive it.
+            if !stream_drained(stream, self.timeout.min(Duration::from_secs(10))) {
+                std::mem::forget(send);
+                std::mem::forget(receive);
+            }
             return Err(error);
         }
         receive.download()
@@ -342,6 +410,21 @@ mod tests {
         // cudarc's own binding of a newer config starts the same way.
         assert_eq!(core::mem::offset_of!(nccl_sys::ncclConfig_t, blocking), 16);
         assert_eq!(core::mem::offset_of!(nccl_sys::ncclConfig_t, netName), 32);
+    }
+
+    #[test]
+    fn a_blocking_communicator_is_refused() {
+        let with = |value: Option<&'static str>| {
+            move |name: &str| (name == "NCCL_COMM_BLOCKING").then_some(value).flatten().map(String::from)
+        };
+        assert!(check_nonblocking_allowed(with(None)).is_ok());
+        assert!(check_nonblocking_allowed(with(Some("0"))).is_ok());
+        for refused in ["1", "yes", ""] {
+            assert!(matches!(
+                check_nonblocking_allowed(with(Some(refused))),
+                Err(MokError::InvalidConfig { field: "NCCL_COMM_BLOCKING", .. })
+            ));
+        }
     }
 
     #[test]
