@@ -107,13 +107,15 @@ impl BenchArgs {
     }
 }
 
-/// (rank, world) from torchrun's (`RANK`, `WORLD_SIZE`) or Slurm's (`SLURM_PROCID`,
-/// `SLURM_NTASKS`) variables, read through `get`; (0, 1) when neither launcher set them.
+/// (rank, world) from torchrun's (`RANK`, `WORLD_SIZE`) or an `srun` step's (`SLURM_PROCID`,
+/// `SLURM_STEP_NUM_TASKS` or else `SLURM_NTASKS`) variables, read through `get`, as the layer's
+/// `LaunchEnv` reads them; (0, 1) when neither launcher set them, and in an `sbatch` script's
+/// batch step or an `salloc` shell (Slurm's variables without `SLURM_STEP_ID`).
 pub fn launch_world(get: impl Fn(&str) -> Option<String>) -> Result<(usize, usize)> {
     let pair = if get("RANK").is_some() || get("WORLD_SIZE").is_some() {
         ("RANK", "WORLD_SIZE")
-    } else if get("SLURM_PROCID").is_some() || get("SLURM_NTASKS").is_some() {
-        ("SLURM_PROCID", "SLURM_NTASKS")
+    } else if get("SLURM_STEP_ID").is_some() || get("SLURM_STEPID").is_some() {
+        ("SLURM_PROCID", if get("SLURM_STEP_NUM_TASKS").is_some() { "SLURM_STEP_NUM_TASKS" } else { "SLURM_NTASKS" })
     } else {
         return Ok((0, 1));
     };
@@ -734,7 +736,13 @@ mod tests {
         };
         assert_eq!(launch_world(env(&[])).unwrap(), (0, 1));
         assert_eq!(launch_world(env(&[("RANK", "3"), ("WORLD_SIZE", "8"), ("LOCAL_RANK", "3")])).unwrap(), (3, 8));
-        assert_eq!(launch_world(env(&[("SLURM_PROCID", "5"), ("SLURM_NTASKS", "72")])).unwrap(), (5, 72));
+        let step = &[("SLURM_STEP_ID", "0"), ("SLURM_PROCID", "5"), ("SLURM_NTASKS", "72")];
+        assert_eq!(launch_world(env(step)).unwrap(), (5, 72));
+        let preserved =
+            &[("SLURM_STEP_ID", "0"), ("SLURM_PROCID", "1"), ("SLURM_NTASKS", "72"), ("SLURM_STEP_NUM_TASKS", "8")];
+        assert_eq!(launch_world(env(preserved)).unwrap(), (1, 8));
+        // An sbatch script's batch step: one process.
+        assert_eq!(launch_world(env(&[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "72")])).unwrap(), (0, 1));
         // torchrun under Slurm: torchrun's own variables win.
         assert_eq!(
             launch_world(env(&[("RANK", "1"), ("WORLD_SIZE", "2"), ("SLURM_PROCID", "0"), ("SLURM_NTASKS", "1")]))

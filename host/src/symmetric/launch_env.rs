@@ -1,6 +1,8 @@
 //! Rank, world size and local rank from the launcher's environment: torchrun (`RANK`,
-//! `WORLD_SIZE`, `LOCAL_RANK`), Slurm (`SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`), or a
-//! single process when neither is set.
+//! `WORLD_SIZE`, `LOCAL_RANK`), an `srun` step (`SLURM_PROCID`, `SLURM_STEP_NUM_TASKS` or else
+//! `SLURM_NTASKS`, `SLURM_LOCALID`), or a single process when neither is set. Slurm's variables
+//! count only inside a step (`SLURM_STEP_ID` set, as `srun` sets it): an `sbatch` script's batch
+//! step, or an `salloc` shell, is one process whatever the allocation's task count.
 
 use crate::error::{MokError, Result};
 
@@ -50,8 +52,10 @@ impl LaunchEnv {
         };
         let (names, launcher) = if get("RANK").is_some() || get("WORLD_SIZE").is_some() {
             (("RANK", "WORLD_SIZE", "LOCAL_RANK"), Launcher::Torchrun)
-        } else if get("SLURM_PROCID").is_some() || get("SLURM_NTASKS").is_some() {
-            (("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"), Launcher::Slurm)
+        } else if in_slurm_step(&get) {
+            // The step's own task count: `srun --preserve-env` leaves SLURM_NTASKS the allocation's.
+            let world = if get("SLURM_STEP_NUM_TASKS").is_some() { "SLURM_STEP_NUM_TASKS" } else { "SLURM_NTASKS" };
+            (("SLURM_PROCID", world, "SLURM_LOCALID"), Launcher::Slurm)
         } else {
             return Ok(Self { rank: 0, world: 1, local_rank: 0, launcher: Launcher::Single });
         };
@@ -86,6 +90,12 @@ impl LaunchEnv {
     }
 }
 
+/// Whether the variables are an `srun` step's (`SLURM_STEP_ID`, or its older spelling
+/// `SLURM_STEPID`), not a batch script's or an allocation shell's.
+pub fn in_slurm_step(get: impl Fn(&str) -> Option<String>) -> bool {
+    get("SLURM_STEP_ID").is_some() || get("SLURM_STEPID").is_some()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -103,9 +113,22 @@ mod tests {
             LaunchEnv { rank: 5, world: 8, local_rank: 1, launcher: Launcher::Torchrun }
         );
         assert_eq!(
-            env(&[("SLURM_PROCID", "3"), ("SLURM_NTASKS", "4"), ("SLURM_LOCALID", "3")]).unwrap(),
+            env(&[("SLURM_STEP_ID", "0"), ("SLURM_PROCID", "3"), ("SLURM_NTASKS", "4"), ("SLURM_LOCALID", "3")])
+                .unwrap(),
             LaunchEnv { rank: 3, world: 4, local_rank: 3, launcher: Launcher::Slurm }
         );
+        // The step's task count wins over the allocation's (srun --preserve-env).
+        let preserved = [
+            ("SLURM_STEPID", "1"),
+            ("SLURM_PROCID", "1"),
+            ("SLURM_NTASKS", "16"),
+            ("SLURM_STEP_NUM_TASKS", "2"),
+            ("SLURM_LOCALID", "1"),
+        ];
+        assert_eq!(env(&preserved).unwrap().world, 2);
+        // An sbatch script's batch step or an salloc shell: the allocation's variables, no step.
+        let batch = env(&[("SLURM_JOB_ID", "7"), ("SLURM_PROCID", "0"), ("SLURM_NTASKS", "8")]).unwrap();
+        assert_eq!(batch, LaunchEnv { rank: 0, world: 1, local_rank: 0, launcher: Launcher::Single });
         assert_eq!(env(&[]).unwrap(), LaunchEnv { rank: 0, world: 1, local_rank: 0, launcher: Launcher::Single });
         // torchrun inside a Slurm allocation: torchrun's per-process values win.
         let both = env(&[
@@ -130,7 +153,15 @@ mod tests {
         assert_eq!(field(&[("RANK", "2"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0")]), "RANK");
         assert_eq!(field(&[("RANK", "1"), ("WORLD_SIZE", "2")]), "LOCAL_RANK");
         assert_eq!(field(&[("WORLD_SIZE", "2")]), "RANK");
-        assert_eq!(field(&[("SLURM_PROCID", "1"), ("SLURM_NTASKS", "-2"), ("SLURM_LOCALID", "0")]), "SLURM_NTASKS");
-        assert_eq!(field(&[("SLURM_PROCID", "1"), ("SLURM_NTASKS", "4"), ("SLURM_LOCALID", "2")]), "SLURM_LOCALID");
+        let step = ("SLURM_STEP_ID", "0");
+        assert_eq!(
+            field(&[step, ("SLURM_PROCID", "1"), ("SLURM_NTASKS", "-2"), ("SLURM_LOCALID", "0")]),
+            "SLURM_NTASKS"
+        );
+        assert_eq!(
+            field(&[step, ("SLURM_PROCID", "1"), ("SLURM_NTASKS", "4"), ("SLURM_LOCALID", "2")]),
+            "SLURM_LOCALID"
+        );
+        assert_eq!(field(&[step, ("SLURM_NTASKS", "4")]), "SLURM_PROCID");
     }
 }
