@@ -162,7 +162,19 @@ impl SymmetricHeap {
                 ExportedHandle::PosixFd(fd) => ExportedHandle::PosixFd(duplicate_peer_fd(peer.pid, fd)?),
                 fabric => fabric,
             };
-            let imported = VmmMapping::import(&handle, peer.bytes as usize, &[ordinal]);
+            // A driver error here is most often a pair of GPUs without peer access: say whose
+            // slice it was and what the import needs.
+            let imported = VmmMapping::import(&handle, peer.bytes as usize, &[ordinal]).map_err(|error| match error {
+                MokError::Cuda { call, message } => MokError::Cuda {
+                    call: format!(
+                        "{call} (importing rank {}'s slice on device {ordinal}, which must reach that rank's GPU by \
+                         NVLink or PCIe peer access)",
+                        peer.rank
+                    ),
+                    message,
+                },
+                other => other,
+            });
             // The import holds its own reference: the duplicated descriptor would only keep the
             // peer's memory alive after the heap is dropped.
             close_descriptor(&handle);
