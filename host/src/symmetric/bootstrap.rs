@@ -28,7 +28,7 @@ use cudarc::driver::sys as cuda_sys;
 use cudarc::nccl::{result as nccl, sys as nccl_sys};
 
 use super::handles::to_hex;
-use super::id_file::{check_nvls_off, path_for_run, read_when_present, unique_run_nonce, write_atomically};
+use super::id_file::{check_nvls_off, path_for_run, poll_until, read_when_present, unique_run_nonce, write_atomically};
 use super::launch_env::LaunchEnv;
 use crate::driver::{DeviceBuffer, Gpu};
 use crate::error::{MokError, Result};
@@ -103,32 +103,14 @@ impl CommConfigV2_17 {
     }
 }
 
-/// What one look at an awaited operation found.
-#[derive(Debug, PartialEq, Eq)]
-enum Polled {
-    Done,
-    Pending,
-}
+/// Between two looks at NCCL's or the stream's state.
+const POLL_INTERVAL: Duration = Duration::from_millis(1);
 
-/// Polls `look` until it reports `Done` or fails, or `deadline` passes (then `Ok(false)`): a
-/// short sleep between looks, since the waits here are once per setup, not per pass.
-fn poll_until(deadline: Instant, mut look: impl FnMut() -> Result<Polled>) -> Result<bool> {
-    loop {
-        if look()? == Polled::Done {
-            return Ok(true);
-        }
-        if Instant::now() >= deadline {
-            return Ok(false);
-        }
-        std::thread::sleep(Duration::from_millis(1));
-    }
-}
-
-/// The communicator's asynchronous state: `Done` once its last call finished, an error if it failed.
+/// Whether the communicator is idle (its last call finished); an error if that call failed.
 ///
 /// # Safety
 /// `comm` is a live communicator (not destroyed or aborted).
-unsafe fn comm_state(comm: nccl_sys::ncclComm_t, call: &str) -> Result<Polled> {
+unsafe fn comm_idle(comm: nccl_sys::ncclComm_t, call: &str) -> Result<bool> {
     // Written as a plain integer, not cudarc's enum: a code a later NCCL adds must not become an
     // invalid enum value.
     const SUCCESS: u32 = nccl_sys::ncclResult_t::ncclSuccess as u32;
@@ -139,20 +121,25 @@ unsafe fn comm_state(comm: nccl_sys::ncclComm_t, call: &str) -> Result<Polled> {
     let asked = unsafe { nccl_sys::ncclCommGetAsyncError(comm, (&mut state as *mut u32).cast()) };
     nccl_result("ncclCommGetAsyncError", asked)?;
     match state {
-        SUCCESS => Ok(Polled::Done),
-        IN_PROGRESS => Ok(Polled::Pending),
+        SUCCESS => Ok(true),
+        IN_PROGRESS => Ok(false),
         code => Err(MokError::Cuda { call: call.into(), message: format!("ncclResult_t {code}") }),
     }
 }
 
-/// Whether `stream` has no work left (or has failed), polled for at most `patience`.
-fn stream_drained(stream: cuda_sys::CUstream, patience: Duration) -> bool {
-    // SAFETY: a query of a live stream (the caller's GPU's).
-    let look = || match unsafe { cuda_sys::cuStreamQuery(stream) } {
-        cuda_sys::CUresult::CUDA_ERROR_NOT_READY => Ok(Polled::Pending),
-        _ => Ok(Polled::Done),
-    };
-    matches!(poll_until(Instant::now() + patience, look), Ok(true))
+/// Whether `stream` has run all its work; an error if it failed.
+fn stream_idle(stream: cuda_sys::CUstream) -> Result<bool> {
+    // SAFETY: a query of a live stream (the caller's GPU's, alive while the caller holds it).
+    match unsafe { cuda_sys::cuStreamQuery(stream) } {
+        cuda_sys::CUresult::CUDA_SUCCESS => Ok(true),
+        cuda_sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+        other => Err(MokError::Cuda { call: "cuStreamQuery".into(), message: format!("{other:?}") }),
+    }
+}
+
+/// A look for [`poll_until`] from a yes/no state.
+fn found(idle: Result<bool>) -> Result<Option<()>> {
+    idle.map(|idle| idle.then_some(()))
 }
 
 impl NcclBootstrap {
@@ -233,7 +220,7 @@ impl NcclBootstrap {
         bootstrap.wait(
             "ncclCommInitRankConfig",
             deadline,
-            || unsafe { comm_state(comm, "ncclCommInitRankConfig") },
+            || found(unsafe { comm_idle(comm, "ncclCommInitRankConfig") }),
             || format!("every one of the {} ranks to join the NCCL communicator", env.world),
         )?;
         if env.rank == 0 {
@@ -250,12 +237,12 @@ impl NcclBootstrap {
         &self,
         call: &str,
         deadline: Instant,
-        look: impl FnMut() -> Result<Polled>,
+        look: impl FnMut() -> Result<Option<()>>,
         waited_for: impl FnOnce() -> String,
     ) -> Result<()> {
-        match poll_until(deadline, look) {
-            Ok(true) => Ok(()),
-            Ok(false) => {
+        match poll_until(deadline, POLL_INTERVAL, look) {
+            Ok(Some(())) => Ok(()),
+            Ok(None) => {
                 self.abort();
                 Err(MokError::Timeout {
                     rank: Some(self.rank),
@@ -335,31 +322,21 @@ impl NcclBootstrap {
                 stream as nccl_sys::cudaStream_t,
             )
         };
-        let waited_for = || format!("every one of the {} ranks' part of the NCCL all-gather", self.world);
+        // Done once NCCL has enqueued it (the communicator idle) and the stream has run it.
+        // SAFETY: `comm` stays live until `wait` aborts it, after its last look.
+        let done = || found(Ok(unsafe { comm_idle(comm, "ncclAllGather")? } && stream_idle(stream)?));
         let finished = nccl_result("ncclAllGather", enqueued).and_then(|()| {
-            // Enqueued once the communicator is idle; done once the stream has run it (the
-            // second wait's first look finds the communicator idle: the first wait saw it so).
-            // SAFETY (both looks): `comm` stays live until `wait` aborts it, after its last look;
-            // the stream lives as long as `gpu`.
-            self.wait("ncclAllGather", deadline, || unsafe { comm_state(comm, "ncclAllGather") }, waited_for)?;
-            self.wait(
-                "ncclAllGather",
-                deadline,
-                || unsafe {
-                    comm_state(comm, "ncclAllGather")?;
-                    match cuda_sys::cuStreamQuery(stream) {
-                        cuda_sys::CUresult::CUDA_SUCCESS => Ok(Polled::Done),
-                        cuda_sys::CUresult::CUDA_ERROR_NOT_READY => Ok(Polled::Pending),
-                        other => Err(MokError::Cuda { call: "cuStreamQuery".into(), message: format!("{other:?}") }),
-                    }
-                },
-                waited_for,
-            )
+            self.wait("ncclAllGather", deadline, done, || {
+                format!("every one of the {} ranks' part of the NCCL all-gather", self.world)
+            })
         });
         if let Err(error) = finished {
             // After the abort NCCL's kernels stop; one that has not left the stream in a while
-            // may still write the buffers, which then must outlive it.
-            if !stream_drained(stream, self.timeout.min(Duration::from_secs(10))) {
+            // may still write the buffers, which then must outlive it (a failed stream has
+            // nothing left to run).
+            let patience = Instant::now() + self.timeout.min(Duration::from_secs(10));
+            let drained = poll_until(patience, POLL_INTERVAL, || found(Ok(stream_idle(stream).unwrap_or(true))));
+            if !matches!(drained, Ok(Some(()))) {
                 std::mem::forget(send);
                 std::mem::forget(receive);
             }
@@ -381,7 +358,10 @@ impl Drop for NcclBootstrap {
         // SAFETY: the communicator is live and used by nothing after this.
         unsafe {
             let finalized = nccl::comm_finalize(comm).is_ok()
-                && matches!(poll_until(deadline, || comm_state(comm, "ncclCommFinalize")), Ok(true));
+                && matches!(
+                    poll_until(deadline, POLL_INTERVAL, || found(comm_idle(comm, "ncclCommFinalize"))),
+                    Ok(Some(()))
+                );
             if finalized {
                 let _ = nccl::comm_destroy(comm);
             } else {
@@ -425,24 +405,5 @@ mod tests {
                 Err(MokError::InvalidConfig { field: "NCCL_COMM_BLOCKING", .. })
             ));
         }
-    }
-
-    #[test]
-    fn a_wait_ends_at_its_deadline_or_on_the_first_failure() {
-        let started = Instant::now();
-        let finished = poll_until(started + Duration::from_millis(30), || Ok(Polled::Pending)).unwrap();
-        assert!(!finished);
-        assert!(started.elapsed() >= Duration::from_millis(30));
-        let mut looks = 0;
-        let finished = poll_until(started + Duration::from_secs(60), || {
-            looks += 1;
-            Ok(if looks < 3 { Polled::Pending } else { Polled::Done })
-        });
-        assert!(matches!(finished, Ok(true)));
-        assert_eq!(looks, 3);
-        let failed = poll_until(Instant::now() + Duration::from_secs(60), || {
-            Err(MokError::Cuda { call: "ncclAllGather".into(), message: "ncclRemoteError".into() })
-        });
-        assert!(matches!(failed, Err(MokError::Cuda { .. })));
     }
 }

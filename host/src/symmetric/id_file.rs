@@ -78,27 +78,41 @@ pub(crate) fn digest(text: &str) -> u64 {
     text.bytes().fold(0xcbf2_9ce4_8422_2325, |hash, byte| (hash ^ byte as u64).wrapping_mul(0x0100_0000_01b3))
 }
 
+/// Calls `look` until it finds a value or fails, or `deadline` passes (then `Ok(None)`),
+/// sleeping `interval` between looks: the setup's waits for the other processes (their files,
+/// NCCL's state), once per setup, not per pass.
+pub(crate) fn poll_until<T, E>(
+    deadline: Instant,
+    interval: Duration,
+    mut look: impl FnMut() -> std::result::Result<Option<T>, E>,
+) -> std::result::Result<Option<T>, E> {
+    loop {
+        if let Some(found) = look()? {
+            return Ok(Some(found));
+        }
+        if Instant::now() >= deadline {
+            return Ok(None);
+        }
+        std::thread::sleep(interval);
+    }
+}
+
 /// Rank 0's id (hex after the nonce line) once the file at `path` holds it for this run's
 /// `nonce`, polling up to `timeout`.
 pub(crate) fn read_when_present(path: &Path, nonce: &str, timeout: Duration) -> Result<Vec<u8>> {
-    let start = Instant::now();
-    loop {
-        if let Ok(text) = std::fs::read_to_string(path)
-            && let Some((written, hex)) = text.split_once('\n')
-            && written == nonce
-        {
-            return from_hex(hex);
+    let look = || {
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        match text.split_once('\n') {
+            Some((written, hex)) if written == nonce => from_hex(hex).map(Some),
+            _ => Ok(None),
         }
-        if start.elapsed() > timeout {
-            return Err(MokError::Timeout {
-                waited_for: format!("rank 0 to write this run's NCCL unique id to {}", path.display()),
-                rank: None,
-                peer: Some(0),
-                detail: format!("nothing for nonce {nonce:?} after {timeout:?}"),
-            });
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    };
+    poll_until(Instant::now() + timeout, Duration::from_millis(20), look)?.ok_or_else(|| MokError::Timeout {
+        waited_for: format!("rank 0 to write this run's NCCL unique id to {}", path.display()),
+        rank: None,
+        peer: Some(0),
+        detail: format!("nothing for nonce {nonce:?} after {timeout:?}"),
+    })
 }
 
 /// The variable that keeps NCCL from using NVLink SHARP, whose multicast objects mok never
@@ -125,6 +139,26 @@ pub(crate) fn check_nvls_off(get: impl Fn(&str) -> Option<String>) -> Result<()>
 mod tests {
     use super::*;
     use crate::symmetric::handles::to_hex;
+
+    #[test]
+    fn a_wait_ends_at_its_deadline_or_on_the_first_failure() {
+        let interval = Duration::from_millis(1);
+        let started = Instant::now();
+        let finished = poll_until(started + Duration::from_millis(30), interval, || Ok::<Option<()>, MokError>(None));
+        assert!(finished.unwrap().is_none());
+        assert!(started.elapsed() >= Duration::from_millis(30));
+        let mut looks = 0;
+        let finished = poll_until(started + Duration::from_secs(60), interval, || {
+            looks += 1;
+            Ok::<_, MokError>((looks >= 3).then_some(()))
+        });
+        assert!(matches!(finished, Ok(Some(()))));
+        assert_eq!(looks, 3);
+        let failed = poll_until(Instant::now() + Duration::from_secs(60), interval, || {
+            Err::<Option<()>, _>(MokError::Cuda { call: "ncclAllGather".into(), message: "ncclRemoteError".into() })
+        });
+        assert!(matches!(failed, Err(MokError::Cuda { .. })));
+    }
 
     #[test]
     fn only_this_runs_id_is_read() {

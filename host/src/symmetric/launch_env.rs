@@ -92,7 +92,7 @@ impl LaunchEnv {
 
 /// Whether the variables are an `srun` step's (`SLURM_STEP_ID`, or its older spelling
 /// `SLURM_STEPID`), not a batch script's or an allocation shell's.
-pub fn in_slurm_step(get: impl Fn(&str) -> Option<String>) -> bool {
+fn in_slurm_step(get: impl Fn(&str) -> Option<String>) -> bool {
     get("SLURM_STEP_ID").is_some() || get("SLURM_STEPID").is_some()
 }
 

@@ -15,7 +15,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use super::id_file::{digest, io_error, run_nonce, write_atomically};
+use super::id_file::{digest, io_error, poll_until, run_nonce, write_atomically};
 use super::launch_env::LaunchEnv;
 use crate::error::{MokError, Result};
 
@@ -92,17 +92,12 @@ impl FileRendezvous {
 
 /// The file's bytes once it exists, polling until `timeout` after `start`; `Err` says why not.
 fn wait_for_file(path: &Path, start: Instant, timeout: Duration) -> std::result::Result<Vec<u8>, String> {
-    loop {
-        match std::fs::read(path) {
-            Ok(bytes) => return Ok(bytes),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(format!("cannot read it: {e}")),
-        }
-        if start.elapsed() > timeout {
-            return Err(format!("not written after {timeout:?}"));
-        }
-        std::thread::sleep(Duration::from_millis(2));
-    }
+    let look = || match std::fs::read(path) {
+        Ok(bytes) => Ok(Some(bytes)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(format!("cannot read it: {e}")),
+    };
+    poll_until(start + timeout, Duration::from_millis(2), look)?.ok_or_else(|| format!("not written after {timeout:?}"))
 }
 
 #[cfg(test)]
