@@ -40,12 +40,12 @@ use crate::gemm_layout::{
     CONSUMER_REGISTERS, ENGINE_THREADS, GemmParams, MEGAKERNEL_PRODUCER_REGISTERS, NO_TILE, PAIRED_CONSUMER_REGISTERS,
     PAIRED_PRODUCER_REGISTERS, PRODUCER_REGISTERS, cluster_blocks, is_wgrad, ring_stages, staging_boxes,
 };
-use crate::ptx::memory::{ld_shared_u32, st_shared_u32};
+use crate::ptx::memory::{ld_shared_u32, ld_volatile_shared_u32, st_shared_u32};
 use crate::ptx::{bulk, cluster, mbarrier, sreg, sync};
 
 pub(crate) use super::epilogue::for_each_pair;
 use super::epilogue::*;
-use super::gather::{GATHER_BARRIER, GATHER_LANES, GATHER_WARPS, produce_gathering};
+use super::gather::{GATHER_LANES, GATHER_WARPS, Gatherers, produce_gathering};
 use super::hooks::{BackwardHandover, ForwardHandover, TileHooks, hooked};
 use super::mainloop::*;
 use super::producer::*;
@@ -267,7 +267,7 @@ pub unsafe fn run<const V: u32, H: TileHooks>(params: *const GemmParams, hooks: 
 /// produced alone.
 ///
 /// # Safety
-/// Every gathering thread calls it, in uniform control flow; no gathering thread still reads
+/// Every gathering thread calls it, once; no gathering thread still reads
 /// the hand-out words from an earlier call or a tile hand-out (each gathering phase ends with
 /// the gathering threads meeting).
 #[inline(always)]
@@ -282,8 +282,14 @@ unsafe fn share_walk<const V: u32>(ring: Ring, walk: Walk, thread: u32) -> Walk 
             st_shared_u32(words + 4, walk.phase);
             st_shared_u32(words + 8, walk.mail_phases);
         }
-        sync::named_barrier(GATHER_BARRIER, GATHER_LANES * GATHER_WARPS);
-        Walk { stage: ld_shared_u32(words), phase: ld_shared_u32(words + 4), mail_phases: ld_shared_u32(words + 8) }
+        Gatherers { thread }.meet();
+        // Volatile: three plain loads get merged into one 16-byte load that also reads the
+        // tile hand-out word, which thread 0 writes next without a meeting in between.
+        Walk {
+            stage: ld_volatile_shared_u32(words),
+            phase: ld_volatile_shared_u32(words + 4),
+            mail_phases: ld_volatile_shared_u32(words + 8),
+        }
     }
 }
 

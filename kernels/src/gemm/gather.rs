@@ -28,7 +28,7 @@ use crate::gemm_layout::{
     A_TILE_BYTES, B_TILE_BYTES, BLOCK_64_BYTES, GATHERED_ROWS_PER_LANE, GemmParams, NO_TILE, TILE_K, TILE_M, Variant,
     gathered_a_chunk, gathered_a_copy, gathered_b_chunk, gathered_b_copy, is_wgrad,
 };
-use crate::ptx::memory::{atom_add_relaxed_gpu_u32, ld_shared_u32, st_shared_u32};
+use crate::ptx::memory::{atom_add_relaxed_gpu_u32, ld_volatile_shared_u32, st_shared_u32};
 use crate::ptx::{cp_async, mbarrier, sreg, sync, tensormap, tma};
 
 use super::hooks::{RowGather, TileHooks};
@@ -41,7 +41,7 @@ pub(super) const GATHER_LANES: u32 = 32;
 
 /// The named barrier at which the gathering warps meet (0 is the block's, 1 and 2 the
 /// consumer warpgroups' epilogues).
-pub(super) const GATHER_BARRIER: u32 = 3;
+const GATHER_BARRIER: u32 = 3;
 
 /// Warps that gather: the whole producer warpgroup. One warp's copies keep too few rows in
 /// flight to feed the MMAs (docs/PERF.md, "The token rows gathered in the GEMM producers");
@@ -72,14 +72,15 @@ impl Gatherers {
     }
     /// Every gathering thread meets here (named barrier [`GATHER_BARRIER`]), which also orders
     /// their shared-memory accesses and `cp.async` tracking before whatever follows in any of
-    /// them.
+    /// them. The unaligned barrier: thread 0 reaches a meeting from work it did alone (taking a
+    /// tile, or the phases it produced by itself), so its warp may arrive divergent.
     ///
     /// # Safety
-    /// Every gathering thread calls it, in uniform control flow.
+    /// Every gathering thread calls it, once per meeting.
     #[inline(always)]
-    unsafe fn meet(self) {
+    pub(super) unsafe fn meet(self) {
         // SAFETY: caller contract.
-        unsafe { sync::named_barrier(GATHER_BARRIER, GATHER_LANES * GATHER_WARPS) }
+        unsafe { sync::named_barrier_unaligned(GATHER_BARRIER, GATHER_LANES * GATHER_WARPS) }
     }
 }
 
@@ -199,7 +200,7 @@ pub(super) unsafe fn produce_gathering<const V: u32, H: TileHooks>(
                     st_shared_u32(ring.handout::<V>(), named);
                 }
                 gatherers.meet();
-                ld_shared_u32(ring.handout::<V>())
+                ld_volatile_shared_u32(ring.handout::<V>())
             }
         };
         taken += 1;

@@ -312,6 +312,23 @@ pub unsafe fn ld_shared_u32(smem_addr: u32) -> u32 {
     value
 }
 
+/// 32-bit volatile shared-memory load (`ld.volatile.shared.u32`): exactly this word, never
+/// merged by ptxas into a wider load of its neighbours (a widened load of a word that another
+/// thread writes meanwhile is a race, even if the value goes unused).
+///
+/// # Safety
+/// `smem_addr` is a valid, 4-byte aligned shared-memory address.
+#[inline(always)]
+pub unsafe fn ld_volatile_shared_u32(smem_addr: u32) -> u32 {
+    let value: u32;
+    // SAFETY: caller guarantees a valid shared address.
+    unsafe {
+        asm!("ld.volatile.shared.u32 {v}, [{a}];", v = out(reg32) value, a = in(reg32) smem_addr,
+             options(nostack, readonly));
+    }
+    value
+}
+
 /// 32-bit shared-memory store (`st.shared.u32`).
 ///
 /// # Safety

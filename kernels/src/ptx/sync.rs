@@ -142,3 +142,16 @@ pub unsafe fn named_barrier(id: u32, threads: u32) {
     // SAFETY: caller contract.
     unsafe { asm!("bar.sync {i}, {n};", i = in(reg32) id, n = in(reg32) threads, options(nostack)) };
 }
+
+/// `barrier.sync id, threads` (not `.aligned`): [`named_barrier`] for threads that may reach it
+/// from divergent paths of their warp, such as a warp whose lane 0 ran a role alone before it.
+/// The aligned form needs every lane of a warp at the same instruction together; a warp that
+/// reconverges only at the barrier breaks that (compute-sanitizer's synccheck reports it).
+///
+/// # Safety
+/// Exactly `threads` threads (a multiple of 32) reach it with this `id`, each once per use.
+#[inline(always)]
+pub unsafe fn named_barrier_unaligned(id: u32, threads: u32) {
+    // SAFETY: caller contract.
+    unsafe { asm!("barrier.sync {i}, {n};", i = in(reg32) id, n = in(reg32) threads, options(nostack)) };
+}
