@@ -97,7 +97,8 @@ pub struct LayerOptions {
     /// engine path's forward is faster with it and its backward slower (the gathering weight
     /// gradients take 1.26–1.39× the plain ones' time: docs/PERF.md), and the layer holds no
     /// gathered copy (T · k · H bf16 less). Refused over ranks (the rows are pulled from their
-    /// owners) and on `mma.sync`.
+    /// owners) and on `mma.sync`. Not compute-sanitizer clean: synccheck and racecheck report
+    /// its copies' completion tracking, and stop the launch under the tool (docs/TESTING.md).
     pub gather_in_producer: bool,
 }
 
