@@ -8,22 +8,30 @@
 //! data gradients, the downs, the shared expert's) while the other lanes wait to be told where
 //! the walk stands (`share_walk`: the threads meet), and gathering phases all of them
 //! produce, with runs of copy-less stages (empty-group weight gradients) and each phase's
-//! final `NO_TILE`. It checks what the kernel relies on and cannot be run here: no copy is
-//! issued into a stage before the consumers released its previous use, no consumer passes a
+//! final `NO_TILE`. Each lane waits for its own copies of a stage (`cp.async.wait_group`) a
+//! fixed lag of stages after issuing them (the ring's stages less 2), the lanes meet, and lane 0
+//! publishes that stage (its `full` arrival); a stage without copies first publishes every
+//! stage still unpublished. It checks what the kernel relies on and cannot be run here: no copy
+//! is issued into a stage before the consumers released its previous use, no consumer passes a
 //! `full` wait before every copy of that use has landed, and the walk completes.
 //!
 //! With several gathering warps (half the walks) lane 0 also hands each tile to the others
 //! through a shared word and a named barrier: the model checks that no thread reads another
 //! tile than its use's and that lane 0 never overwrites the word before every thread read it.
 //!
-//! It also shows the model can fail, on four weaker walks:
+//! It also shows the model can fail, on seven weaker walks:
 //! - only lane 0 waits at copy-less stages: the other lanes run a ring ahead, where an `empty`
 //!   wait passes on a parity two phases back;
 //! - every lane waits there but the warp does not meet: lane 0 runs two rounds ahead of a slow
 //!   lane, whose wait then never passes (the model found this one; the kernel's copy-less
 //!   stages end with the threads meeting);
 //! - the threads do not meet where a gathering phase starts;
-//! - the threads read the hand-out word without meeting after lane 0's write.
+//! - the threads read the hand-out word without meeting after lane 0's write;
+//! - the threads do not meet after reading it (lane 0 then overwrites it before a slow thread
+//!   read it, where a tile's stages end without a meeting);
+//! - lane 0 publishes a stage without the lanes waiting for their copies of it;
+//! - the lag is the ring's stages: a lane then waits for a stage whose release needs one of the
+//!   stages it has not yet published.
 
 // Deterministic xorshift for the walks and the interleavings (the work-order model's).
 use crate::megakernel::work_order_model::Rng;
@@ -68,11 +76,11 @@ impl Barrier {
     }
 }
 
-/// What lands asynchronously: a lane's copies of use `u` (then its tracked arrival), or lane
-/// 0's TMA copy of use `u` (its transaction bytes).
+/// What lands asynchronously: lane `lane`'s copies of use `u`, or lane 0's TMA copy of use `u`
+/// (its transaction bytes).
 #[derive(Clone, Copy, Debug)]
 enum Landing {
-    Copies { u: usize },
+    Copies { u: usize, lane: usize },
     Tma { u: usize },
 }
 
@@ -82,15 +90,34 @@ enum Step {
     /// The warp meets at the start of a gathering phase (lane 0's walk broadcast).
     Meet,
     /// The gathering warps: lane 0 writes the tile it took into the shared hand-out word,
-    /// the lanes meet, each reads it (at every tile's first use; the tile is its first use).
+    /// the lanes meet, each reads it, and they meet again (at every tile's first use; the tile
+    /// is its first use).
     HandOut,
     HandOutMeet,
     HandOutRead,
+    /// The lanes meet again once each read the word, before lane 0 can write the next tile.
+    HandOutReadMeet,
+    /// Before a stage without copies: each lane waits for all its copies, the lanes meet, and
+    /// lane 0 publishes every unpublished stage (skipped when none is).
+    Flush,
+    FlushMeet,
+    FlushPublish,
     WaitEmpty,
     Issue,
+    /// After issuing a stage's copies with `lag` stages unpublished: the lane waits for its
+    /// copies of the stage `lag` back, the lanes meet, lane 0 publishes that stage.
+    WaitCopies,
     StageMeet,
+    Publish,
     Arrive,
     Done,
+}
+
+impl Step {
+    /// The step's place in a use: a meeting holds a lane until every lane is at it or past it.
+    fn order(self) -> u8 {
+        self as u8
+    }
 }
 
 struct Model {
@@ -122,6 +149,10 @@ struct Model {
     landed: Vec<usize>,
     /// How the warp walks the ring together.
     walking: Walking,
+    /// Stages after its copies' issue that a lane waits for them and the stage is published.
+    lag: usize,
+    /// Per lane: the stages right before its current one whose copies it has not waited for.
+    unpublished: Vec<usize>,
 }
 
 /// How the producer warp walks the ring together (lane 0 names the tile and arrives in each
@@ -141,6 +172,14 @@ enum Walking {
     PhaseWithoutMeeting,
     /// Faulty: the threads read the hand-out word without meeting after lane 0's write.
     HandOutWithoutMeeting,
+    /// Faulty: the threads do not meet after reading the hand-out word (lane 0 can write the
+    /// next tile before a slow thread read this one, when the tile's stages end without a
+    /// meeting).
+    HandOutWithoutSecondMeeting,
+    /// Faulty: lane 0 publishes stages without any lane waiting for its copies.
+    PublishWithoutWaiting,
+    /// Faulty: the lag is the ring's stages, not 2 less.
+    LagOfTheRing,
 }
 
 /// A broken property, named.
@@ -171,6 +210,8 @@ impl Model {
             in_flight: Vec::new(),
             landed: vec![0; uses],
             walking,
+            lag: if walking == Walking::LagOfTheRing { stages } else { stages - 2 },
+            unpublished: vec![0; lanes],
         };
         for l in 0..lanes {
             model.lane_at[l] = model.entry(l, 0);
@@ -188,13 +229,30 @@ impl Model {
     }
 
     /// A lane's first step in use `u` after any phase meeting: the tile hand-out where a tile
-    /// starts in a gathering phase with several warps, else the `empty` wait.
+    /// starts in a gathering phase with several warps, else the stage's own.
     fn after_meet(&self, u: usize) -> Step {
         if u < self.copies.len() && self.hand_out && self.gathered[u] && self.tile_starts[u] {
             Step::HandOut
         } else {
-            Step::WaitEmpty
+            self.stage_entry(u)
         }
+    }
+
+    /// The first step of use `u`'s stage: a gathered stage without copies publishes the
+    /// unpublished stages first; any other waits for the stage to be free.
+    fn stage_entry(&self, u: usize) -> Step {
+        if u < self.copies.len() && self.gathered[u] && !self.copies[u] { Step::Flush } else { Step::WaitEmpty }
+    }
+
+    /// Whether every lane is at use `u`'s meeting `step` or past it (a faulty walk's lanes may
+    /// be past it without having met).
+    fn all_at(&self, u: usize, step: Step) -> bool {
+        self.lane_at.iter().all(|&(v, st)| v > u || (v == u && st.order() >= step.order()))
+    }
+
+    /// Whether lane `l` still has copies in flight of a use at or before `u`.
+    fn copies_in_flight(&self, l: usize, u: usize) -> bool {
+        self.in_flight.iter().any(|landing| matches!(*landing, Landing::Copies { u: v, lane } if lane == l && v <= u))
     }
 
     fn stage_round(&self, u: usize) -> (usize, u32) {
@@ -231,9 +289,7 @@ impl Model {
             }
             Step::HandOutMeet => {
                 // `bar.sync`: every lane at this use's meeting or past it.
-                let all_here =
-                    self.lane_at.iter().all(|&(v, st)| v > u || (v == u && !matches!(st, Step::Meet | Step::HandOut)));
-                if self.walking != Walking::HandOutWithoutMeeting && !all_here {
+                if self.walking != Walking::HandOutWithoutMeeting && !self.all_at(u, Step::HandOutMeet) {
                     return Ok(false);
                 }
                 self.lane_at[l] = next(Step::HandOutRead);
@@ -243,6 +299,37 @@ impl Model {
                     return Err(format!("lane {l} reads tile {:?} for use {u}", self.handout_word));
                 }
                 self.unread -= 1;
+                self.lane_at[l] = next(Step::HandOutReadMeet);
+            }
+            Step::HandOutReadMeet => {
+                if self.walking != Walking::HandOutWithoutSecondMeeting && !self.all_at(u, Step::HandOutReadMeet) {
+                    return Ok(false);
+                }
+                self.lane_at[l] = next(self.stage_entry(u));
+            }
+            Step::Flush => {
+                if self.walking != Walking::PublishWithoutWaiting && self.copies_in_flight(l, u) {
+                    return Ok(false);
+                }
+                self.lane_at[l] = next(if self.unpublished[l] > 0 { Step::FlushMeet } else { Step::WaitEmpty });
+            }
+            Step::FlushMeet => {
+                if !self.all_at(u, Step::FlushMeet) {
+                    return Ok(false);
+                }
+                if l == 0 {
+                    self.lane_at[l] = next(Step::FlushPublish);
+                } else {
+                    self.unpublished[l] = 0;
+                    self.lane_at[l] = next(Step::WaitEmpty);
+                }
+            }
+            Step::FlushPublish => {
+                // The kernel's `stage_back`: the `unpublished` stages right before this one.
+                for back in 1..=self.unpublished[0] {
+                    self.full[(u - back) % self.stages].arrive();
+                }
+                self.unpublished[0] = 0;
                 self.lane_at[l] = next(Step::WaitEmpty);
             }
             Step::WaitEmpty if !gathered => {
@@ -271,11 +358,11 @@ impl Model {
                 }
                 self.lane_at[l] = next(match (copies, self.walking) {
                     (true, _) => Step::Issue,
-                    // The kernel: the threads meet after the wait, then lane 0 names and arrives.
-                    (false, Walking::Kernel | Walking::PhaseWithoutMeeting) => Step::StageMeet,
                     // Faulty: straight on (lane 0 to its arrival).
-                    (false, _) if l == 0 => Step::Arrive,
-                    (false, _) => Step::Done,
+                    (false, Walking::CopylessWithoutMeeting | Walking::CopylessLane0Alone) if l == 0 => Step::Arrive,
+                    (false, Walking::CopylessWithoutMeeting | Walking::CopylessLane0Alone) => Step::Done,
+                    // The kernel: the threads meet after the wait, then lane 0 names and arrives.
+                    (false, _) => Step::StageMeet,
                 });
             }
             Step::Issue => {
@@ -290,31 +377,37 @@ impl Model {
                     self.full[s].tx += 1;
                     self.in_flight.push(Landing::Tma { u });
                 }
-                // `cp.async.mbarrier.arrive` (counted): one more pending arrival now.
-                self.full[s].pending += 1;
-                self.in_flight.push(Landing::Copies { u });
+                // The copies, committed as one group.
+                self.in_flight.push(Landing::Copies { u, lane: l });
+                if self.unpublished[l] < self.lag {
+                    self.unpublished[l] += 1;
+                    self.lane_at[l] = next(Step::Done);
+                } else {
+                    self.lane_at[l] = next(Step::WaitCopies);
+                }
+            }
+            Step::WaitCopies => {
+                // `cp.async.wait_group lag`: the copies of the stage `lag` back (and older).
+                if self.walking != Walking::PublishWithoutWaiting && self.copies_in_flight(l, u - self.lag) {
+                    return Ok(false);
+                }
                 self.lane_at[l] = next(Step::StageMeet);
             }
             Step::StageMeet => {
-                // The threads' meeting at the stage's end (named barrier 3): every lane at this
-                // use's barrier (or past it: a faulty walk's lanes may be).
-                let all_here = self.lane_at.iter().all(|&(v, st)| {
-                    v > u
-                        || (v == u
-                            && !matches!(
-                                st,
-                                Step::Meet
-                                    | Step::HandOut
-                                    | Step::HandOutMeet
-                                    | Step::HandOutRead
-                                    | Step::WaitEmpty
-                                    | Step::Issue
-                            ))
-                });
-                if !all_here {
+                // The threads' meeting at the stage's end (named barrier 3).
+                if !self.all_at(u, Step::StageMeet) {
                     return Ok(false);
                 }
-                self.lane_at[l] = next(if l == 0 { Step::Arrive } else { Step::Done });
+                self.lane_at[l] = next(match (l, copies) {
+                    (0, true) => Step::Publish,
+                    (0, false) => Step::Arrive,
+                    _ => Step::Done,
+                });
+            }
+            Step::Publish => {
+                // Lane 0 publishes the stage `lag` back (`stage_back`).
+                self.full[(u - self.lag) % self.stages].arrive();
+                self.lane_at[l] = next(Step::Done);
             }
             Step::Arrive => {
                 // Lane 0's one expected arrival (after naming the tile in a copy-less stage).
@@ -361,11 +454,7 @@ impl Model {
                 self.landed[u] += 1;
                 self.full[u % self.stages].complete_tx(1);
             }
-            Landing::Copies { u } => {
-                self.landed[u] += 1;
-                // The tracked arrival, once the lane's copies landed.
-                self.full[u % self.stages].arrive();
-            }
+            Landing::Copies { u, .. } => self.landed[u] += 1,
         }
     }
 
@@ -447,7 +536,7 @@ struct Walk {
 #[test]
 fn the_gathering_ring_keeps_every_stage_in_order() {
     let mut rng = Rng(0x2545_f491_4f6c_dd1d);
-    let mut faulty_broke = [0, 0, 0, 0];
+    let mut faulty_broke = [0; 7];
     for case in 0..3000 {
         let walk = random_walk(&mut rng);
         // 3 or 4 stages (the standalone weight gradient's ring, the others'), 2–4 lanes (the
@@ -464,24 +553,38 @@ fn the_gathering_ring_keeps_every_stage_in_order() {
             Walking::CopylessLane0Alone,
             Walking::PhaseWithoutMeeting,
             Walking::HandOutWithoutMeeting,
+            Walking::HandOutWithoutSecondMeeting,
+            Walking::PublishWithoutWaiting,
+            Walking::LagOfTheRing,
         ]
         .into_iter()
         .enumerate()
         {
             // The hand-out's faulty walk needs the hand-out.
-            let shape =
-                if walking == Walking::HandOutWithoutMeeting { (shape.0, shape.1, shape.2, true) } else { shape };
+            let shape = if matches!(walking, Walking::HandOutWithoutMeeting | Walking::HandOutWithoutSecondMeeting) {
+                (shape.0, shape.1, shape.2, true)
+            } else {
+                shape
+            };
             let mut faulty = Model::new(walk.clone(), shape, walking);
             faulty_broke[n] += faulty.run(&mut Rng(seed | 1)).is_err() as usize;
         }
     }
     // The model can fail: lanes that do not meet at copy-less stages, skip their wait there,
-    // start a gathering phase without meeting lane 0, or read the hand-out word without meeting
-    // after its write, break it.
+    // start a gathering phase without meeting lane 0, read the hand-out word without meeting
+    // after its write or without meeting after the read, publish stages without waiting for
+    // their copies, or wait a ring's stages before publishing, break it.
     println!(
         "faulty walks broken (of 3000): lanes waiting without meeting {}, lane 0 alone {}, no meeting at a phase {}, \
-         hand-out read without meeting {}",
-        faulty_broke[0], faulty_broke[1], faulty_broke[2], faulty_broke[3]
+         hand-out read without meeting {}, no meeting after the read {}, publishing without waiting {}, \
+         a lag of the ring {}",
+        faulty_broke[0],
+        faulty_broke[1],
+        faulty_broke[2],
+        faulty_broke[3],
+        faulty_broke[4],
+        faulty_broke[5],
+        faulty_broke[6]
     );
     assert!(faulty_broke.iter().all(|&n| n > 0), "a faulty walk never broke the model: {faulty_broke:?}");
 }

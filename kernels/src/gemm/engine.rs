@@ -161,8 +161,9 @@ pub(super) unsafe fn next_phase<const V: u32>(ring: Ring, walk: Walk, thread_in_
 }
 
 /// One thread per block initialises the ring's barriers before any use: `full` completes on one
-/// arrival (the producer's, with the bytes it expects; a gathering producer's copies hold the
-/// phase open until they land, [`super::gather`]), `empty` on `empty_arrivals` consumer warps
+/// arrival (the producer's, with the bytes it expects; a gathering producer's thread 0 makes it
+/// once every gathering thread saw its copies land, [`super::gather`]), `empty` on
+/// `empty_arrivals` consumer warps
 /// (8 per block sharing the stage: 16 in a pair), the mailbox on one arrival; then the fence
 /// that makes the initialisation visible to the cluster.
 ///

@@ -2,18 +2,21 @@
 //! stage with rows read through an index — row `r` of the plan is row `row_source[r] / top_k`
 //! of `x`, the token of the routing layout's slot — so no gathered copy of the rows is written
 //! first. The lanes place the 16-byte chunks themselves in the 128B-swizzle layout a TMA box
-//! would have (`cp.async`, zero-filled past the group's rows and past the row width), and each
-//! lane's copies hold the stage's `full` phase open until they land; thread 0 takes the tiles
-//! and loads the other operand by TMA as [`produce`](super::producer::produce) does. The consumers fence the
-//! async proxy after each `full` wait (the chunks arrive through the generic proxy; `wgmma`
-//! reads through the async one).
+//! would have (`cp.async`, zero-filled past the group's rows and past the row width); thread 0
+//! takes the tiles and loads the other operand by TMA as [`produce`](super::producer::produce)
+//! does. The consumers fence the async proxy after each `full` wait (the chunks arrive through
+//! the generic proxy; `wgmma` reads through the async one).
 //!
 //! A stage's `full` barrier expects one arrival, as for a TMA-only producer, so a persistent
 //! kernel's ring serves gathering and TMA-only phases alike: thread 0 adds the TMA bytes
-//! (`expect_tx`) and issues the copies, every gathering thread adds its `cp.async` copies to the
-//! phase's pending arrivals ([`cp_async::track_completion`]: the phase cannot complete while
-//! they are in flight), and after the threads meet (named barrier 3), which orders every
-//! thread's tracking before it, thread 0 arrives.
+//! (`expect_tx`) before its TMA copies, and its one arrival publishes the stage. Each gathering
+//! thread commits a stage's copies as one group and waits for its own copies
+//! (`cp.async.wait_group`) [`publish_lag`] stages later, after issuing the copies of the stages
+//! in between, so up to `publish_lag + 1` stages' copies stay in flight; the threads then meet
+//! (named barrier 3), which orders every thread's landed copies before thread 0's arrival on the
+//! stage they belong to. The consumers thus read only copies their producer threads saw land:
+//! the ordering `compute-sanitizer`'s synccheck and racecheck follow, where binding the copies to
+//! the barrier itself (`cp.async.mbarrier.arrive`) was reported by both.
 //!
 //! Gate/up (one K segment) gathers A, K-major: a tile's 128 rows of 64 K
 //! values per stage. In a pair nothing of A is shared: an M-pair's blocks gather their own rows
@@ -26,7 +29,7 @@
 
 use crate::gemm_layout::{
     A_TILE_BYTES, B_TILE_BYTES, BLOCK_64_BYTES, GATHERED_ROWS_PER_LANE, GemmParams, NO_TILE, TILE_K, TILE_M, Variant,
-    gathered_a_chunk, gathered_a_copy, gathered_b_chunk, gathered_b_copy, is_wgrad,
+    gathered_a_chunk, gathered_a_copy, gathered_b_chunk, gathered_b_copy, is_wgrad, ring_stages,
 };
 use crate::ptx::memory::{atom_add_relaxed_gpu_u32, ld_volatile_shared_u32, st_shared_u32};
 use crate::ptx::{cp_async, mbarrier, sreg, sync, tensormap, tma};
@@ -71,7 +74,7 @@ impl Gatherers {
         self.thread == 0
     }
     /// Every gathering thread meets here (named barrier [`GATHER_BARRIER`]), which also orders
-    /// their shared-memory accesses and `cp.async` tracking before whatever follows in any of
+    /// their shared-memory accesses and the copies they waited for before whatever follows in any of
     /// them. The unaligned barrier: thread 0 reaches a meeting from work it did alone (taking a
     /// tile, or the phases it produced by itself), so its warp may arrive divergent.
     ///
@@ -100,6 +103,25 @@ const B_COPIES_PER_TOKEN: u32 = TILE_K * 32 / GATHER_LANES / GATHERED_ROWS_PER_L
 
 /// A row slot without a token: past the group's end, its chunks are zeros.
 const NO_TOKEN: u32 = u32::MAX;
+
+/// How many stages after issuing a stage's copies each gathering thread waits for them and the
+/// stage is published: its ring's stages less 2 (2 on the 4-stage ring, 1 on the standalone
+/// weight gradient's 3). Below the ring's stages, so a stage waits only on copies into other
+/// stages (a lag of the ring or more waits for a stage whose `empty` needs it published: a
+/// deadlock); 2 below, so a stage is published while the consumers still read the one before
+/// it, and they do not wait out the producer's next stage's copies between stages.
+pub(super) const fn publish_lag(variant: u32) -> u32 {
+    ring_stages(variant) - 2
+}
+
+/// The stages whose copies a gathering thread issued and has not yet waited for: the
+/// `count` stages right before the walk's current one (a stage without copies publishes them
+/// first), each still awaiting thread 0's `full` arrival. Every gathering thread holds the same
+/// count (all take the same stages).
+#[derive(Clone, Copy)]
+struct Unpublished {
+    count: u32,
+}
 
 impl RowGather {
     /// The slot of plan row `row`, looked up once per tile (gate/up) or stage (weight
@@ -167,6 +189,7 @@ pub(super) unsafe fn produce_gathering<const V: u32, H: TileHooks>(
     let rank = pair_rank::<V>();
     let Walk { mut stage, mut phase, mut mail_phases } = walk;
     let mut taken = 0u32;
+    let mut unpublished = Unpublished { count: 0 };
     // As in `produce`: a persistent kernel's weight gradient walks a fixed stride, and waits for
     // a group's rows at its first tile of the group.
     let (walk_first, walk_stride) = if V == Variant::WGRAD_IN_PAIR { hooks.weight_tile_walk(total) } else { (0, 0) };
@@ -190,9 +213,9 @@ pub(super) unsafe fn produce_gathering<const V: u32, H: TileHooks>(
                     unsafe { receive_tile::<V>(ring, stage, &mut mail_phases) }
                 };
             }
-            // Through shared memory: written before the meeting, read after it; the next write
-            // comes after the tile's first stage's meeting, which every reader reaches after its
-            // read (or the walk has ended).
+            // Through shared memory: written before the meeting, read after it, and the threads
+            // meet again before thread 0 can write the next tile (a tile's stages need not end
+            // with a meeting: `finish_stage`).
             // SAFETY: every gathering thread is here (caller contract; all take the same
             // iterations, the loop ending only on the handed-out tile).
             unsafe {
@@ -200,13 +223,15 @@ pub(super) unsafe fn produce_gathering<const V: u32, H: TileHooks>(
                     st_shared_u32(ring.handout::<V>(), named);
                 }
                 gatherers.meet();
-                ld_volatile_shared_u32(ring.handout::<V>())
+                let tile = ld_volatile_shared_u32(ring.handout::<V>());
+                gatherers.meet();
+                tile
             }
         };
         taken += 1;
         if tile >= total {
-            // SAFETY: as below for a stage, without copies.
-            unsafe { copyless_stage::<V>(ring, (stage, phase), NO_TILE, gatherers) };
+            // SAFETY: as below for a stage, without copies (it publishes the walk's last copies).
+            unsafe { copyless_stage::<V>(ring, (stage, phase), NO_TILE, &mut unpublished, gatherers) };
             ring.advance::<V>(&mut stage, &mut phase);
             return Walk { stage, phase, mail_phases };
         }
@@ -215,21 +240,23 @@ pub(super) unsafe fn produce_gathering<const V: u32, H: TileHooks>(
         if is_wgrad(V) && w.k_blocks == 0 {
             // An empty group's weight gradient: its consumers store the tile's zeros.
             // SAFETY: as below for a stage, without copies.
-            unsafe { copyless_stage::<V>(ring, (stage, phase), tile, gatherers) };
+            unsafe { copyless_stage::<V>(ring, (stage, phase), tile, &mut unpublished, gatherers) };
             ring.advance::<V>(&mut stage, &mut phase);
             continue;
         }
         if V == Variant::WGRAD_IN_PAIR && w.group != ready_group {
             if gatherers.leads() {
                 // A's rows (the data gradient's) may still be on their way: thread 0, which
-                // copies them, waits (bounded) and fences; B, the token rows, is an input.
+                // copies them, waits (bounded) and fences; B, the token rows, is an input. Stages
+                // of earlier tiles may be unpublished: only this phase's consumers read them, and
+                // the rows come from earlier phases, so nothing the wait needs waits on them.
                 // SAFETY: `w` is a tile of this launch (the hooks' contract).
                 unsafe { hooks.before_rows(p, &w) };
             }
             ready_group = w.group;
         }
         // Each warp copies the rows of its share of a lane's 8 tokens (`TOKENS_PER_WARP`).
-        let walk = (&mut stage, &mut phase);
+        let walk = (&mut stage, &mut phase, &mut unpublished);
         // SAFETY: caller contract (maps, rows, barriers); `w` a tile of the launch.
         unsafe {
             if is_wgrad(V) {
@@ -252,7 +279,7 @@ unsafe fn gather_row_tile<const V: u32>(
     ring: Ring,
     rows: RowGather,
     (tile, w): (u32, &Work),
-    (stage, phase): (&mut u32, &mut u32),
+    (stage, phase, unpublished): (&mut u32, &mut u32, &mut Unpublished),
     gatherers: Gatherers,
 ) {
     let (lane, first_token) = (gatherers.lane(), gatherers.warp() * TOKENS_PER_WARP as u32);
@@ -288,7 +315,8 @@ unsafe fn gather_row_tile<const V: u32>(
         if gatherers.leads() {
             // SAFETY: the stage is free; the barrier is told the weight tile's bytes in this
             // block (an M-pair's partner loads the other half into it) before any lands; thread
-            // 0's arrival, outstanding until `finish_stage`, keeps the phase open; maps valid.
+            // 0's arrival, outstanding until the stage is published, keeps the phase open; maps
+            // valid.
             unsafe {
                 if kb == 0 {
                     name_tile::<V>(ring, *stage, tile);
@@ -325,7 +353,7 @@ unsafe fn gather_row_tile<const V: u32>(
         const { assert!(TOKENS_PER_LANE == 8 && A_COPIES_PER_TOKEN == 4) };
         each_token(tokens, first_token, copy_row);
         // SAFETY: every gathering thread, at this stage of its walk.
-        unsafe { finish_stage(full, gatherers) };
+        unsafe { finish_stage::<V>(ring, *stage, unpublished, gatherers) };
         ring.advance::<V>(stage, phase);
     }
 }
@@ -344,7 +372,7 @@ unsafe fn gather_weight_gradient_tile<const V: u32>(
     ring: Ring,
     rows: RowGather,
     (tile, w): (u32, &Work),
-    (stage, phase): (&mut u32, &mut u32),
+    (stage, phase, unpublished): (&mut u32, &mut u32, &mut Unpublished),
     gatherers: Gatherers,
 ) {
     let (lane, first_token) = (gatherers.lane(), gatherers.warp() * TOKENS_PER_WARP as u32);
@@ -386,7 +414,7 @@ unsafe fn gather_weight_gradient_tile<const V: u32>(
         let (a_tile, b_tile, full) = (ring.a_tile(*stage), ring.b_tile(*stage), ring.full(*stage));
         if gatherers.leads() {
             // SAFETY: the stage is free; the barrier is told A's bytes before any lands, and
-            // thread 0's arrival, outstanding until `finish_stage`, keeps the phase open; maps
+            // thread 0's arrival, outstanding until the stage is published, keeps the phase open; maps
             // valid (the cut one acquired above when this block is a group's partial last one).
             unsafe {
                 if kb == 0 {
@@ -422,7 +450,7 @@ unsafe fn gather_weight_gradient_tile<const V: u32>(
         const { assert!(TOKENS_PER_LANE == 8 && B_COPIES_PER_TOKEN == 8) };
         each_token(tokens, first_token, copy_row);
         // SAFETY: every gathering thread, at this stage of its walk.
-        unsafe { finish_stage(full, gatherers) };
+        unsafe { finish_stage::<V>(ring, *stage, unpublished, gatherers) };
         ring.advance::<V>(stage, phase);
     }
 }
@@ -463,29 +491,74 @@ fn each_token(tokens: [u32; TOKENS_PER_WARP], first: u32, mut copy_row: impl FnM
     copy_row(first + 1, tokens[1]);
 }
 
-/// The end of a stage with copies, by every gathering thread: each adds its `cp.async` copies
-/// to the `full` phase's pending arrivals, their meeting orders every thread's tracking before
-/// thread 0's arrival (the one the phase expects; otherwise the phase could complete, its TMA
-/// bytes landed, before a late thread's copies are tracked), then thread 0 arrives.
+/// The end of a stage with copies, by every gathering thread: each commits the stage's copies
+/// as one group. Once [`publish_lag`] stages are unpublished, each waits until its copies of the
+/// oldest of them have landed (at most `publish_lag` later groups in flight), the threads meet,
+/// which orders every thread's landed copies before what follows in thread 0, and thread 0
+/// publishes that stage: its `full` arrival, the one the phase expects, after which the
+/// consumers may read it.
 ///
 /// # Safety
-/// `full` is the stage's initialised barrier, its current phase still awaiting thread 0's
-/// arrival; every gathering thread calls it, in uniform control flow.
+/// `stage` is the walk's current stage, its copies just issued and its `full` phase awaiting
+/// thread 0's arrival, as are the `unpublished` stages before it; every gathering thread calls it,
+/// in uniform control flow.
 #[inline(always)]
-unsafe fn finish_stage(full: u32, gatherers: Gatherers) {
-    // SAFETY: caller contract: thread 0's arrival is outstanding, so the phase is open while
-    // the threads track their copies; the meeting has every gathering thread.
+unsafe fn finish_stage<const V: u32>(ring: Ring, stage: u32, unpublished: &mut Unpublished, gatherers: Gatherers) {
+    cp_async::commit_group();
+    if unpublished.count < const { publish_lag(V) } {
+        unpublished.count += 1;
+        return;
+    }
+    // `wait_group` takes the lag as an immediate.
+    const { assert!(publish_lag(V) == 1 || publish_lag(V) == 2) };
+    if const { publish_lag(V) } == 1 {
+        cp_async::wait_group::<1>();
+    } else {
+        cp_async::wait_group::<2>();
+    }
+    // SAFETY: the meeting has every gathering thread (caller contract); the stage `publish_lag`
+    // back awaits thread 0's arrival, and every thread's copies into it have landed.
     unsafe {
-        cp_async::track_completion(full);
         gatherers.meet();
         if gatherers.leads() {
-            mbarrier::arrive(full);
+            mbarrier::arrive(ring.full(stage_back::<V>(stage, const { publish_lag(V) })));
         }
     }
 }
 
-/// A stage without copies (the final [`NO_TILE`], an empty group's weight gradient): every
-/// gathering thread waits until it is free, they meet, then thread 0 names `value` in its slot
+/// Publishes every unpublished stage (before a stage without copies, so that they stay the
+/// stages right before the walk's current one, and at the walk's end): each gathering thread
+/// waits for all its copies, they meet, and thread 0 arrives on each stage's `full`.
+///
+/// # Safety
+/// As [`finish_stage`], with `stage` the walk's current stage, no copies issued into it.
+#[inline(always)]
+unsafe fn publish_all<const V: u32>(ring: Ring, stage: u32, unpublished: &mut Unpublished, gatherers: Gatherers) {
+    if unpublished.count == 0 {
+        return;
+    }
+    cp_async::wait_group::<0>();
+    // SAFETY: as in `finish_stage`, for every unpublished stage.
+    unsafe {
+        gatherers.meet();
+        if gatherers.leads() {
+            for back in 1..=unpublished.count {
+                mbarrier::arrive(ring.full(stage_back::<V>(stage, back)));
+            }
+        }
+    }
+    unpublished.count = 0;
+}
+
+/// The stage `back` stages before `stage` in the ring walk (`back` below the ring's stages).
+#[inline(always)]
+fn stage_back<const V: u32>(stage: u32, back: u32) -> u32 {
+    (stage + const { ring_stages(V) } - back) % const { ring_stages(V) }
+}
+
+/// A stage without copies (the final [`NO_TILE`], an empty group's weight gradient): the
+/// unpublished stages are published ([`publish_all`]), every gathering thread waits until it is
+/// free, they meet, then thread 0 names `value` in its slot
 /// and arrives, as the single-thread producer does. The others add nothing, but they must walk
 /// each stage together: a thread that skipped the wait could run a whole ring ahead through
 /// copy-less stages, where the `empty` parity it waits for next is that of a phase two rounds
@@ -497,10 +570,17 @@ unsafe fn finish_stage(full: u32, gatherers: Gatherers) {
 /// As [`produce_gathering`], at its walk's `(stage, phase)`: every gathering thread calls it, in
 /// uniform control flow.
 #[inline(always)]
-unsafe fn copyless_stage<const V: u32>(ring: Ring, (stage, phase): (u32, u32), value: u32, gatherers: Gatherers) {
+unsafe fn copyless_stage<const V: u32>(
+    ring: Ring,
+    (stage, phase): (u32, u32),
+    value: u32,
+    unpublished: &mut Unpublished,
+    gatherers: Gatherers,
+) {
     // SAFETY: initialised barriers of this block (caller contract), every thread at its walk;
-    // the meeting has every gathering thread (caller contract).
+    // the meetings have every gathering thread (caller contract).
     unsafe {
+        publish_all::<V>(ring, stage, unpublished, gatherers);
         mbarrier::wait_parity(ring.empty::<V>(stage), phase ^ 1);
         gatherers.meet();
         if gatherers.leads() {

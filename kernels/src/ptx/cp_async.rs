@@ -1,6 +1,6 @@
 //! Per-thread asynchronous copies into shared memory (PTX ISA §9.7.9.25 `cp.async`), sm_80+:
-//! each thread copies up to 16 bytes, and an mbarrier can count the completion of a thread's
-//! copies as one arrival. What the engine uses where a tile's rows are not one TMA box: rows
+//! each thread copies up to 16 bytes into shared memory and waits for its own copies by group
+//! (`commit_group`, `wait_group`). What the engine uses where a tile's rows are not one TMA box: rows
 //! chosen through an index (a gather), each 16-byte chunk placed by the thread itself.
 //!
 //! The copies write shared memory through the generic proxy: a reader through the async proxy
@@ -30,18 +30,19 @@ pub unsafe fn copy_16_or_zeros(dst: u32, src: u64, present: bool) {
     }
 }
 
-/// `cp.async.mbarrier.arrive.shared::cta.b64 [bar]`: adds one to the pending arrivals of `bar`'s
-/// current phase now, and arrives once every `cp.async` this thread issued before it has
-/// completed: no net change to the arrivals the phase expects, but the phase cannot complete
-/// while this thread's copies are in flight. The barrier's `init` count need not know the
-/// copying threads; an arrival it does count must come after this instruction (a warp barrier
-/// orders the copying lanes before the lane that arrives).
-///
-/// # Safety
-/// `bar` an initialised barrier of this block whose current phase has not completed and will
-/// not complete before this instruction (an expected arrival is still outstanding).
+/// `cp.async.commit_group`: closes this thread's `cp.async` copies issued since its last commit
+/// into one group, which [`wait_group`] can then wait for.
 #[inline(always)]
-pub unsafe fn track_completion(bar: u32) {
-    // SAFETY: caller contract.
-    unsafe { asm!("cp.async.mbarrier.arrive.shared::cta.b64 [{b}];", b = in(reg32) bar, options(nostack)) };
+pub fn commit_group() {
+    // SAFETY: no operands; it only bounds this thread's own copies into a group.
+    unsafe { asm!("cp.async.commit_group;", options(nostack)) };
+}
+
+/// `cp.async.wait_group N`: waits until at most `N` of this thread's committed groups are still
+/// in flight (the most recent ones), so every copy of the older groups has landed and its bytes
+/// are visible to this thread; a barrier then orders them before other threads.
+#[inline(always)]
+pub fn wait_group<const N: u32>() {
+    // SAFETY: no operands; it only waits.
+    unsafe { asm!("cp.async.wait_group {n};", n = const N, options(nostack)) };
 }
