@@ -8,18 +8,19 @@
 //! data gradients, the downs, the shared expert's) while the other lanes wait to be told where
 //! the walk stands (`share_walk`: the threads meet), and gathering phases all of them
 //! produce, with runs of copy-less stages (empty-group weight gradients) and each phase's
-//! final `NO_TILE`. Each lane waits for its own copies of a stage (`cp.async.wait_group`) a
-//! fixed lag of stages after issuing them (the ring's stages less 2), the lanes meet, and lane 0
-//! publishes that stage (its `full` arrival); a stage without copies first publishes every
-//! stage still unpublished. It checks what the kernel relies on and cannot be run here: no copy
-//! is issued into a stage before the consumers released its previous use, no consumer passes a
-//! `full` wait before every copy of that use has landed, and the walk completes.
+//! final `NO_TILE`. A stage's `full` barrier expects one arrival per lane and lane 0's: each
+//! lane's copies make its arrival when they land (`cp.async.mbarrier.arrive.noinc`), lane 0
+//! arrives after issuing its TMA copy, and a stage lane 0 produces alone (a TMA phase's, one
+//! without copies) gets all the arrivals from lane 0 at once. It checks what the kernel relies
+//! on and cannot be run here: no copy is issued into a stage before the consumers released its
+//! previous use, no consumer passes a `full` wait before every copy of that use has landed, and
+//! the walk completes.
 //!
 //! With several gathering warps (half the walks) lane 0 also hands each tile to the others
 //! through a shared word and a named barrier: the model checks that no thread reads another
 //! tile than its use's and that lane 0 never overwrites the word before every thread read it.
 //!
-//! It also shows the model can fail, on seven weaker walks:
+//! It also shows the model can fail, on six weaker walks:
 //! - only lane 0 waits at copy-less stages: the other lanes run a ring ahead, where an `empty`
 //!   wait passes on a parity two phases back;
 //! - every lane waits there but the warp does not meet: lane 0 runs two rounds ahead of a slow
@@ -28,10 +29,8 @@
 //! - the threads do not meet where a gathering phase starts;
 //! - the threads read the hand-out word without meeting after lane 0's write;
 //! - the threads do not meet after reading it (lane 0 then overwrites it before a slow thread
-//!   read it, where a tile's stages end without a meeting);
-//! - lane 0 publishes a stage without the lanes waiting for their copies of it;
-//! - the lag is the ring's stages: a lane then waits for a stage whose release needs one of the
-//!   stages it has not yet published.
+//!   read it: a tile's stages end without a meeting);
+//! - the copies are not bound to the barrier (it expects lane 0's arrival alone).
 
 // Deterministic xorshift for the walks and the interleavings (the work-order model's).
 use crate::megakernel::work_order_model::Rng;
@@ -64,8 +63,8 @@ impl Barrier {
         }
     }
 
-    fn arrive(&mut self) {
-        self.pending -= 1;
+    fn arrive(&mut self, count: i32) {
+        self.pending -= count;
         assert!(self.pending >= 0, "more arrivals than a phase expects");
         self.settle();
     }
@@ -76,11 +75,11 @@ impl Barrier {
     }
 }
 
-/// What lands asynchronously: lane `lane`'s copies of use `u`, or lane 0's TMA copy of use `u`
-/// (its transaction bytes).
+/// What lands asynchronously: a lane's copies of use `u` (then its arrival), or lane 0's TMA
+/// copy of use `u` (its transaction bytes).
 #[derive(Clone, Copy, Debug)]
 enum Landing {
-    Copies { u: usize, lane: usize },
+    Copies { u: usize },
     Tma { u: usize },
 }
 
@@ -97,18 +96,10 @@ enum Step {
     HandOutRead,
     /// The lanes meet again once each read the word, before lane 0 can write the next tile.
     HandOutReadMeet,
-    /// Before a stage without copies: each lane waits for all its copies, the lanes meet, and
-    /// lane 0 publishes every unpublished stage (skipped when none is).
-    Flush,
-    FlushMeet,
-    FlushPublish,
     WaitEmpty,
     Issue,
-    /// After issuing a stage's copies with `lag` stages unpublished: the lane waits for its
-    /// copies of the stage `lag` back, the lanes meet, lane 0 publishes that stage.
-    WaitCopies,
+    /// A stage without copies in a gathering phase: the lanes meet before lane 0 names it.
     StageMeet,
-    Publish,
     Arrive,
     Done,
 }
@@ -149,10 +140,8 @@ struct Model {
     landed: Vec<usize>,
     /// How the warp walks the ring together.
     walking: Walking,
-    /// Stages after its copies' issue that a lane waits for them and the stage is published.
-    lag: usize,
-    /// Per lane: the stages right before its current one whose copies it has not waited for.
-    unpublished: Vec<usize>,
+    /// The arrivals each `full` phase expects.
+    full_arrivals: i32,
 }
 
 /// How the producer warp walks the ring together (lane 0 names the tile and arrives in each
@@ -176,10 +165,8 @@ enum Walking {
     /// next tile before a slow thread read this one, when the tile's stages end without a
     /// meeting).
     HandOutWithoutSecondMeeting,
-    /// Faulty: lane 0 publishes stages without any lane waiting for its copies.
-    PublishWithoutWaiting,
-    /// Faulty: the lag is the ring's stages, not 2 less.
-    LagOfTheRing,
+    /// Faulty: the copies' landing makes no arrival, and `full` expects lane 0's alone.
+    CopiesUnbound,
 }
 
 /// A broken property, named.
@@ -192,6 +179,7 @@ impl Model {
         walking: Walking,
     ) -> Self {
         let uses = copies.len();
+        let full_arrivals = if walking == Walking::CopiesUnbound { 1 } else { 1 + lanes as i32 };
         let mut model = Model {
             stages,
             lanes,
@@ -203,15 +191,14 @@ impl Model {
             hand_out,
             handout_word: None,
             unread: 0,
-            full: vec![Barrier::new(1); stages],
+            full: vec![Barrier::new(full_arrivals); stages],
             empty: vec![Barrier::new(consumers as i32); stages],
             lane_at: vec![(0, Step::WaitEmpty); lanes],
             consumer_at: vec![(0, false); consumers],
             in_flight: Vec::new(),
             landed: vec![0; uses],
             walking,
-            lag: if walking == Walking::LagOfTheRing { stages } else { stages - 2 },
-            unpublished: vec![0; lanes],
+            full_arrivals,
         };
         for l in 0..lanes {
             model.lane_at[l] = model.entry(l, 0);
@@ -234,25 +221,14 @@ impl Model {
         if u < self.copies.len() && self.hand_out && self.gathered[u] && self.tile_starts[u] {
             Step::HandOut
         } else {
-            self.stage_entry(u)
+            Step::WaitEmpty
         }
-    }
-
-    /// The first step of use `u`'s stage: a gathered stage without copies publishes the
-    /// unpublished stages first; any other waits for the stage to be free.
-    fn stage_entry(&self, u: usize) -> Step {
-        if u < self.copies.len() && self.gathered[u] && !self.copies[u] { Step::Flush } else { Step::WaitEmpty }
     }
 
     /// Whether every lane is at use `u`'s meeting `step` or past it (a faulty walk's lanes may
     /// be past it without having met).
     fn all_at(&self, u: usize, step: Step) -> bool {
         self.lane_at.iter().all(|&(v, st)| v > u || (v == u && st.order() >= step.order()))
-    }
-
-    /// Whether lane `l` still has copies in flight of a use at or before `u`.
-    fn copies_in_flight(&self, l: usize, u: usize) -> bool {
-        self.in_flight.iter().any(|landing| matches!(*landing, Landing::Copies { u: v, lane } if lane == l && v <= u))
     }
 
     fn stage_round(&self, u: usize) -> (usize, u32) {
@@ -305,31 +281,6 @@ impl Model {
                 if self.walking != Walking::HandOutWithoutSecondMeeting && !self.all_at(u, Step::HandOutReadMeet) {
                     return Ok(false);
                 }
-                self.lane_at[l] = next(self.stage_entry(u));
-            }
-            Step::Flush => {
-                if self.walking != Walking::PublishWithoutWaiting && self.copies_in_flight(l, u) {
-                    return Ok(false);
-                }
-                self.lane_at[l] = next(if self.unpublished[l] > 0 { Step::FlushMeet } else { Step::WaitEmpty });
-            }
-            Step::FlushMeet => {
-                if !self.all_at(u, Step::FlushMeet) {
-                    return Ok(false);
-                }
-                if l == 0 {
-                    self.lane_at[l] = next(Step::FlushPublish);
-                } else {
-                    self.unpublished[l] = 0;
-                    self.lane_at[l] = next(Step::WaitEmpty);
-                }
-            }
-            Step::FlushPublish => {
-                // The kernel's `stage_back`: the `unpublished` stages right before this one.
-                for back in 1..=self.unpublished[0] {
-                    self.full[(u - back) % self.stages].arrive();
-                }
-                self.unpublished[0] = 0;
                 self.lane_at[l] = next(Step::WaitEmpty);
             }
             Step::WaitEmpty if !gathered => {
@@ -377,41 +328,23 @@ impl Model {
                     self.full[s].tx += 1;
                     self.in_flight.push(Landing::Tma { u });
                 }
-                // The copies, committed as one group.
-                self.in_flight.push(Landing::Copies { u, lane: l });
-                if self.unpublished[l] < self.lag {
-                    self.unpublished[l] += 1;
-                    self.lane_at[l] = next(Step::Done);
-                } else {
-                    self.lane_at[l] = next(Step::WaitCopies);
-                }
-            }
-            Step::WaitCopies => {
-                // `cp.async.wait_group lag`: the copies of the stage `lag` back (and older).
-                if self.walking != Walking::PublishWithoutWaiting && self.copies_in_flight(l, u - self.lag) {
-                    return Ok(false);
-                }
-                self.lane_at[l] = next(Step::StageMeet);
+                // The copies, bound to the stage's `full` phase (`.noinc`: their landing is one of
+                // the arrivals it expects); then lane 0's own arrival, no meeting.
+                self.in_flight.push(Landing::Copies { u });
+                self.lane_at[l] = next(if l == 0 { Step::Arrive } else { Step::Done });
             }
             Step::StageMeet => {
-                // The threads' meeting at the stage's end (named barrier 3).
+                // A copy-less stage's meeting (named barrier 3), then lane 0 names it.
                 if !self.all_at(u, Step::StageMeet) {
                     return Ok(false);
                 }
-                self.lane_at[l] = next(match (l, copies) {
-                    (0, true) => Step::Publish,
-                    (0, false) => Step::Arrive,
-                    _ => Step::Done,
-                });
-            }
-            Step::Publish => {
-                // Lane 0 publishes the stage `lag` back (`stage_back`).
-                self.full[(u - self.lag) % self.stages].arrive();
-                self.lane_at[l] = next(Step::Done);
+                self.lane_at[l] = next(if l == 0 { Step::Arrive } else { Step::Done });
             }
             Step::Arrive => {
-                // Lane 0's one expected arrival (after naming the tile in a copy-less stage).
-                self.full[s].arrive();
+                // Lane 0's arrival: its own after a gathered stage's copies; all the phase expects
+                // where it produces the stage alone (a TMA phase's, after naming a copy-less one).
+                let count = if gathered && copies { 1 } else { self.full_arrivals };
+                self.full[s].arrive(count);
                 self.lane_at[l] = next(Step::Done);
             }
             Step::Done => self.lane_at[l] = self.entry(l, u + 1),
@@ -428,7 +361,7 @@ impl Model {
         let (s, round) = self.stage_round(u);
         if reading {
             // Done reading: release the stage (one arrival per consumer warp).
-            self.empty[s].arrive();
+            self.empty[s].arrive(1);
             self.consumer_at[c] = (u + 1, false);
             return Ok(true);
         }
@@ -454,7 +387,13 @@ impl Model {
                 self.landed[u] += 1;
                 self.full[u % self.stages].complete_tx(1);
             }
-            Landing::Copies { u, .. } => self.landed[u] += 1,
+            Landing::Copies { u } => {
+                self.landed[u] += 1;
+                // The lane's arrival, made once its copies landed.
+                if self.walking != Walking::CopiesUnbound {
+                    self.full[u % self.stages].arrive(1);
+                }
+            }
         }
     }
 
@@ -536,7 +475,7 @@ struct Walk {
 #[test]
 fn the_gathering_ring_keeps_every_stage_in_order() {
     let mut rng = Rng(0x2545_f491_4f6c_dd1d);
-    let mut faulty_broke = [0; 7];
+    let mut faulty_broke = [0; 6];
     for case in 0..3000 {
         let walk = random_walk(&mut rng);
         // 3 or 4 stages (the standalone weight gradient's ring, the others'), 2–4 lanes (the
@@ -554,8 +493,7 @@ fn the_gathering_ring_keeps_every_stage_in_order() {
             Walking::PhaseWithoutMeeting,
             Walking::HandOutWithoutMeeting,
             Walking::HandOutWithoutSecondMeeting,
-            Walking::PublishWithoutWaiting,
-            Walking::LagOfTheRing,
+            Walking::CopiesUnbound,
         ]
         .into_iter()
         .enumerate()
@@ -572,19 +510,12 @@ fn the_gathering_ring_keeps_every_stage_in_order() {
     }
     // The model can fail: lanes that do not meet at copy-less stages, skip their wait there,
     // start a gathering phase without meeting lane 0, read the hand-out word without meeting
-    // after its write or without meeting after the read, publish stages without waiting for
-    // their copies, or wait a ring's stages before publishing, break it.
+    // after its write or without meeting after the read, or leave the copies unbound to the
+    // barrier, break it.
     println!(
         "faulty walks broken (of 3000): lanes waiting without meeting {}, lane 0 alone {}, no meeting at a phase {}, \
-         hand-out read without meeting {}, no meeting after the read {}, publishing without waiting {}, \
-         a lag of the ring {}",
-        faulty_broke[0],
-        faulty_broke[1],
-        faulty_broke[2],
-        faulty_broke[3],
-        faulty_broke[4],
-        faulty_broke[5],
-        faulty_broke[6]
+         hand-out read without meeting {}, no meeting after the read {}, copies unbound {}",
+        faulty_broke[0], faulty_broke[1], faulty_broke[2], faulty_broke[3], faulty_broke[4], faulty_broke[5]
     );
     assert!(faulty_broke.iter().all(|&n| n > 0), "a faulty walk never broke the model: {faulty_broke:?}");
 }

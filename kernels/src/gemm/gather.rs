@@ -7,16 +7,14 @@
 //! does. The consumers fence the async proxy after each `full` wait (the chunks arrive through
 //! the generic proxy; `wgmma` reads through the async one).
 //!
-//! A stage's `full` barrier expects one arrival, as for a TMA-only producer, so a persistent
-//! kernel's ring serves gathering and TMA-only phases alike: thread 0 adds the TMA bytes
-//! (`expect_tx`) before its TMA copies, and its one arrival publishes the stage. Each gathering
-//! thread commits a stage's copies as one group and waits for its own copies
-//! (`cp.async.wait_group`) [`publish_lag`] stages later, after issuing the copies of the stages
-//! in between, so up to `publish_lag + 1` stages' copies stay in flight; the threads then meet
-//! (named barrier 3), which orders every thread's landed copies before thread 0's arrival on the
-//! stage they belong to. The consumers thus read only copies their producer threads saw land:
-//! the ordering `compute-sanitizer`'s synccheck and racecheck follow, where binding the copies to
-//! the barrier itself (`cp.async.mbarrier.arrive`) was reported by both.
+//! In a kernel whose hooks may gather ([`TileHooks::MAY_GATHER_ROWS`]) a stage's `full` barrier
+//! expects [`full_arrivals`]: thread 0's, after it added the TMA bytes (`expect_tx`), and one
+//! per gathering thread, made by the hardware once that thread's copies of the stage have landed
+//! (`cp.async.mbarrier.arrive.noinc`). So the phase completes only when every copy and every TMA
+//! byte has landed, and the threads need not meet at each stage. A stage produced by thread 0
+//! alone (a TMA-only phase of a persistent kernel, a stage without copies) carries all the
+//! arrivals in thread 0's one `mbarrier.arrive` with that count, so gathering and TMA-only phases
+//! share the ring.
 //!
 //! Gate/up (one K segment) gathers A, K-major: a tile's 128 rows of 64 K
 //! values per stage. In a pair nothing of A is shared: an M-pair's blocks gather their own rows
@@ -29,7 +27,7 @@
 
 use crate::gemm_layout::{
     A_TILE_BYTES, B_TILE_BYTES, BLOCK_64_BYTES, GATHERED_ROWS_PER_LANE, GemmParams, NO_TILE, TILE_K, TILE_M, Variant,
-    gathered_a_chunk, gathered_a_copy, gathered_b_chunk, gathered_b_copy, is_wgrad, ring_stages,
+    gathered_a_chunk, gathered_a_copy, gathered_b_chunk, gathered_b_copy, is_wgrad,
 };
 use crate::ptx::memory::{atom_add_relaxed_gpu_u32, ld_volatile_shared_u32, st_shared_u32};
 use crate::ptx::{cp_async, mbarrier, sreg, sync, tensormap, tma};
@@ -74,8 +72,7 @@ impl Gatherers {
         self.thread == 0
     }
     /// Every gathering thread meets here (named barrier [`GATHER_BARRIER`]), which also orders
-    /// their shared-memory accesses and the copies they waited for before whatever follows in any of
-    /// them. The unaligned barrier: thread 0 reaches a meeting from work it did alone (taking a
+    /// their shared-memory accesses before whatever follows in any of them. The unaligned barrier: thread 0 reaches a meeting from work it did alone (taking a
     /// tile, or the phases it produced by itself), so its warp may arrive divergent.
     ///
     /// # Safety
@@ -104,23 +101,12 @@ const B_COPIES_PER_TOKEN: u32 = TILE_K * 32 / GATHER_LANES / GATHERED_ROWS_PER_L
 /// A row slot without a token: past the group's end, its chunks are zeros.
 const NO_TOKEN: u32 = u32::MAX;
 
-/// How many stages after issuing a stage's copies each gathering thread waits for them and the
-/// stage is published: its ring's stages less 2 (2 on the 4-stage ring, 1 on the standalone
-/// weight gradient's 3). Below the ring's stages, so a stage waits only on copies into other
-/// stages (a lag of the ring or more waits for a stage whose `empty` needs it published: a
-/// deadlock); 2 below, so a stage is published while the consumers still read the one before
-/// it, and they do not wait out the producer's next stage's copies between stages.
-pub(super) const fn publish_lag(variant: u32) -> u32 {
-    ring_stages(variant) - 2
-}
-
-/// The stages whose copies a gathering thread issued and has not yet waited for: the
-/// `count` stages right before the walk's current one (a stage without copies publishes them
-/// first), each still awaiting thread 0's `full` arrival. Every gathering thread holds the same
-/// count (all take the same stages).
-#[derive(Clone, Copy)]
-struct Unpublished {
-    count: u32,
+/// The arrivals a stage's `full` phase expects in a kernel whose hooks may gather
+/// (`may_gather_rows`, [`TileHooks::MAY_GATHER_ROWS`]): thread 0's and one per gathering thread
+/// (whose copies' landing makes it); one otherwise, thread 0's alone. The producer of a
+/// stage without gathered copies makes them all at once.
+pub(super) const fn full_arrivals(may_gather_rows: bool) -> u32 {
+    if may_gather_rows { 1 + GATHER_LANES * GATHER_WARPS } else { 1 }
 }
 
 impl RowGather {
@@ -189,7 +175,6 @@ pub(super) unsafe fn produce_gathering<const V: u32, H: TileHooks>(
     let rank = pair_rank::<V>();
     let Walk { mut stage, mut phase, mut mail_phases } = walk;
     let mut taken = 0u32;
-    let mut unpublished = Unpublished { count: 0 };
     // As in `produce`: a persistent kernel's weight gradient walks a fixed stride, and waits for
     // a group's rows at its first tile of the group.
     let (walk_first, walk_stride) = if V == Variant::WGRAD_IN_PAIR { hooks.weight_tile_walk(total) } else { (0, 0) };
@@ -214,8 +199,8 @@ pub(super) unsafe fn produce_gathering<const V: u32, H: TileHooks>(
                 };
             }
             // Through shared memory: written before the meeting, read after it, and the threads
-            // meet again before thread 0 can write the next tile (a tile's stages need not end
-            // with a meeting: `finish_stage`).
+            // meet again before thread 0 can write the next tile (a tile's stages end without a
+            // meeting: `finish_stage`).
             // SAFETY: every gathering thread is here (caller contract; all take the same
             // iterations, the loop ending only on the handed-out tile).
             unsafe {
@@ -230,8 +215,8 @@ pub(super) unsafe fn produce_gathering<const V: u32, H: TileHooks>(
         };
         taken += 1;
         if tile >= total {
-            // SAFETY: as below for a stage, without copies (it publishes the walk's last copies).
-            unsafe { copyless_stage::<V>(ring, (stage, phase), NO_TILE, &mut unpublished, gatherers) };
+            // SAFETY: as below for a stage, without copies.
+            unsafe { copyless_stage::<V>(ring, (stage, phase), NO_TILE, gatherers) };
             ring.advance::<V>(&mut stage, &mut phase);
             return Walk { stage, phase, mail_phases };
         }
@@ -240,23 +225,21 @@ pub(super) unsafe fn produce_gathering<const V: u32, H: TileHooks>(
         if is_wgrad(V) && w.k_blocks == 0 {
             // An empty group's weight gradient: its consumers store the tile's zeros.
             // SAFETY: as below for a stage, without copies.
-            unsafe { copyless_stage::<V>(ring, (stage, phase), tile, &mut unpublished, gatherers) };
+            unsafe { copyless_stage::<V>(ring, (stage, phase), tile, gatherers) };
             ring.advance::<V>(&mut stage, &mut phase);
             continue;
         }
         if V == Variant::WGRAD_IN_PAIR && w.group != ready_group {
             if gatherers.leads() {
                 // A's rows (the data gradient's) may still be on their way: thread 0, which
-                // copies them, waits (bounded) and fences; B, the token rows, is an input. Stages
-                // of earlier tiles may be unpublished: only this phase's consumers read them, and
-                // the rows come from earlier phases, so nothing the wait needs waits on them.
+                // copies them, waits (bounded) and fences; B, the token rows, is an input.
                 // SAFETY: `w` is a tile of this launch (the hooks' contract).
                 unsafe { hooks.before_rows(p, &w) };
             }
             ready_group = w.group;
         }
         // Each warp copies the rows of its share of a lane's 8 tokens (`TOKENS_PER_WARP`).
-        let walk = (&mut stage, &mut phase, &mut unpublished);
+        let walk = (&mut stage, &mut phase);
         // SAFETY: caller contract (maps, rows, barriers); `w` a tile of the launch.
         unsafe {
             if is_wgrad(V) {
@@ -279,7 +262,7 @@ unsafe fn gather_row_tile<const V: u32>(
     ring: Ring,
     rows: RowGather,
     (tile, w): (u32, &Work),
-    (stage, phase, unpublished): (&mut u32, &mut u32, &mut Unpublished),
+    (stage, phase): (&mut u32, &mut u32),
     gatherers: Gatherers,
 ) {
     let (lane, first_token) = (gatherers.lane(), gatherers.warp() * TOKENS_PER_WARP as u32);
@@ -315,8 +298,7 @@ unsafe fn gather_row_tile<const V: u32>(
         if gatherers.leads() {
             // SAFETY: the stage is free; the barrier is told the weight tile's bytes in this
             // block (an M-pair's partner loads the other half into it) before any lands; thread
-            // 0's arrival, outstanding until the stage is published, keeps the phase open; maps
-            // valid.
+            // 0's arrival, made after this in `finish_stage`, keeps the phase open; maps valid.
             unsafe {
                 if kb == 0 {
                     name_tile::<V>(ring, *stage, tile);
@@ -353,7 +335,7 @@ unsafe fn gather_row_tile<const V: u32>(
         const { assert!(TOKENS_PER_LANE == 8 && A_COPIES_PER_TOKEN == 4) };
         each_token(tokens, first_token, copy_row);
         // SAFETY: every gathering thread, at this stage of its walk.
-        unsafe { finish_stage::<V>(ring, *stage, unpublished, gatherers) };
+        unsafe { finish_stage(full, gatherers) };
         ring.advance::<V>(stage, phase);
     }
 }
@@ -372,7 +354,7 @@ unsafe fn gather_weight_gradient_tile<const V: u32>(
     ring: Ring,
     rows: RowGather,
     (tile, w): (u32, &Work),
-    (stage, phase, unpublished): (&mut u32, &mut u32, &mut Unpublished),
+    (stage, phase): (&mut u32, &mut u32),
     gatherers: Gatherers,
 ) {
     let (lane, first_token) = (gatherers.lane(), gatherers.warp() * TOKENS_PER_WARP as u32);
@@ -414,7 +396,7 @@ unsafe fn gather_weight_gradient_tile<const V: u32>(
         let (a_tile, b_tile, full) = (ring.a_tile(*stage), ring.b_tile(*stage), ring.full(*stage));
         if gatherers.leads() {
             // SAFETY: the stage is free; the barrier is told A's bytes before any lands, and
-            // thread 0's arrival, outstanding until the stage is published, keeps the phase open; maps
+            // thread 0's arrival, made after this in `finish_stage`, keeps the phase open; maps
             // valid (the cut one acquired above when this block is a group's partial last one).
             unsafe {
                 if kb == 0 {
@@ -450,7 +432,7 @@ unsafe fn gather_weight_gradient_tile<const V: u32>(
         const { assert!(TOKENS_PER_LANE == 8 && B_COPIES_PER_TOKEN == 8) };
         each_token(tokens, first_token, copy_row);
         // SAFETY: every gathering thread, at this stage of its walk.
-        unsafe { finish_stage::<V>(ring, *stage, unpublished, gatherers) };
+        unsafe { finish_stage(full, gatherers) };
         ring.advance::<V>(stage, phase);
     }
 }
@@ -491,75 +473,29 @@ fn each_token(tokens: [u32; TOKENS_PER_WARP], first: u32, mut copy_row: impl FnM
     copy_row(first + 1, tokens[1]);
 }
 
-/// The end of a stage with copies, by every gathering thread: each commits the stage's copies
-/// as one group. Once [`publish_lag`] stages are unpublished, each waits until its copies of the
-/// oldest of them have landed (at most `publish_lag` later groups in flight), the threads meet,
-/// which orders every thread's landed copies before what follows in thread 0, and thread 0
-/// publishes that stage: its `full` arrival, the one the phase expects, after which the
-/// consumers may read it.
+/// The end of a stage with copies, by every gathering thread: each binds its copies to the
+/// stage's `full` phase (its expected arrival, made once they land), and thread 0 makes its own
+/// arrival, after its `expect_tx` of the stage's TMA bytes. No meeting: the phase counts every
+/// thread, and each waits on the stage's `empty` before writing it again.
 ///
 /// # Safety
-/// `stage` is the walk's current stage, its copies just issued and its `full` phase awaiting
-/// thread 0's arrival, as are the `unpublished` stages before it; every gathering thread calls it,
-/// in uniform control flow.
+/// `full` is the stage's initialised barrier, expecting [`full_arrivals`]`(true)`, its current
+/// phase awaiting these arrivals; every gathering thread calls it once per stage with copies.
 #[inline(always)]
-unsafe fn finish_stage<const V: u32>(ring: Ring, stage: u32, unpublished: &mut Unpublished, gatherers: Gatherers) {
-    cp_async::commit_group();
-    if unpublished.count < const { publish_lag(V) } {
-        unpublished.count += 1;
-        return;
-    }
-    // `wait_group` takes the lag as an immediate.
-    const { assert!(publish_lag(V) == 1 || publish_lag(V) == 2) };
-    if const { publish_lag(V) } == 1 {
-        cp_async::wait_group::<1>();
-    } else {
-        cp_async::wait_group::<2>();
-    }
-    // SAFETY: the meeting has every gathering thread (caller contract); the stage `publish_lag`
-    // back awaits thread 0's arrival, and every thread's copies into it have landed.
+unsafe fn finish_stage(full: u32, gatherers: Gatherers) {
+    // SAFETY: caller contract: the phase awaits each thread's arrival and thread 0's.
     unsafe {
-        gatherers.meet();
+        cp_async::arrive_when_landed(full);
         if gatherers.leads() {
-            mbarrier::arrive(ring.full(stage_back::<V>(stage, const { publish_lag(V) })));
+            mbarrier::arrive(full);
         }
     }
 }
 
-/// Publishes every unpublished stage (before a stage without copies, so that they stay the
-/// stages right before the walk's current one, and at the walk's end): each gathering thread
-/// waits for all its copies, they meet, and thread 0 arrives on each stage's `full`.
-///
-/// # Safety
-/// As [`finish_stage`], with `stage` the walk's current stage, no copies issued into it.
-#[inline(always)]
-unsafe fn publish_all<const V: u32>(ring: Ring, stage: u32, unpublished: &mut Unpublished, gatherers: Gatherers) {
-    if unpublished.count == 0 {
-        return;
-    }
-    cp_async::wait_group::<0>();
-    // SAFETY: as in `finish_stage`, for every unpublished stage.
-    unsafe {
-        gatherers.meet();
-        if gatherers.leads() {
-            for back in 1..=unpublished.count {
-                mbarrier::arrive(ring.full(stage_back::<V>(stage, back)));
-            }
-        }
-    }
-    unpublished.count = 0;
-}
-
-/// The stage `back` stages before `stage` in the ring walk (`back` below the ring's stages).
-#[inline(always)]
-fn stage_back<const V: u32>(stage: u32, back: u32) -> u32 {
-    (stage + const { ring_stages(V) } - back) % const { ring_stages(V) }
-}
-
-/// A stage without copies (the final [`NO_TILE`], an empty group's weight gradient): the
-/// unpublished stages are published ([`publish_all`]), every gathering thread waits until it is
-/// free, they meet, then thread 0 names `value` in its slot
-/// and arrives, as the single-thread producer does. The others add nothing, but they must walk
+/// A stage without copies (the final [`NO_TILE`], an empty group's weight gradient): every
+/// gathering thread waits until it is free, they meet, then thread 0 names `value` in its slot
+/// and makes every arrival the phase expects, as the single-thread producer does. The others
+/// add nothing, but they must walk
 /// each stage together: a thread that skipped the wait could run a whole ring ahead through
 /// copy-less stages, where the `empty` parity it waits for next is that of a phase two rounds
 /// back, and pass at once into a stage the consumers still read; and without the meeting thread
@@ -570,21 +506,14 @@ fn stage_back<const V: u32>(stage: u32, back: u32) -> u32 {
 /// As [`produce_gathering`], at its walk's `(stage, phase)`: every gathering thread calls it, in
 /// uniform control flow.
 #[inline(always)]
-unsafe fn copyless_stage<const V: u32>(
-    ring: Ring,
-    (stage, phase): (u32, u32),
-    value: u32,
-    unpublished: &mut Unpublished,
-    gatherers: Gatherers,
-) {
+unsafe fn copyless_stage<const V: u32>(ring: Ring, (stage, phase): (u32, u32), value: u32, gatherers: Gatherers) {
     // SAFETY: initialised barriers of this block (caller contract), every thread at its walk;
-    // the meetings have every gathering thread (caller contract).
+    // the meeting has every gathering thread (caller contract).
     unsafe {
-        publish_all::<V>(ring, stage, unpublished, gatherers);
         mbarrier::wait_parity(ring.empty::<V>(stage), phase ^ 1);
         gatherers.meet();
         if gatherers.leads() {
-            name_in_copyless_stage::<V>(ring, stage, phase, value);
+            name_in_copyless_stage::<V>(ring, stage, phase, value, const { full_arrivals(true) });
         }
     }
 }

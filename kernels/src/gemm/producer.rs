@@ -8,6 +8,7 @@ use crate::gemm_layout::{
 use crate::ptx::memory::{atom_add_relaxed_gpu_u32, ld_shared_u32, st_shared_u32};
 use crate::ptx::{cluster, mbarrier, sreg, tensormap, tma};
 
+use super::gather::full_arrivals;
 use super::hooks::{TileHooks, hooked};
 use super::ring::{Ring, Walk};
 use super::source::*;
@@ -19,7 +20,8 @@ pub(super) const B_HALF_BYTES: u32 = B_TILE_BYTES / 2;
 /// gradients), names each in its first stage's slot and fills its stages in K-block order. A
 /// stage with copies is whole TMA copies (rows past a group's end arrive as zeros through the
 /// group's own map); a tile without K blocks, and the final [`NO_TILE`], get one stage completed
-/// by a plain arrival.
+/// by a plain arrival. Each stage's arrival counts for all the arrivals its `full` phase expects
+/// ([`full_arrivals`]: in a kernel whose hooks may gather, the gathering threads' too).
 ///
 /// In a pair (row-grouped variants), the first block's producer takes each tile from the counter
 /// and names it in both blocks' slots; the second block's producer reads it from its slot when
@@ -46,6 +48,7 @@ pub(super) unsafe fn produce<const V: u32, H: TileHooks>(p: &GemmParams, ring: R
     let counter = p.tile_counter as *mut u32;
     let rank = pair_rank::<V>();
     let Walk { mut stage, mut phase, mut mail_phases } = walk;
+    let full_arrivals = const { full_arrivals(H::MAY_GATHER_ROWS) };
     let mut taken = 0u32;
     // A weight gradient's tiles of one group read the same rows: the producer waits for them
     // at the group's first tile of this phase only (the proxy fence after that wait orders
@@ -74,7 +77,7 @@ pub(super) unsafe fn produce<const V: u32, H: TileHooks>(p: &GemmParams, ring: R
         if tile >= total {
             // Tell the consumers (and the partner) through the next stage.
             // SAFETY: caller contract: initialised barriers, the producer thread at its walk.
-            unsafe { name_in_copyless_stage::<V>(ring, stage, phase, NO_TILE) };
+            unsafe { name_in_copyless_stage::<V>(ring, stage, phase, NO_TILE, full_arrivals) };
             ring.advance::<V>(&mut stage, &mut phase);
             return Walk { stage, phase, mail_phases };
         }
@@ -85,7 +88,7 @@ pub(super) unsafe fn produce<const V: u32, H: TileHooks>(p: &GemmParams, ring: R
             // A weight gradient of an empty group: no copies, but the consumers still learn the
             // tile (they store its zeros).
             // SAFETY: as for the `NO_TILE` stage above.
-            unsafe { name_in_copyless_stage::<V>(ring, stage, phase, tile) };
+            unsafe { name_in_copyless_stage::<V>(ring, stage, phase, tile, full_arrivals) };
             ring.advance::<V>(&mut stage, &mut phase);
             continue;
         }
@@ -130,7 +133,13 @@ pub(super) unsafe fn produce<const V: u32, H: TileHooks>(p: &GemmParams, ring: R
                 if kb == 0 {
                     name_tile::<V>(ring, stage, tile);
                 }
-                mbarrier::arrive_expect_tx(full, stage_bytes);
+                if full_arrivals == 1 {
+                    mbarrier::arrive_expect_tx(full, stage_bytes);
+                } else {
+                    // The gathering threads' arrivals too (a ring that gathering phases share).
+                    mbarrier::expect_tx(full, stage_bytes);
+                    mbarrier::arrive_count(full, full_arrivals);
+                }
                 if is_wgrad(V) {
                     // K runs over the group's rows; the last block may end inside the group.
                     let row = w.row_begin + kb * TILE_K;
@@ -269,19 +278,30 @@ pub(super) unsafe fn receive_tile<const V: u32>(ring: Ring, stage: u32, mail_pha
 }
 
 /// Waits for `stage` to be free, names `value` (a tile, or [`NO_TILE`]) in its tile slot and
-/// completes its `full` phase with a plain arrival: a stage without copies that only names.
+/// completes its `full` phase with `arrivals` arrivals, all the phase expects
+/// ([`full_arrivals`]): a stage without copies that only names.
 ///
 /// # Safety
 /// The ring's barriers are initialised (`init_barriers`, in both blocks of a pair, the partner
 /// staying until the final cluster barrier); called by the block's producer thread at its walk's
 /// `(stage, phase)`.
 #[inline(always)]
-pub(super) unsafe fn name_in_copyless_stage<const V: u32>(ring: Ring, stage: u32, phase: u32, value: u32) {
+pub(super) unsafe fn name_in_copyless_stage<const V: u32>(
+    ring: Ring,
+    stage: u32,
+    phase: u32,
+    value: u32,
+    arrivals: u32,
+) {
     // SAFETY: initialised barriers of this block (the producer thread, caller contract); the slot
     // is free once the stage is, and the arrival publishes it.
     unsafe {
         mbarrier::wait_parity(ring.empty::<V>(stage), phase ^ 1);
         name_tile::<V>(ring, stage, value);
-        mbarrier::arrive(ring.full(stage));
+        if arrivals == 1 {
+            mbarrier::arrive(ring.full(stage));
+        } else {
+            mbarrier::arrive_count(ring.full(stage), arrivals);
+        }
     }
 }

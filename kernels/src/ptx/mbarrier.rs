@@ -56,6 +56,21 @@ pub unsafe fn expect_tx(bar: u32, bytes: u32) {
     }
 }
 
+/// `mbarrier.arrive.shared::cta.b64 _, [bar], count`: `count` arrivals at once (release semantics
+/// at CTA scope): a producer that stands for threads which did not arrive themselves.
+///
+/// # Safety
+/// `bar` must be an initialised barrier of this block, its current phase awaiting at least
+/// `count` arrivals.
+#[inline(always)]
+pub unsafe fn arrive_count(bar: u32, count: u32) {
+    // SAFETY: caller contract.
+    unsafe {
+        asm!("mbarrier.arrive.shared::cta.b64 _, [{b}], {n};", b = in(reg32) bar, n = in(reg32) count,
+             options(nostack));
+    }
+}
+
 /// `mbarrier.arrive.shared::cta.b64`: one arrival (release semantics at CTA scope).
 ///
 /// # Safety
