@@ -27,7 +27,7 @@
 
 use crate::gemm_layout::{
     A_TILE_BYTES, B_TILE_BYTES, BLOCK_64_BYTES, GATHERED_ROWS_PER_LANE, GemmParams, NO_TILE, TILE_K, TILE_M, Variant,
-    gathered_a_chunk, gathered_a_copy, gathered_b_chunk, gathered_b_copy, is_wgrad, ring_stages,
+    gathered_a_chunk, gathered_a_copy, gathered_b_chunk, gathered_b_copy, is_wgrad,
 };
 use crate::ptx::memory::{atom_add_relaxed_gpu_u32, ld_volatile_shared_u32, st_shared_u32};
 use crate::ptx::{cp_async, mbarrier, sreg, sync, tensormap, tma};
@@ -175,7 +175,6 @@ pub(super) unsafe fn produce_gathering<const V: u32, H: TileHooks>(
     let rank = pair_rank::<V>();
     let Walk { mut stage, mut phase, mut mail_phases } = walk;
     let mut taken = 0u32;
-    let mut streak = CopyStreak { stages: 0 };
     // As in `produce`: a persistent kernel's weight gradient walks a fixed stride, and waits for
     // a group's rows at its first tile of the group.
     let (walk_first, walk_stride) = if V == Variant::WGRAD_IN_PAIR { hooks.weight_tile_walk(total) } else { (0, 0) };
@@ -227,7 +226,6 @@ pub(super) unsafe fn produce_gathering<const V: u32, H: TileHooks>(
             // An empty group's weight gradient: its consumers store the tile's zeros.
             // SAFETY: as below for a stage, without copies.
             unsafe { copyless_stage::<V>(ring, (stage, phase), tile, gatherers) };
-            streak.stages = 0;
             ring.advance::<V>(&mut stage, &mut phase);
             continue;
         }
@@ -241,7 +239,7 @@ pub(super) unsafe fn produce_gathering<const V: u32, H: TileHooks>(
             ready_group = w.group;
         }
         // Each warp copies the rows of its share of a lane's 8 tokens (`TOKENS_PER_WARP`).
-        let walk = (&mut stage, &mut phase, &mut streak);
+        let walk = (&mut stage, &mut phase);
         // SAFETY: caller contract (maps, rows, barriers); `w` a tile of the launch.
         unsafe {
             if is_wgrad(V) {
@@ -264,7 +262,7 @@ unsafe fn gather_row_tile<const V: u32>(
     ring: Ring,
     rows: RowGather,
     (tile, w): (u32, &Work),
-    (stage, phase, streak): (&mut u32, &mut u32, &mut CopyStreak),
+    (stage, phase): (&mut u32, &mut u32),
     gatherers: Gatherers,
 ) {
     let (lane, first_token) = (gatherers.lane(), gatherers.warp() * TOKENS_PER_WARP as u32);
@@ -293,7 +291,7 @@ unsafe fn gather_row_tile<const V: u32>(
     for kb in 0..w.k_blocks {
         // Every gathering thread writes into the stage.
         // SAFETY: initialised barriers of this block.
-        unsafe { claim_stage::<V>(ring, *stage, *phase, *streak) };
+        unsafe { claim_stage::<V>(ring, *stage, *phase) };
         let (a_tile, full) = (ring.a_tile(*stage), ring.full(*stage));
         let k0 = kb * TILE_K;
         if gatherers.leads() {
@@ -336,7 +334,7 @@ unsafe fn gather_row_tile<const V: u32>(
         const { assert!(TOKENS_PER_LANE == 8 && A_COPIES_PER_TOKEN == 4) };
         each_token(tokens, first_token, copy_row);
         // SAFETY: every gathering thread, at this stage of its walk.
-        unsafe { finish_stage::<V>(full, streak, gatherers) };
+        unsafe { finish_stage(full, gatherers) };
         ring.advance::<V>(stage, phase);
     }
 }
@@ -355,7 +353,7 @@ unsafe fn gather_weight_gradient_tile<const V: u32>(
     ring: Ring,
     rows: RowGather,
     (tile, w): (u32, &Work),
-    (stage, phase, streak): (&mut u32, &mut u32, &mut CopyStreak),
+    (stage, phase): (&mut u32, &mut u32),
     gatherers: Gatherers,
 ) {
     let (lane, first_token) = (gatherers.lane(), gatherers.warp() * TOKENS_PER_WARP as u32);
@@ -393,7 +391,7 @@ unsafe fn gather_weight_gradient_tile<const V: u32>(
         let slots = ahead[0];
         ahead = [ahead[1], stage_slots(kb + 2)];
         // SAFETY: initialised barriers of this block.
-        unsafe { claim_stage::<V>(ring, *stage, *phase, *streak) };
+        unsafe { claim_stage::<V>(ring, *stage, *phase) };
         let (a_tile, b_tile, full) = (ring.a_tile(*stage), ring.b_tile(*stage), ring.full(*stage));
         if gatherers.leads() {
             // SAFETY: the stage is free; the barrier is told A's bytes before any lands, and
@@ -433,7 +431,7 @@ unsafe fn gather_weight_gradient_tile<const V: u32>(
         const { assert!(TOKENS_PER_LANE == 8 && B_COPIES_PER_TOKEN == 8) };
         each_token(tokens, first_token, copy_row);
         // SAFETY: every gathering thread, at this stage of its walk.
-        unsafe { finish_stage::<V>(full, streak, gatherers) };
+        unsafe { finish_stage(full, gatherers) };
         ring.advance::<V>(stage, phase);
     }
 }
@@ -474,51 +472,35 @@ fn each_token(tokens: [u32; TOKENS_PER_WARP], first: u32, mut copy_row: impl FnM
     copy_row(first + 1, tokens[1]);
 }
 
-/// How many stages with copies a gathering thread has issued in a row, up to the ring's
-/// stages less one: each such stage's copies are one committed group, so the thread's copies
-/// into a stage one ring back are at least this many groups old (a stage without copies in
-/// between, or the phase's start, resets it: fewer groups then).
-#[derive(Clone, Copy)]
-struct CopyStreak {
-    stages: u32,
-}
-
 /// Before a gathering thread copies into `stage`: it waits until the consumers released the
-/// stage (a fresh barrier passes parity 1), then for its own earlier copies into it
-/// (`cp.async.wait_group`, all but the `streak` latest groups). Those landed before the
-/// consumers read the stage, so the second wait passes at once (after a stage without copies
-/// it also waits for the few latest groups); it makes the thread itself observe that they landed
-/// before it writes over them, the ordering racecheck checks for `cp.async` (the `empty` wait
-/// orders it too, through the `full` barrier and the consumers, which the tool does not follow).
+/// stage (a fresh barrier passes parity 1), then for the `full` phase of the stage's previous use,
+/// to which its earlier copies there were bound. That phase completed before the consumers
+/// released the stage, and the next cannot complete without this thread's arrival, so the second
+/// wait passes at once; it makes the thread itself observe its earlier copies landed before it
+/// writes over them, the ordering racecheck checks for `cp.async` (the `empty` wait orders it
+/// too, through the consumers, which the tool does not follow).
 ///
 /// # Safety
 /// `ring`'s barriers are initialised; `(stage, phase)` is where the walk stands.
 #[inline(always)]
-unsafe fn claim_stage<const V: u32>(ring: Ring, stage: u32, phase: u32, streak: CopyStreak) {
+unsafe fn claim_stage<const V: u32>(ring: Ring, stage: u32, phase: u32) {
     // SAFETY: caller contract.
-    unsafe { mbarrier::wait_parity(ring.empty::<V>(stage), phase ^ 1) };
-    // `wait_group` takes its count as an immediate.
-    match streak.stages {
-        0 => cp_async::wait_group::<0>(),
-        1 => cp_async::wait_group::<1>(),
-        2 => cp_async::wait_group::<2>(),
-        _ => cp_async::wait_group::<3>(),
+    unsafe {
+        mbarrier::wait_parity(ring.empty::<V>(stage), phase ^ 1);
+        mbarrier::wait_parity(ring.full(stage), phase ^ 1);
     }
 }
 
-/// The end of a stage with copies, by every gathering thread: each commits its copies as one
-/// group and binds them to the stage's `full` phase (its expected arrival, made once they land),
-/// and thread 0 makes its own arrival, after its `expect_tx` of the stage's TMA bytes. No
-/// meeting: the phase counts every thread, and each waits on the stage's `empty` before writing
-/// it again.
+/// The end of a stage with copies, by every gathering thread: each binds its copies to the
+/// stage's `full` phase (its expected arrival, made once they land), and thread 0 makes its own
+/// arrival, after its `expect_tx` of the stage's TMA bytes. No meeting: the phase counts every
+/// thread, and each waits on the stage's `empty` before writing it again.
 ///
 /// # Safety
 /// `full` is the stage's initialised barrier, expecting [`full_arrivals`]`(true)`, its current
 /// phase awaiting these arrivals; every gathering thread calls it once per stage with copies.
 #[inline(always)]
-unsafe fn finish_stage<const V: u32>(full: u32, streak: &mut CopyStreak, gatherers: Gatherers) {
-    cp_async::commit_group();
-    streak.stages = (streak.stages + 1).min(const { ring_stages(V) - 1 });
+unsafe fn finish_stage(full: u32, gatherers: Gatherers) {
     // SAFETY: caller contract: the phase awaits each thread's arrival and thread 0's.
     unsafe {
         cp_async::arrive_when_landed(full);

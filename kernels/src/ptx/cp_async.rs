@@ -1,7 +1,6 @@
 //! Per-thread asynchronous copies into shared memory (PTX ISA §9.7.9.25 `cp.async`), sm_80+:
-//! each thread copies up to 16 bytes into shared memory, an mbarrier counts the landing of a
-//! thread's copies as one of its expected arrivals, and the thread can wait for its own copies
-//! by group. What the engine uses where a tile's rows are not one TMA box: rows
+//! each thread copies up to 16 bytes into shared memory, and an mbarrier counts the landing of a
+//! thread's copies as one of its expected arrivals. What the engine uses where a tile's rows are not one TMA box: rows
 //! chosen through an index (a gather), each 16-byte chunk placed by the thread itself.
 //!
 //! The copies write shared memory through the generic proxy: a reader through the async proxy
@@ -42,20 +41,4 @@ pub unsafe fn copy_16_or_zeros(dst: u32, src: u64, present: bool) {
 pub unsafe fn arrive_when_landed(bar: u32) {
     // SAFETY: caller contract.
     unsafe { asm!("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [{b}];", b = in(reg32) bar, options(nostack)) };
-}
-
-/// `cp.async.commit_group`: closes this thread's `cp.async` copies issued since its last commit
-/// into one group, which [`wait_group`] can then wait for.
-#[inline(always)]
-pub fn commit_group() {
-    // SAFETY: no operands; it only bounds this thread's own copies into a group.
-    unsafe { asm!("cp.async.commit_group;", options(nostack)) };
-}
-
-/// `cp.async.wait_group N`: waits until at most `N` of this thread's committed groups are still
-/// in flight (the most recent ones), so every copy of the older groups has landed.
-#[inline(always)]
-pub fn wait_group<const N: u32>() {
-    // SAFETY: no operands; it only waits.
-    unsafe { asm!("cp.async.wait_group {n};", n = const N, options(nostack)) };
 }
