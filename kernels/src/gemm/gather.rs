@@ -289,9 +289,10 @@ unsafe fn gather_row_tile<const V: u32>(
     }
     let b_bytes = if w.has_columns { B_TILE_BYTES } else { 0 };
     for kb in 0..w.k_blocks {
-        // Every gathering thread writes into the stage.
-        // SAFETY: initialised barriers of this block.
-        unsafe { claim_stage::<V>(ring, *stage, *phase) };
+        // Every gathering thread writes into the stage: each waits until the consumers released
+        // it (a fresh barrier passes parity 1).
+        // SAFETY: initialised barrier of this block.
+        unsafe { mbarrier::wait_parity(ring.empty::<V>(*stage), *phase ^ 1) };
         let (a_tile, full) = (ring.a_tile(*stage), ring.full(*stage));
         let k0 = kb * TILE_K;
         if gatherers.leads() {
@@ -390,8 +391,8 @@ unsafe fn gather_weight_gradient_tile<const V: u32>(
         let row = w.row_begin + kb * TILE_K;
         let slots = ahead[0];
         ahead = [ahead[1], stage_slots(kb + 2)];
-        // SAFETY: initialised barriers of this block.
-        unsafe { claim_stage::<V>(ring, *stage, *phase) };
+        // SAFETY: initialised barrier of this block.
+        unsafe { mbarrier::wait_parity(ring.empty::<V>(*stage), *phase ^ 1) };
         let (a_tile, b_tile, full) = (ring.a_tile(*stage), ring.b_tile(*stage), ring.full(*stage));
         if gatherers.leads() {
             // SAFETY: the stage is free; the barrier is told A's bytes before any lands, and
@@ -470,25 +471,6 @@ unsafe fn copy_token_chunks(
 fn each_token(tokens: [u32; TOKENS_PER_WARP], first: u32, mut copy_row: impl FnMut(u32, u32)) {
     copy_row(first, tokens[0]);
     copy_row(first + 1, tokens[1]);
-}
-
-/// Before a gathering thread copies into `stage`: it waits until the consumers released the
-/// stage (a fresh barrier passes parity 1), then for the `full` phase of the stage's previous use,
-/// to which its earlier copies there were bound. That phase completed before the consumers
-/// released the stage, and the next cannot complete without this thread's arrival, so the second
-/// wait passes at once; it makes the thread itself observe its earlier copies landed before it
-/// writes over them, the ordering racecheck checks for `cp.async` (the `empty` wait orders it
-/// too, through the consumers, which the tool does not follow).
-///
-/// # Safety
-/// `ring`'s barriers are initialised; `(stage, phase)` is where the walk stands.
-#[inline(always)]
-unsafe fn claim_stage<const V: u32>(ring: Ring, stage: u32, phase: u32) {
-    // SAFETY: caller contract.
-    unsafe {
-        mbarrier::wait_parity(ring.empty::<V>(stage), phase ^ 1);
-        mbarrier::wait_parity(ring.full(stage), phase ^ 1);
-    }
 }
 
 /// The end of a stage with copies, by every gathering thread: each binds its copies to the
