@@ -13,8 +13,10 @@
 //! arrives after issuing its TMA copy, and a stage lane 0 produces alone (a TMA phase's, one
 //! without copies) gets all the arrivals from lane 0 at once. It checks what the kernel relies
 //! on and cannot be run here: no copy is issued into a stage before the consumers released its
-//! previous use, no consumer passes a `full` wait before every copy of that use has landed, and
-//! the walk completes.
+//! previous use, nor while a copy of that use is in flight (a thread never writes over its own
+//! copies before they land: the order runs through the `full` barrier and the consumers'
+//! release, which compute-sanitizer's racecheck does not follow), no consumer passes a `full`
+//! wait before every copy of that use has landed, and the walk completes.
 //!
 //! With several gathering warps (half the walks) lane 0 also hands each tile to the others
 //! through a shared word and a named barrier: the model checks that no thread reads another
@@ -322,6 +324,18 @@ impl Model {
                     return Err(format!(
                         "lane {l} copies use {u} into stage {s} with {} of its {round} earlier uses released",
                         self.empty[s].completed
+                    ));
+                }
+                // Every copy of the stage's previous use has landed (through `full` and the
+                // consumers' release; racecheck reports the rewrite, not seeing that order).
+                let previous = u.checked_sub(self.stages);
+                if self
+                    .in_flight
+                    .iter()
+                    .any(|&landing| matches!(landing, Landing::Copies { u: v } if Some(v) == previous))
+                {
+                    return Err(format!(
+                        "lane {l} copies use {u} into stage {s} with copies of its previous use in flight"
                     ));
                 }
                 if l == 0 {
