@@ -95,10 +95,12 @@ pub struct LayerOptions {
     /// ([`UnfusedLayer::set_gather_in_producer`](crate::unfused::UnfusedLayer::set_gather_in_producer)):
     /// the same bits, T · k · H bf16 less written and read per forward; on the H200 the
     /// engine path's forward is faster with it and its backward slower (the gathering weight
-    /// gradients take 1.26–1.39× the plain ones' time: docs/PERF.md), and the layer holds no
+    /// gradients take 1.25–1.33× the plain ones' time: docs/PERF.md), and the layer holds no
     /// gathered copy (T · k · H bf16 less). Refused over ranks (the rows are pulled from their
-    /// owners) and on `mma.sync`. Not compute-sanitizer clean: synccheck and racecheck report
-    /// its copies' completion tracking, and stop the launch under the tool (docs/TESTING.md).
+    /// owners) and on `mma.sync`. Not racecheck-clean: compute-sanitizer's racecheck reports
+    /// each gathering thread's copy into a stage against its own earlier copy there, an order it
+    /// does not follow through the ring's barriers (memcheck and synccheck are clean;
+    /// docs/TESTING.md).
     pub gather_in_producer: bool,
 }
 

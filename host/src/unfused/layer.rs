@@ -602,7 +602,7 @@ impl UnfusedLayer {
     /// engine off, allocates the copy again (an error there, such as out of memory, leaves the
     /// layer as it was). Every output and gradient is the same bits either way; on the H200
     /// the forward is faster with it and the backward slower (the gathering gate/up takes
-    /// 1.05–1.10× the plain one's time, the gathering weight gradients 1.26–1.39×:
+    /// 1.06–1.10× the plain one's time, the gathering weight gradients 1.25–1.33×:
     /// docs/PERF.md). It needs the engine on and the
     /// kernels in the loaded PTX (otherwise an error, and the layer is unchanged), and switching
     /// the engine off switches it off.
