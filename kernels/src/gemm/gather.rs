@@ -72,8 +72,9 @@ impl Gatherers {
         self.thread == 0
     }
     /// Every gathering thread meets here (named barrier [`GATHER_BARRIER`]), which also orders
-    /// their shared-memory accesses before whatever follows in any of them. The unaligned barrier: thread 0 reaches a meeting from work it did alone (taking a
-    /// tile, or the phases it produced by itself), so its warp may arrive divergent.
+    /// their shared-memory accesses before whatever follows in any of them. The unaligned
+    /// barrier: thread 0 reaches a meeting from work it did alone (taking a tile, or the phases
+    /// it produced by itself), so its warp may arrive divergent.
     ///
     /// # Safety
     /// Every gathering thread calls it, once per meeting.
@@ -495,12 +496,11 @@ unsafe fn finish_stage(full: u32, gatherers: Gatherers) {
 /// A stage without copies (the final [`NO_TILE`], an empty group's weight gradient): every
 /// gathering thread waits until it is free, they meet, then thread 0 names `value` in its slot
 /// and makes every arrival the phase expects, as the single-thread producer does. The others
-/// add nothing, but they must walk
-/// each stage together: a thread that skipped the wait could run a whole ring ahead through
-/// copy-less stages, where the `empty` parity it waits for next is that of a phase two rounds
-/// back, and pass at once into a stage the consumers still read; and without the meeting thread
-/// 0 could run two rounds ahead of a slow thread, whose wait would then never pass (both shown by
-/// the CPU model in `host/src/gather_ring_model.rs`).
+/// add nothing, but they must walk each stage together: a thread that skipped the wait could
+/// run a whole ring ahead through copy-less stages, where the `empty` parity it waits for next
+/// is that of a phase two rounds back, and pass at once into a stage the consumers still read;
+/// and without the meeting thread 0 could run two rounds ahead of a slow thread, whose wait
+/// would then never pass (both shown by the CPU model in `host/src/gather_ring_model.rs`).
 ///
 /// # Safety
 /// As [`produce_gathering`], at its walk's `(stage, phase)`: every gathering thread calls it, in

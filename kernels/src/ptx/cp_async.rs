@@ -1,7 +1,8 @@
 //! Per-thread asynchronous copies into shared memory (PTX ISA §9.7.9.25 `cp.async`), sm_80+:
 //! each thread copies up to 16 bytes into shared memory, and an mbarrier counts the landing of a
-//! thread's copies as one of its expected arrivals. What the engine uses where a tile's rows are not one TMA box: rows
-//! chosen through an index (a gather), each 16-byte chunk placed by the thread itself.
+//! thread's copies as one of its expected arrivals. What the engine uses where a tile's rows are
+//! not one TMA box: rows chosen through an index (a gather), each 16-byte chunk placed by the
+//! thread itself.
 //!
 //! The copies write shared memory through the generic proxy: a reader through the async proxy
 //! (`wgmma`, TMA stores) must see them ordered by `fence.proxy.async.shared::cta` after it has
