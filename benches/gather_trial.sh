@@ -2,7 +2,8 @@
 # The gathering producers (`UnfusedLayer::set_gather_in_producer`), one step per device call
 # (each fits the 10-minute limit of a call): `tests` runs their bitwise tests (the engine path's
 # and the forward megakernel's in gpu_unfused, and gpu_gemm's engine_matches_unfused_* with the
-# gathering plans, then the backward megakernel's and gpu_api's MoeLayer tests), `sanitize` the layer's under memcheck, racecheck and synccheck, `bench` the
+# gathering plans, then the backward megakernel's and gpu_api's MoeLayer tests), `sanitize` the layer's and gpu_gemm's two smallest gathering checks (the standalone
+# gathering kernels, where racecheck finishes in seconds) under memcheck, racecheck and synccheck, `bench` the
 # GEMM benchmark with the gathering plans each timed right after its plain one (`gemm
 # --gathering`) and the layer benchmark with the engine path with and without the gathering
 # producers alternating (engine, engine-gathering, engine, engine-gathering) beside the ceilings
@@ -44,7 +45,8 @@ case "${1:-}" in
         ;;
     sanitize)
         (cd "$bundle" && OUT="$out" MOK_TEST_TIMEOUT="${MOK_TEST_TIMEOUT:-560}" MOK_SANITIZE_TOOLS="memcheck racecheck synccheck" \
-            ./run.sh --sanitize "$test_name") > "$out/gather-sanitize.txt" 2>&1
+            ./run.sh --sanitize "$test_name" engine_matches_unfused_on_tiny engine_matches_unfused_on_odd) \
+            > "$out/gather-sanitize.txt" 2>&1
         rc=$?
         grep -h "^sanitize:\|passed" "$out/gather-sanitize.txt" | tail -2
         ;;
