@@ -3,7 +3,7 @@
 # (each fits the 10-minute limit of a call): `tests` runs their bitwise tests (the engine path's
 # and the forward megakernel's in gpu_unfused, and gpu_gemm's engine_matches_unfused_* with the
 # gathering plans, then the backward megakernel's and gpu_api's MoeLayer tests), `sanitize` the layer's and gpu_gemm's two smallest gathering checks (the standalone
-# gathering kernels, where racecheck finishes in seconds) under memcheck, racecheck and synccheck, `bench` the
+# gathering kernels, where racecheck finishes quickly) under memcheck, racecheck and synccheck, `bench` the
 # GEMM benchmark with the gathering plans each timed right after its plain one (`gemm
 # --gathering`) and the layer benchmark with the engine path with and without the gathering
 # producers alternating (engine, engine-gathering, engine, engine-gathering) beside the ceilings
