@@ -161,9 +161,9 @@ pub(super) unsafe fn next_phase<const V: u32>(ring: Ring, walk: Walk, thread_in_
 }
 
 /// One thread per block initialises the ring's barriers before any use: `full` completes on
-/// `full_arrivals` arrivals ([`full_arrivals`]: the producer's, with the bytes it expects, and
-/// in a kernel whose hooks may gather one per gathering thread, [`super::gather`]), `empty` on
-/// `empty_arrivals` consumer warps
+/// [`full_arrivals`] arrivals (the producer's, with the bytes it expects, and where the hooks `H`
+/// may gather one per gathering thread, [`super::gather`]), `empty` on `empty_arrivals`
+/// consumer warps
 /// (8 per block sharing the stage: 16 in a pair), the mailbox on one arrival; then the fence
 /// that makes the initialisation visible to the cluster.
 ///
@@ -171,12 +171,12 @@ pub(super) unsafe fn next_phase<const V: u32>(ring: Ring, walk: Walk, thread_in_
 /// `ring` is `Ring::new::<V>()` in a block with the engine's dynamic shared memory; one thread of
 /// the block calls it, once, before any thread uses the ring's barriers.
 #[inline(always)]
-unsafe fn init_barriers<const V: u32>(ring: Ring, (full_arrivals, empty_arrivals): (u32, u32)) {
+unsafe fn init_barriers<const V: u32, H: TileHooks>(ring: Ring, empty_arrivals: u32) {
     for s in 0..ring_stages(V) {
         // SAFETY: the ring's barrier slots: 8-byte aligned shared memory of this block that
         // nothing uses yet (caller contract).
         unsafe {
-            mbarrier::init(ring.full(s), full_arrivals);
+            mbarrier::init(ring.full(s), const { full_arrivals(H::MAY_GATHER_ROWS) });
             mbarrier::init(ring.empty::<V>(s), empty_arrivals);
             mbarrier::init(ring.mail::<V>(s), 1);
         }
@@ -208,7 +208,7 @@ pub unsafe fn run<const V: u32, H: TileHooks>(params: *const GemmParams, hooks: 
     let thread = sreg::thread_idx_x();
     if thread == 0 {
         // SAFETY: one thread, before any use; the launch gives the engine's shared memory.
-        unsafe { init_barriers::<V>(ring, (const { full_arrivals(H::MAY_GATHER_ROWS) }, 8 * cluster_blocks(V))) };
+        unsafe { init_barriers::<V, H>(ring, 8 * cluster_blocks(V)) };
     }
     // The partner multicasts into this block's stages and arrives on its barriers: both blocks'
     // barriers must be initialised before either starts.
@@ -346,7 +346,7 @@ pub unsafe fn run_forward_phases<H: TileHooks, R: Copy>(
     let thread = sreg::thread_idx_x();
     if thread == 0 {
         // SAFETY: one thread, before any use; the launch gives the engine's shared memory.
-        unsafe { init_barriers::<G>(ring, (const { full_arrivals(H::MAY_GATHER_ROWS) }, 16)) };
+        unsafe { init_barriers::<G, H>(ring, 16) };
     }
     // Both blocks' barriers initialised before either multicasts into the other.
     // SAFETY: every thread of both blocks of the pair (caller contract; thread 0's branch above
@@ -527,7 +527,7 @@ pub unsafe fn run_backward_phases<H: TileHooks>(
     let thread = sreg::thread_idx_x();
     if thread == 0 {
         // SAFETY: one thread, before any use; the launch gives the engine's shared memory.
-        unsafe { init_barriers::<N>(ring, (const { full_arrivals(H::MAY_GATHER_ROWS) }, 16)) };
+        unsafe { init_barriers::<N, H>(ring, 16) };
     }
     // SAFETY: every thread of both blocks of the pair (caller contract; thread 0's branch above
     // rejoins).
