@@ -9,11 +9,13 @@
 //! routed experts' GEMMs on the `mma.sync` kernels, the layer's default), `engine` (on the
 //! tensor-core engine, sm_90 only), `engine-gathering` (the engine with its gate/up and its gate
 //! and up weight gradients gathering the token rows in their producers: no gathered copy of the
-//! rows is written), `megakernel` (the forward as one
+//! rows is written; `-gathering-forward`: the gate/up alone, the backward writing the copy for
+//! its weight gradients), `megakernel` (the forward as one
 //! persistent launch over the engine, with its default comm blocks), `megakernel:N` (N comm
 //! blocks) and `megakernels[:N]` (the forward and the backward megakernels); `megakernel[s][:N]-gathering`
-//! has the forward megakernel's gate/up gather its rows in its producers too (one GPU; its
-//! dispatch, by comm blocks and spare warps, then copies only the shared expert's rows). Each
+//! (or `-gathering-forward`) has the forward megakernel's gate/up gather its rows in its
+//! producers too (one GPU; its dispatch, by comm blocks and spare warps, then copies only the
+//! shared expert's rows). Each
 //! table row names its backend. `--ranks P` (P > 1) runs the expert-parallel layer over P virtual ranks on this GPU
 //! instead (the tokens of a case split over the ranks), on `mma` (`epP:mma`: the exchange's
 //! separate launches, `mma.sync` expert compute), `megakernel[:N]` (`epP:megakernel`: the
@@ -75,30 +77,38 @@ struct Args {
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Backend {
     Mma,
-    Engine,
-    /// The engine with its gate/up and its gate and up weight gradients gathering the token rows
-    /// in their producers (`UnfusedLayer::set_gather_in_producer`).
-    EngineGathering,
-    /// The forward megakernel with this many comm blocks (`None`: its default); `true`: its
-    /// gate/up gathering the token rows in its producers (one GPU).
-    Megakernel(Option<u32>, bool),
+    /// The engine, its producers gathering the token rows or not.
+    Engine(Gather),
+    /// The forward megakernel with this many comm blocks (`None`: its default).
+    Megakernel(Option<u32>, Gather),
     /// The forward and the backward megakernels (one GPU, every virtual rank in one launch, or
     /// across processes the process's rank),
-    /// with this many comm blocks each (per rank over ranks); `true` as for `Megakernel`.
-    Megakernels(Option<u32>, bool),
+    /// with this many comm blocks each (per rank over ranks).
+    Megakernels(Option<u32>, Gather),
+}
+
+/// Which producers gather the token rows from x (`UnfusedLayer::set_gather_in_producers`; one
+/// GPU) instead of reading a gathered copy.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Gather {
+    None,
+    /// The gate/up (suffix `-gathering-forward`).
+    Forward,
+    /// The gate/up and the gate and up weight gradients (suffix `-gathering`).
+    Both,
 }
 
 impl Backend {
     fn parse(text: &str) -> Result<Self> {
-        // A `-gathering` suffix: the engine's or the forward megakernel's gate/up gathers its rows.
-        let (base, gathering) = match text.strip_suffix("-gathering") {
-            Some(base) => (base, true),
-            None => (text, false),
+        // A `-gathering[-forward]` suffix: which producers gather their rows.
+        let (base, gathering) = match (text.strip_suffix("-gathering"), text.strip_suffix("-gathering-forward")) {
+            (Some(base), _) => (base, Gather::Both),
+            (_, Some(base)) => (base, Gather::Forward),
+            _ => (text, Gather::None),
         };
         Ok(match base {
-            "mma" if !gathering => Backend::Mma,
-            "engine" if gathering => Backend::EngineGathering,
-            "engine" => Backend::Engine,
+            "mma" if gathering == Gather::None => Backend::Mma,
+            "engine" => Backend::Engine(gathering),
             "megakernel" => Backend::Megakernel(None, gathering),
             "megakernels" => Backend::Megakernels(None, gathering),
             other => match (other.strip_prefix("megakernel:"), other.strip_prefix("megakernels:")) {
@@ -110,7 +120,7 @@ impl Backend {
                 }
                 _ => bail!(
                     "--gemm takes mma, engine, megakernel[:N] or megakernels[:N], the last three also with \
-                     -gathering, not {text}"
+                     -gathering or -gathering-forward, not {text}"
                 ),
             },
         })
@@ -119,8 +129,7 @@ impl Backend {
     fn name(self) -> String {
         match self {
             Backend::Mma => "mma".into(),
-            Backend::Engine => "engine".into(),
-            Backend::EngineGathering => "engine-gathering".into(),
+            Backend::Engine(gathering) => format!("engine{}", gathering.suffix()),
             Backend::Megakernel(comm_blocks, gathering) => mega_name("megakernel", comm_blocks, gathering),
             Backend::Megakernels(comm_blocks, gathering) => mega_name("megakernels", comm_blocks, gathering),
         }
@@ -128,6 +137,7 @@ impl Backend {
 
     fn apply(self, gpu: &Gpu, layer: &mut UnfusedLayer) -> Result<()> {
         layer.set_gemm_engine(gpu, self != Backend::Mma)?;
+        let gathering = self.gathering();
         if let Backend::Megakernel(comm_blocks, _) | Backend::Megakernels(comm_blocks, _) = self {
             let options = MegakernelOptions { comm_blocks, ..MegakernelOptions::default() };
             layer.set_forward_megakernel(gpu, Some(options.clone()))?;
@@ -135,20 +145,41 @@ impl Backend {
                 layer.set_backward_megakernel(gpu, Some(options))?;
             }
         }
-        layer.set_gather_in_producer(gpu, self.gathers())?;
+        layer.set_gather_in_producers(gpu, gathering != Gather::None, gathering == Gather::Both)?;
         Ok(())
     }
 
-    /// Whether the gate/up gathers its rows in its producers.
+    /// Which producers gather their rows.
+    fn gathering(self) -> Gather {
+        match self {
+            Backend::Mma => Gather::None,
+            Backend::Engine(gathering) | Backend::Megakernel(_, gathering) | Backend::Megakernels(_, gathering) => {
+                gathering
+            }
+        }
+    }
+
+    /// Whether any producer gathers its rows.
     fn gathers(self) -> bool {
-        matches!(self, Backend::EngineGathering | Backend::Megakernel(_, true) | Backend::Megakernels(_, true))
+        self.gathering() != Gather::None
     }
 }
 
-/// `base[:N][-gathering]`.
-fn mega_name(base: &str, comm_blocks: Option<u32>, gathering: bool) -> String {
+impl Gather {
+    /// The backend name's suffix.
+    fn suffix(self) -> &'static str {
+        match self {
+            Gather::None => "",
+            Gather::Forward => "-gathering-forward",
+            Gather::Both => "-gathering",
+        }
+    }
+}
+
+/// `base[:N][-gathering[-forward]]`.
+fn mega_name(base: &str, comm_blocks: Option<u32>, gathering: Gather) -> String {
     let blocks = comm_blocks.map_or(String::new(), |n| format!(":{n}"));
-    format!("{base}{blocks}{}", if gathering { "-gathering" } else { "" })
+    format!("{base}{blocks}{}", gathering.suffix())
 }
 
 fn parse_args() -> Result<Args> {
@@ -416,7 +447,7 @@ fn bench_case_ep(
             layer.set_forward_megakernel(gpu, Some(options.clone()))?;
             layer.set_backward_megakernel(gpu, Some(options))?;
         }
-        Backend::Engine | Backend::EngineGathering => {
+        Backend::Engine(_) => {
             bail!("--ranks {ranks} runs mma (separate launches), megakernel[:N] or megakernels[:N], not the engine")
         }
     }
@@ -651,7 +682,7 @@ fn bench_case_processes(
             megakernel: MegakernelOptions { comm_blocks, timeout, ..Default::default() },
             ..Default::default()
         },
-        Backend::Engine | Backend::EngineGathering => {
+        Backend::Engine(_) => {
             bail!("across ranks the layer runs mma or the megakernels, not the engine")
         }
     };

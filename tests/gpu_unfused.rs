@@ -413,7 +413,18 @@ fn gate_up_gathering_its_rows_in_the_producer_is_bitwise_the_engine_path() {
         layer.set_backward_megakernel(&gpu, Some(megakernel_options(None, None))).unwrap();
         let got = run(&gpu, &mut layer, &device);
         assert_gathered_then_backward_megakernel(&got, &expected, &format!("{what}, gathered, backward megakernel"));
+        // The gate/up gathering alone: the backward writes the copy its weight gradients read,
+        // the engine path's and the backward megakernel's.
+        layer.set_gather_in_producers(&gpu, true, false).unwrap();
+        assert!(layer.gathers_in_producer() && !layer.weight_gradients_gather_in_producer());
+        let got = run(&gpu, &mut layer, &device);
+        assert_forward_gathered_then_backward_megakernel(
+            &got,
+            &expected,
+            &format!("{what}, gate/up gathering alone, backward megakernel"),
+        );
         layer.set_backward_megakernel(&gpu, None).unwrap();
+        assert_same_run(&run(&gpu, &mut layer, &device), &expected, &format!("{what}, gate/up gathering alone"));
         layer.set_gather_in_producer(&gpu, false).unwrap();
         assert_same_run(&run(&gpu, &mut layer, &device), &expected, &format!("{what}, gathering off again"));
         println!("  {what}: gate/up gathering in its producer bitwise equal to the engine path");
@@ -655,7 +666,14 @@ fn forward_megakernel_gathering_its_rows_in_the_producer_is_bitwise_the_engine_p
         layer.set_backward_megakernel(&gpu, Some(megakernel_options(None, None))).unwrap();
         let got = run(&gpu, &mut layer, device);
         assert_gathered_then_backward_megakernel(&got, expected, &format!("{what}, gathering, backward megakernel"));
+        // The gate/up gathering alone: the backward (megakernel, then the engine path's) writes
+        // the copy its weight gradients read.
+        layer.set_gather_in_producers(&gpu, true, false).unwrap();
+        let got = run(&gpu, &mut layer, device);
+        let alone = format!("{what}, gate/up gathering alone");
+        assert_forward_gathered_then_backward_megakernel(&got, expected, &format!("{alone}, backward megakernel"));
         layer.set_backward_megakernel(&gpu, None).unwrap();
+        assert_same_run(&run(&gpu, &mut layer, device), expected, &alone);
         layer.set_gather_in_producer(&gpu, false).unwrap();
         assert_same_run(&run(&gpu, &mut layer, device), expected, &format!("{what}, gathering off again"));
         println!(
@@ -671,6 +689,17 @@ fn forward_megakernel_gathering_its_rows_in_the_producer_is_bitwise_the_engine_p
 /// copy; the rest as the backward megakernel's tests compare it (`assert_same_backward`).
 fn assert_gathered_then_backward_megakernel(got: &GpuRun, expected: &GpuRun, what: &str) {
     assert_no_gathered_copy(got, what);
+    assert_eq!(fingerprint(&got.gate), fingerprint(&expected.gate), "{what}: gate pre-activations");
+    assert_eq!(fingerprint(&got.up), fingerprint(&expected.up), "{what}: up pre-activations");
+    assert_eq!(fingerprint(&got.y), fingerprint(&expected.y), "{what}: y");
+    assert_same_backward(got, expected, what);
+}
+
+/// A run whose forward's gate/up gathered its rows in the producers and whose backward ran as
+/// the megakernel, its weight gradients reading the copy the backward wrote: that copy and
+/// everything else as `expected`.
+fn assert_forward_gathered_then_backward_megakernel(got: &GpuRun, expected: &GpuRun, what: &str) {
+    assert_eq!(fingerprint(&got.gathered_x), fingerprint(&expected.gathered_x), "{what}: the copy the backward wrote");
     assert_eq!(fingerprint(&got.gate), fingerprint(&expected.gate), "{what}: gate pre-activations");
     assert_eq!(fingerprint(&got.up), fingerprint(&expected.up), "{what}: up pre-activations");
     assert_eq!(fingerprint(&got.y), fingerprint(&expected.y), "{what}: y");

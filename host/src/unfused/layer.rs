@@ -83,10 +83,12 @@ pub struct UnfusedLayer {
     /// Whether the shared expert's copy of the token rows holds the last forward's x (its
     /// megakernel copied it), so a backward megakernel need not copy it again.
     shared_x_from_forward: bool,
-    /// The routed gate/up (engine path or forward megakernel) and the engine path's gate and up
-    /// weight gradients gather their rows from x in their producers
-    /// ([`UnfusedLayer::set_gather_in_producer`]) instead of reading `gathered_x`.
-    gather_in_producer: bool,
+    /// The routed gate/up (engine path or forward megakernel) gathers its rows from x in its
+    /// producers ([`UnfusedLayer::set_gather_in_producers`]) instead of reading `gathered_x`.
+    gather_forward: bool,
+    /// The gate and up weight gradients (engine path or backward megakernel) gather their rows
+    /// from x in their producers instead of reading `gathered_x`.
+    gather_weight_gradients: bool,
     /// Whether `gathered_x` holds the last forward's rows (a forward whose gate/up gathered
     /// them itself left it stale: the backward fills it before its weight gradients read it).
     x_rows_gathered: bool,
@@ -286,7 +288,8 @@ impl UnfusedLayer {
             tokens: t,
             shared_engine: None,
             shared_x_from_forward: false,
-            gather_in_producer: false,
+            gather_forward: false,
+            gather_weight_gradients: false,
             x_rows_gathered: false,
             forward_ran: false,
             grads: DeviceGrads {
@@ -343,7 +346,8 @@ impl UnfusedLayer {
             // Both megakernels run on the engine's plans, and the producers' gathers are the
             // engine's: the `mma.sync` kernels read the gathered copy.
             self.fit_gathered_copy(gpu, false)?;
-            self.gather_in_producer = false;
+            self.gather_forward = false;
+            self.gather_weight_gradients = false;
             self.engine = None;
             self.megakernel = None;
             self.backward_megakernel = None;
@@ -507,7 +511,7 @@ impl UnfusedLayer {
     /// gathers its rows ([`Self::set_gather_in_producer`]): no routed row is published then.
     #[cfg(feature = "testing")]
     pub fn set_forward_megakernel_faults(&mut self, faults: MegakernelFaults) -> Result<()> {
-        if self.gather_in_producer && faults.silent_rows_tile.is_some() {
+        if self.gather_forward && faults.silent_rows_tile.is_some() {
             return Err(MokError::InvalidInput {
                 tensor: "faults",
                 problem: "no routed row is published while the gate/up gathers its rows: a silent rows tile \
@@ -593,31 +597,40 @@ impl UnfusedLayer {
     }
 
     /// Makes the routed gate/up and the gate and up weight gradients gather their token rows
-    /// from x in their producers (`on`) or read them from a gathered copy (the default): on the
-    /// engine path `mok_sm90_gemm_gate_up_gathering` and `mok_sm90_gemm_wgrad_gathering`, in
-    /// the forward megakernel its gate/up tiles, whose dispatch then copies no routed row, and
-    /// in the backward megakernel its gate and up weight-gradient tiles. With it the layer
-    /// holds no gathered copy of the rows (T · k · H bf16 less to hold, and to write and read
-    /// per forward; [`Self::gathered_rows`] is then empty), and switching it off, or the
-    /// engine off, allocates the copy again (an error there, such as out of memory, leaves the
-    /// layer as it was). Every output and gradient is the same bits either way; on the H200
-    /// the forward is faster with it and the backward slower (the gathering gate/up takes
-    /// 1.06–1.10× the plain one's time, the gathering weight gradients 1.25–1.33×:
-    /// docs/PERF.md). It needs the engine on and the
-    /// kernels in the loaded PTX (otherwise an error, and the layer is unchanged), and switching
-    /// the engine off switches it off.
+    /// from x in their producers (`on`) or read them from a gathered copy (the default):
+    /// [`Self::set_gather_in_producers`] with `on` for both passes.
     pub fn set_gather_in_producer(&mut self, gpu: &Gpu, on: bool) -> Result<()> {
-        if on == self.gather_in_producer {
+        self.set_gather_in_producers(gpu, on, on)
+    }
+
+    /// Makes the routed gate/up (`forward`) and the gate and up weight gradients
+    /// (`weight_gradients`) gather their token rows from x in their producers, or read them from
+    /// a gathered copy: on the engine path `mok_sm90_gemm_gate_up_gathering` and
+    /// `mok_sm90_gemm_wgrad_gathering`, in the forward megakernel its gate/up tiles, whose
+    /// dispatch then copies no routed row, and in the backward megakernel its gate and up
+    /// weight-gradient tiles. With both the layer holds no gathered copy of the rows (T · k · H
+    /// bf16 less to hold, and to write and read per forward; [`Self::gathered_rows`] is then
+    /// empty); with the forward alone the backward writes the copy before its weight gradients
+    /// read it. A change that needs the copy again allocates it (an error there, such as out
+    /// of memory, leaves the layer as it was). Every output and gradient is the same bits in
+    /// each form; on the H200 the gathering gate/up takes 1.06–1.10× the plain one's time and
+    /// the gathering weight gradients 1.25–1.33× (docs/PERF.md). Gathering needs the engine on
+    /// and the kernels in the loaded PTX (otherwise an error, and the layer is unchanged), and
+    /// switching the engine off switches it off.
+    pub fn set_gather_in_producers(&mut self, gpu: &Gpu, forward: bool, weight_gradients: bool) -> Result<()> {
+        if (forward, weight_gradients) == (self.gather_forward, self.gather_weight_gradients) {
             return Ok(());
         }
-        if on {
+        if forward || weight_gradients {
             if self.engine.is_none() {
                 return Err(MokError::InvalidInput {
                     tensor: "gather_in_producer",
                     problem: "gathering in the producer is the tensor-core engine's: switch the engine on first".into(),
                 });
             }
-            for kernel in [engine::GATE_UP_GATHERING_KERNEL, engine::WGRAD_GATHERING_KERNEL] {
+            let kernels =
+                [(forward, engine::GATE_UP_GATHERING_KERNEL), (weight_gradients, engine::WGRAD_GATHERING_KERNEL)];
+            for (_, kernel) in kernels.into_iter().filter(|&(needed, _)| needed) {
                 if !gpu.has_kernel(kernel) {
                     return Err(MokError::InvalidInput {
                         tensor: "gather_in_producer",
@@ -627,8 +640,9 @@ impl UnfusedLayer {
             }
         }
         // Before anything changes: allocating the copy may fail.
-        self.fit_gathered_copy(gpu, on)?;
-        self.gather_in_producer = on;
+        self.fit_gathered_copy(gpu, forward && weight_gradients)?;
+        self.gather_forward = forward;
+        self.gather_weight_gradients = weight_gradients;
         // The plans are built again, with or without the gathering gate/up and weight gradients,
         // and so are the passes, whose producers gather or not and whose dispatch writes the copy
         // (plans built again may land at the old addresses, which alone would keep a pass).
@@ -646,9 +660,9 @@ impl UnfusedLayer {
     }
 
     /// Makes the gathered copy of the token rows (`[T·k][H]` bf16, NaN bytes as `poison` leaves
-    /// it) what passes read with `gathering` in the producers or not: allocated unless they
-    /// gather, freed (an empty buffer) while they do. A change of size comes with a change of
-    /// `gathering` ([`Self::set_gather_in_producer`], [`Self::set_gemm_engine`], which then drop
+    /// it) what passes read with `gathering` in every producer that reads rows or not: allocated
+    /// unless they all gather, freed (an empty buffer) while they do. A change of size comes with
+    /// a change of `gathering` ([`Self::set_gather_in_producers`], [`Self::set_gemm_engine`], which then drop
     /// every plan and pass built over the old copy) or is the first pass's allocation in a layer
     /// built without it, before any plan over it exists; so no plan holds a freed copy.
     fn fit_gathered_copy(&mut self, gpu: &Gpu, gathering: bool) -> Result<()> {
@@ -662,9 +676,15 @@ impl UnfusedLayer {
     }
 
     /// Whether the routed gate/up (engine path or forward megakernel) gathers its rows in its
-    /// producers ([`Self::set_gather_in_producer`]).
+    /// producers ([`Self::set_gather_in_producers`]).
     pub fn gathers_in_producer(&self) -> bool {
-        self.gather_in_producer
+        self.gather_forward
+    }
+
+    /// Whether the gate and up weight gradients gather their rows in their producers
+    /// ([`Self::set_gather_in_producers`]).
+    pub fn weight_gradients_gather_in_producer(&self) -> bool {
+        self.gather_weight_gradients
     }
 
     /// Makes the engine's plans for `experts` current (when the engine is on): built on first
@@ -674,7 +694,7 @@ impl UnfusedLayer {
         let key = [experts.w_gate.device_ptr(), experts.w_up.device_ptr(), experts.w_down.device_ptr()];
         let (c, routing, routed) = (&self.config, &self.routing, &self.routed);
         // Gathering, the gate/up reads x itself: there is no gathered copy to build it over.
-        let rows = (!self.gather_in_producer).then(|| (&self.gathered_x).into());
+        let rows = (!self.gather_forward).then(|| (&self.gathered_x).into());
         weights.select(key, || {
             let groups = engine_row_groups(c, routing, tile_offsets);
             let (gate_up, down) =
@@ -693,7 +713,7 @@ impl UnfusedLayer {
         let Some(EngineExperts { tile_offsets, wgrad, .. }) = self.engine.as_mut() else { return Ok(()) };
         let (c, routing, routed) = (&self.config, &self.routing, &self.routed);
         // Gathering, the gate and up weight gradients read x themselves.
-        let input_rows = (!self.gather_in_producer).then(|| (&self.gathered_x).into());
+        let input_rows = (!self.gather_weight_gradients).then(|| (&self.gathered_x).into());
         wgrad.select((target.routed, target.accumulate_f32), || {
             let groups = engine_row_groups(c, routing, tile_offsets);
             let rows = (routed.d_rows().into(), input_rows);
@@ -989,7 +1009,7 @@ impl UnfusedLayer {
     ) -> Result<()> {
         let t = self.check_inputs(tokens, experts, shared)?;
         // Before any launch: building plans uploads their parameter blocks (over the copy).
-        self.fit_gathered_copy(gpu, self.gather_in_producer)?;
+        self.fit_gathered_copy(gpu, self.gather_forward && self.gather_weight_gradients)?;
         self.prepare_engine_plans(gpu, experts)?;
         self.prepare_megakernel(gpu, shared)?;
         self.tokens = t;
@@ -1000,7 +1020,7 @@ impl UnfusedLayer {
         if self.megakernel.is_some() {
             // The pass dispatches the rows into `gathered_x` itself, unless its gate/up gathers
             // them in its producers.
-            self.x_rows_gathered = !self.gather_in_producer;
+            self.x_rows_gathered = !self.gather_forward;
             self.forward_megakernel(gpu, tokens, shared)?;
             // The pass copied x for the shared expert (unless a test's work mask left the row
             // copies out).
@@ -1017,7 +1037,7 @@ impl UnfusedLayer {
         let slots = t * k;
         let count = self.row_count_ptr();
         // The engine's gate/up that gathers its own rows, when it is on: no gathered copy.
-        let gathers_in_producer = self.gather_in_producer;
+        let gathers_in_producer = self.gather_forward;
         self.x_rows_gathered = !gathers_in_producer;
         if !gathers_in_producer {
             self.gather_x_rows(gpu, tokens.x)?;
@@ -1199,7 +1219,7 @@ impl UnfusedLayer {
         check_aligned("dy", dy.device_ptr(), 16)?;
         let target = self.grad_addresses(gpu, target)?;
         // The copy the plans are built over (a layer built without it that does not gather).
-        self.fit_gathered_copy(gpu, self.gather_in_producer)?;
+        self.fit_gathered_copy(gpu, self.gather_forward && self.gather_weight_gradients)?;
         self.prepare_engine_plans(gpu, experts)?;
         self.prepare_wgrad_plans(gpu, &target)?;
         // A forward whose gate/up gathered its rows itself wrote no copy: weight gradients that
@@ -1207,7 +1227,7 @@ impl UnfusedLayer {
         // gathers, the gate and up weight gradients gather too (the plans prepared above, which
         // the engine path and the backward megakernel run).
         let megakernel_backward = self.backward_megakernel.is_some() && self.engine.is_some();
-        if !self.x_rows_gathered && !self.gather_in_producer {
+        if !self.x_rows_gathered && !self.gather_weight_gradients {
             self.gather_x_rows(gpu, tokens.x)?;
             self.x_rows_gathered = true;
         }
