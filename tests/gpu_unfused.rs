@@ -427,7 +427,9 @@ fn gate_up_gathering_its_rows_in_the_producer_is_bitwise_the_engine_path() {
         assert_same_run(&run(&gpu, &mut layer, &device), &expected, &format!("{what}, gate/up gathering alone"));
         layer.set_gather_in_producer(&gpu, false).unwrap();
         assert_same_run(&run(&gpu, &mut layer, &device), &expected, &format!("{what}, gathering off again"));
-        println!("  {what}: gate/up gathering in its producer bitwise equal to the engine path");
+        println!(
+            "  {what}: gate/up gathering in its producer (with the weight gradients, and alone) bitwise equal to the engine path"
+        );
     }
 }
 
