@@ -1036,7 +1036,7 @@ impl UnfusedLayer {
         let (h, e, k) = (c.hidden, c.num_experts, c.top_k);
         let slots = t * k;
         let count = self.row_count_ptr();
-        // The engine's gate/up that gathers its own rows, when it is on: no gathered copy.
+        // The engine's gate/up that gathers its own rows, when it is on: no copy written here.
         let gathers_in_producer = self.gather_forward;
         self.x_rows_gathered = !gathers_in_producer;
         if !gathers_in_producer {
@@ -1223,9 +1223,9 @@ impl UnfusedLayer {
         self.prepare_engine_plans(gpu, experts)?;
         self.prepare_wgrad_plans(gpu, &target)?;
         // A forward whose gate/up gathered its rows itself wrote no copy: weight gradients that
-        // do not gather (gathering switched off since) read it, written here. When the layer
-        // gathers, the gate and up weight gradients gather too (the plans prepared above, which
-        // the engine path and the backward megakernel run).
+        // do not gather (the gate/up gathering alone, or gathering switched off since) read it,
+        // written here. Weight gradients that gather read x themselves (the plans prepared
+        // above, which the engine path and the backward megakernel run).
         let megakernel_backward = self.backward_megakernel.is_some() && self.engine.is_some();
         if !self.x_rows_gathered && !self.gather_weight_gradients {
             self.gather_x_rows(gpu, tokens.x)?;
