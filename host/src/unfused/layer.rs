@@ -614,7 +614,8 @@ impl UnfusedLayer {
     /// read it. A change that needs the copy again allocates it (an error there, such as out
     /// of memory, leaves the layer as it was). Every output and gradient is the same bits in
     /// each form; on the H200 the gathering gate/up takes 1.06–1.10× the plain one's time and
-    /// the gathering weight gradients 1.25–1.33× (docs/PERF.md). Gathering needs the engine on
+    /// the gathering weight gradients 1.25–1.33×, and gathering in either form made forward +
+    /// backward slower than the plain engine path (docs/PERF.md). Gathering needs the engine on
     /// and the kernels in the loaded PTX (otherwise an error, and the layer is unchanged), and
     /// switching the engine off switches it off.
     pub fn set_gather_in_producers(&mut self, gpu: &Gpu, forward: bool, weight_gradients: bool) -> Result<()> {
