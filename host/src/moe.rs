@@ -94,8 +94,9 @@ pub struct LayerOptions {
     /// producers instead of from a gathered copy
     /// ([`UnfusedLayer::set_gather_in_producer`](crate::unfused::UnfusedLayer::set_gather_in_producer)):
     /// the same bits, T · k · H bf16 less written and read per forward; on the H200 the
-    /// engine path's forward is faster with it and its backward slower (the gathering weight
-    /// gradients take 1.25–1.33× the plain ones' time: docs/PERF.md), and the layer holds no
+    /// engine path's forward is about even with it (0.2 ms slower to 0.4 ms faster across
+    /// calls) and its backward slower (the gathering weight gradients take 1.25–1.33× the
+    /// plain ones' time: docs/PERF.md), and the layer holds no
     /// gathered copy (T · k · H bf16 less). Refused over ranks (the rows are pulled from their
     /// owners) and on `mma.sync`. Not racecheck-clean: compute-sanitizer's racecheck reports
     /// each gathering thread's copy into a stage against its own earlier copy there, an order it
