@@ -13,9 +13,10 @@
 //! its weight gradients), `megakernel` (the forward as one
 //! persistent launch over the engine, with its default comm blocks), `megakernel:N` (N comm
 //! blocks) and `megakernels[:N]` (the forward and the backward megakernels); `megakernel[s][:N]-gathering`
-//! (or `-gathering-forward`) has the forward megakernel's gate/up gather its rows in its
-//! producers too (one GPU; its dispatch, by comm blocks and spare warps, then copies only the
-//! shared expert's rows). Each
+//! has the forward megakernel's gate/up gather its rows in its producers too, and the weight
+//! gradients theirs (the engine path's, or the backward megakernel's tiles), and
+//! `-gathering-forward` the gate/up alone (one GPU; the forward megakernel's dispatch, by comm
+//! blocks and spare warps, then copies only the shared expert's rows). Each
 //! table row names its backend. `--ranks P` (P > 1) runs the expert-parallel layer over P virtual ranks on this GPU
 //! instead (the tokens of a case split over the ranks), on `mma` (`epP:mma`: the exchange's
 //! separate launches, `mma.sync` expert compute), `megakernel[:N]` (`epP:megakernel`: the
@@ -58,7 +59,7 @@ struct Args {
     /// The backends to run each case on.
     backends: Vec<Backend>,
     /// P > 1: the expert-parallel layer over P virtual ranks on this GPU (the tokens of a case
-    /// split evenly over the ranks), on the backends that support it (`mma`, `megakernel`).
+    /// split evenly over the ranks), on the backends that support it (`mma`, `megakernel`, `megakernels`).
     ranks: usize,
     /// With ranks: each rank's receive ring holds this many times the rows of an even split
     /// (T/P tokens · k slots); `None`: the exchange's default, the worst case (every slot of

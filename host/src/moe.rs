@@ -776,7 +776,10 @@ impl ForwardPass<'_> {
 /// caller's own buffers (inputs, outputs, gradient targets) are not included, nor the routed
 /// weight gradients a backward allocates in the layer the first time it is given
 /// [`WeightGradTarget::Layer`] (3 · E · I · H bf16, 6 · E · I · H bytes, more); a caller that
-/// passes its own gradient buffers never holds those.
+/// passes its own gradient buffers never holds those. One GPU only: a config over ranks
+/// (`ep_ranks` > 1) is an `InvalidConfig` (such a layer holds P ranks' workspaces and its
+/// symmetric heap), and `gather_in_producer` on `mma.sync` an `InvalidInput`, as
+/// [`MoeLayer::new`] refuses it.
 pub fn workspace_bytes(config: &MoeConfig, backend: Backend, gather_in_producer: bool) -> Result<usize> {
     config.validate()?;
     if gather_in_producer {

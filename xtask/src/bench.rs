@@ -42,11 +42,17 @@ const SHAPES: [&str; 4] = ["kimi", "glm", "qwen", "deepseek"];
 /// The backends the layer bench knows (`megakernel:N` and `megakernels:N` too; `megakernels`:
 /// the forward and the backward megakernels, on one GPU, over virtual ranks or across processes,
 /// where `megakernel` runs both too). All but `mma` also take a `-gathering` suffix: the token
-/// rows gathered in the GEMMs' producers (one GPU only).
+/// rows gathered in the gate/up's and the weight gradients' producers, or `-gathering-forward`:
+/// in the gate/up's alone (one GPU only).
 const BACKENDS: [&str; 4] = ["mma", "engine", "megakernel", "megakernels"];
 
-/// The suffix of a backend whose GEMM producers gather the token rows.
-const GATHERING: &str = "-gathering";
+/// The suffixes of a backend whose GEMM producers gather the token rows.
+const GATHERING: [&str; 2] = ["-gathering", "-gathering-forward"];
+
+/// `backend` without its gathering suffix, and whether it had one.
+fn without_gathering(backend: &str) -> (&str, bool) {
+    GATHERING.iter().find_map(|suffix| backend.strip_suffix(suffix)).map_or((backend, false), |name| (name, true))
+}
 
 impl BenchArgs {
     /// Checks the options and returns the bench's `--cases` value.
@@ -60,10 +66,7 @@ impl BenchArgs {
             }
         }
         for backend in &self.backends {
-            let (name, gathering) = match backend.strip_suffix(GATHERING) {
-                Some(name) => (name, true),
-                None => (backend.as_str(), false),
-            };
+            let (name, gathering) = without_gathering(backend);
             let base = name.split(':').next().unwrap_or_default();
             let count_ok = match name.split_once(':') {
                 None => true,
@@ -73,7 +76,7 @@ impl BenchArgs {
             if !BACKENDS.contains(&base) || !count_ok || (gathering && base == "mma") {
                 bail!(
                     "--backends: unknown backend {backend:?} (known: mma, engine, megakernel[:N], megakernels[:N]; \
-                     the last three also with {GATHERING})"
+                     the last three also with -gathering or -gathering-forward)"
                 );
             }
         }
@@ -466,7 +469,7 @@ fn check_launch(args: &BenchArgs, (rank, world): (usize, usize)) -> Result<bool>
             }
         }
     }
-    let one_gpu_only = |b: &&String| b.starts_with("engine") || b.ends_with(GATHERING);
+    let one_gpu_only = |b: &&String| b.starts_with("engine") || without_gathering(b).1;
     if let Some(engine) = args.backends.iter().find(one_gpu_only).filter(|_| across || args.ranks > 1) {
         bail!(
             "--backends: over ranks the layer runs mma, megakernel[:N] or megakernels[:N] (no engine, no gathering), \
@@ -718,7 +721,12 @@ mod tests {
         gathering.ranks = 8;
         assert!(check_launch(&gathering, (0, 1)).unwrap_err().to_string().contains("not megakernel-gathering"));
         gathering.ranks = 1;
-        for unknown in ["mma-gathering", "megakernel:x-gathering", "gathering"] {
+        gathering.backends = vec!["engine-gathering-forward".into(), "megakernel:2-gathering-forward".into()];
+        assert!(gathering.cases().is_ok(), "the gate/up gathering alone is a known suffix");
+        assert!(check_launch(&gathering, (1, 4)).unwrap_err().to_string().contains("not engine-gathering-forward"));
+        for unknown in
+            ["mma-gathering", "megakernel:x-gathering", "gathering", "mma-gathering-forward", "engine-forward"]
+        {
             gathering.backends = vec![unknown.into()];
             assert!(gathering.cases().unwrap_err().to_string().contains("unknown backend"), "{unknown}");
         }

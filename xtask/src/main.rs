@@ -3,8 +3,12 @@
 //! - `setup`: installs the kernel toolchain and ptxas (idempotent).
 //! - `ptx`: builds the kernels to PTX for every architecture, runs ptxas on them and reports
 //!   registers, spills, stack and shared memory per kernel.
-//! - `test`: setup, ptx, fmt, clippy and the workspace tests; CI's entry point.
+//! - `test`: setup, ptx (and the check that the shipped PTX equals it), fmt, clippy, builds
+//!   without features and of a downstream crate, the workspace tests and the burn
+//!   integration's checks; CI's entry point.
 //! - `gpu-bundle`: the release GPU test, bench and demo binaries plus a `run.sh`, for the GPU machine.
+//! - `gpu-subset`: what one device call carries, picked from the bundle.
+//! - `bench`, `bench-chart`: the layer benchmark beside PyTorch, and its chart.
 //! - `demo`: runs `mok-demo`.
 
 // The PTX build logic, shared with the facade's build script. The xtask executable also serves
@@ -46,7 +50,8 @@ enum Task {
         #[arg(long)]
         ship: bool,
     },
-    /// Run everything CI runs: setup, ptx, cargo fmt --check, clippy -D warnings, cargo test.
+    /// Run everything CI runs: setup, ptx and the shipped-PTX check, cargo fmt --check, clippy
+    /// -D warnings, the feature-less and downstream builds, cargo test, the burn integration's.
     Test,
     /// Build the release GPU tests, benches and demo into a folder with a run.sh for the GPU machine.
     GpuBundle {
@@ -86,7 +91,8 @@ enum Task {
         /// Backends: mma, engine, megakernel, megakernel:N (N comm blocks), megakernels[:N] (the
         /// forward and the backward megakernels, on one GPU or over virtual ranks); engine,
         /// megakernel[:N] and megakernels[:N] also with a `-gathering` suffix (the token rows
-        /// gathered in the gate/up's producers, one GPU).
+        /// gathered in the gate/up's and the weight gradients' producers, one GPU) or
+        /// `-gathering-forward` (in the gate/up's alone).
         #[arg(long, value_delimiter = ',', default_value = "engine,megakernel")]
         backends: Vec<String>,
         /// P > 1: the expert-parallel layer over P virtual ranks on one GPU instead.

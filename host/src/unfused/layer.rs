@@ -315,9 +315,11 @@ impl UnfusedLayer {
         &self.routing
     }
 
-    /// `[T·k][H]` bf16: the last forward's x rows in expert order (the first `total` rows
-    /// valid); empty while the producers gather the rows ([`Self::set_gather_in_producer`]) and
-    /// in a layer built without it before its first pass that reads it.
+    /// `[T·k][H]` bf16: the last pass's x rows in expert order (the first `total` rows valid),
+    /// written by the forward, or, while the gate/up alone gathers its rows
+    /// ([`Self::set_gather_in_producers`]), by the backward (between the two it holds the
+    /// previous pass's rows or NaN bytes); empty while the gate/up and the weight gradients all
+    /// gather, and in a layer built without it before its first pass that reads it.
     pub fn gathered_rows(&self) -> &DeviceBuffer<bf16> {
         &self.gathered_x
     }
@@ -338,9 +340,11 @@ impl UnfusedLayer {
     /// way (the engine's kernels measured equal to the `mma.sync` ones, and
     /// `gemm_engine_path_is_bitwise_the_mma_sync_path` asserts it for the layer); the shared
     /// expert stays on the `mma.sync` kernels. The engine needs an sm_90 GPU (Hopper) and every
-    /// engine kernel in the loaded PTX: otherwise an error, and the layer is unchanged. Its plans
-    /// hold the addresses of this layer's buffers: do not replace the layer's public buffers
-    /// (`routing`, `gathered_x`, `grads`) while it is on.
+    /// engine kernel in the loaded PTX: otherwise an error, and the layer is unchanged.
+    /// Switching it off also switches off both megakernels and the producers' gathering (they
+    /// are the engine's) and allocates the gathered copy the `mma.sync` kernels read. Its plans
+    /// hold the addresses of this layer's buffers: do not replace the buffers behind
+    /// [`Self::routing`], [`Self::gathered_rows`] or [`Self::grads`] while it is on.
     pub fn set_gemm_engine(&mut self, gpu: &Gpu, on: bool) -> Result<()> {
         if !on {
             // Both megakernels run on the engine's plans, and the producers' gathers are the
@@ -398,7 +402,7 @@ impl UnfusedLayer {
     }
 
     /// Runs the backward as one persistent launch (`Some(options)`: the backward megakernel,
-    /// sm_90a, after the shared expert's backward on its own kernels; it needs the tensor-core
+    /// sm_90a, the shared expert's backward inside the same launch; it needs the tensor-core
     /// engine and switches it on), or as separate launches (`None`). Both give the same bits.
     /// Errors, leaving the layer unchanged, when this GPU or the loaded PTX cannot run it or the
     /// options' geometry cannot be resident.
@@ -796,8 +800,9 @@ impl UnfusedLayer {
         }
     }
 
-    /// Fills every output and intermediate with NaN bytes, so a test sees any element a kernel
-    /// failed to write (feature `testing`).
+    /// Fills every output and intermediate with NaN bytes (the routing's slot and row indices
+    /// with `0xee` bytes, out of range), so a test sees any element a kernel failed to write
+    /// (feature `testing`).
     #[cfg(feature = "testing")]
     pub fn poison(&mut self) -> Result<()> {
         self.gathered_x.fill_bytes(0xff)?;
