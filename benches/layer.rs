@@ -59,7 +59,8 @@ struct Args {
     /// The backends to run each case on.
     backends: Vec<Backend>,
     /// P > 1: the expert-parallel layer over P virtual ranks on this GPU (the tokens of a case
-    /// split evenly over the ranks), on the backends that support it (`mma`, `megakernel`, `megakernels`).
+    /// split evenly over the ranks), on the backends that support it (`mma`, `megakernel`,
+    /// `megakernels`).
     ranks: usize,
     /// With ranks: each rank's receive ring holds this many times the rows of an even split
     /// (T/P tokens · k slots); `None`: the exchange's default, the worst case (every slot of
