@@ -668,8 +668,9 @@ impl UnfusedLayer {
     /// it) what passes read with `gathering` in every producer that reads rows or not: allocated
     /// unless they all gather, freed (an empty buffer) while they do. A change of size comes with
     /// a change of `gathering` ([`Self::set_gather_in_producers`], [`Self::set_gemm_engine`],
-    /// which then drop every plan and pass built over the old copy) or is the first pass's allocation in a layer
-    /// built without it, before any plan over it exists; so no plan holds a freed copy.
+    /// which then drop every plan and pass built over the old copy) or is the first pass's
+    /// allocation in a layer built without it, before any plan over it exists; so no plan holds
+    /// a freed copy.
     fn fit_gathered_copy(&mut self, gpu: &Gpu, gathering: bool) -> Result<()> {
         let c = &self.config;
         let len = if gathering { 0 } else { c.tokens_per_rank * c.top_k * c.hidden };
