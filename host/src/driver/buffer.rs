@@ -33,11 +33,16 @@ pub struct DeviceBuffer<T: Pod> {
 
 impl<T: Pod> DeviceBuffer<T> {
     /// Allocates `len` elements (at least one byte is allocated so the pointer is never null).
-    /// The contents are undefined: fill or upload before reading.
+    /// The contents are undefined: fill or upload before reading. A `len` whose bytes overflow
+    /// `usize` is an `InvalidInput` (so every later `len · size_of::<T>()` fits).
     pub fn alloc(gpu: &Gpu, len: usize) -> Result<Self> {
+        let bytes = len.checked_mul(size_of::<T>()).ok_or_else(|| MokError::InvalidInput {
+            tensor: "device buffer",
+            problem: format!("{len} elements of {} bytes overflow the address space", size_of::<T>()),
+        })?;
+        let bytes = bytes.max(16);
         let inner = gpu.inner().clone();
         inner.bind()?;
-        let bytes = (len * size_of::<T>()).max(16);
         // SAFETY: plain allocation in the current context.
         let ptr =
             unsafe { result::malloc_sync(bytes) }.map_err(|e| cuda_error(format!("cuMemAlloc({bytes} bytes)"), e))?;

@@ -121,7 +121,10 @@ impl VmmMapping {
     /// maps it and grants `access` (device ordinals, the owner included) read and write.
     pub fn allocate(ordinal: i32, bytes: usize, kind: ShareableKind, access: &[i32]) -> Result<Self> {
         let grain = granularity(ordinal, kind)?;
-        let bytes = bytes.div_ceil(grain).max(1) * grain;
+        let bytes = bytes.div_ceil(grain).max(1).checked_mul(grain).ok_or_else(|| MokError::InvalidInput {
+            tensor: "symmetric heap",
+            problem: format!("{bytes} bytes rounded up to the {grain}-byte granularity overflow the address space"),
+        })?;
         let prop = allocation_prop(ordinal, kind);
         let mut handle = 0;
         // SAFETY: valid out-pointer and property struct.

@@ -28,7 +28,9 @@ use cudarc::driver::sys as cuda_sys;
 use cudarc::nccl::{result as nccl, sys as nccl_sys};
 
 use super::handles::to_hex;
-use super::id_file::{check_nvls_off, path_for_run, poll_until, read_when_present, unique_run_nonce, write_atomically};
+use super::id_file::{
+    check_nvls_off, deadline_after, path_for_run, poll_until, read_when_present, unique_run_nonce, write_atomically,
+};
 use super::launch_env::LaunchEnv;
 use crate::driver::{DeviceBuffer, Gpu};
 use crate::error::{MokError, Result};
@@ -190,7 +192,7 @@ impl NcclBootstrap {
             nccl_sys::ncclUniqueId { internal }
         };
         gpu.synchronize()?;
-        let deadline = Instant::now() + timeout;
+        let deadline = deadline_after(Instant::now(), timeout);
         let mut comm = std::ptr::null_mut();
         let mut config = CommConfigV2_17::nonblocking();
         // SAFETY: `comm` is an out-pointer; the id is the one rank 0 made; `config` is a complete
@@ -309,7 +311,7 @@ impl NcclBootstrap {
         let send = DeviceBuffer::from_slice(gpu, mine)?;
         let receive = DeviceBuffer::<u8>::alloc(gpu, mine.len() * self.world)?;
         let stream = gpu.inner().stream;
-        let deadline = Instant::now() + self.timeout;
+        let deadline = deadline_after(Instant::now(), self.timeout);
         // SAFETY: both buffers live until the stream has finished the all-gather (waited for
         // below) or, when the wait expires, forever (leaked below); `comm` is live.
         let enqueued = unsafe {
@@ -334,7 +336,7 @@ impl NcclBootstrap {
             // After the abort NCCL's kernels stop; one that has not left the stream in a while
             // may still write the buffers, which then must outlive it (a failed stream has
             // nothing left to run).
-            let patience = Instant::now() + self.timeout.min(Duration::from_secs(10));
+            let patience = deadline_after(Instant::now(), self.timeout.min(Duration::from_secs(10)));
             let drained = poll_until(patience, POLL_INTERVAL, || found(Ok(stream_idle(stream).unwrap_or(true))));
             if !matches!(drained, Ok(Some(()))) {
                 std::mem::forget(send);
@@ -354,7 +356,7 @@ impl Drop for NcclBootstrap {
         }
         // A nonblocking communicator finalises asynchronously; one that does not finish in time
         // is aborted instead of destroyed.
-        let deadline = Instant::now() + self.timeout;
+        let deadline = deadline_after(Instant::now(), self.timeout);
         // SAFETY: the communicator is live and used by nothing after this.
         unsafe {
             let finalized = nccl::comm_finalize(comm).is_ok()

@@ -78,6 +78,14 @@ pub(crate) fn digest(text: &str) -> u64 {
     text.bytes().fold(0xcbf2_9ce4_8422_2325, |hash, byte| (hash ^ byte as u64).wrapping_mul(0x0100_0000_01b3))
 }
 
+/// `timeout` after `start`, as an instant: a timeout past what an `Instant` can hold (such as
+/// `Duration::MAX`, "wait as long as it takes") is capped at about 136 years instead of
+/// overflowing.
+pub(crate) fn deadline_after(start: Instant, timeout: Duration) -> Instant {
+    const LONGEST: Duration = Duration::from_secs(1 << 32);
+    start.checked_add(timeout).or_else(|| start.checked_add(LONGEST)).unwrap_or(start)
+}
+
 /// Calls `look` until it finds a value or fails, or `deadline` passes (then `Ok(None)`),
 /// sleeping `interval` between looks: the setup's waits for the other processes (their files,
 /// NCCL's state), once per setup, not per pass.
@@ -107,11 +115,13 @@ pub(crate) fn read_when_present(path: &Path, nonce: &str, timeout: Duration) -> 
             _ => Ok(None),
         }
     };
-    poll_until(Instant::now() + timeout, Duration::from_millis(20), look)?.ok_or_else(|| MokError::Timeout {
-        waited_for: format!("rank 0 to write this run's NCCL unique id to {}", path.display()),
-        rank: None,
-        peer: Some(0),
-        detail: format!("nothing for nonce {nonce:?} after {timeout:?}"),
+    poll_until(deadline_after(Instant::now(), timeout), Duration::from_millis(20), look)?.ok_or_else(|| {
+        MokError::Timeout {
+            waited_for: format!("rank 0 to write this run's NCCL unique id to {}", path.display()),
+            rank: None,
+            peer: Some(0),
+            detail: format!("nothing for nonce {nonce:?} after {timeout:?}"),
+        }
     })
 }
 
@@ -139,6 +149,15 @@ pub(crate) fn check_nvls_off(get: impl Fn(&str) -> Option<String>) -> Result<()>
 mod tests {
     use super::*;
     use crate::symmetric::handles::to_hex;
+
+    #[test]
+    fn a_deadline_past_what_an_instant_holds_is_capped_not_a_panic() {
+        let now = Instant::now();
+        let endless = deadline_after(now, Duration::MAX);
+        assert!(endless > now + Duration::from_secs(100 * 365 * 24 * 3600), "{:?}", endless - now);
+        assert_eq!(deadline_after(now, Duration::from_secs(5)), now + Duration::from_secs(5));
+        assert_eq!(deadline_after(now, Duration::ZERO), now);
+    }
 
     #[test]
     fn a_wait_ends_at_its_deadline_or_on_the_first_failure() {

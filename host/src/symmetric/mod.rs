@@ -56,13 +56,27 @@ pub struct SymmetricHeap {
 /// needs).
 pub const SLICE_ALIGN: u64 = 2 << 20;
 
+/// Each rank's slice rounded up to [`SLICE_ALIGN`], and `world` of them in bytes; a size past
+/// the address space is an `InvalidInput`.
+fn slice_stride(bytes_per_rank: u64, world: usize) -> Result<(u64, usize)> {
+    let stride = bytes_per_rank.div_ceil(SLICE_ALIGN).checked_mul(SLICE_ALIGN);
+    let total = stride.and_then(|stride| stride.checked_mul(world as u64)).and_then(|t| usize::try_from(t).ok());
+    match (stride, total) {
+        (Some(stride), Some(total)) => Ok((stride, total)),
+        _ => Err(MokError::InvalidInput {
+            tensor: "symmetric heap",
+            problem: format!("{world} slices of {bytes_per_rank} bytes overflow the address space"),
+        }),
+    }
+}
+
 impl SymmetricHeap {
     /// (a) Virtual ranks: `world` slices of `bytes_per_rank` in one allocation on `gpu`, zeroed.
     /// Every rank is local to this process and to this GPU.
     pub fn virtual_ranks(gpu: &Gpu, world: usize, bytes_per_rank: u64) -> Result<Self> {
         check_world(world)?;
-        let stride = bytes_per_rank.div_ceil(SLICE_ALIGN) * SLICE_ALIGN;
-        let mut buffer = DeviceBuffer::<u8>::alloc(gpu, (stride * world as u64) as usize)?;
+        let (stride, total) = slice_stride(bytes_per_rank, world)?;
+        let mut buffer = DeviceBuffer::<u8>::alloc(gpu, total)?;
         buffer.fill_bytes(0)?;
         gpu.synchronize()?;
         let base = buffer.device_ptr();
@@ -306,5 +320,22 @@ fn duplicate_peer_fd(pid: u32, fd: i32) -> Result<i32> {
     {
         let _ = (pid, fd);
         Err(MokError::NoDriver("POSIX-fd handles need Linux (pidfd_getfd)".into()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slices_past_the_address_space_are_refused_not_wrapped() {
+        assert_eq!(slice_stride(1, 4).unwrap(), (SLICE_ALIGN, 4 * SLICE_ALIGN as usize));
+        assert_eq!(slice_stride(SLICE_ALIGN + 1, 2).unwrap(), (2 * SLICE_ALIGN, 4 * SLICE_ALIGN as usize));
+        for (bytes, world) in [(u64::MAX, 1), (1 << 60, 16), (u64::MAX - SLICE_ALIGN, 2)] {
+            assert!(
+                matches!(slice_stride(bytes, world), Err(MokError::InvalidInput { tensor: "symmetric heap", .. })),
+                "{bytes} × {world}"
+            );
+        }
     }
 }

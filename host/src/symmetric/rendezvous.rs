@@ -15,7 +15,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use super::id_file::{digest, io_error, poll_until, run_nonce, write_atomically};
+use super::id_file::{deadline_after, digest, io_error, poll_until, run_nonce, write_atomically};
 use super::launch_env::LaunchEnv;
 use crate::error::{MokError, Result};
 
@@ -97,7 +97,8 @@ fn wait_for_file(path: &Path, start: Instant, timeout: Duration) -> std::result:
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(e) => Err(format!("cannot read it: {e}")),
     };
-    poll_until(start + timeout, Duration::from_millis(2), look)?.ok_or_else(|| format!("not written after {timeout:?}"))
+    poll_until(deadline_after(start, timeout), Duration::from_millis(2), look)?
+        .ok_or_else(|| format!("not written after {timeout:?}"))
 }
 
 #[cfg(test)]
