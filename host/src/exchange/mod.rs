@@ -87,10 +87,18 @@ pub struct Exchange {
     silent: Option<(usize, Silence)>,
 }
 
-/// The GPU that drives local rank `i`: `gpus` holds one GPU for every local rank, or a single
-/// GPU that drives them all.
-fn gpu_of<'a>(gpus: &[&'a Gpu], i: usize) -> &'a Gpu {
-    if gpus.len() == 1 { gpus[0] } else { gpus[i] }
+/// The GPU that drives local rank `i` of `local_ranks`: `gpus` holds one GPU for every local
+/// rank, or a single GPU that drives them all; any other list is an `InvalidInput`, whatever
+/// `i`, so a step refuses it before its first launch.
+fn gpu_of<'a, G>(gpus: &[&'a G], local_ranks: usize, i: usize) -> Result<&'a G> {
+    match gpus {
+        [only] => Ok(only),
+        _ if gpus.len() == local_ranks && i < local_ranks => Ok(gpus[i]),
+        _ => Err(MokError::InvalidInput {
+            tensor: "gpus",
+            problem: format!("{} GPUs for {local_ranks} local ranks (one, or one per local rank)", gpus.len()),
+        }),
+    }
 }
 
 /// Consecutive local ranks one launch of an exchange step acts for ([`Exchange::rank_runs`]).
@@ -206,7 +214,7 @@ impl Exchange {
     }
 
     /// Address of `region` (an offset from [`Self::regions`]) in `rank`'s slice.
-    pub fn address(&self, rank: usize, region: u64) -> u64 {
+    pub(crate) fn address(&self, rank: usize, region: u64) -> u64 {
         self.heap.map(region, rank)
     }
 
@@ -382,7 +390,7 @@ impl Exchange {
         rest: &[KernelArg],
     ) -> Result<()> {
         for run in self.rank_runs(gpus, skip) {
-            let gpu = gpu_of(gpus, run.local);
+            let gpu = gpu_of(gpus, self.heap.local_ranks().len(), run.local)?;
             let mut args = vec![Ptr(self.params_ptr(run.local)), U32(run.first_rank)];
             args.extend_from_slice(rest);
             let shape = LaunchShape { grid: (grid_x(gpu).max(1), run.ranks, 1), threads, smem_bytes };
@@ -502,7 +510,7 @@ impl Exchange {
         let max_tiles = self.shape.max_tiles() as u64;
         let counters = if pass == 0 { r.tile_ready } else { r.dy_tile_ready };
         for (i, rank) in self.local() {
-            let gpu = gpu_of(gpus, i);
+            let gpu = gpu_of(gpus, self.heap.local_ranks().len(), i)?;
             self.fill_words(gpu, rank, counters, max_tiles)?;
             let params = Ptr(self.params_ptr(i));
             if pass == 0 && self.options.bulk_copies {
@@ -532,7 +540,7 @@ impl Exchange {
             }
         }
         for (i, rank) in self.local() {
-            let gpu = gpu_of(gpus, i);
+            let gpu = gpu_of(gpus, self.heap.local_ranks().len(), i)?;
             // SAFETY: the arguments are `mok_ep_wait_tiles`'s parameters, in order and type (its entry point in
             // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
             unsafe {
@@ -599,7 +607,7 @@ impl Exchange {
             if self.silent(rank, Silence::Push) {
                 continue;
             }
-            let gpu = gpu_of(gpus, i);
+            let gpu = gpu_of(gpus, self.heap.local_ranks().len(), i)?;
             let params = Ptr(self.params_ptr(i));
             if self.options.bulk_copies {
                 // SAFETY: the arguments are `mok_ep_push_bulk`'s parameters, in order and type (its entry point in
@@ -644,7 +652,7 @@ impl Exchange {
         let pass = backward as u32;
         let s = self.shape;
         for (i, rank) in self.local() {
-            let gpu = gpu_of(gpus, i);
+            let gpu = gpu_of(gpus, self.heap.local_ranks().len(), i)?;
             let (params, rank) = (Ptr(self.params_ptr(i)), U32(rank as u32));
             // SAFETY: the arguments are `mok_ep_wait_arrivals`'s parameters, in order and type (its entry point in
             // kernels/src/entry/), and every pointer is a live allocation of the sizes it documents.
@@ -715,7 +723,7 @@ impl Exchange {
     }
 
     /// Device address of `rank`'s ring row count (`ring_row_offsets[L]`), for the compute.
-    pub fn ring_row_count_ptr(&self, rank: usize) -> u64 {
+    pub(crate) fn ring_row_count_ptr(&self, rank: usize) -> u64 {
         self.address(rank, self.regions().ring_row_offsets) + 4 * self.shape.local_experts() as u64
     }
 
@@ -733,13 +741,14 @@ impl Exchange {
         // every peer's after them, through the first GPU.
         let mut sources = Vec::new();
         for (i, rank) in self.local() {
-            let gpu = gpu_of(gpus, i);
+            let gpu = gpu_of(gpus, self.heap.local_ranks().len(), i)?;
             gpu.synchronize()?;
             sources.push((gpu, rank));
         }
         if !self.heap.single_gpu() {
             let peers = (0..self.shape.world as usize).filter(|r| !self.heap.local_ranks().contains(r));
-            sources.extend(peers.map(|peer| (gpu_of(gpus, 0), peer)));
+            let first = gpu_of(gpus, self.heap.local_ranks().len(), 0)?;
+            sources.extend(peers.map(|peer| (first, peer)));
         }
         let mut records = Vec::with_capacity(sources.len());
         for (gpu, rank) in sources {
@@ -799,7 +808,7 @@ impl Exchange {
         let s = self.shape;
         let chunk_words = (s.chunks() * s.world) as u64;
         for (i, rank) in self.local() {
-            let gpu = gpu_of(gpus, i);
+            let gpu = gpu_of(gpus, self.heap.local_ranks().len(), i)?;
             gpu.synchronize()?;
             for (region, words) in [
                 (r.published, 4),
@@ -911,6 +920,17 @@ pub const KERNEL_NAMES: &[&str] = &[
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_step_takes_one_gpu_or_one_per_local_rank_and_refuses_other_lists() {
+        let (a, b, c) = (0, 1, 2);
+        assert_eq!(gpu_of(&[&a], 4, 3).unwrap(), &a);
+        assert_eq!(gpu_of(&[&a, &b, &c], 3, 2).unwrap(), &c);
+        for (gpus, i) in [(&[][..], 0), (&[&a, &b][..], 0), (&[&a, &b, &c][..], 3)] {
+            let refused = gpu_of(gpus, 3, i);
+            assert!(matches!(refused, Err(MokError::InvalidInput { tensor: "gpus", .. })), "{} GPUs, {i}", gpus.len());
+        }
+    }
 
     fn run(local: usize, first_rank: u32, ranks: u32) -> RankRun {
         RankRun { local, first_rank, ranks }

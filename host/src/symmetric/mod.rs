@@ -141,6 +141,12 @@ impl SymmetricHeap {
         all_gather: &mut dyn FnMut(&[u8]) -> Result<Vec<u8>>,
     ) -> Result<Self> {
         check_world(env.world)?;
+        if env.rank >= env.world {
+            return Err(MokError::InvalidInput {
+                tensor: "launch env",
+                problem: format!("rank {} of a world of {}", env.rank, env.world),
+            });
+        }
         if kind == ShareableKind::Private {
             return Err(MokError::InvalidInput {
                 tensor: "symmetric heap",
@@ -225,7 +231,7 @@ impl SymmetricHeap {
     }
 
     /// `map(offset, rank)`: the address of byte `offset` of `rank`'s slice.
-    pub fn map(&self, offset: u64, rank: usize) -> u64 {
+    pub(crate) fn map(&self, offset: u64, rank: usize) -> u64 {
         self.bases[rank] + offset
     }
 
