@@ -162,9 +162,13 @@ struct EpBackwardMegakernel {
 /// on one GPU: every rank (virtual ranks, [`EpLayer::new_virtual`]) or one (one process per GPU,
 /// [`EpLayer::with_heap`] over a multi-process heap). Per-rank arguments and results (weights,
 /// gradient targets) are per local rank, in the heap's local order; methods taking a `rank`
-/// take its global number and refuse one this process does not drive.
+/// take its global number and refuse one this process does not drive. Every method that takes
+/// a `Gpu` refuses one other than the handle the layer was built with.
 pub struct EpLayer {
     config: MoeConfig,
+    /// The handle the layer was built with: every call must pass it (its stream orders the
+    /// layer's copies and kernels; [`Gpu::require_same_handle`]).
+    gpu: Gpu,
     exchange: Exchange,
     /// One per local rank, in the heap's local order.
     ranks: Vec<RankState>,
@@ -224,6 +228,7 @@ impl EpLayer {
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
+            gpu: gpu.handle(),
             config,
             exchange,
             ranks,
@@ -242,6 +247,7 @@ impl EpLayer {
     /// and a compute pair. Errors when this GPU or the loaded PTX cannot run it, or the geometry
     /// cannot hold every rank; the layer is then unchanged.
     pub fn set_forward_megakernel(&mut self, gpu: &Gpu, options: Option<MegakernelOptions>) -> Result<()> {
+        self.gpu.require_same_handle(gpu)?;
         let Some(options) = options else {
             self.megakernel = None;
             return Ok(());
@@ -291,6 +297,7 @@ impl EpLayer {
     /// pull reads the owners' dy). Errors when this GPU, the loaded PTX or the geometry cannot
     /// run it; the layer is then unchanged.
     pub fn set_backward_megakernel(&mut self, gpu: &Gpu, options: Option<MegakernelOptions>) -> Result<()> {
+        self.gpu.require_same_handle(gpu)?;
         let Some(options) = options else {
             self.backward_megakernel = None;
             return Ok(());
@@ -612,6 +619,7 @@ impl EpLayer {
     /// Uploads `rank`'s tokens (the next forward's: the last forward no longer counts as one a
     /// backward could differentiate).
     pub fn upload_tokens(&self, gpu: &Gpu, rank: usize, tokens: &RoutedTokens) -> Result<()> {
+        self.gpu.require_same_handle(gpu)?;
         self.local_index(rank)?;
         self.forward_ran.set(false);
         self.exchange.upload_tokens(gpu, rank, &self.config, tokens)
@@ -619,6 +627,7 @@ impl EpLayer {
 
     /// Uploads `rank`'s output gradient.
     pub fn upload_dy(&self, gpu: &Gpu, rank: usize, dy: &[bf16]) -> Result<()> {
+        self.gpu.require_same_handle(gpu)?;
         self.local_index(rank)?;
         self.exchange.upload_dy(gpu, rank, dy)
     }
@@ -628,6 +637,7 @@ impl EpLayer {
     /// are checked on the device by the routing kernels (a bad id is dropped and reported by
     /// [`Self::check_errors`]).
     pub fn copy_tokens_from(&self, gpu: &Gpu, rank: usize, tokens: TokensView<'_>) -> Result<()> {
+        self.gpu.require_same_handle(gpu)?;
         self.local_index(rank)?;
         // The next forward's tokens: the last forward no longer counts as one to differentiate.
         self.forward_ran.set(false);
@@ -660,6 +670,7 @@ impl EpLayer {
     /// Copies `rank`'s output gradient `[T, H]` from a device view into its slice of the heap,
     /// ordered on the stream.
     pub fn copy_dy_from(&self, gpu: &Gpu, rank: usize, dy: DeviceSlice<'_, bf16>) -> Result<()> {
+        self.gpu.require_same_handle(gpu)?;
         self.local_index(rank)?;
         let expected = self.config.tokens_per_rank * self.config.hidden;
         if dy.len() != expected {
@@ -695,6 +706,7 @@ impl EpLayer {
     /// so a pass that left one of them unwritten cannot pass on the previous pass's rows.
     #[cfg(feature = "testing")]
     pub fn poison(&mut self, gpu: &Gpu) -> Result<()> {
+        self.gpu.require_same_handle(gpu)?;
         let r = *self.exchange.regions();
         let s = *self.exchange.shape();
         let (ring, slots) = (s.capacity as usize * s.hidden as usize, (s.tokens * s.top_k * s.hidden) as usize);
@@ -786,6 +798,7 @@ impl EpLayer {
         experts: &[ExpertsView<'_>],
         shared: Option<SharedExpertView<'_>>,
     ) -> Result<()> {
+        self.gpu.require_same_handle(gpu)?;
         // A forward refused or failing part way leaves no pass a backward could read.
         self.forward_ran.set(false);
         self.check_weights(experts, shared)?;
@@ -1063,6 +1076,7 @@ impl EpLayer {
         shared: Option<SharedExpertView<'_>>,
         target: Option<&EpGradTargets>,
     ) -> Result<()> {
+        self.gpu.require_same_handle(gpu)?;
         if !self.forward_ran.get() {
             return Err(MokError::InvalidInput {
                 tensor: "backward",
@@ -1153,6 +1167,7 @@ impl EpLayer {
     /// `exchange_mut().reset` (which `MoeLayer::check` makes after an error over virtual ranks);
     /// across processes every rank rebuilds its layer.
     pub fn check_errors(&self, gpu: &Gpu) -> Result<()> {
+        self.gpu.require_same_handle(gpu)?;
         self.exchange.check_errors(&[gpu])
     }
 }

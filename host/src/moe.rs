@@ -359,14 +359,7 @@ impl MoeLayer {
 
     /// `gpu` is the handle the layer was built with, and the layer may run a pass.
     fn check_call(&self, gpu: &Gpu) -> Result<()> {
-        if !gpu.is_same_handle(&self.gpu) {
-            return Err(MokError::InvalidInput {
-                tensor: "gpu",
-                problem: "not the Gpu the layer was built with (a GPU opened again has another stream, which \
-                          would not order the layer's work, or its own kernels): pass that handle"
-                    .into(),
-            });
-        }
+        self.gpu.require_same_handle(gpu)?;
         if self.failed {
             return Err(MokError::InvalidInput {
                 tensor: "layer",

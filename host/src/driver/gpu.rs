@@ -547,6 +547,21 @@ impl Gpu {
             && Arc::ptr_eq(&self.kernels, &other.kernels)
     }
 
+    /// `Err(InvalidInput)` naming `gpu` unless `gpu` is this handle (the one a layer was built
+    /// with): a GPU opened again has another stream, which would not order the layer's work
+    /// after its own copies, or its own kernels.
+    pub(crate) fn require_same_handle(&self, gpu: &Gpu) -> Result<()> {
+        if gpu.is_same_handle(self) {
+            return Ok(());
+        }
+        Err(MokError::InvalidInput {
+            tensor: "gpu",
+            problem: "not the Gpu the layer was built with (a GPU opened again has another stream, which would \
+                      not order the layer's work, or its own kernels): pass that handle"
+                .into(),
+        })
+    }
+
     /// Waits for all work on the stream; an execution fault is reported here.
     pub fn synchronize(&self) -> Result<()> {
         self.synchronize_named("stream")

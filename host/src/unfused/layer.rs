@@ -53,9 +53,14 @@ pub struct DeviceGrads {
     pub shared: Option<[DeviceBuffer<bf16>; 3]>,
 }
 
-/// The unfused layer of one rank (P = 1: every expert is local) with its workspace.
+/// The unfused layer of one rank (P = 1: every expert is local) with its workspace. Every
+/// method that takes a `Gpu` refuses one other than the handle the layer was built with
+/// (`InvalidInput` naming `gpu`): another handle's stream would not order the layer's work.
 pub struct UnfusedLayer {
     config: MoeConfig,
+    /// The handle the layer was built with: every call must pass it (its stream orders the
+    /// layer's copies and kernels; [`Gpu::require_same_handle`]).
+    gpu: Gpu,
     routing: RoutingBuffers,
     gathered_x: DeviceBuffer<bf16>,
     routed: ExpertCompute,
@@ -276,6 +281,7 @@ impl UnfusedLayer {
         // NaN bytes, as `poison` leaves it: no pass reads a row it did not write.
         let gathered_x = nan_filled(gpu, if gathered_copy { slots * h } else { 0 })?;
         Ok(Self {
+            gpu: gpu.handle(),
             routing,
             gathered_x,
             routed: ExpertCompute::new(gpu, slots, h, i, config.swiglu_limit, true)?,
@@ -346,6 +352,7 @@ impl UnfusedLayer {
     /// hold the addresses of this layer's buffers: do not replace the buffers behind
     /// [`Self::routing`], [`Self::gathered_rows`] or [`Self::grads`] while it is on.
     pub fn set_gemm_engine(&mut self, gpu: &Gpu, on: bool) -> Result<()> {
+        self.gpu.require_same_handle(gpu)?;
         if !on {
             // Both megakernels run on the engine's plans, and the producers' gathers are the
             // engine's: the `mma.sync` kernels read the gathered copy.
@@ -382,6 +389,7 @@ impl UnfusedLayer {
     /// layer is then unchanged. The options' geometry is checked when the first forward builds
     /// the pass.
     pub fn set_forward_megakernel(&mut self, gpu: &Gpu, options: Option<MegakernelOptions>) -> Result<()> {
+        self.gpu.require_same_handle(gpu)?;
         let Some(options) = options else {
             self.megakernel = None;
             return Ok(());
@@ -407,6 +415,7 @@ impl UnfusedLayer {
     /// Errors, leaving the layer unchanged, when this GPU or the loaded PTX cannot run it or the
     /// options' geometry cannot be resident.
     pub fn set_backward_megakernel(&mut self, gpu: &Gpu, options: Option<MegakernelOptions>) -> Result<()> {
+        self.gpu.require_same_handle(gpu)?;
         let Some(options) = options else {
             self.backward_megakernel = None;
             return Ok(());
@@ -623,6 +632,7 @@ impl UnfusedLayer {
     /// and the kernels in the loaded PTX (otherwise an error, and the layer is unchanged), and
     /// switching the engine off switches it off.
     pub fn set_gather_in_producers(&mut self, gpu: &Gpu, forward: bool, weight_gradients: bool) -> Result<()> {
+        self.gpu.require_same_handle(gpu)?;
         if (forward, weight_gradients) == (self.gather_forward, self.gather_weight_gradients) {
             return Ok(());
         }
@@ -908,6 +918,7 @@ impl UnfusedLayer {
 
     /// Enqueues the routing kernels: layout of `topk_ids` into the routing buffers.
     pub fn route(&mut self, gpu: &Gpu, topk_ids: DeviceSlice<'_, i32>) -> Result<()> {
+        self.gpu.require_same_handle(gpu)?;
         // The routing layout a backward reads is rewritten: the last forward no longer counts.
         self.forward_ran = false;
         let c = &self.config;
@@ -999,6 +1010,7 @@ impl UnfusedLayer {
         experts: ExpertsView<'_>,
         shared: Option<SharedExpertView<'_>>,
     ) -> Result<()> {
+        self.gpu.require_same_handle(gpu)?;
         // A forward that fails part way (or not at all) leaves no pass a backward could read.
         self.forward_ran = false;
         self.enqueue_forward(gpu, tokens, experts, shared)?;
@@ -1199,6 +1211,7 @@ impl UnfusedLayer {
         dy: DeviceSlice<'_, bf16>,
         target: WeightGradTarget<'_>,
     ) -> Result<()> {
+        self.gpu.require_same_handle(gpu)?;
         if !self.forward_ran {
             return Err(MokError::InvalidInput {
                 tensor: "backward",
