@@ -504,6 +504,17 @@ fn bad_layer_inputs_are_rejected_before_launch() {
     let mut bad = c.clone();
     bad.hidden = 60;
     assert!(matches!(UnfusedLayer::new(&gpu, bad), Err(MokError::InvalidConfig { field: "hidden", .. })));
+    // The same device opened again: another stream, which would not order the layer's copies
+    // and kernels. Refused by a pass and by an option that allocates, before anything runs.
+    let again = mok::open_gpu(0).unwrap();
+    let device = upload(&gpu, &case);
+    let refused = |result: mok::Result<()>| matches!(result, Err(MokError::InvalidInput { tensor: "gpu", .. }));
+    assert!(refused(layer.forward(&again, &device.tokens, &device.experts, None)));
+    assert!(refused(layer.set_gemm_engine(&again, false)));
+    layer.forward(&gpu, &device.tokens, &device.experts, None).unwrap();
+    assert!(refused(layer.backward(&again, &device.tokens, &device.experts, None, &device.dy)));
+    layer.backward(&gpu, &device.tokens, &device.experts, None, &device.dy).unwrap();
+    layer.check_device_errors().unwrap();
 }
 
 #[test]
