@@ -252,7 +252,8 @@ impl VmmMapping {
 impl Drop for VmmMapping {
     fn drop(&mut self) {
         // SAFETY: the range and handle belong to this mapping and nothing uses them after drop
-        // (the heap that owns it synchronises its GPUs first). Errors cannot be acted on here.
+        // (the heap that owns it synchronises its GPUs first, `SymmetricHeap`'s `Drop`). Errors
+        // cannot be acted on here.
         unsafe {
             let _ = sys::cuMemUnmap(self.address, self.bytes);
             let _ = sys::cuMemAddressFree(self.address, self.bytes);

@@ -40,8 +40,9 @@ use handles::HandleRecord;
 enum Storage {
     /// One allocation holding every rank's slice.
     Virtual { _memory: DeviceBuffer<u8> },
-    /// One mapping per rank (this process's own and the imported ones).
-    Mapped { _mappings: Vec<VmmMapping> },
+    /// One mapping per rank (this process's own and the imported ones), and the GPUs that
+    /// run kernels on them, synchronised before the mappings go ([`SymmetricHeap`]'s `Drop`).
+    Mapped { _mappings: Vec<VmmMapping>, gpus: Vec<Gpu> },
 }
 
 /// P identically laid-out slices and the peer table.
@@ -124,7 +125,7 @@ impl SymmetricHeap {
             bytes_per_rank: bytes,
             bases: mappings.iter().map(VmmMapping::device_ptr).collect(),
             local_ranks: (0..ordinals.len()).collect(),
-            storage: Storage::Mapped { _mappings: mappings },
+            storage: Storage::Mapped { _mappings: mappings, gpus: gpus.iter().map(|gpu| gpu.handle()).collect() },
         })
     }
 
@@ -211,7 +212,7 @@ impl SymmetricHeap {
             bytes_per_rank: table[0].bytes,
             bases: mappings.iter().map(VmmMapping::device_ptr).collect(),
             local_ranks: vec![env.rank],
-            storage: Storage::Mapped { _mappings: mappings },
+            storage: Storage::Mapped { _mappings: mappings, gpus: vec![gpu.handle()] },
         })
     }
 
@@ -243,6 +244,19 @@ impl SymmetricHeap {
     /// Whether every rank is on one GPU (signals may then use GPU scope).
     pub fn single_gpu(&self) -> bool {
         matches!(self.storage, Storage::Virtual { .. })
+    }
+}
+
+impl Drop for SymmetricHeap {
+    /// Unmapping memory that a queued kernel still reads or writes is undefined: the heap's own
+    /// GPUs finish their work first (errors cannot be acted on here; the next call reports
+    /// them). A virtual heap's one allocation is freed by `cuMemFree`, which waits itself.
+    fn drop(&mut self) {
+        if let Storage::Mapped { gpus, .. } = &self.storage {
+            for gpu in gpus {
+                let _ = gpu.synchronize();
+            }
+        }
     }
 }
 
