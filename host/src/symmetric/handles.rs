@@ -4,15 +4,15 @@
 //!
 //! Record layout (little-endian, [`RECORD_BYTES`] bytes): magic `b"MOKH"`, version u16, kind u16
 //! (1 POSIX fd, 2 fabric), rank u32, pid u32, fd i32, process space u32, slice bytes u64, fabric
-//! handle 64 bytes (zero for POSIX).
+//! handle 64 bytes (zero for POSIX), requested bytes u64.
 
 use crate::driver::vmm::{ExportedHandle, ShareableKind};
 use crate::error::{MokError, Result};
 
 /// Bytes of one record.
-pub const RECORD_BYTES: usize = 96;
+pub const RECORD_BYTES: usize = 104;
 const MAGIC: [u8; 4] = *b"MOKH";
-const VERSION: u16 = 2;
+const VERSION: u16 = 3;
 const KIND_POSIX_FD: u16 = 1;
 const KIND_FABRIC: u16 = 2;
 
@@ -28,6 +28,10 @@ pub struct HandleRecord {
     pub space: u32,
     /// Bytes of the slice as mapped by the exporter.
     pub bytes: u64,
+    /// Bytes per rank the exporter's heap was asked for, before rounding to the mapping
+    /// granularity: `Exchange::heap_bytes_per_rank` of its layer's config and options, so ranks
+    /// built with different ones are told apart (their rounded slices may still be equal).
+    pub requested: u64,
     /// The handle as the exporter named it.
     pub handle: ExportedHandle,
 }
@@ -73,6 +77,7 @@ impl HandleRecord {
         out[20..24].copy_from_slice(&self.space.to_le_bytes());
         out[24..32].copy_from_slice(&self.bytes.to_le_bytes());
         out[32..96].copy_from_slice(&fabric);
+        out[96..104].copy_from_slice(&self.requested.to_le_bytes());
         out
     }
 
@@ -100,13 +105,14 @@ impl HandleRecord {
             pid: u32_at(12),
             space: u32_at(20),
             bytes: u64::from_le_bytes(bytes[24..32].try_into().expect("8 bytes")),
+            requested: u64::from_le_bytes(bytes[96..104].try_into().expect("8 bytes")),
             handle,
         })
     }
 
     /// Parses an all-gathered table (`world` records in rank order) and checks that record r
-    /// came from rank r, that every slice has the same size and handle kind, and that POSIX fds
-    /// come from processes of one [`process_space`].
+    /// came from rank r, that every slice has the same size, requested size and handle kind, and
+    /// that POSIX fds come from processes of one [`process_space`].
     pub fn decode_table(table: &[u8], world: usize) -> Result<Vec<Self>> {
         if table.len() != world * RECORD_BYTES {
             return Err(bad(format!("{} bytes for {world} ranks, expected {}", table.len(), world * RECORD_BYTES)));
@@ -120,6 +126,14 @@ impl HandleRecord {
                 return Err(bad(format!(
                     "rank {rank}'s slice has {} bytes, rank 0's {}: every rank must lay out the same heap",
                     record.bytes, records[0].bytes
+                )));
+            }
+            if record.requested != records[0].requested {
+                return Err(bad(format!(
+                    "rank {rank}'s heap was asked for {} bytes per rank, rank 0's for {}: the ranks' layers have \
+                     different configs or exchange options (build every rank's heap with \
+                     Exchange::heap_bytes_per_rank of the same ones)",
+                    record.requested, records[0].requested
                 )));
             }
             let kind = record.handle.kind();
@@ -170,21 +184,37 @@ mod tests {
         let mut fabric = [0u8; 64];
         fabric.iter_mut().enumerate().for_each(|(i, b)| *b = i as u8 ^ 0xa5);
         for handle in [ExportedHandle::PosixFd(17), ExportedHandle::Fabric(fabric)] {
-            let record = HandleRecord { rank: 3, pid: 4242, space: 0x9e37_79b9, bytes: 1 << 33, handle };
+            let record = HandleRecord {
+                rank: 3,
+                pid: 4242,
+                space: 0x9e37_79b9,
+                bytes: 1 << 33,
+                requested: (1 << 33) - 5,
+                handle,
+            };
             assert_eq!(HandleRecord::from_bytes(&record.to_bytes()).unwrap(), record);
         }
     }
 
     #[test]
     fn tables_check_order_and_sizes() {
-        let record =
-            |rank, bytes| HandleRecord { rank, pid: 1, space: 7, bytes, handle: ExportedHandle::PosixFd(3) }.to_bytes();
+        let record = |rank, bytes| {
+            HandleRecord { rank, pid: 1, space: 7, bytes, requested: 4000, handle: ExportedHandle::PosixFd(3) }
+                .to_bytes()
+        };
         let table: Vec<u8> = [record(0, 4096), record(1, 4096)].concat();
         assert_eq!(HandleRecord::decode_table(&table, 2).unwrap().len(), 2);
         let swapped: Vec<u8> = [record(1, 4096), record(0, 4096)].concat();
         assert!(HandleRecord::decode_table(&swapped, 2).unwrap_err().to_string().contains("written by rank 1"));
         let sizes: Vec<u8> = [record(0, 4096), record(1, 8192)].concat();
         assert!(HandleRecord::decode_table(&sizes, 2).unwrap_err().to_string().contains("same heap"));
+        // Equal slices asked for by layers of different configs (rounded up to the same size).
+        let asked = |rank, requested| {
+            HandleRecord { rank, pid: 1, space: 7, bytes: 4096, requested, handle: ExportedHandle::PosixFd(3) }
+                .to_bytes()
+        };
+        let configs: Vec<u8> = [asked(0, 4000), asked(1, 4040)].concat();
+        assert!(HandleRecord::decode_table(&configs, 2).unwrap_err().to_string().contains("different configs"));
         assert!(HandleRecord::decode_table(&table, 3).is_err());
         let mut corrupt = record(0, 16);
         corrupt[0] = b'X';
@@ -194,7 +224,8 @@ mod tests {
         assert!(HandleRecord::from_bytes(&kind).unwrap_err().to_string().contains("kind 9"));
         // POSIX fds from another host or namespace, and mixed kinds, are refused; fabric
         // handles cross hosts.
-        let with = |rank, space, handle| HandleRecord { rank, pid: 1, space, bytes: 4096, handle }.to_bytes();
+        let with =
+            |rank, space, handle| HandleRecord { rank, pid: 1, space, bytes: 4096, requested: 4096, handle }.to_bytes();
         let (fd, fabric) = (ExportedHandle::PosixFd(3), ExportedHandle::Fabric([1; 64]));
         let elsewhere: Vec<u8> = [with(0, 7, fd), with(1, 8, fd)].concat();
         assert!(HandleRecord::decode_table(&elsewhere, 2).unwrap_err().to_string().contains("another host"));
@@ -204,8 +235,8 @@ mod tests {
         assert_eq!(HandleRecord::decode_table(&across_hosts, 2).unwrap().len(), 2);
         // An older record version is refused by name.
         let mut old = record(0, 16);
-        old[4] = 1;
-        assert!(HandleRecord::from_bytes(&old).unwrap_err().to_string().contains("version 1"));
+        old[4] = 2;
+        assert!(HandleRecord::from_bytes(&old).unwrap_err().to_string().contains("version 2"));
         // This process's space is the same each time it is asked.
         assert_eq!(process_space(), process_space());
     }

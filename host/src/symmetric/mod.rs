@@ -169,6 +169,7 @@ impl SymmetricHeap {
             pid: std::process::id(),
             space: handles::process_space(),
             bytes: own.bytes() as u64,
+            requested: bytes_per_rank,
             handle: exported.0,
         };
         let table = HandleRecord::decode_table(&all_gather(&record.to_bytes())?, env.world)?;
