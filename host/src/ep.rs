@@ -194,6 +194,12 @@ impl EpLayer {
     /// rank. A heap with local ranks on several GPUs (`vmm_peers`) is refused: a layer drives one
     /// GPU. Built for one process per GPU; run with processes sharing one GPU, not yet on several.
     pub fn with_heap(gpu: &Gpu, config: MoeConfig, options: ExchangeOptions, heap: SymmetricHeap) -> Result<Self> {
+        if !heap.built_on(gpu) {
+            return Err(MokError::InvalidInput {
+                tensor: "symmetric heap",
+                problem: "built on another Gpu handle than the layer's: build both with the same one".into(),
+            });
+        }
         if heap.local_ranks().len() > 1 && !heap.single_gpu() {
             return Err(MokError::InvalidInput {
                 tensor: "symmetric heap",

@@ -246,6 +246,15 @@ impl SymmetricHeap {
     pub fn single_gpu(&self) -> bool {
         matches!(self.storage, Storage::Virtual { .. })
     }
+
+    /// Whether `gpu` is the handle this heap was built with (for a heap over several GPUs, one
+    /// of them): a layer over the heap must launch on the stream its slices were zeroed on.
+    pub fn built_on(&self, gpu: &Gpu) -> bool {
+        match &self.storage {
+            Storage::Virtual { _memory: memory } => memory.is_on(gpu),
+            Storage::Mapped { gpus, .. } => gpus.iter().any(|own| own.is_same_handle(gpu)),
+        }
+    }
 }
 
 impl Drop for SymmetricHeap {
