@@ -73,12 +73,6 @@ impl<T: Pod> DeviceBuffer<T> {
         self.ptr
     }
 
-    /// Whether the buffer was allocated through `gpu` (or another handle of it: the same
-    /// context and stream).
-    pub(crate) fn is_on(&self, gpu: &Gpu) -> bool {
-        Arc::ptr_eq(&self.gpu, gpu.inner())
-    }
-
     /// Copies `data` in (synchronously with respect to the host).
     pub fn upload(&mut self, data: &[T]) -> Result<()> {
         self.check_len("upload", data.len())?;

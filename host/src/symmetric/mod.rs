@@ -40,9 +40,8 @@ use handles::HandleRecord;
 enum Storage {
     /// One allocation holding every rank's slice.
     Virtual { _memory: DeviceBuffer<u8> },
-    /// One mapping per rank (this process's own and the imported ones), and the GPUs that
-    /// run kernels on them, synchronised before the mappings go ([`SymmetricHeap`]'s `Drop`).
-    Mapped { _mappings: Vec<VmmMapping>, gpus: Vec<Gpu> },
+    /// One mapping per rank (this process's own and the imported ones).
+    Mapped { _mappings: Vec<VmmMapping> },
 }
 
 /// P identically laid-out slices and the peer table.
@@ -50,6 +49,9 @@ pub struct SymmetricHeap {
     bytes_per_rank: u64,
     bases: Vec<u64>,
     local_ranks: Vec<usize>,
+    /// The handles the heap was built with, which run kernels on it: a layer must use one
+    /// ([`SymmetricHeap::built_on`]), and a mapped heap synchronises them before it unmaps.
+    gpus: Vec<Gpu>,
     storage: Storage,
 }
 
@@ -85,6 +87,7 @@ impl SymmetricHeap {
             bytes_per_rank: stride,
             bases: (0..world as u64).map(|r| base + r * stride).collect(),
             local_ranks: (0..world).collect(),
+            gpus: vec![gpu.handle()],
             storage: Storage::Virtual { _memory: buffer },
         })
     }
@@ -125,7 +128,8 @@ impl SymmetricHeap {
             bytes_per_rank: bytes,
             bases: mappings.iter().map(VmmMapping::device_ptr).collect(),
             local_ranks: (0..ordinals.len()).collect(),
-            storage: Storage::Mapped { _mappings: mappings, gpus: gpus.iter().map(|gpu| gpu.handle()).collect() },
+            gpus: gpus.iter().map(|gpu| gpu.handle()).collect(),
+            storage: Storage::Mapped { _mappings: mappings },
         })
     }
 
@@ -213,7 +217,8 @@ impl SymmetricHeap {
             bytes_per_rank: table[0].bytes,
             bases: mappings.iter().map(VmmMapping::device_ptr).collect(),
             local_ranks: vec![env.rank],
-            storage: Storage::Mapped { _mappings: mappings, gpus: vec![gpu.handle()] },
+            gpus: vec![gpu.handle()],
+            storage: Storage::Mapped { _mappings: mappings },
         })
     }
 
@@ -250,10 +255,7 @@ impl SymmetricHeap {
     /// Whether `gpu` is the handle this heap was built with (for a heap over several GPUs, one
     /// of them): a layer over the heap must launch on the stream its slices were zeroed on.
     pub fn built_on(&self, gpu: &Gpu) -> bool {
-        match &self.storage {
-            Storage::Virtual { _memory: memory } => memory.is_on(gpu),
-            Storage::Mapped { gpus, .. } => gpus.iter().any(|own| own.is_same_handle(gpu)),
-        }
+        self.gpus.iter().any(|own| own.is_same_handle(gpu))
     }
 }
 
@@ -262,8 +264,8 @@ impl Drop for SymmetricHeap {
     /// GPUs finish their work first (errors cannot be acted on here; the next call reports
     /// them). A virtual heap's one allocation is freed by `cuMemFree`, which waits itself.
     fn drop(&mut self) {
-        if let Storage::Mapped { gpus, .. } = &self.storage {
-            for gpu in gpus {
+        if let Storage::Mapped { .. } = self.storage {
+            for gpu in &self.gpus {
                 let _ = gpu.synchronize();
             }
         }

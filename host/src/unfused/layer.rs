@@ -691,6 +691,12 @@ impl UnfusedLayer {
         Ok(())
     }
 
+    /// Whether the gate/up and the weight gradients all gather their rows, so no pass reads the
+    /// gathered copy and the layer holds none.
+    fn every_producer_gathers(&self) -> bool {
+        self.gather_forward && self.gather_weight_gradients
+    }
+
     /// Whether the routed gate/up (engine path or forward megakernel) gathers its rows in its
     /// producers ([`Self::set_gather_in_producers`]).
     pub fn gathers_in_producer(&self) -> bool {
@@ -1028,7 +1034,7 @@ impl UnfusedLayer {
     ) -> Result<()> {
         let t = self.check_inputs(tokens, experts, shared)?;
         // Before any launch: building plans uploads their parameter blocks (over the copy).
-        self.fit_gathered_copy(gpu, self.gather_forward && self.gather_weight_gradients)?;
+        self.fit_gathered_copy(gpu, self.every_producer_gathers())?;
         self.prepare_engine_plans(gpu, experts)?;
         self.prepare_megakernel(gpu, shared)?;
         self.tokens = t;
@@ -1239,7 +1245,7 @@ impl UnfusedLayer {
         check_aligned("dy", dy.device_ptr(), 16)?;
         let target = self.grad_addresses(gpu, target)?;
         // The copy the plans are built over (a layer built without it that does not gather).
-        self.fit_gathered_copy(gpu, self.gather_forward && self.gather_weight_gradients)?;
+        self.fit_gathered_copy(gpu, self.every_producer_gathers())?;
         self.prepare_engine_plans(gpu, experts)?;
         self.prepare_wgrad_plans(gpu, &target)?;
         // A forward whose gate/up gathered its rows itself wrote no copy: weight gradients that
