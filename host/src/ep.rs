@@ -31,7 +31,7 @@ use half::bf16;
 
 use crate::config::MoeConfig;
 use crate::driver::DeviceSlice;
-use crate::driver::{DeviceBuffer, Gpu, KernelArg, LaunchShape, check_aligned};
+use crate::driver::{DeviceBuffer, Gpu, KernelArg, LaunchShape, PlacedViews, check_aligned};
 use crate::error::{MokError, Result};
 use crate::exchange::{Exchange, ExchangeOptions, Silence};
 use crate::gemm::{self as engine, EnginePlan};
@@ -178,6 +178,9 @@ pub struct EpLayer {
     /// were last replaced (`upload_tokens`, `copy_tokens_from`): a backward reads the forward's
     /// routing and rows.
     forward_ran: std::cell::Cell<bool>,
+    /// The views found on the layer's GPU: steps over the same buffers ask the driver nothing
+    /// (a cell: the token copies take `&self`).
+    placed: std::cell::RefCell<PlacedViews>,
 }
 
 impl EpLayer {
@@ -241,6 +244,7 @@ impl EpLayer {
             megakernel: None,
             backward_megakernel: None,
             forward_ran: Default::default(),
+            placed: Default::default(),
         })
     }
 
@@ -647,6 +651,7 @@ impl EpLayer {
         self.local_index(rank)?;
         // The next forward's tokens: the last forward no longer counts as one to differentiate.
         self.forward_ran.set(false);
+        self.placed.borrow_mut().require_here(gpu, &tokens.named_addresses())?;
         let c = &self.config;
         let (t, h, k) = (c.tokens_per_rank, c.hidden, c.top_k);
         let r = *self.exchange.regions();
@@ -678,6 +683,7 @@ impl EpLayer {
     pub fn copy_dy_from(&self, gpu: &Gpu, rank: usize, dy: DeviceSlice<'_, bf16>) -> Result<()> {
         self.gpu.require_same_handle(gpu)?;
         self.local_index(rank)?;
+        self.placed.borrow_mut().require_here(gpu, &[("dy", dy.device_ptr())])?;
         let expected = self.config.tokens_per_rank * self.config.hidden;
         if dy.len() != expected {
             return Err(MokError::InvalidInput {
@@ -808,6 +814,9 @@ impl EpLayer {
         // A forward refused or failing part way leaves no pass a backward could read.
         self.forward_ran.set(false);
         self.check_weights(experts, shared)?;
+        let views = experts.iter().flat_map(|weights| weights.named_addresses());
+        let views: Vec<_> = views.chain(shared.iter().flat_map(|s| s.named_addresses())).collect();
+        self.placed.get_mut().require_here(gpu, &views)?;
         if self.megakernel.is_some() {
             self.forward_megakernel(gpu, experts, shared)?;
             self.forward_ran.set(true);
@@ -1090,6 +1099,9 @@ impl EpLayer {
             });
         }
         self.check_weights(experts, shared)?;
+        let views = experts.iter().flat_map(|weights| weights.named_addresses());
+        let views: Vec<_> = views.chain(shared.iter().flat_map(|s| s.named_addresses())).collect();
+        self.placed.get_mut().require_here(gpu, &views)?;
         if target.is_none() && self.ranks.iter().any(|state| state.dw[0].is_empty()) {
             // The first backward into the ranks' own gradients allocates them.
             let (h, i, l) = (self.config.hidden, self.config.intermediate, self.config.local_experts());

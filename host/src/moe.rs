@@ -11,7 +11,7 @@
 use half::bf16;
 
 use crate::config::MoeConfig;
-use crate::driver::{DeviceSlice, DeviceSliceMut, Gpu, check_aligned};
+use crate::driver::{DeviceSlice, DeviceSliceMut, Gpu, PlacedViews, check_aligned};
 use crate::ep::{EpGradTargets, EpLayer};
 use crate::error::{MokError, Result};
 use crate::exchange::ExchangeOptions;
@@ -129,20 +129,11 @@ impl MoeInputs<'_> {
 
     /// Every view's address (0 for an absent shared expert's), with its name.
     fn named_addresses(&self) -> [(&'static str, u64); 9] {
-        let (t, e) = (&self.tokens, &self.experts);
+        let [x, ids, weights] = self.tokens.named_addresses();
+        let [gate, up, down] = self.experts.named_addresses();
         let [s0, s1, s2] =
-            self.shared.map_or([0; 3], |s| [s.ws_gate.device_ptr(), s.ws_up.device_ptr(), s.ws_down.device_ptr()]);
-        [
-            ("x", t.x.device_ptr()),
-            ("topk_ids", t.topk_ids.device_ptr()),
-            ("topk_weights", t.topk_weights.device_ptr()),
-            ("w_gate", e.w_gate.device_ptr()),
-            ("w_up", e.w_up.device_ptr()),
-            ("w_down", e.w_down.device_ptr()),
-            ("ws_gate", s0),
-            ("ws_up", s1),
-            ("ws_down", s2),
-        ]
+            self.shared.map_or([("ws_gate", 0), ("ws_up", 0), ("ws_down", 0)], |shared| shared.named_addresses());
+        [x, ids, weights, gate, up, down, s0, s1, s2]
     }
 }
 
@@ -185,9 +176,8 @@ pub struct MoeLayer {
     id: u64,
     /// A check reported a failed pass across processes: the layer must be rebuilt.
     failed: bool,
-    /// View addresses the driver reported on this layer's GPU (or could not place), so steps
-    /// over the same buffers ask nothing ([`MoeLayer::check_views_on_device`]).
-    on_device: Vec<u64>,
+    /// The views found on this layer's GPU: steps over the same buffers ask the driver nothing.
+    placed: PlacedViews,
 }
 
 /// Source of [`MoeLayer`]'s ids.
@@ -327,34 +317,7 @@ impl MoeLayer {
     /// The layer over `layer`, built on `gpu`.
     fn around(layer: Layer, backend: Backend, gpu: &Gpu) -> Self {
         let id = NEXT_LAYER_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Self { layer, backend, passes: 0, gpu: gpu.handle(), id, failed: false, on_device: Vec::new() }
-    }
-
-    /// Refuses a view whose memory the driver reports on another device than the layer's GPU
-    /// (its kernels would fault on it, or with peer access read it slowly). Each address is asked
-    /// about once: up to 64 answered addresses are kept (all forgotten when that fills), so steps
-    /// over the same buffers make no driver call. An address the driver does not place is let
-    /// through (the kernels' fault, if any, is then the report); one freed and given to another
-    /// GPU's allocation is not asked about again while kept.
-    fn check_views_on_device(&mut self, views: &[(&'static str, u64)]) -> Result<()> {
-        const KEPT: usize = 64;
-        let ordinal = self.gpu.ordinal();
-        for &(tensor, address) in views {
-            if address == 0 || self.on_device.contains(&address) {
-                continue;
-            }
-            if let Some(device) = self.gpu.device_of(address).filter(|&device| device != ordinal) {
-                return Err(MokError::InvalidInput {
-                    tensor,
-                    problem: format!("memory of GPU {device}; the layer runs on GPU {ordinal}"),
-                });
-            }
-            if self.on_device.len() == KEPT {
-                self.on_device.clear();
-            }
-            self.on_device.push(address);
-        }
-        Ok(())
+        Self { layer, backend, passes: 0, gpu: gpu.handle(), id, failed: false, placed: PlacedViews::default() }
     }
 
     /// `gpu` is the handle the layer was built with, and the layer may run a pass.
@@ -413,7 +376,7 @@ impl MoeLayer {
         }
         let views: Vec<(&'static str, u64)> =
             inputs.named_addresses().into_iter().chain([("y", y.device_ptr())]).collect();
-        self.check_views_on_device(&views)?;
+        self.placed.require_here(&self.gpu, &views)?;
         // From here on the workspace (and over ranks the heap's copy of the tokens) may change,
         // so the token of the last forward no longer names what the layer holds, even if this
         // forward fails.
@@ -491,7 +454,7 @@ impl MoeLayer {
         let mut views = vec![("dy", dy.device_ptr()), ("dx", grads.dx.device_ptr())];
         views.push(("d_topk_weights", grads.d_topk_weights.device_ptr()));
         views.extend(grads.weights.view_addresses());
-        self.check_views_on_device(&views)?;
+        self.placed.require_here(&self.gpu, &views)?;
         match &mut self.layer {
             Layer::Single(layer) => {
                 layer.backward_views(gpu, (inputs.tokens, inputs.experts, inputs.shared), dy, grads.weights)?;

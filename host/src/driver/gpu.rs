@@ -651,3 +651,39 @@ mod tests {
         assert_eq!(chosen((12, 0)), None);
     }
 }
+
+/// View addresses the driver reported on a layer's GPU (or could not place), so that steps over
+/// the same buffers ask it nothing. Up to 64 answers are kept (all forgotten when that fills);
+/// an address freed and given to another GPU's allocation is not asked about again while kept.
+#[derive(Debug, Default)]
+pub(crate) struct PlacedViews {
+    addresses: Vec<u64>,
+}
+
+impl PlacedViews {
+    const KEPT: usize = 64;
+
+    /// `Err(InvalidInput)` naming the first of `views` (name, address) whose memory the driver
+    /// places on another device than `gpu`'s (its kernels would fault on it, or with peer access
+    /// read it slowly). A null address, or one the driver does not place, is let through (the
+    /// kernels' fault, if any, is then the report). Only addresses not kept are asked about.
+    pub(crate) fn require_here(&mut self, gpu: &Gpu, views: &[(&'static str, u64)]) -> Result<()> {
+        let ordinal = gpu.ordinal();
+        for &(tensor, address) in views {
+            if address == 0 || self.addresses.contains(&address) {
+                continue;
+            }
+            if let Some(device) = gpu.device_of(address).filter(|&device| device != ordinal) {
+                return Err(MokError::InvalidInput {
+                    tensor,
+                    problem: format!("memory of GPU {device}; the layer runs on GPU {ordinal}"),
+                });
+            }
+            if self.addresses.len() == Self::KEPT {
+                self.addresses.clear();
+            }
+            self.addresses.push(address);
+        }
+        Ok(())
+    }
+}

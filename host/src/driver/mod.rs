@@ -21,6 +21,7 @@ mod slice;
 pub mod vmm;
 
 pub use buffer::{DeviceBuffer, live_device_buffers};
+pub(crate) use gpu::PlacedViews;
 pub use gpu::{Gpu, GpuTimer, KernelArg, KernelImage, Kernels, LaunchShape, LoadedKernels};
 pub use graph::CapturedGraph;
 pub(crate) use slice::check_aligned;

@@ -4,7 +4,9 @@
 use half::bf16;
 
 use crate::config::MoeConfig;
-use crate::driver::{DeviceBuffer, DeviceSlice, DeviceSliceMut, Gpu, KernelArg, LaunchShape, check_aligned};
+use crate::driver::{
+    DeviceBuffer, DeviceSlice, DeviceSliceMut, Gpu, KernelArg, LaunchShape, PlacedViews, check_aligned,
+};
 use crate::error::{MokError, Result};
 use crate::gemm::{self as engine, EnginePlan};
 use crate::megakernel::{
@@ -61,6 +63,8 @@ pub struct UnfusedLayer {
     /// The handle the layer was built with: every call must pass it (its stream orders the
     /// layer's copies and kernels; [`Gpu::require_same_handle`]).
     gpu: Gpu,
+    /// The views found on the layer's GPU: steps over the same buffers ask the driver nothing.
+    placed: PlacedViews,
     routing: RoutingBuffers,
     gathered_x: DeviceBuffer<bf16>,
     routed: ExpertCompute,
@@ -282,6 +286,7 @@ impl UnfusedLayer {
         let gathered_x = nan_filled(gpu, if gathered_copy { slots * h } else { 0 })?;
         Ok(Self {
             gpu: gpu.handle(),
+            placed: PlacedViews::default(),
             routing,
             gathered_x,
             routed: ExpertCompute::new(gpu, slots, h, i, config.swiglu_limit, true)?,
@@ -925,6 +930,7 @@ impl UnfusedLayer {
     /// Enqueues the routing kernels: layout of `topk_ids` into the routing buffers.
     pub fn route(&mut self, gpu: &Gpu, topk_ids: DeviceSlice<'_, i32>) -> Result<()> {
         self.gpu.require_same_handle(gpu)?;
+        self.placed.require_here(gpu, &[("topk_ids", topk_ids.device_ptr())])?;
         // The routing layout a backward reads is rewritten: the last forward no longer counts.
         self.forward_ran = false;
         let c = &self.config;
@@ -1019,6 +1025,9 @@ impl UnfusedLayer {
         self.gpu.require_same_handle(gpu)?;
         // A forward that fails part way (or not at all) leaves no pass a backward could read.
         self.forward_ran = false;
+        let views = tokens.named_addresses().into_iter().chain(experts.named_addresses());
+        let views: Vec<_> = views.chain(shared.iter().flat_map(|s| s.named_addresses())).collect();
+        self.placed.require_here(gpu, &views)?;
         self.enqueue_forward(gpu, tokens, experts, shared)?;
         self.forward_ran = true;
         Ok(())
@@ -1225,6 +1234,11 @@ impl UnfusedLayer {
             });
         }
         let t = self.check_inputs(tokens, experts, shared)?;
+        // The forward's views again (kept: no driver call) and the backward's own.
+        let views = tokens.named_addresses().into_iter().chain(experts.named_addresses());
+        let views = views.chain(shared.iter().flat_map(|s| s.named_addresses())).chain([("dy", dy.device_ptr())]);
+        let views: Vec<_> = views.chain(target.view_addresses()).collect();
+        self.placed.require_here(gpu, &views)?;
         if t != self.tokens {
             return Err(MokError::InvalidInput {
                 tensor: "x",

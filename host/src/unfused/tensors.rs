@@ -116,6 +116,15 @@ pub struct TokensView<'a> {
 }
 
 impl TokensView<'_> {
+    /// Each view's address, with its name.
+    pub(crate) fn named_addresses(&self) -> [(&'static str, u64); 3] {
+        [
+            ("x", self.x.device_ptr()),
+            ("topk_ids", self.topk_ids.device_ptr()),
+            ("topk_weights", self.topk_weights.device_ptr()),
+        ]
+    }
+
     /// The first of x `[T, H]`, the top-k ids and weights `[T, k]` whose length is not that of
     /// `tokens` tokens: `(tensor, length, expected)`.
     pub(crate) fn wrong_length(
@@ -151,6 +160,13 @@ pub struct ExpertsView<'a> {
     pub w_down: DeviceSlice<'a, bf16>,
 }
 
+impl ExpertsView<'_> {
+    /// Each view's address, with its name.
+    pub(crate) fn named_addresses(&self) -> [(&'static str, u64); 3] {
+        [("w_gate", self.w_gate.device_ptr()), ("w_up", self.w_up.device_ptr()), ("w_down", self.w_down.device_ptr())]
+    }
+}
+
 impl<'a> From<&'a DeviceExperts> for ExpertsView<'a> {
     fn from(e: &'a DeviceExperts) -> Self {
         Self { w_gate: (&e.w_gate).into(), w_up: (&e.w_up).into(), w_down: (&e.w_down).into() }
@@ -169,6 +185,15 @@ pub struct SharedExpertView<'a> {
 }
 
 impl SharedExpertView<'_> {
+    /// Each view's address, with its name.
+    pub(crate) fn named_addresses(&self) -> [(&'static str, u64); 3] {
+        [
+            ("ws_gate", self.ws_gate.device_ptr()),
+            ("ws_up", self.ws_up.device_ptr()),
+            ("ws_down", self.ws_down.device_ptr()),
+        ]
+    }
+
     /// Checks the three views against a shared expert of `intermediate` (Is) columns of rows
     /// of `hidden` (H): their lengths (the kernels read them whole, unchecked) and their 16-byte
     /// alignment (TMA and vector loads).
