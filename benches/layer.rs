@@ -688,8 +688,8 @@ fn bench_case_processes(
             bail!("across ranks the layer runs mma or the megakernels, not the engine")
         }
     };
-    let bytes = Exchange::heap_bytes_per_rank(&config, &ExchangeOptions::default())?;
-    let heap = SymmetricHeap::multi_process(gpu, env, ordinal, bytes, kind, &mut |mine| gather(mine))?;
+    let request = Exchange::heap_request(&config, &ExchangeOptions::default())?;
+    let heap = SymmetricHeap::multi_process(gpu, env, ordinal, request, kind, &mut |mine| gather(mine))?;
     let mut layer = mok::MoeLayer::with_heap(gpu, config.clone(), options, heap)?;
     let host = random_tokens(&config, 7 + env.rank as u64);
     let x = DeviceBuffer::from_slice(gpu, &host.x)?;

@@ -55,9 +55,9 @@
 //! let config = MoeConfig { ep_ranks: env.world, ..MoeConfig::new(4096, 7168, 2048, 384, 8) };
 //! // Each rank's slice of the symmetric heap, exported and mapped by every other rank; the
 //! // handle records go round through files here (NCCL: `symmetric::bootstrap`, feature `nccl`).
-//! let bytes = Exchange::heap_bytes_per_rank(&config, &ExchangeOptions::default())?;
+//! let request = Exchange::heap_request(&config, &ExchangeOptions::default())?;
 //! let mut rendezvous = FileRendezvous::new("/tmp/mok-rendezvous", &env, Duration::from_secs(120))?;
-//! let heap = SymmetricHeap::multi_process(&gpu, &env, env.local_rank as i32, bytes, ShareableKind::PosixFd,
+//! let heap = SymmetricHeap::multi_process(&gpu, &env, env.local_rank as i32, request, ShareableKind::PosixFd,
 //!     &mut |mine| rendezvous.all_gather(mine))?;
 //! // Every process on the same backend (the default is chosen per GPU).
 //! let options = LayerOptions { backend: Some(Backend::Megakernel), ..LayerOptions::default() };

@@ -14,7 +14,7 @@
 //! [`one_rank_of_the_layer_across_processes`], with torchrun's variables), and compare what they
 //! wrote with the one-GPU layer's bits. One of them first has a peer that stalls (before its pass,
 //! or between its forward and its backward): the others must report a timeout naming it, then
-//! rebuilt layers must give the right bits.
+//! rebuilt layers must give the right bits. A heap asked for another layer's layout is refused.
 #![cfg(feature = "gpu-tests")]
 
 mod common;
@@ -219,9 +219,9 @@ fn rank_layer(
     deadline: Duration,
     gather: &mut FileRendezvous,
 ) -> MoeLayer {
-    let bytes = Exchange::heap_bytes_per_rank(config, &ExchangeOptions::default()).unwrap();
+    let request = Exchange::heap_request(config, &ExchangeOptions::default()).unwrap();
     let heap =
-        SymmetricHeap::multi_process(gpu, env, 0, bytes, ShareableKind::PosixFd, &mut |mine| gather.all_gather(mine))
+        SymmetricHeap::multi_process(gpu, env, 0, request, ShareableKind::PosixFd, &mut |mine| gather.all_gather(mine))
             .unwrap();
     assert_eq!(heap.local_ranks(), [env.rank]);
     let options = LayerOptions {
@@ -523,6 +523,40 @@ fn run_ranks(n: usize, want: &[Outputs; 2], (backend, world): (Backend, usize), 
         if want[0].grads.len() > 3 { "; the shared expert's gradient summed over the ranks within 1e-2" } else { "" }
     );
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A heap asked for another layer's layout (here: another SwiGLU limit, the same bytes) is
+/// refused by the layer, naming the heap; one asked for its own layout is taken. One process, a
+/// world of one: the records go round through the closure.
+#[test]
+fn a_heap_asked_for_another_layout_is_refused() {
+    let gpu = gpu();
+    let env = LaunchEnv::from_vars(|name| match name {
+        "RANK" | "LOCAL_RANK" => Some("0".into()),
+        "WORLD_SIZE" => Some("1".into()),
+        _ => None,
+    })
+    .unwrap();
+    let config = MoeConfig::new(64, 256, 128, 8, 2);
+    let other = MoeConfig { swiglu_limit: Some(7.0), ..config.clone() };
+    let options = ExchangeOptions::default();
+    let heap_for = |config: &MoeConfig| {
+        let request = Exchange::heap_request(config, &options).unwrap();
+        let heap =
+            SymmetricHeap::multi_process(&gpu, &env, 0, request, ShareableKind::PosixFd, &mut |mine| Ok(mine.to_vec()))
+                .unwrap();
+        assert_eq!(heap.layout(), request.layout);
+        heap
+    };
+    let layer_options = || LayerOptions { backend: Some(Backend::MmaSync), ..LayerOptions::default() };
+    match MoeLayer::with_heap(&gpu, config.clone(), layer_options(), heap_for(&other)) {
+        Err(MokError::InvalidInput { tensor: "symmetric heap", problem }) => {
+            assert!(problem.contains("Exchange::heap_request"), "{problem}")
+        }
+        Err(other) => panic!("refused for another reason: {other}"),
+        Ok(_) => panic!("a heap asked for another layout was taken"),
+    }
+    MoeLayer::with_heap(&gpu, config.clone(), layer_options(), heap_for(&config)).unwrap();
 }
 
 #[test]

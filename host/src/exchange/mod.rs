@@ -37,7 +37,7 @@ use crate::config::MoeConfig;
 use crate::driver::{DeviceBuffer, DeviceSlice, Gpu, KernelArg, LaunchShape};
 use crate::error::{MokError, Result};
 use crate::problem::RoutedTokens;
-use crate::symmetric::SymmetricHeap;
+use crate::symmetric::{HeapRequest, SymmetricHeap};
 use crate::unfused::{RANK_CHUNK_THREADS, ROW_KERNEL_THREADS, grid_stride_blocks};
 
 use KernelArg::{Ptr, U32};
@@ -155,6 +155,22 @@ impl Exchange {
         Ok(HeapRegions::new(&Self::shape_for(config, options)?).bytes)
     }
 
+    /// What each rank's heap is asked for in a job of one process per rank
+    /// ([`SymmetricHeap::multi_process`]): [`Self::heap_bytes_per_rank`], and a layout digest of
+    /// `config` and the heap's regions, so ranks whose layers differ in anything (a width, the
+    /// ring, the SwiGLU limit) are refused when their heaps are built instead of exchanging rows
+    /// laid out differently.
+    pub fn heap_request(config: &MoeConfig, options: &ExchangeOptions) -> Result<HeapRequest> {
+        let shape = Self::shape_for(config, options)?;
+        let regions = HeapRegions::new(&shape);
+        Ok(HeapRequest::described(regions.bytes, &Self::layout_description(config, &shape, &regions)))
+    }
+
+    /// The text [`Self::heap_request`] digests.
+    fn layout_description(config: &MoeConfig, shape: &ExchangeShape, regions: &HeapRegions) -> String {
+        format!("{config:?}|{shape:?}|{regions:?}")
+    }
+
     /// Virtual ranks: every rank of `config` in one heap on `gpu` (backend (a)).
     pub fn new_virtual(gpu: &Gpu, config: &MoeConfig, options: ExchangeOptions) -> Result<Self> {
         let heap = SymmetricHeap::virtual_ranks(gpu, config.ep_ranks, Self::heap_bytes_per_rank(config, &options)?)?;
@@ -176,6 +192,18 @@ impl Exchange {
                     heap.bytes_per_rank(),
                     config.ep_ranks,
                     regions.bytes
+                ),
+            });
+        }
+        let asked = HeapRequest::described(regions.bytes, &Self::layout_description(config, &shape, &regions));
+        if heap.layout() != 0 && heap.layout() != asked.layout {
+            return Err(MokError::InvalidInput {
+                tensor: "symmetric heap",
+                problem: format!(
+                    "asked for layout {:#018x}, this layer lays it out as {:#018x}: build the heap with \
+                     Exchange::heap_request of this layer's config and options",
+                    heap.layout(),
+                    asked.layout
                 ),
             });
         }
@@ -947,6 +975,29 @@ mod tests {
         assert_eq!(rank_runs(&[2, 3, 5, 4], true, None), [run(0, 2, 2), run(2, 5, 1), run(3, 4, 1)]);
         // One rank per GPU (or a parameter block each): a run per rank.
         assert_eq!(rank_runs(&[4, 5], false, None), [run(0, 4, 1), run(1, 5, 1)]);
+    }
+
+    #[test]
+    fn heap_requests_tell_layers_apart_that_ask_for_the_same_bytes() {
+        let mut config = MoeConfig::new(100, 64, 32, 12, 4);
+        config.ep_ranks = 3;
+        let options = ExchangeOptions::default();
+        let asked = Exchange::heap_request(&config, &options).unwrap();
+        assert_eq!(asked, Exchange::heap_request(&config.clone(), &options).unwrap());
+        assert_eq!(asked.bytes_per_rank, Exchange::heap_bytes_per_rank(&config, &options).unwrap());
+        assert_ne!(asked.layout, 0);
+        // Another SwiGLU limit, or another intermediate width: the heap's bytes are the same (the
+        // rows exchanged are H wide), its layer is not.
+        for other in
+            [MoeConfig { swiglu_limit: Some(7.0), ..config.clone() }, MoeConfig { intermediate: 48, ..config.clone() }]
+        {
+            let theirs = Exchange::heap_request(&other, &options).unwrap();
+            assert_eq!(theirs.bytes_per_rank, asked.bytes_per_rank);
+            assert_ne!(theirs.layout, asked.layout);
+        }
+        // Another ring: other bytes and another layout.
+        let ring = ExchangeOptions { capacity_rows: Some(7), ..Default::default() };
+        assert_ne!(Exchange::heap_request(&config, &ring).unwrap().layout, asked.layout);
     }
 
     #[test]

@@ -4,15 +4,15 @@
 //!
 //! Record layout (little-endian, [`RECORD_BYTES`] bytes): magic `b"MOKH"`, version u16, kind u16
 //! (1 POSIX fd, 2 fabric), rank u32, pid u32, fd i32, process space u32, slice bytes u64, fabric
-//! handle 64 bytes (zero for POSIX), requested bytes u64.
+//! handle 64 bytes (zero for POSIX), requested bytes u64, layout digest u64.
 
 use crate::driver::vmm::{ExportedHandle, ShareableKind};
 use crate::error::{MokError, Result};
 
 /// Bytes of one record.
-pub const RECORD_BYTES: usize = 104;
+pub const RECORD_BYTES: usize = 112;
 const MAGIC: [u8; 4] = *b"MOKH";
-const VERSION: u16 = 3;
+const VERSION: u16 = 4;
 const KIND_POSIX_FD: u16 = 1;
 const KIND_FABRIC: u16 = 2;
 
@@ -29,9 +29,13 @@ pub struct HandleRecord {
     /// Bytes of the slice as mapped by the exporter.
     pub bytes: u64,
     /// Bytes per rank the exporter's heap was asked for, before rounding to the mapping
-    /// granularity: `Exchange::heap_bytes_per_rank` of its layer's config and options, so ranks
+    /// granularity: `Exchange::heap_request` of its layer's config and options, so ranks
     /// built with different ones are told apart (their rounded slices may still be equal).
     pub requested: u64,
+    /// The layout the exporter's layer will give the heap ([`super::HeapRequest::layout`]; 0 where
+    /// its heap was asked for bytes alone), so that ranks whose layers differ are told apart
+    /// even when their heaps were asked for the same bytes.
+    pub layout: u64,
     /// The handle as the exporter named it.
     pub handle: ExportedHandle,
 }
@@ -78,6 +82,7 @@ impl HandleRecord {
         out[24..32].copy_from_slice(&self.bytes.to_le_bytes());
         out[32..96].copy_from_slice(&fabric);
         out[96..104].copy_from_slice(&self.requested.to_le_bytes());
+        out[104..112].copy_from_slice(&self.layout.to_le_bytes());
         out
     }
 
@@ -106,13 +111,14 @@ impl HandleRecord {
             space: u32_at(20),
             bytes: u64::from_le_bytes(bytes[24..32].try_into().expect("8 bytes")),
             requested: u64::from_le_bytes(bytes[96..104].try_into().expect("8 bytes")),
+            layout: u64::from_le_bytes(bytes[104..112].try_into().expect("8 bytes")),
             handle,
         })
     }
 
     /// Parses an all-gathered table (`world` records in rank order) and checks that record r
-    /// came from rank r, that every slice has the same size, requested size and handle kind, and
-    /// that POSIX fds come from processes of one [`process_space`].
+    /// came from rank r, that every slice has the same size, requested size, layout and handle
+    /// kind, and that POSIX fds come from processes of one [`process_space`].
     pub fn decode_table(table: &[u8], world: usize) -> Result<Vec<Self>> {
         if table.len() != world * RECORD_BYTES {
             return Err(bad(format!("{} bytes for {world} ranks, expected {}", table.len(), world * RECORD_BYTES)));
@@ -132,8 +138,16 @@ impl HandleRecord {
                 return Err(bad(format!(
                     "rank {rank}'s heap was asked for {} bytes per rank, rank 0's for {}: the ranks' layers have \
                      different configs or exchange options (build every rank's heap with \
-                     Exchange::heap_bytes_per_rank of the same ones)",
+                     Exchange::heap_request of the same ones)",
                     record.requested, records[0].requested
+                )));
+            }
+            if record.layout != records[0].layout {
+                return Err(bad(format!(
+                    "rank {rank}'s heap was asked for layout {:#018x}, rank 0's for {:#018x}: the ranks' layers have \
+                     different configs or exchange options (build every rank's heap with Exchange::heap_request of \
+                     the same ones)",
+                    record.layout, records[0].layout
                 )));
             }
             let kind = record.handle.kind();
@@ -190,6 +204,7 @@ mod tests {
                 space: 0x9e37_79b9,
                 bytes: 1 << 33,
                 requested: (1 << 33) - 5,
+                layout: 0x0123_4567_89ab_cdef,
                 handle,
             };
             assert_eq!(HandleRecord::from_bytes(&record.to_bytes()).unwrap(), record);
@@ -199,8 +214,16 @@ mod tests {
     #[test]
     fn tables_check_order_and_sizes() {
         let record = |rank, bytes| {
-            HandleRecord { rank, pid: 1, space: 7, bytes, requested: 4000, handle: ExportedHandle::PosixFd(3) }
-                .to_bytes()
+            HandleRecord {
+                rank,
+                pid: 1,
+                space: 7,
+                bytes,
+                requested: 4000,
+                layout: 9,
+                handle: ExportedHandle::PosixFd(3),
+            }
+            .to_bytes()
         };
         let table: Vec<u8> = [record(0, 4096), record(1, 4096)].concat();
         assert_eq!(HandleRecord::decode_table(&table, 2).unwrap().len(), 2);
@@ -210,11 +233,38 @@ mod tests {
         assert!(HandleRecord::decode_table(&sizes, 2).unwrap_err().to_string().contains("same heap"));
         // Equal slices asked for by layers of different configs (rounded up to the same size).
         let asked = |rank, requested| {
-            HandleRecord { rank, pid: 1, space: 7, bytes: 4096, requested, handle: ExportedHandle::PosixFd(3) }
-                .to_bytes()
+            HandleRecord {
+                rank,
+                pid: 1,
+                space: 7,
+                bytes: 4096,
+                requested,
+                layout: 9,
+                handle: ExportedHandle::PosixFd(3),
+            }
+            .to_bytes()
         };
         let configs: Vec<u8> = [asked(0, 4000), asked(1, 4040)].concat();
         assert!(HandleRecord::decode_table(&configs, 2).unwrap_err().to_string().contains("different configs"));
+        // The same bytes asked for by layers that lay them out differently.
+        let laid_out = |rank, layout| {
+            HandleRecord {
+                rank,
+                pid: 1,
+                space: 7,
+                bytes: 4096,
+                requested: 4000,
+                layout,
+                handle: ExportedHandle::PosixFd(3),
+            }
+            .to_bytes()
+        };
+        let layouts: Vec<u8> = [laid_out(0, 9), laid_out(1, 10)].concat();
+        let refusal = HandleRecord::decode_table(&layouts, 2).unwrap_err().to_string();
+        assert!(
+            refusal.contains("rank 1's heap was asked for layout") && refusal.contains("different configs"),
+            "{refusal}"
+        );
         assert!(HandleRecord::decode_table(&table, 3).is_err());
         let mut corrupt = record(0, 16);
         corrupt[0] = b'X';
@@ -224,8 +274,9 @@ mod tests {
         assert!(HandleRecord::from_bytes(&kind).unwrap_err().to_string().contains("kind 9"));
         // POSIX fds from another host or namespace, and mixed kinds, are refused; fabric
         // handles cross hosts.
-        let with =
-            |rank, space, handle| HandleRecord { rank, pid: 1, space, bytes: 4096, requested: 4096, handle }.to_bytes();
+        let with = |rank, space, handle| {
+            HandleRecord { rank, pid: 1, space, bytes: 4096, requested: 4096, layout: 0, handle }.to_bytes()
+        };
         let (fd, fabric) = (ExportedHandle::PosixFd(3), ExportedHandle::Fabric([1; 64]));
         let elsewhere: Vec<u8> = [with(0, 7, fd), with(1, 8, fd)].concat();
         assert!(HandleRecord::decode_table(&elsewhere, 2).unwrap_err().to_string().contains("another host"));
@@ -235,8 +286,8 @@ mod tests {
         assert_eq!(HandleRecord::decode_table(&across_hosts, 2).unwrap().len(), 2);
         // An older record version is refused by name.
         let mut old = record(0, 16);
-        old[4] = 2;
-        assert!(HandleRecord::from_bytes(&old).unwrap_err().to_string().contains("version 2"));
+        old[4] = 3;
+        assert!(HandleRecord::from_bytes(&old).unwrap_err().to_string().contains("version 3"));
         // This process's space is the same each time it is asked.
         assert_eq!(process_space(), process_space());
     }

@@ -44,9 +44,30 @@ enum Storage {
     Mapped { _mappings: Vec<VmmMapping> },
 }
 
+/// What a multi-process heap is asked for: the bytes of each rank's slice and a digest of the
+/// layout the rank's layer will give them (`Exchange::heap_request`), which every rank must
+/// share. A `layout` of 0 states none: then only the bytes are compared across ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeapRequest {
+    /// Bytes of each rank's slice (rounded up to the mapping granularity when allocated).
+    pub bytes_per_rank: u64,
+    /// A digest of the layout (never 0 when stated).
+    pub layout: u64,
+}
+
+impl HeapRequest {
+    /// `bytes_per_rank` with the layout that `description` names (any text that differs
+    /// whenever the layout does): its 64-bit FNV-1a digest, 0 moved to 1.
+    pub fn described(bytes_per_rank: u64, description: &str) -> Self {
+        Self { bytes_per_rank, layout: id_file::digest(description).max(1) }
+    }
+}
+
 /// P identically laid-out slices and the peer table.
 pub struct SymmetricHeap {
     bytes_per_rank: u64,
+    /// The layout every rank's heap was asked for ([`HeapRequest::layout`]; 0: none stated).
+    layout: u64,
     bases: Vec<u64>,
     local_ranks: Vec<usize>,
     /// The handles the heap was built with, which run kernels on it: a layer must use one
@@ -85,6 +106,7 @@ impl SymmetricHeap {
         let base = buffer.device_ptr();
         Ok(Self {
             bytes_per_rank: stride,
+            layout: 0,
             bases: (0..world as u64).map(|r| base + r * stride).collect(),
             local_ranks: (0..world).collect(),
             gpus: vec![gpu.handle()],
@@ -126,6 +148,7 @@ impl SymmetricHeap {
         }
         Ok(Self {
             bytes_per_rank: bytes,
+            layout: 0,
             bases: mappings.iter().map(VmmMapping::device_ptr).collect(),
             local_ranks: (0..ordinals.len()).collect(),
             gpus: gpus.iter().map(|gpu| gpu.handle()).collect(),
@@ -133,15 +156,16 @@ impl SymmetricHeap {
         })
     }
 
-    /// (c) One process per GPU: allocates this rank's slice on `gpu` (device `ordinal`),
-    /// exports it as `kind`, exchanges the records with `all_gather` (this rank's bytes in, every
-    /// rank's bytes in rank order out: `bootstrap::NcclBootstrap::all_gather_bytes` (feature `nccl`) with the
-    /// `nccl` feature) and imports every peer's slice.
+    /// (c) One process per GPU: allocates this rank's slice of `request.bytes_per_rank` on `gpu`
+    /// (device `ordinal`), exports it as `kind`, exchanges the records with `all_gather` (this
+    /// rank's bytes in, every rank's bytes in rank order out: `bootstrap::NcclBootstrap::all_gather_bytes`
+    /// with the `nccl` feature) and imports every peer's slice. Ranks whose requests differ (in
+    /// bytes or layout) are refused, on every rank.
     pub fn multi_process(
         gpu: &Gpu,
         env: &LaunchEnv,
         ordinal: i32,
-        bytes_per_rank: u64,
+        request: HeapRequest,
         kind: ShareableKind,
         all_gather: &mut dyn FnMut(&[u8]) -> Result<Vec<u8>>,
     ) -> Result<Self> {
@@ -158,6 +182,7 @@ impl SymmetricHeap {
                 problem: "a heap shared between processes needs a POSIX-fd or fabric handle".into(),
             });
         }
+        let bytes_per_rank = request.bytes_per_rank;
         let own = VmmMapping::allocate(ordinal, bytes_per_rank as usize, kind, &[ordinal])?;
         // SAFETY: the mapping is `bytes()` long and this GPU may access it.
         unsafe { gpu.fill_device_bytes(own.device_ptr(), 0, own.bytes())? };
@@ -174,6 +199,7 @@ impl SymmetricHeap {
             space: handles::process_space(),
             bytes: own.bytes() as u64,
             requested: bytes_per_rank,
+            layout: request.layout,
             handle: exported.0,
         };
         let table = HandleRecord::decode_table(&all_gather(&record.to_bytes())?, env.world)?;
@@ -215,6 +241,7 @@ impl SymmetricHeap {
         drop(exported);
         Ok(Self {
             bytes_per_rank: table[0].bytes,
+            layout: request.layout,
             bases: mappings.iter().map(VmmMapping::device_ptr).collect(),
             local_ranks: vec![env.rank],
             gpus: vec![gpu.handle()],
@@ -230,6 +257,12 @@ impl SymmetricHeap {
     /// Bytes of each rank's slice.
     pub fn bytes_per_rank(&self) -> u64 {
         self.bytes_per_rank
+    }
+
+    /// The layout every rank's heap was asked for ([`HeapRequest::layout`]; 0: none stated, as
+    /// for heaps of one process).
+    pub fn layout(&self) -> u64 {
+        self.layout
     }
 
     /// Each rank's slice base as this process sees it (the kernels' peer table).
