@@ -46,7 +46,7 @@ use crate::symmetric::SymmetricHeap;
 use crate::unfused::{
     DeviceExperts, DeviceSharedExpert, ExpertBackward, ExpertCompute, ExpertsView, ROW_KERNEL_THREADS, RowGroups,
     SharedEnginePlans, SharedExpertView, TokensView, backward_pass_plans, forward_pass_plans, grid_stride_blocks,
-    nan_filled, shared_expert_forward, shared_expert_workspace,
+    named_view_addresses, nan_filled, shared_expert_forward, shared_expert_workspace,
 };
 use mok_kernels::megakernel_layout::PassInputs;
 
@@ -814,9 +814,7 @@ impl EpLayer {
         // A forward refused or failing part way leaves no pass a backward could read.
         self.forward_ran.set(false);
         self.check_weights(experts, shared)?;
-        let views = experts.iter().flat_map(|weights| weights.named_addresses());
-        let views: Vec<_> = views.chain(shared.iter().flat_map(|s| s.named_addresses())).collect();
-        self.placed.get_mut().require_here(gpu, &views)?;
+        self.placed.get_mut().require_here(gpu, &named_view_addresses(None, experts, shared))?;
         if self.megakernel.is_some() {
             self.forward_megakernel(gpu, experts, shared)?;
             self.forward_ran.set(true);
@@ -1099,9 +1097,7 @@ impl EpLayer {
             });
         }
         self.check_weights(experts, shared)?;
-        let views = experts.iter().flat_map(|weights| weights.named_addresses());
-        let views: Vec<_> = views.chain(shared.iter().flat_map(|s| s.named_addresses())).collect();
-        self.placed.get_mut().require_here(gpu, &views)?;
+        self.placed.get_mut().require_here(gpu, &named_view_addresses(None, experts, shared))?;
         if target.is_none() && self.ranks.iter().any(|state| state.dw[0].is_empty()) {
             // The first backward into the ranks' own gradients allocates them.
             let (h, i, l) = (self.config.hidden, self.config.intermediate, self.config.local_experts());

@@ -629,29 +629,6 @@ impl Drop for GpuTimer {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::{KernelImage, image_for};
-
-    #[test]
-    fn a_cubin_is_tried_only_on_its_exact_capability_and_only_when_built() {
-        let cubin = [1u8; 4];
-        let images = [
-            KernelImage { compute_capability: (9, 0), ptx: "hopper", cubin: &cubin },
-            KernelImage { compute_capability: (10, 0), ptx: "blackwell", cubin: &[] },
-        ];
-        let chosen = |cc| image_for(&images, cc).map(|(image, try_cubin)| (image.ptx, try_cubin));
-        assert_eq!(chosen((9, 0)), Some(("hopper", true)));
-        // Same major, other minor: nothing ("a" code runs on its own architecture only).
-        assert_eq!(chosen((9, 1)), None);
-        assert_eq!(chosen((10, 3)), None);
-        // No cubin built (a kernel build without ptxas): the PTX.
-        assert_eq!(chosen((10, 0)), Some(("blackwell", false)));
-        assert_eq!(chosen((8, 0)), None);
-        assert_eq!(chosen((12, 0)), None);
-    }
-}
-
 /// View addresses the driver reported on a layer's GPU (or could not place), so that steps over
 /// the same buffers ask it nothing. Up to 64 answers are kept (all forgotten when that fills);
 /// an address freed and given to another GPU's allocation is not asked about again while kept.
@@ -685,5 +662,28 @@ impl PlacedViews {
             self.addresses.push(address);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{KernelImage, image_for};
+
+    #[test]
+    fn a_cubin_is_tried_only_on_its_exact_capability_and_only_when_built() {
+        let cubin = [1u8; 4];
+        let images = [
+            KernelImage { compute_capability: (9, 0), ptx: "hopper", cubin: &cubin },
+            KernelImage { compute_capability: (10, 0), ptx: "blackwell", cubin: &[] },
+        ];
+        let chosen = |cc| image_for(&images, cc).map(|(image, try_cubin)| (image.ptx, try_cubin));
+        assert_eq!(chosen((9, 0)), Some(("hopper", true)));
+        // Same major, other minor: nothing ("a" code runs on its own architecture only).
+        assert_eq!(chosen((9, 1)), None);
+        assert_eq!(chosen((10, 3)), None);
+        // No cubin built (a kernel build without ptxas): the PTX.
+        assert_eq!(chosen((10, 0)), Some(("blackwell", false)));
+        assert_eq!(chosen((8, 0)), None);
+        assert_eq!(chosen((12, 0)), None);
     }
 }

@@ -1025,9 +1025,7 @@ impl UnfusedLayer {
         self.gpu.require_same_handle(gpu)?;
         // A forward that fails part way (or not at all) leaves no pass a backward could read.
         self.forward_ran = false;
-        let views = tokens.named_addresses().into_iter().chain(experts.named_addresses());
-        let views: Vec<_> = views.chain(shared.iter().flat_map(|s| s.named_addresses())).collect();
-        self.placed.require_here(gpu, &views)?;
+        self.placed.require_here(gpu, &named_view_addresses(Some(tokens), &[experts], shared))?;
         self.enqueue_forward(gpu, tokens, experts, shared)?;
         self.forward_ran = true;
         Ok(())
@@ -1235,9 +1233,9 @@ impl UnfusedLayer {
         }
         let t = self.check_inputs(tokens, experts, shared)?;
         // The forward's views again (kept: no driver call) and the backward's own.
-        let views = tokens.named_addresses().into_iter().chain(experts.named_addresses());
-        let views = views.chain(shared.iter().flat_map(|s| s.named_addresses())).chain([("dy", dy.device_ptr())]);
-        let views: Vec<_> = views.chain(target.view_addresses()).collect();
+        let mut views = named_view_addresses(Some(tokens), &[experts], shared);
+        views.push(("dy", dy.device_ptr()));
+        views.extend(target.view_addresses());
         self.placed.require_here(gpu, &views)?;
         if t != self.tokens {
             return Err(MokError::InvalidInput {

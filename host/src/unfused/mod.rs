@@ -26,6 +26,7 @@ pub use kernels::KERNEL_NAMES;
 pub(crate) use kernels::{RANK_CHUNK_THREADS, ROW_KERNEL_THREADS, grid_stride_blocks};
 pub(crate) use layer::nan_filled;
 pub use layer::{DeviceGrads, RoutedBackward, RoutingBuffers, UnfusedLayer, WeightGradTarget, WeightGradViews};
+pub(crate) use tensors::named_view_addresses;
 #[cfg(feature = "testing")]
 pub use tensors::random_bf16;
 pub use tensors::{DeviceExperts, DeviceSharedExpert, DeviceTokens, ExpertsView, SharedExpertView, TokensView};

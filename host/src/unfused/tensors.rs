@@ -149,6 +149,18 @@ impl<'a> From<&'a DeviceTokens> for TokensView<'a> {
     }
 }
 
+/// Every view's address with its name: the tokens' (if given), each rank's experts' and the
+/// shared expert's (if given).
+pub(crate) fn named_view_addresses(
+    tokens: Option<TokensView<'_>>,
+    experts: &[ExpertsView<'_>],
+    shared: Option<SharedExpertView<'_>>,
+) -> Vec<(&'static str, u64)> {
+    let tokens = tokens.iter().flat_map(|t| t.named_addresses());
+    let experts = experts.iter().flat_map(|e| e.named_addresses());
+    tokens.chain(experts).chain(shared.iter().flat_map(|s| s.named_addresses())).collect()
+}
+
 /// Borrowed views of the routed experts' weights (layout of [`DeviceExperts`]).
 #[derive(Clone, Copy)]
 pub struct ExpertsView<'a> {
