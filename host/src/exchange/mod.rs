@@ -162,13 +162,12 @@ impl Exchange {
     /// laid out differently.
     pub fn heap_request(config: &MoeConfig, options: &ExchangeOptions) -> Result<HeapRequest> {
         let shape = Self::shape_for(config, options)?;
-        let regions = HeapRegions::new(&shape);
-        Ok(HeapRequest::described(regions.bytes, &Self::layout_description(config, &shape, &regions)))
+        Ok(Self::request_for(config, &shape, &HeapRegions::new(&shape)))
     }
 
-    /// The text [`Self::heap_request`] digests.
-    fn layout_description(config: &MoeConfig, shape: &ExchangeShape, regions: &HeapRegions) -> String {
-        format!("{config:?}|{shape:?}|{regions:?}")
+    /// [`Self::heap_request`] from the shape and regions worked out of `config`.
+    fn request_for(config: &MoeConfig, shape: &ExchangeShape, regions: &HeapRegions) -> HeapRequest {
+        HeapRequest::described(regions.bytes, &format!("{config:?}|{shape:?}|{regions:?}"))
     }
 
     /// Virtual ranks: every rank of `config` in one heap on `gpu` (backend (a)).
@@ -195,7 +194,7 @@ impl Exchange {
                 ),
             });
         }
-        let asked = HeapRequest::described(regions.bytes, &Self::layout_description(config, &shape, &regions));
+        let asked = Self::request_for(config, &shape, &regions);
         if heap.layout() != 0 && heap.layout() != asked.layout {
             return Err(MokError::InvalidInput {
                 tensor: "symmetric heap",

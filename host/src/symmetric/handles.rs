@@ -213,18 +213,11 @@ mod tests {
 
     #[test]
     fn tables_check_order_and_sizes() {
-        let record = |rank, bytes| {
-            HandleRecord {
-                rank,
-                pid: 1,
-                space: 7,
-                bytes,
-                requested: 4000,
-                layout: 9,
-                handle: ExportedHandle::PosixFd(3),
-            }
-            .to_bytes()
+        let posix = |rank, bytes, requested, layout| {
+            HandleRecord { rank, pid: 1, space: 7, bytes, requested, layout, handle: ExportedHandle::PosixFd(3) }
+                .to_bytes()
         };
+        let record = |rank, bytes| posix(rank, bytes, 4000, 9);
         let table: Vec<u8> = [record(0, 4096), record(1, 4096)].concat();
         assert_eq!(HandleRecord::decode_table(&table, 2).unwrap().len(), 2);
         let swapped: Vec<u8> = [record(1, 4096), record(0, 4096)].concat();
@@ -232,34 +225,10 @@ mod tests {
         let sizes: Vec<u8> = [record(0, 4096), record(1, 8192)].concat();
         assert!(HandleRecord::decode_table(&sizes, 2).unwrap_err().to_string().contains("same heap"));
         // Equal slices asked for by layers of different configs (rounded up to the same size).
-        let asked = |rank, requested| {
-            HandleRecord {
-                rank,
-                pid: 1,
-                space: 7,
-                bytes: 4096,
-                requested,
-                layout: 9,
-                handle: ExportedHandle::PosixFd(3),
-            }
-            .to_bytes()
-        };
-        let configs: Vec<u8> = [asked(0, 4000), asked(1, 4040)].concat();
+        let configs: Vec<u8> = [posix(0, 4096, 4000, 9), posix(1, 4096, 4040, 9)].concat();
         assert!(HandleRecord::decode_table(&configs, 2).unwrap_err().to_string().contains("different configs"));
         // The same bytes asked for by layers that lay them out differently.
-        let laid_out = |rank, layout| {
-            HandleRecord {
-                rank,
-                pid: 1,
-                space: 7,
-                bytes: 4096,
-                requested: 4000,
-                layout,
-                handle: ExportedHandle::PosixFd(3),
-            }
-            .to_bytes()
-        };
-        let layouts: Vec<u8> = [laid_out(0, 9), laid_out(1, 10)].concat();
+        let layouts: Vec<u8> = [posix(0, 4096, 4000, 9), posix(1, 4096, 4000, 10)].concat();
         let refusal = HandleRecord::decode_table(&layouts, 2).unwrap_err().to_string();
         assert!(
             refusal.contains("rank 1's heap was asked for layout") && refusal.contains("different configs"),
