@@ -635,10 +635,10 @@ fn engine_matches_unfused_at_frontier_dimensions() {
     }
     // kimi's weights, their bf16 gradients and one f32 gradient take ~16 · E · I · H bytes (90 GB
     // at E = 384): on a GPU with less free memory (an 80 GB H100) halve E, keeping the frontier
-    // widths, and say so.
+    // widths and at least top_k = 8 experts, and say so.
     let (free, _) = gpu.memory_info().unwrap();
     let mut e = e_kimi;
-    while e > 8 && 16 * e * 2048 * 7168 > free / 10 * 9 {
+    while e >= 16 && 16 * e * 2048 * 7168 > free / 10 * 9 {
         e /= 2;
     }
     if e != e_kimi {
