@@ -636,15 +636,16 @@ fn engine_matches_unfused_at_frontier_dimensions() {
     // kimi's weights, their bf16 gradients and one f32 gradient take ~16 · E · I · H bytes (90 GB
     // at E = 384): on a GPU with less free memory (an 80 GB H100) halve E, keeping the frontier
     // widths and at least top_k = 8 experts, and say so.
+    let (h, i) = (7168, 2048);
     let (free, _) = gpu.memory_info().unwrap();
     let mut e = e_kimi;
-    while e >= 16 && 16 * e * 2048 * 7168 > free / 10 * 9 {
+    while e >= 16 && 16 * e * i * h > free / 10 * 9 {
         e /= 2;
     }
     if e != e_kimi {
         println!("  kimi with E = {e}, not {e_kimi}: {} GiB of device memory free", free >> 30);
     }
-    let s = setup(&gpu, MoeConfig::new(t_kimi, 7168, 2048, e, 8), 54, PLAIN_ROUTING);
+    let s = setup(&gpu, MoeConfig::new(t_kimi, h, i, e, 8), 54, PLAIN_ROUTING);
     check_engine_against_unfused(&gpu, &s);
 }
 
