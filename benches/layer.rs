@@ -12,7 +12,8 @@
 //! rows is written; `-gathering-forward`: the gate/up alone, the backward writing the copy for
 //! its weight gradients), `megakernel` (the forward as one
 //! persistent launch over the engine, with its default comm blocks), `megakernel:N` (N comm
-//! blocks) and `megakernels[:N]` (the forward and the backward megakernels); `megakernel[s][:N]-gathering`
+//! blocks) and `megakernels[:N]` (the forward and the backward megakernels; `megakernels:F/B`: F
+//! comm blocks in the forward, B in the backward); `megakernel[s][:N]-gathering`
 //! has the forward megakernel's gate/up gather its rows in its producers too, and the weight
 //! gradients theirs (the engine path's, or the backward megakernel's tiles), and
 //! `-gathering-forward` the gate/up alone (one GPU; the forward megakernel's dispatch, by comm
@@ -84,9 +85,8 @@ enum Backend {
     /// The forward megakernel with this many comm blocks (`None`: its default).
     Megakernel(Option<u32>, Gather),
     /// The forward and the backward megakernels (one GPU, every virtual rank in one launch, or
-    /// across processes the process's rank),
-    /// with this many comm blocks each (per rank over ranks).
-    Megakernels(Option<u32>, Gather),
+    /// across processes the process's rank), with these comm blocks (per rank over ranks).
+    Megakernels(PassCommBlocks, Gather),
 }
 
 /// Which producers gather the token rows from x (`UnfusedLayer::set_gather_in_producers`; one
@@ -112,16 +112,14 @@ impl Backend {
             "mma" if gathering == Gather::None => Backend::Mma,
             "engine" => Backend::Engine(gathering),
             "megakernel" => Backend::Megakernel(None, gathering),
-            "megakernels" => Backend::Megakernels(None, gathering),
+            "megakernels" => Backend::Megakernels(PassCommBlocks::default(), gathering),
             other => match (other.strip_prefix("megakernel:"), other.strip_prefix("megakernels:")) {
                 (Some(n), _) => {
                     Backend::Megakernel(Some(n.parse().context("megakernel:N takes a comm block count")?), gathering)
                 }
-                (_, Some(n)) => {
-                    Backend::Megakernels(Some(n.parse().context("megakernels:N takes a comm block count")?), gathering)
-                }
+                (_, Some(counts)) => Backend::Megakernels(PassCommBlocks::parse(counts)?, gathering),
                 _ => bail!(
-                    "--gemm takes mma, engine, megakernel[:N] or megakernels[:N], the last three also with \
+                    "--gemm takes mma, engine, megakernel[:N] or megakernels[:N or :F/B], the last three also with \
                      -gathering or -gathering-forward, not {text}"
                 ),
             },
@@ -133,19 +131,23 @@ impl Backend {
             Backend::Mma => "mma".into(),
             Backend::Engine(gathering) => format!("engine{}", gathering.suffix()),
             Backend::Megakernel(comm_blocks, gathering) => mega_name("megakernel", comm_blocks, gathering),
-            Backend::Megakernels(comm_blocks, gathering) => mega_name("megakernels", comm_blocks, gathering),
+            Backend::Megakernels(counts, gathering) => format!("megakernels{}{}", counts.suffix(), gathering.suffix()),
         }
     }
 
     fn apply(self, gpu: &Gpu, layer: &mut UnfusedLayer) -> Result<()> {
         layer.set_gemm_engine(gpu, self != Backend::Mma)?;
         let gathering = self.gathering();
-        if let Backend::Megakernel(comm_blocks, _) | Backend::Megakernels(comm_blocks, _) = self {
-            let options = MegakernelOptions { comm_blocks, ..MegakernelOptions::default() };
-            layer.set_forward_megakernel(gpu, Some(options.clone()))?;
-            if matches!(self, Backend::Megakernels(..)) {
-                layer.set_backward_megakernel(gpu, Some(options))?;
+        match self {
+            Backend::Megakernel(comm_blocks, _) => {
+                layer.set_forward_megakernel(gpu, Some(MegakernelOptions { comm_blocks, ..Default::default() }))?
             }
+            Backend::Megakernels(counts, _) => {
+                let options = |comm_blocks| Some(MegakernelOptions { comm_blocks, ..Default::default() });
+                layer.set_forward_megakernel(gpu, options(counts.forward))?;
+                layer.set_backward_megakernel(gpu, options(counts.backward))?;
+            }
+            Backend::Mma | Backend::Engine(_) => {}
         }
         layer.set_gather_in_producers(gpu, gathering != Gather::None, gathering == Gather::Both)?;
         Ok(())
@@ -174,6 +176,43 @@ impl Gather {
             Gather::None => "",
             Gather::Forward => "-gathering-forward",
             Gather::Both => "-gathering",
+        }
+    }
+}
+
+/// The comm blocks of each megakernel pass (`None`: the pass's default).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+struct PassCommBlocks {
+    forward: Option<u32>,
+    backward: Option<u32>,
+}
+
+impl PassCommBlocks {
+    /// `N` (both passes) or `F/B`.
+    fn parse(text: &str) -> Result<Self> {
+        let count = |n: &str| -> Result<Option<u32>> {
+            Ok(Some(n.parse().with_context(|| format!("megakernels:{text}: {n} is not a comm block count"))?))
+        };
+        Ok(match text.split_once('/') {
+            Some((forward, backward)) => Self { forward: count(forward)?, backward: count(backward)? },
+            None => Self { forward: count(text)?, backward: count(text)? },
+        })
+    }
+
+    /// The one count both passes use, if they use one.
+    fn both(self) -> Option<Option<u32>> {
+        (self.forward == self.backward).then_some(self.forward)
+    }
+
+    /// The backend name's `:N` or `:F/B`.
+    fn suffix(self) -> String {
+        match (self.both(), self.forward, self.backward) {
+            (Some(None), ..) => String::new(),
+            (Some(Some(n)), ..) => format!(":{n}"),
+            (None, forward, backward) => {
+                let count = |n: Option<u32>| n.map_or("default".to_string(), |n| n.to_string());
+                format!(":{}/{}", count(forward), count(backward))
+            }
         }
     }
 }
@@ -444,10 +483,10 @@ fn bench_case_ep(
             gpu,
             Some(MegakernelOptions { comm_blocks, share_rank_tiles, ..Default::default() }),
         )?,
-        Backend::Megakernels(comm_blocks, _) => {
-            let options = MegakernelOptions { comm_blocks, share_rank_tiles, ..Default::default() };
-            layer.set_forward_megakernel(gpu, Some(options.clone()))?;
-            layer.set_backward_megakernel(gpu, Some(options))?;
+        Backend::Megakernels(counts, _) => {
+            let options = |comm_blocks| Some(MegakernelOptions { comm_blocks, share_rank_tiles, ..Default::default() });
+            layer.set_forward_megakernel(gpu, options(counts.forward))?;
+            layer.set_backward_megakernel(gpu, options(counts.backward))?;
         }
         Backend::Engine(_) => {
             bail!("--ranks {ranks} runs mma (separate launches), megakernel[:N] or megakernels[:N], not the engine")
@@ -679,11 +718,19 @@ fn bench_case_processes(
         },
         // `MoeLayer::with_heap` runs both passes as megakernels hosting the process's rank.
         _ if backend.gathers() => bail!("across ranks the rows are pulled, not gathered"),
-        Backend::Megakernel(comm_blocks, _) | Backend::Megakernels(comm_blocks, _) => LayerOptions {
-            backend: Some(LayerBackend::Megakernel),
-            megakernel: MegakernelOptions { comm_blocks, timeout, ..Default::default() },
-            ..Default::default()
-        },
+        Backend::Megakernels(counts, _) if counts.both().is_none() => {
+            bail!(
+                "across processes both passes take one comm block count (`MoeLayer`'s options), not {}",
+                backend.name()
+            )
+        }
+        Backend::Megakernel(comm_blocks, _) | Backend::Megakernels(PassCommBlocks { forward: comm_blocks, .. }, _) => {
+            LayerOptions {
+                backend: Some(LayerBackend::Megakernel),
+                megakernel: MegakernelOptions { comm_blocks, timeout, ..Default::default() },
+                ..Default::default()
+            }
+        }
         Backend::Engine(_) => {
             bail!("across ranks the layer runs mma or the megakernels, not the engine")
         }
