@@ -65,8 +65,10 @@ impl Default for MegakernelOptions {
 }
 
 /// The comm blocks used when the options name none: 0, every block dispatches, computes and
-/// combines (on one GPU measured fastest of 0, 2, 4, 8 and 16 comm blocks on the frontier
-/// shapes, docs/PERF.md; across ranks the same default, not yet swept).
+/// combines. On one GPU the forward measured fastest with 0 of 0, 2, 4, 8 and 16 comm blocks on
+/// the frontier shapes; the backward too on kimi and glm, while qwen's ran 4–10 % faster with
+/// 4 or 8 (its large dx combine then runs under the weight gradients, docs/PERF.md); across
+/// ranks 4 per rank in both passes measured slower than 0.
 pub const DEFAULT_COMM_BLOCKS: u32 = 0;
 
 /// Faults a test can inject into the next passes of one rank (feature `testing`; set per pass:
