@@ -39,7 +39,7 @@ pub struct BenchArgs {
 
 /// The frontier shapes the layer bench knows.
 const SHAPES: [&str; 4] = ["kimi", "glm", "qwen", "deepseek"];
-/// The backends the layer bench knows (`megakernel:N` and `megakernels:N` too; `megakernels`:
+/// The backends the layer bench knows (`megakernel:N`, `megakernels:N` and `megakernels:F/B` too; `megakernels`:
 /// the forward and the backward megakernels, on one GPU, over virtual ranks or across processes,
 /// where `megakernel` runs both too). All but `mma` also take a `-gathering` suffix: the token
 /// rows gathered in the gate/up's and the weight gradients' producers, or `-gathering-forward`:
@@ -70,12 +70,14 @@ impl BenchArgs {
             let base = name.split(':').next().unwrap_or_default();
             let count_ok = match name.split_once(':') {
                 None => true,
-                Some(("megakernel" | "megakernels", n)) => n.parse::<u32>().is_ok(),
+                Some(("megakernel", n)) => n.parse::<u32>().is_ok(),
+                // `F/B`: the forward's and the backward's comm blocks apart.
+                Some(("megakernels", n)) => n.split('/').count() <= 2 && n.split('/').all(|n| n.parse::<u32>().is_ok()),
                 Some(_) => false,
             };
             if !BACKENDS.contains(&base) || !count_ok || (gathering && base == "mma") {
                 bail!(
-                    "--backends: unknown backend {backend:?} (known: mma, engine, megakernel[:N], megakernels[:N]; \
+                    "--backends: unknown backend {backend:?} (known: mma, engine, megakernel[:N], megakernels[:N or :F/B]; \
                      the last three also with -gathering or -gathering-forward)"
                 );
             }
@@ -672,8 +674,13 @@ mod tests {
             .contains("at least an even split")
         );
         assert!(bad(|a| a.backends = vec!["megakernels:".into()]).contains("unknown backend"));
+        for wrong in ["megakernel:0/4", "megakernels:0/", "megakernels:0/4/8", "megakernels:/4"] {
+            let mut a = args();
+            a.backends = vec![wrong.into()];
+            assert!(a.cases().unwrap_err().to_string().contains("unknown backend"), "{wrong}");
+        }
         let mut both = args();
-        both.backends = vec!["megakernels".into(), "megakernels:4".into()];
+        both.backends = vec!["megakernels".into(), "megakernels:4".into(), "megakernels:0/4".into()];
         assert!(both.cases().is_ok());
         assert!(bad(|a| a.tokens = vec![]).contains("at least one value"));
         assert!(

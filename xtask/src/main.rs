@@ -89,7 +89,8 @@ enum Task {
         #[arg(long, value_delimiter = ',', default_value = "8192")]
         tokens: Vec<usize>,
         /// Backends: mma, engine, megakernel, megakernel:N (N comm blocks), megakernels[:N] (the
-        /// forward and the backward megakernels, on one GPU or over virtual ranks); engine,
+        /// forward and the backward megakernels, on one GPU or over virtual ranks;
+        /// megakernels:F/B: F comm blocks in the forward, B in the backward); engine,
         /// megakernel[:N] and megakernels[:N] also with a `-gathering` suffix (the token rows
         /// gathered in the gate/up's and the weight gradients' producers, one GPU) or
         /// `-gathering-forward` (in the gate/up's alone).
