@@ -86,7 +86,7 @@ enum Backend {
     Megakernel(Option<u32>, Gather),
     /// The forward and the backward megakernels (one GPU, every virtual rank in one launch, or
     /// across processes the process's rank), with these comm blocks (per rank over ranks).
-    Megakernels(PassCommBlocks, Gather),
+    Megakernels(Option<PassCommBlocks>, Gather),
 }
 
 /// Which producers gather the token rows from x (`UnfusedLayer::set_gather_in_producers`; one
@@ -112,12 +112,12 @@ impl Backend {
             "mma" if gathering == Gather::None => Backend::Mma,
             "engine" => Backend::Engine(gathering),
             "megakernel" => Backend::Megakernel(None, gathering),
-            "megakernels" => Backend::Megakernels(PassCommBlocks::default(), gathering),
+            "megakernels" => Backend::Megakernels(None, gathering),
             other => match (other.strip_prefix("megakernel:"), other.strip_prefix("megakernels:")) {
                 (Some(n), _) => {
                     Backend::Megakernel(Some(n.parse().context("megakernel:N takes a comm block count")?), gathering)
                 }
-                (_, Some(counts)) => Backend::Megakernels(PassCommBlocks::parse(counts)?, gathering),
+                (_, Some(counts)) => Backend::Megakernels(Some(PassCommBlocks::parse(counts)?), gathering),
                 _ => bail!(
                     "--gemm takes mma, engine, megakernel[:N] or megakernels[:N or :F/B], the last three also with \
                      -gathering or -gathering-forward, not {text}"
@@ -131,7 +131,9 @@ impl Backend {
             Backend::Mma => "mma".into(),
             Backend::Engine(gathering) => format!("engine{}", gathering.suffix()),
             Backend::Megakernel(comm_blocks, gathering) => mega_name("megakernel", comm_blocks, gathering),
-            Backend::Megakernels(counts, gathering) => format!("megakernels{}{}", counts.suffix(), gathering.suffix()),
+            Backend::Megakernels(counts, gathering) => {
+                format!("megakernels{}{}", counts.map_or(String::new(), PassCommBlocks::suffix), gathering.suffix())
+            }
         }
     }
 
@@ -144,8 +146,8 @@ impl Backend {
             }
             Backend::Megakernels(counts, _) => {
                 let options = |comm_blocks| Some(MegakernelOptions { comm_blocks, ..Default::default() });
-                layer.set_forward_megakernel(gpu, options(counts.forward))?;
-                layer.set_backward_megakernel(gpu, options(counts.backward))?;
+                layer.set_forward_megakernel(gpu, options(counts.map(|c| c.forward)))?;
+                layer.set_backward_megakernel(gpu, options(counts.map(|c| c.backward)))?;
             }
             Backend::Mma | Backend::Engine(_) => {}
         }
@@ -180,39 +182,29 @@ impl Gather {
     }
 }
 
-/// The comm blocks of each megakernel pass (`None`: the pass's default).
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+/// The comm blocks of the two megakernel passes (a backend without them: each pass's default).
+#[derive(Clone, Copy, Debug, PartialEq)]
 struct PassCommBlocks {
-    forward: Option<u32>,
-    backward: Option<u32>,
+    forward: u32,
+    backward: u32,
 }
 
 impl PassCommBlocks {
     /// `N` (both passes) or `F/B`.
     fn parse(text: &str) -> Result<Self> {
-        let count = |n: &str| -> Result<Option<u32>> {
-            Ok(Some(n.parse().with_context(|| format!("megakernels:{text}: {n} is not a comm block count"))?))
+        let count = |n: &str| -> Result<u32> {
+            n.parse().with_context(|| format!("megakernels:{text}: {n} is not a comm block count"))
         };
-        Ok(match text.split_once('/') {
-            Some((forward, backward)) => Self { forward: count(forward)?, backward: count(backward)? },
-            None => Self { forward: count(text)?, backward: count(text)? },
-        })
-    }
-
-    /// The one count both passes use, if they use one.
-    fn both(self) -> Option<Option<u32>> {
-        (self.forward == self.backward).then_some(self.forward)
+        let (forward, backward) = text.split_once('/').unwrap_or((text, text));
+        Ok(Self { forward: count(forward)?, backward: count(backward)? })
     }
 
     /// The backend name's `:N` or `:F/B`.
     fn suffix(self) -> String {
-        match (self.both(), self.forward, self.backward) {
-            (Some(None), ..) => String::new(),
-            (Some(Some(n)), ..) => format!(":{n}"),
-            (None, forward, backward) => {
-                let count = |n: Option<u32>| n.map_or("default".to_string(), |n| n.to_string());
-                format!(":{}/{}", count(forward), count(backward))
-            }
+        if self.forward == self.backward {
+            format!(":{}", self.forward)
+        } else {
+            format!(":{}/{}", self.forward, self.backward)
         }
     }
 }
@@ -485,8 +477,8 @@ fn bench_case_ep(
         )?,
         Backend::Megakernels(counts, _) => {
             let options = |comm_blocks| Some(MegakernelOptions { comm_blocks, share_rank_tiles, ..Default::default() });
-            layer.set_forward_megakernel(gpu, options(counts.forward))?;
-            layer.set_backward_megakernel(gpu, options(counts.backward))?;
+            layer.set_forward_megakernel(gpu, options(counts.map(|c| c.forward)))?;
+            layer.set_backward_megakernel(gpu, options(counts.map(|c| c.backward)))?;
         }
         Backend::Engine(_) => {
             bail!("--ranks {ranks} runs mma (separate launches), megakernel[:N] or megakernels[:N], not the engine")
@@ -710,6 +702,11 @@ fn bench_case_processes(
     // The layer's waits (processes sharing one GPU take turns on it, and a peer's publish can
     // take seconds).
     let timeout = bench_wait(MegakernelOptions::default().timeout)?;
+    let megakernels = |comm_blocks| LayerOptions {
+        backend: Some(LayerBackend::Megakernel),
+        megakernel: MegakernelOptions { comm_blocks, timeout, ..Default::default() },
+        ..Default::default()
+    };
     let options = match backend {
         Backend::Mma => LayerOptions {
             backend: Some(LayerBackend::MmaSync),
@@ -718,19 +715,14 @@ fn bench_case_processes(
         },
         // `MoeLayer::with_heap` runs both passes as megakernels hosting the process's rank.
         _ if backend.gathers() => bail!("across ranks the rows are pulled, not gathered"),
-        Backend::Megakernels(counts, _) if counts.both().is_none() => {
+        Backend::Megakernels(Some(counts), _) if counts.forward != counts.backward => {
             bail!(
                 "across processes both passes take one comm block count (`MoeLayer`'s options), not {}",
                 backend.name()
             )
         }
-        Backend::Megakernel(comm_blocks, _) | Backend::Megakernels(PassCommBlocks { forward: comm_blocks, .. }, _) => {
-            LayerOptions {
-                backend: Some(LayerBackend::Megakernel),
-                megakernel: MegakernelOptions { comm_blocks, timeout, ..Default::default() },
-                ..Default::default()
-            }
-        }
+        Backend::Megakernel(comm_blocks, _) => megakernels(comm_blocks),
+        Backend::Megakernels(counts, _) => megakernels(counts.map(|c| c.forward)),
         Backend::Engine(_) => {
             bail!("across ranks the layer runs mma or the megakernels, not the engine")
         }
