@@ -1417,9 +1417,10 @@ pub(crate) mod work_order_model {
     mod backward {
         //! The backward (one GPU): comm blocks and the compute blocks' spare producer warps (an
         //! agent each, three per block) take gather tiles, the spare warps then SwiGLU-backward
-        //! chunks; compute blocks take down-dgrad tiles, SwiGLU-backward chunks, gate/up-dgrad
-        //! tiles, then their own fixed-stride share of each of the three
-        //! weight gradients' tiles, then combine tokens. A down-dgrad tile waits on its M
+        //! chunks and then combine tokens; compute blocks take down-dgrad tiles, SwiGLU-backward
+        //! chunks, gate/up-dgrad tiles, then their own fixed-stride share of each of the three
+        //! weight gradients' tiles, then meet their pair's spare warps at the cluster barrier,
+        //! then combine tokens. A down-dgrad tile waits on its M
         //! tile's gather, a SwiGLU chunk on its M tile's down-dgrad parts, a gate/up-dgrad tile
         //! on its M tile's SwiGLU chunks, the down weight gradient of expert g on every gather of
         //! g, the gate and up weight gradients on every SwiGLU chunk of g, a combine token on
@@ -1430,8 +1431,8 @@ pub(crate) mod work_order_model {
         //! also waits on its shared M tile. When the routed gate and up weight gradients gather
         //! their rows in the producers (one GPU, `gather_in_producer`), all four producer warps
         //! produce their stages: a block's spare warps join once their gather and SwiGLU queues
-        //! are spent (a last unit each), and its gate and up weight-gradient tiles also wait for
-        //! all three to have joined.
+        //! are spent (a unit each, instead of the combine), and its gate and up weight-gradient
+        //! tiles also wait for all three to have joined.
 
         use super::*;
 
@@ -1455,6 +1456,10 @@ pub(crate) mod work_order_model {
         const COMBINE: usize = 14;
         /// A spare warp's join of its block's gathering (one unit per warp).
         const JOIN: usize = 15;
+        /// The final cluster barrier: a spare warp's arrival (its last unit), a compute block's
+        /// arrival and wait (before its consumers' combine).
+        const SPARE_LEAVES: usize = 16;
+        const BARRIER: usize = 17;
         const ROUTED: usize = 0;
         const SHARED: usize = 1;
 
@@ -1470,6 +1475,10 @@ pub(crate) mod work_order_model {
             Combine(usize),
             /// A spare warp of (compute block) joining its gathering.
             Join(usize),
+            /// A spare warp of (compute block) arriving at the final cluster barrier.
+            SpareLeaves(usize),
+            /// (Compute block) at the final cluster barrier: its pair's blocks and spare warps.
+            Barrier(usize),
         }
 
         /// One expert set's counters.
@@ -1522,6 +1531,10 @@ pub(crate) mod work_order_model {
             /// waits for its block's spare warps), and per compute block the spare warps joined.
             gathering: bool,
             joined: Vec<usize>,
+            /// Per compute block: its spare warps at the final cluster barrier, and whether its
+            /// consumers arrived there.
+            left: Vec<usize>,
+            arrived: Vec<bool>,
         }
 
         impl World for Backward {
@@ -1535,6 +1548,20 @@ pub(crate) mod work_order_model {
                     }
                     who.taken[q] = 1;
                     return Some(Unit::Join(who.compute.0));
+                }
+                if q == SPARE_LEAVES || q == BARRIER {
+                    // Once per agent, its last unit before any combine; a block arrives as it
+                    // takes it.
+                    if who.taken[q] > 0 {
+                        return None;
+                    }
+                    who.taken[q] = 1;
+                    let block = who.compute.0;
+                    if q == SPARE_LEAVES {
+                        return Some(Unit::SpareLeaves(block));
+                    }
+                    self.arrived[block] = true;
+                    return Some(Unit::Barrier(block));
                 }
                 if q == COMBINE {
                     let i = self.next[q];
@@ -1578,7 +1605,11 @@ pub(crate) mod work_order_model {
                     (0..s.expert_of_tile.len()).filter(|&m| s.expert_of_tile[m] == g).all(done)
                 };
                 match unit {
-                    Unit::Gather(..) | Unit::Join(_) => true,
+                    Unit::Gather(..) | Unit::Join(_) | Unit::SpareLeaves(_) => true,
+                    Unit::Barrier(block) => {
+                        let pair = [block & !1, block | 1];
+                        pair.iter().all(|&b| self.arrived[b] && self.left[b] == 3)
+                    }
                     Unit::DownDgrad(set, m) => self.sets[set].gathered[m],
                     Unit::Swiglu(set, m) => self.sets[set].down_dgrad[m] == nd,
                     Unit::GateUpDgrad(set, m) => self.sets[set].swiglu[m] == nc,
@@ -1610,6 +1641,8 @@ pub(crate) mod work_order_model {
                     Unit::Wgrad(set, w, ..) => self.sets[set].wgrad_done[w] += 1,
                     Unit::Combine(_) => self.combined += 1,
                     Unit::Join(block) => self.joined[block] += 1,
+                    Unit::SpareLeaves(block) => self.left[block] += 1,
+                    Unit::Barrier(_) => {}
                 }
             }
 
@@ -1617,7 +1650,10 @@ pub(crate) mod work_order_model {
                 // A SwiGLU chunk runs on the consumers like a GEMM tile's epilogue, so the
                 // producer may already hold (and wait on) the next unit, a gate/up-dgrad tile
                 // after the last chunk, as in the kernel.
-                !matches!(unit, Unit::Gather(..) | Unit::Combine(_) | Unit::Join(_))
+                !matches!(
+                    unit,
+                    Unit::Gather(..) | Unit::Combine(_) | Unit::Join(_) | Unit::SpareLeaves(_) | Unit::Barrier(_)
+                )
             }
         }
 
@@ -1630,7 +1666,15 @@ pub(crate) mod work_order_model {
             let mut queues = vec![down_dgrad(SHARED), down_dgrad(ROUTED)];
             queues.extend([swiglu(SHARED), swiglu(ROUTED), gate_up_dgrad(SHARED), gate_up_dgrad(ROUTED)]);
             queues.extend((0..3).map(|w| wgrad(ROUTED, w)).chain((0..3).map(|w| wgrad(SHARED, w))));
-            queues.push(COMBINE);
+            queues.extend([BARRIER, COMBINE]);
+            queues
+        }
+
+        /// The queues of a compute block's spare producer warps: gather, SwiGLU chunks, then
+        /// the combine (or, gathering, the join), then the final cluster barrier.
+        fn spare_queues(gathering: bool) -> Vec<usize> {
+            let mut queues = vec![gather(SHARED), gather(ROUTED), swiglu(SHARED), swiglu(ROUTED)];
+            queues.extend([if gathering { JOIN } else { COMBINE }, SPARE_LEAVES]);
             queues
         }
 
@@ -1671,23 +1715,21 @@ pub(crate) mod work_order_model {
                     next: [0; 16],
                     gathering,
                     joined: vec![0; compute_blocks],
+                    left: vec![0; compute_blocks],
+                    arrived: vec![false; compute_blocks],
                 };
                 let mut agents: Vec<Agent<Unit>> = (0..comm_blocks)
                     .map(|_| Agent::new(Who::default(), vec![gather(SHARED), gather(ROUTED), COMBINE]))
                     .collect();
                 // Each block of a pair walks its own weight-gradient share: one agent per block;
-                // its producer warpgroup's three spare warps gather, then take SwiGLU chunks, on
-                // their own: three more.
+                // its producer warpgroup's three spare warps gather, take SwiGLU chunks and
+                // combine tokens, on their own: three more.
                 agents.extend(
                     (0..compute_blocks).map(|b| Agent::new(compute_block(b, compute_blocks), compute_queues())),
                 );
-                let mut spare_queues = vec![gather(SHARED), gather(ROUTED), swiglu(SHARED), swiglu(ROUTED)];
-                if gathering {
-                    spare_queues.push(JOIN);
-                }
                 agents.extend(
                     (0..3 * compute_blocks)
-                        .map(|w| Agent::new(compute_block(w / 3, compute_blocks), spare_queues.clone())),
+                        .map(|w| Agent::new(compute_block(w / 3, compute_blocks), spare_queues(gathering))),
                 );
                 let what = format!(
                     "case {case}: {comm_blocks} comm blocks and {pairs} pairs, {shared_tiles} shared tiles, gathering: \
@@ -1726,6 +1768,8 @@ pub(crate) mod work_order_model {
                 next: [0; 16],
                 gathering: false,
                 joined: vec![0; 1],
+                left: vec![0; 2],
+                arrived: vec![false; 2],
             };
             world.next[gather(ROUTED)] = 1;
             world
@@ -1762,13 +1806,13 @@ pub(crate) mod work_order_model {
         //! The backward across ranks in one launch: each rank's comm blocks and its compute
         //! blocks' spare producer warps (an agent each) take its gather tiles (the shared
         //! expert's first), the spare warps then its SwiGLU chunks (the shared expert's
-        //! first); its compute blocks take the shared expert's and then the routed down-dgrad
+        //! first) and then its combine tokens; its compute blocks take the shared expert's and then the routed down-dgrad
         //! tiles, their own rank's SwiGLU chunks, then the shared and the routed gate/up-dgrad
         //! tiles — from their own rank's queues, or, with the tiles shared across ranks, each
         //! data gradient from every rank's queue, rank after rank; then every compute block of
         //! the launch walks the routed weight-gradient tiles of every rank, product by product,
-        //! rank after rank (`weight_gradient_walk`, the kernel's own function); then it combines
-        //! its rank's tokens. A tile of rank q waits on rank q's counters; a combine token on the
+        //! rank after rank (`weight_gradient_walk`, the kernel's own function); then it meets
+        //! its pair's spare warps at the final cluster barrier and combines its rank's tokens. A tile of rank q waits on rank q's counters; a combine token on the
         //! gate/up-dgrad parts of its slots' M tiles on their owners (whose epilogues push the
         //! rows) and on its own rank's shared gate/up-dgrad tile. (The shared expert's weight
         //! gradients, on the rank's own blocks after the routed ones, are `backward`'s.)
@@ -1783,6 +1827,10 @@ pub(crate) mod work_order_model {
         const COMBINE: usize = 4;
         /// The shared expert's queues: its gather, down dgrad, SwiGLU chunks, gate/up dgrad.
         const SHARED: usize = 5;
+        /// The final cluster barrier: a spare warp's arrival (its last unit), a compute block's
+        /// arrival and wait (before its consumers' combine).
+        const SPARE_LEAVES: usize = 10;
+        const BARRIER: usize = 11;
         /// Queue of product `w`'s tiles of rank `q` (P ≤ 8).
         const fn wgrad(w: usize, q: usize, ranks: usize) -> usize {
             16 + w * ranks + q
@@ -1804,6 +1852,11 @@ pub(crate) mod work_order_model {
             Wgrad(usize, usize, usize),
             /// (rank, token)
             Combine(usize, usize),
+            /// A spare warp of (compute block, numbered across the launch) at the final cluster
+            /// barrier.
+            SpareLeaves(usize),
+            /// (Compute block) at the final cluster barrier: its pair's blocks and spare warps.
+            Barrier(usize),
         }
 
         /// One expert set's counters on one rank, per M tile: gathered; parts stored, SwiGLU
@@ -1848,6 +1901,10 @@ pub(crate) mod work_order_model {
             n_down_dgrad: usize,
             n_chunks: usize,
             n_gate_up_dgrad: usize,
+            /// Per compute block of the launch: its spare warps at the final cluster barrier,
+            /// and whether its consumers arrived there.
+            left: Vec<usize>,
+            arrived: Vec<bool>,
         }
 
         impl World for BackwardRanks {
@@ -1855,6 +1912,21 @@ pub(crate) mod work_order_model {
 
             fn take(&mut self, who: &mut Who, q: usize) -> Option<Unit> {
                 let p = self.ranks.len();
+                if q == SPARE_LEAVES || q == BARRIER {
+                    // Once per agent, its last unit before any combine; a block arrives as it
+                    // takes it. (Counted past the weight gradients' `taken` entries.)
+                    let taken = &mut who.taken[20 + q];
+                    if *taken > 0 {
+                        return None;
+                    }
+                    *taken = 1;
+                    let block = who.compute.0;
+                    if q == SPARE_LEAVES {
+                        return Some(Unit::SpareLeaves(block));
+                    }
+                    self.arrived[block] = true;
+                    return Some(Unit::Barrier(block));
+                }
                 if (16..64).contains(&q) {
                     let (w, list) = ((q - 16) / p, (q - 16) % p);
                     let (block, blocks) = who.compute;
@@ -1891,7 +1963,11 @@ pub(crate) mod work_order_model {
             fn ready(&self, unit: Unit) -> bool {
                 let (nd, nc, ng) = (self.n_down_dgrad, self.n_chunks, self.n_gate_up_dgrad);
                 match unit {
-                    Unit::Gather(..) => true,
+                    Unit::Gather(..) | Unit::SpareLeaves(_) => true,
+                    Unit::Barrier(block) => {
+                        let pair = [block & !1, block | 1];
+                        pair.iter().all(|&b| self.arrived[b] && self.left[b] == 3)
+                    }
                     Unit::DownDgrad(r, set, m) => self.ranks[r].sets[set].gathered[m],
                     Unit::Swiglu(r, set, m) => self.ranks[r].sets[set].down_dgrad[m] == nd,
                     Unit::GateUpDgrad(r, set, m) => self.ranks[r].sets[set].swiglu[m] == nc,
@@ -1921,6 +1997,8 @@ pub(crate) mod work_order_model {
                     Unit::GateUpDgrad(r, set, m) => self.ranks[r].sets[set].gate_up_dgrad[m] += 1,
                     Unit::Wgrad(r, w, _) => self.ranks[r].wgrad_done[w] += 1,
                     Unit::Combine(r, _) => self.ranks[r].combined += 1,
+                    Unit::SpareLeaves(block) => self.left[block] += 1,
+                    Unit::Barrier(_) => {}
                 }
             }
 
@@ -1980,12 +2058,15 @@ pub(crate) mod work_order_model {
                     n_down_dgrad: 1 + rng.below(3),
                     n_chunks: 1 + rng.below(3),
                     n_gate_up_dgrad: 1 + rng.below(3),
+                    left: Vec::new(),
+                    arrived: Vec::new(),
                 };
                 // The same comm blocks and 1 to 3 pairs per rank; compute blocks numbered
                 // across the launch, rank by rank (the kernel's `weight_tile_walk`).
                 let comm_blocks = rng.below(3);
                 let pairs: Vec<usize> = (0..ranks).map(|_| 1 + rng.below(3)).collect();
                 let launch_compute: usize = pairs.iter().map(|p| 2 * p).sum();
+                (world.left, world.arrived) = (vec![0; launch_compute], vec![false; launch_compute]);
                 // A data gradient's queues: the own rank's, or every rank's in turn.
                 let walk = |q: usize| if share_tiles { (0..ranks).map(|r| of_rank(q, r)).collect() } else { vec![q] };
                 let mut compute_queues = walk(SHARED + DOWN_DGRAD);
@@ -1997,7 +2078,7 @@ pub(crate) mod work_order_model {
                 for w in 0..3 {
                     compute_queues.extend((0..ranks).map(|q| wgrad(w, q, ranks)));
                 }
-                compute_queues.push(COMBINE);
+                compute_queues.extend([BARRIER, COMBINE]);
                 let mut agents = Vec::new();
                 let mut index = 0;
                 for (rank, &p) in pairs.iter().enumerate() {
@@ -2006,9 +2087,9 @@ pub(crate) mod work_order_model {
                     for _ in 0..2 * p {
                         let who = Who { rank, compute: (index, launch_compute), ..Who::default() };
                         agents.push(Agent::new(who, compute_queues.clone()));
-                        // The block's three spare producer warps: the rank's gather, then its
-                        // SwiGLU chunks (the shared expert's first).
-                        let spare = vec![SHARED + GATHER, GATHER, SHARED + SWIGLU, SWIGLU];
+                        // The block's three spare producer warps: the rank's gather, its SwiGLU
+                        // chunks (the shared expert's first), then its combine.
+                        let spare = vec![SHARED + GATHER, GATHER, SHARED + SWIGLU, SWIGLU, COMBINE, SPARE_LEAVES];
                         agents.extend((0..3).map(|_| Agent::new(who, spare.clone())));
                         index += 1;
                     }

@@ -6,14 +6,16 @@
 //! 16-row chunks of the M tiles from one queue, each chunk counted; the same warp also reduces
 //! the slot-weight gradient `⟨dy[t], out[row]⟩` of each row it gathers): every warp of blocks
 //! `0 .. comm_blocks`, which then only run the [`combine_dx`], and the three spare warps of
-//! each compute block's producer warpgroup, which then take SwiGLU chunks. The blocks from the
-//! next whole pair on are the compute role, in 2-block clusters: from the start of the launch,
-//! the down projection's data gradient (d_hidden), the SwiGLU
-//! backward ([`swiglu_backward_chunks`]: d_gate, d_up), the gate/up data gradient (dx rows) and
-//! the three weight gradients, each as soon as what it reads is there (the engine's phases with
-//! [`BackwardHandover`] hooks), then their consumer warps join the combine. Work is taken in the
-//! order gather, down dgrad, SwiGLU chunks, gate/up dgrad, weight gradients, combine, so a wait
-//! is always on work a running block already holds (docs/ARCHITECTURE.md). Every result is the
+//! each compute block's producer warpgroup, which then take SwiGLU chunks and then combine
+//! tokens under the weight gradients. The blocks from the next whole pair on are the compute
+//! role, in 2-block clusters: from the start of the launch, the down projection's data gradient
+//! (d_hidden), the SwiGLU backward ([`swiglu_backward_chunks`]: d_gate, d_up), the gate/up data
+//! gradient (dx rows) and the three weight gradients, each as soon as what it reads is there
+//! (the engine's phases with [`BackwardHandover`] hooks), then their consumer warps join the
+//! combine. Each role takes its queues in the order gather, down dgrad, SwiGLU chunks, gate/up
+//! dgrad, weight gradients, combine, and nothing waits on the combine, so a wait is always on
+//! work that a running block holds or that warps which never wait on the waiter will take
+//! (docs/ARCHITECTURE.md). Every result is the
 //! engine path's bits: the same scaled copies, the same dot products in the same order, each
 //! GEMM tile the same K loop and the same epilogue arithmetic, the SwiGLU backward the same
 //! function of the same f32 values, each token's sum the same order.
@@ -230,8 +232,10 @@ pub unsafe fn swiglu_backward_chunks(b: &BackwardParams, pass: &PassInputs, spar
     }
 }
 
-/// The dx combine, by a whole warp (comm blocks after their gather, compute blocks' consumer
-/// warps after their GEMM phases): tokens taken one at a time from `combine_next`; each lane
+/// The dx combine, by a whole warp (comm blocks after their gather; in compute blocks the
+/// producer warpgroup's spare warps after their SwiGLU chunks, under the weight gradients'
+/// MMAs, and the consumer warps after their GEMM phases): tokens taken one at a time from
+/// `combine_next`; each lane
 /// waits (bounded, acquire) until each routed slot's row is there — on one GPU until the gate/up
 /// dgrad tile holding it is stored, across ranks until its `slot_ready` flag says every gate/up
 /// dgrad tile of its row has pushed its part from its epilogue
@@ -239,7 +243,8 @@ pub unsafe fn swiglu_backward_chunks(b: &BackwardParams, pass: &PassInputs, spar
 /// Σ_j d_in[row(t,j)])` with [`combine_quads`] (the shared term first, slots in order: the bits
 /// of `mok_combine_slots`). A dropped slot's d_topk_weight is written here, as 0; across ranks
 /// every routed slot's too, `⟨dy[t], combine_slots[t·k+j]⟩` (the forward's slot row, the bits of
-/// the one-GPU gather's dot product).
+/// the one-GPU gather's dot product). Each lane keeps `GROUPS` column groups of loads in flight
+/// (the spare warps' 72 registers hold one); the sums, and so the bits, do not depend on it.
 ///
 /// Across ranks a wait stops early when the owner's error record is set (the owner names the
 /// cause), and once this rank's own record is set its combine waits for nothing more.
@@ -247,7 +252,11 @@ pub unsafe fn swiglu_backward_chunks(b: &BackwardParams, pass: &PassInputs, spar
 /// # Safety
 /// As [`gather`]; all 32 lanes call it.
 #[inline(always)]
-pub unsafe fn combine_dx<const RANKS: bool>(b: &BackwardParams, pass: &PassInputs, view: Option<&RankView>) {
+pub unsafe fn combine_dx<const RANKS: bool, const GROUPS: usize>(
+    b: &BackwardParams,
+    pass: &PassInputs,
+    view: Option<&RankView>,
+) {
     if b.work & WORK_COMBINE == 0 {
         return;
     }
@@ -327,7 +336,7 @@ pub unsafe fn combine_dx<const RANKS: bool>(b: &BackwardParams, pass: &PassInput
             }
             let mut column = 4 * lane;
             while column < b.hidden {
-                combine_quads::<2>(
+                combine_quads::<GROUPS>(
                     slot_row,
                     core::ptr::null(),
                     // Across ranks the owners pushed the dx rows into this rank's slot buffer.
@@ -342,7 +351,7 @@ pub unsafe fn combine_dx<const RANKS: bool>(b: &BackwardParams, pass: &PassInput
                     b.hidden,
                     b.dx as *mut u16,
                 );
-                column += 2 * 4 * 32;
+                column += GROUPS as u32 * 4 * 32;
             }
         }
     }
@@ -377,7 +386,7 @@ pub unsafe fn backward<const RANKS: bool>(params: *const BackwardParams, pass: P
         // SAFETY: caller contract; every warp is whole.
         unsafe {
             gather::<RANKS>(b, &pass, view.as_ref());
-            combine_dx::<RANKS>(b, &pass, view.as_ref());
+            combine_dx::<RANKS, 2>(b, &pass, view.as_ref());
         }
     } else if block >= first_compute_block(b.comm_blocks) {
         // SAFETY: caller contract; every warp is whole. Both blocks of this cluster come here
@@ -386,7 +395,7 @@ pub unsafe fn backward<const RANKS: bool>(params: *const BackwardParams, pass: P
         unsafe {
             if b.work & (WORK_GEMMS | WORK_WEIGHT_GRADS) == 0 {
                 gather::<RANKS>(b, &pass, view.as_ref());
-                combine_dx::<RANKS>(b, &pass, view.as_ref());
+                combine_dx::<RANKS, 2>(b, &pass, view.as_ref());
                 return;
             }
             // The phases in `run_backward_phases`' order (numbered as `BackwardHandover`'s);
@@ -414,11 +423,20 @@ pub unsafe fn backward<const RANKS: bool>(params: *const BackwardParams, pass: P
             let x = if RANKS { 0 } else { x };
             let hooks = move |phase, q: u32| BackwardHandover::<RANKS>::new(first_params.add(q as usize), phase, x);
             let (tile_ranks, wgrad_ranks) = if RANKS { (b.tile_ranks, b.wgrad_ranks) } else { (1, 1) };
-            // The spare producer warps gather, then take SwiGLU chunks; the consumer warps take
-            // SwiGLU chunks between their two data gradients.
+            // The spare producer warps gather, take SwiGLU chunks, then combine tokens while
+            // the consumers run the weight gradients (the combine's rows are the gate/up dgrad's,
+            // done by then or soon; with 0 comm blocks it otherwise ran alone after the weight
+            // gradients). Where they gather B for the gate and up weight gradients
+            // (`gather_in_producer`) they must meet the producer there first, so the consumers
+            // combine alone. The consumer warps take SwiGLU chunks between their two data
+            // gradients.
+            let combine_on_spare_warps = RANKS || b.gather_in_producer == 0;
             let spare_warps = || {
                 gather::<RANKS>(b, &pass, view.as_ref());
                 swiglu_backward_chunks(b, &pass, true);
+                if combine_on_spare_warps {
+                    combine_dx::<RANKS, 1>(b, &pass, view.as_ref());
+                }
             };
             let between_dgrads = || swiglu_backward_chunks(b, &pass, false);
             let phases = run_backward_phases(
@@ -429,7 +447,7 @@ pub unsafe fn backward<const RANKS: bool>(params: *const BackwardParams, pass: P
                 (tile_ranks, wgrad_ranks),
             );
             if phases.is_some() {
-                combine_dx::<RANKS>(b, &pass, view.as_ref());
+                combine_dx::<RANKS, 2>(b, &pass, view.as_ref());
             }
         }
     }
