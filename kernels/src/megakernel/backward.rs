@@ -26,7 +26,7 @@ use crate::comm::error::{
     WAIT_SHARED_TILE_GATE_UP_DGRAD, WAIT_SLOT_READY,
 };
 use crate::comm::params::ExchangeParams;
-use crate::comm::wait::{signal, wait_until};
+use crate::comm::wait::{acquire_fence, signal, wait_until, wait_until_relaxed};
 use crate::device::rows::{
     combine_quads, copy_row, dot_row, gather_scaled_row, gather_scaled_row_and_dot, swiglu_backward_octets,
 };
@@ -235,11 +235,13 @@ pub unsafe fn swiglu_backward_chunks(b: &BackwardParams, pass: &PassInputs, spar
 /// The dx combine, by a whole warp (comm blocks after their gather; in compute blocks the
 /// producer warpgroup's spare warps after their SwiGLU chunks, under the weight gradients'
 /// MMAs, and the consumer warps after their GEMM phases): tokens taken one at a time from
-/// `combine_next`; each lane
-/// waits (bounded, acquire) until each routed slot's row is there — on one GPU until the gate/up
-/// dgrad tile holding it is stored, across ranks until its `slot_ready` flag says every gate/up
-/// dgrad tile of its row has pushed its part from its epilogue
-/// ([`slot_row_complete`]) — then the warp sums `dx[t] = bf16(shared_dx[t] +
+/// `combine_next`; lane 0
+/// waits (bounded, relaxed polls) until each routed slot's row is there — on one GPU until the
+/// gate/up dgrad tile holding it is stored, across ranks until its `slot_ready` flag says every
+/// gate/up dgrad tile of its row has pushed its part from its epilogue
+/// ([`slot_row_complete`]) — then acquires them all with one fence, which a warp barrier passes
+/// on to the other lanes (an acquire per slot and lane invalidated the SM's L1 under the weight
+/// gradients' MMAs: docs/PERF.md); then the warp sums `dx[t] = bf16(shared_dx[t] +
 /// Σ_j d_in[row(t,j)])` with [`combine_quads`] (the shared term first, slots in order: the bits
 /// of `mok_combine_slots`). A dropped slot's d_topk_weight is written here, as 0; across ranks
 /// every routed slot's too, `⟨dy[t], combine_slots[t·k+j]⟩` (the forward's slot row, the bits of
@@ -261,13 +263,15 @@ pub unsafe fn combine_dx<const RANKS: bool, const GROUPS: usize>(
         return;
     }
     // SAFETY: caller contract; all 32 lanes, which take the same tokens and slots (the claim is
-    // broadcast; the per-lane waits rejoin), so every lane reaches each `shfl_idx_u32` and
-    // `warp_sum_f32`.
+    // broadcast; lane 0's waits rejoin at the next warp-wide operation), so every lane reaches
+    // each `shfl_idx_u32`, `warp_sum_f32` and `warp_sync`.
     unsafe {
         let p = &*(b.gate_up_dgrad as *const GemmParams);
         let n_tiles = p.n.div_ceil(TILE_N);
         let lane = sreg::lane_id();
         let (slot_row, error) = (b.slot_row as *const u32, b.error as *mut u32);
+        // The scope of the slot flags' releases (across ranks: peer GPUs or processes).
+        let sys = RANKS && view.is_some_and(|v| v.sys());
         loop {
             let claimed = if lane == 0 { atom_add_relaxed_gpu_u32(b.combine_next as *mut u32, 1) } else { 0 };
             let token = sync::shfl_idx_u32(claimed, 0);
@@ -299,24 +303,29 @@ pub unsafe fn combine_dx<const RANKS: bool, const GROUPS: usize>(
                         if error::has_error(error) || b.work & WORK_GEMMS == 0 {
                             continue;
                         }
-                        let owner = *v.local::<u32>(regions.topk_ids).add(slot as usize) / v.params.local_experts;
-                        let owner_error = v.peer::<u32>(regions.error, owner);
-                        let flag = v.local::<u32>(regions.slot_ready).add(slot as usize);
-                        let (timeout_ns, whole) = (downstream_deadline(b.timeout_ns, 3), slot_row_complete(p.n));
-                        if let Err(seen) = wait_until(flag, v.sys(), timeout_ns, owner_error, |x| x >= whole)
-                            && !error::has_error_at(owner_error, v.sys())
-                        {
-                            error::record(error, [ERROR_TIMEOUT, WAIT_SLOT_READY, owner, slot, whole, seen, b.rank, 0]);
+                        if lane == 0 {
+                            let owner = *v.local::<u32>(regions.topk_ids).add(slot as usize) / v.params.local_experts;
+                            let owner_error = v.peer::<u32>(regions.error, owner);
+                            let flag = v.local::<u32>(regions.slot_ready).add(slot as usize);
+                            let (timeout_ns, whole) = (downstream_deadline(b.timeout_ns, 3), slot_row_complete(p.n));
+                            if let Err(seen) = wait_until_relaxed(flag, sys, timeout_ns, owner_error, |x| x >= whole)
+                                && !error::has_error_at(owner_error, sys)
+                            {
+                                error::record(
+                                    error,
+                                    [ERROR_TIMEOUT, WAIT_SLOT_READY, owner, slot, whole, seen, b.rank, 0],
+                                );
+                            }
                         }
                     }
                     _ => {
-                        if b.work & WORK_GEMMS == 0 {
+                        if b.work & WORK_GEMMS == 0 || lane != 0 {
                             continue;
                         }
                         let (tile, expected) = stored_tile_of_row(p, row, n_tiles);
                         let counter = (b.gate_up_dgrad_stored as *const u32).add(tile as usize);
                         let timeout_ns = downstream_deadline(b.timeout_ns, 3);
-                        if let Err(seen) = wait_until(counter, false, timeout_ns, error, |v| v >= expected) {
+                        if let Err(seen) = wait_until_relaxed(counter, false, timeout_ns, error, |v| v >= expected) {
                             error::record(
                                 error,
                                 [ERROR_TIMEOUT, WAIT_ENGINE_TILE_GATE_UP_DGRAD, 0, tile, expected, seen, 0, 0],
@@ -325,15 +334,22 @@ pub unsafe fn combine_dx<const RANKS: bool, const GROUPS: usize>(
                     }
                 }
             }
-            if b.shared_down_dgrad != 0 && b.work & WORK_GEMMS != 0 && !(RANKS && error::has_error(error)) {
-                let shared = (b.shared_gate_up_dgrad_stored as *const u32, b.shared_gate_up_dgrad as *const GemmParams);
-                wait_for_shared_tile(
-                    shared,
-                    (token, pass.tokens),
-                    (downstream_deadline(b.timeout_ns, 3), error, b.rank),
-                    WAIT_SHARED_TILE_GATE_UP_DGRAD,
-                );
+            if lane == 0 {
+                if b.shared_down_dgrad != 0 && b.work & WORK_GEMMS != 0 && !(RANKS && error::has_error(error)) {
+                    let shared =
+                        (b.shared_gate_up_dgrad_stored as *const u32, b.shared_gate_up_dgrad as *const GemmParams);
+                    wait_for_shared_tile(
+                        shared,
+                        (token, pass.tokens),
+                        (downstream_deadline(b.timeout_ns, 3), error, b.rank),
+                        WAIT_SHARED_TILE_GATE_UP_DGRAD,
+                    );
+                }
+                // What the slots' releases published, for this lane's reads.
+                acquire_fence(sys);
             }
+            // ... and for every lane's.
+            warp::warp_sync();
             let mut column = 4 * lane;
             while column < b.hidden {
                 combine_quads::<GROUPS>(
