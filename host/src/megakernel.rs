@@ -1417,9 +1417,9 @@ pub(crate) mod work_order_model {
     mod backward {
         //! The backward (one GPU): comm blocks and the compute blocks' spare producer warps (an
         //! agent each, three per block) take gather tiles, the spare warps then SwiGLU-backward
-        //! chunks and then combine tokens; compute blocks take down-dgrad tiles, SwiGLU-backward
-        //! chunks, gate/up-dgrad tiles, then their own fixed-stride share of each of the three
-        //! weight gradients' tiles, then meet their pair's spare warps at the cluster barrier,
+        //! chunks; compute blocks take down-dgrad tiles, SwiGLU-backward chunks, gate/up-dgrad
+        //! tiles, then their own fixed-stride share of each of the three weight gradients'
+        //! tiles, then meet their pair's blocks and spare warps at the final cluster barrier,
         //! then combine tokens. A down-dgrad tile waits on its M
         //! tile's gather, a SwiGLU chunk on its M tile's down-dgrad parts, a gate/up-dgrad tile
         //! on its M tile's SwiGLU chunks, the down weight gradient of expert g on every gather of
@@ -1431,8 +1431,8 @@ pub(crate) mod work_order_model {
         //! also waits on its shared M tile. When the routed gate and up weight gradients gather
         //! their rows in the producers (one GPU, `gather_in_producer`), all four producer warps
         //! produce their stages: a block's spare warps join once their gather and SwiGLU queues
-        //! are spent (a unit each, instead of the combine), and its gate and up weight-gradient
-        //! tiles also wait for all three to have joined.
+        //! are spent (a unit each), and its gate and up weight-gradient tiles also wait for all
+        //! three to have joined.
 
         use super::*;
 
@@ -1670,11 +1670,14 @@ pub(crate) mod work_order_model {
             queues
         }
 
-        /// The queues of a compute block's spare producer warps: gather, SwiGLU chunks, then
-        /// the combine (or, gathering, the join), then the final cluster barrier.
+        /// The queues of a compute block's spare producer warps: gather, SwiGLU chunks,
+        /// (gathering) the join, then the final cluster barrier.
         fn spare_queues(gathering: bool) -> Vec<usize> {
             let mut queues = vec![gather(SHARED), gather(ROUTED), swiglu(SHARED), swiglu(ROUTED)];
-            queues.extend([if gathering { JOIN } else { COMBINE }, SPARE_LEAVES]);
+            if gathering {
+                queues.push(JOIN);
+            }
+            queues.push(SPARE_LEAVES);
             queues
         }
 
@@ -1722,8 +1725,8 @@ pub(crate) mod work_order_model {
                     .map(|_| Agent::new(Who::default(), vec![gather(SHARED), gather(ROUTED), COMBINE]))
                     .collect();
                 // Each block of a pair walks its own weight-gradient share: one agent per block;
-                // its producer warpgroup's three spare warps gather, take SwiGLU chunks and
-                // combine tokens, on their own: three more.
+                // its producer warpgroup's three spare warps gather, then take SwiGLU chunks, on
+                // their own: three more.
                 agents.extend(
                     (0..compute_blocks).map(|b| Agent::new(compute_block(b, compute_blocks), compute_queues())),
                 );
@@ -1806,7 +1809,7 @@ pub(crate) mod work_order_model {
         //! The backward across ranks in one launch: each rank's comm blocks and its compute
         //! blocks' spare producer warps (an agent each) take its gather tiles (the shared
         //! expert's first), the spare warps then its SwiGLU chunks (the shared expert's
-        //! first) and then its combine tokens; its compute blocks take the shared expert's and then the routed down-dgrad
+        //! first); its compute blocks take the shared expert's and then the routed down-dgrad
         //! tiles, their own rank's SwiGLU chunks, then the shared and the routed gate/up-dgrad
         //! tiles — from their own rank's queues, or, with the tiles shared across ranks, each
         //! data gradient from every rank's queue, rank after rank; then every compute block of
@@ -2087,9 +2090,9 @@ pub(crate) mod work_order_model {
                     for _ in 0..2 * p {
                         let who = Who { rank, compute: (index, launch_compute), ..Who::default() };
                         agents.push(Agent::new(who, compute_queues.clone()));
-                        // The block's three spare producer warps: the rank's gather, its SwiGLU
-                        // chunks (the shared expert's first), then its combine.
-                        let spare = vec![SHARED + GATHER, GATHER, SHARED + SWIGLU, SWIGLU, COMBINE, SPARE_LEAVES];
+                        // The block's three spare producer warps: the rank's gather, then its
+                        // SwiGLU chunks (the shared expert's first), then the final barrier.
+                        let spare = vec![SHARED + GATHER, GATHER, SHARED + SWIGLU, SWIGLU, SPARE_LEAVES];
                         agents.extend((0..3).map(|_| Agent::new(who, spare.clone())));
                         index += 1;
                     }

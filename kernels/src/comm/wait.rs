@@ -24,10 +24,7 @@
 //!   compare-and-swap ([`super::error::record`]), so the early stop also works across GPUs.
 
 use super::error::has_error_at;
-use crate::ptx::memory::{
-    fence_acq_rel_gpu, fence_acq_rel_sys, ld_acquire_gpu_u32, ld_acquire_sys_u32, ld_relaxed_gpu_u32, ld_relaxed_sys_u32,
-    red_add_release_gpu_u32, red_add_release_sys_u32,
-};
+use crate::ptx::memory::{ld_acquire_gpu_u32, ld_acquire_sys_u32, red_add_release_gpu_u32, red_add_release_sys_u32};
 use crate::ptx::{signal, sreg};
 
 /// Polls without sleeping this many times before backing off (a signal that is about to land
@@ -74,62 +71,11 @@ pub unsafe fn wait_until(
     abort: *const u32,
     ready: impl Fn(u32) -> bool,
 ) -> Result<u32, u32> {
-    // SAFETY: caller contract.
-    unsafe { poll::<true>(counter, sys, timeout_ns, abort, ready) }
-}
-
-/// As [`wait_until`], but every poll is a relaxed load: what the value seen was released with
-/// is visible to this thread only after its [`acquire_fence`], so a thread that waits on several
-/// counters in turn pays for one acquire. An acquire load (or fence) also invalidates the SM's
-/// L1, which the warps beside it on the SM then refill from L2: polled from a GEMM block's spare
-/// warps under its MMAs, acquire loads slowed the backward megakernel by up to a third
-/// (docs/PERF.md).
-///
-/// # Safety
-/// As [`wait_until`].
-#[inline(always)]
-pub unsafe fn wait_until_relaxed(
-    counter: *const u32,
-    sys: bool,
-    timeout_ns: u64,
-    abort: *const u32,
-    ready: impl Fn(u32) -> bool,
-) -> Result<u32, u32> {
-    // SAFETY: caller contract.
-    unsafe { poll::<false>(counter, sys, timeout_ns, abort, ready) }
-}
-
-/// `fence.acq_rel` at GPU (`sys == false`) or system scope: after relaxed waits
-/// ([`wait_until_relaxed`]) that saw their counters' releases, this thread's later reads see
-/// what those releases published (a strong read followed by an acquire fence is an acquire).
-#[inline(always)]
-pub fn acquire_fence(sys: bool) {
-    if sys { fence_acq_rel_sys() } else { fence_acq_rel_gpu() }
-}
-
-/// The poll loop of [`wait_until`] (`ACQUIRE`) and [`wait_until_relaxed`].
-///
-/// # Safety
-/// As [`wait_until`].
-#[inline(always)]
-unsafe fn poll<const ACQUIRE: bool>(
-    counter: *const u32,
-    sys: bool,
-    timeout_ns: u64,
-    abort: *const u32,
-    ready: impl Fn(u32) -> bool,
-) -> Result<u32, u32> {
     let deadline = sreg::global_timer_ns().saturating_add(timeout_ns);
     let mut polls = 0u32;
     loop {
         // SAFETY: caller contract.
-        let value = unsafe {
-            match (ACQUIRE, sys) {
-                (true, _) => load_acquire(counter, sys),
-                (false, false) => ld_relaxed_gpu_u32(counter),
-                (false, true) => ld_relaxed_sys_u32(counter),
-            }
-        };
+        let value = unsafe { load_acquire(counter, sys) };
         if ready(value) {
             return Ok(value);
         }

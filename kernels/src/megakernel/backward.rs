@@ -6,16 +6,14 @@
 //! 16-row chunks of the M tiles from one queue, each chunk counted; the same warp also reduces
 //! the slot-weight gradient `⟨dy[t], out[row]⟩` of each row it gathers): every warp of blocks
 //! `0 .. comm_blocks`, which then only run the [`combine_dx`], and the three spare warps of
-//! each compute block's producer warpgroup, which then take SwiGLU chunks and then combine
-//! tokens under the weight gradients. The blocks from the next whole pair on are the compute
-//! role, in 2-block clusters: from the start of the launch, the down projection's data gradient
-//! (d_hidden), the SwiGLU backward ([`swiglu_backward_chunks`]: d_gate, d_up), the gate/up data
-//! gradient (dx rows) and the three weight gradients, each as soon as what it reads is there
-//! (the engine's phases with [`BackwardHandover`] hooks), then their consumer warps join the
-//! combine. Each role takes its queues in the order gather, down dgrad, SwiGLU chunks, gate/up
-//! dgrad, weight gradients, combine, and nothing waits on the combine, so a wait is always on
-//! work that a running block holds or that warps which never wait on the waiter will take
-//! (docs/ARCHITECTURE.md). Every result is the
+//! each compute block's producer warpgroup, which then take SwiGLU chunks. The blocks from the
+//! next whole pair on are the compute role, in 2-block clusters: from the start of the launch,
+//! the down projection's data gradient (d_hidden), the SwiGLU
+//! backward ([`swiglu_backward_chunks`]: d_gate, d_up), the gate/up data gradient (dx rows) and
+//! the three weight gradients, each as soon as what it reads is there (the engine's phases with
+//! [`BackwardHandover`] hooks), then their consumer warps join the combine. Work is taken in the
+//! order gather, down dgrad, SwiGLU chunks, gate/up dgrad, weight gradients, combine, so a wait
+//! is always on work a running block already holds (docs/ARCHITECTURE.md). Every result is the
 //! engine path's bits: the same scaled copies, the same dot products in the same order, each
 //! GEMM tile the same K loop and the same epilogue arithmetic, the SwiGLU backward the same
 //! function of the same f32 values, each token's sum the same order.
@@ -26,7 +24,7 @@ use crate::comm::error::{
     WAIT_SHARED_TILE_GATE_UP_DGRAD, WAIT_SLOT_READY,
 };
 use crate::comm::params::ExchangeParams;
-use crate::comm::wait::{acquire_fence, signal, wait_until, wait_until_relaxed};
+use crate::comm::wait::{signal, wait_until};
 use crate::device::rows::{
     combine_quads, copy_row, dot_row, gather_scaled_row, gather_scaled_row_and_dot, swiglu_backward_octets,
 };
@@ -232,21 +230,16 @@ pub unsafe fn swiglu_backward_chunks(b: &BackwardParams, pass: &PassInputs, spar
     }
 }
 
-/// The dx combine, by a whole warp (comm blocks after their gather; in compute blocks the
-/// producer warpgroup's spare warps after their SwiGLU chunks, under the weight gradients'
-/// MMAs, and the consumer warps after their GEMM phases): tokens taken one at a time from
-/// `combine_next`; lane 0
-/// waits (bounded, relaxed polls) until each routed slot's row is there — on one GPU until the
-/// gate/up dgrad tile holding it is stored, across ranks until its `slot_ready` flag says every
-/// gate/up dgrad tile of its row has pushed its part from its epilogue
-/// ([`slot_row_complete`]) — then acquires them all with one fence, which a warp barrier passes
-/// on to the other lanes (an acquire per slot and lane invalidated the SM's L1 under the weight
-/// gradients' MMAs: docs/PERF.md); then the warp sums `dx[t] = bf16(shared_dx[t] +
+/// The dx combine, by a whole warp (comm blocks after their gather, compute blocks' consumer
+/// warps after their GEMM phases): tokens taken one at a time from `combine_next`; each lane
+/// waits (bounded, acquire) until each routed slot's row is there — on one GPU until the gate/up
+/// dgrad tile holding it is stored, across ranks until its `slot_ready` flag says every gate/up
+/// dgrad tile of its row has pushed its part from its epilogue
+/// ([`slot_row_complete`]) — then the warp sums `dx[t] = bf16(shared_dx[t] +
 /// Σ_j d_in[row(t,j)])` with [`combine_quads`] (the shared term first, slots in order: the bits
 /// of `mok_combine_slots`). A dropped slot's d_topk_weight is written here, as 0; across ranks
 /// every routed slot's too, `⟨dy[t], combine_slots[t·k+j]⟩` (the forward's slot row, the bits of
-/// the one-GPU gather's dot product). Each lane keeps `GROUPS` column groups of loads in flight
-/// (the spare warps' 72 registers hold one); the sums, and so the bits, do not depend on it.
+/// the one-GPU gather's dot product).
 ///
 /// Across ranks a wait stops early when the owner's error record is set (the owner names the
 /// cause), and once this rank's own record is set its combine waits for nothing more.
@@ -254,24 +247,18 @@ pub unsafe fn swiglu_backward_chunks(b: &BackwardParams, pass: &PassInputs, spar
 /// # Safety
 /// As [`gather`]; all 32 lanes call it.
 #[inline(always)]
-pub unsafe fn combine_dx<const RANKS: bool, const GROUPS: usize>(
-    b: &BackwardParams,
-    pass: &PassInputs,
-    view: Option<&RankView>,
-) {
+pub unsafe fn combine_dx<const RANKS: bool>(b: &BackwardParams, pass: &PassInputs, view: Option<&RankView>) {
     if b.work & WORK_COMBINE == 0 {
         return;
     }
     // SAFETY: caller contract; all 32 lanes, which take the same tokens and slots (the claim is
-    // broadcast; lane 0's waits rejoin at the next warp-wide operation), so every lane reaches
-    // each `shfl_idx_u32`, `warp_sum_f32` and `warp_sync`.
+    // broadcast; the per-lane waits rejoin), so every lane reaches each `shfl_idx_u32` and
+    // `warp_sum_f32`.
     unsafe {
         let p = &*(b.gate_up_dgrad as *const GemmParams);
         let n_tiles = p.n.div_ceil(TILE_N);
         let lane = sreg::lane_id();
         let (slot_row, error) = (b.slot_row as *const u32, b.error as *mut u32);
-        // The scope of the slot flags' releases (across ranks: peer GPUs or processes).
-        let sys = RANKS && view.is_some_and(|v| v.sys());
         loop {
             let claimed = if lane == 0 { atom_add_relaxed_gpu_u32(b.combine_next as *mut u32, 1) } else { 0 };
             let token = sync::shfl_idx_u32(claimed, 0);
@@ -303,29 +290,24 @@ pub unsafe fn combine_dx<const RANKS: bool, const GROUPS: usize>(
                         if error::has_error(error) || b.work & WORK_GEMMS == 0 {
                             continue;
                         }
-                        if lane == 0 {
-                            let owner = *v.local::<u32>(regions.topk_ids).add(slot as usize) / v.params.local_experts;
-                            let owner_error = v.peer::<u32>(regions.error, owner);
-                            let flag = v.local::<u32>(regions.slot_ready).add(slot as usize);
-                            let (timeout_ns, whole) = (downstream_deadline(b.timeout_ns, 3), slot_row_complete(p.n));
-                            if let Err(seen) = wait_until_relaxed(flag, sys, timeout_ns, owner_error, |x| x >= whole)
-                                && !error::has_error_at(owner_error, sys)
-                            {
-                                error::record(
-                                    error,
-                                    [ERROR_TIMEOUT, WAIT_SLOT_READY, owner, slot, whole, seen, b.rank, 0],
-                                );
-                            }
+                        let owner = *v.local::<u32>(regions.topk_ids).add(slot as usize) / v.params.local_experts;
+                        let owner_error = v.peer::<u32>(regions.error, owner);
+                        let flag = v.local::<u32>(regions.slot_ready).add(slot as usize);
+                        let (timeout_ns, whole) = (downstream_deadline(b.timeout_ns, 3), slot_row_complete(p.n));
+                        if let Err(seen) = wait_until(flag, v.sys(), timeout_ns, owner_error, |x| x >= whole)
+                            && !error::has_error_at(owner_error, v.sys())
+                        {
+                            error::record(error, [ERROR_TIMEOUT, WAIT_SLOT_READY, owner, slot, whole, seen, b.rank, 0]);
                         }
                     }
                     _ => {
-                        if b.work & WORK_GEMMS == 0 || lane != 0 {
+                        if b.work & WORK_GEMMS == 0 {
                             continue;
                         }
                         let (tile, expected) = stored_tile_of_row(p, row, n_tiles);
                         let counter = (b.gate_up_dgrad_stored as *const u32).add(tile as usize);
                         let timeout_ns = downstream_deadline(b.timeout_ns, 3);
-                        if let Err(seen) = wait_until_relaxed(counter, false, timeout_ns, error, |v| v >= expected) {
+                        if let Err(seen) = wait_until(counter, false, timeout_ns, error, |v| v >= expected) {
                             error::record(
                                 error,
                                 [ERROR_TIMEOUT, WAIT_ENGINE_TILE_GATE_UP_DGRAD, 0, tile, expected, seen, 0, 0],
@@ -334,25 +316,18 @@ pub unsafe fn combine_dx<const RANKS: bool, const GROUPS: usize>(
                     }
                 }
             }
-            if lane == 0 {
-                if b.shared_down_dgrad != 0 && b.work & WORK_GEMMS != 0 && !(RANKS && error::has_error(error)) {
-                    let shared =
-                        (b.shared_gate_up_dgrad_stored as *const u32, b.shared_gate_up_dgrad as *const GemmParams);
-                    wait_for_shared_tile(
-                        shared,
-                        (token, pass.tokens),
-                        (downstream_deadline(b.timeout_ns, 3), error, b.rank),
-                        WAIT_SHARED_TILE_GATE_UP_DGRAD,
-                    );
-                }
-                // What the slots' releases published, for this lane's reads.
-                acquire_fence(sys);
+            if b.shared_down_dgrad != 0 && b.work & WORK_GEMMS != 0 && !(RANKS && error::has_error(error)) {
+                let shared = (b.shared_gate_up_dgrad_stored as *const u32, b.shared_gate_up_dgrad as *const GemmParams);
+                wait_for_shared_tile(
+                    shared,
+                    (token, pass.tokens),
+                    (downstream_deadline(b.timeout_ns, 3), error, b.rank),
+                    WAIT_SHARED_TILE_GATE_UP_DGRAD,
+                );
             }
-            // ... and for every lane's.
-            warp::warp_sync();
             let mut column = 4 * lane;
             while column < b.hidden {
-                combine_quads::<GROUPS>(
+                combine_quads::<2>(
                     slot_row,
                     core::ptr::null(),
                     // Across ranks the owners pushed the dx rows into this rank's slot buffer.
@@ -367,7 +342,7 @@ pub unsafe fn combine_dx<const RANKS: bool, const GROUPS: usize>(
                     b.hidden,
                     b.dx as *mut u16,
                 );
-                column += GROUPS as u32 * 4 * 32;
+                column += 2 * 4 * 32;
             }
         }
     }
@@ -402,7 +377,7 @@ pub unsafe fn backward<const RANKS: bool>(params: *const BackwardParams, pass: P
         // SAFETY: caller contract; every warp is whole.
         unsafe {
             gather::<RANKS>(b, &pass, view.as_ref());
-            combine_dx::<RANKS, 2>(b, &pass, view.as_ref());
+            combine_dx::<RANKS>(b, &pass, view.as_ref());
         }
     } else if block >= first_compute_block(b.comm_blocks) {
         // SAFETY: caller contract; every warp is whole. Both blocks of this cluster come here
@@ -411,7 +386,7 @@ pub unsafe fn backward<const RANKS: bool>(params: *const BackwardParams, pass: P
         unsafe {
             if b.work & (WORK_GEMMS | WORK_WEIGHT_GRADS) == 0 {
                 gather::<RANKS>(b, &pass, view.as_ref());
-                combine_dx::<RANKS, 2>(b, &pass, view.as_ref());
+                combine_dx::<RANKS>(b, &pass, view.as_ref());
                 return;
             }
             // The phases in `run_backward_phases`' order (numbered as `BackwardHandover`'s);
@@ -439,20 +414,11 @@ pub unsafe fn backward<const RANKS: bool>(params: *const BackwardParams, pass: P
             let x = if RANKS { 0 } else { x };
             let hooks = move |phase, q: u32| BackwardHandover::<RANKS>::new(first_params.add(q as usize), phase, x);
             let (tile_ranks, wgrad_ranks) = if RANKS { (b.tile_ranks, b.wgrad_ranks) } else { (1, 1) };
-            // The spare producer warps gather, take SwiGLU chunks, then combine tokens while
-            // the consumers run the weight gradients (the combine's rows are the gate/up dgrad's,
-            // done by then or soon; with 0 comm blocks it otherwise ran alone after the weight
-            // gradients). Where they gather B for the gate and up weight gradients
-            // (`gather_in_producer`) they must meet the producer there first, so the consumers
-            // combine alone. The consumer warps take SwiGLU chunks between their two data
-            // gradients.
-            let combine_on_spare_warps = RANKS || b.gather_in_producer == 0;
+            // The spare producer warps gather, then take SwiGLU chunks; the consumer warps take
+            // SwiGLU chunks between their two data gradients.
             let spare_warps = || {
                 gather::<RANKS>(b, &pass, view.as_ref());
                 swiglu_backward_chunks(b, &pass, true);
-                if combine_on_spare_warps {
-                    combine_dx::<RANKS, 1>(b, &pass, view.as_ref());
-                }
             };
             let between_dgrads = || swiglu_backward_chunks(b, &pass, false);
             let phases = run_backward_phases(
@@ -463,7 +429,7 @@ pub unsafe fn backward<const RANKS: bool>(params: *const BackwardParams, pass: P
                 (tile_ranks, wgrad_ranks),
             );
             if phases.is_some() {
-                combine_dx::<RANKS, 2>(b, &pass, view.as_ref());
+                combine_dx::<RANKS>(b, &pass, view.as_ref());
             }
         }
     }
