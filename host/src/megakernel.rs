@@ -68,7 +68,8 @@ impl Default for MegakernelOptions {
 /// combines. On one GPU the forward measured fastest with 0 of 0, 2, 4, 8 and 16 comm blocks on
 /// the frontier shapes; the backward too on kimi and glm, while qwen's ran 4–10 % faster with
 /// 4 or 8 (its large dx combine then runs under the weight gradients, docs/PERF.md); across
-/// ranks 4 per rank in both passes measured slower than 0.
+/// ranks (P = 8) 4 per rank in both passes measured slower than 0, and in the backward alone 2
+/// per rank within noise of 0 and 4 per rank 4–7 % slower.
 pub const DEFAULT_COMM_BLOCKS: u32 = 0;
 
 /// Faults a test can inject into the next passes of one rank (feature `testing`; set per pass:
