@@ -52,20 +52,72 @@ pub fn group_of_tile(tile_offsets: &[u32], tile: u32) -> Option<usize> {
 /// The sm_90 engine's tile offsets for tiles of `tile_m` rows, from `row_offsets[0..=G]`:
 /// `tile_offsets[0..=G]` the first tile of each group, then `tile_offsets[G+1..=2G+1]` the
 /// number of groups before each whose tile count is odd (from which the engine counts its pairs
-/// of blocks). `tile_offsets` holds `2 · (G + 1)` words.
+/// of blocks). `tile_offsets` holds `2 · (G + 1)` words. (`mok_tile_offsets` computes the same
+/// words with a warp: [`warp_lane_span`], [`engine_tile_sums`], [`write_engine_tile_offsets`].)
 pub fn engine_tile_offsets(row_offsets: &[u32], tile_m: u32, tile_offsets: &mut [u32]) {
     let groups = row_offsets.len() - 1;
     let (first_tiles, odd_before) = tile_offsets.split_at_mut(groups + 1);
-    let (mut tiles, mut odd) = (0, 0);
-    for g in 0..groups {
-        first_tiles[g] = tiles;
-        odd_before[g] = odd;
-        let group_tiles = (row_offsets[g + 1] - row_offsets[g]).div_ceil(tile_m);
-        tiles += group_tiles;
-        odd += group_tiles % 2;
-    }
+    let (tiles, odd) = write_engine_tile_offsets(
+        row_offsets,
+        tile_m,
+        0,
+        (0, 0),
+        &mut first_tiles[..groups],
+        &mut odd_before[..groups],
+    );
     first_tiles[groups] = tiles;
     odd_before[groups] = odd;
+}
+
+/// The items `first..end` that lane `lane` of a warp takes when the warp prefixes `items`
+/// together: runs of `⌈items / 32⌉` in lane order, so the lanes' exclusive prefix over their
+/// runs' sums is each run's base.
+#[inline(always)]
+pub fn warp_lane_span(items: usize, lane: usize) -> (usize, usize) {
+    let per = items.div_ceil(32);
+    let first = (lane * per).min(items);
+    (first, (first + per).min(items))
+}
+
+/// Group `g`'s M tiles of height `tile_m`.
+#[inline(always)]
+fn group_tiles(row_offsets: &[u32], g: usize, tile_m: u32) -> u32 {
+    (row_offsets[g + 1] - row_offsets[g]).div_ceil(tile_m)
+}
+
+/// The M tiles of groups `first..end` and how many of those groups have an odd count (a lane's
+/// part of [`engine_tile_offsets`]). Only loads: their latencies overlap.
+#[inline(always)]
+pub fn engine_tile_sums(row_offsets: &[u32], tile_m: u32, (first, end): (usize, usize)) -> (u32, u32) {
+    let (mut tiles, mut odd) = (0u32, 0u32);
+    for g in first..end {
+        let group = group_tiles(row_offsets, g, tile_m);
+        tiles += group;
+        odd += group % 2;
+    }
+    (tiles, odd)
+}
+
+/// [`engine_tile_offsets`]' words for groups `first ..first + first_tiles.len()`, given the tiles
+/// and odd-tile groups before `first`: `first_tiles[i]` and `odd_before[i]` are group
+/// `first + i`'s (the two slices as long). Returns the counts after the last of them.
+#[inline(always)]
+pub fn write_engine_tile_offsets(
+    row_offsets: &[u32],
+    tile_m: u32,
+    first: usize,
+    (mut tiles, mut odd): (u32, u32),
+    first_tiles: &mut [u32],
+    odd_before: &mut [u32],
+) -> (u32, u32) {
+    for (i, (first_tile, odd_count)) in first_tiles.iter_mut().zip(odd_before.iter_mut()).enumerate() {
+        *first_tile = tiles;
+        *odd_count = odd;
+        let group = group_tiles(row_offsets, first + i, tile_m);
+        tiles += group;
+        odd += group % 2;
+    }
+    (tiles, odd)
 }
 
 #[cfg(test)]
@@ -79,6 +131,60 @@ mod tests {
         let mut offsets = [u32::MAX; 12];
         engine_tile_offsets(&rows, 128, &mut offsets);
         assert_eq!(offsets, [0, 3, 3, 4, 6, 7, 0, 1, 1, 2, 2, 3]);
+    }
+
+    /// `mok_tile_offsets`' warp decomposition, its 32 lanes run one after the other: each
+    /// lane's sums, their exclusive prefix, each lane's writes, lane 0's totals.
+    fn warp_engine_tile_offsets(row_offsets: &[u32], tile_m: u32) -> Vec<u32> {
+        let groups = row_offsets.len() - 1;
+        let spans: Vec<_> = (0..32).map(|lane| warp_lane_span(groups, lane)).collect();
+        let sums: Vec<_> = spans.iter().map(|&span| engine_tile_sums(row_offsets, tile_m, span)).collect();
+        let mut out = vec![u32::MAX; 2 * (groups + 1)];
+        let (mut tiles, mut odd) = (0, 0);
+        for (&(first, end), &(lane_tiles, lane_odd)) in spans.iter().zip(&sums) {
+            let (first_tiles, odd_before) = out.split_at_mut(groups + 1);
+            let after = write_engine_tile_offsets(
+                row_offsets,
+                tile_m,
+                first,
+                (tiles, odd),
+                &mut first_tiles[first..end],
+                &mut odd_before[first..end],
+            );
+            (tiles, odd) = (tiles + lane_tiles, odd + lane_odd);
+            assert_eq!(after, (tiles, odd), "a lane's writes end where its sums say");
+        }
+        (out[groups], out[2 * groups + 1]) = (tiles, odd);
+        out
+    }
+
+    #[test]
+    fn the_warp_decomposition_gives_the_serial_tile_offsets() {
+        // Group counts around the lane count and the frontier shapes' expert counts, groups of
+        // 0 to 700 rows.
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        for groups in [0, 1, 2, 5, 31, 32, 33, 63, 64, 65, 160, 256, 384, 512, 1000] {
+            let mut rows = vec![0u32];
+            for _ in 0..groups {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                let last = *rows.last().unwrap();
+                rows.push(last + (state % 701) as u32 * u32::from(!state.is_multiple_of(5)));
+            }
+            for tile_m in [64, 128] {
+                let mut serial = vec![u32::MAX; 2 * (groups + 1)];
+                engine_tile_offsets(&rows, tile_m, &mut serial);
+                assert_eq!(warp_engine_tile_offsets(&rows, tile_m), serial, "{groups} groups, tile_m {tile_m}");
+            }
+        }
+        // Every lane's span, together, covers the items once, in order.
+        for items in [0, 1, 31, 32, 33, 384, 1000] {
+            let spans: Vec<_> = (0..32).map(|lane| warp_lane_span(items, lane)).collect();
+            assert_eq!(spans[0].0, 0);
+            assert_eq!(spans[31].1, items);
+            assert!(spans.windows(2).all(|w| w[0].1 == w[1].0 && w[0].0 <= w[0].1), "{items}: {spans:?}");
+        }
     }
 
     #[test]

@@ -4,7 +4,7 @@
 use crate::device::{store_chunk_counters, zero_chunk_counters};
 use crate::layout::{self, NO_ROW};
 use crate::ptx::{smem, sreg, sync};
-use crate::tiles::GEMM_TILE_M;
+use crate::tiles::{GEMM_TILE_M, warp_lane_span};
 
 /// Step 1. One block per chunk of `ROUTE_CHUNK_TOKENS` tokens (`RANK_CHUNK_THREADS` threads;
 /// its first warp ranks), dynamic shared memory for `num_experts` u32 counters: writes
@@ -75,7 +75,7 @@ pub(crate) unsafe fn rank_chunks_block(
 }
 
 /// Step 2. One block: each thread scans whole expert columns of `chunk_counts` in place into
-/// chunk bases, then thread 0 prefixes the totals into `row_offsets[E+1]` and
+/// chunk bases, then the first warp prefixes the totals into `row_offsets[E+1]` and
 /// `tile_offsets[E+1]` (tiles of `GEMM_TILE_M` rows). `expert_counts[E]` gets the totals.
 ///
 /// # Safety
@@ -96,7 +96,8 @@ pub unsafe extern "ptx-kernel" fn mok_route_scan(
 /// The body of [`mok_route_scan`] (one block).
 ///
 /// # Safety
-/// As [`mok_route_scan`]; every thread of the block calls it in uniform control flow.
+/// As [`mok_route_scan`]; every thread of the block calls it in uniform control flow, and the
+/// block has at least one whole warp.
 #[inline(always)]
 pub(crate) unsafe fn scan_block(
     chunk_counts: *mut u32,
@@ -118,15 +119,31 @@ pub(crate) unsafe fn scan_block(
     }
     // SAFETY: every thread of the block, in uniform control flow (caller contract).
     unsafe { sync::block_barrier() };
-    if sreg::thread_idx_x() == 0 {
-        // SAFETY: sizes from the caller contract; only thread 0 touches the offsets.
+    let thread = sreg::thread_idx_x() as usize;
+    if thread < 32 {
+        // The first warp prefixes the totals: each lane sums a run of experts, the warp
+        // prefixes the lanes' sums, each lane writes its run (a serial prefix over E = 384 by one
+        // thread was most of this kernel's time). The same integer sums as `expert_offsets`.
+        // SAFETY: sizes from the caller contract; the whole warp reaches the sums (the branch
+        // is per warp); each lane writes its own run's words, lane 0 also the totals.
         unsafe {
-            layout::expert_offsets(
-                core::slice::from_raw_parts(expert_counts, experts),
-                core::slice::from_raw_parts_mut(row_offsets, experts + 1),
-                core::slice::from_raw_parts_mut(tile_offsets, experts + 1),
+            let counts = core::slice::from_raw_parts(expert_counts, experts);
+            let (first, end) = warp_lane_span(experts, thread);
+            let (rows, tiles) = layout::expert_offset_sums(counts, GEMM_TILE_M, (first, end));
+            let (rows_before, rows_total) = sync::warp_exclusive_sum_u32(rows);
+            let (tiles_before, tiles_total) = sync::warp_exclusive_sum_u32(tiles);
+            layout::write_expert_offsets(
+                counts,
                 GEMM_TILE_M,
+                first,
+                (rows_before, tiles_before),
+                core::slice::from_raw_parts_mut(row_offsets.add(first), end - first),
+                core::slice::from_raw_parts_mut(tile_offsets.add(first), end - first),
             );
+            if thread == 0 {
+                *row_offsets.add(experts) = rows_total;
+                *tile_offsets.add(experts) = tiles_total;
+            }
         }
     }
 }
@@ -204,10 +221,13 @@ pub(crate) unsafe fn place_slots(
 
 /// The sm_90 engine's tile offsets ([`crate::tiles::engine_tile_offsets`]) for a tile height
 /// of `tile_m` rows from row offsets (`[groups + 1]`) into `tile_offsets` (`[2 · (groups + 1)]`).
-/// One thread: groups are few.
+/// The first warp of block 0: each lane sums a run of groups, the warp prefixes the lanes' sums,
+/// each lane writes its run (one thread over E = 384 groups took ~50 µs, on the critical path of
+/// every pass); the same integer sums as the serial function.
 ///
 /// # Safety
-/// `row_offsets` holds `groups + 1` words, `tile_offsets` `2 · (groups + 1)`.
+/// `row_offsets` holds `groups + 1` words, `tile_offsets` `2 · (groups + 1)`; the launch's
+/// first block holds at least one whole warp.
 #[unsafe(no_mangle)]
 pub unsafe extern "ptx-kernel" fn mok_tile_offsets(
     row_offsets: *const u32,
@@ -215,16 +235,30 @@ pub unsafe extern "ptx-kernel" fn mok_tile_offsets(
     tile_m: u32,
     tile_offsets: *mut u32,
 ) {
-    if sreg::thread_idx_x() != 0 || sreg::block_idx_x() != 0 {
+    let lane = sreg::thread_idx_x() as usize;
+    if lane >= 32 || sreg::block_idx_x() != 0 {
         return;
     }
     let groups = groups as usize;
-    // SAFETY: lengths from the caller contract; only this thread touches them.
+    // SAFETY: lengths from the caller contract; the whole first warp reaches the sums (the
+    // branch above is per warp); each lane writes its own run's words, lane 0 also the totals.
     unsafe {
-        crate::tiles::engine_tile_offsets(
-            core::slice::from_raw_parts(row_offsets, groups + 1),
+        let rows = core::slice::from_raw_parts(row_offsets, groups + 1);
+        let (first, end) = warp_lane_span(groups, lane);
+        let (tiles, odd) = crate::tiles::engine_tile_sums(rows, tile_m, (first, end));
+        let (tiles_before, tiles_total) = sync::warp_exclusive_sum_u32(tiles);
+        let (odd_before, odd_total) = sync::warp_exclusive_sum_u32(odd);
+        crate::tiles::write_engine_tile_offsets(
+            rows,
             tile_m,
-            core::slice::from_raw_parts_mut(tile_offsets, 2 * (groups + 1)),
-        )
-    };
+            first,
+            (tiles_before, odd_before),
+            core::slice::from_raw_parts_mut(tile_offsets.add(first), end - first),
+            core::slice::from_raw_parts_mut(tile_offsets.add(groups + 1 + first), end - first),
+        );
+        if lane == 0 {
+            *tile_offsets.add(groups) = tiles_total;
+            *tile_offsets.add(2 * groups + 1) = odd_total;
+        }
+    }
 }

@@ -74,6 +74,30 @@ pub unsafe fn shfl_idx_u32(value: u32, src_lane: u32) -> u32 {
     out
 }
 
+/// Exclusive prefix sum of `value` over the warp's lanes in lane order (lane 0 gets 0), and the
+/// warp's total: five `shfl.sync.idx` steps (Hillis–Steele), integer sums, so the same words as
+/// a serial sum in lane order.
+///
+/// # Safety
+/// As [`shfl_xor_u32`]: all 32 lanes execute this same call, in warp-uniform control flow.
+#[inline(always)]
+pub unsafe fn warp_exclusive_sum_u32(value: u32) -> (u32, u32) {
+    let lane = super::sreg::lane_id();
+    let mut inclusive = value;
+    let mut distance = 1;
+    while distance < 32 {
+        // SAFETY: caller contract: every lane takes this step.
+        let below = unsafe { shfl_idx_u32(inclusive, lane.saturating_sub(distance)) };
+        if lane >= distance {
+            inclusive = inclusive.wrapping_add(below);
+        }
+        distance *= 2;
+    }
+    // SAFETY: as above.
+    let total = unsafe { shfl_idx_u32(inclusive, 31) };
+    (inclusive.wrapping_sub(value), total)
+}
+
 /// `vote.sync.ballot.b32`: bit i set when lane i's `predicate` is true.
 ///
 /// # Safety
