@@ -1816,7 +1816,8 @@ pub(crate) mod work_order_model {
         //! data gradient from every rank's queue, rank after rank; then every compute block of
         //! the launch walks the routed weight-gradient tiles of every rank, product by product,
         //! rank after rank (`weight_gradient_walk`, the kernel's own function); then it meets
-        //! its pair's spare warps at the final cluster barrier and combines its rank's tokens. A tile of rank q waits on rank q's counters; a combine token on the
+        //! its pair's blocks and spare warps at the final cluster barrier and combines its
+        //! rank's tokens. A tile of rank q waits on rank q's counters; a combine token on the
         //! gate/up-dgrad parts of its slots' M tiles on their owners (whose epilogues push the
         //! rows) and on its own rank's shared gate/up-dgrad tile. (The shared expert's weight
         //! gradients, on the rank's own blocks after the routed ones, are `backward`'s.)
