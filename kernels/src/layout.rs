@@ -14,6 +14,8 @@
 //!    prefix sums) and its total; [`expert_offsets`] prefixes the totals over experts;
 //! 3. [`slot_position`]: a slot's row = its expert's offset + its chunk's base + its rank.
 
+use crate::tiles::write_span_prefix;
+
 /// Tokens per routing chunk: one block ranks one chunk sequentially (k·64 shared-memory
 /// increments), and the chunk-count matrix stays small (T/64 × E).
 pub const ROUTE_CHUNK_TOKENS: u32 = 64;
@@ -128,48 +130,22 @@ pub fn scan_expert_column(chunk_counts: &mut [u32], expert: usize, num_experts: 
 }
 
 /// Exclusive prefix sums over experts: `row_offsets[e]` is expert e's first row (with
-/// `row_offsets[E]` the total), `tile_offsets[e]` its first M tile of height `tile_m`. (The
-/// routing's scan computes the same words with a warp: `tiles::warp_lane_span`,
-/// [`expert_offset_sums`], [`write_expert_offsets`].)
+/// `row_offsets[E]` the total), `tile_offsets[e]` its first M tile of height `tile_m`: the
+/// exclusive prefix of [`expert_rows_and_tiles`]. (The routing's scan computes the same words
+/// with a warp: `tiles::warp_lane_span`, `tiles::span_sums`, `tiles::write_span_prefix`.)
 pub fn expert_offsets(counts: &[u32], row_offsets: &mut [u32], tile_offsets: &mut [u32], tile_m: u32) {
     let experts = counts.len();
-    let (rows, tiles) =
-        write_expert_offsets(counts, tile_m, 0, (0, 0), &mut row_offsets[..experts], &mut tile_offsets[..experts]);
+    let item = |e| expert_rows_and_tiles(counts, e, tile_m);
+    let (rows, tiles) = write_span_prefix(0, (0, 0), (&mut row_offsets[..experts], &mut tile_offsets[..experts]), item);
     row_offsets[experts] = rows;
     tile_offsets[experts] = tiles;
 }
 
-/// The rows and M tiles of experts `first..end` (a lane's part of [`expert_offsets`]). Only
-/// loads: their latencies overlap.
+/// Expert `e`'s rows and its M tiles of height `tile_m`: the two counts whose exclusive prefix
+/// [`expert_offsets`] writes.
 #[inline(always)]
-pub fn expert_offset_sums(counts: &[u32], tile_m: u32, (first, end): (usize, usize)) -> (u32, u32) {
-    let (mut rows, mut tiles) = (0u32, 0u32);
-    for &count in &counts[first..end] {
-        rows += count;
-        tiles += count.div_ceil(tile_m);
-    }
-    (rows, tiles)
-}
-
-/// [`expert_offsets`]' words for experts `first ..first + row_offsets.len()`, given the rows and
-/// tiles before `first` (the two slices as long). Returns the counts after the last of them.
-#[inline(always)]
-pub fn write_expert_offsets(
-    counts: &[u32],
-    tile_m: u32,
-    first: usize,
-    (mut rows, mut tiles): (u32, u32),
-    row_offsets: &mut [u32],
-    tile_offsets: &mut [u32],
-) -> (u32, u32) {
-    for (i, (row_offset, tile_offset)) in row_offsets.iter_mut().zip(tile_offsets.iter_mut()).enumerate() {
-        *row_offset = rows;
-        *tile_offset = tiles;
-        let count = counts[first + i];
-        rows += count;
-        tiles += count.div_ceil(tile_m);
-    }
-    (rows, tiles)
+pub fn expert_rows_and_tiles(counts: &[u32], e: usize, tile_m: u32) -> (u32, u32) {
+    (counts[e], counts[e].div_ceil(tile_m))
 }
 
 /// The row of a slot: its expert's first row + its chunk's base in that expert + its rank.
@@ -181,6 +157,7 @@ pub fn slot_position(expert_row_offset: u32, chunk_base: u32, rank_in_chunk: u32
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::tiles::span_sums;
 
     /// The whole layout on the CPU, composed from the step functions the kernels use.
     fn layout(ids: &[i32], tokens: usize, k: usize, experts: usize) -> (Vec<u32>, Vec<u32>) {
@@ -298,19 +275,13 @@ mod tests {
             let (mut rows, mut tiles) = (vec![0; experts + 1], vec![0; experts + 1]);
             expert_offsets(&counts, &mut rows, &mut tiles, 128);
             let (mut warp_rows, mut warp_tiles) = (vec![u32::MAX; experts + 1], vec![u32::MAX; experts + 1]);
+            let item = |e| expert_rows_and_tiles(&counts, e, 128);
             let mut before = (0, 0);
             for lane in 0..32 {
-                let span = crate::tiles::warp_lane_span(experts, lane);
-                let sums = expert_offset_sums(&counts, 128, span);
-                let (first, end) = span;
-                let after = write_expert_offsets(
-                    &counts,
-                    128,
-                    first,
-                    before,
-                    &mut warp_rows[first..end],
-                    &mut warp_tiles[first..end],
-                );
+                let (first, end) = crate::tiles::warp_lane_span(experts, lane);
+                let sums = span_sums((first, end), item);
+                let after =
+                    write_span_prefix(first, before, (&mut warp_rows[first..end], &mut warp_tiles[first..end]), item);
                 before = (before.0 + sums.0, before.1 + sums.1);
                 assert_eq!(after, before, "{experts} experts, lane {lane}");
             }

@@ -52,21 +52,24 @@ pub fn group_of_tile(tile_offsets: &[u32], tile: u32) -> Option<usize> {
 /// The sm_90 engine's tile offsets for tiles of `tile_m` rows, from `row_offsets[0..=G]`:
 /// `tile_offsets[0..=G]` the first tile of each group, then `tile_offsets[G+1..=2G+1]` the
 /// number of groups before each whose tile count is odd (from which the engine counts its pairs
-/// of blocks). `tile_offsets` holds `2 · (G + 1)` words. (`mok_tile_offsets` computes the same
-/// words with a warp: [`warp_lane_span`], [`engine_tile_sums`], [`write_engine_tile_offsets`].)
+/// of blocks). `tile_offsets` holds `2 · (G + 1)` words: the exclusive prefix of
+/// [`engine_group_counts`]. (`mok_tile_offsets` computes the same words with a warp:
+/// [`warp_lane_span`], [`span_sums`], [`write_span_prefix`].)
 pub fn engine_tile_offsets(row_offsets: &[u32], tile_m: u32, tile_offsets: &mut [u32]) {
     let groups = row_offsets.len() - 1;
     let (first_tiles, odd_before) = tile_offsets.split_at_mut(groups + 1);
-    let (tiles, odd) = write_engine_tile_offsets(
-        row_offsets,
-        tile_m,
-        0,
-        (0, 0),
-        &mut first_tiles[..groups],
-        &mut odd_before[..groups],
-    );
+    let counts = |g| engine_group_counts(row_offsets, g, tile_m);
+    let (tiles, odd) = write_span_prefix(0, (0, 0), (&mut first_tiles[..groups], &mut odd_before[..groups]), counts);
     first_tiles[groups] = tiles;
     odd_before[groups] = odd;
+}
+
+/// Group `g`'s M tiles of height `tile_m`, and 1 if that count is odd: the two counts whose
+/// exclusive prefix [`engine_tile_offsets`] writes.
+#[inline(always)]
+pub fn engine_group_counts(row_offsets: &[u32], g: usize, tile_m: u32) -> (u32, u32) {
+    let tiles = (row_offsets[g + 1] - row_offsets[g]).div_ceil(tile_m);
+    (tiles, tiles % 2)
 }
 
 /// The items `first..end` that lane `lane` of a warp takes when the warp prefixes `items`
@@ -79,45 +82,34 @@ pub fn warp_lane_span(items: usize, lane: usize) -> (usize, usize) {
     (first, (first + per).min(items))
 }
 
-/// Group `g`'s M tiles of height `tile_m`.
+/// The sums of the two counts `item(i)` over items `first..end` (a lane's part of a warp's
+/// prefix). Only loads where `item` loads: their latencies overlap.
 #[inline(always)]
-fn group_tiles(row_offsets: &[u32], g: usize, tile_m: u32) -> u32 {
-    (row_offsets[g + 1] - row_offsets[g]).div_ceil(tile_m)
-}
-
-/// The M tiles of groups `first..end` and how many of those groups have an odd count (a lane's
-/// part of [`engine_tile_offsets`]). Only loads: their latencies overlap.
-#[inline(always)]
-pub fn engine_tile_sums(row_offsets: &[u32], tile_m: u32, (first, end): (usize, usize)) -> (u32, u32) {
-    let (mut tiles, mut odd) = (0u32, 0u32);
-    for g in first..end {
-        let group = group_tiles(row_offsets, g, tile_m);
-        tiles += group;
-        odd += group % 2;
+pub fn span_sums((first, end): (usize, usize), item: impl Fn(usize) -> (u32, u32)) -> (u32, u32) {
+    let mut sums = (0u32, 0u32);
+    for i in first..end {
+        let (a, b) = item(i);
+        sums = (sums.0 + a, sums.1 + b);
     }
-    (tiles, odd)
+    sums
 }
 
-/// [`engine_tile_offsets`]' words for groups `first ..first + first_tiles.len()`, given the tiles
-/// and odd-tile groups before `first`: `first_tiles[i]` and `odd_before[i]` are group
-/// `first + i`'s (the two slices as long). Returns the counts after the last of them.
+/// The exclusive prefix of the two counts `item(i)` for items `first ..first + out.0.len()`,
+/// starting from `before` (the sums over the items before `first`): `out.0[j]` and `out.1[j]`
+/// are item `first + j`'s (the two slices as long). Returns the sums after the last of them.
 #[inline(always)]
-pub fn write_engine_tile_offsets(
-    row_offsets: &[u32],
-    tile_m: u32,
+pub fn write_span_prefix(
     first: usize,
-    (mut tiles, mut odd): (u32, u32),
-    first_tiles: &mut [u32],
-    odd_before: &mut [u32],
+    mut before: (u32, u32),
+    out: (&mut [u32], &mut [u32]),
+    item: impl Fn(usize) -> (u32, u32),
 ) -> (u32, u32) {
-    for (i, (first_tile, odd_count)) in first_tiles.iter_mut().zip(odd_before.iter_mut()).enumerate() {
-        *first_tile = tiles;
-        *odd_count = odd;
-        let group = group_tiles(row_offsets, first + i, tile_m);
-        tiles += group;
-        odd += group % 2;
+    for (j, (a_out, b_out)) in out.0.iter_mut().zip(out.1.iter_mut()).enumerate() {
+        (*a_out, *b_out) = before;
+        let (a, b) = item(first + j);
+        before = (before.0 + a, before.1 + b);
     }
-    (tiles, odd)
+    before
 }
 
 #[cfg(test)]
@@ -137,24 +129,19 @@ mod tests {
     /// lane's sums, their exclusive prefix, each lane's writes, lane 0's totals.
     fn warp_engine_tile_offsets(row_offsets: &[u32], tile_m: u32) -> Vec<u32> {
         let groups = row_offsets.len() - 1;
-        let spans: Vec<_> = (0..32).map(|lane| warp_lane_span(groups, lane)).collect();
-        let sums: Vec<_> = spans.iter().map(|&span| engine_tile_sums(row_offsets, tile_m, span)).collect();
+        let counts = |g| engine_group_counts(row_offsets, g, tile_m);
         let mut out = vec![u32::MAX; 2 * (groups + 1)];
-        let (mut tiles, mut odd) = (0, 0);
-        for (&(first, end), &(lane_tiles, lane_odd)) in spans.iter().zip(&sums) {
+        let mut before = (0, 0);
+        for lane in 0..32 {
+            let (first, end) = warp_lane_span(groups, lane);
+            let sums = span_sums((first, end), counts);
             let (first_tiles, odd_before) = out.split_at_mut(groups + 1);
-            let after = write_engine_tile_offsets(
-                row_offsets,
-                tile_m,
-                first,
-                (tiles, odd),
-                &mut first_tiles[first..end],
-                &mut odd_before[first..end],
-            );
-            (tiles, odd) = (tiles + lane_tiles, odd + lane_odd);
-            assert_eq!(after, (tiles, odd), "a lane's writes end where its sums say");
+            let after =
+                write_span_prefix(first, before, (&mut first_tiles[first..end], &mut odd_before[first..end]), counts);
+            before = (before.0 + sums.0, before.1 + sums.1);
+            assert_eq!(after, before, "a lane's writes end where its sums say");
         }
-        (out[groups], out[2 * groups + 1]) = (tiles, odd);
+        (out[groups], out[2 * groups + 1]) = before;
         out
     }
 

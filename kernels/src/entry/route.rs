@@ -4,7 +4,7 @@
 use crate::device::{store_chunk_counters, zero_chunk_counters};
 use crate::layout::{self, NO_ROW};
 use crate::ptx::{smem, sreg, sync};
-use crate::tiles::{GEMM_TILE_M, warp_lane_span};
+use crate::tiles::{GEMM_TILE_M, engine_group_counts, span_sums, warp_lane_span, write_span_prefix};
 
 /// Step 1. One block per chunk of `ROUTE_CHUNK_TOKENS` tokens (`RANK_CHUNK_THREADS` threads;
 /// its first warp ranks), dynamic shared memory for `num_experts` u32 counters: writes
@@ -128,18 +128,16 @@ pub(crate) unsafe fn scan_block(
         // is per warp); each lane writes its own run's words, lane 0 also the totals.
         unsafe {
             let counts = core::slice::from_raw_parts(expert_counts, experts);
+            let item = |e| layout::expert_rows_and_tiles(counts, e, GEMM_TILE_M);
             let (first, end) = warp_lane_span(experts, thread);
-            let (rows, tiles) = layout::expert_offset_sums(counts, GEMM_TILE_M, (first, end));
+            let (rows, tiles) = span_sums((first, end), item);
             let (rows_before, rows_total) = sync::warp_exclusive_sum_u32(rows);
             let (tiles_before, tiles_total) = sync::warp_exclusive_sum_u32(tiles);
-            layout::write_expert_offsets(
-                counts,
-                GEMM_TILE_M,
-                first,
-                (rows_before, tiles_before),
+            let out = (
                 core::slice::from_raw_parts_mut(row_offsets.add(first), end - first),
                 core::slice::from_raw_parts_mut(tile_offsets.add(first), end - first),
             );
+            write_span_prefix(first, (rows_before, tiles_before), out, item);
             if thread == 0 {
                 *row_offsets.add(experts) = rows_total;
                 *tile_offsets.add(experts) = tiles_total;
@@ -244,18 +242,16 @@ pub unsafe extern "ptx-kernel" fn mok_tile_offsets(
     // branch above is per warp); each lane writes its own run's words, lane 0 also the totals.
     unsafe {
         let rows = core::slice::from_raw_parts(row_offsets, groups + 1);
+        let item = |g| engine_group_counts(rows, g, tile_m);
         let (first, end) = warp_lane_span(groups, lane);
-        let (tiles, odd) = crate::tiles::engine_tile_sums(rows, tile_m, (first, end));
+        let (tiles, odd) = span_sums((first, end), item);
         let (tiles_before, tiles_total) = sync::warp_exclusive_sum_u32(tiles);
         let (odd_before, odd_total) = sync::warp_exclusive_sum_u32(odd);
-        crate::tiles::write_engine_tile_offsets(
-            rows,
-            tile_m,
-            first,
-            (tiles_before, odd_before),
+        let out = (
             core::slice::from_raw_parts_mut(tile_offsets.add(first), end - first),
             core::slice::from_raw_parts_mut(tile_offsets.add(groups + 1 + first), end - first),
         );
+        write_span_prefix(first, (tiles_before, odd_before), out, item);
         if lane == 0 {
             *tile_offsets.add(groups) = tiles_total;
             *tile_offsets.add(2 * groups + 1) = odd_total;
