@@ -69,7 +69,7 @@ impl Default for MegakernelOptions {
 /// the frontier shapes; the backward too on kimi and glm, while qwen's ran 4–10 % faster with
 /// 4 or 8 (its large dx combine then runs under the weight gradients, docs/PERF.md); across
 /// ranks (P = 8) 4 per rank in both passes measured slower than 0, and in the backward alone 2
-/// per rank within noise of 0 and 4 per rank 4–7 % slower.
+/// per rank −1 % to +4 % and 4 per rank 3–8 % slower.
 pub const DEFAULT_COMM_BLOCKS: u32 = 0;
 
 /// Faults a test can inject into the next passes of one rank (feature `testing`; set per pass:
@@ -1552,7 +1552,7 @@ pub(crate) mod work_order_model {
                 }
                 if q == SPARE_LEAVES || q == BARRIER {
                     // Once per agent, its last unit before any combine; a block arrives as it
-                    // takes it.
+                    // takes it (its last tile may still be finishing, which always completes).
                     if who.taken[q] > 0 {
                         return None;
                     }
@@ -1836,6 +1836,9 @@ pub(crate) mod work_order_model {
         /// arrival and wait (before its consumers' combine).
         const SPARE_LEAVES: usize = 10;
         const BARRIER: usize = 11;
+        /// Where those two count in `Who::taken`: `BARRIER_TAKEN + q`, past the weight-gradient
+        /// queues' entries (`3 · P` of them, P ≤ 8).
+        const BARRIER_TAKEN: usize = 20;
         /// Queue of product `w`'s tiles of rank `q` (P ≤ 8).
         const fn wgrad(w: usize, q: usize, ranks: usize) -> usize {
             16 + w * ranks + q
@@ -1919,8 +1922,8 @@ pub(crate) mod work_order_model {
                 let p = self.ranks.len();
                 if q == SPARE_LEAVES || q == BARRIER {
                     // Once per agent, its last unit before any combine; a block arrives as it
-                    // takes it. (Counted past the weight gradients' `taken` entries.)
-                    let taken = &mut who.taken[20 + q];
+                    // takes it (its last tile may still be finishing, which always completes).
+                    let taken = &mut who.taken[BARRIER_TAKEN + q];
                     if *taken > 0 {
                         return None;
                     }
@@ -2021,6 +2024,7 @@ pub(crate) mod work_order_model {
                 let share_tiles = case % 2 == 0;
                 let with_shared = case % 4 < 2;
                 let ranks = 1 + rng.below(8);
+                assert!(3 * ranks <= BARRIER_TAKEN + SPARE_LEAVES, "the barrier's `taken` entries stay apart");
                 let experts = 1 + rng.below(4);
                 let wgrad_tiles = 1 + rng.below(5);
                 // Every rank's ring: 1 to 6 M tiles, each of one of its experts (an expert

@@ -162,7 +162,18 @@ mod tests {
             for tile_m in [64, 128] {
                 let mut serial = vec![u32::MAX; 2 * (groups + 1)];
                 engine_tile_offsets(&rows, tile_m, &mut serial);
-                assert_eq!(warp_engine_tile_offsets(&rows, tile_m), serial, "{groups} groups, tile_m {tile_m}");
+                // Written out here, apart from the pieces both of them use.
+                let (mut expected, mut tiles, mut odd) = (vec![0; 2 * (groups + 1)], 0, 0);
+                for g in 0..=groups {
+                    (expected[g], expected[groups + 1 + g]) = (tiles, odd);
+                    if g < groups {
+                        let group = (rows[g + 1] - rows[g]).div_ceil(tile_m);
+                        tiles += group;
+                        odd += group % 2;
+                    }
+                }
+                assert_eq!(serial, expected, "{groups} groups, tile_m {tile_m}");
+                assert_eq!(warp_engine_tile_offsets(&rows, tile_m), expected, "{groups} groups, tile_m {tile_m}");
             }
         }
         // Every lane's span, together, covers the items once, in order.

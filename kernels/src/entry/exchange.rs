@@ -88,17 +88,19 @@ pub unsafe extern "ptx-kernel" fn mok_ep_route_chunks(params: *const ExchangePar
     };
 }
 
-/// Step 1b (one block of up to 1024 threads per rank): the routing layout's scan
+/// Step 1b (one block of 32 to 1024 threads per rank): the routing layout's scan
 /// (`mok_route_scan` over the acting rank's heap regions).
 ///
 /// # Safety
-/// As [`mok_ep_route_chunks`], after it.
+/// As [`mok_ep_route_chunks`]' parameters, after it; one block per rank, each of 32 to 1024
+/// threads (its first warp whole: the prefix's shuffles name every lane).
 #[unsafe(no_mangle)]
 pub unsafe extern "ptx-kernel" fn mok_ep_route_scan(params: *const ExchangeParams, first_rank: u32) {
     // SAFETY: caller contract.
     let view = unsafe { view(params, first_rank) };
     let (p, r) = (view.params, &view.params.regions);
-    // SAFETY: as in `mok_ep_route_chunks`; every thread of the block runs this kernel to here.
+    // SAFETY: as in `mok_ep_route_chunks`; one block with a whole first warp (caller
+    // contract), every thread of which runs this kernel to here.
     unsafe {
         super::route::scan_block(
             view.local(r.chunk_counts),

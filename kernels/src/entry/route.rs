@@ -79,7 +79,8 @@ pub(crate) unsafe fn rank_chunks_block(
 /// `tile_offsets[E+1]` (tiles of `GEMM_TILE_M` rows). `expert_counts[E]` gets the totals.
 ///
 /// # Safety
-/// Pointers must cover `[chunks·E]`, `[E]`, `[E+1]` and `[E+1]` u32.
+/// Pointers must cover `[chunks·E]`, `[E]`, `[E+1]` and `[E+1]` u32; the launch is one block
+/// of 32 to 1024 threads (its first warp whole: the prefix's shuffles name every lane).
 #[unsafe(no_mangle)]
 pub unsafe extern "ptx-kernel" fn mok_route_scan(
     chunk_counts: *mut u32,
@@ -89,7 +90,8 @@ pub unsafe extern "ptx-kernel" fn mok_route_scan(
     row_offsets: *mut u32,
     tile_offsets: *mut u32,
 ) {
-    // SAFETY: caller contract; every thread of the block runs this kernel to here.
+    // SAFETY: caller contract (one block with a whole first warp); every thread of the block
+    // runs this kernel to here.
     unsafe { scan_block(chunk_counts, num_chunks, num_experts, expert_counts, row_offsets, tile_offsets) };
 }
 
@@ -158,8 +160,8 @@ unsafe fn warp_pair_prefix(
     // SAFETY: caller contract: the whole warp.
     let ((a_before, a_total), (b_before, b_total)) =
         unsafe { (sync::warp_exclusive_sum_u32(a), sync::warp_exclusive_sum_u32(b)) };
-    // SAFETY: caller contract: the run `first..end` lies inside `items`; the lanes' runs are
-    // disjoint, so each lane's slices are its own.
+    // SAFETY: `warp_lane_span` keeps the run `first..end` inside `items`, which `out` covers
+    // (caller contract); the lanes' runs are disjoint, so each lane's slices are its own.
     let run = unsafe {
         (
             core::slice::from_raw_parts_mut(out.0.add(first), end - first),

@@ -75,8 +75,8 @@ pub unsafe fn shfl_idx_u32(value: u32, src_lane: u32) -> u32 {
 }
 
 /// Exclusive prefix sum of `value` over the warp's lanes in lane order (lane 0 gets 0), and the
-/// warp's total: five `shfl.sync.idx` steps (Hillis–Steele), integer sums, so the same words as
-/// a serial sum in lane order.
+/// warp's total: five `shfl.sync.idx` scan steps (Hillis–Steele) and one broadcast of lane 31's
+/// sum; integer sums, so the same words as a serial sum in lane order.
 ///
 /// # Safety
 /// As [`shfl_xor_u32`]: all 32 lanes execute this same call, in warp-uniform control flow.
