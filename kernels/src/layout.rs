@@ -276,9 +276,9 @@ mod tests {
             expert_offsets(&counts, &mut rows, &mut tiles, 128);
             // Written out here, apart from the pieces both of them use.
             let mut expected = (vec![0; experts + 1], vec![0; experts + 1]);
-            for e in 0..experts {
-                expected.0[e + 1] = expected.0[e] + counts[e];
-                expected.1[e + 1] = expected.1[e] + counts[e].div_ceil(128);
+            for (e, &count) in counts.iter().enumerate() {
+                expected.0[e + 1] = expected.0[e] + count;
+                expected.1[e + 1] = expected.1[e] + count.div_ceil(128);
             }
             assert_eq!((&rows, &tiles), (&expected.0, &expected.1), "{experts} experts");
             let (mut warp_rows, mut warp_tiles) = (vec![u32::MAX; experts + 1], vec![u32::MAX; experts + 1]);
