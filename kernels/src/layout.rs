@@ -14,7 +14,7 @@
 //!    prefix sums) and its total; [`expert_offsets`] prefixes the totals over experts;
 //! 3. [`slot_position`]: a slot's row = its expert's offset + its chunk's base + its rank.
 
-use crate::tiles::write_span_prefix;
+use crate::tiles::write_prefix;
 
 /// Tokens per routing chunk: one block ranks one chunk sequentially (k·64 shared-memory
 /// increments), and the chunk-count matrix stays small (T/64 × E).
@@ -134,11 +134,7 @@ pub fn scan_expert_column(chunk_counts: &mut [u32], expert: usize, num_experts: 
 /// exclusive prefix of [`expert_rows_and_tiles`]. (The routing's scan computes the same words
 /// with a warp: `tiles::warp_lane_span`, `tiles::span_sums`, `tiles::write_span_prefix`.)
 pub fn expert_offsets(counts: &[u32], row_offsets: &mut [u32], tile_offsets: &mut [u32], tile_m: u32) {
-    let experts = counts.len();
-    let item = |e| expert_rows_and_tiles(counts, e, tile_m);
-    let (rows, tiles) = write_span_prefix(0, (0, 0), (&mut row_offsets[..experts], &mut tile_offsets[..experts]), item);
-    row_offsets[experts] = rows;
-    tile_offsets[experts] = tiles;
+    write_prefix(counts.len(), (row_offsets, tile_offsets), |e| expert_rows_and_tiles(counts, e, tile_m));
 }
 
 /// Expert `e`'s rows and its M tiles of height `tile_m`: the two counts whose exclusive prefix
@@ -157,7 +153,7 @@ pub fn slot_position(expert_row_offset: u32, chunk_base: u32, rank_in_chunk: u32
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tiles::span_sums;
+    use crate::tiles::{span_sums, write_span_prefix};
 
     /// The whole layout on the CPU, composed from the step functions the kernels use.
     fn layout(ids: &[i32], tokens: usize, k: usize, experts: usize) -> (Vec<u32>, Vec<u32>) {

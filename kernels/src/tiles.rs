@@ -58,10 +58,16 @@ pub fn group_of_tile(tile_offsets: &[u32], tile: u32) -> Option<usize> {
 pub fn engine_tile_offsets(row_offsets: &[u32], tile_m: u32, tile_offsets: &mut [u32]) {
     let groups = row_offsets.len() - 1;
     let (first_tiles, odd_before) = tile_offsets.split_at_mut(groups + 1);
-    let counts = |g| engine_group_counts(row_offsets, g, tile_m);
-    let (tiles, odd) = write_span_prefix(0, (0, 0), (&mut first_tiles[..groups], &mut odd_before[..groups]), counts);
-    first_tiles[groups] = tiles;
-    odd_before[groups] = odd;
+    write_prefix(groups, (first_tiles, odd_before), |g| engine_group_counts(row_offsets, g, tile_m));
+}
+
+/// The exclusive prefix of the two counts `item(i)` over `items` items, then their totals:
+/// `out.0[0..=items]` and `out.1[0..=items]` (one thread; a warp splits it into
+/// [`span_sums`] and [`write_span_prefix`] per lane).
+#[inline(always)]
+pub fn write_prefix(items: usize, out: (&mut [u32], &mut [u32]), item: impl Fn(usize) -> (u32, u32)) {
+    let (a, b) = out;
+    (a[items], b[items]) = write_span_prefix(0, (0, 0), (&mut a[..items], &mut b[..items]), item);
 }
 
 /// Group `g`'s M tiles of height `tile_m`, and 1 if that count is odd: the two counts whose
