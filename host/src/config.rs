@@ -35,8 +35,10 @@ pub const ROW_ALIGN_ELEMS: usize = 8;
 /// shared memory (4 bytes each, 32 KiB).
 pub const MAX_EXPERTS: usize = 8192;
 
-/// Largest k accepted: the routing kernel checks a token's ids for duplicates in O(k²) steps.
+/// Largest k accepted: the routing kernel checks a token's ids for duplicates in O(k²) steps,
+/// and the megakernels' combines hold a token's slots two per lane.
 pub const MAX_TOP_K: usize = 64;
+const _: () = assert!(MAX_TOP_K <= mok_kernels::megakernel_layout::MAX_COMBINE_SLOTS as usize);
 /// The widest hidden, intermediate or shared-expert width: far above any model's, and low
 /// enough that a row's bytes, its bulk copies' byte counts (32-bit on the device) and the
 /// unfused GEMMs' `grid.y` (64 columns per block, at most 65 535) never overflow.

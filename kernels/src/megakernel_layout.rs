@@ -457,6 +457,10 @@ pub fn row_chunk(claimed: u32, shared_tiles: u32, tokens: u32, tile_offsets: &[u
     RowChunk::Routed { tile, first, end }
 }
 
+/// Most slots per token the megakernels' combines take: a warp holds a token's slots two per
+/// lane (`device::rows::WarpSlots`). The layer's `MAX_TOP_K` is at most this.
+pub const MAX_COMBINE_SLOTS: u32 = 64;
+
 /// Stored parts that complete an M tile of `rows` rows in a GEMM of `n_tiles` N tiles: each N
 /// tile's consumer warpgroups with rows (64 each) count once.
 pub const fn parts_per_m_tile(n_tiles: u32, rows: u32) -> u32 {

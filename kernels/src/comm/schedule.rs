@@ -82,6 +82,16 @@ pub fn rows_in_tile(row_offsets: &[u32], tile_offsets: &[u32], tile: u32, tile_m
     Some((row_offsets[expert + 1] - first).min(tile_m))
 }
 
+/// The M tile holding row `row` and that tile's rows: [`tile_of_row`] and [`rows_in_tile`] of
+/// it, from one search (the row's group is the tile's). `None` past the last row.
+#[inline]
+pub fn tile_and_rows_of_row(row_offsets: &[u32], tile_offsets: &[u32], row: u32, tile_m: u32) -> Option<(u32, u32)> {
+    let group = group_of_tile(row_offsets, row)?;
+    let tile_in_group = (row - row_offsets[group]) / tile_m;
+    let first = row_offsets[group] + tile_in_group * tile_m;
+    Some((tile_offsets[group] + tile_in_group, (row_offsets[group + 1] - first).min(tile_m)))
+}
+
 /// Rows that the token tile `ids` (whole tokens of `k` slots) sends to rank `rank`: the rows
 /// whose combine results `rank` pushes back, i.e. what the token owner waits for from it.
 #[inline]
@@ -153,6 +163,23 @@ mod tests {
         }
         for (tile, &n) in per_tile.iter().enumerate() {
             assert_eq!(Some(n), rows_in_tile(&rows, &tiles, tile as u32, 64));
+        }
+    }
+
+    #[test]
+    fn one_search_finds_the_two_searches_tile_and_rows() {
+        // Groups of 0 to 300 rows (empty ones among them), tiles of 1, 64 and 128 rows.
+        let counts: Vec<u32> = (0..97u32).map(|g| (g * 37 + g * g * 11) % 301 * u32::from(g % 5 != 2)).collect();
+        for tile_m in [1, 64, 128] {
+            let groups = counts.len();
+            let (mut rows, mut tiles, mut base) = (vec![0; groups + 1], vec![0; groups + 1], vec![0; groups + 1]);
+            let total = owner_offsets(&counts, 1, groups, tile_m, &mut rows, &mut tiles, &mut base);
+            for row in 0..total {
+                let tile = tile_of_row(&rows, &tiles, row, tile_m).unwrap();
+                let expected = (tile, rows_in_tile(&rows, &tiles, tile, tile_m).unwrap());
+                assert_eq!(tile_and_rows_of_row(&rows, &tiles, row, tile_m), Some(expected), "row {row}");
+            }
+            assert_eq!(tile_and_rows_of_row(&rows, &tiles, total, tile_m), None);
         }
     }
 

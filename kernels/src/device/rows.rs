@@ -7,6 +7,7 @@ use crate::megakernel_layout::SwigluBackwardRows;
 use crate::num::{bf16x2_hi, bf16x2_lo};
 use crate::ptx::convert::f32x2_to_bf16x2;
 use crate::ptx::memory::{ld_global_v4, st_global_v4};
+use crate::ptx::sync::shfl_idx_u32;
 
 /// Slots whose rows are loaded together before any is added (the loads are independent; the
 /// sums stay in slot order).
@@ -33,6 +34,42 @@ pub unsafe fn combine_quads<const Q: usize>(
     rows: *const f32,
     base: *const f32,
     token: usize,
+    columns: (usize, usize),
+    top_k: u32,
+    width: u32,
+    out: *mut u16,
+) {
+    let slot = |j: usize| {
+        let slot = token * top_k as usize + j;
+        // SAFETY: slot < T·k (caller contract).
+        let row = unsafe { *slot_row.add(slot) };
+        if row == NO_ROW || topk_weights.is_null() {
+            return (row, 1.0);
+        }
+        // SAFETY: as above.
+        (row, unsafe { *topk_weights.add(slot) })
+    };
+    // SAFETY: caller contract.
+    unsafe { combine_quads_of::<Q, SLOTS_IN_FLIGHT>(slot, rows, base, token, columns, top_k, width, out) };
+}
+
+/// [`combine_quads`] with each slot's row and weight from `slot(j)` (`NO_ROW` for a dropped
+/// slot, whose weight is not used), `B` slots' rows loaded before any is added. The same
+/// additions in the same order for every `B` and `Q`, so the same bits.
+///
+/// # Safety
+/// As [`combine_quads`], with `slot(j)` for `j < k` the row of slot j of the token (or `NO_ROW`)
+/// and its weight, except that columns at or past `width` are skipped (`column + 4 ≤ width` is
+/// not required). `slot` is called in the same order, with the same `j`, on every thread that
+/// calls this with the same `token` and `top_k`, whatever its columns: it may be a warp-wide
+/// shuffle when the whole warp calls this together for one token.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn combine_quads_of<const Q: usize, const B: usize>(
+    slot: impl Fn(usize) -> (u32, f32),
+    rows: *const f32,
+    base: *const f32,
+    token: usize,
     (column, stride): (usize, usize),
     top_k: u32,
     width: u32,
@@ -53,22 +90,19 @@ pub unsafe fn combine_quads<const Q: usize>(
     }
     let mut first = 0;
     while first < k {
-        let mut weights = [0.0f32; SLOTS_IN_FLIGHT];
-        let mut landed = [false; SLOTS_IN_FLIGHT];
-        let mut values = [[[0u32; 4]; Q]; SLOTS_IN_FLIGHT];
-        for b in 0..SLOTS_IN_FLIGHT {
-            let slot = token * k + first + b;
+        let mut weights = [0.0f32; B];
+        let mut landed = [false; B];
+        let mut values = [[[0u32; 4]; Q]; B];
+        for b in 0..B {
             if first + b >= k {
                 continue;
             }
-            // SAFETY: slot < T·k.
-            let row = unsafe { *slot_row.add(slot) };
+            let (row, weight) = slot(first + b);
             if row == NO_ROW {
                 continue;
             }
             landed[b] = true;
-            // SAFETY: slot < T·k.
-            weights[b] = if topk_weights.is_null() { 1.0 } else { unsafe { *topk_weights.add(slot) } };
+            weights[b] = weight;
             for (q, v) in values[b].iter_mut().enumerate() {
                 if inside(q) {
                     // SAFETY: row < R; the columns inside the row.
@@ -76,7 +110,7 @@ pub unsafe fn combine_quads<const Q: usize>(
                 }
             }
         }
-        for b in 0..SLOTS_IN_FLIGHT {
+        for b in 0..B {
             if landed[b] {
                 for (a, v) in acc.iter_mut().zip(&values[b]) {
                     a[0] += weights[b] * f32::from_bits(v[0]);
@@ -86,7 +120,7 @@ pub unsafe fn combine_quads<const Q: usize>(
                 }
             }
         }
-        first += SLOTS_IN_FLIGHT;
+        first += B;
     }
     for (q, a) in acc.iter().enumerate() {
         if inside(q) {
@@ -97,6 +131,61 @@ pub unsafe fn combine_quads<const Q: usize>(
                 *at.add(1) = f32x2_to_bf16x2(a[2], a[3]);
             }
         }
+    }
+}
+
+/// A token's slots as a warp holds them for its combine: lane j holds slot j's row and weight
+/// in `[0]` and slot 32 + j's in `[1]` (`NO_ROW` for a dropped slot or one past k; weight 1
+/// without weights). Every lane reads any slot with a shuffle, so a combine's loads wait on no
+/// memory read of their addresses, and each lane can work on its own slots side by side.
+#[derive(Clone, Copy)]
+pub struct WarpSlots {
+    rows: [u32; 2],
+    weights: [f32; 2],
+}
+
+impl WarpSlots {
+    /// The slots of `token`, lane `lane`'s two.
+    ///
+    /// # Safety
+    /// `slot_row` `[T·k]`, `topk_weights` `[T·k]` or null; `token < T`; `top_k ≤`
+    /// [`MAX_COMBINE_SLOTS`](crate::megakernel_layout::MAX_COMBINE_SLOTS).
+    #[inline(always)]
+    pub unsafe fn load(slot_row: *const u32, topk_weights: *const f32, token: u32, top_k: u32, lane: u32) -> Self {
+        let mut slots = WarpSlots { rows: [NO_ROW; 2], weights: [1.0; 2] };
+        for half in 0..2 {
+            let j = lane + 32 * half as u32;
+            if j < top_k {
+                let slot = token as usize * top_k as usize + j as usize;
+                // SAFETY: slot < T·k (caller contract).
+                let row = unsafe { *slot_row.add(slot) };
+                slots.rows[half] = row;
+                if row != NO_ROW && !topk_weights.is_null() {
+                    // SAFETY: as above.
+                    slots.weights[half] = unsafe { *topk_weights.add(slot) };
+                }
+            }
+        }
+        slots
+    }
+
+    /// The row of this lane's slot `lane + 32 · half` (`half` 0 or 1).
+    #[inline(always)]
+    pub fn own_row(&self, half: usize) -> u32 {
+        self.rows[half]
+    }
+
+    /// Slot `j`'s row and weight, for every lane.
+    ///
+    /// # Safety
+    /// All 32 lanes call it with the same `j <`
+    /// [`MAX_COMBINE_SLOTS`](crate::megakernel_layout::MAX_COMBINE_SLOTS), in warp-uniform
+    /// control flow.
+    #[inline(always)]
+    pub unsafe fn slot(&self, j: u32) -> (u32, f32) {
+        let (row, weight) = if j < 32 { (self.rows[0], self.weights[0]) } else { (self.rows[1], self.weights[1]) };
+        // SAFETY: caller contract.
+        unsafe { (shfl_idx_u32(row, j % 32), f32::from_bits(shfl_idx_u32(weight.to_bits(), j % 32))) }
     }
 }
 

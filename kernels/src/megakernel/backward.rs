@@ -26,7 +26,8 @@ use crate::comm::error::{
 use crate::comm::params::ExchangeParams;
 use crate::comm::wait::{signal, wait_until};
 use crate::device::rows::{
-    combine_quads, copy_row, dot_row, gather_scaled_row, gather_scaled_row_and_dot, swiglu_backward_octets,
+    WarpSlots, combine_quads_of, copy_row, dot_row, gather_scaled_row, gather_scaled_row_and_dot,
+    swiglu_backward_octets,
 };
 use crate::gemm::engine::run_backward_phases;
 use crate::gemm::hooks::{BackwardHandover, slot_row_complete};
@@ -40,7 +41,7 @@ use crate::ptx::memory::atom_add_relaxed_gpu_u32;
 use crate::ptx::{signal as warp, sreg, sync};
 use crate::tiles::group_of_tile;
 
-use super::comm::{publish_chunk, stored_tile_of_row, wait_for_shared_tile};
+use super::comm::{publish_chunk, wait_for_shared_tile, wait_for_token_rows};
 
 /// The gather, by a whole warp: row chunks ([`row_chunk`]: 16 rows) taken one at a time from
 /// `gather_next` — the shared expert's M tiles first (its dy copy), then the routed ones, 8
@@ -231,13 +232,14 @@ pub unsafe fn swiglu_backward_chunks(b: &BackwardParams, pass: &PassInputs, spar
 }
 
 /// The dx combine, by a whole warp (comm blocks after their gather, compute blocks' consumer
-/// warps after their GEMM phases): tokens taken one at a time from `combine_next`; each lane
+/// warps after their GEMM phases): tokens taken one at a time from `combine_next`; the warp
 /// waits (bounded, acquire) until each routed slot's row is there — on one GPU until the gate/up
-/// dgrad tile holding it is stored, across ranks until its `slot_ready` flag says every gate/up
-/// dgrad tile of its row has pushed its part from its epilogue
-/// ([`slot_row_complete`]) — then the warp sums `dx[t] = bf16(shared_dx[t] +
-/// Σ_j d_in[row(t,j)])` with [`combine_quads`] (the shared term first, slots in order: the bits
-/// of `mok_combine_slots`). A dropped slot's d_topk_weight is written here, as 0; across ranks
+/// dgrad tiles holding them are stored ([`wait_for_token_rows`]), across ranks, lane by lane,
+/// until each slot's `slot_ready` flag says every gate/up dgrad tile of its row has pushed its
+/// part from its epilogue ([`slot_row_complete`]) — then the warp sums `dx[t] =
+/// bf16(shared_dx[t] + Σ_j d_in[row(t,j)])` with [`combine_quads_of`], the slots' rows held in
+/// lanes ([`WarpSlots`]) (the shared term first, slots in order: the bits of
+/// `mok_combine_slots`). A dropped slot's d_topk_weight is written here, as 0; across ranks
 /// every routed slot's too, `⟨dy[t], combine_slots[t·k+j]⟩` (the forward's slot row, the bits of
 /// the one-GPU gather's dot product).
 ///
@@ -256,7 +258,6 @@ pub unsafe fn combine_dx<const RANKS: bool>(b: &BackwardParams, pass: &PassInput
     // `warp_sum_f32`.
     unsafe {
         let p = &*(b.gate_up_dgrad as *const GemmParams);
-        let n_tiles = p.n.div_ceil(TILE_N);
         let lane = sreg::lane_id();
         let (slot_row, error) = (b.slot_row as *const u32, b.error as *mut u32);
         loop {
@@ -265,17 +266,19 @@ pub unsafe fn combine_dx<const RANKS: bool>(b: &BackwardParams, pass: &PassInput
             if token >= pass.tokens {
                 return;
             }
-            for j in 0..b.top_k {
-                let slot = token * b.top_k + j;
-                let row = *slot_row.add(slot as usize);
-                if row == NO_ROW {
-                    if lane == 0 {
-                        *(b.d_topk_weights as *mut f32).add(slot as usize) = 0.0;
-                    }
-                    continue;
-                }
-                match view {
-                    Some(v) if RANKS => {
+            let slots = WarpSlots::load(slot_row, core::ptr::null(), token, b.top_k, lane);
+            match view {
+                Some(v) if RANKS => {
+                    // Lane by lane (the lanes may leave their waits apart): no shuffle in here
+                    // but the dot products' sums, which every lane reaches for every routed slot.
+                    for j in 0..b.top_k {
+                        let slot = token * b.top_k + j;
+                        if *slot_row.add(slot as usize) == NO_ROW {
+                            if lane == 0 {
+                                *(b.d_topk_weights as *mut f32).add(slot as usize) = 0.0;
+                            }
+                            continue;
+                        }
                         let regions = &v.params.regions;
                         // The slot-weight gradient from the forward's slot row (still in place:
                         // the dx rows land in their own slot buffer).
@@ -300,19 +303,23 @@ pub unsafe fn combine_dx<const RANKS: bool>(b: &BackwardParams, pass: &PassInput
                             error::record(error, [ERROR_TIMEOUT, WAIT_SLOT_READY, owner, slot, whole, seen, b.rank, 0]);
                         }
                     }
-                    _ => {
-                        if b.work & WORK_GEMMS == 0 {
-                            continue;
+                }
+                _ => {
+                    // A dropped slot's d_topk_weight, by the lane holding the slot.
+                    for half in 0..2 {
+                        let j = lane + 32 * half as u32;
+                        if j < b.top_k && slots.own_row(half) == NO_ROW {
+                            *(b.d_topk_weights as *mut f32).add((token * b.top_k + j) as usize) = 0.0;
                         }
-                        let (tile, expected) = stored_tile_of_row(p, row, n_tiles);
-                        let counter = (b.gate_up_dgrad_stored as *const u32).add(tile as usize);
-                        let timeout_ns = downstream_deadline(b.timeout_ns, 3);
-                        if let Err(seen) = wait_until(counter, false, timeout_ns, error, |v| v >= expected) {
-                            error::record(
-                                error,
-                                [ERROR_TIMEOUT, WAIT_ENGINE_TILE_GATE_UP_DGRAD, 0, tile, expected, seen, 0, 0],
-                            );
-                        }
+                    }
+                    if b.work & WORK_GEMMS != 0 {
+                        wait_for_token_rows(
+                            &slots,
+                            (p, b.gate_up_dgrad_stored as *const u32),
+                            b.top_k,
+                            (downstream_deadline(b.timeout_ns, 3), error),
+                            WAIT_ENGINE_TILE_GATE_UP_DGRAD,
+                        );
                     }
                 }
             }
@@ -325,11 +332,13 @@ pub unsafe fn combine_dx<const RANKS: bool>(b: &BackwardParams, pass: &PassInput
                     WAIT_SHARED_TILE_GATE_UP_DGRAD,
                 );
             }
-            let mut column = 4 * lane;
-            while column < b.hidden {
-                combine_quads::<2>(
-                    slot_row,
-                    core::ptr::null(),
+            // As the forward's combine: two column groups, 4 slots' rows in flight per lane.
+            // Every lane takes every step (the slots' shuffles need the whole warp); a lane's
+            // columns past the row are skipped inside.
+            let mut first_column = 0;
+            while first_column < b.hidden {
+                combine_quads_of::<2, 4>(
+                    |j| slots.slot(j as u32),
                     // Across ranks the owners pushed the dx rows into this rank's slot buffer.
                     match view {
                         Some(v) if RANKS => v.local::<f32>(v.params.regions.dx_slots) as *const f32,
@@ -337,12 +346,12 @@ pub unsafe fn combine_dx<const RANKS: bool>(b: &BackwardParams, pass: &PassInput
                     },
                     pass.shared_rows as *const f32,
                     token as usize,
-                    (column as usize, 4 * 32),
+                    ((first_column + 4 * lane) as usize, 4 * 32),
                     b.top_k,
                     b.hidden,
                     b.dx as *mut u16,
                 );
-                column += 2 * 4 * 32;
+                first_column += 2 * 4 * 32;
             }
         }
     }

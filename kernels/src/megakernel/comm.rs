@@ -12,16 +12,16 @@
 use crate::comm::RankView;
 use crate::comm::error::{self, ERROR_TIMEOUT, WAIT_ENGINE_TILE_OUTPUT, WAIT_SHARED_TILE_OUTPUT, WAIT_SLOT_READY};
 use crate::comm::params::ExchangeParams;
-use crate::comm::schedule::{rows_in_tile, tile_of_row};
+use crate::comm::schedule::tile_and_rows_of_row;
 use crate::comm::wait::{signal, wait_until};
-use crate::device::rows::{combine_quads, copy_row};
+use crate::device::rows::{WarpSlots, combine_quads_of, copy_row};
 use crate::gemm::hooks::slot_row_complete;
 use crate::gemm_layout::{GemmParams, TILE_M, TILE_N};
 use crate::layout::NO_ROW;
 use crate::megakernel_layout::{
     ForwardParams, PassInputs, RowChunk, WORK_COPY_ROWS, WORK_GEMMS, downstream_deadline, parts_per_m_tile, row_chunk,
 };
-use crate::ptx::memory::atom_add_relaxed_gpu_u32;
+use crate::ptx::memory::{atom_add_relaxed_gpu_u32, fence_acq_rel_gpu, ld_relaxed_gpu_u32};
 use crate::ptx::{signal as warp, sreg, sync};
 
 /// The rank's view of the symmetric heap, when the pass has ranks.
@@ -49,9 +49,94 @@ pub(super) unsafe fn stored_tile_of_row(p: &GemmParams, row: u32, n_tiles: u32) 
             core::slice::from_raw_parts(p.tile_offsets as *const u32, groups),
         )
     };
-    // A row below the row count lies in a group, so both lookups find it.
-    let tile = tile_of_row(row_offsets, tile_offsets, row, TILE_M).unwrap_or(0);
-    (tile, parts_per_m_tile(n_tiles, rows_in_tile(row_offsets, tile_offsets, tile, TILE_M).unwrap_or(0)))
+    // A row below the row count lies in a group, so the lookup finds it.
+    let (tile, rows) = tile_and_rows_of_row(row_offsets, tile_offsets, row, TILE_M).unwrap_or((0, 0));
+    (tile, parts_per_m_tile(n_tiles, rows))
+}
+
+/// Slots whose counters a lane reads before it compares any ([`wait_for_token_rows`]).
+const POLLS_IN_FLIGHT: u32 = 8;
+
+/// One GPU, by a whole warp: a combine's bounded wait until the M tiles holding the routed rows
+/// of the token in `slots` are stored (`stored`: the per-M-tile counts of the GEMM whose rows the
+/// combine sums, `plan` that GEMM's parameter block); the rows are then visible to every lane.
+///
+/// Each lane finds the counter and the parts that complete it for its own slots (the searches
+/// of all slots side by side), then every lane reads every slot's counter (relaxed, up to
+/// [`POLLS_IN_FLIGHT`] reads in flight). When all have reached their parts, one acquire fence
+/// per lane makes every row visible to it — a token whose rows are stored costs a few round
+/// trips, not one search and one acquire per slot. Otherwise (a tile still running) every lane
+/// waits slot by slot with acquire polls, for at most `deadline_ns` each, and a failed wait
+/// records `code` with the tile, the parts expected and the count seen.
+///
+/// # Safety
+/// `plan` is a row-grouped plan's parameter block whose offsets were written before the launch,
+/// every routed row of `slots` below its row count; `stored` holds a count per M tile of it;
+/// `error` is the rank's record; `top_k ≤` [`MAX_COMBINE_SLOTS`](crate::megakernel_layout::MAX_COMBINE_SLOTS); all 32 lanes call it with the same
+/// arguments.
+#[inline(always)]
+pub(super) unsafe fn wait_for_token_rows(
+    slots: &WarpSlots,
+    (plan, stored): (&GemmParams, *const u32),
+    top_k: u32,
+    (deadline_ns, error): (u64, *mut u32),
+    code: u32,
+) {
+    let n_tiles = plan.n.div_ceil(TILE_N);
+    // This lane's slots' M tiles and parts (tile NO_ROW for a slot without a row).
+    let mut tiles = [NO_ROW; 2];
+    let mut parts = [0u32; 2];
+    for half in 0..2 {
+        let row = slots.own_row(half);
+        if row != NO_ROW {
+            // SAFETY: caller contract: a routed row below the plan's row count.
+            (tiles[half], parts[half]) = unsafe { stored_tile_of_row(plan, row, n_tiles) };
+        }
+    }
+    // Slot j's tile and parts, for every lane (warp-uniform j).
+    let wanted = |j: u32| {
+        let half = (j >= 32) as usize;
+        // SAFETY: all 32 lanes, the same j (caller contract: warp-uniform calls).
+        unsafe { (sync::shfl_idx_u32(tiles[half], j % 32), sync::shfl_idx_u32(parts[half], j % 32)) }
+    };
+    let mut stored_all = true;
+    let mut first = 0;
+    while first < top_k {
+        let mut seen = [0u32; POLLS_IN_FLIGHT as usize];
+        let mut expected = [0u32; POLLS_IN_FLIGHT as usize];
+        for b in 0..POLLS_IN_FLIGHT {
+            if first + b < top_k {
+                let (tile, tile_parts) = wanted(first + b);
+                if tile != NO_ROW {
+                    expected[b as usize] = tile_parts;
+                    // SAFETY: a count per M tile of the plan (caller contract).
+                    seen[b as usize] = unsafe { ld_relaxed_gpu_u32(stored.add(tile as usize)) };
+                }
+            }
+        }
+        for b in 0..POLLS_IN_FLIGHT as usize {
+            stored_all &= seen[b] >= expected[b];
+        }
+        first += POLLS_IN_FLIGHT;
+    }
+    // The same decision on every lane (their reads may have seen different counts).
+    // SAFETY: all 32 lanes (caller contract).
+    if unsafe { sync::ballot(!stored_all) } == 0 {
+        fence_acq_rel_gpu();
+        return;
+    }
+    for j in 0..top_k {
+        let (tile, expected) = wanted(j);
+        if tile == NO_ROW {
+            continue;
+        }
+        // SAFETY: as above; `error` the rank's record.
+        unsafe {
+            if let Err(seen) = wait_until(stored.add(tile as usize), false, deadline_ns, error, |v| v >= expected) {
+                error::record(error, [ERROR_TIMEOUT, code, 0, tile, expected, seen, 0, 0]);
+            }
+        }
+    }
 }
 
 /// Dispatch, by a whole warp: row chunks ([`row_chunk`]: 16 rows) taken one at a time from
@@ -186,12 +271,14 @@ pub(super) unsafe fn wait_for_shared_tile(
 }
 
 /// The combine, by a whole warp (comm blocks after their dispatch, compute blocks' consumer
-/// warps after their GEMM phases): tokens taken one at a time from `combine_next`; each lane
+/// warps after their GEMM phases): tokens taken one at a time from `combine_next`; the warp
 /// waits (bounded, acquire) until every slot of the token is there — on one GPU until the down
-/// tile holding it is stored, across ranks until its `slot_ready` flag says every down tile of
-/// its row has pushed its part ([`slot_row_complete`]) — then the warp sums the token's row 4
-/// columns per lane with [`combine_quads`] — the shared term first, slots in order — the same
-/// arithmetic, and so the same bits, as `mok_combine_slots`.
+/// tiles holding them are stored ([`wait_for_token_rows`]), across ranks, lane by lane, until each
+/// slot's `slot_ready` flag says every down tile of its row has pushed its part
+/// ([`slot_row_complete`]) — then the warp sums the token's row 4 columns per lane with
+/// [`combine_quads_of`], the slots' rows and weights held in lanes ([`WarpSlots`]) — the shared
+/// term first, slots in order — the same arithmetic, and so the same bits, as
+/// `mok_combine_slots`.
 ///
 /// Across ranks a wait stops early when the owner's error record is set (it will not push); it
 /// then records nothing itself, so the owner's record names the cause. Once this rank's own
@@ -203,10 +290,9 @@ pub(super) unsafe fn wait_for_shared_tile(
 #[inline(always)]
 pub unsafe fn combine(f: &ForwardParams, pass: &PassInputs, view: Option<&RankView>) {
     // SAFETY: caller contract; all 32 lanes, which take the same tokens (the claim is broadcast;
-    // the per-lane waits rejoin), so every lane reaches each `shfl_idx_u32`.
+    // the per-lane waits rejoin), so every lane reaches each shuffle and ballot.
     unsafe {
         let down = &*(f.down as *const GemmParams);
-        let n_tiles = down.n.div_ceil(TILE_N);
         let lane = sreg::lane_id();
         let (slot_row, error) = (f.slot_row as *const u32, f.error as *mut u32);
         loop {
@@ -215,31 +301,27 @@ pub unsafe fn combine(f: &ForwardParams, pass: &PassInputs, view: Option<&RankVi
             if token >= pass.tokens {
                 return;
             }
+            let slots = WarpSlots::load(slot_row, pass.topk_weights as *const f32, token, f.top_k, lane);
             // Without GEMMs (the comm side timed alone) the combine sums the rows as they are:
             // the pushes are the down tiles' epilogues.
-            for j in 0..if f.work & WORK_GEMMS != 0 { f.top_k } else { 0 } {
-                let slot = token * f.top_k + j;
-                let row = *slot_row.add(slot as usize);
-                if row == NO_ROW {
-                    continue;
-                }
-                match view {
-                    None => {
-                        // A routed slot's row is below the row count.
-                        let (tile, expected) = stored_tile_of_row(down, row, n_tiles);
-                        let counter = (f.down_stored as *const u32).add(tile as usize);
-                        let timeout_ns = downstream_deadline(f.timeout_ns, 2);
-                        if let Err(seen) = wait_until(counter, false, timeout_ns, error, |v| v >= expected) {
-                            error::record(
-                                error,
-                                [ERROR_TIMEOUT, WAIT_ENGINE_TILE_OUTPUT, 0, tile, expected, seen, 0, 0],
-                            );
+            match view {
+                None if f.work & WORK_GEMMS != 0 => wait_for_token_rows(
+                    &slots,
+                    (down, f.down_stored as *const u32),
+                    f.top_k,
+                    (downstream_deadline(f.timeout_ns, 2), error),
+                    WAIT_ENGINE_TILE_OUTPUT,
+                ),
+                None => {}
+                Some(v) => {
+                    // Lane by lane (the lanes may leave their waits apart): no shuffle in here.
+                    for j in 0..if f.work & WORK_GEMMS != 0 { f.top_k } else { 0 } {
+                        let slot = token * f.top_k + j;
+                        // Once this rank has failed its sum is void: no more waiting (each
+                        // wait would run to its deadline on a silent owner).
+                        if *slot_row.add(slot as usize) == NO_ROW || error::has_error(error) {
+                            continue;
                         }
-                    }
-                    // Once this rank has failed its sum is void: no more waiting (each wait
-                    // would run to its deadline on a silent owner).
-                    Some(_) if error::has_error(error) => {}
-                    Some(v) => {
                         let regions = &v.params.regions;
                         let owner = *v.local::<u32>(regions.topk_ids).add(slot as usize) / v.params.local_experts;
                         let owner_error = v.peer::<u32>(regions.error, owner);
@@ -266,23 +348,23 @@ pub unsafe fn combine(f: &ForwardParams, pass: &PassInputs, view: Option<&RankVi
                 None => f.down_rows as *const f32,
                 Some(v) => v.local::<f32>(v.params.regions.combine_slots),
             };
-            let (weights, base) = (pass.topk_weights as *const f32, pass.shared_rows as *const f32);
-            // Two groups of 4 columns per lane per step (more loads in flight).
-            let mut column = 4 * lane;
-            while column < f.hidden {
-                let columns = (column as usize, 4 * 32);
-                combine_quads::<2>(
-                    slot_row,
-                    weights,
+            // Two groups of 4 columns per lane per step, 4 slots' rows loaded together (8 loads in
+            // flight per lane), their rows and weights shuffled from the lanes holding them.
+            // Every lane takes every step (the slots' shuffles need the whole warp); a lane's
+            // columns past the row are skipped inside.
+            let mut first_column = 0;
+            while first_column < f.hidden {
+                combine_quads_of::<2, 4>(
+                    |j| slots.slot(j as u32),
                     rows,
-                    base,
+                    pass.shared_rows as *const f32,
                     token as usize,
-                    columns,
+                    ((first_column + 4 * lane) as usize, 4 * 32),
                     f.top_k,
                     f.hidden,
                     f.y as *mut u16,
                 );
-                column += 2 * 4 * 32;
+                first_column += 2 * 4 * 32;
             }
         }
     }
