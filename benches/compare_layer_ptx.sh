@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # One device call, several builds of the kernels, the whole layer: the ceilings and the PyTorch
 # layer once, then mok's layer benchmark once per PTX file given (loaded through MOK_PTX), each
-# with the backends of $GEMM (default engine,megakernel). Run from the bundle's benches/ folder:
+# with the backends of $GEMM (default engine,megakernel), over $RANKS virtual ranks when set (the
+# layer bench's --ranks: then GEMM names mma or megakernel backends). Run from the bundle's
+# benches/ folder:
 #   CASES=kimi:8192 GEMM=engine,megakernel:0 ./compare_layer_ptx.sh a.ptx b.ptx
+#   RANKS=8 CASES=qwen:8192 GEMM=megakernels ./compare_layer_ptx.sh a.ptx b.ptx
 # Logs go to $OUT (or ./bench-logs); the last lines are the tables, each row prefixed with its PTX
 # (and its run number from the second run of the same PTX on).
 set -euo pipefail
@@ -34,7 +37,8 @@ for ptx in "$@"; do
     name="${names[$i]}"
     i=$((i + 1))
     MOK_PTX="$ptx" "$layer_bin" --cases "$cases" --gemm "$backends" --baseline "$out/baseline.txt" \
-        --matmul-tflops "$matmul" --copy-tbps "$copy" > "$out/layer-$name.log" 2>&1 || echo "$name: FAILED (see layer-$name.log)"
+        --matmul-tflops "$matmul" --copy-tbps "$copy" ${RANKS:+--ranks "$RANKS"} > "$out/layer-$name.log" 2>&1 ||
+        echo "$name: FAILED (see layer-$name.log)"
 done
 for name in "${names[@]}"; do
     grep "^|" "$out/layer-$name.log" | grep -v "^|---\|^| shape" | sed "s/^/$name /" || true

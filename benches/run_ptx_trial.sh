@@ -3,7 +3,7 @@
 # filters separated by spaces, default `megakernel`) on the first PTX given (loaded through MOK_PTX), optionally the same tests under
 # compute-sanitizer ($SANITIZE, a test-name filter; empty: none), then the layer benchmark of
 # every PTX given with the ceilings and the PyTorch layer measured once in the same call
-# (compare_layer_ptx.sh: $CASES, $GEMM). Run from the bundle (or a `cargo xtask gpu-subset`
+# (compare_layer_ptx.sh: $CASES, $GEMM, $RANKS). Run from the bundle (or a `cargo xtask gpu-subset`
 # folder) root:
 #   TESTS=megakernel SANITIZE=backward_megakernel_is CASES=kimi:8192,qwen:8192 GEMM=megakernels \
 #       benches/run_ptx_trial.sh new.ptx base.ptx probe.ptx

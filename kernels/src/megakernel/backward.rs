@@ -41,7 +41,7 @@ use crate::ptx::memory::atom_add_relaxed_gpu_u32;
 use crate::ptx::{signal as warp, sreg, sync};
 use crate::tiles::group_of_tile;
 
-use super::comm::{publish_chunk, wait_for_shared_tile, wait_for_token_rows};
+use super::comm::{publish_chunk, token_rows_pushed, wait_for_shared_tile, wait_for_token_rows};
 
 /// The gather, by a whole warp: row chunks ([`row_chunk`]: 16 rows) taken one at a time from
 /// `gather_next` — the shared expert's M tiles first (its dy copy), then the routed ones, 8
@@ -269,38 +269,50 @@ pub unsafe fn combine_dx<const RANKS: bool>(b: &BackwardParams, pass: &PassInput
             let slots = WarpSlots::load(slot_row, core::ptr::null(), token, b.top_k, lane);
             match view {
                 Some(v) if RANKS => {
-                    // Lane by lane (the lanes may leave their waits apart): no shuffle in here
-                    // but the dot products' sums, which every lane reaches for every routed slot.
+                    let regions = &v.params.regions;
+                    // Each slot's weight gradient from the forward's slot row (still in place: the
+                    // dx rows land in their own slot buffer); a dropped slot's is 0.
                     for j in 0..b.top_k {
                         let slot = token * b.top_k + j;
-                        if *slot_row.add(slot as usize) == NO_ROW {
+                        if slots.slot(j).0 == NO_ROW {
                             if lane == 0 {
                                 *(b.d_topk_weights as *mut f32).add(slot as usize) = 0.0;
                             }
                             continue;
                         }
-                        let regions = &v.params.regions;
-                        // The slot-weight gradient from the forward's slot row (still in place:
-                        // the dx rows land in their own slot buffer).
                         let forward_row = v.local::<f32>(regions.combine_slots).add(slot as usize * b.hidden as usize);
                         let dy = (pass.x as *const u16).add(token as usize * b.hidden as usize);
                         let total = sync::warp_sum_f32(dot_row(dy, forward_row, b.hidden, lane));
                         if lane == 0 {
                             *(b.d_topk_weights as *mut f32).add(slot as usize) = total;
                         }
-                        // Without GEMMs (the comm side timed alone) no tile pushes: sum the
-                        // slots as they are.
-                        if error::has_error(error) || b.work & WORK_GEMMS == 0 {
-                            continue;
-                        }
-                        let owner = *v.local::<u32>(regions.topk_ids).add(slot as usize) / v.params.local_experts;
-                        let owner_error = v.peer::<u32>(regions.error, owner);
-                        let flag = v.local::<u32>(regions.slot_ready).add(slot as usize);
-                        let (timeout_ns, whole) = (downstream_deadline(b.timeout_ns, 3), slot_row_complete(p.n));
-                        if let Err(seen) = wait_until(flag, v.sys(), timeout_ns, owner_error, |x| x >= whole)
-                            && !error::has_error_at(owner_error, v.sys())
-                        {
-                            error::record(error, [ERROR_TIMEOUT, WAIT_SLOT_READY, owner, slot, whole, seen, b.rank, 0]);
+                    }
+                    // Without GEMMs (the comm side timed alone) no tile pushes: sum the slots as
+                    // they are. Once this rank has failed its sum is void: no more waiting.
+                    let flags = v.local::<u32>(regions.slot_ready).add((token * b.top_k) as usize);
+                    let whole = slot_row_complete(p.n);
+                    if b.work & WORK_GEMMS != 0
+                        && !error::has_error(error)
+                        && !token_rows_pushed(&slots, flags, whole, b.top_k, v.sys())
+                    {
+                        // Lane by lane (the lanes may leave their waits apart): no shuffle in here.
+                        for j in 0..b.top_k {
+                            let slot = token * b.top_k + j;
+                            if *slot_row.add(slot as usize) == NO_ROW || error::has_error(error) {
+                                continue;
+                            }
+                            let owner = *v.local::<u32>(regions.topk_ids).add(slot as usize) / v.params.local_experts;
+                            let owner_error = v.peer::<u32>(regions.error, owner);
+                            let timeout_ns = downstream_deadline(b.timeout_ns, 3);
+                            if let Err(seen) =
+                                wait_until(flags.add(j as usize), v.sys(), timeout_ns, owner_error, |x| x >= whole)
+                                && !error::has_error_at(owner_error, v.sys())
+                            {
+                                error::record(
+                                    error,
+                                    [ERROR_TIMEOUT, WAIT_SLOT_READY, owner, slot, whole, seen, b.rank, 0],
+                                );
+                            }
                         }
                     }
                 }

@@ -21,7 +21,9 @@ use crate::layout::NO_ROW;
 use crate::megakernel_layout::{
     ForwardParams, PassInputs, RowChunk, WORK_COPY_ROWS, WORK_GEMMS, downstream_deadline, parts_per_m_tile, row_chunk,
 };
-use crate::ptx::memory::{atom_add_relaxed_gpu_u32, fence_acq_rel_gpu, ld_relaxed_gpu_u32};
+use crate::ptx::memory::{
+    atom_add_relaxed_gpu_u32, fence_acq_rel_gpu, fence_acq_rel_sys, ld_relaxed_gpu_u32, ld_relaxed_sys_u32,
+};
 use crate::ptx::{signal as warp, sreg, sync};
 
 /// The rank's view of the symmetric heap, when the pass has ranks.
@@ -242,6 +244,55 @@ pub(super) unsafe fn publish_chunk(counts: *mut u32, tile: u32, publish: bool, l
     }
 }
 
+/// Across ranks, by a whole warp: whether every routed slot of the token in `slots` already has
+/// its whole row in this rank's slot buffer (`flags[j]`, slot j's `slot_ready` flag, at least
+/// `whole`). Every lane reads every routed slot's flag (relaxed at the waits' scope, `sys` or
+/// GPU, up to [`POLLS_IN_FLIGHT`] reads in flight); when all are whole, one acquire fence per
+/// lane at that scope makes every row visible to it. `false`: a row is still coming, and the
+/// caller waits lane by lane.
+///
+/// # Safety
+/// `flags` holds the token's k flags (valid at that scope); `top_k ≤`
+/// [`MAX_COMBINE_SLOTS`](crate::megakernel_layout::MAX_COMBINE_SLOTS); all 32 lanes call it
+/// with the same arguments.
+#[inline(always)]
+pub(super) unsafe fn token_rows_pushed(
+    slots: &WarpSlots,
+    flags: *const u32,
+    whole: u32,
+    top_k: u32,
+    sys: bool,
+) -> bool {
+    let mut pushed_all = true;
+    let mut first = 0;
+    while first < top_k {
+        let mut seen = [whole; POLLS_IN_FLIGHT as usize];
+        for b in 0..POLLS_IN_FLIGHT {
+            // SAFETY: all 32 lanes, the same j (caller contract).
+            if first + b < top_k && unsafe { slots.slot(first + b) }.0 != NO_ROW {
+                // SAFETY: the token's flags (caller contract).
+                let flag = unsafe { flags.add((first + b) as usize) };
+                seen[b as usize] = unsafe { if sys { ld_relaxed_sys_u32(flag) } else { ld_relaxed_gpu_u32(flag) } };
+            }
+        }
+        for value in &seen {
+            pushed_all &= *value >= whole;
+        }
+        first += POLLS_IN_FLIGHT;
+    }
+    // The same decision on every lane (their reads may have seen different values).
+    // SAFETY: all 32 lanes (caller contract).
+    if unsafe { sync::ballot(!pushed_all) } != 0 {
+        return false;
+    }
+    if sys {
+        fence_acq_rel_sys()
+    } else {
+        fence_acq_rel_gpu()
+    }
+    true
+}
+
 /// A combine's bounded wait (acquire, for at most `deadline_ns`: the caller's
 /// `downstream_deadline`) until the shared expert's tiles of `token`'s M tile are all stored
 /// (`stored`: the counts of the shared expert's last GEMM before the combine, and that GEMM's
@@ -313,9 +364,18 @@ pub unsafe fn combine(f: &ForwardParams, pass: &PassInputs, view: Option<&RankVi
                     WAIT_ENGINE_TILE_OUTPUT,
                 ),
                 None => {}
+                Some(_) if f.work & WORK_GEMMS == 0 => {}
+                Some(v)
+                    if token_rows_pushed(
+                        &slots,
+                        v.local::<u32>(v.params.regions.slot_ready).add((token * f.top_k) as usize),
+                        slot_row_complete(down.n),
+                        f.top_k,
+                        v.sys(),
+                    ) => {}
                 Some(v) => {
                     // Lane by lane (the lanes may leave their waits apart): no shuffle in here.
-                    for j in 0..if f.work & WORK_GEMMS != 0 { f.top_k } else { 0 } {
+                    for j in 0..f.top_k {
                         let slot = token * f.top_k + j;
                         // Once this rank has failed its sum is void: no more waiting (each
                         // wait would run to its deadline on a silent owner).
