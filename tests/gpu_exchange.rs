@@ -688,8 +688,9 @@ fn ep_geometries(resident: u32, p: u32) -> Vec<(u32, Option<u32>)> {
 
 /// The expert-parallel megakernel tests' shapes, per rank (global T = that × P): ragged with
 /// dropped slots, an empty expert, the shared expert and a limit; T = 1 with k = 1; k = 10 with
-/// two empty experts; every token on three experts; k = 8 with the shared expert.
-fn ep_megakernel_cases() -> [(MoeConfig, Routing<'static>); 5] {
+/// two empty experts; every token on three experts; k = 8 with the shared expert; k = 40, so the
+/// combines' warps hold slots 32 and up in their lanes' second word.
+fn ep_megakernel_cases() -> [(MoeConfig, Routing<'static>); 6] {
     const HOT: &[usize] = &[0, 1, 3, 4, 5, 6, 7, 8, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 21, 22, 23];
     let config = |t, h, i, e, k, shared, limit| MoeConfig {
         shared_intermediate: shared,
@@ -702,6 +703,7 @@ fn ep_megakernel_cases() -> [(MoeConfig, Routing<'static>); 5] {
         (config(29, 72, 40, 24, 10, None, Some(1.5)), Routing { drop_probability: 0.05, empty_experts: &[0, 13] }),
         (config(64, 256, 192, 24, 3, Some(128), None), Routing { drop_probability: 0.0, empty_experts: HOT }),
         (config(128, 512, 256, 24, 8, Some(256), Some(1.0)), Routing { drop_probability: 0.02, empty_experts: &[5] }),
+        (config(24, 64, 64, 48, 40, None, None), Routing { drop_probability: 0.1, empty_experts: &[11] }),
     ]
 }
 

@@ -574,8 +574,9 @@ fn assert_same_run(got: &GpuRun, expected: &GpuRun, what: &str) {
 
 /// The megakernel tests' shapes: ragged (nothing a multiple of a tile) with dropped slots, an
 /// empty expert, the shared expert and a limit; k = 8 over 32 experts; T = 1 with k = 1; k = 10
-/// with two empty experts; every token on the same two experts (six empty); k = 1 at T = 1024.
-fn megakernel_cases() -> [(MoeConfig, Routing<'static>); 6] {
+/// with two empty experts; every token on the same two experts (six empty); k = 1 at T = 1024;
+/// k = 40 over 48 experts.
+fn megakernel_cases() -> [(MoeConfig, Routing<'static>); 7] {
     const HOT: &[usize] = &[2, 3, 4, 5, 6, 7];
     [
         (config(131, 72, 40, 8, 4, Some(24), Some(1.5)), Routing { drop_probability: 0.15, empty_experts: &[3] }),
@@ -584,6 +585,8 @@ fn megakernel_cases() -> [(MoeConfig, Routing<'static>); 6] {
         (config(333, 136, 96, 16, 10, None, Some(2.0)), Routing { drop_probability: 0.05, empty_experts: &[0, 9] }),
         (config(700, 256, 192, 8, 2, Some(64), None), Routing { drop_probability: 0.0, empty_experts: HOT }),
         (config(1024, 256, 192, 4, 1, None, None), PLAIN_ROUTING),
+        // k = 40: the combines' warps hold slots 32 and up in their lanes' second word.
+        (config(96, 64, 64, 48, 40, None, Some(2.0)), Routing { drop_probability: 0.1, empty_experts: &[11] }),
     ]
 }
 

@@ -85,7 +85,7 @@ pub struct ForwardParams {
     pub shared_gate_up_stored: u64,
     /// `[shared M tiles]` u32: the shared down parts stored per M tile; cleared before the pass.
     pub shared_down_stored: u64,
-    /// Slots per token k.
+    /// Slots per token k, at most [`MAX_COMBINE_SLOTS`].
     pub top_k: u32,
     /// Hidden width H (a multiple of 8).
     pub hidden: u32,
@@ -213,7 +213,7 @@ pub struct BackwardParams {
     /// How long a wait on the gather may take, in `%globaltimer` nanoseconds (waits further
     /// downstream get longer: [`downstream_deadline`]).
     pub timeout_ns: u64,
-    /// Slots per token k.
+    /// Slots per token k, at most [`MAX_COMBINE_SLOTS`].
     pub top_k: u32,
     /// Hidden width H (a multiple of 8).
     pub hidden: u32,

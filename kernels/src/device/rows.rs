@@ -144,6 +144,9 @@ pub struct WarpSlots {
     weights: [f32; 2],
 }
 
+// Two slots per lane of a warp.
+const _: () = assert!(crate::megakernel_layout::MAX_COMBINE_SLOTS == 2 * 32);
+
 impl WarpSlots {
     /// The slots of `token`, lane `lane`'s two.
     ///
@@ -173,6 +176,17 @@ impl WarpSlots {
     #[inline(always)]
     pub fn own_row(&self, half: usize) -> u32 {
         self.rows[half]
+    }
+
+    /// Slot `j`'s row, for every lane.
+    ///
+    /// # Safety
+    /// As [`Self::slot`].
+    #[inline(always)]
+    pub unsafe fn row(&self, j: u32) -> u32 {
+        let row = if j < 32 { self.rows[0] } else { self.rows[1] };
+        // SAFETY: caller contract.
+        unsafe { shfl_idx_u32(row, j % 32) }
     }
 
     /// Slot `j`'s row and weight, for every lane.

@@ -21,7 +21,7 @@
 use crate::comm::RankView;
 use crate::comm::error::{
     self, ERROR_TIMEOUT, WAIT_ENGINE_TILE_DOWN_DGRAD, WAIT_ENGINE_TILE_GATE_UP_DGRAD, WAIT_SHARED_TILE_DOWN_DGRAD,
-    WAIT_SHARED_TILE_GATE_UP_DGRAD, WAIT_SLOT_READY,
+    WAIT_SHARED_TILE_GATE_UP_DGRAD,
 };
 use crate::comm::params::ExchangeParams;
 use crate::comm::wait::{signal, wait_until};
@@ -41,7 +41,10 @@ use crate::ptx::memory::atom_add_relaxed_gpu_u32;
 use crate::ptx::{signal as warp, sreg, sync};
 use crate::tiles::group_of_tile;
 
-use super::comm::{publish_chunk, token_rows_pushed, wait_for_shared_tile, wait_for_token_rows};
+use super::comm::{
+    acquire_if_token_rows_pushed, publish_chunk, wait_for_pushes_slot_by_slot, wait_for_shared_tile,
+    wait_for_token_rows,
+};
 
 /// The gather, by a whole warp: row chunks ([`row_chunk`]: 16 rows) taken one at a time from
 /// `gather_next` — the shared expert's M tiles first (its dy copy), then the routed ones, 8
@@ -234,9 +237,10 @@ pub unsafe fn swiglu_backward_chunks(b: &BackwardParams, pass: &PassInputs, spar
 /// The dx combine, by a whole warp (comm blocks after their gather, compute blocks' consumer
 /// warps after their GEMM phases): tokens taken one at a time from `combine_next`; the warp
 /// waits (bounded, acquire) until each routed slot's row is there — on one GPU until the gate/up
-/// dgrad tiles holding them are stored ([`wait_for_token_rows`]), across ranks, lane by lane,
-/// until each slot's `slot_ready` flag says every gate/up dgrad tile of its row has pushed its
-/// part from its epilogue ([`slot_row_complete`]) — then the warp sums `dx[t] =
+/// dgrad tiles holding them are stored ([`wait_for_token_rows`]), across ranks until each slot's
+/// `slot_ready` flag says every gate/up dgrad tile of its row has pushed its part from its
+/// epilogue ([`acquire_if_token_rows_pushed`], else [`wait_for_pushes_slot_by_slot`];
+/// [`slot_row_complete`]) — then the warp sums `dx[t] =
 /// bf16(shared_dx[t] + Σ_j d_in[row(t,j)])` with [`combine_quads_of`], the slots' rows held in
 /// lanes ([`WarpSlots`]) (the shared term first, slots in order: the bits of
 /// `mok_combine_slots`). A dropped slot's d_topk_weight is written here, as 0; across ranks
@@ -247,7 +251,8 @@ pub unsafe fn swiglu_backward_chunks(b: &BackwardParams, pass: &PassInputs, spar
 /// cause), and once this rank's own record is set its combine waits for nothing more.
 ///
 /// # Safety
-/// As [`gather`]; all 32 lanes call it.
+/// As [`gather`], with `b.top_k ≤`
+/// [`MAX_COMBINE_SLOTS`](crate::megakernel_layout::MAX_COMBINE_SLOTS); all 32 lanes call it.
 #[inline(always)]
 pub unsafe fn combine_dx<const RANKS: bool>(b: &BackwardParams, pass: &PassInputs, view: Option<&RankView>) {
     if b.work & WORK_COMBINE == 0 {
@@ -274,7 +279,7 @@ pub unsafe fn combine_dx<const RANKS: bool>(b: &BackwardParams, pass: &PassInput
                     // dx rows land in their own slot buffer); a dropped slot's is 0.
                     for j in 0..b.top_k {
                         let slot = token * b.top_k + j;
-                        if slots.slot(j).0 == NO_ROW {
+                        if slots.row(j) == NO_ROW {
                             if lane == 0 {
                                 *(b.d_topk_weights as *mut f32).add(slot as usize) = 0.0;
                             }
@@ -288,32 +293,17 @@ pub unsafe fn combine_dx<const RANKS: bool>(b: &BackwardParams, pass: &PassInput
                         }
                     }
                     // Without GEMMs (the comm side timed alone) no tile pushes: sum the slots as
-                    // they are. Once this rank has failed its sum is void: no more waiting.
+                    // they are.
                     let flags = v.local::<u32>(regions.slot_ready).add((token * b.top_k) as usize);
-                    let whole = slot_row_complete(p.n);
                     if b.work & WORK_GEMMS != 0
-                        && !error::has_error(error)
-                        && !token_rows_pushed(&slots, flags, whole, b.top_k, v.sys())
+                        && !acquire_if_token_rows_pushed(&slots, flags, slot_row_complete(p.n), b.top_k, v.sys())
                     {
-                        // Lane by lane (the lanes may leave their waits apart): no shuffle in here.
-                        for j in 0..b.top_k {
-                            let slot = token * b.top_k + j;
-                            if *slot_row.add(slot as usize) == NO_ROW || error::has_error(error) {
-                                continue;
-                            }
-                            let owner = *v.local::<u32>(regions.topk_ids).add(slot as usize) / v.params.local_experts;
-                            let owner_error = v.peer::<u32>(regions.error, owner);
-                            let timeout_ns = downstream_deadline(b.timeout_ns, 3);
-                            if let Err(seen) =
-                                wait_until(flags.add(j as usize), v.sys(), timeout_ns, owner_error, |x| x >= whole)
-                                && !error::has_error_at(owner_error, v.sys())
-                            {
-                                error::record(
-                                    error,
-                                    [ERROR_TIMEOUT, WAIT_SLOT_READY, owner, slot, whole, seen, b.rank, 0],
-                                );
-                            }
-                        }
+                        wait_for_pushes_slot_by_slot(
+                            v,
+                            (slot_row, token, b.top_k),
+                            (&p.n, &b.timeout_ns, 3),
+                            (error, &b.rank),
+                        );
                     }
                 }
                 _ => {

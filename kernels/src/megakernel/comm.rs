@@ -42,7 +42,7 @@ pub unsafe fn rank_view(f: &ForwardParams) -> Option<RankView<'_>> {
 /// `p` is a row-grouped plan's parameter block whose offsets were written before the launch;
 /// `row` is below its row count.
 #[inline(always)]
-pub(super) unsafe fn stored_tile_of_row(p: &GemmParams, row: u32, n_tiles: u32) -> (u32, u32) {
+unsafe fn stored_tile_of_row(p: &GemmParams, row: u32, n_tiles: u32) -> (u32, u32) {
     let groups = p.groups as usize + 1;
     // SAFETY: caller contract: the plan's G + 1 offsets of each kind.
     let (row_offsets, tile_offsets) = unsafe {
@@ -74,8 +74,9 @@ const POLLS_IN_FLIGHT: u32 = 8;
 /// # Safety
 /// `plan` is a row-grouped plan's parameter block whose offsets were written before the launch,
 /// every routed row of `slots` below its row count; `stored` holds a count per M tile of it;
-/// `error` is the rank's record; `top_k ≤` [`MAX_COMBINE_SLOTS`](crate::megakernel_layout::MAX_COMBINE_SLOTS); all 32 lanes call it with the same
-/// arguments.
+/// `error` is the rank's record; `top_k ≤`
+/// [`MAX_COMBINE_SLOTS`](crate::megakernel_layout::MAX_COMBINE_SLOTS); all 32 lanes call it with
+/// the same arguments.
 #[inline(always)]
 pub(super) unsafe fn wait_for_token_rows(
     slots: &WarpSlots,
@@ -84,9 +85,11 @@ pub(super) unsafe fn wait_for_token_rows(
     (deadline_ns, error): (u64, *mut u32),
     code: u32,
 ) {
+    // The tile of a slot without a row: nothing to wait for.
+    const NO_COUNT: u32 = u32::MAX;
     let n_tiles = plan.n.div_ceil(TILE_N);
-    // This lane's slots' M tiles and parts (tile NO_ROW for a slot without a row).
-    let mut tiles = [NO_ROW; 2];
+    // This lane's slots' M tiles and parts.
+    let mut tiles = [NO_COUNT; 2];
     let mut parts = [0u32; 2];
     for half in 0..2 {
         let row = slots.own_row(half);
@@ -109,7 +112,7 @@ pub(super) unsafe fn wait_for_token_rows(
         for b in 0..POLLS_IN_FLIGHT {
             if first + b < top_k {
                 let (tile, tile_parts) = wanted(first + b);
-                if tile != NO_ROW {
+                if tile != NO_COUNT {
                     expected[b as usize] = tile_parts;
                     // SAFETY: a count per M tile of the plan (caller contract).
                     seen[b as usize] = unsafe { ld_relaxed_gpu_u32(stored.add(tile as usize)) };
@@ -129,7 +132,7 @@ pub(super) unsafe fn wait_for_token_rows(
     }
     for j in 0..top_k {
         let (tile, expected) = wanted(j);
-        if tile == NO_ROW {
+        if tile == NO_COUNT {
             continue;
         }
         // SAFETY: as above; `error` the rank's record.
@@ -246,17 +249,17 @@ pub(super) unsafe fn publish_chunk(counts: *mut u32, tile: u32, publish: bool, l
 
 /// Across ranks, by a whole warp: whether every routed slot of the token in `slots` already has
 /// its whole row in this rank's slot buffer (`flags[j]`, slot j's `slot_ready` flag, at least
-/// `whole`). Every lane reads every routed slot's flag (relaxed at the waits' scope, `sys` or
-/// GPU, up to [`POLLS_IN_FLIGHT`] reads in flight); when all are whole, one acquire fence per
-/// lane at that scope makes every row visible to it. `false`: a row is still coming, and the
-/// caller waits lane by lane.
+/// `whole`), and if so, an acquire of them all. Every lane reads every routed slot's flag
+/// (relaxed at the waits' scope, `sys` or GPU, up to [`POLLS_IN_FLIGHT`] reads in flight); when
+/// all are whole, one acquire fence per lane at that scope makes every row visible to it and it
+/// returns `true`. `false`: a row is still coming (nothing acquired).
 ///
 /// # Safety
 /// `flags` holds the token's k flags (valid at that scope); `top_k ≤`
 /// [`MAX_COMBINE_SLOTS`](crate::megakernel_layout::MAX_COMBINE_SLOTS); all 32 lanes call it
-/// with the same arguments.
+/// with the same arguments, in warp-uniform control flow.
 #[inline(always)]
-pub(super) unsafe fn token_rows_pushed(
+pub(super) unsafe fn acquire_if_token_rows_pushed(
     slots: &WarpSlots,
     flags: *const u32,
     whole: u32,
@@ -269,10 +272,12 @@ pub(super) unsafe fn token_rows_pushed(
         let mut seen = [whole; POLLS_IN_FLIGHT as usize];
         for b in 0..POLLS_IN_FLIGHT {
             // SAFETY: all 32 lanes, the same j (caller contract).
-            if first + b < top_k && unsafe { slots.slot(first + b) }.0 != NO_ROW {
-                // SAFETY: the token's flags (caller contract).
-                let flag = unsafe { flags.add((first + b) as usize) };
-                seen[b as usize] = unsafe { if sys { ld_relaxed_sys_u32(flag) } else { ld_relaxed_gpu_u32(flag) } };
+            if first + b < top_k && unsafe { slots.row(first + b) } != NO_ROW {
+                // SAFETY: the token's flags, valid at the scope read (caller contract).
+                seen[b as usize] = unsafe {
+                    let flag = flags.add((first + b) as usize);
+                    if sys { ld_relaxed_sys_u32(flag) } else { ld_relaxed_gpu_u32(flag) }
+                };
             }
         }
         for value in &seen {
@@ -291,6 +296,52 @@ pub(super) unsafe fn token_rows_pushed(
         fence_acq_rel_gpu()
     }
     true
+}
+
+/// Across ranks, lane by lane: a combine's bounded wait until every routed slot of token `token`
+/// has its whole row in this rank's slot buffer (its `slot_ready` flag at the N tiles of the GEMM
+/// whose rows the combine sums, `plan_n` columns: `slot_row_complete`), for when
+/// [`acquire_if_token_rows_pushed`] found a row still coming. Each lane polls each slot's flag
+/// with acquire loads for at most `downstream_deadline(timeout_ns, depth)`. A wait stops early
+/// when the slot's expert owner's error record is set (it will not push: its record names the
+/// cause, and this one records nothing), and is skipped once this rank's own record is set (its
+/// sum is void, and one silent owner then costs one deadline, not one per slot); a failed wait
+/// records `WAIT_SLOT_READY` with the owner, the slot, the flag's expected and seen values and
+/// `rank`. The plan's width, the timeout and the rank are references, read where used: taken as
+/// values, held across the waits, they made `mok_sm90_forward_ranks` spill 384 bytes.
+///
+/// # Safety
+/// `view` is the rank's; `slot_row` the pass's `[T·k]` slot rows, `token < T`; `error` the
+/// rank's record. The lanes need not be converged (no shuffle in here).
+#[inline(always)]
+pub(super) unsafe fn wait_for_pushes_slot_by_slot(
+    view: &RankView,
+    (slot_row, token, top_k): (*const u32, u32, u32),
+    (plan_n, timeout_ns, depth): (&u32, &u64, u32),
+    (error, rank): (*mut u32, &u32),
+) {
+    // SAFETY: caller contract.
+    unsafe {
+        // Lane by lane (the lanes may leave their waits apart): no shuffle in here.
+        for j in 0..top_k {
+            let slot = token * top_k + j;
+            // Once this rank has failed its sum is void: no more waiting (each wait would run to
+            // its deadline on a silent owner).
+            if *slot_row.add(slot as usize) == NO_ROW || error::has_error(error) {
+                continue;
+            }
+            let regions = &view.params.regions;
+            let owner = *view.local::<u32>(regions.topk_ids).add(slot as usize) / view.params.local_experts;
+            let owner_error = view.peer::<u32>(regions.error, owner);
+            let flag = view.local::<u32>(regions.slot_ready).add(slot as usize);
+            let (timeout_ns, whole) = (downstream_deadline(*timeout_ns, depth), slot_row_complete(*plan_n));
+            if let Err(seen) = wait_until(flag, view.sys(), timeout_ns, owner_error, |x| x >= whole)
+                && !error::has_error_at(owner_error, view.sys())
+            {
+                error::record(error, [ERROR_TIMEOUT, WAIT_SLOT_READY, owner, slot, whole, seen, *rank, 0]);
+            }
+        }
+    }
 }
 
 /// A combine's bounded wait (acquire, for at most `deadline_ns`: the caller's
@@ -324,9 +375,10 @@ pub(super) unsafe fn wait_for_shared_tile(
 /// The combine, by a whole warp (comm blocks after their dispatch, compute blocks' consumer
 /// warps after their GEMM phases): tokens taken one at a time from `combine_next`; the warp
 /// waits (bounded, acquire) until every slot of the token is there — on one GPU until the down
-/// tiles holding them are stored ([`wait_for_token_rows`]), across ranks, lane by lane, until each
-/// slot's `slot_ready` flag says every down tile of its row has pushed its part
-/// ([`slot_row_complete`]) — then the warp sums the token's row 4 columns per lane with
+/// tiles holding them are stored ([`wait_for_token_rows`]), across ranks until each slot's
+/// `slot_ready` flag says every down tile of its row has pushed its part
+/// ([`acquire_if_token_rows_pushed`], else [`wait_for_pushes_slot_by_slot`];
+/// [`slot_row_complete`]) — then the warp sums the token's row 4 columns per lane with
 /// [`combine_quads_of`], the slots' rows and weights held in lanes ([`WarpSlots`]) — the shared
 /// term first, slots in order — the same arithmetic, and so the same bits, as
 /// `mok_combine_slots`.
@@ -337,7 +389,9 @@ pub(super) unsafe fn wait_for_shared_tile(
 /// one per slot).
 ///
 /// # Safety
-/// As [`dispatch`]; the caller's warp is whole (all 32 lanes call this).
+/// As [`dispatch`], with `f.top_k ≤`
+/// [`MAX_COMBINE_SLOTS`](crate::megakernel_layout::MAX_COMBINE_SLOTS); the caller's warp is
+/// whole (all 32 lanes call this).
 #[inline(always)]
 pub unsafe fn combine(f: &ForwardParams, pass: &PassInputs, view: Option<&RankView>) {
     // SAFETY: caller contract; all 32 lanes, which take the same tokens (the claim is broadcast;
@@ -366,34 +420,19 @@ pub unsafe fn combine(f: &ForwardParams, pass: &PassInputs, view: Option<&RankVi
                 None => {}
                 Some(_) if f.work & WORK_GEMMS == 0 => {}
                 Some(v)
-                    if token_rows_pushed(
+                    if acquire_if_token_rows_pushed(
                         &slots,
                         v.local::<u32>(v.params.regions.slot_ready).add((token * f.top_k) as usize),
                         slot_row_complete(down.n),
                         f.top_k,
                         v.sys(),
                     ) => {}
-                Some(v) => {
-                    // Lane by lane (the lanes may leave their waits apart): no shuffle in here.
-                    for j in 0..f.top_k {
-                        let slot = token * f.top_k + j;
-                        // Once this rank has failed its sum is void: no more waiting (each
-                        // wait would run to its deadline on a silent owner).
-                        if *slot_row.add(slot as usize) == NO_ROW || error::has_error(error) {
-                            continue;
-                        }
-                        let regions = &v.params.regions;
-                        let owner = *v.local::<u32>(regions.topk_ids).add(slot as usize) / v.params.local_experts;
-                        let owner_error = v.peer::<u32>(regions.error, owner);
-                        let flag = v.local::<u32>(regions.slot_ready).add(slot as usize);
-                        let (timeout_ns, whole) = (downstream_deadline(f.timeout_ns, 2), slot_row_complete(down.n));
-                        if let Err(seen) = wait_until(flag, v.sys(), timeout_ns, owner_error, |x| x >= whole)
-                            && !error::has_error_at(owner_error, v.sys())
-                        {
-                            error::record(error, [ERROR_TIMEOUT, WAIT_SLOT_READY, owner, slot, whole, seen, f.rank, 0]);
-                        }
-                    }
-                }
+                Some(v) => wait_for_pushes_slot_by_slot(
+                    v,
+                    (slot_row, token, f.top_k),
+                    (&down.n, &f.timeout_ns, 2),
+                    (error, &f.rank),
+                ),
             }
             if f.shared_gate_up != 0 && f.work & WORK_GEMMS != 0 && !(view.is_some() && error::has_error(error)) {
                 let shared = (f.shared_down_stored as *const u32, f.shared_down as *const GemmParams);
