@@ -377,7 +377,7 @@ fn gate_up_gathering_its_rows_in_the_producer_is_bitwise_the_engine_path() {
     // The engine path's gate/up and its gate and up weight gradients reading each row of x
     // through the routing layout in their producers (`set_gather_in_producer`: the layer holds
     // no gathered copy) give the engine path's bits: the megakernel
-    // shapes (ragged widths, dropped slots, empty and hot experts, T = 1, k = 1 and k = 10, the
+    // shapes (ragged widths, dropped slots, empty and hot experts, T = 1, k = 1, 10 and 40, the
     // shared expert, the limit: N-paired tiles, weight-gradient K tails), and H = 4096 with
     // ~150-row groups (M-paired tiles, a second M tile of a few rows). Then again on the same
     // layer, with the backward megakernel after it (whose gate and up weight gradients gather
@@ -615,7 +615,7 @@ fn each_megakernel_case(gpu: &Gpu, seed: u64, mut body: impl FnMut(&str, &MoeCon
 fn forward_megakernel_is_bitwise_the_engine_path() {
     // One persistent launch (dispatch, gate/up + SwiGLU, down, combine) must give the engine
     // path's bits — which equal the mma.sync path's — for every comm-block split and grid size,
-    // on ragged, empty and hot experts, T = 1, k = 1 and k = 10, dropped slots, the shared
+    // on ragged, empty and hot experts, T = 1, k = 1, 10 and 40, dropped slots, the shared
     // expert and the SwiGLU limit.
     let gpu = gpu();
     each_megakernel_case(&gpu, 300, |what, c, device, expected| {
@@ -978,8 +978,8 @@ fn backward_megakernel_is_bitwise_the_engine_path() {
     // One persistent launch for the routed backward (gather with d_topk_weights, the down dgrad,
     // the SwiGLU backward, the gate/up dgrad, three weight gradients, the dx combine)
     // must give the engine path's bits for every comm-block split and grid size, with fresh
-    // bf16 and accumulated f32 weight gradients, on ragged, empty and hot experts, T = 1, k = 1
-    // and k = 10, dropped slots, the shared expert and the SwiGLU limit; after either forward.
+    // bf16 and accumulated f32 weight gradients, on ragged, empty and hot experts, T = 1, k = 1,
+    // 10 and 40, dropped slots, the shared expert and the SwiGLU limit; after either forward.
     let gpu = gpu();
     let cases = megakernel_cases();
     let Some(probe) = backward_megakernel_layer(&gpu, &cases[0].0, megakernel_options(None, None), false) else {

@@ -259,7 +259,7 @@ pub unsafe fn combine_dx<const RANKS: bool>(b: &BackwardParams, pass: &PassInput
         return;
     }
     // SAFETY: caller contract; all 32 lanes, which take the same tokens and slots (the claim is
-    // broadcast; the per-lane waits rejoin), so every lane reaches each `shfl_idx_u32` and
+    // broadcast; the per-lane waits rejoin), so every lane reaches each shuffle, ballot and
     // `warp_sum_f32`.
     unsafe {
         let p = &*(b.gate_up_dgrad as *const GemmParams);
