@@ -1087,6 +1087,46 @@ pub(crate) mod work_order_model {
         (0..100).filter(|_| agent.step(world, rng)).count()
     }
 
+    /// The backward megakernel's final cluster barrier in the models: a compute block's three
+    /// spare producer warps leave (their last unit), the block arrives, and its consumers go on
+    /// to the combine only once both blocks of its pair and their spare warps are there.
+    pub(super) struct FinalBarrier {
+        /// Per compute block: its spare warps at the barrier, and whether the block arrived.
+        left: Vec<usize>,
+        arrived: Vec<bool>,
+    }
+
+    impl FinalBarrier {
+        pub(super) fn new(compute_blocks: usize) -> Self {
+            Self { left: vec![0; compute_blocks], arrived: vec![false; compute_blocks] }
+        }
+
+        /// An agent of compute block `block` taking its barrier unit (`spare`: a spare warp's
+        /// leaving; else the block's arrival), once per agent (`taken` its count for the unit):
+        /// `false` once taken. A block arrives as it takes the unit (its last tile may still be
+        /// finishing, which always completes).
+        pub(super) fn take(&mut self, taken: &mut usize, block: usize, spare: bool) -> bool {
+            if *taken > 0 {
+                return false;
+            }
+            *taken = 1;
+            if !spare {
+                self.arrived[block] = true;
+            }
+            true
+        }
+
+        /// A spare warp of `block` has left.
+        pub(super) fn leave(&mut self, block: usize) {
+            self.left[block] += 1;
+        }
+
+        /// Whether `block` may pass: its pair's blocks arrived, and their spare warps all left.
+        pub(super) fn open(&self, block: usize) -> bool {
+            [block & !1, block | 1].iter().all(|&b| self.arrived[b] && self.left[b] == 3)
+        }
+    }
+
     mod forward {
         //! The forward: each rank's comm blocks and the spare producer warps of its compute
         //! blocks (an agent each, three per block) take dispatch tiles (the shared expert's
@@ -1532,10 +1572,8 @@ pub(crate) mod work_order_model {
             /// waits for its block's spare warps), and per compute block the spare warps joined.
             gathering: bool,
             joined: Vec<usize>,
-            /// Per compute block: its spare warps at the final cluster barrier, and whether its
-            /// consumers arrived there.
-            left: Vec<usize>,
-            arrived: Vec<bool>,
+            /// The final cluster barrier.
+            barrier: FinalBarrier,
         }
 
         impl World for Backward {
@@ -1551,18 +1589,13 @@ pub(crate) mod work_order_model {
                     return Some(Unit::Join(who.compute.0));
                 }
                 if q == SPARE_LEAVES || q == BARRIER {
-                    // Once per agent, its last unit before any combine; a block arrives as it
-                    // takes it (its last tile may still be finishing, which always completes).
-                    if who.taken[q] > 0 {
-                        return None;
-                    }
-                    who.taken[q] = 1;
-                    let block = who.compute.0;
-                    if q == SPARE_LEAVES {
-                        return Some(Unit::SpareLeaves(block));
-                    }
-                    self.arrived[block] = true;
-                    return Some(Unit::Barrier(block));
+                    // Once per agent, its last unit before any combine.
+                    let (block, spare) = (who.compute.0, q == SPARE_LEAVES);
+                    return self.barrier.take(&mut who.taken[q], block, spare).then_some(if spare {
+                        Unit::SpareLeaves(block)
+                    } else {
+                        Unit::Barrier(block)
+                    });
                 }
                 if q == COMBINE {
                     let i = self.next[q];
@@ -1607,10 +1640,7 @@ pub(crate) mod work_order_model {
                 };
                 match unit {
                     Unit::Gather(..) | Unit::Join(_) | Unit::SpareLeaves(_) => true,
-                    Unit::Barrier(block) => {
-                        let pair = [block & !1, block | 1];
-                        pair.iter().all(|&b| self.arrived[b] && self.left[b] == 3)
-                    }
+                    Unit::Barrier(block) => self.barrier.open(block),
                     Unit::DownDgrad(set, m) => self.sets[set].gathered[m],
                     Unit::Swiglu(set, m) => self.sets[set].down_dgrad[m] == nd,
                     Unit::GateUpDgrad(set, m) => self.sets[set].swiglu[m] == nc,
@@ -1642,7 +1672,7 @@ pub(crate) mod work_order_model {
                     Unit::Wgrad(set, w, ..) => self.sets[set].wgrad_done[w] += 1,
                     Unit::Combine(_) => self.combined += 1,
                     Unit::Join(block) => self.joined[block] += 1,
-                    Unit::SpareLeaves(block) => self.left[block] += 1,
+                    Unit::SpareLeaves(block) => self.barrier.leave(block),
                     Unit::Barrier(_) => {}
                 }
             }
@@ -1719,8 +1749,7 @@ pub(crate) mod work_order_model {
                     next: [0; 16],
                     gathering,
                     joined: vec![0; compute_blocks],
-                    left: vec![0; compute_blocks],
-                    arrived: vec![false; compute_blocks],
+                    barrier: FinalBarrier::new(compute_blocks),
                 };
                 let mut agents: Vec<Agent<Unit>> = (0..comm_blocks)
                     .map(|_| Agent::new(Who::default(), vec![gather(SHARED), gather(ROUTED), COMBINE]))
@@ -1772,8 +1801,7 @@ pub(crate) mod work_order_model {
                 next: [0; 16],
                 gathering: false,
                 joined: vec![0; 1],
-                left: vec![0; 2],
-                arrived: vec![false; 2],
+                barrier: FinalBarrier::new(2),
             };
             world.next[gather(ROUTED)] = 1;
             world
@@ -1909,10 +1937,8 @@ pub(crate) mod work_order_model {
             n_down_dgrad: usize,
             n_chunks: usize,
             n_gate_up_dgrad: usize,
-            /// Per compute block of the launch: its spare warps at the final cluster barrier,
-            /// and whether its consumers arrived there.
-            left: Vec<usize>,
-            arrived: Vec<bool>,
+            /// The final cluster barrier (compute blocks numbered across the launch).
+            barrier: FinalBarrier,
         }
 
         impl World for BackwardRanks {
@@ -1921,19 +1947,13 @@ pub(crate) mod work_order_model {
             fn take(&mut self, who: &mut Who, q: usize) -> Option<Unit> {
                 let p = self.ranks.len();
                 if q == SPARE_LEAVES || q == BARRIER {
-                    // Once per agent, its last unit before any combine; a block arrives as it
-                    // takes it (its last tile may still be finishing, which always completes).
-                    let taken = &mut who.taken[BARRIER_TAKEN + q];
-                    if *taken > 0 {
-                        return None;
-                    }
-                    *taken = 1;
-                    let block = who.compute.0;
-                    if q == SPARE_LEAVES {
-                        return Some(Unit::SpareLeaves(block));
-                    }
-                    self.arrived[block] = true;
-                    return Some(Unit::Barrier(block));
+                    // Once per agent, its last unit before any combine.
+                    let (block, spare) = (who.compute.0, q == SPARE_LEAVES);
+                    return self.barrier.take(&mut who.taken[BARRIER_TAKEN + q], block, spare).then_some(if spare {
+                        Unit::SpareLeaves(block)
+                    } else {
+                        Unit::Barrier(block)
+                    });
                 }
                 if (16..64).contains(&q) {
                     let (w, list) = ((q - 16) / p, (q - 16) % p);
@@ -1972,10 +1992,7 @@ pub(crate) mod work_order_model {
                 let (nd, nc, ng) = (self.n_down_dgrad, self.n_chunks, self.n_gate_up_dgrad);
                 match unit {
                     Unit::Gather(..) | Unit::SpareLeaves(_) => true,
-                    Unit::Barrier(block) => {
-                        let pair = [block & !1, block | 1];
-                        pair.iter().all(|&b| self.arrived[b] && self.left[b] == 3)
-                    }
+                    Unit::Barrier(block) => self.barrier.open(block),
                     Unit::DownDgrad(r, set, m) => self.ranks[r].sets[set].gathered[m],
                     Unit::Swiglu(r, set, m) => self.ranks[r].sets[set].down_dgrad[m] == nd,
                     Unit::GateUpDgrad(r, set, m) => self.ranks[r].sets[set].swiglu[m] == nc,
@@ -2005,7 +2022,7 @@ pub(crate) mod work_order_model {
                     Unit::GateUpDgrad(r, set, m) => self.ranks[r].sets[set].gate_up_dgrad[m] += 1,
                     Unit::Wgrad(r, w, _) => self.ranks[r].wgrad_done[w] += 1,
                     Unit::Combine(r, _) => self.ranks[r].combined += 1,
-                    Unit::SpareLeaves(block) => self.left[block] += 1,
+                    Unit::SpareLeaves(block) => self.barrier.leave(block),
                     Unit::Barrier(_) => {}
                 }
             }
@@ -2067,15 +2084,14 @@ pub(crate) mod work_order_model {
                     n_down_dgrad: 1 + rng.below(3),
                     n_chunks: 1 + rng.below(3),
                     n_gate_up_dgrad: 1 + rng.below(3),
-                    left: Vec::new(),
-                    arrived: Vec::new(),
+                    barrier: FinalBarrier::new(0),
                 };
                 // The same comm blocks and 1 to 3 pairs per rank; compute blocks numbered
                 // across the launch, rank by rank (the kernel's `weight_tile_walk`).
                 let comm_blocks = rng.below(3);
                 let pairs: Vec<usize> = (0..ranks).map(|_| 1 + rng.below(3)).collect();
                 let launch_compute: usize = pairs.iter().map(|p| 2 * p).sum();
-                (world.left, world.arrived) = (vec![0; launch_compute], vec![false; launch_compute]);
+                world.barrier = FinalBarrier::new(launch_compute);
                 // A data gradient's queues: the own rank's, or every rank's in turn.
                 let walk = |q: usize| if share_tiles { (0..ranks).map(|r| of_rank(q, r)).collect() } else { vec![q] };
                 let mut compute_queues = walk(SHARED + DOWN_DGRAD);

@@ -153,7 +153,7 @@ pub fn slot_position(expert_row_offset: u32, chunk_base: u32, rank_in_chunk: u32
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tiles::{span_sums, write_span_prefix};
+    use crate::tiles::tests::warp_prefix_lane_by_lane;
 
     /// The whole layout on the CPU, composed from the step functions the kernels use.
     fn layout(ids: &[i32], tokens: usize, k: usize, experts: usize) -> (Vec<u32>, Vec<u32>) {
@@ -277,18 +277,7 @@ mod tests {
                 expected.1[e + 1] = expected.1[e] + count.div_ceil(128);
             }
             assert_eq!((&rows, &tiles), (&expected.0, &expected.1), "{experts} experts");
-            let (mut warp_rows, mut warp_tiles) = (vec![u32::MAX; experts + 1], vec![u32::MAX; experts + 1]);
-            let item = |e| expert_rows_and_tiles(&counts, e, 128);
-            let mut before = (0, 0);
-            for lane in 0..32 {
-                let (first, end) = crate::tiles::warp_lane_span(experts, lane);
-                let sums = span_sums((first, end), item);
-                let after =
-                    write_span_prefix(first, before, (&mut warp_rows[first..end], &mut warp_tiles[first..end]), item);
-                before = (before.0 + sums.0, before.1 + sums.1);
-                assert_eq!(after, before, "{experts} experts, lane {lane}");
-            }
-            (warp_rows[experts], warp_tiles[experts]) = before;
+            let [warp_rows, warp_tiles] = warp_prefix_lane_by_lane(experts, |e| expert_rows_and_tiles(&counts, e, 128));
             assert_eq!((warp_rows, warp_tiles), (rows, tiles), "{experts} experts");
         }
     }

@@ -119,7 +119,7 @@ pub fn write_span_prefix(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     #[test]
@@ -131,24 +131,28 @@ mod tests {
         assert_eq!(offsets, [0, 3, 3, 4, 6, 7, 0, 1, 1, 2, 2, 3]);
     }
 
-    /// `mok_tile_offsets`' warp decomposition, its 32 lanes run one after the other: each
-    /// lane's sums, their exclusive prefix, each lane's writes, lane 0's totals.
-    fn warp_engine_tile_offsets(row_offsets: &[u32], tile_m: u32) -> Vec<u32> {
-        let groups = row_offsets.len() - 1;
-        let counts = |g| engine_group_counts(row_offsets, g, tile_m);
-        let mut out = vec![u32::MAX; 2 * (groups + 1)];
+    /// A warp's prefix of the two counts `item(i)` over `items` items (the decomposition of
+    /// `mok_route_scan` and `mok_tile_offsets`), its 32 lanes run one after the other: each
+    /// lane's sums, their exclusive prefix, each lane's writes, lane 0's totals at `[items]`.
+    pub(crate) fn warp_prefix_lane_by_lane(items: usize, item: impl Fn(usize) -> (u32, u32) + Copy) -> [Vec<u32>; 2] {
+        let mut out = [vec![u32::MAX; items + 1], vec![u32::MAX; items + 1]];
         let mut before = (0, 0);
         for lane in 0..32 {
-            let (first, end) = warp_lane_span(groups, lane);
-            let sums = span_sums((first, end), counts);
-            let (first_tiles, odd_before) = out.split_at_mut(groups + 1);
-            let after =
-                write_span_prefix(first, before, (&mut first_tiles[first..end], &mut odd_before[first..end]), counts);
+            let (first, end) = warp_lane_span(items, lane);
+            let sums = span_sums((first, end), item);
+            let [a, b] = &mut out;
+            let after = write_span_prefix(first, before, (&mut a[first..end], &mut b[first..end]), item);
             before = (before.0 + sums.0, before.1 + sums.1);
             assert_eq!(after, before, "a lane's writes end where its sums say");
         }
-        (out[groups], out[2 * groups + 1]) = before;
+        (out[0][items], out[1][items]) = before;
         out
+    }
+
+    /// `mok_tile_offsets`' words, from [`warp_prefix_lane_by_lane`].
+    fn warp_engine_tile_offsets(row_offsets: &[u32], tile_m: u32) -> Vec<u32> {
+        let groups = row_offsets.len() - 1;
+        warp_prefix_lane_by_lane(groups, |g| engine_group_counts(row_offsets, g, tile_m)).concat()
     }
 
     #[test]

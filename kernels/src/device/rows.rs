@@ -197,9 +197,9 @@ impl WarpSlots {
     /// control flow.
     #[inline(always)]
     pub unsafe fn slot(&self, j: u32) -> (u32, f32) {
-        let (row, weight) = if j < 32 { (self.rows[0], self.weights[0]) } else { (self.rows[1], self.weights[1]) };
+        let weight = if j < 32 { self.weights[0] } else { self.weights[1] };
         // SAFETY: caller contract.
-        unsafe { (shfl_idx_u32(row, j % 32), f32::from_bits(shfl_idx_u32(weight.to_bits(), j % 32))) }
+        unsafe { (self.row(j), f32::from_bits(shfl_idx_u32(weight.to_bits(), j % 32))) }
     }
 }
 

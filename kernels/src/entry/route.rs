@@ -131,30 +131,26 @@ pub(crate) unsafe fn scan_block(
         unsafe {
             let counts = core::slice::from_raw_parts(expert_counts, experts);
             let item = |e| layout::expert_rows_and_tiles(counts, e, GEMM_TILE_M);
-            let (rows_total, tiles_total) = warp_pair_prefix(experts, thread, item, (row_offsets, tile_offsets));
-            if thread == 0 {
-                *row_offsets.add(experts) = rows_total;
-                *tile_offsets.add(experts) = tiles_total;
-            }
+            warp_pair_prefix(experts, thread, item, (row_offsets, tile_offsets));
         }
     }
 }
 
-/// The exclusive prefix of the two counts `item(i)` over `items` items, by the calling warp:
-/// lane `lane` sums its run ([`warp_lane_span`]), the warp prefixes the lanes' sums, each lane
-/// writes its run's prefixes to `out.0[i]` and `out.1[i]`. Returns the two totals (the same
-/// integer sums as the serial prefix, `tiles::write_span_prefix` over all items).
+/// The exclusive prefix of the two counts `item(i)` over `items` items, then their totals, by
+/// the calling warp — the words of the serial `tiles::write_prefix`: lane `lane` sums its run
+/// ([`warp_lane_span`]), the warp prefixes the lanes' sums, each lane writes its run's prefixes
+/// to `out.0[i]` and `out.1[i]`, and lane 0 the totals to `out.0[items]` and `out.1[items]`.
 ///
 /// # Safety
 /// All 32 lanes call it in warp-uniform control flow, `lane` being their lane; `out.0` and
-/// `out.1` hold `items` words each, which no other thread touches meanwhile.
+/// `out.1` hold `items + 1` words each, which no other thread touches meanwhile.
 #[inline(always)]
 unsafe fn warp_pair_prefix(
     items: usize,
     lane: usize,
     item: impl Fn(usize) -> (u32, u32) + Copy,
     out: (*mut u32, *mut u32),
-) -> (u32, u32) {
+) {
     let (first, end) = warp_lane_span(items, lane);
     let (a, b) = span_sums((first, end), item);
     // SAFETY: caller contract: the whole warp.
@@ -169,7 +165,10 @@ unsafe fn warp_pair_prefix(
         )
     };
     write_span_prefix(first, (a_before, b_before), run, item);
-    (a_total, b_total)
+    if lane == 0 {
+        // SAFETY: `out` holds `items + 1` words each (caller contract).
+        unsafe { (*out.0.add(items), *out.1.add(items)) = (a_total, b_total) };
+    }
 }
 
 /// Step 3. One thread per token: for each slot with a row, `slot_row[t·k+j] = row` and
@@ -269,11 +268,6 @@ pub unsafe extern "ptx-kernel" fn mok_tile_offsets(
     unsafe {
         let rows = core::slice::from_raw_parts(row_offsets, groups + 1);
         let item = |g| engine_group_counts(rows, g, tile_m);
-        let (tiles_total, odd_total) =
-            warp_pair_prefix(groups, lane, item, (tile_offsets, tile_offsets.add(groups + 1)));
-        if lane == 0 {
-            *tile_offsets.add(groups) = tiles_total;
-            *tile_offsets.add(2 * groups + 1) = odd_total;
-        }
+        warp_pair_prefix(groups, lane, item, (tile_offsets, tile_offsets.add(groups + 1)));
     }
 }

@@ -56,8 +56,55 @@ unsafe fn stored_tile_of_row(p: &GemmParams, row: u32, n_tiles: u32) -> (u32, u3
     (tile, parts_per_m_tile(n_tiles, rows))
 }
 
-/// Slots whose counters a lane reads before it compares any ([`wait_for_token_rows`]).
+/// Slots whose counts a lane reads before it compares any ([`acquire_if_counts_reached`]).
 const POLLS_IN_FLIGHT: u32 = 8;
+
+/// By a whole warp: whether every slot's count has reached its value, and if so an acquire of
+/// them all. `count(j)` is slot j's count and the value that completes it (`None`: nothing to
+/// wait for); every lane reads every slot's count (relaxed at GPU or `sys` scope, up to
+/// [`POLLS_IN_FLIGHT`] reads in flight), and when all are complete — the same decision on
+/// every lane — one acquire fence per lane at that scope makes what their releases published
+/// visible to it (relaxed reads that see the release, then the fence: the acquire pattern, each
+/// lane for itself). `false`: some count is short, nothing acquired.
+///
+/// # Safety
+/// Every count given is valid at that scope; all 32 lanes call it with the same arguments, in
+/// warp-uniform control flow, and `count` may shuffle (it is called for every `j < top_k`, in
+/// order, on every lane).
+#[inline(always)]
+unsafe fn acquire_if_counts_reached(top_k: u32, sys: bool, count: impl Fn(u32) -> Option<(*const u32, u32)>) -> bool {
+    let mut reached_all = true;
+    let mut first = 0;
+    while first < top_k {
+        let mut seen = [0u32; POLLS_IN_FLIGHT as usize];
+        let mut expected = [0u32; POLLS_IN_FLIGHT as usize];
+        for b in 0..POLLS_IN_FLIGHT {
+            if first + b < top_k {
+                if let Some((counter, value)) = count(first + b) {
+                    expected[b as usize] = value;
+                    // SAFETY: a valid count (caller contract).
+                    seen[b as usize] =
+                        unsafe { if sys { ld_relaxed_sys_u32(counter) } else { ld_relaxed_gpu_u32(counter) } };
+                }
+            }
+        }
+        for b in 0..POLLS_IN_FLIGHT as usize {
+            reached_all &= seen[b] >= expected[b];
+        }
+        first += POLLS_IN_FLIGHT;
+    }
+    // Their reads may have seen different counts.
+    // SAFETY: all 32 lanes (caller contract).
+    if unsafe { sync::ballot(!reached_all) } != 0 {
+        return false;
+    }
+    if sys {
+        fence_acq_rel_sys()
+    } else {
+        fence_acq_rel_gpu()
+    }
+    true
+}
 
 /// One GPU, by a whole warp: a combine's bounded wait until the M tiles holding the routed rows
 /// of the token in `slots` are stored (`stored`: the per-M-tile counts of the GEMM whose rows the
@@ -104,30 +151,13 @@ pub(super) unsafe fn wait_for_token_rows(
         // SAFETY: all 32 lanes, the same j (caller contract: warp-uniform calls).
         unsafe { (sync::shfl_idx_u32(tiles[half], j % 32), sync::shfl_idx_u32(parts[half], j % 32)) }
     };
-    let mut stored_all = true;
-    let mut first = 0;
-    while first < top_k {
-        let mut seen = [0u32; POLLS_IN_FLIGHT as usize];
-        let mut expected = [0u32; POLLS_IN_FLIGHT as usize];
-        for b in 0..POLLS_IN_FLIGHT {
-            if first + b < top_k {
-                let (tile, tile_parts) = wanted(first + b);
-                if tile != NO_COUNT {
-                    expected[b as usize] = tile_parts;
-                    // SAFETY: a count per M tile of the plan (caller contract).
-                    seen[b as usize] = unsafe { ld_relaxed_gpu_u32(stored.add(tile as usize)) };
-                }
-            }
-        }
-        for b in 0..POLLS_IN_FLIGHT as usize {
-            stored_all &= seen[b] >= expected[b];
-        }
-        first += POLLS_IN_FLIGHT;
-    }
-    // The same decision on every lane (their reads may have seen different counts).
-    // SAFETY: all 32 lanes (caller contract).
-    if unsafe { sync::ballot(!stored_all) } == 0 {
-        fence_acq_rel_gpu();
+    let count = |j: u32| {
+        let (tile, tile_parts) = wanted(j);
+        // SAFETY: a count per M tile of the plan (caller contract).
+        (tile != NO_COUNT).then(|| (unsafe { stored.add(tile as usize) }, tile_parts))
+    };
+    // SAFETY: caller contract (the whole warp; `wanted` shuffles for every j in order).
+    if unsafe { acquire_if_counts_reached(top_k, false, count) } {
         return;
     }
     for j in 0..top_k {
@@ -266,36 +296,12 @@ pub(super) unsafe fn acquire_if_token_rows_pushed(
     top_k: u32,
     sys: bool,
 ) -> bool {
-    let mut pushed_all = true;
-    let mut first = 0;
-    while first < top_k {
-        let mut seen = [whole; POLLS_IN_FLIGHT as usize];
-        for b in 0..POLLS_IN_FLIGHT {
-            // SAFETY: all 32 lanes, the same j (caller contract).
-            if first + b < top_k && unsafe { slots.row(first + b) } != NO_ROW {
-                // SAFETY: the token's flags, valid at the scope read (caller contract).
-                seen[b as usize] = unsafe {
-                    let flag = flags.add((first + b) as usize);
-                    if sys { ld_relaxed_sys_u32(flag) } else { ld_relaxed_gpu_u32(flag) }
-                };
-            }
-        }
-        for value in &seen {
-            pushed_all &= *value >= whole;
-        }
-        first += POLLS_IN_FLIGHT;
-    }
-    // The same decision on every lane (their reads may have seen different values).
-    // SAFETY: all 32 lanes (caller contract).
-    if unsafe { sync::ballot(!pushed_all) } != 0 {
-        return false;
-    }
-    if sys {
-        fence_acq_rel_sys()
-    } else {
-        fence_acq_rel_gpu()
-    }
-    true
+    let count = |j: u32| {
+        // SAFETY: all 32 lanes, the same j (caller contract); the token's flags.
+        (unsafe { slots.row(j) } != NO_ROW).then(|| (unsafe { flags.add(j as usize) }, whole))
+    };
+    // SAFETY: caller contract.
+    unsafe { acquire_if_counts_reached(top_k, sys, count) }
 }
 
 /// Across ranks, lane by lane: a combine's bounded wait until every routed slot of token `token`
