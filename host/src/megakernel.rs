@@ -35,7 +35,9 @@ pub const FORWARD_RANKS_KERNEL: &str = "mok_sm90_forward_ranks";
 pub struct MegakernelOptions {
     /// Blocks, of each rank's share of the launch, that only move rows (the dispatch or the dy
     /// gather, and the combine; every other block also computes); `None`:
-    /// [`DEFAULT_COMM_BLOCKS`].
+    /// [`DEFAULT_COMM_BLOCKS`], except the one-GPU backward of experts at most
+    /// [`NARROW_INTERMEDIATE`] wide, which takes [`NARROW_BACKWARD_COMM_BLOCKS`] when they are at
+    /// most an eighth of its blocks.
     pub comm_blocks: Option<u32>,
     /// Blocks of the whole launch; `None`: as many 2-block clusters as can be resident at once.
     /// Must be co-resident (at most that many) and leave every rank at least one compute pair.
@@ -66,11 +68,42 @@ impl Default for MegakernelOptions {
 
 /// The comm blocks used when the options name none: 0, every block dispatches, computes and
 /// combines. On one GPU the forward measured fastest with 0 of 0, 2, 4, 8 and 16 comm blocks on
-/// the frontier shapes; the backward too on kimi and glm, while qwen's ran 4–10 % faster with
-/// 4 or 8 (its large dx combine then runs under the weight gradients, docs/PERF.md); across
-/// ranks (P = 8) 4 per rank in both passes measured slower than 0, and in the backward alone 2
-/// per rank −1 % to +4 % and 4 per rank 3–8 % slower.
+/// the frontier shapes, the backward too on kimi and glm; across ranks (P = 8) 4 per rank in
+/// both passes measured slower than 0, and in the backward alone 2 per rank −1 % to +4 % and 4
+/// per rank 3–8 % slower (docs/PERF.md). The one exception: [`NARROW_BACKWARD_COMM_BLOCKS`].
 pub const DEFAULT_COMM_BLOCKS: u32 = 0;
+
+/// Routed experts at most this wide (intermediate columns) run the one-GPU backward with
+/// [`NARROW_BACKWARD_COMM_BLOCKS`] when the options name no comm blocks. The dx combine reads
+/// T·k·H f32 values against the backward GEMMs' 12·T·k·H·I FLOPs, so its share of the pass
+/// grows as I shrinks; with no comm block it is the last work of every compute block, after
+/// the weight gradients, where comm blocks run it under them. Measured (docs/PERF.md, "The comm
+/// blocks swept at T = 32768 and in the backward" and "The one-GPU backward's comm blocks chosen
+/// by the experts' width", H100 calls): qwen (I = 1024) 2–12 % faster backwards with 4 comm
+/// blocks, kimi and glm (I = 2048) up to 2.7 % slower.
+pub const NARROW_INTERMEDIATE: usize = 1024;
+
+/// The one-GPU backward's comm blocks for experts at most [`NARROW_INTERMEDIATE`] wide.
+pub const NARROW_BACKWARD_COMM_BLOCKS: u32 = 4;
+
+/// The options a one-GPU backward pass of routed experts `intermediate` wide runs with, on a
+/// GPU holding `resident` blocks at once: `options` when they name the comm blocks; otherwise
+/// [`NARROW_BACKWARD_COMM_BLOCKS`] when the experts are at most [`NARROW_INTERMEDIATE`] wide and
+/// those are at most an eighth of the launch's blocks (a small grid keeps its compute blocks),
+/// else [`DEFAULT_COMM_BLOCKS`]. Results do not depend on the choice.
+pub(crate) fn one_gpu_backward_options(
+    options: &MegakernelOptions,
+    intermediate: usize,
+    resident: u32,
+) -> MegakernelOptions {
+    let mut chosen = options.clone();
+    if options.comm_blocks.is_none() {
+        let blocks = options.blocks.unwrap_or(resident);
+        let narrow = intermediate <= NARROW_INTERMEDIATE && 8 * NARROW_BACKWARD_COMM_BLOCKS <= blocks;
+        chosen.comm_blocks = Some(if narrow { NARROW_BACKWARD_COMM_BLOCKS } else { DEFAULT_COMM_BLOCKS });
+    }
+    chosen
+}
 
 /// Faults a test can inject into the next passes of one rank (feature `testing`; set per pass:
 /// `set_forward_megakernel_faults`, `set_backward_megakernel_faults`): an M tile whose rows are
@@ -957,6 +990,36 @@ mod geometry_tests {
         for comm in [u32::MAX, u32::MAX - 1, 1 << 31] {
             assert!(checked_geometry(132, &options(Some(comm), None), 1).is_err(), "{comm}");
         }
+    }
+
+    #[test]
+    fn the_one_gpu_backward_takes_comm_blocks_only_for_narrow_experts_on_large_grids() {
+        let options = |comm_blocks, blocks| MegakernelOptions { comm_blocks, blocks, ..Default::default() };
+        let chosen = |o: &MegakernelOptions, intermediate, resident| {
+            one_gpu_backward_options(o, intermediate, resident).comm_blocks.unwrap()
+        };
+        // qwen's width on a whole H200, and the widest narrow width.
+        assert_eq!(chosen(&options(None, None), 1024, 132), NARROW_BACKWARD_COMM_BLOCKS);
+        assert_eq!(chosen(&options(None, None), 40, 132), NARROW_BACKWARD_COMM_BLOCKS);
+        // kimi's and deepseek's widths, and one past the bound.
+        for wide in [2048, 3072, NARROW_INTERMEDIATE + 1] {
+            assert_eq!(chosen(&options(None, None), wide, 132), DEFAULT_COMM_BLOCKS, "{wide}");
+        }
+        // A small grid, named or resident, keeps its compute blocks.
+        assert_eq!(chosen(&options(None, Some(30)), 1024, 132), DEFAULT_COMM_BLOCKS);
+        assert_eq!(chosen(&options(None, Some(32)), 1024, 132), NARROW_BACKWARD_COMM_BLOCKS);
+        assert_eq!(chosen(&options(None, None), 1024, 16), DEFAULT_COMM_BLOCKS);
+        // A count the options name is kept, and every choice is a geometry the pass can run.
+        assert_eq!(chosen(&options(Some(2), None), 1024, 132), 2);
+        assert_eq!(chosen(&options(Some(0), None), 1024, 132), 0);
+        for blocks in (2..=132).step_by(2) {
+            let o = one_gpu_backward_options(&options(None, Some(blocks)), 1024, 132);
+            assert!(checked_geometry(132, &o, 1).is_ok(), "{blocks} blocks");
+        }
+        // Everything else about the options is kept.
+        let timed = MegakernelOptions { timeout: std::time::Duration::from_millis(7), ..options(None, Some(64)) };
+        let o = one_gpu_backward_options(&timed, 1024, 132);
+        assert_eq!((o.blocks, o.timeout, o.share_rank_tiles), (timed.blocks, timed.timeout, timed.share_rank_tiles));
     }
 }
 

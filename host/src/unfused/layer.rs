@@ -11,7 +11,7 @@ use crate::error::{MokError, Result};
 use crate::gemm::{self as engine, EnginePlan};
 use crate::megakernel::{
     BACKWARD_KERNEL, BackwardBuffers, BackwardMegakernel, ErrorRecord, FORWARD_KERNEL, ForwardMegakernel,
-    MegakernelOptions, PassBuffers, SharedPassBuffers, checked_geometry, resident_blocks,
+    MegakernelOptions, PassBuffers, SharedPassBuffers, checked_geometry, one_gpu_backward_options, resident_blocks,
 };
 #[cfg(feature = "testing")]
 use crate::megakernel::{MegakernelFaults, MegakernelWork};
@@ -510,7 +510,8 @@ impl UnfusedLayer {
             shared: shared_engine.and_then(SharedEnginePlans::backward_pass_rows),
         };
         let record = ErrorRecord::kept(&mut self.megakernel_records[1], gpu)?;
-        *pass = Some(BackwardMegakernel::new(gpu, &[&plans], &[buffers], options, Some(record))?);
+        let options = one_gpu_backward_options(options, c.intermediate, resident_blocks(gpu, BACKWARD_KERNEL)?);
+        *pass = Some(BackwardMegakernel::new(gpu, &[&plans], &[buffers], &options, Some(record))?);
         Ok(())
     }
 
