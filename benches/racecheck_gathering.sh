@@ -6,6 +6,7 @@
 #   ./benches/racecheck_gathering.sh [KERNEL] [TEST] [SECONDS]
 # defaults: mok_sm90_backward, gate_up_gathering_its_rows_in_the_producer_is_bitwise_the_engine_path,
 # 480. Writes $OUT/racecheck-KERNEL.txt (the summary, also printed); the raw log stays in /tmp.
+# Exits non-zero when the test did not pass or the run was cut.
 # What it tells apart: the tool not following the ring's `full` → consumers → `empty` order
 # reports every gathering thread of a block whose walk re-enters a stage, warp 0 included, some
 # with unequal values, and the test passes; a thread whose walk ran out of step would show alone
@@ -20,7 +21,7 @@ mkdir -p "$out"
 bin="$here/../tests/gpu_unfused"
 [ -x "$bin" ] || { [ -f "$bin.gz" ] && gunzip -c "$bin.gz" >"$bin" && chmod +x "$bin"; } || { echo "no $bin" >&2; exit 2; }
 log="/tmp/racecheck-$kernel.log"
-MOK_SANITIZE=1 timeout -s INT "$seconds" compute-sanitizer --tool racecheck --racecheck-report hazard \
+MOK_SANITIZE=1 timeout -k 60 -s INT "$seconds" compute-sanitizer --tool racecheck --racecheck-report hazard \
     --kernel-name "kns=$kernel" --print-limit 100000 "$bin" --test-threads=1 --exact "$test_name" >"$log" 2>&1
 status=$?
 summary="$out/racecheck-$kernel.txt"
@@ -30,10 +31,13 @@ summary="$out/racecheck-$kernel.txt"
     echo "reports per (block, first writing thread):"
     awk '/Potential/ { match($0, /block \([0-9]+,[0-9]+,[0-9]+\)/); b = substr($0, RSTART, RLENGTH); first = 1 }
          /Thread \(/ && first { match($0, /Thread \([0-9]+/); print b, substr($0, RSTART + 8, RLENGTH - 8); first = 0 }' "$log" |
-        sort | uniq -c | sort -k3,3 -k4,4n | head -200
-    echo "reports per program counter:"
+        sort | uniq -c | sort -V -k3,3 -k4,4n
+    echo "accesses per program counter (two per report):"
     grep -aoE "$kernel\+0x[0-9a-f]+" "$log" | sort | uniq -c
     echo "the two writes' values (eq: equal, ne: different):"
     grep -a 'Current Value' "$log" | awk '{ gsub(",", "", $5); print ($5 == $9) ? "eq" : "ne" }' | sort | uniq -c
 } >"$summary"
 cat "$summary"
+# Non-zero unless the test ran to its one pass.
+grep -aq 'test result: ok. 1 passed' "$log" || { echo "the test did not pass (see $log)" >&2; exit 1; }
+exit "$status"

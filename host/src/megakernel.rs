@@ -36,7 +36,7 @@ pub struct MegakernelOptions {
     /// Blocks, of each rank's share of the launch, that only move rows (the dispatch or the dy
     /// gather, and the combine; every other block also computes); `None`:
     /// [`DEFAULT_COMM_BLOCKS`], except the one-GPU backward of experts at most
-    /// [`NARROW_INTERMEDIATE`] wide, which takes [`NARROW_BACKWARD_COMM_BLOCKS`] when they are at
+    /// [`MAX_NARROW_INTERMEDIATE`] wide, which takes [`NARROW_BACKWARD_COMM_BLOCKS`] when they are at
     /// most an eighth of its blocks.
     pub comm_blocks: Option<u32>,
     /// Blocks of the whole launch; `None`: as many 2-block clusters as can be resident at once.
@@ -81,14 +81,14 @@ pub const DEFAULT_COMM_BLOCKS: u32 = 0;
 /// blocks swept at T = 32768 and in the backward" and "The one-GPU backward's comm blocks chosen
 /// by the experts' width", H100 calls): qwen (I = 1024) 2–12 % faster backwards with 4 comm
 /// blocks, kimi and glm (I = 2048) up to 2.7 % slower.
-pub const NARROW_INTERMEDIATE: usize = 1024;
+pub const MAX_NARROW_INTERMEDIATE: usize = 1024;
 
-/// The one-GPU backward's comm blocks for experts at most [`NARROW_INTERMEDIATE`] wide.
+/// The one-GPU backward's comm blocks for experts at most [`MAX_NARROW_INTERMEDIATE`] wide.
 pub const NARROW_BACKWARD_COMM_BLOCKS: u32 = 4;
 
 /// The options a one-GPU backward pass of routed experts `intermediate` wide runs with, on a
 /// GPU holding `resident` blocks at once: `options` when they name the comm blocks; otherwise
-/// [`NARROW_BACKWARD_COMM_BLOCKS`] when the experts are at most [`NARROW_INTERMEDIATE`] wide and
+/// [`NARROW_BACKWARD_COMM_BLOCKS`] when the experts are at most [`MAX_NARROW_INTERMEDIATE`] wide and
 /// those are at most an eighth of the launch's blocks (a small grid keeps its compute blocks),
 /// else [`DEFAULT_COMM_BLOCKS`]. Results do not depend on the choice.
 pub(crate) fn one_gpu_backward_options(
@@ -99,7 +99,7 @@ pub(crate) fn one_gpu_backward_options(
     let mut chosen = options.clone();
     if options.comm_blocks.is_none() {
         let blocks = options.blocks.unwrap_or(resident);
-        let narrow = intermediate <= NARROW_INTERMEDIATE && 8 * NARROW_BACKWARD_COMM_BLOCKS <= blocks;
+        let narrow = intermediate <= MAX_NARROW_INTERMEDIATE && 8 * NARROW_BACKWARD_COMM_BLOCKS <= blocks;
         chosen.comm_blocks = Some(if narrow { NARROW_BACKWARD_COMM_BLOCKS } else { DEFAULT_COMM_BLOCKS });
     }
     chosen
@@ -998,11 +998,11 @@ mod geometry_tests {
         let chosen = |o: &MegakernelOptions, intermediate, resident| {
             one_gpu_backward_options(o, intermediate, resident).comm_blocks.unwrap()
         };
-        // qwen's width on a whole H200, and the widest narrow width.
+        // qwen's width, the widest narrow one, on a whole H200, and the test shapes' narrowest.
         assert_eq!(chosen(&options(None, None), 1024, 132), NARROW_BACKWARD_COMM_BLOCKS);
         assert_eq!(chosen(&options(None, None), 40, 132), NARROW_BACKWARD_COMM_BLOCKS);
         // kimi's and deepseek's widths, and one past the bound.
-        for wide in [2048, 3072, NARROW_INTERMEDIATE + 1] {
+        for wide in [2048, 3072, MAX_NARROW_INTERMEDIATE + 1] {
             assert_eq!(chosen(&options(None, None), wide, 132), DEFAULT_COMM_BLOCKS, "{wide}");
         }
         // A small grid, named or resident, keeps its compute blocks.
@@ -1015,6 +1015,9 @@ mod geometry_tests {
         for blocks in (2..=132).step_by(2) {
             let o = one_gpu_backward_options(&options(None, Some(blocks)), 1024, 132);
             assert!(checked_geometry(132, &o, 1).is_ok(), "{blocks} blocks");
+            // A GPU holding only `blocks` at once, the options naming none.
+            let o = one_gpu_backward_options(&options(None, None), 1024, blocks);
+            assert!(checked_geometry(blocks, &o, 1).is_ok(), "{blocks} resident");
         }
         // Everything else about the options is kept.
         let timed = MegakernelOptions { timeout: std::time::Duration::from_millis(7), ..options(None, Some(64)) };
