@@ -1,0 +1,69 @@
+"""Counts SASS opcodes per kernel of a cubin, on a machine without a GPU: the instructions a
+change adds or removes, kernel by kernel (e.g. generic loads `LD` that re-read a parameter block
+inside a loop, docs/PERF.md "The pre-activation stores' parameter loads").
+
+    python3 benches/sass_opcodes.py target/ptx/mok_sm90a.cubin [OPCODE ...] [--kernel SUBSTRING]
+    python3 benches/sass_opcodes.py old.cubin new.cubin LD ST   # the kernels whose counts differ
+
+OPCODE is an opcode's first part (`LD` counts `LD.E`, `LD.E.64`, ...; default: LD ST LDG STG
+LDS STS HGMMA and all instructions). nvdisasm comes from NVIDIA's PyPI wheel
+(`pip download --no-deps nvidia-cuda-nvdisasm`, unzip it: nvidia/cu13/bin/nvdisasm), or
+$NVDISASM names it.
+"""
+import os
+import re
+import subprocess
+import sys
+
+
+def opcode(line):
+    """The opcode of one `nvdisasm -c` instruction line (its predicate dropped), or None."""
+    text = re.sub(r"/\*[^*]*\*/", "", line).strip().rstrip(";").strip()
+    if not text or text.startswith(".") or text.endswith(":"):
+        return None
+    words = text.split()
+    if words[0].startswith("@"):
+        words = words[1:]
+    return words[0].split(".")[0] if words else None
+
+
+def counts(cubin, nvdisasm):
+    out = subprocess.run([nvdisasm, "-c", cubin], check=True, capture_output=True, text=True).stdout
+    kernels, current = {}, None
+    for line in out.splitlines():
+        m = re.match(r"\.text\.(\S+):", line)
+        if m:
+            current = kernels.setdefault(m.group(1), {})
+            continue
+        op = opcode(line) if current is not None else None
+        if op:
+            current[op] = current.get(op, 0) + 1
+            current["all"] = current.get("all", 0) + 1
+    return kernels
+
+
+def main(argv):
+    nvdisasm = os.environ.get("NVDISASM", "nvdisasm")
+    kernel_filter = None
+    if "--kernel" in argv:
+        i = argv.index("--kernel")
+        kernel_filter = argv[i + 1]
+        argv = argv[:i] + argv[i + 2 :]
+    cubins = [a for a in argv if a.endswith(".cubin")]
+    ops = [a for a in argv if not a.endswith(".cubin")] or ["LD", "ST", "LDG", "STG", "LDS", "STS", "HGMMA", "all"]
+    if not 1 <= len(cubins) <= 2:
+        sys.exit(__doc__)
+    tables = [counts(c, nvdisasm) for c in cubins]
+    print("kernel".ljust(40) + "".join(op.rjust(18) for op in ops))
+    for name in tables[-1]:
+        if kernel_filter and kernel_filter not in name:
+            continue
+        rows = [[t.get(name, {}).get(op, 0) for op in ops] for t in tables]
+        if len(rows) == 2 and rows[0] == rows[1]:
+            continue
+        cells = [f"{a} -> {b}" for a, b in zip(*rows)] if len(rows) == 2 else [str(v) for v in rows[0]]
+        print(name.ljust(40) + "".join(c.rjust(18) for c in cells))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
