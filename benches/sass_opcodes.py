@@ -17,10 +17,11 @@ import sys
 
 
 def opcode(line):
-    """The opcode of one `nvdisasm -c` instruction line (its predicate dropped), or None."""
-    text = re.sub(r"/\*[^*]*\*/", "", line).strip().rstrip(";").strip()
-    if not text or text.startswith(".") or text.endswith(":"):
+    """The opcode of one `nvdisasm -c` instruction line (`/*0460*/  @!P0 LDG.E.128 ...;`, its
+    predicate dropped), or None for anything else (labels, section and symbol lines)."""
+    if not re.match(r"\s*/\*[0-9a-f]+\*/", line):
         return None
+    text = re.sub(r"/\*[^*]*\*/", "", line).strip().rstrip(";").strip()
     words = text.split()
     if words[0].startswith("@"):
         words = words[1:]
@@ -44,18 +45,29 @@ def counts(cubin, nvdisasm):
 
 def main(argv):
     nvdisasm = os.environ.get("NVDISASM", "nvdisasm")
-    kernel_filter = None
-    if "--kernel" in argv:
-        i = argv.index("--kernel")
-        kernel_filter = argv[i + 1]
-        argv = argv[:i] + argv[i + 2 :]
-    cubins = [a for a in argv if a.endswith(".cubin")]
-    ops = [a for a in argv if not a.endswith(".cubin")] or ["LD", "ST", "LDG", "STG", "LDS", "STS", "HGMMA", "all"]
+    kernel_filter, rest = None, []
+    args = iter(argv)
+    for a in args:
+        if a == "--kernel":
+            kernel_filter = next(args, None)
+            if kernel_filter is None:
+                sys.exit("--kernel needs a name (a substring)")
+        elif a.startswith("--kernel="):
+            kernel_filter = a.split("=", 1)[1]
+        elif a.startswith("-"):
+            sys.exit(f"unknown option {a}\n{__doc__}")
+        else:
+            rest.append(a)
+    cubins = [a for a in rest if os.path.isfile(a)]
+    ops = [a for a in rest if not os.path.isfile(a)] or ["LD", "ST", "LDG", "STG", "LDS", "STS", "HGMMA", "all"]
     if not 1 <= len(cubins) <= 2:
         sys.exit(__doc__)
+    if any("." in op for op in ops):
+        sys.exit("an opcode is its first part (LD counts LD.E, LD.E.64, ...): " + " ".join(ops))
     tables = [counts(c, nvdisasm) for c in cubins]
     print("kernel".ljust(40) + "".join(op.rjust(18) for op in ops))
-    for name in tables[-1]:
+    names = list(dict.fromkeys(name for t in tables for name in t))
+    for name in names:
         if kernel_filter and kernel_filter not in name:
             continue
         rows = [[t.get(name, {}).get(op, 0) for op in ops] for t in tables]

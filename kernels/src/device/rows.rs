@@ -388,6 +388,9 @@ pub unsafe fn swiglu_backward_octets<const IN_FLIGHT: usize>(
     const STEP: usize = 8 * 32;
     let (gate, up, d_hidden) = (rows.gate as *const u32, rows.up as *const u32, rows.d_hidden as *const u32);
     let (d_gate, d_up) = (rows.d_gate as *mut u32, rows.d_up as *mut u32);
+    // Read once, like the pointers: `rows` may lie in global memory, which the stores below could
+    // alias as far as the compiler knows.
+    let limit = rows.limit;
     // SAFETY: caller contract: every octet below `end` is inside the tensors, aligned.
     let load = |e: usize| unsafe {
         let octet = |p: *const u32| {
@@ -400,7 +403,7 @@ pub unsafe fn swiglu_backward_octets<const IN_FLIGHT: usize>(
         let (mut dg, mut du) = ([0u32; 4], [0u32; 4]);
         for pair in 0..4 {
             let grads = |i: usize| {
-                math::swiglu_backward(f32::from_bits(g[i]), f32::from_bits(u[i]), f32::from_bits(dh[i]), rows.limit)
+                math::swiglu_backward(f32::from_bits(g[i]), f32::from_bits(u[i]), f32::from_bits(dh[i]), limit)
             };
             let ((g0, u0), (g1, u1)) = (grads(2 * pair), grads(2 * pair + 1));
             dg[pair] = f32x2_to_bf16x2(g0, g1);

@@ -406,6 +406,9 @@ pub unsafe fn combine(f: &ForwardParams, pass: &PassInputs, view: Option<&RankVi
         let down = &*(f.down as *const GemmParams);
         let lane = sreg::lane_id();
         let (slot_row, error) = (f.slot_row as *const u32, f.error as *mut u32);
+        // Read once: `f` is global memory, which the sum's stores into y could alias as far as
+        // the compiler knows, so fields read in the column loop were loaded again every step.
+        let (hidden, y) = (f.hidden, f.y as *mut u16);
         loop {
             let claimed = if lane == 0 { atom_add_relaxed_gpu_u32(f.combine_next as *mut u32, 1) } else { 0 };
             let token = sync::shfl_idx_u32(claimed, 0);
@@ -457,17 +460,18 @@ pub unsafe fn combine(f: &ForwardParams, pass: &PassInputs, view: Option<&RankVi
             // flight per lane), their rows and weights shuffled from the lanes holding them.
             // Every lane takes every step (the slots' shuffles need the whole warp); a lane's
             // columns past the row are skipped inside.
+            let (shared_rows, top_k) = (pass.shared_rows as *const f32, f.top_k);
             let mut first_column = 0;
-            while first_column < f.hidden {
+            while first_column < hidden {
                 combine_quads_of::<2, 4>(
                     |j| slots.slot(j as u32),
                     rows,
-                    pass.shared_rows as *const f32,
+                    shared_rows,
                     token as usize,
                     ((first_column + 4 * lane) as usize, 4 * 32),
-                    f.top_k,
-                    f.hidden,
-                    f.y as *mut u16,
+                    top_k,
+                    hidden,
+                    y,
                 );
                 first_column += 2 * 4 * 32;
             }
