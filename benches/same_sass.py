@@ -33,5 +33,6 @@ def kernels(cubin, nvdisasm):
     return found
 
 
-nvdisasm = sys.argv[3] if len(sys.argv) > 3 else "nvdisasm"
-sys.exit(1 if report(kernels(sys.argv[1], nvdisasm), kernels(sys.argv[2], nvdisasm)) else 0)
+if __name__ == "__main__":
+    nvdisasm = sys.argv[3] if len(sys.argv) > 3 else "nvdisasm"
+    sys.exit(1 if report(kernels(sys.argv[1], nvdisasm), kernels(sys.argv[2], nvdisasm)) else 0)

@@ -11,36 +11,31 @@ LDS STS HGMMA and all instructions). nvdisasm comes from NVIDIA's PyPI wheel
 $NVDISASM names it.
 """
 import os
-import re
-import subprocess
 import sys
+
+from same_sass import kernels  # the script's own folder is on sys.path
 
 
 def opcode(line):
-    """The opcode of one `nvdisasm -c` instruction line (`/*0460*/  @!P0 LDG.E.128 ...;`, its
-    predicate dropped), or None for anything else (labels, section and symbol lines)."""
-    if not re.match(r"\s*/\*[0-9a-f]+\*/", line):
+    """The opcode of one instruction line of `same_sass.kernels` (`@!P0 LDG.E.128 R56, ...;`, its
+    predicate dropped), or None for anything else (labels, directives)."""
+    if not line.endswith(";"):
         return None
-    text = re.sub(r"/\*[^*]*\*/", "", line).strip().rstrip(";").strip()
-    words = text.split()
-    if words[0].startswith("@"):
+    words = line.rstrip(";").split()
+    if words and words[0].startswith("@"):
         words = words[1:]
     return words[0].split(".")[0] if words else None
 
 
 def counts(cubin, nvdisasm):
-    out = subprocess.run([nvdisasm, "-c", cubin], check=True, capture_output=True, text=True).stdout
-    kernels, current = {}, None
-    for line in out.splitlines():
-        m = re.match(r"\.text\.(\S+):", line)
-        if m:
-            current = kernels.setdefault(m.group(1), {})
-            continue
-        op = opcode(line) if current is not None else None
-        if op:
-            current[op] = current.get(op, 0) + 1
-            current["all"] = current.get("all", 0) + 1
-    return kernels
+    """Per kernel of `cubin`, how many instructions of each opcode (and `all`)."""
+    tables = {}
+    for name, lines in kernels(cubin, nvdisasm).items():
+        table = tables.setdefault(name, {})
+        for op in filter(None, map(opcode, lines)):
+            table[op] = table.get(op, 0) + 1
+            table["all"] = table.get("all", 0) + 1
+    return tables
 
 
 def main(argv):

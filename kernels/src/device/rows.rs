@@ -201,6 +201,48 @@ impl WarpSlots {
         // SAFETY: caller contract.
         unsafe { (self.row(j), f32::from_bits(shfl_idx_u32(weight.to_bits(), j % 32))) }
     }
+    /// By a whole warp: `out[token] = bf16(base[token] + Σ_j weight_j · rows[row_j])` over
+    /// these `top_k` slots, `width` columns — [`combine_quads_of`] two groups of 4 columns per
+    /// lane per step, 4 slots' rows loaded together (8 loads in flight per lane), their rows and
+    /// weights shuffled from the lanes holding them; the shared term first, slots in order, so
+    /// the bits of `combine_quads`. Every lane takes every step (the shuffles need the whole
+    /// warp); a lane's columns past the row are skipped inside. The sizes and pointers come by
+    /// value: read from a parameter block in global memory inside the loop, every store to `out`
+    /// would make the compiler load them again.
+    ///
+    /// # Safety
+    /// As [`combine_quads_of`] for these slots (loaded for `token` and `top_k`); all 32 lanes
+    /// call it with the same arguments, in warp-uniform control flow.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn combine_row(
+        &self,
+        (rows, base): (*const f32, *const f32),
+        token: u32,
+        top_k: u32,
+        width: u32,
+        out: *mut u16,
+        lane: u32,
+    ) {
+        let mut first_column = 0;
+        while first_column < width {
+            let columns = ((first_column + 4 * lane) as usize, 4 * 32);
+            // SAFETY: caller contract; `slot` shuffles with the same j on every lane.
+            unsafe {
+                combine_quads_of::<2, 4>(
+                    |j| self.slot(j as u32),
+                    rows,
+                    base,
+                    token as usize,
+                    columns,
+                    top_k,
+                    width,
+                    out,
+                )
+            };
+            first_column += 2 * 4 * 32;
+        }
+    }
 }
 
 /// Vectors of 16 bytes a lane loads before it stores any (memory-level parallelism of a copy).

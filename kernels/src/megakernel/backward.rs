@@ -26,8 +26,7 @@ use crate::comm::error::{
 use crate::comm::params::ExchangeParams;
 use crate::comm::wait::{signal, wait_until};
 use crate::device::rows::{
-    WarpSlots, combine_quads_of, copy_row, dot_row, gather_scaled_row, gather_scaled_row_and_dot,
-    swiglu_backward_octets,
+    WarpSlots, copy_row, dot_row, gather_scaled_row, gather_scaled_row_and_dot, swiglu_backward_octets,
 };
 use crate::gemm::engine::run_backward_phases;
 use crate::gemm::hooks::{BackwardHandover, slot_row_complete};
@@ -241,8 +240,8 @@ pub unsafe fn swiglu_backward_chunks(b: &BackwardParams, pass: &PassInputs, spar
 /// `slot_ready` flag says every gate/up dgrad tile of its row has pushed its part from its
 /// epilogue ([`acquire_if_token_rows_pushed`], else [`wait_for_pushes_slot_by_slot`];
 /// [`slot_row_complete`]) — then the warp sums `dx[t] =
-/// bf16(shared_dx[t] + Σ_j d_in[row(t,j)])` with [`combine_quads_of`], the slots' rows held in
-/// lanes ([`WarpSlots`]) (the shared term first, slots in order: the bits of
+/// bf16(shared_dx[t] + Σ_j d_in[row(t,j)])` with [`WarpSlots::combine_row`], the slots' rows
+/// held in lanes (the shared term first, slots in order: the bits of
 /// `mok_combine_slots`). A dropped slot's d_topk_weight is written here, as 0; across ranks
 /// every routed slot's too, `⟨dy[t], combine_slots[t·k+j]⟩` (the forward's slot row, the bits of
 /// the one-GPU gather's dot product).
@@ -334,27 +333,12 @@ pub unsafe fn combine_dx<const RANKS: bool>(b: &BackwardParams, pass: &PassInput
                     WAIT_SHARED_TILE_GATE_UP_DGRAD,
                 );
             }
-            // As the forward's combine: two column groups, 4 slots' rows in flight per lane.
-            // Every lane takes every step (the slots' shuffles need the whole warp); a lane's
-            // columns past the row are skipped inside.
-            let mut first_column = 0;
-            while first_column < b.hidden {
-                combine_quads_of::<2, 4>(
-                    |j| slots.slot(j as u32),
-                    // Across ranks the owners pushed the dx rows into this rank's slot buffer.
-                    match view {
-                        Some(v) if RANKS => v.local::<f32>(v.params.regions.dx_slots) as *const f32,
-                        _ => b.d_in_rows as *const f32,
-                    },
-                    pass.shared_rows as *const f32,
-                    token as usize,
-                    ((first_column + 4 * lane) as usize, 4 * 32),
-                    b.top_k,
-                    b.hidden,
-                    b.dx as *mut u16,
-                );
-                first_column += 2 * 4 * 32;
-            }
+            // Across ranks the owners pushed the dx rows into this rank's slot buffer.
+            let rows = match view {
+                Some(v) if RANKS => v.local::<f32>(v.params.regions.dx_slots) as *const f32,
+                _ => b.d_in_rows as *const f32,
+            };
+            slots.combine_row((rows, pass.shared_rows as *const f32), token, b.top_k, b.hidden, b.dx as *mut u16, lane);
         }
     }
 }

@@ -14,7 +14,7 @@ use crate::comm::error::{self, ERROR_TIMEOUT, WAIT_ENGINE_TILE_OUTPUT, WAIT_SHAR
 use crate::comm::params::ExchangeParams;
 use crate::comm::schedule::tile_and_rows_of_row;
 use crate::comm::wait::{signal, wait_until};
-use crate::device::rows::{WarpSlots, combine_quads_of, copy_row};
+use crate::device::rows::{WarpSlots, copy_row};
 use crate::gemm::hooks::slot_row_complete;
 use crate::gemm_layout::{GemmParams, TILE_M, TILE_N};
 use crate::layout::NO_ROW;
@@ -385,9 +385,8 @@ pub(super) unsafe fn wait_for_shared_tile(
 /// `slot_ready` flag says every down tile of its row has pushed its part
 /// ([`acquire_if_token_rows_pushed`], else [`wait_for_pushes_slot_by_slot`];
 /// [`slot_row_complete`]) — then the warp sums the token's row 4 columns per lane with
-/// [`combine_quads_of`], the slots' rows and weights held in lanes ([`WarpSlots`]) — the shared
-/// term first, slots in order — the same arithmetic, and so the same bits, as
-/// `mok_combine_slots`.
+/// [`WarpSlots::combine_row`], the slots' rows and weights held in lanes — the shared term
+/// first, slots in order — the same arithmetic, and so the same bits, as `mok_combine_slots`.
 ///
 /// Across ranks a wait stops early when the owner's error record is set (it will not push); it
 /// then records nothing itself, so the owner's record names the cause. Once this rank's own
@@ -406,9 +405,6 @@ pub unsafe fn combine(f: &ForwardParams, pass: &PassInputs, view: Option<&RankVi
         let down = &*(f.down as *const GemmParams);
         let lane = sreg::lane_id();
         let (slot_row, error) = (f.slot_row as *const u32, f.error as *mut u32);
-        // Read once: `f` is global memory, which the sum's stores into y could alias as far as
-        // the compiler knows, so fields read in the column loop were loaded again every step.
-        let (hidden, y) = (f.hidden, f.y as *mut u16);
         loop {
             let claimed = if lane == 0 { atom_add_relaxed_gpu_u32(f.combine_next as *mut u32, 1) } else { 0 };
             let token = sync::shfl_idx_u32(claimed, 0);
@@ -456,25 +452,7 @@ pub unsafe fn combine(f: &ForwardParams, pass: &PassInputs, view: Option<&RankVi
                 None => f.down_rows as *const f32,
                 Some(v) => v.local::<f32>(v.params.regions.combine_slots),
             };
-            // Two groups of 4 columns per lane per step, 4 slots' rows loaded together (8 loads in
-            // flight per lane), their rows and weights shuffled from the lanes holding them.
-            // Every lane takes every step (the slots' shuffles need the whole warp); a lane's
-            // columns past the row are skipped inside.
-            let (shared_rows, top_k) = (pass.shared_rows as *const f32, f.top_k);
-            let mut first_column = 0;
-            while first_column < hidden {
-                combine_quads_of::<2, 4>(
-                    |j| slots.slot(j as u32),
-                    rows,
-                    shared_rows,
-                    token as usize,
-                    ((first_column + 4 * lane) as usize, 4 * 32),
-                    top_k,
-                    hidden,
-                    y,
-                );
-                first_column += 2 * 4 * 32;
-            }
+            slots.combine_row((rows, pass.shared_rows as *const f32), token, f.top_k, f.hidden, f.y as *mut u16, lane);
         }
     }
 }
