@@ -2,10 +2,10 @@
 # Where racecheck's "invalid memcpy_async synchronization" reports on the gathering producers
 # fall (docs/TESTING.md, "The sanitizer run": open): one test under racecheck with every report
 # kept, summarised by block and thread, by program counter in KERNEL, and by whether the two
-# writes' values differ. Every kernel is instrumented: racecheck with `--kernel-name` stops every
-# GPU test at its first launch ("The Sanitizer failed to handle a hardware exception", then
+# writes' values differ. Every kernel is instrumented: racecheck with `--kernel-name` stopped each
+# GPU test tried within a second ("The Sanitizer failed to handle a hardware exception", then
 # CUDA_ERROR_ILLEGAL_ADDRESS; an H100, compute-sanitizer of the device image, 2026-12-06), the
-# default tests included, which pass unfiltered. Run from the bundle's folder (tests/ beside benches/):
+# default backward test among them, which passes racecheck unfiltered. Run from the bundle's folder (tests/ beside benches/):
 #   ./benches/racecheck_gathering.sh [KERNEL] [TEST] [SECONDS]
 # defaults: mok_sm90_backward, gate_up_gathering_its_rows_in_the_producer_is_bitwise_the_engine_path,
 # 480. Writes $OUT/racecheck-KERNEL.txt (the summary, also printed); the raw log stays in /tmp.
