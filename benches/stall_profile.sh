@@ -6,7 +6,9 @@
 # Writes $OUT/NAME.stalls.txt: the launch's time, tensor-pipe use and SM clock, then the
 # instructions holding the most samples with their stall reasons (the top of the list names the
 # waits that bound the launch), and $OUT/NAME.source.csv.gz (every instruction's samples). MOK_PTX and GEMM_BIN pass through; BENCH_ARGS is added to the
-# benchmark's arguments (e.g. GEMM_BIN=./layer BENCH_ARGS='--gemm megakernels --reps 2').
+# benchmark's arguments (e.g. GEMM_BIN=./layer BENCH_ARGS='--gemm megakernels --reps 2');
+# SAMPLING_INTERVAL=N samples every 2^(5 + N) cycles (ncu's `--warp-sampling-interval`; default
+# ncu's choice), so that launches profiled with the same N have comparable sample counts.
 set -euo pipefail
 [ $# -ge 3 ] || { echo "usage: $0 KERNEL_REGEX CASES NAME [SKIP]" >&2; exit 2; }
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -15,6 +17,7 @@ mkdir -p "$out"
 rep="$out/$3.ncu-rep"
 ncu --clock-control none --section SourceCounters --section WarpStateStats --section SpeedOfLight --section LaunchStats \
     --metrics sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__cycles_elapsed.avg.per_second \
+    ${SAMPLING_INTERVAL:+--warp-sampling-interval "$SAMPLING_INTERVAL"} \
     -k "regex:$1" --launch-skip "${4:-0}" --launch-count 1 -o "$rep" -f \
     "${GEMM_BIN:-$here/gemm}" --cases "$2" ${BENCH_ARGS:-} > "$out/$3.run.log" 2>&1
 {
