@@ -18,30 +18,13 @@ import gzip
 import re
 import sys
 
+from stall_top import col, num, source_table, stall_reasons  # the script's own folder is on sys.path
+
 
 def read_rows(path):
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt", newline="") as f:
-        rows = list(csv.reader(f))
-    starts = [i for i, r in enumerate(rows) if any(c.strip().lower() == "source" for c in r)]
-    if not starts:
-        sys.exit(f"stall_regions: {path}: no source page header (ncu could not export it)")
-    return rows[starts[0]], rows[starts[0] + 1:]
-
-
-def col(head, *keys, avoid=()):
-    for i, name in enumerate(head):
-        low = name.lower()
-        if all(k in low for k in keys) and not any(a in low for a in avoid):
-            return i
-    return None
-
-
-def num(text):
-    try:
-        return float(text.replace(",", ""))
-    except ValueError:
-        return 0.0
+        return source_table(list(csv.reader(f)), f"stall_regions: {path}")
 
 
 def main_loops(texts):
@@ -84,8 +67,8 @@ def summarise(label, paths):
         source, address = col(head, "source"), col(head, "address")
         if total is None or source is None:
             sys.exit(f"stall_regions: {path}: no sample or source column")
-        reasons = [i for i, n in enumerate(head) if "stall" in n.lower() and i != total and "not-issued" not in n.lower()]
-        data = [r for r in rows if len(r) == len(head) and r[source].strip()]
+        reasons = stall_reasons(head, total)
+        data = [r for r in rows if r[source].strip()]
         texts = [r[source].strip() for r in data]
         loops = main_loops(texts)
         for index, (r, text) in enumerate(zip(data, texts)):
