@@ -416,8 +416,8 @@ pub fn pair_entries_list_before(
 /// (the last group with no more entries before it than `tile`: empty groups are skipped),
 /// searched from `from`, a group at or before it — a block's previous tile's group in the same
 /// list, as a block takes its tiles in increasing order. It probes `from` + 1, + 2, + 4, …
-/// until one lies past the tile, then halves that bracket: one or two probes where the tile is
-/// a group or two on, as in a persistent walk over many blocks, against log2(groups) dependent
+/// until one lies past the tile, then halves that bracket: a few probes where the tile lies a
+/// few groups on, as in a persistent walk over many blocks, against log2(groups) dependent
 /// probes for a search over them all (each probe two loads of the tile offsets).
 #[inline(always)]
 pub fn pair_group_from(
