@@ -581,11 +581,14 @@ mod tests {
 
     #[test]
     fn pair_list_computes_every_tile_once_and_both_blocks_agree() {
+        // Also: `pair_group_from`, from any earlier tile's group (a block's walk) or from group
+        // 0, finds `pair_tile`'s group.
         let sizes: &[&[u32]] = &[
             &[170, 0, 42, 256, 257, 383, 384, 385, 1, 683],
             &[0, 0, 128, 0],
             &[640, 641, 768, 769, 8192],
             &[64, 65, 127, 129, 255],
+            &[0, 1, 0, 0, 0, 300, 0, 129, 0, 0, 0, 0, 5],
             &[],
             &[0],
         ];
@@ -625,44 +628,16 @@ mod tests {
                     let expected: u32 = rows.iter().map(|r| r.div_ceil(TILE_M) * n_tiles).sum();
                     assert_eq!(seen.len() as u32, expected, "{rows:?} n_tiles {n_tiles} m_pairs {m_pairs}");
                     assert!(seen.values().all(|&n| n == 1), "{rows:?} n_tiles {n_tiles}: a tile computed twice");
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn a_group_searched_from_an_earlier_tiles_group_is_the_one_searched_from_scratch() {
-        // `pair_group_from` from any earlier tile's group (a block's walk) or from group 0
-        // finds `pair_tile`'s group, empty groups and both pairings included.
-        let sizes: &[&[u32]] = &[
-            &[170, 0, 42, 256, 257, 383, 384, 385, 1, 683],
-            &[0, 0, 128, 0],
-            &[640, 641, 768, 769, 8192],
-            &[0, 1, 0, 0, 0, 300, 0, 129, 0, 0, 0, 0, 5],
-            &[7],
-        ];
-        for rows in sizes {
-            let offsets = tile_and_odd_offsets(rows);
-            let first_rows = first_rows(rows);
-            let groups = rows.len() as u32;
-            for n_tiles in [1, 2, 3, 8, 28] {
-                for m_pairs in [true, false] {
-                    let offset = |i: u32| offsets[i as usize];
-                    let row_offset = |g: u32| first_rows[g as usize];
-                    let len = pair_entries_list_before(groups, groups, n_tiles, m_pairs, &offset);
                     let group = |tile| pair_tile(tile, 0, groups, n_tiles, m_pairs, &offset, &row_offset).group;
                     for earlier in 0..len {
                         let from = group(earlier);
                         for tile in earlier..len {
                             let found = pair_group_from(tile, from, groups, n_tiles, m_pairs, &offset);
-                            assert_eq!(
-                                found,
-                                group(tile),
-                                "{rows:?} n_tiles {n_tiles} m_pairs {m_pairs}: {earlier} → {tile}"
-                            );
+                            let case = format!("{rows:?} n_tiles {n_tiles} m_pairs {m_pairs}: {earlier} → {tile}");
+                            assert_eq!(found, group(tile), "{case}");
                         }
                         let found = pair_group_from(earlier, 0, groups, n_tiles, m_pairs, &offset);
-                        assert_eq!(found, from, "{rows:?} n_tiles {n_tiles} m_pairs {m_pairs}: from 0 to {earlier}");
+                        assert_eq!(found, from, "{rows:?} n_tiles {n_tiles} m_pairs {m_pairs}: 0 → {earlier}");
                     }
                 }
             }
