@@ -412,40 +412,6 @@ pub fn pair_entries_list_before(
     m * n_tiles + n * n_tiles.div_ceil(2)
 }
 
-/// The group of list entry `tile` of a row-grouped launch in pairs, as [`pair_tile`] finds it
-/// (the last group with no more entries before it than `tile`: empty groups are skipped),
-/// searched from `from`, a group at or before it — a block's previous tile's group in the same
-/// list, as a block takes its tiles in increasing order. It probes `from` + 1, + 2, + 4, …
-/// until one lies past the tile, then halves that bracket: a few probes where the tile lies a
-/// few groups on, as in a persistent walk over many blocks, against log2(groups) dependent
-/// probes for a search over them all (each probe two loads of the tile offsets).
-#[inline(always)]
-pub fn pair_group_from(
-    tile: u32,
-    from: u32,
-    groups: u32,
-    n_tiles: u32,
-    m_pairs: bool,
-    offset: &impl Fn(u32) -> u32,
-) -> u32 {
-    let before = |g| pair_entries_list_before(g, groups, n_tiles, m_pairs, offset);
-    let (mut lo, mut hi, mut step) = (from, groups, 1u32);
-    while lo + step < groups {
-        if before(lo + step) <= tile {
-            lo += step;
-            step *= 2;
-        } else {
-            hi = lo + step;
-            break;
-        }
-    }
-    while lo + 1 < hi {
-        let mid = lo + (hi - lo) / 2;
-        if before(mid) <= tile { lo = mid } else { hi = mid }
-    }
-    lo
-}
-
 /// Block `rank`'s share of list entry `tile` (< the list's length) of a row-grouped launch in
 /// pairs: the group (the last one with no more entries before it than `tile`; empty groups are
 /// skipped), then within it the M-pair entries walked by [`banded_row_tile`] over (entries × N
@@ -581,14 +547,11 @@ mod tests {
 
     #[test]
     fn pair_list_computes_every_tile_once_and_both_blocks_agree() {
-        // Also: `pair_group_from`, from any earlier tile's group (a block's walk) or from group
-        // 0, finds `pair_tile`'s group.
         let sizes: &[&[u32]] = &[
             &[170, 0, 42, 256, 257, 383, 384, 385, 1, 683],
             &[0, 0, 128, 0],
             &[640, 641, 768, 769, 8192],
             &[64, 65, 127, 129, 255],
-            &[0, 1, 0, 0, 0, 300, 0, 129, 0, 0, 0, 0, 5],
             &[],
             &[0],
         ];
@@ -628,17 +591,6 @@ mod tests {
                     let expected: u32 = rows.iter().map(|r| r.div_ceil(TILE_M) * n_tiles).sum();
                     assert_eq!(seen.len() as u32, expected, "{rows:?} n_tiles {n_tiles} m_pairs {m_pairs}");
                     assert!(seen.values().all(|&n| n == 1), "{rows:?} n_tiles {n_tiles}: a tile computed twice");
-                    let group = |tile| pair_tile(tile, 0, groups, n_tiles, m_pairs, &offset, &row_offset).group;
-                    for earlier in 0..len {
-                        let from = group(earlier);
-                        for tile in earlier..len {
-                            let found = pair_group_from(tile, from, groups, n_tiles, m_pairs, &offset);
-                            let case = format!("{rows:?} n_tiles {n_tiles} m_pairs {m_pairs}: {earlier} → {tile}");
-                            assert_eq!(found, group(tile), "{case}");
-                        }
-                        let found = pair_group_from(earlier, 0, groups, n_tiles, m_pairs, &offset);
-                        assert_eq!(found, from, "{rows:?} n_tiles {n_tiles} m_pairs {m_pairs}: 0 → {earlier}");
-                    }
                 }
             }
         }
