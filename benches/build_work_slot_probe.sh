@@ -5,7 +5,8 @@
 #   engine variant but the standalone weight gradient takes each tile's lookup from a
 #   shared-memory slot its producer fills, instead of looking it up in global memory); and
 #   gallop.ptx, benches/probes/gallop-search.patch on top (each producer searches its tile's
-#   group from its previous tile's, `gemm_layout::pair_group_from`);
+#   group from its previous tile's: the patch's `gemm_layout::pair_group_from`, whose unit test
+#   runs here);
 # - the bundle's test binaries and the layer bench, built with the patch applied: the patch
 #   grows the engine's dynamic shared memory by the slots (192 bytes), which the host sets at
 #   launch, so the probe's tests need a host built with it (the shipped kernels run under it too:
@@ -31,6 +32,8 @@ grep -E "mok_sm90_(gemm|forward|backward)" target/ptx/ptxas-report.txt
 cmp -s "$stage/base.ptx" "$stage/work.ptx" && { echo "the patch changed nothing" >&2; exit 1; }
 # On top: each producer searches its tile's group from its previous tile's.
 git apply benches/probes/gallop-search.patch
+# Its search checked against the full one (`pair_list_computes_every_tile_once_...`).
+cargo test -q -p mok-kernels --lib pair_list
 cargo xtask ptx > /dev/null
 cp target/ptx/mok_sm90a.ptx "$stage/gallop.ptx"
 grep -E "mok_sm90_(gemm|forward|backward)" target/ptx/ptxas-report.txt
