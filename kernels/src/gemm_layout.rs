@@ -123,11 +123,16 @@ pub const fn staging_boxes(variant: u32) -> u32 {
 /// Shared memory a ring of `stages` stages and `boxes` staging boxes per consumer warpgroup
 /// uses: the stages, the two consumers' output staging, then per stage a `full` and an `empty`
 /// mbarrier, an 8-byte tile slot and a mailbox mbarrier (a pair's second block learns its tiles
-/// through it), then 16 bytes for the gathering warps' tile and walk hand-out; plus 1 KiB so
-/// the stages can start on a 1024-byte boundary whatever the window's base.
+/// through it), then 16 bytes for the gathering warps' tile and walk hand-out, then per stage a
+/// work slot of [`WORK_SLOT_WORDS`] words; plus 1 KiB so the stages can start on a 1024-byte
+/// boundary whatever the window's base.
 pub const fn ring_smem_bytes(stages: u32, boxes: u32) -> u32 {
-    stages * STAGE_BYTES + 2 * boxes * BLOCK_64_BYTES + 4 * stages * 8 + 16 + 1024
+    stages * STAGE_BYTES + 2 * boxes * BLOCK_64_BYTES + 4 * stages * 8 + 16 + stages * 4 * WORK_SLOT_WORDS + 1024
 }
+
+/// Words of a stage's work slot: a tile's lookup, packed (`gemm::source::Work`: nine words,
+/// padded to three 16-byte vectors).
+pub const WORK_SLOT_WORDS: u32 = 12;
 
 /// Dynamic shared memory of an engine block: the default ring's ([`STAGES`],
 /// [`STAGING_BOXES`]), which is at least every variant's.
@@ -412,6 +417,40 @@ pub fn pair_entries_list_before(
     m * n_tiles + n * n_tiles.div_ceil(2)
 }
 
+/// The group of list entry `tile` of a row-grouped launch in pairs, as [`pair_tile`] finds it
+/// (the last group with no more entries before it than `tile`: empty groups are skipped),
+/// searched from `from`, a group at or before it — a block's previous tile's group in the same
+/// list, as a block takes its tiles in increasing order. It probes `from` + 1, + 2, + 4, …
+/// until one lies past the tile, then halves that bracket: a few probes where the tile lies a
+/// few groups on, as in a persistent walk over many blocks, against log2(groups) dependent
+/// probes for a search over them all (each probe two loads of the tile offsets).
+#[inline(always)]
+pub fn pair_group_from(
+    tile: u32,
+    from: u32,
+    groups: u32,
+    n_tiles: u32,
+    m_pairs: bool,
+    offset: &impl Fn(u32) -> u32,
+) -> u32 {
+    let before = |g| pair_entries_list_before(g, groups, n_tiles, m_pairs, offset);
+    let (mut lo, mut hi, mut step) = (from, groups, 1u32);
+    while lo + step < groups {
+        if before(lo + step) <= tile {
+            lo += step;
+            step *= 2;
+        } else {
+            hi = lo + step;
+            break;
+        }
+    }
+    while lo + 1 < hi {
+        let mid = lo + (hi - lo) / 2;
+        if before(mid) <= tile { lo = mid } else { hi = mid }
+    }
+    lo
+}
+
 /// Block `rank`'s share of list entry `tile` (< the list's length) of a row-grouped launch in
 /// pairs: the group (the last one with no more entries before it than `tile`; empty groups are
 /// skipped), then within it the M-pair entries walked by [`banded_row_tile`] over (entries × N
@@ -432,7 +471,19 @@ pub fn pair_tile(
         let mid = (lo + hi) / 2;
         if pair_entries_list_before(mid, groups, n_tiles, m_pairs, offset) <= tile { lo = mid } else { hi = mid }
     }
-    let group = lo;
+    pair_tile_in_group(tile, lo, rank, (groups, n_tiles, m_pairs), offset, row_offset)
+}
+
+/// [`pair_tile`] once the tile's `group` is known (from its search, or [`pair_group_from`]).
+#[inline(always)]
+pub fn pair_tile_in_group(
+    tile: u32,
+    group: u32,
+    rank: u32,
+    (groups, n_tiles, m_pairs): (u32, u32, bool),
+    offset: &impl Fn(u32) -> u32,
+    row_offset: &impl Fn(u32) -> u32,
+) -> PairTile {
     let (m_first, n_first) = pair_entries_before(group, groups, m_pairs, offset);
     let (m_next, n_next) = pair_entries_before(group + 1, groups, m_pairs, offset);
     let local = tile - (m_first * n_tiles + n_first * n_tiles.div_ceil(2));
@@ -547,11 +598,14 @@ mod tests {
 
     #[test]
     fn pair_list_computes_every_tile_once_and_both_blocks_agree() {
+        // Also: `pair_group_from`, from any earlier tile's group (a block's walk) or from group
+        // 0, finds `pair_tile`'s group.
         let sizes: &[&[u32]] = &[
             &[170, 0, 42, 256, 257, 383, 384, 385, 1, 683],
             &[0, 0, 128, 0],
             &[640, 641, 768, 769, 8192],
             &[64, 65, 127, 129, 255],
+            &[0, 1, 0, 0, 0, 300, 0, 129, 0, 0, 0, 0, 5],
             &[],
             &[0],
         ];
@@ -591,6 +645,17 @@ mod tests {
                     let expected: u32 = rows.iter().map(|r| r.div_ceil(TILE_M) * n_tiles).sum();
                     assert_eq!(seen.len() as u32, expected, "{rows:?} n_tiles {n_tiles} m_pairs {m_pairs}");
                     assert!(seen.values().all(|&n| n == 1), "{rows:?} n_tiles {n_tiles}: a tile computed twice");
+                    let group = |tile| pair_tile(tile, 0, groups, n_tiles, m_pairs, &offset, &row_offset).group;
+                    for earlier in 0..len {
+                        let from = group(earlier);
+                        for tile in earlier..len {
+                            let found = pair_group_from(tile, from, groups, n_tiles, m_pairs, &offset);
+                            let case = format!("{rows:?} n_tiles {n_tiles} m_pairs {m_pairs}: {earlier} → {tile}");
+                            assert_eq!(found, group(tile), "{case}");
+                        }
+                        let found = pair_group_from(earlier, 0, groups, n_tiles, m_pairs, &offset);
+                        assert_eq!(found, from, "{rows:?} n_tiles {n_tiles} m_pairs {m_pairs}: 0 → {earlier}");
+                    }
                 }
             }
         }

@@ -40,18 +40,46 @@ use crate::gemm_layout::{
     CONSUMER_REGISTERS, ENGINE_THREADS, GemmParams, MEGAKERNEL_PRODUCER_REGISTERS, NO_TILE, PAIRED_CONSUMER_REGISTERS,
     PAIRED_PRODUCER_REGISTERS, PRODUCER_REGISTERS, cluster_blocks, is_wgrad, ring_stages, staging_boxes,
 };
-use crate::ptx::memory::{ld_shared_u32, ld_volatile_shared_u32, st_shared_u32};
+use crate::ptx::memory::{ld_shared_u32, ld_shared_v4, ld_volatile_shared_u32, st_shared_u32};
 use crate::ptx::{bulk, cluster, mbarrier, sreg, sync};
 
 pub(crate) use super::epilogue::for_each_pair;
 use super::epilogue::*;
 use super::gather::{GATHER_LANES, GATHER_WARPS, Gatherers, full_arrivals, produce_gathering};
-use super::hooks::{BackwardHandover, ForwardHandover, TileHooks, hooked};
+use super::hooks::{BackwardHandover, ForwardHandover, TileHooks, carries_m_tile, hooked};
 use super::mainloop::*;
 use super::producer::*;
 use super::ring::{Ring, Walk};
 use super::source::*;
 pub use crate::gemm_layout::Variant;
+
+/// The [`Work`] of the tile whose first K block `stage` holds, as its block's producer wrote it
+/// into the stage's work slot before the `full` arrival ([`name_work`]). In a persistent kernel
+/// the consumers' own lookup (for a row-grouped tile a binary search over the groups, through
+/// the plan in global memory) would go to L2 at every step of every tile: each tile's acquires
+/// and async-proxy fences invalidate the SM's L1. Lane 0 alone reads the slot and shuffles the
+/// words to its warp, as for the tile slot (the padding words are loaded with the last vector,
+/// and not shuffled); the M tile only where the tile carries it ([`carries_m_tile`]).
+///
+/// # Safety
+/// All 32 lanes of each warp of the consumer warpgroup call it, after the stage's `full` wait
+/// of the phase whose tile it names and before lane 0 releases the stage; `V` uses the work slot
+/// ([`uses_work_slot`]), which its producer (`produce` or `produce_gathering`, with hooks `H`)
+/// filled.
+#[inline(always)]
+unsafe fn work_from_slot<const V: u32, H: TileHooks>(ring: Ring, stage: u32, thread_in_wg: u32) -> Work {
+    let slot = ring.work_slot::<V>(stage);
+    let lane_0 = thread_in_wg % 32 == 0;
+    // SAFETY: the slot is 16-byte aligned in this block's ring and published by the `full`
+    // arrival the caller waited for.
+    let read = |v: u32| if lane_0 { unsafe { ld_shared_v4(slot + 16 * v) } } else { [0; 4] };
+    let ([a, b, c, d], [e, f, g, h], [i, j, ..]) = (read(0), read(1), read(2));
+    // SAFETY: all 32 lanes (caller contract).
+    let bcast = |word| unsafe { sync::shfl_idx_u32(word, 0) };
+    let [a, b, c, d, e, f, g, h, i] = [a, b, c, d, e, f, g, h, i].map(bcast);
+    let j = if carries_m_tile::<V, H>() { bcast(j) } else { UNKNOWN_M_TILE };
+    Work::unpacked([a, b, c, d, e, f, g, h, i, j, 0, 0])
+}
 
 /// A consumer warpgroup: MMAs over the stages, then the epilogue, tile after tile, from `walk`
 /// until the stage that names [`NO_TILE`]. Returns the walk at that stage, which it has not
@@ -62,7 +90,8 @@ pub use crate::gemm_layout::Variant;
 /// control flow, in a block of [`ENGINE_THREADS`] threads with the engine's dynamic shared memory;
 /// the ring's barriers are initialised (`init_barriers`, in both blocks of a pair); `p` is a valid
 /// parameter block of variant `V` (outputs and maps as the host contract of [`run`] states) whose
-/// tiles the producer hands out with [`produce`] from the same `walk`; the hooks' contracts hold.
+/// tiles the producer hands out with [`produce`] (or `produce_gathering`: either fills the work
+/// slots) from the same `walk`; the hooks' contracts hold.
 #[inline(always)]
 pub(super) unsafe fn consume<const V: u32, H: TileHooks>(
     p: &GemmParams,
@@ -92,8 +121,15 @@ pub(super) unsafe fn consume<const V: u32, H: TileHooks>(
         if tile == NO_TILE {
             break;
         }
-        // SAFETY: the producer hands out only tiles < total.
-        let w = unsafe { work_of::<V>(p, tile) };
+        // The tile's lookup: from the work slot where the producer wrote it (`work_from_slot`),
+        // or for the standalone weight gradient its own (`uses_work_slot`).
+        let w = if uses_work_slot(V) {
+            // SAFETY: the whole warpgroup, right after the stage's `full` wait (as the tile).
+            unsafe { work_from_slot::<V, H>(ring, stage, thread_in_wg) }
+        } else {
+            // SAFETY: the producer hands out only tiles < total.
+            unsafe { work_of::<V>(p, tile) }
+        };
         if !is_wgrad(V) && (wg * 64 >= w.rows || !w.has_columns) {
             // A ragged tile with no rows in this warpgroup's half (a group's last ≤ 64 rows), or
             // a pair's second block without an N tile (an odd tile count):

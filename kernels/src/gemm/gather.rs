@@ -32,8 +32,8 @@ use crate::gemm_layout::{
 use crate::ptx::memory::{atom_add_relaxed_gpu_u32, ld_volatile_shared_u32, st_shared_u32};
 use crate::ptx::{cp_async, mbarrier, sreg, sync, tensormap, tma};
 
-use super::hooks::{RowGather, TileHooks};
-use super::producer::{load_weights, name_in_copyless_stage, name_tile, receive_tile};
+use super::hooks::{RowGather, TileHooks, carries_m_tile};
+use super::producer::{load_weights, name_in_copyless_stage, name_tile, name_work, receive_tile};
 use super::ring::{Ring, Walk};
 use super::source::*;
 
@@ -176,6 +176,8 @@ pub(super) unsafe fn produce_gathering<const V: u32, H: TileHooks>(
     let rank = pair_rank::<V>();
     let Walk { mut stage, mut phase, mut mail_phases } = walk;
     let mut taken = 0u32;
+    // The group of the walk's previous tile (`work_of_after`).
+    let mut previous_group = None;
     // As in `produce`: a persistent kernel's weight gradient walks a fixed stride, and waits for
     // a group's rows at its first tile of the group.
     let (walk_first, walk_stride) = if V == Variant::WGRAD_IN_PAIR { hooks.weight_tile_walk(total) } else { (0, 0) };
@@ -217,16 +219,20 @@ pub(super) unsafe fn produce_gathering<const V: u32, H: TileHooks>(
         taken += 1;
         if tile >= total {
             // SAFETY: as below for a stage, without copies.
-            unsafe { copyless_stage::<V>(ring, (stage, phase), NO_TILE, gatherers) };
+            unsafe { copyless_stage::<V>(ring, (stage, phase), (NO_TILE, None), gatherers) };
             ring.advance::<V>(&mut stage, &mut phase);
             return Walk { stage, phase, mail_phases };
         }
         // SAFETY: tile < total.
-        let w = unsafe { work_of::<V>(p, tile) };
+        // The search for the tile's group starts at the previous tile's (this walk's tiles rise).
+        let w = unsafe { work_of_after::<V>(p, tile, previous_group) };
+        previous_group = Some(w.group);
+        // SAFETY: as above.
+        let w = if carries_m_tile::<V, H>() { unsafe { w.with_m_tile(p) } } else { w };
         if is_wgrad(V) && w.k_blocks == 0 {
             // An empty group's weight gradient: its consumers store the tile's zeros.
             // SAFETY: as below for a stage, without copies.
-            unsafe { copyless_stage::<V>(ring, (stage, phase), tile, gatherers) };
+            unsafe { copyless_stage::<V>(ring, (stage, phase), (tile, Some(&w)), gatherers) };
             ring.advance::<V>(&mut stage, &mut phase);
             continue;
         }
@@ -303,6 +309,7 @@ unsafe fn gather_row_tile<const V: u32>(
             unsafe {
                 if kb == 0 {
                     name_tile::<V>(ring, *stage, tile);
+                    name_work::<V>(ring, *stage, &w);
                 }
                 mbarrier::expect_tx(full, b_bytes);
                 let (maps, b_tile, g) = ((p.map_b, p.map_b2), ring.b_tile(*stage), w.group as i32);
@@ -402,6 +409,7 @@ unsafe fn gather_weight_gradient_tile<const V: u32>(
             unsafe {
                 if kb == 0 {
                     name_tile::<V>(ring, *stage, tile);
+                    name_work::<V>(ring, *stage, &w);
                 }
                 mbarrier::expect_tx(full, A_TILE_BYTES);
                 let tail = row + TILE_K > w.row_end;
@@ -506,14 +514,19 @@ unsafe fn finish_stage(full: u32, gatherers: Gatherers) {
 /// As [`produce_gathering`], at its walk's `(stage, phase)`: every gathering thread calls it, in
 /// uniform control flow.
 #[inline(always)]
-unsafe fn copyless_stage<const V: u32>(ring: Ring, (stage, phase): (u32, u32), value: u32, gatherers: Gatherers) {
+unsafe fn copyless_stage<const V: u32>(
+    ring: Ring,
+    (stage, phase): (u32, u32),
+    (value, work): (u32, Option<&Work>),
+    gatherers: Gatherers,
+) {
     // SAFETY: initialised barriers of this block (caller contract), every thread at its walk;
     // the meeting has every gathering thread (caller contract).
     unsafe {
         mbarrier::wait_parity(ring.empty::<V>(stage), phase ^ 1);
         gatherers.meet();
         if gatherers.leads() {
-            name_in_copyless_stage::<V>(ring, stage, phase, value, const { full_arrivals(true) });
+            name_in_copyless_stage::<V>(ring, stage, phase, value, const { full_arrivals(true) }, work);
         }
     }
 }

@@ -18,7 +18,7 @@ use crate::comm::error::{
 use crate::comm::params::{ExchangeParams, HeapRegions};
 use crate::comm::schedule::epoch_reached;
 use crate::comm::wait::{signal, wait_until};
-use crate::gemm_layout::{GemmParams, TILE_M, TILE_N, TileCounters, Variant};
+use crate::gemm_layout::{GemmParams, TILE_M, TILE_N, TileCounters, Variant, is_wgrad};
 use crate::megakernel_layout::{
     BackwardParams, ForwardParams, NO_FAULT, WORK_GEMMS, WORK_WEIGHT_GRADS, down_dgrad_complete, downstream_deadline,
     first_compute_block, parts_per_m_tile, rank_of_pair, row_chunks_complete, weight_gradient_walk,
@@ -26,7 +26,7 @@ use crate::megakernel_layout::{
 use crate::ptx::bulk;
 use crate::ptx::memory::fence_proxy_async_global;
 
-use super::source::{Work, tile_offset};
+use super::source::{UNKNOWN_M_TILE, Work, tile_offset};
 
 /// The two places a persistent kernel hooks into a tile.
 pub trait TileHooks: Copy {
@@ -87,6 +87,18 @@ pub trait TileHooks: Copy {
     /// once their row moving is done: `gather::GATHER_WARPS`); otherwise
     /// its first thread alone produces.
     const MAY_GATHER_ROWS: bool = false;
+
+    /// Whether the hooks wait on or count per engine M tile: the producer then works each
+    /// tile's M tile out with the tile ([`Work::with_m_tile`]) and hands it to the consumers in
+    /// the work slot, so a stored count does not look it up after its fence.
+    const COUNTS_BY_M_TILE: bool = false;
+}
+
+/// Whether variant `V`'s tiles under hooks `H` carry their M tile ([`Work::with_m_tile`]) from
+/// the producer to the consumers in the work slot: row-grouped tiles whose hooks count by it.
+/// A weight gradient's tile has no M tile of its plan (its plan's tile offsets may be absent).
+pub(super) const fn carries_m_tile<const V: u32, H: TileHooks>() -> bool {
+    H::COUNTS_BY_M_TILE && !is_wgrad(V)
 }
 
 /// The rows a gathered operand is read from: row `r` of the plan is row
@@ -226,11 +238,16 @@ impl Counters {
 /// `work` is a row-grouped tile of `p` (its group's tile offset is readable).
 #[inline(always)]
 unsafe fn m_tile(p: &GemmParams, work: &Work) -> u32 {
+    if work.m_tile != UNKNOWN_M_TILE {
+        return work.m_tile;
+    }
     // SAFETY: group < groups (caller contract).
-    unsafe { tile_offset(p, work.group) + (work.m0 - work.row_begin) / TILE_M }
+    unsafe { work.with_m_tile(p).m_tile }
 }
 
 impl TileHooks for Counters {
+    const COUNTS_BY_M_TILE: bool = true;
+
     #[inline(always)]
     unsafe fn before_rows(&self, p: &GemmParams, work: &Work) {
         // SAFETY: caller contract of `new` and of the hook.
@@ -381,6 +398,8 @@ impl<const RANKS: bool> ForwardHandover<RANKS> {
 }
 
 impl<const RANKS: bool> TileHooks for ForwardHandover<RANKS> {
+    const COUNTS_BY_M_TILE: bool = true;
+
     // Only on one GPU (across ranks the dispatch pulls every row).
     const MAY_GATHER_ROWS: bool = !RANKS;
     #[inline(always)]
@@ -599,6 +618,8 @@ impl BackwardCounters {
 }
 
 impl<const RANKS: bool> TileHooks for BackwardHandover<RANKS> {
+    const COUNTS_BY_M_TILE: bool = true;
+
     // Only on one GPU (across ranks the rows are the ring's).
     const MAY_GATHER_ROWS: bool = !RANKS;
 

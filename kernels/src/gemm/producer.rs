@@ -5,11 +5,11 @@ use crate::gemm_layout::{
     A_TILE_BYTES, B_TILE_BYTES, BLOCK_64_BYTES, GemmParams, NO_TILE, STAGE_BYTES, TILE_K, TILE_M, TILE_N, Variant,
     cluster_blocks, is_wgrad,
 };
-use crate::ptx::memory::{atom_add_relaxed_gpu_u32, ld_shared_u32, st_shared_u32};
+use crate::ptx::memory::{atom_add_relaxed_gpu_u32, ld_shared_u32, st_shared_u32, st_shared_v4};
 use crate::ptx::{cluster, mbarrier, sreg, tensormap, tma};
 
 use super::gather::full_arrivals;
-use super::hooks::{TileHooks, hooked};
+use super::hooks::{TileHooks, carries_m_tile, hooked};
 use super::ring::{Ring, Walk};
 use super::source::*;
 
@@ -50,6 +50,8 @@ pub(super) unsafe fn produce<const V: u32, H: TileHooks>(p: &GemmParams, ring: R
     let Walk { mut stage, mut phase, mut mail_phases } = walk;
     let full_arrivals = const { full_arrivals(H::MAY_GATHER_ROWS) };
     let mut taken = 0u32;
+    // The group of the walk's previous tile (`work_of_after`).
+    let mut previous_group = None;
     // A weight gradient's tiles of one group read the same rows: the producer waits for them
     // at the group's first tile of this phase only (the proxy fence after that wait orders
     // every later copy too). On its stride walk a block meets each group in a run of about
@@ -77,18 +79,22 @@ pub(super) unsafe fn produce<const V: u32, H: TileHooks>(p: &GemmParams, ring: R
         if tile >= total {
             // Tell the consumers (and the partner) through the next stage.
             // SAFETY: caller contract: initialised barriers, the producer thread at its walk.
-            unsafe { name_in_copyless_stage::<V>(ring, stage, phase, NO_TILE, full_arrivals) };
+            unsafe { name_in_copyless_stage::<V>(ring, stage, phase, NO_TILE, full_arrivals, None) };
             ring.advance::<V>(&mut stage, &mut phase);
             return Walk { stage, phase, mail_phases };
         }
         // SAFETY: tile < total.
-        let w = unsafe { work_of::<V>(p, tile) };
+        // The search for the tile's group starts at the previous tile's (this walk's tiles rise).
+        let w = unsafe { work_of_after::<V>(p, tile, previous_group) };
+        previous_group = Some(w.group);
+        // SAFETY: as above.
+        let w = if carries_m_tile::<V, H>() { unsafe { w.with_m_tile(p) } } else { w };
         let g = w.group as i32;
         if w.k_blocks == 0 {
             // A weight gradient of an empty group: no copies, but the consumers still learn the
             // tile (they store its zeros).
             // SAFETY: as for the `NO_TILE` stage above.
-            unsafe { name_in_copyless_stage::<V>(ring, stage, phase, tile, full_arrivals) };
+            unsafe { name_in_copyless_stage::<V>(ring, stage, phase, tile, full_arrivals, Some(&w)) };
             ring.advance::<V>(&mut stage, &mut phase);
             continue;
         }
@@ -132,6 +138,7 @@ pub(super) unsafe fn produce<const V: u32, H: TileHooks>(p: &GemmParams, ring: R
             unsafe {
                 if kb == 0 {
                     name_tile::<V>(ring, stage, tile);
+                    name_work::<V>(ring, stage, &w);
                 }
                 if full_arrivals == 1 {
                     mbarrier::arrive_expect_tx(full, stage_bytes);
@@ -259,6 +266,28 @@ pub(super) unsafe fn name_tile<const V: u32>(ring: Ring, stage: u32, value: u32)
     }
 }
 
+/// Writes a tile's [`Work`] into `stage`'s work slot in this block (each block its own: a
+/// pair's blocks differ in rows or columns), for its consumers to read after the stage's `full`
+/// phase instead of looking the tile up again ([`uses_work_slot`]; otherwise nothing).
+///
+/// # Safety
+/// The stage is free in this block (its `empty` phase passed) and its `full` arrival by this
+/// thread, or by one ordered after this thread's store, follows.
+#[inline(always)]
+pub(super) unsafe fn name_work<const V: u32>(ring: Ring, stage: u32, work: &Work) {
+    if !uses_work_slot(V) {
+        return;
+    }
+    let [a, b, c, d, e, f, g, h, i, j, k, l] = work.packed();
+    let slot = ring.work_slot::<V>(stage);
+    // SAFETY: caller contract; the slot is 16-byte aligned in this block's ring.
+    unsafe {
+        st_shared_v4(slot, [a, b, c, d]);
+        st_shared_v4(slot + 16, [e, f, g, h]);
+        st_shared_v4(slot + 32, [i, j, k, l]);
+    }
+}
+
 /// A pair's second block: the tile its partner named in `stage`'s slot (the mailbox completes
 /// when the remote store has landed).
 ///
@@ -277,9 +306,9 @@ pub(super) unsafe fn receive_tile<const V: u32>(ring: Ring, stage: u32, mail_pha
     unsafe { ld_shared_u32(ring.tile_slot::<V>(stage)) }
 }
 
-/// Waits for `stage` to be free, names `value` (a tile, or [`NO_TILE`]) in its tile slot and
-/// completes its `full` phase with `arrivals` arrivals, all the phase expects
-/// ([`full_arrivals`]): a stage without copies that only names.
+/// Waits for `stage` to be free, names `value` (a tile, or [`NO_TILE`]) in its tile slot (and
+/// the tile's `work`, if any, in its work slot) and completes its `full` phase with `arrivals`
+/// arrivals, all the phase expects ([`full_arrivals`]): a stage without copies that only names.
 ///
 /// # Safety
 /// The ring's barriers are initialised (`init_barriers`, in both blocks of a pair, the partner
@@ -292,12 +321,16 @@ pub(super) unsafe fn name_in_copyless_stage<const V: u32>(
     phase: u32,
     value: u32,
     arrivals: u32,
+    work: Option<&Work>,
 ) {
     // SAFETY: initialised barriers of this block (the producer thread, caller contract); the slot
     // is free once the stage is, and the arrival publishes it.
     unsafe {
         mbarrier::wait_parity(ring.empty::<V>(stage), phase ^ 1);
         name_tile::<V>(ring, stage, value);
+        if let Some(work) = work {
+            name_work::<V>(ring, stage, work);
+        }
         if arrivals == 1 {
             mbarrier::arrive(ring.full(stage));
         } else {

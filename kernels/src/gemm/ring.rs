@@ -1,9 +1,10 @@
 //! The engine's shared-memory carve and its stage ring: `ring_stages(V)` stages of an A and a B
 //! tile, each consumer warpgroup's output staging, and per stage a `full` and an `empty`
-//! barrier, a tile slot and a pair mailbox, then the gathering warps' tile hand-out word. The
+//! barrier, a tile slot and a pair mailbox, then the gathering warps' tile hand-out word, then per
+//! stage a work slot (the tile's lookup, packed). The
 //! ring walk (stage, phase) is the same in every role.
 
-use crate::gemm_layout::{A_TILE_BYTES, BLOCK_64_BYTES, STAGE_BYTES, ring_stages, staging_boxes};
+use crate::gemm_layout::{A_TILE_BYTES, BLOCK_64_BYTES, STAGE_BYTES, WORK_SLOT_WORDS, ring_stages, staging_boxes};
 use crate::ptx::smem;
 
 /// Shared-memory addresses of the ring, the output staging and the barriers. The ring's shape
@@ -54,6 +55,15 @@ impl Ring {
     /// phase starts (`share_walk`).
     pub(super) fn handout<const V: u32>(self) -> u32 {
         self.bars + const { 4 * ring_stages(V) } * 8
+    }
+    /// A tile's [`Work`](super::source::Work), packed ([`WORK_SLOT_WORDS`] words, 16-byte
+    /// aligned; every variant but the standalone weight gradient, `source::uses_work_slot`), in
+    /// the stage that holds its first K block: each block's producer writes
+    /// its own block's before that stage's `full` arrival, so the consumers read it from shared
+    /// memory instead of looking the tile up in global memory (whose L1 lines every acquire and
+    /// async-proxy fence of a persistent kernel invalidates).
+    pub(super) fn work_slot<const V: u32>(self, stage: u32) -> u32 {
+        self.handout::<V>() + 16 + stage * 4 * WORK_SLOT_WORDS
     }
     /// Consumer warpgroup `wg`'s output staging (1024-byte aligned).
     pub(super) fn staging<const V: u32>(self, wg: u32) -> u32 {

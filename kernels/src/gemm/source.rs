@@ -3,8 +3,8 @@
 //! counter by a pair's first block; weight gradients walk `blockIdx.x + i·gridDim.x`.
 
 use crate::gemm_layout::{
-    GemmParams, PairTile, TILE_K, TILE_M, TILE_N, Variant, cluster_blocks, is_wgrad, pair_entries_list_before,
-    pair_tile, weight_gradient_tiles,
+    GemmParams, PairTile, TILE_K, TILE_M, TILE_N, Variant, WORK_SLOT_WORDS, cluster_blocks, is_wgrad,
+    pair_entries_list_before, pair_group_from, pair_tile, pair_tile_in_group, weight_gradient_tiles,
 };
 use crate::ptx::sreg;
 
@@ -29,6 +29,64 @@ pub struct Work {
     /// K blocks of segment 1, and of segments 1 + 2.
     pub(super) k_blocks_1: u32,
     pub(super) k_blocks: u32,
+    /// The engine M tile holding the tile's rows (the index of the hooks' counters), where the
+    /// producer worked it out ([`Work::with_m_tile`]); otherwise [`UNKNOWN_M_TILE`].
+    pub(super) m_tile: u32,
+}
+
+/// [`Work::m_tile`] not worked out with the tile.
+pub(super) const UNKNOWN_M_TILE: u32 = u32::MAX;
+
+/// Whether `variant`'s consumers read each tile's [`Work`] from the stage's work slot, where
+/// the producer wrote it, rather than looking it up themselves ([`work_of`]). Every variant
+/// does but the standalone weight gradient: its lookup is a division and two loads that stay in
+/// L1 (no acquire or async-proxy fence invalidates it there), and the nine words read from the
+/// slot would stay live across its K loop, where the lookup's are recomputed (spilled, measured
+/// in ptxas' report).
+pub(super) const fn uses_work_slot(variant: u32) -> bool {
+    variant != Variant::WGRAD
+}
+
+impl Work {
+    /// `self` with its [`Work::m_tile`] worked out: the group's first M tile, plus the tile's
+    /// place in the group.
+    ///
+    /// # Safety
+    /// `self.group` is a group of `p`, whose tile offsets were written before the launch.
+    #[inline(always)]
+    pub(super) unsafe fn with_m_tile(self, p: &GemmParams) -> Work {
+        // SAFETY: caller contract.
+        let first = unsafe { tile_offset(p, self.group) };
+        Work { m_tile: first + (self.m0 - self.row_begin) / TILE_M, ..self }
+    }
+
+    /// The work slot's words ([`Ring::work_slot`](super::ring::Ring::work_slot)): the fields in
+    /// order, the two flags in one word, then padding.
+    #[inline(always)]
+    pub(super) fn packed(&self) -> [u32; WORK_SLOT_WORDS as usize] {
+        let flags = self.has_columns as u32 | (self.shares_weights as u32) << 1;
+        let (w, f) = (self, flags);
+        [w.group, w.m0, w.rows, w.n0, w.row_begin, w.row_end, w.k_blocks_1, w.k_blocks, f, w.m_tile, 0, 0]
+    }
+
+    /// The inverse of [`Work::packed`].
+    #[inline(always)]
+    pub(super) fn unpacked(words: [u32; WORK_SLOT_WORDS as usize]) -> Work {
+        let [group, m0, rows, n0, row_begin, row_end, k_blocks_1, k_blocks, flags, m_tile, ..] = words;
+        Work {
+            group,
+            m0,
+            rows,
+            n0,
+            has_columns: flags & 1 != 0,
+            shares_weights: flags & 2 != 0,
+            row_begin,
+            row_end,
+            k_blocks_1,
+            k_blocks,
+            m_tile,
+        }
+    }
 }
 
 #[inline(always)]
@@ -72,6 +130,18 @@ pub(super) unsafe fn tile_offset(p: &GemmParams, i: u32) -> u32 {
 /// `groups + 1` u32 and, row-grouped, `p.tile_offsets` as [`tile_count`] requires.
 #[inline(always)]
 pub(super) unsafe fn work_of<const V: u32>(p: &GemmParams, tile: u32) -> Work {
+    // SAFETY: caller contract.
+    unsafe { work_of_after::<V>(p, tile, None) }
+}
+
+/// [`work_of`], a row-grouped tile's group searched from `after`, the group of an earlier tile
+/// of the same list (`gemm_layout::pair_group_from`: a producer's walk takes its tiles in
+/// increasing order), or over all groups (`None`).
+///
+/// # Safety
+/// As [`work_of`]; `after` is `None` or the group of a tile of this list at or before `tile`.
+#[inline(always)]
+pub(super) unsafe fn work_of_after<const V: u32>(p: &GemmParams, tile: u32, after: Option<u32>) -> Work {
     let offsets = p.row_offsets as *const u32;
     if is_wgrad(V) {
         let (m_tiles, nt) = (p.m.div_ceil(TILE_M), p.n.div_ceil(TILE_N));
@@ -91,6 +161,7 @@ pub(super) unsafe fn work_of<const V: u32>(p: &GemmParams, tile: u32) -> Work {
             row_end,
             k_blocks_1: k_blocks,
             k_blocks,
+            m_tile: UNKNOWN_M_TILE,
         };
     }
     let nt = n_tiles::<V>(p);
@@ -99,8 +170,14 @@ pub(super) unsafe fn work_of<const V: u32>(p: &GemmParams, tile: u32) -> Work {
     let offset = |i| unsafe { tile_offset(p, i) };
     // SAFETY: as above.
     let row_offset = |g: u32| unsafe { *offsets.add(g as usize) };
-    let PairTile { group, m0, n_tile, shares_weights } =
-        pair_tile(tile, pair_rank::<V>(), p.groups, nt, p.m_pairs != 0, &offset, &row_offset);
+    let (groups, m_pairs) = (p.groups, p.m_pairs != 0);
+    let PairTile { group, m0, n_tile, shares_weights } = match after {
+        None => pair_tile(tile, pair_rank::<V>(), groups, nt, m_pairs, &offset, &row_offset),
+        Some(from) => {
+            let group = pair_group_from(tile, from, groups, nt, m_pairs, &offset);
+            pair_tile_in_group(tile, group, pair_rank::<V>(), (groups, nt, m_pairs), &offset, &row_offset)
+        }
+    };
     // SAFETY: group < groups.
     let (begin, end) = unsafe { (*offsets.add(group as usize), *offsets.add(group as usize + 1)) };
     let n_width = if V == Variant::GATE_UP { TILE_N / 2 } else { TILE_N };
@@ -116,6 +193,7 @@ pub(super) unsafe fn work_of<const V: u32>(p: &GemmParams, tile: u32) -> Work {
         row_end: end,
         k_blocks_1,
         k_blocks: k_blocks_1 + p.k2.div_ceil(TILE_K),
+        m_tile: UNKNOWN_M_TILE,
     }
 }
 

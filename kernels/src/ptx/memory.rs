@@ -368,6 +368,22 @@ pub unsafe fn st_shared_u16(smem_addr: u32, value: u16) {
     }
 }
 
+/// 16-byte shared-memory load (`ld.shared.v4.u32`).
+///
+/// # Safety
+/// `smem_addr` must be a valid, 16-byte aligned shared address of this block.
+#[inline(always)]
+pub unsafe fn ld_shared_v4(smem_addr: u32) -> [u32; 4] {
+    let (a, b, c, d): (u32, u32, u32, u32);
+    // SAFETY: caller guarantees a valid shared address.
+    unsafe {
+        asm!("ld.shared.v4.u32 {{{a}, {b}, {c}, {d}}}, [{s}];",
+             a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d,
+             s = in(reg32) smem_addr, options(nostack, readonly));
+    }
+    [a, b, c, d]
+}
+
 /// 16-byte shared-memory store (`st.shared.v4.u32`).
 ///
 /// # Safety
