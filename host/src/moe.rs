@@ -41,7 +41,8 @@ pub enum Backend {
 
 impl Backend {
     /// The fastest correct backend `gpu` has for one GPU holding every expert: the engine path
-    /// (measured faster than the megakernel there, docs/PERF.md), else `mma.sync`.
+    /// (measured faster than the megakernels there, or level with the forward megakernel:
+    /// docs/PERF.md), else `mma.sync`.
     pub fn fastest_on(gpu: &Gpu) -> Backend {
         if engine_available(gpu) { Backend::Engine } else { Backend::MmaSync }
     }
