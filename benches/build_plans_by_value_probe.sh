@@ -7,8 +7,8 @@
 # entry point's parameters change, so the probe needs its own host: DIR/base holds the tree's
 # bundle subset and DIR/probe the patched one (each its own `layer` bench and tests, each with
 # its own embedded PTX). Restores kernels/, host/ and src/ptx/ afterwards; bundle/ is left with
-# the tree's build. Takes two bundle builds (~15 minutes). Run from the repository root on a
-# clean tree; then, with carry ["DIR relative to the repository"]:
+# the patched build (rebuild it for anything else). Takes two bundle builds (~15 minutes). Run
+# from the repository root on a clean tree; then, with carry ["DIR relative to the repository"]:
 #   cd DIR && (cd probe && ./run.sh forward_megakernel moe_layer megakernel_is_bitwise) &&
 #   for i in 1 2; do for b in probe base; do $b/benches/layer --cases kimi:8192,qwen:8192 \
 #       --gemm engine,megakernel | grep "| megakernel\|| engine" | sed "s/^/$b /"; done; done
