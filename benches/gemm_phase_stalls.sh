@@ -9,7 +9,7 @@
 # megakernel's launches in `layer --gemm megakernel --reps 1`: four passes, then the comm side,
 # the compute side, the empty launch (kernel_times.sh with SEQUENCE=mok_sm90_forward lists
 # them). SAMPLING_INTERVAL (default 10: every 2^15 cycles) is passed to stall_profile.sh. Writes
-# $OUT/NAME-{mk,gu,dn}.{stalls.txt,source.csv.gz} (the reports themselves go to /tmp: a device
+# $OUT/NAME-{mk,gu,dn}.{stalls.txt,source.csv.gz} (the benchmark's run logs go to /tmp: a device
 # call brings few files back) and prints the launches' times and the split.
 set -euo pipefail
 [ $# -ge 1 ] || { echo "usage: $0 CASE [NAME] [SKIP]" >&2; exit 2; }
@@ -21,8 +21,8 @@ export SAMPLING_INTERVAL="${SAMPLING_INTERVAL:-10}" GEMM_BIN="${LAYER_BIN:-$here
 BENCH_ARGS='--gemm megakernel --reps 1' "$here/stall_profile.sh" '^mok_sm90_forward$' "$case_" "$name-mk" "$skip"
 BENCH_ARGS='--gemm engine --reps 1' "$here/stall_profile.sh" 'mok_sm90_gemm_gate_up$' "$case_" "$name-gu" 0
 BENCH_ARGS='--gemm engine --reps 1' "$here/stall_profile.sh" 'mok_sm90_gemm_rows_nt$' "$case_" "$name-dn" 0
-mkdir -p /tmp/ncu-reports
-mv "$out/$name"-*.ncu-rep "$out/$name"-*.run.log /tmp/ncu-reports/ 2>/dev/null || true
+mkdir -p /tmp/ncu-logs
+mv "$out/$name"-*.run.log /tmp/ncu-logs/ 2>/dev/null || true
 for part in mk gu dn; do
     echo "$name-$part: $(grep -h 'gpu__time_duration.sum\|sm__cycles_elapsed.avg.per_second' "$out/$name-$part.stalls.txt" | tr '\n' ' ')"
 done

@@ -89,8 +89,9 @@ pub trait TileHooks: Copy {
     const MAY_GATHER_ROWS: bool = false;
 
     /// Whether the hooks wait on or count per engine M tile: the producer then works each
-    /// tile's M tile out with the tile ([`Work::with_m_tile`]) and hands it to the consumers in
-    /// the work slot, so a stored count does not look it up after its fence.
+    /// row-grouped tile's M tile out with the tile ([`Work::with_m_tile`], [`carries_m_tile`])
+    /// and hands it to the consumers in the work slot, so a stored count does not look it up
+    /// after its fence.
     const COUNTS_BY_M_TILE: bool = false;
 }
 
