@@ -303,6 +303,11 @@ impl EnginePlan {
         self.params.device_ptr()
     }
 
+    /// The plan's parameter block as uploaded (its device copy's bytes).
+    pub(crate) fn host_params(&self) -> &GemmParams {
+        &self.host_params
+    }
+
     /// The kernel the plan launches.
     pub(crate) fn kernel(&self) -> &'static str {
         self.kernel
@@ -365,7 +370,7 @@ impl EnginePlan {
     ///
     /// # Safety
     /// `args` are the plan's kernel's parameters, in order and type, and valid for it.
-    unsafe fn enqueue(&self, gpu: &Gpu, blocks: u32, args: &[KernelArg]) -> Result<()> {
+    unsafe fn enqueue(&self, gpu: &Gpu, blocks: u32, args: &[KernelArg<'_>]) -> Result<()> {
         let blocks = blocks.max(1).next_multiple_of(self.cluster_blocks);
         self.cut_group_maps(gpu)?;
         let shape = LaunchShape { grid: (blocks, 1, 1), threads: ENGINE_THREADS, smem_bytes: ENGINE_SMEM_BYTES };

@@ -11,10 +11,10 @@
 use std::time::Duration;
 
 use mok_kernels::comm::params::ERROR_WORDS;
-use mok_kernels::gemm_layout::{ENGINE_SMEM_BYTES, ENGINE_THREADS, weight_gradient_tiles};
+use mok_kernels::gemm_layout::{ENGINE_SMEM_BYTES, ENGINE_THREADS, GemmParams, weight_gradient_tiles};
 use mok_kernels::megakernel_layout::{
-    BackwardParams, ForwardParams, NO_FAULT, PassInputs, SwigluBackwardRows, WORK_ALL, backward_counter_words,
-    first_compute_block, forward_counter_words, rank_pairs,
+    BackwardParams, ForwardParams, ForwardPlans, NO_FAULT, PassInputs, SwigluBackwardRows, WORK_ALL,
+    backward_counter_words, first_compute_block, forward_counter_words, rank_pairs,
 };
 
 use crate::driver::{DeviceBuffer, Gpu, KernelArg, LaunchShape};
@@ -590,6 +590,15 @@ impl<P: PassParams> MegakernelPass<P> {
             return Err(MokError::InvalidInput { tensor: "megakernel", problem: "built for ranks".into() });
         }
         self.prepare_pass(gpu, &[plans])?;
+        // The forward's entry point takes its four plans by value after its parameter block, in
+        // phase order (`ForwardPlans`): the shared gate/up, the gate/up, the shared down, the
+        // down; the plans arrive as gate/up, down, then the shared expert's two, if any.
+        let forward_plans = (!P::TAKES_TOKEN_ROWS).then(|| {
+            let plan = |i: usize| plans.get(i).map_or_else(GemmParams::default, |p| *p.host_params());
+            ForwardPlans { plans: [plan(2), plan(0), plan(3), plan(1)] }
+        });
+        // SAFETY: `ForwardPlans` is repr(C) plain data without padding (four 184-byte plans).
+        let plan_bytes = forward_plans.as_ref().map(|p| unsafe { plain_bytes(p) });
         let args = [
             KernelArg::Ptr(self.params.device_ptr()),
             KernelArg::Ptr(rows),
@@ -598,8 +607,15 @@ impl<P: PassParams> MegakernelPass<P> {
             KernelArg::U32(tokens),
             KernelArg::Ptr(token_rows),
         ];
+        let forward_args;
         // The backward's entry point takes the token rows last; the forward's ends before them.
-        let args = if P::TAKES_TOKEN_ROWS { &args[..] } else { &args[..5] };
+        let args = match plan_bytes {
+            Some(bytes) => {
+                forward_args = [args[0], KernelArg::Bytes(bytes), args[1], args[2], args[3], args[4]];
+                &forward_args[..]
+            }
+            None => &args[..],
+        };
         // SAFETY: `mok_sm90_forward`'s and `mok_sm90_backward`'s parameters in order and type;
         // the parameter block points at the layer's live buffers and the plans' parameter blocks
         // (checked above), its counters hold an entry per M tile the plans' groups can have,

@@ -2,7 +2,7 @@
 //! `mok_sm90_forward_ranks` across ranks; see `kernels/src/megakernel/`), shared by host and
 //! device, and the arithmetic both sides use to size and check its counters.
 
-use crate::gemm_layout::TILE_M;
+use crate::gemm_layout::{GemmParams, TILE_M};
 use crate::tiles::group_of_tile;
 
 /// A `silent_*` field's value that injects no fault.
@@ -131,6 +131,23 @@ pub struct ForwardParams {
 
 // The host writes this block byte for byte: twenty-one 8-byte fields, then twelve u32.
 const _: () = assert!(size_of::<ForwardParams>() == 216);
+
+/// The one-GPU forward megakernel's four plans, passed by value as a kernel argument (the
+/// kernel parameter space, read through the constant cache, which the persistent kernel's
+/// fences do not invalidate, where a plan in global memory is read through the L1 they
+/// invalidate at every tile), in phase order: the shared expert's gate/up, the routed gate/up,
+/// the shared expert's down, the routed down (`gemm::hooks::ForwardHandover`'s numbering). A
+/// shared-expert plan is all zeros when the pass has none (`ForwardParams::shared_gate_up` is 0
+/// then, which is what the kernel tests).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ForwardPlans {
+    /// The plans, by phase.
+    pub plans: [GemmParams; 4],
+}
+
+// Four 184-byte plans, well inside the 4352 bytes ptxas allows PTX ISA 8.0's kernel parameters.
+const _: () = assert!(size_of::<ForwardPlans>() == 4 * 184);
 
 /// Words of one rank's forward pass counters for plans of at most `m_tiles` M tiles: three per
 /// M tile for the routed experts (dispatched, gate/up parts, down parts), the two queues

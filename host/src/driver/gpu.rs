@@ -131,7 +131,7 @@ impl Drop for Kernels {
 
 /// A kernel argument, passed by value.
 #[derive(Clone, Copy, Debug)]
-pub enum KernelArg {
+pub enum KernelArg<'a> {
     /// A device pointer (`0` for null).
     Ptr(u64),
     /// `u32`.
@@ -140,6 +140,8 @@ pub enum KernelArg {
     U64(u64),
     /// `f32`.
     F32(f32),
+    /// A `repr(C)` struct's bytes (the kernel's parameter of exactly that size and alignment).
+    Bytes(&'a [u8]),
 }
 
 /// Grid, block and dynamic shared memory of a launch.
@@ -469,20 +471,29 @@ impl Gpu {
     /// `args` must be exactly `kernel`'s parameters, in order and type, and every pointer among
     /// them a live device allocation of the sizes the kernel documents: the driver reads the
     /// parameter list positionally, and the kernel trusts it.
-    pub(crate) unsafe fn launch(&self, kernel: &'static str, shape: LaunchShape, args: &[KernelArg]) -> Result<()> {
+    pub(crate) unsafe fn launch(&self, kernel: &'static str, shape: LaunchShape, args: &[KernelArg<'_>]) -> Result<()> {
         let function = self.function(kernel)?;
         self.inner.bind()?;
-        // Each argument gets an 8-byte slot; the driver reads the parameter's own size from it
-        // (little-endian, so a u32 is the slot's first 4 bytes).
+        // Each scalar argument gets an 8-byte slot; the driver reads the parameter's own size
+        // from it (little-endian, so a u32 is the slot's first 4 bytes). A struct argument is
+        // read from its own bytes, which outlive the call (the driver copies them at launch).
         let mut slots: Vec<u64> = args
             .iter()
             .map(|arg| match *arg {
                 KernelArg::Ptr(p) | KernelArg::U64(p) => p,
                 KernelArg::U32(v) => v as u64,
                 KernelArg::F32(v) => v.to_bits() as u64,
+                KernelArg::Bytes(_) => 0,
             })
             .collect();
-        let mut params: Vec<*mut c_void> = slots.iter_mut().map(|slot| slot as *mut u64 as *mut c_void).collect();
+        let mut params: Vec<*mut c_void> = slots
+            .iter_mut()
+            .zip(args)
+            .map(|(slot, arg)| match *arg {
+                KernelArg::Bytes(bytes) => bytes.as_ptr() as *mut c_void,
+                _ => slot as *mut u64 as *mut c_void,
+            })
+            .collect();
         let (gx, gy, gz) = shape.grid;
         if gx == 0 || gy == 0 || gz == 0 || gy > 65535 || gz > 65535 {
             return Err(MokError::Cuda {

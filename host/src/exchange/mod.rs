@@ -414,7 +414,7 @@ impl Exchange {
         threads: u32,
         smem_bytes: u32,
         skip: Option<usize>,
-        rest: &[KernelArg],
+        rest: &[KernelArg<'_>],
     ) -> Result<()> {
         for run in self.rank_runs(gpus, skip) {
             let gpu = gpu_of(gpus, self.heap.local_ranks().len(), run.local)?;

@@ -165,15 +165,18 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_group_maps_plans(plans: *const u64) {
 
 /// The forward megakernel (`crate::megakernel::forward`): dispatch, gate/up + SwiGLU, down and
 /// combine in one persistent launch. 384 threads, `gemm_layout::ENGINE_SMEM_BYTES` of dynamic
-/// shared memory, 2-block clusters, a co-resident grid. `x` `[T][H]` bf16, `topk_weights`
-/// `[T·k]` f32, `shared_rows` `[T][H]` f32 (or null) and the token count `tokens` are the pass's
-/// inputs (`megakernel_layout::PassInputs`).
+/// shared memory, 2-block clusters, a co-resident grid. `plans` are the four plans by value
+/// (`megakernel_layout::ForwardPlans`: the bytes of the blocks `params` points at, read from
+/// the constant bank instead). `x` `[T][H]` bf16, `topk_weights` `[T·k]` f32, `shared_rows`
+/// `[T][H]` f32 (or null) and the token count `tokens` are the pass's inputs
+/// (`megakernel_layout::PassInputs`).
 ///
 /// # Safety
 /// As [`crate::megakernel::forward::forward`].
 #[unsafe(no_mangle)]
 pub unsafe extern "ptx-kernel" fn mok_sm90_forward(
     params: *const crate::megakernel_layout::ForwardParams,
+    plans: crate::megakernel_layout::ForwardPlans,
     x: *const u16,
     topk_weights: *const f32,
     shared_rows: *const f32,
@@ -188,7 +191,7 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_forward(
     };
     // SAFETY: caller contract; every thread runs this kernel to here, a cluster's two blocks with
     // indices 2q and 2q + 1.
-    unsafe { crate::megakernel::forward::forward::<false>(params, pass, crate::ptx::sreg::block_idx_x()) }
+    unsafe { crate::megakernel::forward::forward::<false>(params, Some(&plans), pass, crate::ptx::sreg::block_idx_x()) }
 }
 
 /// The forward megakernel hosting `ranks` expert-parallel ranks in one launch: `params` and
@@ -208,7 +211,9 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_forward_ranks(
     let (rank, block) = crate::megakernel::forward::rank_of_block(ranks);
     // SAFETY: caller contract: rank < ranks. Every thread runs this kernel to here; a cluster's
     // two blocks act as the same rank's 2q and 2q + 1 (ranks hold whole pairs).
-    unsafe { crate::megakernel::forward::forward::<true>(params.add(rank as usize), *inputs.add(rank as usize), block) }
+    unsafe {
+        crate::megakernel::forward::forward::<true>(params.add(rank as usize), None, *inputs.add(rank as usize), block)
+    }
 }
 
 /// The backward megakernel on one GPU: the whole backward pass of the routed experts (gather,

@@ -32,7 +32,7 @@ use crate::gemm::engine::run_forward_phases;
 use crate::gemm::hooks::ForwardHandover;
 use crate::gemm_layout::{ENGINE_THREADS, GemmParams};
 use crate::megakernel_layout::{
-    ForwardParams, PassInputs, WORK_COMBINE, WORK_GEMMS, first_compute_block, rank_of_pair, rank_pairs,
+    ForwardParams, ForwardPlans, PassInputs, WORK_COMBINE, WORK_GEMMS, first_compute_block, rank_of_pair, rank_pairs,
 };
 use crate::ptx::sreg;
 
@@ -54,7 +54,8 @@ unsafe fn combine_if_asked(f: &ForwardParams, pass: &PassInputs, view: Option<&R
 /// docs).
 ///
 /// # Safety
-/// `params` points at the rank's valid [`ForwardParams`] and `pass` holds its inputs; the
+/// `params` points at the rank's valid [`ForwardParams`] and `pass` holds its inputs; `plans`,
+/// if given (one GPU only), are the four plan blocks `params` points at, in phase order; the
 /// counters hold an entry per engine M tile the plans' groups can have; `rows_dispatched`,
 /// `gate_up_stored`, `down_stored`, `combine_next`, `dispatch_next` (and across
 /// ranks every rank's `slot_ready`) zeroed and both plans' group maps cut (tile counters zeroed)
@@ -67,7 +68,12 @@ unsafe fn combine_if_asked(f: &ForwardParams, pass: &PassInputs, view: Option<&R
 /// are the whole grid. Every thread of every block calls it, a cluster's two blocks with the
 /// same `params` and `block` 2q and 2q + 1.
 #[inline(always)]
-pub unsafe fn forward<const RANKS: bool>(params: *const ForwardParams, pass: PassInputs, block: u32) {
+pub unsafe fn forward<const RANKS: bool>(
+    params: *const ForwardParams,
+    plans: Option<&ForwardPlans>,
+    pass: PassInputs,
+    block: u32,
+) {
     crate::ptx::declare_block_threads::<ENGINE_THREADS>();
     crate::ptx::declare_cluster_blocks::<2>();
     // SAFETY: caller contract; read-only for the whole launch (fields read where used).
@@ -96,14 +102,23 @@ pub unsafe fn forward<const RANKS: bool>(params: *const ForwardParams, pass: Pas
             // launch (the blocks are an array in launch order; q is this rank unless the
             // launch's compute blocks share every rank's tiles). Valid for the whole launch
             // (caller contract; the closures run inside this unsafe block).
+            // With `plans` (one GPU) the plan is read from the kernel argument, the phase (a
+            // constant at every call) picking a field of it; a pass without a shared expert
+            // still says so through its parameter block's null plan address.
             let plan = move |phase: u32, rank: *const ForwardParams| {
                 let f = &*rank;
-                (match phase {
+                let in_global = (match phase {
                     ForwardHandover::SHARED_GATE_UP => f.shared_gate_up,
                     ForwardHandover::GATE_UP => f.gate_up,
                     ForwardHandover::SHARED_DOWN => f.shared_down,
                     _ => f.down,
-                }) as *const GemmParams
+                }) as *const GemmParams;
+                match plans {
+                    Some(by_value) if !in_global.is_null() => {
+                        &by_value.plans[phase.min(3) as usize] as *const GemmParams
+                    }
+                    _ => in_global,
+                }
             };
             let spare_warps = || dispatch(f, &pass, view.as_ref());
             // x only where a gathering gate/up reads it (one GPU); across ranks the dispatch
