@@ -2,7 +2,7 @@
 # Builds a bundle subset of the tree with PATCH applied (a probe of benches/probes/), into DIR:
 # applies the patch, ships its PTX, runs `cargo xtask gpu-bundle` and
 # `cargo xtask gpu-subset --out DIR --tests TESTS --benches layer`, then restores kernels/,
-# host/, benches/ and src/ptx/ (bundle/ is left with the patched build). ~8 minutes. Run from
+# host/, benches/, docs/ and src/ptx/ (bundle/ is left with the patched build). ~8 minutes. Run from
 # the repository root on a clean tree:
 #   benches/build_patched_subset.sh benches/probes/NAME.patch target/NAME [gpu_unfused,gpu_api]
 # then carry ["target/NAME"] and run its run.sh and benches/layer beside a subset of the tree
@@ -11,10 +11,10 @@ set -euo pipefail
 patch="$1"
 dir="$(realpath -m "$2")"
 tests="${3:-gpu_unfused,gpu_api}"
-git diff --quiet -- kernels host src benches || { echo "kernels/, host/, src/ or benches/ has uncommitted changes" >&2; exit 1; }
+git diff --quiet -- kernels host src benches docs || { echo "kernels/, host/, src/, benches/ or docs/ has uncommitted changes" >&2; exit 1; }
 rm -rf "$dir"
 mkdir -p "$(dirname "$dir")"
-trap 'git checkout -q -- kernels host src benches; cargo xtask ptx > /dev/null 2>&1 || true' EXIT
+trap 'git checkout -q -- kernels host src benches docs; cargo xtask ptx > /dev/null 2>&1 || true' EXIT
 git apply "$patch"
 cargo xtask ptx --ship > /dev/null
 grep -E "mok_sm90_(forward|backward)" target/ptx/ptxas-report.txt
