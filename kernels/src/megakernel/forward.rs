@@ -114,6 +114,7 @@ pub unsafe fn forward<const RANKS: bool>(
                     _ => f.down,
                 }) as *const GemmParams;
                 match plans {
+                    // The phases are 0–3; the clamp leaves the index no bounds check to fail.
                     Some(by_value) if !in_global.is_null() => {
                         &by_value.plans[phase.min(3) as usize] as *const GemmParams
                     }
