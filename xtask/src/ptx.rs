@@ -72,6 +72,19 @@ pub fn ptx(root: &Path, check_reproducible: bool) -> Result<()> {
             relative(root, &cubin)
         )?;
         report.push_str(&format_table(&kernels));
+        // A function ptxas does not inline keeps its own registers and spills, which no
+        // kernel's line counts: listed, so that "0 spills" above means none in the kernel's code.
+        let called = called_functions_with_local_memory(&text);
+        if !called.is_empty() {
+            writeln!(report, "  called functions (not inlined) that spill or use a stack frame:")?;
+            for function in &called {
+                writeln!(
+                    report,
+                    "    {}: {} bytes spill stores, {} bytes spill loads, {} bytes stack",
+                    function.name, function.spill_stores, function.spill_loads, function.stack_frame
+                )?;
+            }
+        }
         for warning in text.lines().filter(|line| is_diagnostic(line, &["warning"])) {
             writeln!(report, "  {}", warning.trim())?;
         }
@@ -232,6 +245,36 @@ pub fn parse_ptxas_info(text: &str) -> Vec<KernelInfo> {
     kernels
 }
 
+/// The non-entry functions of `ptxas -v` output (`.func`s the kernels call, e.g. a closure
+/// that LLVM did not inline) whose "Function properties" show spills or a stack frame, in
+/// ptxas's order, each named as ptxas names it (mangled); registers, barriers and smem are not
+/// reported for them.
+pub fn called_functions_with_local_memory(text: &str) -> Vec<KernelInfo> {
+    let entries: Vec<String> = parse_ptxas_info(text).into_iter().map(|kernel| kernel.name).collect();
+    let mut functions = Vec::new();
+    let mut properties_of: Option<String> = None;
+    for line in text.lines() {
+        let body = line.split_once(" : ").map_or(line, |(_, body)| body).trim();
+        if let Some(name) = body.strip_prefix("Function properties for ") {
+            properties_of = Some(name.trim().to_string());
+        } else if body.contains("bytes stack frame") {
+            let Some(name) = properties_of.take() else { continue };
+            let function = KernelInfo {
+                stack_frame: number_before(body, " bytes stack frame").unwrap_or(0),
+                spill_stores: number_before(body, " bytes spill stores").unwrap_or(0),
+                spill_loads: number_before(body, " bytes spill loads").unwrap_or(0),
+                name,
+                ..KernelInfo::default()
+            };
+            let local_memory = function.stack_frame + function.spill_stores + function.spill_loads > 0;
+            if local_memory && !entries.contains(&function.name) {
+                functions.push(function);
+            }
+        }
+    }
+    functions
+}
+
 /// A text table of `kernels`, one line each, two-space indented.
 pub fn format_table(kernels: &[KernelInfo]) -> String {
     let width = kernels.iter().map(|kernel| kernel.name.len()).chain(["kernel".len()]).max().unwrap_or(0);
@@ -303,6 +346,34 @@ ptxas info    : Compile time = 7.873 ms
         let table = format_table(&kernels);
         assert_eq!(table.lines().count(), 3);
         assert!(table.lines().nth(2).unwrap().contains("4096"));
+    }
+
+    #[test]
+    fn lists_called_functions_that_spill() {
+        let text = format!(
+            "{SAMPLE}\
+ptxas info    : Function properties for _RNCINvNtNtCs_11mok_kernels10megakernel7forward7forwardKb1_E0B8_
+    0 bytes stack frame, 44 bytes spill stores, 40 bytes spill loads
+"
+        );
+        let called = called_functions_with_local_memory(&text);
+        // The panic function's stack frame counts; the entries' own blocks do not.
+        let names: Vec<&str> = called.iter().map(|function| function.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "_RNvNtCs7npfZkqYrQT_4core9panicking9panic_fmt",
+                "_RNCINvNtNtCs_11mok_kernels10megakernel7forward7forwardKb1_E0B8_"
+            ]
+        );
+        assert_eq!((called[0].stack_frame, called[0].spill_stores), (16, 0));
+        assert_eq!((called[1].spill_stores, called[1].spill_loads, called[1].stack_frame), (44, 40, 0));
+        assert!(
+            called_functions_with_local_memory(
+                SAMPLE.split("ptxas info    : Function properties for _R").next().unwrap()
+            )
+            .is_empty()
+        );
     }
 
     #[test]

@@ -191,7 +191,13 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_forward(
     };
     // SAFETY: caller contract; every thread runs this kernel to here, a cluster's two blocks with
     // indices 2q and 2q + 1.
-    unsafe { crate::megakernel::forward::forward::<false>(params, Some(&plans), pass, crate::ptx::sreg::block_idx_x()) }
+    unsafe {
+        crate::megakernel::forward::forward::<false>(
+            move || (params, pass),
+            Some(&plans),
+            crate::ptx::sreg::block_idx_x(),
+        )
+    }
 }
 
 /// The forward megakernel hosting `ranks` expert-parallel ranks in one launch: `params` and
@@ -208,11 +214,17 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_forward_ranks(
     inputs: *const crate::megakernel_layout::PassInputs,
     ranks: u32,
 ) {
-    let (rank, block) = crate::megakernel::forward::rank_of_block(ranks);
-    // SAFETY: caller contract: rank < ranks. Every thread runs this kernel to here; a cluster's
-    // two blocks act as the same rank's 2q and 2q + 1 (ranks hold whole pairs).
+    // SAFETY: caller contract: rank < ranks. Every thread runs this kernel to here, first
+    // thing, and nothing else of it writes the rank's slot; a cluster's two blocks act as the
+    // same rank's 2q and 2q + 1 (ranks hold whole pairs). `rank()` reads the slot, so it gives
+    // the same parameter block and inputs at every call.
     unsafe {
-        crate::megakernel::forward::forward::<true>(params.add(rank as usize), None, *inputs.add(rank as usize), block)
+        let (own_rank, block) = crate::megakernel::forward::shared_rank_of_block(ranks);
+        let rank = move || {
+            let index = own_rank() as usize;
+            (params.add(index), *inputs.add(index))
+        };
+        crate::megakernel::forward::forward::<true>(rank, None, block)
     }
 }
 

@@ -220,6 +220,14 @@ unsafe fn init_barriers<const V: u32, H: TileHooks>(ring: Ring, empty_arrivals: 
     mbarrier::fence_mbarrier_init();
 }
 
+/// The shared-memory address of the word where a megakernel hosting ranks keeps its block's
+/// rank for the whole launch (the default ring's slot, which no phase touches); unused by every
+/// other kernel.
+#[inline(always)]
+pub fn rank_slot() -> u32 {
+    Ring::new::<{ Variant::GATE_UP }>().rank::<{ Variant::GATE_UP }>()
+}
+
 /// The engine body shared by every entry point: [`ENGINE_THREADS`](crate::gemm_layout::ENGINE_THREADS)
 /// threads, [`ENGINE_SMEM_BYTES`](crate::gemm_layout::ENGINE_SMEM_BYTES) of dynamic shared memory.
 ///

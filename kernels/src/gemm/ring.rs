@@ -1,8 +1,8 @@
 //! The engine's shared-memory carve and its stage ring: `ring_stages(V)` stages of an A and a B
 //! tile, each consumer warpgroup's output staging, and per stage a `full` and an `empty`
 //! barrier, a tile slot and a pair mailbox, then the gathering warps' tile hand-out word, then per
-//! stage a work slot (the tile's lookup, packed). The
-//! ring walk (stage, phase) is the same in every role.
+//! stage a work slot (the tile's lookup, packed), then a word for a megakernel hosting ranks
+//! (its block's rank). The ring walk (stage, phase) is the same in every role.
 
 use crate::gemm_layout::{A_TILE_BYTES, BLOCK_64_BYTES, STAGE_BYTES, WORK_SLOT_WORDS, ring_stages, staging_boxes};
 use crate::ptx::smem;
@@ -64,6 +64,11 @@ impl Ring {
     /// async-proxy fence of a persistent kernel invalidates).
     pub(super) fn work_slot<const V: u32>(self, stage: u32) -> u32 {
         self.handout::<V>() + 16 + stage * 4 * WORK_SLOT_WORDS
+    }
+    /// Where a megakernel hosting ranks keeps its block's rank (a word, 16-byte aligned), after
+    /// the work slots: see [`rank_slot`](super::engine::rank_slot).
+    pub(super) fn rank<const V: u32>(self) -> u32 {
+        self.work_slot::<V>(const { ring_stages(V) })
     }
     /// Consumer warpgroup `wg`'s output staging (1024-byte aligned).
     pub(super) fn staging<const V: u32>(self, wg: u32) -> u32 {

@@ -28,13 +28,14 @@
 //! token's sum the same order.
 
 use crate::comm::RankView;
-use crate::gemm::engine::run_forward_phases;
+use crate::gemm::engine::{rank_slot, run_forward_phases};
 use crate::gemm::hooks::ForwardHandover;
 use crate::gemm_layout::{ENGINE_THREADS, GemmParams};
 use crate::megakernel_layout::{
     ForwardParams, ForwardPlans, PassInputs, WORK_COMBINE, WORK_GEMMS, first_compute_block, rank_of_pair, rank_pairs,
 };
-use crate::ptx::sreg;
+use crate::ptx::memory::{ld_shared_u32, st_shared_u32};
+use crate::ptx::{sreg, sync};
 
 use super::comm::{combine, dispatch, rank_view};
 
@@ -53,8 +54,16 @@ unsafe fn combine_if_asked(f: &ForwardParams, pass: &PassInputs, view: Option<&R
 /// The whole pass of one rank, by every thread of the rank's `block`-th block (see the module
 /// docs).
 ///
+/// `rank()` names the rank: its parameter block `params` and its inputs `pass`. The compute
+/// blocks call it again where each GEMM phase starts (the first rank of its walk) and for the
+/// combine after the phases, so that no register holds the rank across the phases, where the
+/// consumers' accumulators leave no room: on one GPU both are the kernel's arguments (ptxas
+/// reads them from the constant bank); across ranks the rank is computed, and
+/// [`shared_rank_of_block`] keeps it in shared memory.
+///
 /// # Safety
-/// `params` points at the rank's valid [`ForwardParams`] and `pass` holds its inputs; `plans`,
+/// `rank()` returns the same `(params, pass)` at every call, `params` pointing at the rank's
+/// valid [`ForwardParams`] and `pass` holding its inputs; `plans`,
 /// if given (one GPU only), are the four plan blocks `params` points at, in phase order; the
 /// counters hold an entry per engine M tile the plans' groups can have; `rows_dispatched`,
 /// `gate_up_stored`, `down_stored`, `combine_next`, `dispatch_next` (and across
@@ -69,13 +78,13 @@ unsafe fn combine_if_asked(f: &ForwardParams, pass: &PassInputs, view: Option<&R
 /// same `params` and `block` 2q and 2q + 1.
 #[inline(always)]
 pub unsafe fn forward<const RANKS: bool>(
-    params: *const ForwardParams,
+    rank: impl Fn() -> (*const ForwardParams, PassInputs) + Copy,
     plans: Option<&ForwardPlans>,
-    pass: PassInputs,
     block: u32,
 ) {
     crate::ptx::declare_block_threads::<ENGINE_THREADS>();
     crate::ptx::declare_cluster_blocks::<2>();
+    let (params, pass) = rank();
     // SAFETY: caller contract; read-only for the whole launch (fields read where used).
     let f = unsafe { &*params };
     // SAFETY: caller contract.
@@ -128,7 +137,9 @@ pub unsafe fn forward<const RANKS: bool>(
             let hooks = move |phase, rank| ForwardHandover::<RANKS>::new(rank, phase, x);
             // The ranks whose tiles this block runs, as a walk over their parameter blocks (one
             // pointer live across the phases): this rank's alone, or every rank of the launch.
+            // Each phase reads its first rank again (`rank`'s docs).
             let first_rank = move || {
+                let (params, _) = rank();
                 let f = &*params;
                 if RANKS && f.tile_ranks > 1 { params.sub(f.launch_index as usize) } else { params }
             };
@@ -137,11 +148,44 @@ pub unsafe fn forward<const RANKS: bool>(
                 (RANKS && f.launch_index + 1 < f.tile_ranks).then(|| rank.add(1))
             };
             if run_forward_phases(plan, hooks, spare_warps, (first_rank, next_rank)).is_some() {
-                combine_if_asked(f, &pass, view.as_ref());
+                // Across ranks the rank read again (`rank`'s docs); on one GPU `f`, `pass` and
+                // `view` are the kernel's arguments, which hold no register.
+                if RANKS {
+                    let (params, pass) = rank();
+                    let f = &*params;
+                    combine_if_asked(f, &pass, rank_view(f).as_ref());
+                } else {
+                    combine_if_asked(f, &pass, view.as_ref());
+                }
             }
         }
     }
     // Otherwise the idle partner of an odd comm block count.
+}
+
+/// As [`rank_of_block`], the rank given as a reader of the copy that thread 0 keeps in the ring's
+/// slot for it ([`rank_slot`]) for the whole launch. The rank is computed (a division): held in
+/// a register across the GEMM phases it does not fit beside the consumers' accumulators (ptxas
+/// spilled it); read from shared memory where used, it holds none.
+///
+/// # Safety
+/// Every thread of the block calls it, once, before anything else of the launch uses the slot
+/// (it ends in a barrier of the whole block); nothing else writes the slot.
+#[inline(always)]
+pub unsafe fn shared_rank_of_block(ranks: u32) -> (impl Fn() -> u32 + Copy, u32) {
+    let (rank, block) = rank_of_block(ranks);
+    // SAFETY: the slot lies in the launch's shared memory (the engine's carve), unused until
+    // now (caller contract). Every thread of the block comes to the barrier (caller contract),
+    // which orders thread 0's write before every thread's reads after it.
+    unsafe {
+        if sreg::thread_idx_x() == 0 {
+            st_shared_u32(rank_slot(), rank);
+        }
+        sync::block_barrier();
+    }
+    // SAFETY: the slot holds the rank from the barrier above on, for the whole launch (caller
+    // contract); the closure is only called after that barrier.
+    (|| unsafe { ld_shared_u32(rank_slot()) }, block)
 }
 
 /// The rank a block of a launch hosting `ranks` ranks acts as, and its index among the rank's
