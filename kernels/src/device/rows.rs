@@ -252,29 +252,36 @@ const VECTORS_IN_FLIGHT: usize = 8;
 /// (lane `lane` takes vectors `lane, lane + 32, ...`), [`VECTORS_IN_FLIGHT`] loads in flight per
 /// lane.
 ///
+/// The lane counts the vectors left from its next one and steps its pointers: 32-bit counts
+/// that cannot wrap, compared with constants, and no 64-bit index beside the pointers (the
+/// megakernels' spare producer warps copy with 72 registers).
+///
 /// # Safety
 /// `src` and `dst` are 16-byte aligned global rows of at least `vectors` · 16 bytes.
 #[inline(always)]
 pub unsafe fn copy_row(src: *const u32, dst: *mut u32, vectors: u32, lane: u32) {
-    let mut first = lane as usize;
-    let vectors = vectors as usize;
+    const STEP: u32 = 32 * VECTORS_IN_FLIGHT as u32;
+    let mut first = lane;
     while first < vectors {
+        // Vectors from the lane's next one to the row's end.
+        let left = vectors - first;
         let mut buffer = [[0u32; 4]; VECTORS_IN_FLIGHT];
         for (u, b) in buffer.iter_mut().enumerate() {
-            let v = first + 32 * u;
-            if v < vectors {
-                // SAFETY: v < vectors (caller contract).
-                *b = unsafe { ld_global_v4(src.add(4 * v)) };
+            if 32 * (u as u32) < left {
+                // SAFETY: the vector lies below `vectors` (caller contract).
+                *b = unsafe { ld_global_v4(src.add(4 * (first as usize + 32 * u))) };
             }
         }
         for (u, b) in buffer.iter().enumerate() {
-            let v = first + 32 * u;
-            if v < vectors {
+            if 32 * (u as u32) < left {
                 // SAFETY: as above.
-                unsafe { st_global_v4(dst.add(4 * v), *b) };
+                unsafe { st_global_v4(dst.add(4 * (first as usize + 32 * u)), *b) };
             }
         }
-        first += 32 * VECTORS_IN_FLIGHT;
+        if left <= STEP {
+            return;
+        }
+        first += STEP;
     }
 }
 

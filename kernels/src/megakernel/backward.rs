@@ -34,18 +34,19 @@ use crate::gemm_layout::{ENGINE_THREADS, GemmParams, TILE_M, TILE_N};
 use crate::layout::NO_ROW;
 use crate::megakernel_layout::{
     BackwardParams, PassInputs, RowChunk, SWIGLU_CHUNK_ROWS, SWIGLU_CHUNKS_PER_M_TILE, WORK_COMBINE, WORK_COPY_ROWS,
-    WORK_GEMMS, WORK_WEIGHT_GRADS, downstream_deadline, first_compute_block, parts_per_m_tile, row_chunk,
+    WORK_GEMMS, WORK_WEIGHT_GRADS, downstream_deadline, first_compute_block, parts_per_m_tile,
 };
 use crate::ptx::memory::atom_add_relaxed_gpu_u32;
 use crate::ptx::{signal as warp, sreg, sync};
 use crate::tiles::group_of_tile;
 
 use super::comm::{
-    acquire_if_token_rows_pushed, publish_chunk, wait_for_pushes_slot_by_slot, wait_for_shared_tile,
+    acquire_if_token_rows_pushed, claim_row_chunk, publish_chunk, wait_for_pushes_slot_by_slot, wait_for_shared_tile,
     wait_for_token_rows,
 };
 
-/// The gather, by a whole warp: row chunks ([`row_chunk`]: 16 rows) taken one at a time from
+/// The gather, by a whole warp: row chunks
+/// ([`row_chunk`](crate::megakernel_layout::row_chunk): 16 rows) taken one at a time from
 /// `gather_next` — the shared expert's M tiles first (its dy copy), then the routed ones, 8
 /// chunk numbers per M tile. Each of the chunk's rows is written in
 /// expert order as `bf16(w[t,j] · dy[t])`, and the warp's sum of `dy[t] · out[row]` (the
@@ -70,35 +71,27 @@ pub unsafe fn gather<const RANKS: bool>(b: &BackwardParams, pass: &PassInputs, v
     // `RANKS`, so `copy` is warp-uniform), the same rows: every lane reaches each
     // `shfl_idx_u32`, `warp_sum_f32` and `publish_chunk`.
     unsafe {
-        let p = &*(b.down_dgrad as *const GemmParams);
-        let groups = p.groups as usize + 1;
-        let tile_offsets = core::slice::from_raw_parts(p.tile_offsets as *const u32, groups);
-        let row_offsets = core::slice::from_raw_parts(p.row_offsets as *const u32, groups);
         let lane = sreg::lane_id();
-        let (dy, weights) = (pass.x as *const u16, pass.topk_weights as *const f32);
-        let (row_source, out, d_rows) = (b.row_source as *const u32, b.down_rows as *const f32, b.d_rows as *mut u16);
-        let h = b.hidden as usize;
         // Across ranks a rank whose error record is set (its schedule failed) copies nothing:
         // the waits on its tiles then stop at once.
         let copy = b.work & WORK_COPY_ROWS != 0 && !(RANKS && error::has_error(b.error as *const u32));
         // A rank that copies nothing because of its error publishes nothing either.
         let publish = copy == (b.work & WORK_COPY_ROWS != 0);
-        let source_rank: *const u32 = view.map_or(core::ptr::null(), |v| v.local(v.params.regions.ring_source_rank));
-        // With a shared expert the queue starts with its M tiles (its phases run first).
-        let shared_tiles = if b.shared_down_dgrad != 0 { pass.tokens.div_ceil(TILE_M) } else { 0 };
         loop {
-            let claimed = if lane == 0 { atom_add_relaxed_gpu_u32(b.gather_next as *mut u32, 1) } else { 0 };
-            let claimed = sync::shfl_idx_u32(claimed, 0);
-            let (tile, first, end) = match row_chunk(claimed, shared_tiles, pass.tokens, tile_offsets, row_offsets) {
+            // With a shared expert the queue starts with its M tiles (its phases run first).
+            let with_shared = b.shared_down_dgrad != 0;
+            let (tile, first, end) = match claim_row_chunk(b.gather_next, b.down_dgrad, with_shared, pass.tokens, lane)
+            {
                 RowChunk::Spent => return,
                 RowChunk::Shared { tile, first, end } => {
                     // The shared expert's rows are the pass's own dy rows, in order.
                     if first < end {
                         let mut token = if copy { first } else { end };
                         while token < end {
-                            let offset = token as usize * h;
-                            let dst = (b.shared_dy as *mut u16).add(offset);
-                            copy_row(dy.add(offset) as *const u32, dst as *mut u32, b.hidden / 8, lane);
+                            let offset = token as usize * b.hidden as usize;
+                            let (src, dst) =
+                                ((pass.x as *const u16).add(offset), (b.shared_dy as *mut u16).add(offset));
+                            copy_row(src as *const u32, dst as *mut u32, b.hidden / 8, lane);
                             token += 1;
                         }
                         publish_chunk(b.shared_gathered as *mut u32, tile, publish, lane);
@@ -110,6 +103,12 @@ pub unsafe fn gather<const RANKS: bool>(b: &BackwardParams, pass: &PassInputs, v
             if first >= end {
                 continue;
             }
+            let (dy, weights) = (pass.x as *const u16, pass.topk_weights as *const f32);
+            let (row_source, out, d_rows) =
+                (b.row_source as *const u32, b.down_rows as *const f32, b.d_rows as *mut u16);
+            let h = b.hidden as usize;
+            let source_rank: *const u32 =
+                view.map_or(core::ptr::null(), |v| v.local(v.params.regions.ring_source_rank));
             let mut row = if copy { first } else { end };
             while row < end {
                 let slot = *row_source.add(row as usize);
@@ -175,16 +174,17 @@ pub unsafe fn swiglu_backward_chunks(b: &BackwardParams, pass: &PassInputs, spar
     // the loop in step (the claim is broadcast), so every lane reaches each `shfl_idx_u32` and
     // `warp_sync`.
     unsafe {
-        let p = &*(b.down_dgrad as *const GemmParams);
-        let groups = p.groups as usize + 1;
-        let tile_offsets = core::slice::from_raw_parts(p.tile_offsets as *const u32, groups);
-        let row_offsets = core::slice::from_raw_parts(p.row_offsets as *const u32, groups);
-        let m_tiles = tile_offsets[groups - 1];
-        let shared_tiles = if b.shared_down_dgrad != 0 { pass.tokens.div_ceil(TILE_M) } else { 0 };
         let (lane, error) = (sreg::lane_id(), b.error as *mut u32);
         loop {
             let claimed = if lane == 0 { atom_add_relaxed_gpu_u32(b.swiglu_next as *mut u32, 1) } else { 0 };
             let claimed = sync::shfl_idx_u32(claimed, 0);
+            // Read at every claim, not held across the chunk (as `claim_row_chunk`).
+            let p = &*(b.down_dgrad as *const GemmParams);
+            let groups = p.groups as usize + 1;
+            let tile_offsets = core::slice::from_raw_parts(p.tile_offsets as *const u32, groups);
+            let row_offsets = core::slice::from_raw_parts(p.row_offsets as *const u32, groups);
+            let m_tiles = tile_offsets[groups - 1];
+            let shared_tiles = if b.shared_down_dgrad != 0 { pass.tokens.div_ceil(TILE_M) } else { 0 };
             let (tile, chunk) = (claimed / SWIGLU_CHUNKS_PER_M_TILE, claimed % SWIGLU_CHUNKS_PER_M_TILE);
             if tile >= shared_tiles + m_tiles {
                 return;
@@ -367,7 +367,7 @@ pub unsafe fn backward<const RANKS: bool>(params: *const BackwardParams, pass: P
     // SAFETY: caller contract; read-only for the whole launch.
     let b = unsafe { &*params };
     // SAFETY: caller contract: `exchange` is the rank's valid parameter block across ranks.
-    let view = if RANKS { unsafe { backward_rank_view(b) } } else { None };
+    let view = unsafe { backward_rank_view::<RANKS>(b) };
     if block < b.comm_blocks {
         // SAFETY: caller contract; every warp is whole.
         unsafe {
@@ -431,12 +431,16 @@ pub unsafe fn backward<const RANKS: bool>(params: *const BackwardParams, pass: P
     // Otherwise the idle partner of an odd comm block count.
 }
 
-/// The rank's view of the symmetric heap, when the pass has ranks.
+/// The rank's view of the symmetric heap across ranks (`RANKS`), else `None`, as
+/// [`rank_view`](super::comm::rank_view) for the forward.
 ///
 /// # Safety
-/// `b.exchange` is 0 or points at the rank's valid `ExchangeParams` for the whole launch.
+/// With `RANKS`, `b.exchange` points at the rank's valid `ExchangeParams` for the whole launch.
 #[inline(always)]
-unsafe fn backward_rank_view(b: &BackwardParams) -> Option<RankView<'_>> {
-    // SAFETY: caller contract.
-    (b.exchange != 0).then(|| unsafe { RankView::from_raw(b.exchange as *const ExchangeParams, b.rank) })
+unsafe fn backward_rank_view<const RANKS: bool>(b: &BackwardParams) -> Option<RankView<'_>> {
+    // SAFETY: caller contract, said to the compiler too (see `rank_view`).
+    RANKS.then(|| unsafe {
+        core::hint::assert_unchecked(b.exchange != 0);
+        RankView::from_raw(b.exchange as *const ExchangeParams, b.rank)
+    })
 }

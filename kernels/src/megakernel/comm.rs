@@ -26,14 +26,20 @@ use crate::ptx::memory::{
 };
 use crate::ptx::{signal as warp, sreg, sync};
 
-/// The rank's view of the symmetric heap, when the pass has ranks.
+/// The rank's view of the symmetric heap across ranks (`RANKS`), else `None`. Decided by `RANKS`,
+/// not by `f.exchange`: the ranks' code then holds no one-GPU branch (the spare warps' dispatch,
+/// a called function of 72 registers, spilled with it).
 ///
 /// # Safety
-/// `f.exchange` is 0 or points at the rank's valid `ExchangeParams` for the whole launch.
+/// With `RANKS`, `f.exchange` points at the rank's valid `ExchangeParams` for the whole launch.
 #[inline(always)]
-pub unsafe fn rank_view(f: &ForwardParams) -> Option<RankView<'_>> {
-    // SAFETY: caller contract.
-    (f.exchange != 0).then(|| unsafe { RankView::from_raw(f.exchange as *const ExchangeParams, f.rank) })
+pub unsafe fn rank_view<const RANKS: bool>(f: &ForwardParams) -> Option<RankView<'_>> {
+    // SAFETY: caller contract. Said to the compiler too: a view built from an address it cannot
+    // see is non-null would keep every `None` branch.
+    RANKS.then(|| unsafe {
+        core::hint::assert_unchecked(f.exchange != 0);
+        RankView::from_raw(f.exchange as *const ExchangeParams, f.rank)
+    })
 }
 
 /// The engine M tile holding `row` of a plan's groups, and the parts that complete it.
@@ -199,65 +205,84 @@ pub unsafe fn dispatch(f: &ForwardParams, pass: &PassInputs, view: Option<&RankV
     // lanes, which take the same chunks (the claim is broadcast), so every lane reaches each
     // `shfl_idx_u32` and `publish_chunk`.
     unsafe {
-        let p = &*(f.gate_up as *const GemmParams);
-        let groups = p.groups as usize + 1;
-        let tile_offsets = core::slice::from_raw_parts(p.tile_offsets as *const u32, groups);
-        let row_offsets = core::slice::from_raw_parts(p.row_offsets as *const u32, groups);
         let lane = sreg::lane_id();
-        let (x, rows, row_source) = (pass.x as *const u16, f.rows as *mut u16, f.row_source as *const u32);
-        let source_rank: *const u32 = view.map_or(core::ptr::null(), |v| v.local(v.params.regions.ring_source_rank));
         let copy = f.work & WORK_COPY_ROWS != 0 && !view.is_some_and(|_| error::has_error(f.error as *const u32));
         // A rank that copies nothing because of its error publishes nothing either.
         let publish = copy == (f.work & WORK_COPY_ROWS != 0);
-        let shared_tiles = if f.shared_gate_up != 0 { pass.tokens.div_ceil(TILE_M) } else { 0 };
-        let vectors = f.hidden / 8;
         loop {
-            let claimed = if lane == 0 { atom_add_relaxed_gpu_u32(f.dispatch_next as *mut u32, 1) } else { 0 };
-            let claimed = sync::shfl_idx_u32(claimed, 0);
-            let (tile, first, end) = match row_chunk(claimed, shared_tiles, pass.tokens, tile_offsets, row_offsets) {
-                RowChunk::Spent => return,
-                RowChunk::Shared { tile, first, end } => {
-                    // The shared expert's rows are the pass's own tokens, in order.
-                    if first < end {
-                        let mut token = if copy { first } else { end };
-                        while token < end {
-                            // In usize: T · H may pass 2³² elements.
-                            let offset = token as usize * f.hidden as usize;
-                            let dst = (f.shared_x as *mut u16).add(offset);
-                            copy_row(x.add(offset) as *const u32, dst as *mut u32, vectors, lane);
-                            token += 1;
+            let (tile, first, end) =
+                match claim_row_chunk(f.dispatch_next, f.gate_up, f.shared_gate_up != 0, pass.tokens, lane) {
+                    RowChunk::Spent => return,
+                    RowChunk::Shared { tile, first, end } => {
+                        // The shared expert's rows are the pass's own tokens, in order.
+                        if first < end {
+                            let mut token = if copy { first } else { end };
+                            while token < end {
+                                // In usize: T · H may pass 2³² elements.
+                                let offset = token as usize * f.hidden as usize;
+                                let (src, dst) =
+                                    ((pass.x as *const u16).add(offset), (f.shared_x as *mut u16).add(offset));
+                                copy_row(src as *const u32, dst as *mut u32, f.hidden / 8, lane);
+                                token += 1;
+                            }
+                            publish_chunk(f.shared_dispatched as *mut u32, tile, publish, lane);
                         }
-                        publish_chunk(f.shared_dispatched as *mut u32, tile, publish, lane);
+                        continue;
                     }
-                    continue;
-                }
-                // The routed chunks follow the shared ones: with the gate/up gathering its own
-                // rows there is nothing more to copy.
-                // (One GPU only: across ranks nothing gathers, whatever the flag holds.)
-                RowChunk::Routed { .. } if f.gather_in_producer != 0 && view.is_none() => return,
-                RowChunk::Routed { tile, first, end } => (tile, first, end),
-            };
+                    // The routed chunks follow the shared ones: with the gate/up gathering its own
+                    // rows there is nothing more to copy.
+                    // (One GPU only: across ranks nothing gathers, whatever the flag holds.)
+                    RowChunk::Routed { .. } if f.gather_in_producer != 0 && view.is_none() => return,
+                    RowChunk::Routed { tile, first, end } => (tile, first, end),
+                };
             if first >= end {
                 continue;
             }
+            let (rows, row_source) = (f.rows as *mut u16, f.row_source as *const u32);
+            let source_rank: *const u32 =
+                view.map_or(core::ptr::null(), |v| v.local(v.params.regions.ring_source_rank));
             let mut row = if copy { first } else { end };
             while row < end {
                 // The slot this row holds: on its token owner (`row_source` is the ring map's
                 // source slots across ranks, the routing layout's slots on one GPU).
                 let token = *row_source.add(row as usize) / f.top_k;
                 let owner_x = match view {
-                    None => x,
+                    None => pass.x as *const u16,
                     Some(v) => v.peer::<u16>(v.params.regions.x, *source_rank.add(row as usize)),
                 };
                 // Element offsets in usize: a ring of T · k rows of H passes 2³² elements at
                 // kimi's H with T · k above 599 186 rows.
                 let hidden = f.hidden as usize;
                 let (src, dst) = (owner_x.add(token as usize * hidden), rows.add(row as usize * hidden));
-                copy_row(src as *const u32, dst as *mut u32, vectors, lane);
+                copy_row(src as *const u32, dst as *mut u32, f.hidden / 8, lane);
                 row += 1;
             }
             publish_chunk(f.rows_dispatched as *mut u32, tile, publish && tile != f.silent_rows_tile, lane);
         }
+    }
+}
+
+/// By a whole warp: the next chunk of a row queue ([`row_chunk`]: the dispatch's, the backward's
+/// gather's); lane 0 claims it from the queue's counter `next`, the claim is broadcast. The
+/// plan's offsets (`plan`: the first GEMM that reads the rows) and the shared expert's tiles
+/// (`with_shared`) are read here, at every claim: held across the copies they did not fit the
+/// spare producer warps' 72 registers (ptxas spilled them).
+///
+/// # Safety
+/// `next` is the queue's counter, `plan` a row-grouped plan's parameter block whose offsets were
+/// written before the launch, `tokens` the pass's T; all 32 lanes call it.
+#[inline(always)]
+pub(super) unsafe fn claim_row_chunk(next: u64, plan: u64, with_shared: bool, tokens: u32, lane: u32) -> RowChunk {
+    // SAFETY: caller contract; all 32 lanes reach the shuffle.
+    unsafe {
+        let claimed = if lane == 0 { atom_add_relaxed_gpu_u32(next as *mut u32, 1) } else { 0 };
+        let claimed = sync::shfl_idx_u32(claimed, 0);
+        let p = &*(plan as *const GemmParams);
+        let groups = p.groups as usize + 1;
+        let tile_offsets = core::slice::from_raw_parts(p.tile_offsets as *const u32, groups);
+        let row_offsets = core::slice::from_raw_parts(p.row_offsets as *const u32, groups);
+        let shared_tiles = if with_shared { tokens.div_ceil(TILE_M) } else { 0 };
+        row_chunk(claimed, shared_tiles, tokens, tile_offsets, row_offsets)
     }
 }
 
