@@ -13,7 +13,6 @@ shift 2
 out="${OUT:-./bench-logs}"
 mkdir -p "$out/tests" "$out/sanitize"
 echo "tests: $(cd "$candidate" && OUT="$out/tests" ./run.sh "${TESTS:-megakernel}" 2>&1 | tail -1)"
-grep -h "^test .* \(ok\|FAILED\)$" "$out"/tests/logs/*.log | grep -c " ok$" | sed 's/^/tests ok lines: /'
 grep -h "^test .* FAILED$\|panicked" "$out"/tests/logs/*.log | head -5
 benches/compare_layer_subsets.sh "base=$base" "candidate=$candidate" "$@"
 echo "sanitize: $(cd "$candidate" && OUT="$out/sanitize" MOK_SANITIZE_TOOLS="memcheck racecheck synccheck" \
