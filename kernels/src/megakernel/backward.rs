@@ -25,9 +25,7 @@ use crate::comm::error::{
 };
 use crate::comm::params::ExchangeParams;
 use crate::comm::wait::{signal, wait_until};
-use crate::device::rows::{
-    WarpSlots, copy_row, dot_row, gather_scaled_row, gather_scaled_row_and_dot, swiglu_backward_octets,
-};
+use crate::device::rows::{WarpSlots, dot_row, gather_scaled_row, gather_scaled_row_and_dot, swiglu_backward_octets};
 use crate::gemm::engine::run_backward_phases;
 use crate::gemm::hooks::{BackwardHandover, slot_row_complete};
 use crate::gemm_layout::{ENGINE_THREADS, GemmParams, TILE_M, TILE_N};
@@ -41,8 +39,8 @@ use crate::ptx::{signal as warp, sreg, sync};
 use crate::tiles::group_of_tile;
 
 use super::comm::{
-    acquire_if_token_rows_pushed, claim_row_chunk, publish_chunk, wait_for_pushes_slot_by_slot, wait_for_shared_tile,
-    wait_for_token_rows,
+    acquire_if_token_rows_pushed, claim_row_chunk, copy_token_rows, publish_chunk, wait_for_pushes_slot_by_slot,
+    wait_for_shared_tile, wait_for_token_rows,
 };
 
 /// The gather, by a whole warp: row chunks
@@ -86,14 +84,7 @@ pub unsafe fn gather<const RANKS: bool>(b: &BackwardParams, pass: &PassInputs, v
                 RowChunk::Shared { tile, first, end } => {
                     // The shared expert's rows are the pass's own dy rows, in order.
                     if first < end {
-                        let mut token = if copy { first } else { end };
-                        while token < end {
-                            let offset = token as usize * b.hidden as usize;
-                            let (src, dst) =
-                                ((pass.x as *const u16).add(offset), (b.shared_dy as *mut u16).add(offset));
-                            copy_row(src as *const u32, dst as *mut u32, b.hidden / 8, lane);
-                            token += 1;
-                        }
+                        copy_token_rows(b.shared_dy, pass.x, b.hidden, first..end, copy, lane);
                         publish_chunk(b.shared_gathered as *mut u32, tile, publish, lane);
                     }
                     continue;

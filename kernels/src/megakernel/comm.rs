@@ -216,15 +216,7 @@ pub unsafe fn dispatch(f: &ForwardParams, pass: &PassInputs, view: Option<&RankV
                     RowChunk::Shared { tile, first, end } => {
                         // The shared expert's rows are the pass's own tokens, in order.
                         if first < end {
-                            let mut token = if copy { first } else { end };
-                            while token < end {
-                                // In usize: T · H may pass 2³² elements.
-                                let offset = token as usize * f.hidden as usize;
-                                let (src, dst) =
-                                    ((pass.x as *const u16).add(offset), (f.shared_x as *mut u16).add(offset));
-                                copy_row(src as *const u32, dst as *mut u32, f.hidden / 8, lane);
-                                token += 1;
-                            }
+                            copy_token_rows(f.shared_x, pass.x, f.hidden, first..end, copy, lane);
                             publish_chunk(f.shared_dispatched as *mut u32, tile, publish, lane);
                         }
                         continue;
@@ -259,6 +251,34 @@ pub unsafe fn dispatch(f: &ForwardParams, pass: &PassInputs, view: Option<&RankV
             }
             publish_chunk(f.rows_dispatched as *mut u32, tile, publish && tile != f.silent_rows_tile, lane);
         }
+    }
+}
+
+/// By a whole warp, when `copy`: the pass's own token rows `tokens` (a shared-expert chunk: its
+/// rows are the tokens, in order) into `dst` from `src`, both `[T][hidden]` bf16.
+///
+/// # Safety
+/// `src` and `dst` are 16-byte aligned `[T][hidden]` bf16 rows holding every token of `tokens`;
+/// all 32 lanes call it.
+#[inline(always)]
+pub(super) unsafe fn copy_token_rows(
+    dst: u64,
+    src: u64,
+    hidden: u32,
+    tokens: core::ops::Range<u32>,
+    copy: bool,
+    lane: u32,
+) {
+    let mut token = if copy { tokens.start } else { tokens.end };
+    while token < tokens.end {
+        // In usize: T · H may pass 2³² elements.
+        let offset = token as usize * hidden as usize;
+        // SAFETY: caller contract: the token's row lies in both.
+        unsafe {
+            let (from, to) = ((src as *const u16).add(offset), (dst as *mut u16).add(offset));
+            copy_row(from as *const u32, to as *mut u32, hidden / 8, lane);
+        }
+        token += 1;
     }
 }
 
