@@ -10,6 +10,7 @@
 set -uo pipefail
 [ $# -ge 1 ] || { echo "usage: $0 NAME=SUBSET_DIR..." >&2; exit 2; }
 out="${OUT:-./bench-logs}"
+mkdir -p "$out" && out="$(cd "$out" && pwd)"  # absolute: run.sh runs in each subset
 cases="${CASES:-kimi:8192,qwen:8192}"
 gemm="${GEMM:-megakernels}"
 if [ -n "${TESTS:-}" ]; then

@@ -11,9 +11,12 @@ set -uo pipefail
 base="$1" candidate="$2"
 shift 2
 out="${OUT:-./bench-logs}"
-mkdir -p "$out/tests" "$out/sanitize"
+mkdir -p "$out/tests" "$out/sanitize" && out="$(cd "$out" && pwd)"  # absolute: run.sh runs elsewhere
 echo "tests: $(cd "$candidate" && OUT="$out/tests" ./run.sh "${TESTS:-megakernel}" 2>&1 | tail -1)"
 grep -h "^test .* FAILED$\|panicked" "$out"/tests/logs/*.log | head -5
-benches/compare_layer_subsets.sh "base=$base" "candidate=$candidate" "$@"
+# The tests ran above: none again before the timings.
+TESTS= OUT="$out" benches/compare_layer_subsets.sh "base=$base" "candidate=$candidate" "$@"
+# run.sh's own per-binary limit stops the tools' processes too; the outer one is a backstop.
+sanitize_seconds="${SANITIZE_SECONDS:-240}"
 echo "sanitize: $(cd "$candidate" && OUT="$out/sanitize" MOK_SANITIZE_TOOLS="memcheck racecheck synccheck" \
-    timeout "${SANITIZE_SECONDS:-240}" ./run.sh --sanitize "${SANITIZE_FILTER:-megakernel_is_bitwise}" 2>&1 | tail -2 | tr '\n' ' ')"
+    MOK_TEST_TIMEOUT="$sanitize_seconds" timeout "$((sanitize_seconds + 30))" ./run.sh --sanitize "${SANITIZE_FILTER:-megakernel_is_bitwise}" 2>&1 | tail -2 | tr '\n' ' ')"

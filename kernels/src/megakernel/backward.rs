@@ -350,7 +350,8 @@ pub unsafe fn combine_dx<const RANKS: bool>(b: &BackwardParams, pass: &PassInput
 /// `wgrad_ranks`, and their blocks are the whole grid. Every thread of every block calls it, a
 /// cluster's two blocks with the same `params` and `block` 2q and 2q + 1. `x`: on one GPU with
 /// `gather_in_producer` set, the forward's live `[T][H]` bf16 token rows (the gate and up
-/// weight gradients gather B from them); otherwise unused (0 across ranks).
+/// weight gradients gather B from them); otherwise unused (0 across ranks). `RANKS` (the launch
+/// hosts ranks) exactly when `exchange` is the rank's valid exchange parameter block.
 #[inline(always)]
 pub unsafe fn backward<const RANKS: bool>(params: *const BackwardParams, pass: PassInputs, block: u32, x: u64) {
     crate::ptx::declare_block_threads::<ENGINE_THREADS>();

@@ -170,7 +170,9 @@ pub unsafe fn forward<const RANKS: bool>(
 ///
 /// # Safety
 /// Every thread of the block calls it, once, before anything else of the launch uses the slot
-/// (it ends in a barrier of the whole block); nothing else writes the slot.
+/// (it ends in a barrier of the whole block); nothing else writes the slot; the launch gives
+/// the block [`ENGINE_SMEM_BYTES`](crate::gemm_layout::ENGINE_SMEM_BYTES) of dynamic shared
+/// memory, which holds the slot.
 #[inline(always)]
 pub unsafe fn shared_rank_of_block(ranks: u32) -> (impl Fn() -> u32 + Copy, u32) {
     let (rank, block) = rank_of_block(ranks);
