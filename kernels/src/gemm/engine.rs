@@ -225,6 +225,15 @@ unsafe fn init_barriers<const V: u32, H: TileHooks>(ring: Ring, empty_arrivals: 
 /// other kernel.
 #[inline(always)]
 pub fn rank_slot() -> u32 {
+    // Every megakernel phase's ring has this shape, so the word lies past all of their slots.
+    const fn default_shape(v: u32) -> bool {
+        ring_stages(v) == ring_stages(Variant::GATE_UP) && staging_boxes(v) == staging_boxes(Variant::GATE_UP)
+    }
+    const {
+        assert!(
+            default_shape(Variant::ROWS_NT) && default_shape(Variant::ROWS_NN) && default_shape(Variant::WGRAD_IN_PAIR)
+        )
+    };
     Ring::new::<{ Variant::GATE_UP }>().rank::<{ Variant::GATE_UP }>()
 }
 
