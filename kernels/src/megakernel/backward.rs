@@ -39,8 +39,8 @@ use crate::ptx::{signal as warp, sreg, sync};
 use crate::tiles::group_of_tile;
 
 use super::comm::{
-    acquire_if_token_rows_pushed, claim_row_chunk, copy_token_rows, publish_chunk, wait_for_pushes_slot_by_slot,
-    wait_for_shared_tile, wait_for_token_rows,
+    acquire_if_token_rows_pushed, claim_row_chunk, copy_token_rows, plan_offsets, publish_chunk,
+    wait_for_pushes_slot_by_slot, wait_for_shared_tile, wait_for_token_rows,
 };
 
 /// The gather, by a whole warp: row chunks
@@ -170,11 +170,8 @@ pub unsafe fn swiglu_backward_chunks(b: &BackwardParams, pass: &PassInputs, spar
             let claimed = if lane == 0 { atom_add_relaxed_gpu_u32(b.swiglu_next as *mut u32, 1) } else { 0 };
             let claimed = sync::shfl_idx_u32(claimed, 0);
             // Read at every claim, not held across the chunk (as `claim_row_chunk`).
-            let p = &*(b.down_dgrad as *const GemmParams);
-            let groups = p.groups as usize + 1;
-            let tile_offsets = core::slice::from_raw_parts(p.tile_offsets as *const u32, groups);
-            let row_offsets = core::slice::from_raw_parts(p.row_offsets as *const u32, groups);
-            let m_tiles = tile_offsets[groups - 1];
+            let (tile_offsets, row_offsets) = plan_offsets(b.down_dgrad);
+            let m_tiles = tile_offsets[tile_offsets.len() - 1];
             let shared_tiles = if b.shared_down_dgrad != 0 { pass.tokens.div_ceil(TILE_M) } else { 0 };
             let (tile, chunk) = (claimed / SWIGLU_CHUNKS_PER_M_TILE, claimed % SWIGLU_CHUNKS_PER_M_TILE);
             if tile >= shared_tiles + m_tiles {
@@ -191,7 +188,8 @@ pub unsafe fn swiglu_backward_chunks(b: &BackwardParams, pass: &PassInputs, spar
                 let g = group_of_tile(tile_offsets, tile).unwrap_or(0);
                 let first = row_offsets[g] + (tile - tile_offsets[g]) * TILE_M;
                 let end = (first + TILE_M).min(row_offsets[g + 1]);
-                (first, end, p, &b.swiglu, b.down_dgrad_stored as *mut u32, WAIT_ENGINE_TILE_DOWN_DGRAD)
+                let plan = &*(b.down_dgrad as *const GemmParams);
+                (first, end, plan, &b.swiglu, b.down_dgrad_stored as *mut u32, WAIT_ENGINE_TILE_DOWN_DGRAD)
             };
             let chunk_first = first + chunk * SWIGLU_CHUNK_ROWS;
             let chunk_end = (chunk_first + SWIGLU_CHUNK_ROWS).min(end);

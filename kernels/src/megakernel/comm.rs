@@ -297,12 +297,28 @@ pub(super) unsafe fn claim_row_chunk(next: u64, plan: u64, with_shared: bool, to
     unsafe {
         let claimed = if lane == 0 { atom_add_relaxed_gpu_u32(next as *mut u32, 1) } else { 0 };
         let claimed = sync::shfl_idx_u32(claimed, 0);
-        let p = &*(plan as *const GemmParams);
-        let groups = p.groups as usize + 1;
-        let tile_offsets = core::slice::from_raw_parts(p.tile_offsets as *const u32, groups);
-        let row_offsets = core::slice::from_raw_parts(p.row_offsets as *const u32, groups);
+        let (tile_offsets, row_offsets) = plan_offsets(plan);
         let shared_tiles = if with_shared { tokens.div_ceil(TILE_M) } else { 0 };
         row_chunk(claimed, shared_tiles, tokens, tile_offsets, row_offsets)
+    }
+}
+
+/// A row-grouped plan's `(tile_offsets, row_offsets)`, `groups + 1` entries each. Read where a
+/// chunk is claimed, not held across it: the spare producer warps' 72 registers have no room.
+///
+/// # Safety
+/// `plan` is a row-grouped plan's parameter block whose offsets were written before the launch
+/// and stay for `'a`.
+#[inline(always)]
+pub(super) unsafe fn plan_offsets<'a>(plan: u64) -> (&'a [u32], &'a [u32]) {
+    // SAFETY: caller contract.
+    unsafe {
+        let p = &*(plan as *const GemmParams);
+        let groups = p.groups as usize + 1;
+        (
+            core::slice::from_raw_parts(p.tile_offsets as *const u32, groups),
+            core::slice::from_raw_parts(p.row_offsets as *const u32, groups),
+        )
     }
 }
 
