@@ -215,24 +215,15 @@ fn number_before(text: &str, suffix: &str) -> Option<u64> {
 /// and also "Function properties" blocks of non-entry `.func`s (core's panic functions), which
 /// are not kernels and are skipped.
 pub fn parse_ptxas_info(text: &str) -> Vec<KernelInfo> {
+    let properties = function_properties(text);
     let mut kernels: Vec<KernelInfo> = Vec::new();
-    // Whose "Function properties" block the next stack-frame line belongs to.
-    let mut properties_of: Option<String> = None;
     for line in text.lines() {
         let body = line.split_once(" : ").map_or(line, |(_, body)| body).trim();
         if let Some(rest) = body.strip_prefix("Compiling entry function '") {
             let name = rest.split('\'').next().unwrap_or_default();
-            kernels.push(KernelInfo { name: name.to_string(), ..KernelInfo::default() });
-            properties_of = None;
-        } else if let Some(name) = body.strip_prefix("Function properties for ") {
-            properties_of = Some(name.trim().to_string());
-        } else if body.contains("bytes stack frame") {
-            let owner = properties_of.take();
-            if let Some(kernel) = kernels.iter_mut().rev().find(|kernel| Some(&kernel.name) == owner.as_ref()) {
-                kernel.stack_frame = number_before(body, " bytes stack frame").unwrap_or(0);
-                kernel.spill_stores = number_before(body, " bytes spill stores").unwrap_or(0);
-                kernel.spill_loads = number_before(body, " bytes spill loads").unwrap_or(0);
-            }
+            // The entry's own "Function properties" block follows its "Compiling" line.
+            let own = properties.iter().find(|function| function.name == name).cloned().unwrap_or_default();
+            kernels.push(KernelInfo { name: name.to_string(), ..own });
         } else if body.starts_with("Used ") && body.contains(" registers") {
             // The resource line of the entry being compiled.
             if let Some(kernel) = kernels.last_mut() {
@@ -245,13 +236,11 @@ pub fn parse_ptxas_info(text: &str) -> Vec<KernelInfo> {
     kernels
 }
 
-/// The non-entry functions of `ptxas -v` output (`.func`s the kernels call, e.g. a closure
-/// that LLVM did not inline) whose "Function properties" show spills or a stack frame, in
-/// ptxas's order, each named as ptxas names it (mangled); registers, barriers and smem are not
-/// reported for them.
-pub fn called_functions_with_local_memory(text: &str) -> Vec<KernelInfo> {
-    let entries: Vec<String> = parse_ptxas_info(text).into_iter().map(|kernel| kernel.name).collect();
+/// Every "Function properties" block of `ptxas -v` output (entries and plain `.func`s), in
+/// ptxas's order: the name, stack frame and spills; the other fields are 0.
+fn function_properties(text: &str) -> Vec<KernelInfo> {
     let mut functions = Vec::new();
+    // Whose "Function properties" block the next stack-frame line belongs to.
     let mut properties_of: Option<String> = None;
     for line in text.lines() {
         let body = line.split_once(" : ").map_or(line, |(_, body)| body).trim();
@@ -259,20 +248,29 @@ pub fn called_functions_with_local_memory(text: &str) -> Vec<KernelInfo> {
             properties_of = Some(name.trim().to_string());
         } else if body.contains("bytes stack frame") {
             let Some(name) = properties_of.take() else { continue };
-            let function = KernelInfo {
+            functions.push(KernelInfo {
                 stack_frame: number_before(body, " bytes stack frame").unwrap_or(0),
                 spill_stores: number_before(body, " bytes spill stores").unwrap_or(0),
                 spill_loads: number_before(body, " bytes spill loads").unwrap_or(0),
                 name,
                 ..KernelInfo::default()
-            };
-            let local_memory = function.stack_frame + function.spill_stores + function.spill_loads > 0;
-            if local_memory && !entries.contains(&function.name) {
-                functions.push(function);
-            }
+            });
         }
     }
     functions
+}
+
+/// The non-entry functions of `ptxas -v` output (`.func`s the kernels call, e.g. a closure
+/// that LLVM did not inline) whose "Function properties" show spills or a stack frame, in
+/// ptxas's order, each named as ptxas names it (mangled); registers, barriers and smem are not
+/// reported for them.
+pub fn called_functions_with_local_memory(text: &str) -> Vec<KernelInfo> {
+    let entries: Vec<String> = parse_ptxas_info(text).into_iter().map(|kernel| kernel.name).collect();
+    function_properties(text)
+        .into_iter()
+        .filter(|function| function.stack_frame + function.spill_stores + function.spill_loads > 0)
+        .filter(|function| !entries.contains(&function.name))
+        .collect()
 }
 
 /// A text table of `kernels`, one line each, two-space indented.
