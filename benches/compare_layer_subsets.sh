@@ -4,7 +4,8 @@
 # each subset's `run.sh $TESTS` first (a name filter; its last line, logs under $OUT/NAME);
 # then each subset's `layer` in order and in reverse order, so every build sits at the same
 # mean position in the call, printing the rows of the GEMM backends asked for, each prefixed
-# with its name. Run from the repository root with the subsets carried:
+# with its name; LAYER_ARGS adds flags to every `layer` run (e.g. "--ranks 8 --ring-factor
+# 1.25"). Run from the repository root with the subsets carried:
 #   TESTS=megakernel CASES=kimi:8192,qwen:8192 GEMM=megakernels \
 #       benches/compare_layer_subsets.sh base=target/call-new probe=target/consumers-gather-probe
 set -uo pipefail
@@ -22,9 +23,10 @@ if [ -n "${TESTS:-}" ]; then
 fi
 layer() {  # NAME=DIR RUN
     local name="${1%%=*}" dir="${1#*=}"
-    "$dir/benches/layer" --cases "$cases" --gemm "$gemm" > "$out/layer-$name-$2.log" 2>&1 \
+    # shellcheck disable=SC2086 # the extra flags split into words
+    "$dir/benches/layer" --cases "$cases" --gemm "$gemm" ${LAYER_ARGS:-} > "$out/layer-$name-$2.log" 2>&1 \
         || echo "$name run $2: FAILED (layer-$name-$2.log)"
-    grep -E "^\| [a-z]+ \| [0-9]+ \| (engine|megakernel)" "$out/layer-$name-$2.log" | sed "s/^/$name $2 /"
+    grep -E "^\| [a-z]+ \| [0-9]+ \| " "$out/layer-$name-$2.log" | sed "s/^/$name $2 /"
 }
 mkdir -p "$out"
 for spec in "$@"; do layer "$spec" 1; done

@@ -3,7 +3,7 @@
 # further subsets (all
 # `cargo xtask gpu-subset` outputs with `layer`), most important first so that a call cut short
 # still returns the essentials: the candidate's tests matching TESTS (default `megakernel`),
-# then `layer` base/candidate alternating (compare_layer_subsets.sh, CASES, GEMM), then the
+# then `layer` base/candidate alternating (compare_layer_subsets.sh, CASES, GEMM, LAYER_ARGS), then the
 # candidate's SANITIZE_FILTER tests (default `megakernel_is_bitwise`) under memcheck, racecheck
 # and synccheck, bounded by SANITIZE_SECONDS (default 240). Run from the repository root:
 #   benches/device_round.sh target/call-new target/next [NAME=target/other ...]
