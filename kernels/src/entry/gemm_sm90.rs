@@ -255,7 +255,13 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_backward(
     };
     // SAFETY: caller contract; every thread runs this kernel to here, a cluster's two blocks with
     // indices 2q and 2q + 1.
-    unsafe { crate::megakernel::backward::backward::<false>(params, pass, crate::ptx::sreg::block_idx_x(), x as u64) }
+    unsafe {
+        crate::megakernel::backward::backward::<false>(
+            move || (params, pass),
+            crate::ptx::sreg::block_idx_x(),
+            x as u64,
+        )
+    }
 }
 
 /// The backward megakernel hosting `ranks` expert-parallel ranks in one launch (every virtual
@@ -275,10 +281,17 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_backward_ranks(
     inputs: *const crate::megakernel_layout::PassInputs,
     ranks: u32,
 ) {
-    let (rank, block) = crate::megakernel::forward::rank_of_block(ranks);
-    // SAFETY: caller contract: rank < ranks. Every thread runs this kernel to here; a cluster's
-    // two blocks act as the same rank's 2q and 2q + 1 (ranks hold whole pairs).
+    // SAFETY: caller contract: rank < ranks. Every thread runs this kernel to here, first
+    // thing, and nothing else of it writes the rank's slot (no phase of the backward touches
+    // it: `gemm::engine::rank_slot`); a cluster's two blocks act as the same rank's 2q and
+    // 2q + 1 (ranks hold whole pairs). `rank()` reads the slot, so it gives the same parameter
+    // block and inputs at every call.
     unsafe {
-        crate::megakernel::backward::backward::<true>(params.add(rank as usize), *inputs.add(rank as usize), block, 0)
+        let (own_rank, block) = crate::megakernel::forward::shared_rank_of_block(ranks);
+        let rank = move || {
+            let index = own_rank() as usize;
+            (params.add(index), *inputs.add(index))
+        };
+        crate::megakernel::backward::backward::<true>(rank, block, 0)
     }
 }

@@ -335,9 +335,17 @@ pub unsafe fn combine_dx<const RANKS: bool>(b: &BackwardParams, pass: &PassInput
 /// The whole backward pass of one rank by every thread of its `block`-th block (see the module
 /// docs).
 ///
+/// `rank()` names the rank: its parameter block `params` and its inputs `pass`, as in
+/// [`forward`](super::forward::forward). Across ranks the compute blocks call it again where
+/// the work beside the phases starts (the spare warps' gather and SwiGLU chunks, the
+/// consumers' SwiGLU chunks) and for the combine after the phases, so that neither the phases
+/// nor that work hold the rank's parameter block, inputs and view in registers (ptxas spilled
+/// them; the spare warps have few); on one GPU both are the kernel's arguments.
+///
 /// # Safety
-/// `params` points at the rank's valid [`BackwardParams`] and `pass` holds its inputs (dy, the
-/// slot weights, the shared expert's dx rows or 0, T); the forward of the same routing ran
+/// `rank()` returns the same `(params, pass)` at every call, `params` pointing at the rank's
+/// valid [`BackwardParams`] and `pass` holding its inputs (dy, the slot weights, the shared
+/// expert's dx rows or 0, T); the forward of the same routing ran
 /// before on the stream (its down rows, pre-activations, hidden rows and gathered rows are what
 /// this pass reads); the counters hold an entry per engine M tile the plans' groups can have,
 /// zeroed with the queues, and every plan's group maps cut (tile counters zeroed) on the stream
@@ -351,9 +359,14 @@ pub unsafe fn combine_dx<const RANKS: bool>(b: &BackwardParams, pass: &PassInput
 /// weight gradients gather B from them); otherwise unused (0 across ranks). `RANKS` (the launch
 /// hosts ranks) exactly when `exchange` is the rank's valid exchange parameter block.
 #[inline(always)]
-pub unsafe fn backward<const RANKS: bool>(params: *const BackwardParams, pass: PassInputs, block: u32, x: u64) {
+pub unsafe fn backward<const RANKS: bool>(
+    rank: impl Fn() -> (*const BackwardParams, PassInputs) + Copy,
+    block: u32,
+    x: u64,
+) {
     crate::ptx::declare_block_threads::<ENGINE_THREADS>();
     crate::ptx::declare_cluster_blocks::<2>();
+    let (params, pass) = rank();
     // SAFETY: caller contract; read-only for the whole launch.
     let b = unsafe { &*params };
     // SAFETY: caller contract: `exchange` is the rank's valid parameter block across ranks.
@@ -374,6 +387,11 @@ pub unsafe fn backward<const RANKS: bool>(params: *const BackwardParams, pass: P
                 combine_dx::<RANKS>(b, &pass, view.as_ref());
                 return;
             }
+            // The rank where the work beside or after the phases starts: across ranks read
+            // again (`rank`'s docs); on one GPU the kernel's arguments, as above. The phases'
+            // plans and hooks keep the first rank's parameter block: read again per phase, the
+            // consumers held its field addresses instead, and spilled more.
+            let this_rank = move || if RANKS { rank_and_view::<RANKS>(rank) } else { (b, pass, view) };
             // The phases in `run_backward_phases`' order (numbered as `BackwardHandover`'s);
             // each plan is read where its phase starts, from the parameter block of rank q of
             // the launch (the blocks are an array in launch order; q is this rank but in the
@@ -402,10 +420,14 @@ pub unsafe fn backward<const RANKS: bool>(params: *const BackwardParams, pass: P
             // The spare producer warps gather, then take SwiGLU chunks; the consumer warps take
             // SwiGLU chunks between their two data gradients.
             let spare_warps = || {
+                let (b, pass, view) = this_rank();
                 gather::<RANKS>(b, &pass, view.as_ref());
                 swiglu_backward_chunks(b, &pass, true);
             };
-            let between_dgrads = || swiglu_backward_chunks(b, &pass, false);
+            let between_dgrads = || {
+                let (b, pass, _) = this_rank();
+                swiglu_backward_chunks(b, &pass, false);
+            };
             let phases = run_backward_phases(
                 plan,
                 hooks,
@@ -414,11 +436,29 @@ pub unsafe fn backward<const RANKS: bool>(params: *const BackwardParams, pass: P
                 (tile_ranks, wgrad_ranks),
             );
             if phases.is_some() {
+                let (b, pass, view) = this_rank();
                 combine_dx::<RANKS>(b, &pass, view.as_ref());
             }
         }
     }
     // Otherwise the idle partner of an odd comm block count.
+}
+
+/// `rank()`'s parameter block, inputs and view (see [`backward_rank_view`]), read again.
+///
+/// # Safety
+/// As [`backward`]'s `rank`: `rank()` returns a valid parameter block, read-only for the whole
+/// launch, whose `exchange` is valid with `RANKS`.
+#[inline(always)]
+unsafe fn rank_and_view<'a, const RANKS: bool>(
+    rank: impl Fn() -> (*const BackwardParams, PassInputs),
+) -> (&'a BackwardParams, PassInputs, Option<RankView<'a>>) {
+    let (params, pass) = rank();
+    // SAFETY: caller contract.
+    unsafe {
+        let b = &*params;
+        (b, pass, backward_rank_view::<RANKS>(b))
+    }
 }
 
 /// The rank's view of the symmetric heap across ranks (`RANKS`), else `None`, as
