@@ -28,6 +28,5 @@ layer() {  # NAME=DIR RUN
         || echo "$name run $2: FAILED (layer-$name-$2.log)"
     grep -E "^\| [a-z]+ \| [0-9]+ \| " "$out/layer-$name-$2.log" | sed "s/^/$name $2 /"
 }
-mkdir -p "$out"
 for spec in "$@"; do layer "$spec" 1; done
 for ((i = $#; i >= 1; i--)); do layer "${!i}" 2; done
