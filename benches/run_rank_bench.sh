@@ -4,7 +4,7 @@
 # does not fit in memory fails alone), with each rank's ring sized RING_FACTOR times an even
 # split (default 1.25; the worst-case default does not fit the largest cases at P = 8), and
 # with ONE_GPU=1 the same cases on one GPU first (GEMM_ONE_GPU, default megakernels) in the same
-# call, for the P = 8 against P = 1 comparison (docs/PERF.md's "Current numbers": ONE_GPU=1
+# call, for the P = 8 against P = 1 comparison (RANKS=0: the one-GPU cases only) (docs/PERF.md's "Current numbers": ONE_GPU=1
 # GEMM=megakernels GEMM_ONE_GPU=engine,megakernels), and with VARIANT_PTX=name=file.ptx the rank
 # cases once more on that PTX (MOK_PTX; e.g. an earlier commit's kernels against the current ones, same
 # call: the PTX must have every kernel this host launches and the same heap layout), and with
@@ -44,12 +44,14 @@ if [ "${ONE_GPU:-0}" = 1 ]; then
             || echo "$case on one GPU: failed (see one-gpu-${case/:/-}.log)"
     done
 fi
-rank_cases ranks- ""
-if [ -n "${VARIANT_PTX:-}" ]; then
-    rank_cases "ranks-${VARIANT_PTX%%=*}-" "" MOK_PTX="${VARIANT_PTX#*=}"
-fi
-if [ -n "${VARIANT_ARGS:-}" ]; then
-    rank_cases "ranks-${VARIANT_ARGS%%=*}-" "${VARIANT_ARGS#*=}"
+if [ "$ranks" != 0 ]; then
+    rank_cases ranks- ""
+    if [ -n "${VARIANT_PTX:-}" ]; then
+        rank_cases "ranks-${VARIANT_PTX%%=*}-" "" MOK_PTX="${VARIANT_PTX#*=}"
+    fi
+    if [ -n "${VARIANT_ARGS:-}" ]; then
+        rank_cases "ranks-${VARIANT_ARGS%%=*}-" "${VARIANT_ARGS#*=}"
+    fi
 fi
 for log in "$out"/ranks-*.log "$out"/one-gpu-*.log; do
     [ -f "$log" ] || continue
