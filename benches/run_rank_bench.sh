@@ -4,8 +4,8 @@
 # does not fit in memory fails alone), with each rank's ring sized RING_FACTOR times an even
 # split (default 1.25; the worst-case default does not fit the largest cases at P = 8), and
 # with ONE_GPU=1 the same cases on one GPU first (GEMM_ONE_GPU, default megakernels) in the same
-# call, for the P = 8 against P = 1 comparison (RANKS=0: the one-GPU cases only) (docs/PERF.md's "Current numbers": ONE_GPU=1
-# GEMM=megakernels GEMM_ONE_GPU=engine,megakernels), and with VARIANT_PTX=name=file.ptx the rank
+# call, for the P = 8 against P = 1 comparison (docs/PERF.md's "Current numbers": ONE_GPU=1
+# GEMM=megakernels GEMM_ONE_GPU=engine,megakernels; with RANKS=0 the one-GPU cases alone), and with VARIANT_PTX=name=file.ptx the rank
 # cases once more on that PTX (MOK_PTX; e.g. an earlier commit's kernels against the current ones, same
 # call: the PTX must have every kernel this host launches and the same heap layout), and with
 # VARIANT_ARGS=name="--flag ..." the rank cases once more with those benchmark flags (e.g.

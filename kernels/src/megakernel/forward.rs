@@ -193,7 +193,7 @@ pub unsafe fn shared_rank_of_block(ranks: u32) -> (impl Fn() -> u32 + Copy, u32)
 /// The rank a block of a launch hosting `ranks` ranks acts as, and its index among the rank's
 /// blocks: ranks hold contiguous runs of whole pairs ([`rank_pairs`]).
 #[inline(always)]
-pub fn rank_of_block(ranks: u32) -> (u32, u32) {
+fn rank_of_block(ranks: u32) -> (u32, u32) {
     let pairs = sreg::grid_dim_x() / 2;
     let rank = rank_of_pair(sreg::block_idx_x() / 2, pairs, ranks);
     (rank, sreg::block_idx_x() - 2 * rank_pairs(pairs, ranks, rank).0)
