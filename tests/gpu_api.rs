@@ -463,6 +463,29 @@ fn a_pass_token_gives_the_borrowed_pass_bits_and_only_for_the_last_forward() {
     layer.check().unwrap();
     assert_eq!(outputs(&caller), expected, "token backward differs from the borrowed pass");
     println!("  pass token: the borrowed pass's bits; an earlier forward's token refused");
+    // A backward given longer views at the forward's addresses (a forward over the first T - 1
+    // tokens, its backward over all T) is refused: it would leave dx's last row unwritten.
+    let Caller { tokens, experts, shared, dy, y, dx, d_topk_weights, dw, .. } = &mut caller;
+    let inputs = inputs_of(tokens, experts, shared);
+    let (h, k) = (layer.config().hidden, layer.config().top_k);
+    let t = inputs.tokens.x.len() / h;
+    let mut shorter = inputs;
+    shorter.tokens.x = inputs.tokens.x.sub(0, (t - 1) * h).unwrap();
+    shorter.tokens.topk_ids = inputs.tokens.topk_ids.sub(0, (t - 1) * k).unwrap();
+    shorter.tokens.topk_weights = inputs.tokens.topk_weights.sub(0, (t - 1) * k).unwrap();
+    let mut y_view: DeviceSliceMut<'_, bf16> = y.into();
+    let token = layer.forward_token(&gpu, &shorter, y_view.sub_mut(0, (t - 1) * h).unwrap()).unwrap();
+    let grads = MoeGradients {
+        dx: (&mut *dx).into(),
+        d_topk_weights: (&mut *d_topk_weights).into(),
+        weights: WeightGradTarget::Bf16(grad_views(dw)),
+    };
+    match layer.backward(&gpu, token, &inputs, (&*dy).into(), grads) {
+        Err(MokError::InvalidInput { tensor: "backward inputs", problem }) => {
+            println!("  longer views at the forward's addresses: {problem}")
+        }
+        other => panic!("a backward over longer views than its forward's must be refused, got {other:?}"),
+    }
     // A forward that fails after it began (more tokens than the layer holds) also retires the
     // last forward's token: the workspace may no longer hold that pass.
     let Caller { tokens, experts, shared, dy, y, dx, d_topk_weights, dw, .. } = &mut caller;

@@ -761,14 +761,13 @@ fn forward_megakernel_repeats_bitwise_and_rejects_bad_geometry() {
     }
     println!("  {repeats} runs on one layer: bitwise identical");
     let (resident, _) = layer.forward_megakernel_geometry().unwrap();
+    // Refused when set, before any pass, and the layer keeps its megakernel and its bits.
     for (comm, blocks, why) in bad_megakernel_geometries(resident) {
-        let mut bad = UnfusedLayer::new(&gpu, c.clone()).unwrap();
-        bad.set_forward_megakernel(&gpu, Some(megakernel_options(comm, blocks))).unwrap();
-        bad.poison().unwrap();
-        match bad.forward(&gpu, &device.tokens, &device.experts, device.shared.as_ref()) {
+        match layer.set_forward_megakernel(&gpu, Some(megakernel_options(comm, blocks))) {
             Err(MokError::InvalidInput { problem, .. }) => println!("  {why}: {problem}"),
             other => panic!("{why}: expected InvalidInput, got {other:?}"),
         }
+        assert_same_run(&run(&gpu, &mut layer, &device), &first, &format!("after refusing: {why}"));
     }
 }
 

@@ -85,8 +85,13 @@ impl MoeConfig {
                 "tokens_per_rank * top_k must fit in i32 (row indices are 32-bit on the device)",
             );
         }
-        if self.ep_ranks == 0 {
-            return bad("ep_ranks", "0".into(), "must be at least 1");
+        let max_ranks = mok_kernels::comm::params::MAX_EP_RANKS;
+        if self.ep_ranks == 0 || self.ep_ranks > max_ranks {
+            return bad(
+                "ep_ranks",
+                self.ep_ranks.to_string(),
+                &format!("must be in 1..={max_ranks} (the kernels' peer table has {max_ranks} entries)"),
+            );
         }
         if self.num_experts == 0 {
             return bad("num_experts", "0".into(), "must be at least 1");
@@ -242,6 +247,7 @@ mod tests {
             (MoeConfig { tokens_per_rank: 0, ..base.clone() }, "tokens_per_rank"),
             (MoeConfig { ep_ranks: 3, ..base.clone() }, "num_experts"),
             (MoeConfig { ep_ranks: 0, ..base.clone() }, "ep_ranks"),
+            (MoeConfig { ep_ranks: 256, ..MoeConfig::new(7, 64, 32, 8192, 2) }, "ep_ranks"),
             (MoeConfig { top_k: 9, ..base.clone() }, "top_k"),
             (MoeConfig { top_k: 0, ..base.clone() }, "top_k"),
             (MoeConfig { hidden: 60, ..base.clone() }, "hidden"),

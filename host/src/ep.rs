@@ -1058,7 +1058,9 @@ impl EpLayer {
     }
 
     /// Enqueues the backward pass of the last forward, with every rank's dy uploaded
-    /// ([`Self::upload_dy`]); gradients land in [`Self::outputs`].
+    /// ([`Self::upload_dy`]); gradients land in [`Self::outputs`]. It reads the dy last uploaded
+    /// or copied for each rank, whenever that was: a step that uploads none differentiates the
+    /// previous step's dy ([`MoeLayer`](crate::moe::MoeLayer) copies dy in every backward).
     pub fn backward(
         &mut self,
         gpu: &Gpu,

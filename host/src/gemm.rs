@@ -58,6 +58,7 @@ pub fn tile_offsets<'r>(
     row_offsets: impl Into<DeviceSlice<'r, u32>>,
     groups: usize,
 ) -> Result<DeviceBuffer<u32>> {
+    group_count(groups)?;
     let tiles = DeviceBuffer::alloc(gpu, 2 * (groups + 1))?;
     tile_offsets_into(gpu, row_offsets, groups, &tiles)?;
     Ok(tiles)
@@ -71,6 +72,7 @@ pub fn tile_offsets_into<'r>(
     groups: usize,
     tiles: &DeviceBuffer<u32>,
 ) -> Result<()> {
+    let group_count = group_count(groups)?;
     let row_offsets = row_offsets.into();
     check_len("row_offsets", row_offsets.len(), groups + 1)?;
     check_len("tile_offsets", tiles.len(), 2 * (groups + 1))?;
@@ -82,12 +84,21 @@ pub fn tile_offsets_into<'r>(
             LaunchShape::linear(1, 32),
             &[
                 KernelArg::Ptr(row_offsets.device_ptr()),
-                KernelArg::U32(groups as u32),
+                KernelArg::U32(group_count),
                 KernelArg::U32(TILE_M),
                 KernelArg::Ptr(tiles.device_ptr()),
             ],
         )
     }
+}
+
+/// `groups` as the kernel's 32-bit count, refused where it or the `2 · (groups + 1)` offsets
+/// would not fit in 32 bits.
+fn group_count(groups: usize) -> Result<u32> {
+    u32::try_from(groups).ok().filter(|&g| g < u32::MAX / 2).ok_or_else(|| MokError::InvalidInput {
+        tensor: "groups",
+        problem: format!("{groups} groups: the tile offsets are counted in 32 bits"),
+    })
 }
 
 fn check_len(tensor: &'static str, actual: usize, expected: usize) -> Result<()> {

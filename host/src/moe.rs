@@ -87,7 +87,8 @@ pub struct LayerOptions {
     /// Over ranks: the rows each rank's receive ring holds (`ExchangeOptions::capacity_rows`).
     /// `None`: the worst case, every slot of every rank routed to one rank, which does not fit
     /// the largest shapes; a smaller ring that a pass overflows is reported by
-    /// [`MoeLayer::check`] as `MokError::Capacity` with the rows needed. Ignored on one GPU.
+    /// [`MoeLayer::check`] as `MokError::Capacity` with the rows needed; `Some(0)` is refused.
+    /// Ignored on one GPU.
     pub ring_rows: Option<usize>,
     /// One GPU, on [`Backend::Engine`], [`Backend::ForwardMegakernel`] or
     /// [`Backend::Megakernel`]: the routed gate/up and the gate and up weight gradients read
@@ -126,6 +127,11 @@ pub struct MoeInputs<'a> {
 impl MoeInputs<'_> {
     fn addresses(&self) -> [u64; 9] {
         self.named_addresses().map(|(_, address)| address)
+    }
+
+    /// The lengths of x, the top-k ids and the top-k weights (they set the pass's T).
+    fn token_lengths(&self) -> [usize; 3] {
+        [self.tokens.x.len(), self.tokens.topk_ids.len(), self.tokens.topk_weights.len()]
     }
 
     /// Every view's address (0 for an absent shared expert's), with its name.
@@ -209,6 +215,9 @@ pub struct ForwardPass<'l> {
 #[derive(Debug)]
 pub struct PassToken {
     inputs: [u64; 9],
+    /// The lengths of the forward's x, top-k ids and top-k weights views: with the same
+    /// addresses, longer views would pass the backward's checks and leave dx's tail unwritten.
+    token_lengths: [usize; 3],
     pass: u64,
     /// The layer whose forward it is ([`MoeLayer`]'s id).
     layer: u64,
@@ -401,7 +410,12 @@ impl MoeLayer {
                 }
             }
         }
-        Ok(PassToken { inputs: inputs.addresses(), pass: self.passes, layer: self.id })
+        Ok(PassToken {
+            inputs: inputs.addresses(),
+            token_lengths: inputs.token_lengths(),
+            pass: self.passes,
+            layer: self.id,
+        })
     }
 
     /// Enqueues the backward of the forward that gave `token` (the layer's last), for output
@@ -433,7 +447,7 @@ impl MoeLayer {
                 ),
             });
         }
-        if inputs.addresses() != token.inputs {
+        if inputs.addresses() != token.inputs || inputs.token_lengths() != token.token_lengths {
             return Err(MokError::InvalidInput {
                 tensor: "backward inputs",
                 problem: "not the views the forward read (the backward reads the forward's inputs again)".into(),

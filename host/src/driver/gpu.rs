@@ -268,7 +268,11 @@ impl Gpu {
         caller_stream: Option<Arc<cudarc::driver::CudaStream>>,
     ) -> Result<Self> {
         super::probe()?;
-        let device = result::device::get(ordinal as i32).map_err(|e| cuda_error("cuDeviceGet", e))?;
+        let device_ordinal = i32::try_from(ordinal).map_err(|_| MokError::InvalidInput {
+            tensor: "gpu",
+            problem: format!("device ordinal {ordinal} is past the driver's (an i32)"),
+        })?;
+        let device = result::device::get(device_ordinal).map_err(|e| cuda_error("cuDeviceGet", e))?;
         // SAFETY: `device` is valid; the primary context is released in `GpuInner::drop`.
         let context =
             unsafe { result::primary_ctx::retain(device) }.map_err(|e| cuda_error("cuDevicePrimaryCtxRetain", e))?;

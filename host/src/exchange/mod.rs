@@ -49,7 +49,8 @@ const MOVER_THREADS: u32 = 256;
 #[derive(Clone, Copy, Debug)]
 pub struct ExchangeOptions {
     /// Rows each expert owner's receive ring holds; `None` sizes it for the worst case
-    /// (`P · T · min(k, E/P)`: every slot of every rank routed to one owner).
+    /// (`P · T · min(k, E/P)`: every slot of every rank routed to one owner). `Some(0)` is
+    /// refused.
     pub capacity_rows: Option<usize>,
     /// How long any device-side wait may take before the pass reports it (at most
     /// [`crate::config::MAX_WAIT_NS`], about 36 years; a longer one is that).
@@ -132,12 +133,19 @@ impl Exchange {
         config.validate()?;
         let (p, t, k, e) = (config.ep_ranks, config.tokens_per_rank, config.top_k, config.num_experts);
         let worst = p * t * k.min(e / p);
-        let capacity = options.capacity_rows.unwrap_or(worst).max(1);
-        if p * t * k > i32::MAX as usize || capacity > i32::MAX as usize {
+        let capacity = options.capacity_rows.unwrap_or(worst);
+        if p * t * k > i32::MAX as usize {
             return Err(MokError::InvalidConfig {
                 field: "tokens_per_rank",
                 value: t.to_string(),
-                rule: "ep_ranks * tokens_per_rank * top_k and the ring capacity must fit in i32".into(),
+                rule: "ep_ranks * tokens_per_rank * top_k must fit in i32".into(),
+            });
+        }
+        if capacity == 0 || capacity > i32::MAX as usize {
+            return Err(MokError::InvalidConfig {
+                field: "capacity_rows",
+                value: capacity.to_string(),
+                rule: "a ring holds 1 to i32::MAX rows (the layer's `ring_rows`)".into(),
             });
         }
         Ok(ExchangeShape {
@@ -1007,6 +1015,12 @@ mod tests {
         assert_eq!(shape.capacity, 3 * 100 * 4);
         let options = ExchangeOptions { capacity_rows: Some(7), ..Default::default() };
         assert_eq!(Exchange::shape_for(&config, &options).unwrap().capacity, 7);
+        // A ring of no rows is refused, named, not raised to one row.
+        let empty = ExchangeOptions { capacity_rows: Some(0), ..Default::default() };
+        assert!(matches!(
+            Exchange::shape_for(&config, &empty),
+            Err(MokError::InvalidConfig { field: "capacity_rows", .. })
+        ));
         // 12 experts do not split over 5 ranks.
         config.ep_ranks = 5;
         assert!(matches!(

@@ -120,8 +120,12 @@ impl HandleRecord {
     /// came from rank r, that every slice has the same size, requested size, layout and handle
     /// kind, and that POSIX fds come from processes of one [`process_space`].
     pub fn decode_table(table: &[u8], world: usize) -> Result<Vec<Self>> {
-        if table.len() != world * RECORD_BYTES {
-            return Err(bad(format!("{} bytes for {world} ranks, expected {}", table.len(), world * RECORD_BYTES)));
+        match world.checked_mul(RECORD_BYTES) {
+            Some(expected) if world > 0 && table.len() == expected => {}
+            expected => {
+                let expected = expected.map_or("more than the address space holds".to_string(), |e| e.to_string());
+                return Err(bad(format!("{} bytes for {world} ranks, expected {expected}", table.len())));
+            }
         }
         let records: Vec<Self> = table.chunks_exact(RECORD_BYTES).map(Self::from_bytes).collect::<Result<_>>()?;
         for (rank, record) in records.iter().enumerate() {
@@ -178,6 +182,11 @@ pub fn to_hex(bytes: &[u8]) -> String {
 /// Parses [`to_hex`]'s output.
 pub fn from_hex(text: &str) -> Result<Vec<u8>> {
     let text = text.trim();
+    // Byte offsets below index characters only in ASCII text (a multi-byte character would
+    // split a slice mid-character).
+    if let Some(at) = text.find(|c: char| !c.is_ascii()) {
+        return Err(bad(format!("not hex at byte {at}: a non-ASCII character")));
+    }
     if !text.len().is_multiple_of(2) {
         return Err(bad(format!("hex text of odd length {}", text.len())));
     }
@@ -192,6 +201,17 @@ pub fn from_hex(text: &str) -> Result<Vec<u8>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn malformed_hex_and_tables_are_errors_not_panics() {
+        assert!(from_hex("0é0").is_err());
+        assert!(from_hex("0g").is_err());
+        assert!(from_hex("abc").is_err());
+        assert_eq!(from_hex(" 0aff\n").unwrap(), [0x0a, 0xff]);
+        assert!(HandleRecord::decode_table(&[], usize::MAX).is_err());
+        assert!(HandleRecord::decode_table(&[], 1 << 60).is_err());
+        assert!(HandleRecord::decode_table(&[], 0).is_err());
+    }
 
     #[test]
     fn records_round_trip() {

@@ -116,7 +116,8 @@ impl SymmetricHeap {
 
     /// (b) One process, one GPU per rank: rank r's slice lives on device `ordinals[r]` and is
     /// mapped for every listed device. Fails when a pair of devices cannot reach each other.
-    /// The slices are zeroed through `gpus[r]` (opened on `ordinals[r]`).
+    /// The slices are zeroed through `gpus[r]`, which must have been opened on `ordinals[r]`
+    /// (refused otherwise).
     pub fn vmm_peers(gpus: &[&Gpu], ordinals: &[i32], bytes_per_rank: u64) -> Result<Self> {
         check_world(ordinals.len())?;
         if gpus.len() != ordinals.len() {
@@ -135,6 +136,12 @@ impl SymmetricHeap {
                     });
                 }
             }
+        }
+        for (rank, (gpu, &ordinal)) in gpus.iter().zip(ordinals).enumerate() {
+            check_gpu_ordinal(gpu, ordinal).map_err(|problem| MokError::InvalidInput {
+                tensor: "symmetric heap",
+                problem: format!("rank {rank}: {problem}"),
+            })?;
         }
         let mut mappings = Vec::with_capacity(ordinals.len());
         for &ordinal in ordinals {
@@ -160,7 +167,7 @@ impl SymmetricHeap {
     /// (device `ordinal`), exports it as `kind`, exchanges the records with `all_gather` (this
     /// rank's bytes in, every rank's bytes in rank order out: `bootstrap::NcclBootstrap::all_gather_bytes`
     /// with the `nccl` feature) and imports every peer's slice. Ranks whose requests differ (in
-    /// bytes or layout) are refused, on every rank.
+    /// bytes or layout) are refused, on every rank, and so is a `gpu` not opened on `ordinal`.
     pub fn multi_process(
         gpu: &Gpu,
         env: &LaunchEnv,
@@ -182,6 +189,8 @@ impl SymmetricHeap {
                 problem: "a heap shared between processes needs a POSIX-fd or fabric handle".into(),
             });
         }
+        check_gpu_ordinal(gpu, ordinal)
+            .map_err(|problem| MokError::InvalidInput { tensor: "symmetric heap", problem })?;
         let bytes_per_rank = request.bytes_per_rank;
         let own = VmmMapping::allocate(ordinal, bytes_per_rank as usize, kind, &[ordinal])?;
         // SAFETY: the mapping is `bytes()` long and this GPU may access it.
@@ -302,6 +311,17 @@ impl Drop for SymmetricHeap {
                 let _ = gpu.synchronize();
             }
         }
+    }
+}
+
+/// `Err(why)` unless `gpu` was opened on device `ordinal`: a slice allocated and mapped for one
+/// device and zeroed through another's stream would fail in the driver, not with a message
+/// naming the mismatch.
+fn check_gpu_ordinal(gpu: &Gpu, ordinal: i32) -> std::result::Result<(), String> {
+    if usize::try_from(ordinal).ok() == Some(gpu.ordinal()) {
+        Ok(())
+    } else {
+        Err(format!("device ordinal {ordinal}, but the GPU handle is device {}", gpu.ordinal()))
     }
 }
 

@@ -136,10 +136,41 @@ fn gemm_shape(grid: (u32, u32, u32)) -> LaunchShape {
     LaunchShape { grid, threads: kc::GEMM_THREADS, smem_bytes: kc::GEMM_SMEM_BYTES }
 }
 
+/// [`MoeConfig::validate`]'s rules for the widths and the limit, and rows the device indexes in 32
+/// bits whose f32 buffers fit in `usize` bytes: [`ExpertCompute::new`] is public, so a caller may
+/// reach it without a validated config.
+fn check_rows_shape(capacity: usize, hidden: usize, inter: usize, swiglu_limit: Option<f32>) -> Result<()> {
+    use crate::config::{MAX_WIDTH, ROW_ALIGN_ELEMS};
+    let bad = |field: &'static str, value: String, rule: String| Err(MokError::InvalidConfig { field, value, rule });
+    for (field, width) in [("hidden", hidden), ("intermediate", inter)] {
+        if width == 0 || !width.is_multiple_of(ROW_ALIGN_ELEMS) || width > MAX_WIDTH {
+            return bad(
+                field,
+                width.to_string(),
+                format!("must be a positive multiple of {ROW_ALIGN_ELEMS} up to {MAX_WIDTH}"),
+            );
+        }
+    }
+    if let Some(limit) = swiglu_limit
+        && !(limit.is_finite() && limit > 0.0)
+    {
+        return bad("swiglu_limit", limit.to_string(), "must be finite and > 0 (or None for no clamp)".into());
+    }
+    if capacity > i32::MAX as usize || capacity.checked_mul(hidden.max(inter) * 4).is_none() {
+        return bad(
+            "capacity",
+            capacity.to_string(),
+            "rows are indexed in 32 bits on the device: at most i32::MAX, and their f32 bytes must fit in usize".into(),
+        );
+    }
+    Ok(())
+}
+
 impl ExpertCompute {
     /// Workspace for up to `capacity` rows of width `hidden` through an intermediate of width
     /// `inter`. `with_d_rows`: also a `[capacity][H]` bf16 buffer for the caller to gather the
-    /// output gradient into ([`Self::d_rows`]).
+    /// output gradient into ([`Self::d_rows`]). The widths and the limit follow
+    /// [`MoeConfig::validate`]'s rules (`InvalidConfig` otherwise).
     pub fn new(
         gpu: &Gpu,
         capacity: usize,
@@ -148,6 +179,7 @@ impl ExpertCompute {
         swiglu_limit: Option<f32>,
         with_d_rows: bool,
     ) -> Result<Self> {
+        check_rows_shape(capacity, hidden, inter, swiglu_limit)?;
         let mut rows = ExpertRows::alloc(gpu, capacity, hidden, inter, with_d_rows)?;
         // Zeroed once: the row buffers are only ever read where a pass wrote them (the NaN-poison
         // tests prove it), but some are written by TMA bulk stores, which compute-sanitizer's
@@ -761,5 +793,28 @@ unsafe fn wgrad_target(address: u64, len: usize, accumulate_f32: bool) -> crate:
         } else {
             crate::gemm::WgradOut::Bf16(DeviceSlice::from_raw_parts(address, len))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_rows_shape;
+    use crate::error::MokError;
+
+    #[test]
+    fn a_bad_rows_shape_is_named_before_any_allocation() {
+        check_rows_shape(4096, 7168, 2048, Some(7.0)).unwrap();
+        let field =
+            |shape: (usize, usize, usize, Option<f32>)| match check_rows_shape(shape.0, shape.1, shape.2, shape.3) {
+                Err(MokError::InvalidConfig { field, .. }) => field,
+                other => panic!("{shape:?}: expected InvalidConfig, got {other:?}"),
+            };
+        assert_eq!(field((8, 0, 64, None)), "hidden");
+        assert_eq!(field((8, 60, 64, None)), "hidden");
+        assert_eq!(field((8, 64, (1 << 20) + 8, None)), "intermediate");
+        assert_eq!(field((8, 64, 64, Some(f32::NAN))), "swiglu_limit");
+        assert_eq!(field((8, 64, 64, Some(0.0))), "swiglu_limit");
+        assert_eq!(field((1 << 31, 64, 64, None)), "capacity");
+        assert_eq!(field((usize::MAX, 64, 64, None)), "capacity");
     }
 }

@@ -390,9 +390,8 @@ impl UnfusedLayer {
     /// Runs the forward as one persistent launch after the schedule (`Some(options)`: the
     /// forward megakernel, sm_90a; it needs the tensor-core engine and switches it on), or as
     /// separate launches (`None`). Both give the same bits; the backward is unchanged and reads
-    /// what either forward saved. Errors when this GPU or the loaded PTX cannot run it; the
-    /// layer is then unchanged. The options' geometry is checked when the first forward builds
-    /// the pass.
+    /// what either forward saved. Errors, leaving the layer unchanged, when this GPU or the
+    /// loaded PTX cannot run it or the options' geometry cannot be resident.
     pub fn set_forward_megakernel(&mut self, gpu: &Gpu, options: Option<MegakernelOptions>) -> Result<()> {
         self.gpu.require_same_handle(gpu)?;
         let Some(options) = options else {
@@ -409,6 +408,7 @@ impl UnfusedLayer {
                 ),
             });
         }
+        checked_geometry(resident_blocks(gpu, FORWARD_KERNEL)?, &options, 1)?;
         self.set_gemm_engine(gpu, true)?;
         self.megakernel = Some((options, None));
         Ok(())
