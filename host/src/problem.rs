@@ -94,7 +94,9 @@ impl SharedExpertWeights {
 }
 
 impl RoutedTokens {
-    /// Checks sizes, id range and duplicate ids within a token.
+    /// Checks sizes, id range and duplicate ids within a token. Values are not checked: a NaN
+    /// or infinite x or top-k weight propagates into y and the gradients (an accumulated f32
+    /// weight gradient included) as IEEE arithmetic does, as in the PyTorch layer.
     pub fn validate(&self, config: &MoeConfig) -> Result<()> {
         config.validate()?;
         let (t, h, k) = (config.tokens_per_rank, config.hidden, config.top_k);
