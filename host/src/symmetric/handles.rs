@@ -182,10 +182,10 @@ pub fn to_hex(bytes: &[u8]) -> String {
 /// Parses [`to_hex`]'s output.
 pub fn from_hex(text: &str) -> Result<Vec<u8>> {
     let text = text.trim();
-    // Byte offsets below index characters only in ASCII text (a multi-byte character would
-    // split a slice mid-character).
-    if let Some(at) = text.find(|c: char| !c.is_ascii()) {
-        return Err(bad(format!("not hex at byte {at}: a non-ASCII character")));
+    // Hex digits only: `from_str_radix` would take a sign ("+f"), and a multi-byte character
+    // would split the slices below mid-character.
+    if let Some(at) = text.find(|c: char| !c.is_ascii_hexdigit()) {
+        return Err(bad(format!("not hex at byte {at}")));
     }
     if !text.len().is_multiple_of(2) {
         return Err(bad(format!("hex text of odd length {}", text.len())));
@@ -206,6 +206,7 @@ mod tests {
     fn malformed_hex_and_tables_are_errors_not_panics() {
         assert!(from_hex("0é0").is_err());
         assert!(from_hex("0g").is_err());
+        assert!(from_hex("+f").is_err());
         assert!(from_hex("abc").is_err());
         assert_eq!(from_hex(" 0aff\n").unwrap(), [0x0a, 0xff]);
         assert!(HandleRecord::decode_table(&[], usize::MAX).is_err());
