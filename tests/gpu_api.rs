@@ -108,6 +108,19 @@ fn outputs(caller: &Caller) -> Vec<u64> {
     prints
 }
 
+/// Gradients into the caller's dx and d_topk_weights, and fresh bf16 weight gradients into `dw`.
+fn bf16_grads<'a>(
+    dx: &'a mut DeviceBuffer<bf16>,
+    d_topk_weights: &'a mut DeviceBuffer<f32>,
+    dw: &'a mut [DeviceBuffer<bf16>],
+) -> MoeGradients<'a> {
+    MoeGradients {
+        dx: dx.into(),
+        d_topk_weights: d_topk_weights.into(),
+        weights: WeightGradTarget::Bf16(grad_views(dw)),
+    }
+}
+
 fn config() -> MoeConfig {
     MoeConfig { shared_intermediate: Some(256), swiglu_limit: Some(1.0), ..MoeConfig::new(400, 512, 256, 32, 8) }
 }
@@ -200,11 +213,7 @@ fn a_captured_moe_layer_step_replays_the_eager_bits() {
             let Caller { tokens, experts, shared, dy, y, dx, d_topk_weights, dw, .. } = &mut caller;
             let inputs = inputs_of(tokens, experts, shared);
             let pass = layer.forward(&gpu, &inputs, y.into())?;
-            let grads = MoeGradients {
-                dx: dx.into(),
-                d_topk_weights: d_topk_weights.into(),
-                weights: WeightGradTarget::Bf16(grad_views(dw)),
-            };
+            let grads = bf16_grads(dx, d_topk_weights, dw);
             pass.backward(&gpu, &inputs, (&*dy).into(), grads)
         })
         .unwrap();
@@ -263,11 +272,7 @@ fn moe_layer_rejects_what_it_cannot_run() {
     let pass = layer.forward(&gpu, &inputs, y.into()).unwrap();
     let mut swapped = inputs;
     swapped.tokens.x = DeviceSlice::from(&other_x);
-    let grads = MoeGradients {
-        dx: dx.into(),
-        d_topk_weights: d_topk_weights.into(),
-        weights: WeightGradTarget::Bf16(grad_views(dw)),
-    };
+    let grads = bf16_grads(dx, d_topk_weights, dw);
     match pass.backward(&gpu, &swapped, (&*dy).into(), grads) {
         Err(MokError::InvalidInput { tensor, problem }) => println!("  {tensor}: {problem}"),
         other => panic!("expected InvalidInput, got {other:?}"),
@@ -315,11 +320,7 @@ fn moe_layer_rejects_what_it_cannot_run() {
     let mut twin = MoeLayer::new(&gpu, c.clone(), LayerOptions::default()).unwrap();
     let token = layer.forward_token(&gpu, &inputs, y.into()).unwrap();
     let twin_token = twin.forward_token(&gpu, &inputs, y.into()).unwrap();
-    let grads = MoeGradients {
-        dx: dx.into(),
-        d_topk_weights: d_topk_weights.into(),
-        weights: WeightGradTarget::Bf16(grad_views(dw)),
-    };
+    let grads = bf16_grads(dx, d_topk_weights, dw);
     match layer.backward(&gpu, twin_token, &inputs, (&*dy).into(), grads) {
         Err(MokError::InvalidInput { tensor: "pass token", problem }) if problem.contains("another layer") => {
             println!("  another layer's token: {problem}")
@@ -433,33 +434,11 @@ fn a_pass_token_gives_the_borrowed_pass_bits_and_only_for_the_last_forward() {
     let inputs = inputs_of(tokens, experts, shared);
     let stale = layer.forward_token(&gpu, &inputs, y.into()).unwrap();
     let token = layer.forward_token(&gpu, &inputs, y.into()).unwrap();
-    match layer.backward(
-        &gpu,
-        stale,
-        &inputs,
-        (&*dy).into(),
-        MoeGradients {
-            dx: (&mut *dx).into(),
-            d_topk_weights: (&mut *d_topk_weights).into(),
-            weights: WeightGradTarget::Bf16(grad_views(dw)),
-        },
-    ) {
+    match layer.backward(&gpu, stale, &inputs, (&*dy).into(), bf16_grads(&mut *dx, &mut *d_topk_weights, dw)) {
         Err(MokError::InvalidInput { tensor: "pass token", problem }) => println!("  stale token: {problem}"),
         other => panic!("expected the stale token refused, got {other:?}"),
     }
-    layer
-        .backward(
-            &gpu,
-            token,
-            &inputs,
-            (&*dy).into(),
-            MoeGradients {
-                dx: (&mut *dx).into(),
-                d_topk_weights: (&mut *d_topk_weights).into(),
-                weights: WeightGradTarget::Bf16(grad_views(dw)),
-            },
-        )
-        .unwrap();
+    layer.backward(&gpu, token, &inputs, (&*dy).into(), bf16_grads(&mut *dx, &mut *d_topk_weights, dw)).unwrap();
     layer.check().unwrap();
     assert_eq!(outputs(&caller), expected, "token backward differs from the borrowed pass");
     println!("  pass token: the borrowed pass's bits; an earlier forward's token refused");
@@ -475,11 +454,7 @@ fn a_pass_token_gives_the_borrowed_pass_bits_and_only_for_the_last_forward() {
     shorter.tokens.topk_weights = inputs.tokens.topk_weights.sub(0, (t - 1) * k).unwrap();
     let mut y_view: DeviceSliceMut<'_, bf16> = y.into();
     let token = layer.forward_token(&gpu, &shorter, y_view.sub_mut(0, (t - 1) * h).unwrap()).unwrap();
-    let grads = MoeGradients {
-        dx: (&mut *dx).into(),
-        d_topk_weights: (&mut *d_topk_weights).into(),
-        weights: WeightGradTarget::Bf16(grad_views(dw)),
-    };
+    let grads = bf16_grads(&mut *dx, &mut *d_topk_weights, dw);
     match layer.backward(&gpu, token, &inputs, (&*dy).into(), grads) {
         Err(MokError::InvalidInput { tensor: "backward inputs", problem }) => {
             println!("  longer views at the forward's addresses: {problem}")
@@ -500,11 +475,7 @@ fn a_pass_token_gives_the_borrowed_pass_bits_and_only_for_the_last_forward() {
         Err(MokError::InvalidInput { tensor: "x", .. }) => {}
         other => panic!("T above the capacity must be refused on x, got {:?}", other.map(|_| "a token")),
     }
-    let grads = MoeGradients {
-        dx: (&mut *dx).into(),
-        d_topk_weights: (&mut *d_topk_weights).into(),
-        weights: WeightGradTarget::Bf16(grad_views(dw)),
-    };
+    let grads = bf16_grads(&mut *dx, &mut *d_topk_weights, dw);
     match layer.backward(&gpu, token, &inputs, (&*dy).into(), grads) {
         Err(MokError::InvalidInput { tensor: "pass token", problem }) => {
             println!("  after a failed forward: {problem}")
@@ -646,11 +617,7 @@ fn moe_layer_over_virtual_ranks_gives_the_one_gpu_bits() {
         }
         if with_shared {
             let pass = layer.forward(&gpu, &inputs, y.into()).unwrap();
-            let grads = MoeGradients {
-                dx: dx.into(),
-                d_topk_weights: d_topk_weights.into(),
-                weights: WeightGradTarget::Bf16(grad_views(dw)),
-            };
+            let grads = bf16_grads(dx, d_topk_weights, dw);
             match pass.backward(&gpu, &inputs, (&*dy).into(), grads) {
                 Err(MokError::InvalidInput { tensor: "shared expert gradients", problem }) => println!("  {problem}"),
                 other => panic!("fresh bf16 shared gradients over ranks: expected InvalidInput, got {other:?}"),
