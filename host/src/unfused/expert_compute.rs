@@ -136,32 +136,18 @@ fn gemm_shape(grid: (u32, u32, u32)) -> LaunchShape {
     LaunchShape { grid, threads: kc::GEMM_THREADS, smem_bytes: kc::GEMM_SMEM_BYTES }
 }
 
-/// [`MoeConfig::validate`]'s rules for the widths and the limit, and rows the device indexes in 32
-/// bits whose f32 buffers fit in `usize` bytes: [`ExpertCompute::new`] is public, so a caller may
-/// reach it without a validated config.
+/// [`MoeConfig::validate`]'s rules for the widths and the limit (checked by it, on a config of
+/// these widths), and rows the device indexes in 32 bits whose f32 buffers fit in `usize`
+/// bytes: [`ExpertCompute::new`] is public, so a caller may reach it without a validated config.
 fn check_rows_shape(capacity: usize, hidden: usize, inter: usize, swiglu_limit: Option<f32>) -> Result<()> {
-    use crate::config::{MAX_WIDTH, ROW_ALIGN_ELEMS};
-    let bad = |field: &'static str, value: String, rule: String| Err(MokError::InvalidConfig { field, value, rule });
-    for (field, width) in [("hidden", hidden), ("intermediate", inter)] {
-        if width == 0 || !width.is_multiple_of(ROW_ALIGN_ELEMS) || width > MAX_WIDTH {
-            return bad(
-                field,
-                width.to_string(),
-                format!("must be a positive multiple of {ROW_ALIGN_ELEMS} up to {MAX_WIDTH}"),
-            );
-        }
-    }
-    if let Some(limit) = swiglu_limit
-        && !(limit.is_finite() && limit > 0.0)
-    {
-        return bad("swiglu_limit", limit.to_string(), "must be finite and > 0 (or None for no clamp)".into());
-    }
+    MoeConfig { swiglu_limit, ..MoeConfig::new(1, hidden, inter, 1, 1) }.validate()?;
     if capacity > i32::MAX as usize || capacity.checked_mul(hidden.max(inter) * 4).is_none() {
-        return bad(
-            "capacity",
-            capacity.to_string(),
-            "rows are indexed in 32 bits on the device: at most i32::MAX, and their f32 bytes must fit in usize".into(),
-        );
+        return Err(MokError::InvalidConfig {
+            field: "capacity",
+            value: capacity.to_string(),
+            rule: "rows are indexed in 32 bits on the device: at most i32::MAX, and their f32 bytes must fit in usize"
+                .into(),
+        });
     }
     Ok(())
 }
