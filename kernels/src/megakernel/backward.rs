@@ -23,7 +23,6 @@ use crate::comm::error::{
     self, ERROR_TIMEOUT, WAIT_ENGINE_TILE_DOWN_DGRAD, WAIT_ENGINE_TILE_GATE_UP_DGRAD, WAIT_SHARED_TILE_DOWN_DGRAD,
     WAIT_SHARED_TILE_GATE_UP_DGRAD,
 };
-use crate::comm::params::ExchangeParams;
 use crate::comm::wait::{signal, wait_until};
 use crate::device::rows::{WarpSlots, dot_row, gather_scaled_row, gather_scaled_row_and_dot, swiglu_backward_octets};
 use crate::gemm::engine::run_backward_phases;
@@ -39,7 +38,7 @@ use crate::ptx::{signal as warp, sreg, sync};
 use crate::tiles::group_of_tile;
 
 use super::comm::{
-    acquire_if_token_rows_pushed, claim_row_chunk, copy_token_rows, plan_offsets, publish_chunk,
+    acquire_if_token_rows_pushed, claim_row_chunk, copy_token_rows, plan_offsets, publish_chunk, rank_view,
     wait_for_pushes_slot_by_slot, wait_for_shared_tile, wait_for_token_rows,
 };
 
@@ -370,7 +369,7 @@ pub unsafe fn backward<const RANKS: bool>(
     // SAFETY: caller contract; read-only for the whole launch.
     let b = unsafe { &*params };
     // SAFETY: caller contract: `exchange` is the rank's valid parameter block across ranks.
-    let view = unsafe { backward_rank_view::<RANKS>(b) };
+    let view = unsafe { rank_view::<RANKS, _>(b) };
     if block < b.comm_blocks {
         // SAFETY: caller contract; every warp is whole.
         unsafe {
@@ -444,7 +443,7 @@ pub unsafe fn backward<const RANKS: bool>(
     // Otherwise the idle partner of an odd comm block count.
 }
 
-/// `rank()`'s parameter block, inputs and view (see [`backward_rank_view`]), read again.
+/// `rank()`'s parameter block, inputs and view (see [`rank_view`]), read again.
 ///
 /// # Safety
 /// As [`backward`]'s `rank`: `rank()` returns a valid parameter block, read-only for the whole
@@ -457,20 +456,6 @@ unsafe fn rank_and_view<'a, const RANKS: bool>(
     // SAFETY: caller contract.
     unsafe {
         let b = &*params;
-        (b, pass, backward_rank_view::<RANKS>(b))
+        (b, pass, rank_view::<RANKS, _>(b))
     }
-}
-
-/// The rank's view of the symmetric heap across ranks (`RANKS`), else `None`, as
-/// [`rank_view`](super::comm::rank_view) for the forward.
-///
-/// # Safety
-/// With `RANKS`, `b.exchange` points at the rank's valid `ExchangeParams` for the whole launch.
-#[inline(always)]
-unsafe fn backward_rank_view<const RANKS: bool>(b: &BackwardParams) -> Option<RankView<'_>> {
-    // SAFETY: caller contract, said to the compiler too (see `rank_view`).
-    RANKS.then(|| unsafe {
-        core::hint::assert_unchecked(b.exchange != 0);
-        RankView::from_raw(b.exchange as *const ExchangeParams, b.rank)
-    })
 }

@@ -19,26 +19,57 @@ use crate::gemm::hooks::slot_row_complete;
 use crate::gemm_layout::{GemmParams, TILE_M, TILE_N};
 use crate::layout::NO_ROW;
 use crate::megakernel_layout::{
-    ForwardParams, PassInputs, RowChunk, WORK_COPY_ROWS, WORK_GEMMS, downstream_deadline, parts_per_m_tile, row_chunk,
+    BackwardParams, ForwardParams, PassInputs, RowChunk, WORK_COPY_ROWS, WORK_GEMMS, downstream_deadline,
+    parts_per_m_tile, row_chunk,
 };
 use crate::ptx::memory::{
     atom_add_relaxed_gpu_u32, fence_acq_rel_gpu, fence_acq_rel_sys, ld_relaxed_gpu_u32, ld_relaxed_sys_u32,
 };
 use crate::ptx::{signal as warp, sreg, sync};
 
+/// A pass's parameter block as the ranks see it: its rank and its exchange parameter block.
+pub trait RankParams {
+    /// The address of the rank's `ExchangeParams` (0 on one GPU).
+    fn exchange(&self) -> u64;
+    /// The rank this parameter block belongs to.
+    fn rank(&self) -> u32;
+}
+
+impl RankParams for ForwardParams {
+    #[inline(always)]
+    fn exchange(&self) -> u64 {
+        self.exchange
+    }
+    #[inline(always)]
+    fn rank(&self) -> u32 {
+        self.rank
+    }
+}
+
+impl RankParams for BackwardParams {
+    #[inline(always)]
+    fn exchange(&self) -> u64 {
+        self.exchange
+    }
+    #[inline(always)]
+    fn rank(&self) -> u32 {
+        self.rank
+    }
+}
+
 /// The rank's view of the symmetric heap across ranks (`RANKS`), else `None`. Decided by `RANKS`,
-/// not by `f.exchange`: the ranks' code then holds no one-GPU branch (the spare warps' dispatch,
+/// not by `p.exchange()`: the ranks' code then holds no one-GPU branch (the spare warps' dispatch,
 /// a called function of 72 registers, spilled with it).
 ///
 /// # Safety
-/// With `RANKS`, `f.exchange` points at the rank's valid `ExchangeParams` for the whole launch.
+/// With `RANKS`, `p.exchange()` points at the rank's valid `ExchangeParams` for the whole launch.
 #[inline(always)]
-pub unsafe fn rank_view<const RANKS: bool>(f: &ForwardParams) -> Option<RankView<'_>> {
+pub unsafe fn rank_view<const RANKS: bool, P: RankParams>(p: &P) -> Option<RankView<'_>> {
     // SAFETY: caller contract. Said to the compiler too: a view built from an address it cannot
     // see is non-null would keep every `None` branch.
     RANKS.then(|| unsafe {
-        core::hint::assert_unchecked(f.exchange != 0);
-        RankView::from_raw(f.exchange as *const ExchangeParams, f.rank)
+        core::hint::assert_unchecked(p.exchange() != 0);
+        RankView::from_raw(p.exchange() as *const ExchangeParams, p.rank())
     })
 }
 

@@ -88,7 +88,7 @@ pub unsafe fn forward<const RANKS: bool>(
     // SAFETY: caller contract; read-only for the whole launch (fields read where used).
     let f = unsafe { &*params };
     // SAFETY: caller contract.
-    let view = unsafe { rank_view::<RANKS>(f) };
+    let view = unsafe { rank_view::<RANKS, _>(f) };
     if block < f.comm_blocks {
         // SAFETY: caller contract; every warp is whole.
         unsafe {
@@ -130,7 +130,7 @@ pub unsafe fn forward<const RANKS: bool>(
                     _ => in_global,
                 }
             };
-            let spare_warps = || dispatch(f, &pass, rank_view::<RANKS>(f).as_ref());
+            let spare_warps = || dispatch(f, &pass, rank_view::<RANKS, _>(f).as_ref());
             // x only where a gathering gate/up reads it (one GPU); across ranks the dispatch
             // pulls the rows.
             let x = if RANKS { 0 } else { pass.x };
@@ -153,7 +153,7 @@ pub unsafe fn forward<const RANKS: bool>(
                 if RANKS {
                     let (params, pass) = rank();
                     let f = &*params;
-                    combine_if_asked(f, &pass, rank_view::<RANKS>(f).as_ref());
+                    combine_if_asked(f, &pass, rank_view::<RANKS, _>(f).as_ref());
                 } else {
                     combine_if_asked(f, &pass, view.as_ref());
                 }
