@@ -35,27 +35,22 @@ pub trait RankParams {
     fn rank(&self) -> u32;
 }
 
-impl RankParams for ForwardParams {
-    #[inline(always)]
-    fn exchange(&self) -> u64 {
-        self.exchange
-    }
-    #[inline(always)]
-    fn rank(&self) -> u32 {
-        self.rank
-    }
+/// Both passes' parameter blocks name their rank and exchange block by the same fields.
+macro_rules! rank_params {
+    ($($params:ty),*) => {$(
+        impl RankParams for $params {
+            #[inline(always)]
+            fn exchange(&self) -> u64 {
+                self.exchange
+            }
+            #[inline(always)]
+            fn rank(&self) -> u32 {
+                self.rank
+            }
+        }
+    )*};
 }
-
-impl RankParams for BackwardParams {
-    #[inline(always)]
-    fn exchange(&self) -> u64 {
-        self.exchange
-    }
-    #[inline(always)]
-    fn rank(&self) -> u32 {
-        self.rank
-    }
-}
+rank_params!(ForwardParams, BackwardParams);
 
 /// The rank's view of the symmetric heap across ranks (`RANKS`), else `None`. Decided by `RANKS`,
 /// not by `p.exchange()`: the ranks' code then holds no one-GPU branch (the spare warps' dispatch,
