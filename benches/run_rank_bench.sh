@@ -59,3 +59,8 @@ for log in "$out"/ranks-*.log "$out"/one-gpu-*.log; do
     grep -h -E '^\| [a-z]+ \| [0-9]' "$log"
     grep -h 'backward .* ms, without' "$log"
 done
+# Every log in one file too, named to sort first: a device call that returns only some of the
+# files under $OUT still returns this one.
+for log in "$out"/*.log; do
+    [ "${log##*/}" = 00-all.log ] || { echo "===== ${log##*/}"; cat "$log"; }
+done > "$out/00-all.log.tmp" && mv "$out/00-all.log.tmp" "$out/00-all.log"
