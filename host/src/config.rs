@@ -85,14 +85,7 @@ impl MoeConfig {
                 "tokens_per_rank * top_k must fit in i32 (row indices are 32-bit on the device)",
             );
         }
-        let max_ranks = mok_kernels::comm::params::MAX_EP_RANKS;
-        if self.ep_ranks == 0 || self.ep_ranks > max_ranks {
-            return bad(
-                "ep_ranks",
-                self.ep_ranks.to_string(),
-                &format!("must be in 1..={max_ranks} (the kernels' peer table has {max_ranks} entries)"),
-            );
-        }
+        check_ep_ranks(self.ep_ranks)?;
         if self.num_experts == 0 {
             return bad("num_experts", "0".into(), "must be at least 1");
         }
@@ -206,6 +199,20 @@ pub const MAX_WAIT_NS: u64 = 1 << 60;
 /// `timeout` as the kernels' wait deadline in nanoseconds, at most [`MAX_WAIT_NS`].
 pub fn wait_ns(timeout: std::time::Duration) -> u64 {
     timeout.as_nanos().min(MAX_WAIT_NS as u128) as u64
+}
+
+/// The rule for an expert-parallel rank count (a config's `ep_ranks`, a heap's world): 1 to the
+/// kernels' peer table's size.
+pub(crate) fn check_ep_ranks(ranks: usize) -> Result<()> {
+    let max = mok_kernels::comm::params::MAX_EP_RANKS;
+    if ranks == 0 || ranks > max {
+        return Err(MokError::InvalidConfig {
+            field: "ep_ranks",
+            value: ranks.to_string(),
+            rule: format!("must be in 1..={max} (the kernels' peer table has {max} entries)"),
+        });
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -98,7 +98,7 @@ impl SymmetricHeap {
     /// (a) Virtual ranks: `world` slices of `bytes_per_rank` in one allocation on `gpu`, zeroed.
     /// Every rank is local to this process and to this GPU.
     pub fn virtual_ranks(gpu: &Gpu, world: usize, bytes_per_rank: u64) -> Result<Self> {
-        check_world(world)?;
+        crate::config::check_ep_ranks(world)?;
         let (stride, total) = slice_stride(bytes_per_rank, world)?;
         let mut buffer = DeviceBuffer::<u8>::alloc(gpu, total)?;
         buffer.fill_bytes(0)?;
@@ -119,7 +119,7 @@ impl SymmetricHeap {
     /// The slices are zeroed through `gpus[r]`, which must have been opened on `ordinals[r]`
     /// (refused otherwise).
     pub fn vmm_peers(gpus: &[&Gpu], ordinals: &[i32], bytes_per_rank: u64) -> Result<Self> {
-        check_world(ordinals.len())?;
+        crate::config::check_ep_ranks(ordinals.len())?;
         if gpus.len() != ordinals.len() {
             return Err(MokError::InvalidInput {
                 tensor: "symmetric heap",
@@ -176,7 +176,7 @@ impl SymmetricHeap {
         kind: ShareableKind,
         all_gather: &mut dyn FnMut(&[u8]) -> Result<Vec<u8>>,
     ) -> Result<Self> {
-        check_world(env.world)?;
+        crate::config::check_ep_ranks(env.world)?;
         if env.rank >= env.world {
             return Err(MokError::InvalidInput {
                 tensor: "launch env",
@@ -323,18 +323,6 @@ fn check_gpu_ordinal(gpu: &Gpu, ordinal: i32) -> std::result::Result<(), String>
     } else {
         Err(format!("device ordinal {ordinal}, but the GPU handle is device {}", gpu.ordinal()))
     }
-}
-
-fn check_world(world: usize) -> Result<()> {
-    let max = mok_kernels::comm::params::MAX_EP_RANKS;
-    if world == 0 || world > max {
-        return Err(MokError::InvalidConfig {
-            field: "ep_ranks",
-            value: world.to_string(),
-            rule: format!("must be in 1..={max} (the kernels' peer table has {max} entries)"),
-        });
-    }
-    Ok(())
 }
 
 /// Lets any process of this user duplicate this process's file descriptors with `pidfd_getfd`
