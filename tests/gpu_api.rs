@@ -133,6 +133,12 @@ fn moe_layer_gives_every_backend_the_same_bits_over_caller_memory() {
     let auto = MoeLayer::new(&gpu, c.clone(), LayerOptions::default()).unwrap();
     println!("  fastest backend here: {:?}", auto.backend());
     assert_eq!(auto.backend(), Backend::fastest_on(&gpu));
+    // Gathering in the producers, the default takes the engine path over the forward megakernel.
+    if auto.backend() != Backend::MmaSync {
+        let gathering = LayerOptions { gather_in_producer: true, ..LayerOptions::default() };
+        let expected = if auto.backend() == Backend::ForwardMegakernel { Backend::Engine } else { auto.backend() };
+        assert_eq!(MoeLayer::new(&gpu, c.clone(), gathering).unwrap().backend(), expected);
+    }
     // Gathering in the producers: refused on mma.sync and over ranks, before anything runs.
     for (backend, ranks) in [(Backend::MmaSync, 1), (Backend::Megakernel, 2)] {
         let options = LayerOptions { backend: Some(backend), gather_in_producer: true, ..LayerOptions::default() };

@@ -17,7 +17,7 @@ use crate::error::{MokError, Result};
 use crate::exchange::ExchangeOptions;
 use crate::gemm::engine_available;
 use crate::megakernel::{
-    BACKWARD_RANKS_KERNEL, FORWARD_RANKS_KERNEL, MegakernelOptions, checked_geometry, resident_blocks,
+    BACKWARD_RANKS_KERNEL, FORWARD_KERNEL, FORWARD_RANKS_KERNEL, MegakernelOptions, checked_geometry, resident_blocks,
 };
 use crate::symmetric::SymmetricHeap;
 use crate::unfused::{ExpertsView, SharedExpertView, TokensView, UnfusedLayer, WeightGradTarget, WeightGradViews};
@@ -40,11 +40,20 @@ pub enum Backend {
 }
 
 impl Backend {
-    /// The fastest correct backend `gpu` has for one GPU holding every expert: the engine path
-    /// (measured faster than the megakernels there, or level with the forward megakernel:
-    /// docs/PERF.md), else `mma.sync`.
+    /// The fastest correct backend `gpu` has for one GPU holding every expert: the forward
+    /// megakernel before the engine path's backward where its default geometry fits (its forward
+    /// level with the engine path's or ahead, the backward megakernel behind the engine path's
+    /// backward: docs/PERF.md), else the engine path, else `mma.sync`.
     pub fn fastest_on(gpu: &Gpu) -> Backend {
-        if engine_available(gpu) { Backend::Engine } else { Backend::MmaSync }
+        let forward_fits = gpu.has_kernel(FORWARD_KERNEL)
+            && resident_blocks(gpu, FORWARD_KERNEL)
+                .and_then(|resident| checked_geometry(resident, &MegakernelOptions::default(), 1))
+                .is_ok();
+        match (engine_available(gpu), forward_fits) {
+            (true, true) => Backend::ForwardMegakernel,
+            (true, false) => Backend::Engine,
+            _ => Backend::MmaSync,
+        }
     }
 
     /// The fastest correct backend `gpu` has for a layer over `ranks` expert-parallel ranks: for
@@ -77,7 +86,9 @@ impl Backend {
 #[derive(Clone, Debug, Default)]
 pub struct LayerOptions {
     /// `None`: [`Backend::fastest_for`] the GPU and the config's ranks (for
-    /// [`MoeLayer::with_heap`], the fastest hosting the ranks this process drives); `Some`:
+    /// [`MoeLayer::with_heap`], the fastest hosting the ranks this process drives), except that
+    /// with `gather_in_producer` on one GPU the engine path replaces the forward megakernel
+    /// (gathering its rows, the forward megakernel measured behind it); `Some`:
     /// that backend, or an error where the GPU lacks it (tests compare backends this way).
     pub backend: Option<Backend>,
     /// The megakernels' geometry and wait deadline ([`Backend::Megakernel`],
@@ -259,7 +270,10 @@ impl MoeLayer {
     /// later call takes this same `Gpu`, and refuses another).
     pub fn new(gpu: &Gpu, config: MoeConfig, options: LayerOptions) -> Result<Self> {
         config.validate()?;
-        let backend = options.backend.unwrap_or_else(|| Backend::fastest_for(gpu, config.ep_ranks));
+        let backend = options.backend.unwrap_or_else(|| match Backend::fastest_for(gpu, config.ep_ranks) {
+            Backend::ForwardMegakernel if options.gather_in_producer => Backend::Engine,
+            fastest => fastest,
+        });
         if options.gather_in_producer {
             refuse_gathering(backend, config.ep_ranks)?;
         }
