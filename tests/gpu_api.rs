@@ -210,44 +210,63 @@ fn a_captured_moe_layer_step_replays_the_eager_bits() {
     let gpu = gpu();
     let c = config();
     let case = random_case(&c, 701, Routing { drop_probability: 0.05, empty_experts: &[] });
-    let mut layer = MoeLayer::new(&gpu, c.clone(), LayerOptions::default()).unwrap();
-    let mut caller = Caller::new(&gpu, &case);
-    step(&gpu, &mut layer, &mut caller, false);
-    let eager = outputs(&caller);
-    let graph = gpu
-        .capture(|| {
-            let Caller { tokens, experts, shared, dy, y, dx, d_topk_weights, dw, .. } = &mut caller;
-            let inputs = inputs_of(tokens, experts, shared);
-            let pass = layer.forward(&gpu, &inputs, y.into())?;
-            let grads = bf16_grads(dx, d_topk_weights, dw);
-            pass.backward(&gpu, &inputs, (&*dy).into(), grads)
-        })
-        .unwrap();
-    // Between replays, eager steps of a shorter T on other buffers (the layer keeps the plans
-    // of the buffers before): the replays must still give the captured step's bits (the shared
-    // expert's token count is rewritten in every pass, so a replay sets its own).
-    let short = MoeConfig { tokens_per_rank: 137, ..c.clone() };
-    let short_case = random_case(&short, 705, Routing { drop_probability: 0.05, empty_experts: &[] });
-    let mut short_caller = Caller::new(&gpu, &short_case);
-    let mut short_eager = None;
-    for replay in 0..10 {
-        caller.poison();
-        // SAFETY: the layer and the caller's tensors, whose buffers the capture recorded,
-        // outlive the replays, and `check` waits for each.
-        unsafe { graph.launch() }.unwrap();
-        layer.check().unwrap();
-        assert_eq!(outputs(&caller), eager, "replay {replay}");
-        if replay % 2 == 0 {
-            step(&gpu, &mut layer, &mut short_caller, false);
-            let got = outputs(&short_caller);
-            assert_eq!(short_eager.get_or_insert_with(|| got.clone()), &got, "eager T = 137 after replay {replay}");
+    // The default backend, then the engine path and both megakernels where they differ from it:
+    // the eager steps between the replays take other buffers, whose plans and megakernel passes
+    // the layer builds beside the captured ones.
+    let mut backends = vec![Backend::fastest_on(&gpu)];
+    for other in [Backend::Engine, Backend::Megakernel] {
+        if !backends.contains(&other) {
+            backends.push(other);
         }
     }
-    println!(
-        "  {:?}: 10 graph replays of a training step bitwise equal to the eager step, eager steps of T = 137 \
-         between them",
-        layer.backend()
-    );
+    for backend in backends {
+        let options = LayerOptions { backend: Some(backend), ..LayerOptions::default() };
+        let mut layer = match MoeLayer::new(&gpu, c.clone(), options) {
+            Ok(layer) => layer,
+            Err(e) => {
+                assert_ne!(gpu.compute_capability().0, 9, "{backend:?} must run here: {e}");
+                println!("  NOT RUN on {backend:?}: {e}");
+                continue;
+            }
+        };
+        let mut caller = Caller::new(&gpu, &case);
+        step(&gpu, &mut layer, &mut caller, false);
+        let eager = outputs(&caller);
+        let graph = gpu
+            .capture(|| {
+                let Caller { tokens, experts, shared, dy, y, dx, d_topk_weights, dw, .. } = &mut caller;
+                let inputs = inputs_of(tokens, experts, shared);
+                let pass = layer.forward(&gpu, &inputs, y.into())?;
+                let grads = bf16_grads(dx, d_topk_weights, dw);
+                pass.backward(&gpu, &inputs, (&*dy).into(), grads)
+            })
+            .unwrap();
+        // Between replays, eager steps of a shorter T on other buffers (the layer keeps the plans
+        // of the buffers before): the replays must still give the captured step's bits (the shared
+        // expert's token count is rewritten in every pass, so a replay sets its own).
+        let short = MoeConfig { tokens_per_rank: 137, ..c.clone() };
+        let short_case = random_case(&short, 705, Routing { drop_probability: 0.05, empty_experts: &[] });
+        let mut short_caller = Caller::new(&gpu, &short_case);
+        let mut short_eager = None;
+        for replay in 0..10 {
+            caller.poison();
+            // SAFETY: the layer and the caller's tensors, whose buffers the capture recorded,
+            // outlive the replays, and `check` waits for each.
+            unsafe { graph.launch() }.unwrap();
+            layer.check().unwrap();
+            assert_eq!(outputs(&caller), eager, "replay {replay}");
+            if replay % 2 == 0 {
+                step(&gpu, &mut layer, &mut short_caller, false);
+                let got = outputs(&short_caller);
+                assert_eq!(short_eager.get_or_insert_with(|| got.clone()), &got, "eager T = 137 after replay {replay}");
+            }
+        }
+        println!(
+            "  {:?}: 10 graph replays of a training step bitwise equal to the eager step, eager steps of T = 137 \
+             between them",
+            layer.backend()
+        );
+    }
 }
 
 #[test]

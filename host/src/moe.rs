@@ -835,12 +835,14 @@ pub fn workspace_bytes(config: &MoeConfig, backend: Backend, gather_in_producer:
             } else {
                 2
             };
-            // Each pass's parameter block, counters, error record and plan list (its plans'
-            // group maps cut in one launch).
-            total += buffer(forward)
-                + buffer(4 * mok_kernels::megakernel_layout::forward_counter_words(m_tiles))
-                + buffer(4 * mok_kernels::comm::params::ERROR_WORDS)
-                + buffer(8 * forward_plans);
+            // Each pass's parameter block, counters and plan list (its plans' group maps cut in
+            // one launch), for the current plans and the ones before (both passes kept), and
+            // the one error record the passes share.
+            total += 2
+                * (buffer(forward)
+                    + buffer(4 * mok_kernels::megakernel_layout::forward_counter_words(m_tiles))
+                    + buffer(8 * forward_plans))
+                + buffer(4 * mok_kernels::comm::params::ERROR_WORDS);
         }
         if backend == Backend::Megakernel {
             let backward = size_of::<mok_kernels::megakernel_layout::BackwardParams>();
@@ -853,10 +855,11 @@ pub fn workspace_bytes(config: &MoeConfig, backend: Backend, gather_in_producer:
             } else {
                 5
             };
-            total += buffer(backward)
-                + buffer(4 * mok_kernels::megakernel_layout::backward_counter_words(m_tiles))
-                + buffer(4 * mok_kernels::comm::params::ERROR_WORDS)
-                + buffer(8 * backward_plans);
+            total += 2
+                * (buffer(backward)
+                    + buffer(4 * mok_kernels::megakernel_layout::backward_counter_words(m_tiles))
+                    + buffer(8 * backward_plans))
+                + buffer(4 * mok_kernels::comm::params::ERROR_WORDS);
         }
     }
     Ok(total)

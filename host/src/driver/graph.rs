@@ -91,10 +91,11 @@ impl CapturedGraph {
     /// nothing ties their buffers to the graph: every buffer the captured kernels and copies read
     /// or write must still be allocated (and sized as captured) until the stream has run the
     /// replay. For a captured `MoeLayer` step that includes the layer's plans and passes: between
-    /// replays, eager steps may take other token counts and, on the engine path, one other set of
-    /// weight and gradient buffers (the layer keeps the plans of the set before); a third set, a
-    /// megakernel pass over other buffers, another shared expert's weights or other layer options
-    /// free what the graph reads, and the step must be captured again.
+    /// replays, eager steps may take other token counts and, on one GPU, one other set of weight
+    /// and gradient buffers (the layer keeps the plans and megakernel passes of the set before);
+    /// a third set, a megakernel pass over ranks for other buffers, another shared expert's
+    /// weights or other layer options free what the graph reads, and the step must be captured
+    /// again.
     pub unsafe fn launch(&self) -> Result<()> {
         self.inner.bind()?;
         // SAFETY: an instantiated graph of this context, and its live stream.

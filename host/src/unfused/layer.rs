@@ -75,11 +75,12 @@ pub struct UnfusedLayer {
     /// ([`UnfusedLayer::set_gemm_engine`]).
     engine: Option<EngineExperts>,
     /// The forward as one persistent launch ([`UnfusedLayer::set_forward_megakernel`]): its
-    /// options, and the pass once built for the engine's plans.
-    megakernel: Option<(MegakernelOptions, Option<ForwardMegakernel>)>,
+    /// options, and the passes built for the engine's current plans and the ones before, keyed
+    /// by the plans' parameter blocks.
+    megakernel: Option<(MegakernelOptions, Kept<Vec<u64>, ForwardMegakernel>)>,
     /// The backward as one persistent launch ([`UnfusedLayer::set_backward_megakernel`]): its
-    /// options, and the pass once built for the engine's plans.
-    backward_megakernel: Option<(MegakernelOptions, Option<BackwardMegakernel>)>,
+    /// options, and the passes as the forward's.
+    backward_megakernel: Option<(MegakernelOptions, Kept<Vec<u64>, BackwardMegakernel>)>,
     /// Where every forward and every backward megakernel pass records its first failure, from
     /// the first pass of each on (kept when passes are rebuilt or dropped, so a failure waits
     /// for [`UnfusedLayer::check_device_errors`]). Never replaced, and declared after the passes,
@@ -109,18 +110,18 @@ pub struct UnfusedLayer {
 /// The routed experts' GEMMs on the sm_90a tensor-core engine ([`crate::gemm`]) — the same
 /// products as the `mma.sync` kernels, bit for bit as measured: plans built for the layer's own
 /// buffers and the expert weights (and gradient target) of a call, built again when a call
-/// passes other ones, unless they are the ones before ([`KeptPlans`]).
+/// passes other ones, unless they are the ones before ([`Kept`]).
 struct EngineExperts {
     /// `[2 · (E + 1)]` the engine's tile offsets, written on the device in each forward and
     /// backward before the engine's GEMMs.
     tile_offsets: DeviceBuffer<u32>,
     /// The forward and data-gradient plans, by the (gate, up, down) weight addresses.
-    weights: KeptPlans<[u64; 3], WeightPlans>,
+    weights: Kept<[u64; 3], WeightPlans>,
     /// The down, gate and up weight gradients, by the (dw_gate, dw_up, dw_down) addresses and
     /// whether they add into f32: the gate and up over the layer's gathered rows, or, with
     /// [`UnfusedLayer::set_gather_in_producer`], gathering the token rows in their producers.
     /// The engine path and the backward megakernel run the same plans.
-    wgrad: KeptPlans<([u64; 3], bool), Vec<EnginePlan>>,
+    wgrad: Kept<([u64; 3], bool), Vec<EnginePlan>>,
 }
 
 /// The plans that read one set of expert weights.
@@ -151,22 +152,28 @@ impl EngineExperts {
     }
 }
 
-/// Plans for the buffers of the current call and of the ones before, each set with its key
-/// (the buffer addresses it was built for). A framework whose optimizer hands the layer new
-/// buffers every step usually alternates between two, and building the plans again cost
-/// 0.2–0.7 ms per step (docs/PERF.md, "Steps over new buffers"); at most two sets are held.
-struct KeptPlans<K, P> {
+/// Plans, or the megakernel passes built over them, for the buffers of the current call and of
+/// the ones before, each with its key (the addresses it was built for). A framework whose
+/// optimizer hands the layer new buffers every step usually alternates between two: building
+/// the plans again cost 0.2–0.7 ms per step (docs/PERF.md, "Steps over new buffers"), and a
+/// CUDA graph captured over one set reads its plans and pass while eager steps use the other
+/// ([`CapturedGraph::launch`](crate::driver::CapturedGraph::launch)); at most two are held.
+struct Kept<K, P> {
     current: Option<(K, P)>,
     previous: Option<(K, P)>,
 }
 
-impl<K: PartialEq, P> KeptPlans<K, P> {
+impl<K: PartialEq, P> Kept<K, P> {
     const fn new() -> Self {
         Self { current: None, previous: None }
     }
 
     fn current(&self) -> Option<&P> {
         self.current.as_ref().map(|(_, plans)| plans)
+    }
+
+    fn current_mut(&mut self) -> Option<&mut P> {
+        self.current.as_mut().map(|(_, plans)| plans)
     }
 
     /// Makes `key`'s plans the current ones: they already are, or the previous set is swapped
@@ -380,8 +387,8 @@ impl UnfusedLayer {
             let e = self.config.num_experts;
             self.engine = Some(EngineExperts {
                 tile_offsets: DeviceBuffer::alloc(gpu, 2 * (e + 1))?,
-                weights: KeptPlans::new(),
-                wgrad: KeptPlans::new(),
+                weights: Kept::new(),
+                wgrad: Kept::new(),
             });
         }
         Ok(())
@@ -410,7 +417,7 @@ impl UnfusedLayer {
         }
         checked_geometry(resident_blocks(gpu, FORWARD_KERNEL)?, &options, 1)?;
         self.set_gemm_engine(gpu, true)?;
-        self.megakernel = Some((options, None));
+        self.megakernel = Some((options, Kept::new()));
         Ok(())
     }
 
@@ -437,7 +444,7 @@ impl UnfusedLayer {
         }
         checked_geometry(resident_blocks(gpu, BACKWARD_KERNEL)?, &options, 1)?;
         self.set_gemm_engine(gpu, true)?;
-        self.backward_megakernel = Some((options, None));
+        self.backward_megakernel = Some((options, Kept::new()));
         Ok(())
     }
 
@@ -448,7 +455,7 @@ impl UnfusedLayer {
 
     /// The last backward megakernel pass's (blocks, comm blocks), once a backward has built it.
     pub fn backward_megakernel_geometry(&self) -> Option<(u32, u32)> {
-        self.backward_megakernel.as_ref().and_then(|(_, pass)| pass.as_ref()).map(BackwardMegakernel::geometry)
+        self.backward_megakernel.as_ref().and_then(|(_, passes)| passes.current()).map(BackwardMegakernel::geometry)
     }
 
     /// Faults for the following backward megakernel passes (feature `testing`; the pass must
@@ -456,7 +463,7 @@ impl UnfusedLayer {
     /// down-dgrad parts are never counted.
     #[cfg(feature = "testing")]
     pub fn set_backward_megakernel_faults(&mut self, faults: MegakernelFaults) -> Result<()> {
-        let pass = self.backward_megakernel.as_mut().and_then(|(_, pass)| pass.as_mut());
+        let pass = self.backward_megakernel.as_mut().and_then(|(_, passes)| passes.current_mut());
         let Some(pass) = pass else {
             return Err(MokError::InvalidInput {
                 tensor: "megakernel",
@@ -472,7 +479,7 @@ impl UnfusedLayer {
     /// must exist.
     #[cfg(feature = "testing")]
     pub fn set_backward_megakernel_work(&mut self, work: MegakernelWork) -> Result<()> {
-        let pass = self.backward_megakernel.as_mut().and_then(|(_, pass)| pass.as_mut());
+        let pass = self.backward_megakernel.as_mut().and_then(|(_, passes)| passes.current_mut());
         let Some(pass) = pass else {
             return Err(MokError::InvalidInput {
                 tensor: "megakernel",
@@ -485,14 +492,12 @@ impl UnfusedLayer {
     /// Builds the backward megakernel pass for the engine's current plans (when it is on), with
     /// the shared expert's backward plans inside it when `with_shared`.
     fn prepare_backward_megakernel(&mut self, gpu: &Gpu, with_shared: bool) -> Result<()> {
-        let (Some((options, pass)), Some(engine)) = (self.backward_megakernel.as_mut(), self.engine.as_ref()) else {
+        let (Some((options, passes)), Some(engine)) = (self.backward_megakernel.as_mut(), self.engine.as_ref()) else {
             return Ok(());
         };
         let shared_engine = self.shared_engine.as_ref().filter(|_| with_shared);
         let plans = backward_pass_plans(backward_plans(engine), shared_engine);
-        if pass.as_ref().is_some_and(|p| p.built_for(&[&plans])) {
-            return Ok(());
-        }
+        let key = plans.iter().map(|plan| plan.params_ptr()).collect();
         let c = &self.config;
         let rows = &self.routed.rows;
         let buffers = BackwardBuffers {
@@ -509,10 +514,12 @@ impl UnfusedLayer {
             swiglu: self.routed.swiglu_backward_rows(),
             shared: shared_engine.and_then(SharedEnginePlans::backward_pass_rows),
         };
-        let record = ErrorRecord::kept(&mut self.megakernel_records[1], gpu)?;
-        let options = one_gpu_backward_options(options, c.intermediate, resident_blocks(gpu, BACKWARD_KERNEL)?);
-        *pass = Some(BackwardMegakernel::new(gpu, &[&plans], &[buffers], &options, Some(record))?);
-        Ok(())
+        let record = &mut self.megakernel_records[1];
+        passes.select(key, || {
+            let record = ErrorRecord::kept(record, gpu)?;
+            let options = one_gpu_backward_options(options, c.intermediate, resident_blocks(gpu, BACKWARD_KERNEL)?);
+            BackwardMegakernel::new(gpu, &[&plans], &[buffers], &options, Some(record))
+        })
     }
 
     /// Whether the forward runs as the megakernel.
@@ -522,7 +529,7 @@ impl UnfusedLayer {
 
     /// The last megakernel pass's (blocks, comm blocks), once a forward has built it.
     pub fn forward_megakernel_geometry(&self) -> Option<(u32, u32)> {
-        self.megakernel.as_ref().and_then(|(_, pass)| pass.as_ref()).map(ForwardMegakernel::geometry)
+        self.megakernel.as_ref().and_then(|(_, passes)| passes.current()).map(ForwardMegakernel::geometry)
     }
 
     /// Faults for the following megakernel passes (feature `testing`; the pass must exist: run
@@ -551,7 +558,7 @@ impl UnfusedLayer {
     /// The megakernel pass, once a forward has built it (for the test hooks).
     #[cfg(feature = "testing")]
     fn built_megakernel(&mut self) -> Result<&mut ForwardMegakernel> {
-        self.megakernel.as_mut().and_then(|(_, pass)| pass.as_mut()).ok_or_else(|| MokError::InvalidInput {
+        self.megakernel.as_mut().and_then(|(_, passes)| passes.current_mut()).ok_or_else(|| MokError::InvalidInput {
             tensor: "megakernel",
             problem: "no megakernel pass yet (switch it on and run a forward)".into(),
         })
@@ -568,11 +575,11 @@ impl UnfusedLayer {
         {
             // The passes point at the old plans' buffers (x and dy copies): built again with
             // the new ones.
-            if let Some((_, pass)) = &mut self.megakernel {
-                *pass = None;
+            if let Some((_, passes)) = &mut self.megakernel {
+                *passes = Kept::new();
             }
-            if let Some((_, pass)) = &mut self.backward_megakernel {
-                *pass = None;
+            if let Some((_, passes)) = &mut self.backward_megakernel {
+                *passes = Kept::new();
             }
             self.shared_engine = None;
             self.shared_x_from_forward = false;
@@ -585,14 +592,12 @@ impl UnfusedLayer {
     /// shared expert's plans for `shared` inside it.
     fn prepare_megakernel(&mut self, gpu: &Gpu, shared: Option<SharedExpertView<'_>>) -> Result<()> {
         self.prepare_shared_engine(gpu, shared)?;
-        let (Some((options, pass)), Some(engine)) = (self.megakernel.as_mut(), self.engine.as_ref()) else {
+        let (Some((options, passes)), Some(engine)) = (self.megakernel.as_mut(), self.engine.as_ref()) else {
             return Ok(());
         };
         let shared_engine = self.shared_engine.as_ref().filter(|_| shared.is_some());
         let plans = forward_pass_plans([&engine.forward()[0], &engine.forward()[1]], shared_engine);
-        if pass.as_ref().is_some_and(|p| p.built_for(&[&plans])) {
-            return Ok(());
-        }
+        let key = plans.iter().map(|plan| plan.params_ptr()).collect();
         let c = &self.config;
         let buffers = PassBuffers {
             row_source: self.routing.row_source.device_ptr(),
@@ -605,9 +610,11 @@ impl UnfusedLayer {
             rank: None,
             shared: shared_engine.map(|s| SharedPassBuffers { x_rows: s.x_rows() }),
         };
-        let record = ErrorRecord::kept(&mut self.megakernel_records[0], gpu)?;
-        *pass = Some(ForwardMegakernel::new(gpu, &[&plans], &[buffers], options, Some(record))?);
-        Ok(())
+        let record = &mut self.megakernel_records[0];
+        passes.select(key, || {
+            let record = ErrorRecord::kept(record, gpu)?;
+            ForwardMegakernel::new(gpu, &[&plans], &[buffers], options, Some(record))
+        })
     }
 
     /// Whether the routed experts' GEMMs run on the tensor-core engine.
@@ -668,14 +675,14 @@ impl UnfusedLayer {
         // and so are the passes, whose producers gather or not and whose dispatch writes the copy
         // (plans built again may land at the old addresses, which alone would keep a pass).
         if let Some(engine) = self.engine.as_mut() {
-            engine.weights = KeptPlans::new();
-            engine.wgrad = KeptPlans::new();
+            engine.weights = Kept::new();
+            engine.wgrad = Kept::new();
         }
-        if let Some((_, pass)) = self.megakernel.as_mut() {
-            *pass = None;
+        if let Some((_, passes)) = self.megakernel.as_mut() {
+            *passes = Kept::new();
         }
-        if let Some((_, pass)) = self.backward_megakernel.as_mut() {
-            *pass = None;
+        if let Some((_, passes)) = self.backward_megakernel.as_mut() {
+            *passes = Kept::new();
         }
         Ok(())
     }
@@ -716,7 +723,7 @@ impl UnfusedLayer {
     }
 
     /// Makes the engine's plans for `experts` current (when the engine is on): built on first
-    /// use and for other weights, kept for the weights before ([`KeptPlans`]).
+    /// use and for other weights, kept for the weights before ([`Kept`]).
     fn prepare_engine_plans(&mut self, gpu: &Gpu, experts: ExpertsView<'_>) -> Result<()> {
         let Some(EngineExperts { tile_offsets, weights, .. }) = self.engine.as_mut() else { return Ok(()) };
         let key = [experts.w_gate.device_ptr(), experts.w_up.device_ptr(), experts.w_down.device_ptr()];
@@ -736,7 +743,7 @@ impl UnfusedLayer {
     }
 
     /// Makes the engine's weight-gradient plans for `target` current (when the engine is on):
-    /// built on first use and for another target, kept for the target before ([`KeptPlans`]).
+    /// built on first use and for another target, kept for the target before ([`Kept`]).
     fn prepare_wgrad_plans(&mut self, gpu: &Gpu, target: &GradAddresses) -> Result<()> {
         let Some(EngineExperts { tile_offsets, wgrad, .. }) = self.engine.as_mut() else { return Ok(()) };
         let (c, routing, routed) = (&self.config, &self.routing, &self.routed);
@@ -1061,7 +1068,7 @@ impl UnfusedLayer {
                 && self
                     .megakernel
                     .as_ref()
-                    .and_then(|(_, pass)| pass.as_ref())
+                    .and_then(|(_, passes)| passes.current())
                     .is_some_and(ForwardMegakernel::copies_rows);
             return Ok(());
         }
@@ -1185,7 +1192,9 @@ impl UnfusedLayer {
             engine.write_tile_offsets(gpu, offsets)?;
             shared_out = compute.out_rows().device_ptr();
         }
-        let (Some(engine), Some((_, Some(pass)))) = (&self.engine, &mut self.megakernel) else {
+        let (Some(engine), Some(pass)) =
+            (&self.engine, self.megakernel.as_mut().and_then(|(_, passes)| passes.current_mut()))
+        else {
             return Err(MokError::InvalidInput { tensor: "megakernel", problem: "not prepared".into() });
         };
         engine::tile_offsets_into(gpu, &self.routing.row_offsets, self.config.num_experts, &engine.tile_offsets)?;
@@ -1440,7 +1449,9 @@ impl UnfusedLayer {
             shared_dx = workspace.0.d_in_rows().device_ptr();
         }
         self.prepare_backward_megakernel(gpu, shared.is_some())?;
-        let (Some(engine), Some((_, Some(pass)))) = (&self.engine, &mut self.backward_megakernel) else {
+        let (Some(engine), Some(pass)) =
+            (&self.engine, self.backward_megakernel.as_mut().and_then(|(_, passes)| passes.current_mut()))
+        else {
             unreachable!("prepared above");
         };
         engine::tile_offsets_into(gpu, &self.routing.row_offsets, e, &engine.tile_offsets)?;
@@ -1592,14 +1603,14 @@ pub(crate) fn nan_filled(gpu: &Gpu, len: usize) -> Result<DeviceBuffer<bf16>> {
 
 #[cfg(test)]
 mod tests {
-    use super::KeptPlans;
+    use super::Kept;
     use crate::error::MokError;
 
     #[test]
     fn kept_plans_build_each_key_once_while_two_alternate_and_keep_two_sets_at_most() {
-        let mut kept: KeptPlans<u32, String> = KeptPlans::new();
+        let mut kept: Kept<u32, String> = Kept::new();
         let builds = std::cell::RefCell::new(Vec::new());
-        let select = |kept: &mut KeptPlans<u32, String>, key: u32, fail: bool| {
+        let select = |kept: &mut Kept<u32, String>, key: u32, fail: bool| {
             let result = kept.select(key, || {
                 builds.borrow_mut().push(key);
                 if fail {
