@@ -755,8 +755,9 @@ impl ForwardPass<'_> {
 /// [`LayerOptions::gather_in_producer`] as `gather_in_producer`), all of it —
 /// workspace, routing buffers, its own dx, d_topk_weights and shared-expert gradients, and
 /// (engine and megakernel) the plans' parameter blocks, tensor maps and counters, which the
-/// forwards and backwards make: the plans of the current weights and of the weights before them,
-/// and of the current weight-gradient target and the one before it — counted as mok requests
+/// forwards and backwards make: the plans (and megakernel passes) of the current weights and of
+/// the weights before them, and of the current weight-gradient target and the one before it, the
+/// shared expert's too — counted as mok requests
 /// them (each allocation at least 16 bytes; the driver rounds each up a little more). The
 /// caller's own buffers (inputs, outputs, gradient targets) are not included, nor the routed
 /// weight gradients a backward allocates in the layer the first time it is given
@@ -828,9 +829,10 @@ pub fn workspace_bytes(config: &MoeConfig, backend: Backend, gather_in_producer:
         if matches!(backend, Backend::Megakernel | Backend::ForwardMegakernel) {
             let forward = size_of::<mok_kernels::megakernel_layout::ForwardParams>();
             // The forward runs the shared expert inside its launch: its copy of the token rows,
-            // its group's tile offsets and its gate/up (4 maps) and down (3) plans, one group.
+            // its group's tile offsets and its gate/up (4 maps) and down (3) plans, one group;
+            // for the shared expert's current weights and the ones before.
             let forward_plans = if c.shared_intermediate.is_some() {
-                total += buffer(2 * t * h) + buffer(16) + plan_bytes(4, 1) + plan_bytes(3, 1);
+                total += 2 * (buffer(2 * t * h) + buffer(16) + plan_bytes(4, 1) + plan_bytes(3, 1));
                 4
             } else {
                 2
@@ -848,9 +850,10 @@ pub fn workspace_bytes(config: &MoeConfig, backend: Backend, gather_in_producer:
             let backward = size_of::<mok_kernels::megakernel_layout::BackwardParams>();
             // The backward runs the shared expert inside its launch too: its copy of dy and its
             // five plans (the down dgrad 3 maps, the gate/up dgrad 5, three weight gradients 3
-            // each), one group.
+            // each), one group; for both sets of the shared expert's weights, as the forward's.
             let backward_plans = if c.shared_intermediate.is_some() {
-                total += buffer(2 * t * h) + [3, 5, 3, 3, 3].map(|maps| plan_bytes(maps, 1)).iter().sum::<usize>();
+                total +=
+                    2 * (buffer(2 * t * h) + [3, 5, 3, 3, 3].map(|maps| plan_bytes(maps, 1)).iter().sum::<usize>());
                 10
             } else {
                 5

@@ -652,7 +652,9 @@ impl SharedEnginePlans {
         })
     }
 
-    fn key(weights: super::SharedExpertView<'_>) -> [u64; 3] {
+    /// The weight addresses plans for `weights` are built for (the key a one-GPU layer keeps
+    /// its two sets by).
+    pub(crate) fn key(weights: super::SharedExpertView<'_>) -> [u64; 3] {
         [weights.ws_gate.device_ptr(), weights.ws_up.device_ptr(), weights.ws_down.device_ptr()]
     }
 

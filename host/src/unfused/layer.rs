@@ -88,8 +88,9 @@ pub struct UnfusedLayer {
     megakernel_records: [Option<ErrorRecord>; 2],
     /// Tokens of the last forward (at most `config.tokens_per_rank`, the capacity).
     tokens: usize,
-    /// The shared expert's engine plans inside the megakernels (built with their passes).
-    shared_engine: Option<SharedEnginePlans>,
+    /// The shared expert's engine plans inside the megakernels (built with their passes), for
+    /// its current weights and the ones before.
+    shared_engine: Kept<[u64; 3], SharedEnginePlans>,
     /// Whether the shared expert's copy of the token rows holds the last forward's x (its
     /// megakernel copied it), so a backward megakernel need not copy it again.
     shared_x_from_forward: bool,
@@ -174,6 +175,11 @@ impl<K: PartialEq, P> Kept<K, P> {
 
     fn current_mut(&mut self) -> Option<&mut P> {
         self.current.as_mut().map(|(_, plans)| plans)
+    }
+
+    /// Whether `key`'s plans are held, current or previous.
+    fn holds(&self, key: &K) -> bool {
+        [&self.current, &self.previous].into_iter().flatten().any(|(k, _)| k == key)
     }
 
     /// Makes `key`'s plans the current ones: they already are, or the previous set is swapped
@@ -304,7 +310,7 @@ impl UnfusedLayer {
             backward_megakernel: None,
             megakernel_records: [None, None],
             tokens: t,
-            shared_engine: None,
+            shared_engine: Kept::new(),
             shared_x_from_forward: false,
             gather_forward: false,
             gather_weight_gradients: false,
@@ -495,7 +501,7 @@ impl UnfusedLayer {
         let (Some((options, passes)), Some(engine)) = (self.backward_megakernel.as_mut(), self.engine.as_ref()) else {
             return Ok(());
         };
-        let shared_engine = self.shared_engine.as_ref().filter(|_| with_shared);
+        let shared_engine = self.shared_engine.current().filter(|_| with_shared);
         let plans = backward_pass_plans(backward_plans(engine), shared_engine);
         let key = plans.iter().map(|plan| plan.params_ptr()).collect();
         let c = &self.config;
@@ -570,20 +576,24 @@ impl UnfusedLayer {
         if self.megakernel.is_none() && self.backward_megakernel.is_none() {
             return Ok(());
         }
-        if let (Some(weights), Some(workspace)) = (shared, &self.shared)
-            && !self.shared_engine.as_ref().is_some_and(|s| s.built_for(weights))
-        {
-            // The passes point at the old plans' buffers (x and dy copies): built again with
-            // the new ones.
-            if let Some((_, passes)) = &mut self.megakernel {
-                *passes = Kept::new();
+        if let (Some(weights), Some(workspace)) = (shared, &self.shared) {
+            let key = SharedEnginePlans::key(weights);
+            if self.shared_engine.current().is_some_and(|s| s.built_for(weights)) {
+                return Ok(());
             }
-            if let Some((_, passes)) = &mut self.backward_megakernel {
-                *passes = Kept::new();
+            if !self.shared_engine.holds(&key) {
+                // Plans for a third set of weights displace the oldest, whose buffers (x and dy
+                // copies) the passes built over it point at: every pass is built again.
+                if let Some((_, passes)) = &mut self.megakernel {
+                    *passes = Kept::new();
+                }
+                if let Some((_, passes)) = &mut self.backward_megakernel {
+                    *passes = Kept::new();
+                }
             }
-            self.shared_engine = None;
+            // The other set's copy of the token rows does not hold the last forward's x.
             self.shared_x_from_forward = false;
-            self.shared_engine = Some(SharedEnginePlans::new(gpu, workspace, weights)?);
+            self.shared_engine.select(key, || SharedEnginePlans::new(gpu, workspace, weights))?;
         }
         Ok(())
     }
@@ -595,7 +605,7 @@ impl UnfusedLayer {
         let (Some((options, passes)), Some(engine)) = (self.megakernel.as_mut(), self.engine.as_ref()) else {
             return Ok(());
         };
-        let shared_engine = self.shared_engine.as_ref().filter(|_| shared.is_some());
+        let shared_engine = self.shared_engine.current().filter(|_| shared.is_some());
         let plans = forward_pass_plans([&engine.forward()[0], &engine.forward()[1]], shared_engine);
         let key = plans.iter().map(|plan| plan.params_ptr()).collect();
         let c = &self.config;
@@ -1187,7 +1197,9 @@ impl UnfusedLayer {
         // The shared expert runs inside the launch: its group's tile offsets for this T, and its
         // output rows as the first term of each token's sum.
         let mut shared_out = 0;
-        if let (Some(_), Some(engine), Some((compute, offsets))) = (shared, self.shared_engine.as_mut(), &self.shared) {
+        if let (Some(_), Some(engine), Some((compute, offsets))) =
+            (shared, self.shared_engine.current_mut(), &self.shared)
+        {
             // Every pass, as the offsets they derive from (`set_shared_offsets`).
             engine.write_tile_offsets(gpu, offsets)?;
             shared_out = compute.out_rows().device_ptr();
@@ -1198,7 +1210,7 @@ impl UnfusedLayer {
             return Err(MokError::InvalidInput { tensor: "megakernel", problem: "not prepared".into() });
         };
         engine::tile_offsets_into(gpu, &self.routing.row_offsets, self.config.num_experts, &engine.tile_offsets)?;
-        let shared_engine = self.shared_engine.as_ref().filter(|_| shared.is_some());
+        let shared_engine = self.shared_engine.current().filter(|_| shared.is_some());
         let plans = forward_pass_plans([&engine.forward()[0], &engine.forward()[1]], shared_engine);
         // SAFETY: x and the slot weights are checked views of this pass (`[T][H]`, `[T·k]`), the
         // shared rows the workspace's own; a view's memory stays allocated until the stream has
@@ -1433,7 +1445,8 @@ impl UnfusedLayer {
         // unless the forward megakernel did), its group's tile offsets, its plans for `target`.
         self.prepare_shared_engine(gpu, shared)?;
         let mut shared_dx = 0;
-        if let (Some(weights), Some(engine), Some(workspace)) = (shared, self.shared_engine.as_mut(), &self.shared) {
+        if let (Some(weights), Some(engine), Some(workspace)) = (shared, self.shared_engine.current_mut(), &self.shared)
+        {
             if !self.shared_x_from_forward {
                 // SAFETY: x holds T rows of H bf16 (checked against the config), alive for the pass.
                 unsafe { engine.copy_x(tokens.x.device_ptr(), t) }?;
@@ -1456,7 +1469,7 @@ impl UnfusedLayer {
         };
         engine::tile_offsets_into(gpu, &self.routing.row_offsets, e, &engine.tile_offsets)?;
         let plans =
-            backward_pass_plans(backward_plans(engine), self.shared_engine.as_ref().filter(|_| shared.is_some()));
+            backward_pass_plans(backward_plans(engine), self.shared_engine.current().filter(|_| shared.is_some()));
         // SAFETY: dy, x and the slot weights are checked views of this pass (`[T][H]`, `[T][H]`,
         // `[T·k]`; x, as every input of a backward, the forward's by the layer's contract), the
         // shared dx rows the workspace's own;
@@ -1607,7 +1620,7 @@ mod tests {
     use crate::error::MokError;
 
     #[test]
-    fn kept_plans_build_each_key_once_while_two_alternate_and_keep_two_sets_at_most() {
+    fn kept_sets_build_each_key_once_while_two_alternate_and_keep_two_at_most() {
         let mut kept: Kept<u32, String> = Kept::new();
         let builds = std::cell::RefCell::new(Vec::new());
         let select = |kept: &mut Kept<u32, String>, key: u32, fail: bool| {
@@ -1628,8 +1641,10 @@ mod tests {
             assert_eq!(select(&mut kept, 2, false), (true, Some("plans 2".into())));
             assert_eq!(select(&mut kept, 1, false), (true, Some("plans 1".into())));
         }
+        assert!(kept.holds(&1) && kept.holds(&2) && !kept.holds(&3));
         // A third key replaces the older set: 2 is built again after it.
         assert_eq!(select(&mut kept, 3, false), (true, Some("plans 3".into())));
+        assert!(kept.holds(&3) && kept.holds(&1) && !kept.holds(&2));
         assert_eq!(select(&mut kept, 2, false), (true, Some("plans 2".into())));
         assert_eq!(*builds.borrow(), [1, 2, 3, 2]);
         // A failed build leaves no set current and keeps the one it displaced.
