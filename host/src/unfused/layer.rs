@@ -466,7 +466,9 @@ impl UnfusedLayer {
 
     /// Faults for the following backward megakernel passes (feature `testing`; the pass must
     /// exist: run a backward first): an M tile whose dy rows are never published, one whose
-    /// down-dgrad parts are never counted.
+    /// down-dgrad parts are never counted. They are the current pass's, the one built for the
+    /// last backward's buffers: a pass kept for other buffers keeps its own (as do the work
+    /// masks).
     #[cfg(feature = "testing")]
     pub fn set_backward_megakernel_faults(&mut self, faults: MegakernelFaults) -> Result<()> {
         let pass = self.backward_megakernel.as_mut().and_then(|(_, passes)| passes.current_mut());
@@ -541,6 +543,8 @@ impl UnfusedLayer {
     /// Faults for the following megakernel passes (feature `testing`; the pass must exist: run
     /// a forward first). A tile whose rows are never published is refused while the gate/up
     /// gathers its rows ([`Self::set_gather_in_producer`]): no routed row is published then.
+    /// They are the current pass's, the one built for the last forward's buffers: a pass kept
+    /// for other buffers keeps its own (as do the work masks).
     #[cfg(feature = "testing")]
     pub fn set_forward_megakernel_faults(&mut self, faults: MegakernelFaults) -> Result<()> {
         if self.gather_forward && faults.silent_rows_tile.is_some() {
