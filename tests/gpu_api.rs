@@ -435,6 +435,9 @@ fn workspace_bytes_is_what_a_layer_allocates() {
         step(&gpu, &mut layer, &mut callers[0], true);
         step(&gpu, &mut layer, &mut callers[1], false);
         step(&gpu, &mut layer, &mut callers[0], true);
+        // The second caller's f32 target too: two weight sets, two gradient targets per shared
+        // weight set, and the megakernel passes over each, all held at once.
+        step(&gpu, &mut layer, &mut callers[1], true);
         let (_, after) = mok::driver::live_device_buffers();
         let predicted = mok::moe::workspace_bytes(&c, backend, gather_in_producer).unwrap() as u64;
         let what = format!("{backend:?} (gathering: {gather_in_producer})");

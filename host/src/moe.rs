@@ -850,10 +850,11 @@ pub fn workspace_bytes(config: &MoeConfig, backend: Backend, gather_in_producer:
             let backward = size_of::<mok_kernels::megakernel_layout::BackwardParams>();
             // The backward runs the shared expert inside its launch too: its copy of dy and its
             // five plans (the down dgrad 3 maps, the gate/up dgrad 5, three weight gradients 3
-            // each), one group; for both sets of the shared expert's weights, as the forward's.
+            // each), one group, for the current gradient target and the one before; for both
+            // sets of the shared expert's weights, as the forward's.
             let backward_plans = if c.shared_intermediate.is_some() {
-                total +=
-                    2 * (buffer(2 * t * h) + [3, 5, 3, 3, 3].map(|maps| plan_bytes(maps, 1)).iter().sum::<usize>());
+                let plans = [3, 5, 3, 3, 3].map(|maps| plan_bytes(maps, 1)).iter().sum::<usize>();
+                total += 2 * (buffer(2 * t * h) + 2 * plans);
                 10
             } else {
                 5

@@ -8,6 +8,7 @@ use crate::config::MoeConfig;
 use crate::driver::{DeviceBuffer, DeviceSlice, Gpu, KernelArg, LaunchShape};
 use crate::error::{MokError, Result};
 
+use super::kept::Kept;
 use super::*;
 use KernelArg::{F32, Ptr, U32};
 
@@ -597,23 +598,24 @@ pub(crate) struct SharedEnginePlans {
     plans: [crate::gemm::EnginePlan; 2],
     /// The weight addresses (gate, up, down) the plans were built for.
     built_for: [u64; 3],
-    /// The backward megakernel's plans, once a backward built them.
-    backward: Option<SharedBackwardPlans>,
+    /// The `[cap][H]` bf16 dy rows the backward megakernel's gather fills, once a backward
+    /// asked for them (every set of backward plans reads them).
+    dy_rows: Option<DeviceBuffer<bf16>>,
+    /// The backward megakernel's plans for the current gradient target and the one before,
+    /// keyed by (input rows, gradient addresses `[dws_gate, dws_up, dws_down]`, accumulate into
+    /// f32).
+    backward: Kept<(u64, [u64; 3], bool), SharedBackwardPlans>,
     /// Hidden width H.
     hidden: usize,
 }
 
 /// The shared expert's five plans inside the backward megakernel (`BackwardParams` order: the
-/// down dgrad, the gate/up dgrad, the down, gate and up weight
-/// gradients), the dy rows they read (copied by the megakernel's gather), and the input rows
-/// and gradient targets they were built for.
-struct SharedBackwardPlans {
-    dy_rows: DeviceBuffer<bf16>,
+/// down dgrad, the gate/up dgrad, the down, gate and up weight gradients), over the dy rows of
+/// [`SharedEnginePlans`].
+pub(crate) struct SharedBackwardPlans {
     plans: [crate::gemm::EnginePlan; 5],
     /// The workspace's rows of the megakernel's SwiGLU step.
     swiglu: mok_kernels::megakernel_layout::SwigluBackwardRows,
-    /// (input rows, gradient addresses `[dws_gate, dws_up, dws_down]`, accumulate into f32).
-    built_for: (u64, [u64; 3], bool),
 }
 
 impl SharedEnginePlans {
@@ -647,7 +649,8 @@ impl SharedEnginePlans {
             tile_offsets_tokens: 0,
             plans: [gate_up, down],
             built_for: Self::key(weights),
-            backward: None,
+            dy_rows: None,
+            backward: Kept::new(),
             hidden: compute.hidden,
         })
     }
@@ -673,7 +676,8 @@ impl SharedEnginePlans {
         self.x_rows.device_ptr()
     }
 
-    /// Builds the backward plans (when they were built for other input rows or gradients):
+    /// Makes the backward plans for these input rows and gradients current (built when neither
+    /// they nor the ones before are; a third target's plans drop the oldest's):
     /// over `input_rows` (`[cap][H]` bf16, this pass's token rows: [`Self::x_rows`] once a
     /// forward megakernel or [`Self::copy_x`] filled it, or a fixed copy elsewhere), `weights`
     /// (those of [`Self::new`]) and the gradient target `(dws [gate, up, down], accumulate)`.
@@ -691,16 +695,13 @@ impl SharedEnginePlans {
         (grads, accumulate_f32): ([u64; 3], bool),
     ) -> Result<()> {
         let key = (input_rows, grads, accumulate_f32);
-        if self.backward.as_ref().is_some_and(|b| b.built_for == key) {
-            return Ok(());
-        }
         let rows = compute.capacity * compute.hidden;
-        let dy_rows = match self.backward.take() {
-            Some(b) => b.dy_rows,
-            None => {
-                let mut rows = DeviceBuffer::alloc(gpu, rows)?;
-                rows.fill_bytes(0)?;
-                rows
+        let dy_rows = match &mut self.dy_rows {
+            Some(dy_rows) => dy_rows,
+            empty => {
+                let mut dy_rows = DeviceBuffer::alloc(gpu, rows)?;
+                dy_rows.fill_bytes(0)?;
+                empty.insert(dy_rows)
             }
         };
         let groups = crate::gemm::RowGroups {
@@ -709,32 +710,37 @@ impl SharedEnginePlans {
             groups: 1,
             capacity: compute.capacity,
         };
-        // SAFETY: caller contract (the input rows and the gradient targets).
-        let plans = unsafe {
-            compute.engine_backward_plans(
-                gpu,
-                ((&dy_rows).into(), Some(DeviceSlice::from_raw_parts(input_rows, rows))),
-                &groups,
-                [weights.ws_gate, weights.ws_up, weights.ws_down],
-                (grads, accumulate_f32),
-            )
-        }?;
-        let swiglu = compute.swiglu_backward_rows();
-        self.backward = Some(SharedBackwardPlans { dy_rows, plans, swiglu, built_for: key });
-        Ok(())
+        self.backward.select(key, || {
+            // SAFETY: caller contract (the input rows and the gradient targets).
+            let plans = unsafe {
+                compute.engine_backward_plans(
+                    gpu,
+                    ((&*dy_rows).into(), Some(DeviceSlice::from_raw_parts(input_rows, rows))),
+                    &groups,
+                    [weights.ws_gate, weights.ws_up, weights.ws_down],
+                    (grads, accumulate_f32),
+                )
+            }?;
+            Ok(SharedBackwardPlans { plans, swiglu: compute.swiglu_backward_rows() })
+        })
+    }
+
+    /// Whether [`Self::prepare_backward`] for these input rows and gradients would drop a set of
+    /// backward plans built before (a pass built over it must be dropped first).
+    pub(crate) fn backward_would_drop(&self, input_rows: u64, (grads, accumulate_f32): ([u64; 3], bool)) -> bool {
+        self.backward.would_drop(&(input_rows, grads, accumulate_f32))
     }
 
     /// The backward plans ([`Self::prepare_backward`]).
     pub(crate) fn backward_plans(&self) -> Option<[&crate::gemm::EnginePlan; 5]> {
-        self.backward.as_ref().map(|b| b.plans.each_ref())
+        self.backward.current().map(|b| b.plans.each_ref())
     }
 
     /// The backward megakernel's view of this shared expert ([`Self::prepare_backward`] built
     /// it): the dy rows its gather fills and the rows of its SwiGLU step.
     pub(crate) fn backward_pass_rows(&self) -> Option<crate::megakernel::SharedBackwardRows> {
-        self.backward
-            .as_ref()
-            .map(|b| crate::megakernel::SharedBackwardRows { dy: b.dy_rows.device_ptr(), swiglu: b.swiglu })
+        let dy = self.dy_rows.as_ref()?.device_ptr();
+        self.backward.current().map(|b| crate::megakernel::SharedBackwardRows { dy, swiglu: b.swiglu })
     }
 
     /// Enqueues a copy of `tokens` rows of x (device address `x`, `[T][H]` bf16) into

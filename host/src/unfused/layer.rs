@@ -16,6 +16,7 @@ use crate::megakernel::{
 #[cfg(feature = "testing")]
 use crate::megakernel::{MegakernelFaults, MegakernelWork};
 
+use super::kept::Kept;
 use super::*;
 use KernelArg::{Ptr, U32};
 
@@ -150,54 +151,6 @@ impl EngineExperts {
     /// The current target's weight-gradient plans.
     fn wgrad(&self) -> &[EnginePlan] {
         self.wgrad.current().map_or(&[], Vec::as_slice)
-    }
-}
-
-/// Plans, or the megakernel passes built over them, for the buffers of the current call and of
-/// the ones before, each with its key (the addresses it was built for). A framework whose
-/// optimizer hands the layer new buffers every step usually alternates between two: building
-/// the plans again cost 0.2–0.7 ms per step (docs/PERF.md, "Steps over new buffers"), and a
-/// CUDA graph captured over one set reads its plans and pass while eager steps use the other
-/// ([`CapturedGraph::launch`](crate::driver::CapturedGraph::launch)); at most two are held.
-struct Kept<K, P> {
-    current: Option<(K, P)>,
-    previous: Option<(K, P)>,
-}
-
-impl<K: PartialEq, P> Kept<K, P> {
-    const fn new() -> Self {
-        Self { current: None, previous: None }
-    }
-
-    fn current(&self) -> Option<&P> {
-        self.current.as_ref().map(|(_, plans)| plans)
-    }
-
-    fn current_mut(&mut self) -> Option<&mut P> {
-        self.current.as_mut().map(|(_, plans)| plans)
-    }
-
-    /// Whether `key`'s plans are held, current or previous.
-    fn holds(&self, key: &K) -> bool {
-        [&self.current, &self.previous].into_iter().flatten().any(|(k, _)| k == key)
-    }
-
-    /// Makes `key`'s plans the current ones: they already are, or the previous set is swapped
-    /// back in, or `build` makes them (the current set becomes the previous one first, and a
-    /// failed build leaves no set current). The caller checked the buffers' lengths against the
-    /// config for this call, so plans built for the same addresses read the same extents.
-    fn select(&mut self, key: K, build: impl FnOnce() -> Result<P>) -> Result<()> {
-        if self.current.as_ref().is_some_and(|(k, _)| *k == key) {
-            return Ok(());
-        }
-        let displaced = self.current.take();
-        if let Some(previous) = self.previous.take_if(|(k, _)| *k == key) {
-            (self.current, self.previous) = (Some(previous), displaced);
-            return Ok(());
-        }
-        self.previous = displaced;
-        self.current = Some((key, build()?));
-        Ok(())
     }
 }
 
@@ -585,8 +538,8 @@ impl UnfusedLayer {
             if self.shared_engine.current().is_some_and(|s| s.built_for(weights)) {
                 return Ok(());
             }
-            if !self.shared_engine.holds(&key) {
-                // Plans for a third set of weights displace the oldest, whose buffers (x and dy
+            if self.shared_engine.would_drop(&key) {
+                // Plans for a third set of weights drop the oldest, whose buffers (x and dy
                 // copies) the passes built over it point at: every pass is built again.
                 if let Some((_, passes)) = &mut self.megakernel {
                     *passes = Kept::new();
@@ -1459,10 +1412,17 @@ impl UnfusedLayer {
             engine.write_tile_offsets(gpu, &workspace.1)?;
             let grads = target.shared.expect("checked against the config");
             let x_rows = engine.x_rows();
+            let grads = (grads, target.accumulate_f32);
+            if engine.backward_would_drop(x_rows, grads)
+                && let Some((_, passes)) = &mut self.backward_megakernel
+            {
+                // The passes built over the plans of the oldest target are dropped with them.
+                *passes = Kept::new();
+            }
             // SAFETY: the copy of x has the capacity's rows; `target` was checked against the
-            // gradients' lengths for this call and lives for it (the plans are rebuilt for any
-            // other target).
-            unsafe { engine.prepare_backward(gpu, workspace, weights, x_rows, (grads, target.accumulate_f32)) }?;
+            // gradients' lengths for this call and lives for it (plans are built for any other
+            // target; those of the one before are kept).
+            unsafe { engine.prepare_backward(gpu, workspace, weights, x_rows, grads) }?;
             shared_dx = workspace.0.d_in_rows().device_ptr();
         }
         self.prepare_backward_megakernel(gpu, shared.is_some())?;
@@ -1616,44 +1576,4 @@ pub(crate) fn nan_filled(gpu: &Gpu, len: usize) -> Result<DeviceBuffer<bf16>> {
     let mut buffer = DeviceBuffer::alloc(gpu, len)?;
     buffer.fill_bytes(0xff)?;
     Ok(buffer)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::Kept;
-    use crate::error::MokError;
-
-    #[test]
-    fn kept_sets_build_each_key_once_while_two_alternate_and_keep_two_at_most() {
-        let mut kept: Kept<u32, String> = Kept::new();
-        let builds = std::cell::RefCell::new(Vec::new());
-        let select = |kept: &mut Kept<u32, String>, key: u32, fail: bool| {
-            let result = kept.select(key, || {
-                builds.borrow_mut().push(key);
-                if fail {
-                    Err(MokError::InvalidInput { tensor: "plans", problem: "build failed".into() })
-                } else {
-                    Ok(format!("plans {key}"))
-                }
-            });
-            (result.is_ok(), kept.current().cloned())
-        };
-        assert_eq!(select(&mut kept, 1, false), (true, Some("plans 1".into())));
-        assert_eq!(select(&mut kept, 1, false), (true, Some("plans 1".into())));
-        // Two sets alternating: each built once, then swapped back and forth.
-        for _ in 0..3 {
-            assert_eq!(select(&mut kept, 2, false), (true, Some("plans 2".into())));
-            assert_eq!(select(&mut kept, 1, false), (true, Some("plans 1".into())));
-        }
-        assert!(kept.holds(&1) && kept.holds(&2) && !kept.holds(&3));
-        // A third key replaces the older set: 2 is built again after it.
-        assert_eq!(select(&mut kept, 3, false), (true, Some("plans 3".into())));
-        assert!(kept.holds(&3) && kept.holds(&1) && !kept.holds(&2));
-        assert_eq!(select(&mut kept, 2, false), (true, Some("plans 2".into())));
-        assert_eq!(*builds.borrow(), [1, 2, 3, 2]);
-        // A failed build leaves no set current and keeps the one it displaced.
-        assert_eq!(select(&mut kept, 4, true), (false, None));
-        assert_eq!(select(&mut kept, 2, false), (true, Some("plans 2".into())));
-        assert_eq!(*builds.borrow(), [1, 2, 3, 2, 4]);
-    }
 }

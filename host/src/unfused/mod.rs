@@ -14,6 +14,7 @@
 //! → weight gradients per expert (rows reduced in order) → shared expert → dx combine.
 
 mod expert_compute;
+mod kept;
 mod kernels;
 mod layer;
 mod tensors;
