@@ -261,9 +261,31 @@ fn a_captured_moe_layer_step_replays_the_eager_bits() {
                 assert_eq!(short_eager.get_or_insert_with(|| got.clone()), &got, "eager T = 137 after replay {replay}");
             }
         }
+        // A graph over the first gradient target while eager steps add into the caller's f32
+        // gradients: the same weights, another target (whose routed and shared-expert plans, and
+        // the backward pass over them, the layer keeps beside the captured ones).
+        step(&gpu, &mut layer, &mut caller, false);
+        drop(graph);
+        let graph = gpu
+            .capture(|| {
+                let Caller { tokens, experts, shared, dy, y, dx, d_topk_weights, dw, .. } = &mut caller;
+                let inputs = inputs_of(tokens, experts, shared);
+                let pass = layer.forward(&gpu, &inputs, y.into())?;
+                let grads = bf16_grads(dx, d_topk_weights, dw);
+                pass.backward(&gpu, &inputs, (&*dy).into(), grads)
+            })
+            .unwrap();
+        for replay in 0..4 {
+            caller.poison();
+            // SAFETY: as above.
+            unsafe { graph.launch() }.unwrap();
+            layer.check().unwrap();
+            assert_eq!(outputs(&caller), eager, "replay {replay} between accumulating steps");
+            step(&gpu, &mut layer, &mut caller, true);
+        }
         println!(
             "  {:?}: 10 graph replays of a training step bitwise equal to the eager step, eager steps of T = 137 \
-             between them",
+             between them; 4 more between steps adding into f32 gradients",
             layer.backend()
         );
     }
