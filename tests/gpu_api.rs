@@ -9,7 +9,7 @@ mod common;
 
 use common::{Case, Routing, fingerprint, grad_views, random_case};
 use half::bf16;
-use mok::driver::{DeviceBuffer, DeviceSlice, DeviceSliceMut, Gpu};
+use mok::driver::{CapturedGraph, DeviceBuffer, DeviceSlice, DeviceSliceMut, Gpu};
 use mok::moe::{Backend, LayerOptions, MoeGradients, MoeInputs};
 use mok::unfused::{DeviceExperts, DeviceSharedExpert, DeviceTokens, WeightGradTarget};
 use mok::{MoeConfig, MoeLayer, MokError};
@@ -84,13 +84,28 @@ fn inputs_of<'a>(
 /// One training step through the public API; fresh bf16 weight gradients into the caller's
 /// buffers, or added into its f32 main gradients.
 fn step(gpu: &Gpu, layer: &mut MoeLayer, caller: &mut Caller, accumulate: bool) {
+    step_into(gpu, layer, caller, if accumulate { Target::CallerF32 } else { Target::CallerBf16 });
+}
+
+/// Where a step's weight gradients go.
+#[derive(Clone, Copy)]
+enum Target {
+    /// The caller's bf16 gradients, fresh.
+    CallerBf16,
+    /// Added into the caller's f32 main gradients.
+    CallerF32,
+    /// The layer's own bf16 gradients.
+    Layer,
+}
+
+fn step_into(gpu: &Gpu, layer: &mut MoeLayer, caller: &mut Caller, target: Target) {
     let Caller { tokens, experts, shared, dy, y, dx, d_topk_weights, dw, main_grads } = caller;
     let inputs = inputs_of(tokens, experts, shared);
     let pass = layer.forward(gpu, &inputs, y.into()).unwrap();
-    let weights = if accumulate {
-        WeightGradTarget::AccumulateF32(grad_views(main_grads))
-    } else {
-        WeightGradTarget::Bf16(grad_views(dw))
+    let weights = match target {
+        Target::CallerF32 => WeightGradTarget::AccumulateF32(grad_views(main_grads)),
+        Target::CallerBf16 => WeightGradTarget::Bf16(grad_views(dw)),
+        Target::Layer => WeightGradTarget::Layer,
     };
     let grads = MoeGradients { dx: dx.into(), d_topk_weights: d_topk_weights.into(), weights };
     pass.backward(gpu, &inputs, (&*dy).into(), grads).unwrap();
@@ -205,6 +220,18 @@ fn moe_layer_gives_every_backend_the_same_bits_over_caller_memory() {
     }
 }
 
+/// A forward + backward into the caller's bf16 gradients, captured as a graph.
+fn capture_step(gpu: &Gpu, layer: &mut MoeLayer, caller: &mut Caller) -> CapturedGraph {
+    gpu.capture(|| {
+        let Caller { tokens, experts, shared, dy, y, dx, d_topk_weights, dw, .. } = caller;
+        let inputs = inputs_of(tokens, experts, shared);
+        let pass = layer.forward(gpu, &inputs, y.into())?;
+        let grads = bf16_grads(dx, d_topk_weights, dw);
+        pass.backward(gpu, &inputs, (&*dy).into(), grads)
+    })
+    .unwrap()
+}
+
 #[test]
 fn a_captured_moe_layer_step_replays_the_eager_bits() {
     let gpu = gpu();
@@ -232,15 +259,7 @@ fn a_captured_moe_layer_step_replays_the_eager_bits() {
         let mut caller = Caller::new(&gpu, &case);
         step(&gpu, &mut layer, &mut caller, false);
         let eager = outputs(&caller);
-        let graph = gpu
-            .capture(|| {
-                let Caller { tokens, experts, shared, dy, y, dx, d_topk_weights, dw, .. } = &mut caller;
-                let inputs = inputs_of(tokens, experts, shared);
-                let pass = layer.forward(&gpu, &inputs, y.into())?;
-                let grads = bf16_grads(dx, d_topk_weights, dw);
-                pass.backward(&gpu, &inputs, (&*dy).into(), grads)
-            })
-            .unwrap();
+        let graph = capture_step(&gpu, &mut layer, &mut caller);
         // Between replays, eager steps of a shorter T on other buffers (the layer keeps the plans
         // of the buffers before): the replays must still give the captured step's bits (the shared
         // expert's token count is rewritten in every pass, so a replay sets its own).
@@ -261,20 +280,15 @@ fn a_captured_moe_layer_step_replays_the_eager_bits() {
                 assert_eq!(short_eager.get_or_insert_with(|| got.clone()), &got, "eager T = 137 after replay {replay}");
             }
         }
-        // A graph over the first gradient target while eager steps add into the caller's f32
-        // gradients: the same weights, another target (whose routed and shared-expert plans, and
-        // the backward pass over them, the layer keeps beside the captured ones).
+        // A graph over the caller's bf16 gradients while eager steps add into its f32 ones: the
+        // same weights, another target, whose routed and shared-expert plans and backward pass
+        // the layer keeps beside the captured ones. A step into the layer's own gradients comes
+        // first, so the eager steps' plans drop that third target's, and only the passes over
+        // them go too.
+        step_into(&gpu, &mut layer, &mut caller, Target::Layer);
         step(&gpu, &mut layer, &mut caller, false);
         drop(graph);
-        let graph = gpu
-            .capture(|| {
-                let Caller { tokens, experts, shared, dy, y, dx, d_topk_weights, dw, .. } = &mut caller;
-                let inputs = inputs_of(tokens, experts, shared);
-                let pass = layer.forward(&gpu, &inputs, y.into())?;
-                let grads = bf16_grads(dx, d_topk_weights, dw);
-                pass.backward(&gpu, &inputs, (&*dy).into(), grads)
-            })
-            .unwrap();
+        let graph = capture_step(&gpu, &mut layer, &mut caller);
         for replay in 0..4 {
             caller.poison();
             // SAFETY: as above.

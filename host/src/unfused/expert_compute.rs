@@ -725,10 +725,23 @@ impl SharedEnginePlans {
         })
     }
 
-    /// Whether [`Self::prepare_backward`] for these input rows and gradients would drop a set of
-    /// backward plans built before (a pass built over it must be dropped first).
-    pub(crate) fn backward_would_drop(&self, input_rows: u64, (grads, accumulate_f32): ([u64; 3], bool)) -> bool {
-        self.backward.would_drop(&(input_rows, grads, accumulate_f32))
+    /// The parameter-block addresses of the backward plans [`Self::prepare_backward`] for these
+    /// input rows and gradients would drop, if any (a pass built over them must be dropped
+    /// first).
+    pub(crate) fn backward_plans_dropped_by(
+        &self,
+        input_rows: u64,
+        (grads, accumulate_f32): ([u64; 3], bool),
+    ) -> Option<Vec<u64>> {
+        let dropped = self.backward.dropped_by(&(input_rows, grads, accumulate_f32))?;
+        Some(dropped.plans.iter().map(crate::gemm::EnginePlan::params_ptr).collect())
+    }
+
+    /// The parameter-block addresses of every plan this set holds, forward and backward: the
+    /// keys of the passes built over the set name some of them.
+    pub(crate) fn plan_addresses(&self) -> Vec<u64> {
+        let backward = self.backward.held().flat_map(|b| b.plans.iter());
+        self.plans.iter().chain(backward).map(crate::gemm::EnginePlan::params_ptr).collect()
     }
 
     /// The backward plans ([`Self::prepare_backward`]).

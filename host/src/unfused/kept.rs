@@ -27,9 +27,26 @@ impl<K: PartialEq, P> Kept<K, P> {
         self.current.as_mut().map(|(_, plans)| plans)
     }
 
-    /// Whether selecting `key` would drop a held set: `key` is not held and two are.
-    pub(crate) fn would_drop(&self, key: &K) -> bool {
-        !self.holds(key) && self.previous.is_some()
+    /// The set selecting `key` would drop, if any: `key` is not held and two sets are.
+    pub(crate) fn dropped_by(&self, key: &K) -> Option<&P> {
+        if self.holds(key) || self.current.is_none() {
+            return None;
+        }
+        self.previous.as_ref().map(|(_, plans)| plans)
+    }
+
+    /// Drops every held set whose key `stale` says was built over something being dropped.
+    pub(crate) fn remove_if(&mut self, stale: impl Fn(&K) -> bool) {
+        for held in [&mut self.current, &mut self.previous] {
+            if held.as_ref().is_some_and(|(key, _)| stale(key)) {
+                *held = None;
+            }
+        }
+    }
+
+    /// The held sets, current first.
+    pub(crate) fn held(&self) -> impl Iterator<Item = &P> {
+        [&self.current, &self.previous].into_iter().flatten().map(|(_, plans)| plans)
     }
 
     /// Whether `key`'s plans are held, current or previous.
@@ -38,8 +55,8 @@ impl<K: PartialEq, P> Kept<K, P> {
     }
 
     /// Makes `key`'s plans the current ones: they already are, or the previous set is swapped
-    /// back in, or `build` makes them (the current set becomes the previous one first, and a
-    /// failed build leaves no set current). The caller checked the buffers' lengths against the
+    /// back in, or `build` makes them (the current set, if any, becomes the previous one first,
+    /// and a failed build leaves no set current). The caller checked the buffers' lengths against the
     /// config for this call, so plans built for the same addresses read the same extents.
     pub(crate) fn select(&mut self, key: K, build: impl FnOnce() -> Result<P>) -> Result<()> {
         if self.current.as_ref().is_some_and(|(k, _)| *k == key) {
@@ -50,7 +67,9 @@ impl<K: PartialEq, P> Kept<K, P> {
             (self.current, self.previous) = (Some(previous), displaced);
             return Ok(());
         }
-        self.previous = displaced;
+        if displaced.is_some() {
+            self.previous = displaced;
+        }
         self.current = Some((key, build()?));
         Ok(())
     }
@@ -84,7 +103,8 @@ mod tests {
             assert_eq!(select(&mut kept, 1, false), (true, Some("plans 1".into())));
         }
         assert!(kept.holds(&1) && kept.holds(&2) && !kept.holds(&3));
-        assert!(kept.would_drop(&3) && !kept.would_drop(&2));
+        assert_eq!(kept.dropped_by(&3).map(String::as_str), Some("plans 2"));
+        assert_eq!(kept.dropped_by(&2), None);
         // A third key replaces the older set: 2 is built again after it.
         assert_eq!(select(&mut kept, 3, false), (true, Some("plans 3".into())));
         assert!(kept.holds(&3) && kept.holds(&1) && !kept.holds(&2));
@@ -94,5 +114,13 @@ mod tests {
         assert_eq!(select(&mut kept, 4, true), (false, None));
         assert_eq!(select(&mut kept, 2, false), (true, Some("plans 2".into())));
         assert_eq!(*builds.borrow(), [1, 2, 3, 2, 4]);
+        // A set removed as stale: the other stays held, and the next build keeps it.
+        assert_eq!(select(&mut kept, 5, false), (true, Some("plans 5".into())));
+        kept.remove_if(|&key| key == 5);
+        assert!(kept.current().is_none() && kept.holds(&2) && !kept.holds(&5));
+        assert_eq!(kept.dropped_by(&6), None);
+        assert_eq!(select(&mut kept, 6, false), (true, Some("plans 6".into())));
+        assert!(kept.holds(&2) && kept.holds(&6));
+        assert_eq!(*builds.borrow(), [1, 2, 3, 2, 4, 5, 6]);
     }
 }

@@ -538,14 +538,16 @@ impl UnfusedLayer {
             if self.shared_engine.current().is_some_and(|s| s.built_for(weights)) {
                 return Ok(());
             }
-            if self.shared_engine.would_drop(&key) {
-                // Plans for a third set of weights drop the oldest, whose buffers (x and dy
-                // copies) the passes built over it point at: every pass is built again.
+            if let Some(dropped) = self.shared_engine.dropped_by(&key) {
+                // Plans for a third set of weights drop the oldest, whose plans and buffers (x
+                // and dy copies) the passes built over it read: those passes go first.
+                let stale = dropped.plan_addresses();
+                let reads_stale = |key: &Vec<u64>| key.iter().any(|plan| stale.contains(plan));
                 if let Some((_, passes)) = &mut self.megakernel {
-                    *passes = Kept::new();
+                    passes.remove_if(reads_stale);
                 }
                 if let Some((_, passes)) = &mut self.backward_megakernel {
-                    *passes = Kept::new();
+                    passes.remove_if(reads_stale);
                 }
             }
             // The other set's copy of the token rows does not hold the last forward's x.
@@ -1413,11 +1415,11 @@ impl UnfusedLayer {
             let grads = target.shared.expect("checked against the config");
             let x_rows = engine.x_rows();
             let grads = (grads, target.accumulate_f32);
-            if engine.backward_would_drop(x_rows, grads)
+            if let Some(stale) = engine.backward_plans_dropped_by(x_rows, grads)
                 && let Some((_, passes)) = &mut self.backward_megakernel
             {
                 // The passes built over the plans of the oldest target are dropped with them.
-                *passes = Kept::new();
+                passes.remove_if(|key| key.iter().any(|plan| stale.contains(plan)));
             }
             // SAFETY: the copy of x has the capacity's rows; `target` was checked against the
             // gradients' lengths for this call and lives for it (plans are built for any other
