@@ -70,6 +70,12 @@ impl Ring {
     pub(super) fn rank<const V: u32>(self) -> u32 {
         self.work_slot::<V>(const { ring_stages(V) })
     }
+    /// The persistent kernels' copy of their parameter blocks
+    /// ([`PARAMS_COPY_BYTES`](crate::gemm_layout::PARAMS_COPY_BYTES), 16-byte aligned), after the
+    /// rank word (16 bytes).
+    pub(super) fn params_copy<const V: u32>(self) -> u32 {
+        self.rank::<V>() + 16
+    }
     /// Consumer warpgroup `wg`'s output staging (1024-byte aligned).
     pub(super) fn staging<const V: u32>(self, wg: u32) -> u32 {
         self.staging + wg * const { staging_boxes(V) * BLOCK_64_BYTES }
