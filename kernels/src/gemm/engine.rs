@@ -237,9 +237,9 @@ pub fn rank_slot() -> u32 {
     Ring::new::<{ Variant::GATE_UP }>().rank::<{ Variant::GATE_UP }>()
 }
 
-/// The shared-memory address where a persistent kernel of the default ring keeps its copy of its
-/// parameter blocks ([`PARAMS_COPY_BYTES`](crate::gemm_layout::PARAMS_COPY_BYTES)); unused by the
-/// standalone kernels.
+/// The shared-memory address where the one-GPU backward megakernel keeps its copy of its
+/// parameter block and routed plans ([`PARAMS_COPY_BYTES`](crate::gemm_layout::PARAMS_COPY_BYTES));
+/// unused by the other kernels.
 #[inline(always)]
 pub fn params_copy_address() -> u32 {
     Ring::new::<{ Variant::ROWS_NN }>().params_copy::<{ Variant::ROWS_NN }>()
