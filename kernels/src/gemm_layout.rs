@@ -125,11 +125,25 @@ pub const fn staging_boxes(variant: u32) -> u32 {
 /// mbarrier, an 8-byte tile slot and a mailbox mbarrier (a pair's second block learns its tiles
 /// through it), then 16 bytes for the gathering warps' tile and walk hand-out, then per stage a
 /// work slot of [`WORK_SLOT_WORDS`] words, then 16 bytes whose first word holds a megakernel's
-/// rank, where the launch hosts ranks (`megakernel::forward::shared_rank_of_block`); plus 1 KiB
-/// so the stages can start on a 1024-byte boundary whatever the window's base.
+/// rank, where the launch hosts ranks (`megakernel::forward::shared_rank_of_block`), then
+/// [`PARAMS_COPY_BYTES`] for a persistent kernel's copy of its parameter blocks; plus 1 KiB so
+/// the stages can start on a 1024-byte boundary whatever the window's base.
 pub const fn ring_smem_bytes(stages: u32, boxes: u32) -> u32 {
-    stages * STAGE_BYTES + 2 * boxes * BLOCK_64_BYTES + 4 * stages * 8 + 16 + stages * 4 * WORK_SLOT_WORDS + 16 + 1024
+    stages * STAGE_BYTES
+        + 2 * boxes * BLOCK_64_BYTES
+        + 4 * stages * 8
+        + 16
+        + stages * 4 * WORK_SLOT_WORDS
+        + 16
+        + PARAMS_COPY_BYTES
+        + 1024
 }
+
+/// Shared memory after the work slots where the one-GPU backward megakernel keeps a copy of its
+/// parameter block and its five routed plans (`megakernel_layout::BackwardParams`, checked
+/// there): read there, their fields survive the L1 invalidations of every acquire and proxy
+/// fence, where the global copies go back to L2 after each. 16-byte aligned.
+pub const PARAMS_COPY_BYTES: u32 = 1344;
 
 /// Words of a stage's work slot: a tile's lookup, packed (`gemm::source::Work`: nine words,
 /// padded to three 16-byte vectors).

@@ -354,6 +354,18 @@ pub const fn down_dgrad_complete(n_tiles: u32, rows: u32) -> u32 {
 // six u32, nine 8-byte words, two 48-byte `SwigluBackwardRows`, one 8-byte word.
 const _: () = assert!(size_of::<BackwardParams>() == 392);
 
+/// The routed plans the one-GPU backward megakernel copies into shared memory with its parameter
+/// block (the two data gradients and the three weight gradients; the shared expert's stay in
+/// global memory).
+pub const BACKWARD_PLANS_COPIED: usize = 5;
+
+// The copy fits the engine's carve for it, the plans 8-byte aligned after the block.
+const _: () = assert!(
+    size_of::<BackwardParams>() + BACKWARD_PLANS_COPIED * size_of::<crate::gemm_layout::GemmParams>()
+        <= crate::gemm_layout::PARAMS_COPY_BYTES as usize
+        && size_of::<BackwardParams>().is_multiple_of(8)
+);
+
 /// Words of one rank's backward pass counters for plans of at most `m_tiles` M tiles: three
 /// per M tile for the routed experts (gathered, down-dgrad parts, gate/up-dgrad parts), the
 /// three queues (gather, combine, the SwiGLU backward), then three per M tile for the shared

@@ -237,6 +237,14 @@ pub fn rank_slot() -> u32 {
     Ring::new::<{ Variant::GATE_UP }>().rank::<{ Variant::GATE_UP }>()
 }
 
+/// The shared-memory address where the one-GPU backward megakernel keeps its copy of its
+/// parameter block and routed plans ([`PARAMS_COPY_BYTES`](crate::gemm_layout::PARAMS_COPY_BYTES));
+/// unused by the other kernels.
+#[inline(always)]
+pub fn params_copy_address() -> u32 {
+    Ring::new::<{ Variant::ROWS_NN }>().params_copy::<{ Variant::ROWS_NN }>()
+}
+
 /// The engine body shared by every entry point: [`ENGINE_THREADS`](crate::gemm_layout::ENGINE_THREADS)
 /// threads, [`ENGINE_SMEM_BYTES`](crate::gemm_layout::ENGINE_SMEM_BYTES) of dynamic shared memory.
 ///

@@ -2,7 +2,8 @@
 //! tile, each consumer warpgroup's output staging, and per stage a `full` and an `empty`
 //! barrier, a tile slot and a pair mailbox, then the gathering warps' tile hand-out word, then per
 //! stage a work slot (the tile's lookup, packed), then a word for a megakernel hosting ranks
-//! (its block's rank). The ring walk (stage, phase) is the same in every role.
+//! (its block's rank), then the one-GPU backward megakernel's copy of its parameter block and
+//! plans. The ring walk (stage, phase) is the same in every role.
 
 use crate::gemm_layout::{A_TILE_BYTES, BLOCK_64_BYTES, STAGE_BYTES, WORK_SLOT_WORDS, ring_stages, staging_boxes};
 use crate::ptx::smem;
@@ -69,6 +70,12 @@ impl Ring {
     /// the work slots: see [`rank_slot`](super::engine::rank_slot).
     pub(super) fn rank<const V: u32>(self) -> u32 {
         self.work_slot::<V>(const { ring_stages(V) })
+    }
+    /// The one-GPU backward megakernel's copy of its parameter block and routed plans
+    /// ([`PARAMS_COPY_BYTES`](crate::gemm_layout::PARAMS_COPY_BYTES), 16-byte aligned), after the
+    /// rank word (16 bytes).
+    pub(super) fn params_copy<const V: u32>(self) -> u32 {
+        self.rank::<V>() + 16
     }
     /// Consumer warpgroup `wg`'s output staging (1024-byte aligned).
     pub(super) fn staging<const V: u32>(self, wg: u32) -> u32 {

@@ -25,13 +25,14 @@ use crate::comm::error::{
 };
 use crate::comm::wait::{signal, wait_until};
 use crate::device::rows::{WarpSlots, dot_row, gather_scaled_row, gather_scaled_row_and_dot, swiglu_backward_octets};
-use crate::gemm::engine::run_backward_phases;
+use crate::gemm::engine::{params_copy_address, run_backward_phases};
 use crate::gemm::hooks::{BackwardHandover, slot_row_complete};
 use crate::gemm_layout::{ENGINE_THREADS, GemmParams, TILE_M, TILE_N};
 use crate::layout::NO_ROW;
 use crate::megakernel_layout::{
-    BackwardParams, PassInputs, RowChunk, SWIGLU_CHUNK_ROWS, SWIGLU_CHUNKS_PER_M_TILE, WORK_COMBINE, WORK_COPY_ROWS,
-    WORK_GEMMS, WORK_WEIGHT_GRADS, downstream_deadline, first_compute_block, parts_per_m_tile,
+    BACKWARD_PLANS_COPIED, BackwardParams, PassInputs, RowChunk, SWIGLU_CHUNK_ROWS, SWIGLU_CHUNKS_PER_M_TILE,
+    WORK_COMBINE, WORK_COPY_ROWS, WORK_GEMMS, WORK_WEIGHT_GRADS, downstream_deadline, first_compute_block,
+    parts_per_m_tile,
 };
 use crate::ptx::memory::atom_add_relaxed_gpu_u32;
 use crate::ptx::{signal as warp, sreg, sync};
@@ -386,6 +387,19 @@ pub unsafe fn backward<const RANKS: bool>(
                 combine_dx::<RANKS>(b, &pass, view.as_ref());
                 return;
             }
+            // On one GPU every role reads the block's shared-memory copy of the parameter block
+            // and its routed plans from here on: after each acquire and proxy fence of the pass a
+            // global field comes back from L2, the copy's do not (docs/PERF.md, "The parameter
+            // block and plans in shared memory"). Written now, whole after `run_backward_phases`'
+            // first cluster barrier; nothing reads it before (the launch index passed to the
+            // phases is a constant on one GPU). Across ranks the blocks stay in global memory.
+            let (params, first_params) = if RANKS {
+                (params, params.sub(b.launch_index as usize))
+            } else {
+                let copy = params_to_shared(params);
+                (copy, copy)
+            };
+            let b = &*params;
             // The rank where the work beside or after the phases starts: across ranks read
             // again (`rank`'s docs); on one GPU the kernel's arguments, as above. The phases'
             // plans and hooks keep the first rank's parameter block: read again per phase, the
@@ -394,9 +408,8 @@ pub unsafe fn backward<const RANKS: bool>(
             // The phases in `run_backward_phases`' order (numbered as `BackwardHandover`'s);
             // each plan is read where its phase starts, from the parameter block of rank q of
             // the launch (the blocks are an array in launch order; q is this rank but in the
-            // data gradients and weight gradients shared across ranks). Valid for the whole launch (caller
-            // contract; the closures run inside this unsafe block).
-            let first_params = params.sub(b.launch_index as usize);
+            // data gradients and weight gradients shared across ranks). Valid for the whole
+            // launch (caller contract; the closures run inside this unsafe block).
             let plan = move |phase: u32, q: u32| {
                 let b = &*first_params.add(q as usize);
                 (match phase {
@@ -427,11 +440,13 @@ pub unsafe fn backward<const RANKS: bool>(
                 let (b, pass, _) = this_rank();
                 swiglu_backward_chunks(b, &pass, false);
             };
+            // On one GPU the launch holds one parameter block: index 0, not read from the copy.
+            let launch_index = if RANKS { b.launch_index } else { 0 };
             let phases = run_backward_phases(
                 plan,
                 hooks,
                 (spare_warps, between_dgrads),
-                b.launch_index,
+                launch_index,
                 (tile_ranks, wgrad_ranks),
             );
             if phases.is_some() {
@@ -458,4 +473,55 @@ unsafe fn rank_and_view<'a, const RANKS: bool>(
         let b = &*params;
         (b, pass, rank_view::<RANKS, _>(b))
     }
+}
+
+/// Copies the one-GPU pass's parameter block and its [`BACKWARD_PLANS_COPIED`] routed plans into
+/// this block's shared memory ([`params_copy_address`]), the copy's plan addresses pointing at
+/// the plans' copies, and returns the copy (a generic address). After every L1 invalidation (each
+/// acquire and proxy fence of the pass) a field read from global memory goes back to L2; read
+/// from the copy it does not. The shared expert's plans stay where they are.
+///
+/// # Safety
+/// `params` is the pass's valid [`BackwardParams`] (one GPU), whose routed plans are valid; every
+/// thread of the block calls it, and none reads the copy before a barrier of the whole block
+/// that follows (`run_backward_phases`' first cluster barrier).
+#[inline(always)]
+unsafe fn params_to_shared(params: *const BackwardParams) -> *const BackwardParams {
+    const BLOCK_WORDS: usize = size_of::<BackwardParams>() / 4;
+    const PLAN_WORDS: usize = size_of::<GemmParams>() / 4;
+    let copy = crate::ptx::smem::shared_to_generic(params_copy_address()) as *mut u32;
+    let thread = sreg::thread_idx_x() as usize;
+    // SAFETY: caller contract for the sources; the copy's carve holds the block and the plans
+    // (`megakernel_layout` checks the sizes), 8-byte aligned; one warp writes it, then its lane 0
+    // the plan addresses, after the warp barrier.
+    unsafe {
+        if thread < 32 {
+            let b = &*params;
+            let plans = [b.down_dgrad, b.gate_up_dgrad, b.wgrad[0], b.wgrad[1], b.wgrad[2]];
+            let mut i = thread;
+            while i < BLOCK_WORDS {
+                *copy.add(i) = *(params as *const u32).add(i);
+                i += 32;
+            }
+            let mut j = 0;
+            while j < BACKWARD_PLANS_COPIED {
+                let (source, target) = (plans[j] as *const u32, copy.add(BLOCK_WORDS + j * PLAN_WORDS));
+                let mut i = thread;
+                while i < PLAN_WORDS {
+                    *target.add(i) = *source.add(i);
+                    i += 32;
+                }
+                j += 1;
+            }
+            warp::warp_sync();
+            if thread == 0 {
+                let copied = &mut *(copy as *mut BackwardParams);
+                let plan_copy = |j: usize| copy.add(BLOCK_WORDS + j * PLAN_WORDS) as u64;
+                copied.down_dgrad = plan_copy(0);
+                copied.gate_up_dgrad = plan_copy(1);
+                copied.wgrad = [plan_copy(2), plan_copy(3), plan_copy(4)];
+            }
+        }
+    }
+    copy as *const BackwardParams
 }
