@@ -25,7 +25,10 @@
 //! (`epP:megakernels`: the backward as one such launch too); `--ring-factor F` sizes each rank's
 //! receive ring at F times an even split's rows (default: the worst case), and
 //! `--own-rank-tiles` runs each rank's GEMM tiles on its own blocks (`epP:…/own-tiles`; by default
-//! every compute block takes every rank's tiles). `--swap-weights` (one GPU) also times steps
+//! every compute block takes every rank's tiles). `--ranks-path` runs the cases through that
+//! layer and its ranks kernels at any P, P = 1 included (`ep1:…`: what the ranks kernels cost
+//! against the one-GPU kernels, apart from what hosting several ranks on one GPU costs).
+//! `--swap-weights` (one GPU) also times steps
 //! whose weights alternate between two copies (`MOKSWAP` lines), as under an optimizer that hands
 //! the layer new buffers every step. Launched by torchrun or srun with more
 //! than one process, it runs the layer across the processes instead, one rank per GPU
@@ -70,10 +73,21 @@ struct Args {
     /// With ranks: each rank's GEMM tiles on its own blocks (`MegakernelOptions::share_rank_tiles`
     /// false) instead of every compute block taking every rank's tiles.
     own_rank_tiles: bool,
+    /// Run the cases through the expert-parallel layer and its ranks kernels even at P = 1
+    /// (`--ranks-path`): at P = 1 this separates what the ranks kernels cost against the one-GPU
+    /// kernels from what hosting P ranks on one GPU costs.
+    ranks_path: bool,
     /// One GPU: also time steps whose weights alternate between two copies (a training
     /// framework whose optimizer hands the layer new buffers), so the layer builds its plans
     /// again every step.
     swap_weights: bool,
+}
+
+impl Args {
+    /// Whether the cases run through the expert-parallel layer (P > 1, or `--ranks-path`).
+    fn over_ranks(&self) -> bool {
+        self.ranks > 1 || self.ranks_path
+    }
 }
 
 /// How the layer runs (see the module docs).
@@ -226,6 +240,7 @@ fn parse_args() -> Result<Args> {
         ranks: 1,
         ring_factor: None,
         own_rank_tiles: false,
+        ranks_path: false,
         swap_weights: false,
     };
     let mut cases = "kimi:8192,glm:8192,qwen:8192,deepseek:8192".to_string();
@@ -242,7 +257,12 @@ fn parse_args() -> Result<Args> {
             }
             "--matmul-tflops" => args.matmul_tflops = value()?.parse()?,
             "--copy-tbps" => args.copy_tbps = value()?.parse()?,
-            "--ranks" => args.ranks = value()?.parse()?,
+            "--ranks" => {
+                args.ranks = value()?.parse()?;
+                if args.ranks == 0 {
+                    bail!("--ranks 0: a layer has at least one rank");
+                }
+            }
             "--ring-factor" => {
                 let factor: f64 = value()?.parse()?;
                 if !(factor >= 1.0 && factor.is_finite()) {
@@ -251,6 +271,7 @@ fn parse_args() -> Result<Args> {
                 args.ring_factor = Some(factor);
             }
             "--own-rank-tiles" => args.own_rank_tiles = true,
+            "--ranks-path" => args.ranks_path = true,
             "--swap-weights" => args.swap_weights = true,
             "--gemm" => args.backends = value()?.split(',').map(Backend::parse).collect::<Result<_>>()?,
             "--baseline" => {
@@ -804,7 +825,7 @@ fn main() -> Result<()> {
     };
     let name = |backend: Backend| {
         let own = if args.own_rank_tiles { "/own-tiles" } else { "" };
-        if args.ranks > 1 { format!("ep{}:{}{own}", args.ranks, backend.name()) } else { backend.name() }
+        if args.over_ranks() { format!("ep{}:{}{own}", args.ranks, backend.name()) } else { backend.name() }
     };
     let backends: Vec<String> = args.backends.iter().map(|&b| name(b)).collect();
     println!(
@@ -819,7 +840,7 @@ fn main() -> Result<()> {
     let runs: Vec<(FrontierShape, usize, Backend)> =
         args.cases.iter().flat_map(|&(shape, tokens)| args.backends.iter().map(move |&b| (shape, tokens, b))).collect();
     for (shape, tokens, backend) in runs {
-        let measured = if args.ranks > 1 {
+        let measured = if args.over_ranks() {
             bench_case_ep(&gpu, shape, tokens, args.reps, (args.ranks, args.ring_factor, args.own_rank_tiles), backend)?
         } else {
             bench_case(&gpu, shape, tokens, (args.reps, args.swap_weights), backend)?

@@ -9,7 +9,9 @@
 # cases once more on that PTX (MOK_PTX; e.g. an earlier commit's kernels against the current ones, same
 # call: the PTX must have every kernel this host launches and the same heap layout), and with
 # VARIANT_ARGS=name="--flag ..." the rank cases once more with those benchmark flags (e.g.
-# own="--own-rank-tiles": each rank's GEMM tiles on its own blocks). Run from
+# own="--own-rank-tiles": each rank's GEMM tiles on its own blocks; ep1="--ranks 1 --ranks-path":
+# one rank through the ranks kernels, which sets the ranks kernels' own cost apart from what
+# hosting P ranks on one GPU costs). Run from
 # the bundle's benches/ folder; logs and tables go to $OUT (or ./bench-logs):
 #   CASES=kimi:8192,deepseek:8192 GEMM=megakernel:0,megakernel:4,megakernels ./run_rank_bench.sh
 set -uo pipefail
