@@ -18,7 +18,7 @@
 //! gradients theirs (the engine path's, or the backward megakernel's tiles), and
 //! `-gathering-forward` the gate/up alone (one GPU; the forward megakernel's dispatch, by comm
 //! blocks and spare warps, then copies only the shared expert's rows). Each
-//! table row names its backend. `--ranks P` (P > 1) runs the expert-parallel layer over P virtual ranks on this GPU
+//! table row names its backend. `--ranks P` (P > 1; any P with `--ranks-path`) runs the expert-parallel layer over P virtual ranks on this GPU
 //! instead (the tokens of a case split over the ranks), on `mma` (`epP:mma`: the exchange's
 //! separate launches, `mma.sync` expert compute), `megakernel[:N]` (`epP:megakernel`: the
 //! forward as one launch hosting every rank, N comm blocks per rank) or `megakernels[:N]`
@@ -26,8 +26,9 @@
 //! receive ring at F times an even split's rows (default: the worst case), and
 //! `--own-rank-tiles` runs each rank's GEMM tiles on its own blocks (`epP:…/own-tiles`; by default
 //! every compute block takes every rank's tiles). `--ranks-path` runs the cases through that
-//! layer and its ranks kernels at any P, P = 1 included (`ep1:…`: what the ranks kernels cost
-//! against the one-GPU kernels, apart from what hosting several ranks on one GPU costs).
+//! layer at any P, P = 1 included (`ep1:…`; on the megakernel backends its ranks kernels: what
+//! they cost against the one-GPU kernels, apart from what hosting several ranks on one GPU
+//! costs).
 //! `--swap-weights` (one GPU) also times steps
 //! whose weights alternate between two copies (`MOKSWAP` lines), as under an optimizer that hands
 //! the layer new buffers every step. Launched by torchrun or srun with more
@@ -62,7 +63,7 @@ struct Args {
     copy_tbps: f64,
     /// The backends to run each case on.
     backends: Vec<Backend>,
-    /// P > 1: the expert-parallel layer over P virtual ranks on this GPU (the tokens of a case
+    /// P > 1 (any P with `ranks_path`): the expert-parallel layer over P virtual ranks on this GPU (the tokens of a case
     /// split evenly over the ranks), on the backends that support it (`mma`, `megakernel`,
     /// `megakernels`).
     ranks: usize,
@@ -293,6 +294,9 @@ fn parse_args() -> Result<Args> {
         args.cases
             .push((FrontierShape::by_name(name).with_context(|| format!("unknown shape {name}"))?, tokens.parse()?));
     }
+    if args.swap_weights && args.over_ranks() {
+        bail!("--swap-weights times the one-GPU layer; it does not combine with --ranks P > 1 or --ranks-path");
+    }
     Ok(args)
 }
 
@@ -491,7 +495,9 @@ fn bench_case_ep(
     let share_rank_tiles = !own_rank_tiles;
     match backend {
         Backend::Mma => {}
-        _ if backend.gathers() => bail!("--ranks {ranks}: the rows are pulled across ranks, not gathered"),
+        _ if backend.gathers() => {
+            bail!("the expert-parallel layer (P = {ranks}): the rows are pulled across ranks, not gathered")
+        }
         Backend::Megakernel(comm_blocks, _) => layer.set_forward_megakernel(
             gpu,
             Some(MegakernelOptions { comm_blocks, share_rank_tiles, ..Default::default() }),
@@ -502,7 +508,9 @@ fn bench_case_ep(
             layer.set_backward_megakernel(gpu, options(counts.map(|c| c.backward)))?;
         }
         Backend::Engine(_) => {
-            bail!("--ranks {ranks} runs mma (separate launches), megakernel[:N] or megakernels[:N], not the engine")
+            bail!(
+                "the expert-parallel layer (P = {ranks}) runs mma (separate launches), megakernel[:N] or megakernels[:N], not the engine"
+            )
         }
     }
     let experts: Vec<DeviceExperts> = (0..ranks)
@@ -806,6 +814,9 @@ fn main() -> Result<()> {
     // Under torchrun or srun with more than one process: one rank per GPU, across processes.
     let env = mok::symmetric::LaunchEnv::from_env()?;
     if env.world > 1 {
+        if args.over_ranks() || args.swap_weights {
+            bail!("across processes each process runs one rank: --ranks, --ranks-path and --swap-weights do not apply");
+        }
         return main_processes(&args, &env);
     }
     let gpu = match mok::open_gpu(0) {

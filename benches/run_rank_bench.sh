@@ -11,7 +11,7 @@
 # VARIANT_ARGS=name="--flag ..." the rank cases once more with those benchmark flags (e.g.
 # own="--own-rank-tiles": each rank's GEMM tiles on its own blocks; ep1="--ranks 1 --ranks-path":
 # one rank through the ranks kernels, which sets the ranks kernels' own cost apart from what
-# hosting P ranks on one GPU costs). Run from
+# hosting P ranks on one GPU costs; RANKS=1 runs only that). Run from
 # the bundle's benches/ folder; logs and tables go to $OUT (or ./bench-logs):
 #   CASES=kimi:8192,deepseek:8192 GEMM=megakernel:0,megakernel:4,megakernels ./run_rank_bench.sh
 set -uo pipefail
@@ -21,6 +21,8 @@ mkdir -p "$out"
 cases="${CASES:-kimi:8192,glm:8192,qwen:8192,deepseek:8192,kimi:32768,qwen:32768}"
 backends="${GEMM:-megakernel,megakernels}"
 ranks="${RANKS:-8}"
+ranks_path=""
+[ "$ranks" = 1 ] && ranks_path="--ranks-path"
 layer_bin="${LAYER_BIN:-$here/layer}"
 python3 "$here/ceilings.py" > "$out/ceilings.log" 2>&1
 read -r _ _ matmul _ copy < <(grep CEILING "$out/ceilings.log")
@@ -32,8 +34,9 @@ rank_cases() {
     shift 2
     for case in ${cases//,/ }; do
         log="$prefix${case/:/-}.log"
+        # RANKS=1: one rank through the ranks kernels, not the one-GPU layer.
         # shellcheck disable=SC2086 # the extra flags split into words
-        env "$@" "$layer_bin" --ranks "$ranks" --ring-factor "${RING_FACTOR:-1.25}" --cases "$case" \
+        env "$@" "$layer_bin" --ranks "$ranks" ${ranks_path} --ring-factor "${RING_FACTOR:-1.25}" --cases "$case" \
             --gemm "$backends" --baseline "$out/baseline.txt" --matmul-tflops "$matmul" --copy-tbps "$copy" \
             $flags > "$out/$log" 2>&1 || echo "$case: failed (see $log)"
     done

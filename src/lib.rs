@@ -29,7 +29,7 @@
 //! let mut main: Vec<DeviceBuffer<f32>> = (0..3).map(|_| DeviceBuffer::alloc(&gpu, e * i * h)).collect::<Result<_, _>>()?;
 //! for g in &mut main { g.fill_bytes(0)?; }
 //!
-//! let mut layer = MoeLayer::new(&gpu, config, LayerOptions::default())?;   // fastest backend here
+//! let mut layer = MoeLayer::new(&gpu, config, LayerOptions::default())?;   // this GPU's default backend
 //! let inputs = MoeInputs { tokens: (&tokens).into(), experts: (&experts).into(), shared: None };
 //! let pass = layer.forward(&gpu, &inputs, (&mut y).into())?;               // no host sync
 //! let [dw_gate, dw_up, dw_down] = &mut main[..] else { unreachable!() };
