@@ -29,7 +29,8 @@ def kernels(cubin, nvdisasm):
         line = re.sub(r"/\*[0-9a-f]{4,}\*/", "", line)
         line = re.sub(r"__internal_\d+_", "__internal_", line)
         line = re.sub(r"\.L_x_\d+", lambda m: "L%d" % labels.setdefault(m.group(0), len(labels)), line)
-        found[name].append(line.strip())
+        # nvdisasm pads the comment column to the widest line of the file: collapse the spaces.
+        found[name].append(" ".join(line.split()))
     return found
 
 
