@@ -400,7 +400,7 @@ fn build_pass<P: PassParams>(
         inputs,
         pass_counters,
         blocks,
-        built_for: plans.iter().map(|p| p.iter().map(|plan| plan.params_ptr()).collect()).collect(),
+        built_for: plans.iter().map(|set| plan_addresses(set)).collect(),
         plan_set: PlanSet::new(gpu, plans.iter().flat_map(|set| set.iter().copied()))?,
     })
 }
@@ -475,6 +475,12 @@ impl ForwardMegakernel {
             }
         })
     }
+}
+
+/// The parameter-block addresses of `plans`, in order: what a pass is built for (a one-GPU
+/// layer keeps its passes by them).
+pub(crate) fn plan_addresses(plans: &[&EnginePlan]) -> Vec<u64> {
+    plans.iter().map(|plan| plan.params_ptr()).collect()
 }
 
 impl<P: PassParams> MegakernelPass<P> {

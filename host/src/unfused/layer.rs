@@ -11,7 +11,8 @@ use crate::error::{MokError, Result};
 use crate::gemm::{self as engine, EnginePlan};
 use crate::megakernel::{
     BACKWARD_KERNEL, BackwardBuffers, BackwardMegakernel, ErrorRecord, FORWARD_KERNEL, ForwardMegakernel,
-    MegakernelOptions, PassBuffers, SharedPassBuffers, checked_geometry, one_gpu_backward_options, resident_blocks,
+    MegakernelOptions, PassBuffers, SharedPassBuffers, checked_geometry, one_gpu_backward_options, plan_addresses,
+    resident_blocks,
 };
 #[cfg(feature = "testing")]
 use crate::megakernel::{MegakernelFaults, MegakernelWork};
@@ -78,10 +79,10 @@ pub struct UnfusedLayer {
     /// The forward as one persistent launch ([`UnfusedLayer::set_forward_megakernel`]): its
     /// options, and the passes built for the engine's current plans and the ones before, keyed
     /// by the plans' parameter blocks.
-    megakernel: Option<(MegakernelOptions, Kept<Vec<u64>, ForwardMegakernel>)>,
+    megakernel: Option<(MegakernelOptions, KeptPasses<ForwardMegakernel>)>,
     /// The backward as one persistent launch ([`UnfusedLayer::set_backward_megakernel`]): its
     /// options, and the passes as the forward's.
-    backward_megakernel: Option<(MegakernelOptions, Kept<Vec<u64>, BackwardMegakernel>)>,
+    backward_megakernel: Option<(MegakernelOptions, KeptPasses<BackwardMegakernel>)>,
     /// Where every forward and every backward megakernel pass records its first failure, from
     /// the first pass of each on (kept when passes are rebuilt or dropped, so a failure waits
     /// for [`UnfusedLayer::check_device_errors`]). Never replaced, and declared after the passes,
@@ -107,6 +108,17 @@ pub struct UnfusedLayer {
     /// Whether a forward has been enqueued whole since the layer was built and since its routing
     /// was last replaced (`route`): a backward reads the forward's routing layout and rows.
     forward_ran: bool,
+}
+
+/// Megakernel passes, kept by the parameter-block addresses of the plans each was built over
+/// ([`plan_addresses`]).
+type KeptPasses<P> = Kept<Vec<u64>, P>;
+
+/// Drops the passes built over any plan at the addresses `stale` (plans about to be freed).
+fn drop_passes_over<P>(passes: &mut Option<(MegakernelOptions, KeptPasses<P>)>, stale: &[u64]) {
+    if let Some((_, passes)) = passes {
+        passes.remove_if(|key| key.iter().any(|plan| stale.contains(plan)));
+    }
 }
 
 /// The routed experts' GEMMs on the sm_90a tensor-core engine ([`crate::gemm`]) — the same
@@ -458,7 +470,7 @@ impl UnfusedLayer {
         };
         let shared_engine = self.shared_engine.current().filter(|_| with_shared);
         let plans = backward_pass_plans(backward_plans(engine), shared_engine);
-        let key = plans.iter().map(|plan| plan.params_ptr()).collect();
+        let key = plan_addresses(&plans);
         let c = &self.config;
         let rows = &self.routed.rows;
         let buffers = BackwardBuffers {
@@ -542,13 +554,8 @@ impl UnfusedLayer {
                 // Plans for a third set of weights drop the oldest, whose plans and buffers (x
                 // and dy copies) the passes built over it read: those passes go first.
                 let stale = dropped.plan_addresses();
-                let reads_stale = |key: &Vec<u64>| key.iter().any(|plan| stale.contains(plan));
-                if let Some((_, passes)) = &mut self.megakernel {
-                    passes.remove_if(reads_stale);
-                }
-                if let Some((_, passes)) = &mut self.backward_megakernel {
-                    passes.remove_if(reads_stale);
-                }
+                drop_passes_over(&mut self.megakernel, &stale);
+                drop_passes_over(&mut self.backward_megakernel, &stale);
             }
             // The other set's copy of the token rows does not hold the last forward's x.
             self.shared_x_from_forward = false;
@@ -566,7 +573,7 @@ impl UnfusedLayer {
         };
         let shared_engine = self.shared_engine.current().filter(|_| shared.is_some());
         let plans = forward_pass_plans([&engine.forward()[0], &engine.forward()[1]], shared_engine);
-        let key = plans.iter().map(|plan| plan.params_ptr()).collect();
+        let key = plan_addresses(&plans);
         let c = &self.config;
         let buffers = PassBuffers {
             row_source: self.routing.row_source.device_ptr(),
@@ -1415,11 +1422,9 @@ impl UnfusedLayer {
             let grads = target.shared.expect("checked against the config");
             let x_rows = engine.x_rows();
             let grads = (grads, target.accumulate_f32);
-            if let Some(stale) = engine.backward_plans_dropped_by(x_rows, grads)
-                && let Some((_, passes)) = &mut self.backward_megakernel
-            {
+            if let Some(stale) = engine.backward_plans_dropped_by(x_rows, grads) {
                 // The passes built over the plans of the oldest target are dropped with them.
-                passes.remove_if(|key| key.iter().any(|plan| stale.contains(plan)));
+                drop_passes_over(&mut self.backward_megakernel, &stale);
             }
             // SAFETY: the copy of x has the capacity's rows; `target` was checked against the
             // gradients' lengths for this call and lives for it (plans are built for any other
