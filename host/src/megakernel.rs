@@ -1218,7 +1218,8 @@ pub(crate) mod work_order_model {
     mod forward {
         //! The forward: each rank's comm blocks and the spare producer warps of its compute
         //! blocks (an agent each, three per block) take dispatch tiles (the shared expert's
-        //! copies first); its compute pairs take the shared expert's gate/up tiles, the routed
+        //! copies first; with the tiles shared across ranks the spare warps take every rank's,
+        //! rank after rank, as the compute pairs do); its compute pairs take the shared expert's gate/up tiles, the routed
         //! gate/up tiles, the shared down tiles, the routed down tiles, and combine tokens from
         //! the rank's queues in that order (comm blocks: the combine). A token's combine waits
         //! on its shared-expert tile and on the down tiles of its slots' rows on their owners
@@ -1272,6 +1273,14 @@ pub(crate) mod work_order_model {
         }
         /// What a compute block's spare producer warps take, alongside.
         const SPARE_ORDER: [usize; 2] = [SHARED_DISPATCH, DISPATCH];
+
+        /// The spare warps' order when the compute pairs share every rank's GEMM tiles: every
+        /// rank's shared-expert copies, then every rank's routed rows, in the walk's rank order
+        /// (`megakernel::comm::in_walk_order!`; its one routed chunk per rank in the first round
+        /// is work that waits for nothing, taken early).
+        fn shared_spare_order(ranks: usize) -> Vec<usize> {
+            [SHARED_DISPATCH, DISPATCH].iter().flat_map(|&q| (0..ranks).map(move |r| of_rank(q, r))).collect()
+        }
 
         /// One rank's counters and queues.
         #[derive(Default)]
@@ -1461,7 +1470,8 @@ pub(crate) mod work_order_model {
                 let mut agents = Vec::new();
                 world.joined = vec![0; ranks * pairs];
                 // Gathering, the spare warps join their pair's gate/up after the dispatch.
-                let spare_order = [&SPARE_ORDER[..], if world.gathering { &[JOIN] } else { &[] }].concat();
+                let spare_dispatch = if share_tiles { shared_spare_order(ranks) } else { SPARE_ORDER.to_vec() };
+                let spare_order = [&spare_dispatch[..], if world.gathering { &[JOIN] } else { &[] }].concat();
                 for r in 0..ranks {
                     agents.extend(
                         (0..comm_blocks).map(|_| Agent::new(rank(r), vec![SHARED_DISPATCH, DISPATCH, COMBINE])),
@@ -1924,12 +1934,13 @@ pub(crate) mod work_order_model {
 
     mod backward_ranks {
         //! The backward across ranks in one launch: each rank's comm blocks and its compute
-        //! blocks' spare producer warps (an agent each) take its gather tiles (the shared
-        //! expert's first), the spare warps then its SwiGLU chunks (the shared expert's
+        //! blocks' spare producer warps (an agent each) take gather tiles (the shared
+        //! expert's first), the spare warps then SwiGLU chunks (the shared expert's
         //! first); its compute blocks take the shared expert's and then the routed down-dgrad
-        //! tiles, their own rank's SwiGLU chunks, then the shared and the routed gate/up-dgrad
-        //! tiles — from their own rank's queues, or, with the tiles shared across ranks, each
-        //! data gradient from every rank's queue, rank after rank; then every compute block of
+        //! tiles, SwiGLU chunks, then the shared and the routed gate/up-dgrad tiles — from
+        //! their own rank's queues, or, with the tiles shared across ranks, each from every
+        //! rank's queue, rank after rank (the spare warps' gather and both roles' SwiGLU chunks
+        //! too; the comm blocks keep their own rank's gather); then every compute block of
         //! the launch walks the routed weight-gradient tiles of every rank, product by product,
         //! rank after rank (`weight_gradient_walk`, the kernel's own function); then it meets
         //! its pair's blocks and spare warps at the final cluster barrier and combines its
@@ -2184,8 +2195,10 @@ pub(crate) mod work_order_model {
                 let walk = |q: usize| if share_tiles { (0..ranks).map(|r| of_rank(q, r)).collect() } else { vec![q] };
                 let mut compute_queues = walk(SHARED + DOWN_DGRAD);
                 compute_queues.extend(walk(DOWN_DGRAD));
-                // The consumers' SwiGLU chunks are their own rank's.
-                compute_queues.extend([SHARED + SWIGLU, SWIGLU]);
+                // The consumers' SwiGLU chunks: the shared expert's of every rank, then the
+                // routed ones, rank after rank (`in_walk_order!`), or their own rank's.
+                compute_queues.extend(walk(SHARED + SWIGLU));
+                compute_queues.extend(walk(SWIGLU));
                 compute_queues.extend(walk(SHARED + GATE_UP_DGRAD));
                 compute_queues.extend(walk(GATE_UP_DGRAD));
                 for w in 0..3 {
@@ -2200,9 +2213,12 @@ pub(crate) mod work_order_model {
                     for _ in 0..2 * p {
                         let who = Who { rank, compute: (index, launch_compute), ..Who::default() };
                         agents.push(Agent::new(who, compute_queues.clone()));
-                        // The block's three spare producer warps: the rank's gather, then its
-                        // SwiGLU chunks (the shared expert's first), then the final barrier.
-                        let spare = vec![SHARED + GATHER, GATHER, SHARED + SWIGLU, SWIGLU, SPARE_LEAVES];
+                        // The block's three spare producer warps: the gather, then the SwiGLU
+                        // chunks (the shared expert's first; with shared tiles every rank's in the
+                        // walk's order), then the final barrier.
+                        let mut spare: Vec<usize> =
+                            [SHARED + GATHER, GATHER, SHARED + SWIGLU, SWIGLU].iter().flat_map(|&q| walk(q)).collect();
+                        spare.push(SPARE_LEAVES);
                         agents.extend((0..3).map(|_| Agent::new(who, spare.clone())));
                         index += 1;
                     }

@@ -194,6 +194,7 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_forward(
     unsafe {
         crate::megakernel::forward::forward::<false>(
             move || (params, pass),
+            move |_| (params, pass),
             Some(&plans),
             crate::ptx::sreg::block_idx_x(),
         )
@@ -224,7 +225,9 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_forward_ranks(
             let index = own_rank() as usize;
             (params.add(index), *inputs.add(index))
         };
-        crate::megakernel::forward::forward::<true>(rank, None, block)
+        // Rank q of the launch, for q below the blocks' `tile_ranks` (at most `ranks`).
+        let hosted = move |q: u32| (params.add(q as usize), *inputs.add(q as usize));
+        crate::megakernel::forward::forward::<true>(rank, hosted, None, block)
     }
 }
 
@@ -258,6 +261,7 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_backward(
     unsafe {
         crate::megakernel::backward::backward::<false>(
             move || (params, pass),
+            move |_| (params, pass),
             crate::ptx::sreg::block_idx_x(),
             x as u64,
         )
@@ -292,6 +296,8 @@ pub unsafe extern "ptx-kernel" fn mok_sm90_backward_ranks(
             let index = own_rank() as usize;
             (params.add(index), *inputs.add(index))
         };
-        crate::megakernel::backward::backward::<true>(rank, block, 0)
+        // Rank q of the launch, for q below the blocks' `tile_ranks` (at most `ranks`).
+        let hosted = move |q: u32| (params.add(q as usize), *inputs.add(q as usize));
+        crate::megakernel::backward::backward::<true>(rank, hosted, block, 0)
     }
 }

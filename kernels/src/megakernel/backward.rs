@@ -39,8 +39,8 @@ use crate::ptx::{signal as warp, sreg, sync};
 use crate::tiles::group_of_tile;
 
 use super::comm::{
-    acquire_if_token_rows_pushed, claim_row_chunk, copy_token_rows, plan_offsets, publish_chunk, rank_view,
-    wait_for_pushes_slot_by_slot, wait_for_shared_tile, wait_for_token_rows,
+    acquire_if_token_rows_pushed, claim_row_chunk, copy_token_rows, in_walk_order, plan_offsets, publish_chunk,
+    rank_view, wait_for_pushes_slot_by_slot, wait_for_shared_tile, wait_for_token_rows,
 };
 
 /// The gather, by a whole warp: row chunks
@@ -57,13 +57,20 @@ use super::comm::{
 /// handed out.
 ///
 /// Comm blocks run it on every warp; compute blocks on their producer warpgroup's spare warps,
-/// alongside the GEMM phases, so the first down-dgrad tiles wait for their own rows only.
+/// alongside the GEMM phases, so the first down-dgrad tiles wait for their own rows only. With
+/// `until_routed` the warp returns after its first routed chunk (or when the queue is spent):
+/// the shared expert's chunks of every hosted rank first ([`in_walk_order`]).
 ///
 /// # Safety
 /// `b` and `pass` are the pass's; the schedule was written before the launch; `view` is the
 /// rank's view across ranks (`RANKS`), else `None`; all 32 lanes call it.
 #[inline(always)]
-pub unsafe fn gather<const RANKS: bool>(b: &BackwardParams, pass: &PassInputs, view: Option<&RankView>) {
+pub unsafe fn gather<const RANKS: bool>(
+    b: &BackwardParams,
+    pass: &PassInputs,
+    view: Option<&RankView>,
+    until_routed: bool,
+) {
     // SAFETY: caller contract: the down-dgrad parameter block and the offsets it points at; all
     // 32 lanes, which take the same chunks (the claim is broadcast) and, where they sum (no
     // `RANKS`, so `copy` is warp-uniform), the same rows: every lane reaches each
@@ -92,6 +99,9 @@ pub unsafe fn gather<const RANKS: bool>(b: &BackwardParams, pass: &PassInputs, v
                 RowChunk::Routed { tile, first, end } => (tile, first, end),
             };
             if first >= end {
+                if until_routed {
+                    return;
+                }
                 continue;
             }
             let (dy, weights) = (pass.x as *const u16, pass.topk_weights as *const f32);
@@ -133,6 +143,9 @@ pub unsafe fn gather<const RANKS: bool>(b: &BackwardParams, pass: &PassInputs, v
                 row += 1;
             }
             publish_chunk(b.rows_gathered as *mut u32, tile, publish && tile != b.silent_rows_tile, lane);
+            if until_routed {
+                return;
+            }
         }
     }
 }
@@ -151,13 +164,14 @@ pub unsafe fn gather<const RANKS: bool>(b: &BackwardParams, pass: &PassInputs, v
 /// The down data gradient runs as a plain GEMM with a TMA-store epilogue, whose stores drain
 /// under the next tile's MMAs; the SwiGLU backward in its epilogue (loads, math and 4-byte
 /// stores in both consumer warpgroups, no MMA meanwhile) cost ~4 ms of kimi 8192's backward
-/// (docs/PERF.md).
+/// (docs/PERF.md). With `until_routed` the warp returns after its first routed chunk (or when
+/// the queue is spent), as [`gather`].
 ///
 /// # Safety
 /// As [`gather`]; all 32 lanes call it; `b.swiglu` (and `b.shared_swiglu` with a shared expert)
 /// are the pass's rows.
 #[inline(always)]
-pub unsafe fn swiglu_backward_chunks(b: &BackwardParams, pass: &PassInputs, spare_warp: bool) {
+pub unsafe fn swiglu_backward_chunks(b: &BackwardParams, pass: &PassInputs, spare_warp: bool, until_routed: bool) {
     if b.work & WORK_GEMMS == 0 {
         return;
     }
@@ -217,6 +231,9 @@ pub unsafe fn swiglu_backward_chunks(b: &BackwardParams, pass: &PassInputs, spar
                 if lane == 0 {
                     signal(counter, 1, false);
                 }
+            }
+            if until_routed && !shared {
+                return;
             }
         }
     }
@@ -340,9 +357,14 @@ pub unsafe fn combine_dx<const RANKS: bool>(b: &BackwardParams, pass: &PassInput
 /// the work beside the phases starts (the spare warps' gather and SwiGLU chunks, the
 /// consumers' SwiGLU chunks) and for the combine after the phases, so that neither the phases
 /// nor that work hold the rank's parameter block, inputs and view in registers (ptxas spilled
-/// them; the spare warps have few); on one GPU both are the kernel's arguments.
+/// them; the spare warps have few); on one GPU both are the kernel's arguments. `hosted(q)`
+/// names the launch's rank q the same way (launch order): across ranks, with the data-gradient
+/// tiles shared, the spare warps' gather and SwiGLU chunks and the consumers' SwiGLU chunks
+/// take every hosted rank's units in the walk's order ([`in_walk_order`]).
 ///
 /// # Safety
+/// `hosted(q)` is as `rank()` for every launch index q below the parameter blocks'
+/// `tile_ranks` (only read across ranks).
 /// `rank()` returns the same `(params, pass)` at every call, `params` pointing at the rank's
 /// valid [`BackwardParams`] and `pass` holding its inputs (dy, the slot weights, the shared
 /// expert's dx rows or 0, T); the forward of the same routing ran
@@ -361,6 +383,7 @@ pub unsafe fn combine_dx<const RANKS: bool>(b: &BackwardParams, pass: &PassInput
 #[inline(always)]
 pub unsafe fn backward<const RANKS: bool>(
     rank: impl Fn() -> (*const BackwardParams, PassInputs) + Copy,
+    hosted: impl Fn(u32) -> (*const BackwardParams, PassInputs) + Copy,
     block: u32,
     x: u64,
 ) {
@@ -374,7 +397,7 @@ pub unsafe fn backward<const RANKS: bool>(
     if block < b.comm_blocks {
         // SAFETY: caller contract; every warp is whole.
         unsafe {
-            gather::<RANKS>(b, &pass, view.as_ref());
+            gather::<RANKS>(b, &pass, view.as_ref(), false);
             combine_dx::<RANKS>(b, &pass, view.as_ref());
         }
     } else if block >= first_compute_block(b.comm_blocks) {
@@ -383,7 +406,7 @@ pub unsafe fn backward<const RANKS: bool>(
         // `run_backward_phases` asks.
         unsafe {
             if b.work & (WORK_GEMMS | WORK_WEIGHT_GRADS) == 0 {
-                gather::<RANKS>(b, &pass, view.as_ref());
+                gather::<RANKS>(b, &pass, view.as_ref(), false);
                 combine_dx::<RANKS>(b, &pass, view.as_ref());
                 return;
             }
@@ -431,14 +454,30 @@ pub unsafe fn backward<const RANKS: bool>(
             let (tile_ranks, wgrad_ranks) = if RANKS { (b.tile_ranks, b.wgrad_ranks) } else { (1, 1) };
             // The spare producer warps gather, then take SwiGLU chunks; the consumer warps take
             // SwiGLU chunks between their two data gradients.
+            // Across ranks both follow the compute blocks' walk over the hosted ranks.
             let spare_warps = || {
-                let (b, pass, view) = this_rank();
-                gather::<RANKS>(b, &pass, view.as_ref());
-                swiglu_backward_chunks(b, &pass, true);
+                if RANKS {
+                    in_walk_order!(rank, hosted, |b, pass, until_routed| {
+                        gather::<RANKS>(b, &pass, rank_view::<RANKS, _>(b).as_ref(), until_routed)
+                    });
+                    in_walk_order!(rank, hosted, |b, pass, until_routed| {
+                        swiglu_backward_chunks(b, &pass, true, until_routed)
+                    });
+                } else {
+                    let (b, pass, view) = this_rank();
+                    gather::<RANKS>(b, &pass, view.as_ref(), false);
+                    swiglu_backward_chunks(b, &pass, true, false);
+                }
             };
             let between_dgrads = || {
-                let (b, pass, _) = this_rank();
-                swiglu_backward_chunks(b, &pass, false);
+                if RANKS {
+                    in_walk_order!(rank, hosted, |b, pass, until_routed| {
+                        swiglu_backward_chunks(b, &pass, false, until_routed)
+                    });
+                } else {
+                    let (b, pass, _) = this_rank();
+                    swiglu_backward_chunks(b, &pass, false, false);
+                }
             };
             // On one GPU the launch holds one parameter block: index 0, not read from the copy.
             let launch_index = if RANKS { b.launch_index } else { 0 };

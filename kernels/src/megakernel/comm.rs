@@ -68,6 +68,52 @@ pub unsafe fn rank_view<const RANKS: bool, P: RankParams>(p: &P) -> Option<RankV
     })
 }
 
+/// Row work of a launch hosting ranks (the dispatch, the backward's gather and SwiGLU chunks),
+/// by a whole warp of a compute block, in the compute walk's order. Where every compute block
+/// takes every hosted rank's GEMM tiles (`tile_ranks` > 1: rank after rank in launch order
+/// within each phase), the warp works on every hosted rank's queue in that order too: first each
+/// rank's shared-expert units (the work, given `until_routed`, returns after the first routed
+/// unit it takes of the rank), then each rank's routed units. The rows the walk needs first are
+/// then moved first, by every block's warps, as on one GPU; were each block to work on its own
+/// rank's queue only, the first rank's tiles, which every compute block takes first, would wait
+/// on that rank's blocks alone. Otherwise (each rank's tiles on its own blocks, or one hosted
+/// rank) the block's own rank's queue. Whatever a unit waits on, it waits on whichever rank's
+/// warp took it, so the work order's argument holds (docs/ARCHITECTURE.md).
+///
+/// `in_walk_order!(rank, hosted, |p, pass, until_routed| work)`: `rank()` gives the block's
+/// `(*const params, PassInputs)`, `hosted(q)` the launch's rank q's (launch order); `work` runs
+/// with `p` a rank's parameter block (`&ForwardParams` or `&BackwardParams`), `pass` its inputs
+/// and `until_routed`. A macro, not a generic function: written as one, the spare warps' code
+/// spilled 116 bytes where this spills 20 (ptxas).
+///
+/// # Safety
+/// Expands to unsafe operations, for an unsafe block whose caller guarantees: every q below
+/// `tile_ranks` names a valid parameter block, inputs and exchange block of the launch; all 32
+/// lanes run it.
+macro_rules! in_walk_order {
+    ($rank:expr, $hosted:expr, |$p:ident, $pass:ident, $until_routed:ident| $work:expr) => {{
+        let ranks = (*$rank().0).tile_ranks;
+        if ranks <= 1 {
+            let (params, $pass) = $rank();
+            let $p = &*params;
+            let $until_routed = false;
+            $work;
+        } else {
+            // One counter over both rounds (the spare warps' registers are few): steps
+            // 0 .. ranks take each rank's shared units, steps ranks .. 2 · ranks its routed ones.
+            let mut step = 0;
+            while step < 2 * ranks {
+                let (params, $pass) = $hosted(if step < ranks { step } else { step - ranks });
+                let $p = &*params;
+                let $until_routed = step < ranks;
+                $work;
+                step += 1;
+            }
+        }
+    }};
+}
+pub(super) use in_walk_order;
+
 /// The engine M tile holding `row` of a plan's groups, and the parts that complete it.
 ///
 /// # Safety
@@ -220,13 +266,15 @@ pub(super) unsafe fn wait_for_token_rows(
 /// Comm blocks run it on every warp; compute blocks on their producer warpgroup's spare warps,
 /// alongside the GEMM phases, so the first gate/up tiles wait for their own rows only, not for
 /// the whole dispatch. With [`ForwardParams::gather_in_producer`] (one GPU) only the shared
-/// expert's rows are copied: the routed gate/up reads x itself.
+/// expert's rows are copied: the routed gate/up reads x itself. With `until_routed` the warp
+/// returns after its first routed chunk (or when the queue is spent): the shared expert's chunks
+/// of every hosted rank first (`megakernel::forward`'s walk order across ranks).
 ///
 /// # Safety
 /// `f` and `pass` are the pass's; the schedule (routing layout, tile offsets) was written before
 /// the launch; `view` is [`rank_view`]`(f)`; all 32 lanes call it.
 #[inline(always)]
-pub unsafe fn dispatch(f: &ForwardParams, pass: &PassInputs, view: Option<&RankView>) {
+pub unsafe fn dispatch(f: &ForwardParams, pass: &PassInputs, view: Option<&RankView>, until_routed: bool) {
     // SAFETY: caller contract: the gate/up parameter block and the offsets it points at; all 32
     // lanes, which take the same chunks (the claim is broadcast), so every lane reaches each
     // `shfl_idx_u32` and `publish_chunk`.
@@ -254,6 +302,9 @@ pub unsafe fn dispatch(f: &ForwardParams, pass: &PassInputs, view: Option<&RankV
                     RowChunk::Routed { tile, first, end } => (tile, first, end),
                 };
             if first >= end {
+                if until_routed {
+                    return;
+                }
                 continue;
             }
             let (rows, row_source) = (f.rows as *mut u16, f.row_source as *const u32);
@@ -276,6 +327,9 @@ pub unsafe fn dispatch(f: &ForwardParams, pass: &PassInputs, view: Option<&RankV
                 row += 1;
             }
             publish_chunk(f.rows_dispatched as *mut u32, tile, publish && tile != f.silent_rows_tile, lane);
+            if until_routed {
+                return;
+            }
         }
     }
 }

@@ -8,7 +8,8 @@
 //! expert order, 16-row chunks of the M tiles from the rank's queue, each chunk counted): every
 //! warp of blocks `0 .. comm_blocks` of the rank (the comm role, 0 or more), which then
 //! [`combine`] the rank's tokens; and the three spare warps of each compute block's producer
-//! warpgroup. The rank's blocks from the next whole pair on are the compute role, in 2-block
+//! warpgroup (where the compute blocks share every hosted rank's tiles, every hosted rank's
+//! rows, in the walk's rank order). The rank's blocks from the next whole pair on are the compute role, in 2-block
 //! clusters: from the start of the launch they run every gate/up + SwiGLU tile as soon as its
 //! rows have landed and every down tile as soon as all gate/up tiles of its rows are stored
 //! (the engine's phases with [`ForwardHandover`] hooks), then their consumer warps combine.
@@ -37,7 +38,7 @@ use crate::megakernel_layout::{
 use crate::ptx::memory::{ld_shared_u32, st_shared_u32};
 use crate::ptx::{sreg, sync};
 
-use super::comm::{combine, dispatch, rank_view};
+use super::comm::{combine, dispatch, in_walk_order, rank_view};
 
 /// The combine, by a whole warp, unless the pass leaves it out (a benchmark's compute side).
 ///
@@ -59,11 +60,14 @@ unsafe fn combine_if_asked(f: &ForwardParams, pass: &PassInputs, view: Option<&R
 /// combine after the phases, so that no register holds the rank across the phases, where the
 /// consumers' accumulators leave no room: on one GPU both are the kernel's arguments (ptxas
 /// reads them from the constant bank); across ranks the rank is computed, and
-/// [`shared_rank_of_block`] keeps it in shared memory.
+/// [`shared_rank_of_block`] keeps it in shared memory. `hosted(q)` names the launch's rank q
+/// the same way (launch order): across ranks the spare warps dispatch every hosted rank's rows
+/// where the compute blocks share every rank's tiles ([`in_walk_order`]).
 ///
 /// # Safety
 /// `rank()` returns the same `(params, pass)` at every call, `params` pointing at the rank's
-/// valid [`ForwardParams`] and `pass` holding its inputs; `plans`,
+/// valid [`ForwardParams`] and `pass` holding its inputs; `hosted(q)` likewise for every
+/// launch index q below the parameter blocks' `tile_ranks` (only read across ranks); `plans`,
 /// if given (one GPU only), are the four plan blocks `params` points at, in phase order; the
 /// counters hold an entry per engine M tile the plans' groups can have; `rows_dispatched`,
 /// `gate_up_stored`, `down_stored`, `combine_next`, `dispatch_next` (and across
@@ -79,6 +83,7 @@ unsafe fn combine_if_asked(f: &ForwardParams, pass: &PassInputs, view: Option<&R
 #[inline(always)]
 pub unsafe fn forward<const RANKS: bool>(
     rank: impl Fn() -> (*const ForwardParams, PassInputs) + Copy,
+    hosted: impl Fn(u32) -> (*const ForwardParams, PassInputs) + Copy,
     plans: Option<&ForwardPlans>,
     block: u32,
 ) {
@@ -92,7 +97,7 @@ pub unsafe fn forward<const RANKS: bool>(
     if block < f.comm_blocks {
         // SAFETY: caller contract; every warp is whole.
         unsafe {
-            dispatch(f, &pass, view.as_ref());
+            dispatch(f, &pass, view.as_ref(), false);
             combine_if_asked(f, &pass, view.as_ref());
         }
     } else if block >= first_compute_block(f.comm_blocks) {
@@ -101,7 +106,7 @@ pub unsafe fn forward<const RANKS: bool>(
         // `run_forward_phases` asks.
         unsafe {
             if f.work & WORK_GEMMS == 0 {
-                dispatch(f, &pass, view.as_ref());
+                dispatch(f, &pass, view.as_ref(), false);
                 combine_if_asked(f, &pass, view.as_ref());
                 return;
             }
@@ -130,7 +135,16 @@ pub unsafe fn forward<const RANKS: bool>(
                     _ => in_global,
                 }
             };
-            let spare_warps = || dispatch(f, &pass, rank_view::<RANKS, _>(f).as_ref());
+            // Across ranks the spare warps follow the compute blocks' walk over the hosted ranks.
+            let spare_warps = || {
+                if RANKS {
+                    in_walk_order!(rank, hosted, |f, pass, until_routed| {
+                        dispatch(f, &pass, rank_view::<true, _>(f).as_ref(), until_routed)
+                    })
+                } else {
+                    dispatch(f, &pass, rank_view::<RANKS, _>(f).as_ref(), false)
+                }
+            };
             // x only where a gathering gate/up reads it (one GPU); across ranks the dispatch
             // pulls the rows.
             let x = if RANKS { 0 } else { pass.x };
