@@ -54,8 +54,10 @@ pub struct MegakernelOptions {
     /// the GPU works through one rank's tiles at a time as a GPU running one rank would (its L2
     /// holds one rank's weights and rows, docs/PERF.md); `false`, a rank's tiles run on its own
     /// run of the grid, the same SM share for its dispatch, GEMMs and combine. The routed weight
-    /// gradients are shared across ranks either way (when every rank has the same tile counts),
-    /// and the dispatch, gather, SwiGLU backward and combine always stay on the rank's own
+    /// gradients are shared across ranks either way (when every rank has the same tile counts).
+    /// With `true` the compute blocks' spare producer warps (the dispatch, the gather, SwiGLU
+    /// backward chunks) and the consumers' SwiGLU backward chunks follow the same walk over
+    /// every rank's queues; the comm blocks' row work and every combine stay on the rank's own
     /// blocks. The bits are the same either way. Ignored with one rank per launch.
     pub share_rank_tiles: bool,
 }

@@ -116,9 +116,10 @@ pub struct ForwardParams {
     /// own compute blocks; P (every rank hosted by one launch: virtual ranks on one GPU), every
     /// compute block takes every rank's tiles from their counters, phase by phase, rank after
     /// rank, so the launch works through one rank's tiles at a time — the walk, and the L2
-    /// working set, of one GPU running one rank. The dispatch and the combine stay on the
-    /// rank's own blocks. Each tile is still computed whole by one block, so the bits do not
-    /// depend on it.
+    /// working set, of one GPU running one rank. The compute blocks' spare warps then dispatch
+    /// every rank's rows in the same order (`megakernel::comm::in_walk_order!`); the comm
+    /// blocks' dispatch and the combine stay on the rank's own blocks. Each tile is still
+    /// computed whole by one block, so the bits do not depend on it.
     pub tile_ranks: u32,
     /// One GPU only, nonzero: the routed gate/up tiles' producers gather their rows from the
     /// pass's x through `row_source` (`gemm::gather`), so the dispatch copies no routed row
@@ -274,8 +275,9 @@ pub struct BackwardParams {
     /// do not depend on it.
     pub wgrad_ranks: u32,
     /// Ranks whose data-gradient tiles (the shared expert's and the routed ones) the launch's
-    /// compute blocks share, as [`ForwardParams::tile_ranks`]; the SwiGLU backward's chunks,
-    /// the gather and the combine stay on the rank's own blocks.
+    /// compute blocks share, as [`ForwardParams::tile_ranks`]; the compute blocks' gather and
+    /// SwiGLU backward chunks then follow the same walk over every rank's queues, the comm
+    /// blocks' gather and the combine stay on the rank's own blocks.
     pub tile_ranks: u32,
     /// One GPU only, nonzero: the routed gate and up weight gradients' producers gather B, the
     /// token rows, from the forward's x through `row_source` (`gemm::gather`; x is a kernel

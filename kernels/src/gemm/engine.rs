@@ -725,7 +725,8 @@ pub unsafe fn run_backward_phases<H: TileHooks>(
                     walk = next_phase::<N>(ring, walk, t);
                     q += 1;
                 }
-                // After every rank's down dgrad: this rank's SwiGLU chunks.
+                // After every rank's down dgrad: SwiGLU chunks (across ranks with shared tiles,
+                // every rank's in the walk's order; else this rank's).
                 if phase == B::DOWN_DGRAD {
                     between_dgrads();
                 }

@@ -34,7 +34,7 @@ use crate::megakernel_layout::{
     WORK_COMBINE, WORK_COPY_ROWS, WORK_GEMMS, WORK_WEIGHT_GRADS, downstream_deadline, first_compute_block,
     parts_per_m_tile,
 };
-use crate::ptx::memory::atom_add_relaxed_gpu_u32;
+use crate::ptx::memory::{atom_add_relaxed_gpu_u32, ld_relaxed_gpu_u32};
 use crate::ptx::{signal as warp, sreg, sync};
 use crate::tiles::group_of_tile;
 
@@ -164,8 +164,9 @@ pub unsafe fn gather<const RANKS: bool>(
 /// The down data gradient runs as a plain GEMM with a TMA-store epilogue, whose stores drain
 /// under the next tile's MMAs; the SwiGLU backward in its epilogue (loads, math and 4-byte
 /// stores in both consumer warpgroups, no MMA meanwhile) cost ~4 ms of kimi 8192's backward
-/// (docs/PERF.md). With `until_routed` the warp returns after its first routed chunk (or when
-/// the queue is spent), as [`gather`].
+/// (docs/PERF.md). With `until_routed` the warp takes the shared expert's chunks only, returning
+/// once they are all handed out (a routed chunk waits on a routed down-dgrad tile, which the
+/// walk across ranks computes after every rank's shared ones).
 ///
 /// # Safety
 /// As [`gather`]; all 32 lanes call it; `b.swiglu` (and `b.shared_swiglu` with a shared expert)
@@ -181,6 +182,17 @@ pub unsafe fn swiglu_backward_chunks(b: &BackwardParams, pass: &PassInputs, spar
     unsafe {
         let (lane, error) = (sreg::lane_id(), b.error as *mut u32);
         loop {
+            if until_routed {
+                // The first round takes shared chunks only: a routed chunk waits on a routed
+                // down-dgrad tile, which the walk computes after every rank's shared ones.
+                // Peeked before claiming (relaxed: a stale value only lets one routed chunk
+                // through, which then returns below).
+                let shared_tiles = if b.shared_down_dgrad != 0 { pass.tokens.div_ceil(TILE_M) } else { 0 };
+                let next = if lane == 0 { ld_relaxed_gpu_u32(b.swiglu_next as *const u32) } else { 0 };
+                if sync::shfl_idx_u32(next, 0) >= shared_tiles * SWIGLU_CHUNKS_PER_M_TILE {
+                    return;
+                }
+            }
             let claimed = if lane == 0 { atom_add_relaxed_gpu_u32(b.swiglu_next as *mut u32, 1) } else { 0 };
             let claimed = sync::shfl_idx_u32(claimed, 0);
             // Read at every claim, not held across the chunk (as `claim_row_chunk`).

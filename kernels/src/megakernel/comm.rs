@@ -77,8 +77,10 @@ pub unsafe fn rank_view<const RANKS: bool, P: RankParams>(p: &P) -> Option<RankV
 /// then moved first, by every block's warps, as on one GPU; were each block to work on its own
 /// rank's queue only, the first rank's tiles, which every compute block takes first, would wait
 /// on that rank's blocks alone. Otherwise (each rank's tiles on its own blocks, or one hosted
-/// rank) the block's own rank's queue. Whatever a unit waits on, it waits on whichever rank's
-/// warp took it, so the work order's argument holds (docs/ARCHITECTURE.md).
+/// rank) the block's own rank's queue. A unit waits only on its own rank's counters, whichever
+/// block's warp takes it, so the work order's argument holds (docs/ARCHITECTURE.md). Units that
+/// wait (the SwiGLU chunks) take no routed unit in the first round: given `until_routed` they
+/// return before claiming once the rank's shared units are handed out.
 ///
 /// `in_walk_order!(rank, hosted, |p, pass, until_routed| work)`: `rank()` gives the block's
 /// `(*const params, PassInputs)`, `hosted(q)` the launch's rank q's (launch order); `work` runs
