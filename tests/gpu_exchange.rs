@@ -1038,8 +1038,16 @@ fn ep_megakernels_at_odd_rank_counts_give_the_single_rank_bits() {
 
 #[test]
 fn ep_backward_megakernel_faults_are_reported_timeouts_and_the_next_pass_is_right() {
+    // Four ranks in one launch (every block reads global parameter blocks), then one (its
+    // blocks read their shared-memory copy, as with one rank per process).
+    backward_megakernel_faults_at(4, [2, 3, 1]);
+    backward_megakernel_faults_at(1, [0, 0, 0]);
+}
+
+/// The backward megakernel's three faults over `p` virtual ranks, each injected at its rank of
+/// `ranks`: a timeout naming what was waited for, within the deadline, then a correct pass.
+fn backward_megakernel_faults_at(p: usize, ranks: [usize; 3]) {
     let gpu = gpu();
-    let p = 4;
     let global = MoeConfig { shared_intermediate: Some(64), ..MoeConfig::new(4 * 64, 136, 96, 24, 4) };
     let c = rank_config(&global, p);
     let case = random_case(&global, 1902, common::PLAIN_ROUTING);
@@ -1050,16 +1058,16 @@ fn ep_backward_megakernel_faults_are_reported_timeouts_and_the_next_pass_is_righ
     let weights = rank_weights(&gpu, &c, &case);
     let want = unfused_bits(&gpu, &case);
     let faults: [(usize, MegakernelFaults, Option<Silence>, &str); 3] = [
-        (2, MegakernelFaults { silent_rows_tile: Some(0), ..Default::default() }, None, "gathered"),
-        (3, MegakernelFaults { silent_hidden_tile: Some(1), ..Default::default() }, None, "down_dgrad_stored"),
-        (1, MegakernelFaults::default(), Some(Silence::Push), "pushed by the expert owner"),
+        (ranks[0], MegakernelFaults { silent_rows_tile: Some(0), ..Default::default() }, None, "gathered"),
+        (ranks[1], MegakernelFaults { silent_hidden_tile: Some(1), ..Default::default() }, None, "down_dgrad_stored"),
+        (ranks[2], MegakernelFaults::default(), Some(Silence::Push), "pushed by the expert owner"),
     ];
     // Both tile walks: every rank's tiles on every compute block, and each rank's on its own.
     for share_rank_tiles in [true, false] {
         let megakernel = MegakernelOptions { timeout: deadline, share_rank_tiles, ..Default::default() };
         layer.set_forward_megakernel(&gpu, Some(megakernel.clone())).unwrap();
         layer.set_backward_megakernel(&gpu, Some(megakernel)).unwrap();
-        let what = format!("before the faults (tiles shared: {share_rank_tiles})");
+        let what = format!("P = {p}, before the faults (tiles shared: {share_rank_tiles})");
         assert_same_bits(&what, &ep_bits(&gpu, &mut layer, &weights), &want);
         for &(rank, fault, silence, waited) in &faults {
             ep_forward_y(&gpu, &mut layer, &weights);
@@ -1069,7 +1077,7 @@ fn ep_backward_megakernel_faults_are_reported_timeouts_and_the_next_pass_is_righ
             layer.backward(&gpu, &weights.0, weights.1.as_ref()).unwrap();
             let error = layer.check_errors(&gpu).unwrap_err();
             let took = start.elapsed();
-            println!("  rank {rank} {fault:?} {silence:?}: {error} (after {took:?})");
+            println!("  P = {p}, rank {rank} {fault:?} {silence:?}: {error} (after {took:?})");
             match &error {
                 MokError::Timeout { waited_for, .. } => assert!(waited_for.contains(waited), "{waited_for}"),
                 other => panic!("expected a timeout, got {other:?}"),
@@ -1078,7 +1086,7 @@ fn ep_backward_megakernel_faults_are_reported_timeouts_and_the_next_pass_is_righ
             layer.set_backward_megakernel_faults(rank, MegakernelFaults::default()).unwrap();
             silence_off_and_reset(&gpu, &mut layer);
             assert_same_bits(
-                &format!("the pass after {fault:?} {silence:?}"),
+                &format!("P = {p}: the pass after {fault:?} {silence:?}"),
                 &ep_bits(&gpu, &mut layer, &weights),
                 &want,
             );

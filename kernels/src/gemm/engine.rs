@@ -237,8 +237,8 @@ pub fn rank_slot() -> u32 {
     Ring::new::<{ Variant::GATE_UP }>().rank::<{ Variant::GATE_UP }>()
 }
 
-/// The shared-memory address where the one-GPU backward megakernel keeps its copy of its
-/// parameter block and routed plans ([`PARAMS_COPY_BYTES`](crate::gemm_layout::PARAMS_COPY_BYTES));
+/// The shared-memory address where the backward megakernel (one GPU, or a launch hosting one
+/// rank) keeps its copy of its parameter block and routed plans ([`PARAMS_COPY_BYTES`](crate::gemm_layout::PARAMS_COPY_BYTES));
 /// unused by the other kernels.
 #[inline(always)]
 pub fn params_copy_address() -> u32 {

@@ -2,8 +2,8 @@
 //! tile, each consumer warpgroup's output staging, and per stage a `full` and an `empty`
 //! barrier, a tile slot and a pair mailbox, then the gathering warps' tile hand-out word, then per
 //! stage a work slot (the tile's lookup, packed), then a word for a megakernel hosting ranks
-//! (its block's rank), then the one-GPU backward megakernel's copy of its parameter block and
-//! plans. The ring walk (stage, phase) is the same in every role.
+//! (its block's rank), then the backward megakernel's copy of its parameter block and plans
+//! (one GPU, or a launch hosting one rank). The ring walk (stage, phase) is the same in every role.
 
 use crate::gemm_layout::{A_TILE_BYTES, BLOCK_64_BYTES, STAGE_BYTES, WORK_SLOT_WORDS, ring_stages, staging_boxes};
 use crate::ptx::smem;
@@ -71,7 +71,8 @@ impl Ring {
     pub(super) fn rank<const V: u32>(self) -> u32 {
         self.work_slot::<V>(const { ring_stages(V) })
     }
-    /// The one-GPU backward megakernel's copy of its parameter block and routed plans
+    /// The backward megakernel's copy of its parameter block and routed plans (one GPU, or a
+    /// launch hosting one rank)
     /// ([`PARAMS_COPY_BYTES`](crate::gemm_layout::PARAMS_COPY_BYTES), 16-byte aligned), after the
     /// rank word (16 bytes).
     pub(super) fn params_copy<const V: u32>(self) -> u32 {

@@ -422,17 +422,25 @@ pub unsafe fn backward<const RANKS: bool>(
                 combine_dx::<RANKS>(b, &pass, view.as_ref());
                 return;
             }
-            // On one GPU every role reads the block's shared-memory copy of the parameter block
-            // and its routed plans from here on: after each acquire and proxy fence of the pass a
-            // global field comes back from L2, the copy's do not (docs/PERF.md, "The parameter
-            // block and plans in shared memory"). Written now, whole after `run_backward_phases`'
-            // first cluster barrier; nothing reads it before (the launch index passed to the
-            // phases is a constant on one GPU). Across ranks the blocks stay in global memory.
-            let (params, first_params) = if RANKS {
-                (params, params.sub(b.launch_index as usize))
-            } else {
+            // Where a launch hosts one rank and shares nothing across ranks (one GPU; one rank
+            // per process and GPU), every role reads the block's shared-memory copy of the
+            // parameter block and its routed plans from here on: after each acquire and proxy
+            // fence of the pass a global field comes back from L2, the copy's do not
+            // (docs/PERF.md, "The parameter block and plans in shared memory"). Written now,
+            // whole after `run_backward_phases`' first cluster barrier; nothing reads it before,
+            // so the fields the phases take are read here from global memory. With tiles or
+            // weight gradients shared across hosted ranks every block reads all their blocks,
+            // more than the copy's carve holds; those blocks, and a later rank's own blocks
+            // (the phases index the blocks from the first by launch index), stay in global
+            // memory.
+            let (launch_index, tile_ranks, wgrad_ranks) =
+                if RANKS { (b.launch_index, b.tile_ranks, b.wgrad_ranks) } else { (0, 1, 1) };
+            let copied = tile_ranks == 1 && wgrad_ranks == 1 && launch_index == 0;
+            let (params, first_params) = if copied {
                 let copy = params_to_shared(params);
                 (copy, copy)
+            } else {
+                (params, params.sub(launch_index as usize))
             };
             let b = &*params;
             // The rank where the work beside or after the phases starts: across ranks read
@@ -463,7 +471,6 @@ pub unsafe fn backward<const RANKS: bool>(
             // x only where a gathering weight gradient reads it (one GPU).
             let x = if RANKS { 0 } else { x };
             let hooks = move |phase, q: u32| BackwardHandover::<RANKS>::new(first_params.add(q as usize), phase, x);
-            let (tile_ranks, wgrad_ranks) = if RANKS { (b.tile_ranks, b.wgrad_ranks) } else { (1, 1) };
             // The spare producer warps gather, then take SwiGLU chunks; the consumer warps take
             // SwiGLU chunks between their two data gradients.
             // Across ranks both follow the compute blocks' walk over the hosted ranks.
@@ -491,8 +498,6 @@ pub unsafe fn backward<const RANKS: bool>(
                     swiglu_backward_chunks(b, &pass, false, false);
                 }
             };
-            // On one GPU the launch holds one parameter block: index 0, not read from the copy.
-            let launch_index = if RANKS { b.launch_index } else { 0 };
             let phases = run_backward_phases(
                 plan,
                 hooks,
@@ -526,14 +531,14 @@ unsafe fn rank_and_view<'a, const RANKS: bool>(
     }
 }
 
-/// Copies the one-GPU pass's parameter block and its [`BACKWARD_PLANS_COPIED`] routed plans into
+/// Copies a rank's parameter block and its [`BACKWARD_PLANS_COPIED`] routed plans into
 /// this block's shared memory ([`params_copy_address`]), the copy's plan addresses pointing at
 /// the plans' copies, and returns the copy (a generic address). After every L1 invalidation (each
 /// acquire and proxy fence of the pass) a field read from global memory goes back to L2; read
 /// from the copy it does not. The shared expert's plans stay where they are.
 ///
 /// # Safety
-/// `params` is the pass's valid [`BackwardParams`] (one GPU), whose routed plans are valid; every
+/// `params` is the rank's valid [`BackwardParams`], whose routed plans are valid; every
 /// thread of the block calls it, and none reads the copy before a barrier of the whole block
 /// that follows (`run_backward_phases`' first cluster barrier).
 #[inline(always)]
