@@ -423,9 +423,11 @@ pub unsafe fn backward<const RANKS: bool>(
                 return;
             }
             // Where a launch hosts one rank and shares nothing across ranks (one GPU; one rank
-            // per process and GPU), every role reads the block's shared-memory copy of the
-            // parameter block and its routed plans from here on: after each acquire and proxy
-            // fence of the pass a global field comes back from L2, the copy's do not
+            // per process and GPU), the block reads its shared-memory copy of the parameter
+            // block and its routed plans from here on (on one GPU every role; across ranks the
+            // phases' plans and hooks, while the spare warps and the combine read `rank()`'s
+            // block): after each acquire and proxy fence of the pass a global field comes back
+            // from L2, the copy's do not
             // (docs/PERF.md, "The parameter block and plans in shared memory"). Written now,
             // whole after `run_backward_phases`' first cluster barrier; nothing reads it before,
             // so the fields the phases take are read here from global memory. With tiles or
