@@ -423,18 +423,15 @@ pub unsafe fn backward<const RANKS: bool>(
                 return;
             }
             // Where a launch hosts one rank and shares nothing across ranks (one GPU; one rank
-            // per process and GPU), the block reads its shared-memory copy of the parameter
-            // block and its routed plans from here on (on one GPU every role; across ranks the
-            // phases' plans and hooks, while the spare warps and the combine read `rank()`'s
-            // block): after each acquire and proxy fence of the pass a global field comes back
-            // from L2, the copy's do not
-            // (docs/PERF.md, "The parameter block and plans in shared memory"). Written now,
-            // whole after `run_backward_phases`' first cluster barrier; nothing reads it before,
-            // so the fields the phases take are read here from global memory. With tiles or
-            // weight gradients shared across hosted ranks every block reads all their blocks,
-            // more than the copy's carve holds; those blocks, and a later rank's own blocks
-            // (the phases index the blocks from the first by launch index), stay in global
-            // memory.
+            // per process and GPU), the block reads a shared-memory copy of its parameter block
+            // and routed plans from here on (on one GPU every role; across ranks the phases'
+            // plans and hooks): after each acquire and proxy fence a global field comes back
+            // from L2, the copy's do not (docs/PERF.md, "The parameter block and plans in shared
+            // memory"). The copy is whole only after `run_backward_phases`' first cluster
+            // barrier, so the fields the phases take are read here, from global memory. Blocks
+            // that read several ranks' blocks (tiles or weight gradients shared across ranks:
+            // more than the carve holds), and a later rank's own blocks (the phases index the
+            // blocks from the first by launch index), stay in global memory.
             let (launch_index, tile_ranks, wgrad_ranks) =
                 if RANKS { (b.launch_index, b.tile_ranks, b.wgrad_ranks) } else { (0, 1, 1) };
             let copied = tile_ranks == 1 && wgrad_ranks == 1 && launch_index == 0;
