@@ -238,8 +238,8 @@ pub fn rank_slot() -> u32 {
 }
 
 /// The shared-memory address where the backward megakernel (one GPU, or a launch hosting one
-/// rank) keeps its copy of its parameter block and routed plans ([`PARAMS_COPY_BYTES`](crate::gemm_layout::PARAMS_COPY_BYTES));
-/// unused by the other kernels.
+/// rank) keeps its copy of its parameter block and routed plans
+/// ([`PARAMS_COPY_BYTES`](crate::gemm_layout::PARAMS_COPY_BYTES)); unused by the other kernels.
 #[inline(always)]
 pub fn params_copy_address() -> u32 {
     Ring::new::<{ Variant::ROWS_NN }>().params_copy::<{ Variant::ROWS_NN }>()

@@ -72,9 +72,8 @@ impl Ring {
         self.work_slot::<V>(const { ring_stages(V) })
     }
     /// The backward megakernel's copy of its parameter block and routed plans (one GPU, or a
-    /// launch hosting one rank)
-    /// ([`PARAMS_COPY_BYTES`](crate::gemm_layout::PARAMS_COPY_BYTES), 16-byte aligned), after the
-    /// rank word (16 bytes).
+    /// launch hosting one rank; [`PARAMS_COPY_BYTES`](crate::gemm_layout::PARAMS_COPY_BYTES),
+    /// 16-byte aligned), after the rank word (16 bytes).
     pub(super) fn params_copy<const V: u32>(self) -> u32 {
         self.rank::<V>() + 16
     }
