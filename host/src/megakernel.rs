@@ -863,8 +863,8 @@ impl BackwardMegakernel {
         let words = backward_counter_words;
         build_pass(gpu, kernels, plans, &ranks_of, options, error_record, words, |r, at, comm_blocks, timeout_ns| {
             let (p, b, counters, tile_words) = (plans[r], &buffers[r], at.counters, at.tile_words);
-            // After the routed counters and the three queue words: the shared expert's three.
-            let shared_counters = counters + 3 * tile_words + 12;
+            // After the routed counters and the four queue words: the shared expert's three.
+            let shared_counters = counters + 3 * tile_words + 16;
             let with_shared = b.shared.is_some();
             let shared = |i: usize| if with_shared { p[5 + i].params_ptr() } else { 0 };
             let shared_counter = |i: u64| if with_shared { shared_counters + i * tile_words } else { 0 };
@@ -913,6 +913,7 @@ impl BackwardMegakernel {
                 swiglu: b.swiglu,
                 shared_swiglu: b.shared.map(|s| s.swiglu).unwrap_or_default(),
                 swiglu_next: counters + 3 * tile_words + 8,
+                dots_next: counters + 3 * tile_words + 12,
             }
         })
     }

@@ -312,6 +312,9 @@ pub struct BackwardParams {
     /// One u32: the next SwiGLU-backward chunk to hand out (the shared expert's M tiles' chunks
     /// first, then the routed ones', [`SWIGLU_CHUNKS_PER_M_TILE`] per M tile).
     pub swiglu_next: u64,
+    /// One u32, across ranks: the next of this rank's tokens whose slot-weight gradients to
+    /// compute (`megakernel::backward::slot_weight_gradients`); unused on one GPU.
+    pub dots_next: u64,
 }
 
 /// One expert set's rows of the backward's SwiGLU step, all `[cap][width]` in expert order:
@@ -354,7 +357,7 @@ pub const fn down_dgrad_complete(n_tiles: u32, rows: u32) -> u32 {
 
 // The host writes this block byte for byte: nineteen 8-byte words, eight u32, one 8-byte word,
 // six u32, nine 8-byte words, two 48-byte `SwigluBackwardRows`, one 8-byte word.
-const _: () = assert!(size_of::<BackwardParams>() == 392);
+const _: () = assert!(size_of::<BackwardParams>() == 400);
 
 /// The routed plans the one-GPU backward megakernel copies into shared memory with its parameter
 /// block (the two data gradients and the three weight gradients; the shared expert's stay in
@@ -370,10 +373,10 @@ const _: () = assert!(
 
 /// Words of one rank's backward pass counters for plans of at most `m_tiles` M tiles: three
 /// per M tile for the routed experts (gathered, down-dgrad parts, gate/up-dgrad parts), the
-/// three queues (gather, combine, the SwiGLU backward), then three per M tile for the shared
-/// expert.
+/// four queues (gather, combine, the SwiGLU backward, the slot-weight gradients across ranks),
+/// then three per M tile for the shared expert.
 pub const fn backward_counter_words(m_tiles: usize) -> usize {
-    6 * m_tiles + 3
+    6 * m_tiles + 4
 }
 
 /// [`ForwardParams::work`]: the dispatch copies the rows (without it, it only publishes them:

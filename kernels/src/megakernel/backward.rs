@@ -52,7 +52,7 @@ use super::comm::{
 /// lane 0 adds 1 to the tile's `rows_gathered` count with a release (complete at
 /// [`row_chunks_complete`](crate::megakernel_layout::row_chunks_complete)). Across ranks
 /// (`view`) each row pulls its token owner's dy and slot weight through the peer mapping and is
-/// only scaled (the owner computes the slot-weight gradient in its combine). A chunk past a short
+/// only scaled (the owner computes the slot-weight gradients: [`slot_weight_gradients`]). A chunk past a short
 /// tile's rows neither writes nor counts. Waits for nothing. Returns once the chunks are all
 /// handed out.
 ///
@@ -117,7 +117,7 @@ pub unsafe fn gather<const RANKS: bool>(
                 let r = row as usize;
                 match view {
                     // Across ranks: the token owner's dy and slot weight, through the peer
-                    // mapping; the owner computes the slot-weight gradient in its combine.
+                    // mapping; the owner computes the slot-weight gradients.
                     Some(v) if RANKS => {
                         let owner = *source_rank.add(r);
                         let regions = &v.params.regions;
@@ -251,6 +251,46 @@ pub unsafe fn swiglu_backward_chunks(b: &BackwardParams, pass: &PassInputs, spar
     }
 }
 
+/// Across ranks, the slot-weight gradients of this rank's tokens by a whole warp: tokens taken
+/// one at a time from `dots_next`, each routed slot's `d_topk_weights[t·k+j] = ⟨dy[t],
+/// combine_slots[t·k+j]⟩` (the forward's slot row, still in place: the dx rows land in their own
+/// slot buffer; the bits of the one-GPU gather's dot product), a dropped slot's 0. They wait on
+/// nothing, so the compute blocks' spare warps take them after their SwiGLU chunks, under the
+/// GEMM phases (on one GPU the gather computes them); [`combine_dx`] takes what is left first.
+///
+/// # Safety
+/// As [`combine_dx`], with `view` the rank's view; all 32 lanes call it.
+#[inline(always)]
+pub unsafe fn slot_weight_gradients(b: &BackwardParams, pass: &PassInputs, view: &RankView) {
+    // SAFETY: caller contract; all 32 lanes take the same tokens (the claim is broadcast), so
+    // every lane reaches each shuffle and `warp_sum_f32`.
+    unsafe {
+        let lane = sreg::lane_id();
+        let forward_rows = view.local::<f32>(view.params.regions.combine_slots);
+        let (slot_row, h) = (b.slot_row as *const u32, b.hidden as usize);
+        loop {
+            let claimed = if lane == 0 { atom_add_relaxed_gpu_u32(b.dots_next as *mut u32, 1) } else { 0 };
+            let token = sync::shfl_idx_u32(claimed, 0);
+            if token >= pass.tokens {
+                return;
+            }
+            let slots = WarpSlots::load(slot_row, core::ptr::null(), token, b.top_k, lane);
+            let dy = (pass.x as *const u16).add(token as usize * h);
+            for j in 0..b.top_k {
+                let slot = (token * b.top_k + j) as usize;
+                let total = if slots.row(j) == NO_ROW {
+                    0.0
+                } else {
+                    sync::warp_sum_f32(dot_row(dy, forward_rows.add(slot * h), b.hidden, lane))
+                };
+                if lane == 0 {
+                    *(b.d_topk_weights as *mut f32).add(slot) = total;
+                }
+            }
+        }
+    }
+}
+
 /// The dx combine, by a whole warp (comm blocks after their gather, compute blocks' consumer
 /// warps after their GEMM phases): tokens taken one at a time from `combine_next`; the warp
 /// waits (bounded, acquire) until each routed slot's row is there — on one GPU until the gate/up
@@ -260,9 +300,9 @@ pub unsafe fn swiglu_backward_chunks(b: &BackwardParams, pass: &PassInputs, spar
 /// [`slot_row_complete`]) — then the warp sums `dx[t] =
 /// bf16(shared_dx[t] + Σ_j d_in[row(t,j)])` with [`WarpSlots::combine_row`], the slots' rows
 /// held in lanes (the shared term first, slots in order: the bits of
-/// `mok_combine_slots`). A dropped slot's d_topk_weight is written here, as 0; across ranks
-/// every routed slot's too, `⟨dy[t], combine_slots[t·k+j]⟩` (the forward's slot row, the bits of
-/// the one-GPU gather's dot product).
+/// `mok_combine_slots`). On one GPU a dropped slot's d_topk_weight is written here, as 0 (the
+/// gather writes the others); across ranks the warp first takes what is left of the
+/// slot-weight gradients' queue ([`slot_weight_gradients`]).
 ///
 /// Across ranks a wait stops early when the owner's error record is set (the owner names the
 /// cause), and once this rank's own record is set its combine waits for nothing more.
@@ -279,6 +319,11 @@ pub unsafe fn combine_dx<const RANKS: bool>(b: &BackwardParams, pass: &PassInput
     // broadcast; the per-lane waits rejoin), so every lane reaches each shuffle, ballot and
     // `warp_sum_f32`.
     unsafe {
+        // Across ranks the slot-weight gradients' queue first: whatever the spare warps left
+        // (all of it where they ran none, as with the comm side timed alone).
+        if RANKS && let Some(v) = view {
+            slot_weight_gradients(b, pass, v);
+        }
         let p = &*(b.gate_up_dgrad as *const GemmParams);
         let lane = sreg::lane_id();
         let (slot_row, error) = (b.slot_row as *const u32, b.error as *mut u32);
@@ -292,23 +337,6 @@ pub unsafe fn combine_dx<const RANKS: bool>(b: &BackwardParams, pass: &PassInput
             match view {
                 Some(v) if RANKS => {
                     let regions = &v.params.regions;
-                    // Each slot's weight gradient from the forward's slot row (still in place: the
-                    // dx rows land in their own slot buffer); a dropped slot's is 0.
-                    for j in 0..b.top_k {
-                        let slot = token * b.top_k + j;
-                        if slots.row(j) == NO_ROW {
-                            if lane == 0 {
-                                *(b.d_topk_weights as *mut f32).add(slot as usize) = 0.0;
-                            }
-                            continue;
-                        }
-                        let forward_row = v.local::<f32>(regions.combine_slots).add(slot as usize * b.hidden as usize);
-                        let dy = (pass.x as *const u16).add(token as usize * b.hidden as usize);
-                        let total = sync::warp_sum_f32(dot_row(dy, forward_row, b.hidden, lane));
-                        if lane == 0 {
-                            *(b.d_topk_weights as *mut f32).add(slot as usize) = total;
-                        }
-                    }
                     // Without GEMMs (the comm side timed alone) no tile pushes: sum the slots as
                     // they are.
                     let flags = v.local::<u32>(regions.slot_ready).add((token * b.top_k) as usize);
@@ -481,6 +509,18 @@ pub unsafe fn backward<const RANKS: bool>(
                     in_walk_order!(rank, hosted, |b, pass, until_routed| {
                         swiglu_backward_chunks(b, &pass, true, until_routed)
                     });
+                    // Then the slot-weight gradients, which wait on nothing: of every rank whose
+                    // tiles this block walks (its own where each rank has its blocks).
+                    let ranks = (*rank().0).tile_ranks;
+                    let mut q = 0;
+                    while q < ranks.max(1) {
+                        let (params, pass) = if ranks > 1 { hosted(q) } else { rank() };
+                        let b = &*params;
+                        if let Some(v) = rank_view::<RANKS, _>(b) {
+                            slot_weight_gradients(b, &pass, &v);
+                        }
+                        q += 1;
+                    }
                 } else {
                     let (b, pass, view) = this_rank();
                     gather::<RANKS>(b, &pass, view.as_ref(), false);
