@@ -60,12 +60,42 @@ pub struct MegakernelOptions {
     /// every rank's queues; the comm blocks' row work and every combine stay on the rank's own
     /// blocks. The bits are the same either way. Ignored with one rank per launch.
     pub share_rank_tiles: bool,
+    /// Across ranks, where the backward computes the slot-weight gradients (d_topk_weights, a dot
+    /// of dy with the forward's slot row per routed slot): `Some(true)`, the compute blocks'
+    /// spare producer warps take them after their SwiGLU chunks, under the GEMM phases;
+    /// `Some(false)`, the dx combine, after the weight gradients; `None`: early where the routed
+    /// experts average at least [`EARLY_SLOT_WEIGHT_GRADIENTS_MIN_ROWS`] rows. The bits are the
+    /// same either way. Ignored on one GPU, whose gather computes them.
+    pub early_slot_weight_gradients: Option<bool>,
 }
 
 impl Default for MegakernelOptions {
     fn default() -> Self {
-        Self { comm_blocks: None, blocks: None, timeout: Duration::from_secs(5), share_rank_tiles: true }
+        Self {
+            comm_blocks: None,
+            blocks: None,
+            timeout: Duration::from_secs(5),
+            share_rank_tiles: true,
+            early_slot_weight_gradients: None,
+        }
     }
+}
+
+/// The routed experts' average rows (global tokens · k ÷ experts) from which the backward across
+/// ranks computes the slot-weight gradients early by default
+/// ([`MegakernelOptions::early_slot_weight_gradients`]). Early, their reads (dy and the forward's
+/// f32 slot rows, T·k·H·6 bytes) run beside the GEMM phases instead of after them: measured at P
+/// = 8 virtual ranks on an H100 (docs/PERF.md, "The slot-weight gradients under the GEMM
+/// phases"), 1.4 ms (2 %) off qwen's forward + backward at T = 32768 (2048 rows an expert) and
+/// 0.2–0.4 ms (1 %) onto qwen's and kimi's at T = 8192 (512 and 171 rows), whose GEMM tiles
+/// read more weight bytes per FLOP and so lose more to the extra reads than the tail saves.
+pub const EARLY_SLOT_WEIGHT_GRADIENTS_MIN_ROWS: usize = 1024;
+
+/// Whether a backward across ranks with `options` computes its slot-weight gradients early for
+/// routed experts averaging `rows_per_expert` rows
+/// ([`MegakernelOptions::early_slot_weight_gradients`]).
+pub(crate) fn early_slot_weight_gradients(options: &MegakernelOptions, rows_per_expert: usize) -> bool {
+    options.early_slot_weight_gradients.unwrap_or(rows_per_expert >= EARLY_SLOT_WEIGHT_GRADIENTS_MIN_ROWS)
 }
 
 /// The comm blocks used when the options name none: 0, every block dispatches, computes and
@@ -814,7 +844,9 @@ impl BackwardMegakernel {
     /// rank in one launch; `plans[r]` are rank r's plans in [`BACKWARD_PLAN_KERNELS`] order, then,
     /// when `buffers[r].shared` is given, its shared expert's five in the same order. On one GPU
     /// the pass records its failures in `error_record` (over ranks: `None`, the heap's), which
-    /// must outlive every launch of the pass.
+    /// must outlive every launch of the pass. Across ranks the slot-weight gradients run early
+    /// only where `options.early_slot_weight_gradients` is `Some(true)`: the caller resolves
+    /// the rule ([`early_slot_weight_gradients`]).
     pub(crate) fn new(
         gpu: &Gpu,
         plans: &[&[&EnginePlan]],
@@ -914,6 +946,8 @@ impl BackwardMegakernel {
                 shared_swiglu: b.shared.map(|s| s.swiglu).unwrap_or_default(),
                 swiglu_next: counters + 3 * tile_words + 8,
                 dots_next: counters + 3 * tile_words + 12,
+                early_slot_weight_gradients: u32::from(with_ranks && options.early_slot_weight_gradients == Some(true)),
+                reserved: 0,
             }
         })
     }
@@ -996,6 +1030,17 @@ mod plan_kernel_tests {
 #[cfg(test)]
 mod geometry_tests {
     use super::*;
+
+    #[test]
+    fn slot_weight_gradients_early_from_the_rows_per_expert_or_as_asked() {
+        let options = |early| MegakernelOptions { early_slot_weight_gradients: early, ..Default::default() };
+        // qwen at T = 32768 (2048 rows an expert) early, at T = 8192 (512) and kimi (171) not.
+        assert!(early_slot_weight_gradients(&options(None), 32768 * 8 / 128));
+        assert!(!early_slot_weight_gradients(&options(None), 8192 * 8 / 128));
+        assert!(!early_slot_weight_gradients(&options(None), EARLY_SLOT_WEIGHT_GRADIENTS_MIN_ROWS - 1));
+        assert!(early_slot_weight_gradients(&options(Some(true)), 1));
+        assert!(!early_slot_weight_gradients(&options(Some(false)), 1 << 20));
+    }
 
     #[test]
     fn every_rank_gets_its_comm_blocks_and_a_compute_pair() {

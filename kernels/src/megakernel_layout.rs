@@ -315,6 +315,13 @@ pub struct BackwardParams {
     /// One u32, across ranks: the next of this rank's tokens whose slot-weight gradients to
     /// compute (`megakernel::backward::slot_weight_gradients`); unused on one GPU.
     pub dots_next: u64,
+    /// Across ranks, nonzero: the compute blocks' spare producer warps also take the
+    /// slot-weight gradients' queue (`dots_next`) after their SwiGLU chunks, under the GEMM
+    /// phases; 0: only the dx combine takes it, after the weight gradients. The bits are the
+    /// same either way (`MegakernelOptions::early_slot_weight_gradients` says when each pays).
+    pub early_slot_weight_gradients: u32,
+    /// Zero: pads the block to whole 8-byte words.
+    pub reserved: u32,
 }
 
 /// One expert set's rows of the backward's SwiGLU step, all `[cap][width]` in expert order:
@@ -356,8 +363,8 @@ pub const fn down_dgrad_complete(n_tiles: u32, rows: u32) -> u32 {
 }
 
 // The host writes this block byte for byte: nineteen 8-byte words, eight u32, one 8-byte word,
-// six u32, nine 8-byte words, two 48-byte `SwigluBackwardRows`, one 8-byte word.
-const _: () = assert!(size_of::<BackwardParams>() == 400);
+// six u32, nine 8-byte words, two 48-byte `SwigluBackwardRows`, two 8-byte words, two u32.
+const _: () = assert!(size_of::<BackwardParams>() == 408);
 
 /// The routed plans the one-GPU backward megakernel copies into shared memory with its parameter
 /// block (the two data gradients and the three weight gradients; the shared expert's stay in

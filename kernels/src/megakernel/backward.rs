@@ -509,14 +509,17 @@ pub unsafe fn backward<const RANKS: bool>(
                     in_walk_order!(rank, hosted, |b, pass, until_routed| {
                         swiglu_backward_chunks(b, &pass, true, until_routed)
                     });
-                    // Then the slot-weight gradients, which wait on nothing: of every rank whose
-                    // tiles this block walks (its own where each rank has its blocks).
+                    // Then the slot-weight gradients where the pass asks for them early; they
+                    // wait on nothing: of every rank whose tiles this block walks (its own where
+                    // each rank has its blocks).
                     let ranks = (*rank().0).tile_ranks;
                     let mut q = 0;
                     while q < ranks.max(1) {
                         let (params, pass) = if ranks > 1 { hosted(q) } else { rank() };
                         let b = &*params;
-                        if let Some(v) = rank_view::<RANKS, _>(b) {
+                        if b.early_slot_weight_gradients != 0
+                            && let Some(v) = rank_view::<RANKS, _>(b)
+                        {
                             slot_weight_gradients(b, &pass, &v);
                         }
                         q += 1;
