@@ -83,12 +83,10 @@ impl Default for MegakernelOptions {
 
 /// The routed experts' average rows (global tokens · k ÷ experts) from which the backward across
 /// ranks computes the slot-weight gradients early by default
-/// ([`MegakernelOptions::early_slot_weight_gradients`]). Early, their reads (dy and the forward's
-/// f32 slot rows, T·k·H·6 bytes) run beside the GEMM phases instead of after them: measured at P
-/// = 8 virtual ranks on an H100 (docs/PERF.md, "The slot-weight gradients under the GEMM
-/// phases"), 1.4 ms (2 %) off qwen's forward + backward at T = 32768 (2048 rows an expert) and
-/// 0.2–0.4 ms (1 %) onto qwen's and kimi's at T = 8192 (512 and 171 rows), whose GEMM tiles
-/// read more weight bytes per FLOP and so lose more to the extra reads than the tail saves.
+/// ([`MegakernelOptions::early_slot_weight_gradients`]). Set from one H100 call at P = 8 (1.4 ms
+/// off qwen 32768, 2048 rows an expert; 0.2–0.4 ms onto qwen and kimi at T = 8192, 512 and 171
+/// rows), which a second call did not confirm: main's docs/PERF.md, "The slot-weight gradients
+/// under the GEMM phases across ranks" (this branch is not merged).
 pub const EARLY_SLOT_WEIGHT_GRADIENTS_MIN_ROWS: usize = 1024;
 
 /// Whether a backward across ranks with `options` computes its slot-weight gradients early for
