@@ -83,11 +83,13 @@ impl Default for MegakernelOptions {
 
 /// The routed experts' average rows (global tokens · k ÷ experts) from which the backward across
 /// ranks computes the slot-weight gradients early by default
-/// ([`MegakernelOptions::early_slot_weight_gradients`]). Set from one H100 call at P = 8 (1.4 ms
-/// off qwen 32768, 2048 rows an expert; 0.2–0.4 ms onto qwen and kimi at T = 8192, 512 and 171
-/// rows), which a second call did not confirm: main's docs/PERF.md, "The slot-weight gradients
-/// under the GEMM phases across ranks" (this branch is not merged).
-pub const EARLY_SLOT_WEIGHT_GRADIENTS_MIN_ROWS: usize = 1024;
+/// ([`MegakernelOptions::early_slot_weight_gradients`]). Early, their reads (dy and the forward's
+/// f32 slot rows) run beside the GEMM phases instead of after them: in one H100 call at P = 8,
+/// 1.37 ms (2.1 %) off qwen's forward + backward at T = 32768 (640 rows an expert) and 0.2–0.4
+/// ms onto qwen's and kimi's at T = 8192 (160 and 171 rows). The threshold sits between them;
+/// not yet confirmed by a second call (main's docs/PERF.md, "The slot-weight gradients under the
+/// GEMM phases across ranks").
+pub const EARLY_SLOT_WEIGHT_GRADIENTS_MIN_ROWS: usize = 512;
 
 /// Whether a backward across ranks with `options` computes its slot-weight gradients early for
 /// routed experts averaging `rows_per_expert` rows
@@ -1032,9 +1034,11 @@ mod geometry_tests {
     #[test]
     fn slot_weight_gradients_early_from_the_rows_per_expert_or_as_asked() {
         let options = |early| MegakernelOptions { early_slot_weight_gradients: early, ..Default::default() };
-        // qwen at T = 32768 (2048 rows an expert) early, at T = 8192 (512) and kimi (171) not.
-        assert!(early_slot_weight_gradients(&options(None), 32768 * 8 / 128));
-        assert!(!early_slot_weight_gradients(&options(None), 8192 * 8 / 128));
+        // qwen (E 512, k 10) at T = 32768 (640 rows an expert) early, at T = 8192 (160) and
+        // kimi (E 384, k 8) at T = 8192 (170) not.
+        assert!(early_slot_weight_gradients(&options(None), 32768 * 10 / 512));
+        assert!(!early_slot_weight_gradients(&options(None), 8192 * 10 / 512));
+        assert!(!early_slot_weight_gradients(&options(None), 8192 * 8 / 384));
         assert!(!early_slot_weight_gradients(&options(None), EARLY_SLOT_WEIGHT_GRADIENTS_MIN_ROWS - 1));
         assert!(early_slot_weight_gradients(&options(Some(true)), 1));
         assert!(!early_slot_weight_gradients(&options(Some(false)), 1 << 20));
