@@ -26,8 +26,8 @@
 //! receive ring at F times an even split's rows (default: the worst case), and
 //! `--own-rank-tiles` runs each rank's GEMM tiles on its own blocks (`epP:…/own-tiles`; by default
 //! every compute block takes every rank's tiles), and `--early-slot-weight-gradients on|off`
-//! forces where the backward across ranks computes the slot-weight gradients
-//! (`MegakernelOptions::early_slot_weight_gradients`; `…/slot-weight-gradients-early` or
+//! forces where the backward megakernel computes the slot-weight gradients, one GPU or across
+//! ranks (`MegakernelOptions::early_slot_weight_gradients`; `…/slot-weight-gradients-early` or
 //! `-late`; by default the option's rule). `--ranks-path` runs the cases through that
 //! layer at any P, P = 1 included (`ep1:…`; on the megakernel backends its ranks kernels: what
 //! they cost against the one-GPU kernels, apart from what hosting several ranks on one GPU
@@ -77,7 +77,8 @@ struct Args {
     /// With ranks: each rank's GEMM tiles on its own blocks (`MegakernelOptions::share_rank_tiles`
     /// false) instead of every compute block taking every rank's tiles.
     own_rank_tiles: bool,
-    /// With ranks: `MegakernelOptions::early_slot_weight_gradients` (`None`: its rule).
+    /// `MegakernelOptions::early_slot_weight_gradients` of the backward megakernel (`None`: its
+    /// rule).
     early_slot_weight_gradients: Option<bool>,
     /// Run the cases through the expert-parallel layer and its ranks kernels even at P = 1
     /// (`--ranks-path`): at P = 1 this separates what the ranks kernels cost against the one-GPU
@@ -157,7 +158,9 @@ impl Backend {
         }
     }
 
-    fn apply(self, gpu: &Gpu, layer: &mut UnfusedLayer) -> Result<()> {
+    /// Sets `layer` up for this backend, the backward megakernel's slot-weight gradients where
+    /// `early_slot_weight_gradients` says (`MegakernelOptions::early_slot_weight_gradients`).
+    fn apply(self, gpu: &Gpu, layer: &mut UnfusedLayer, early_slot_weight_gradients: Option<bool>) -> Result<()> {
         layer.set_gemm_engine(gpu, self != Backend::Mma)?;
         let gathering = self.gathering();
         match self {
@@ -167,7 +170,9 @@ impl Backend {
             Backend::Megakernels(counts, _) => {
                 let options = |comm_blocks| Some(MegakernelOptions { comm_blocks, ..Default::default() });
                 layer.set_forward_megakernel(gpu, options(counts.map(|c| c.forward)))?;
-                layer.set_backward_megakernel(gpu, options(counts.map(|c| c.backward)))?;
+                let backward =
+                    options(counts.map(|c| c.backward)).map(|o| MegakernelOptions { early_slot_weight_gradients, ..o });
+                layer.set_backward_megakernel(gpu, backward)?;
             }
             Backend::Mma | Backend::Engine(_) => {}
         }
@@ -613,7 +618,7 @@ fn bench_case(
     gpu: &Gpu,
     shape: FrontierShape,
     tokens: usize,
-    (reps, swap_weights): (usize, bool),
+    (reps, swap_weights, early_slot_weight_gradients): (usize, bool, Option<bool>),
     backend: Backend,
 ) -> Result<Measured> {
     let config = shape.config(tokens);
@@ -631,7 +636,7 @@ fn bench_case(
     let experts = make_experts()?;
     let dy = random_bf16(gpu, tokens * h, 4, 1.0)?;
     let mut layer = UnfusedLayer::new(gpu, config)?;
-    backend.apply(gpu, &mut layer)?;
+    backend.apply(gpu, &mut layer, early_slot_weight_gradients)?;
     layer.forward(gpu, &device_tokens, &experts, None)?;
     layer.backward(gpu, &device_tokens, &experts, None, &dy)?;
     layer.check_device_errors()?;
@@ -866,7 +871,11 @@ fn main() -> Result<()> {
             Some(false) => "/slot-weight-gradients-late",
             None => "",
         };
-        if args.over_ranks() { format!("ep{}:{}{own}{dots}", args.ranks, backend.name()) } else { backend.name() }
+        if args.over_ranks() {
+            format!("ep{}:{}{own}{dots}", args.ranks, backend.name())
+        } else {
+            format!("{}{dots}", backend.name())
+        }
     };
     let backends: Vec<String> = args.backends.iter().map(|&b| name(b)).collect();
     println!(
@@ -891,7 +900,7 @@ fn main() -> Result<()> {
                 backend,
             )?
         } else {
-            bench_case(&gpu, shape, tokens, (args.reps, args.swap_weights), backend)?
+            bench_case(&gpu, shape, tokens, (args.reps, args.swap_weights, args.early_slot_weight_gradients), backend)?
         };
         let backend_name = name(backend);
         let (fwd, step) = (measured.fwd, measured.step);

@@ -60,12 +60,13 @@ pub struct MegakernelOptions {
     /// every rank's queues; the comm blocks' row work and every combine stay on the rank's own
     /// blocks. The bits are the same either way. Ignored with one rank per launch.
     pub share_rank_tiles: bool,
-    /// Across ranks, where the backward computes the slot-weight gradients (d_topk_weights, a dot
-    /// of dy with the forward's slot row per routed slot): `Some(true)`, the compute blocks'
-    /// spare producer warps take them after their SwiGLU chunks, under the GEMM phases;
-    /// `Some(false)`, the dx combine, after the weight gradients; `None`: early where the routed
-    /// experts average at least [`EARLY_SLOT_WEIGHT_GRADIENTS_MIN_ROWS`] rows. The bits are the
-    /// same either way. Ignored on one GPU, whose gather computes them.
+    /// Where the backward computes the slot-weight gradients (d_topk_weights, a dot of dy with
+    /// the forward's f32 down-projection row per routed slot): `Some(true)`, the compute blocks'
+    /// spare producer warps take them after their SwiGLU chunks, under the GEMM phases.
+    /// `Some(false)`: across ranks the dx combine, after the weight gradients; on one GPU the
+    /// gather, beside its copy of the same dy rows. `None`: across ranks early where the routed
+    /// experts average at least [`EARLY_SLOT_WEIGHT_GRADIENTS_MIN_ROWS`] rows; on one GPU in the
+    /// gather. The bits are the same either way.
     pub early_slot_weight_gradients: Option<bool>,
 }
 
@@ -844,8 +845,8 @@ impl BackwardMegakernel {
     /// rank in one launch; `plans[r]` are rank r's plans in [`BACKWARD_PLAN_KERNELS`] order, then,
     /// when `buffers[r].shared` is given, its shared expert's five in the same order. On one GPU
     /// the pass records its failures in `error_record` (over ranks: `None`, the heap's), which
-    /// must outlive every launch of the pass. Across ranks the slot-weight gradients run early
-    /// only where `options.early_slot_weight_gradients` is `Some(true)`: the caller resolves
+    /// must outlive every launch of the pass. The slot-weight gradients run early only where
+    /// `options.early_slot_weight_gradients` is `Some(true)`: across ranks the caller resolves
     /// the rule ([`early_slot_weight_gradients`]).
     pub(crate) fn new(
         gpu: &Gpu,
@@ -946,7 +947,7 @@ impl BackwardMegakernel {
                 shared_swiglu: b.shared.map(|s| s.swiglu).unwrap_or_default(),
                 swiglu_next: counters + 3 * tile_words + 8,
                 dots_next: counters + 3 * tile_words + 12,
-                early_slot_weight_gradients: u32::from(with_ranks && options.early_slot_weight_gradients == Some(true)),
+                early_slot_weight_gradients: u32::from(options.early_slot_weight_gradients == Some(true)),
                 reserved: 0,
             }
         })

@@ -312,13 +312,15 @@ pub struct BackwardParams {
     /// One u32: the next SwiGLU-backward chunk to hand out (the shared expert's M tiles' chunks
     /// first, then the routed ones', [`SWIGLU_CHUNKS_PER_M_TILE`] per M tile).
     pub swiglu_next: u64,
-    /// One u32, across ranks: the next of this rank's tokens whose slot-weight gradients to
-    /// compute (`megakernel::backward::slot_weight_gradients`); unused on one GPU.
+    /// One u32: the next of this rank's tokens whose slot-weight gradients to compute
+    /// (`megakernel::backward::slot_weight_gradients`; on one GPU only with
+    /// `early_slot_weight_gradients`).
     pub dots_next: u64,
-    /// Across ranks, nonzero: the compute blocks' spare producer warps also take the
-    /// slot-weight gradients' queue (`dots_next`) after their SwiGLU chunks, under the GEMM
-    /// phases; 0: only the dx combine takes it, after the weight gradients. The bits are the
-    /// same either way (`MegakernelOptions::early_slot_weight_gradients` says when each pays).
+    /// Nonzero: the compute blocks' spare producer warps take the slot-weight gradients' queue
+    /// (`dots_next`) after their SwiGLU chunks, under the GEMM phases, and the dx combine what
+    /// is left. 0: across ranks only the dx combine takes it, after the weight gradients; on one
+    /// GPU the gather computes them. The bits are the same either way
+    /// (`MegakernelOptions::early_slot_weight_gradients` says when each pays).
     pub early_slot_weight_gradients: u32,
     /// Zero: pads the block to whole 8-byte words.
     pub reserved: u32,

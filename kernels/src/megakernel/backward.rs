@@ -48,13 +48,13 @@ use super::comm::{
 /// `gather_next` — the shared expert's M tiles first (its dy copy), then the routed ones, 8
 /// chunk numbers per M tile. Each of the chunk's rows is written in
 /// expert order as `bf16(w[t,j] · dy[t])`, and the warp's sum of `dy[t] · out[row]` (the
-/// forward's f32 down-projection row) is the slot's d_topk_weight; then, after a warp barrier,
-/// lane 0 adds 1 to the tile's `rows_gathered` count with a release (complete at
+/// forward's f32 down-projection row) is the slot's d_topk_weight (unless the pass computes
+/// those apart, `early_slot_weight_gradients`: [`slot_weight_gradients`]); then, after a warp
+/// barrier, lane 0 adds 1 to the tile's `rows_gathered` count with a release (complete at
 /// [`row_chunks_complete`](crate::megakernel_layout::row_chunks_complete)). Across ranks
 /// (`view`) each row pulls its token owner's dy and slot weight through the peer mapping and is
-/// only scaled (the owner computes the slot-weight gradients: [`slot_weight_gradients`]). A chunk past a short
-/// tile's rows neither writes nor counts. Waits for nothing. Returns once the chunks are all
-/// handed out.
+/// only scaled (the owner computes the slot-weight gradients). A chunk past a short tile's rows
+/// neither writes nor counts. Waits for nothing. Returns once the chunks are all handed out.
 ///
 /// Comm blocks run it on every warp; compute blocks on their producer warpgroup's spare warps,
 /// alongside the GEMM phases, so the first down-dgrad tiles wait for their own rows only. With
@@ -82,6 +82,9 @@ pub unsafe fn gather<const RANKS: bool>(
         let copy = b.work & WORK_COPY_ROWS != 0 && !(RANKS && error::has_error(b.error as *const u32));
         // A rank that copies nothing because of its error publishes nothing either.
         let publish = copy == (b.work & WORK_COPY_ROWS != 0);
+        // On one GPU the slot-weight gradients are computed here unless the pass computes them
+        // apart ([`slot_weight_gradients`]).
+        let apart = b.early_slot_weight_gradients != 0;
         loop {
             // With a shared expert the queue starts with its M tiles (its phases run first).
             let with_shared = b.shared_down_dgrad != 0;
@@ -125,6 +128,14 @@ pub unsafe fn gather<const RANKS: bool>(
                         let weight = *v.peer::<f32>(regions.topk_weights, owner).add(slot as usize);
                         gather_scaled_row(owner_dy, d_rows.add(r * h), weight, b.hidden, lane);
                     }
+                    // On one GPU with the slot-weight gradients apart: the copy alone.
+                    _ if apart => gather_scaled_row(
+                        dy.add(token * h),
+                        d_rows.add(r * h),
+                        *weights.add(slot as usize),
+                        b.hidden,
+                        lane,
+                    ),
                     _ => {
                         let partial = gather_scaled_row_and_dot(
                             dy.add(token * h),
@@ -251,22 +262,35 @@ pub unsafe fn swiglu_backward_chunks(b: &BackwardParams, pass: &PassInputs, spar
     }
 }
 
-/// Across ranks, the slot-weight gradients of this rank's tokens by a whole warp: tokens taken
-/// one at a time from `dots_next`, each routed slot's `d_topk_weights[t·k+j] = ⟨dy[t],
-/// combine_slots[t·k+j]⟩` (the forward's slot row, still in place: the dx rows land in their own
-/// slot buffer; the bits of the one-GPU gather's dot product), a dropped slot's 0. They wait on
-/// nothing, so the compute blocks' spare warps take them after their SwiGLU chunks, under the
-/// GEMM phases (on one GPU the gather computes them); [`combine_dx`] takes what is left first.
+/// The slot-weight gradients of the rank's tokens, where the pass computes them apart from the
+/// gather (across ranks always: the gather pulls another rank's dy; on one GPU with
+/// `early_slot_weight_gradients`), by a whole warp: tokens taken one at a time from
+/// `dots_next`, each routed slot's `d_topk_weights[t·k+j] = ⟨dy[t], F(t,j)⟩`, `F(t,j)` the
+/// forward's f32 down-projection row of the slot (across ranks `combine_slots[t·k+j]`, still in
+/// place: the dx rows land in their own slot buffer; on one GPU `down_rows[row(t,j)]`); the
+/// bits of the one-GPU gather's dot product. A dropped slot's is 0. They wait on nothing, so
+/// the compute blocks' spare warps take them after their SwiGLU chunks, under the GEMM phases
+/// (where the pass asks for them early), and [`combine_dx`] takes what is left first. Without
+/// the comm side's work (`WORK_COPY_ROWS` and `WORK_COMBINE` both off: a side timed alone) it
+/// computes nothing.
 ///
 /// # Safety
-/// As [`combine_dx`], with `view` the rank's view; all 32 lanes call it.
+/// As [`combine_dx`]: `view` is the rank's view across ranks (`RANKS`), else `None`; all 32
+/// lanes call it.
 #[inline(always)]
-pub unsafe fn slot_weight_gradients(b: &BackwardParams, pass: &PassInputs, view: &RankView) {
+pub unsafe fn slot_weight_gradients<const RANKS: bool>(b: &BackwardParams, pass: &PassInputs, view: Option<&RankView>) {
+    if b.work & (WORK_COPY_ROWS | WORK_COMBINE) == 0 {
+        return;
+    }
     // SAFETY: caller contract; all 32 lanes take the same tokens (the claim is broadcast), so
     // every lane reaches each shuffle and `warp_sum_f32`.
     unsafe {
         let lane = sreg::lane_id();
-        let forward_rows = view.local::<f32>(view.params.regions.combine_slots);
+        // Across ranks the forward rows by slot, on one GPU by row (expert order).
+        let (forward_rows, by_slot) = match view {
+            Some(v) if RANKS => (v.local::<f32>(v.params.regions.combine_slots) as *const f32, true),
+            _ => (b.down_rows as *const f32, false),
+        };
         let (slot_row, h) = (b.slot_row as *const u32, b.hidden as usize);
         loop {
             let claimed = if lane == 0 { atom_add_relaxed_gpu_u32(b.dots_next as *mut u32, 1) } else { 0 };
@@ -278,10 +302,12 @@ pub unsafe fn slot_weight_gradients(b: &BackwardParams, pass: &PassInputs, view:
             let dy = (pass.x as *const u16).add(token as usize * h);
             for j in 0..b.top_k {
                 let slot = (token * b.top_k + j) as usize;
-                let total = if slots.row(j) == NO_ROW {
+                let row = slots.row(j);
+                let total = if row == NO_ROW {
                     0.0
                 } else {
-                    sync::warp_sum_f32(dot_row(dy, forward_rows.add(slot * h), b.hidden, lane))
+                    let at = if by_slot { slot } else { row as usize };
+                    sync::warp_sum_f32(dot_row(dy, forward_rows.add(at * h), b.hidden, lane))
                 };
                 if lane == 0 {
                     *(b.d_topk_weights as *mut f32).add(slot) = total;
@@ -300,9 +326,10 @@ pub unsafe fn slot_weight_gradients(b: &BackwardParams, pass: &PassInputs, view:
 /// [`slot_row_complete`]) — then the warp sums `dx[t] =
 /// bf16(shared_dx[t] + Σ_j d_in[row(t,j)])` with [`WarpSlots::combine_row`], the slots' rows
 /// held in lanes (the shared term first, slots in order: the bits of
-/// `mok_combine_slots`). On one GPU a dropped slot's d_topk_weight is written here, as 0 (the
-/// gather writes the others); across ranks the warp first takes what is left of the
-/// slot-weight gradients' queue ([`slot_weight_gradients`]).
+/// `mok_combine_slots`). Where the slot-weight gradients are computed apart from the gather
+/// (across ranks; on one GPU with `early_slot_weight_gradients`), the warp first takes what is
+/// left of their queue ([`slot_weight_gradients`]); otherwise (on one GPU) a dropped slot's
+/// d_topk_weight is written here, as 0, the gather writing the others.
 ///
 /// Across ranks a wait stops early when the owner's error record is set (the owner names the
 /// cause), and once this rank's own record is set its combine waits for nothing more.
@@ -319,10 +346,11 @@ pub unsafe fn combine_dx<const RANKS: bool>(b: &BackwardParams, pass: &PassInput
     // broadcast; the per-lane waits rejoin), so every lane reaches each shuffle, ballot and
     // `warp_sum_f32`.
     unsafe {
-        // Across ranks the slot-weight gradients' queue first: whatever the spare warps left
-        // (all of it where they ran none, as with the comm side timed alone).
-        if RANKS && let Some(v) = view {
-            slot_weight_gradients(b, pass, v);
+        // The slot-weight gradients' queue first, where it is in use: whatever the spare warps
+        // left (all of it where they ran none, as across ranks without early ones).
+        let apart = RANKS || b.early_slot_weight_gradients != 0;
+        if apart {
+            slot_weight_gradients::<RANKS>(b, pass, view);
         }
         let p = &*(b.gate_up_dgrad as *const GemmParams);
         let lane = sreg::lane_id();
@@ -352,8 +380,9 @@ pub unsafe fn combine_dx<const RANKS: bool>(b: &BackwardParams, pass: &PassInput
                     }
                 }
                 _ => {
-                    // A dropped slot's d_topk_weight, by the lane holding the slot.
-                    for half in 0..2 {
+                    // A dropped slot's d_topk_weight, by the lane holding the slot (where the
+                    // gather computes the others).
+                    for half in 0..(if apart { 0 } else { 2 }) {
                         let j = lane + 32 * half as u32;
                         if j < b.top_k && slots.own_row(half) == NO_ROW {
                             *(b.d_topk_weights as *mut f32).add((token * b.top_k + j) as usize) = 0.0;
@@ -517,10 +546,8 @@ pub unsafe fn backward<const RANKS: bool>(
                     while q < ranks.max(1) {
                         let (params, pass) = if ranks > 1 { hosted(q) } else { rank() };
                         let b = &*params;
-                        if b.early_slot_weight_gradients != 0
-                            && let Some(v) = rank_view::<RANKS, _>(b)
-                        {
-                            slot_weight_gradients(b, &pass, &v);
+                        if b.early_slot_weight_gradients != 0 {
+                            slot_weight_gradients::<RANKS>(b, &pass, rank_view::<RANKS, _>(b).as_ref());
                         }
                         q += 1;
                     }
@@ -528,6 +555,9 @@ pub unsafe fn backward<const RANKS: bool>(
                     let (b, pass, view) = this_rank();
                     gather::<RANKS>(b, &pass, view.as_ref(), false);
                     swiglu_backward_chunks(b, &pass, true, false);
+                    if b.early_slot_weight_gradients != 0 {
+                        slot_weight_gradients::<RANKS>(b, &pass, view.as_ref());
+                    }
                 }
             };
             let between_dgrads = || {
