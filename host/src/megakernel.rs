@@ -64,9 +64,9 @@ pub struct MegakernelOptions {
     /// the forward's f32 down-projection row per routed slot): `Some(true)`, the compute blocks'
     /// spare producer warps take them after their SwiGLU chunks, under the GEMM phases.
     /// `Some(false)`: across ranks the dx combine, after the weight gradients; on one GPU the
-    /// gather, beside its copy of the same dy rows. `None`: across ranks early where the routed
-    /// experts average at least [`EARLY_SLOT_WEIGHT_GRADIENTS_MIN_ROWS`] rows; on one GPU in the
-    /// gather. The bits are the same either way.
+    /// gather, beside its copy of the same dy rows. `None`: early where the routed experts
+    /// average at least [`EARLY_SLOT_WEIGHT_GRADIENTS_MIN_ROWS`] rows. The bits are the same
+    /// either way.
     pub early_slot_weight_gradients: Option<bool>,
 }
 
@@ -82,17 +82,18 @@ impl Default for MegakernelOptions {
     }
 }
 
-/// The routed experts' average rows (global tokens · k ÷ experts) from which the backward across
-/// ranks computes the slot-weight gradients early by default
+/// The routed experts' average rows (global tokens · k ÷ experts) from which the backward
+/// megakernel computes the slot-weight gradients early by default, one GPU and across ranks
 /// ([`MegakernelOptions::early_slot_weight_gradients`]). Early, their reads (dy and the forward's
-/// f32 slot rows) run beside the GEMM phases instead of after them: in one H100 call at P = 8,
-/// 1.37 ms (2.1 %) off qwen's forward + backward at T = 32768 (640 rows an expert) and 0.2–0.4
-/// ms onto qwen's and kimi's at T = 8192 (160 and 171 rows). The threshold sits between them;
-/// not yet confirmed by a second call (main's docs/PERF.md, "The slot-weight gradients under the
-/// GEMM phases across ranks").
+/// f32 down-projection rows, T·k·H·4 bytes) run beside the GEMM phases instead of in the gather
+/// (one GPU), which the down dgrad's tiles wait for, or after the weight gradients (across
+/// ranks). Measured on an H100 (docs/PERF.md, "The slot-weight gradients apart from the
+/// gather"): at qwen T = 32768 (640 rows an expert) early took 1.0–1.4 ms off forward +
+/// backward at P = 8 in three calls and 1.3 ms on one GPU; at T = 8192 (kimi 171 rows, qwen 160,
+/// glm 256) it added up to 1.3 ms or stayed level. The threshold sits between them.
 pub const EARLY_SLOT_WEIGHT_GRADIENTS_MIN_ROWS: usize = 512;
 
-/// Whether a backward across ranks with `options` computes its slot-weight gradients early for
+/// Whether a backward megakernel with `options` computes its slot-weight gradients early for
 /// routed experts averaging `rows_per_expert` rows
 /// ([`MegakernelOptions::early_slot_weight_gradients`]).
 pub(crate) fn early_slot_weight_gradients(options: &MegakernelOptions, rows_per_expert: usize) -> bool {
@@ -119,14 +120,17 @@ pub const MAX_NARROW_INTERMEDIATE: usize = 1024;
 /// The one-GPU backward's comm blocks for experts at most [`MAX_NARROW_INTERMEDIATE`] wide.
 pub const NARROW_BACKWARD_COMM_BLOCKS: u32 = 4;
 
-/// The options a one-GPU backward pass of routed experts `intermediate` wide runs with, on a
-/// GPU holding `resident` blocks at once: `options` when they name the comm blocks; otherwise
-/// [`NARROW_BACKWARD_COMM_BLOCKS`] when the experts are at most [`MAX_NARROW_INTERMEDIATE`] wide and
-/// those are at most an eighth of the launch's blocks (a small grid keeps its compute blocks),
-/// else [`DEFAULT_COMM_BLOCKS`]. Results do not depend on the choice.
+/// The options a one-GPU backward pass of routed experts `intermediate` wide, averaging
+/// `rows_per_expert` rows, runs with on a GPU holding `resident` blocks at once: `options`,
+/// except that where they name no comm blocks it takes [`NARROW_BACKWARD_COMM_BLOCKS`] when the
+/// experts are at most [`MAX_NARROW_INTERMEDIATE`] wide and those are at most an eighth of the
+/// launch's blocks (a small grid keeps its compute blocks), else [`DEFAULT_COMM_BLOCKS`]; and
+/// where they leave the slot-weight gradients' placement open, the rule of
+/// [`early_slot_weight_gradients`]. Results do not depend on either choice.
 pub(crate) fn one_gpu_backward_options(
     options: &MegakernelOptions,
     intermediate: usize,
+    rows_per_expert: usize,
     resident: u32,
 ) -> MegakernelOptions {
     let mut chosen = options.clone();
@@ -135,6 +139,7 @@ pub(crate) fn one_gpu_backward_options(
         let narrow = intermediate <= MAX_NARROW_INTERMEDIATE && 8 * NARROW_BACKWARD_COMM_BLOCKS <= blocks;
         chosen.comm_blocks = Some(if narrow { NARROW_BACKWARD_COMM_BLOCKS } else { DEFAULT_COMM_BLOCKS });
     }
+    chosen.early_slot_weight_gradients = Some(early_slot_weight_gradients(options, rows_per_expert));
     chosen
 }
 
@@ -1069,7 +1074,7 @@ mod geometry_tests {
     fn the_one_gpu_backward_takes_comm_blocks_only_for_narrow_experts_on_large_grids() {
         let options = |comm_blocks, blocks| MegakernelOptions { comm_blocks, blocks, ..Default::default() };
         let chosen = |o: &MegakernelOptions, intermediate, resident| {
-            one_gpu_backward_options(o, intermediate, resident).comm_blocks.unwrap()
+            one_gpu_backward_options(o, intermediate, 160, resident).comm_blocks.unwrap()
         };
         // qwen's width, the widest narrow one, on a whole H200, and the test shapes' narrowest.
         assert_eq!(chosen(&options(None, None), 1024, 132), NARROW_BACKWARD_COMM_BLOCKS);
@@ -1086,15 +1091,23 @@ mod geometry_tests {
         assert_eq!(chosen(&options(Some(2), None), 1024, 132), 2);
         assert_eq!(chosen(&options(Some(0), None), 1024, 132), 0);
         for blocks in (2..=132).step_by(2) {
-            let o = one_gpu_backward_options(&options(None, Some(blocks)), 1024, 132);
+            let o = one_gpu_backward_options(&options(None, Some(blocks)), 1024, 160, 132);
             assert!(checked_geometry(132, &o, 1).is_ok(), "{blocks} blocks");
             // A GPU holding only `blocks` at once, the options naming none.
-            let o = one_gpu_backward_options(&options(None, None), 1024, blocks);
+            let o = one_gpu_backward_options(&options(None, None), 1024, 160, blocks);
             assert!(checked_geometry(blocks, &o, 1).is_ok(), "{blocks} resident");
         }
+        // The slot-weight gradients' placement: the rule where the options leave it open.
+        let early =
+            |o: &MegakernelOptions, rows| one_gpu_backward_options(o, 1024, rows, 132).early_slot_weight_gradients;
+        assert_eq!(early(&options(None, None), 32768 * 10 / 512), Some(true));
+        assert_eq!(early(&options(None, None), 8192 * 8 / 384), Some(false));
+        let forced = |on| MegakernelOptions { early_slot_weight_gradients: Some(on), ..options(None, None) };
+        assert_eq!(early(&forced(false), 1 << 20), Some(false));
+        assert_eq!(early(&forced(true), 1), Some(true));
         // Everything else about the options is kept.
         let timed = MegakernelOptions { timeout: std::time::Duration::from_millis(7), ..options(None, Some(64)) };
-        let o = one_gpu_backward_options(&timed, 1024, 132);
+        let o = one_gpu_backward_options(&timed, 1024, 160, 132);
         assert_eq!((o.blocks, o.timeout, o.share_rank_tiles), (timed.blocks, timed.timeout, timed.share_rank_tiles));
     }
 }
