@@ -25,7 +25,10 @@
 //! (`epP:megakernels`: the backward as one such launch too); `--ring-factor F` sizes each rank's
 //! receive ring at F times an even split's rows (default: the worst case), and
 //! `--own-rank-tiles` runs each rank's GEMM tiles on its own blocks (`epP:…/own-tiles`; by default
-//! every compute block takes every rank's tiles). `--ranks-path` runs the cases through that
+//! every compute block takes every rank's tiles), and `--early-slot-weight-gradients on|off`
+//! forces where the backward megakernel computes the slot-weight gradients, one GPU or across
+//! ranks (`MegakernelOptions::early_slot_weight_gradients`; `…/slot-weight-gradients-early` or
+//! `-late`; by default the option's rule). `--ranks-path` runs the cases through that
 //! layer at any P, P = 1 included (`ep1:…`; on the megakernel backends its ranks kernels: what
 //! they cost against the one-GPU kernels, apart from what hosting several ranks on one GPU
 //! costs).
@@ -74,6 +77,9 @@ struct Args {
     /// With ranks: each rank's GEMM tiles on its own blocks (`MegakernelOptions::share_rank_tiles`
     /// false) instead of every compute block taking every rank's tiles.
     own_rank_tiles: bool,
+    /// `MegakernelOptions::early_slot_weight_gradients` of the backward megakernel (`None`: its
+    /// rule).
+    early_slot_weight_gradients: Option<bool>,
     /// Run the cases through the expert-parallel layer and its ranks kernels even at P = 1
     /// (`--ranks-path`): at P = 1 this separates what the ranks kernels cost against the one-GPU
     /// kernels from what hosting P ranks on one GPU costs.
@@ -152,7 +158,9 @@ impl Backend {
         }
     }
 
-    fn apply(self, gpu: &Gpu, layer: &mut UnfusedLayer) -> Result<()> {
+    /// Sets `layer` up for this backend, the backward megakernel's slot-weight gradients where
+    /// `early_slot_weight_gradients` says (`MegakernelOptions::early_slot_weight_gradients`).
+    fn apply(self, gpu: &Gpu, layer: &mut UnfusedLayer, early_slot_weight_gradients: Option<bool>) -> Result<()> {
         layer.set_gemm_engine(gpu, self != Backend::Mma)?;
         let gathering = self.gathering();
         match self {
@@ -162,7 +170,9 @@ impl Backend {
             Backend::Megakernels(counts, _) => {
                 let options = |comm_blocks| Some(MegakernelOptions { comm_blocks, ..Default::default() });
                 layer.set_forward_megakernel(gpu, options(counts.map(|c| c.forward)))?;
-                layer.set_backward_megakernel(gpu, options(counts.map(|c| c.backward)))?;
+                let backward =
+                    options(counts.map(|c| c.backward)).map(|o| MegakernelOptions { early_slot_weight_gradients, ..o });
+                layer.set_backward_megakernel(gpu, backward)?;
             }
             Backend::Mma | Backend::Engine(_) => {}
         }
@@ -241,6 +251,7 @@ fn parse_args() -> Result<Args> {
         ranks: 1,
         ring_factor: None,
         own_rank_tiles: false,
+        early_slot_weight_gradients: None,
         ranks_path: false,
         swap_weights: false,
     };
@@ -272,6 +283,13 @@ fn parse_args() -> Result<Args> {
                 args.ring_factor = Some(factor);
             }
             "--own-rank-tiles" => args.own_rank_tiles = true,
+            "--early-slot-weight-gradients" => {
+                args.early_slot_weight_gradients = Some(match value()?.as_str() {
+                    "on" => true,
+                    "off" => false,
+                    other => bail!("--early-slot-weight-gradients {other}: on or off"),
+                })
+            }
             "--ranks-path" => args.ranks_path = true,
             "--swap-weights" => args.swap_weights = true,
             "--gemm" => args.backends = value()?.split(',').map(Backend::parse).collect::<Result<_>>()?,
@@ -481,7 +499,7 @@ fn bench_case_ep(
     shape: FrontierShape,
     tokens: usize,
     reps: usize,
-    (ranks, ring_factor, own_rank_tiles): (usize, Option<f64>, bool),
+    (ranks, ring_factor, own_rank_tiles, early_slot_weight_gradients): (usize, Option<f64>, bool, Option<bool>),
     backend: Backend,
 ) -> Result<Measured> {
     check_split(shape, tokens, ranks)?;
@@ -500,10 +518,22 @@ fn bench_case_ep(
         }
         Backend::Megakernel(comm_blocks, _) => layer.set_forward_megakernel(
             gpu,
-            Some(MegakernelOptions { comm_blocks, share_rank_tiles, ..Default::default() }),
+            Some(MegakernelOptions {
+                comm_blocks,
+                share_rank_tiles,
+                early_slot_weight_gradients,
+                ..Default::default()
+            }),
         )?,
         Backend::Megakernels(counts, _) => {
-            let options = |comm_blocks| Some(MegakernelOptions { comm_blocks, share_rank_tiles, ..Default::default() });
+            let options = |comm_blocks| {
+                Some(MegakernelOptions {
+                    comm_blocks,
+                    share_rank_tiles,
+                    early_slot_weight_gradients,
+                    ..Default::default()
+                })
+            };
             layer.set_forward_megakernel(gpu, options(counts.map(|c| c.forward)))?;
             layer.set_backward_megakernel(gpu, options(counts.map(|c| c.backward)))?;
         }
@@ -588,7 +618,7 @@ fn bench_case(
     gpu: &Gpu,
     shape: FrontierShape,
     tokens: usize,
-    (reps, swap_weights): (usize, bool),
+    (reps, swap_weights, early_slot_weight_gradients): (usize, bool, Option<bool>),
     backend: Backend,
 ) -> Result<Measured> {
     let config = shape.config(tokens);
@@ -606,7 +636,7 @@ fn bench_case(
     let experts = make_experts()?;
     let dy = random_bf16(gpu, tokens * h, 4, 1.0)?;
     let mut layer = UnfusedLayer::new(gpu, config)?;
-    backend.apply(gpu, &mut layer)?;
+    backend.apply(gpu, &mut layer, early_slot_weight_gradients)?;
     layer.forward(gpu, &device_tokens, &experts, None)?;
     layer.backward(gpu, &device_tokens, &experts, None, &dy)?;
     layer.check_device_errors()?;
@@ -836,7 +866,16 @@ fn main() -> Result<()> {
     };
     let name = |backend: Backend| {
         let own = if args.own_rank_tiles { "/own-tiles" } else { "" };
-        if args.over_ranks() { format!("ep{}:{}{own}", args.ranks, backend.name()) } else { backend.name() }
+        let dots = match args.early_slot_weight_gradients {
+            Some(true) => "/slot-weight-gradients-early",
+            Some(false) => "/slot-weight-gradients-late",
+            None => "",
+        };
+        if args.over_ranks() {
+            format!("ep{}:{}{own}{dots}", args.ranks, backend.name())
+        } else {
+            format!("{}{dots}", backend.name())
+        }
     };
     let backends: Vec<String> = args.backends.iter().map(|&b| name(b)).collect();
     println!(
@@ -852,9 +891,16 @@ fn main() -> Result<()> {
         args.cases.iter().flat_map(|&(shape, tokens)| args.backends.iter().map(move |&b| (shape, tokens, b))).collect();
     for (shape, tokens, backend) in runs {
         let measured = if args.over_ranks() {
-            bench_case_ep(&gpu, shape, tokens, args.reps, (args.ranks, args.ring_factor, args.own_rank_tiles), backend)?
+            bench_case_ep(
+                &gpu,
+                shape,
+                tokens,
+                args.reps,
+                (args.ranks, args.ring_factor, args.own_rank_tiles, args.early_slot_weight_gradients),
+                backend,
+            )?
         } else {
-            bench_case(&gpu, shape, tokens, (args.reps, args.swap_weights), backend)?
+            bench_case(&gpu, shape, tokens, (args.reps, args.swap_weights, args.early_slot_weight_gradients), backend)?
         };
         let backend_name = name(backend);
         let (fwd, step) = (measured.fwd, measured.step);

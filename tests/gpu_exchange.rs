@@ -975,15 +975,24 @@ fn ep_backward_megakernel_is_bitwise_the_single_rank_path() {
             let geometries = ep_geometries(resident, p as u32);
             let geometries = if common::sanitizing() { &geometries[..2] } else { &geometries[..] };
             for (i, &(comm, blocks)) in geometries.iter().enumerate() {
-                // Every other geometry with each rank's tiles on its own blocks.
+                // Every other geometry with each rank's tiles on its own blocks; the slot-weight
+                // gradients early in the first two of every four (these shapes' default is in the
+                // combine: the runs above).
                 let share_rank_tiles = i % 2 == 0;
-                let options =
-                    MegakernelOptions { comm_blocks: Some(comm), blocks, share_rank_tiles, ..Default::default() };
+                let early = i % 4 < 2;
+                let options = MegakernelOptions {
+                    comm_blocks: Some(comm),
+                    blocks,
+                    share_rank_tiles,
+                    early_slot_weight_gradients: Some(early),
+                    ..Default::default()
+                };
                 layer.set_backward_megakernel(&gpu, Some(options)).unwrap();
                 let got = ep_bits(&gpu, &mut layer, &weights);
                 assert_eq!(layer.backward_megakernel_geometry(), Some((blocks.unwrap_or(resident), comm)));
-                let how =
-                    format!("{comm} comm blocks per rank of {blocks:?}, tiles shared across ranks: {share_rank_tiles}");
+                let how = format!(
+                    "{comm} comm blocks per rank of {blocks:?}, tiles shared across ranks: {share_rank_tiles}, slot-weight gradients early: {early}"
+                );
                 assert_same_bits(&format!("{what}, {how}"), &got, &want);
                 runs += 1;
             }
@@ -1024,11 +1033,20 @@ fn ep_megakernels_at_odd_rank_counts_give_the_single_rank_bits() {
         };
         for share_rank_tiles in [true, false] {
             for blocks in [None, Some(2 * p as u32)] {
-                let options =
-                    MegakernelOptions { comm_blocks: Some(0), blocks, share_rank_tiles, ..Default::default() };
+                // The slot-weight gradients early on the default grid, in the combine on the other.
+                let early = blocks.is_none();
+                let options = MegakernelOptions {
+                    comm_blocks: Some(0),
+                    blocks,
+                    share_rank_tiles,
+                    early_slot_weight_gradients: Some(early),
+                    ..Default::default()
+                };
                 layer.set_forward_megakernel(&gpu, Some(options.clone())).unwrap();
                 layer.set_backward_megakernel(&gpu, Some(options)).unwrap();
-                let how = format!("{what}, grid {blocks:?}, tiles shared across ranks: {share_rank_tiles}");
+                let how = format!(
+                    "{what}, grid {blocks:?}, tiles shared across ranks: {share_rank_tiles}, slot-weight gradients early: {early}"
+                );
                 assert_same_bits(&how, &ep_bits(&gpu, &mut layer, &weights), &want);
             }
         }

@@ -978,7 +978,8 @@ fn backward_megakernel_is_bitwise_the_engine_path() {
     // the SwiGLU backward, the gate/up dgrad, three weight gradients, the dx combine)
     // must give the engine path's bits for every comm-block split and grid size, with fresh
     // bf16 and accumulated f32 weight gradients, on ragged, empty and hot experts, T = 1, k = 1,
-    // 10 and 40, dropped slots, the shared expert and the SwiGLU limit; after either forward.
+    // 10 and 40, dropped slots, the shared expert and the SwiGLU limit; after either forward;
+    // with the slot-weight gradients in the gather and apart (`early_slot_weight_gradients`).
     let gpu = gpu();
     let cases = megakernel_cases();
     let Some(probe) = backward_megakernel_layer(&gpu, &cases[0].0, megakernel_options(None, None), false) else {
@@ -1000,6 +1001,15 @@ fn backward_megakernel_is_bitwise_the_engine_path() {
         let got = run(&gpu, &mut layer, &device);
         assert_same_backward(&got, &expected, &format!("{what}, default split"));
         assert_exact_zeros(&got, &c, &what);
+        let early = |comm, blocks| {
+            Some(MegakernelOptions { early_slot_weight_gradients: Some(true), ..megakernel_options(comm, blocks) })
+        };
+        layer.set_backward_megakernel(&gpu, early(None, None)).unwrap();
+        let got = run(&gpu, &mut layer, &device);
+        let with_early = format!("{what}, default split, slot-weight gradients early");
+        assert_same_backward(&got, &expected, &with_early);
+        assert_exact_zeros(&got, &c, &with_early);
+        layer.set_backward_megakernel(&gpu, Some(megakernel_options(None, None))).unwrap();
         let accumulated = accumulated_backward(&gpu, &mut layer, &device, &start);
         assert!(
             accumulated.iter().zip(&expected_accumulated).all(|(a, b)| fingerprint(a) == fingerprint(b)),
@@ -1010,15 +1020,24 @@ fn backward_megakernel_is_bitwise_the_engine_path() {
         let grids = [(0, 2), (1, 4), (3, 8), (2, 10), (6, 30), (9, resident - 2)];
         let (splits, grids) =
             if common::sanitizing() { (&all_splits[..2], &grids[..1]) } else { (&all_splits[..], &grids[..]) };
-        for &comm in splits {
-            layer.set_backward_megakernel(&gpu, Some(megakernel_options(Some(comm), None))).unwrap();
-            assert_same_backward(&run(&gpu, &mut layer, &device), &expected, &format!("{what}, {comm} comm blocks"));
+        // The slot-weight gradients early on every other split and grid.
+        for (i, &comm) in splits.iter().enumerate() {
+            let options = if i % 2 == 1 { early(Some(comm), None) } else { Some(megakernel_options(Some(comm), None)) };
+            layer.set_backward_megakernel(&gpu, options).unwrap();
+            let what = format!("{what}, {comm} comm blocks, slot-weight gradients early: {}", i % 2 == 1);
+            assert_same_backward(&run(&gpu, &mut layer, &device), &expected, &what);
         }
-        for &(comm, blocks) in grids {
-            layer.set_backward_megakernel(&gpu, Some(megakernel_options(Some(comm), Some(blocks)))).unwrap();
+        for (i, &(comm, blocks)) in grids.iter().enumerate() {
+            let options = if i % 2 == 0 {
+                early(Some(comm), Some(blocks))
+            } else {
+                Some(megakernel_options(Some(comm), Some(blocks)))
+            };
+            layer.set_backward_megakernel(&gpu, options).unwrap();
             let got = run(&gpu, &mut layer, &device);
             assert_eq!(layer.backward_megakernel_geometry(), Some((blocks, comm)));
-            assert_same_backward(&got, &expected, &format!("{what}, {comm} comm of {blocks} blocks"));
+            let what = format!("{what}, {comm} comm of {blocks} blocks, slot-weight gradients early: {}", i % 2 == 0);
+            assert_same_backward(&got, &expected, &what);
             let accumulated = accumulated_backward(&gpu, &mut layer, &device, &start);
             assert!(
                 accumulated.iter().zip(&expected_accumulated).all(|(a, b)| fingerprint(a) == fingerprint(b)),

@@ -60,12 +60,44 @@ pub struct MegakernelOptions {
     /// every rank's queues; the comm blocks' row work and every combine stay on the rank's own
     /// blocks. The bits are the same either way. Ignored with one rank per launch.
     pub share_rank_tiles: bool,
+    /// Where the backward computes the slot-weight gradients (d_topk_weights, a dot of dy with
+    /// the forward's f32 down-projection row per routed slot): `Some(true)`, the compute blocks'
+    /// spare producer warps take them after their SwiGLU chunks, under the GEMM phases.
+    /// `Some(false)`: across ranks the dx combine, after the weight gradients; on one GPU the
+    /// gather, beside its copy of the same dy rows. `None`: early where the routed experts
+    /// average at least [`EARLY_SLOT_WEIGHT_GRADIENTS_MIN_ROWS`] rows. The bits are the same
+    /// either way.
+    pub early_slot_weight_gradients: Option<bool>,
 }
 
 impl Default for MegakernelOptions {
     fn default() -> Self {
-        Self { comm_blocks: None, blocks: None, timeout: Duration::from_secs(5), share_rank_tiles: true }
+        Self {
+            comm_blocks: None,
+            blocks: None,
+            timeout: Duration::from_secs(5),
+            share_rank_tiles: true,
+            early_slot_weight_gradients: None,
+        }
     }
+}
+
+/// The routed experts' average rows (global tokens · k ÷ experts) from which the backward
+/// megakernel computes the slot-weight gradients early by default, one GPU and across ranks
+/// ([`MegakernelOptions::early_slot_weight_gradients`]). Early, their reads (dy and the forward's
+/// f32 down-projection rows, T·k·H·4 bytes) run beside the GEMM phases instead of in the gather
+/// (one GPU), which the down dgrad's tiles wait for, or after the weight gradients (across
+/// ranks). Measured on an H100 (docs/PERF.md, "The slot-weight gradients apart from the
+/// gather"): at qwen T = 32768 (640 rows an expert) early took 1.0–1.4 ms off forward +
+/// backward at P = 8 in three calls and 1.3 ms on one GPU; at T = 8192 (kimi 171 rows, qwen 160,
+/// glm 256) it added up to 1.3 ms or stayed level. The threshold sits between them.
+pub const EARLY_SLOT_WEIGHT_GRADIENTS_MIN_ROWS: usize = 512;
+
+/// Whether a backward megakernel with `options` computes its slot-weight gradients early for
+/// routed experts averaging `rows_per_expert` rows
+/// ([`MegakernelOptions::early_slot_weight_gradients`]).
+pub(crate) fn early_slot_weight_gradients(options: &MegakernelOptions, rows_per_expert: usize) -> bool {
+    options.early_slot_weight_gradients.unwrap_or(rows_per_expert >= EARLY_SLOT_WEIGHT_GRADIENTS_MIN_ROWS)
 }
 
 /// The comm blocks used when the options name none: 0, every block dispatches, computes and
@@ -88,14 +120,17 @@ pub const MAX_NARROW_INTERMEDIATE: usize = 1024;
 /// The one-GPU backward's comm blocks for experts at most [`MAX_NARROW_INTERMEDIATE`] wide.
 pub const NARROW_BACKWARD_COMM_BLOCKS: u32 = 4;
 
-/// The options a one-GPU backward pass of routed experts `intermediate` wide runs with, on a
-/// GPU holding `resident` blocks at once: `options` when they name the comm blocks; otherwise
-/// [`NARROW_BACKWARD_COMM_BLOCKS`] when the experts are at most [`MAX_NARROW_INTERMEDIATE`] wide and
-/// those are at most an eighth of the launch's blocks (a small grid keeps its compute blocks),
-/// else [`DEFAULT_COMM_BLOCKS`]. Results do not depend on the choice.
+/// The options a one-GPU backward pass of routed experts `intermediate` wide, averaging
+/// `rows_per_expert` rows, runs with on a GPU holding `resident` blocks at once: `options`,
+/// except that where they name no comm blocks it takes [`NARROW_BACKWARD_COMM_BLOCKS`] when the
+/// experts are at most [`MAX_NARROW_INTERMEDIATE`] wide and those are at most an eighth of the
+/// launch's blocks (a small grid keeps its compute blocks), else [`DEFAULT_COMM_BLOCKS`]; and
+/// where they leave the slot-weight gradients' placement open, the rule of
+/// [`early_slot_weight_gradients`]. Results do not depend on either choice.
 pub(crate) fn one_gpu_backward_options(
     options: &MegakernelOptions,
     intermediate: usize,
+    rows_per_expert: usize,
     resident: u32,
 ) -> MegakernelOptions {
     let mut chosen = options.clone();
@@ -104,6 +139,7 @@ pub(crate) fn one_gpu_backward_options(
         let narrow = intermediate <= MAX_NARROW_INTERMEDIATE && 8 * NARROW_BACKWARD_COMM_BLOCKS <= blocks;
         chosen.comm_blocks = Some(if narrow { NARROW_BACKWARD_COMM_BLOCKS } else { DEFAULT_COMM_BLOCKS });
     }
+    chosen.early_slot_weight_gradients = Some(early_slot_weight_gradients(options, rows_per_expert));
     chosen
 }
 
@@ -814,7 +850,9 @@ impl BackwardMegakernel {
     /// rank in one launch; `plans[r]` are rank r's plans in [`BACKWARD_PLAN_KERNELS`] order, then,
     /// when `buffers[r].shared` is given, its shared expert's five in the same order. On one GPU
     /// the pass records its failures in `error_record` (over ranks: `None`, the heap's), which
-    /// must outlive every launch of the pass.
+    /// must outlive every launch of the pass. The slot-weight gradients run early only where
+    /// `options.early_slot_weight_gradients` is `Some(true)`: across ranks the caller resolves
+    /// the rule ([`early_slot_weight_gradients`]).
     pub(crate) fn new(
         gpu: &Gpu,
         plans: &[&[&EnginePlan]],
@@ -863,8 +901,8 @@ impl BackwardMegakernel {
         let words = backward_counter_words;
         build_pass(gpu, kernels, plans, &ranks_of, options, error_record, words, |r, at, comm_blocks, timeout_ns| {
             let (p, b, counters, tile_words) = (plans[r], &buffers[r], at.counters, at.tile_words);
-            // After the routed counters and the three queue words: the shared expert's three.
-            let shared_counters = counters + 3 * tile_words + 12;
+            // After the routed counters and the four queue words: the shared expert's three.
+            let shared_counters = counters + 3 * tile_words + 16;
             let with_shared = b.shared.is_some();
             let shared = |i: usize| if with_shared { p[5 + i].params_ptr() } else { 0 };
             let shared_counter = |i: u64| if with_shared { shared_counters + i * tile_words } else { 0 };
@@ -913,6 +951,9 @@ impl BackwardMegakernel {
                 swiglu: b.swiglu,
                 shared_swiglu: b.shared.map(|s| s.swiglu).unwrap_or_default(),
                 swiglu_next: counters + 3 * tile_words + 8,
+                dots_next: counters + 3 * tile_words + 12,
+                early_slot_weight_gradients: u32::from(options.early_slot_weight_gradients == Some(true)),
+                reserved: 0,
             }
         })
     }
@@ -997,6 +1038,19 @@ mod geometry_tests {
     use super::*;
 
     #[test]
+    fn slot_weight_gradients_early_from_the_rows_per_expert_or_as_asked() {
+        let options = |early| MegakernelOptions { early_slot_weight_gradients: early, ..Default::default() };
+        // qwen (E 512, k 10) at T = 32768 (640 rows an expert) early, at T = 8192 (160) and
+        // kimi (E 384, k 8) at T = 8192 (170) not.
+        assert!(early_slot_weight_gradients(&options(None), 32768 * 10 / 512));
+        assert!(!early_slot_weight_gradients(&options(None), 8192 * 10 / 512));
+        assert!(!early_slot_weight_gradients(&options(None), 8192 * 8 / 384));
+        assert!(!early_slot_weight_gradients(&options(None), EARLY_SLOT_WEIGHT_GRADIENTS_MIN_ROWS - 1));
+        assert!(early_slot_weight_gradients(&options(Some(true)), 1));
+        assert!(!early_slot_weight_gradients(&options(Some(false)), 1 << 20));
+    }
+
+    #[test]
     fn every_rank_gets_its_comm_blocks_and_a_compute_pair() {
         let options = |comm_blocks, blocks| MegakernelOptions { comm_blocks, blocks, ..Default::default() };
         assert_eq!(checked_geometry(132, &options(None, None), 1).unwrap(), (132, DEFAULT_COMM_BLOCKS));
@@ -1020,7 +1074,7 @@ mod geometry_tests {
     fn the_one_gpu_backward_takes_comm_blocks_only_for_narrow_experts_on_large_grids() {
         let options = |comm_blocks, blocks| MegakernelOptions { comm_blocks, blocks, ..Default::default() };
         let chosen = |o: &MegakernelOptions, intermediate, resident| {
-            one_gpu_backward_options(o, intermediate, resident).comm_blocks.unwrap()
+            one_gpu_backward_options(o, intermediate, 160, resident).comm_blocks.unwrap()
         };
         // qwen's width, the widest narrow one, on a whole H200, and the test shapes' narrowest.
         assert_eq!(chosen(&options(None, None), 1024, 132), NARROW_BACKWARD_COMM_BLOCKS);
@@ -1037,15 +1091,23 @@ mod geometry_tests {
         assert_eq!(chosen(&options(Some(2), None), 1024, 132), 2);
         assert_eq!(chosen(&options(Some(0), None), 1024, 132), 0);
         for blocks in (2..=132).step_by(2) {
-            let o = one_gpu_backward_options(&options(None, Some(blocks)), 1024, 132);
+            let o = one_gpu_backward_options(&options(None, Some(blocks)), 1024, 160, 132);
             assert!(checked_geometry(132, &o, 1).is_ok(), "{blocks} blocks");
             // A GPU holding only `blocks` at once, the options naming none.
-            let o = one_gpu_backward_options(&options(None, None), 1024, blocks);
+            let o = one_gpu_backward_options(&options(None, None), 1024, 160, blocks);
             assert!(checked_geometry(blocks, &o, 1).is_ok(), "{blocks} resident");
         }
+        // The slot-weight gradients' placement: the rule where the options leave it open.
+        let early =
+            |o: &MegakernelOptions, rows| one_gpu_backward_options(o, 1024, rows, 132).early_slot_weight_gradients;
+        assert_eq!(early(&options(None, None), 32768 * 10 / 512), Some(true));
+        assert_eq!(early(&options(None, None), 8192 * 8 / 384), Some(false));
+        let forced = |on| MegakernelOptions { early_slot_weight_gradients: Some(on), ..options(None, None) };
+        assert_eq!(early(&forced(false), 1 << 20), Some(false));
+        assert_eq!(early(&forced(true), 1), Some(true));
         // Everything else about the options is kept.
         let timed = MegakernelOptions { timeout: std::time::Duration::from_millis(7), ..options(None, Some(64)) };
-        let o = one_gpu_backward_options(&timed, 1024, 132);
+        let o = one_gpu_backward_options(&timed, 1024, 160, 132);
         assert_eq!((o.blocks, o.timeout, o.share_rank_tiles), (timed.blocks, timed.timeout, timed.share_rank_tiles));
     }
 }

@@ -312,6 +312,18 @@ pub struct BackwardParams {
     /// One u32: the next SwiGLU-backward chunk to hand out (the shared expert's M tiles' chunks
     /// first, then the routed ones', [`SWIGLU_CHUNKS_PER_M_TILE`] per M tile).
     pub swiglu_next: u64,
+    /// One u32: the next of this rank's tokens whose slot-weight gradients to compute
+    /// (`megakernel::backward::slot_weight_gradients`; on one GPU only with
+    /// `early_slot_weight_gradients`).
+    pub dots_next: u64,
+    /// Nonzero: the compute blocks' spare producer warps take the slot-weight gradients' queue
+    /// (`dots_next`) after their SwiGLU chunks, under the GEMM phases, and the dx combine what
+    /// is left. 0: across ranks only the dx combine takes it, after the weight gradients; on one
+    /// GPU the gather computes them. The bits are the same either way
+    /// (`MegakernelOptions::early_slot_weight_gradients` says when each pays).
+    pub early_slot_weight_gradients: u32,
+    /// Zero: pads the block to whole 8-byte words.
+    pub reserved: u32,
 }
 
 /// One expert set's rows of the backward's SwiGLU step, all `[cap][width]` in expert order:
@@ -353,8 +365,8 @@ pub const fn down_dgrad_complete(n_tiles: u32, rows: u32) -> u32 {
 }
 
 // The host writes this block byte for byte: nineteen 8-byte words, eight u32, one 8-byte word,
-// six u32, nine 8-byte words, two 48-byte `SwigluBackwardRows`, one 8-byte word.
-const _: () = assert!(size_of::<BackwardParams>() == 392);
+// six u32, nine 8-byte words, two 48-byte `SwigluBackwardRows`, two 8-byte words, two u32.
+const _: () = assert!(size_of::<BackwardParams>() == 408);
 
 /// The routed plans the one-GPU backward megakernel copies into shared memory with its parameter
 /// block (the two data gradients and the three weight gradients; the shared expert's stay in
@@ -370,10 +382,10 @@ const _: () = assert!(
 
 /// Words of one rank's backward pass counters for plans of at most `m_tiles` M tiles: three
 /// per M tile for the routed experts (gathered, down-dgrad parts, gate/up-dgrad parts), the
-/// three queues (gather, combine, the SwiGLU backward), then three per M tile for the shared
-/// expert.
+/// four queues (gather, combine, the SwiGLU backward, the slot-weight gradients across ranks),
+/// then three per M tile for the shared expert.
 pub const fn backward_counter_words(m_tiles: usize) -> usize {
-    6 * m_tiles + 3
+    6 * m_tiles + 4
 }
 
 /// [`ForwardParams::work`]: the dispatch copies the rows (without it, it only publishes them:

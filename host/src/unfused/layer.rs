@@ -490,7 +490,9 @@ impl UnfusedLayer {
         let record = &mut self.megakernel_records[1];
         passes.select(key, || {
             let record = ErrorRecord::kept(record, gpu)?;
-            let options = one_gpu_backward_options(options, c.intermediate, resident_blocks(gpu, BACKWARD_KERNEL)?);
+            let rows_per_expert = c.tokens_per_rank * c.top_k / c.num_experts.max(1);
+            let resident = resident_blocks(gpu, BACKWARD_KERNEL)?;
+            let options = one_gpu_backward_options(options, c.intermediate, rows_per_expert, resident);
             BackwardMegakernel::new(gpu, &[&plans], &[buffers], &options, Some(record))
         })
     }

@@ -392,7 +392,9 @@ pub unsafe fn gather_scaled_row(dy: *const u16, dst: *mut u16, weight: f32, widt
 
 /// A lane's partial of `⟨dy, out⟩` over its columns `8·lane + 256·i` in order: the same
 /// additions as [`gather_scaled_row_and_dot`]'s (so `sync::warp_sum_f32` of the partials is the
-/// same slot-weight gradient), without the gather.
+/// same slot-weight gradient), without the gather. As there, [`STEPS_IN_FLIGHT`] steps' loads
+/// are issued before they are used (the warps that run it apart from the gather read 12 bytes
+/// a column from HBM and have nothing else to hide the latency under).
 ///
 /// # Safety
 /// `dy` `[width]` bf16, `out` `[width]` f32, 16-byte aligned; `width % 8 == 0`.
@@ -402,16 +404,24 @@ pub unsafe fn dot_row(dy: *const u16, out: *const f32, width: u32, lane: u32) ->
     let mut partial = 0.0f32;
     let mut column = 8 * lane as usize;
     while column < w {
-        // SAFETY: column + 8 ≤ width (caller contract).
-        let (g, lo, hi) = unsafe {
-            (
-                ld_global_v4(dy.add(column) as *const u32),
-                ld_global_v4(out.add(column) as *const u32),
-                ld_global_v4(out.add(column + 4) as *const u32),
-            )
-        };
-        partial = dot8(partial, g, lo, hi);
-        column += 256;
+        let mut g = [[0u32; 4]; STEPS_IN_FLIGHT];
+        let mut f = [[[0u32; 4]; 2]; STEPS_IN_FLIGHT];
+        for s in 0..STEPS_IN_FLIGHT {
+            let c = column + 256 * s;
+            if c < w {
+                // SAFETY: c + 8 ≤ width (caller contract: width % 8 == 0).
+                unsafe {
+                    g[s] = ld_global_v4(dy.add(c) as *const u32);
+                    f[s] = [ld_global_v4(out.add(c) as *const u32), ld_global_v4(out.add(c + 4) as *const u32)];
+                }
+            }
+        }
+        for s in 0..STEPS_IN_FLIGHT {
+            if column + 256 * s < w {
+                partial = dot8(partial, g[s], f[s][0], f[s][1]);
+            }
+        }
+        column += 256 * STEPS_IN_FLIGHT;
     }
     partial
 }

@@ -48,13 +48,13 @@ use super::comm::{
 /// `gather_next` — the shared expert's M tiles first (its dy copy), then the routed ones, 8
 /// chunk numbers per M tile. Each of the chunk's rows is written in
 /// expert order as `bf16(w[t,j] · dy[t])`, and the warp's sum of `dy[t] · out[row]` (the
-/// forward's f32 down-projection row) is the slot's d_topk_weight; then, after a warp barrier,
-/// lane 0 adds 1 to the tile's `rows_gathered` count with a release (complete at
+/// forward's f32 down-projection row) is the slot's d_topk_weight (unless the pass computes
+/// those apart, `early_slot_weight_gradients`: [`slot_weight_gradients`]); then, after a warp
+/// barrier, lane 0 adds 1 to the tile's `rows_gathered` count with a release (complete at
 /// [`row_chunks_complete`](crate::megakernel_layout::row_chunks_complete)). Across ranks
 /// (`view`) each row pulls its token owner's dy and slot weight through the peer mapping and is
-/// only scaled (the owner computes the slot-weight gradient in its combine). A chunk past a short
-/// tile's rows neither writes nor counts. Waits for nothing. Returns once the chunks are all
-/// handed out.
+/// only scaled (the owner computes the slot-weight gradients). A chunk past a short tile's rows
+/// neither writes nor counts. Waits for nothing. Returns once the chunks are all handed out.
 ///
 /// Comm blocks run it on every warp; compute blocks on their producer warpgroup's spare warps,
 /// alongside the GEMM phases, so the first down-dgrad tiles wait for their own rows only. With
@@ -82,6 +82,9 @@ pub unsafe fn gather<const RANKS: bool>(
         let copy = b.work & WORK_COPY_ROWS != 0 && !(RANKS && error::has_error(b.error as *const u32));
         // A rank that copies nothing because of its error publishes nothing either.
         let publish = copy == (b.work & WORK_COPY_ROWS != 0);
+        // On one GPU the slot-weight gradients are computed here unless the pass computes them
+        // apart ([`slot_weight_gradients`]).
+        let apart = b.early_slot_weight_gradients != 0;
         loop {
             // With a shared expert the queue starts with its M tiles (its phases run first).
             let with_shared = b.shared_down_dgrad != 0;
@@ -117,7 +120,7 @@ pub unsafe fn gather<const RANKS: bool>(
                 let r = row as usize;
                 match view {
                     // Across ranks: the token owner's dy and slot weight, through the peer
-                    // mapping; the owner computes the slot-weight gradient in its combine.
+                    // mapping; the owner computes the slot-weight gradients.
                     Some(v) if RANKS => {
                         let owner = *source_rank.add(r);
                         let regions = &v.params.regions;
@@ -125,6 +128,14 @@ pub unsafe fn gather<const RANKS: bool>(
                         let weight = *v.peer::<f32>(regions.topk_weights, owner).add(slot as usize);
                         gather_scaled_row(owner_dy, d_rows.add(r * h), weight, b.hidden, lane);
                     }
+                    // On one GPU with the slot-weight gradients apart: the copy alone.
+                    _ if apart => gather_scaled_row(
+                        dy.add(token * h),
+                        d_rows.add(r * h),
+                        *weights.add(slot as usize),
+                        b.hidden,
+                        lane,
+                    ),
                     _ => {
                         let partial = gather_scaled_row_and_dot(
                             dy.add(token * h),
@@ -251,6 +262,61 @@ pub unsafe fn swiglu_backward_chunks(b: &BackwardParams, pass: &PassInputs, spar
     }
 }
 
+/// The slot-weight gradients of the rank's tokens, where the pass computes them apart from the
+/// gather (across ranks always: the gather pulls another rank's dy; on one GPU with
+/// `early_slot_weight_gradients`), by a whole warp: tokens taken one at a time from
+/// `dots_next`, each routed slot's `d_topk_weights[t·k+j] = ⟨dy[t], F(t,j)⟩`, `F(t,j)` the
+/// forward's f32 down-projection row of the slot (across ranks `combine_slots[t·k+j]`, still in
+/// place: the dx rows land in their own slot buffer; on one GPU `down_rows[row(t,j)]`); the
+/// bits of the one-GPU gather's dot product. A dropped slot's is 0. They wait on nothing, so
+/// the compute blocks' spare warps take them after their SwiGLU chunks, under the GEMM phases
+/// (where the pass asks for them early), and [`combine_dx`] takes what is left first. Without
+/// the comm side's work (`WORK_COPY_ROWS` and `WORK_COMBINE` both off: a side timed alone) it
+/// computes nothing.
+///
+/// # Safety
+/// As [`combine_dx`]: `view` is the rank's view across ranks (`RANKS`), else `None`; all 32
+/// lanes call it.
+#[inline(always)]
+pub unsafe fn slot_weight_gradients<const RANKS: bool>(b: &BackwardParams, pass: &PassInputs, view: Option<&RankView>) {
+    if b.work & (WORK_COPY_ROWS | WORK_COMBINE) == 0 {
+        return;
+    }
+    // SAFETY: caller contract; all 32 lanes take the same tokens (the claim is broadcast), so
+    // every lane reaches each shuffle and `warp_sum_f32`.
+    unsafe {
+        let lane = sreg::lane_id();
+        // Across ranks the forward rows by slot, on one GPU by row (expert order).
+        let (forward_rows, by_slot) = match view {
+            Some(v) if RANKS => (v.local::<f32>(v.params.regions.combine_slots) as *const f32, true),
+            _ => (b.down_rows as *const f32, false),
+        };
+        let (slot_row, h) = (b.slot_row as *const u32, b.hidden as usize);
+        loop {
+            let claimed = if lane == 0 { atom_add_relaxed_gpu_u32(b.dots_next as *mut u32, 1) } else { 0 };
+            let token = sync::shfl_idx_u32(claimed, 0);
+            if token >= pass.tokens {
+                return;
+            }
+            let slots = WarpSlots::load(slot_row, core::ptr::null(), token, b.top_k, lane);
+            let dy = (pass.x as *const u16).add(token as usize * h);
+            for j in 0..b.top_k {
+                let slot = (token * b.top_k + j) as usize;
+                let row = slots.row(j);
+                let total = if row == NO_ROW {
+                    0.0
+                } else {
+                    let at = if by_slot { slot } else { row as usize };
+                    sync::warp_sum_f32(dot_row(dy, forward_rows.add(at * h), b.hidden, lane))
+                };
+                if lane == 0 {
+                    *(b.d_topk_weights as *mut f32).add(slot) = total;
+                }
+            }
+        }
+    }
+}
+
 /// The dx combine, by a whole warp (comm blocks after their gather, compute blocks' consumer
 /// warps after their GEMM phases): tokens taken one at a time from `combine_next`; the warp
 /// waits (bounded, acquire) until each routed slot's row is there — on one GPU until the gate/up
@@ -260,9 +326,10 @@ pub unsafe fn swiglu_backward_chunks(b: &BackwardParams, pass: &PassInputs, spar
 /// [`slot_row_complete`]) — then the warp sums `dx[t] =
 /// bf16(shared_dx[t] + Σ_j d_in[row(t,j)])` with [`WarpSlots::combine_row`], the slots' rows
 /// held in lanes (the shared term first, slots in order: the bits of
-/// `mok_combine_slots`). A dropped slot's d_topk_weight is written here, as 0; across ranks
-/// every routed slot's too, `⟨dy[t], combine_slots[t·k+j]⟩` (the forward's slot row, the bits of
-/// the one-GPU gather's dot product).
+/// `mok_combine_slots`). Where the slot-weight gradients are computed apart from the gather
+/// (across ranks; on one GPU with `early_slot_weight_gradients`), the warp first takes what is
+/// left of their queue ([`slot_weight_gradients`]); otherwise (on one GPU) a dropped slot's
+/// d_topk_weight is written here, as 0, the gather writing the others.
 ///
 /// Across ranks a wait stops early when the owner's error record is set (the owner names the
 /// cause), and once this rank's own record is set its combine waits for nothing more.
@@ -279,6 +346,12 @@ pub unsafe fn combine_dx<const RANKS: bool>(b: &BackwardParams, pass: &PassInput
     // broadcast; the per-lane waits rejoin), so every lane reaches each shuffle, ballot and
     // `warp_sum_f32`.
     unsafe {
+        // The slot-weight gradients' queue first, where it is in use: whatever the spare warps
+        // left (all of it where they ran none, as across ranks without early ones).
+        let apart = RANKS || b.early_slot_weight_gradients != 0;
+        if apart {
+            slot_weight_gradients::<RANKS>(b, pass, view);
+        }
         let p = &*(b.gate_up_dgrad as *const GemmParams);
         let lane = sreg::lane_id();
         let (slot_row, error) = (b.slot_row as *const u32, b.error as *mut u32);
@@ -292,23 +365,6 @@ pub unsafe fn combine_dx<const RANKS: bool>(b: &BackwardParams, pass: &PassInput
             match view {
                 Some(v) if RANKS => {
                     let regions = &v.params.regions;
-                    // Each slot's weight gradient from the forward's slot row (still in place: the
-                    // dx rows land in their own slot buffer); a dropped slot's is 0.
-                    for j in 0..b.top_k {
-                        let slot = token * b.top_k + j;
-                        if slots.row(j) == NO_ROW {
-                            if lane == 0 {
-                                *(b.d_topk_weights as *mut f32).add(slot as usize) = 0.0;
-                            }
-                            continue;
-                        }
-                        let forward_row = v.local::<f32>(regions.combine_slots).add(slot as usize * b.hidden as usize);
-                        let dy = (pass.x as *const u16).add(token as usize * b.hidden as usize);
-                        let total = sync::warp_sum_f32(dot_row(dy, forward_row, b.hidden, lane));
-                        if lane == 0 {
-                            *(b.d_topk_weights as *mut f32).add(slot as usize) = total;
-                        }
-                    }
                     // Without GEMMs (the comm side timed alone) no tile pushes: sum the slots as
                     // they are.
                     let flags = v.local::<u32>(regions.slot_ready).add((token * b.top_k) as usize);
@@ -324,8 +380,9 @@ pub unsafe fn combine_dx<const RANKS: bool>(b: &BackwardParams, pass: &PassInput
                     }
                 }
                 _ => {
-                    // A dropped slot's d_topk_weight, by the lane holding the slot.
-                    for half in 0..2 {
+                    // A dropped slot's d_topk_weight, by the lane holding the slot (where the
+                    // gather computes the others).
+                    for half in 0..(if apart { 0 } else { 2 }) {
                         let j = lane + 32 * half as u32;
                         if j < b.top_k && slots.own_row(half) == NO_ROW {
                             *(b.d_topk_weights as *mut f32).add((token * b.top_k + j) as usize) = 0.0;
@@ -481,10 +538,26 @@ pub unsafe fn backward<const RANKS: bool>(
                     in_walk_order!(rank, hosted, |b, pass, until_routed| {
                         swiglu_backward_chunks(b, &pass, true, until_routed)
                     });
+                    // Then the slot-weight gradients where the pass asks for them early; they
+                    // wait on nothing: of every rank whose tiles this block walks (its own where
+                    // each rank has its blocks).
+                    let ranks = (*rank().0).tile_ranks;
+                    let mut q = 0;
+                    while q < ranks.max(1) {
+                        let (params, pass) = if ranks > 1 { hosted(q) } else { rank() };
+                        let b = &*params;
+                        if b.early_slot_weight_gradients != 0 {
+                            slot_weight_gradients::<RANKS>(b, &pass, rank_view::<RANKS, _>(b).as_ref());
+                        }
+                        q += 1;
+                    }
                 } else {
                     let (b, pass, view) = this_rank();
                     gather::<RANKS>(b, &pass, view.as_ref(), false);
                     swiglu_backward_chunks(b, &pass, true, false);
+                    if b.early_slot_weight_gradients != 0 {
+                        slot_weight_gradients::<RANKS>(b, &pass, view.as_ref());
+                    }
                 }
             };
             let between_dgrads = || {
