@@ -2,7 +2,8 @@
 # One device call, several builds of the kernels, the whole layer: the ceilings and the PyTorch
 # layer once, then mok's layer benchmark once per PTX file given (loaded through MOK_PTX), each
 # with the backends of $GEMM (default engine,megakernel), over $RANKS virtual ranks when set (the
-# layer bench's --ranks: then GEMM names mma or megakernel backends). Run from the bundle's
+# layer bench's --ranks: then GEMM names mma or megakernel backends), with $LAYER_ARGS added to
+# every run (e.g. "--ranks 1 --ranks-path"). Run from the bundle's
 # benches/ folder:
 #   CASES=kimi:8192 GEMM=engine,megakernel:0 ./compare_layer_ptx.sh a.ptx b.ptx
 #   RANKS=8 CASES=qwen:8192 GEMM=megakernels ./compare_layer_ptx.sh a.ptx b.ptx
@@ -36,8 +37,9 @@ i=0
 for ptx in "$@"; do
     name="${names[$i]}"
     i=$((i + 1))
+    # shellcheck disable=SC2086 # the extra flags split into words
     MOK_PTX="$ptx" "$layer_bin" --cases "$cases" --gemm "$backends" --baseline "$out/baseline.txt" \
-        --matmul-tflops "$matmul" --copy-tbps "$copy" ${RANKS:+--ranks "$RANKS"} > "$out/layer-$name.log" 2>&1 ||
+        --matmul-tflops "$matmul" --copy-tbps "$copy" ${RANKS:+--ranks "$RANKS"} ${LAYER_ARGS:-} > "$out/layer-$name.log" 2>&1 ||
         echo "$name: FAILED (see layer-$name.log)"
 done
 for name in "${names[@]}"; do
