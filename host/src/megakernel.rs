@@ -1635,7 +1635,10 @@ pub(crate) mod work_order_model {
         //! their rows in the producers (one GPU, `gather_in_producer`), all four producer warps
         //! produce their stages: a block's spare warps join once their gather and SwiGLU queues
         //! are spent (a unit each), and its gate and up weight-gradient tiles also wait for all
-        //! three to have joined.
+        //! three to have joined. Where the slot-weight gradients run apart from the gather
+        //! (`early_slot_weight_gradients`), the spare warps take their tokens after the SwiGLU
+        //! chunks and every combine agent takes what is left before its tokens; they wait on
+        //! nothing.
 
         use super::*;
 
@@ -1663,6 +1666,8 @@ pub(crate) mod work_order_model {
         /// arrival and wait (before its consumers' combine).
         const SPARE_LEAVES: usize = 16;
         const BARRIER: usize = 17;
+        /// The slot-weight gradients apart from the gather (a token each).
+        const DOTS: usize = 18;
         const ROUTED: usize = 0;
         const SHARED: usize = 1;
 
@@ -1682,6 +1687,8 @@ pub(crate) mod work_order_model {
             SpareLeaves(usize),
             /// (Compute block) at the final cluster barrier: its pair's blocks and spare warps.
             Barrier(usize),
+            /// A token's slot-weight gradients, apart from the gather.
+            Dots(usize),
         }
 
         /// One expert set's counters.
@@ -1727,9 +1734,11 @@ pub(crate) mod work_order_model {
             /// Per token: the routed M tiles of its slots, and its shared M tile.
             tokens: Vec<(Vec<usize>, usize)>,
             combined: usize,
-            /// The shared queues (every gather, data gradient and SwiGLU chunk, the combine):
-            /// next index.
-            next: [usize; 16],
+            /// Per token: how often its slot-weight gradients were computed apart from the gather.
+            dots: Vec<usize>,
+            /// The shared queues (every gather, data gradient and SwiGLU chunk, the combine, the
+            /// slot-weight gradients): next index.
+            next: [usize; 19],
             /// Whether the routed gate and up weight gradients gather their rows (then each
             /// waits for its block's spare warps), and per compute block the spare warps joined.
             gathering: bool,
@@ -1759,13 +1768,13 @@ pub(crate) mod work_order_model {
                         Unit::Barrier(block)
                     });
                 }
-                if q == COMBINE {
+                if q == COMBINE || q == DOTS {
                     let i = self.next[q];
                     if i >= self.tokens.len() {
                         return None;
                     }
                     self.next[q] += 1;
-                    return Some(Unit::Combine(i));
+                    return Some(if q == DOTS { Unit::Dots(i) } else { Unit::Combine(i) });
                 }
                 let (set, kind) = (q / 7, q % 7);
                 let s = &self.sets[set];
@@ -1801,7 +1810,7 @@ pub(crate) mod work_order_model {
                     (0..s.expert_of_tile.len()).filter(|&m| s.expert_of_tile[m] == g).all(done)
                 };
                 match unit {
-                    Unit::Gather(..) | Unit::Join(_) | Unit::SpareLeaves(_) => true,
+                    Unit::Gather(..) | Unit::Join(_) | Unit::SpareLeaves(_) | Unit::Dots(_) => true,
                     Unit::Barrier(block) => self.barrier.open(block),
                     Unit::DownDgrad(set, m) => self.sets[set].gathered[m],
                     Unit::Swiglu(set, m) => self.sets[set].down_dgrad[m] == nd,
@@ -1833,6 +1842,7 @@ pub(crate) mod work_order_model {
                     Unit::GateUpDgrad(set, m) => self.sets[set].gate_up_dgrad[m] += 1,
                     Unit::Wgrad(set, w, ..) => self.sets[set].wgrad_done[w] += 1,
                     Unit::Combine(_) => self.combined += 1,
+                    Unit::Dots(t) => self.dots[t] += 1,
                     Unit::Join(block) => self.joined[block] += 1,
                     Unit::SpareLeaves(block) => self.barrier.leave(block),
                     Unit::Barrier(_) => {}
@@ -1845,7 +1855,12 @@ pub(crate) mod work_order_model {
                 // after the last chunk, as in the kernel.
                 !matches!(
                     unit,
-                    Unit::Gather(..) | Unit::Combine(_) | Unit::Join(_) | Unit::SpareLeaves(_) | Unit::Barrier(_)
+                    Unit::Gather(..)
+                        | Unit::Combine(_)
+                        | Unit::Join(_)
+                        | Unit::SpareLeaves(_)
+                        | Unit::Barrier(_)
+                        | Unit::Dots(_)
                 )
             }
         }
@@ -1855,18 +1870,28 @@ pub(crate) mod work_order_model {
         }
 
         /// The queues of a compute block's producer and consumers, in the kernel's order.
-        fn compute_queues() -> Vec<usize> {
+        fn compute_queues(early: bool) -> Vec<usize> {
             let mut queues = vec![down_dgrad(SHARED), down_dgrad(ROUTED)];
             queues.extend([swiglu(SHARED), swiglu(ROUTED), gate_up_dgrad(SHARED), gate_up_dgrad(ROUTED)]);
             queues.extend((0..3).map(|w| wgrad(ROUTED, w)).chain((0..3).map(|w| wgrad(SHARED, w))));
-            queues.extend([BARRIER, COMBINE]);
+            queues.push(BARRIER);
+            queues.extend(combine_queues(early));
             queues
         }
 
-        /// The queues of a compute block's spare producer warps: gather, SwiGLU chunks,
-        /// (gathering) the join, then the final cluster barrier.
-        fn spare_queues(gathering: bool) -> Vec<usize> {
+        /// The combine's queues: what is left of the slot-weight gradients where they run apart,
+        /// then the tokens.
+        fn combine_queues(early: bool) -> Vec<usize> {
+            if early { vec![DOTS, COMBINE] } else { vec![COMBINE] }
+        }
+
+        /// The queues of a compute block's spare producer warps: gather, SwiGLU chunks, (early)
+        /// the slot-weight gradients, (gathering) the join, then the final cluster barrier.
+        fn spare_queues(gathering: bool, early: bool) -> Vec<usize> {
             let mut queues = vec![gather(SHARED), gather(ROUTED), swiglu(SHARED), swiglu(ROUTED)];
+            if early {
+                queues.push(DOTS);
+            }
             if gathering {
                 queues.push(JOIN);
             }
@@ -1899,8 +1924,10 @@ pub(crate) mod work_order_model {
                 };
                 let (comm_blocks, pairs) = (rng.below(4), 1 + rng.below(4));
                 let compute_blocks = 2 * pairs;
-                // Half the cases gathering, with and without a shared expert.
+                // Half the cases gathering, with and without a shared expert; half of each with
+                // the slot-weight gradients apart from the gather.
                 let gathering = (case / 2) % 2 == 0;
+                let early = (case / 4) % 2 == 0;
                 let mut world = Backward {
                     sets: [Set::new(expert_of_tile, experts, 1 + rng.below(5)), shared],
                     n_down_dgrad: 1 + rng.below(4),
@@ -1908,27 +1935,32 @@ pub(crate) mod work_order_model {
                     n_gate_up_dgrad: 1 + rng.below(4),
                     tokens,
                     combined: 0,
-                    next: [0; 16],
+                    dots: vec![0; token_count],
+                    next: [0; 19],
                     gathering,
                     joined: vec![0; compute_blocks],
                     barrier: FinalBarrier::new(compute_blocks),
                 };
                 let mut agents: Vec<Agent<Unit>> = (0..comm_blocks)
-                    .map(|_| Agent::new(Who::default(), vec![gather(SHARED), gather(ROUTED), COMBINE]))
+                    .map(|_| {
+                        let mut queues = vec![gather(SHARED), gather(ROUTED)];
+                        queues.extend(combine_queues(early));
+                        Agent::new(Who::default(), queues)
+                    })
                     .collect();
                 // Each block of a pair walks its own weight-gradient share: one agent per block;
                 // its producer warpgroup's three spare warps gather, then take SwiGLU chunks, on
                 // their own: three more.
                 agents.extend(
-                    (0..compute_blocks).map(|b| Agent::new(compute_block(b, compute_blocks), compute_queues())),
+                    (0..compute_blocks).map(|b| Agent::new(compute_block(b, compute_blocks), compute_queues(early))),
                 );
                 agents.extend(
                     (0..3 * compute_blocks)
-                        .map(|w| Agent::new(compute_block(w / 3, compute_blocks), spare_queues(gathering))),
+                        .map(|w| Agent::new(compute_block(w / 3, compute_blocks), spare_queues(gathering, early))),
                 );
                 let what = format!(
                     "case {case}: {comm_blocks} comm blocks and {pairs} pairs, {shared_tiles} shared tiles, gathering: \
-                     {gathering}"
+                     {gathering}, slot-weight gradients apart: {early}"
                 );
                 run_to_completion(&mut world, &mut agents, &mut rng, &what);
                 for s in &world.sets {
@@ -1939,6 +1971,7 @@ pub(crate) mod work_order_model {
                     assert_eq!(s.wgrad_done, [s.experts * s.wgrad_tiles; 3], "case {case}");
                 }
                 assert_eq!(world.combined, world.tokens.len(), "case {case}");
+                assert!(world.dots.iter().all(|&n| n == usize::from(early)), "case {case}: {:?}", world.dots);
                 let joined = if gathering { 3 } else { 0 };
                 assert!(
                     world.joined.iter().all(|&n| n == joined),
@@ -1960,7 +1993,8 @@ pub(crate) mod work_order_model {
                 n_gate_up_dgrad: 1,
                 tokens: vec![(vec![0], 0)],
                 combined: 0,
-                next: [0; 16],
+                dots: vec![0; 1],
+                next: [0; 19],
                 gathering: false,
                 joined: vec![0; 1],
                 barrier: FinalBarrier::new(2),
@@ -2011,7 +2045,10 @@ pub(crate) mod work_order_model {
         //! rank's tokens. A tile of rank q waits on rank q's counters; a combine token on the
         //! gate/up-dgrad parts of its slots' M tiles on their owners (whose epilogues push the
         //! rows) and on its own rank's shared gate/up-dgrad tile. (The shared expert's weight
-        //! gradients, on the rank's own blocks after the routed ones, are `backward`'s.)
+        //! gradients, on the rank's own blocks after the routed ones, are `backward`'s.) The
+        //! slot-weight gradients (a token each, waiting on nothing) are taken by every combine
+        //! agent of the rank before its tokens and, where the pass takes them early, by the spare
+        //! warps after their SwiGLU chunks (every walked rank's in the walk's order).
 
         use super::*;
         use mok_kernels::megakernel_layout::weight_gradient_walk;
@@ -2021,6 +2058,8 @@ pub(crate) mod work_order_model {
         const SWIGLU: usize = 2;
         const GATE_UP_DGRAD: usize = 3;
         const COMBINE: usize = 4;
+        /// The slot-weight gradients' queue (`dots_next`).
+        const DOTS: usize = 9;
         /// The shared expert's queues: its gather, down dgrad, SwiGLU chunks, gate/up dgrad.
         const SHARED: usize = 5;
         /// The final cluster barrier: a spare warp's arrival (its last unit), a compute block's
@@ -2051,6 +2090,8 @@ pub(crate) mod work_order_model {
             Wgrad(usize, usize, usize),
             /// (rank, token)
             Combine(usize, usize),
+            /// (rank, token): its slot-weight gradients.
+            Dots(usize, usize),
             /// A spare warp of (compute block, numbered across the launch) at the final cluster
             /// barrier.
             SpareLeaves(usize),
@@ -2088,8 +2129,11 @@ pub(crate) mod work_order_model {
             tokens: Vec<Vec<(usize, usize)>>,
             wgrad_done: [usize; 3],
             combined: usize,
-            /// Its own queues: next index (the routed ones, the combine, the shared ones).
-            next: [usize; 9],
+            /// Per token: how often its slot-weight gradients were computed.
+            dots: Vec<usize>,
+            /// Its own queues: next index (the routed ones, the combine, the shared ones, the
+            /// slot-weight gradients).
+            next: [usize; 10],
         }
 
         struct BackwardRanks {
@@ -2134,6 +2178,14 @@ pub(crate) mod work_order_model {
                 let (q, r) = if q >= 64 { (q % 64, q / 64 - 1) } else { (q, who.rank) };
                 let (n_down, n_chunks, n_gate_up) = (self.n_down_dgrad, self.n_chunks, self.n_gate_up_dgrad);
                 let rank = &mut self.ranks[r];
+                if q == DOTS {
+                    let i = rank.next[q];
+                    if i >= rank.tokens.len() {
+                        return None;
+                    }
+                    rank.next[q] += 1;
+                    return Some(Unit::Dots(r, i));
+                }
                 let (set, kind) = if q >= SHARED { (1, q - SHARED) } else { (0, q) };
                 let m = rank.sets[set].gathered.len();
                 let len = if kind == COMBINE { rank.tokens.len() } else { m * [1, n_down, n_chunks, n_gate_up][kind] };
@@ -2154,7 +2206,7 @@ pub(crate) mod work_order_model {
             fn ready(&self, unit: Unit) -> bool {
                 let (nd, nc, ng) = (self.n_down_dgrad, self.n_chunks, self.n_gate_up_dgrad);
                 match unit {
-                    Unit::Gather(..) | Unit::SpareLeaves(_) => true,
+                    Unit::Gather(..) | Unit::SpareLeaves(_) | Unit::Dots(..) => true,
                     Unit::Barrier(block) => self.barrier.open(block),
                     Unit::DownDgrad(r, set, m) => self.ranks[r].sets[set].gathered[m],
                     Unit::Swiglu(r, set, m) => self.ranks[r].sets[set].down_dgrad[m] == nd,
@@ -2185,6 +2237,7 @@ pub(crate) mod work_order_model {
                     Unit::GateUpDgrad(r, set, m) => self.ranks[r].sets[set].gate_up_dgrad[m] += 1,
                     Unit::Wgrad(r, w, _) => self.ranks[r].wgrad_done[w] += 1,
                     Unit::Combine(r, _) => self.ranks[r].combined += 1,
+                    Unit::Dots(r, t) => self.ranks[r].dots[t] += 1,
                     Unit::SpareLeaves(block) => self.barrier.leave(block),
                     Unit::Barrier(_) => {}
                 }
@@ -2203,6 +2256,8 @@ pub(crate) mod work_order_model {
                 // (crossed with that) half with a shared expert.
                 let share_tiles = case % 2 == 0;
                 let with_shared = case % 4 < 2;
+                // Crossed with both, half with the slot-weight gradients taken early.
+                let early = case % 8 < 4;
                 let ranks = 1 + rng.below(8);
                 assert!(3 * ranks <= BARRIER_TAKEN + SPARE_LEAVES, "the barrier's `taken` entries stay apart");
                 let experts = 1 + rng.below(4);
@@ -2232,13 +2287,15 @@ pub(crate) mod work_order_model {
                         .map(|(ring, tokens)| {
                             // The shared expert: 1 to T M tiles over the rank's own tokens.
                             let shared_tiles = if with_shared { 1 + rng.below(tokens.len()) } else { 0 };
+                            let token_count = tokens.len();
                             Rank {
                                 expert_of_tile: ring.clone(),
                                 sets: [Set::new(ring.len()), Set::new(shared_tiles)],
                                 tokens,
                                 wgrad_done: [0; 3],
                                 combined: 0,
-                                next: [0; 9],
+                                dots: vec![0; token_count],
+                                next: [0; 10],
                             }
                         })
                         .collect(),
@@ -2268,20 +2325,25 @@ pub(crate) mod work_order_model {
                 for w in 0..3 {
                     compute_queues.extend((0..ranks).map(|q| wgrad(w, q, ranks)));
                 }
-                compute_queues.extend([BARRIER, COMBINE]);
+                compute_queues.extend([BARRIER, DOTS, COMBINE]);
                 let mut agents = Vec::new();
                 let mut index = 0;
                 for (rank, &p) in pairs.iter().enumerate() {
                     let comm = Who { rank, ..Who::default() };
-                    agents.extend((0..comm_blocks).map(|_| Agent::new(comm, vec![SHARED + GATHER, GATHER, COMBINE])));
+                    agents.extend(
+                        (0..comm_blocks).map(|_| Agent::new(comm, vec![SHARED + GATHER, GATHER, DOTS, COMBINE])),
+                    );
                     for _ in 0..2 * p {
                         let who = Who { rank, compute: (index, launch_compute), ..Who::default() };
                         agents.push(Agent::new(who, compute_queues.clone()));
                         // The block's three spare producer warps: the gather, then the SwiGLU
                         // chunks (the shared expert's first; with shared tiles every rank's in the
-                        // walk's order), then the final barrier.
+                        // walk's order), early the slot-weight gradients, then the final barrier.
                         let mut spare: Vec<usize> =
                             [SHARED + GATHER, GATHER, SHARED + SWIGLU, SWIGLU].iter().flat_map(|&q| walk(q)).collect();
+                        if early {
+                            spare.extend(walk(DOTS));
+                        }
                         spare.push(SPARE_LEAVES);
                         agents.extend((0..3).map(|_| Agent::new(who, spare.clone())));
                         index += 1;
@@ -2289,7 +2351,8 @@ pub(crate) mod work_order_model {
                 }
                 let what = format!(
                     "case {case}: {ranks} ranks, {comm_blocks} comm blocks, pairs {pairs:?}, data-gradient tiles \
-                     shared across ranks: {share_tiles}, shared expert: {with_shared}"
+                     shared across ranks: {share_tiles}, shared expert: {with_shared}, slot-weight gradients early: \
+                     {early}"
                 );
                 run_to_completion(&mut world, &mut agents, &mut rng, &what);
                 for (r, rank) in world.ranks.iter().enumerate() {
@@ -2298,6 +2361,10 @@ pub(crate) mod work_order_model {
                     }
                     assert_eq!(rank.wgrad_done, [experts * wgrad_tiles; 3], "{what}: rank {r}: every tile once");
                     assert_eq!(rank.combined, rank.tokens.len(), "{what}: rank {r}");
+                    assert!(
+                        rank.dots.iter().all(|&n| n == 1),
+                        "{what}: rank {r}: every token's slot-weight gradients once"
+                    );
                 }
             }
         }
