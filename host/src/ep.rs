@@ -37,8 +37,8 @@ use crate::exchange::{Exchange, ExchangeOptions, Silence};
 use crate::gemm::{self as engine, EnginePlan};
 use crate::megakernel::{
     BACKWARD_RANKS_KERNEL, BackwardBuffers, BackwardMegakernel, FORWARD_RANKS_KERNEL, ForwardMegakernel,
-    MegakernelOptions, PassBuffers, RankPass, SharedPassBuffers, checked_geometry, early_slot_weight_gradients,
-    resident_blocks,
+    MegakernelOptions, PassBuffers, RankPass, SharedPassBuffers, average_rows_per_expert, checked_geometry,
+    early_slot_weight_gradients, resident_blocks,
 };
 #[cfg(feature = "testing")]
 use crate::megakernel::{MegakernelFaults, MegakernelWork};
@@ -449,8 +449,7 @@ impl EpLayer {
         let sets = backward_plan_sets(&plans, &shared_plans);
         let sets: Vec<&[&EnginePlan]> = sets.iter().map(Vec::as_slice).collect();
         // The slot-weight gradients early or in the combine, by the experts' average rows.
-        let rows_per_expert = c.tokens_per_rank * c.ep_ranks * c.top_k / c.num_experts.max(1);
-        let early = early_slot_weight_gradients(&m.options, rows_per_expert);
+        let early = early_slot_weight_gradients(&m.options, average_rows_per_expert(c));
         let options = MegakernelOptions { early_slot_weight_gradients: Some(early), ..m.options.clone() };
         let pass = BackwardMegakernel::new(gpu, &sets, &buffers, &options, None)?;
         if let Some(m) = self.backward_megakernel.as_mut() {

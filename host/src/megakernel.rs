@@ -17,6 +17,7 @@ use mok_kernels::megakernel_layout::{
     backward_counter_words, first_compute_block, forward_counter_words, rank_pairs,
 };
 
+use crate::MoeConfig;
 use crate::driver::{DeviceBuffer, Gpu, KernelArg, LaunchShape};
 use crate::error::{MokError, Result};
 use crate::gemm::{
@@ -92,6 +93,12 @@ impl Default for MegakernelOptions {
 /// backward at P = 8 in three calls and 1.3 ms on one GPU; at T = 8192 (kimi 171 rows, qwen 160,
 /// glm 256) it added up to 1.3 ms or stayed level. The threshold sits between them.
 pub const EARLY_SLOT_WEIGHT_GRADIENTS_MIN_ROWS: usize = 512;
+
+/// The routed experts' average rows in a pass of `c` (all ranks' tokens · k ÷ experts): what
+/// [`early_slot_weight_gradients`]' rule reads.
+pub(crate) fn average_rows_per_expert(c: &MoeConfig) -> usize {
+    c.tokens_per_rank * c.ep_ranks * c.top_k / c.num_experts.max(1)
+}
 
 /// Whether a backward megakernel with `options` computes its slot-weight gradients early for
 /// routed experts averaging `rows_per_expert` rows
@@ -1046,6 +1053,10 @@ mod geometry_tests {
         assert!(!early_slot_weight_gradients(&options(None), 8192 * 10 / 512));
         assert!(!early_slot_weight_gradients(&options(None), 8192 * 8 / 384));
         assert!(!early_slot_weight_gradients(&options(None), EARLY_SLOT_WEIGHT_GRADIENTS_MIN_ROWS - 1));
+        // The average counts every rank's tokens: qwen 32768 on one GPU and over eight ranks.
+        let qwen = MoeConfig::new(32768, 4096, 1024, 512, 10);
+        assert_eq!(average_rows_per_expert(&qwen), 640);
+        assert_eq!(average_rows_per_expert(&MoeConfig { tokens_per_rank: 4096, ep_ranks: 8, ..qwen }), 640);
         assert!(early_slot_weight_gradients(&options(Some(true)), 1));
         assert!(!early_slot_weight_gradients(&options(Some(false)), 1 << 20));
     }

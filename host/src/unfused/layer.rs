@@ -11,8 +11,8 @@ use crate::error::{MokError, Result};
 use crate::gemm::{self as engine, EnginePlan};
 use crate::megakernel::{
     BACKWARD_KERNEL, BackwardBuffers, BackwardMegakernel, ErrorRecord, FORWARD_KERNEL, ForwardMegakernel,
-    MegakernelOptions, PassBuffers, SharedPassBuffers, checked_geometry, one_gpu_backward_options, plan_addresses,
-    resident_blocks,
+    MegakernelOptions, PassBuffers, SharedPassBuffers, average_rows_per_expert, checked_geometry,
+    one_gpu_backward_options, plan_addresses, resident_blocks,
 };
 #[cfg(feature = "testing")]
 use crate::megakernel::{MegakernelFaults, MegakernelWork};
@@ -490,9 +490,8 @@ impl UnfusedLayer {
         let record = &mut self.megakernel_records[1];
         passes.select(key, || {
             let record = ErrorRecord::kept(record, gpu)?;
-            let rows_per_expert = c.tokens_per_rank * c.top_k / c.num_experts.max(1);
             let resident = resident_blocks(gpu, BACKWARD_KERNEL)?;
-            let options = one_gpu_backward_options(options, c.intermediate, rows_per_expert, resident);
+            let options = one_gpu_backward_options(options, c.intermediate, average_rows_per_expert(c), resident);
             BackwardMegakernel::new(gpu, &[&plans], &[buffers], &options, Some(record))
         })
     }
