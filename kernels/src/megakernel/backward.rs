@@ -380,12 +380,14 @@ pub unsafe fn combine_dx<const RANKS: bool>(b: &BackwardParams, pass: &PassInput
                     }
                 }
                 _ => {
-                    // A dropped slot's d_topk_weight, by the lane holding the slot (where the
-                    // gather computes the others).
-                    for half in 0..(if apart { 0 } else { 2 }) {
-                        let j = lane + 32 * half as u32;
-                        if j < b.top_k && slots.own_row(half) == NO_ROW {
-                            *(b.d_topk_weights as *mut f32).add((token * b.top_k + j) as usize) = 0.0;
+                    // A dropped slot's d_topk_weight, by the lane holding the slot, where the
+                    // gather computes the others (apart, the queue above wrote every slot's).
+                    if !apart {
+                        for half in 0..2 {
+                            let j = lane + 32 * half as u32;
+                            if j < b.top_k && slots.own_row(half) == NO_ROW {
+                                *(b.d_topk_weights as *mut f32).add((token * b.top_k + j) as usize) = 0.0;
+                            }
                         }
                     }
                     if b.work & WORK_GEMMS != 0 {
