@@ -324,6 +324,12 @@ pub struct BackwardParams {
     pub early_slot_weight_gradients: u32,
     /// Zero: pads the block to whole 8-byte words.
     pub reserved: u32,
+    /// `[2]` u32: the rows the gather published this pass, the routed experts' then the shared
+    /// expert's: each chunk adds its rows with a release after its tile's count, so the total
+    /// reaches the plan's rows exactly when every M tile's count is complete. The down weight
+    /// gradient's producer reads it once per phase ([`gathered_rows_complete`]) and, when it is
+    /// complete, waits on no M tile of the phase.
+    pub gathered_rows: u64,
 }
 
 /// One expert set's rows of the backward's SwiGLU step, all `[cap][width]` in expert order:
@@ -365,8 +371,9 @@ pub const fn down_dgrad_complete(n_tiles: u32, rows: u32) -> u32 {
 }
 
 // The host writes this block byte for byte: nineteen 8-byte words, eight u32, one 8-byte word,
-// six u32, nine 8-byte words, two 48-byte `SwigluBackwardRows`, two 8-byte words, two u32.
-const _: () = assert!(size_of::<BackwardParams>() == 408);
+// six u32, nine 8-byte words, two 48-byte `SwigluBackwardRows`, two 8-byte words, two u32, one
+// 8-byte word.
+const _: () = assert!(size_of::<BackwardParams>() == 416);
 
 /// The routed plans the one-GPU backward megakernel copies into shared memory with its parameter
 /// block (the two data gradients and the three weight gradients; the shared expert's stay in
@@ -383,9 +390,17 @@ const _: () = assert!(
 /// Words of one rank's backward pass counters for plans of at most `m_tiles` M tiles: three
 /// per M tile for the routed experts (gathered, down-dgrad parts, gate/up-dgrad parts), the
 /// four queues (gather, combine, the SwiGLU backward, the slot-weight gradients across ranks),
-/// then three per M tile for the shared expert.
+/// the two gathered-row totals ([`BackwardParams::gathered_rows`]), then three per M tile for
+/// the shared expert.
 pub const fn backward_counter_words(m_tiles: usize) -> usize {
-    6 * m_tiles + 4
+    6 * m_tiles + 6
+}
+
+/// Whether the gathered-row total `total` ([`BackwardParams::gathered_rows`]) says every row
+/// chunk of an expert set is published: its plan holds `rows` rows. Each chunk adds its own
+/// rows, so the total reaches `rows` only with every chunk of every M tile counted.
+pub const fn gathered_rows_complete(total: u32, rows: u32) -> bool {
+    total >= rows
 }
 
 /// [`ForwardParams::work`]: the dispatch copies the rows (without it, it only publishes them:
@@ -524,7 +539,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_row_chunks_cover_every_row_once_and_complete_each_tile() {
+    fn the_row_chunks_cover_every_row_once_and_complete_each_tile_and_total() {
         // Ragged groups (empty ones too), with and without a shared expert: every row of every
         // M tile lies in exactly one chunk of that tile, and the chunks with rows of a tile
         // number row_chunks_complete(its rows), what its waiters expect.
@@ -540,6 +555,8 @@ mod tests {
                 let (mut routed_seen, mut shared_seen) = (vec![0u32; rows], vec![0u32; tokens as usize]);
                 let (mut routed_counts, mut shared_counts) =
                     (vec![0u32; m_tiles as usize], vec![0u32; shared_tiles as usize]);
+                // The gathered-row totals, as the chunks add their rows.
+                let (mut routed_total, mut shared_total) = (0u32, 0u32);
                 let mut claimed = 0;
                 loop {
                     match row_chunk(claimed, shared_tiles, tokens, tile_offsets, row_offsets) {
@@ -547,12 +564,17 @@ mod tests {
                         RowChunk::Shared { tile, first, end } => {
                             if first < end {
                                 shared_counts[tile as usize] += 1;
+                                assert!(!gathered_rows_complete(shared_total, tokens), "complete before a chunk");
+                                shared_total += end - first;
                             }
                             (first..end).for_each(|t| shared_seen[t as usize] += 1);
                         }
                         RowChunk::Routed { tile, first, end } => {
                             if first < end {
                                 routed_counts[tile as usize] += 1;
+                                let rows = row_offsets[groups] - row_offsets[0];
+                                assert!(!gathered_rows_complete(routed_total, rows), "complete before a chunk");
+                                routed_total += end - first;
                             }
                             for r in first..end {
                                 routed_seen[r as usize] += 1;
@@ -569,6 +591,9 @@ mod tests {
                 }
                 assert_eq!(claimed, (shared_tiles + m_tiles) * ROW_CHUNKS_PER_M_TILE);
                 assert!(routed_seen.iter().all(|&n| n == 1) && shared_seen.iter().all(|&n| n == 1));
+                // Every chunk published: each set's total says so, as every M tile's count does.
+                assert!(gathered_rows_complete(routed_total, row_offsets[groups] - row_offsets[0]));
+                assert!(gathered_rows_complete(shared_total, tokens));
                 for g in 0..groups {
                     for t in tile_offsets[g]..tile_offsets[g + 1] {
                         let first = row_offsets[g] + (t - tile_offsets[g]) * TILE_M;

@@ -17,11 +17,12 @@ use crate::comm::error::{
 };
 use crate::comm::params::{ExchangeParams, HeapRegions};
 use crate::comm::schedule::epoch_reached;
-use crate::comm::wait::{signal, wait_until};
+use crate::comm::wait::{load_acquire, signal, wait_until};
 use crate::gemm_layout::{GemmParams, TILE_M, TILE_N, TileCounters, Variant, is_wgrad};
 use crate::megakernel_layout::{
     BackwardParams, ForwardParams, NO_FAULT, WORK_GEMMS, WORK_WEIGHT_GRADS, down_dgrad_complete, downstream_deadline,
-    first_compute_block, parts_per_m_tile, rank_of_pair, row_chunks_complete, weight_gradient_walk,
+    first_compute_block, gathered_rows_complete, parts_per_m_tile, rank_of_pair, row_chunks_complete,
+    weight_gradient_walk,
 };
 use crate::ptx::bulk;
 use crate::ptx::memory::fence_proxy_async_global;
@@ -31,11 +32,15 @@ use super::source::{UNKNOWN_M_TILE, Work, tile_offset};
 /// The two places a persistent kernel hooks into a tile.
 pub trait TileHooks: Copy {
     /// The producer thread of each block (both blocks of a pair), before the first copy of the
-    /// rows of tile `work` (row-grouped variants only). May wait, bounded.
+    /// rows of tile `work` (row-grouped variants and the megakernels' weight gradients). May
+    /// wait, bounded. Returns whether the rows of every later tile of the same phase are ready
+    /// too (this thread acquired what says so and fenced the async proxy): the producer then
+    /// skips the call for the rest of the phase, so a phase whose rows all landed before it
+    /// began pays one acquire and one fence per block, not one per tile.
     ///
     /// # Safety
     /// `p` is the launch's valid parameter block and `work` one of its tiles.
-    unsafe fn before_rows(&self, p: &GemmParams, work: &Work);
+    unsafe fn before_rows(&self, p: &GemmParams, work: &Work) -> bool;
 
     /// The leader thread (thread 0) of consumer warpgroup `wg`, after it committed the last
     /// store of its part of tile `work` (row-grouped variants only).
@@ -141,7 +146,9 @@ pub struct Gathering(pub RowGather);
 impl TileHooks for Gathering {
     const MAY_GATHER_ROWS: bool = true;
     #[inline(always)]
-    unsafe fn before_rows(&self, _: &GemmParams, _: &Work) {}
+    unsafe fn before_rows(&self, _: &GemmParams, _: &Work) -> bool {
+        false
+    }
     #[inline(always)]
     unsafe fn after_store(&self, _: &GemmParams, _: &Work, _: u32) {}
     #[inline(always)]
@@ -156,7 +163,9 @@ pub struct Standalone;
 
 impl TileHooks for Standalone {
     #[inline(always)]
-    unsafe fn before_rows(&self, _: &GemmParams, _: &Work) {}
+    unsafe fn before_rows(&self, _: &GemmParams, _: &Work) -> bool {
+        false
+    }
     #[inline(always)]
     unsafe fn after_store(&self, _: &GemmParams, _: &Work, _: u32) {}
 }
@@ -250,13 +259,14 @@ impl TileHooks for Counters {
     const COUNTS_BY_M_TILE: bool = true;
 
     #[inline(always)]
-    unsafe fn before_rows(&self, p: &GemmParams, work: &Work) {
+    unsafe fn before_rows(&self, p: &GemmParams, work: &Work) -> bool {
         // SAFETY: caller contract of `new` and of the hook.
         unsafe {
             let c = &*self.counters;
             let ready = Ready::Epoch { flags: c.rows_landed as *const u32, epoch: c.epoch };
             wait_for_rows(p, work, ready, c.error as *mut u32, c.timeout_ns, c.epoch);
         }
+        false
     }
 
     #[inline(always)]
@@ -414,7 +424,7 @@ impl<const RANKS: bool> TileHooks for ForwardHandover<RANKS> {
     }
 
     #[inline(always)]
-    unsafe fn before_rows(&self, p: &GemmParams, work: &Work) {
+    unsafe fn before_rows(&self, p: &GemmParams, work: &Work) -> bool {
         // SAFETY: the pass's counters (constructor's contract) and the hook's.
         unsafe {
             let f = &*self.params;
@@ -444,6 +454,7 @@ impl<const RANKS: bool> TileHooks for ForwardHandover<RANKS> {
             let timeout_ns = if first { f.timeout_ns } else { downstream_deadline(f.timeout_ns, 1) };
             wait_for_rows(p, work, ready, f.error as *mut u32, timeout_ns, 0);
         }
+        false
     }
 
     #[inline(always)]
@@ -571,12 +582,13 @@ impl<const RANKS: bool> BackwardHandover<RANKS> {
 }
 
 /// The counters of one expert set's backward (the routed experts', or the shared expert's): its
-/// down-dgrad plan (whose offsets and N tiles describe the M tiles), its gathered counts and its
-/// two stored counts, with the codes a failed wait records.
+/// down-dgrad plan (whose offsets and N tiles describe the M tiles), its gathered counts, its
+/// gathered-row total and its two stored counts, with the codes a failed wait records.
 #[derive(Clone, Copy)]
 struct BackwardCounters {
     down_dgrad: *const GemmParams,
     gathered: *const u32,
+    gathered_rows: *const u32,
     down_dgrad_stored: *mut u32,
     gate_up_dgrad_stored: *mut u32,
     gathered_code: u32,
@@ -590,6 +602,7 @@ impl BackwardCounters {
             Self {
                 down_dgrad: b.shared_down_dgrad as *const GemmParams,
                 gathered: b.shared_gathered as *const u32,
+                gathered_rows: (b.gathered_rows as *const u32).wrapping_add(1),
                 down_dgrad_stored: b.shared_down_dgrad_stored as *mut u32,
                 gate_up_dgrad_stored: b.shared_gate_up_dgrad_stored as *mut u32,
                 gathered_code: WAIT_SHARED_TILE_GATHERED,
@@ -599,6 +612,7 @@ impl BackwardCounters {
             Self {
                 down_dgrad: b.down_dgrad as *const GemmParams,
                 gathered: b.rows_gathered as *const u32,
+                gathered_rows: b.gathered_rows as *const u32,
                 down_dgrad_stored: b.down_dgrad_stored as *mut u32,
                 gate_up_dgrad_stored: b.gate_up_dgrad_stored as *mut u32,
                 gathered_code: WAIT_ENGINE_TILE_GATHERED,
@@ -635,7 +649,7 @@ impl<const RANKS: bool> TileHooks for BackwardHandover<RANKS> {
     }
 
     #[inline(always)]
-    unsafe fn before_rows(&self, p: &GemmParams, work: &Work) {
+    unsafe fn before_rows(&self, p: &GemmParams, work: &Work) -> bool {
         // SAFETY: the pass's counters (constructor's contract) and the hook's.
         unsafe {
             let b = &*self.params;
@@ -645,6 +659,7 @@ impl<const RANKS: bool> TileHooks for BackwardHandover<RANKS> {
                 BackwardHandover::SHARED_DOWN_DGRAD | BackwardHandover::DOWN_DGRAD => {
                     let ready = Ready::RowChunks { counts: c.gathered, code: c.gathered_code };
                     wait_for_rows(p, work, ready, error, b.timeout_ns, 0);
+                    false
                 }
                 BackwardHandover::SHARED_GATE_UP_DGRAD | BackwardHandover::GATE_UP_DGRAD => {
                     let ready = Ready::SwigluDone {
@@ -653,16 +668,19 @@ impl<const RANKS: bool> TileHooks for BackwardHandover<RANKS> {
                         code: c.down_dgrad_code,
                     };
                     wait_for_rows(p, work, ready, error, downstream_deadline(b.timeout_ns, 2), 0);
+                    false
                 }
                 phase => {
                     let gathered =
                         phase == BackwardHandover::WGRAD_DOWN || phase == BackwardHandover::SHARED_WGRAD_DOWN;
                     if gathered || b.work & WORK_GEMMS != 0 {
-                        wait_for_group(b, &c, work.group, gathered);
+                        wait_for_group(b, &c, work.group, gathered)
                     } else {
                         // The weight gradients alone (a benchmark): no data-gradient tile runs
-                        // to count, so read what an earlier pass left.
+                        // to count, so read what an earlier pass left; one fence covers the
+                        // phase's later copies.
                         fence_proxy_async_global();
+                        true
                     }
                 }
             }
@@ -749,15 +767,29 @@ impl<const RANKS: bool> TileHooks for BackwardHandover<RANKS> {
 /// gate and up weight gradients read them), then the async-proxy fence before the TMA copies. A failed
 /// wait records itself like [`wait_for_rows`]' and the tile runs on what the rows hold.
 ///
+/// Returns whether every tile of the phase is ready (the producer then skips the later tiles'
+/// waits, [`TileHooks::before_rows`]): with `gathered`, when the set's gathered-row total
+/// already holds every row of its plan, one acquire of it and the fence stand for every M
+/// tile's wait. Measured, the down weight gradient's per-tile waits cost ~5.5 ms of qwen
+/// 32768's backward across ranks though every count was complete (docs/PERF.md, "The weight
+/// gradients' waits across ranks, probed"); the gate and up weight gradients' did not.
+///
 /// # Safety
 /// `b` is the pass's and `c` one of its expert sets; `group` < its plans' groups.
 #[inline(always)]
-unsafe fn wait_for_group(b: &BackwardParams, c: &BackwardCounters, group: u32, gathered: bool) {
+unsafe fn wait_for_group(b: &BackwardParams, c: &BackwardCounters, group: u32, gathered: bool) -> bool {
     // SAFETY: caller contract: the down-dgrad plan's offsets hold G + 1 entries of each kind.
     unsafe {
         let p = &*c.down_dgrad;
-        let (first_tile, end_tile) = (tile_offset(p, group), tile_offset(p, group + 1));
         let offsets = p.row_offsets as *const u32;
+        if gathered {
+            let rows = *offsets.add(p.groups as usize) - *offsets;
+            if gathered_rows_complete(load_acquire(c.gathered_rows, false), rows) {
+                fence_proxy_async_global();
+                return true;
+            }
+        }
+        let (first_tile, end_tile) = (tile_offset(p, group), tile_offset(p, group + 1));
         let (row_begin, row_end) = (*offsets.add(group as usize), *offsets.add(group as usize + 1));
         let error = b.error as *mut u32;
         let n_tiles = c.down_dgrad_n_tiles();
@@ -778,6 +810,7 @@ unsafe fn wait_for_group(b: &BackwardParams, c: &BackwardCounters, group: u32, g
             }
         }
         fence_proxy_async_global();
+        false
     }
 }
 

@@ -95,7 +95,14 @@ pub unsafe fn gather<const RANKS: bool>(
                     // The shared expert's rows are the pass's own dy rows, in order.
                     if first < end {
                         copy_token_rows(b.shared_dy, pass.x, b.hidden, first..end, copy, lane);
-                        publish_chunk(b.shared_gathered as *mut u32, tile, publish, lane);
+                        let total = (b.gathered_rows as *mut u32).wrapping_add(1);
+                        publish_gathered_chunk(
+                            b.shared_gathered as *mut u32,
+                            tile,
+                            (total, end - first),
+                            publish,
+                            lane,
+                        );
                     }
                     continue;
                 }
@@ -153,10 +160,35 @@ pub unsafe fn gather<const RANKS: bool>(
                 }
                 row += 1;
             }
-            publish_chunk(b.rows_gathered as *mut u32, tile, publish && tile != b.silent_rows_tile, lane);
+            let (total, rows) = (b.gathered_rows as *mut u32, end - first);
+            let publish = publish && tile != b.silent_rows_tile;
+            publish_gathered_chunk(b.rows_gathered as *mut u32, tile, (total, rows), publish, lane);
             if until_routed {
                 return;
             }
+        }
+    }
+}
+
+/// [`publish_chunk`] for the gather, then lane 0 adds the chunk's `rows` to its expert set's
+/// gathered-row total `total` with a release ([`BackwardParams::gathered_rows`]): the down
+/// weight gradient reads the total once per phase instead of every M tile's count.
+///
+/// # Safety
+/// As [`publish_chunk`]; `total` is a valid, 4-byte aligned global address.
+#[inline(always)]
+unsafe fn publish_gathered_chunk(
+    counts: *mut u32,
+    tile: u32,
+    (total, rows): (*mut u32, u32),
+    publish: bool,
+    lane: u32,
+) {
+    // SAFETY: caller contract.
+    unsafe {
+        publish_chunk(counts, tile, publish, lane);
+        if lane == 0 && publish {
+            signal(total, rows, false);
         }
     }
 }
