@@ -908,9 +908,9 @@ impl BackwardMegakernel {
         let words = backward_counter_words;
         build_pass(gpu, kernels, plans, &ranks_of, options, error_record, words, |r, at, comm_blocks, timeout_ns| {
             let (p, b, counters, tile_words) = (plans[r], &buffers[r], at.counters, at.tile_words);
-            // After the routed counters, the four queue words and the two gathered-row totals:
-            // the shared expert's three.
-            let shared_counters = counters + 3 * tile_words + 24;
+            // After the routed counters, the four queue words and the four row totals: the shared
+            // expert's three.
+            let shared_counters = counters + 3 * tile_words + 32;
             let with_shared = b.shared.is_some();
             let shared = |i: usize| if with_shared { p[5 + i].params_ptr() } else { 0 };
             let shared_counter = |i: u64| if with_shared { shared_counters + i * tile_words } else { 0 };
@@ -962,7 +962,7 @@ impl BackwardMegakernel {
                 dots_next: counters + 3 * tile_words + 12,
                 early_slot_weight_gradients: u32::from(options.early_slot_weight_gradients == Some(true)),
                 reserved: 0,
-                gathered_rows: counters + 3 * tile_words + 16,
+                row_totals: counters + 3 * tile_words + 16,
             }
         })
     }

@@ -324,12 +324,14 @@ pub struct BackwardParams {
     pub early_slot_weight_gradients: u32,
     /// Zero: pads the block to whole 8-byte words.
     pub reserved: u32,
-    /// `[2]` u32: the rows the gather published this pass, the routed experts' then the shared
-    /// expert's: each chunk adds its rows with a release after its tile's count, so the total
-    /// reaches the plan's rows exactly when every M tile's count is complete. The down weight
-    /// gradient's producer reads it once per phase ([`gathered_rows_complete`]) and, when it is
-    /// complete, waits on no M tile of the phase.
-    pub gathered_rows: u64,
+    /// `[4]` u32, per expert set (the routed experts', then the shared expert's): the rows the
+    /// gather published this pass, then the rows of the down-dgrad parts stored plus the rows of
+    /// the SwiGLU chunks written. Each chunk or part adds its rows with a release after its M
+    /// tile's count, so a total is complete ([`gathered_total_complete`],
+    /// [`swiglu_total_complete`]) exactly when every M tile's count of that kind is. A weight
+    /// gradient's producer reads its total once per phase and, when it is complete, waits on no
+    /// M tile of the phase.
+    pub row_totals: u64,
 }
 
 /// One expert set's rows of the backward's SwiGLU step, all `[cap][width]` in expert order:
@@ -390,17 +392,27 @@ const _: () = assert!(
 /// Words of one rank's backward pass counters for plans of at most `m_tiles` M tiles: three
 /// per M tile for the routed experts (gathered, down-dgrad parts, gate/up-dgrad parts), the
 /// four queues (gather, combine, the SwiGLU backward, the slot-weight gradients across ranks),
-/// the two gathered-row totals ([`BackwardParams::gathered_rows`]), then three per M tile for
-/// the shared expert.
+/// the four row totals ([`BackwardParams::row_totals`]), then three per M tile for the shared
+/// expert.
 pub const fn backward_counter_words(m_tiles: usize) -> usize {
-    6 * m_tiles + 6
+    6 * m_tiles + 8
 }
 
-/// Whether the gathered-row total `total` ([`BackwardParams::gathered_rows`]) says every row
-/// chunk of an expert set is published: its plan holds `rows` rows. Each chunk adds its own
-/// rows, so the total reaches `rows` only with every chunk of every M tile counted.
-pub const fn gathered_rows_complete(total: u32, rows: u32) -> bool {
+/// Whether an expert set's gathered-row total ([`BackwardParams::row_totals`]) says every row
+/// chunk of the set is published: its plan holds `rows` rows. Each chunk adds its own rows, so
+/// the total reaches `rows` only with every chunk of every M tile counted.
+pub const fn gathered_total_complete(total: u32, rows: u32) -> bool {
     total >= rows
+}
+
+/// Whether an expert set's SwiGLU row total ([`BackwardParams::row_totals`]) says every M tile
+/// of the set has d_gate and d_up written: its plan holds `rows` rows, its down dgrad `n_tiles`
+/// N tiles. Each down-dgrad part adds its rows (`n_tiles` times each row in all) and each
+/// SwiGLU chunk its rows (once each), so the total reaches `(n_tiles + 1) · rows` only with
+/// every part and chunk counted. Compared in 64 bits: where that product passes `u32::MAX` the
+/// total never says complete and the per-tile waits decide.
+pub const fn swiglu_total_complete(total: u32, n_tiles: u32, rows: u32) -> bool {
+    total as u64 >= (n_tiles as u64 + 1) * rows as u64
 }
 
 /// [`ForwardParams::work`]: the dispatch copies the rows (without it, it only publishes them:
@@ -564,7 +576,7 @@ mod tests {
                         RowChunk::Shared { tile, first, end } => {
                             if first < end {
                                 shared_counts[tile as usize] += 1;
-                                assert!(!gathered_rows_complete(shared_total, tokens), "complete before a chunk");
+                                assert!(!gathered_total_complete(shared_total, tokens), "complete before a chunk");
                                 shared_total += end - first;
                             }
                             (first..end).for_each(|t| shared_seen[t as usize] += 1);
@@ -573,7 +585,7 @@ mod tests {
                             if first < end {
                                 routed_counts[tile as usize] += 1;
                                 let rows = row_offsets[groups] - row_offsets[0];
-                                assert!(!gathered_rows_complete(routed_total, rows), "complete before a chunk");
+                                assert!(!gathered_total_complete(routed_total, rows), "complete before a chunk");
                                 routed_total += end - first;
                             }
                             for r in first..end {
@@ -592,8 +604,8 @@ mod tests {
                 assert_eq!(claimed, (shared_tiles + m_tiles) * ROW_CHUNKS_PER_M_TILE);
                 assert!(routed_seen.iter().all(|&n| n == 1) && shared_seen.iter().all(|&n| n == 1));
                 // Every chunk published: each set's total says so, as every M tile's count does.
-                assert!(gathered_rows_complete(routed_total, row_offsets[groups] - row_offsets[0]));
-                assert!(gathered_rows_complete(shared_total, tokens));
+                assert!(gathered_total_complete(routed_total, row_offsets[groups] - row_offsets[0]));
+                assert!(gathered_total_complete(shared_total, tokens));
                 for g in 0..groups {
                     for t in tile_offsets[g]..tile_offsets[g + 1] {
                         let first = row_offsets[g] + (t - tile_offsets[g]) * TILE_M;
@@ -611,6 +623,50 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn the_swiglu_total_completes_with_the_last_part_or_chunk() {
+        // An expert set's M tiles (ragged groups, empty ones too): each down-dgrad part (an N
+        // tile × a 64-row half with rows, `parts_per_m_tile` of them per tile) adds its half's
+        // rows, each SwiGLU chunk with rows its rows; the total is complete after the last one
+        // counted and not before, in any order (here parts first, then chunks, and reversed).
+        for (row_offsets, n_tiles) in [(&[0u32, 0, 5, 5, 300, 301][..], 4), (&[0, 128, 256][..], 1), (&[0, 1][..], 8)] {
+            let groups = row_offsets.len() - 1;
+            let rows = row_offsets[groups] - row_offsets[0];
+            let mut units = Vec::new();
+            for g in 0..groups {
+                let mut first = row_offsets[g];
+                while first < row_offsets[g + 1] {
+                    let tile_rows = (row_offsets[g + 1] - first).min(TILE_M);
+                    let mut parts = 0;
+                    for _ in 0..n_tiles {
+                        for half in 0..tile_rows.div_ceil(64) {
+                            units.push((tile_rows - half * 64).min(64));
+                            parts += 1;
+                        }
+                    }
+                    assert_eq!(parts, parts_per_m_tile(n_tiles, tile_rows));
+                    let chunks = tile_rows.div_ceil(SWIGLU_CHUNK_ROWS);
+                    for c in 0..chunks {
+                        units.push((tile_rows - c * SWIGLU_CHUNK_ROWS).min(SWIGLU_CHUNK_ROWS));
+                    }
+                    assert_eq!(parts + chunks, down_dgrad_complete(n_tiles, tile_rows));
+                    first += tile_rows;
+                }
+            }
+            for order in [false, true] {
+                let mut total = 0u32;
+                let walk: Vec<u32> = if order { units.iter().rev().copied().collect() } else { units.clone() };
+                for unit in walk {
+                    assert!(!swiglu_total_complete(total, n_tiles, rows), "{row_offsets:?}: complete early");
+                    total += unit;
+                }
+                assert!(swiglu_total_complete(total, n_tiles, rows), "{row_offsets:?}");
+            }
+        }
+        // Past u32 the total never says complete: the per-tile waits decide.
+        assert!(!swiglu_total_complete(u32::MAX, 16, 1 << 28));
     }
 
     #[test]

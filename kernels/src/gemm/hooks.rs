@@ -21,8 +21,8 @@ use crate::comm::wait::{load_acquire, signal, wait_until};
 use crate::gemm_layout::{GemmParams, TILE_M, TILE_N, TileCounters, Variant, is_wgrad};
 use crate::megakernel_layout::{
     BackwardParams, ForwardParams, NO_FAULT, WORK_GEMMS, WORK_WEIGHT_GRADS, down_dgrad_complete, downstream_deadline,
-    first_compute_block, gathered_rows_complete, parts_per_m_tile, rank_of_pair, row_chunks_complete,
-    weight_gradient_walk,
+    first_compute_block, gathered_total_complete, parts_per_m_tile, rank_of_pair, row_chunks_complete,
+    swiglu_total_complete, weight_gradient_walk,
 };
 use crate::ptx::bulk;
 use crate::ptx::memory::fence_proxy_async_global;
@@ -583,12 +583,14 @@ impl<const RANKS: bool> BackwardHandover<RANKS> {
 
 /// The counters of one expert set's backward (the routed experts', or the shared expert's): its
 /// down-dgrad plan (whose offsets and N tiles describe the M tiles), its gathered counts, its
-/// gathered-row total and its two stored counts, with the codes a failed wait records.
+/// two stored counts and its two row totals ([`BackwardParams::row_totals`]), with the codes a
+/// failed wait records.
 #[derive(Clone, Copy)]
 struct BackwardCounters {
     down_dgrad: *const GemmParams,
     gathered: *const u32,
-    gathered_rows: *const u32,
+    gathered_total: *const u32,
+    swiglu_total: *mut u32,
     down_dgrad_stored: *mut u32,
     gate_up_dgrad_stored: *mut u32,
     gathered_code: u32,
@@ -602,7 +604,8 @@ impl BackwardCounters {
             Self {
                 down_dgrad: b.shared_down_dgrad as *const GemmParams,
                 gathered: b.shared_gathered as *const u32,
-                gathered_rows: (b.gathered_rows as *const u32).wrapping_add(1),
+                gathered_total: (b.row_totals as *const u32).wrapping_add(2),
+                swiglu_total: (b.row_totals as *mut u32).wrapping_add(3),
                 down_dgrad_stored: b.shared_down_dgrad_stored as *mut u32,
                 gate_up_dgrad_stored: b.shared_gate_up_dgrad_stored as *mut u32,
                 gathered_code: WAIT_SHARED_TILE_GATHERED,
@@ -612,7 +615,8 @@ impl BackwardCounters {
             Self {
                 down_dgrad: b.down_dgrad as *const GemmParams,
                 gathered: b.rows_gathered as *const u32,
-                gathered_rows: b.gathered_rows as *const u32,
+                gathered_total: b.row_totals as *const u32,
+                swiglu_total: (b.row_totals as *mut u32).wrapping_add(1),
                 down_dgrad_stored: b.down_dgrad_stored as *mut u32,
                 gate_up_dgrad_stored: b.gate_up_dgrad_stored as *mut u32,
                 gathered_code: WAIT_ENGINE_TILE_GATHERED,
@@ -744,14 +748,21 @@ impl<const RANKS: bool> TileHooks for BackwardHandover<RANKS> {
     }
 
     #[inline(always)]
-    unsafe fn after_store(&self, p: &GemmParams, work: &Work, _wg: u32) {
+    unsafe fn after_store(&self, p: &GemmParams, work: &Work, wg: u32) {
         // SAFETY: as above.
         unsafe {
             let b = &*self.params;
             let c = BackwardCounters::of(b, self.shared());
             match self.phase {
-                BackwardHandover::DOWN_DGRAD => count_stored(p, work, c.down_dgrad_stored, b.silent_hidden_tile),
-                BackwardHandover::SHARED_DOWN_DGRAD => count_stored(p, work, c.down_dgrad_stored, NO_FAULT),
+                BackwardHandover::DOWN_DGRAD | BackwardHandover::SHARED_DOWN_DGRAD => {
+                    let silent = if self.shared() { NO_FAULT } else { b.silent_hidden_tile };
+                    count_stored(p, work, c.down_dgrad_stored, silent);
+                    if m_tile(p, work) != silent {
+                        // The part's rows (this warpgroup's half of the M tile) to the set's
+                        // SwiGLU row total, after its count.
+                        signal(c.swiglu_total, (work.rows - wg * 64).min(64), false);
+                    }
+                }
                 BackwardHandover::SHARED_GATE_UP_DGRAD | BackwardHandover::GATE_UP_DGRAD => {
                     count_stored(p, work, c.gate_up_dgrad_stored, NO_FAULT)
                 }
@@ -768,11 +779,12 @@ impl<const RANKS: bool> TileHooks for BackwardHandover<RANKS> {
 /// wait records itself like [`wait_for_rows`]' and the tile runs on what the rows hold.
 ///
 /// Returns whether every tile of the phase is ready (the producer then skips the later tiles'
-/// waits, [`TileHooks::before_rows`]): with `gathered`, when the set's gathered-row total
-/// already holds every row of its plan, one acquire of it and the fence stand for every M
-/// tile's wait. Measured, the down weight gradient's per-tile waits cost ~5.5 ms of qwen
-/// 32768's backward across ranks though every count was complete (docs/PERF.md, "The weight
-/// gradients' waits across ranks, probed"); the gate and up weight gradients' did not.
+/// waits, [`TileHooks::before_rows`]): when the set's row total of that kind
+/// ([`BackwardParams::row_totals`]) is already complete, one acquire of it and the fence stand
+/// for every M tile's wait. Measured, the per-tile waits cost ~5.5 ms of qwen 32768's backward
+/// across ranks (the down weight gradient's) and ~1 ms on one GPU (the gate and up weight
+/// gradients'), though none found its count short (docs/PERF.md, "The weight gradients' waits
+/// timed inside the producer").
 ///
 /// # Safety
 /// `b` is the pass's and `c` one of its expert sets; `group` < its plans' groups.
@@ -782,12 +794,15 @@ unsafe fn wait_for_group(b: &BackwardParams, c: &BackwardCounters, group: u32, g
     unsafe {
         let p = &*c.down_dgrad;
         let offsets = p.row_offsets as *const u32;
-        if gathered {
-            let rows = *offsets.add(p.groups as usize) - *offsets;
-            if gathered_rows_complete(load_acquire(c.gathered_rows, false), rows) {
-                fence_proxy_async_global();
-                return true;
-            }
+        let rows = *offsets.add(p.groups as usize) - *offsets;
+        let phase_ready = if gathered {
+            gathered_total_complete(load_acquire(c.gathered_total, false), rows)
+        } else {
+            swiglu_total_complete(load_acquire(c.swiglu_total, false), c.down_dgrad_n_tiles(), rows)
+        };
+        if phase_ready {
+            fence_proxy_async_global();
+            return true;
         }
         let (first_tile, end_tile) = (tile_offset(p, group), tile_offset(p, group + 1));
         let (row_begin, row_end) = (*offsets.add(group as usize), *offsets.add(group as usize + 1));
