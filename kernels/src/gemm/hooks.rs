@@ -32,15 +32,24 @@ use super::source::{UNKNOWN_M_TILE, Work, tile_offset};
 /// The two places a persistent kernel hooks into a tile.
 pub trait TileHooks: Copy {
     /// The producer thread of each block (both blocks of a pair), before the first copy of the
-    /// rows of tile `work` (row-grouped variants and the megakernels' weight gradients). May
-    /// wait, bounded. Returns whether the rows of every later tile of the same phase are ready
-    /// too (this thread acquired what says so and fenced the async proxy): the producer then
-    /// skips the call for the rest of the phase, so a phase whose rows all landed before it
-    /// began pays one acquire and one fence per block, not one per tile.
+    /// rows of tile `work` (row-grouped variants only). May wait, bounded.
     ///
     /// # Safety
     /// `p` is the launch's valid parameter block and `work` one of its tiles.
-    unsafe fn before_rows(&self, p: &GemmParams, work: &Work) -> bool;
+    unsafe fn before_rows(&self, p: &GemmParams, work: &Work);
+
+    /// The producer thread of each block, once where its walk of a phase starts: whether the
+    /// rows of every tile of the phase are there already (the thread acquired what says so and
+    /// fenced the async proxy, which orders all its later copies). Then the producer skips
+    /// [`Self::before_rows`] for the whole phase: one acquire and one fence per block, not one
+    /// per tile. Never waits. By default `false`: every tile waits as it comes.
+    ///
+    /// # Safety
+    /// As [`Self::before_rows`].
+    #[inline(always)]
+    unsafe fn phase_ready(&self, _p: &GemmParams) -> bool {
+        false
+    }
 
     /// The leader thread (thread 0) of consumer warpgroup `wg`, after it committed the last
     /// store of its part of tile `work` (row-grouped variants only).
@@ -146,9 +155,7 @@ pub struct Gathering(pub RowGather);
 impl TileHooks for Gathering {
     const MAY_GATHER_ROWS: bool = true;
     #[inline(always)]
-    unsafe fn before_rows(&self, _: &GemmParams, _: &Work) -> bool {
-        false
-    }
+    unsafe fn before_rows(&self, _: &GemmParams, _: &Work) {}
     #[inline(always)]
     unsafe fn after_store(&self, _: &GemmParams, _: &Work, _: u32) {}
     #[inline(always)]
@@ -163,9 +170,7 @@ pub struct Standalone;
 
 impl TileHooks for Standalone {
     #[inline(always)]
-    unsafe fn before_rows(&self, _: &GemmParams, _: &Work) -> bool {
-        false
-    }
+    unsafe fn before_rows(&self, _: &GemmParams, _: &Work) {}
     #[inline(always)]
     unsafe fn after_store(&self, _: &GemmParams, _: &Work, _: u32) {}
 }
@@ -259,14 +264,13 @@ impl TileHooks for Counters {
     const COUNTS_BY_M_TILE: bool = true;
 
     #[inline(always)]
-    unsafe fn before_rows(&self, p: &GemmParams, work: &Work) -> bool {
+    unsafe fn before_rows(&self, p: &GemmParams, work: &Work) {
         // SAFETY: caller contract of `new` and of the hook.
         unsafe {
             let c = &*self.counters;
             let ready = Ready::Epoch { flags: c.rows_landed as *const u32, epoch: c.epoch };
             wait_for_rows(p, work, ready, c.error as *mut u32, c.timeout_ns, c.epoch);
         }
-        false
     }
 
     #[inline(always)]
@@ -424,7 +428,7 @@ impl<const RANKS: bool> TileHooks for ForwardHandover<RANKS> {
     }
 
     #[inline(always)]
-    unsafe fn before_rows(&self, p: &GemmParams, work: &Work) -> bool {
+    unsafe fn before_rows(&self, p: &GemmParams, work: &Work) {
         // SAFETY: the pass's counters (constructor's contract) and the hook's.
         unsafe {
             let f = &*self.params;
@@ -454,7 +458,6 @@ impl<const RANKS: bool> TileHooks for ForwardHandover<RANKS> {
             let timeout_ns = if first { f.timeout_ns } else { downstream_deadline(f.timeout_ns, 1) };
             wait_for_rows(p, work, ready, f.error as *mut u32, timeout_ns, 0);
         }
-        false
     }
 
     #[inline(always)]
@@ -653,7 +656,7 @@ impl<const RANKS: bool> TileHooks for BackwardHandover<RANKS> {
     }
 
     #[inline(always)]
-    unsafe fn before_rows(&self, p: &GemmParams, work: &Work) -> bool {
+    unsafe fn before_rows(&self, p: &GemmParams, work: &Work) {
         // SAFETY: the pass's counters (constructor's contract) and the hook's.
         unsafe {
             let b = &*self.params;
@@ -663,7 +666,6 @@ impl<const RANKS: bool> TileHooks for BackwardHandover<RANKS> {
                 BackwardHandover::SHARED_DOWN_DGRAD | BackwardHandover::DOWN_DGRAD => {
                     let ready = Ready::RowChunks { counts: c.gathered, code: c.gathered_code };
                     wait_for_rows(p, work, ready, error, b.timeout_ns, 0);
-                    false
                 }
                 BackwardHandover::SHARED_GATE_UP_DGRAD | BackwardHandover::GATE_UP_DGRAD => {
                     let ready = Ready::SwigluDone {
@@ -672,22 +674,55 @@ impl<const RANKS: bool> TileHooks for BackwardHandover<RANKS> {
                         code: c.down_dgrad_code,
                     };
                     wait_for_rows(p, work, ready, error, downstream_deadline(b.timeout_ns, 2), 0);
-                    false
                 }
                 phase => {
                     let gathered =
                         phase == BackwardHandover::WGRAD_DOWN || phase == BackwardHandover::SHARED_WGRAD_DOWN;
                     if gathered || b.work & WORK_GEMMS != 0 {
-                        wait_for_group(b, &c, work.group, gathered)
+                        wait_for_group(b, &c, work.group, gathered);
                     } else {
                         // The weight gradients alone (a benchmark): no data-gradient tile runs
-                        // to count, so read what an earlier pass left; one fence covers the
-                        // phase's later copies.
+                        // to count, so read what an earlier pass left.
                         fence_proxy_async_global();
-                        true
                     }
                 }
             }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn phase_ready(&self, _p: &GemmParams) -> bool {
+        // The weight gradients only: their phases start once the data gradients' tiles are all
+        // taken, when their rows are often all there. Checked once at the phase's first tile, so
+        // a phase that starts early waits per tile as before and pays one more acquire. The
+        // per-tile waits cost ~5.5 ms of qwen 32768's backward across ranks (the down weight
+        // gradient's) and ~1 ms on one GPU (the gate and up weight gradients'), though none found
+        // its count short (docs/PERF.md, "The weight gradients' waits timed inside the producer").
+        let gathered = self.phase == BackwardHandover::WGRAD_DOWN || self.phase == BackwardHandover::SHARED_WGRAD_DOWN;
+        let swiglu = self.phase == BackwardHandover::WGRAD_GATE
+            || self.phase == BackwardHandover::WGRAD_UP
+            || self.phase == BackwardHandover::SHARED_WGRAD_GATE
+            || self.phase == BackwardHandover::SHARED_WGRAD_UP;
+        // SAFETY: the pass's counters (constructor's contract) and the hook's.
+        unsafe {
+            let b = &*self.params;
+            // The weight gradients alone (a benchmark) wait on the gathered rows only.
+            if !(gathered || (swiglu && b.work & WORK_GEMMS != 0)) {
+                return false;
+            }
+            let c = BackwardCounters::of(b, self.shared());
+            let p = &*c.down_dgrad;
+            let offsets = p.row_offsets as *const u32;
+            let rows = *offsets.add(p.groups as usize) - *offsets;
+            let ready = if gathered {
+                gathered_total_complete(load_acquire(c.gathered_total, false), rows)
+            } else {
+                swiglu_total_complete(load_acquire(c.swiglu_total, false), c.down_dgrad_n_tiles(), rows)
+            };
+            if ready {
+                fence_proxy_async_global();
+            }
+            ready
         }
     }
 
@@ -778,32 +813,14 @@ impl<const RANKS: bool> TileHooks for BackwardHandover<RANKS> {
 /// gate and up weight gradients read them), then the async-proxy fence before the TMA copies. A failed
 /// wait records itself like [`wait_for_rows`]' and the tile runs on what the rows hold.
 ///
-/// Returns whether every tile of the phase is ready (the producer then skips the later tiles'
-/// waits, [`TileHooks::before_rows`]): when the set's row total of that kind
-/// ([`BackwardParams::row_totals`]) is already complete, one acquire of it and the fence stand
-/// for every M tile's wait. Measured, the per-tile waits cost ~5.5 ms of qwen 32768's backward
-/// across ranks (the down weight gradient's) and ~1 ms on one GPU (the gate and up weight
-/// gradients'), though none found its count short (docs/PERF.md, "The weight gradients' waits
-/// timed inside the producer").
-///
 /// # Safety
 /// `b` is the pass's and `c` one of its expert sets; `group` < its plans' groups.
 #[inline(always)]
-unsafe fn wait_for_group(b: &BackwardParams, c: &BackwardCounters, group: u32, gathered: bool) -> bool {
+unsafe fn wait_for_group(b: &BackwardParams, c: &BackwardCounters, group: u32, gathered: bool) {
     // SAFETY: caller contract: the down-dgrad plan's offsets hold G + 1 entries of each kind.
     unsafe {
         let p = &*c.down_dgrad;
         let offsets = p.row_offsets as *const u32;
-        let rows = *offsets.add(p.groups as usize) - *offsets;
-        let phase_ready = if gathered {
-            gathered_total_complete(load_acquire(c.gathered_total, false), rows)
-        } else {
-            swiglu_total_complete(load_acquire(c.swiglu_total, false), c.down_dgrad_n_tiles(), rows)
-        };
-        if phase_ready {
-            fence_proxy_async_global();
-            return true;
-        }
         let (first_tile, end_tile) = (tile_offset(p, group), tile_offset(p, group + 1));
         let (row_begin, row_end) = (*offsets.add(group as usize), *offsets.add(group as usize + 1));
         let error = b.error as *mut u32;
@@ -825,7 +842,6 @@ unsafe fn wait_for_group(b: &BackwardParams, c: &BackwardCounters, group: u32, g
             }
         }
         fence_proxy_async_global();
-        false
     }
 }
 
