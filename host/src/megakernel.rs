@@ -13,8 +13,8 @@ use std::time::Duration;
 use mok_kernels::comm::params::ERROR_WORDS;
 use mok_kernels::gemm_layout::{ENGINE_SMEM_BYTES, ENGINE_THREADS, GemmParams, weight_gradient_tiles};
 use mok_kernels::megakernel_layout::{
-    BackwardParams, ForwardParams, ForwardPlans, NO_FAULT, PassInputs, SwigluBackwardRows, WORK_ALL,
-    backward_counter_words, first_compute_block, forward_counter_words, rank_pairs,
+    BACKWARD_QUEUE_WORDS, BackwardParams, ForwardParams, ForwardPlans, NO_FAULT, PassInputs, SwigluBackwardRows,
+    WORK_ALL, backward_counter_words, first_compute_block, forward_counter_words, rank_pairs,
 };
 
 use crate::MoeConfig;
@@ -908,9 +908,10 @@ impl BackwardMegakernel {
         let words = backward_counter_words;
         build_pass(gpu, kernels, plans, &ranks_of, options, error_record, words, |r, at, comm_blocks, timeout_ns| {
             let (p, b, counters, tile_words) = (plans[r], &buffers[r], at.counters, at.tile_words);
-            // After the routed counters, the four queue words and the four row totals: the shared
-            // expert's three.
-            let shared_counters = counters + 3 * tile_words + 32;
+            // After the routed counters, the four queue words and the four row totals, a line
+            // apart (`BACKWARD_QUEUE_WORDS`): the shared expert's three.
+            let (queues, totals) = (counters + 3 * tile_words, counters + 3 * tile_words + 4 * BACKWARD_QUEUE_WORDS);
+            let shared_counters = totals + 4 * BACKWARD_QUEUE_WORDS;
             let with_shared = b.shared.is_some();
             let shared = |i: usize| if with_shared { p[5 + i].params_ptr() } else { 0 };
             let shared_counter = |i: u64| if with_shared { shared_counters + i * tile_words } else { 0 };
@@ -928,8 +929,8 @@ impl BackwardMegakernel {
                 rows_gathered: counters,
                 down_dgrad_stored: counters + tile_words,
                 gate_up_dgrad_stored: counters + 2 * tile_words,
-                gather_next: counters + 3 * tile_words,
-                combine_next: counters + 3 * tile_words + 4,
+                gather_next: queues,
+                combine_next: queues + 4,
                 error: at.error,
                 timeout_ns,
                 top_k: b.top_k,
@@ -958,11 +959,11 @@ impl BackwardMegakernel {
                 shared_gate_up_dgrad_stored: shared_counter(2),
                 swiglu: b.swiglu,
                 shared_swiglu: b.shared.map(|s| s.swiglu).unwrap_or_default(),
-                swiglu_next: counters + 3 * tile_words + 8,
-                dots_next: counters + 3 * tile_words + 12,
+                swiglu_next: queues + 8,
+                dots_next: queues + 12,
                 early_slot_weight_gradients: u32::from(options.early_slot_weight_gradients == Some(true)),
                 reserved: 0,
-                row_totals: counters + 3 * tile_words + 16,
+                row_totals: totals,
             }
         })
     }

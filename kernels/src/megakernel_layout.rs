@@ -393,10 +393,16 @@ const _: () = assert!(
 /// per M tile for the routed experts (gathered, down-dgrad parts, gate/up-dgrad parts), the
 /// four queues (gather, combine, the SwiGLU backward, the slot-weight gradients across ranks),
 /// the four row totals ([`BackwardParams::row_totals`]), then three per M tile for the shared
-/// expert.
+/// expert. The queues start [`BACKWARD_QUEUE_WORDS`] words before the totals, and the totals as
+/// many before the shared expert's counters, so neither shares a 128-byte L2 line with the
+/// other: every chunk and part adds to a total, every claim to a queue.
 pub const fn backward_counter_words(m_tiles: usize) -> usize {
-    6 * m_tiles + 8
+    6 * m_tiles + 2 * BACKWARD_QUEUE_WORDS as usize
 }
+
+/// The words from the backward's first queue word to its row totals, and from the totals to
+/// the shared expert's counters ([`backward_counter_words`]): one 128-byte line.
+pub const BACKWARD_QUEUE_WORDS: u64 = 32;
 
 /// Whether an expert set's gathered-row total ([`BackwardParams::row_totals`]) says every row
 /// chunk of the set is published: its plan holds `rows` rows. Each chunk adds its own rows, so
