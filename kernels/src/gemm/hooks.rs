@@ -820,8 +820,8 @@ unsafe fn wait_for_group(b: &BackwardParams, c: &BackwardCounters, group: u32, g
     // SAFETY: caller contract: the down-dgrad plan's offsets hold G + 1 entries of each kind.
     unsafe {
         let p = &*c.down_dgrad;
-        let offsets = p.row_offsets as *const u32;
         let (first_tile, end_tile) = (tile_offset(p, group), tile_offset(p, group + 1));
+        let offsets = p.row_offsets as *const u32;
         let (row_begin, row_end) = (*offsets.add(group as usize), *offsets.add(group as usize + 1));
         let error = b.error as *mut u32;
         let n_tiles = c.down_dgrad_n_tiles();
