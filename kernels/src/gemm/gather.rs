@@ -243,7 +243,7 @@ pub(super) unsafe fn produce_gathering<const V: u32, H: TileHooks>(
                 if !phase_asked {
                     phase_asked = true;
                     // SAFETY: the producer's leader, at the phase's first tile.
-                    phase_ready = unsafe { hooks.phase_ready(p) };
+                    phase_ready = unsafe { hooks.phase_ready() };
                 }
                 if !phase_ready {
                     // A's rows (the data gradient's) may still be on their way: thread 0, which

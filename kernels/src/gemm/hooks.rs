@@ -38,16 +38,17 @@ pub trait TileHooks: Copy {
     /// `p` is the launch's valid parameter block and `work` one of its tiles.
     unsafe fn before_rows(&self, p: &GemmParams, work: &Work);
 
-    /// The producer thread of each block, once where its walk of a phase starts: whether the
-    /// rows of every tile of the phase are there already (the thread acquired what says so and
-    /// fenced the async proxy, which orders all its later copies). Then the producer skips
-    /// [`Self::before_rows`] for the whole phase: one acquire and one fence per block, not one
-    /// per tile. Never waits. By default `false`: every tile waits as it comes.
+    /// The producer thread of each block, once, at its first tile of a weight-gradient phase:
+    /// whether the rows of every tile of the phase are there already (the thread acquired what
+    /// says so and fenced the async proxy, which orders all its later copies). Then the
+    /// producer skips [`Self::before_rows`] for the whole phase: one acquire and one fence per
+    /// block, not one per tile. Never waits. By default `false`: every tile waits as it comes.
     ///
     /// # Safety
-    /// As [`Self::before_rows`].
+    /// Called by the producer thread of a launch whose hooks these are, as
+    /// [`Self::before_rows`].
     #[inline(always)]
-    unsafe fn phase_ready(&self, _p: &GemmParams) -> bool {
+    unsafe fn phase_ready(&self) -> bool {
         false
     }
 
@@ -691,7 +692,7 @@ impl<const RANKS: bool> TileHooks for BackwardHandover<RANKS> {
     }
 
     #[inline(always)]
-    unsafe fn phase_ready(&self, _p: &GemmParams) -> bool {
+    unsafe fn phase_ready(&self) -> bool {
         // The weight gradients only: their phases start once the data gradients' tiles are all
         // taken, when their rows are often all there. Checked once at the phase's first tile, so
         // a phase that starts early waits per tile as before and pays one more acquire. The

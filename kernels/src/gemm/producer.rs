@@ -130,7 +130,7 @@ pub(super) unsafe fn produce<const V: u32, H: TileHooks>(p: &GemmParams, ring: R
             if V == Variant::WGRAD_IN_PAIR && !phase_asked {
                 phase_asked = true;
                 // SAFETY: the producer thread, at the phase's first tile.
-                phase_ready = unsafe { hooks.phase_ready(p) };
+                phase_ready = unsafe { hooks.phase_ready() };
             }
             if !phase_ready {
                 // A persistent kernel's rows may still be on their way: wait (bounded) until they
