@@ -69,6 +69,12 @@ pub struct MegakernelOptions {
     /// average at least [`EARLY_SLOT_WEIGHT_GRADIENTS_MIN_ROWS`] rows. The bits are the same
     /// either way.
     pub early_slot_weight_gradients: Option<bool>,
+    /// Whether the backward keeps row totals (`BackwardParams::row_totals`): each weight
+    /// gradient's producer reads one total at its phase's first tile and, when every row is
+    /// there, waits on none of the phase's M tiles. `Some(false)`: every weight-gradient group
+    /// waits on its M tiles' counts. `None`: totals where the routed experts average at least
+    /// [`ROW_TOTALS_MIN_ROWS`] rows. The bits are the same either way.
+    pub row_totals: Option<bool>,
 }
 
 impl Default for MegakernelOptions {
@@ -79,6 +85,7 @@ impl Default for MegakernelOptions {
             timeout: Duration::from_secs(5),
             share_rank_tiles: true,
             early_slot_weight_gradients: None,
+            row_totals: None,
         }
     }
 }
@@ -105,6 +112,20 @@ pub(crate) fn average_rows_per_expert(c: &MoeConfig) -> usize {
 /// ([`MegakernelOptions::early_slot_weight_gradients`]).
 pub(crate) fn early_slot_weight_gradients(options: &MegakernelOptions, rows_per_expert: usize) -> bool {
     options.early_slot_weight_gradients.unwrap_or(rows_per_expert >= EARLY_SLOT_WEIGHT_GRADIENTS_MIN_ROWS)
+}
+
+/// The routed experts' average rows from which the backward megakernel keeps row totals by
+/// default, one GPU and across ranks ([`MegakernelOptions::row_totals`]). Measured on an H100
+/// (docs/PERF.md, "The weight gradients' waits timed inside the producer; row totals instead"):
+/// at qwen T = 32768 (640 rows an expert) the totals took the backward from 42.6–43.4 to
+/// 36.9–37.0 ms at P = 8 and from 35.7–35.9 to 34.6–34.7 on one GPU; at kimi T = 8192 (171
+/// rows) they cost 8–9 ms at P = 8 and up to 9 ms of some one-GPU passes, a loss not located.
+pub const ROW_TOTALS_MIN_ROWS: usize = 512;
+
+/// Whether a backward megakernel with `options` keeps row totals for routed experts averaging
+/// `rows_per_expert` rows ([`MegakernelOptions::row_totals`]).
+pub(crate) fn row_totals(options: &MegakernelOptions, rows_per_expert: usize) -> bool {
+    options.row_totals.unwrap_or(rows_per_expert >= ROW_TOTALS_MIN_ROWS)
 }
 
 /// The comm blocks used when the options name none: 0, every block dispatches, computes and
@@ -147,6 +168,7 @@ pub(crate) fn one_gpu_backward_options(
         chosen.comm_blocks = Some(if narrow { NARROW_BACKWARD_COMM_BLOCKS } else { DEFAULT_COMM_BLOCKS });
     }
     chosen.early_slot_weight_gradients = Some(early_slot_weight_gradients(options, rows_per_expert));
+    chosen.row_totals = Some(row_totals(options, rows_per_expert));
     chosen
 }
 
@@ -963,7 +985,7 @@ impl BackwardMegakernel {
                 dots_next: queues + 12,
                 early_slot_weight_gradients: u32::from(options.early_slot_weight_gradients == Some(true)),
                 reserved: 0,
-                row_totals: totals,
+                row_totals: if options.row_totals == Some(true) { totals } else { 0 },
             }
         })
     }
@@ -1119,6 +1141,14 @@ mod geometry_tests {
         let forced = |on| MegakernelOptions { early_slot_weight_gradients: Some(on), ..options(None, None) };
         assert_eq!(early(&forced(false), 1 << 20), Some(false));
         assert_eq!(early(&forced(true), 1), Some(true));
+        // The row totals: the rule where the options leave them open, else as named.
+        let totals = |o: &MegakernelOptions, rows| one_gpu_backward_options(o, 1024, rows, 132).row_totals;
+        assert_eq!(totals(&options(None, None), 32768 * 10 / 512), Some(true));
+        assert_eq!(totals(&options(None, None), 8192 * 8 / 384), Some(false));
+        assert_eq!(totals(&options(None, None), ROW_TOTALS_MIN_ROWS - 1), Some(false));
+        let named = |on| MegakernelOptions { row_totals: Some(on), ..options(None, None) };
+        assert_eq!(totals(&named(false), 1 << 20), Some(false));
+        assert_eq!(totals(&named(true), 1), Some(true));
         // Everything else about the options is kept.
         let timed = MegakernelOptions { timeout: std::time::Duration::from_millis(7), ..options(None, Some(64)) };
         let o = one_gpu_backward_options(&timed, 1024, 160, 132);

@@ -330,8 +330,18 @@ pub struct BackwardParams {
     /// tile's count, so a total is complete ([`gathered_total_complete`],
     /// [`swiglu_total_complete`]) exactly when every M tile's count of that kind is. A weight
     /// gradient's producer reads its total once per phase and, when it is complete, waits on no
-    /// M tile of the phase.
+    /// M tile of the phase. 0: the pass keeps no totals and every weight-gradient tile waits on
+    /// its M tiles' counts (`MegakernelOptions::row_totals` says where each pays).
     pub row_totals: u64,
+}
+
+impl BackwardParams {
+    /// Row total `index` of [`Self::row_totals`] (0 the routed experts' gathered rows, 1 their
+    /// SwiGLU rows, 2 and 3 the shared expert's), or null where the pass keeps none.
+    #[inline(always)]
+    pub fn row_total(&self, index: usize) -> *mut u32 {
+        if self.row_totals == 0 { core::ptr::null_mut() } else { (self.row_totals as *mut u32).wrapping_add(index) }
+    }
 }
 
 /// One expert set's rows of the backward's SwiGLU step, all `[cap][width]` in expert order:

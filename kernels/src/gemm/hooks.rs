@@ -593,7 +593,7 @@ impl<const RANKS: bool> BackwardHandover<RANKS> {
 struct BackwardCounters {
     down_dgrad: *const GemmParams,
     gathered: *const u32,
-    gathered_total: *const u32,
+    gathered_total: *mut u32,
     swiglu_total: *mut u32,
     down_dgrad_stored: *mut u32,
     gate_up_dgrad_stored: *mut u32,
@@ -608,8 +608,8 @@ impl BackwardCounters {
             Self {
                 down_dgrad: b.shared_down_dgrad as *const GemmParams,
                 gathered: b.shared_gathered as *const u32,
-                gathered_total: (b.row_totals as *const u32).wrapping_add(2),
-                swiglu_total: (b.row_totals as *mut u32).wrapping_add(3),
+                gathered_total: b.row_total(2),
+                swiglu_total: b.row_total(3),
                 down_dgrad_stored: b.shared_down_dgrad_stored as *mut u32,
                 gate_up_dgrad_stored: b.shared_gate_up_dgrad_stored as *mut u32,
                 gathered_code: WAIT_SHARED_TILE_GATHERED,
@@ -619,8 +619,8 @@ impl BackwardCounters {
             Self {
                 down_dgrad: b.down_dgrad as *const GemmParams,
                 gathered: b.rows_gathered as *const u32,
-                gathered_total: b.row_totals as *const u32,
-                swiglu_total: (b.row_totals as *mut u32).wrapping_add(1),
+                gathered_total: b.row_total(0),
+                swiglu_total: b.row_total(1),
                 down_dgrad_stored: b.down_dgrad_stored as *mut u32,
                 gate_up_dgrad_stored: b.gate_up_dgrad_stored as *mut u32,
                 gathered_code: WAIT_ENGINE_TILE_GATHERED,
@@ -707,8 +707,9 @@ impl<const RANKS: bool> TileHooks for BackwardHandover<RANKS> {
         // SAFETY: the pass's counters (constructor's contract) and the hook's.
         unsafe {
             let b = &*self.params;
-            // The weight gradients alone (a benchmark) wait on the gathered rows only.
-            if !(gathered || (swiglu && b.work & WORK_GEMMS != 0)) {
+            // The weight gradients alone (a benchmark) wait on the gathered rows only; a pass
+            // without totals waits per tile.
+            if b.row_totals == 0 || !(gathered || (swiglu && b.work & WORK_GEMMS != 0)) {
                 return false;
             }
             let c = BackwardCounters::of(b, self.shared());
@@ -793,7 +794,7 @@ impl<const RANKS: bool> TileHooks for BackwardHandover<RANKS> {
                 BackwardHandover::DOWN_DGRAD | BackwardHandover::SHARED_DOWN_DGRAD => {
                     let silent = if self.shared() { NO_FAULT } else { b.silent_hidden_tile };
                     count_stored(p, work, c.down_dgrad_stored, silent);
-                    if m_tile(p, work) != silent {
+                    if m_tile(p, work) != silent && !c.swiglu_total.is_null() {
                         // The part's rows (this warpgroup's half of the M tile) to the set's
                         // SwiGLU row total, after its count.
                         signal(c.swiglu_total, (work.rows - wg * 64).min(64), false);

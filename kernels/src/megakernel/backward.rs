@@ -95,7 +95,7 @@ pub unsafe fn gather<const RANKS: bool>(
                     // The shared expert's rows are the pass's own dy rows, in order.
                     if first < end {
                         copy_token_rows(b.shared_dy, pass.x, b.hidden, first..end, copy, lane);
-                        let total = (b.row_totals as *mut u32).wrapping_add(2);
+                        let total = b.row_total(2);
                         publish_gathered_chunk(
                             b.shared_gathered as *mut u32,
                             tile,
@@ -160,7 +160,7 @@ pub unsafe fn gather<const RANKS: bool>(
                 }
                 row += 1;
             }
-            let (total, rows) = (b.row_totals as *mut u32, end - first);
+            let (total, rows) = (b.row_total(0), end - first);
             let publish = publish && tile != b.silent_rows_tile;
             publish_gathered_chunk(b.rows_gathered as *mut u32, tile, (total, rows), publish, lane);
             if until_routed {
@@ -187,7 +187,7 @@ unsafe fn publish_gathered_chunk(
     // SAFETY: caller contract.
     unsafe {
         publish_chunk(counts, tile, publish, lane);
-        if lane == 0 && publish {
+        if lane == 0 && publish && !total.is_null() {
             signal(total, rows, false);
         }
     }
@@ -260,7 +260,7 @@ pub unsafe fn swiglu_backward_chunks(b: &BackwardParams, pass: &PassInputs, spar
                 let plan = &*(b.down_dgrad as *const GemmParams);
                 (first, end, plan, &b.swiglu, b.down_dgrad_stored as *mut u32, WAIT_ENGINE_TILE_DOWN_DGRAD)
             };
-            let total = (b.row_totals as *mut u32).wrapping_add(if shared { 3 } else { 1 });
+            let total = b.row_total(if shared { 3 } else { 1 });
             let chunk_first = first + chunk * SWIGLU_CHUNK_ROWS;
             let chunk_end = (chunk_first + SWIGLU_CHUNK_ROWS).min(end);
             let counter = stored.add(tile as usize);
@@ -287,7 +287,9 @@ pub unsafe fn swiglu_backward_chunks(b: &BackwardParams, pass: &PassInputs, spar
                 warp::warp_sync();
                 if lane == 0 {
                     signal(counter, 1, false);
-                    signal(total, chunk_end - chunk_first, false);
+                    if !total.is_null() {
+                        signal(total, chunk_end - chunk_first, false);
+                    }
                 }
             }
             if until_routed && !shared {
