@@ -978,20 +978,23 @@ fn ep_backward_megakernel_is_bitwise_the_single_rank_path() {
                 // Every other geometry with each rank's tiles on its own blocks; the slot-weight
                 // gradients early in the first two of every four (these shapes' default is in the
                 // combine: the runs above).
+                // The row totals (off by these shapes' default) in the first and last of every four.
                 let share_rank_tiles = i % 2 == 0;
                 let early = i % 4 < 2;
+                let row_totals = i % 4 == 0 || i % 4 == 3;
                 let options = MegakernelOptions {
                     comm_blocks: Some(comm),
                     blocks,
                     share_rank_tiles,
                     early_slot_weight_gradients: Some(early),
+                    row_totals: Some(row_totals),
                     ..Default::default()
                 };
                 layer.set_backward_megakernel(&gpu, Some(options)).unwrap();
                 let got = ep_bits(&gpu, &mut layer, &weights);
                 assert_eq!(layer.backward_megakernel_geometry(), Some((blocks.unwrap_or(resident), comm)));
                 let how = format!(
-                    "{comm} comm blocks per rank of {blocks:?}, tiles shared across ranks: {share_rank_tiles}, slot-weight gradients early: {early}"
+                    "{comm} comm blocks per rank of {blocks:?}, tiles shared across ranks: {share_rank_tiles}, slot-weight gradients early: {early}, row totals: {row_totals}"
                 );
                 assert_same_bits(&format!("{what}, {how}"), &got, &want);
                 runs += 1;
@@ -1033,19 +1036,21 @@ fn ep_megakernels_at_odd_rank_counts_give_the_single_rank_bits() {
         };
         for share_rank_tiles in [true, false] {
             for blocks in [None, Some(2 * p as u32)] {
-                // The slot-weight gradients early on the default grid, in the combine on the other.
+                // The slot-weight gradients early and the row totals kept on the default grid,
+                // neither on the other.
                 let early = blocks.is_none();
                 let options = MegakernelOptions {
                     comm_blocks: Some(0),
                     blocks,
                     share_rank_tiles,
                     early_slot_weight_gradients: Some(early),
+                    row_totals: Some(early),
                     ..Default::default()
                 };
                 layer.set_forward_megakernel(&gpu, Some(options.clone())).unwrap();
                 layer.set_backward_megakernel(&gpu, Some(options)).unwrap();
                 let how = format!(
-                    "{what}, grid {blocks:?}, tiles shared across ranks: {share_rank_tiles}, slot-weight gradients early: {early}"
+                    "{what}, grid {blocks:?}, tiles shared across ranks: {share_rank_tiles}, slot-weight gradients early and row totals: {early}"
                 );
                 assert_same_bits(&how, &ep_bits(&gpu, &mut layer, &weights), &want);
             }

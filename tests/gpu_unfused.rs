@@ -1001,12 +1001,18 @@ fn backward_megakernel_is_bitwise_the_engine_path() {
         let got = run(&gpu, &mut layer, &device);
         assert_same_backward(&got, &expected, &format!("{what}, default split"));
         assert_exact_zeros(&got, &c, &what);
-        let early = |comm, blocks| {
-            Some(MegakernelOptions { early_slot_weight_gradients: Some(true), ..megakernel_options(comm, blocks) })
+        // The slot-weight gradients early or in the gather, row totals kept or not (these
+        // shapes' default: neither).
+        let chosen = |comm, blocks, early, row_totals| {
+            Some(MegakernelOptions {
+                early_slot_weight_gradients: Some(early),
+                row_totals: Some(row_totals),
+                ..megakernel_options(comm, blocks)
+            })
         };
-        layer.set_backward_megakernel(&gpu, early(None, None)).unwrap();
+        layer.set_backward_megakernel(&gpu, chosen(None, None, true, true)).unwrap();
         let got = run(&gpu, &mut layer, &device);
-        let with_early = format!("{what}, default split, slot-weight gradients early");
+        let with_early = format!("{what}, default split, slot-weight gradients early, row totals");
         assert_same_backward(&got, &expected, &with_early);
         assert_exact_zeros(&got, &c, &with_early);
         layer.set_backward_megakernel(&gpu, Some(megakernel_options(None, None))).unwrap();
@@ -1020,23 +1026,23 @@ fn backward_megakernel_is_bitwise_the_engine_path() {
         let grids = [(0, 2), (1, 4), (3, 8), (2, 10), (6, 30), (9, resident - 2)];
         let (splits, grids) =
             if common::sanitizing() { (&all_splits[..2], &grids[..1]) } else { (&all_splits[..], &grids[..]) };
-        // The slot-weight gradients early on every other split and grid.
+        // The slot-weight gradients early on every other split and grid, the row totals on every
+        // other pair of them (each of the four combinations on both).
         for (i, &comm) in splits.iter().enumerate() {
-            let options = if i % 2 == 1 { early(Some(comm), None) } else { Some(megakernel_options(Some(comm), None)) };
-            layer.set_backward_megakernel(&gpu, options).unwrap();
-            let what = format!("{what}, {comm} comm blocks, slot-weight gradients early: {}", i % 2 == 1);
+            let (early, row_totals) = (i % 2 == 1, i % 4 < 2);
+            layer.set_backward_megakernel(&gpu, chosen(Some(comm), None, early, row_totals)).unwrap();
+            let what =
+                format!("{what}, {comm} comm blocks, slot-weight gradients early: {early}, row totals: {row_totals}");
             assert_same_backward(&run(&gpu, &mut layer, &device), &expected, &what);
         }
         for (i, &(comm, blocks)) in grids.iter().enumerate() {
-            let options = if i % 2 == 0 {
-                early(Some(comm), Some(blocks))
-            } else {
-                Some(megakernel_options(Some(comm), Some(blocks)))
-            };
-            layer.set_backward_megakernel(&gpu, options).unwrap();
+            let (early, row_totals) = (i % 2 == 0, i % 4 >= 2);
+            layer.set_backward_megakernel(&gpu, chosen(Some(comm), Some(blocks), early, row_totals)).unwrap();
             let got = run(&gpu, &mut layer, &device);
             assert_eq!(layer.backward_megakernel_geometry(), Some((blocks, comm)));
-            let what = format!("{what}, {comm} comm of {blocks} blocks, slot-weight gradients early: {}", i % 2 == 0);
+            let what = format!(
+                "{what}, {comm} comm of {blocks} blocks, slot-weight gradients early: {early}, row totals: {row_totals}"
+            );
             assert_same_backward(&got, &expected, &what);
             let accumulated = accumulated_backward(&gpu, &mut layer, &device, &start);
             assert!(

@@ -38,7 +38,7 @@ use crate::gemm::{self as engine, EnginePlan};
 use crate::megakernel::{
     BACKWARD_RANKS_KERNEL, BackwardBuffers, BackwardMegakernel, FORWARD_RANKS_KERNEL, ForwardMegakernel,
     MegakernelOptions, PassBuffers, RankPass, SharedPassBuffers, average_rows_per_expert, checked_geometry,
-    early_slot_weight_gradients, resident_blocks,
+    early_slot_weight_gradients, resident_blocks, row_totals,
 };
 #[cfg(feature = "testing")]
 use crate::megakernel::{MegakernelFaults, MegakernelWork};
@@ -448,9 +448,13 @@ impl EpLayer {
             .collect::<Result<_>>()?;
         let sets = backward_plan_sets(&plans, &shared_plans);
         let sets: Vec<&[&EnginePlan]> = sets.iter().map(Vec::as_slice).collect();
-        // The slot-weight gradients early or in the combine, by the experts' average rows.
-        let early = early_slot_weight_gradients(&m.options, average_rows_per_expert(c));
-        let options = MegakernelOptions { early_slot_weight_gradients: Some(early), ..m.options.clone() };
+        // The slot-weight gradients' placement and the row totals, by the experts' average rows.
+        let rows = average_rows_per_expert(c);
+        let options = MegakernelOptions {
+            early_slot_weight_gradients: Some(early_slot_weight_gradients(&m.options, rows)),
+            row_totals: Some(row_totals(&m.options, rows)),
+            ..m.options.clone()
+        };
         let pass = BackwardMegakernel::new(gpu, &sets, &buffers, &options, None)?;
         if let Some(m) = self.backward_megakernel.as_mut() {
             (m.plans, m.built_for, m.shared, m.pass) = (plans, keys, shared_plans, Some(pass));

@@ -13,8 +13,8 @@ use std::time::Duration;
 use mok_kernels::comm::params::ERROR_WORDS;
 use mok_kernels::gemm_layout::{ENGINE_SMEM_BYTES, ENGINE_THREADS, GemmParams, weight_gradient_tiles};
 use mok_kernels::megakernel_layout::{
-    BackwardParams, ForwardParams, ForwardPlans, NO_FAULT, PassInputs, SwigluBackwardRows, WORK_ALL,
-    backward_counter_words, first_compute_block, forward_counter_words, rank_pairs,
+    BACKWARD_QUEUE_WORDS, BackwardParams, ForwardParams, ForwardPlans, NO_FAULT, PassInputs, SwigluBackwardRows,
+    WORK_ALL, backward_counter_words, first_compute_block, forward_counter_words, rank_pairs,
 };
 
 use crate::MoeConfig;
@@ -69,6 +69,12 @@ pub struct MegakernelOptions {
     /// average at least [`EARLY_SLOT_WEIGHT_GRADIENTS_MIN_ROWS`] rows. The bits are the same
     /// either way.
     pub early_slot_weight_gradients: Option<bool>,
+    /// Whether the backward keeps row totals (`BackwardParams::row_totals`): each weight
+    /// gradient's producer reads one total at its phase's first tile and, when every row is
+    /// there, waits on none of the phase's M tiles. `Some(false)`: every weight-gradient group
+    /// waits on its M tiles' counts. `None`: totals where the routed experts average at least
+    /// [`ROW_TOTALS_MIN_ROWS`] rows. The bits are the same either way.
+    pub row_totals: Option<bool>,
 }
 
 impl Default for MegakernelOptions {
@@ -79,6 +85,7 @@ impl Default for MegakernelOptions {
             timeout: Duration::from_secs(5),
             share_rank_tiles: true,
             early_slot_weight_gradients: None,
+            row_totals: None,
         }
     }
 }
@@ -105,6 +112,20 @@ pub(crate) fn average_rows_per_expert(c: &MoeConfig) -> usize {
 /// ([`MegakernelOptions::early_slot_weight_gradients`]).
 pub(crate) fn early_slot_weight_gradients(options: &MegakernelOptions, rows_per_expert: usize) -> bool {
     options.early_slot_weight_gradients.unwrap_or(rows_per_expert >= EARLY_SLOT_WEIGHT_GRADIENTS_MIN_ROWS)
+}
+
+/// The routed experts' average rows from which the backward megakernel keeps row totals by
+/// default, one GPU and across ranks ([`MegakernelOptions::row_totals`]). Measured on an H100
+/// (docs/PERF.md, "The weight gradients' waits timed inside the producer; row totals instead"):
+/// at qwen T = 32768 (640 rows an expert) the totals took the backward from 42.6–43.4 to
+/// 36.9–37.0 ms at P = 8 and from 35.7–35.9 to 34.6–34.7 on one GPU; at kimi T = 8192 (171
+/// rows) they cost 8–9 ms at P = 8 and up to 9 ms of some one-GPU passes, a loss not located.
+pub const ROW_TOTALS_MIN_ROWS: usize = 512;
+
+/// Whether a backward megakernel with `options` keeps row totals for routed experts averaging
+/// `rows_per_expert` rows ([`MegakernelOptions::row_totals`]).
+pub(crate) fn row_totals(options: &MegakernelOptions, rows_per_expert: usize) -> bool {
+    options.row_totals.unwrap_or(rows_per_expert >= ROW_TOTALS_MIN_ROWS)
 }
 
 /// The comm blocks used when the options name none: 0, every block dispatches, computes and
@@ -147,6 +168,7 @@ pub(crate) fn one_gpu_backward_options(
         chosen.comm_blocks = Some(if narrow { NARROW_BACKWARD_COMM_BLOCKS } else { DEFAULT_COMM_BLOCKS });
     }
     chosen.early_slot_weight_gradients = Some(early_slot_weight_gradients(options, rows_per_expert));
+    chosen.row_totals = Some(row_totals(options, rows_per_expert));
     chosen
 }
 
@@ -908,8 +930,10 @@ impl BackwardMegakernel {
         let words = backward_counter_words;
         build_pass(gpu, kernels, plans, &ranks_of, options, error_record, words, |r, at, comm_blocks, timeout_ns| {
             let (p, b, counters, tile_words) = (plans[r], &buffers[r], at.counters, at.tile_words);
-            // After the routed counters and the four queue words: the shared expert's three.
-            let shared_counters = counters + 3 * tile_words + 16;
+            // After the routed counters, the four queue words and the four row totals, a line
+            // apart (`BACKWARD_QUEUE_WORDS`): the shared expert's three.
+            let (queues, totals) = (counters + 3 * tile_words, counters + 3 * tile_words + 4 * BACKWARD_QUEUE_WORDS);
+            let shared_counters = totals + 4 * BACKWARD_QUEUE_WORDS;
             let with_shared = b.shared.is_some();
             let shared = |i: usize| if with_shared { p[5 + i].params_ptr() } else { 0 };
             let shared_counter = |i: u64| if with_shared { shared_counters + i * tile_words } else { 0 };
@@ -927,8 +951,8 @@ impl BackwardMegakernel {
                 rows_gathered: counters,
                 down_dgrad_stored: counters + tile_words,
                 gate_up_dgrad_stored: counters + 2 * tile_words,
-                gather_next: counters + 3 * tile_words,
-                combine_next: counters + 3 * tile_words + 4,
+                gather_next: queues,
+                combine_next: queues + 4,
                 error: at.error,
                 timeout_ns,
                 top_k: b.top_k,
@@ -957,10 +981,11 @@ impl BackwardMegakernel {
                 shared_gate_up_dgrad_stored: shared_counter(2),
                 swiglu: b.swiglu,
                 shared_swiglu: b.shared.map(|s| s.swiglu).unwrap_or_default(),
-                swiglu_next: counters + 3 * tile_words + 8,
-                dots_next: counters + 3 * tile_words + 12,
+                swiglu_next: queues + 8,
+                dots_next: queues + 12,
                 early_slot_weight_gradients: u32::from(options.early_slot_weight_gradients == Some(true)),
                 reserved: 0,
+                row_totals: if options.row_totals == Some(true) { totals } else { 0 },
             }
         })
     }
@@ -1116,6 +1141,14 @@ mod geometry_tests {
         let forced = |on| MegakernelOptions { early_slot_weight_gradients: Some(on), ..options(None, None) };
         assert_eq!(early(&forced(false), 1 << 20), Some(false));
         assert_eq!(early(&forced(true), 1), Some(true));
+        // The row totals: the rule where the options leave them open, else as named.
+        let totals = |o: &MegakernelOptions, rows| one_gpu_backward_options(o, 1024, rows, 132).row_totals;
+        assert_eq!(totals(&options(None, None), 32768 * 10 / 512), Some(true));
+        assert_eq!(totals(&options(None, None), 8192 * 8 / 384), Some(false));
+        assert_eq!(totals(&options(None, None), ROW_TOTALS_MIN_ROWS - 1), Some(false));
+        let named = |on| MegakernelOptions { row_totals: Some(on), ..options(None, None) };
+        assert_eq!(totals(&named(false), 1 << 20), Some(false));
+        assert_eq!(totals(&named(true), 1), Some(true));
         // Everything else about the options is kept.
         let timed = MegakernelOptions { timeout: std::time::Duration::from_millis(7), ..options(None, Some(64)) };
         let o = one_gpu_backward_options(&timed, 1024, 160, 132);

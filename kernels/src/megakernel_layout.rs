@@ -324,6 +324,24 @@ pub struct BackwardParams {
     pub early_slot_weight_gradients: u32,
     /// Zero: pads the block to whole 8-byte words.
     pub reserved: u32,
+    /// `[4]` u32, per expert set (the routed experts', then the shared expert's): the rows the
+    /// gather published this pass, then the rows of the down-dgrad parts stored plus the rows of
+    /// the SwiGLU chunks written. Each chunk or part adds its rows with a release after its M
+    /// tile's count, so a total is complete ([`gathered_total_complete`],
+    /// [`swiglu_total_complete`]) exactly when every M tile's count of that kind is. A weight
+    /// gradient's producer reads its total once per phase and, when it is complete, waits on no
+    /// M tile of the phase. 0: the pass keeps no totals and every weight-gradient tile waits on
+    /// its M tiles' counts (`MegakernelOptions::row_totals` says where each pays).
+    pub row_totals: u64,
+}
+
+impl BackwardParams {
+    /// Row total `index` of [`Self::row_totals`] (0 the routed experts' gathered rows, 1 their
+    /// SwiGLU rows, 2 and 3 the shared expert's), or null where the pass keeps none.
+    #[inline(always)]
+    pub fn row_total(&self, index: usize) -> *mut u32 {
+        if self.row_totals == 0 { core::ptr::null_mut() } else { (self.row_totals as *mut u32).wrapping_add(index) }
+    }
 }
 
 /// One expert set's rows of the backward's SwiGLU step, all `[cap][width]` in expert order:
@@ -365,8 +383,9 @@ pub const fn down_dgrad_complete(n_tiles: u32, rows: u32) -> u32 {
 }
 
 // The host writes this block byte for byte: nineteen 8-byte words, eight u32, one 8-byte word,
-// six u32, nine 8-byte words, two 48-byte `SwigluBackwardRows`, two 8-byte words, two u32.
-const _: () = assert!(size_of::<BackwardParams>() == 408);
+// six u32, nine 8-byte words, two 48-byte `SwigluBackwardRows`, two 8-byte words, two u32, one
+// 8-byte word.
+const _: () = assert!(size_of::<BackwardParams>() == 416);
 
 /// The routed plans the one-GPU backward megakernel copies into shared memory with its parameter
 /// block (the two data gradients and the three weight gradients; the shared expert's stay in
@@ -383,9 +402,33 @@ const _: () = assert!(
 /// Words of one rank's backward pass counters for plans of at most `m_tiles` M tiles: three
 /// per M tile for the routed experts (gathered, down-dgrad parts, gate/up-dgrad parts), the
 /// four queues (gather, combine, the SwiGLU backward, the slot-weight gradients across ranks),
-/// then three per M tile for the shared expert.
+/// the four row totals ([`BackwardParams::row_totals`]), then three per M tile for the shared
+/// expert. The queues start [`BACKWARD_QUEUE_WORDS`] words before the totals, and the totals as
+/// many before the shared expert's counters, so neither shares a 128-byte L2 line with the
+/// other: every chunk and part adds to a total, every claim to a queue.
 pub const fn backward_counter_words(m_tiles: usize) -> usize {
-    6 * m_tiles + 4
+    6 * m_tiles + 2 * BACKWARD_QUEUE_WORDS as usize
+}
+
+/// The words from the backward's first queue word to its row totals, and from the totals to
+/// the shared expert's counters ([`backward_counter_words`]): one 128-byte line.
+pub const BACKWARD_QUEUE_WORDS: u64 = 32;
+
+/// Whether an expert set's gathered-row total ([`BackwardParams::row_totals`]) says every row
+/// chunk of the set is published: its plan holds `rows` rows. Each chunk adds its own rows, so
+/// the total reaches `rows` only with every chunk of every M tile counted.
+pub const fn gathered_total_complete(total: u32, rows: u32) -> bool {
+    total >= rows
+}
+
+/// Whether an expert set's SwiGLU row total ([`BackwardParams::row_totals`]) says every M tile
+/// of the set has d_gate and d_up written: its plan holds `rows` rows, its down dgrad `n_tiles`
+/// N tiles. Each down-dgrad part adds its rows (`n_tiles` times each row in all) and each
+/// SwiGLU chunk its rows (once each), so the total reaches `(n_tiles + 1) · rows` only with
+/// every part and chunk counted. Compared in 64 bits: where that product passes `u32::MAX` the
+/// total never says complete and the per-tile waits decide.
+pub const fn swiglu_total_complete(total: u32, n_tiles: u32, rows: u32) -> bool {
+    total as u64 >= (n_tiles as u64 + 1) * rows as u64
 }
 
 /// [`ForwardParams::work`]: the dispatch copies the rows (without it, it only publishes them:
@@ -524,7 +567,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_row_chunks_cover_every_row_once_and_complete_each_tile() {
+    fn the_row_chunks_cover_every_row_once_and_complete_each_tile_and_total() {
         // Ragged groups (empty ones too), with and without a shared expert: every row of every
         // M tile lies in exactly one chunk of that tile, and the chunks with rows of a tile
         // number row_chunks_complete(its rows), what its waiters expect.
@@ -540,6 +583,8 @@ mod tests {
                 let (mut routed_seen, mut shared_seen) = (vec![0u32; rows], vec![0u32; tokens as usize]);
                 let (mut routed_counts, mut shared_counts) =
                     (vec![0u32; m_tiles as usize], vec![0u32; shared_tiles as usize]);
+                // The gathered-row totals, as the chunks add their rows.
+                let (mut routed_total, mut shared_total) = (0u32, 0u32);
                 let mut claimed = 0;
                 loop {
                     match row_chunk(claimed, shared_tiles, tokens, tile_offsets, row_offsets) {
@@ -547,12 +592,17 @@ mod tests {
                         RowChunk::Shared { tile, first, end } => {
                             if first < end {
                                 shared_counts[tile as usize] += 1;
+                                assert!(!gathered_total_complete(shared_total, tokens), "complete before a chunk");
+                                shared_total += end - first;
                             }
                             (first..end).for_each(|t| shared_seen[t as usize] += 1);
                         }
                         RowChunk::Routed { tile, first, end } => {
                             if first < end {
                                 routed_counts[tile as usize] += 1;
+                                let rows = row_offsets[groups] - row_offsets[0];
+                                assert!(!gathered_total_complete(routed_total, rows), "complete before a chunk");
+                                routed_total += end - first;
                             }
                             for r in first..end {
                                 routed_seen[r as usize] += 1;
@@ -569,6 +619,9 @@ mod tests {
                 }
                 assert_eq!(claimed, (shared_tiles + m_tiles) * ROW_CHUNKS_PER_M_TILE);
                 assert!(routed_seen.iter().all(|&n| n == 1) && shared_seen.iter().all(|&n| n == 1));
+                // Every chunk published: each set's total says so, as every M tile's count does.
+                assert!(gathered_total_complete(routed_total, row_offsets[groups] - row_offsets[0]));
+                assert!(gathered_total_complete(shared_total, tokens));
                 for g in 0..groups {
                     for t in tile_offsets[g]..tile_offsets[g + 1] {
                         let first = row_offsets[g] + (t - tile_offsets[g]) * TILE_M;
@@ -586,6 +639,50 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn the_swiglu_total_completes_with_the_last_part_or_chunk() {
+        // An expert set's M tiles (ragged groups, empty ones too): each down-dgrad part (an N
+        // tile × a 64-row half with rows, `parts_per_m_tile` of them per tile) adds its half's
+        // rows, each SwiGLU chunk with rows its rows; the total is complete after the last one
+        // counted and not before, in any order (here parts first, then chunks, and reversed).
+        for (row_offsets, n_tiles) in [(&[0u32, 0, 5, 5, 300, 301][..], 4), (&[0, 128, 256][..], 1), (&[0, 1][..], 8)] {
+            let groups = row_offsets.len() - 1;
+            let rows = row_offsets[groups] - row_offsets[0];
+            let mut units = Vec::new();
+            for g in 0..groups {
+                let mut first = row_offsets[g];
+                while first < row_offsets[g + 1] {
+                    let tile_rows = (row_offsets[g + 1] - first).min(TILE_M);
+                    let mut parts = 0;
+                    for _ in 0..n_tiles {
+                        for half in 0..tile_rows.div_ceil(64) {
+                            units.push((tile_rows - half * 64).min(64));
+                            parts += 1;
+                        }
+                    }
+                    assert_eq!(parts, parts_per_m_tile(n_tiles, tile_rows));
+                    let chunks = tile_rows.div_ceil(SWIGLU_CHUNK_ROWS);
+                    for c in 0..chunks {
+                        units.push((tile_rows - c * SWIGLU_CHUNK_ROWS).min(SWIGLU_CHUNK_ROWS));
+                    }
+                    assert_eq!(parts + chunks, down_dgrad_complete(n_tiles, tile_rows));
+                    first += tile_rows;
+                }
+            }
+            for order in [false, true] {
+                let mut total = 0u32;
+                let walk: Vec<u32> = if order { units.iter().rev().copied().collect() } else { units.clone() };
+                for unit in walk {
+                    assert!(!swiglu_total_complete(total, n_tiles, rows), "{row_offsets:?}: complete early");
+                    total += unit;
+                }
+                assert!(swiglu_total_complete(total, n_tiles, rows), "{row_offsets:?}");
+            }
+        }
+        // Past u32 the total never says complete: the per-tile waits decide.
+        assert!(!swiglu_total_complete(u32::MAX, 16, 1 << 28));
     }
 
     #[test]

@@ -182,6 +182,8 @@ pub(super) unsafe fn produce_gathering<const V: u32, H: TileHooks>(
     // a group's rows at its first tile of the group.
     let (walk_first, walk_stride) = if V == Variant::WGRAD_IN_PAIR { hooks.weight_tile_walk(total) } else { (0, 0) };
     let mut ready_group = u32::MAX;
+    // The leader's, as in `produce`: whether every tile of the phase is ready.
+    let (mut phase_asked, mut phase_ready) = (false, false);
     loop {
         let tile = if V == Variant::WGRAD {
             // The standalone weight gradient's fixed stride (see `produce`).
@@ -237,11 +239,18 @@ pub(super) unsafe fn produce_gathering<const V: u32, H: TileHooks>(
             continue;
         }
         if V == Variant::WGRAD_IN_PAIR && w.group != ready_group {
-            if gatherers.leads() {
-                // A's rows (the data gradient's) may still be on their way: thread 0, which
-                // copies them, waits (bounded) and fences; B, the token rows, is an input.
-                // SAFETY: `w` is a tile of this launch (the hooks' contract).
-                unsafe { hooks.before_rows(p, &w) };
+            if gatherers.leads() && !phase_ready {
+                if !phase_asked {
+                    phase_asked = true;
+                    // SAFETY: the producer's leader, at the phase's first tile.
+                    phase_ready = unsafe { hooks.phase_ready() };
+                }
+                if !phase_ready {
+                    // A's rows (the data gradient's) may still be on their way: thread 0, which
+                    // copies them, waits (bounded) and fences; B, the token rows, is an input.
+                    // SAFETY: `w` is a tile of this launch (the hooks' contract).
+                    unsafe { hooks.before_rows(p, &w) };
+                }
             }
             ready_group = w.group;
         }

@@ -17,11 +17,12 @@ use crate::comm::error::{
 };
 use crate::comm::params::{ExchangeParams, HeapRegions};
 use crate::comm::schedule::epoch_reached;
-use crate::comm::wait::{signal, wait_until};
+use crate::comm::wait::{load_acquire, signal, wait_until};
 use crate::gemm_layout::{GemmParams, TILE_M, TILE_N, TileCounters, Variant, is_wgrad};
 use crate::megakernel_layout::{
     BackwardParams, ForwardParams, NO_FAULT, WORK_GEMMS, WORK_WEIGHT_GRADS, down_dgrad_complete, downstream_deadline,
-    first_compute_block, parts_per_m_tile, rank_of_pair, row_chunks_complete, weight_gradient_walk,
+    first_compute_block, gathered_total_complete, parts_per_m_tile, rank_of_pair, row_chunks_complete,
+    swiglu_total_complete, weight_gradient_walk,
 };
 use crate::ptx::bulk;
 use crate::ptx::memory::fence_proxy_async_global;
@@ -36,6 +37,20 @@ pub trait TileHooks: Copy {
     /// # Safety
     /// `p` is the launch's valid parameter block and `work` one of its tiles.
     unsafe fn before_rows(&self, p: &GemmParams, work: &Work);
+
+    /// The producer thread of each block, once, at its first tile of a weight-gradient phase:
+    /// whether the rows of every tile of the phase are there already (the thread acquired what
+    /// says so and fenced the async proxy, which orders all its later copies). Then the
+    /// producer skips [`Self::before_rows`] for the whole phase: one acquire and one fence per
+    /// block, not one per tile. Never waits. By default `false`: every tile waits as it comes.
+    ///
+    /// # Safety
+    /// Called by the producer thread of a launch whose hooks these are, as
+    /// [`Self::before_rows`].
+    #[inline(always)]
+    unsafe fn phase_ready(&self) -> bool {
+        false
+    }
 
     /// The leader thread (thread 0) of consumer warpgroup `wg`, after it committed the last
     /// store of its part of tile `work` (row-grouped variants only).
@@ -571,12 +586,15 @@ impl<const RANKS: bool> BackwardHandover<RANKS> {
 }
 
 /// The counters of one expert set's backward (the routed experts', or the shared expert's): its
-/// down-dgrad plan (whose offsets and N tiles describe the M tiles), its gathered counts and its
-/// two stored counts, with the codes a failed wait records.
+/// down-dgrad plan (whose offsets and N tiles describe the M tiles), its gathered counts, its
+/// two stored counts and its two row totals ([`BackwardParams::row_totals`]), with the codes a
+/// failed wait records.
 #[derive(Clone, Copy)]
 struct BackwardCounters {
     down_dgrad: *const GemmParams,
     gathered: *const u32,
+    gathered_total: *mut u32,
+    swiglu_total: *mut u32,
     down_dgrad_stored: *mut u32,
     gate_up_dgrad_stored: *mut u32,
     gathered_code: u32,
@@ -590,6 +608,8 @@ impl BackwardCounters {
             Self {
                 down_dgrad: b.shared_down_dgrad as *const GemmParams,
                 gathered: b.shared_gathered as *const u32,
+                gathered_total: b.row_total(2),
+                swiglu_total: b.row_total(3),
                 down_dgrad_stored: b.shared_down_dgrad_stored as *mut u32,
                 gate_up_dgrad_stored: b.shared_gate_up_dgrad_stored as *mut u32,
                 gathered_code: WAIT_SHARED_TILE_GATHERED,
@@ -599,6 +619,8 @@ impl BackwardCounters {
             Self {
                 down_dgrad: b.down_dgrad as *const GemmParams,
                 gathered: b.rows_gathered as *const u32,
+                gathered_total: b.row_total(0),
+                swiglu_total: b.row_total(1),
                 down_dgrad_stored: b.down_dgrad_stored as *mut u32,
                 gate_up_dgrad_stored: b.gate_up_dgrad_stored as *mut u32,
                 gathered_code: WAIT_ENGINE_TILE_GATHERED,
@@ -670,6 +692,43 @@ impl<const RANKS: bool> TileHooks for BackwardHandover<RANKS> {
     }
 
     #[inline(always)]
+    unsafe fn phase_ready(&self) -> bool {
+        // The weight gradients only: their phases start once the data gradients' tiles are all
+        // taken, when their rows are often all there. Checked once at the phase's first tile, so
+        // a phase that starts early waits per tile as before and pays one more acquire. The
+        // per-tile waits cost ~5.5 ms of qwen 32768's backward across ranks (the down weight
+        // gradient's) and ~1 ms on one GPU (the gate and up weight gradients'), though none found
+        // its count short (docs/PERF.md, "The weight gradients' waits timed inside the producer").
+        let gathered = self.phase == BackwardHandover::WGRAD_DOWN || self.phase == BackwardHandover::SHARED_WGRAD_DOWN;
+        let swiglu = self.phase == BackwardHandover::WGRAD_GATE
+            || self.phase == BackwardHandover::WGRAD_UP
+            || self.phase == BackwardHandover::SHARED_WGRAD_GATE
+            || self.phase == BackwardHandover::SHARED_WGRAD_UP;
+        // SAFETY: the pass's counters (constructor's contract) and the hook's.
+        unsafe {
+            let b = &*self.params;
+            // The weight gradients alone (a benchmark) wait on the gathered rows only; a pass
+            // without totals waits per tile.
+            if b.row_totals == 0 || !(gathered || (swiglu && b.work & WORK_GEMMS != 0)) {
+                return false;
+            }
+            let c = BackwardCounters::of(b, self.shared());
+            let p = &*c.down_dgrad;
+            let offsets = p.row_offsets as *const u32;
+            let rows = *offsets.add(p.groups as usize) - *offsets;
+            let ready = if gathered {
+                gathered_total_complete(load_acquire(c.gathered_total, false), rows)
+            } else {
+                swiglu_total_complete(load_acquire(c.swiglu_total, false), c.down_dgrad_n_tiles(), rows)
+            };
+            if ready {
+                fence_proxy_async_global();
+            }
+            ready
+        }
+    }
+
+    #[inline(always)]
     fn weight_tile_walk(&self, tiles: u32) -> (u32, u32) {
         // The compute blocks: every block of the rank from its first compute pair on (of every
         // rank, in the routed weight gradients shared across ranks).
@@ -726,14 +785,21 @@ impl<const RANKS: bool> TileHooks for BackwardHandover<RANKS> {
     }
 
     #[inline(always)]
-    unsafe fn after_store(&self, p: &GemmParams, work: &Work, _wg: u32) {
+    unsafe fn after_store(&self, p: &GemmParams, work: &Work, wg: u32) {
         // SAFETY: as above.
         unsafe {
             let b = &*self.params;
             let c = BackwardCounters::of(b, self.shared());
             match self.phase {
-                BackwardHandover::DOWN_DGRAD => count_stored(p, work, c.down_dgrad_stored, b.silent_hidden_tile),
-                BackwardHandover::SHARED_DOWN_DGRAD => count_stored(p, work, c.down_dgrad_stored, NO_FAULT),
+                BackwardHandover::DOWN_DGRAD | BackwardHandover::SHARED_DOWN_DGRAD => {
+                    let silent = if self.shared() { NO_FAULT } else { b.silent_hidden_tile };
+                    count_stored(p, work, c.down_dgrad_stored, silent);
+                    if m_tile(p, work) != silent && !c.swiglu_total.is_null() {
+                        // The part's rows (this warpgroup's half of the M tile) to the set's
+                        // SwiGLU row total, after its count.
+                        signal(c.swiglu_total, (work.rows - wg * 64).min(64), false);
+                    }
+                }
                 BackwardHandover::SHARED_GATE_UP_DGRAD | BackwardHandover::GATE_UP_DGRAD => {
                     count_stored(p, work, c.gate_up_dgrad_stored, NO_FAULT)
                 }

@@ -57,6 +57,9 @@ pub(super) unsafe fn produce<const V: u32, H: TileHooks>(p: &GemmParams, ring: R
     // every later copy too). On its stride walk a block meets each group in a run of about
     // (tiles per group) / (stride) tiles: kimi's down weight gradient, 448 / 132.
     let mut ready_group = u32::MAX;
+    // A weight gradient asks at its first tile whether every tile of the phase is ready
+    // (`TileHooks::phase_ready`); if so, no tile of the phase waits.
+    let (mut phase_asked, mut phase_ready) = (false, false);
     // A weight gradient's fixed-stride walk, worked out once per phase.
     let (walk_first, walk_stride) = if V == Variant::WGRAD_IN_PAIR { hooks.weight_tile_walk(total) } else { (0, 0) };
     loop {
@@ -123,10 +126,18 @@ pub(super) unsafe fn produce<const V: u32, H: TileHooks>(p: &GemmParams, ring: R
         } else {
             a_halves * (A_TILE_BYTES / 2) + if w.has_columns { B_TILE_BYTES } else { 0 }
         };
-        if hooked(V) && !(V == Variant::WGRAD_IN_PAIR && w.group == ready_group) {
-            // A persistent kernel's rows may still be on their way: wait (bounded) until they landed.
-            // SAFETY: `w` is a tile of this launch.
-            unsafe { hooks.before_rows(p, &w) };
+        if hooked(V) && !phase_ready && !(V == Variant::WGRAD_IN_PAIR && w.group == ready_group) {
+            if V == Variant::WGRAD_IN_PAIR && !phase_asked {
+                phase_asked = true;
+                // SAFETY: the producer thread, at the phase's first tile.
+                phase_ready = unsafe { hooks.phase_ready() };
+            }
+            if !phase_ready {
+                // A persistent kernel's rows may still be on their way: wait (bounded) until they
+                // landed.
+                // SAFETY: `w` is a tile of this launch.
+                unsafe { hooks.before_rows(p, &w) };
+            }
             ready_group = w.group;
         }
         for kb in 0..w.k_blocks {

@@ -95,7 +95,14 @@ pub unsafe fn gather<const RANKS: bool>(
                     // The shared expert's rows are the pass's own dy rows, in order.
                     if first < end {
                         copy_token_rows(b.shared_dy, pass.x, b.hidden, first..end, copy, lane);
-                        publish_chunk(b.shared_gathered as *mut u32, tile, publish, lane);
+                        let total = b.row_total(2);
+                        publish_gathered_chunk(
+                            b.shared_gathered as *mut u32,
+                            tile,
+                            (total, end - first),
+                            publish,
+                            lane,
+                        );
                     }
                     continue;
                 }
@@ -153,10 +160,35 @@ pub unsafe fn gather<const RANKS: bool>(
                 }
                 row += 1;
             }
-            publish_chunk(b.rows_gathered as *mut u32, tile, publish && tile != b.silent_rows_tile, lane);
+            let (total, rows) = (b.row_total(0), end - first);
+            let publish = publish && tile != b.silent_rows_tile;
+            publish_gathered_chunk(b.rows_gathered as *mut u32, tile, (total, rows), publish, lane);
             if until_routed {
                 return;
             }
+        }
+    }
+}
+
+/// [`publish_chunk`] for the gather, then lane 0 adds the chunk's `rows` to its expert set's
+/// gathered-row total `total` with a release ([`BackwardParams::row_totals`]): the down
+/// weight gradient reads the total once per phase instead of every M tile's count.
+///
+/// # Safety
+/// As [`publish_chunk`]; `total` is a valid, 4-byte aligned global address.
+#[inline(always)]
+unsafe fn publish_gathered_chunk(
+    counts: *mut u32,
+    tile: u32,
+    (total, rows): (*mut u32, u32),
+    publish: bool,
+    lane: u32,
+) {
+    // SAFETY: caller contract.
+    unsafe {
+        publish_chunk(counts, tile, publish, lane);
+        if lane == 0 && publish && !total.is_null() {
+            signal(total, rows, false);
         }
     }
 }
@@ -228,6 +260,7 @@ pub unsafe fn swiglu_backward_chunks(b: &BackwardParams, pass: &PassInputs, spar
                 let plan = &*(b.down_dgrad as *const GemmParams);
                 (first, end, plan, &b.swiglu, b.down_dgrad_stored as *mut u32, WAIT_ENGINE_TILE_DOWN_DGRAD)
             };
+            let total = b.row_total(if shared { 3 } else { 1 });
             let chunk_first = first + chunk * SWIGLU_CHUNK_ROWS;
             let chunk_end = (chunk_first + SWIGLU_CHUNK_ROWS).min(end);
             let counter = stored.add(tile as usize);
@@ -249,10 +282,14 @@ pub unsafe fn swiglu_backward_chunks(b: &BackwardParams, pass: &PassInputs, spar
                 } else {
                     swiglu_backward_octets::<2>(rows, elements, lane);
                 }
-                // Every lane's stores before lane 0's release.
+                // Every lane's stores before lane 0's releases: the tile's count, then the set's
+                // SwiGLU row total (`BackwardParams::row_totals`).
                 warp::warp_sync();
                 if lane == 0 {
                     signal(counter, 1, false);
+                    if !total.is_null() {
+                        signal(total, chunk_end - chunk_first, false);
+                    }
                 }
             }
             if until_routed && !shared {
