@@ -1089,10 +1089,18 @@ fn backward_megakernel_faults_at(p: usize, ranks: [usize; 3]) {
     // (one walk where one rank has every block).
     let walks: &[bool] = if p == 1 { &[false] } else { &[true, false] };
     for &share_rank_tiles in walks {
-        let megakernel = MegakernelOptions { timeout: deadline, share_rank_tiles, ..Default::default() };
+        // Row totals (off by this shape's default) with the shared walk and with one rank: a
+        // silent tile's total never completes, so its weight gradient waits per tile as without.
+        let row_totals = share_rank_tiles || p == 1;
+        let megakernel = MegakernelOptions {
+            timeout: deadline,
+            share_rank_tiles,
+            row_totals: Some(row_totals),
+            ..Default::default()
+        };
         layer.set_forward_megakernel(&gpu, Some(megakernel.clone())).unwrap();
         layer.set_backward_megakernel(&gpu, Some(megakernel)).unwrap();
-        let what = format!("P = {p}, before the faults (tiles shared: {share_rank_tiles})");
+        let what = format!("P = {p}, before the faults (tiles shared: {share_rank_tiles}, row totals: {row_totals})");
         assert_same_bits(&what, &ep_bits(&gpu, &mut layer, &weights), &want);
         for &(rank, fault, silence, waited) in &faults {
             ep_forward_y(&gpu, &mut layer, &weights);

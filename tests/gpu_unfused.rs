@@ -1105,7 +1105,7 @@ fn backward_megakernel_faults_are_reported_timeouts_then_correct_passes() {
     let c = config(400, 512, 256, 32, 8, Some(256), Some(1.0));
     let deadline = std::time::Duration::from_millis(common::sized("fault deadline (ms)", 200, 2000));
     let options = MegakernelOptions { comm_blocks: None, blocks: None, timeout: deadline, ..Default::default() };
-    let Some(mut layer) = backward_megakernel_layer(&gpu, &c, options, false) else { return };
+    let Some(mut layer) = backward_megakernel_layer(&gpu, &c, options.clone(), false) else { return };
     let case = random_case(&c, 910, Routing { drop_probability: 0.02, empty_experts: &[5] });
     let device = upload(&gpu, &case);
     let mut engine = UnfusedLayer::new(&gpu, c.clone()).unwrap();
@@ -1116,7 +1116,11 @@ fn backward_megakernel_faults_are_reported_timeouts_then_correct_passes() {
         (MegakernelFaults { silent_rows_tile: Some(3), ..Default::default() }, "gathered", "M tile 3"),
         (MegakernelFaults { silent_hidden_tile: Some(5), ..Default::default() }, "down_dgrad_stored", "M tile 5"),
     ];
-    for (fault, counter, tile) in faults {
+    // Without row totals (this shape's default) and with them: a silent tile's total never
+    // completes, so its weight gradient waits per tile and reports the same counter.
+    for ((fault, counter, tile), row_totals) in faults.iter().flat_map(|&f| [(f, false), (f, true)]) {
+        let with = MegakernelOptions { row_totals: Some(row_totals), ..options.clone() };
+        layer.set_backward_megakernel(&gpu, Some(with)).unwrap();
         layer.set_backward_megakernel_faults(fault).unwrap();
         layer.poison().unwrap();
         layer.forward(&gpu, &device.tokens, &device.experts, device.shared.as_ref()).unwrap();
@@ -1129,7 +1133,10 @@ fn backward_megakernel_faults_are_reported_timeouts_then_correct_passes() {
             Err(MokError::Timeout { waited_for, detail, .. }) => {
                 assert!(waited_for.contains(counter), "{waited_for}");
                 assert!(detail.contains(tile) && detail.contains("expected"), "{detail}");
-                println!("  {fault:?}: Timeout after {:.3} s: {waited_for}: {detail}", elapsed.as_secs_f64());
+                println!(
+                    "  {fault:?}, row totals {row_totals}: Timeout after {:.3} s: {waited_for}: {detail}",
+                    elapsed.as_secs_f64()
+                );
             }
             other => panic!("{fault:?}: expected a Timeout, got {other:?}"),
         }

@@ -102,7 +102,7 @@ impl Default for MegakernelOptions {
 pub const EARLY_SLOT_WEIGHT_GRADIENTS_MIN_ROWS: usize = 512;
 
 /// The routed experts' average rows in a pass of `c` (all ranks' tokens · k ÷ experts): what
-/// [`early_slot_weight_gradients`]' rule reads.
+/// the rules of [`early_slot_weight_gradients`] and [`row_totals`] read.
 pub(crate) fn average_rows_per_expert(c: &MoeConfig) -> usize {
     c.tokens_per_rank * c.ep_ranks * c.top_k / c.num_experts.max(1)
 }
@@ -119,7 +119,9 @@ pub(crate) fn early_slot_weight_gradients(options: &MegakernelOptions, rows_per_
 /// (docs/PERF.md, "The weight gradients' waits timed inside the producer; row totals instead"):
 /// at qwen T = 32768 (640 rows an expert) the totals took the backward from 42.6–43.4 to
 /// 36.9–37.0 ms at P = 8 and from 35.7–35.9 to 34.6–34.7 on one GPU; at kimi T = 8192 (171
-/// rows) they cost 8–9 ms at P = 8 and up to 9 ms of some one-GPU passes, a loss not located.
+/// rows) they cost 8–9 ms at P = 8 and up to 9 ms of some one-GPU passes. The totals themselves
+/// are not the cost: kimi's ranks backward with its weight gradients' waits removed loses the
+/// same (why those waits help there is not located).
 pub const ROW_TOTALS_MIN_ROWS: usize = 512;
 
 /// Whether a backward megakernel with `options` keeps row totals for routed experts averaging
@@ -153,8 +155,9 @@ pub const NARROW_BACKWARD_COMM_BLOCKS: u32 = 4;
 /// except that where they name no comm blocks it takes [`NARROW_BACKWARD_COMM_BLOCKS`] when the
 /// experts are at most [`MAX_NARROW_INTERMEDIATE`] wide and those are at most an eighth of the
 /// launch's blocks (a small grid keeps its compute blocks), else [`DEFAULT_COMM_BLOCKS`]; and
-/// where they leave the slot-weight gradients' placement open, the rule of
-/// [`early_slot_weight_gradients`]. Results do not depend on either choice.
+/// where they leave the slot-weight gradients' placement or the row totals open, the rules of
+/// [`early_slot_weight_gradients`] and [`row_totals`]. Results do not depend on any of these
+/// choices.
 pub(crate) fn one_gpu_backward_options(
     options: &MegakernelOptions,
     intermediate: usize,
@@ -880,8 +883,9 @@ impl BackwardMegakernel {
     /// when `buffers[r].shared` is given, its shared expert's five in the same order. On one GPU
     /// the pass records its failures in `error_record` (over ranks: `None`, the heap's), which
     /// must outlive every launch of the pass. The slot-weight gradients run early only where
-    /// `options.early_slot_weight_gradients` is `Some(true)`: across ranks the caller resolves
-    /// the rule ([`early_slot_weight_gradients`]).
+    /// `options.early_slot_weight_gradients` is `Some(true)`, and the pass keeps row totals only
+    /// where `options.row_totals` is: the caller resolves the rules
+    /// ([`early_slot_weight_gradients`], [`row_totals`]).
     pub(crate) fn new(
         gpu: &Gpu,
         plans: &[&[&EnginePlan]],
