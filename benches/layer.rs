@@ -28,7 +28,9 @@
 //! every compute block takes every rank's tiles), and `--early-slot-weight-gradients on|off`
 //! forces where the backward megakernel computes the slot-weight gradients, one GPU or across
 //! ranks (`MegakernelOptions::early_slot_weight_gradients`; `…/slot-weight-gradients-early` or
-//! `-late`; by default the option's rule). `--ranks-path` runs the cases through that
+//! `-late`; by default the option's rule), and `--row-totals on|off` whether it keeps row totals
+//! (`MegakernelOptions::row_totals`; `…/row-totals-on` or `-off`; by default the option's rule).
+//! `--ranks-path` runs the cases through that
 //! layer at any P, P = 1 included (`ep1:…`; on the megakernel backends its ranks kernels: what
 //! they cost against the one-GPU kernels, apart from what hosting several ranks on one GPU
 //! costs).
@@ -77,9 +79,8 @@ struct Args {
     /// With ranks: each rank's GEMM tiles on its own blocks (`MegakernelOptions::share_rank_tiles`
     /// false) instead of every compute block taking every rank's tiles.
     own_rank_tiles: bool,
-    /// `MegakernelOptions::early_slot_weight_gradients` of the backward megakernel (`None`: its
-    /// rule).
-    early_slot_weight_gradients: Option<bool>,
+    /// The backward megakernel's choices the flags force (`None`: the options' rules).
+    backward_choices: BackwardChoices,
     /// Run the cases through the expert-parallel layer and its ranks kernels even at P = 1
     /// (`--ranks-path`): at P = 1 this separates what the ranks kernels cost against the one-GPU
     /// kernels from what hosting P ranks on one GPU costs.
@@ -88,6 +89,26 @@ struct Args {
     /// framework whose optimizer hands the layer new buffers), so the layer builds its plans
     /// again every step.
     swap_weights: bool,
+}
+
+/// What the flags force of the backward megakernel's options (`None`: the options' rules).
+#[derive(Clone, Copy, Debug, Default)]
+struct BackwardChoices {
+    /// `MegakernelOptions::early_slot_weight_gradients` (`--early-slot-weight-gradients`).
+    early_slot_weight_gradients: Option<bool>,
+    /// `MegakernelOptions::row_totals` (`--row-totals`).
+    row_totals: Option<bool>,
+}
+
+impl BackwardChoices {
+    /// `options` with these choices.
+    fn apply(self, options: MegakernelOptions) -> MegakernelOptions {
+        MegakernelOptions {
+            early_slot_weight_gradients: self.early_slot_weight_gradients,
+            row_totals: self.row_totals,
+            ..options
+        }
+    }
 }
 
 impl Args {
@@ -158,9 +179,8 @@ impl Backend {
         }
     }
 
-    /// Sets `layer` up for this backend, the backward megakernel's slot-weight gradients where
-    /// `early_slot_weight_gradients` says (`MegakernelOptions::early_slot_weight_gradients`).
-    fn apply(self, gpu: &Gpu, layer: &mut UnfusedLayer, early_slot_weight_gradients: Option<bool>) -> Result<()> {
+    /// Sets `layer` up for this backend, the backward megakernel with `choices`.
+    fn apply(self, gpu: &Gpu, layer: &mut UnfusedLayer, choices: BackwardChoices) -> Result<()> {
         layer.set_gemm_engine(gpu, self != Backend::Mma)?;
         let gathering = self.gathering();
         match self {
@@ -170,8 +190,7 @@ impl Backend {
             Backend::Megakernels(counts, _) => {
                 let options = |comm_blocks| Some(MegakernelOptions { comm_blocks, ..Default::default() });
                 layer.set_forward_megakernel(gpu, options(counts.map(|c| c.forward)))?;
-                let backward =
-                    options(counts.map(|c| c.backward)).map(|o| MegakernelOptions { early_slot_weight_gradients, ..o });
+                let backward = options(counts.map(|c| c.backward)).map(|o| choices.apply(o));
                 layer.set_backward_megakernel(gpu, backward)?;
             }
             Backend::Mma | Backend::Engine(_) => {}
@@ -251,7 +270,7 @@ fn parse_args() -> Result<Args> {
         ranks: 1,
         ring_factor: None,
         own_rank_tiles: false,
-        early_slot_weight_gradients: None,
+        backward_choices: BackwardChoices::default(),
         ranks_path: false,
         swap_weights: false,
     };
@@ -284,10 +303,17 @@ fn parse_args() -> Result<Args> {
             }
             "--own-rank-tiles" => args.own_rank_tiles = true,
             "--early-slot-weight-gradients" => {
-                args.early_slot_weight_gradients = Some(match value()?.as_str() {
+                args.backward_choices.early_slot_weight_gradients = Some(match value()?.as_str() {
                     "on" => true,
                     "off" => false,
                     other => bail!("--early-slot-weight-gradients {other}: on or off"),
+                })
+            }
+            "--row-totals" => {
+                args.backward_choices.row_totals = Some(match value()?.as_str() {
+                    "on" => true,
+                    "off" => false,
+                    other => bail!("--row-totals {other}: on or off"),
                 })
             }
             "--ranks-path" => args.ranks_path = true,
@@ -499,7 +525,7 @@ fn bench_case_ep(
     shape: FrontierShape,
     tokens: usize,
     reps: usize,
-    (ranks, ring_factor, own_rank_tiles, early_slot_weight_gradients): (usize, Option<f64>, bool, Option<bool>),
+    (ranks, ring_factor, own_rank_tiles, choices): (usize, Option<f64>, bool, BackwardChoices),
     backend: Backend,
 ) -> Result<Measured> {
     check_split(shape, tokens, ranks)?;
@@ -518,21 +544,11 @@ fn bench_case_ep(
         }
         Backend::Megakernel(comm_blocks, _) => layer.set_forward_megakernel(
             gpu,
-            Some(MegakernelOptions {
-                comm_blocks,
-                share_rank_tiles,
-                early_slot_weight_gradients,
-                ..Default::default()
-            }),
+            Some(choices.apply(MegakernelOptions { comm_blocks, share_rank_tiles, ..Default::default() })),
         )?,
         Backend::Megakernels(counts, _) => {
             let options = |comm_blocks| {
-                Some(MegakernelOptions {
-                    comm_blocks,
-                    share_rank_tiles,
-                    early_slot_weight_gradients,
-                    ..Default::default()
-                })
+                Some(choices.apply(MegakernelOptions { comm_blocks, share_rank_tiles, ..Default::default() }))
             };
             layer.set_forward_megakernel(gpu, options(counts.map(|c| c.forward)))?;
             layer.set_backward_megakernel(gpu, options(counts.map(|c| c.backward)))?;
@@ -618,7 +634,7 @@ fn bench_case(
     gpu: &Gpu,
     shape: FrontierShape,
     tokens: usize,
-    (reps, swap_weights, early_slot_weight_gradients): (usize, bool, Option<bool>),
+    (reps, swap_weights, choices): (usize, bool, BackwardChoices),
     backend: Backend,
 ) -> Result<Measured> {
     let config = shape.config(tokens);
@@ -636,7 +652,7 @@ fn bench_case(
     let experts = make_experts()?;
     let dy = random_bf16(gpu, tokens * h, 4, 1.0)?;
     let mut layer = UnfusedLayer::new(gpu, config)?;
-    backend.apply(gpu, &mut layer, early_slot_weight_gradients)?;
+    backend.apply(gpu, &mut layer, choices)?;
     layer.forward(gpu, &device_tokens, &experts, None)?;
     layer.backward(gpu, &device_tokens, &experts, None, &dy)?;
     layer.check_device_errors()?;
@@ -866,15 +882,20 @@ fn main() -> Result<()> {
     };
     let name = |backend: Backend| {
         let own = if args.own_rank_tiles { "/own-tiles" } else { "" };
-        let dots = match args.early_slot_weight_gradients {
+        let dots = match args.backward_choices.early_slot_weight_gradients {
             Some(true) => "/slot-weight-gradients-early",
             Some(false) => "/slot-weight-gradients-late",
             None => "",
         };
+        let totals = match args.backward_choices.row_totals {
+            Some(true) => "/row-totals-on",
+            Some(false) => "/row-totals-off",
+            None => "",
+        };
         if args.over_ranks() {
-            format!("ep{}:{}{own}{dots}", args.ranks, backend.name())
+            format!("ep{}:{}{own}{dots}{totals}", args.ranks, backend.name())
         } else {
-            format!("{}{dots}", backend.name())
+            format!("{}{dots}{totals}", backend.name())
         }
     };
     let backends: Vec<String> = args.backends.iter().map(|&b| name(b)).collect();
@@ -896,11 +917,11 @@ fn main() -> Result<()> {
                 shape,
                 tokens,
                 args.reps,
-                (args.ranks, args.ring_factor, args.own_rank_tiles, args.early_slot_weight_gradients),
+                (args.ranks, args.ring_factor, args.own_rank_tiles, args.backward_choices),
                 backend,
             )?
         } else {
-            bench_case(&gpu, shape, tokens, (args.reps, args.swap_weights, args.early_slot_weight_gradients), backend)?
+            bench_case(&gpu, shape, tokens, (args.reps, args.swap_weights, args.backward_choices), backend)?
         };
         let backend_name = name(backend);
         let (fwd, step) = (measured.fwd, measured.step);
