@@ -936,7 +936,8 @@ impl BackwardMegakernel {
             let (p, b, counters, tile_words) = (plans[r], &buffers[r], at.counters, at.tile_words);
             // After the routed counters, the four queue words and the four row totals, a line
             // apart (`BACKWARD_QUEUE_WORDS`): the shared expert's three.
-            let (queues, totals) = (counters + 3 * tile_words, counters + 3 * tile_words + 4 * BACKWARD_QUEUE_WORDS);
+            let queues = counters + 3 * tile_words;
+            let totals = queues + 4 * BACKWARD_QUEUE_WORDS;
             let shared_counters = totals + 4 * BACKWARD_QUEUE_WORDS;
             let with_shared = b.shared.is_some();
             let shared = |i: usize| if with_shared { p[5 + i].params_ptr() } else { 0 };
