@@ -259,6 +259,15 @@ fn mega_name(base: &str, comm_blocks: Option<u32>, gathering: Gather) -> String 
     format!("{base}{blocks}{}", gathering.suffix())
 }
 
+/// An `on|off` flag's value.
+fn on_or_off(flag: &str, value: &str) -> Result<bool> {
+    match value {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        other => bail!("{flag} {other}: on or off"),
+    }
+}
+
 fn parse_args() -> Result<Args> {
     let mut args = Args {
         cases: Vec::new(),
@@ -303,19 +312,9 @@ fn parse_args() -> Result<Args> {
             }
             "--own-rank-tiles" => args.own_rank_tiles = true,
             "--early-slot-weight-gradients" => {
-                args.backward_choices.early_slot_weight_gradients = Some(match value()?.as_str() {
-                    "on" => true,
-                    "off" => false,
-                    other => bail!("--early-slot-weight-gradients {other}: on or off"),
-                })
+                args.backward_choices.early_slot_weight_gradients = Some(on_or_off(&arg, &value()?)?)
             }
-            "--row-totals" => {
-                args.backward_choices.row_totals = Some(match value()?.as_str() {
-                    "on" => true,
-                    "off" => false,
-                    other => bail!("--row-totals {other}: on or off"),
-                })
-            }
+            "--row-totals" => args.backward_choices.row_totals = Some(on_or_off(&arg, &value()?)?),
             "--ranks-path" => args.ranks_path = true,
             "--swap-weights" => args.swap_weights = true,
             "--gemm" => args.backends = value()?.split(',').map(Backend::parse).collect::<Result<_>>()?,
