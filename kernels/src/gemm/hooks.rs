@@ -585,6 +585,19 @@ impl<const RANKS: bool> BackwardHandover<RANKS> {
     }
 }
 
+/// Adds `rows` to a row total ([`BackwardParams::row_total`]) with a release, after the counts
+/// it stands for; nothing where the pass keeps no totals (`total` null).
+///
+/// # Safety
+/// `total` is null or a valid, 4-byte aligned global address.
+#[inline(always)]
+pub(crate) unsafe fn add_to_row_total(total: *mut u32, rows: u32) {
+    if !total.is_null() {
+        // SAFETY: caller contract.
+        unsafe { signal(total, rows, false) };
+    }
+}
+
 /// The counters of one expert set's backward (the routed experts', or the shared expert's): its
 /// down-dgrad plan (whose offsets and N tiles describe the M tiles), its gathered counts, its
 /// two stored counts and its two row totals ([`BackwardParams::row_totals`]), with the codes a
@@ -794,10 +807,10 @@ impl<const RANKS: bool> TileHooks for BackwardHandover<RANKS> {
                 BackwardHandover::DOWN_DGRAD | BackwardHandover::SHARED_DOWN_DGRAD => {
                     let silent = if self.shared() { NO_FAULT } else { b.silent_hidden_tile };
                     count_stored(p, work, c.down_dgrad_stored, silent);
-                    if m_tile(p, work) != silent && !c.swiglu_total.is_null() {
+                    if m_tile(p, work) != silent {
                         // The part's rows (this warpgroup's half of the M tile) to the set's
                         // SwiGLU row total, after its count.
-                        signal(c.swiglu_total, (work.rows - wg * 64).min(64), false);
+                        add_to_row_total(c.swiglu_total, (work.rows - wg * 64).min(64));
                     }
                 }
                 BackwardHandover::SHARED_GATE_UP_DGRAD | BackwardHandover::GATE_UP_DGRAD => {

@@ -26,7 +26,7 @@ use crate::comm::error::{
 use crate::comm::wait::{signal, wait_until};
 use crate::device::rows::{WarpSlots, dot_row, gather_scaled_row, gather_scaled_row_and_dot, swiglu_backward_octets};
 use crate::gemm::engine::{params_copy_address, run_backward_phases};
-use crate::gemm::hooks::{BackwardHandover, slot_row_complete};
+use crate::gemm::hooks::{BackwardHandover, add_to_row_total, slot_row_complete};
 use crate::gemm_layout::{ENGINE_THREADS, GemmParams, TILE_M, TILE_N};
 use crate::layout::NO_ROW;
 use crate::megakernel_layout::{
@@ -175,7 +175,7 @@ pub unsafe fn gather<const RANKS: bool>(
 /// weight gradient reads the total once per phase instead of every M tile's count.
 ///
 /// # Safety
-/// As [`publish_chunk`]; `total` is a valid, 4-byte aligned global address.
+/// As [`publish_chunk`]; `total` is null or a valid, 4-byte aligned global address.
 #[inline(always)]
 unsafe fn publish_gathered_chunk(
     counts: *mut u32,
@@ -187,8 +187,8 @@ unsafe fn publish_gathered_chunk(
     // SAFETY: caller contract.
     unsafe {
         publish_chunk(counts, tile, publish, lane);
-        if lane == 0 && publish && !total.is_null() {
-            signal(total, rows, false);
+        if lane == 0 && publish {
+            add_to_row_total(total, rows);
         }
     }
 }
@@ -287,9 +287,7 @@ pub unsafe fn swiglu_backward_chunks(b: &BackwardParams, pass: &PassInputs, spar
                 warp::warp_sync();
                 if lane == 0 {
                     signal(counter, 1, false);
-                    if !total.is_null() {
-                        signal(total, chunk_end - chunk_first, false);
-                    }
+                    add_to_row_total(total, chunk_end - chunk_first);
                 }
             }
             if until_routed && !shared {
