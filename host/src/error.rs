@@ -5,10 +5,12 @@ use thiserror::Error;
 /// Everything that can go wrong in mok, by cause.
 #[derive(Debug, Error)]
 pub enum MokError {
-    /// A configuration field is out of its valid range; names the field, its value and the rule.
-    #[error("invalid MoE config: {field} = {value}: {rule}")]
+    /// A configuration value is out of its valid range: a `MoeConfig` field, a layer or exchange
+    /// option, or an environment variable the multi-process bootstrap reads; names it, its value
+    /// and the rule.
+    #[error("invalid configuration: {field} = {value}: {rule}")]
     InvalidConfig {
-        /// The `MoeConfig` field.
+        /// The `MoeConfig` field, option or environment variable.
         field: &'static str,
         /// Its value as given.
         value: String,

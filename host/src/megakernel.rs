@@ -222,7 +222,7 @@ impl MegakernelWork {
 /// A megakernel pass of a layer: the parameter blocks (one per rank, fixed for the layer's
 /// buffers and plans; on one GPU they name the layer's [`ErrorRecord`]), the pass counters and
 /// the launch geometry, for the
-/// forward ([`ForwardMegakernel`], `PLANS` = 2) or the backward ([`BackwardMegakernel`], 5).
+/// forward ([`ForwardMegakernel`], 2 plans) or the backward ([`BackwardMegakernel`], 5 plans).
 pub(crate) struct MegakernelPass<P> {
     /// The entry points: one GPU, and every rank in one launch.
     kernels: [&'static str; 2],
