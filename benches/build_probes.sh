@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Builds the timing probes of docs/PERF.md ("Probes: what the operand streams cost", seventh
-# session) into DIR (default bundle/benches): each a one-line toggle of the engine's producer or
+# Builds the timing probes of docs/PERF.md ("Probes: what the operand streams cost",
+# 2026-11-29) into DIR (default bundle/benches): each a one-line toggle of the engine's producer or
 # consumer whose results are WRONG — only their times mean something — as NAME.ptx plus a
 # wrapper probe_NAME.sh that runs the bundle's `gemm` with MOK_PTX set to it, for
 #   ./compare_bins.sh base=./gemm noW=./probe_noW.sh ...

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call that re-measures the one-GPU backward's chosen defaults on the machine lent:
+# One device call that re-measures the one-GPU backward's chosen defaults on the GPU it runs on:
 # the backward megakernel's comm blocks (`megakernels:0/B` for B in BLOCKS, default "0 4 8 0 4",
 # the forward with none) on every case of COMM_CASES, then the row totals forced on and off
 # (`--row-totals`, alternating, twice each) on every case of TOTALS_CASES (default kimi and qwen

@@ -17,7 +17,7 @@
 #   ./benches/gather_trial.sh tests      (then: sanitize, bench, bench-megakernel; CASES=deepseek:8192,kimi:8192)
 #   ./benches/gather_trial.sh all        (tests, bench, bench-megakernel, then sanitize with its
 #                                         tools cut at MOK_TEST_TIMEOUT, default 240 s: one call
-#                                         of at most ~9.5 minutes, where device starts are scarce;
+#                                         of at most ~9.5 minutes;
 #                                         $OUT keeps the tables and gather-all-logs.tar.gz)
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"

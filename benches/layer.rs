@@ -6,7 +6,7 @@
 //!
 //! `layer [--cases kimi:8192,qwen:32768] [--reps N] [--baseline FILE] [--matmul-tflops R]
 //! [--copy-tbps B] [--gemm BACKEND,...]`. Backends, each case run on each in turn: `mma` (the
-//! routed experts' GEMMs on the `mma.sync` kernels, the layer's default), `engine` (on the
+//! routed experts' GEMMs on the `mma.sync` kernels, the bench's default), `engine` (on the
 //! tensor-core engine, sm_90 only), `engine-gathering` (the engine with its gate/up and its gate
 //! and up weight gradients gathering the token rows in their producers: no gathered copy of the
 //! rows is written; `-gathering-forward`: the gate/up alone, the backward writing the copy for

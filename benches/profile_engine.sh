@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Nsight Compute profile of one engine launch inside the GEMM benchmark, on a machine where ncu
-# reads the hardware counters (the Firecracker H200; see the device notes). Clocks are left
+# can read the GPU's hardware counters (its driver allowing profiling by the user). Clocks are left
 # alone (--clock-control none), as the benchmark runs them.
 #   ./profile_engine.sh KERNEL_REGEX CASES NAME [SKIP]
 # e.g. ./profile_engine.sh mok_sm90_gemm_gate_up kimi:8192 kimi-gate-up

@@ -2,7 +2,7 @@
 # One device call: measure the two ceilings, the PyTorch baseline and mok's layer benchmark
 # side by side. Run from the bundle folder (cargo xtask gpu-bundle) or the repository root with
 # the bench binary at $LAYER_BIN. Logs go to $OUT (or ./bench-logs). GEMM=engine runs the routed
-# experts' GEMMs on the tensor-core engine (unset: the layer's default, the mma.sync kernels).
+# experts' GEMMs on the tensor-core engine (unset: the bench's default, `mma`, the mma.sync kernels).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 out="${OUT:-./bench-logs}"

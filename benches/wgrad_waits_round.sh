@@ -2,7 +2,7 @@
 # One device call timing the weight-gradient wait probes (benches/build_wgrad_wait_probes.sh;
 # docs/PERF.md, "The weight gradients' waits across ranks, probed") against the subset's own
 # kernels at one case (CASE, default qwen:32768), alternating, each PTX through MOK_PTX (its
-# first process JIT-compiles it, ~25 s): for every PTX named in VARIANTS (default "none down"),
+# first process JIT-compiles it, ~15–25 s): for every PTX named in VARIANTS (default "none down"),
 # and each of the run settings in SETTINGS (default: one rank through the ranks kernels, with
 # the slot-weight gradients early and apart from the combine's tail, then on one GPU), two runs.
 # Prints the backward, its parts and the step per run; logs go to $OUT/r.tgz. Run from the

@@ -2,7 +2,7 @@
 //! loads a tile's rows, and a signal once a consumer warpgroup's output of the tile is visible.
 //!
 //! The standalone GEMM kernels run with [`Standalone`], whose hooks are empty, so they compile
-//! to exactly the code they had before the hooks existed. [`Counters`] is the hand-over of the
+//! to the same code as an engine without hooks. [`Counters`] is the hand-over of the
 //! megakernel: per engine M tile (the one tile vocabulary: the tile offsets' 128-row tiles,
 //! counted over all groups), a `rows_landed` flag that the comm side sets to the pass's epoch
 //! once every row of that tile is in place, and a `tiles_stored` count that each consumer
@@ -708,7 +708,7 @@ impl<const RANKS: bool> TileHooks for BackwardHandover<RANKS> {
     unsafe fn phase_ready(&self) -> bool {
         // The weight gradients only: their phases start once the data gradients' tiles are all
         // taken, when their rows are often all there. Checked once at the phase's first tile, so
-        // a phase that starts early waits per tile as before and pays one more acquire. The
+        // a phase that starts early waits per tile as without totals and pays one more acquire. The
         // per-tile waits cost ~5.5 ms of qwen 32768's backward across ranks (the down weight
         // gradient's) and ~1 ms on one GPU (the gate and up weight gradients'), though none found
         // its count short (docs/PERF.md, "The weight gradients' waits timed inside the producer").
