@@ -1120,7 +1120,11 @@ fn backward_megakernel_faults_are_reported_timeouts_then_correct_passes() {
     // completes, so its weight gradient waits per tile and reports the same counter.
     for ((fault, counter, tile), row_totals) in faults.iter().flat_map(|&f| [(f, false), (f, true)]) {
         let with = MegakernelOptions { row_totals: Some(row_totals), ..options.clone() };
+        // New options drop the pass, and faults are set on a built pass: one clean pass first,
+        // which also checks these options' bits.
         layer.set_backward_megakernel(&gpu, Some(with)).unwrap();
+        let what = format!("row totals {row_totals}, before {fault:?}");
+        assert_same_backward(&run(&gpu, &mut layer, &device), &expected, &what);
         layer.set_backward_megakernel_faults(fault).unwrap();
         layer.poison().unwrap();
         layer.forward(&gpu, &device.tokens, &device.experts, device.shared.as_ref()).unwrap();
